@@ -1,0 +1,173 @@
+//! Errors: what the store reports, and what the layer answers.
+
+use std::fmt;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::{header, HeaderValue, Response, StatusCode};
+
+use crate::fingerprint::FingerprintError;
+use crate::key::KeyError;
+
+/// A failure of the store or of a transaction handle.
+///
+/// Store errors never reach the client as they are: the layer turns [`Error::Busy`] into
+/// `503` with `Retry-After` and everything else into `500`, and logs the cause.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The write lock could not be taken within the lock timeout (another request or
+    /// another process holds it). Retryable with the same key.
+    #[error("the store is busy: the write lock was not acquired in time")]
+    Busy,
+    /// The transaction was already committed or rolled back; the handle can no longer be used.
+    #[error("the idempotency transaction has already finished")]
+    TransactionFinished,
+    /// The transaction was ended by the database itself (for example a full disk rolls it
+    /// back), or by a statement the handler ran (`COMMIT`, `ROLLBACK`).
+    #[error("the idempotency transaction was aborted: {0}")]
+    TransactionAborted(&'static str),
+    /// A closure run on the store's connection panicked.
+    #[error("a closure run on the store connection panicked")]
+    Panicked,
+    /// The store's background connection is gone (the store was shut down).
+    #[error("the store is closed")]
+    Closed,
+    /// A saved record could not be decoded.
+    #[error("corrupt idempotency record: {0}")]
+    Corrupt(String),
+    /// An error from SQLite.
+    #[cfg(feature = "sqlite")]
+    #[error(transparent)]
+    Sqlite(#[from] rusqlite::Error),
+    /// An I/O error (opening the database, for example).
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+}
+
+impl Error {
+    /// Whether the request may simply be retried later with the same key.
+    pub fn is_busy(&self) -> bool {
+        match self {
+            Error::Busy => true,
+            #[cfg(feature = "sqlite")]
+            Error::Sqlite(rusqlite::Error::SqliteFailure(e, _)) => matches!(
+                e.code,
+                rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked
+            ),
+            _ => false,
+        }
+    }
+}
+
+/// Everything the layer answers on its own instead of (or after) calling the inner service.
+///
+/// Each has a status and a short stable `code` used in the default JSON error body
+/// `{"error":"<code>"}`. Replace the body with
+/// [`IdempotencyLayer::with_error_responder`](crate::IdempotencyLayer::with_error_responder).
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Rejection {
+    /// The route requires an `Idempotency-Key` and the request has none. `400`.
+    MissingKey,
+    /// The `Idempotency-Key` header was sent more than once. `400`.
+    DuplicateKeyHeader,
+    /// The `Idempotency-Key` is empty, too long or malformed. `400`.
+    InvalidKey(KeyError),
+    /// No tenant could be found for the request (unauthenticated). `401`.
+    MissingTenant,
+    /// The request body is larger than the limit. `413`.
+    BodyTooLarge,
+    /// The request body did not arrive within the body timeout. `408`.
+    BodyTimeout,
+    /// The request body could not be read (the client went away or sent a broken stream). `400`.
+    BodyRead,
+    /// The body could not be canonicalized (invalid JSON, invalid UTF-8, too deep...). `400`.
+    InvalidPayload(FingerprintError),
+    /// The key was already used in this scope with a different payload. `409` by default.
+    KeyReused,
+    /// The store is busy; retry later with the same key. `503` with `Retry-After`.
+    Busy,
+    /// The handler panicked; everything was rolled back. `500`.
+    HandlerPanicked,
+    /// The handler's response was too large to save; everything was rolled back. `500`.
+    ResponseTooLarge,
+    /// The handler's response body failed; everything was rolled back. `500`.
+    ResponseBody,
+    /// The store failed; everything was rolled back. `500`.
+    Store(Arc<Error>),
+}
+
+impl Rejection {
+    /// The default HTTP status of this rejection (before any per-layer override).
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Rejection::MissingKey
+            | Rejection::DuplicateKeyHeader
+            | Rejection::InvalidKey(_)
+            | Rejection::BodyRead
+            | Rejection::InvalidPayload(_) => StatusCode::BAD_REQUEST,
+            Rejection::MissingTenant => StatusCode::UNAUTHORIZED,
+            Rejection::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            Rejection::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
+            Rejection::KeyReused => StatusCode::CONFLICT,
+            Rejection::Busy => StatusCode::SERVICE_UNAVAILABLE,
+            Rejection::HandlerPanicked
+            | Rejection::ResponseTooLarge
+            | Rejection::ResponseBody
+            | Rejection::Store(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// The short stable code used in the default error body.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Rejection::MissingKey => "missing_idempotency_key",
+            Rejection::DuplicateKeyHeader => "duplicate_idempotency_key_header",
+            Rejection::InvalidKey(KeyError::TooLong { .. }) => "idempotency_key_too_long",
+            Rejection::InvalidKey(_) => "invalid_idempotency_key",
+            Rejection::MissingTenant => "unauthenticated",
+            Rejection::BodyTooLarge => "payload_too_large",
+            Rejection::BodyTimeout => "request_body_timeout",
+            Rejection::BodyRead => "request_body_unreadable",
+            Rejection::InvalidPayload(e) => e.code(),
+            Rejection::KeyReused => "key_reused_with_different_payload",
+            Rejection::Busy => "busy_retry_later",
+            Rejection::HandlerPanicked => "internal_error",
+            Rejection::ResponseTooLarge => "response_too_large_to_save",
+            Rejection::ResponseBody => "internal_error",
+            Rejection::Store(_) => "internal_error",
+        }
+    }
+
+    /// Whether the client may retry with the same key and the same payload.
+    pub fn is_retryable(&self) -> bool {
+        matches!(
+            self,
+            Rejection::Busy
+                | Rejection::BodyTimeout
+                | Rejection::BodyRead
+                | Rejection::HandlerPanicked
+                | Rejection::ResponseBody
+                | Rejection::Store(_)
+        )
+    }
+}
+
+impl fmt::Display for Rejection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.code())
+    }
+}
+
+/// The default error body: `{"error":"<code>"}` with `Content-Type: application/json`.
+pub(crate) fn default_error_response(rejection: &Rejection, status: StatusCode) -> Response<Bytes> {
+    let body = Bytes::from(format!("{{\"error\":\"{}\"}}", rejection.code()));
+    let mut response = Response::new(body);
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    response
+}

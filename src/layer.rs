@@ -1,0 +1,329 @@
+//! [`IdempotencyLayer`]: the configuration, and the [`Layer`] that wraps a service.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{self, HeaderName};
+use http::{request, Method, Response, StatusCode};
+use tower_layer::Layer;
+
+use crate::error::{default_error_response, Rejection};
+use crate::fingerprint::Fingerprinter;
+use crate::key::DEFAULT_MAX_KEY_LEN;
+use crate::response::is_never_replayed;
+use crate::service::Idempotency;
+
+/// The authenticated tenant of a request.
+///
+/// The default tenant extractor reads this value from the request extensions, where your
+/// authentication layer puts it. It is never taken from a header the client picks.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Tenant(Arc<str>);
+
+impl Tenant {
+    /// A tenant with this identifier.
+    pub fn new(id: impl Into<Arc<str>>) -> Self {
+        Tenant(id.into())
+    }
+
+    /// The identifier.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for Tenant {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+type TenantFn = dyn Fn(&request::Parts) -> Option<Arc<str>> + Send + Sync;
+type SaveFn = dyn Fn(StatusCode) -> bool + Send + Sync;
+type ResponderFn = dyn Fn(&Rejection, StatusCode) -> Response<Bytes> + Send + Sync;
+
+/// The configuration shared by every clone of the layer and its services.
+#[derive(Clone)]
+pub(crate) struct Config {
+    pub(crate) operation: Option<Arc<str>>,
+    pub(crate) key_required: bool,
+    pub(crate) max_key_len: usize,
+    pub(crate) methods: Vec<Method>,
+    pub(crate) tenant: Arc<TenantFn>,
+    pub(crate) body_limit: usize,
+    pub(crate) drain_limit: usize,
+    pub(crate) body_timeout: Duration,
+    pub(crate) response_limit: usize,
+    pub(crate) fingerprinter: Fingerprinter,
+    pub(crate) lock_timeout: Duration,
+    pub(crate) retry_after: Duration,
+    pub(crate) retention: Duration,
+    pub(crate) conflict_status: StatusCode,
+    pub(crate) save: Arc<SaveFn>,
+    pub(crate) replayed_headers: Vec<HeaderName>,
+    pub(crate) replayed_trailers: Vec<HeaderName>,
+    pub(crate) error_responder: Arc<ResponderFn>,
+}
+
+impl Config {
+    /// The status the layer answers a rejection with.
+    pub(crate) fn status_of(&self, rejection: &Rejection) -> StatusCode {
+        match rejection {
+            Rejection::KeyReused => self.conflict_status,
+            other => other.status(),
+        }
+    }
+}
+
+/// The default tenant extractor: the [`Tenant`] in the request extensions.
+fn tenant_from_extensions(parts: &request::Parts) -> Option<Arc<str>> {
+    parts.extensions.get::<Tenant>().map(|t| t.0.clone())
+}
+
+/// A [`Layer`] that makes a route idempotent per `Idempotency-Key`, with its records in `St`.
+///
+/// Cheap to clone: the configuration sits behind an `Arc`. Every `with_*` setter documents its
+/// default.
+///
+/// ```no_run
+/// # async fn run() -> Result<(), tower_idempotency::Error> {
+/// use std::time::Duration;
+/// use tower_idempotency::{IdempotencyLayer, store::sqlite::SqliteStore};
+///
+/// let store = SqliteStore::open("orders.db").await?;
+/// let layer = IdempotencyLayer::new(store)
+///     .with_operation("create_order")
+///     .with_body_limit(64 * 1024)
+///     .with_retention(Duration::from_secs(48 * 3600));
+/// # let _ = layer; Ok(()) }
+/// ```
+pub struct IdempotencyLayer<St> {
+    store: St,
+    config: Arc<Config>,
+}
+
+impl<St: Clone> Clone for IdempotencyLayer<St> {
+    fn clone(&self) -> Self {
+        IdempotencyLayer {
+            store: self.store.clone(),
+            config: self.config.clone(),
+        }
+    }
+}
+
+impl<St: fmt::Debug> fmt::Debug for IdempotencyLayer<St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyLayer")
+            .field("store", &self.store)
+            .field("operation", &self.config.operation)
+            .field("key_required", &self.config.key_required)
+            .field("methods", &self.config.methods)
+            .field("body_limit", &self.config.body_limit)
+            .field("lock_timeout", &self.config.lock_timeout)
+            .field("retention", &self.config.retention)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<St> IdempotencyLayer<St> {
+    /// A layer storing its records in `store`, with the defaults listed on each setter.
+    pub fn new(store: St) -> Self {
+        IdempotencyLayer {
+            store,
+            config: Arc::new(Config {
+                operation: None,
+                key_required: true,
+                max_key_len: DEFAULT_MAX_KEY_LEN,
+                methods: vec![Method::POST, Method::PATCH],
+                tenant: Arc::new(tenant_from_extensions),
+                body_limit: 1024 * 1024,
+                drain_limit: 8 * 1024 * 1024,
+                body_timeout: Duration::from_secs(30),
+                response_limit: 1024 * 1024,
+                fingerprinter: Fingerprinter::default(),
+                lock_timeout: Duration::from_secs(5),
+                retry_after: Duration::from_secs(1),
+                retention: Duration::from_secs(24 * 3600),
+                conflict_status: StatusCode::CONFLICT,
+                save: Arc::new(|status: StatusCode| status.is_success()),
+                replayed_headers: vec![header::LOCATION, header::CONTENT_TYPE],
+                replayed_trailers: vec![
+                    HeaderName::from_static("grpc-status"),
+                    HeaderName::from_static("grpc-message"),
+                    HeaderName::from_static("grpc-status-details-bin"),
+                ],
+                error_responder: Arc::new(default_error_response),
+            }),
+        }
+    }
+
+    fn map_config(mut self, f: impl FnOnce(&mut Config)) -> Self {
+        f(Arc::make_mut(&mut self.config));
+        self
+    }
+
+    /// The operation name: records are scoped by `(tenant, operation, key)`, so the same key
+    /// sent to two operations is two independent requests.
+    ///
+    /// Default: the request's path. Name it explicitly (`"create_order"`) so that records
+    /// survive a change of route.
+    pub fn with_operation(self, operation: impl Into<Arc<str>>) -> Self {
+        let operation = operation.into();
+        self.map_config(|c| c.operation = Some(operation))
+    }
+
+    /// Whether a request without `Idempotency-Key` is refused (`400`, the default) or passed
+    /// through to the inner service untouched (`false`).
+    pub fn with_key_required(self, required: bool) -> Self {
+        self.map_config(|c| c.key_required = required)
+    }
+
+    /// The longest key accepted, in bytes. Default: 128.
+    pub fn with_max_key_len(self, max: usize) -> Self {
+        self.map_config(|c| c.max_key_len = max.max(1))
+    }
+
+    /// The methods the layer handles; requests with other methods pass through untouched.
+    ///
+    /// Default: `POST` and `PATCH` (the methods that are not idempotent by themselves).
+    pub fn with_methods(self, methods: impl IntoIterator<Item = Method>) -> Self {
+        let methods = methods.into_iter().collect();
+        self.map_config(|c| c.methods = methods)
+    }
+
+    /// How the tenant of a request is found. Return `None` for an unauthenticated request
+    /// (answered `401`).
+    ///
+    /// Default: the [`Tenant`] an authentication layer put in the request extensions.
+    ///
+    /// ```
+    /// # fn example(layer: tower_idempotency::IdempotencyLayer<()>) {
+    /// #[derive(Clone)]
+    /// struct User { account: String }
+    ///
+    /// let layer = layer.with_tenant_extractor(|parts| {
+    ///     parts.extensions.get::<User>().map(|user| user.account.as_str().into())
+    /// });
+    /// # }
+    /// ```
+    pub fn with_tenant_extractor<F>(self, extractor: F) -> Self
+    where
+        F: Fn(&request::Parts) -> Option<Arc<str>> + Send + Sync + 'static,
+    {
+        self.map_config(|c| c.tenant = Arc::new(extractor))
+    }
+
+    /// The largest request body accepted, in bytes (`413` past it, with or without
+    /// `Content-Length`). Default: 1 MiB.
+    pub fn with_body_limit(self, limit: usize) -> Self {
+        self.map_config(|c| c.body_limit = limit)
+    }
+
+    /// After refusing a body as too large, the layer reads and discards up to this many bytes
+    /// in all so that the client, still sending, receives the `413` instead of a connection
+    /// reset. Default: 8 MiB. `0` answers at once.
+    pub fn with_drain_limit(self, limit: usize) -> Self {
+        self.map_config(|c| c.drain_limit = limit)
+    }
+
+    /// How long the whole request body may take to arrive (`408` past it). The write lock is
+    /// not held while the body arrives. Default: 30 s.
+    pub fn with_body_timeout(self, timeout: Duration) -> Self {
+        self.map_config(|c| c.body_timeout = timeout)
+    }
+
+    /// The largest response body that is saved. A saveable response past it is rolled back
+    /// and answered `500`, since it could not be replayed. Default: 1 MiB.
+    pub fn with_response_limit(self, limit: usize) -> Self {
+        self.map_config(|c| c.response_limit = limit)
+    }
+
+    /// How the request is fingerprinted. Default: [`Fingerprinter::auto`] (canonical JSON for
+    /// JSON bodies, raw bytes otherwise).
+    pub fn with_fingerprinter(self, fingerprinter: Fingerprinter) -> Self {
+        self.map_config(|c| c.fingerprinter = fingerprinter)
+    }
+
+    /// How long a request waits for the write lock: behind a duplicate in flight, other
+    /// requests, or another process. Past it: `503` with `Retry-After`. Default: 5 s.
+    pub fn with_lock_timeout(self, timeout: Duration) -> Self {
+        self.map_config(|c| c.lock_timeout = timeout)
+    }
+
+    /// The `Retry-After` sent with `503`. Default: 1 s.
+    pub fn with_retry_after(self, delay: Duration) -> Self {
+        self.map_config(|c| c.retry_after = delay)
+    }
+
+    /// How long a record is kept and replayed. It must cover your clients' retry window; an
+    /// expired record counts as absent. Default: 24 h.
+    pub fn with_retention(self, retention: Duration) -> Self {
+        self.map_config(|c| c.retention = retention)
+    }
+
+    /// The status for a key reused with a different payload. Default: `409 Conflict`; the IETF
+    /// draft uses `422 Unprocessable Content`.
+    pub fn with_conflict_status(self, status: StatusCode) -> Self {
+        self.map_config(|c| c.conflict_status = status)
+    }
+
+    /// Which responses are saved (and their transaction committed). Anything else is rolled
+    /// back, so the same key can be retried, for example with a corrected payload.
+    ///
+    /// Default: 2xx only.
+    ///
+    /// ```
+    /// # fn example(layer: tower_idempotency::IdempotencyLayer<()>) {
+    /// // Also keep "422: this order can never be placed" as the final answer for the key.
+    /// let layer = layer.with_save_policy(|status| status.is_success() || status.as_u16() == 422);
+    /// # }
+    /// ```
+    pub fn with_save_policy<F>(self, policy: F) -> Self
+    where
+        F: Fn(StatusCode) -> bool + Send + Sync + 'static,
+    {
+        self.map_config(|c| c.save = Arc::new(policy))
+    }
+
+    /// Adds a response header to save and replay. `Location` and `Content-Type` always are;
+    /// `Set-Cookie`, `Content-Length` and hop-by-hop headers never are, whatever is added here.
+    pub fn with_replayed_header(self, name: HeaderName) -> Self {
+        self.map_config(|c| {
+            if !is_never_replayed(&name) && !c.replayed_headers.contains(&name) {
+                c.replayed_headers.push(name);
+            }
+        })
+    }
+
+    /// Adds a response trailer to save and replay. `grpc-status`, `grpc-message` and
+    /// `grpc-status-details-bin` always are.
+    pub fn with_replayed_trailer(self, name: HeaderName) -> Self {
+        self.map_config(|c| {
+            if !c.replayed_trailers.contains(&name) {
+                c.replayed_trailers.push(name);
+            }
+        })
+    }
+
+    /// Replaces the error responses the layer writes itself (its own 400, 401, 408, 409, 413,
+    /// 500 and 503). The function gets the rejection and the status the layer chose.
+    /// `Retry-After` is added to `503` answers if the function does not set it.
+    ///
+    /// Default: `{"error":"<code>"}` as `application/json`.
+    pub fn with_error_responder<F>(self, responder: F) -> Self
+    where
+        F: Fn(&Rejection, StatusCode) -> Response<Bytes> + Send + Sync + 'static,
+    {
+        self.map_config(|c| c.error_responder = Arc::new(responder))
+    }
+}
+
+impl<S, St: Clone> Layer<S> for IdempotencyLayer<St> {
+    type Service = Idempotency<S, St>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Idempotency::from_parts(inner, self.store.clone(), self.config.clone())
+    }
+}

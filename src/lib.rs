@@ -1,0 +1,77 @@
+//! Server-side `Idempotency-Key` support for tower services, with the handler's rows and the
+//! saved response committed in **one database transaction**.
+//!
+//! A client creates an order, times out before it sees the `201`, and retries. Without care the
+//! retry creates a second order. [`IdempotencyLayer`] makes the retry safe:
+//!
+//! 1. it checks the key and the tenant, buffers the body and fingerprints its canonical form;
+//! 2. a completed record for `(tenant, operation, key)` is replayed at once (or answered `409`
+//!    if the payload differs), without waiting for writers;
+//! 3. otherwise it opens a write transaction, re-checks, and calls the inner service with a
+//!    transaction handle in the request extensions: the handler writes its rows through it;
+//! 4. a saveable response (2xx by default) is saved in the same transaction, which commits
+//!    **before** the response is sent; anything else (an error status, an error, a panic, a
+//!    client that went away) rolls everything back, so a retry runs afresh.
+//!
+//! Duplicates in flight at once queue on the write lock; the first runs the handler and the
+//! others replay its response.
+//!
+//! # Example
+//!
+//! ```no_run
+//! use axum::{routing::post, Router, Json};
+//! use tower_idempotency::{extract::Tx, IdempotencyLayer, store::sqlite::{SqliteStore, SqliteTransaction}};
+//!
+//! async fn create_order(Tx(tx): Tx<SqliteTransaction>, Json(order): Json<serde_json::Value>)
+//!     -> Result<(http::StatusCode, String), http::StatusCode>
+//! {
+//!     let sku = order["sku"].as_str().unwrap_or_default().to_owned();
+//!     let id = tx
+//!         .run(move |conn| {
+//!             conn.execute("INSERT INTO orders (sku) VALUES (?1)", [sku])?;
+//!             Ok(conn.last_insert_rowid())
+//!         })
+//!         .await
+//!         .map_err(|_| http::StatusCode::INTERNAL_SERVER_ERROR)?;
+//!     Ok((http::StatusCode::CREATED, format!("{{\"order_id\":{id}}}")))
+//! }
+//!
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! let store = SqliteStore::open("orders.db").await?;
+//! store.write(|tx| tx.execute_batch("CREATE TABLE IF NOT EXISTS orders (id INTEGER PRIMARY KEY, sku TEXT)")).await?;
+//! let app: Router = Router::new().route(
+//!     "/orders",
+//!     post(create_order).layer(IdempotencyLayer::new(store).with_operation("create_order")),
+//! );
+//! # Ok(()) }
+//! ```
+//!
+//! The tenant comes from your authentication layer: put a [`Tenant`] in the request extensions
+//! (or configure [`IdempotencyLayer::with_tenant_extractor`]).
+//!
+//! # Features
+//!
+//! - `sqlite` (default): [`store::sqlite::SqliteStore`].
+//! - `axum`: the [`extract::Tx`] extractor for the transaction handle.
+
+#![forbid(unsafe_code)]
+#![warn(missing_docs, missing_debug_implementations)]
+#![deny(unreachable_pub)]
+#![cfg_attr(docsrs, feature(doc_auto_cfg))]
+
+pub mod body;
+mod error;
+#[cfg(feature = "axum")]
+pub mod extract;
+pub mod fingerprint;
+pub mod key;
+mod layer;
+pub mod response;
+mod service;
+pub mod store;
+
+pub use crate::error::{Error, Rejection};
+pub use crate::fingerprint::Fingerprinter;
+pub use crate::key::IdempotencyKey;
+pub use crate::layer::{IdempotencyLayer, Tenant};
+pub use crate::service::{Idempotency, ResponseFuture, IDEMPOTENCY_KEY};

@@ -1,0 +1,563 @@
+//! [`Idempotency`]: the request flow of the layer, and its [`ResponseFuture`].
+
+use std::any::Any;
+use std::fmt;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, SystemTime};
+
+use bytes::{Bytes, BytesMut};
+use http::header::{self, HeaderName};
+use http::{request, HeaderMap, HeaderValue, Request, Response, Version};
+use http_body::Body;
+use http_body_util::BodyExt;
+use pin_project_lite::pin_project;
+use tokio::time::Instant;
+use tower_service::Service;
+use tracing::Instrument;
+
+use crate::body::{BoxError, RequestBody, ResponseBody};
+use crate::error::{Error, Rejection};
+use crate::key::IdempotencyKey;
+use crate::layer::{Config, IdempotencyLayer};
+use crate::response::{select_headers, SavedResponse};
+use crate::store::{Begin, IdempotencyStore, NewRecord, Scope, StoreTransaction, StoredRecord};
+
+/// The header carrying the client's key.
+pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+
+/// The service made by [`IdempotencyLayer`]: runs the inner service at most once per
+/// `(tenant, operation, key)` and replays its saved response to every retry.
+pub struct Idempotency<S, St> {
+    inner: S,
+    store: St,
+    config: Arc<Config>,
+}
+
+impl<S: Clone, St: Clone> Clone for Idempotency<S, St> {
+    fn clone(&self) -> Self {
+        Idempotency {
+            inner: self.inner.clone(),
+            store: self.store.clone(),
+            config: self.config.clone(),
+        }
+    }
+}
+
+impl<S: fmt::Debug, St: fmt::Debug> fmt::Debug for Idempotency<S, St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Idempotency")
+            .field("inner", &self.inner)
+            .field("store", &self.store)
+            .field("operation", &self.config.operation)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, St> Idempotency<S, St> {
+    /// Wraps `inner` with the default configuration of [`IdempotencyLayer::new`].
+    pub fn new(inner: S, store: St) -> Self
+    where
+        St: Clone,
+    {
+        tower_layer::Layer::layer(&IdempotencyLayer::new(store), inner)
+    }
+
+    /// A layer that wraps services with this store; see [`IdempotencyLayer`].
+    pub fn layer(store: St) -> IdempotencyLayer<St> {
+        IdempotencyLayer::new(store)
+    }
+
+    pub(crate) fn from_parts(inner: S, store: St, config: Arc<Config>) -> Self {
+        Idempotency {
+            inner,
+            store,
+            config,
+        }
+    }
+
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The inner service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// Unwraps the inner service.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+type BoxedResponse<B, E> =
+    Pin<Box<dyn Future<Output = Result<Response<ResponseBody<B>>, E>> + Send>>;
+
+/// The future returned by [`Idempotency`].
+///
+/// A boxed `async` flow rather than a hand-written state machine: the flow awaits the body,
+/// the store (several times) and the inner service, and a boxed future keeps it readable and
+/// lets every early exit drop the transaction (which rolls it back) without extra states.
+pub struct ResponseFuture<B, E> {
+    inner: BoxedResponse<B, E>,
+}
+
+impl<B, E> fmt::Debug for ResponseFuture<B, E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ResponseFuture").finish_non_exhaustive()
+    }
+}
+
+impl<B, E> Future for ResponseFuture<B, E> {
+    type Output = Result<Response<ResponseBody<B>>, E>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.inner.as_mut().poll(cx)
+    }
+}
+
+impl<S, St, ReqB, ResB> Service<Request<ReqB>> for Idempotency<S, St>
+where
+    S: Service<Request<RequestBody>, Response = Response<ResB>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    St: IdempotencyStore,
+    ReqB: Body<Data = Bytes> + Send + 'static,
+    ReqB::Error: Into<BoxError>,
+    ResB: Body<Data = Bytes> + Send + 'static,
+{
+    type Response = Response<ResponseBody<ResB>>;
+    type Error = S::Error;
+    type Future = ResponseFuture<ResB, S::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<ReqB>) -> Self::Future {
+        // `self.inner` is the instance that was driven to readiness; take it and leave the
+        // clone behind, so the ready one is the one we call.
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let flow = Flow {
+            inner,
+            store: self.store.clone(),
+            config: self.config.clone(),
+        };
+        ResponseFuture {
+            inner: Box::pin(flow.run(request)),
+        }
+    }
+}
+
+/// One request's trip through the layer.
+struct Flow<S, St> {
+    inner: S,
+    store: St,
+    config: Arc<Config>,
+}
+
+/// What the checks before the store produce.
+struct Checked {
+    parts: request::Parts,
+    body: Bytes,
+    scope: Scope,
+    fingerprint: crate::fingerprint::Fingerprint,
+}
+
+impl<S, St, ResB> Flow<S, St>
+where
+    S: Service<Request<RequestBody>, Response = Response<ResB>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    St: IdempotencyStore,
+    ResB: Body<Data = Bytes> + Send + 'static,
+{
+    async fn run<ReqB>(
+        self,
+        request: Request<ReqB>,
+    ) -> Result<Response<ResponseBody<ResB>>, S::Error>
+    where
+        ReqB: Body<Data = Bytes> + Send + 'static,
+        ReqB::Error: Into<BoxError>,
+    {
+        if !self.config.methods.contains(request.method()) {
+            return self.pass_through(request).await;
+        }
+        let key_headers = request.headers().get_all(IDEMPOTENCY_KEY).iter().count();
+        if key_headers == 0 && !self.config.key_required {
+            return self.pass_through(request).await;
+        }
+        let version = request.version();
+        let checked = match check(&self.config, request, key_headers > 0, key_headers > 1).await {
+            Ok(checked) => checked,
+            Err(rejection) => return Ok(self.reject(&rejection, version)),
+        };
+        let span = tracing::info_span!(
+            "idempotency",
+            operation = %checked.scope.operation,
+            tenant = %checked.scope.tenant,
+            key = %checked.scope.key.redacted(),
+        );
+        self.execute(checked).instrument(span).await
+    }
+
+    async fn pass_through<ReqB>(
+        mut self,
+        request: Request<ReqB>,
+    ) -> Result<Response<ResponseBody<ResB>>, S::Error>
+    where
+        ReqB: Body<Data = Bytes> + Send + 'static,
+        ReqB::Error: Into<BoxError>,
+    {
+        let request = request.map(RequestBody::streaming);
+        let response = self.inner.call(request).await?;
+        Ok(response.map(ResponseBody::inner))
+    }
+
+    async fn execute(mut self, checked: Checked) -> Result<Response<ResponseBody<ResB>>, S::Error> {
+        let Checked {
+            mut parts,
+            body,
+            scope,
+            fingerprint,
+        } = checked;
+        let version = parts.version;
+        let now = SystemTime::now();
+
+        // Fast path: a completed record, read without waiting for the writer.
+        match self.store.lookup(&scope, now).await {
+            Ok(Some(record)) => return Ok(self.answer_existing(&record, &fingerprint, version)),
+            Ok(None) => {}
+            // The write path reads again, authoritatively; a failing read is only logged.
+            Err(error) => tracing::warn!(%error, "idempotency fast-path lookup failed"),
+        }
+
+        let transaction = match self
+            .store
+            .begin(&scope, self.config.lock_timeout, now)
+            .await
+        {
+            Ok(Begin::Existing(record)) => {
+                return Ok(self.answer_existing(&record, &fingerprint, version))
+            }
+            Ok(Begin::Reserved(transaction)) => transaction,
+            Err(error) => return Ok(self.store_failure(error, version)),
+        };
+
+        parts.extensions.insert(transaction.handle());
+        parts.extensions.insert(scope.clone());
+        let request = Request::from_parts(parts, RequestBody::buffered(body));
+        let response_limit = self.config.response_limit;
+        let save = self.config.save.clone();
+        let call = self.inner.call(request);
+        // Panics in the handler (or its response body) end here, with the transaction still
+        // owned by this frame: it is rolled back when dropped below.
+        let outcome = CatchUnwind {
+            inner: async move {
+                let response = call.await?;
+                if !save(response.status()) {
+                    return Ok(Captured::NotSaved(response));
+                }
+                let (parts, body) = response.into_parts();
+                Ok(match collect_response(body, response_limit).await {
+                    Ok((body, trailers)) => Captured::Saveable(parts, body, trailers),
+                    Err(rejection) => Captured::Failed(rejection),
+                })
+            },
+        }
+        .await;
+
+        let captured = match outcome {
+            Ok(Ok(captured)) => captured,
+            Ok(Err(error)) => {
+                tracing::warn!("inner service failed; idempotency transaction rolled back");
+                roll_back(transaction).await;
+                return Err(error);
+            }
+            Err(_panic) => {
+                tracing::error!("handler panicked; idempotency transaction rolled back");
+                roll_back(transaction).await;
+                return Ok(self.reject(&Rejection::HandlerPanicked, version));
+            }
+        };
+
+        match captured {
+            Captured::NotSaved(response) => {
+                tracing::debug!(status = %response.status(), "response not saveable; rolled back");
+                roll_back(transaction).await;
+                Ok(response.map(ResponseBody::inner))
+            }
+            Captured::Failed(rejection) => {
+                tracing::warn!(%rejection, "response could not be captured; rolled back");
+                roll_back(transaction).await;
+                Ok(self.reject(&rejection, version))
+            }
+            Captured::Saveable(parts, body, trailers) => {
+                let saved = SavedResponse {
+                    status: parts.status,
+                    headers: select_headers(&parts.headers, &self.config.replayed_headers),
+                    body: body.clone(),
+                    trailers: trailers
+                        .as_ref()
+                        .map(|t| select_headers(t, &self.config.replayed_trailers)),
+                };
+                let record = NewRecord {
+                    fingerprint,
+                    response: saved,
+                    created_at: now,
+                    expires_at: now + self.config.retention,
+                };
+                match transaction.commit(record).await {
+                    Ok(()) => {
+                        tracing::debug!(status = %parts.status, "response saved and committed");
+                        Ok(Response::from_parts(
+                            parts,
+                            ResponseBody::full(body, trailers),
+                        ))
+                    }
+                    Err(error) => Ok(self.store_failure(error, version)),
+                }
+            }
+        }
+    }
+
+    fn answer_existing(
+        &self,
+        record: &StoredRecord,
+        fingerprint: &crate::fingerprint::Fingerprint,
+        version: Version,
+    ) -> Response<ResponseBody<ResB>> {
+        if record.fingerprint.matches(fingerprint) {
+            tracing::debug!(status = %record.response.status, "replayed saved response");
+            record.response.replay()
+        } else {
+            tracing::info!("idempotency key reused with a different payload");
+            self.reject(&Rejection::KeyReused, version)
+        }
+    }
+
+    fn store_failure(&self, error: Error, version: Version) -> Response<ResponseBody<ResB>> {
+        if error.is_busy() {
+            tracing::warn!(%error, "idempotency store busy; answered 503");
+            self.reject(&Rejection::Busy, version)
+        } else {
+            tracing::error!(%error, "idempotency store failed; rolled back");
+            self.reject(&Rejection::Store(Arc::new(error)), version)
+        }
+    }
+
+    fn reject(&self, rejection: &Rejection, version: Version) -> Response<ResponseBody<ResB>> {
+        let status = self.config.status_of(rejection);
+        let mut response = (self.config.error_responder)(rejection, status);
+        let headers = response.headers_mut();
+        if matches!(rejection, Rejection::Busy) && !headers.contains_key(header::RETRY_AFTER) {
+            let seconds = self.config.retry_after.as_secs().max(1);
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+        }
+        // The rest of an oversized body was not read: the connection cannot be reused.
+        if matches!(rejection, Rejection::BodyTooLarge | Rejection::BodyTimeout)
+            && version <= Version::HTTP_11
+        {
+            headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
+        response.map(|body| ResponseBody::full(body, None))
+    }
+}
+
+/// Key, tenant, body and fingerprint: everything decided before the store is touched.
+async fn check<ReqB>(
+    config: &Config,
+    request: Request<ReqB>,
+    has_key: bool,
+    repeated_key: bool,
+) -> Result<Checked, Rejection>
+where
+    ReqB: Body<Data = Bytes> + Send + 'static,
+    ReqB::Error: Into<BoxError>,
+{
+    let (parts, body) = request.into_parts();
+    let tenant = (config.tenant)(&parts).ok_or(Rejection::MissingTenant)?;
+    if !has_key {
+        return Err(Rejection::MissingKey);
+    }
+    if repeated_key {
+        return Err(Rejection::DuplicateKeyHeader);
+    }
+    let key = parts
+        .headers
+        .get(IDEMPOTENCY_KEY)
+        .ok_or(Rejection::MissingKey)
+        .and_then(|value| {
+            IdempotencyKey::parse(value.as_bytes(), config.max_key_len)
+                .map_err(Rejection::InvalidKey)
+        })?;
+    let body = read_body(body, &parts.headers, config).await?;
+    let fingerprint = config
+        .fingerprinter
+        .fingerprint(&parts, &body)
+        .map_err(Rejection::InvalidPayload)?;
+    let operation = match &config.operation {
+        Some(operation) => operation.clone(),
+        None => Arc::from(parts.uri.path()),
+    };
+    Ok(Checked {
+        parts,
+        body,
+        scope: Scope {
+            tenant,
+            operation,
+            key,
+        },
+        fingerprint,
+    })
+}
+
+enum Captured<B> {
+    NotSaved(Response<B>),
+    Saveable(http::response::Parts, Bytes, Option<HeaderMap>),
+    Failed(Rejection),
+}
+
+async fn roll_back<T: StoreTransaction>(transaction: T) {
+    if let Err(error) = transaction.rollback().await {
+        tracing::error!(%error, "idempotency rollback failed");
+    }
+}
+
+/// Buffers the request body under the limit and the timeout.
+///
+/// An oversized body is drained (read and discarded) up to the drain limit so that the client,
+/// still sending, gets to read the `413` rather than a reset connection.
+async fn read_body<B>(body: B, headers: &HeaderMap, config: &Config) -> Result<Bytes, Rejection>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    let deadline = Instant::now() + config.body_timeout;
+    let mut body = std::pin::pin!(body);
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if let Some(length) = declared {
+        if length > config.body_limit as u64 {
+            if length <= config.drain_limit as u64 {
+                drain(body.as_mut(), 0, config.drain_limit, deadline).await;
+            }
+            return Err(Rejection::BodyTooLarge);
+        }
+    }
+
+    let mut chunks: Vec<Bytes> = Vec::new();
+    let mut total = 0usize;
+    loop {
+        let frame = match tokio::time::timeout_at(deadline, body.as_mut().frame()).await {
+            Err(_) => return Err(Rejection::BodyTimeout),
+            Ok(None) => break,
+            Ok(Some(Err(_))) => return Err(Rejection::BodyRead),
+            Ok(Some(Ok(frame))) => frame,
+        };
+        let Ok(data) = frame.into_data() else {
+            continue; // request trailers are not part of the payload
+        };
+        total = total.saturating_add(data.len());
+        if total > config.body_limit {
+            drain(body.as_mut(), total, config.drain_limit, deadline).await;
+            return Err(Rejection::BodyTooLarge);
+        }
+        if !data.is_empty() {
+            chunks.push(data);
+        }
+    }
+    Ok(join(chunks, total))
+}
+
+/// One chunk (the common case) is used as it came; several are joined with one copy.
+fn join(mut chunks: Vec<Bytes>, total: usize) -> Bytes {
+    match chunks.len() {
+        0 => Bytes::new(),
+        1 => chunks.swap_remove(0),
+        _ => {
+            let mut joined = BytesMut::with_capacity(total);
+            for chunk in &chunks {
+                joined.extend_from_slice(chunk);
+            }
+            joined.freeze()
+        }
+    }
+}
+
+/// Reads and discards the body until it ends, `limit` bytes have been seen in all, or the
+/// deadline (capped at a few seconds) passes.
+async fn drain<B>(mut body: Pin<&mut B>, mut seen: usize, limit: usize, deadline: Instant)
+where
+    B: Body<Data = Bytes>,
+{
+    let deadline = deadline.min(Instant::now() + Duration::from_secs(5));
+    while seen <= limit {
+        match tokio::time::timeout_at(deadline, body.as_mut().frame()).await {
+            Ok(Some(Ok(frame))) => {
+                if let Some(data) = frame.data_ref() {
+                    seen = seen.saturating_add(data.len());
+                }
+            }
+            _ => return,
+        }
+    }
+}
+
+/// Buffers the handler's response body (and trailers) so it can be saved.
+async fn collect_response<B>(body: B, limit: usize) -> Result<(Bytes, Option<HeaderMap>), Rejection>
+where
+    B: Body<Data = Bytes>,
+{
+    let mut body = std::pin::pin!(body);
+    let mut chunks: Vec<Bytes> = Vec::new();
+    let mut total = 0usize;
+    let mut trailers: Option<HeaderMap> = None;
+    while let Some(frame) = body.as_mut().frame().await {
+        let frame = frame.map_err(|_| Rejection::ResponseBody)?;
+        match frame.into_data() {
+            Ok(data) => {
+                total = total.saturating_add(data.len());
+                if total > limit {
+                    return Err(Rejection::ResponseTooLarge);
+                }
+                chunks.push(data);
+            }
+            Err(frame) => {
+                if let Ok(t) = frame.into_trailers() {
+                    trailers.get_or_insert_with(HeaderMap::new).extend(t);
+                }
+            }
+        }
+    }
+    Ok((join(chunks, total), trailers))
+}
+
+pin_project! {
+    /// Polls a future, turning a panic into an `Err`.
+    struct CatchUnwind<F> {
+        #[pin]
+        inner: F,
+    }
+}
+
+impl<F: Future> Future for CatchUnwind<F> {
+    type Output = Result<F::Output, Box<dyn Any + Send>>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let inner = self.project().inner;
+        match std::panic::catch_unwind(AssertUnwindSafe(|| inner.poll(cx))) {
+            Ok(Poll::Pending) => Poll::Pending,
+            Ok(Poll::Ready(output)) => Poll::Ready(Ok(output)),
+            Err(panic) => Poll::Ready(Err(panic)),
+        }
+    }
+}

@@ -1,0 +1,176 @@
+//! The store: the one seam between the request flow and a database.
+//!
+//! The flow needs four verbs: [`IdempotencyStore::lookup`] (read-only fast path),
+//! [`IdempotencyStore::begin`] (open the write transaction and re-check),
+//! [`StoreTransaction::commit`] (save the record and commit together with the handler's rows)
+//! and [`IdempotencyStore::purge_expired`]. Everything backend-specific (connections, SQL
+//! dialect, locking) stays behind it; the handle the handler uses for its own rows is the
+//! backend's [`StoreTransaction::Handle`].
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use crate::error::Error;
+use crate::fingerprint::Fingerprint;
+use crate::key::IdempotencyKey;
+use crate::response::SavedResponse;
+
+#[cfg(feature = "sqlite")]
+pub mod sqlite;
+
+/// The unique scope of a record: `(tenant, operation, key)`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Scope {
+    /// The tenant, from the server's authentication.
+    pub tenant: Arc<str>,
+    /// The operation name given to the layer (`create_order`).
+    pub operation: Arc<str>,
+    /// The client's idempotency key.
+    pub key: IdempotencyKey,
+}
+
+/// A saved record, as read back from the store.
+#[derive(Clone, Debug)]
+pub struct StoredRecord {
+    /// The fingerprint of the request that created it.
+    pub fingerprint: Fingerprint,
+    /// The response to replay.
+    pub response: SavedResponse,
+    /// When it was saved.
+    pub created_at: SystemTime,
+    /// When it stops counting (an expired record is treated as absent).
+    pub expires_at: SystemTime,
+}
+
+/// What [`StoreTransaction::commit`] saves.
+#[derive(Clone, Debug)]
+pub struct NewRecord {
+    /// The fingerprint of the request.
+    pub fingerprint: Fingerprint,
+    /// The response to replay.
+    pub response: SavedResponse,
+    /// Now.
+    pub created_at: SystemTime,
+    /// `created_at` plus the retention.
+    pub expires_at: SystemTime,
+}
+
+/// The outcome of [`IdempotencyStore::begin`].
+#[derive(Debug)]
+pub enum Begin<T> {
+    /// No live record exists: the write transaction is open and the scope is reserved until
+    /// it commits or rolls back.
+    Reserved(T),
+    /// A live record was found inside the write transaction (a duplicate committed first).
+    /// The transaction has already been closed.
+    Existing(StoredRecord),
+}
+
+/// A storage backend for idempotency records.
+///
+/// Implementations must guarantee that between [`begin`](Self::begin) returning
+/// [`Begin::Reserved`] and the transaction's commit or rollback, no other `begin` for the same
+/// scope returns `Reserved`, and that [`StoreTransaction::commit`] makes the handler's writes and
+/// the record durable together or not at all.
+pub trait IdempotencyStore: Clone + Send + Sync + 'static {
+    /// The open write transaction returned by [`begin`](Self::begin).
+    type Transaction: StoreTransaction;
+
+    /// Reads a live (unexpired) record without taking the write lock: the replay fast path.
+    fn lookup(
+        &self,
+        scope: &Scope,
+        now: SystemTime,
+    ) -> impl Future<Output = Result<Option<StoredRecord>, Error>> + Send;
+
+    /// Opens the write transaction for `scope`, waiting at most `lock_timeout` for the write
+    /// lock ([`Error::Busy`] past it), and re-checks for a live record inside it. An expired
+    /// record found here is deleted in the same transaction.
+    fn begin(
+        &self,
+        scope: &Scope,
+        lock_timeout: Duration,
+        now: SystemTime,
+    ) -> impl Future<Output = Result<Begin<Self::Transaction>, Error>> + Send;
+
+    /// Deletes up to `batch` records that expired before `now`; returns how many it deleted.
+    fn purge_expired(
+        &self,
+        now: SystemTime,
+        batch: usize,
+    ) -> impl Future<Output = Result<u64, Error>> + Send;
+}
+
+/// An open write transaction. Dropping it without calling [`commit`](Self::commit) rolls it
+/// back: the rollback is the transaction's `Drop`, so a panic, an error or a dropped request
+/// future can never leave it open or half-committed.
+pub trait StoreTransaction: Send + 'static {
+    /// The handle put in the request extensions; the handler writes its rows through it, in
+    /// this same transaction. Once the transaction has ended, the handle refuses work.
+    type Handle: Clone + Send + Sync + 'static;
+
+    /// A new handle on this transaction.
+    fn handle(&self) -> Self::Handle;
+
+    /// Saves `record` for the reserved scope and commits it together with everything the
+    /// handler wrote. Returns only once the commit is durable (per the store's durability
+    /// setting).
+    fn commit(self, record: NewRecord) -> impl Future<Output = Result<(), Error>> + Send;
+
+    /// Rolls back everything written in the transaction and waits until that is done.
+    fn rollback(self) -> impl Future<Output = Result<(), Error>> + Send;
+}
+
+/// Purges expired records every `period`, in batches of `batch`, forever.
+///
+/// The library never spawns background tasks: spawn this future yourself.
+///
+/// ```no_run
+/// # #[cfg(feature = "sqlite")]
+/// # async fn run() -> Result<(), tower_idempotency::Error> {
+/// use std::time::Duration;
+/// use tower_idempotency::store::{continuously_purge_expired, sqlite::SqliteStore};
+///
+/// let store = SqliteStore::open("orders.db").await?;
+/// tokio::spawn(continuously_purge_expired(store.clone(), Duration::from_secs(60), 1000));
+/// # Ok(()) }
+/// ```
+pub async fn continuously_purge_expired<S: IdempotencyStore>(
+    store: S,
+    period: Duration,
+    batch: usize,
+) {
+    let batch = batch.max(1);
+    let mut interval = tokio::time::interval(period);
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        interval.tick().await;
+        loop {
+            match store.purge_expired(SystemTime::now(), batch).await {
+                Ok(deleted) if (deleted as usize) < batch => {
+                    tracing::debug!(deleted, "purged expired idempotency records");
+                    break;
+                }
+                Ok(deleted) => tracing::debug!(deleted, "purged a batch of expired records"),
+                Err(error) => {
+                    tracing::warn!(%error, "purging expired idempotency records failed");
+                    break;
+                }
+            }
+        }
+    }
+}
+
+/// Milliseconds since the Unix epoch, saturating (the representation stores use).
+pub(crate) fn to_unix_millis(time: SystemTime) -> i64 {
+    match time.duration_since(UNIX_EPOCH) {
+        Ok(d) => i64::try_from(d.as_millis()).unwrap_or(i64::MAX),
+        Err(_) => 0,
+    }
+}
+
+/// The inverse of [`to_unix_millis`].
+pub(crate) fn from_unix_millis(millis: i64) -> SystemTime {
+    UNIX_EPOCH + Duration::from_millis(u64::try_from(millis).unwrap_or(0))
+}

@@ -1,0 +1,536 @@
+//! Property tests of the JSON canonicalization and of the Idempotency-Key parser.
+//!
+//! JSON values are generated as a small model (numbers as exact decimal digits, so big integers
+//! and long decimals are represented exactly, which `serde_json::Value` cannot do), then written
+//! out in randomly varied but equivalent spellings: whitespace, member order, `\u` escapes, and
+//! numbers such as `1.50`, `15e-1` and `0.15E1`.
+
+use proptest::collection::vec;
+use proptest::prelude::*;
+use tower_idempotency::fingerprint::{canonicalize_json, FingerprintError, DEFAULT_MAX_JSON_DEPTH};
+use tower_idempotency::key::{IdempotencyKey, KeyError, DEFAULT_MAX_KEY_LEN};
+
+/// A JSON value, with numbers kept exactly.
+#[derive(Clone, Debug)]
+enum Json {
+    Null,
+    Bool(bool),
+    /// `±digits × 10^exponent`; `digits` has no leading or trailing zeros and is empty for zero.
+    Number {
+        negative: bool,
+        digits: String,
+        exponent: i64,
+    },
+    String(String),
+    Array(Vec<Json>),
+    /// Keys are distinct.
+    Object(Vec<(String, Json)>),
+}
+
+impl Json {
+    fn number(negative: bool, digits: &str, exponent: i64) -> Json {
+        let significant = digits.trim_start_matches('0');
+        let trimmed = significant.trim_end_matches('0');
+        let exponent = exponent + (significant.len() - trimmed.len()) as i64;
+        Json::Number {
+            negative: negative && !trimmed.is_empty(),
+            digits: trimmed.to_owned(),
+            exponent: if trimmed.is_empty() { 0 } else { exponent },
+        }
+    }
+}
+
+fn arb_char() -> impl Strategy<Value = char> {
+    prop_oneof![
+        6 => prop::char::range(' ', '~'),
+        1 => prop::char::range('\u{0}', '\u{1f}'),
+        2 => prop::sample::select(vec![
+            '"', '\\', '/', '\u{7f}', 'é', 'ö', '€', '\u{80}', '\u{2028}', '\u{e000}',
+            '\u{fb33}', '\u{ffff}', '😀', '\u{10000}', '\u{10ffff}',
+        ]),
+        1 => any::<char>(),
+    ]
+}
+
+fn arb_string() -> impl Strategy<Value = String> {
+    vec(arb_char(), 0..8).prop_map(|chars| chars.into_iter().collect())
+}
+
+fn arb_number() -> impl Strategy<Value = Json> {
+    prop_oneof![
+        1 => Just(Json::number(false, "0", 0)),
+        // Small integers, the common case.
+        3 => (any::<bool>(), 1u32..1000).prop_map(|(n, v)| Json::number(n, &v.to_string(), 0)),
+        // Big integers, beyond what a double holds exactly.
+        2 => (any::<bool>(), "[1-9][0-9]{15,40}").prop_map(|(n, d)| Json::number(n, &d, 0)),
+        // Decimals, tiny to huge.
+        4 => (any::<bool>(), "[1-9][0-9]{0,30}", -40i64..=10)
+            .prop_map(|(n, d, e)| Json::number(n, &d, e)),
+    ]
+}
+
+fn distinct_keys(members: Vec<(String, Json)>) -> Vec<(String, Json)> {
+    let mut seen = std::collections::HashSet::new();
+    members
+        .into_iter()
+        .filter(|(key, _)| seen.insert(key.clone()))
+        .collect()
+}
+
+fn arb_json() -> impl Strategy<Value = Json> {
+    let leaf = prop_oneof![
+        Just(Json::Null),
+        any::<bool>().prop_map(Json::Bool),
+        arb_number(),
+        arb_string().prop_map(Json::String),
+    ];
+    leaf.prop_recursive(4, 48, 6, |inner| {
+        prop_oneof![
+            vec(inner.clone(), 0..6).prop_map(Json::Array),
+            vec((arb_string(), inner), 0..6).prop_map(|m| Json::Object(distinct_keys(m))),
+        ]
+    })
+}
+
+/// Deterministic choices for one spelling (splitmix64).
+struct Choices(u64);
+
+impl Choices {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+
+    fn one_in(&mut self, n: usize) -> bool {
+        self.below(n) == 0
+    }
+
+    fn pick<'a>(&mut self, options: &[&'a str]) -> &'a str {
+        options[self.below(options.len())]
+    }
+}
+
+/// Writes `value` in a randomly chosen spelling.
+fn render(value: &Json, choices: &mut Choices) -> String {
+    let mut out = String::new();
+    whitespace(&mut out, choices);
+    render_into(value, choices, &mut out);
+    whitespace(&mut out, choices);
+    out
+}
+
+fn whitespace(out: &mut String, choices: &mut Choices) {
+    if choices.one_in(2) {
+        out.push_str(choices.pick(&[" ", "\n", "\t", "\r\n  ", "  "]));
+    }
+}
+
+fn render_into(value: &Json, choices: &mut Choices, out: &mut String) {
+    match value {
+        Json::Null => out.push_str("null"),
+        Json::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
+        Json::Number {
+            negative,
+            digits,
+            exponent,
+        } => render_number(*negative, digits, *exponent, choices, out),
+        Json::String(s) => render_string(s, choices, out),
+        Json::Array(items) => {
+            out.push('[');
+            whitespace(out, choices);
+            for (index, item) in items.iter().enumerate() {
+                if index > 0 {
+                    out.push(',');
+                    whitespace(out, choices);
+                }
+                render_into(item, choices, out);
+                whitespace(out, choices);
+            }
+            out.push(']');
+        }
+        Json::Object(members) => {
+            let mut order: Vec<usize> = (0..members.len()).collect();
+            for i in (1..order.len()).rev() {
+                order.swap(i, choices.below(i + 1));
+            }
+            out.push('{');
+            whitespace(out, choices);
+            for (position, &index) in order.iter().enumerate() {
+                if position > 0 {
+                    out.push(',');
+                    whitespace(out, choices);
+                }
+                let (key, value) = &members[index];
+                render_string(key, choices, out);
+                whitespace(out, choices);
+                out.push(':');
+                whitespace(out, choices);
+                render_into(value, choices, out);
+                whitespace(out, choices);
+            }
+            out.push('}');
+        }
+    }
+}
+
+fn render_string(s: &str, choices: &mut Choices, out: &mut String) {
+    fn unicode_escape(unit: u16, choices: &mut Choices, out: &mut String) {
+        let hex = format!("{unit:04x}");
+        out.push_str("\\u");
+        out.push_str(&if choices.one_in(2) {
+            hex
+        } else {
+            hex.to_uppercase()
+        });
+    }
+    out.push('"');
+    for c in s.chars() {
+        let short = match c {
+            '"' => Some("\\\""),
+            '\\' => Some("\\\\"),
+            '/' => Some("\\/"),
+            '\u{8}' => Some("\\b"),
+            '\u{c}' => Some("\\f"),
+            '\n' => Some("\\n"),
+            '\r' => Some("\\r"),
+            '\t' => Some("\\t"),
+            _ => None,
+        };
+        let must_escape = matches!(c, '"' | '\\' | '\u{0}'..='\u{1f}');
+        if !must_escape && choices.one_in(2) {
+            out.push(c);
+        } else if short.is_some() && choices.one_in(2) {
+            out.push_str(short.unwrap_or_default());
+        } else {
+            let mut units = [0u16; 2];
+            for &unit in c.encode_utf16(&mut units).iter() {
+                unicode_escape(unit, choices, out);
+            }
+        }
+    }
+    out.push('"');
+}
+
+/// Writes `±digits × 10^exponent` as `mantissa × 10^written_exponent` with a random split.
+fn render_number(
+    negative: bool,
+    digits: &str,
+    exponent: i64,
+    choices: &mut Choices,
+    out: &mut String,
+) {
+    if digits.is_empty() {
+        out.push_str(choices.pick(&["0", "-0", "0.0", "-0.000", "0e5", "0E-3", "-0.0e+0"]));
+        return;
+    }
+    if negative {
+        out.push('-');
+    }
+    // mantissa = digits × 10^-shift
+    let shift = choices.below(digits.len() + 6) as i64 - 3;
+    let written_exponent = exponent + shift;
+    let mut mantissa = String::new();
+    if shift <= 0 {
+        mantissa.push_str(digits);
+        mantissa.extend(std::iter::repeat_n('0', (-shift) as usize));
+        if choices.one_in(4) {
+            mantissa.push_str(choices.pick(&[".0", ".00"]));
+        }
+    } else {
+        let shift = shift as usize;
+        if shift >= digits.len() {
+            mantissa.push_str("0.");
+            mantissa.extend(std::iter::repeat_n('0', shift - digits.len()));
+            mantissa.push_str(digits);
+        } else {
+            let (int_part, frac_part) = digits.split_at(digits.len() - shift);
+            mantissa.push_str(int_part);
+            mantissa.push('.');
+            mantissa.push_str(frac_part);
+        }
+        if choices.one_in(4) {
+            mantissa.push_str(choices.pick(&["0", "00"]));
+        }
+    }
+    out.push_str(&mantissa);
+    if written_exponent != 0 || choices.one_in(3) {
+        out.push_str(choices.pick(&["e", "E"]));
+        if written_exponent < 0 {
+            out.push('-');
+        } else if choices.one_in(2) {
+            out.push('+');
+        }
+        if choices.one_in(4) {
+            out.push_str(choices.pick(&["0", "00"]));
+        }
+        out.push_str(&written_exponent.unsigned_abs().to_string());
+    }
+}
+
+/// The expected canonical form, written independently of the library.
+fn expected_canonical(value: &Json, out: &mut String) {
+    match value {
+        Json::Null => out.push_str("null"),
+        Json::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
+        Json::Number {
+            negative,
+            digits,
+            exponent,
+        } => {
+            if digits.is_empty() {
+                out.push('0');
+                return;
+            }
+            if *negative {
+                out.push('-');
+            }
+            // ECMAScript's Number::toString: value = digits × 10^(point - k).
+            let k = digits.len() as i64;
+            let point = exponent + k;
+            if k <= point && point <= 21 {
+                out.push_str(digits);
+                out.push_str(&"0".repeat((point - k) as usize));
+            } else if 0 < point && point <= 21 {
+                out.push_str(&digits[..point as usize]);
+                out.push('.');
+                out.push_str(&digits[point as usize..]);
+            } else if -6 < point && point <= 0 {
+                out.push_str("0.");
+                out.push_str(&"0".repeat((-point) as usize));
+                out.push_str(digits);
+            } else {
+                out.push_str(&digits[..1]);
+                if k > 1 {
+                    out.push('.');
+                    out.push_str(&digits[1..]);
+                }
+                out.push_str(&format!("e{:+}", point - 1));
+            }
+        }
+        Json::String(s) => {
+            out.push('"');
+            for c in s.chars() {
+                match c {
+                    '"' => out.push_str("\\\""),
+                    '\\' => out.push_str("\\\\"),
+                    '\u{8}' => out.push_str("\\b"),
+                    '\u{c}' => out.push_str("\\f"),
+                    '\n' => out.push_str("\\n"),
+                    '\r' => out.push_str("\\r"),
+                    '\t' => out.push_str("\\t"),
+                    '\u{0}'..='\u{1f}' => out.push_str(&format!("\\u{:04x}", c as u32)),
+                    _ => out.push(c),
+                }
+            }
+            out.push('"');
+        }
+        Json::Array(items) => {
+            out.push('[');
+            for (index, item) in items.iter().enumerate() {
+                if index > 0 {
+                    out.push(',');
+                }
+                expected_canonical(item, out);
+            }
+            out.push(']');
+        }
+        Json::Object(members) => {
+            let mut sorted: Vec<_> = members.iter().collect();
+            sorted.sort_by_key(|(key, _)| key.encode_utf16().collect::<Vec<u16>>());
+            out.push('{');
+            for (index, (key, value)) in sorted.into_iter().enumerate() {
+                if index > 0 {
+                    out.push(',');
+                }
+                expected_canonical(&Json::String(key.clone()), out);
+                out.push(':');
+                expected_canonical(value, out);
+            }
+            out.push('}');
+        }
+    }
+}
+
+fn count_nodes(value: &Json) -> usize {
+    1 + match value {
+        Json::Array(items) => items.iter().map(count_nodes).sum(),
+        Json::Object(members) => members.iter().map(|(_, v)| count_nodes(v)).sum(),
+        _ => 0,
+    }
+}
+
+/// Changes the value of node number `target` (pre-order), so that the document means something
+/// else. Returns the remaining count when the target is not in this subtree.
+fn mutate(value: &mut Json, target: usize, choices: &mut Choices) -> Option<usize> {
+    if target == 0 {
+        mutate_node(value, choices);
+        return None;
+    }
+    let mut remaining = target - 1;
+    let children: Vec<&mut Json> = match value {
+        Json::Array(items) => items.iter_mut().collect(),
+        Json::Object(members) => members.iter_mut().map(|(_, v)| v).collect(),
+        _ => Vec::new(),
+    };
+    for child in children {
+        remaining = mutate(child, remaining, choices)?;
+    }
+    Some(remaining)
+}
+
+fn unused_key(members: &[(String, Json)], base: &str) -> String {
+    let mut key = base.to_owned();
+    while members.iter().any(|(k, _)| *k == key) {
+        key.push('~');
+    }
+    key
+}
+
+fn mutate_node(value: &mut Json, choices: &mut Choices) {
+    match value {
+        Json::Null => *value = Json::Bool(false),
+        Json::Bool(b) => *b = !*b,
+        Json::Number {
+            negative,
+            digits,
+            exponent,
+        } => {
+            if digits.is_empty() {
+                *value = Json::number(choices.one_in(2), "1", choices.below(5) as i64 - 2);
+                return;
+            }
+            match choices.below(3) {
+                0 => *negative = !*negative,
+                1 => *exponent += 1,
+                // One more significant digit, far down: e.g. 9007199254740992 -> ...9921 × 10^-1.
+                _ => {
+                    digits.push('1');
+                    *exponent -= 1;
+                }
+            }
+        }
+        Json::String(s) => s.push(['x', '\u{0}', 'é', '😀'][choices.below(4)]),
+        Json::Array(items) => items.push(Json::Null),
+        Json::Object(members) => {
+            if !members.is_empty() && choices.one_in(2) {
+                let index = choices.below(members.len());
+                let renamed = unused_key(members, &members[index].0);
+                members[index].0 = renamed;
+            } else {
+                let key = unused_key(members, "");
+                members.push((key, Json::Null));
+            }
+        }
+    }
+}
+
+fn canon(input: &str) -> Vec<u8> {
+    match canonicalize_json(input.as_bytes(), DEFAULT_MAX_JSON_DEPTH) {
+        Ok(canonical) => canonical,
+        Err(error) => panic!("{input:?} should canonicalize: {error}"),
+    }
+}
+
+proptest! {
+    #[test]
+    fn canonical_form_is_the_expected_one_for_any_spelling(value in arb_json(), seed in any::<u64>()) {
+        let mut expected = String::new();
+        expected_canonical(&value, &mut expected);
+        let spelling = render(&value, &mut Choices(seed));
+        prop_assert_eq!(String::from_utf8(canon(&spelling)).ok(), Some(expected), "input: {}", spelling);
+    }
+
+    #[test]
+    fn all_spellings_give_the_same_canonical_bytes(value in arb_json(), seeds in any::<(u64, u64)>()) {
+        let a = render(&value, &mut Choices(seeds.0));
+        let b = render(&value, &mut Choices(seeds.1));
+        prop_assert_eq!(canon(&a), canon(&b), "a: {}\nb: {}", a, b);
+    }
+
+    #[test]
+    fn canonicalization_is_idempotent(value in arb_json(), seed in any::<u64>()) {
+        let once = canon(&render(&value, &mut Choices(seed)));
+        let text = String::from_utf8(once.clone()).expect("canonical JSON is UTF-8");
+        prop_assert_eq!(canon(&text), once);
+    }
+
+    #[test]
+    fn canonical_output_is_json_that_serde_json_parses(value in arb_json(), seed in any::<u64>()) {
+        let canonical = canon(&render(&value, &mut Choices(seed)));
+        let parsed = serde_json::from_slice::<serde_json::Value>(&canonical);
+        prop_assert!(parsed.is_ok(), "{:?}: {:?}", String::from_utf8_lossy(&canonical), parsed);
+    }
+
+    #[test]
+    fn any_changed_value_changes_the_canonical_bytes(
+        value in arb_json(),
+        seeds in any::<(u64, u64, u64)>(),
+    ) {
+        let mut choices = Choices(seeds.2);
+        let mut changed = value.clone();
+        let target = choices.below(count_nodes(&value));
+        prop_assert!(mutate(&mut changed, target, &mut choices).is_none());
+
+        let (mut before, mut after) = (String::new(), String::new());
+        expected_canonical(&value, &mut before);
+        expected_canonical(&changed, &mut after);
+        prop_assert_ne!(&before, &after, "the mutation must change the value");
+
+        let original = canon(&render(&value, &mut Choices(seeds.0)));
+        let mutated = canon(&render(&changed, &mut Choices(seeds.1)));
+        prop_assert_ne!(original, mutated);
+    }
+
+    #[test]
+    fn duplicate_keys_in_any_spelling_are_rejected(
+        key in arb_string(),
+        values in any::<(u8, u8)>(),
+        seeds in any::<(u64, u64)>(),
+    ) {
+        let mut a = String::new();
+        let mut b = String::new();
+        render_string(&key, &mut Choices(seeds.0), &mut a);
+        render_string(&key, &mut Choices(seeds.1), &mut b);
+        let document = format!("{{{a}:{}, {b}:{}}}", values.0, values.1);
+        prop_assert_eq!(
+            canonicalize_json(document.as_bytes(), DEFAULT_MAX_JSON_DEPTH),
+            Err(FingerprintError::DuplicateKey)
+        );
+    }
+
+    #[test]
+    fn visible_ascii_token_parses_to_itself(token in "[!-~]{1,128}") {
+        let key = IdempotencyKey::parse(token.as_bytes(), DEFAULT_MAX_KEY_LEN);
+        prop_assert_eq!(key.as_ref().map(IdempotencyKey::as_str), Ok(token.as_str()));
+    }
+
+    #[test]
+    fn quoted_token_parses_to_the_same_key(
+        token in "[!-~]{1,128}",
+        padding in ("[ \t]{0,2}", "[ \t]{0,2}"),
+    ) {
+        let escaped = token.replace('\\', "\\\\").replace('"', "\\\"");
+        let quoted = format!("{}\"{escaped}\"{}", padding.0, padding.1);
+        prop_assert_eq!(
+            IdempotencyKey::parse(quoted.as_bytes(), DEFAULT_MAX_KEY_LEN),
+            IdempotencyKey::parse(token.as_bytes(), DEFAULT_MAX_KEY_LEN)
+        );
+        let key = IdempotencyKey::parse(quoted.as_bytes(), DEFAULT_MAX_KEY_LEN);
+        prop_assert_eq!(key.as_ref().map(IdempotencyKey::as_str), Ok(token.as_str()));
+    }
+
+    #[test]
+    fn longer_tokens_are_too_long(token in "[!-~]{129,300}") {
+        prop_assert_eq!(
+            IdempotencyKey::parse(token.as_bytes(), DEFAULT_MAX_KEY_LEN),
+            Err(KeyError::TooLong { max: DEFAULT_MAX_KEY_LEN })
+        );
+    }
+}
