@@ -75,3 +75,8 @@ pub use crate::fingerprint::Fingerprinter;
 pub use crate::key::IdempotencyKey;
 pub use crate::layer::{IdempotencyLayer, Tenant};
 pub use crate::service::{Idempotency, ResponseFuture, IDEMPOTENCY_KEY};
+
+/// The README's examples, compiled as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

@@ -505,8 +505,9 @@ proptest! {
         );
     }
 
+    /// A value starting with `"` is a quoted string, so raw tokens start with anything else.
     #[test]
-    fn visible_ascii_token_parses_to_itself(token in "[!-~]{1,128}") {
+    fn visible_ascii_token_parses_to_itself(token in "[!#-~][!-~]{0,127}") {
         let key = IdempotencyKey::parse(token.as_bytes(), DEFAULT_MAX_KEY_LEN);
         prop_assert_eq!(key.as_ref().map(IdempotencyKey::as_str), Ok(token.as_str()));
     }
@@ -518,16 +519,16 @@ proptest! {
     ) {
         let escaped = token.replace('\\', "\\\\").replace('"', "\\\"");
         let quoted = format!("{}\"{escaped}\"{}", padding.0, padding.1);
-        prop_assert_eq!(
-            IdempotencyKey::parse(quoted.as_bytes(), DEFAULT_MAX_KEY_LEN),
-            IdempotencyKey::parse(token.as_bytes(), DEFAULT_MAX_KEY_LEN)
-        );
         let key = IdempotencyKey::parse(quoted.as_bytes(), DEFAULT_MAX_KEY_LEN);
         prop_assert_eq!(key.as_ref().map(IdempotencyKey::as_str), Ok(token.as_str()));
+        // The same key as the raw spelling, where there is one (`"` starts a quoted string).
+        if !token.starts_with('"') {
+            prop_assert_eq!(key, IdempotencyKey::parse(token.as_bytes(), DEFAULT_MAX_KEY_LEN));
+        }
     }
 
     #[test]
-    fn longer_tokens_are_too_long(token in "[!-~]{129,300}") {
+    fn longer_tokens_are_too_long(token in "[!#-~][!-~]{128,300}") {
         prop_assert_eq!(
             IdempotencyKey::parse(token.as_bytes(), DEFAULT_MAX_KEY_LEN),
             Err(KeyError::TooLong { max: DEFAULT_MAX_KEY_LEN })

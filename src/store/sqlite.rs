@@ -32,6 +32,8 @@ use std::time::{Duration, Instant, SystemTime};
 
 use bytes::Bytes;
 use http::StatusCode;
+/// The rusqlite version the store's closures use: depend on it through this re-export.
+pub use rusqlite;
 use rusqlite::{params, Connection, OpenFlags, OptionalExtension};
 use tokio::sync::{oneshot, OwnedMutexGuard};
 

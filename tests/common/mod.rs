@@ -1,0 +1,732 @@
+//! Shared setup for the integration tests: the order app of the example (axum, a demo auth
+//! layer, `POST /orders` writing through the idempotency transaction), served on 127.0.0.1:0
+//! over a real SQLite file in a temp dir, and a real HTTP client over loopback.
+//!
+//! Each test customises the layer (a closure over it) and the handler's behaviour (a [`Hook`]
+//! run after the order row is inserted, while the transaction is open).
+
+// Every test binary compiles this module and uses a different part of it.
+#![allow(dead_code)]
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::extract::{Request, State};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing;
+use axum::{Extension, Router};
+use bytes::Bytes;
+use http::header::{self, HeaderName};
+use http::{HeaderMap, HeaderValue, StatusCode};
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::task::JoinHandle;
+use tower_idempotency::extract::Tx;
+use tower_idempotency::store::sqlite::{SqliteStore, SqliteTransaction};
+use tower_idempotency::{IdempotencyLayer, Tenant};
+
+pub const SHOP_A: &str = "shop-a-token";
+pub const SHOP_B: &str = "shop-b-token";
+
+/// A generous bound for anything a test waits for: reached only when the test fails.
+pub const PATIENCE: Duration = Duration::from_secs(10);
+
+pub const ORDERS_SCHEMA: &str = "CREATE TABLE IF NOT EXISTS orders (
+    id INTEGER PRIMARY KEY,
+    tenant_id TEXT NOT NULL,
+    sku TEXT NOT NULL,
+    quantity INTEGER NOT NULL
+)";
+
+/// What the order handler knows when it calls the hook: its order row is already inserted,
+/// inside the open idempotency transaction.
+#[derive(Clone, Debug)]
+pub struct OrderCall {
+    pub tenant: String,
+    pub key: Option<String>,
+    pub sku: String,
+    pub quantity: i64,
+    pub order_id: i64,
+    pub tx: SqliteTransaction,
+}
+
+/// What the hook asks the handler to do next.
+#[derive(Debug, Default)]
+pub struct HookOutcome {
+    /// Answer this status with `{"error":"injected_failure"}` instead of the 201.
+    pub fail_with: Option<StatusCode>,
+    /// Extra headers on the 201.
+    pub headers: Vec<(HeaderName, HeaderValue)>,
+}
+
+pub type HookFuture = Pin<Box<dyn Future<Output = HookOutcome> + Send>>;
+pub type Hook = Arc<dyn Fn(OrderCall) -> HookFuture + Send + Sync>;
+
+/// Wraps an async closure as a [`Hook`].
+pub fn hook<F, Fut>(f: F) -> Hook
+where
+    F: Fn(OrderCall) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = HookOutcome> + Send + 'static,
+{
+    Arc::new(move |call| Box::pin(f(call)))
+}
+
+/// The state shared by the app's handlers and the test.
+pub struct App {
+    /// How many times the order handler ran (entered its body).
+    pub handler_calls: AtomicUsize,
+    /// How many times the note handler ran.
+    pub note_calls: AtomicUsize,
+    /// Requests that reached the app (counted by the auth middleware, before the layer).
+    arrivals: watch::Sender<usize>,
+    hook: Option<Hook>,
+}
+
+impl App {
+    pub fn handler_calls(&self) -> usize {
+        self.handler_calls.load(Ordering::SeqCst)
+    }
+
+    pub fn note_calls(&self) -> usize {
+        self.note_calls.load(Ordering::SeqCst)
+    }
+
+    /// Waits until at least `n` requests reached the app; `false` if that took too long.
+    pub async fn wait_for_arrivals(&self, n: usize, timeout: Duration) -> bool {
+        let mut arrivals = self.arrivals.subscribe();
+        let reached = tokio::time::timeout(timeout, arrivals.wait_for(|seen| *seen >= n)).await;
+        matches!(reached, Ok(Ok(_)))
+    }
+}
+
+type Customise =
+    Box<dyn Fn(IdempotencyLayer<SqliteStore>, &str) -> IdempotencyLayer<SqliteStore> + Send>;
+
+/// Builds a [`TestServer`].
+pub struct ServerBuilder {
+    customise: Customise,
+    hook: Option<Hook>,
+    db_path: Option<PathBuf>,
+    auth: bool,
+}
+
+impl Default for ServerBuilder {
+    fn default() -> Self {
+        ServerBuilder {
+            customise: Box::new(|layer, _| layer),
+            hook: None,
+            db_path: None,
+            auth: true,
+        }
+    }
+}
+
+impl ServerBuilder {
+    /// Customises every route's layer (already given its operation name).
+    pub fn layer<F>(mut self, f: F) -> Self
+    where
+        F: Fn(IdempotencyLayer<SqliteStore>) -> IdempotencyLayer<SqliteStore> + Send + 'static,
+    {
+        self.customise = Box::new(move |layer, _| f(layer));
+        self
+    }
+
+    /// Customises the layer per operation (`create_order`, `create_express_order`,
+    /// `create_note`).
+    pub fn layer_per_operation<F>(mut self, f: F) -> Self
+    where
+        F: Fn(IdempotencyLayer<SqliteStore>, &str) -> IdempotencyLayer<SqliteStore>
+            + Send
+            + 'static,
+    {
+        self.customise = Box::new(f);
+        self
+    }
+
+    pub fn hook(mut self, hook: Hook) -> Self {
+        self.hook = Some(hook);
+        self
+    }
+
+    /// Uses this database file instead of a fresh one in a temp dir.
+    pub fn db_path(mut self, path: impl AsRef<Path>) -> Self {
+        self.db_path = Some(path.as_ref().to_path_buf());
+        self
+    }
+
+    /// Leaves out the auth middleware: requests reach the layer without a tenant.
+    pub fn without_auth(mut self) -> Self {
+        self.auth = false;
+        self
+    }
+
+    pub async fn spawn(self) -> TestServer {
+        let (dir, db_path) = match self.db_path {
+            Some(path) => (None, path),
+            None => {
+                let dir = tempfile::tempdir().expect("temp dir");
+                let path = dir.path().join("orders.db");
+                (Some(dir), path)
+            }
+        };
+        let store = SqliteStore::open(&db_path).await.expect("open store");
+        store
+            .write(|tx| tx.execute_batch(ORDERS_SCHEMA))
+            .await
+            .expect("create orders table");
+
+        let (arrivals, _) = watch::channel(0usize);
+        let app = Arc::new(App {
+            handler_calls: AtomicUsize::new(0),
+            note_calls: AtomicUsize::new(0),
+            arrivals,
+            hook: self.hook,
+        });
+        let layer = |operation: &str| {
+            (self.customise)(
+                IdempotencyLayer::new(store.clone()).with_operation(operation.to_owned()),
+                operation,
+            )
+        };
+        let mut router = Router::new()
+            .route(
+                "/orders",
+                routing::post(create_order).layer(layer("create_order")),
+            )
+            .route(
+                "/express-orders",
+                routing::post(create_order).layer(layer("create_express_order")),
+            )
+            .route(
+                "/notes",
+                routing::post(create_note).layer(layer("create_note")),
+            )
+            // The extractor on a route the layer does not wrap.
+            .route("/unguarded/orders", routing::post(create_order));
+        if self.auth {
+            router = router.layer(middleware::from_fn_with_state(app.clone(), authenticate));
+        }
+        let router = router.with_state(app.clone());
+
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("local addr");
+        let (shutdown, signal) = oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            axum::serve(listener, router)
+                .with_graceful_shutdown(async move {
+                    let _ = signal.await;
+                })
+                .await
+                .expect("serve");
+        });
+        TestServer {
+            addr,
+            store,
+            db_path,
+            app,
+            shutdown: Some(shutdown),
+            task: Some(task),
+            _dir: dir,
+        }
+    }
+}
+
+/// A running app on 127.0.0.1 and its store.
+pub struct TestServer {
+    pub addr: SocketAddr,
+    pub store: SqliteStore,
+    pub db_path: PathBuf,
+    pub app: Arc<App>,
+    shutdown: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<()>>,
+    _dir: Option<tempfile::TempDir>,
+}
+
+impl TestServer {
+    pub fn builder() -> ServerBuilder {
+        ServerBuilder::default()
+    }
+
+    /// The default app.
+    pub async fn spawn() -> TestServer {
+        ServerBuilder::default().spawn().await
+    }
+
+    pub fn base_url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Stops serving (gracefully, bounded) and drops the store, so that the database file can
+    /// be opened afresh.
+    pub async fn shutdown(mut self) {
+        if let Some(shutdown) = self.shutdown.take() {
+            let _ = shutdown.send(());
+        }
+        if let Some(task) = self.task.take() {
+            let abort = task.abort_handle();
+            if tokio::time::timeout(PATIENCE, task).await.is_err() {
+                abort.abort();
+            }
+        }
+    }
+
+    pub async fn order_count(&self) -> i64 {
+        order_count(&self.store).await
+    }
+
+    pub async fn record_count(&self) -> i64 {
+        record_count(&self.store).await
+    }
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        if let Some(task) = self.task.take() {
+            task.abort();
+        }
+    }
+}
+
+/// The demo authentication: a known bearer token becomes a [`Tenant`] in the extensions,
+/// anything else is 401. Also counts arrivals, before the idempotency layer sees the request.
+async fn authenticate(State(app): State<Arc<App>>, mut request: Request, next: Next) -> Response {
+    app.arrivals.send_modify(|seen| *seen += 1);
+    let tenant = match request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+    {
+        Some("Bearer shop-a-token") => "shop-a",
+        Some("Bearer shop-b-token") => "shop-b",
+        _ => return json_error(StatusCode::UNAUTHORIZED, "unauthenticated"),
+    };
+    request.extensions_mut().insert(Tenant::new(tenant));
+    next.run(request).await
+}
+
+pub fn json_error(status: StatusCode, code: &str) -> Response {
+    (
+        status,
+        [(header::CONTENT_TYPE, "application/json")],
+        format!("{{\"error\":\"{code}\"}}"),
+    )
+        .into_response()
+}
+
+/// `POST /orders`: validates, inserts the order through the idempotency transaction, runs
+/// the test's hook (with the transaction still open), and answers 201.
+async fn create_order(
+    State(app): State<Arc<App>>,
+    Extension(tenant): Extension<Tenant>,
+    Tx(tx): Tx<SqliteTransaction>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    app.handler_calls.fetch_add(1, Ordering::SeqCst);
+    let Ok(input) = serde_json::from_slice::<serde_json::Value>(&body) else {
+        return json_error(StatusCode::BAD_REQUEST, "invalid_json");
+    };
+    let Some(sku) = input
+        .get("sku")
+        .and_then(|v| v.as_str())
+        .filter(|sku| (1..=100).contains(&sku.chars().count()))
+        .map(str::to_owned)
+    else {
+        return json_error(StatusCode::BAD_REQUEST, "invalid_key_or_sku");
+    };
+    let Some(quantity) = input
+        .get("quantity")
+        .and_then(|v| v.as_i64())
+        .filter(|q| (1..=100).contains(q))
+    else {
+        return json_error(StatusCode::BAD_REQUEST, "invalid_quantity");
+    };
+
+    let tenant_id = tenant.as_str().to_owned();
+    let row = (tenant_id.clone(), sku.clone(), quantity);
+    let order_id = match tx
+        .run(move |conn| {
+            conn.execute(
+                "INSERT INTO orders (tenant_id, sku, quantity) VALUES (?1, ?2, ?3)",
+                (&row.0, &row.1, row.2),
+            )?;
+            Ok(conn.last_insert_rowid())
+        })
+        .await
+    {
+        Ok(id) => id,
+        Err(_) => return json_error(StatusCode::INTERNAL_SERVER_ERROR, "database_error"),
+    };
+
+    let outcome = match &app.hook {
+        Some(hook) => {
+            hook(OrderCall {
+                tenant: tenant_id,
+                key: headers
+                    .get("idempotency-key")
+                    .and_then(|v| v.to_str().ok())
+                    .map(str::to_owned),
+                sku,
+                quantity,
+                order_id,
+                tx,
+            })
+            .await
+        }
+        None => HookOutcome::default(),
+    };
+    if let Some(status) = outcome.fail_with {
+        return json_error(status, "injected_failure");
+    }
+    let mut response = (
+        StatusCode::CREATED,
+        [
+            (header::CONTENT_TYPE, "application/json".to_owned()),
+            (header::LOCATION, format!("/orders/{order_id}")),
+        ],
+        format!("{{\"order_id\":{order_id}}}"),
+    )
+        .into_response();
+    for (name, value) in outcome.headers {
+        response.headers_mut().append(name, value);
+    }
+    response
+}
+
+/// `POST /notes`: no database; echoes the body it received and says whether a transaction
+/// handle was in the extensions (`x-saw-transaction`).
+async fn create_note(
+    State(app): State<Arc<App>>,
+    tx: Option<Extension<SqliteTransaction>>,
+    body: Bytes,
+) -> Response {
+    app.note_calls.fetch_add(1, Ordering::SeqCst);
+    let saw = if tx.is_some() { "yes" } else { "no" };
+    (StatusCode::OK, [("x-saw-transaction", saw)], body).into_response()
+}
+
+// ----- client side -----
+
+/// A response as the client received it.
+#[derive(Debug)]
+pub struct Reply {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl Reply {
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("body is not JSON ({e}): {:?}", self.body))
+    }
+
+    /// The `error` code of a JSON error body.
+    pub fn error_code(&self) -> String {
+        self.json()["error"]
+            .as_str()
+            .unwrap_or_else(|| panic!("no error code in {:?}", self.body))
+            .to_owned()
+    }
+
+    pub fn order_id(&self) -> i64 {
+        self.json()["order_id"]
+            .as_i64()
+            .unwrap_or_else(|| panic!("no order_id in {:?}", self.body))
+    }
+
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    pub fn replayed(&self) -> bool {
+        match self.header("idempotent-replayed") {
+            None => false,
+            Some("true") => true,
+            Some(other) => panic!("idempotent-replayed: {other:?}"),
+        }
+    }
+
+    /// The `Content-Length` header, checked against the body actually received.
+    pub fn assert_content_length_matches(&self) {
+        let declared: usize = self
+            .header("content-length")
+            .unwrap_or_else(|| panic!("no content-length in {:?}", self.headers))
+            .parse()
+            .expect("numeric content-length");
+        assert_eq!(declared, self.body.len(), "content-length vs body");
+    }
+}
+
+/// A request to the app, built step by step.
+#[derive(Clone, Debug)]
+pub struct Post {
+    pub path: String,
+    pub token: Option<String>,
+    pub keys: Vec<HeaderValue>,
+    pub content_type: Option<String>,
+    pub headers: Vec<(HeaderName, HeaderValue)>,
+    pub body: Bytes,
+}
+
+impl Post {
+    /// `POST /orders` as shop-a, JSON, with this key and body.
+    pub fn order(key: &str, body: &str) -> Post {
+        Post {
+            path: "/orders".into(),
+            token: Some(SHOP_A.into()),
+            keys: vec![HeaderValue::from_str(key).expect("key is a valid header value")],
+            content_type: Some("application/json".into()),
+            headers: Vec::new(),
+            body: Bytes::copy_from_slice(body.as_bytes()),
+        }
+    }
+
+    pub fn path(mut self, path: &str) -> Post {
+        self.path = path.into();
+        self
+    }
+
+    pub fn token(mut self, token: Option<&str>) -> Post {
+        self.token = token.map(str::to_owned);
+        self
+    }
+
+    /// Replaces the key headers with these raw values (none, one or several).
+    pub fn raw_keys(mut self, keys: &[&[u8]]) -> Post {
+        self.keys = keys
+            .iter()
+            .map(|k| HeaderValue::from_bytes(k).expect("sendable header value"))
+            .collect();
+        self
+    }
+
+    pub fn no_key(mut self) -> Post {
+        self.keys.clear();
+        self
+    }
+
+    pub fn content_type(mut self, content_type: Option<&str>) -> Post {
+        self.content_type = content_type.map(str::to_owned);
+        self
+    }
+
+    pub fn body(mut self, body: impl Into<Bytes>) -> Post {
+        self.body = body.into();
+        self
+    }
+
+    pub fn header(mut self, name: &'static str, value: &str) -> Post {
+        self.headers.push((
+            HeaderName::from_static(name),
+            HeaderValue::from_str(value).expect("header value"),
+        ));
+        self
+    }
+
+    fn request<B>(&self, addr: SocketAddr, body: B) -> http::Request<B> {
+        let mut request = http::Request::post(format!("http://{addr}{}", self.path))
+            .body(body)
+            .expect("request");
+        let headers = request.headers_mut();
+        if let Some(token) = &self.token {
+            headers.insert(
+                header::AUTHORIZATION,
+                HeaderValue::from_str(&format!("Bearer {token}")).expect("token"),
+            );
+        }
+        if let Some(content_type) = &self.content_type {
+            headers.insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_str(content_type).expect("content type"),
+            );
+        }
+        for key in &self.keys {
+            headers.append("idempotency-key", key.clone());
+        }
+        for (name, value) in &self.headers {
+            headers.append(name.clone(), value.clone());
+        }
+        request
+    }
+
+    /// Sends it with a fresh hyper-util client (its own connection) and reads the whole reply.
+    pub async fn send(&self, addr: SocketAddr) -> Reply {
+        send(self.request(addr, Full::new(self.body.clone()))).await
+    }
+
+    /// Sends it with a streamed body (chunked unless a `content-length` header was added).
+    pub async fn send_streaming(&self, addr: SocketAddr, body: ChannelBody) -> Reply {
+        send(self.request(addr, body)).await
+    }
+
+    /// The request as raw HTTP/1.1 bytes (with `Connection: close`), for raw TCP tests.
+    pub fn to_http1_bytes(&self, addr: SocketAddr) -> Vec<u8> {
+        let request = self.request(addr, ());
+        let mut raw = format!("POST {} HTTP/1.1\r\nhost: {addr}\r\n", self.path).into_bytes();
+        for (name, value) in request.headers() {
+            raw.extend_from_slice(name.as_str().as_bytes());
+            raw.extend_from_slice(b": ");
+            raw.extend_from_slice(value.as_bytes());
+            raw.extend_from_slice(b"\r\n");
+        }
+        raw.extend_from_slice(
+            format!(
+                "content-length: {}\r\nconnection: close\r\n\r\n",
+                self.body.len()
+            )
+            .as_bytes(),
+        );
+        raw.extend_from_slice(&self.body);
+        raw
+    }
+}
+
+async fn send<B>(request: http::Request<B>) -> Reply
+where
+    B: Body<Data = Bytes> + Send + Unpin + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let client: Client<_, B> = Client::builder(TokioExecutor::new()).build_http();
+    let response = tokio::time::timeout(PATIENCE, client.request(request))
+        .await
+        .expect("response in time")
+        .expect("response");
+    let (parts, body) = response.into_parts();
+    let body = tokio::time::timeout(PATIENCE, body.collect())
+        .await
+        .expect("response body in time")
+        .expect("response body")
+        .to_bytes();
+    Reply {
+        status: parts.status,
+        headers: parts.headers,
+        body,
+    }
+}
+
+/// `POST /orders` as `token` (or unauthenticated), with `key` (or none), a JSON `body` and
+/// extra headers.
+pub async fn post(
+    addr: SocketAddr,
+    token: Option<&str>,
+    key: Option<&str>,
+    body: &str,
+    extra: &[(&'static str, &str)],
+) -> Reply {
+    let mut request = Post::order(key.unwrap_or("unused"), body).token(token);
+    if key.is_none() {
+        request = request.no_key();
+    }
+    for (name, value) in extra {
+        request = request.header(name, value);
+    }
+    request.send(addr).await
+}
+
+/// A request body fed by the test, chunk by chunk; it ends when the sender is dropped.
+#[derive(Debug)]
+pub struct ChannelBody {
+    chunks: mpsc::Receiver<Bytes>,
+}
+
+impl ChannelBody {
+    pub fn new() -> (mpsc::Sender<Bytes>, ChannelBody) {
+        let (sender, chunks) = mpsc::channel(4);
+        (sender, ChannelBody { chunks })
+    }
+}
+
+impl Body for ChannelBody {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        self.chunks
+            .poll_recv(cx)
+            .map(|chunk| chunk.map(|c| Ok(Frame::data(c))))
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::default()
+    }
+}
+
+// ----- database side -----
+
+pub async fn order_count(store: &SqliteStore) -> i64 {
+    count(store, "SELECT COUNT(*) FROM orders").await
+}
+
+pub async fn record_count(store: &SqliteStore) -> i64 {
+    count(store, "SELECT COUNT(*) FROM idempotency_records").await
+}
+
+async fn count(store: &SqliteStore, sql: &'static str) -> i64 {
+    store
+        .read(move |conn| conn.query_row(sql, [], |row| row.get(0)))
+        .await
+        .expect("count")
+}
+
+/// Whether a record exists for `(tenant, operation, key)` (expired or not).
+pub async fn record_exists(store: &SqliteStore, tenant: &str, operation: &str, key: &str) -> bool {
+    let scope = (tenant.to_owned(), operation.to_owned(), key.to_owned());
+    store
+        .read(move |conn| {
+            conn.query_row(
+                "SELECT COUNT(*) FROM idempotency_records \
+                 WHERE tenant = ?1 AND operation = ?2 AND idempotency_key = ?3",
+                (&scope.0, &scope.1, &scope.2),
+                |row| row.get::<_, i64>(0),
+            )
+        })
+        .await
+        .expect("record lookup")
+        > 0
+}
+
+/// The orders as `(id, tenant_id, sku, quantity)`, by id.
+pub async fn orders(store: &SqliteStore) -> Vec<(i64, String, String, i64)> {
+    store
+        .read(|conn| {
+            let mut statement =
+                conn.prepare("SELECT id, tenant_id, sku, quantity FROM orders ORDER BY id")?;
+            let rows = statement
+                .query_map([], |row| {
+                    Ok((row.get(0)?, row.get(1)?, row.get(2)?, row.get(3)?))
+                })?
+                .collect::<Result<Vec<_>, _>>()?;
+            Ok(rows)
+        })
+        .await
+        .expect("orders")
+}
+
+/// Runs SQL (DDL such as triggers) through the store's writer.
+pub async fn execute(store: &SqliteStore, sql: &'static str) {
+    store
+        .write(move |tx| tx.execute_batch(sql))
+        .await
+        .expect("execute");
+}
+
+/// A JSON order body.
+pub fn order_body(sku: &str, quantity: i64) -> String {
+    serde_json::json!({ "sku": sku, "quantity": quantity }).to_string()
+}

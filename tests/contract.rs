@@ -1,0 +1,562 @@
+//! The contract table of DESIGN.md §1, row by row, over real HTTP and a real SQLite file.
+
+mod common;
+
+use common::{
+    hook, orders, post, record_exists, HookOutcome, Post, TestServer, PATIENCE, SHOP_A, SHOP_B,
+};
+use http::header::HeaderName;
+use http::{HeaderValue, StatusCode};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const BOOK: &str = r#"{"sku":"book","quantity":1}"#;
+
+#[tokio::test]
+async fn new_key_runs_the_handler_once_and_answers_201_with_location() {
+    let server = TestServer::spawn().await;
+
+    let reply = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
+
+    assert_eq!(reply.status, StatusCode::CREATED, "{reply:?}");
+    let id = reply.order_id();
+    assert_eq!(reply.header("location"), Some(&*format!("/orders/{id}")));
+    assert_eq!(reply.header("content-type"), Some("application/json"));
+    assert!(!reply.replayed(), "a first response is not a replay");
+    assert_eq!(server.app.handler_calls(), 1);
+    assert_eq!(
+        orders(&server.store).await,
+        vec![(id, "shop-a".to_owned(), "book".to_owned(), 1)]
+    );
+    assert!(record_exists(&server.store, "shop-a", "create_order", "key-1").await);
+    assert_eq!(server.record_count().await, 1);
+}
+
+#[tokio::test]
+async fn same_key_and_payload_replays_without_running_the_handler() {
+    let server = TestServer::spawn().await;
+    let first = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+
+    for _ in 0..2 {
+        let again = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
+        assert_eq!(again.status, StatusCode::CREATED, "{again:?}");
+        assert_eq!(again.body, first.body);
+        assert_eq!(again.header("location"), first.header("location"));
+        assert_eq!(again.header("content-type"), Some("application/json"));
+        assert!(again.replayed(), "a retry is marked as replayed");
+        again.assert_content_length_matches();
+    }
+    assert_eq!(server.app.handler_calls(), 1, "the handler ran only once");
+    assert_eq!(server.order_count().await, 1);
+    assert_eq!(server.record_count().await, 1);
+}
+
+#[tokio::test]
+async fn same_key_with_another_payload_is_409_and_the_original_stays() {
+    let server = TestServer::spawn().await;
+    let first = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let before = orders(&server.store).await;
+
+    let other = r#"{"sku":"pen","quantity":2}"#;
+    let conflict = post(server.addr, Some(SHOP_A), Some("key-1"), other, &[]).await;
+
+    assert_eq!(conflict.status, StatusCode::CONFLICT, "{conflict:?}");
+    assert_eq!(conflict.error_code(), "key_reused_with_different_payload");
+    assert!(!conflict.replayed());
+    assert_eq!(server.app.handler_calls(), 1, "the handler did not run");
+    assert_eq!(
+        orders(&server.store).await,
+        before,
+        "the original order stays"
+    );
+
+    // The saved response is untouched: the original request still replays it.
+    let replay = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
+    assert_eq!(replay.status, StatusCode::CREATED);
+    assert_eq!(replay.body, first.body);
+    assert_eq!(replay.header("location"), first.header("location"));
+    assert!(replay.replayed());
+    assert_eq!(server.record_count().await, 1);
+}
+
+#[tokio::test]
+async fn conflict_status_is_configurable() {
+    let server = TestServer::builder()
+        .layer(|layer| layer.with_conflict_status(StatusCode::UNPROCESSABLE_ENTITY))
+        .spawn()
+        .await;
+    let first = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+
+    let other = r#"{"sku":"book","quantity":3}"#;
+    let conflict = post(server.addr, Some(SHOP_A), Some("key-1"), other, &[]).await;
+
+    assert_eq!(conflict.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(conflict.error_code(), "key_reused_with_different_payload");
+    assert_eq!(server.order_count().await, 1);
+}
+
+#[tokio::test]
+async fn another_tenant_with_the_same_key_gets_its_own_order() {
+    let server = TestServer::spawn().await;
+
+    let a = post(server.addr, Some(SHOP_A), Some("shared-key"), BOOK, &[]).await;
+    let b = post(server.addr, Some(SHOP_B), Some("shared-key"), BOOK, &[]).await;
+
+    assert_eq!(a.status, StatusCode::CREATED);
+    assert_eq!(b.status, StatusCode::CREATED);
+    assert!(!b.replayed(), "another tenant's record is never replayed");
+    assert_ne!(a.order_id(), b.order_id());
+    let rows = orders(&server.store).await;
+    assert_eq!(rows.len(), 2);
+    assert_eq!(rows[0].1, "shop-a");
+    assert_eq!(rows[1].1, "shop-b");
+    assert!(record_exists(&server.store, "shop-b", "create_order", "shared-key").await);
+
+    // And each tenant's retry replays its own response.
+    let b_again = post(server.addr, Some(SHOP_B), Some("shared-key"), BOOK, &[]).await;
+    assert!(b_again.replayed());
+    assert_eq!(b_again.body, b.body);
+}
+
+#[tokio::test]
+async fn same_key_on_another_operation_is_independent() {
+    let server = TestServer::spawn().await;
+
+    let order = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
+    let express = Post::order("key-1", BOOK)
+        .path("/express-orders")
+        .send(server.addr)
+        .await;
+
+    assert_eq!(order.status, StatusCode::CREATED);
+    assert_eq!(express.status, StatusCode::CREATED, "{express:?}");
+    assert!(!express.replayed());
+    assert_ne!(order.order_id(), express.order_id());
+    assert_eq!(server.order_count().await, 2);
+    assert!(record_exists(&server.store, "shop-a", "create_order", "key-1").await);
+    assert!(record_exists(&server.store, "shop-a", "create_express_order", "key-1").await);
+
+    // A different payload on the other operation is not a conflict with the first one.
+    let express_other = Post::order("key-2", BOOK)
+        .path("/express-orders")
+        .send(server.addr)
+        .await;
+    assert_eq!(express_other.status, StatusCode::CREATED);
+}
+
+/// Asserts that a refused request left nothing behind and never reached the handler.
+async fn assert_nothing_happened(server: &TestServer) {
+    assert_eq!(server.app.handler_calls(), 0, "the handler must not run");
+    assert_eq!(server.order_count().await, 0, "no order");
+    assert_eq!(server.record_count().await, 0, "no record");
+}
+
+#[tokio::test]
+async fn missing_key_is_400_and_nothing_is_stored() {
+    let server = TestServer::spawn().await;
+
+    let reply = post(server.addr, Some(SHOP_A), None, BOOK, &[]).await;
+
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{reply:?}");
+    assert_eq!(reply.error_code(), "missing_idempotency_key");
+    assert_nothing_happened(&server).await;
+}
+
+#[tokio::test]
+async fn optional_key_passes_the_request_through_untouched() {
+    let server = TestServer::builder()
+        .layer(|layer| layer.with_key_required(false))
+        .spawn()
+        .await;
+
+    // Not JSON at all: a request the layer handled would be refused (invalid_json); a
+    // passed-through one reaches the handler with its exact bytes.
+    let body = b"not json \xff\x00 at all".to_vec();
+    let reply = Post::order("unused", "")
+        .no_key()
+        .path("/notes")
+        .body(body.clone())
+        .send(server.addr)
+        .await;
+
+    assert_eq!(reply.status, StatusCode::OK, "{reply:?}");
+    assert_eq!(reply.body, body, "the body reached the handler untouched");
+    assert_eq!(reply.header("x-saw-transaction"), Some("no"));
+    assert!(!reply.replayed());
+    assert_eq!(server.app.note_calls(), 1);
+    assert_eq!(server.record_count().await, 0, "nothing stored");
+
+    // Twice: not idempotent without a key, the handler runs again.
+    let again = Post::order("unused", "")
+        .no_key()
+        .path("/notes")
+        .body(body.clone())
+        .send(server.addr)
+        .await;
+    assert_eq!(again.status, StatusCode::OK);
+    assert!(!again.replayed());
+    assert_eq!(server.app.note_calls(), 2);
+    assert_eq!(server.record_count().await, 0);
+
+    // With a key the same route is idempotent, and the handler sees the transaction.
+    let keyed = Post::order("note-1", r#"{"text":"hi"}"#)
+        .path("/notes")
+        .send(server.addr)
+        .await;
+    assert_eq!(keyed.status, StatusCode::OK);
+    assert_eq!(keyed.header("x-saw-transaction"), Some("yes"));
+    assert!(record_exists(&server.store, "shop-a", "create_note", "note-1").await);
+}
+
+#[tokio::test]
+async fn malformed_keys_are_400_and_nothing_is_stored() {
+    let server = TestServer::spawn().await;
+    let too_long = "k".repeat(129);
+    let cases: [(&str, &[u8], &str); 7] = [
+        (
+            "control character (tab)",
+            b"key\t1",
+            "invalid_idempotency_key",
+        ),
+        ("non-ASCII", "clé-1".as_bytes(), "invalid_idempotency_key"),
+        ("space", b"key 1", "invalid_idempotency_key"),
+        ("empty", b"", "invalid_idempotency_key"),
+        ("empty quoted string", b"\"\"", "invalid_idempotency_key"),
+        ("unterminated quote", b"\"key-1", "invalid_idempotency_key"),
+        (
+            "129 characters",
+            too_long.as_bytes(),
+            "idempotency_key_too_long",
+        ),
+    ];
+    for (what, key, code) in cases {
+        let reply = Post::order("unused", BOOK)
+            .raw_keys(&[key])
+            .send(server.addr)
+            .await;
+        assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{what}: {reply:?}");
+        assert_eq!(reply.error_code(), code, "{what}");
+    }
+    assert_nothing_happened(&server).await;
+}
+
+#[tokio::test]
+async fn key_with_a_raw_control_byte_is_400_over_the_wire() {
+    // No HTTP client library sends \x01 in a header value: write the request by hand.
+    let server = TestServer::spawn().await;
+    let mut stream = tokio::net::TcpStream::connect(server.addr)
+        .await
+        .expect("connect");
+    let request = format!(
+        "POST /orders HTTP/1.1\r\nhost: {}\r\nauthorization: Bearer {SHOP_A}\r\n\
+         content-type: application/json\r\nidempotency-key: key\x011\r\n\
+         content-length: {}\r\nconnection: close\r\n\r\n{BOOK}",
+        server.addr,
+        BOOK.len()
+    );
+    stream
+        .write_all(request.as_bytes())
+        .await
+        .expect("write request");
+    let mut response = Vec::new();
+    tokio::time::timeout(PATIENCE, stream.read_to_end(&mut response))
+        .await
+        .expect("response in time")
+        .expect("read response");
+    let response = String::from_utf8_lossy(&response);
+    assert!(
+        response.starts_with("HTTP/1.1 400"),
+        "expected a 400, got {response:?}"
+    );
+    assert_nothing_happened(&server).await;
+}
+
+#[tokio::test]
+async fn key_of_128_characters_is_accepted() {
+    let server = TestServer::spawn().await;
+    let key = "k".repeat(128);
+
+    let reply = post(server.addr, Some(SHOP_A), Some(&key), BOOK, &[]).await;
+
+    assert_eq!(reply.status, StatusCode::CREATED, "{reply:?}");
+    assert!(record_exists(&server.store, "shop-a", "create_order", &key).await);
+    let again = post(server.addr, Some(SHOP_A), Some(&key), BOOK, &[]).await;
+    assert!(again.replayed());
+}
+
+#[tokio::test]
+async fn key_header_sent_twice_is_400_even_when_both_are_equal() {
+    let server = TestServer::spawn().await;
+    for keys in [[&b"key-1"[..], b"key-2"], [b"key-1", b"key-1"]] {
+        let reply = Post::order("unused", BOOK)
+            .raw_keys(&keys)
+            .send(server.addr)
+            .await;
+        assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{keys:?}: {reply:?}");
+        assert_eq!(reply.error_code(), "duplicate_idempotency_key_header");
+    }
+    assert_nothing_happened(&server).await;
+}
+
+#[tokio::test]
+async fn request_without_tenant_is_401_and_nothing_is_stored() {
+    // The layer itself refuses a request no authentication layer vouched for.
+    let server = TestServer::builder().without_auth().spawn().await;
+    let reply = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
+    assert_eq!(reply.status, StatusCode::UNAUTHORIZED, "{reply:?}");
+    assert_eq!(reply.error_code(), "unauthenticated");
+    assert_nothing_happened(&server).await;
+
+    // Behind the app's auth: no token, or an unknown one.
+    let server = TestServer::spawn().await;
+    for token in [None, Some("forged-token")] {
+        let reply = post(server.addr, token, Some("key-1"), BOOK, &[]).await;
+        assert_eq!(reply.status, StatusCode::UNAUTHORIZED, "{token:?}");
+    }
+    assert_nothing_happened(&server).await;
+}
+
+#[tokio::test]
+async fn quoted_key_is_the_same_key_as_its_bare_form() {
+    let server = TestServer::spawn().await;
+
+    let quoted = post(server.addr, Some(SHOP_A), Some("\"abc\""), BOOK, &[]).await;
+    let bare = post(server.addr, Some(SHOP_A), Some("abc"), BOOK, &[]).await;
+
+    assert_eq!(quoted.status, StatusCode::CREATED, "{quoted:?}");
+    assert!(!quoted.replayed());
+    assert!(bare.replayed(), "the bare key replays the quoted one");
+    assert_eq!(bare.body, quoted.body);
+    assert_eq!(server.app.handler_calls(), 1);
+    assert!(record_exists(&server.store, "shop-a", "create_order", "abc").await);
+}
+
+#[tokio::test]
+async fn equivalent_json_spellings_are_the_same_request() {
+    let server = TestServer::spawn().await;
+
+    let first = post(
+        server.addr,
+        Some(SHOP_A),
+        Some("key-1"),
+        r#"{ "quantity":1,  "sku":"book"}"#,
+        &[],
+    )
+    .await;
+    let second = post(
+        server.addr,
+        Some(SHOP_A),
+        Some("key-1"),
+        r#"{"sku":"\u0062ook","quantity":1}"#,
+        &[],
+    )
+    .await;
+
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    assert_eq!(second.status, StatusCode::CREATED, "{second:?}");
+    assert!(second.replayed(), "same canonical payload: a replay");
+    assert_eq!(second.body, first.body);
+    assert_eq!(server.order_count().await, 1);
+
+    let third = post(
+        server.addr,
+        Some(SHOP_A),
+        Some("key-1"),
+        r#"{"sku":"book","quantity":2}"#,
+        &[],
+    )
+    .await;
+    assert_eq!(third.status, StatusCode::CONFLICT, "{third:?}");
+    assert_eq!(server.order_count().await, 1);
+}
+
+#[tokio::test]
+async fn invalid_json_or_utf8_is_400_and_nothing_is_stored() {
+    let server = TestServer::spawn().await;
+    let cases: [(&str, &[u8], &str); 3] = [
+        (
+            "truncated JSON",
+            br#"{"sku":"book","quantity":"#,
+            "invalid_json",
+        ),
+        (
+            "trailing garbage",
+            br#"{"sku":"book","quantity":1} x"#,
+            "invalid_json",
+        ),
+        (
+            "invalid UTF-8",
+            b"{\"sku\":\"b\xffok\",\"quantity\":1}",
+            "invalid_utf8",
+        ),
+    ];
+    for (what, body, code) in cases {
+        let reply = Post::order("key-1", "")
+            .body(body.to_vec())
+            .send(server.addr)
+            .await;
+        assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{what}: {reply:?}");
+        assert_eq!(reply.error_code(), code, "{what}");
+    }
+    assert_nothing_happened(&server).await;
+}
+
+#[tokio::test]
+async fn deeply_nested_json_is_refused_and_the_server_keeps_serving() {
+    let server = TestServer::spawn().await;
+    let depth = 100_000;
+    let body = format!("{}{}", "[".repeat(depth), "]".repeat(depth));
+
+    let reply = Post::order("deep", "").body(body).send(server.addr).await;
+
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{reply:?}");
+    assert_eq!(reply.error_code(), "json_too_deep");
+    assert_nothing_happened(&server).await;
+    let next = post(server.addr, Some(SHOP_A), Some("after-deep"), BOOK, &[]).await;
+    assert_eq!(next.status, StatusCode::CREATED, "the server still serves");
+}
+
+#[tokio::test]
+async fn set_cookie_is_never_replayed_and_content_length_is_right() {
+    let server = TestServer::builder()
+        .layer(|layer| layer.with_replayed_header(http::header::SET_COOKIE))
+        .hook(hook(|_| async {
+            HookOutcome {
+                headers: vec![(
+                    http::header::SET_COOKIE,
+                    HeaderValue::from_static("session=first-client; HttpOnly"),
+                )],
+                ..HookOutcome::default()
+            }
+        }))
+        .spawn()
+        .await;
+
+    let first = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(
+        first.header("set-cookie"),
+        Some("session=first-client; HttpOnly"),
+        "the first response carries the handler's cookie"
+    );
+    first.assert_content_length_matches();
+
+    let replay = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
+    assert!(replay.replayed());
+    assert_eq!(
+        replay.header("set-cookie"),
+        None,
+        "a cookie is never replayed, even when allow-listed"
+    );
+    replay.assert_content_length_matches();
+    assert_eq!(replay.body, first.body);
+}
+
+#[tokio::test]
+async fn allow_listed_header_is_replayed_and_others_are_not() {
+    let cost = HeaderName::from_static("x-order-cost");
+    let server = TestServer::builder()
+        .layer({
+            let cost = cost.clone();
+            move |layer| layer.with_replayed_header(cost.clone())
+        })
+        .hook(hook(|_| async {
+            HookOutcome {
+                headers: vec![
+                    (
+                        HeaderName::from_static("x-order-cost"),
+                        HeaderValue::from_static("12.50"),
+                    ),
+                    (
+                        HeaderName::from_static("x-not-listed"),
+                        HeaderValue::from_static("1"),
+                    ),
+                ],
+                ..HookOutcome::default()
+            }
+        }))
+        .spawn()
+        .await;
+
+    let first = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
+    assert_eq!(first.header("x-order-cost"), Some("12.50"));
+    assert_eq!(first.header("x-not-listed"), Some("1"));
+
+    let replay = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.header("x-order-cost"), Some("12.50"));
+    assert_eq!(replay.header("x-not-listed"), None);
+    assert_eq!(replay.header("location"), first.header("location"));
+}
+
+#[tokio::test]
+async fn validation_error_is_not_saved_and_a_corrected_payload_succeeds() {
+    let server = TestServer::spawn().await;
+
+    let bad_quantity = post(
+        server.addr,
+        Some(SHOP_A),
+        Some("key-1"),
+        r#"{"sku":"book","quantity":0}"#,
+        &[],
+    )
+    .await;
+    assert_eq!(bad_quantity.status, StatusCode::BAD_REQUEST);
+    assert_eq!(bad_quantity.error_code(), "invalid_quantity");
+    let bad_sku = post(
+        server.addr,
+        Some(SHOP_A),
+        Some("key-1"),
+        r#"{"sku":"","quantity":1}"#,
+        &[],
+    )
+    .await;
+    assert_eq!(bad_sku.status, StatusCode::BAD_REQUEST);
+    assert_eq!(bad_sku.error_code(), "invalid_key_or_sku");
+    assert!(!bad_sku.replayed(), "the first 400 was not saved");
+    assert_eq!(server.record_count().await, 0);
+    assert_eq!(server.order_count().await, 0);
+
+    let fixed = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
+    assert_eq!(fixed.status, StatusCode::CREATED, "{fixed:?}");
+    assert!(!fixed.replayed());
+    assert_eq!(server.order_count().await, 1);
+    assert_eq!(server.app.handler_calls(), 3);
+}
+
+#[tokio::test]
+async fn tx_extractor_without_the_layer_is_500() {
+    let server = TestServer::spawn().await;
+
+    let reply = Post::order("key-1", BOOK)
+        .path("/unguarded/orders")
+        .send(server.addr)
+        .await;
+
+    assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(reply.error_code(), "idempotency_layer_missing");
+    assert_eq!(server.order_count().await, 0);
+    assert_eq!(server.record_count().await, 0);
+}
+
+#[tokio::test]
+async fn other_methods_pass_through() {
+    // GET is idempotent by itself: the layer lets it through without asking for a key (a
+    // handled request without a key would be 400; here axum's method fallback answers 405).
+    let server = TestServer::spawn().await;
+    let client: hyper_util::client::legacy::Client<_, http_body_util::Empty<bytes::Bytes>> =
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .build_http();
+    let request = http::Request::get(format!("{}/orders", server.base_url()))
+        .header("authorization", format!("Bearer {SHOP_A}"))
+        .body(http_body_util::Empty::new())
+        .expect("request");
+    let response = tokio::time::timeout(PATIENCE, client.request(request))
+        .await
+        .expect("in time")
+        .expect("response");
+    assert_eq!(response.status(), StatusCode::METHOD_NOT_ALLOWED);
+    assert_eq!(server.record_count().await, 0);
+}
