@@ -126,12 +126,6 @@ impl fmt::Debug for IdempotencyKey {
 }
 
 /// Prints the [redacted](IdempotencyKey::redacted) tag, never the key.
-impl fmt::Display for IdempotencyKey {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.redacted())
-    }
-}
-
 fn is_visible_ascii(byte: u8) -> bool {
     (0x21..=0x7E).contains(&byte)
 }
