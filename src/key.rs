@@ -303,14 +303,11 @@ mod tests {
     }
 
     #[test]
-    fn debug_and_display_do_not_leak_the_key() {
+    fn debug_does_not_leak_the_key() {
         let key = parse("super-secret-key-123456").expect("valid key");
         let debug = format!("{key:?}");
-        let display = key.to_string();
         assert!(!debug.contains("secret"), "{debug}");
-        assert!(!display.contains("secret"), "{display}");
         assert_eq!(debug, format!("IdempotencyKey({}, len 23)", key.redacted()));
-        assert_eq!(display, key.redacted());
     }
 
     #[test]
