@@ -5,9 +5,9 @@
 //! spellings name the same key. After unquoting, a key is 1 to `max_len` bytes of visible ASCII
 //! (`0x21..=0x7E`).
 //!
-//! A key is a capability: whoever holds it can replay the saved response. So neither `Debug` nor
-//! `Display` print it; they print [`IdempotencyKey::redacted`], a short non-reversible tag that is
-//! safe for logs.
+//! A key is a capability: whoever holds it can replay the saved response. So `Debug` does not print
+//! it (and there is no `Display`); it prints [`IdempotencyKey::redacted`], a short
+//! non-reversible tag that is safe for logs.
 //!
 //! ```
 //! use tower_idempotency::key::{IdempotencyKey, KeyError, DEFAULT_MAX_KEY_LEN};
@@ -33,7 +33,7 @@ pub const DEFAULT_MAX_KEY_LEN: usize = 128;
 
 /// A validated idempotency key.
 ///
-/// `Debug` and `Display` never print the key itself (it is a capability to replay a response):
+/// `Debug` never prints the key itself (it is a capability to replay a response):
 /// they print its [redacted](IdempotencyKey::redacted) tag. Use [`as_str`](IdempotencyKey::as_str)
 /// to get the key.
 #[derive(Clone, PartialEq, Eq, Hash)]

@@ -140,6 +140,68 @@ async fn multi_megabyte_streamed_upload_receives_the_413() {
     assert_too_large_and_nothing_stored(&server, &declared).await;
 }
 
+/// A naive client: writes the whole request (headers and a 5 MiB body) before it reads
+/// anything. It gets the 413 only if the server reads the rest of the body instead of
+/// closing the connection on it (which resets the connection under the client).
+async fn send_whole_then_read(server: &TestServer, chunked: bool) -> String {
+    const TOTAL: usize = 5 * 1024 * 1024;
+    let framing = if chunked {
+        "transfer-encoding: chunked".to_owned()
+    } else {
+        format!("content-length: {TOTAL}")
+    };
+    let mut raw = format!(
+        "POST /orders HTTP/1.1\r\nhost: {}\r\nauthorization: Bearer shop-a-token\r\n\
+         content-type: application/json\r\nidempotency-key: key-1\r\n{framing}\r\n\r\n",
+        server.addr
+    )
+    .into_bytes();
+    let chunk = vec![b' '; 64 * 1024];
+    for _ in 0..TOTAL / chunk.len() {
+        if chunked {
+            raw.extend_from_slice(format!("{:x}\r\n", chunk.len()).as_bytes());
+        }
+        raw.extend_from_slice(&chunk);
+        if chunked {
+            raw.extend_from_slice(b"\r\n");
+        }
+    }
+    if chunked {
+        raw.extend_from_slice(b"0\r\n\r\n");
+    }
+
+    let mut stream = tokio::net::TcpStream::connect(server.addr)
+        .await
+        .expect("connect");
+    let exchange = async {
+        stream.write_all(&raw).await?;
+        let mut response = Vec::new();
+        stream.read_to_end(&mut response).await?;
+        Ok::<_, std::io::Error>(response)
+    };
+    let response = tokio::time::timeout(PATIENCE, exchange)
+        .await
+        .expect("exchange in time")
+        .unwrap_or_else(|e| panic!("the client did not get a response: {e}"));
+    String::from_utf8_lossy(&response).into_owned()
+}
+
+#[tokio::test]
+async fn naive_client_sending_5_mib_before_reading_receives_the_413() {
+    let server = limited_server().await;
+    for chunked in [false, true] {
+        let response = send_whole_then_read(&server, chunked).await;
+        assert!(
+            response.starts_with("HTTP/1.1 413"),
+            "chunked={chunked}: {response:?}"
+        );
+        assert!(response.contains("payload_too_large"), "{response}");
+    }
+    assert_eq!(server.app.handler_calls(), 0);
+    assert_eq!(server.order_count().await, 0);
+    assert_eq!(server.record_count().await, 0);
+}
+
 #[tokio::test]
 async fn body_trickling_past_the_body_timeout_is_408() {
     const TIMEOUT: Duration = Duration::from_millis(300);
