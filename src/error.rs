@@ -140,6 +140,35 @@ impl Rejection {
         }
     }
 
+    /// The gRPC status code this rejection is answered with when the request is gRPC
+    /// (`content-type: application/grpc`).
+    pub fn grpc_code(&self) -> i32 {
+        // https://grpc.github.io/grpc/core/md_doc_statuscodes.html
+        const INVALID_ARGUMENT: i32 = 3;
+        const DEADLINE_EXCEEDED: i32 = 4;
+        const RESOURCE_EXHAUSTED: i32 = 8;
+        const FAILED_PRECONDITION: i32 = 9;
+        const INTERNAL: i32 = 13;
+        const UNAVAILABLE: i32 = 14;
+        const UNAUTHENTICATED: i32 = 16;
+        match self {
+            Rejection::MissingKey
+            | Rejection::DuplicateKeyHeader
+            | Rejection::InvalidKey(_)
+            | Rejection::BodyRead
+            | Rejection::InvalidPayload(_) => INVALID_ARGUMENT,
+            Rejection::MissingTenant => UNAUTHENTICATED,
+            Rejection::BodyTooLarge => RESOURCE_EXHAUSTED,
+            Rejection::BodyTimeout => DEADLINE_EXCEEDED,
+            Rejection::KeyReused => FAILED_PRECONDITION,
+            Rejection::Busy => UNAVAILABLE,
+            Rejection::HandlerPanicked
+            | Rejection::ResponseTooLarge
+            | Rejection::ResponseBody
+            | Rejection::Store(_) => INTERNAL,
+        }
+    }
+
     /// Whether the client may retry with the same key and the same payload.
     pub fn is_retryable(&self) -> bool {
         matches!(

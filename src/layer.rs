@@ -42,6 +42,8 @@ impl fmt::Display for Tenant {
 
 type TenantFn = dyn Fn(&request::Parts) -> Option<Arc<str>> + Send + Sync;
 type SaveFn = dyn Fn(StatusCode) -> bool + Send + Sync;
+type GrpcSaveFn = dyn Fn(i32) -> bool + Send + Sync;
+type FilterFn = dyn Fn(&request::Parts) -> bool + Send + Sync;
 type ResponderFn = dyn Fn(&Rejection, StatusCode) -> Response<Bytes> + Send + Sync;
 
 /// The configuration shared by every clone of the layer and its services.
@@ -51,6 +53,7 @@ pub(crate) struct Config {
     pub(crate) key_required: bool,
     pub(crate) max_key_len: usize,
     pub(crate) methods: Vec<Method>,
+    pub(crate) filter: Option<Arc<FilterFn>>,
     pub(crate) tenant: Arc<TenantFn>,
     pub(crate) body_limit: usize,
     pub(crate) drain_limit: usize,
@@ -62,6 +65,7 @@ pub(crate) struct Config {
     pub(crate) retention: Duration,
     pub(crate) conflict_status: StatusCode,
     pub(crate) save: Arc<SaveFn>,
+    pub(crate) grpc_save: Arc<GrpcSaveFn>,
     pub(crate) replayed_headers: Vec<HeaderName>,
     pub(crate) replayed_trailers: Vec<HeaderName>,
     pub(crate) error_responder: Arc<ResponderFn>,
@@ -137,6 +141,7 @@ impl<St> IdempotencyLayer<St> {
                 key_required: true,
                 max_key_len: DEFAULT_MAX_KEY_LEN,
                 methods: vec![Method::POST, Method::PATCH],
+                filter: None,
                 tenant: Arc::new(tenant_from_extensions),
                 body_limit: 1024 * 1024,
                 drain_limit: 8 * 1024 * 1024,
@@ -148,6 +153,7 @@ impl<St> IdempotencyLayer<St> {
                 retention: Duration::from_secs(24 * 3600),
                 conflict_status: StatusCode::CONFLICT,
                 save: Arc::new(|status: StatusCode| status.is_success()),
+                grpc_save: Arc::new(|code: i32| code == 0),
                 replayed_headers: vec![header::LOCATION, header::CONTENT_TYPE],
                 replayed_trailers: vec![
                     HeaderName::from_static("grpc-status"),
@@ -191,6 +197,24 @@ impl<St> IdempotencyLayer<St> {
     pub fn with_methods(self, methods: impl IntoIterator<Item = Method>) -> Self {
         let methods = methods.into_iter().collect();
         self.map_config(|c| c.methods = methods)
+    }
+
+    /// Which requests (of the handled methods) the layer handles; the others pass through
+    /// untouched. Default: all of them.
+    ///
+    /// Useful where the layer wraps more than one route, such as a tonic server whose
+    /// streaming RPCs must pass through (a stream cannot be replayed from a bounded buffer):
+    ///
+    /// ```
+    /// # fn example(layer: tower_idempotency::IdempotencyLayer<()>) {
+    /// let layer = layer.with_filter(|parts| parts.uri.path() == "/orders.Orders/CreateOrder");
+    /// # }
+    /// ```
+    pub fn with_filter<F>(self, filter: F) -> Self
+    where
+        F: Fn(&request::Parts) -> bool + Send + Sync + 'static,
+    {
+        self.map_config(|c| c.filter = Some(Arc::new(filter)))
     }
 
     /// How the tenant of a request is found. Return `None` for an unauthenticated request
@@ -285,6 +309,19 @@ impl<St> IdempotencyLayer<St> {
         F: Fn(StatusCode) -> bool + Send + Sync + 'static,
     {
         self.map_config(|c| c.save = Arc::new(policy))
+    }
+
+    /// Which gRPC responses are saved, by their `grpc-status` (a gRPC response is HTTP `200`
+    /// whatever its outcome, so its trailers decide). A response without `grpc-status` is never
+    /// saved. Applies to responses with `content-type: application/grpc`; the HTTP
+    /// [save policy](Self::with_save_policy) must also accept their status (`200`).
+    ///
+    /// Default: `0` (`OK`) only.
+    pub fn with_grpc_save_policy<F>(self, policy: F) -> Self
+    where
+        F: Fn(i32) -> bool + Send + Sync + 'static,
+    {
+        self.map_config(|c| c.grpc_save = Arc::new(policy))
     }
 
     /// Adds a response header to save and replay. `Location` and `Content-Type` always are;

@@ -186,17 +186,25 @@ where
         ReqB: Body<Data = Bytes> + Send + 'static,
         ReqB::Error: Into<BoxError>,
     {
-        if !self.config.methods.contains(request.method()) {
+        let (parts, body) = request.into_parts();
+        let handled = self.config.methods.contains(&parts.method)
+            && self
+                .config
+                .filter
+                .as_ref()
+                .is_none_or(|filter| filter(&parts));
+        let request = Request::from_parts(parts, body);
+        if !handled {
             return self.pass_through(request).await;
         }
         let key_headers = request.headers().get_all(IDEMPOTENCY_KEY).iter().count();
         if key_headers == 0 && !self.config.key_required {
             return self.pass_through(request).await;
         }
-        let version = request.version();
+        let wire = Wire::of(request.version(), request.headers());
         let checked = match check(&self.config, request, key_headers > 0, key_headers > 1).await {
             Ok(checked) => checked,
-            Err(rejection) => return Ok(self.reject(&rejection, version)),
+            Err(rejection) => return Ok(self.reject(&rejection, wire)),
         };
         let span = tracing::info_span!(
             "idempotency",
@@ -227,12 +235,12 @@ where
             scope,
             fingerprint,
         } = checked;
-        let version = parts.version;
+        let wire = Wire::of(parts.version, &parts.headers);
         let now = SystemTime::now();
 
         // Fast path: a completed record, read without waiting for the writer.
         match self.store.lookup(&scope, now).await {
-            Ok(Some(record)) => return Ok(self.answer_existing(&record, &fingerprint, version)),
+            Ok(Some(record)) => return Ok(self.answer_existing(&record, &fingerprint, wire)),
             Ok(None) => {}
             // The write path reads again, authoritatively; a failing read is only logged.
             Err(error) => tracing::warn!(%error, "idempotency fast-path lookup failed"),
@@ -244,10 +252,10 @@ where
             .await
         {
             Ok(Begin::Existing(record)) => {
-                return Ok(self.answer_existing(&record, &fingerprint, version))
+                return Ok(self.answer_existing(&record, &fingerprint, wire))
             }
             Ok(Begin::Reserved(transaction)) => transaction,
-            Err(error) => return Ok(self.store_failure(error, version)),
+            Err(error) => return Ok(self.store_failure(error, wire)),
         };
 
         parts.extensions.insert(transaction.handle());
@@ -283,7 +291,7 @@ where
             Err(_panic) => {
                 tracing::error!("handler panicked; idempotency transaction rolled back");
                 roll_back(transaction).await;
-                return Ok(self.reject(&Rejection::HandlerPanicked, version));
+                return Ok(self.reject(&Rejection::HandlerPanicked, wire));
             }
         };
 
@@ -296,7 +304,19 @@ where
             Captured::Failed(rejection) => {
                 tracing::warn!(%rejection, "response could not be captured; rolled back");
                 roll_back(transaction).await;
-                Ok(self.reject(&rejection, version))
+                Ok(self.reject(&rejection, wire))
+            }
+            Captured::Saveable(parts, body, trailers)
+                if is_grpc(&parts.headers)
+                    && !grpc_status(&parts.headers, trailers.as_ref())
+                        .is_some_and(|code| (self.config.grpc_save)(code)) =>
+            {
+                tracing::debug!("gRPC status not saveable; rolled back");
+                roll_back(transaction).await;
+                Ok(Response::from_parts(
+                    parts,
+                    ResponseBody::full(body, trailers),
+                ))
             }
             Captured::Saveable(parts, body, trailers) => {
                 let saved = SavedResponse {
@@ -321,7 +341,7 @@ where
                             ResponseBody::full(body, trailers),
                         ))
                     }
-                    Err(error) => Ok(self.store_failure(error, version)),
+                    Err(error) => Ok(self.store_failure(error, wire)),
                 }
             }
         }
@@ -331,28 +351,31 @@ where
         &self,
         record: &StoredRecord,
         fingerprint: &crate::fingerprint::Fingerprint,
-        version: Version,
+        wire: Wire,
     ) -> Response<ResponseBody<ResB>> {
         if record.fingerprint.matches(fingerprint) {
             tracing::debug!(status = %record.response.status, "replayed saved response");
             record.response.replay()
         } else {
             tracing::info!("idempotency key reused with a different payload");
-            self.reject(&Rejection::KeyReused, version)
+            self.reject(&Rejection::KeyReused, wire)
         }
     }
 
-    fn store_failure(&self, error: Error, version: Version) -> Response<ResponseBody<ResB>> {
+    fn store_failure(&self, error: Error, wire: Wire) -> Response<ResponseBody<ResB>> {
         if error.is_busy() {
             tracing::warn!(%error, "idempotency store busy; answered 503");
-            self.reject(&Rejection::Busy, version)
+            self.reject(&Rejection::Busy, wire)
         } else {
             tracing::error!(%error, "idempotency store failed; rolled back");
-            self.reject(&Rejection::Store(Arc::new(error)), version)
+            self.reject(&Rejection::Store(Arc::new(error)), wire)
         }
     }
 
-    fn reject(&self, rejection: &Rejection, version: Version) -> Response<ResponseBody<ResB>> {
+    fn reject(&self, rejection: &Rejection, wire: Wire) -> Response<ResponseBody<ResB>> {
+        if wire.grpc {
+            return grpc_rejection(rejection);
+        }
         let status = self.config.status_of(rejection);
         let mut response = (self.config.error_responder)(rejection, status);
         let headers = response.headers_mut();
@@ -362,7 +385,7 @@ where
         }
         // The rest of an oversized body was not read: the connection cannot be reused.
         if matches!(rejection, Rejection::BodyTooLarge | Rejection::BodyTimeout)
-            && version <= Version::HTTP_11
+            && wire.version <= Version::HTTP_11
         {
             headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
         }
@@ -416,6 +439,60 @@ where
         },
         fingerprint,
     })
+}
+
+/// What the answer's framing depends on: the HTTP version, and whether the client speaks gRPC.
+#[derive(Clone, Copy, Debug)]
+struct Wire {
+    version: Version,
+    grpc: bool,
+}
+
+impl Wire {
+    fn of(version: Version, headers: &HeaderMap) -> Self {
+        Wire {
+            version,
+            grpc: is_grpc(headers),
+        }
+    }
+}
+
+/// Whether a message's content type is gRPC (`application/grpc`, `application/grpc+proto`...).
+pub(crate) fn is_grpc(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ct| {
+            let ct = ct.trim_start();
+            ct.len() >= 16
+                && ct[..16].eq_ignore_ascii_case("application/grpc")
+                && matches!(ct.as_bytes().get(16), None | Some(b'+' | b';'))
+        })
+}
+
+/// The `grpc-status` of a response: in the trailers, or in the headers of a trailers-only
+/// response.
+fn grpc_status(headers: &HeaderMap, trailers: Option<&HeaderMap>) -> Option<i32> {
+    let name = HeaderName::from_static("grpc-status");
+    trailers
+        .and_then(|t| t.get(&name))
+        .or_else(|| headers.get(&name))
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// A layer rejection as a gRPC client expects it: HTTP 200, trailers-only, with `grpc-status`
+/// and `grpc-message` in the headers.
+fn grpc_rejection<B>(rejection: &Rejection) -> Response<ResponseBody<B>> {
+    let mut response = Response::new(ResponseBody::full(Bytes::new(), None));
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/grpc"),
+    );
+    headers.insert("grpc-status", HeaderValue::from(rejection.grpc_code()));
+    headers.insert("grpc-message", HeaderValue::from_static(rejection.code()));
+    response
 }
 
 enum Captured<B> {
