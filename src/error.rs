@@ -27,6 +27,9 @@ pub enum Error {
     /// back), or by a statement the handler ran (`COMMIT`, `ROLLBACK`).
     #[error("the idempotency transaction was aborted: {0}")]
     TransactionAborted(&'static str),
+    /// The commit failed (for example, the disk is full); nothing of the request was kept.
+    #[error("the commit failed: {0}")]
+    CommitFailed(String),
     /// A closure run on the store's connection panicked.
     #[error("a closure run on the store connection panicked")]
     Panicked,

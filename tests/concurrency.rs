@@ -203,3 +203,210 @@ async fn store_busy_past_the_lock_timeout_is_503_with_retry_after() {
     assert_eq!(server.order_count().await, 2);
     assert_eq!(server.record_count().await, 2);
 }
+
+#[tokio::test]
+async fn replay_does_not_wait_for_a_writer_in_flight() {
+    let started = Arc::new(Notify::new());
+    let release = Arc::new(Notify::new());
+    let server = TestServer::builder()
+        .layer(|layer| layer.with_lock_timeout(Duration::from_millis(200)))
+        .hook({
+            let (started, release) = (started.clone(), release.clone());
+            hook(move |call| {
+                let (started, release) = (started.clone(), release.clone());
+                async move {
+                    if call.key.as_deref() == Some("holder") {
+                        started.notify_one();
+                        release.notified().await;
+                    }
+                    HookOutcome::default()
+                }
+            })
+        })
+        .spawn()
+        .await;
+    let first = post(server.addr, Some(SHOP_A), Some("done"), BOOK, &[]).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let holder = tokio::spawn({
+        let addr = server.addr;
+        async move { post(addr, Some(SHOP_A), Some("holder"), BOOK, &[]).await }
+    });
+    tokio::time::timeout(PATIENCE, started.notified())
+        .await
+        .expect("the holder's handler started");
+
+    // The write lock is held past the lock timeout; a completed key still replays, and a
+    // reused key still gets its 409, from the read-only fast path.
+    let replay = post(server.addr, Some(SHOP_A), Some("done"), BOOK, &[]).await;
+    let conflict = post(
+        server.addr,
+        Some(SHOP_A),
+        Some("done"),
+        r#"{"sku":"pen","quantity":1}"#,
+        &[],
+    )
+    .await;
+    release.notify_one();
+
+    assert_eq!(replay.status, StatusCode::CREATED, "{replay:?}");
+    assert!(replay.replayed());
+    assert_eq!(replay.body, first.body);
+    assert_eq!(conflict.status, StatusCode::CONFLICT, "{conflict:?}");
+    assert_eq!(holder.await.expect("holder").status, StatusCode::CREATED);
+}
+
+#[tokio::test]
+async fn another_process_holding_the_write_lock_is_503_then_retry_succeeds() {
+    let server = TestServer::builder()
+        .layer(|layer| layer.with_lock_timeout(Duration::from_millis(300)))
+        .spawn()
+        .await;
+    let first = post(server.addr, Some(SHOP_A), Some("done"), BOOK, &[]).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+
+    // Another process: its own connection to the same file, holding SQLite's write lock.
+    let path = server.db_path.clone();
+    let (locked_tx, locked_rx) = tokio::sync::oneshot::channel::<()>();
+    let (unlock_tx, unlock_rx) = std::sync::mpsc::channel::<()>();
+    let other_process = std::thread::spawn(move || {
+        let conn = rusqlite::Connection::open(path).expect("open");
+        conn.execute_batch(
+            "BEGIN IMMEDIATE; INSERT INTO orders (tenant_id, sku, quantity) \
+             VALUES ('shop-b', 'other-process', 1);",
+        )
+        .expect("take the write lock");
+        let _ = locked_tx.send(());
+        let _ = unlock_rx.recv_timeout(PATIENCE);
+        conn.execute_batch("COMMIT").expect("commit");
+    });
+    locked_rx.await.expect("the other process holds the lock");
+
+    let busy = post(server.addr, Some(SHOP_A), Some("new-key"), BOOK, &[]).await;
+    let replay = post(server.addr, Some(SHOP_A), Some("done"), BOOK, &[]).await;
+    let _ = unlock_tx.send(());
+    other_process.join().expect("other process");
+
+    assert_eq!(busy.status, StatusCode::SERVICE_UNAVAILABLE, "{busy:?}");
+    assert!(busy.header("retry-after").is_some(), "{busy:?}");
+    assert!(!record_exists(&server.store, "shop-a", "create_order", "new-key").await);
+    assert!(
+        replay.replayed(),
+        "replays do not wait for the writer: {replay:?}"
+    );
+
+    let retry = post(server.addr, Some(SHOP_A), Some("new-key"), BOOK, &[]).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
+    assert!(!retry.replayed());
+    assert_eq!(
+        server.order_count().await,
+        3,
+        "ours, the other process's, the retry's"
+    );
+}
+
+#[tokio::test]
+async fn duplicate_waiting_past_the_lock_timeout_is_503_then_replays() {
+    let started = Arc::new(Notify::new());
+    let release = Arc::new(Notify::new());
+    let server = TestServer::builder()
+        .layer(|layer| layer.with_lock_timeout(Duration::from_millis(200)))
+        .hook({
+            let (started, release) = (started.clone(), release.clone());
+            hook(move |_| {
+                let (started, release) = (started.clone(), release.clone());
+                async move {
+                    started.notify_one();
+                    release.notified().await;
+                    HookOutcome::default()
+                }
+            })
+        })
+        .spawn()
+        .await;
+    let original = tokio::spawn({
+        let addr = server.addr;
+        async move { post(addr, Some(SHOP_A), Some("slow"), BOOK, &[]).await }
+    });
+    tokio::time::timeout(PATIENCE, started.notified())
+        .await
+        .expect("the original's handler started");
+
+    let waited = post(server.addr, Some(SHOP_A), Some("slow"), BOOK, &[]).await;
+
+    assert_eq!(waited.status, StatusCode::SERVICE_UNAVAILABLE, "{waited:?}");
+    assert!(waited.header("retry-after").is_some());
+    assert_eq!(
+        server.app.handler_calls(),
+        1,
+        "the duplicate did not run the handler"
+    );
+
+    release.notify_one();
+    let original = original.await.expect("original");
+    assert_eq!(original.status, StatusCode::CREATED);
+    let retried = post(server.addr, Some(SHOP_A), Some("slow"), BOOK, &[]).await;
+    assert!(retried.replayed(), "{retried:?}");
+    assert_eq!(retried.body, original.body);
+    assert_eq!(server.order_count().await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn when_the_original_fails_a_waiting_duplicate_runs_afresh() {
+    let gate = Arc::new(Notify::new());
+    let first = Arc::new(AtomicBool::new(true));
+    let server = TestServer::builder()
+        .layer(|layer| layer.with_lock_timeout(Duration::from_secs(30)))
+        .hook({
+            let gate = gate.clone();
+            hook(move |_| {
+                let gate = gate.clone();
+                let fail = first.swap(false, Ordering::SeqCst);
+                async move {
+                    if !fail {
+                        return HookOutcome::default();
+                    }
+                    gate.notified().await;
+                    HookOutcome {
+                        fail_with: Some(StatusCode::INTERNAL_SERVER_ERROR),
+                        ..HookOutcome::default()
+                    }
+                }
+            })
+        })
+        .spawn()
+        .await;
+    let opener = {
+        let app = server.app.clone();
+        let gate = gate.clone();
+        tokio::spawn(async move {
+            let both = app.wait_for_arrivals(2, PATIENCE).await;
+            gate.notify_one();
+            both
+        })
+    };
+
+    let replies = send_all_at_once(&server, vec![("dup".to_owned(), BOOK.to_owned()); 2]).await;
+
+    assert!(
+        opener.await.expect("opener"),
+        "both were in flight together"
+    );
+    let mut statuses: Vec<_> = replies.iter().map(|r| r.status).collect();
+    statuses.sort();
+    assert_eq!(
+        statuses,
+        vec![StatusCode::CREATED, StatusCode::INTERNAL_SERVER_ERROR],
+        "{replies:?}"
+    );
+    assert!(
+        replies.iter().all(|r| !r.replayed()),
+        "the failure was not saved"
+    );
+    assert_eq!(server.app.handler_calls(), 2);
+    assert_eq!(
+        server.order_count().await,
+        1,
+        "only the successful attempt's order"
+    );
+    assert_eq!(server.record_count().await, 1);
+}

@@ -560,3 +560,124 @@ async fn other_methods_pass_through() {
     assert_eq!(response.status(), StatusCode::METHOD_NOT_ALLOWED);
     assert_eq!(server.record_count().await, 0);
 }
+
+#[tokio::test]
+async fn response_too_large_to_save_is_500_and_rolled_back() {
+    // `{"order_id":1}` is 14 bytes: it cannot be saved, so it must not be committed either.
+    let server = TestServer::builder()
+        .layer(|layer| layer.with_response_limit(8))
+        .spawn()
+        .await;
+
+    let reply = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
+
+    assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR, "{reply:?}");
+    assert_eq!(reply.error_code(), "response_too_large_to_save");
+    assert_eq!(server.app.handler_calls(), 1);
+    assert_eq!(server.order_count().await, 0, "the order was rolled back");
+    assert_eq!(server.record_count().await, 0);
+}
+
+#[tokio::test]
+async fn widened_save_policy_commits_and_replays_a_422() {
+    let server = TestServer::builder()
+        .layer(|layer| layer.with_save_policy(|status| status.is_success() || status == 422))
+        .hook(hook(|call| async move {
+            HookOutcome {
+                fail_with: (call.sku == "sold-out").then_some(StatusCode::UNPROCESSABLE_ENTITY),
+                ..HookOutcome::default()
+            }
+        }))
+        .spawn()
+        .await;
+    let sold_out = r#"{"sku":"sold-out","quantity":1}"#;
+
+    let first = post(server.addr, Some(SHOP_A), Some("key-1"), sold_out, &[]).await;
+    assert_eq!(first.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(!first.replayed());
+    // A saved response commits the transaction, with whatever the handler wrote.
+    assert_eq!(server.order_count().await, 1);
+    assert_eq!(server.record_count().await, 1);
+
+    let again = post(server.addr, Some(SHOP_A), Some("key-1"), sold_out, &[]).await;
+    assert_eq!(again.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(again.replayed(), "the 422 is the key's final answer");
+    assert_eq!(again.body, first.body);
+    assert_eq!(server.app.handler_calls(), 1);
+
+    // Still not saved: a 400 from validation.
+    let invalid = r#"{"sku":"book","quantity":0}"#;
+    let bad = post(server.addr, Some(SHOP_A), Some("key-2"), invalid, &[]).await;
+    assert_eq!(bad.status, StatusCode::BAD_REQUEST);
+    assert!(!record_exists(&server.store, "shop-a", "create_order", "key-2").await);
+}
+
+#[tokio::test]
+async fn json_content_type_parameters_and_case_do_not_matter() {
+    let server = TestServer::spawn().await;
+
+    let first = Post::order("key-1", r#"{"sku":"book","quantity":1}"#)
+        .send(server.addr)
+        .await;
+    let second = Post::order("key-1", r#"{ "quantity" : 1 , "sku" : "book" }"#)
+        .content_type(Some("Application/JSON; charset=utf-8"))
+        .send(server.addr)
+        .await;
+
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(second.replayed(), "{second:?}");
+    assert_eq!(server.order_count().await, 1);
+}
+
+#[tokio::test]
+async fn non_json_bodies_are_fingerprinted_by_their_exact_bytes() {
+    let server = TestServer::spawn().await;
+    let note = |body: &'static str| {
+        Post::order("note-1", body)
+            .path("/notes")
+            .content_type(Some("text/plain"))
+    };
+
+    let first = note("hello").send(server.addr).await;
+    assert_eq!(first.status, StatusCode::OK);
+    assert!(!first.replayed());
+    let same = note("hello").send(server.addr).await;
+    assert!(same.replayed(), "{same:?}");
+    assert_eq!(same.body, "hello");
+    let spaced = note("hello ").send(server.addr).await;
+    assert_eq!(spaced.status, StatusCode::CONFLICT, "{spaced:?}");
+    assert_eq!(server.app.note_calls(), 1);
+}
+
+#[tokio::test]
+async fn http2_clients_get_the_same_contract() {
+    let server = TestServer::builder()
+        .layer(|layer| layer.with_body_limit(1024))
+        .spawn()
+        .await;
+
+    let first = Post::order("key-1", BOOK).send_http2(server.addr).await;
+    let replay = Post::order("key-1", BOOK).send_http2(server.addr).await;
+    let conflict = Post::order("key-1", r#"{"sku":"pen","quantity":1}"#)
+        .send_http2(server.addr)
+        .await;
+    let too_large = Post::order("key-2", "")
+        .body(vec![b' '; 64 * 1024])
+        .send_http2(server.addr)
+        .await;
+
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    assert!(!first.replayed());
+    assert_eq!(replay.status, StatusCode::CREATED);
+    assert!(replay.replayed());
+    assert_eq!(replay.body, first.body);
+    assert_eq!(replay.header("location"), first.header("location"));
+    assert_eq!(conflict.status, StatusCode::CONFLICT);
+    assert_eq!(
+        too_large.status,
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "{too_large:?}"
+    );
+    assert_eq!(server.order_count().await, 1);
+    assert_eq!(server.record_count().await, 1);
+}

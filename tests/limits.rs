@@ -209,14 +209,16 @@ async fn body_trickling_past_the_body_timeout_is_408() {
         .layer(|layer| layer.with_body_timeout(TIMEOUT))
         .spawn()
         .await;
+    // One byte every 50 ms, for as long as the request lasts: the connection is never idle
+    // for long, but the whole body takes forever.
     let (sender, body) = ChannelBody::new();
-    sender
-        .send(Bytes::from_static(br#"{"sku":"bo"#))
-        .await
-        .expect("first chunk");
+    let trickle = tokio::spawn(async move {
+        while sender.send(Bytes::from_static(b" ")).await.is_ok() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    });
     let started = Instant::now();
 
-    // The rest never comes while the request is in flight (`sender` is kept alive).
     let reply = Post::order("key-1", "")
         .send_streaming(server.addr, body)
         .await;
@@ -226,7 +228,7 @@ async fn body_trickling_past_the_body_timeout_is_408() {
     assert_eq!(reply.error_code(), "request_body_timeout");
     assert_eq!(server.app.handler_calls(), 0);
     assert_eq!(server.record_count().await, 0);
-    drop(sender);
+    trickle.abort();
 
     // A body that arrives in time, with the same key, is a new request.
     let reply = Post::order("key-1", r#"{"sku":"book","quantity":1}"#)

@@ -567,6 +567,26 @@ impl Post {
         send(self.request(addr, Full::new(self.body.clone()))).await
     }
 
+    /// Sends it over HTTP/2 (prior knowledge, h2c) with a fresh client.
+    pub async fn send_http2(&self, addr: SocketAddr) -> Reply {
+        let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new())
+            .http2_only(true)
+            .build_http();
+        let request = self.request(addr, Full::new(self.body.clone()));
+        let response = tokio::time::timeout(PATIENCE, client.request(request))
+            .await
+            .expect("response in time")
+            .expect("response");
+        assert_eq!(response.version(), http::Version::HTTP_2);
+        let (parts, body) = response.into_parts();
+        let body = body.collect().await.expect("response body").to_bytes();
+        Reply {
+            status: parts.status,
+            headers: parts.headers,
+            body,
+        }
+    }
+
     /// Sends it with a streamed body (chunked unless a `content-length` header was added).
     pub async fn send_streaming(&self, addr: SocketAddr, body: ChannelBody) -> Reply {
         send(self.request(addr, body)).await
@@ -724,9 +744,4 @@ pub async fn execute(store: &SqliteStore, sql: &'static str) {
         .write(move |tx| tx.execute_batch(sql))
         .await
         .expect("execute");
-}
-
-/// A JSON order body.
-pub fn order_body(sku: &str, quantity: i64) -> String {
-    serde_json::json!({ "sku": sku, "quantity": quantity }).to_string()
 }

@@ -1,0 +1,285 @@
+//! The store contract, written once as generic functions over [`IdempotencyStore`] and run
+//! against every backend by `store_contract_tests!` (today: SQLite in a temp dir).
+//!
+//! These check the verbs the flow relies on: reserve, commit, roll back (explicitly or by
+//! drop), the scope staying reserved until then, bounded waiting, expiry and purge.
+
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
+use http::header::{self, HeaderName};
+use http::{HeaderValue, StatusCode};
+use tower_idempotency::fingerprint::Fingerprint;
+use tower_idempotency::response::SavedResponse;
+use tower_idempotency::store::{
+    Begin, IdempotencyStore, NewRecord, Scope, StoreTransaction, StoredRecord,
+};
+use tower_idempotency::IdempotencyKey;
+
+const LOCK_TIMEOUT: Duration = Duration::from_secs(5);
+const HOUR: Duration = Duration::from_secs(3600);
+
+fn scope(tenant: &str, operation: &str, key: &str) -> Scope {
+    Scope {
+        tenant: tenant.into(),
+        operation: operation.into(),
+        key: IdempotencyKey::parse(key.as_bytes(), 128).expect("valid key"),
+    }
+}
+
+fn record(now: SystemTime, seed: u8) -> NewRecord {
+    NewRecord {
+        fingerprint: Fingerprint::new(1, [seed; 32]),
+        response: SavedResponse {
+            status: StatusCode::CREATED,
+            headers: vec![
+                (header::LOCATION, HeaderValue::from_static("/orders/7")),
+                (
+                    header::CONTENT_TYPE,
+                    HeaderValue::from_static("application/json"),
+                ),
+            ],
+            body: Bytes::from(format!("{{\"order_id\":{seed}}}")),
+            trailers: Some(vec![(
+                HeaderName::from_static("grpc-status"),
+                HeaderValue::from_static("0"),
+            )]),
+        },
+        created_at: now,
+        expires_at: now + HOUR,
+    }
+}
+
+async fn reserve<S: IdempotencyStore>(store: &S, scope: &Scope, now: SystemTime) -> S::Transaction {
+    match store.begin(scope, LOCK_TIMEOUT, now).await.expect("begin") {
+        Begin::Reserved(tx) => tx,
+        Begin::Existing(record) => panic!("expected a reservation, found {record:?}"),
+    }
+}
+
+async fn existing<S: IdempotencyStore>(store: &S, scope: &Scope, now: SystemTime) -> StoredRecord {
+    match store.begin(scope, LOCK_TIMEOUT, now).await.expect("begin") {
+        Begin::Existing(record) => record,
+        Begin::Reserved(_) => panic!("expected the existing record, got a reservation"),
+    }
+}
+
+fn assert_same_record(stored: &StoredRecord, saved: &NewRecord) {
+    assert!(stored.fingerprint.matches(&saved.fingerprint));
+    assert_eq!(stored.response, saved.response);
+    let millis = |t: SystemTime| {
+        t.duration_since(SystemTime::UNIX_EPOCH)
+            .expect("after epoch")
+            .as_millis()
+    };
+    assert_eq!(millis(stored.expires_at), millis(saved.expires_at));
+    assert_eq!(millis(stored.created_at), millis(saved.created_at));
+}
+
+async fn commit_saves_the_record<S: IdempotencyStore>(store: S) {
+    let now = SystemTime::now();
+    let scope = scope("shop-a", "create_order", "key-1");
+    let tx = reserve(&store, &scope, now).await;
+    assert!(
+        store.lookup(&scope, now).await.expect("lookup").is_none(),
+        "an uncommitted record is invisible"
+    );
+    let saved = record(now, 1);
+
+    tx.commit(saved.clone()).await.expect("commit");
+
+    let found = store.lookup(&scope, now).await.expect("lookup");
+    assert_same_record(&found.expect("committed record"), &saved);
+    assert_same_record(&existing(&store, &scope, now).await, &saved);
+}
+
+async fn rollback_leaves_nothing<S: IdempotencyStore>(store: S) {
+    let now = SystemTime::now();
+    let scope = scope("shop-a", "create_order", "key-1");
+
+    reserve(&store, &scope, now)
+        .await
+        .rollback()
+        .await
+        .expect("rollback");
+
+    assert!(store.lookup(&scope, now).await.expect("lookup").is_none());
+    // The scope is free again.
+    reserve(&store, &scope, now)
+        .await
+        .commit(record(now, 2))
+        .await
+        .expect("commit");
+}
+
+async fn dropping_the_transaction_rolls_back<S: IdempotencyStore>(store: S) {
+    let now = SystemTime::now();
+    let scope = scope("shop-a", "create_order", "key-1");
+
+    drop(reserve(&store, &scope, now).await);
+
+    // Not left open: the next begin gets the lock (well within the timeout) and the scope.
+    let tx = reserve(&store, &scope, now).await;
+    assert!(store.lookup(&scope, now).await.expect("lookup").is_none());
+    tx.rollback().await.expect("rollback");
+}
+
+async fn scope_stays_reserved_until_commit<S: IdempotencyStore>(store: S) {
+    let now = SystemTime::now();
+    let scope = scope("shop-a", "create_order", "key-1");
+    let tx = reserve(&store, &scope, now).await;
+
+    // A duplicate begins while the first is open: it must end up with the committed record,
+    // never with a reservation of its own.
+    let mut duplicate = tokio::spawn({
+        let (store, scope) = (store.clone(), scope.clone());
+        async move { existing(&store, &scope, now).await }
+    });
+    assert!(
+        tokio::time::timeout(Duration::from_millis(50), &mut duplicate)
+            .await
+            .is_err(),
+        "the duplicate waits while the scope is reserved"
+    );
+    let saved = record(now, 3);
+    tx.commit(saved.clone()).await.expect("commit");
+
+    assert_same_record(&duplicate.await.expect("duplicate"), &saved);
+}
+
+async fn begin_past_the_lock_timeout_is_busy<S: IdempotencyStore>(store: S) {
+    let now = SystemTime::now();
+    let held = reserve(&store, &scope("shop-a", "create_order", "key-1"), now).await;
+
+    let other = scope("shop-a", "create_order", "key-2");
+    let started = std::time::Instant::now();
+    let outcome = store.begin(&other, Duration::from_millis(100), now).await;
+
+    match outcome {
+        Err(error) => assert!(error.is_busy(), "{error}"),
+        Ok(_) => panic!("expected Busy while another transaction holds the lock"),
+    }
+    assert!(started.elapsed() < LOCK_TIMEOUT, "the wait was bounded");
+    held.rollback().await.expect("rollback");
+    reserve(&store, &other, now)
+        .await
+        .rollback()
+        .await
+        .expect("rollback");
+}
+
+async fn scopes_are_independent<S: IdempotencyStore>(store: S) {
+    let now = SystemTime::now();
+    let base = scope("shop-a", "create_order", "key-1");
+    reserve(&store, &base, now)
+        .await
+        .commit(record(now, 4))
+        .await
+        .expect("commit");
+
+    for other in [
+        scope("shop-b", "create_order", "key-1"),
+        scope("shop-a", "refund_order", "key-1"),
+        scope("shop-a", "create_order", "key-2"),
+    ] {
+        assert!(store.lookup(&other, now).await.expect("lookup").is_none());
+        reserve(&store, &other, now)
+            .await
+            .rollback()
+            .await
+            .expect("rollback");
+    }
+}
+
+async fn expired_record_is_absent_and_replaced<S: IdempotencyStore>(store: S) {
+    let t0 = SystemTime::now();
+    let later = t0 + 2 * HOUR;
+    let scope = scope("shop-a", "create_order", "key-1");
+    reserve(&store, &scope, t0)
+        .await
+        .commit(record(t0, 5))
+        .await
+        .expect("commit");
+
+    assert!(store.lookup(&scope, later).await.expect("lookup").is_none());
+    let replacement = record(later, 6);
+    reserve(&store, &scope, later)
+        .await
+        .commit(replacement.clone())
+        .await
+        .expect("commit over an expired record");
+
+    let found = store.lookup(&scope, later).await.expect("lookup");
+    assert_same_record(&found.expect("replacement"), &replacement);
+}
+
+async fn purge_deletes_expired_records_in_batches<S: IdempotencyStore>(store: S) {
+    let t0 = SystemTime::now();
+    for k in 0..5 {
+        let scope = scope("shop-a", "create_order", &format!("key-{k}"));
+        reserve(&store, &scope, t0)
+            .await
+            .commit(record(t0, k))
+            .await
+            .expect("commit");
+    }
+    // One record that lives longer.
+    let long = scope("shop-a", "create_order", "long");
+    let mut long_record = record(t0, 9);
+    long_record.expires_at = t0 + 10 * HOUR;
+    reserve(&store, &long, t0)
+        .await
+        .commit(long_record)
+        .await
+        .expect("commit");
+
+    assert_eq!(store.purge_expired(t0, 2).await.expect("purge"), 0);
+    let later = t0 + 2 * HOUR;
+    let mut deleted = Vec::new();
+    for _ in 0..4 {
+        deleted.push(store.purge_expired(later, 2).await.expect("purge"));
+    }
+    assert_eq!(deleted, vec![2, 2, 1, 0]);
+    assert!(store.lookup(&long, later).await.expect("lookup").is_some());
+}
+
+macro_rules! store_contract_tests {
+    ($backend:ident, $make:expr) => {
+        mod $backend {
+            use super::*;
+
+            store_contract_tests!(@tests $make;
+                commit_saves_the_record,
+                rollback_leaves_nothing,
+                dropping_the_transaction_rolls_back,
+                scope_stays_reserved_until_commit,
+                begin_past_the_lock_timeout_is_busy,
+                scopes_are_independent,
+                expired_record_is_absent_and_replaced,
+                purge_deletes_expired_records_in_batches,
+            );
+        }
+    };
+    (@tests $make:expr; $($name:ident),* $(,)?) => {
+        $(
+            #[tokio::test]
+            async fn $name() {
+                let (store, _guard) = $make.await;
+                super::$name(store).await;
+            }
+        )*
+    };
+}
+
+async fn sqlite_store() -> (
+    tower_idempotency::store::sqlite::SqliteStore,
+    tempfile::TempDir,
+) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let store = tower_idempotency::store::sqlite::SqliteStore::open(dir.path().join("store.db"))
+        .await
+        .expect("open");
+    (store, dir)
+}
+
+store_contract_tests!(sqlite, sqlite_store());
