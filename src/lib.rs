@@ -53,6 +53,9 @@
 //!
 //! - `sqlite` (default): [`store::sqlite::SqliteStore`].
 //! - `axum`: the [`extract::Tx`] extractor for the transaction handle.
+//! - `tonic`: a wrapped tonic service is a `NamedService`, so it can be added on its own.
+//! - `client`: [`client::RetryLayer`], the client half: adds an `Idempotency-Key`, buffers the
+//!   body and retries with the same key and bytes.
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations)]
@@ -60,6 +63,8 @@
 #![cfg_attr(docsrs, feature(doc_auto_cfg))]
 
 pub mod body;
+#[cfg(feature = "client")]
+pub mod client;
 mod error;
 #[cfg(feature = "axum")]
 pub mod extract;

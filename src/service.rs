@@ -374,7 +374,7 @@ where
 
     fn reject(&self, rejection: &Rejection, wire: Wire) -> Response<ResponseBody<ResB>> {
         if wire.grpc {
-            return grpc_rejection(rejection);
+            return grpc_rejection(rejection, self.config.retry_after);
         }
         let status = self.config.status_of(rejection);
         let mut response = (self.config.error_responder)(rejection, status);
@@ -482,8 +482,9 @@ fn grpc_status(headers: &HeaderMap, trailers: Option<&HeaderMap>) -> Option<i32>
 }
 
 /// A layer rejection as a gRPC client expects it: HTTP 200, trailers-only, with `grpc-status`
-/// and `grpc-message` in the headers.
-fn grpc_rejection<B>(rejection: &Rejection) -> Response<ResponseBody<B>> {
+/// and `grpc-message` in the headers. A busy store also says when to retry, as gRPC retry
+/// policies read it (`grpc-retry-pushback-ms`, gRFC A6).
+fn grpc_rejection<B>(rejection: &Rejection, retry_after: Duration) -> Response<ResponseBody<B>> {
     let mut response = Response::new(ResponseBody::full(Bytes::new(), None));
     let headers = response.headers_mut();
     headers.insert(
@@ -492,7 +493,18 @@ fn grpc_rejection<B>(rejection: &Rejection) -> Response<ResponseBody<B>> {
     );
     headers.insert("grpc-status", HeaderValue::from(rejection.grpc_code()));
     headers.insert("grpc-message", HeaderValue::from_static(rejection.code()));
+    if matches!(rejection, Rejection::Busy) {
+        let millis = u64::try_from(retry_after.as_millis()).unwrap_or(u64::MAX);
+        headers.insert("grpc-retry-pushback-ms", HeaderValue::from(millis));
+    }
     response
+}
+
+/// Lets a wrapped tonic service be added on its own (`Server::add_service`), keeping the
+/// server's other services out of the layer.
+#[cfg(feature = "tonic")]
+impl<S: tonic::server::NamedService, St> tonic::server::NamedService for Idempotency<S, St> {
+    const NAME: &'static str = S::NAME;
 }
 
 enum Captured<B> {

@@ -422,6 +422,11 @@ impl SqliteStore {
         &self.shared.path
     }
 
+    /// How many requests are waiting for the writer right now (a gauge for metrics).
+    pub fn writers_waiting(&self) -> usize {
+        self.shared.queued.load(Ordering::Acquire)
+    }
+
     /// Runs `f` on a read-only connection, off the async executor. Use it for reads of your
     /// own tables (in WAL mode they do not wait for the writer).
     pub async fn read<T, F>(&self, f: F) -> Result<T, Error>
@@ -443,9 +448,10 @@ impl SqliteStore {
         F: FnOnce(&rusqlite::Transaction<'_>) -> rusqlite::Result<T> + Send + 'static,
         T: Send + 'static,
     {
-        let _guard = self.shared.lock_writer().await;
+        let (_guard, ticket) = self.shared.lock_writer().await;
         self.shared
             .call(move |writer| {
+                drop(ticket);
                 writer.settle();
                 writer.conn.busy_timeout(STANDALONE_BUSY_TIMEOUT)?;
                 let tx = writer
@@ -456,6 +462,15 @@ impl SqliteStore {
                 Ok(value)
             })
             .await
+    }
+}
+
+/// A place in the writer's queue, given up when dropped.
+struct QueueTicket(Arc<AtomicUsize>);
+
+impl Drop for QueueTicket {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -484,17 +499,14 @@ fn writer_thread(writer: &mut Writer, receiver: &mpsc::Receiver<Job>) {
 }
 
 impl Shared {
-    /// Waits for the writer lock, counted in `queued` while waiting.
-    async fn lock_writer(&self) -> OwnedMutexGuard<()> {
-        struct Queued<'a>(&'a AtomicUsize);
-        impl Drop for Queued<'_> {
-            fn drop(&mut self) {
-                self.0.fetch_sub(1, Ordering::AcqRel);
-            }
-        }
+    /// Waits for the writer lock. The request counts in `queued` from now until its first job
+    /// starts on the writer thread (the [`QueueTicket`] travels with that job): a group must
+    /// not commit early just because the next request got the lock but has not started yet.
+    async fn lock_writer(&self) -> (OwnedMutexGuard<()>, QueueTicket) {
         self.queued.fetch_add(1, Ordering::AcqRel);
-        let _queued = Queued(&self.queued);
-        self.writer_lock.clone().lock_owned().await
+        let ticket = QueueTicket(self.queued.clone());
+        let guard = self.writer_lock.clone().lock_owned().await;
+        (guard, ticket)
     }
 
     /// Sends `f` to the writer thread and waits for its answer. The caller must hold the
@@ -614,7 +626,7 @@ impl IdempotencyStore for SqliteStore {
         now: SystemTime,
     ) -> Result<Begin<SqliteReservation>, Error> {
         let deadline = Instant::now() + lock_timeout;
-        let guard = tokio::time::timeout(lock_timeout, self.shared.lock_writer())
+        let (guard, ticket) = tokio::time::timeout(lock_timeout, self.shared.lock_writer())
             .await
             .map_err(|_| Error::Busy)?;
         let generation = self.shared.generations.fetch_add(1, Ordering::Relaxed);
@@ -639,6 +651,7 @@ impl IdempotencyStore for SqliteStore {
         let existing = self
             .shared
             .call(move |writer| {
+                drop(ticket);
                 writer.begin_request(generation, busy_wait)?;
                 let checked = (|| {
                     match read_record(&writer.conn, &scope)? {
@@ -686,11 +699,12 @@ impl IdempotencyStore for SqliteStore {
     }
 
     async fn purge_expired(&self, now: SystemTime, batch: usize) -> Result<u64, Error> {
-        let _guard = self.shared.lock_writer().await;
+        let (_guard, ticket) = self.shared.lock_writer().await;
         let now = to_unix_millis(now);
         let batch = i64::try_from(batch).unwrap_or(i64::MAX);
         self.shared
             .call(move |writer| {
+                drop(ticket);
                 writer.settle();
                 writer.conn.busy_timeout(STANDALONE_BUSY_TIMEOUT)?;
                 let deleted = writer.conn.execute(

@@ -32,7 +32,7 @@ use hyper_util::rt::TokioExecutor;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 use tower_idempotency::extract::Tx;
-use tower_idempotency::store::sqlite::{SqliteStore, SqliteTransaction};
+use tower_idempotency::store::sqlite::{SqliteOptions, SqliteStore, SqliteTransaction};
 use tower_idempotency::{IdempotencyLayer, Tenant};
 
 pub const SHOP_A: &str = "shop-a-token";
@@ -109,6 +109,8 @@ impl App {
     }
 }
 
+type StoreOptions = Box<dyn FnOnce(SqliteOptions) -> SqliteOptions + Send>;
+
 type Customise =
     Box<dyn Fn(IdempotencyLayer<SqliteStore>, &str) -> IdempotencyLayer<SqliteStore> + Send>;
 
@@ -118,6 +120,7 @@ pub struct ServerBuilder {
     hook: Option<Hook>,
     db_path: Option<PathBuf>,
     auth: bool,
+    store_options: Option<StoreOptions>,
 }
 
 impl Default for ServerBuilder {
@@ -127,6 +130,7 @@ impl Default for ServerBuilder {
             hook: None,
             db_path: None,
             auth: true,
+            store_options: None,
         }
     }
 }
@@ -164,6 +168,15 @@ impl ServerBuilder {
         self
     }
 
+    /// Opens the store with these options (group commit, durability...).
+    pub fn store_options<F>(mut self, f: F) -> Self
+    where
+        F: FnOnce(SqliteOptions) -> SqliteOptions + Send + 'static,
+    {
+        self.store_options = Some(Box::new(f));
+        self
+    }
+
     /// Leaves out the auth middleware: requests reach the layer without a tenant.
     pub fn without_auth(mut self) -> Self {
         self.auth = false;
@@ -179,7 +192,12 @@ impl ServerBuilder {
                 (Some(dir), path)
             }
         };
-        let store = SqliteStore::open(&db_path).await.expect("open store");
+        let options = SqliteStore::builder(&db_path);
+        let options = match self.store_options {
+            Some(f) => f(options),
+            None => options,
+        };
+        let store = options.open().await.expect("open store");
         store
             .write(|tx| tx.execute_batch(ORDERS_SCHEMA))
             .await
@@ -744,4 +762,238 @@ pub async fn execute(store: &SqliteStore, sql: &'static str) {
         .write(move |tx| tx.execute_batch(sql))
         .await
         .expect("execute");
+}
+
+// ----- the example app as a child process (crash and multi-process tests) -----
+
+/// The `orders` example as real processes on a SQLite file, and a client that tolerates a
+/// server that dies under it.
+pub mod process {
+    use std::net::SocketAddr;
+    use std::path::{Path, PathBuf};
+    use std::process::Stdio;
+    use std::sync::OnceLock;
+    use std::time::{Duration, Instant};
+
+    use bytes::Bytes;
+    use http_body_util::{BodyExt, Full};
+    use hyper_util::client::legacy::connect::HttpConnector;
+    use hyper_util::client::legacy::Client;
+    use hyper_util::rt::TokioExecutor;
+    use tokio::io::{AsyncBufReadExt, BufReader};
+    use tokio::process::{Child, Command};
+
+    use super::{Post, Reply, PATIENCE};
+
+    /// How long building the example may take (a cold build on a small machine).
+    const BUILD_PATIENCE: Duration = Duration::from_secs(900);
+
+    /// The `orders` example binary, up to date.
+    ///
+    /// `cargo test` builds examples, but `cargo test --test NAME` does not, and a binary left
+    /// in `target/` may be stale. So the first call in a test binary runs
+    /// `cargo build --example orders` (the cargo that runs the tests, the same profile and
+    /// target directory: a no-op when `cargo test` has just built it) and takes the path
+    /// cargo reports for the artifact. Cargo holds no build lock while tests run.
+    pub fn orders_binary() -> PathBuf {
+        static BINARY: OnceLock<PathBuf> = OnceLock::new();
+        BINARY.get_or_init(|| build_example("orders")).clone()
+    }
+
+    fn build_example(name: &str) -> PathBuf {
+        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+        let mut command = std::process::Command::new(cargo);
+        command
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .args(["build", "--example", name, "--message-format=json"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        if !cfg!(debug_assertions) {
+            command.arg("--release");
+        }
+        let mut child = command.spawn().expect("run cargo build");
+        let mut stdout = child.stdout.take().expect("piped stdout");
+        // Read on a thread so that the wait below can give up on a wedged build.
+        let reader = std::thread::spawn(move || {
+            let mut text = String::new();
+            let _ = std::io::Read::read_to_string(&mut stdout, &mut text);
+            text
+        });
+        let started = Instant::now();
+        let status = loop {
+            if let Some(status) = child.try_wait().expect("wait for cargo") {
+                break status;
+            }
+            if started.elapsed() > BUILD_PATIENCE {
+                let _ = child.kill();
+                panic!("`cargo build --example {name}` did not finish in {BUILD_PATIENCE:?}");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let messages = reader.join().expect("cargo output");
+        assert!(status.success(), "`cargo build --example {name}` failed");
+        messages
+            .lines()
+            .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+            .filter(|message| message["reason"] == "compiler-artifact")
+            .filter(|message| message["target"]["name"] == name)
+            .find_map(|message| message["executable"].as_str().map(PathBuf::from))
+            .unwrap_or_else(|| panic!("cargo reported no executable for example {name}"))
+    }
+
+    /// `orders --addr 127.0.0.1:0 --db <file>`, a child process killed when dropped.
+    pub struct OrdersProcess {
+        pub addr: SocketAddr,
+        child: Child,
+    }
+
+    impl OrdersProcess {
+        /// Starts the example on `db` and waits until it listens (it prints its address).
+        pub async fn start(db: &Path) -> OrdersProcess {
+            let mut child = Command::new(orders_binary())
+                .arg("--addr")
+                .arg("127.0.0.1:0")
+                .arg("--db")
+                .arg(db)
+                .env("RUST_LOG", "error")
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::inherit())
+                .kill_on_drop(true)
+                .spawn()
+                .expect("start the example");
+            let stdout = child.stdout.take().expect("piped stdout");
+            let mut lines = BufReader::new(stdout).lines();
+            let line = tokio::time::timeout(PATIENCE, lines.next_line())
+                .await
+                .expect("the example starts in time")
+                .expect("read the example's stdout")
+                .expect("the example printed its address");
+            let addr = line
+                .strip_prefix("listening on http://")
+                .and_then(|rest| rest.split_whitespace().next())
+                .and_then(|addr| addr.parse().ok())
+                .unwrap_or_else(|| panic!("unexpected first line: {line}"));
+            // Keep draining stdout so that the child never blocks on a full pipe.
+            tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+            OrdersProcess { addr, child }
+        }
+
+        /// SIGKILL (`Child::start_kill` on Unix): nothing in flight gets to finish.
+        pub async fn kill(mut self) {
+            self.child.start_kill().expect("kill the example");
+            let _ = tokio::time::timeout(PATIENCE, self.child.wait()).await;
+        }
+    }
+
+    /// A client with its own connection pool, as one of many clients of a server.
+    pub fn client() -> Client<HttpConnector, Full<Bytes>> {
+        Client::builder(TokioExecutor::new()).build_http()
+    }
+
+    impl Post {
+        /// Sends it with `client`; `None` when no complete answer came within `timeout` (the
+        /// server died, or the connection broke).
+        pub async fn try_send(
+            &self,
+            client: &Client<HttpConnector, Full<Bytes>>,
+            addr: SocketAddr,
+            timeout: Duration,
+        ) -> Option<Reply> {
+            let request = self.request(addr, Full::new(self.body.clone()));
+            let exchange = async {
+                let response = client.request(request).await.ok()?;
+                let (parts, body) = response.into_parts();
+                let body = body.collect().await.ok()?.to_bytes();
+                Some(Reply {
+                    status: parts.status,
+                    headers: parts.headers,
+                    body,
+                })
+            };
+            tokio::time::timeout(timeout, exchange).await.ok().flatten()
+        }
+    }
+
+    /// `PRAGMA integrity_check` on the file, from a connection of its own (which also
+    /// recovers the WAL of a killed process).
+    pub fn integrity_check(db: &Path) -> String {
+        let conn = rusqlite::Connection::open(db).expect("open the database");
+        conn.query_row("PRAGMA integrity_check", [], |row| row.get(0))
+            .expect("integrity_check")
+    }
+
+    /// Every `(tenant, key, saved body)` of `create_order`, read from the file directly.
+    pub fn saved_records(db: &Path) -> Vec<(String, String, Vec<u8>)> {
+        let conn = rusqlite::Connection::open(db).expect("open the database");
+        let mut statement = conn
+            .prepare(
+                "SELECT tenant, idempotency_key, body FROM idempotency_records \
+                 WHERE operation = 'create_order' ORDER BY tenant, idempotency_key",
+            )
+            .expect("prepare");
+        let rows = statement
+            .query_map([], |row| Ok((row.get(0)?, row.get(1)?, row.get(2)?)))
+            .expect("query")
+            .collect::<Result<Vec<_>, _>>()
+            .expect("records");
+        rows
+    }
+
+    /// Every order as `(id, tenant_id, sku, quantity)`, read from the file directly.
+    pub fn saved_orders(db: &Path) -> Vec<(i64, String, String, i64)> {
+        let conn = rusqlite::Connection::open(db).expect("open the database");
+        let mut statement = conn
+            .prepare("SELECT id, tenant_id, sku, quantity FROM orders ORDER BY id")
+            .expect("prepare");
+        let rows = statement
+            .query_map([], |row| {
+                Ok((row.get(0)?, row.get(1)?, row.get(2)?, row.get(3)?))
+            })
+            .expect("query")
+            .collect::<Result<Vec<_>, _>>()
+            .expect("orders");
+        rows
+    }
+
+    /// A small deterministic generator (SplitMix64): tests print their seed, so a failing
+    /// run can be replayed with `STRESS_SEED=<seed>`.
+    #[derive(Clone, Debug)]
+    pub struct Rng(u64);
+
+    impl Rng {
+        /// From `STRESS_SEED` if set, else from the clock.
+        pub fn from_env_or_clock() -> (Rng, u64) {
+            let seed = std::env::var("STRESS_SEED")
+                .ok()
+                .and_then(|s| s.parse().ok())
+                .unwrap_or_else(|| {
+                    std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map(|d| d.as_nanos() as u64)
+                        .unwrap_or(0)
+                });
+            (Rng(seed), seed)
+        }
+
+        pub fn next_u64(&mut self) -> u64 {
+            self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = self.0;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^ (z >> 31)
+        }
+
+        /// Uniform in `0..n` (n > 0).
+        pub fn below(&mut self, n: u64) -> u64 {
+            self.next_u64() % n
+        }
+
+        pub fn shuffle<T>(&mut self, items: &mut [T]) {
+            for i in (1..items.len()).rev() {
+                let j = self.below(i as u64 + 1) as usize;
+                items.swap(i, j);
+            }
+        }
+    }
 }

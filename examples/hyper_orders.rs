@@ -1,0 +1,452 @@
+//! The order API of `examples/orders.rs` on plain hyper 1: no axum, no router crate.
+//!
+//! The same contract and routes: `POST /orders` (safe to retry with an `Idempotency-Key`) and
+//! `GET /orders/{id}`, the same demo authentication, the same table. The point is the wrapping:
+//! `IdempotencyLayer` is a tower layer over `http::Request<B>`, so it wraps a
+//! `tower::service_fn` handler as well as an axum route. The handler finds the transaction
+//! handle with `request.extensions().get::<SqliteTransaction>()` and inserts the order through
+//! it, so the order row and the saved `201` commit together.
+//!
+//! ```text
+//! cargo run --example hyper_orders                  # serves on 127.0.0.1:3000, database ./orders.db
+//! cargo run --example hyper_orders -- --addr 127.0.0.1:3001 --db /tmp/orders.db
+//! ```
+//!
+//! ```text
+//! curl -i http://127.0.0.1:3000/orders \
+//!     -H 'Authorization: Bearer shop-a-token' \
+//!     -H 'Idempotency-Key: key-1' \
+//!     -H 'Content-Type: application/json' \
+//!     -d '{"sku":"book","quantity":1}'
+//! curl -i http://127.0.0.1:3000/orders/1 -H 'Authorization: Bearer shop-a-token'
+//! ```
+//!
+//! It serves the very API of the axum example, so the two may share a database file: a retry
+//! sent to either one replays the first answer.
+//!
+//! Logs go to stderr; set `RUST_LOG` (default `warn`) to see more.
+//!
+//! (`tests/hyper_example.rs` includes this file as a module and serves it in-process: the
+//! items it uses are `pub(crate)`.)
+
+use std::convert::Infallible;
+use std::error::Error;
+use std::future::Future;
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{ALLOW, AUTHORIZATION, CONTENT_TYPE, LOCATION};
+use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode};
+use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use hyper_util::server::graceful::GracefulShutdown;
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+use tower::{Layer, ServiceExt};
+use tower_idempotency::body::RequestBody;
+use tower_idempotency::fingerprint::Fingerprinter;
+use tower_idempotency::store::continuously_purge_expired;
+use tower_idempotency::store::sqlite::rusqlite::OptionalExtension;
+use tower_idempotency::store::sqlite::{SqliteStore, SqliteTransaction};
+use tower_idempotency::{IdempotencyLayer, Tenant};
+
+type BoxError = Box<dyn Error + Send + Sync>;
+
+/// Every answer's body: the handler's own, or the layer's (a replay or an error it wrote).
+pub(crate) type Body = UnsyncBoxBody<Bytes, Infallible>;
+
+const USAGE: &str = "\
+usage: hyper_orders [--addr ADDR] [--db PATH]
+
+  --addr ADDR   address to listen on (default 127.0.0.1:3000)
+  --db PATH     SQLite database for orders and idempotency records (default ./orders.db)
+  -h, --help    show this help";
+
+/// The business table, in the same database file as `idempotency_records`: that is what lets
+/// an order and its saved response commit in one transaction.
+pub(crate) const ORDERS_SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS orders (
+    id        INTEGER PRIMARY KEY,
+    tenant_id TEXT    NOT NULL,
+    sku       TEXT    NOT NULL,
+    quantity  INTEGER NOT NULL
+);";
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    // Logs on stderr, so that stdout carries only what the program is asked to print.
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
+
+    let (addr, db) = match parse_args(std::env::args().skip(1)) {
+        Ok(Some(args)) => args,
+        Ok(None) => {
+            println!("{USAGE}");
+            return ExitCode::SUCCESS;
+        }
+        Err(message) => {
+            eprintln!("hyper_orders: {message}\n\n{USAGE}");
+            return ExitCode::from(2);
+        }
+    };
+    match serve(&addr, &db).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("hyper_orders: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `--addr` and `--db` (`--flag VALUE` or `--flag=VALUE`); `None` for `--help`. Hand-parsed:
+/// two flags do not justify an argument-parsing dependency.
+fn parse_args(mut args: impl Iterator<Item = String>) -> Result<Option<(String, PathBuf)>, String> {
+    let mut addr = None;
+    let mut db = None;
+    while let Some(arg) = args.next() {
+        let (flag, inline) = match arg.split_once('=') {
+            Some((flag, value)) if flag.starts_with("--") => (flag, Some(value.to_owned())),
+            _ => (arg.as_str(), None),
+        };
+        let mut value = || {
+            inline
+                .clone()
+                .or_else(|| args.next())
+                .ok_or_else(|| format!("{flag} needs a value"))
+        };
+        match flag {
+            "-h" | "--help" => return Ok(None),
+            "--addr" => addr = Some(value()?),
+            "--db" => db = Some(PathBuf::from(value()?)),
+            _ => return Err(format!("unknown argument `{arg}`")),
+        }
+    }
+    Ok(Some((
+        addr.unwrap_or_else(|| "127.0.0.1:3000".into()),
+        db.unwrap_or_else(|| "orders.db".into()),
+    )))
+}
+
+// ---------------------------------------------------------------------------------------------
+// The app
+// ---------------------------------------------------------------------------------------------
+
+/// Opens the store and creates the `orders` table next to the idempotency records.
+pub(crate) async fn open_store(db: &Path) -> Result<SqliteStore, BoxError> {
+    let store = SqliteStore::open(db)
+        .await
+        .map_err(|error| format!("cannot open {}: {error}", db.display()))?;
+    store.write(|tx| tx.execute_batch(ORDERS_SCHEMA)).await?;
+    Ok(store)
+}
+
+/// The layer around `POST /orders`: the same configuration as the axum example's.
+pub(crate) fn idempotency_layer(store: SqliteStore) -> IdempotencyLayer<SqliteStore> {
+    IdempotencyLayer::new(store)
+        // Name the operation so that records survive a change of route.
+        .with_operation("create_order")
+        // The route only takes JSON: compare payloads as JSON values even when a client
+        // forgets the Content-Type.
+        .with_fingerprinter(Fingerprinter::json())
+}
+
+/// What every connection shares: the store (for reads) and the configured layer.
+#[derive(Clone, Debug)]
+pub(crate) struct App {
+    pub(crate) store: SqliteStore,
+    pub(crate) idempotency: IdempotencyLayer<SqliteStore>,
+}
+
+impl App {
+    pub(crate) fn new(store: SqliteStore) -> Self {
+        App {
+            idempotency: idempotency_layer(store.clone()),
+            store,
+        }
+    }
+}
+
+/// The router: authentication first (it puts the [`Tenant`] in the extensions, and the layer
+/// scopes every record by it), then a match on method and path.
+pub(crate) async fn route(
+    app: App,
+    mut request: Request<Incoming>,
+) -> Result<Response<Body>, Infallible> {
+    let Some(tenant) = authenticate(request.headers()) else {
+        return Ok(json_error(StatusCode::UNAUTHORIZED, "unauthenticated"));
+    };
+    request.extensions_mut().insert(tenant.clone());
+
+    let path = request.uri().path().to_owned();
+    let response = match (request.method(), path.as_str()) {
+        (&Method::POST, "/orders") => {
+            // Wrapping per request is cheap (the layer's store and configuration are `Arc`s)
+            // and keeps the handler a plain function, with no boxed service to name.
+            let service = app.idempotency.layer(tower::service_fn(create_order));
+            match service.oneshot(request).await {
+                Ok(response) => response.map(BodyExt::boxed_unsync),
+                Err(never) => match never {},
+            }
+        }
+        (_, "/orders") => method_not_allowed("POST"),
+        (&Method::GET, path) => match path.strip_prefix("/orders/") {
+            Some(id) if !id.contains('/') => get_order(&app.store, &tenant, id).await,
+            _ => json_error(StatusCode::NOT_FOUND, "not_found"),
+        },
+        (_, path) if path.starts_with("/orders/") => method_not_allowed("GET"),
+        _ => json_error(StatusCode::NOT_FOUND, "not_found"),
+    };
+    Ok(response)
+}
+
+/// Demo authentication: a fixed token per tenant. A real app verifies a session or a signed
+/// token here; what matters is that the tenant comes from the server, never from a header the
+/// client picks freely.
+fn authenticate(headers: &HeaderMap) -> Option<Tenant> {
+    let token = headers
+        .get(AUTHORIZATION)?
+        .to_str()
+        .ok()?
+        .strip_prefix("Bearer ")?;
+    match token {
+        "shop-a-token" => Some(Tenant::new("shop-a")),
+        "shop-b-token" => Some(Tenant::new("shop-b")),
+        _ => None,
+    }
+}
+
+/// `POST /orders`, behind the idempotency layer: runs once per `(tenant, key)`; the layer
+/// replays its `201` to retries.
+///
+/// Every error answer here is a 4xx or 5xx, which the layer does not save: it rolls the
+/// transaction back, so the client may retry the same key (with a corrected payload).
+async fn create_order(request: Request<RequestBody>) -> Result<Response<Full<Bytes>>, Infallible> {
+    let tenant = request.extensions().get::<Tenant>().cloned();
+    // The handle the layer put in the extensions. Without it (the layer missing) the order is
+    // refused rather than written outside the idempotency transaction.
+    let tx = request.extensions().get::<SqliteTransaction>().cloned();
+    let (Some(tenant), Some(tx)) = (tenant, tx) else {
+        tracing::error!("POST /orders reached without a tenant or an idempotency transaction");
+        return Ok(full_json_error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal_error",
+        ));
+    };
+    // The layer already buffered the body (it fingerprinted it): this cannot fail or wait.
+    let Ok(body) = request.into_body().collect().await.map(|b| b.to_bytes()) else {
+        return Ok(full_json_error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal_error",
+        ));
+    };
+    let order = match NewOrder::parse(&body) {
+        Ok(order) => order,
+        Err(code) => return Ok(full_json_error(StatusCode::BAD_REQUEST, code)),
+    };
+    let tenant_id = tenant.as_str().to_owned();
+    // Same connection, same transaction as the idempotency record the layer saves after us.
+    let inserted = tx
+        .run(move |conn| {
+            conn.execute(
+                "INSERT INTO orders (tenant_id, sku, quantity) VALUES (?1, ?2, ?3)",
+                (tenant_id, order.sku, order.quantity),
+            )?;
+            Ok(conn.last_insert_rowid())
+        })
+        .await;
+    let order_id = match inserted {
+        Ok(order_id) => order_id,
+        Err(error) => {
+            tracing::error!(%error, "inserting the order failed");
+            return Ok(full_json_error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal_error",
+            ));
+        }
+    };
+
+    // `Location` and `Content-Type` are saved with the body and replayed to retries.
+    let mut response = full_json(StatusCode::CREATED, &json!({ "order_id": order_id }));
+    if let Ok(location) = HeaderValue::from_str(&format!("/orders/{order_id}")) {
+        response.headers_mut().insert(LOCATION, location);
+    }
+    Ok(response)
+}
+
+/// `GET /orders/{id}`: the caller's own order. Another tenant's order is answered exactly like
+/// a missing one, so ids reveal nothing across tenants.
+async fn get_order(store: &SqliteStore, tenant: &Tenant, id: &str) -> Response<Body> {
+    let Ok(order_id) = id.parse::<i64>() else {
+        return json_error(StatusCode::NOT_FOUND, "not_found");
+    };
+    let tenant_id = tenant.as_str().to_owned();
+    let order = store
+        .read(move |conn| {
+            conn.query_row(
+                "SELECT sku, quantity FROM orders WHERE id = ?1 AND tenant_id = ?2",
+                (order_id, tenant_id),
+                |row| Ok((row.get::<_, String>(0)?, row.get::<_, i64>(1)?)),
+            )
+            .optional()
+        })
+        .await;
+    match order {
+        Ok(Some((sku, quantity))) => full_json(
+            StatusCode::OK,
+            &json!({ "order_id": order_id, "sku": sku, "quantity": quantity }),
+        )
+        .map(BodyExt::boxed_unsync),
+        Ok(None) => json_error(StatusCode::NOT_FOUND, "not_found"),
+        Err(error) => {
+            tracing::error!(%error, "reading the order failed");
+            json_error(StatusCode::INTERNAL_SERVER_ERROR, "internal_error")
+        }
+    }
+}
+
+/// A validated order request.
+struct NewOrder {
+    sku: String,
+    quantity: i64,
+}
+
+impl NewOrder {
+    /// Parsed from a JSON value so that every invalid field gets one of the two documented
+    /// error codes. A body that is not JSON at all does not get here: the layer's JSON
+    /// fingerprinter answers it `400 invalid_json`.
+    fn parse(body: &[u8]) -> Result<Self, &'static str> {
+        let value: Value = serde_json::from_slice(body).map_err(|_| "invalid_key_or_sku")?;
+        let sku = value
+            .get("sku")
+            .and_then(Value::as_str)
+            // Counted in characters, not bytes: "書" is one character.
+            .filter(|sku| (1..=100).contains(&sku.chars().count()))
+            .ok_or("invalid_key_or_sku")?;
+        // `as_i64` is `None` for `1.5`, `1.0`, `"1"` and `true`: only JSON integers pass.
+        let quantity = value
+            .get("quantity")
+            .and_then(Value::as_i64)
+            .filter(|quantity| (1..=100).contains(quantity))
+            .ok_or("invalid_quantity")?;
+        Ok(NewOrder {
+            sku: sku.to_owned(),
+            quantity,
+        })
+    }
+}
+
+fn full_json(status: StatusCode, value: &Value) -> Response<Full<Bytes>> {
+    let mut response = Response::new(Full::new(Bytes::from(value.to_string())));
+    *response.status_mut() = status;
+    response
+        .headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    response
+}
+
+/// `{"error":"<code>"}`, the app's error body (the layer writes its own the same way).
+fn full_json_error(status: StatusCode, code: &str) -> Response<Full<Bytes>> {
+    full_json(status, &json!({ "error": code }))
+}
+
+fn json_error(status: StatusCode, code: &str) -> Response<Body> {
+    full_json_error(status, code).map(BodyExt::boxed_unsync)
+}
+
+fn method_not_allowed(allow: &'static str) -> Response<Body> {
+    let mut response = json_error(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed");
+    response
+        .headers_mut()
+        .insert(ALLOW, HeaderValue::from_static(allow));
+    response
+}
+
+// ---------------------------------------------------------------------------------------------
+// Serving
+// ---------------------------------------------------------------------------------------------
+
+async fn serve(addr: &str, db: &Path) -> Result<(), BoxError> {
+    let store = open_store(db).await?;
+    // The library never spawns background work; expired records are purged by this task.
+    tokio::spawn(continuously_purge_expired(
+        store.clone(),
+        Duration::from_secs(60),
+        1000,
+    ));
+
+    let listener = TcpListener::bind(addr)
+        .await
+        .map_err(|error| format!("cannot listen on {addr}: {error}"))?;
+    let local = listener.local_addr()?;
+    println!(
+        "listening on http://{local} (database {}); try: curl -i http://{local}/orders \
+         -H 'Authorization: Bearer shop-a-token' -H 'Idempotency-Key: key-1' \
+         -H 'Content-Type: application/json' -d '{{\"sku\":\"book\",\"quantity\":1}}'",
+        db.display()
+    );
+    serve_on(listener, App::new(store), ctrl_c()).await;
+    Ok(())
+}
+
+/// Serves HTTP/1.1 connections on `listener` until `shutdown` resolves, then lets the requests
+/// in flight finish (for at most 10 s): one committed and never answered would be replayed to
+/// the retry anyway, but there is no reason to make the client retry.
+pub(crate) async fn serve_on(listener: TcpListener, app: App, shutdown: impl Future<Output = ()>) {
+    let graceful = GracefulShutdown::new();
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let stream = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(error) => {
+                    // Out of file descriptors, for instance: wait a little instead of spinning.
+                    tracing::warn!(%error, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        let app = app.clone();
+        let service = service_fn(move |request| route(app.clone(), request));
+        let connection = http1::Builder::new().serve_connection(TokioIo::new(stream), service);
+        let connection = graceful.watch(connection);
+        tokio::spawn(async move {
+            if let Err(error) = connection.await {
+                tracing::debug!(%error, "connection ended with an error");
+            }
+        });
+    }
+    drop(listener);
+    if tokio::time::timeout(Duration::from_secs(10), graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!("connections still open after 10 s; closing them");
+    }
+}
+
+/// Resolves on Ctrl-C. If the handler cannot be installed, never resolves (rather than
+/// shutting the server down at once).
+async fn ctrl_c() {
+    match tokio::signal::ctrl_c().await {
+        Ok(()) => eprintln!("shutting down: finishing requests in flight"),
+        Err(error) => {
+            tracing::error!(%error, "cannot listen for Ctrl-C");
+            std::future::pending::<()>().await;
+        }
+    }
+}

@@ -1,0 +1,387 @@
+//! The client half of the contract: a tower layer that gives each non-idempotent request an
+//! `Idempotency-Key`, and retries it with the same key and the same bytes.
+//!
+//! The server can only make a retry safe if the retry is *the same request*: same key, same
+//! payload. [`RetryLayer`] wraps any HTTP client that is a `Service<http::Request<B>>`
+//! (hyper-util's client, a tonic channel, ...) and:
+//!
+//! 1. adds an `Idempotency-Key` (a random UUID v4 by default) to `POST` and `PATCH` requests
+//!    that have none, before the first attempt; a key the caller set is kept as it is;
+//! 2. reads the body once into memory ([`BufferedBody`]), so every attempt sends the same
+//!    bytes;
+//! 3. retries after a connection error, a per-attempt timeout, `503` and `429` (waiting at least
+//!    their `Retry-After`, in seconds or as an HTTP-date) and `408`; never after another
+//!    answer: `409`, `422`, `400`, `401`, `413`, `500`... are final;
+//! 4. waits between attempts with exponential backoff and full jitter, within a cap on attempts
+//!    and an overall deadline;
+//! 5. puts a [`RetryOutcome`] in the response's extensions: how many attempts ran, whether the
+//!    answer was a replay (`Idempotent-Replayed: true`), and the key.
+//!
+//! Requests with an idempotent method (`GET`, `HEAD`, `PUT`, `DELETE`, `OPTIONS`, `TRACE`) are
+//! retried the same way but get no key: repeating them is safe by definition. Any other method
+//! without a key is sent once.
+//!
+//! # Default setup
+//!
+//! Over hyper-util's client, built for the [`BufferedBody`] that each attempt sends:
+//!
+//! ```no_run
+//! use http_body_util::{BodyExt, Full};
+//! use hyper_util::client::legacy::Client;
+//! use hyper_util::rt::TokioExecutor;
+//! use tower::{Layer, ServiceExt};
+//! use tower_idempotency::client::{BufferedBody, RetryLayer, RetryOutcome};
+//!
+//! # async fn run() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+//! let http = Client::builder(TokioExecutor::new()).build_http::<BufferedBody>();
+//! let client = RetryLayer::new().layer(http);
+//!
+//! let request = http::Request::post("http://127.0.0.1:3000/orders")
+//!     .header("authorization", "Bearer shop-a-token")
+//!     .header("content-type", "application/json")
+//!     .body(Full::new(bytes::Bytes::from(r#"{"sku":"book","quantity":1}"#)))?;
+//! let response = client.oneshot(request).await?;
+//!
+//! let outcome = response.extensions().get::<RetryOutcome>().cloned();
+//! let body = response.into_body().collect().await?.to_bytes();
+//! println!("{outcome:?}: {body:?}");
+//! # Ok(()) }
+//! ```
+//!
+//! The client is `Clone` (when the inner client is) and cheap to clone: share one per process.
+//!
+//! # Customised
+//!
+//! Every setting is a `with_*` method documented with its default. Here with a stand-in for
+//! the network that answers `503` once, then `201`:
+//!
+//! ```
+//! use std::convert::Infallible;
+//! use std::sync::atomic::{AtomicU32, Ordering};
+//! use std::sync::Arc;
+//! use std::time::Duration;
+//!
+//! use http::{Request, Response, StatusCode};
+//! use tower::{service_fn, Layer, ServiceExt};
+//! use tower_idempotency::client::{BufferedBody, KeyFormat, RetryLayer, RetryOutcome};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+//! let calls = Arc::new(AtomicU32::new(0));
+//! let server = service_fn(move |_request: Request<BufferedBody>| {
+//!     let first = calls.fetch_add(1, Ordering::SeqCst) == 0;
+//!     async move {
+//!         let status = if first { StatusCode::SERVICE_UNAVAILABLE } else { StatusCode::CREATED };
+//!         let mut response = Response::new(String::new());
+//!         *response.status_mut() = status;
+//!         Ok::<_, Infallible>(response)
+//!     }
+//! });
+//!
+//! let client = RetryLayer::new()
+//!     .with_key_format(KeyFormat::UuidV7)
+//!     .with_max_attempts(3)
+//!     .with_attempt_timeout(Duration::from_secs(2))
+//!     .with_deadline(Duration::from_secs(5))
+//!     .with_initial_backoff(Duration::from_millis(1))
+//!     .layer(server);
+//!
+//! let request = Request::post("http://shop.example/orders").body(String::from("{}"))?;
+//! let response = client.oneshot(request).await?;
+//! assert_eq!(response.status(), StatusCode::CREATED);
+//! let outcome = response.extensions().get::<RetryOutcome>().expect("always set");
+//! assert_eq!(outcome.attempts, 2);
+//! assert!(outcome.key.is_some());
+//! # Ok(()) }
+//! ```
+//!
+//! # When every attempt fails
+//!
+//! A retryable answer still standing when the attempts or the time run out (a `503`) is
+//! returned as the response; an attempt that got no answer at all ends in a [`RetryError`].
+//! Both carry the [`RetryOutcome`] with the key: to try the same operation again later, send
+//! it with that key (set it on the request: the layer keeps a caller's key). A new key is for
+//! a new operation only.
+//!
+//! # gRPC
+//!
+//! A tonic `Channel` takes `http::Request<tonic::body::Body>`: put
+//! `map_request(|r: http::Request<BufferedBody>| r.map(tonic::body::Body::new))` between the
+//! layer and the channel. gRPC answers errors with HTTP `200` and a `grpc-status` trailer, so
+//! only transport failures and timeouts are retried there.
+
+mod body;
+mod outcome;
+mod policy;
+mod service;
+
+use std::error::Error as StdError;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{HeaderValue, Method, StatusCode};
+use tower_layer::Layer;
+
+pub use self::body::BufferedBody;
+pub use self::outcome::{RetryError, RetryOutcome};
+pub use self::service::{ResponseFuture, Retry};
+
+/// How the client generates the `Idempotency-Key` of a request that has none.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum KeyFormat {
+    /// A random UUID (version 4): reveals nothing. The default.
+    #[default]
+    UuidV4,
+    /// A time-ordered UUID (version 7): its first 48 bits are the creation time in
+    /// milliseconds, which keeps the server's key index append-mostly, and tells the server
+    /// when the key was made.
+    UuidV7,
+}
+
+impl KeyFormat {
+    /// A new key in this format. Marked sensitive: HTTP/2 does not index it, and `Debug` of
+    /// the header value does not print it.
+    fn generate(self) -> HeaderValue {
+        let uuid = match self {
+            KeyFormat::UuidV4 => uuid::Uuid::new_v4(),
+            KeyFormat::UuidV7 => uuid::Uuid::now_v7(),
+        };
+        let mut buffer = uuid::Uuid::encode_buffer();
+        let mut value = HeaderValue::from_str(uuid.hyphenated().encode_lower(&mut buffer))
+            // A hyphenated UUID is 36 characters of `[0-9a-f-]`, always a valid header value;
+            // were it not, the fallback is still a fresh random key, never a shared one.
+            .unwrap_or_else(|_| HeaderValue::from(fastrand::u64(..)));
+        value.set_sensitive(true);
+        value
+    }
+}
+
+type ErrorFilter = Arc<dyn Fn(&(dyn StdError + Send + Sync + 'static)) -> bool + Send + Sync>;
+
+#[derive(Clone)]
+pub(crate) struct Config {
+    pub(crate) max_attempts: u32,
+    pub(crate) attempt_timeout: Duration,
+    pub(crate) deadline: Duration,
+    pub(crate) initial_backoff: Duration,
+    pub(crate) max_backoff: Duration,
+    pub(crate) body_limit: usize,
+    pub(crate) key_methods: Vec<Method>,
+    pub(crate) key_format: KeyFormat,
+    pub(crate) retryable_statuses: Vec<StatusCode>,
+    pub(crate) retryable_error: ErrorFilter,
+}
+
+/// A tower layer that makes an HTTP client send each non-idempotent request with an
+/// `Idempotency-Key` and retry it safely: same key, same bytes. See the [module
+/// docs](crate::client).
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_idempotency::client::RetryLayer;
+///
+/// let layer = RetryLayer::new()
+///     .with_max_attempts(4)
+///     .with_deadline(Duration::from_secs(10));
+/// # let _ = layer;
+/// ```
+#[derive(Clone)]
+pub struct RetryLayer {
+    config: Arc<Config>,
+}
+
+impl Default for RetryLayer {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl fmt::Debug for RetryLayer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let c = &self.config;
+        f.debug_struct("RetryLayer")
+            .field("max_attempts", &c.max_attempts)
+            .field("attempt_timeout", &c.attempt_timeout)
+            .field("deadline", &c.deadline)
+            .field("initial_backoff", &c.initial_backoff)
+            .field("max_backoff", &c.max_backoff)
+            .field("body_limit", &c.body_limit)
+            .field("key_methods", &c.key_methods)
+            .field("key_format", &c.key_format)
+            .field("retryable_statuses", &c.retryable_statuses)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RetryLayer {
+    /// A layer with the defaults listed on each setter.
+    pub fn new() -> Self {
+        RetryLayer {
+            config: Arc::new(Config {
+                max_attempts: 5,
+                attempt_timeout: Duration::from_secs(10),
+                deadline: Duration::from_secs(30),
+                initial_backoff: Duration::from_millis(100),
+                max_backoff: Duration::from_secs(5),
+                body_limit: 1024 * 1024,
+                key_methods: vec![Method::POST, Method::PATCH],
+                key_format: KeyFormat::UuidV4,
+                retryable_statuses: vec![
+                    StatusCode::REQUEST_TIMEOUT,
+                    StatusCode::TOO_MANY_REQUESTS,
+                    StatusCode::SERVICE_UNAVAILABLE,
+                ],
+                retryable_error: Arc::new(|_| true),
+            }),
+        }
+    }
+
+    fn map_config(mut self, f: impl FnOnce(&mut Config)) -> Self {
+        f(Arc::make_mut(&mut self.config));
+        self
+    }
+
+    /// The most attempts per request, the first included (`1`: never retry). Default: 5.
+    pub fn with_max_attempts(self, attempts: u32) -> Self {
+        self.map_config(|c| c.max_attempts = attempts.max(1))
+    }
+
+    /// How long one attempt may wait for the response head (readiness of the inner client
+    /// included); past it the attempt is dropped and retried. Default: 10 s.
+    ///
+    /// The body of the final response is not covered: it streams to the caller.
+    pub fn with_attempt_timeout(self, timeout: Duration) -> Self {
+        self.map_config(|c| c.attempt_timeout = timeout)
+    }
+
+    /// The overall time budget of a request, from the call to the final response head: reading
+    /// the body, every attempt and every wait. An attempt in flight at the deadline is dropped
+    /// ([`RetryError::DeadlineExceeded`]); a retry that could not start before it is not made.
+    /// Default: 30 s.
+    ///
+    /// Keep it well below the server's retention of idempotency records (24 h by default).
+    pub fn with_deadline(self, deadline: Duration) -> Self {
+        self.map_config(|c| c.deadline = deadline)
+    }
+
+    /// The backoff ceiling of the first retry; it doubles at each retry, up to
+    /// [`with_max_backoff`](Self::with_max_backoff). The wait is drawn uniformly between zero
+    /// and the ceiling ("full jitter"), or is the server's `Retry-After` if that is longer.
+    /// Default: 100 ms.
+    pub fn with_initial_backoff(self, backoff: Duration) -> Self {
+        self.map_config(|c| c.initial_backoff = backoff)
+    }
+
+    /// The largest backoff ceiling. Default: 5 s.
+    pub fn with_max_backoff(self, backoff: Duration) -> Self {
+        self.map_config(|c| c.max_backoff = backoff)
+    }
+
+    /// The largest request body the client buffers, in bytes; a larger one is refused before
+    /// anything is sent ([`RetryError::BodyTooLarge`]). Default: 1 MiB (the server layer's
+    /// default limit).
+    pub fn with_body_limit(self, limit: usize) -> Self {
+        self.map_config(|c| c.body_limit = limit)
+    }
+
+    /// The methods that get an `Idempotency-Key` when the caller set none.
+    ///
+    /// Default: `POST` and `PATCH`, the methods that are not idempotent by themselves (and the
+    /// ones the server layer handles by default).
+    pub fn with_key_methods(self, methods: impl IntoIterator<Item = Method>) -> Self {
+        let methods = methods.into_iter().collect();
+        self.map_config(|c| c.key_methods = methods)
+    }
+
+    /// How a new key is generated. Default: [`KeyFormat::UuidV4`].
+    pub fn with_key_format(self, format: KeyFormat) -> Self {
+        self.map_config(|c| c.key_format = format)
+    }
+
+    /// The response statuses that are retried (honouring `Retry-After`); every other answer is
+    /// final. Default: `408`, `429` and `503` (the server layer's "busy, retry later").
+    ///
+    /// With a key, a `502` or `504` from a gateway is safe to retry too:
+    ///
+    /// ```
+    /// use http::StatusCode;
+    /// use tower_idempotency::client::RetryLayer;
+    ///
+    /// let layer = RetryLayer::new().with_retryable_statuses([
+    ///     StatusCode::REQUEST_TIMEOUT,
+    ///     StatusCode::TOO_MANY_REQUESTS,
+    ///     StatusCode::BAD_GATEWAY,
+    ///     StatusCode::SERVICE_UNAVAILABLE,
+    ///     StatusCode::GATEWAY_TIMEOUT,
+    /// ]);
+    /// # let _ = layer;
+    /// ```
+    pub fn with_retryable_statuses(self, statuses: impl IntoIterator<Item = StatusCode>) -> Self {
+        let statuses = statuses.into_iter().collect();
+        self.map_config(|c| c.retryable_statuses = statuses)
+    }
+
+    /// Which errors of the inner client are retried. Default: all of them. A refused, reset
+    /// or dropped connection may or may not have reached the server; with the key, resending
+    /// is safe either way.
+    ///
+    /// ```
+    /// use tower_idempotency::client::RetryLayer;
+    ///
+    /// // Only errors hyper-util reports as connection failures.
+    /// let layer = RetryLayer::new().with_retryable_error(|error| {
+    ///     error
+    ///         .downcast_ref::<hyper_util::client::legacy::Error>()
+    ///         .is_some_and(|error| error.is_connect())
+    /// });
+    /// # let _ = layer;
+    /// ```
+    pub fn with_retryable_error<F>(self, filter: F) -> Self
+    where
+        F: Fn(&(dyn StdError + Send + Sync + 'static)) -> bool + Send + Sync + 'static,
+    {
+        let filter: ErrorFilter = Arc::new(filter);
+        self.map_config(|c| c.retryable_error = filter)
+    }
+}
+
+impl<S> Layer<S> for RetryLayer {
+    type Service = Retry<S>;
+
+    fn layer(&self, inner: S) -> Retry<S> {
+        Retry::from_parts(inner, self.config.clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn generated_keys_are_fresh_uuids_of_the_chosen_version() {
+        for (format, version) in [(KeyFormat::UuidV4, 4), (KeyFormat::UuidV7, 7)] {
+            let first = format.generate();
+            let second = format.generate();
+            assert_ne!(first, second);
+            assert!(first.is_sensitive());
+            let uuid = uuid::Uuid::parse_str(first.to_str().expect("ascii")).expect("a UUID");
+            assert_eq!(uuid.get_version_num(), version);
+        }
+    }
+
+    #[test]
+    fn setters_replace_the_defaults() {
+        let layer = RetryLayer::new()
+            .with_max_attempts(0)
+            .with_key_methods([Method::POST])
+            .with_retryable_statuses([StatusCode::BAD_GATEWAY]);
+        // Zero attempts would send nothing: it means one.
+        assert_eq!(layer.config.max_attempts, 1);
+        assert_eq!(layer.config.key_methods, [Method::POST]);
+        assert_eq!(layer.config.retryable_statuses, [StatusCode::BAD_GATEWAY]);
+        let printed = format!("{layer:?}");
+        assert!(printed.contains("max_attempts: 1"), "{printed}");
+    }
+}
