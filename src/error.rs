@@ -43,6 +43,10 @@ pub enum Error {
     #[cfg(feature = "sqlite")]
     #[error(transparent)]
     Sqlite(#[from] rusqlite::Error),
+    /// An error from PostgreSQL (or its connection).
+    #[cfg(feature = "postgres")]
+    #[error("PostgreSQL: {}", postgres_detail(.0))]
+    Postgres(#[from] tokio_postgres::Error),
     /// An I/O error (opening the database, for example).
     #[error(transparent)]
     Io(#[from] std::io::Error),
@@ -58,8 +62,28 @@ impl Error {
                 e.code,
                 rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked
             ),
+            // A lock wait past `lock_timeout`, a serialization failure or a deadlock (the
+            // transaction was rolled back: a retry may well succeed), or no free connection.
+            #[cfg(feature = "postgres")]
+            Error::Postgres(e) => e.code().is_some_and(|code| {
+                use tokio_postgres::error::SqlState;
+                *code == SqlState::LOCK_NOT_AVAILABLE
+                    || *code == SqlState::T_R_SERIALIZATION_FAILURE
+                    || *code == SqlState::T_R_DEADLOCK_DETECTED
+                    || *code == SqlState::TOO_MANY_CONNECTIONS
+            }),
             _ => false,
         }
+    }
+}
+
+/// tokio-postgres displays only the kind ("db error"); the server's message is its source.
+/// Logs print an error's `Display`, so it carries both.
+#[cfg(feature = "postgres")]
+fn postgres_detail(error: &tokio_postgres::Error) -> String {
+    match std::error::Error::source(error) {
+        Some(cause) => format!("{error}: {cause}"),
+        None => error.to_string(),
     }
 }
 

@@ -16,6 +16,8 @@ use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
 use crate::response::SavedResponse;
 
+#[cfg(feature = "postgres")]
+pub mod postgres;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
 
@@ -163,6 +165,7 @@ pub async fn continuously_purge_expired<S: IdempotencyStore>(
 }
 
 /// Milliseconds since the Unix epoch, saturating (the representation stores use).
+#[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
 pub(crate) fn to_unix_millis(time: SystemTime) -> i64 {
     match time.duration_since(UNIX_EPOCH) {
         Ok(d) => i64::try_from(d.as_millis()).unwrap_or(i64::MAX),
@@ -171,6 +174,7 @@ pub(crate) fn to_unix_millis(time: SystemTime) -> i64 {
 }
 
 /// The inverse of [`to_unix_millis`].
+#[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
 pub(crate) fn from_unix_millis(millis: i64) -> SystemTime {
     UNIX_EPOCH + Duration::from_millis(u64::try_from(millis).unwrap_or(0))
 }

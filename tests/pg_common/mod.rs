@@ -1,0 +1,628 @@
+//! Shared setup for the PostgreSQL tests: a fresh schema per test in the database named by
+//! `TEST_DATABASE_URL`, the order app of the example on a [`PostgresStore`] served on
+//! 127.0.0.1:0, and the example binary started as a child process.
+//!
+//! Without `TEST_DATABASE_URL` every test prints that it was skipped and passes, so that
+//! `cargo test` works on a machine without PostgreSQL. The client side (requests, replies)
+//! is the one of `tests/common`.
+
+// Every test binary compiles this module and uses a different part of it.
+#![allow(dead_code)]
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::process::Stdio;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::extract::{Request, State};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing;
+use axum::{Extension, Router};
+use bytes::Bytes;
+use http::header;
+use http::{HeaderMap, StatusCode};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+use tokio::sync::{oneshot, watch};
+use tokio::task::JoinHandle;
+use tower_idempotency::extract::Tx;
+use tower_idempotency::store::postgres::tokio_postgres::{self, NoTls};
+use tower_idempotency::store::postgres::{PostgresOptions, PostgresStore, PostgresTransaction};
+use tower_idempotency::{IdempotencyLayer, Tenant};
+
+use crate::common::{json_error, PATIENCE};
+
+/// The business table of the PostgreSQL order app (the same as the example's).
+pub const ORDERS_SCHEMA: &str = "CREATE TABLE IF NOT EXISTS orders (
+    id        BIGSERIAL PRIMARY KEY,
+    tenant_id TEXT   NOT NULL,
+    sku       TEXT   NOT NULL,
+    quantity  BIGINT NOT NULL
+)";
+
+/// Schemas of this suite are named `tidem_<unix seconds>_<pid>_<n>`.
+const SCHEMA_PREFIX: &str = "tidem_";
+
+/// A schema of its own in the test database, dropped (with its connections) when dropped.
+pub struct TestDb {
+    url: String,
+    pub schema: String,
+}
+
+impl TestDb {
+    /// A fresh schema with the `orders` table, or `None` (after saying so) when
+    /// `TEST_DATABASE_URL` is not set.
+    pub async fn create() -> Option<TestDb> {
+        let Some(url) = std::env::var("TEST_DATABASE_URL")
+            .ok()
+            .filter(|url| !url.trim().is_empty())
+        else {
+            // Both streams: `--nocapture` shows stdout, a failing run shows both.
+            println!("skipped: TEST_DATABASE_URL is not set (PostgreSQL tests need it)");
+            eprintln!("skipped: TEST_DATABASE_URL is not set (PostgreSQL tests need it)");
+            return None;
+        };
+        static COUNTER: AtomicUsize = AtomicUsize::new(0);
+        static SWEPT: AtomicBool = AtomicBool::new(false);
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .expect("clock after 1970")
+            .as_secs();
+        let schema = format!(
+            "{SCHEMA_PREFIX}{now}_{}_{}",
+            std::process::id(),
+            COUNTER.fetch_add(1, Ordering::SeqCst)
+        );
+        let admin = connect(&url.parse().expect("TEST_DATABASE_URL is a valid URL")).await;
+        if !SWEPT.swap(true, Ordering::SeqCst) {
+            sweep_stale_schemas(&admin, now).await;
+        }
+        admin
+            .batch_execute(&format!("CREATE SCHEMA {schema}"))
+            .await
+            .expect("create the test schema");
+        let db = TestDb { url, schema };
+        db.client()
+            .await
+            .batch_execute(ORDERS_SCHEMA)
+            .await
+            .expect("create orders");
+        Some(db)
+    }
+
+    /// The connection settings of this schema: `search_path` points at it, and
+    /// `application_name` marks the connections so that the cleanup can close them.
+    pub fn config(&self) -> tokio_postgres::Config {
+        let mut config: tokio_postgres::Config = self.url.parse().expect("valid URL");
+        config.options(format!("-c search_path={}", self.schema));
+        config.application_name(&self.schema);
+        config
+    }
+
+    /// The same as a URL, for the example's `--database-url`.
+    pub fn url(&self) -> String {
+        let separator = if self.url.contains('?') { '&' } else { '?' };
+        format!(
+            "{}{separator}options=-c%20search_path%3D{schema}&application_name={schema}",
+            self.url,
+            schema = self.schema
+        )
+    }
+
+    /// A store on this schema with the default options.
+    pub async fn store(&self) -> PostgresStore {
+        self.store_with(|options| options).await
+    }
+
+    pub async fn store_with(
+        &self,
+        customise: impl FnOnce(PostgresOptions) -> PostgresOptions,
+    ) -> PostgresStore {
+        customise(PostgresStore::builder(self.config()))
+            .connect()
+            .await
+            .expect("open the PostgreSQL store")
+    }
+
+    /// A plain connection on this schema (its own, not a pooled one).
+    pub async fn client(&self) -> tokio_postgres::Client {
+        connect(&self.config()).await
+    }
+
+    pub async fn execute(&self, sql: &str) {
+        self.client()
+            .await
+            .batch_execute(sql)
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"));
+    }
+
+    async fn count(&self, sql: &str) -> i64 {
+        self.client()
+            .await
+            .query_one(sql, &[])
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"))
+            .get(0)
+    }
+
+    pub async fn order_count(&self) -> i64 {
+        self.count("SELECT count(*) FROM orders").await
+    }
+
+    /// Completed records (a reservation is never visible outside its transaction).
+    pub async fn record_count(&self) -> i64 {
+        self.count("SELECT count(*) FROM idempotency_records WHERE state = 'completed'")
+            .await
+    }
+
+    /// Whether a record exists for `(tenant, operation, key)`, in any state, expired or not.
+    pub async fn record_exists(&self, tenant: &str, operation: &str, key: &str) -> bool {
+        self.client()
+            .await
+            .query_one(
+                "SELECT count(*) FROM idempotency_records \
+                 WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3",
+                &[&tenant, &operation, &key],
+            )
+            .await
+            .expect("record lookup")
+            .get::<_, i64>(0)
+            > 0
+    }
+
+    /// The orders as `(id, tenant_id, sku, quantity)`, by id.
+    pub async fn orders(&self) -> Vec<(i64, String, String, i64)> {
+        self.client()
+            .await
+            .query(
+                "SELECT id, tenant_id, sku, quantity FROM orders ORDER BY id",
+                &[],
+            )
+            .await
+            .expect("orders")
+            .iter()
+            .map(|row| (row.get(0), row.get(1), row.get(2), row.get(3)))
+            .collect()
+    }
+
+    /// The `order_id` in each completed record's saved body, with the record's key.
+    pub async fn recorded_order_ids(&self) -> Vec<(String, i64)> {
+        self.client()
+            .await
+            .query(
+                "SELECT idempotency_key, \
+                 (convert_from(body, 'UTF8')::json ->> 'order_id')::bigint \
+                 FROM idempotency_records WHERE state = 'completed' ORDER BY 2",
+                &[],
+            )
+            .await
+            .expect("records")
+            .iter()
+            .map(|row| (row.get(0), row.get(1)))
+            .collect()
+    }
+}
+
+impl Drop for TestDb {
+    /// Closes the schema's connections and drops it. `Drop` cannot await, so this runs on a
+    /// thread of its own with its own runtime; a failure only leaves a schema behind (swept
+    /// by a later run).
+    fn drop(&mut self) {
+        let (url, schema) = (self.url.clone(), self.schema.clone());
+        let cleanup = std::thread::spawn(move || {
+            let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
+            runtime.block_on(async move {
+                let Ok(config) = url.parse::<tokio_postgres::Config>() else {
+                    return;
+                };
+                let Ok((client, connection)) = config.connect(NoTls).await else {
+                    return;
+                };
+                tokio::spawn(connection);
+                let _ = client
+                    .execute(
+                        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+                         WHERE application_name = $1 AND pid <> pg_backend_pid()",
+                        &[&schema],
+                    )
+                    .await;
+                let _ = client
+                    .batch_execute(&format!(
+                        "SET lock_timeout = '5s'; DROP SCHEMA IF EXISTS {schema} CASCADE"
+                    ))
+                    .await;
+            });
+        });
+        let _ = cleanup.join();
+    }
+}
+
+/// Drops the schemas that earlier runs left behind (killed before their cleanup), once an
+/// hour has passed since they were made.
+async fn sweep_stale_schemas(admin: &tokio_postgres::Client, now: u64) {
+    let Ok(rows) = admin
+        .query(
+            "SELECT nspname FROM pg_namespace WHERE starts_with(nspname, $1)",
+            &[&SCHEMA_PREFIX],
+        )
+        .await
+    else {
+        return;
+    };
+    for row in rows {
+        let name: String = row.get(0);
+        let made = name
+            .strip_prefix(SCHEMA_PREFIX)
+            .and_then(|rest| rest.split('_').next())
+            .and_then(|secs| secs.parse::<u64>().ok());
+        if made.is_some_and(|made| made + 3600 < now) {
+            let _ = admin
+                .batch_execute(&format!("DROP SCHEMA IF EXISTS {name} CASCADE"))
+                .await;
+        }
+    }
+}
+
+pub async fn connect(config: &tokio_postgres::Config) -> tokio_postgres::Client {
+    let (client, connection) = config.connect(NoTls).await.expect("connect to PostgreSQL");
+    tokio::spawn(connection);
+    client
+}
+
+/// What the order handler knows when it calls the hook: its order row is already inserted,
+/// inside the open idempotency transaction.
+#[derive(Clone, Debug)]
+pub struct OrderCall {
+    pub tenant: String,
+    pub key: Option<String>,
+    pub order_id: i64,
+    pub tx: PostgresTransaction,
+}
+
+/// What the hook asks the handler to do next.
+#[derive(Debug, Default)]
+pub struct HookOutcome {
+    /// Answer this status with `{"error":"injected_failure"}` instead of the 201.
+    pub fail_with: Option<StatusCode>,
+}
+
+pub type HookFuture = Pin<Box<dyn Future<Output = HookOutcome> + Send>>;
+pub type Hook = Arc<dyn Fn(OrderCall) -> HookFuture + Send + Sync>;
+
+/// Wraps an async closure as a [`Hook`].
+pub fn hook<F, Fut>(f: F) -> Hook
+where
+    F: Fn(OrderCall) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = HookOutcome> + Send + 'static,
+{
+    Arc::new(move |call| Box::pin(f(call)))
+}
+
+/// The state shared by the app's handlers and the test.
+pub struct App {
+    /// How many times the order handler ran (entered its body).
+    pub handler_calls: AtomicUsize,
+    /// Requests that reached the app (counted before the layer).
+    arrivals: watch::Sender<usize>,
+    hook: Option<Hook>,
+}
+
+impl App {
+    pub fn handler_calls(&self) -> usize {
+        self.handler_calls.load(Ordering::SeqCst)
+    }
+
+    /// Waits until at least `n` requests reached the app; `false` if that took too long.
+    pub async fn wait_for_arrivals(&self, n: usize, timeout: Duration) -> bool {
+        let mut arrivals = self.arrivals.subscribe();
+        let reached = tokio::time::timeout(timeout, arrivals.wait_for(|seen| *seen >= n)).await;
+        matches!(reached, Ok(Ok(_)))
+    }
+}
+
+type Customise =
+    Box<dyn Fn(IdempotencyLayer<PostgresStore>, &str) -> IdempotencyLayer<PostgresStore> + Send>;
+type CustomiseStore = Box<dyn FnOnce(PostgresOptions) -> PostgresOptions + Send>;
+
+/// Builds a [`PgServer`].
+pub struct ServerBuilder {
+    customise: Customise,
+    store: CustomiseStore,
+    hook: Option<Hook>,
+}
+
+impl ServerBuilder {
+    /// Customises every route's layer (already given its operation name).
+    pub fn layer<F>(mut self, f: F) -> Self
+    where
+        F: Fn(IdempotencyLayer<PostgresStore>) -> IdempotencyLayer<PostgresStore> + Send + 'static,
+    {
+        self.customise = Box::new(move |layer, _| f(layer));
+        self
+    }
+
+    /// Customises the layer per operation (`create_order`, `create_express_order`).
+    pub fn layer_per_operation<F>(mut self, f: F) -> Self
+    where
+        F: Fn(IdempotencyLayer<PostgresStore>, &str) -> IdempotencyLayer<PostgresStore>
+            + Send
+            + 'static,
+    {
+        self.customise = Box::new(f);
+        self
+    }
+
+    /// Customises the store's options (pool sizes, isolation), starting from the tests' smaller
+    /// pools (8 transaction connections, 4 read connections).
+    pub fn store<F>(mut self, f: F) -> Self
+    where
+        F: FnOnce(PostgresOptions) -> PostgresOptions + Send + 'static,
+    {
+        self.store = Box::new(f);
+        self
+    }
+
+    pub fn hook(mut self, hook: Hook) -> Self {
+        self.hook = Some(hook);
+        self
+    }
+
+    /// Serves the app on a store of its own (its own pools) over `db`'s schema; several
+    /// servers on one schema are several app instances sharing one database.
+    pub async fn spawn(self, db: &TestDb) -> PgServer {
+        // Smaller pools than the defaults: tests run two at a time, some with two servers,
+        // and the server allows 100 connections in all.
+        let customise = self.store;
+        let store = db
+            .store_with(|options| customise(options.max_connections(8).max_read_connections(4)))
+            .await;
+        let (arrivals, _) = watch::channel(0usize);
+        let app = Arc::new(App {
+            handler_calls: AtomicUsize::new(0),
+            arrivals,
+            hook: self.hook,
+        });
+        let layer = |operation: &str| {
+            (self.customise)(
+                IdempotencyLayer::new(store.clone()).with_operation(operation.to_owned()),
+                operation,
+            )
+        };
+        let router = Router::new()
+            .route(
+                "/orders",
+                routing::post(create_order).layer(layer("create_order")),
+            )
+            .route(
+                "/express-orders",
+                routing::post(create_order).layer(layer("create_express_order")),
+            )
+            .layer(middleware::from_fn_with_state(app.clone(), authenticate))
+            .with_state(app.clone());
+
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("local addr");
+        let (shutdown, signal) = oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            axum::serve(listener, router)
+                .with_graceful_shutdown(async move {
+                    let _ = signal.await;
+                })
+                .await
+                .expect("serve");
+        });
+        PgServer {
+            addr,
+            store,
+            app,
+            shutdown: Some(shutdown),
+            task: Some(task),
+        }
+    }
+}
+
+/// A running order app on 127.0.0.1 and its store.
+pub struct PgServer {
+    pub addr: SocketAddr,
+    pub store: PostgresStore,
+    pub app: Arc<App>,
+    shutdown: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<()>>,
+}
+
+impl PgServer {
+    pub fn builder() -> ServerBuilder {
+        ServerBuilder {
+            customise: Box::new(|layer, _| layer),
+            store: Box::new(|options| options),
+            hook: None,
+        }
+    }
+
+    /// The default app on `db`.
+    pub async fn spawn(db: &TestDb) -> PgServer {
+        Self::builder().spawn(db).await
+    }
+
+    /// Stops serving (gracefully, bounded).
+    pub async fn shutdown(mut self) {
+        if let Some(shutdown) = self.shutdown.take() {
+            let _ = shutdown.send(());
+        }
+        if let Some(task) = self.task.take() {
+            let abort = task.abort_handle();
+            if tokio::time::timeout(PATIENCE, task).await.is_err() {
+                abort.abort();
+            }
+        }
+    }
+}
+
+impl Drop for PgServer {
+    fn drop(&mut self) {
+        if let Some(task) = self.task.take() {
+            task.abort();
+        }
+    }
+}
+
+/// The demo authentication of the example; also counts arrivals.
+async fn authenticate(State(app): State<Arc<App>>, mut request: Request, next: Next) -> Response {
+    app.arrivals.send_modify(|seen| *seen += 1);
+    let tenant = match request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+    {
+        Some("Bearer shop-a-token") => "shop-a",
+        Some("Bearer shop-b-token") => "shop-b",
+        _ => return json_error(StatusCode::UNAUTHORIZED, "unauthenticated"),
+    };
+    request.extensions_mut().insert(Tenant::new(tenant));
+    next.run(request).await
+}
+
+/// `POST /orders`: validates, inserts the order through the idempotency transaction, runs
+/// the test's hook (with the transaction still open), and answers 201.
+async fn create_order(
+    State(app): State<Arc<App>>,
+    Extension(tenant): Extension<Tenant>,
+    Tx(tx): Tx<PostgresTransaction>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    app.handler_calls.fetch_add(1, Ordering::SeqCst);
+    let Ok(input) = serde_json::from_slice::<serde_json::Value>(&body) else {
+        return json_error(StatusCode::BAD_REQUEST, "invalid_json");
+    };
+    let Some(sku) = input
+        .get("sku")
+        .and_then(|v| v.as_str())
+        .filter(|sku| (1..=100).contains(&sku.chars().count()))
+        .map(str::to_owned)
+    else {
+        return json_error(StatusCode::BAD_REQUEST, "invalid_key_or_sku");
+    };
+    let Some(quantity) = input
+        .get("quantity")
+        .and_then(|v| v.as_i64())
+        .filter(|q| (1..=100).contains(q))
+    else {
+        return json_error(StatusCode::BAD_REQUEST, "invalid_quantity");
+    };
+
+    let inserted = async {
+        let client = tx.client().await?;
+        let row = client
+            .query_one(
+                "INSERT INTO orders (tenant_id, sku, quantity) VALUES ($1, $2, $3) RETURNING id",
+                &[&tenant.as_str(), &sku, &quantity],
+            )
+            .await?;
+        Ok::<i64, tower_idempotency::Error>(row.try_get(0)?)
+    };
+    let order_id = match inserted.await {
+        Ok(id) => id,
+        Err(_) => return json_error(StatusCode::INTERNAL_SERVER_ERROR, "database_error"),
+    };
+
+    let outcome = match &app.hook {
+        Some(hook) => {
+            hook(OrderCall {
+                tenant: tenant.as_str().to_owned(),
+                key: headers
+                    .get("idempotency-key")
+                    .and_then(|v| v.to_str().ok())
+                    .map(str::to_owned),
+                order_id,
+                tx,
+            })
+            .await
+        }
+        None => HookOutcome::default(),
+    };
+    if let Some(status) = outcome.fail_with {
+        return json_error(status, "injected_failure");
+    }
+    (
+        StatusCode::CREATED,
+        [
+            (header::CONTENT_TYPE, "application/json".to_owned()),
+            (header::LOCATION, format!("/orders/{order_id}")),
+        ],
+        format!("{{\"order_id\":{order_id}}}"),
+    )
+        .into_response()
+}
+
+/// The example binary (`examples/orders.rs`) as a child process serving on PostgreSQL.
+pub struct ExampleServer {
+    pub addr: SocketAddr,
+    child: Child,
+}
+
+impl ExampleServer {
+    /// Starts `orders --addr 127.0.0.1:0 --database-url <db>` and waits until it listens.
+    ///
+    /// The binary is the one `cargo test` builds next to the test binaries
+    /// (`target/<profile>/examples/orders`); running a single test target with
+    /// `cargo test --test ...` does not build examples, so build it first then.
+    pub async fn start(db: &TestDb) -> ExampleServer {
+        let exe = std::env::current_exe().expect("test binary path");
+        let profile_dir = exe
+            .parent()
+            .and_then(|deps| deps.parent())
+            .expect("target/<profile>/deps");
+        let binary = profile_dir
+            .join("examples")
+            .join(format!("orders{}", std::env::consts::EXE_SUFFIX));
+        assert!(
+            binary.exists(),
+            "{} is missing: run `cargo test` (it builds the examples) or \
+             `cargo build --example orders` first",
+            binary.display()
+        );
+        let mut child = Command::new(&binary)
+            .args(["--addr", "127.0.0.1:0", "--database-url", &db.url()])
+            .env("RUST_LOG", "error")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("start the example");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let mut lines = BufReader::new(stdout).lines();
+        let line = tokio::time::timeout(PATIENCE, lines.next_line())
+            .await
+            .expect("the example starts in time")
+            .expect("read the example's stdout")
+            .expect("the example printed its address");
+        let addr = line
+            .strip_prefix("listening on http://")
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|addr| addr.parse().ok())
+            .unwrap_or_else(|| panic!("unexpected first line: {line}"));
+        // Keep draining stdout so that the child never blocks on a full pipe.
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        ExampleServer { addr, child }
+    }
+
+    /// SIGKILL: no graceful shutdown, no chance to finish anything in flight.
+    pub async fn kill(mut self) {
+        self.child.start_kill().expect("kill the example");
+        let _ = tokio::time::timeout(PATIENCE, self.child.wait()).await;
+    }
+}
