@@ -8,8 +8,15 @@
 //! ```text
 //! cargo run --example orders                 # serves on 127.0.0.1:3000, database ./orders.db
 //! cargo run --example orders -- --demo       # runs the retry lab against itself and exits
+//! cargo run --example orders -- --database-url postgres://postgres@127.0.0.1/shop
+//! cargo run --example orders -- --webhook http://127.0.0.1:3001/events   # with the relay
 //! cargo run --example orders -- --help
 //! ```
+//!
+//! Each new order also enqueues an `order_created` event in the same transaction (the
+//! transactional outbox): the order, its saved `201` and its event commit together. With
+//! `--webhook URL` a relay runs beside the server and POSTs each event there, with the event id
+//! as `Idempotency-Key`, until the receiver accepts it (`examples/inventory.rs` is one).
 //!
 //! ```text
 //! curl -i http://127.0.0.1:3000/orders \
@@ -45,8 +52,11 @@ use hyper_util::rt::TokioExecutor;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use tokio::sync::{oneshot, Barrier};
+use tower_idempotency::body::RequestBody;
 use tower_idempotency::extract::Tx;
 use tower_idempotency::fingerprint::Fingerprinter;
+use tower_idempotency::outbox::sqlite::SqliteOutbox;
+use tower_idempotency::outbox::{Enqueue, HttpSink, Relay};
 use tower_idempotency::response::IDEMPOTENT_REPLAYED;
 use tower_idempotency::store::continuously_purge_expired;
 use tower_idempotency::store::sqlite::rusqlite::OptionalExtension;
@@ -55,12 +65,23 @@ use tower_idempotency::{IdempotencyLayer, Tenant, IDEMPOTENCY_KEY};
 
 type BoxError = Box<dyn Error + Send + Sync>;
 
+/// The PostgreSQL variant of the app (`--database-url`).
+#[cfg(feature = "postgres")]
+#[path = "orders/postgres.rs"]
+mod postgres;
+
 const USAGE: &str = "\
-usage: orders [--addr ADDR] [--db PATH]
+usage: orders [--addr ADDR] [--db PATH | --database-url URL] [--webhook URL]
        orders --demo
 
   --addr ADDR   address to listen on (default 127.0.0.1:3000)
   --db PATH     SQLite database for orders and idempotency records (default ./orders.db)
+  --database-url URL
+                PostgreSQL instead (postgres://user@host:5432/db): several instances may
+                share it
+  --webhook URL deliver the outbox's events (`order_created`) to this URL: a relay POSTs
+                each one with its event id as `Idempotency-Key` until it is accepted
+                (SQLite only)
   --demo        serve on an ephemeral loopback port with a fresh database, run the retry
                 lab against it over HTTP, print its six lines and exit
   -h, --help    show this help";
@@ -99,7 +120,20 @@ async fn main() -> ExitCode {
             println!("{USAGE}");
             Ok(())
         }
-        Command::Serve { addr, db } => serve(&addr, &db).await,
+        #[cfg(feature = "postgres")]
+        Command::Serve {
+            addr,
+            database_url: Some(url),
+            ..
+        } => postgres::serve(&addr, &url).await,
+        #[cfg(not(feature = "postgres"))]
+        Command::Serve {
+            database_url: Some(_),
+            ..
+        } => Err("--database-url needs the `postgres` feature".into()),
+        Command::Serve {
+            addr, db, webhook, ..
+        } => serve(&addr, &db, webhook.as_deref()).await,
         Command::Demo => demo().await,
     };
     match outcome {
@@ -117,7 +151,12 @@ async fn main() -> ExitCode {
 
 enum Command {
     Help,
-    Serve { addr: String, db: PathBuf },
+    Serve {
+        addr: String,
+        db: PathBuf,
+        database_url: Option<String>,
+        webhook: Option<String>,
+    },
     Demo,
 }
 
@@ -126,6 +165,8 @@ impl Command {
     fn parse(mut args: impl Iterator<Item = String>) -> Result<Self, String> {
         let mut addr = None;
         let mut db = None;
+        let mut database_url = None;
+        let mut webhook = None;
         let mut demo = false;
         while let Some(arg) = args.next() {
             // Accept both `--addr VALUE` and `--addr=VALUE`.
@@ -143,16 +184,31 @@ impl Command {
                 "-h" | "--help" => return Ok(Command::Help),
                 "--addr" => addr = Some(value()?),
                 "--db" => db = Some(PathBuf::from(value()?)),
+                "--database-url" => database_url = Some(value()?),
+                "--webhook" => webhook = Some(value()?),
                 "--demo" if inline.is_none() => demo = true,
                 _ => return Err(format!("unknown argument `{arg}`")),
             }
         }
-        match (demo, addr.is_some() || db.is_some()) {
-            (true, true) => Err("--demo picks its own address and database".into()),
+        if db.is_some() && database_url.is_some() {
+            return Err("--db and --database-url are two different stores: pick one".into());
+        }
+        if webhook.is_some() && database_url.is_some() {
+            return Err("--webhook relays the SQLite store's outbox: use it with --db".into());
+        }
+        match (
+            demo,
+            addr.is_some() || db.is_some() || database_url.is_some() || webhook.is_some(),
+        ) {
+            (true, true) => {
+                Err("--demo picks its own address and database, and has no webhook".into())
+            }
             (true, false) => Ok(Command::Demo),
             (false, _) => Ok(Command::Serve {
                 addr: addr.unwrap_or_else(|| "127.0.0.1:3000".into()),
                 db: db.unwrap_or_else(|| "orders.db".into()),
+                database_url,
+                webhook,
             }),
         }
     }
@@ -162,12 +218,14 @@ impl Command {
 // The app
 // ---------------------------------------------------------------------------------------------
 
-/// Opens the store and creates the `orders` table next to the idempotency records.
+/// Opens the store and creates the `orders` and `outbox_events` tables next to the
+/// idempotency records.
 async fn open_store(db: &FsPath) -> Result<SqliteStore, BoxError> {
     let store = SqliteStore::open(db)
         .await
         .map_err(|error| format!("cannot open {}: {error}", db.display()))?;
     store.write(|tx| tx.execute_batch(ORDERS_SCHEMA)).await?;
+    SqliteOutbox::install(&store).await?;
     Ok(store)
 }
 
@@ -224,6 +282,7 @@ async fn create_order(
 ) -> Result<Response, ApiError> {
     let order = NewOrder::parse(&body)?;
     let tenant_id = tenant.as_str().to_owned();
+    let (sku, quantity) = (order.sku.clone(), order.quantity);
     // Same connection, same transaction as the idempotency record the layer saves after us.
     let order_id = tx
         .run(move |conn| {
@@ -238,6 +297,19 @@ async fn create_order(
             tracing::error!(%error, "inserting the order failed");
             ApiError::Internal
         })?;
+    // Reserving stock is another service's job. Calling it from here could not be undone by a
+    // rollback; the event commits with the order instead (or not at all), and the relay
+    // delivers it once the order is durable.
+    let event = json!({
+        "order_id": order_id,
+        "tenant": tenant.as_str(),
+        "sku": sku,
+        "quantity": quantity,
+    });
+    tx.enqueue("order_created", event).await.map_err(|error| {
+        tracing::error!(%error, "enqueueing order_created failed");
+        ApiError::Internal
+    })?;
 
     // `Location` and `Content-Type` are saved with the body and replayed to retries.
     let response = (
@@ -336,8 +408,17 @@ impl IntoResponse for ApiError {
 // Serving
 // ---------------------------------------------------------------------------------------------
 
-async fn serve(addr: &str, db: &FsPath) -> Result<(), BoxError> {
+async fn serve(addr: &str, db: &FsPath, webhook: Option<&str>) -> Result<(), BoxError> {
     let store = open_store(db).await?;
+    if let Some(url) = webhook {
+        let uri: axum::http::Uri = url
+            .parse()
+            .map_err(|error| format!("--webhook {url}: {error}"))?;
+        let client = Client::builder(TokioExecutor::new()).build_http::<RequestBody>();
+        let relay = Relay::new(SqliteOutbox::existing(&store), HttpSink::new(client, uri));
+        // Like the purge below: the library never spawns its background work.
+        tokio::spawn(relay.run());
+    }
     // The library never spawns background work; expired records are purged by this task.
     tokio::spawn(continuously_purge_expired(
         store.clone(),
@@ -355,6 +436,10 @@ async fn serve(addr: &str, db: &FsPath) -> Result<(), BoxError> {
          -H 'Content-Type: application/json' -d '{{\"sku\":\"book\",\"quantity\":1}}'",
         db.display()
     );
+    // After the first line, which scripts and tests read for the address.
+    if let Some(url) = webhook {
+        println!("relaying outbox events to {url}");
+    }
 
     axum::serve(listener, app(store))
         .with_graceful_shutdown(ctrl_c())

@@ -53,15 +53,26 @@
 //!
 //! - `sqlite` (default): [`store::sqlite::SqliteStore`].
 //! - `axum`: the [`extract::Tx`] extractor for the transaction handle.
-//! - `tonic`: a wrapped tonic service is a `NamedService`, so it can be added on its own.
+//! - `postgres`: [`store::postgres::PostgresStore`], for several app instances sharing one
+//!   database (tokio-postgres with a deadpool pool).
 //! - `client`: [`client::RetryLayer`], the client half: adds an `Idempotency-Key`, buffers the
 //!   body and retries with the same key and bytes.
+//! - `outbox`: [`outbox`], side effects that commit with the handler's rows: the handler
+//!   enqueues events in its transaction, a relay you spawn delivers them at least once, and the
+//!   receiver's inbox drops redeliveries.
+//! - `metrics`: requests by outcome, rollbacks, lock waits and the outbox's backlog and
+//!   deliveries through the `metrics` facade; the names are in [`metrics`].
+//!
+//! Operations on a SQLite file (inspect or delete a record, counts, purge, dead letters) are
+//! library calls in [`admin`] and a command-line tool, `cargo run --example admin`.
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations)]
 #![deny(unreachable_pub)]
 #![cfg_attr(docsrs, feature(doc_auto_cfg))]
 
+#[cfg(feature = "sqlite")]
+pub mod admin;
 pub mod body;
 #[cfg(feature = "client")]
 pub mod client;
@@ -71,6 +82,9 @@ pub mod extract;
 pub mod fingerprint;
 pub mod key;
 mod layer;
+pub mod metrics;
+#[cfg(feature = "outbox")]
+pub mod outbox;
 pub mod response;
 mod service;
 pub mod store;

@@ -1,0 +1,350 @@
+//! The receiving end of the orders example's outbox: reserves stock for each `order_created`
+//! event, exactly once in effect however often the event is delivered.
+//!
+//! The orders example (`cargo run --example orders -- --webhook http://127.0.0.1:3001/events`)
+//! enqueues an `order_created` event in the same transaction as each order, and its relay
+//! POSTs the event here with the event id as `Idempotency-Key`. Delivery is at least once: a
+//! relay that dies after this service answered, or an answer lost on the way, means the same
+//! event arrives again. The inbox ([`SqliteInbox`]) records each event id in the same
+//! transaction as the reservation, so a redelivery is acknowledged (`200`) and changes nothing.
+//!
+//! ```text
+//! cargo run --example inventory                  # serves on 127.0.0.1:3001, database ./inventory.db
+//! cargo run --example inventory -- --reject-sku broken   # refuses events for one sku (422)
+//! curl -s http://127.0.0.1:3001/stock
+//! ```
+//!
+//! Every delivery is printed on stdout (`reserved` or `duplicate`); logs go to stderr (set
+//! `RUST_LOG`, default `warn`).
+//!
+//! (`tests/outbox_end_to_end.rs` includes this file as a module and serves it in-process: the
+//! items it uses are `pub(crate)`.)
+
+use std::error::Error;
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{json, Map, Value};
+use tokio::net::TcpListener;
+use tower_idempotency::outbox::inbox::{Processed, SqliteInbox};
+use tower_idempotency::outbox::EVENT_TOPIC;
+use tower_idempotency::store::sqlite::SqliteStore;
+use tower_idempotency::IDEMPOTENCY_KEY;
+
+type BoxError = Box<dyn Error + Send + Sync>;
+
+const USAGE: &str = "\
+usage: inventory [--addr ADDR] [--db PATH] [--reject-sku SKU]
+
+  --addr ADDR       address to listen on (default 127.0.0.1:3001)
+  --db PATH         SQLite database for reservations and processed event ids
+                    (default ./inventory.db)
+  --reject-sku SKU  answer 422 to events for this sku (a poison event, to see the sender's
+                    relay retry it and then dead-letter it)
+  -h, --help        show this help";
+
+/// The receiver's own tables: what it did, and how much of each sku is reserved. The inbox's
+/// `inbox_events` lives in the same file, which is what lets an event id and its reservation
+/// commit in one transaction.
+const INVENTORY_SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS reservations (
+    order_id  INTEGER NOT NULL,
+    tenant    TEXT    NOT NULL,
+    sku       TEXT    NOT NULL,
+    quantity  INTEGER NOT NULL,
+    event_id  TEXT    NOT NULL
+);
+CREATE TABLE IF NOT EXISTS reserved_stock (
+    sku      TEXT    PRIMARY KEY,
+    reserved INTEGER NOT NULL
+);";
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    // Logs on stderr, so that stdout carries only the deliveries.
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
+
+    let options = match Options::parse(std::env::args().skip(1)) {
+        Ok(Some(options)) => options,
+        Ok(None) => {
+            println!("{USAGE}");
+            return ExitCode::SUCCESS;
+        }
+        Err(message) => {
+            eprintln!("inventory: {message}\n\n{USAGE}");
+            return ExitCode::from(2);
+        }
+    };
+    match serve(options).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("inventory: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+struct Options {
+    addr: String,
+    db: PathBuf,
+    reject_sku: Option<String>,
+}
+
+impl Options {
+    /// Hand-parsed, like the orders example: `None` means `--help`.
+    fn parse(mut args: impl Iterator<Item = String>) -> Result<Option<Self>, String> {
+        let mut options = Options {
+            addr: "127.0.0.1:3001".into(),
+            db: "inventory.db".into(),
+            reject_sku: None,
+        };
+        while let Some(arg) = args.next() {
+            let (flag, inline) = match arg.split_once('=') {
+                Some((flag, value)) if flag.starts_with("--") => (flag, Some(value.to_owned())),
+                _ => (arg.as_str(), None),
+            };
+            let mut value = || {
+                inline
+                    .clone()
+                    .or_else(|| args.next())
+                    .ok_or_else(|| format!("{flag} needs a value"))
+            };
+            match flag {
+                "-h" | "--help" => return Ok(None),
+                "--addr" => options.addr = value()?,
+                "--db" => options.db = PathBuf::from(value()?),
+                "--reject-sku" => options.reject_sku = Some(value()?),
+                _ => return Err(format!("unknown argument `{arg}`")),
+            }
+        }
+        Ok(Some(options))
+    }
+}
+
+async fn serve(options: Options) -> Result<(), BoxError> {
+    let inventory = Inventory::open(&options.db, options.reject_sku).await?;
+    let listener = TcpListener::bind(&options.addr)
+        .await
+        .map_err(|error| format!("cannot listen on {}: {error}", options.addr))?;
+    println!(
+        "listening on http://{} (database {}); events go to POST /events, stock is at GET /stock",
+        listener.local_addr()?,
+        options.db.display()
+    );
+    axum::serve(listener, app(inventory))
+        .with_graceful_shutdown(async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await?;
+    Ok(())
+}
+
+/// The receiver's state: its database, its inbox, and what it refuses.
+#[derive(Clone)]
+pub(crate) struct Inventory {
+    pub(crate) store: SqliteStore,
+    pub(crate) inbox: SqliteInbox,
+    reject_sku: Option<Arc<str>>,
+}
+
+impl Inventory {
+    /// Opens (creating if needed) the database, the inventory tables and the inbox.
+    pub(crate) async fn open(db: &Path, reject_sku: Option<String>) -> Result<Self, BoxError> {
+        let store = SqliteStore::open(db)
+            .await
+            .map_err(|error| format!("cannot open {}: {error}", db.display()))?;
+        store.write(|tx| tx.execute_batch(INVENTORY_SCHEMA)).await?;
+        let inbox = SqliteInbox::install(&store, "inventory").await?;
+        Ok(Inventory {
+            store,
+            inbox,
+            reject_sku: reject_sku.map(Arc::from),
+        })
+    }
+
+    /// How much of each sku is reserved.
+    pub(crate) async fn reserved(&self) -> Result<Map<String, Value>, BoxError> {
+        let rows = self
+            .store
+            .read(|conn| {
+                let mut statement =
+                    conn.prepare("SELECT sku, reserved FROM reserved_stock ORDER BY sku")?;
+                let rows = statement
+                    .query_map([], |row| {
+                        Ok((row.get::<_, String>(0)?, row.get::<_, i64>(1)?))
+                    })?
+                    .collect::<Result<Vec<_>, _>>()?;
+                Ok(rows)
+            })
+            .await?;
+        Ok(rows
+            .into_iter()
+            .map(|(sku, reserved)| (sku, Value::from(reserved)))
+            .collect())
+    }
+
+    /// How many reservations were made (one per order, however often its event came).
+    pub(crate) async fn reservation_count(&self) -> Result<i64, BoxError> {
+        Ok(self
+            .store
+            .read(|conn| conn.query_row("SELECT count(*) FROM reservations", [], |row| row.get(0)))
+            .await?)
+    }
+}
+
+pub(crate) fn app(inventory: Inventory) -> Router {
+    Router::new()
+        .route("/events", post(receive_event))
+        .route("/stock", get(stock))
+        .with_state(inventory)
+}
+
+/// An `order_created` event's payload, as the orders example enqueues it.
+struct OrderCreated {
+    order_id: i64,
+    tenant: String,
+    sku: String,
+    quantity: i64,
+}
+
+impl OrderCreated {
+    fn parse(payload: &[u8]) -> Option<Self> {
+        let value: Value = serde_json::from_slice(payload).ok()?;
+        Some(OrderCreated {
+            order_id: value.get("order_id")?.as_i64()?,
+            tenant: value.get("tenant")?.as_str()?.to_owned(),
+            sku: value.get("sku")?.as_str()?.to_owned(),
+            quantity: value.get("quantity")?.as_i64().filter(|q| *q > 0)?,
+        })
+    }
+}
+
+/// `POST /events`: applies an event once; a redelivery is acknowledged with `200` too, so the
+/// sender's relay marks it delivered and stops.
+async fn receive_event(
+    State(inventory): State<Inventory>,
+    headers: HeaderMap,
+    payload: Bytes,
+) -> Response {
+    let Some(event_id) = headers
+        .get(IDEMPOTENCY_KEY)
+        .and_then(|value| value.to_str().ok())
+        .filter(|id| !id.is_empty())
+        .map(str::to_owned)
+    else {
+        return reply(
+            StatusCode::BAD_REQUEST,
+            json!({ "error": "missing_event_id" }),
+        );
+    };
+    let topic = headers
+        .get(EVENT_TOPIC)
+        .and_then(|value| value.to_str().ok());
+    if topic != Some("order_created") {
+        // Not ours to act on: acknowledged, so the sender does not retry it forever.
+        return reply(StatusCode::OK, json!({ "status": "ignored" }));
+    }
+    // A payload that cannot be understood will not be understood on a retry either; the
+    // sender retries it a few times all the same, then dead-letters it for a person to see.
+    let Some(order) = OrderCreated::parse(&payload) else {
+        return reply(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            json!({ "error": "invalid_event" }),
+        );
+    };
+    if inventory.reject_sku.as_deref() == Some(order.sku.as_str()) {
+        return reply(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            json!({ "error": "unknown_sku" }),
+        );
+    }
+
+    let OrderCreated {
+        order_id,
+        tenant,
+        sku,
+        quantity,
+    } = order;
+    let id = event_id.clone();
+    let reserved_sku = sku.clone();
+    // The event id and the reservation commit in one transaction, or neither does.
+    let processed = inventory
+        .inbox
+        .process(&event_id, move |tx| {
+            tx.execute(
+                "INSERT INTO reservations (order_id, tenant, sku, quantity, event_id) \
+                 VALUES (?1, ?2, ?3, ?4, ?5)",
+                (order_id, &tenant, &reserved_sku, quantity, &id),
+            )?;
+            tx.query_row(
+                "INSERT INTO reserved_stock (sku, reserved) VALUES (?1, ?2) \
+                 ON CONFLICT (sku) DO UPDATE SET reserved = reserved + excluded.reserved \
+                 RETURNING reserved",
+                (&reserved_sku, quantity),
+                |row| row.get::<_, i64>(0),
+            )
+        })
+        .await;
+    match processed {
+        Ok(Processed::First(reserved)) => {
+            println!(
+                "event {event_id}: order {order_id} reserved {quantity} x {sku} \
+                 ({sku} reserved: {reserved})"
+            );
+            reply(
+                StatusCode::OK,
+                json!({ "status": "reserved", "sku": sku, "reserved": reserved }),
+            )
+        }
+        Ok(Processed::Duplicate) => {
+            println!("event {event_id}: duplicate, acknowledged without reserving again");
+            reply(StatusCode::OK, json!({ "status": "duplicate" }))
+        }
+        Err(error) => {
+            // Nothing was kept: the sender retries, and the retry applies it.
+            tracing::error!(%error, "processing an event failed");
+            reply(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                json!({ "error": "internal_error" }),
+            )
+        }
+    }
+}
+
+/// `GET /stock`: `{"reserved":{"book":2},"reservations":2}`.
+async fn stock(State(inventory): State<Inventory>) -> Response {
+    let counted = async {
+        let reserved = inventory.reserved().await?;
+        let reservations = inventory.reservation_count().await?;
+        Ok::<_, BoxError>(json!({ "reserved": reserved, "reservations": reservations }))
+    };
+    match counted.await {
+        Ok(body) => reply(StatusCode::OK, body),
+        Err(error) => {
+            tracing::error!(%error, "reading the stock failed");
+            reply(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                json!({ "error": "internal_error" }),
+            )
+        }
+    }
+}
+
+fn reply(status: StatusCode, body: Value) -> Response {
+    (status, Json(body)).into_response()
+}

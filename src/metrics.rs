@@ -1,0 +1,221 @@
+//! Metrics through the [`metrics`](https://docs.rs/metrics) facade (feature `metrics`).
+//!
+//! With the feature on, the layer, the outbox relay and the inbox record to whatever recorder
+//! the application installed (a Prometheus exporter, StatsD...); without a recorder, recording
+//! costs next to nothing. Without the feature nothing is recorded and the `metrics` crate is
+//! not compiled; the names below stay available either way.
+//!
+//! | name | kind | labels | what |
+//! |---|---|---|---|
+//! | [`REQUESTS_TOTAL`] | counter | `operation`, `outcome` | every request the layer handled, by [`Outcome`] |
+//! | [`HANDLER_ROLLBACKS_TOTAL`] | counter | `operation`, `reason` | transactions rolled back after the handler was called, by [`RollbackReason`] |
+//! | [`LOCK_WAIT_SECONDS`] | histogram | `operation` | time to open the write transaction (waiting for the write lock included) |
+//! | [`OUTBOX_BACKLOG`] | gauge | | pending events (due, waiting for a retry, or in flight), sampled by the relay |
+//! | [`OUTBOX_DEAD_LETTERS`] | gauge | | dead-lettered events, sampled by the relay |
+//! | [`OUTBOX_DELIVERED_TOTAL`] | counter | `topic` | events the sink accepted |
+//! | [`OUTBOX_DELIVERY_FAILURES_TOTAL`] | counter | `topic` | failed delivery attempts (errors, timeouts, panics) |
+//! | [`OUTBOX_DEAD_LETTERED_TOTAL`] | counter | `topic` | events moved to the dead-letter state |
+//! | [`OUTBOX_DELIVERY_SECONDS`] | histogram | `topic` | how long the sink took, successful or not |
+//! | [`INBOX_EVENTS_TOTAL`] | counter | `consumer`, `result` | events offered to an inbox: `processed` or `duplicate` |
+//!
+//! A request whose future is dropped (the client went away) ends without an outcome: it rolls
+//! back, but is counted nowhere.
+//!
+//! ```
+//! // With any recorder installed (here the exporter of metrics-exporter-prometheus):
+//! // metrics_exporter_prometheus::PrometheusBuilder::new().install()?;
+//! // the layer and the relay record on their own; nothing else to configure.
+//! assert_eq!(tower_idempotency::metrics::REQUESTS_TOTAL, "idempotency_requests_total");
+//! ```
+
+use std::time::Duration;
+
+/// Counter: requests the layer handled, labelled `operation` and `outcome` ([`Outcome`]).
+pub const REQUESTS_TOTAL: &str = "idempotency_requests_total";
+/// Counter: transactions rolled back after the handler was called, labelled `operation` and
+/// `reason` ([`RollbackReason`]).
+pub const HANDLER_ROLLBACKS_TOTAL: &str = "idempotency_handler_rollbacks_total";
+/// Histogram (seconds): how long opening the write transaction took, labelled `operation`.
+pub const LOCK_WAIT_SECONDS: &str = "idempotency_lock_wait_seconds";
+/// Gauge: pending outbox events (not yet delivered, not dead-lettered).
+pub const OUTBOX_BACKLOG: &str = "outbox_backlog";
+/// Gauge: dead-lettered outbox events.
+pub const OUTBOX_DEAD_LETTERS: &str = "outbox_dead_letters";
+/// Counter: events delivered, labelled `topic`.
+pub const OUTBOX_DELIVERED_TOTAL: &str = "outbox_delivered_total";
+/// Counter: failed delivery attempts, labelled `topic`.
+pub const OUTBOX_DELIVERY_FAILURES_TOTAL: &str = "outbox_delivery_failures_total";
+/// Counter: events dead-lettered, labelled `topic`.
+pub const OUTBOX_DEAD_LETTERED_TOTAL: &str = "outbox_dead_lettered_total";
+/// Histogram (seconds): how long one delivery took, labelled `topic`.
+pub const OUTBOX_DELIVERY_SECONDS: &str = "outbox_delivery_seconds";
+/// Counter: events offered to an inbox, labelled `consumer` and `result`
+/// (`processed` or `duplicate`).
+pub const INBOX_EVENTS_TOTAL: &str = "inbox_events_total";
+
+/// The `outcome` label of [`REQUESTS_TOTAL`]: how the layer answered.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Outcome {
+    /// The handler ran and its response was saved and committed.
+    Executed,
+    /// A saved response was replayed.
+    Replayed,
+    /// The key was reused with a different payload.
+    Conflict,
+    /// The store stayed busy past the lock timeout (`503`).
+    Busy,
+    /// The layer refused the request before the store (bad or missing key, no tenant, body
+    /// too large or too slow, invalid payload).
+    Rejected,
+    /// The handler ran but nothing was kept (see [`RollbackReason`]).
+    RolledBack,
+    /// The store failed (`500`).
+    Error,
+}
+
+impl Outcome {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Executed => "executed",
+            Outcome::Replayed => "replayed",
+            Outcome::Conflict => "conflict",
+            Outcome::Busy => "busy",
+            Outcome::Rejected => "rejected",
+            Outcome::RolledBack => "rolled_back",
+            Outcome::Error => "error",
+        }
+    }
+}
+
+/// The `reason` label of [`HANDLER_ROLLBACKS_TOTAL`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RollbackReason {
+    /// The response was not saveable (a non-2xx status by default, a non-OK gRPC status).
+    NotSaved,
+    /// The inner service returned an error.
+    ServiceError,
+    /// The handler panicked.
+    Panic,
+    /// The response could not be captured (too large, or its body failed).
+    Capture,
+    /// Saving the record or the commit failed.
+    CommitFailed,
+}
+
+impl RollbackReason {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RollbackReason::NotSaved => "not_saved",
+            RollbackReason::ServiceError => "service_error",
+            RollbackReason::Panic => "panic",
+            RollbackReason::Capture => "capture_failed",
+            RollbackReason::CommitFailed => "commit_failed",
+        }
+    }
+}
+
+// The recording functions below are the only places that touch the `metrics` crate, so that
+// the rest of the crate calls them unconditionally and the feature switch lives here.
+
+/// Counts one request the layer handled.
+pub(crate) fn request(operation: &str, outcome: Outcome) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!(
+        REQUESTS_TOTAL,
+        "operation" => operation.to_owned(),
+        "outcome" => outcome.as_str()
+    )
+    .increment(1);
+    #[cfg(not(feature = "metrics"))]
+    let _ = (operation, outcome);
+}
+
+/// Counts one rollback after the handler was called.
+pub(crate) fn rollback(operation: &str, reason: RollbackReason) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!(
+        HANDLER_ROLLBACKS_TOTAL,
+        "operation" => operation.to_owned(),
+        "reason" => reason.as_str()
+    )
+    .increment(1);
+    #[cfg(not(feature = "metrics"))]
+    let _ = (operation, reason);
+}
+
+/// Counts a request whose handler ran but whose transaction was rolled back.
+pub(crate) fn rolled_back(operation: &str, reason: RollbackReason) {
+    rollback(operation, reason);
+    request(operation, Outcome::RolledBack);
+}
+
+/// Records how long opening the write transaction took.
+pub(crate) fn lock_wait(operation: &str, waited: Duration) {
+    #[cfg(feature = "metrics")]
+    metrics::histogram!(LOCK_WAIT_SECONDS, "operation" => operation.to_owned())
+        .record(waited.as_secs_f64());
+    #[cfg(not(feature = "metrics"))]
+    let _ = (operation, waited);
+}
+
+/// The outbox relay's events (feature `outbox`).
+#[cfg(feature = "outbox")]
+pub(crate) mod outbox {
+    use std::time::Duration;
+
+    /// Sets the backlog gauges.
+    pub(crate) fn backlog(pending: u64, dead: u64) {
+        #[cfg(feature = "metrics")]
+        {
+            // Gauges are f64; a backlog past 2^53 events is not a concern.
+            metrics::gauge!(super::OUTBOX_BACKLOG).set(pending as f64);
+            metrics::gauge!(super::OUTBOX_DEAD_LETTERS).set(dead as f64);
+        }
+        #[cfg(not(feature = "metrics"))]
+        let _ = (pending, dead);
+    }
+
+    /// One delivery attempt: accepted or failed, and how long it took.
+    pub(crate) fn delivery(topic: &str, accepted: bool, took: Duration) {
+        #[cfg(feature = "metrics")]
+        {
+            let name = if accepted {
+                super::OUTBOX_DELIVERED_TOTAL
+            } else {
+                super::OUTBOX_DELIVERY_FAILURES_TOTAL
+            };
+            metrics::counter!(name, "topic" => topic.to_owned()).increment(1);
+            metrics::histogram!(super::OUTBOX_DELIVERY_SECONDS, "topic" => topic.to_owned())
+                .record(took.as_secs_f64());
+        }
+        #[cfg(not(feature = "metrics"))]
+        let _ = (topic, accepted, took);
+    }
+
+    /// An event moved to the dead-letter state.
+    pub(crate) fn dead_lettered(topic: &str) {
+        #[cfg(feature = "metrics")]
+        metrics::counter!(super::OUTBOX_DEAD_LETTERED_TOTAL, "topic" => topic.to_owned())
+            .increment(1);
+        #[cfg(not(feature = "metrics"))]
+        let _ = topic;
+    }
+
+    /// An event offered to an inbox.
+    #[cfg(feature = "sqlite")]
+    pub(crate) fn inbox(consumer: &str, first: bool) {
+        #[cfg(feature = "metrics")]
+        metrics::counter!(
+            super::INBOX_EVENTS_TOTAL,
+            "consumer" => consumer.to_owned(),
+            "result" => if first { "processed" } else { "duplicate" }
+        )
+        .increment(1);
+        #[cfg(not(feature = "metrics"))]
+        let _ = (consumer, first);
+    }
+}

@@ -1,0 +1,432 @@
+//! A transactional outbox: side effects that commit or roll back with the handler's rows.
+//!
+//! A handler that must also reserve stock or send an e-mail cannot call out from inside the
+//! request: a rollback cannot take back an e-mail, and a call made before the commit may announce
+//! an order that never existed. Instead the handler **enqueues an event in its transaction**;
+//! it commits together with the order and the saved response, or not at all. A [`Relay`] (a
+//! future you spawn) then delivers committed events through a sink of your choice, at least
+//! once, and the receiver drops redeliveries by event id with an inbox
+//! ([`inbox::SqliteInbox`]).
+//!
+//! ```text
+//! handler ─► INSERT order ─► enqueue("order_created") ─┐ one transaction, committed with
+//!                                                       │ the saved 201
+//! relay   ─► claim due events (lease) ─► sink(event) ─► mark delivered
+//!                                            │ fails ─► retry later (backoff + jitter)
+//!                                            │          ─► dead letter after N attempts
+//! receiver ─► inbox: event id seen? ─► no: apply + record id (one transaction)
+//!                                  └─► yes: acknowledge, do nothing
+//! ```
+//!
+//! - **At least once.** An event is marked delivered only after the sink accepted it; a relay
+//!   that dies in between leaves the event claimed until its lease runs out, and the next relay
+//!   delivers it again **with the same [`EventId`]**. Receivers must deduplicate by that id.
+//! - **Never twice at once.** A relay claims events with a lease (a row update in the store's
+//!   write transaction), so several relays, in one process or several, never deliver one event
+//!   concurrently; each delivery is cut off well before its lease ends.
+//! - **Failures** are retried with exponential backoff and jitter; an event that fails
+//!   [`Relay::with_max_attempts`] times (or whose sink error is [`Permanent`]) moves to the
+//!   dead-letter state, without holding up the others. Dead letters can be listed and requeued
+//!   ([`sqlite::SqliteOutbox::dead_letters`], [`crate::admin`]).
+//!
+//! # With SQLite
+//!
+//! ```no_run
+//! # async fn run() -> Result<(), tower_idempotency::Error> {
+//! use serde_json::json;
+//! use tower_idempotency::outbox::sqlite::SqliteOutbox;
+//! use tower_idempotency::outbox::{sink_fn, Enqueue, OutboxEvent, Relay};
+//! use tower_idempotency::store::sqlite::{SqliteStore, SqliteTransaction};
+//!
+//! let store = SqliteStore::open("orders.db").await?;
+//! // Creates `outbox_events` (idempotent): once at start-up, before serving.
+//! let outbox = SqliteOutbox::install(&store).await?;
+//!
+//! // In a handler, through the request's transaction handle:
+//! async fn create_order(tx: SqliteTransaction) -> Result<(), tower_idempotency::Error> {
+//!     let event_id = tx.enqueue("order_created", json!({ "order_id": 1 })).await?;
+//!     # let _ = event_id;
+//!     Ok(())
+//! }
+//!
+//! // At start-up: deliver events, forever. The library never spawns tasks itself.
+//! let relay = Relay::new(
+//!     outbox,
+//!     sink_fn(|event: OutboxEvent| async move {
+//!         println!("{} {} {}", event.id(), event.topic(), event.payload());
+//!         Ok::<(), std::io::Error>(())
+//!     }),
+//! );
+//! tokio::spawn(relay.run());
+//! # Ok(()) }
+//! ```
+//!
+//! Over HTTP, [`HttpSink`] POSTs each event's payload with its id as `Idempotency-Key`, so a
+//! receiver behind [`IdempotencyLayer`](crate::IdempotencyLayer) or an inbox drops repeats.
+//!
+//! # Other backends
+//!
+//! The relay only needs the [`OutboxStore`] trait (claim, settle, backlog) and handlers only
+//! need [`Enqueue`] on their transaction handle: a PostgreSQL outbox implements those two for
+//! its store and its transaction, and the relay, the sinks and the backoff are shared.
+
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use crate::body::BoxError;
+use crate::error::Error;
+
+#[cfg(feature = "sqlite")]
+pub mod inbox;
+mod relay;
+mod sink;
+#[cfg(feature = "sqlite")]
+pub mod sqlite;
+
+pub use relay::{Relay, RoundReport};
+pub use sink::{sink_fn, HttpSink, Permanent, SinkFn, EVENT_TOPIC};
+
+/// The id of an outbox event: a UUID v7 (time-ordered), unique across processes and databases.
+///
+/// It travels with every delivery (as `Idempotency-Key` over HTTP) and stays the same across
+/// redeliveries, which is what lets a receiver drop duplicates.
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct EventId(Arc<str>);
+
+impl EventId {
+    /// A new, unique id.
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+    pub(crate) fn generate() -> Self {
+        EventId(Arc::from(uuid::Uuid::now_v7().to_string()))
+    }
+
+    /// The id as text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl From<String> for EventId {
+    /// An id read back from a store (for [`OutboxStore`] implementations).
+    fn from(id: String) -> Self {
+        EventId(Arc::from(id))
+    }
+}
+
+impl fmt::Display for EventId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl fmt::Debug for EventId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "EventId({})", self.0)
+    }
+}
+
+/// One event as the sink receives it.
+#[derive(Clone, Debug)]
+pub struct OutboxEvent {
+    id: EventId,
+    topic: Arc<str>,
+    payload: Arc<str>,
+    attempt: u32,
+    created_at: SystemTime,
+}
+
+impl OutboxEvent {
+    /// An event read back from a store (for [`OutboxStore`] implementations). `payload` is
+    /// JSON text; `attempt` counts this delivery (1 for the first).
+    pub fn new(
+        id: EventId,
+        topic: impl Into<Arc<str>>,
+        payload: impl Into<Arc<str>>,
+        attempt: u32,
+        created_at: SystemTime,
+    ) -> Self {
+        OutboxEvent {
+            id,
+            topic: topic.into(),
+            payload: payload.into(),
+            attempt,
+            created_at,
+        }
+    }
+
+    /// The event's id: the same on every delivery of this event.
+    pub fn id(&self) -> &EventId {
+        &self.id
+    }
+
+    /// The topic given to [`Enqueue::enqueue`] (`order_created`).
+    pub fn topic(&self) -> &str {
+        &self.topic
+    }
+
+    /// The payload, as JSON text.
+    pub fn payload(&self) -> &str {
+        &self.payload
+    }
+
+    /// The payload, parsed.
+    pub fn payload_json(&self) -> serde_json::Result<serde_json::Value> {
+        serde_json::from_str(&self.payload)
+    }
+
+    /// Which delivery attempt this is: 1 for the first, more after failures or after a relay
+    /// died while delivering it.
+    pub fn attempt(&self) -> u32 {
+        self.attempt
+    }
+
+    /// When the event was enqueued.
+    pub fn created_at(&self) -> SystemTime {
+        self.created_at
+    }
+}
+
+/// Enqueues an event in the transaction of the handle it is called on.
+///
+/// Implemented by the transaction handles of the stores with an outbox
+/// ([`SqliteTransaction`](crate::store::sqlite::SqliteTransaction)). The event commits or rolls
+/// back with everything else the handler wrote: a handler that fails after enqueueing leaves no
+/// event behind.
+pub trait Enqueue {
+    /// Adds an event with this topic and JSON payload to the outbox, in this transaction, and
+    /// returns its id. Fails if the transaction has ended or the outbox table does not exist
+    /// (see the store's `install`).
+    fn enqueue(
+        &self,
+        topic: &str,
+        payload: serde_json::Value,
+    ) -> impl Future<Output = Result<EventId, Error>> + Send;
+}
+
+/// A relay's claim on an event: only the claim's holder may reschedule or dead-letter it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LeaseToken(Arc<str>);
+
+impl LeaseToken {
+    /// A token; unique per claim (the relay builds it from its own id and a round counter).
+    pub fn new(token: impl Into<Arc<str>>) -> Self {
+        LeaseToken(token.into())
+    }
+
+    /// The token as text (what a store saves as the lease's owner).
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// What [`OutboxStore::claim`] is asked for.
+#[derive(Clone, Debug)]
+pub struct ClaimRequest {
+    /// Who claims: saved with each claimed event.
+    pub token: LeaseToken,
+    /// At most this many events.
+    pub batch: usize,
+    /// How long the claim holds: until then no other relay may claim these events.
+    pub lease: Duration,
+    /// An event whose lease ran out after this many attempts (its relay died delivering it)
+    /// is dead-lettered instead of claimed again.
+    pub max_attempts: u32,
+    /// The relay's clock.
+    pub now: SystemTime,
+}
+
+/// What [`OutboxStore::claim`] returns.
+#[derive(Debug, Default)]
+pub struct Claimed {
+    /// The claimed events, oldest first, with their attempt number already counted.
+    pub events: Vec<OutboxEvent>,
+    /// Events dead-lettered during the claim because their last allowed attempt was abandoned
+    /// (its lease ran out).
+    pub abandoned: Vec<OutboxEvent>,
+}
+
+/// What happened to a claimed event, for [`OutboxStore::settle`].
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub enum Settlement {
+    /// The sink accepted it: never deliver it again.
+    Delivered {
+        /// The event.
+        id: EventId,
+    },
+    /// It failed: deliver it again from `at` on, if the claim is still `token`'s.
+    Retry {
+        /// The event.
+        id: EventId,
+        /// The claim it was delivered under.
+        token: LeaseToken,
+        /// When it becomes due again.
+        at: SystemTime,
+        /// Why it failed (kept as the event's last error).
+        error: String,
+    },
+    /// It failed for good: move it to the dead-letter state, if the claim is still `token`'s.
+    Dead {
+        /// The event.
+        id: EventId,
+        /// The claim it was delivered under.
+        token: LeaseToken,
+        /// Why it failed (kept as the event's last error).
+        error: String,
+    },
+}
+
+/// How many events wait: sampled for the backlog gauges.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Backlog {
+    /// Not yet delivered and not dead (due, waiting for a retry, or in flight).
+    pub pending: u64,
+    /// Dead-lettered.
+    pub dead: u64,
+}
+
+/// The storage side of the outbox, as the [`Relay`] uses it.
+///
+/// Implementations must make [`claim`](Self::claim) atomic: an event claimed by one caller is
+/// not returned to another until its lease has run out or it was settled for retry.
+pub trait OutboxStore: Clone + Send + Sync + 'static {
+    /// Claims up to `request.batch` due events for `request.lease`, counting an attempt on each.
+    fn claim(&self, request: ClaimRequest) -> impl Future<Output = Result<Claimed, Error>> + Send;
+
+    /// Records what happened to claimed events (in one transaction where the backend allows).
+    fn settle(
+        &self,
+        settlements: Vec<Settlement>,
+    ) -> impl Future<Output = Result<(), Error>> + Send;
+
+    /// Counts waiting and dead-lettered events.
+    fn backlog(&self) -> impl Future<Output = Result<Backlog, Error>> + Send;
+}
+
+/// The state of an event in the outbox.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum EventStatus {
+    /// Waiting to be delivered: due, or waiting for its next retry.
+    Pending,
+    /// Claimed by a relay right now (its lease has not run out).
+    InFlight,
+    /// The sink accepted it.
+    Delivered,
+    /// It failed too often (or for good); a person should look at it, then requeue it.
+    Dead,
+}
+
+impl EventStatus {
+    /// A short lowercase name (`pending`, `in_flight`, `delivered`, `dead`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventStatus::Pending => "pending",
+            EventStatus::InFlight => "in_flight",
+            EventStatus::Delivered => "delivered",
+            EventStatus::Dead => "dead",
+        }
+    }
+}
+
+impl fmt::Display for EventStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// An event as stored, for inspection (dead letters, admin tools).
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct EventInfo {
+    /// The event's id.
+    pub id: EventId,
+    /// Its topic.
+    pub topic: String,
+    /// Its JSON payload, as text.
+    pub payload: String,
+    /// Where it stands.
+    pub status: EventStatus,
+    /// Delivery attempts so far.
+    pub attempts: u32,
+    /// When it was enqueued.
+    pub created_at: SystemTime,
+    /// When it is (or was) next due.
+    pub available_at: SystemTime,
+    /// When the sink accepted it.
+    pub delivered_at: Option<SystemTime>,
+    /// The last failure's message.
+    pub last_error: Option<String>,
+}
+
+/// Counts of events by state.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct OutboxCounts {
+    /// Waiting for delivery or for a retry.
+    pub pending: u64,
+    /// Claimed by a relay right now.
+    pub in_flight: u64,
+    /// Delivered.
+    pub delivered: u64,
+    /// Dead-lettered.
+    pub dead: u64,
+}
+
+/// How long to wait before attempt `attempt + 1`, after attempt `attempt` failed:
+/// exponential from `initial`, capped at `max`, with "equal jitter" (a random point in the
+/// upper half) so that relays retrying the same failure spread out but never retry at once.
+pub(crate) fn backoff(attempt: u32, initial: Duration, max: Duration) -> Duration {
+    let exponent = attempt.saturating_sub(1).min(30);
+    let full = initial.saturating_mul(1u32 << exponent).min(max);
+    let half = full / 2;
+    let jitter_nanos = u64::try_from(half.as_nanos()).unwrap_or(u64::MAX);
+    half + Duration::from_nanos(fastrand::u64(0..=jitter_nanos))
+}
+
+/// Whether a sink error asks for the event to be dead-lettered at once.
+pub(crate) fn is_permanent(error: &BoxError) -> bool {
+    error.downcast_ref::<Permanent>().is_some()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_within_jitter_and_caps() {
+        let initial = Duration::from_millis(100);
+        let max = Duration::from_secs(10);
+        for attempt in 1..=12u32 {
+            let full = (initial * 2u32.pow(attempt - 1)).min(max);
+            for _ in 0..50 {
+                let delay = backoff(attempt, initial, max);
+                assert!(delay >= full / 2 && delay <= full, "{attempt}: {delay:?}");
+            }
+        }
+        // Huge attempt counts neither overflow nor exceed the cap.
+        assert!(backoff(u32::MAX, initial, max) <= max);
+    }
+
+    #[test]
+    fn event_ids_are_unique_and_time_ordered() {
+        let first = EventId::generate();
+        let second = EventId::generate();
+        assert_ne!(first, second);
+        assert!(first < second, "{first} then {second}");
+        assert_eq!(
+            uuid::Uuid::parse_str(first.as_str()).map(|u| u.get_version_num()),
+            Ok(7)
+        );
+    }
+
+    #[test]
+    fn permanent_errors_are_recognised_through_the_box() {
+        let permanent: BoxError = Box::new(Permanent::new("no such sku"));
+        let transient: BoxError = "connection refused".into();
+        assert!(is_permanent(&permanent));
+        assert!(!is_permanent(&transient));
+    }
+}

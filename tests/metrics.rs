@@ -1,0 +1,304 @@
+//! What the `metrics` feature records, captured with metrics-util's `DebuggingRecorder`: the
+//! layer's requests by outcome, rollbacks and lock waits (over real HTTP), and the outbox
+//! relay's deliveries, failures, dead letters and backlog, and the inbox's duplicates.
+//!
+//! Each test installs its recorder for its own thread only (`set_default_local_recorder`):
+//! `#[tokio::test]` runs the test, the server and the relay on that one thread, and tests in
+//! parallel do not see each other's metrics.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{hook, post, HookOutcome, TestServer, PATIENCE, SHOP_A};
+use http::StatusCode;
+use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+use serde_json::json;
+use tokio::sync::Notify;
+use tower_idempotency::body::BoxError;
+use tower_idempotency::metrics::{
+    HANDLER_ROLLBACKS_TOTAL, INBOX_EVENTS_TOTAL, LOCK_WAIT_SECONDS, OUTBOX_BACKLOG,
+    OUTBOX_DEAD_LETTERED_TOTAL, OUTBOX_DEAD_LETTERS, OUTBOX_DELIVERED_TOTAL,
+    OUTBOX_DELIVERY_FAILURES_TOTAL, OUTBOX_DELIVERY_SECONDS, REQUESTS_TOTAL,
+};
+use tower_idempotency::outbox::inbox::{Processed, SqliteInbox};
+use tower_idempotency::outbox::sqlite::{enqueue, SqliteOutbox};
+use tower_idempotency::outbox::{sink_fn, OutboxEvent, Relay};
+use tower_idempotency::store::sqlite::SqliteStore;
+
+/// Everything recorded since the last snapshot, by `name{label=value,...}` (labels sorted).
+fn take(snapshotter: &Snapshotter) -> HashMap<String, DebugValue> {
+    snapshotter
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .map(|(key, _, _, value)| {
+            let mut labels: Vec<String> = key
+                .key()
+                .labels()
+                .map(|label| format!("{}={}", label.key(), label.value()))
+                .collect();
+            labels.sort();
+            (
+                format!("{}{{{}}}", key.key().name(), labels.join(",")),
+                value,
+            )
+        })
+        .collect()
+}
+
+fn counter(metrics: &HashMap<String, DebugValue>, key: &str) -> u64 {
+    match metrics.get(key) {
+        Some(DebugValue::Counter(n)) => *n,
+        None => 0,
+        Some(other) => panic!("{key} is not a counter: {other:?}"),
+    }
+}
+
+fn gauge(metrics: &HashMap<String, DebugValue>, key: &str) -> f64 {
+    match metrics.get(key) {
+        Some(DebugValue::Gauge(value)) => value.into_inner(),
+        other => panic!("{key} is not a recorded gauge: {other:?}"),
+    }
+}
+
+fn histogram(metrics: &HashMap<String, DebugValue>, key: &str) -> Vec<f64> {
+    match metrics.get(key) {
+        Some(DebugValue::Histogram(values)) => values.iter().map(|v| v.into_inner()).collect(),
+        other => panic!("{key} is not a recorded histogram: {other:?}"),
+    }
+}
+
+fn requests(metrics: &HashMap<String, DebugValue>, outcome: &str) -> u64 {
+    counter(
+        metrics,
+        &format!("{REQUESTS_TOTAL}{{operation=create_order,outcome={outcome}}}"),
+    )
+}
+
+#[tokio::test]
+async fn the_layer_counts_requests_by_outcome_rollbacks_and_lock_waits() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let _local = metrics::set_default_local_recorder(&recorder);
+
+    // `fail` answers 500 (rolled back); `slow` holds its transaction until released.
+    let entered_slow = Arc::new(Notify::new());
+    let release_slow = Arc::new(Notify::new());
+    let (entered, release) = (entered_slow.clone(), release_slow.clone());
+    let server = TestServer::builder()
+        .layer(|layer| layer.with_lock_timeout(Duration::from_millis(100)))
+        .hook(hook(move |call| {
+            let (entered, release) = (entered.clone(), release.clone());
+            async move {
+                match call.sku.as_str() {
+                    "fail" => HookOutcome {
+                        fail_with: Some(StatusCode::INTERNAL_SERVER_ERROR),
+                        ..HookOutcome::default()
+                    },
+                    "slow" => {
+                        entered.notify_one();
+                        release.notified().await;
+                        HookOutcome::default()
+                    }
+                    _ => HookOutcome::default(),
+                }
+            }
+        }))
+        .spawn()
+        .await;
+    let addr = server.addr;
+    let book = r#"{"sku":"book","quantity":1}"#;
+
+    assert_eq!(
+        post(addr, Some(SHOP_A), Some("k1"), book, &[]).await.status,
+        StatusCode::CREATED
+    );
+    assert!(post(addr, Some(SHOP_A), Some("k1"), book, &[])
+        .await
+        .replayed());
+    let conflict = post(
+        addr,
+        Some(SHOP_A),
+        Some("k1"),
+        r#"{"sku":"book","quantity":2}"#,
+        &[],
+    );
+    assert_eq!(conflict.await.status, StatusCode::CONFLICT);
+    let rejected = post(addr, Some(SHOP_A), None, book, &[]).await;
+    assert_eq!(rejected.status, StatusCode::BAD_REQUEST);
+    let failed = post(
+        addr,
+        Some(SHOP_A),
+        Some("k2"),
+        r#"{"sku":"fail","quantity":1}"#,
+        &[],
+    );
+    assert_eq!(failed.await.status, StatusCode::INTERNAL_SERVER_ERROR);
+
+    // A request that holds the writer, and one that gives up waiting for it.
+    let slow = tokio::spawn(post(
+        addr,
+        Some(SHOP_A),
+        Some("k3"),
+        r#"{"sku":"slow","quantity":1}"#,
+        &[],
+    ));
+    tokio::time::timeout(PATIENCE, entered_slow.notified())
+        .await
+        .expect("the slow handler started");
+    let busy = post(addr, Some(SHOP_A), Some("k4"), book, &[]).await;
+    assert_eq!(busy.status, StatusCode::SERVICE_UNAVAILABLE);
+    release_slow.notify_one();
+    assert_eq!(
+        slow.await.expect("slow request").status,
+        StatusCode::CREATED
+    );
+
+    let metrics = take(&snapshotter);
+    assert_eq!(requests(&metrics, "executed"), 2, "{metrics:#?}");
+    assert_eq!(requests(&metrics, "replayed"), 1);
+    assert_eq!(requests(&metrics, "conflict"), 1);
+    assert_eq!(requests(&metrics, "rejected"), 1);
+    assert_eq!(requests(&metrics, "rolled_back"), 1);
+    assert_eq!(requests(&metrics, "busy"), 1);
+    assert_eq!(requests(&metrics, "error"), 0);
+    assert_eq!(
+        counter(
+            &metrics,
+            &format!("{HANDLER_ROLLBACKS_TOTAL}{{operation=create_order,reason=not_saved}}")
+        ),
+        1
+    );
+    // One lock wait per request that reached the write path: the first k1, k2, k3 and k4
+    // (the replay and the 409 were answered by the fast path, without the lock).
+    let waits = histogram(
+        &metrics,
+        &format!("{LOCK_WAIT_SECONDS}{{operation=create_order}}"),
+    );
+    assert_eq!(waits.len(), 4, "{waits:?}");
+    // The busy request waited its whole lock timeout.
+    assert!(
+        waits.iter().any(|wait| *wait >= 0.1),
+        "no wait as long as the lock timeout: {waits:?}"
+    );
+}
+
+#[tokio::test]
+async fn the_relay_and_the_inbox_record_deliveries_failures_dead_letters_and_backlog() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let _local = metrics::set_default_local_recorder(&recorder);
+
+    let dir = tempfile::tempdir().expect("temp dir");
+    let store = SqliteStore::open(dir.path().join("orders.db"))
+        .await
+        .expect("open");
+    let outbox = SqliteOutbox::install(&store).await.expect("install");
+    store
+        .write(|tx| {
+            enqueue(tx, "order_created", &json!({ "sku": "book" }))?;
+            enqueue(tx, "order_created", &json!({ "sku": "pen" }))?;
+            enqueue(tx, "order_cancelled", &json!({ "sku": "poison" }))?;
+            Ok(())
+        })
+        .await
+        .expect("enqueue");
+
+    let mut relay = Relay::new(
+        outbox,
+        sink_fn(|event: OutboxEvent| async move {
+            if event.payload().contains("poison") {
+                Err::<(), BoxError>("refused".into())
+            } else {
+                Ok(())
+            }
+        }),
+    )
+    .with_max_attempts(2)
+    .with_backoff(Duration::from_millis(1), Duration::from_millis(1))
+    // Sample the backlog every round.
+    .with_poll_interval(Duration::ZERO);
+
+    relay.run_once().await.expect("first round");
+    let metrics = take(&snapshotter);
+    // Sampled before the round claimed anything.
+    assert_eq!(gauge(&metrics, &format!("{OUTBOX_BACKLOG}{{}}")), 3.0);
+    assert_eq!(gauge(&metrics, &format!("{OUTBOX_DEAD_LETTERS}{{}}")), 0.0);
+    assert_eq!(
+        counter(
+            &metrics,
+            &format!("{OUTBOX_DELIVERED_TOTAL}{{topic=order_created}}")
+        ),
+        2
+    );
+    assert_eq!(
+        counter(
+            &metrics,
+            &format!("{OUTBOX_DELIVERY_FAILURES_TOTAL}{{topic=order_cancelled}}")
+        ),
+        1
+    );
+    let took = histogram(
+        &metrics,
+        &format!("{OUTBOX_DELIVERY_SECONDS}{{topic=order_created}}"),
+    );
+    assert_eq!(took.len(), 2);
+
+    // The second (and last) attempt fails too: dead-lettered.
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    relay.run_once().await.expect("second round");
+    relay.run_once().await.expect("third round");
+    let metrics = take(&snapshotter);
+    assert_eq!(
+        counter(
+            &metrics,
+            &format!("{OUTBOX_DELIVERY_FAILURES_TOTAL}{{topic=order_cancelled}}")
+        ),
+        1
+    );
+    assert_eq!(
+        counter(
+            &metrics,
+            &format!("{OUTBOX_DEAD_LETTERED_TOTAL}{{topic=order_cancelled}}")
+        ),
+        1
+    );
+    assert_eq!(gauge(&metrics, &format!("{OUTBOX_BACKLOG}{{}}")), 0.0);
+    assert_eq!(gauge(&metrics, &format!("{OUTBOX_DEAD_LETTERS}{{}}")), 1.0);
+
+    // The receiver's inbox: one event delivered twice is processed once.
+    let inbox = SqliteInbox::install(&store, "inventory")
+        .await
+        .expect("inbox");
+    for _ in 0..2 {
+        inbox
+            .process("event-1", |_tx| Ok(()))
+            .await
+            .expect("process");
+    }
+    assert_eq!(
+        inbox
+            .process("event-1", |_tx| Ok(()))
+            .await
+            .expect("process"),
+        Processed::Duplicate
+    );
+    let metrics = take(&snapshotter);
+    assert_eq!(
+        counter(
+            &metrics,
+            &format!("{INBOX_EVENTS_TOTAL}{{consumer=inventory,result=processed}}")
+        ),
+        1
+    );
+    assert_eq!(
+        counter(
+            &metrics,
+            &format!("{INBOX_EVENTS_TOTAL}{{consumer=inventory,result=duplicate}}")
+        ),
+        2
+    );
+}

@@ -1,0 +1,374 @@
+//! The outbox end to end over real HTTP: the order app enqueues `order_created` in each
+//! order's transaction, relays POST the events to the inventory example (`examples/inventory.rs`,
+//! served in-process on loopback), and the inventory's inbox applies each event once.
+//!
+//! - A relay killed after the receiver accepted an event but before marking it delivered: the
+//!   next relay delivers it again with the same id, and the receiver acknowledges it without
+//!   reserving twice.
+//! - Two relays on two connections to one file (as two processes would be) deliver every event
+//!   exactly once between them.
+
+mod common;
+
+// The example's `main` and command line are not used here.
+#[allow(dead_code)]
+#[path = "../examples/inventory.rs"]
+mod inventory;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::extract::{Request, State};
+use axum::middleware::{self, Next};
+use axum::response::Response;
+use common::{hook, post, HookOutcome, TestServer, PATIENCE, SHOP_A};
+use http::StatusCode;
+use http_body_util::BodyExt;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tower::ServiceExt;
+use tower_idempotency::body::{BoxError, RequestBody};
+use tower_idempotency::outbox::sqlite::{enqueue, SqliteOutbox};
+use tower_idempotency::outbox::{
+    sink_fn, EventId, EventStatus, HttpSink, OutboxEvent, OutboxStore, Relay,
+};
+use tower_idempotency::store::sqlite::SqliteStore;
+use tower_idempotency::IDEMPOTENCY_KEY;
+
+type Http = HttpSink<Client<HttpConnector, RequestBody>, RequestBody>;
+
+/// One delivery as the inventory saw it: the event id header and what it answered.
+#[derive(Clone, Debug)]
+struct Delivery {
+    event_id: String,
+    status: StatusCode,
+    answer: Value,
+}
+
+/// The inventory example on 127.0.0.1, with every delivery logged.
+struct InventoryServer {
+    addr: SocketAddr,
+    inventory: inventory::Inventory,
+    deliveries: Arc<Mutex<Vec<Delivery>>>,
+    task: JoinHandle<()>,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for InventoryServer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl InventoryServer {
+    async fn spawn() -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let inventory = inventory::Inventory::open(&dir.path().join("inventory.db"), None)
+            .await
+            .expect("open inventory");
+        let deliveries = Arc::new(Mutex::new(Vec::new()));
+        let app = inventory::app(inventory.clone()).layer(middleware::from_fn_with_state(
+            deliveries.clone(),
+            log_delivery,
+        ));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let task = tokio::spawn(async move {
+            axum::serve(listener, app).await.expect("serve inventory");
+        });
+        InventoryServer {
+            addr,
+            inventory,
+            deliveries,
+            task,
+            _dir: dir,
+        }
+    }
+
+    fn events_url(&self) -> http::Uri {
+        format!("http://{}/events", self.addr).parse().expect("uri")
+    }
+
+    fn deliveries(&self) -> Vec<Delivery> {
+        self.deliveries.lock().expect("deliveries").clone()
+    }
+
+    async fn reservations(&self) -> i64 {
+        self.inventory
+            .reservation_count()
+            .await
+            .expect("reservations")
+    }
+}
+
+/// Logs the event id and the answer of every `POST /events`.
+async fn log_delivery(
+    State(deliveries): State<Arc<Mutex<Vec<Delivery>>>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let event_id = request
+        .headers()
+        .get(IDEMPOTENCY_KEY)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_owned();
+    let response = next.run(request).await;
+    let (parts, body) = response.into_parts();
+    let body = body.collect().await.expect("inventory answer").to_bytes();
+    deliveries.lock().expect("deliveries").push(Delivery {
+        event_id,
+        status: parts.status,
+        answer: serde_json::from_slice(&body).unwrap_or(Value::Null),
+    });
+    Response::from_parts(parts, axum::body::Body::from(body))
+}
+
+fn http_sink(url: http::Uri) -> Http {
+    HttpSink::new(Client::builder(TokioExecutor::new()).build_http(), url)
+}
+
+/// The order app whose handler enqueues `order_created` as the orders example does.
+async fn order_app() -> TestServer {
+    let server = TestServer::builder()
+        .hook(hook(|call| async move {
+            let payload = json!({
+                "order_id": call.order_id,
+                "tenant": call.tenant,
+                "sku": call.sku,
+                "quantity": call.quantity,
+            });
+            let enqueued = call
+                .tx
+                .run(move |conn| enqueue(conn, "order_created", &payload))
+                .await;
+            HookOutcome {
+                fail_with: enqueued
+                    .is_err()
+                    .then_some(StatusCode::INTERNAL_SERVER_ERROR),
+                ..HookOutcome::default()
+            }
+        }))
+        .spawn()
+        .await;
+    SqliteOutbox::install(&server.store)
+        .await
+        .expect("install outbox");
+    server
+}
+
+async fn only_event(store: &SqliteStore) -> String {
+    store
+        .read(|conn| conn.query_row("SELECT event_id FROM outbox_events", [], |row| row.get(0)))
+        .await
+        .expect("the one event")
+}
+
+/// Waits until `outbox` has `delivered` delivered events.
+async fn wait_delivered(outbox: &SqliteOutbox, delivered: u64) {
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    loop {
+        let counts = outbox.counts().await.expect("counts");
+        if counts.delivered >= delivered {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not delivered in time: {counts:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_relay_killed_after_delivery_redelivers_the_same_id_and_the_receiver_applies_it_once() {
+    let inventory = InventoryServer::spawn().await;
+    let orders = order_app().await;
+    let outbox = SqliteOutbox::existing(&orders.store);
+
+    // The first relay's sink: delivers for real, reports it, then never returns, so the
+    // relay never gets to mark the event delivered.
+    let (accepted_tx, mut accepted) = mpsc::unbounded_channel::<EventId>();
+    let http = http_sink(inventory.events_url());
+    let accept_then_hang = sink_fn(move |event: OutboxEvent| {
+        let (http, accepted_tx) = (http.clone(), accepted_tx.clone());
+        async move {
+            let id = event.id().clone();
+            http.oneshot(event).await?;
+            let _ = accepted_tx.send(id);
+            std::future::pending::<Result<(), BoxError>>().await
+        }
+    });
+    let lease = Duration::from_millis(600);
+    let first = tokio::spawn(
+        Relay::new(outbox.clone(), accept_then_hang)
+            .with_lease(lease)
+            .with_poll_interval(Duration::from_millis(10))
+            .run(),
+    );
+
+    let order = post(
+        orders.addr,
+        Some(SHOP_A),
+        Some("k1"),
+        r#"{"sku":"book","quantity":2}"#,
+        &[],
+    )
+    .await;
+    assert_eq!(order.status, StatusCode::CREATED);
+    let event_id = only_event(&orders.store).await;
+
+    let accepted_id = tokio::time::timeout(PATIENCE, accepted.recv())
+        .await
+        .expect("the first relay delivered in time")
+        .expect("accepted");
+    assert_eq!(accepted_id.as_str(), event_id);
+    // Killed: the receiver applied the event, the sender never recorded it.
+    first.abort();
+    let _ = first.await;
+    let event = outbox.event(&event_id).await.expect("read").expect("event");
+    assert_eq!(event.status, EventStatus::InFlight, "{event:?}");
+    assert_eq!(inventory.reservations().await, 1);
+
+    let second = tokio::spawn(
+        Relay::new(outbox.clone(), http_sink(inventory.events_url()))
+            .with_poll_interval(Duration::from_millis(10))
+            .run(),
+    );
+    wait_delivered(&outbox, 1).await;
+    second.abort();
+
+    let deliveries = inventory.deliveries();
+    assert_eq!(deliveries.len(), 2, "{deliveries:?}");
+    for delivery in &deliveries {
+        assert_eq!(delivery.event_id, event_id, "same id on every delivery");
+        assert_eq!(delivery.status, StatusCode::OK);
+    }
+    assert_eq!(deliveries[0].answer["status"], "reserved");
+    assert_eq!(deliveries[1].answer["status"], "duplicate");
+    // Applied once: one reservation of 2 books, and the id is in the receiver's inbox.
+    assert_eq!(inventory.reservations().await, 1);
+    let reserved = inventory.inventory.reserved().await.expect("reserved");
+    assert_eq!(reserved.get("book"), Some(&json!(2)));
+    assert!(inventory
+        .inventory
+        .inbox
+        .contains(&event_id)
+        .await
+        .expect("inbox"));
+    let event = outbox.event(&event_id).await.expect("read").expect("event");
+    assert_eq!((event.status, event.attempts), (EventStatus::Delivered, 2));
+}
+
+#[tokio::test]
+async fn two_relays_at_once_deliver_each_event_exactly_once() {
+    const EVENTS: i64 = 40;
+    let inventory = InventoryServer::spawn().await;
+    let orders = order_app().await;
+    // The events of 40 orders, committed before the relays start.
+    orders
+        .store
+        .write(|tx| {
+            for order_id in 1..=EVENTS {
+                let payload = json!({
+                    "order_id": order_id, "tenant": "shop-a", "sku": "book", "quantity": 1,
+                });
+                enqueue(tx, "order_created", &payload)?;
+            }
+            Ok(())
+        })
+        .await
+        .expect("enqueue");
+
+    // A second store on the same file: its own writer connection, as another process has.
+    let other_process = SqliteStore::open(&orders.db_path)
+        .await
+        .expect("open again");
+    let relays: Vec<_> = [
+        SqliteOutbox::existing(&orders.store),
+        SqliteOutbox::existing(&other_process),
+    ]
+    .into_iter()
+    .map(|outbox| {
+        tokio::spawn(
+            Relay::new(outbox, http_sink(inventory.events_url()))
+                .with_batch_size(4)
+                .with_poll_interval(Duration::from_millis(5))
+                .run(),
+        )
+    })
+    .collect();
+    let outbox = SqliteOutbox::existing(&orders.store);
+    wait_delivered(&outbox, EVENTS as u64).await;
+    for relay in relays {
+        relay.abort();
+    }
+
+    let deliveries = inventory.deliveries();
+    let mut per_id: HashMap<&str, usize> = HashMap::new();
+    for delivery in &deliveries {
+        *per_id.entry(delivery.event_id.as_str()).or_default() += 1;
+        assert_eq!(delivery.answer["status"], "reserved", "{delivery:?}");
+    }
+    assert_eq!(per_id.len(), EVENTS as usize);
+    assert!(
+        per_id.values().all(|n| *n == 1),
+        "an event was delivered twice"
+    );
+    assert_eq!(inventory.reservations().await, EVENTS);
+    let backlog = outbox.backlog().await.expect("backlog");
+    assert_eq!((backlog.pending, backlog.dead), (0, 0));
+}
+
+#[tokio::test]
+async fn the_receiver_refusing_an_event_leaves_it_for_retry_and_reserves_nothing() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let inventory =
+        inventory::Inventory::open(&dir.path().join("inventory.db"), Some("broken".into()))
+            .await
+            .expect("open inventory");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let url: http::Uri = format!("http://{}/events", listener.local_addr().expect("addr"))
+        .parse()
+        .expect("uri");
+    let app = inventory::app(inventory.clone());
+    let server = tokio::spawn(async move { axum::serve(listener, app).await.expect("serve") });
+
+    let orders = order_app().await;
+    let reply = post(
+        orders.addr,
+        Some(SHOP_A),
+        Some("k1"),
+        r#"{"sku":"broken","quantity":1}"#,
+        &[],
+    )
+    .await;
+    assert_eq!(reply.status, StatusCode::CREATED);
+    let outbox = SqliteOutbox::existing(&orders.store);
+    let mut relay = Relay::new(outbox.clone(), http_sink(url)).with_max_attempts(2);
+    let report = relay.run_once().await.expect("round");
+    assert_eq!((report.claimed, report.retried), (1, 1));
+    let event = outbox
+        .event(&only_event(&orders.store).await)
+        .await
+        .expect("read")
+        .expect("event");
+    assert_eq!(event.status, EventStatus::Pending);
+    let error = event.last_error.unwrap_or_default();
+    assert!(
+        error.contains("422") && error.contains("unknown_sku"),
+        "the receiver's answer is kept for the operator: {error}"
+    );
+    assert_eq!(inventory.reservation_count().await.expect("count"), 0);
+    server.abort();
+}
