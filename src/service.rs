@@ -23,6 +23,7 @@ use crate::body::{BoxError, RequestBody, ResponseBody};
 use crate::error::{Error, Rejection};
 use crate::key::IdempotencyKey;
 use crate::layer::{Config, IdempotencyLayer};
+use crate::metrics::{self, Outcome, RollbackReason};
 use crate::response::{select_headers, SavedResponse};
 use crate::store::{Begin, IdempotencyStore, NewRecord, Scope, StoreTransaction, StoredRecord};
 
@@ -202,9 +203,15 @@ where
             return self.pass_through(request).await;
         }
         let wire = Wire::of(request.version(), request.headers());
+        // `check` consumes the request; a rejection's metric label still needs its path.
+        let uri = request.uri().clone();
         let checked = match check(&self.config, request, key_headers > 0, key_headers > 1).await {
             Ok(checked) => checked,
-            Err(rejection) => return Ok(self.reject(&rejection, wire)),
+            Err(rejection) => {
+                let operation = self.config.operation.as_deref().unwrap_or(uri.path());
+                metrics::request(operation, Outcome::Rejected);
+                return Ok(self.reject(&rejection, wire));
+            }
         };
         let span = tracing::info_span!(
             "idempotency",
@@ -240,22 +247,26 @@ where
 
         // Fast path: a completed record, read without waiting for the writer.
         match self.store.lookup(&scope, now).await {
-            Ok(Some(record)) => return Ok(self.answer_existing(&record, &fingerprint, wire)),
+            Ok(Some(record)) => {
+                return Ok(self.answer_existing(&scope, &record, &fingerprint, wire))
+            }
             Ok(None) => {}
             // The write path reads again, authoritatively; a failing read is only logged.
             Err(error) => tracing::warn!(%error, "idempotency fast-path lookup failed"),
         }
 
-        let transaction = match self
+        let lock_started = Instant::now();
+        let begun = self
             .store
             .begin(&scope, self.config.lock_timeout, now)
-            .await
-        {
+            .await;
+        metrics::lock_wait(&scope.operation, lock_started.elapsed());
+        let transaction = match begun {
             Ok(Begin::Existing(record)) => {
-                return Ok(self.answer_existing(&record, &fingerprint, wire))
+                return Ok(self.answer_existing(&scope, &record, &fingerprint, wire))
             }
             Ok(Begin::Reserved(transaction)) => transaction,
-            Err(error) => return Ok(self.store_failure(error, wire)),
+            Err(error) => return Ok(self.store_failure(&scope, error, wire)),
         };
 
         parts.extensions.insert(transaction.handle());
@@ -286,11 +297,13 @@ where
             Ok(Err(error)) => {
                 tracing::warn!("inner service failed; idempotency transaction rolled back");
                 roll_back(transaction).await;
+                metrics::rolled_back(&scope.operation, RollbackReason::ServiceError);
                 return Err(error);
             }
             Err(_panic) => {
                 tracing::error!("handler panicked; idempotency transaction rolled back");
                 roll_back(transaction).await;
+                metrics::rolled_back(&scope.operation, RollbackReason::Panic);
                 return Ok(self.reject(&Rejection::HandlerPanicked, wire));
             }
         };
@@ -299,11 +312,13 @@ where
             Captured::NotSaved(response) => {
                 tracing::debug!(status = %response.status(), "response not saveable; rolled back");
                 roll_back(transaction).await;
+                metrics::rolled_back(&scope.operation, RollbackReason::NotSaved);
                 Ok(response.map(ResponseBody::inner))
             }
             Captured::Failed(rejection) => {
                 tracing::warn!(%rejection, "response could not be captured; rolled back");
                 roll_back(transaction).await;
+                metrics::rolled_back(&scope.operation, RollbackReason::Capture);
                 Ok(self.reject(&rejection, wire))
             }
             Captured::Saveable(parts, body, trailers)
@@ -313,6 +328,7 @@ where
             {
                 tracing::debug!("gRPC status not saveable; rolled back");
                 roll_back(transaction).await;
+                metrics::rolled_back(&scope.operation, RollbackReason::NotSaved);
                 Ok(Response::from_parts(
                     parts,
                     ResponseBody::full(body, trailers),
@@ -336,12 +352,16 @@ where
                 match transaction.commit(record).await {
                     Ok(()) => {
                         tracing::debug!(status = %parts.status, "response saved and committed");
+                        metrics::request(&scope.operation, Outcome::Executed);
                         Ok(Response::from_parts(
                             parts,
                             ResponseBody::full(body, trailers),
                         ))
                     }
-                    Err(error) => Ok(self.store_failure(error, wire)),
+                    Err(error) => {
+                        metrics::rollback(&scope.operation, RollbackReason::CommitFailed);
+                        Ok(self.store_failure(&scope, error, wire))
+                    }
                 }
             }
         }
@@ -349,25 +369,35 @@ where
 
     fn answer_existing(
         &self,
+        scope: &Scope,
         record: &StoredRecord,
         fingerprint: &crate::fingerprint::Fingerprint,
         wire: Wire,
     ) -> Response<ResponseBody<ResB>> {
         if record.fingerprint.matches(fingerprint) {
             tracing::debug!(status = %record.response.status, "replayed saved response");
+            metrics::request(&scope.operation, Outcome::Replayed);
             record.response.replay()
         } else {
             tracing::info!("idempotency key reused with a different payload");
+            metrics::request(&scope.operation, Outcome::Conflict);
             self.reject(&Rejection::KeyReused, wire)
         }
     }
 
-    fn store_failure(&self, error: Error, wire: Wire) -> Response<ResponseBody<ResB>> {
+    fn store_failure(
+        &self,
+        scope: &Scope,
+        error: Error,
+        wire: Wire,
+    ) -> Response<ResponseBody<ResB>> {
         if error.is_busy() {
             tracing::warn!(%error, "idempotency store busy; answered 503");
+            metrics::request(&scope.operation, Outcome::Busy);
             self.reject(&Rejection::Busy, wire)
         } else {
             tracing::error!(%error, "idempotency store failed; rolled back");
+            metrics::request(&scope.operation, Outcome::Error);
             self.reject(&Rejection::Store(Arc::new(error)), wire)
         }
     }
@@ -543,7 +573,12 @@ where
         }
     }
 
-    let mut chunks: Vec<Bytes> = Vec::new();
+    // The first chunk is kept as it came (the common case: the whole body); later ones are
+    // copied into one buffer as they arrive. Keeping every chunk would let a client that
+    // sends one-byte chunks make the server hold a `Bytes` (and the read buffer behind it)
+    // per byte: about 30 times the body limit.
+    let mut first: Option<Bytes> = None;
+    let mut joined = BytesMut::new();
     let mut total = 0usize;
     loop {
         let frame = match tokio::time::timeout_at(deadline, body.as_mut().frame()).await {
@@ -560,11 +595,22 @@ where
             drain(body.as_mut(), total, config.drain_limit, deadline).await;
             return Err(Rejection::BodyTooLarge);
         }
-        if !data.is_empty() {
-            chunks.push(data);
+        if data.is_empty() {
+            continue;
+        }
+        match first.take() {
+            None if joined.is_empty() => first = Some(data),
+            earlier => {
+                if let Some(earlier) = earlier {
+                    let expected = declared.map_or(0, |length| length as usize);
+                    joined.reserve(expected.max(earlier.len() + data.len()));
+                    joined.extend_from_slice(&earlier);
+                }
+                joined.extend_from_slice(&data);
+            }
         }
     }
-    Ok(join(chunks, total))
+    Ok(first.unwrap_or_else(|| joined.freeze()))
 }
 
 /// One chunk (the common case) is used as it came; several are joined with one copy.

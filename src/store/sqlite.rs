@@ -18,6 +18,15 @@
 //! duplicate that finds a record of the open group waits for the same commit. A lone request
 //! commits at once, exactly as without grouping.
 //!
+//! # Several processes on one file
+//!
+//! Processes sharing the file take turns for SQLite's write lock: a writer waiting for it
+//! tries again every millisecond (up to the lock timeout, then `503`), and a writer that has
+//! seen another process write leaves the lock free for a moment after each commit, so that a
+//! busy process cannot starve a quiet one. The store also refuses to write (a `500`) once
+//! the path no longer names the file it opened (deleted or replaced): SQLite would go on
+//! committing to a file that no restart reads.
+//!
 //! ```no_run
 //! # async fn run() -> Result<(), tower_idempotency::Error> {
 //! use tower_idempotency::store::sqlite::{SqliteStore, Synchronous};
@@ -77,6 +86,19 @@ CREATE INDEX IF NOT EXISTS idempotency_records_expires_at
 
 /// How long standalone writes (`write`, purges) wait for another process's write lock.
 const STANDALONE_BUSY_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How often the writer tries again while another process holds SQLite's write lock.
+/// SQLite's own busy handler backs off to 100 ms between tries, while a process with a steady
+/// queue frees the lock only for moments between its groups: a waiter that slow starves.
+const BUSY_POLL: Duration = Duration::from_millis(1);
+
+/// While another process writes to the same file, how long the writer leaves the lock free
+/// after a commit before it takes it again (longer than [`BUSY_POLL`], so the other's next
+/// try finds it free): the two take turns instead of one starving the other.
+const GIVE_WAY: Duration = Duration::from_millis(2);
+
+/// How long after the last sign of another writing process the writer keeps giving way.
+const OTHER_WRITER_WINDOW: Duration = Duration::from_secs(1);
 
 const SELECT_RECORD: &str = "SELECT fingerprint_version, fingerprint, status, headers, body, \
      trailers, created_at, expires_at FROM idempotency_records \
@@ -185,6 +207,57 @@ struct Writer {
     /// A moving average of how long requests hold the writer: a group only waits for the
     /// next request if that fits in the group delay.
     typical_hold: Duration,
+    /// The database file the connection opened.
+    file: DatabaseFile,
+    /// The state of the connection's busy handler.
+    busy: Arc<Mutex<BusyWait>>,
+    /// Whether another process writes to the file too.
+    other_writers: OtherWriters,
+}
+
+/// The writer connection's busy handler: `busy_timeout`'s semantics (one statement waits at
+/// most `budget`), but trying every [`BUSY_POLL`], and noting that it had to wait.
+struct BusyWait {
+    budget: Duration,
+    /// When the current wait began.
+    started: Option<Instant>,
+    /// Whether a statement waited for another process's lock since the writer last looked.
+    waited: bool,
+}
+
+impl BusyWait {
+    /// Called by SQLite while a lock is held elsewhere; `attempt` counts from 0 per wait.
+    fn on_busy(state: &Mutex<BusyWait>, attempt: i32) -> bool {
+        let Ok(mut state) = state.lock() else {
+            return false;
+        };
+        let now = Instant::now();
+        if attempt == 0 {
+            state.started = Some(now);
+        }
+        state.waited = true;
+        let waited = state
+            .started
+            .map_or(Duration::ZERO, |started| now - started);
+        if waited >= state.budget {
+            return false;
+        }
+        let nap = BUSY_POLL.min(state.budget - waited);
+        drop(state);
+        std::thread::sleep(nap);
+        true
+    }
+}
+
+/// Signs that another process writes to the same database file.
+#[derive(Default)]
+struct OtherWriters {
+    /// `PRAGMA data_version` when last read: it changes when another connection commits.
+    data_version: Option<i64>,
+    /// When another process was last seen writing (its commit, or its lock in the way).
+    seen: Option<Instant>,
+    /// When this writer last committed.
+    committed: Option<Instant>,
 }
 
 impl Writer {
@@ -195,8 +268,12 @@ impl Writer {
         }
         if self.group.is_none() || self.conn.is_autocommit() {
             self.abort_group("the group transaction ended unexpectedly");
-            self.conn.busy_timeout(busy_wait)?;
-            if let Err(error) = self.conn.execute_batch("BEGIN IMMEDIATE") {
+            self.file.check()?;
+            self.give_way();
+            self.set_busy_wait(busy_wait);
+            let begun = self.conn.execute_batch("BEGIN IMMEDIATE");
+            self.note_other_writers();
+            if let Err(error) = begun {
                 return Err(if is_busy(&error) {
                     Error::Busy
                 } else {
@@ -213,6 +290,51 @@ impl Writer {
         self.active = Some(generation);
         self.request_started = Some(Instant::now());
         Ok(())
+    }
+
+    /// How long each following statement may wait for another process's lock.
+    fn set_busy_wait(&self, wait: Duration) {
+        if let Ok(mut busy) = self.busy.lock() {
+            busy.budget = wait;
+        }
+    }
+
+    /// Before taking SQLite's write lock: while another process writes too, leaves the lock
+    /// free for [`GIVE_WAY`] after this writer's last commit, so that the other one gets its
+    /// turn (a writer with a steady queue would otherwise take the lock again at once).
+    fn give_way(&self) {
+        let others = &self.other_writers;
+        if others
+            .seen
+            .is_none_or(|seen| seen.elapsed() >= OTHER_WRITER_WINDOW)
+        {
+            return;
+        }
+        if let Some(since) = others.committed.map(|committed| committed.elapsed()) {
+            if since < GIVE_WAY {
+                std::thread::sleep(GIVE_WAY - since);
+            }
+        }
+    }
+
+    /// After `BEGIN IMMEDIATE`: notes whether another process held the lock, or committed
+    /// since this writer last looked.
+    fn note_other_writers(&mut self) {
+        let waited = self
+            .busy
+            .lock()
+            .map(|mut busy| std::mem::take(&mut busy.waited))
+            .unwrap_or(false);
+        let version = self
+            .conn
+            .query_row("PRAGMA data_version", [], |row| row.get::<_, i64>(0))
+            .ok();
+        let others = &mut self.other_writers;
+        let committed_elsewhere = others.data_version.is_some() && others.data_version != version;
+        if waited || committed_elsewhere {
+            others.seen = Some(Instant::now());
+        }
+        others.data_version = version;
     }
 
     /// Folds the ending request's hold time into the moving average.
@@ -264,6 +386,10 @@ impl Writer {
         };
         let outcome = if self.conn.is_autocommit() {
             Err("the group transaction ended unexpectedly".to_owned())
+        } else if let Err(error) = self.file.check() {
+            tracing::error!(%error, requests = group.waiters.len(), "group not committed");
+            let _ = self.conn.execute_batch("ROLLBACK");
+            Err(error.to_string())
         } else {
             self.conn.execute_batch("COMMIT").map_err(|error| {
                 tracing::error!(%error, requests = group.waiters.len(), "group commit failed");
@@ -273,6 +399,9 @@ impl Writer {
                 error.to_string()
             })
         };
+        if outcome.is_ok() {
+            self.other_writers.committed = Some(Instant::now());
+        }
         for waiter in group.waiters {
             let _ = waiter.send(outcome.clone());
         }
@@ -332,6 +461,57 @@ impl Writer {
     }
 }
 
+/// The file the store opened, to notice when its path stops naming it.
+///
+/// SQLite keeps writing to a database file that was deleted (or renamed over) while open, and
+/// its commits succeed: every answer from then on would promise what no restart will ever read
+/// again. So the writer refuses to begin or commit while the path names another file, or none.
+struct DatabaseFile {
+    /// The absolute path (so a later change of the working directory does not matter).
+    path: PathBuf,
+    /// `None` where the file cannot be identified (`:memory:`, URIs, non-Unix systems): not
+    /// checked.
+    identity: Option<(u64, u64)>,
+}
+
+impl DatabaseFile {
+    fn opened(path: &Path) -> Self {
+        let path = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+        let identity = Self::identity_of(&path);
+        DatabaseFile { path, identity }
+    }
+
+    /// Device and inode.
+    #[cfg(unix)]
+    fn identity_of(path: &Path) -> Option<(u64, u64)> {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::metadata(path)
+            .ok()
+            .map(|metadata| (metadata.dev(), metadata.ino()))
+    }
+
+    #[cfg(not(unix))]
+    fn identity_of(_path: &Path) -> Option<(u64, u64)> {
+        None
+    }
+
+    fn check(&self) -> Result<(), Error> {
+        match self.identity {
+            Some(opened) if Self::identity_of(&self.path) != Some(opened) => {
+                Err(Error::Io(std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    format!(
+                        "the database file {} was deleted or replaced while open: \
+                         refusing to write to it",
+                        self.path.display()
+                    ),
+                )))
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
 struct Shared {
     path: PathBuf,
     jobs: mpsc::Sender<Job>,
@@ -379,7 +559,7 @@ impl SqliteStore {
     }
 
     fn open_blocking(options: SqliteOptions) -> Result<Self, Error> {
-        let conn = Connection::open(&options.path)?;
+        let mut conn = Connection::open(&options.path)?;
         conn.busy_timeout(Duration::from_secs(5))?;
         let mode: String = conn.query_row("PRAGMA journal_mode = WAL", [], |row| row.get(0))?;
         if !mode.eq_ignore_ascii_case("wal") {
@@ -388,6 +568,19 @@ impl SqliteStore {
         conn.pragma_update(None, "synchronous", options.synchronous.pragma())?;
         conn.pragma_update(None, "foreign_keys", "ON")?;
         conn.execute_batch(SCHEMA)?;
+
+        let file = DatabaseFile::opened(&options.path);
+        // From now on the writer connection waits for other processes' locks through this
+        // handler (`set_busy_wait` sets how long).
+        let busy = Arc::new(Mutex::new(BusyWait {
+            budget: STANDALONE_BUSY_TIMEOUT,
+            started: None,
+            waited: false,
+        }));
+        let handler_state = busy.clone();
+        conn.busy_handler(Some(move |attempt| {
+            BusyWait::on_busy(&handler_state, attempt)
+        }))?;
 
         let (jobs, receiver) = mpsc::channel::<Job>();
         let queued = Arc::new(AtomicUsize::new(0));
@@ -399,6 +592,9 @@ impl SqliteStore {
             queued: queued.clone(),
             request_started: None,
             typical_hold: Duration::ZERO,
+            file,
+            busy,
+            other_writers: OtherWriters::default(),
         };
         std::thread::Builder::new()
             .name("tower-idempotency-sqlite-writer".into())
@@ -453,7 +649,8 @@ impl SqliteStore {
             .call(move |writer| {
                 drop(ticket);
                 writer.settle();
-                writer.conn.busy_timeout(STANDALONE_BUSY_TIMEOUT)?;
+                writer.file.check()?;
+                writer.set_busy_wait(STANDALONE_BUSY_TIMEOUT);
                 let tx = writer
                     .conn
                     .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
@@ -706,7 +903,7 @@ impl IdempotencyStore for SqliteStore {
             .call(move |writer| {
                 drop(ticket);
                 writer.settle();
-                writer.conn.busy_timeout(STANDALONE_BUSY_TIMEOUT)?;
+                writer.set_busy_wait(STANDALONE_BUSY_TIMEOUT);
                 let deleted = writer.conn.execute(
                     "DELETE FROM idempotency_records WHERE rowid IN (SELECT rowid FROM \
                      idempotency_records WHERE expires_at <= ?1 LIMIT ?2)",
