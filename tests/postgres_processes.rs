@@ -21,7 +21,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use pg_common::{ExampleServer, TestDb};
+use pg_common::{start_example, TestDb};
 use tokio::sync::Barrier;
 
 /// Two instances of the example share one database; every key goes to both at the same
@@ -33,8 +33,8 @@ async fn two_example_instances_create_one_order_per_key() {
     let Some(db) = TestDb::create().await else {
         return;
     };
-    let a = ExampleServer::start(&db).await;
-    let b = ExampleServer::start(&db).await;
+    let a = start_example(&db).await;
+    let b = start_example(&db).await;
     assert_ne!(a.addr, b.addr);
 
     let mut requests = Vec::new();
@@ -123,7 +123,7 @@ async fn example_killed_under_load_keeps_one_order_per_key() {
     let Some(db) = TestDb::create().await else {
         return;
     };
-    let server = ExampleServer::start(&db).await;
+    let server = start_example(&db).await;
     let addr = server.addr;
     let body_of = |key: &str| format!(r#"{{"sku":"{key}","quantity":1}}"#);
 
@@ -171,7 +171,7 @@ async fn example_killed_under_load_keeps_one_order_per_key() {
         seen.len()
     );
 
-    let server = ExampleServer::start(&db).await;
+    let server = start_example(&db).await;
     let client: Client<HttpConnector, Full<Bytes>> =
         Client::builder(TokioExecutor::new()).build_http();
     let mut final_ids: HashMap<String, i64> = HashMap::new();

@@ -848,13 +848,18 @@ pub mod process {
     }
 
     impl OrdersProcess {
-        /// Starts the example on `db` and waits until it listens (it prints its address).
+        /// Starts the example on the SQLite file `db` and waits until it listens.
         pub async fn start(db: &Path) -> OrdersProcess {
+            let db = db.to_str().expect("a UTF-8 database path");
+            Self::start_with(&["--db", db]).await
+        }
+
+        /// Starts the example on `127.0.0.1:0` with these store arguments (`--db PATH` or
+        /// `--database-url URL`) and waits until it listens (it prints its address).
+        pub async fn start_with(store_args: &[&str]) -> OrdersProcess {
             let mut child = Command::new(orders_binary())
-                .arg("--addr")
-                .arg("127.0.0.1:0")
-                .arg("--db")
-                .arg(db)
+                .args(["--addr", "127.0.0.1:0"])
+                .args(store_args)
                 .env("RUST_LOG", "error")
                 .stdin(Stdio::null())
                 .stdout(Stdio::piped())

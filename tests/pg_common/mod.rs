@@ -12,7 +12,6 @@
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::process::Stdio;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -25,8 +24,6 @@ use axum::{Extension, Router};
 use bytes::Bytes;
 use http::header;
 use http::{HeaderMap, StatusCode};
-use tokio::io::{AsyncBufReadExt, BufReader};
-use tokio::process::{Child, Command};
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 use tower_idempotency::extract::Tx;
@@ -567,62 +564,7 @@ async fn create_order(
         .into_response()
 }
 
-/// The example binary (`examples/orders.rs`) as a child process serving on PostgreSQL.
-pub struct ExampleServer {
-    pub addr: SocketAddr,
-    child: Child,
-}
-
-impl ExampleServer {
-    /// Starts `orders --addr 127.0.0.1:0 --database-url <db>` and waits until it listens.
-    ///
-    /// The binary is the one `cargo test` builds next to the test binaries
-    /// (`target/<profile>/examples/orders`); running a single test target with
-    /// `cargo test --test ...` does not build examples, so build it first then.
-    pub async fn start(db: &TestDb) -> ExampleServer {
-        let exe = std::env::current_exe().expect("test binary path");
-        let profile_dir = exe
-            .parent()
-            .and_then(|deps| deps.parent())
-            .expect("target/<profile>/deps");
-        let binary = profile_dir
-            .join("examples")
-            .join(format!("orders{}", std::env::consts::EXE_SUFFIX));
-        assert!(
-            binary.exists(),
-            "{} is missing: run `cargo test` (it builds the examples) or \
-             `cargo build --example orders` first",
-            binary.display()
-        );
-        let mut child = Command::new(&binary)
-            .args(["--addr", "127.0.0.1:0", "--database-url", &db.url()])
-            .env("RUST_LOG", "error")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("start the example");
-        let stdout = child.stdout.take().expect("piped stdout");
-        let mut lines = BufReader::new(stdout).lines();
-        let line = tokio::time::timeout(PATIENCE, lines.next_line())
-            .await
-            .expect("the example starts in time")
-            .expect("read the example's stdout")
-            .expect("the example printed its address");
-        let addr = line
-            .strip_prefix("listening on http://")
-            .and_then(|rest| rest.split_whitespace().next())
-            .and_then(|addr| addr.parse().ok())
-            .unwrap_or_else(|| panic!("unexpected first line: {line}"));
-        // Keep draining stdout so that the child never blocks on a full pipe.
-        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-        ExampleServer { addr, child }
-    }
-
-    /// SIGKILL: no graceful shutdown, no chance to finish anything in flight.
-    pub async fn kill(mut self) {
-        self.child.start_kill().expect("kill the example");
-        let _ = tokio::time::timeout(PATIENCE, self.child.wait()).await;
-    }
+/// The example binary (`examples/orders.rs`) as a child process serving on this database.
+pub async fn start_example(db: &TestDb) -> super::common::process::OrdersProcess {
+    super::common::process::OrdersProcess::start_with(&["--database-url", &db.url()]).await
 }
