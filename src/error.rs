@@ -53,6 +53,20 @@ pub enum Error {
 }
 
 impl Error {
+    /// Whether the database rolled the transaction back because it conflicted with a
+    /// concurrent one (a serialization failure or a deadlock): running it again may commit.
+    pub fn is_serialization_conflict(&self) -> bool {
+        match self {
+            #[cfg(feature = "postgres")]
+            Error::Postgres(e) => e.code().is_some_and(|code| {
+                use tokio_postgres::error::SqlState;
+                *code == SqlState::T_R_SERIALIZATION_FAILURE
+                    || *code == SqlState::T_R_DEADLOCK_DETECTED
+            }),
+            _ => false,
+        }
+    }
+
     /// Whether the request may simply be retried later with the same key.
     pub fn is_busy(&self) -> bool {
         match self {

@@ -61,6 +61,7 @@ pub(crate) struct Config {
     pub(crate) response_limit: usize,
     pub(crate) fingerprinter: Fingerprinter,
     pub(crate) lock_timeout: Duration,
+    pub(crate) conflict_retries: u32,
     pub(crate) retry_after: Duration,
     pub(crate) retention: Duration,
     pub(crate) conflict_status: StatusCode,
@@ -149,6 +150,7 @@ impl<St> IdempotencyLayer<St> {
                 response_limit: 1024 * 1024,
                 fingerprinter: Fingerprinter::default(),
                 lock_timeout: Duration::from_secs(5),
+                conflict_retries: 3,
                 retry_after: Duration::from_secs(1),
                 retention: Duration::from_secs(24 * 3600),
                 conflict_status: StatusCode::CONFLICT,
@@ -274,6 +276,14 @@ impl<St> IdempotencyLayer<St> {
     /// requests, or another process. Past it: `503` with `Retry-After`. Default: 5 s.
     pub fn with_lock_timeout(self, timeout: Duration) -> Self {
         self.map_config(|c| c.lock_timeout = timeout)
+    }
+
+    /// How many times the request runs again (handler included, in a fresh transaction) when
+    /// its commit fails with a serialization failure or a deadlock that the database rolled
+    /// back (PostgreSQL `40001`, `40P01`; SQLite never reports one). Past it: `503` with
+    /// `Retry-After`. Default: 3.
+    pub fn with_conflict_retries(self, retries: u32) -> Self {
+        self.map_config(|c| c.conflict_retries = retries)
     }
 
     /// The `Retry-After` sent with `503`. Default: 1 s.

@@ -255,115 +255,139 @@ where
             Err(error) => tracing::warn!(%error, "idempotency fast-path lookup failed"),
         }
 
-        let lock_started = Instant::now();
-        let begun = self
-            .store
-            .begin(&scope, self.config.lock_timeout, now)
+        let mut attempt: u32 = 0;
+        loop {
+            let lock_started = Instant::now();
+            let begun = self
+                .store
+                .begin(&scope, self.config.lock_timeout, now)
+                .await;
+            metrics::lock_wait(&scope.operation, lock_started.elapsed());
+            let transaction = match begun {
+                Ok(Begin::Existing(record)) => {
+                    return Ok(self.answer_existing(&scope, &record, &fingerprint, wire))
+                }
+                Ok(Begin::Reserved(transaction)) => transaction,
+                Err(error) => return Ok(self.store_failure(&scope, error, wire)),
+            };
+
+            // A conflict retry runs the handler again: each attempt gets its own copy of the
+            // request head, except the last one allowed, which takes the original.
+            let mut attempt_parts = if attempt < self.config.conflict_retries {
+                copy_parts(&parts)
+            } else {
+                std::mem::replace(&mut parts, Request::new(()).into_parts().0)
+            };
+            attempt_parts.extensions.insert(transaction.handle());
+            attempt_parts.extensions.insert(scope.clone());
+            let request = Request::from_parts(attempt_parts, RequestBody::buffered(body.clone()));
+            if attempt > 0 {
+                // The service was made ready for the first call only.
+                std::future::poll_fn(|cx| self.inner.poll_ready(cx)).await?;
+            }
+            let response_limit = self.config.response_limit;
+            let save = self.config.save.clone();
+            let call = self.inner.call(request);
+            // Panics in the handler (or its response body) end here, with the transaction still
+            // owned by this frame: it is rolled back when dropped below.
+            let outcome = CatchUnwind {
+                inner: async move {
+                    let response = call.await?;
+                    if !save(response.status()) {
+                        return Ok(Captured::NotSaved(response));
+                    }
+                    let (parts, body) = response.into_parts();
+                    Ok(match collect_response(body, response_limit).await {
+                        Ok((body, trailers)) => Captured::Saveable(parts, body, trailers),
+                        Err(rejection) => Captured::Failed(rejection),
+                    })
+                },
+            }
             .await;
-        metrics::lock_wait(&scope.operation, lock_started.elapsed());
-        let transaction = match begun {
-            Ok(Begin::Existing(record)) => {
-                return Ok(self.answer_existing(&scope, &record, &fingerprint, wire))
-            }
-            Ok(Begin::Reserved(transaction)) => transaction,
-            Err(error) => return Ok(self.store_failure(&scope, error, wire)),
-        };
 
-        parts.extensions.insert(transaction.handle());
-        parts.extensions.insert(scope.clone());
-        let request = Request::from_parts(parts, RequestBody::buffered(body));
-        let response_limit = self.config.response_limit;
-        let save = self.config.save.clone();
-        let call = self.inner.call(request);
-        // Panics in the handler (or its response body) end here, with the transaction still
-        // owned by this frame: it is rolled back when dropped below.
-        let outcome = CatchUnwind {
-            inner: async move {
-                let response = call.await?;
-                if !save(response.status()) {
-                    return Ok(Captured::NotSaved(response));
+            let captured = match outcome {
+                Ok(Ok(captured)) => captured,
+                Ok(Err(error)) => {
+                    tracing::warn!("inner service failed; idempotency transaction rolled back");
+                    roll_back(transaction).await;
+                    metrics::rolled_back(&scope.operation, RollbackReason::ServiceError);
+                    return Err(error);
                 }
-                let (parts, body) = response.into_parts();
-                Ok(match collect_response(body, response_limit).await {
-                    Ok((body, trailers)) => Captured::Saveable(parts, body, trailers),
-                    Err(rejection) => Captured::Failed(rejection),
-                })
-            },
-        }
-        .await;
+                Err(_panic) => {
+                    tracing::error!("handler panicked; idempotency transaction rolled back");
+                    roll_back(transaction).await;
+                    metrics::rolled_back(&scope.operation, RollbackReason::Panic);
+                    return Ok(self.reject(&Rejection::HandlerPanicked, wire));
+                }
+            };
 
-        let captured = match outcome {
-            Ok(Ok(captured)) => captured,
-            Ok(Err(error)) => {
-                tracing::warn!("inner service failed; idempotency transaction rolled back");
-                roll_back(transaction).await;
-                metrics::rolled_back(&scope.operation, RollbackReason::ServiceError);
-                return Err(error);
-            }
-            Err(_panic) => {
-                tracing::error!("handler panicked; idempotency transaction rolled back");
-                roll_back(transaction).await;
-                metrics::rolled_back(&scope.operation, RollbackReason::Panic);
-                return Ok(self.reject(&Rejection::HandlerPanicked, wire));
-            }
-        };
-
-        match captured {
-            Captured::NotSaved(response) => {
-                tracing::debug!(status = %response.status(), "response not saveable; rolled back");
-                roll_back(transaction).await;
-                metrics::rolled_back(&scope.operation, RollbackReason::NotSaved);
-                Ok(response.map(ResponseBody::inner))
-            }
-            Captured::Failed(rejection) => {
-                tracing::warn!(%rejection, "response could not be captured; rolled back");
-                roll_back(transaction).await;
-                metrics::rolled_back(&scope.operation, RollbackReason::Capture);
-                Ok(self.reject(&rejection, wire))
-            }
-            Captured::Saveable(parts, body, trailers)
-                if is_grpc(&parts.headers)
-                    && !grpc_status(&parts.headers, trailers.as_ref())
-                        .is_some_and(|code| (self.config.grpc_save)(code)) =>
-            {
-                tracing::debug!("gRPC status not saveable; rolled back");
-                roll_back(transaction).await;
-                metrics::rolled_back(&scope.operation, RollbackReason::NotSaved);
-                Ok(Response::from_parts(
-                    parts,
-                    ResponseBody::full(body, trailers),
-                ))
-            }
-            Captured::Saveable(parts, body, trailers) => {
-                let saved = SavedResponse {
-                    status: parts.status,
-                    headers: select_headers(&parts.headers, &self.config.replayed_headers),
-                    body: body.clone(),
-                    trailers: trailers
-                        .as_ref()
-                        .map(|t| select_headers(t, &self.config.replayed_trailers)),
-                };
-                let record = NewRecord {
-                    fingerprint,
-                    response: saved,
-                    created_at: now,
-                    expires_at: now + self.config.retention,
-                };
-                match transaction.commit(record).await {
-                    Ok(()) => {
-                        tracing::debug!(status = %parts.status, "response saved and committed");
-                        metrics::request(&scope.operation, Outcome::Executed);
-                        Ok(Response::from_parts(
-                            parts,
-                            ResponseBody::full(body, trailers),
-                        ))
-                    }
-                    Err(error) => {
-                        metrics::rollback(&scope.operation, RollbackReason::CommitFailed);
-                        Ok(self.store_failure(&scope, error, wire))
+            return match captured {
+                Captured::NotSaved(response) => {
+                    tracing::debug!(status = %response.status(), "response not saveable; rolled back");
+                    roll_back(transaction).await;
+                    metrics::rolled_back(&scope.operation, RollbackReason::NotSaved);
+                    Ok(response.map(ResponseBody::inner))
+                }
+                Captured::Failed(rejection) => {
+                    tracing::warn!(%rejection, "response could not be captured; rolled back");
+                    roll_back(transaction).await;
+                    metrics::rolled_back(&scope.operation, RollbackReason::Capture);
+                    Ok(self.reject(&rejection, wire))
+                }
+                Captured::Saveable(parts, body, trailers)
+                    if is_grpc(&parts.headers)
+                        && !grpc_status(&parts.headers, trailers.as_ref())
+                            .is_some_and(|code| (self.config.grpc_save)(code)) =>
+                {
+                    tracing::debug!("gRPC status not saveable; rolled back");
+                    roll_back(transaction).await;
+                    metrics::rolled_back(&scope.operation, RollbackReason::NotSaved);
+                    Ok(Response::from_parts(
+                        parts,
+                        ResponseBody::full(body, trailers),
+                    ))
+                }
+                Captured::Saveable(parts, body, trailers) => {
+                    let saved = SavedResponse {
+                        status: parts.status,
+                        headers: select_headers(&parts.headers, &self.config.replayed_headers),
+                        body: body.clone(),
+                        trailers: trailers
+                            .as_ref()
+                            .map(|t| select_headers(t, &self.config.replayed_trailers)),
+                    };
+                    let record = NewRecord {
+                        fingerprint,
+                        response: saved,
+                        created_at: now,
+                        expires_at: now + self.config.retention,
+                    };
+                    match transaction.commit(record).await {
+                        Ok(()) => {
+                            tracing::debug!(status = %parts.status, "response saved and committed");
+                            metrics::request(&scope.operation, Outcome::Executed);
+                            Ok(Response::from_parts(
+                                parts,
+                                ResponseBody::full(body, trailers),
+                            ))
+                        }
+                        // The database rolled the transaction back for conflicting with a
+                        // concurrent one (PostgreSQL 40001, 40P01): running it again may commit.
+                        Err(error)
+                            if error.is_serialization_conflict()
+                                && attempt < self.config.conflict_retries =>
+                        {
+                            tracing::info!(%error, attempt, "commit conflicted; running again");
+                            attempt += 1;
+                            continue;
+                        }
+                        Err(error) => {
+                            metrics::rollback(&scope.operation, RollbackReason::CommitFailed);
+                            Ok(self.store_failure(&scope, error, wire))
+                        }
                     }
                 }
-            }
+            };
         }
     }
 
@@ -469,6 +493,17 @@ where
         },
         fingerprint,
     })
+}
+
+/// A copy of a request head, extensions included (the body is buffered separately).
+fn copy_parts(parts: &request::Parts) -> request::Parts {
+    let mut request = Request::new(());
+    *request.method_mut() = parts.method.clone();
+    *request.uri_mut() = parts.uri.clone();
+    *request.version_mut() = parts.version;
+    *request.headers_mut() = parts.headers.clone();
+    *request.extensions_mut() = parts.extensions.clone();
+    request.into_parts().0
 }
 
 /// What the answer's framing depends on: the HTTP version, and whether the client speaks gRPC.

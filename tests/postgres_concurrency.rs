@@ -384,7 +384,11 @@ async fn serialization_failure_is_503_and_the_retry_succeeds() {
     let first_call = Arc::new(AtomicBool::new(true));
     let server = PgServer::builder()
         .store(|options| options.isolation(Isolation::Serializable))
-        .layer(|layer| layer.with_lock_timeout(Duration::from_secs(5)))
+        .layer(|layer| {
+            layer
+                .with_lock_timeout(Duration::from_secs(5))
+                .with_conflict_retries(0)
+        })
         .hook({
             let (both_read, first_call) = (both_read.clone(), first_call.clone());
             hook(move |call| {
@@ -433,6 +437,59 @@ async fn serialization_failure_is_503_and_the_retry_succeeds() {
     let retry = post(server.addr, Some(SHOP_A), Some(key), BOOK, &[]).await;
     assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
     assert!(!retry.replayed());
+    assert_eq!(db.order_count().await, 2);
+    assert_eq!(db.record_count().await, 2);
+}
+
+/// The same race with the layer's conflict retries: the loser runs again and commits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serialization_failure_at_commit_runs_the_request_again() {
+    let Some(db) = TestDb::create().await else {
+        return;
+    };
+    let both_read = Arc::new(Barrier::new(2));
+    let first_call = Arc::new(AtomicBool::new(true));
+    let server = PgServer::builder()
+        .store(|options| options.isolation(Isolation::Serializable))
+        .layer(|layer| layer.with_lock_timeout(Duration::from_secs(5)))
+        .hook({
+            let (both_read, first_call) = (both_read.clone(), first_call.clone());
+            hook(move |call| {
+                let (both_read, first_call) = (both_read.clone(), first_call.clone());
+                async move {
+                    // Only the first two calls race; the retry runs alone.
+                    if first_call.load(Ordering::SeqCst) {
+                        let client = call.tx.client().await.expect("client");
+                        client
+                            .query_one("SELECT count(*) FROM orders", &[])
+                            .await
+                            .expect("read orders");
+                        drop(client);
+                        let _ = tokio::time::timeout(PATIENCE, both_read.wait()).await;
+                        first_call.store(false, Ordering::SeqCst);
+                    }
+                    HookOutcome::default()
+                }
+            })
+        })
+        .spawn(&db)
+        .await;
+
+    let replies = send_all_at_once(vec![
+        (server.addr, "key-a".to_owned(), BOOK.to_owned()),
+        (server.addr, "key-b".to_owned(), BOOK.to_owned()),
+    ])
+    .await;
+
+    for reply in &replies {
+        assert_eq!(reply.status, StatusCode::CREATED, "{reply:?}");
+        assert!(!reply.replayed());
+    }
+    assert_eq!(
+        server.app.handler_calls(),
+        3,
+        "the loser's handler ran again"
+    );
     assert_eq!(db.order_count().await, 2);
     assert_eq!(db.record_count().await, 2);
 }
