@@ -64,11 +64,13 @@
 //! Over HTTP, [`HttpSink`] POSTs each event's payload with its id as `Idempotency-Key`, so a
 //! receiver behind [`IdempotencyLayer`](crate::IdempotencyLayer) or an inbox drops repeats.
 //!
-//! # Other backends
+//! # Backends
 //!
 //! The relay only needs the [`OutboxStore`] trait (claim, settle, backlog) and handlers only
-//! need [`Enqueue`] on their transaction handle: a PostgreSQL outbox implements those two for
-//! its store and its transaction, and the relay, the sinks and the backoff are shared.
+//! need [`Enqueue`] on their transaction handle; the relay, the sinks and the backoff are
+//! shared. SQLite: `sqlite::SqliteOutbox`. PostgreSQL (features `outbox` and `postgres`):
+//! `postgres::PostgresOutbox`, which claims with `FOR UPDATE SKIP LOCKED` and a lease, so relays
+//! in several instances share the work. The receiver's inbox is SQLite-only for now.
 
 use std::fmt;
 use std::future::Future;
@@ -80,6 +82,8 @@ use crate::error::Error;
 
 #[cfg(feature = "sqlite")]
 pub mod inbox;
+#[cfg(all(feature = "outbox", feature = "postgres"))]
+pub mod postgres;
 mod relay;
 mod sink;
 #[cfg(feature = "sqlite")]
