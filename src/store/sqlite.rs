@@ -182,6 +182,12 @@ type Job = Box<dyn FnOnce(&mut Writer) + Send>;
 /// The name of the savepoint that isolates one request inside a group.
 const REQUEST_SAVEPOINT: &str = "tower_idempotency_request";
 
+/// Opens the request's savepoint (a literal, so that the statement can be cached).
+const SAVEPOINT_SQL: &str = "SAVEPOINT tower_idempotency_request";
+
+/// Keeps the request's rows in the group.
+const RELEASE_SQL: &str = "RELEASE tower_idempotency_request";
+
 /// Told when the group a request belongs to has committed (or failed to).
 type CommitWaiter = oneshot::Sender<Result<(), String>>;
 
@@ -285,8 +291,8 @@ impl Writer {
                 opened: Instant::now(),
             });
         }
-        self.conn
-            .execute_batch(&format!("SAVEPOINT {REQUEST_SAVEPOINT}"))?;
+        // Cached: prepared once per connection rather than once per request.
+        self.conn.prepare_cached(SAVEPOINT_SQL)?.execute([])?;
         self.active = Some(generation);
         self.request_started = Some(Instant::now());
         Ok(())
@@ -360,8 +366,7 @@ impl Writer {
 
     /// Keeps the active request's rows in the group and registers it for the group's commit.
     fn release_request(&mut self) -> Result<oneshot::Receiver<Result<(), String>>, Error> {
-        self.conn
-            .execute_batch(&format!("RELEASE {REQUEST_SAVEPOINT}"))?;
+        self.conn.prepare_cached(RELEASE_SQL)?.execute([])?;
         self.end_request();
         Ok(self.wait_for_commit())
     }
@@ -674,6 +679,16 @@ impl Drop for QueueTicket {
 /// The writer thread: runs jobs in order, and commits groups when they are due.
 fn writer_thread(writer: &mut Writer, receiver: &mpsc::Receiver<Job>) {
     loop {
+        // A request in progress sends its next job within microseconds: waiting for it
+        // briefly (yielding the CPU) is cheaper than parking the thread and being woken.
+        let spin = writer
+            .flush_deadline()
+            .map_or(JOB_SPIN, |due| due.min(JOB_SPIN));
+        if let Some(job) = spin_for_job(receiver, spin) {
+            let _ = std::panic::catch_unwind(AssertUnwindSafe(|| job(writer)));
+            writer.after_job();
+            continue;
+        }
         let job = match writer.flush_deadline() {
             None => receiver.recv().ok(),
             Some(wait) => match receiver.recv_timeout(wait) {
@@ -693,6 +708,23 @@ fn writer_thread(writer: &mut Writer, receiver: &mpsc::Receiver<Job>) {
         writer.after_job();
     }
     writer.settle();
+}
+
+/// How long the writer thread polls for its next job before it parks.
+const JOB_SPIN: Duration = Duration::from_micros(50);
+
+/// The next job if one arrives within `spin` (at most [`JOB_SPIN`]; less when the open group
+/// is due sooner).
+fn spin_for_job(receiver: &mpsc::Receiver<Job>, spin: Duration) -> Option<Job> {
+    let started = Instant::now();
+    loop {
+        match receiver.try_recv() {
+            Ok(job) => return Some(job),
+            Err(mpsc::TryRecvError::Disconnected) => return None,
+            Err(mpsc::TryRecvError::Empty) if started.elapsed() >= spin => return None,
+            Err(mpsc::TryRecvError::Empty) => std::thread::yield_now(),
+        }
+    }
 }
 
 impl Shared {
@@ -948,22 +980,24 @@ impl SqliteReservation {
         let generation = self.tx.generation;
         // From here on the handler's clones of the handle refuse work.
         self.tx.finished.store(true, Ordering::Release);
-        let result = self
-            .tx
-            .store
-            .call(move |writer| {
-                if writer.active != Some(generation) {
-                    return Err(Error::TransactionAborted(
-                        "the transaction was ended before commit",
-                    ));
-                }
+        let (reply, answer) = oneshot::channel();
+        let job: Job = Box::new(move |writer| {
+            let result = if writer.active != Some(generation) {
+                Err(Error::TransactionAborted(
+                    "the transaction was ended before commit",
+                ))
+            } else {
                 finish(writer)
-            })
-            .await;
-        // The job ran (or the thread is gone): nothing of this request is left open, and the
-        // next request may start, possibly in the same group.
+            };
+            let _ = reply.send(result);
+        });
+        let sent = self.tx.store.jobs.send(job);
+        // The job is queued: the writer thread runs it before any job of the next request, so
+        // the next request may take the writer lock now (its `BEGIN`/savepoint is queued after
+        // this request's end, possibly in the same group) instead of one round trip later.
         self.guard.take();
-        result
+        sent.map_err(|_| Error::Closed)?;
+        answer.await.map_err(|_| Error::Panicked)?
     }
 }
 
