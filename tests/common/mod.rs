@@ -343,6 +343,30 @@ pub fn json_error(status: StatusCode, code: &str) -> Response {
         .into_response()
 }
 
+/// The order app's validation, shared by the SQLite and PostgreSQL test apps: `(sku, quantity)`,
+/// or the code of the 400 to answer.
+pub fn parse_order(body: &[u8]) -> Result<(String, i64), &'static str> {
+    let Ok(input) = serde_json::from_slice::<serde_json::Value>(body) else {
+        return Err("invalid_json");
+    };
+    let Some(sku) = input
+        .get("sku")
+        .and_then(|v| v.as_str())
+        .filter(|sku| (1..=100).contains(&sku.chars().count()))
+        .map(str::to_owned)
+    else {
+        return Err("invalid_key_or_sku");
+    };
+    let Some(quantity) = input
+        .get("quantity")
+        .and_then(|v| v.as_i64())
+        .filter(|q| (1..=100).contains(q))
+    else {
+        return Err("invalid_quantity");
+    };
+    Ok((sku, quantity))
+}
+
 /// `POST /orders`: validates, inserts the order through the idempotency transaction, runs
 /// the test's hook (with the transaction still open), and answers 201.
 async fn create_order(
@@ -353,23 +377,9 @@ async fn create_order(
     body: Bytes,
 ) -> Response {
     app.handler_calls.fetch_add(1, Ordering::SeqCst);
-    let Ok(input) = serde_json::from_slice::<serde_json::Value>(&body) else {
-        return json_error(StatusCode::BAD_REQUEST, "invalid_json");
-    };
-    let Some(sku) = input
-        .get("sku")
-        .and_then(|v| v.as_str())
-        .filter(|sku| (1..=100).contains(&sku.chars().count()))
-        .map(str::to_owned)
-    else {
-        return json_error(StatusCode::BAD_REQUEST, "invalid_key_or_sku");
-    };
-    let Some(quantity) = input
-        .get("quantity")
-        .and_then(|v| v.as_i64())
-        .filter(|q| (1..=100).contains(q))
-    else {
-        return json_error(StatusCode::BAD_REQUEST, "invalid_quantity");
+    let (sku, quantity) = match parse_order(&body) {
+        Ok(order) => order,
+        Err(code) => return json_error(StatusCode::BAD_REQUEST, code),
     };
 
     let tenant_id = tenant.as_str().to_owned();

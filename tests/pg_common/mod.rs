@@ -501,23 +501,9 @@ async fn create_order(
     body: Bytes,
 ) -> Response {
     app.handler_calls.fetch_add(1, Ordering::SeqCst);
-    let Ok(input) = serde_json::from_slice::<serde_json::Value>(&body) else {
-        return json_error(StatusCode::BAD_REQUEST, "invalid_json");
-    };
-    let Some(sku) = input
-        .get("sku")
-        .and_then(|v| v.as_str())
-        .filter(|sku| (1..=100).contains(&sku.chars().count()))
-        .map(str::to_owned)
-    else {
-        return json_error(StatusCode::BAD_REQUEST, "invalid_key_or_sku");
-    };
-    let Some(quantity) = input
-        .get("quantity")
-        .and_then(|v| v.as_i64())
-        .filter(|q| (1..=100).contains(q))
-    else {
-        return json_error(StatusCode::BAD_REQUEST, "invalid_quantity");
+    let (sku, quantity) = match super::common::parse_order(&body) {
+        Ok(order) => order,
+        Err(code) => return json_error(StatusCode::BAD_REQUEST, code),
     };
 
     let inserted = async {
