@@ -1,12 +1,17 @@
 //! What the `metrics` feature records, captured with metrics-util's `DebuggingRecorder`: the
 //! layer's requests by outcome, rollbacks and lock waits (over real HTTP), and the outbox
-//! relay's deliveries, failures, dead letters and backlog, and the inbox's duplicates.
+//! relay's deliveries, failures, dead letters and backlog, and the inbox's duplicates (SQLite,
+//! and PostgreSQL when `TEST_DATABASE_URL` is set).
 //!
 //! Each test installs its recorder for its own thread only (`set_default_local_recorder`):
 //! `#[tokio::test]` runs the test, the server and the relay on that one thread, and tests in
 //! parallel do not see each other's metrics.
 
 mod common;
+mod pg_common;
+
+#[path = "pg_common/inventory.rs"]
+mod inventory;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -24,6 +29,7 @@ use tower_idempotency::metrics::{
     OUTBOX_DELIVERY_FAILURES_TOTAL, OUTBOX_DELIVERY_SECONDS, REQUESTS_TOTAL,
 };
 use tower_idempotency::outbox::inbox::{Processed, SqliteInbox};
+use tower_idempotency::outbox::postgres::PostgresInbox;
 use tower_idempotency::outbox::sqlite::{enqueue, SqliteOutbox};
 use tower_idempotency::outbox::{sink_fn, OutboxEvent, Relay};
 use tower_idempotency::store::sqlite::SqliteStore;
@@ -300,5 +306,79 @@ async fn the_relay_and_the_inbox_record_deliveries_failures_dead_letters_and_bac
             &format!("{INBOX_EVENTS_TOTAL}{{consumer=inventory,result=duplicate}}")
         ),
         2
+    );
+}
+
+#[tokio::test]
+async fn the_postgres_inbox_counts_processed_events_and_duplicates() {
+    let Some(db) = pg_common::TestDb::create().await else {
+        return;
+    };
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let _local = metrics::set_default_local_recorder(&recorder);
+
+    // On transactions of the inbox's own.
+    let store = db.store().await;
+    let inbox = PostgresInbox::install(&store, "billing")
+        .await
+        .expect("inbox");
+    for _ in 0..3 {
+        inbox
+            .process("event-1", |_tx| async { Ok(()) })
+            .await
+            .expect("process");
+    }
+    // A failed attempt counts nothing: the event was neither processed nor a duplicate.
+    let failed = inbox
+        .process("event-2", |_tx| async {
+            Err::<(), _>(tower_idempotency::Error::Corrupt("refused".into()))
+        })
+        .await;
+    assert!(failed.is_err());
+    let metrics = take(&snapshotter);
+    assert_eq!(
+        counter(
+            &metrics,
+            &format!("{INBOX_EVENTS_TOTAL}{{consumer=billing,result=processed}}")
+        ),
+        1
+    );
+    assert_eq!(
+        counter(
+            &metrics,
+            &format!("{INBOX_EVENTS_TOTAL}{{consumer=billing,result=duplicate}}")
+        ),
+        2
+    );
+
+    // In the request's transaction (`process_in`), over HTTP behind the layer: the server runs
+    // on this thread, so this thread's recorder sees it.
+    let receiver = inventory::InventoryServer::spawn(&db, inventory::Mode::Layered).await;
+    let payload = r#"{"order_id":1,"tenant":"shop-a","sku":"book","quantity":1}"#;
+    let delivery = common::Post::order("event-1", payload)
+        .path("/events")
+        .token(None)
+        .header("event-topic", "order_created");
+    assert_eq!(
+        delivery.send(receiver.addr).await.json()["status"],
+        "reserved"
+    );
+    // Replayed by the layer: the handler, and so the inbox, is not called again.
+    assert!(delivery.send(receiver.addr).await.replayed());
+    let metrics = take(&snapshotter);
+    assert_eq!(
+        counter(
+            &metrics,
+            &format!("{INBOX_EVENTS_TOTAL}{{consumer=inventory,result=processed}}")
+        ),
+        1
+    );
+    assert_eq!(
+        counter(
+            &metrics,
+            &format!("{INBOX_EVENTS_TOTAL}{{consumer=inventory,result=duplicate}}")
+        ),
+        0
     );
 }

@@ -39,6 +39,8 @@ use std::time::SystemTime;
 
 use rusqlite::{params, Connection};
 
+/// Shared by both backends' inboxes; re-exported here, where they were first defined.
+pub use super::{Processed, Receipt};
 use crate::error::Error;
 use crate::metrics::outbox as record;
 use crate::store::sqlite::{SqliteStore, SqliteTransaction};
@@ -53,24 +55,6 @@ CREATE TABLE IF NOT EXISTS inbox_events (
 );
 CREATE INDEX IF NOT EXISTS inbox_events_processed_at ON inbox_events (processed_at);
 ";
-
-/// Whether an event id was new to the inbox.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Receipt {
-    /// First time: the id is now recorded (in the caller's transaction); apply the event.
-    First,
-    /// Seen before: the event was already applied; acknowledge it and do nothing.
-    Duplicate,
-}
-
-/// What [`SqliteInbox::process`] did.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Processed<T> {
-    /// The event was new: the closure ran and its result committed with the id.
-    First(T),
-    /// The event had been processed already: the closure did not run.
-    Duplicate,
-}
 
 /// The processed event ids of one consumer, in a SQLite database (table `inbox_events`).
 /// Cheap to clone.

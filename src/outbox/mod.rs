@@ -6,7 +6,7 @@
 //! it commits together with the order and the saved response, or not at all. A [`Relay`] (a
 //! future you spawn) then delivers committed events through a sink of your choice, at least
 //! once, and the receiver drops redeliveries by event id with an inbox
-//! ([`inbox::SqliteInbox`]).
+//! ([`inbox::SqliteInbox`], [`postgres::PostgresInbox`]).
 //!
 //! ```text
 //! handler ─► INSERT order ─► enqueue("order_created") ─┐ one transaction, committed with
@@ -70,7 +70,9 @@
 //! need [`Enqueue`] on their transaction handle; the relay, the sinks and the backoff are
 //! shared. SQLite: `sqlite::SqliteOutbox`. PostgreSQL (features `outbox` and `postgres`):
 //! `postgres::PostgresOutbox`, which claims with `FOR UPDATE SKIP LOCKED` and a lease, so relays
-//! in several instances share the work. The receiver's inbox is SQLite-only for now.
+//! in several instances share the work. The receiver's inbox exists for both,
+//! `inbox::SqliteInbox` and `postgres::PostgresInbox`, with the same [`Receipt`] and
+//! [`Processed`].
 
 use std::fmt;
 use std::future::Future;
@@ -207,6 +209,26 @@ pub trait Enqueue {
         topic: &str,
         payload: serde_json::Value,
     ) -> impl Future<Output = Result<EventId, Error>> + Send;
+}
+
+/// Whether an event id was new to an inbox (see [`inbox::SqliteInbox::record`] and
+/// [`postgres::PostgresInbox::process_in`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Receipt {
+    /// First time: the id is now recorded (in the caller's transaction); apply the event.
+    First,
+    /// Seen before: the event was already applied; acknowledge it and do nothing.
+    Duplicate,
+}
+
+/// What an inbox's `process` did (see [`inbox::SqliteInbox::process`] and
+/// [`postgres::PostgresInbox::process`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Processed<T> {
+    /// The event was new: the closure ran and its result committed with the id.
+    First(T),
+    /// The event had been processed already: the closure did not run.
+    Duplicate,
 }
 
 /// A relay's claim on an event: only the claim's holder may reschedule or dead-letter it.

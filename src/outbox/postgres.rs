@@ -39,6 +39,10 @@
 //! tokio::spawn(relay.run());
 //! # Ok(()) }
 //! ```
+//!
+//! On the receiving side, [`PostgresInbox`] records each processed event id in
+//! `inbox_events`, in the same transaction as the event's effect, so a redelivery is
+//! acknowledged without being applied twice.
 
 use std::fmt;
 use std::time::{Duration, SystemTime};
@@ -53,6 +57,10 @@ use super::{
 use crate::error::Error;
 use crate::store::postgres::{PostgresStore, PostgresTransaction};
 use crate::store::{from_unix_millis, to_unix_millis};
+
+mod inbox;
+
+pub use inbox::PostgresInbox;
 
 /// The same columns and meaning as the SQLite outbox (times are Unix milliseconds).
 /// `available_at` is when the event is next due; a claim moves it to the end of the lease, so

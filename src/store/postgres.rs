@@ -335,6 +335,45 @@ impl PostgresStore {
         &self.shared.transactions
     }
 
+    /// Opens a transaction of the store's own, outside any request (the inbox's), on a pooled
+    /// connection, with the store's isolation level. It is used through the same handle as a
+    /// request's transaction and rolls back the same way if dropped.
+    #[cfg(feature = "outbox")]
+    pub(crate) async fn begin_owned(&self) -> Result<OwnedTransaction, Error> {
+        let mut slot = Slot {
+            object: Some(self.client().await?),
+        };
+        let token = self.shared.reservations.fetch_add(1, Ordering::Relaxed);
+        // One round trip. Only an integer is formatted into it.
+        let begun = match slot.client() {
+            Ok(client) => client
+                .batch_execute(&format!(
+                    "{}; SET LOCAL {RESERVATION_SETTING} = '{token}'",
+                    self.shared.isolation.begin_statement()
+                ))
+                .await
+                .map_err(Error::from),
+            Err(error) => Err(error),
+        };
+        if let Err(error) = begun {
+            slot.roll_back_and_release().await;
+            return Err(error);
+        }
+        Ok(OwnedTransaction {
+            tx: Arc::new(TxShared {
+                token,
+                finished: AtomicBool::new(false),
+                connection: Arc::new(Mutex::new(slot)),
+            }),
+        })
+    }
+
+    /// [`PostgresOptions::serialization_retries`].
+    #[cfg(feature = "outbox")]
+    pub(crate) fn serialization_retries(&self) -> u32 {
+        self.shared.serialization_retries
+    }
+
     async fn migrate(&self) -> Result<(), Error> {
         let mut client = self.client().await?;
         let tx = client.transaction().await?;
@@ -633,6 +672,19 @@ impl Slot {
         }
     }
 
+    /// Ends the transaction with `COMMIT` and gives the connection back to the pool.
+    async fn commit_and_release(&mut self) -> Result<(), Error> {
+        let committed = match &self.object {
+            // As in `roll_back_and_release`, a drop while this awaits discards the connection.
+            Some(object) => object.batch_execute("COMMIT").await,
+            None => return Err(Error::TransactionFinished),
+        };
+        // Committed, or failed and therefore rolled back by the server: either way no
+        // transaction is left open on the connection.
+        self.release();
+        committed.map_err(Error::from)
+    }
+
     /// Gives the connection back to the pool: only once no transaction is open on it.
     fn release(&mut self) {
         drop(self.object.take());
@@ -680,13 +732,13 @@ impl fmt::Debug for PostgresReservation {
     }
 }
 
-impl PostgresReservation {
+impl TxShared {
     /// Marks the transaction finished and takes its connection from the handles.
     fn take_connection(&self) -> Result<OwnedMutexGuard<Slot>, Error> {
-        self.tx.finished.store(true, Ordering::Release);
+        self.finished.store(true, Ordering::Release);
         // The handler has returned its response; a connection still borrowed now belongs to
         // a task that outlived its request, still using the transaction: do not commit under it.
-        let slot = self.tx.connection.clone().try_lock_owned().map_err(|_| {
+        let slot = self.connection.clone().try_lock_owned().map_err(|_| {
             Error::TransactionAborted("a handler still holds the transaction's connection")
         })?;
         if slot.object.is_none() {
@@ -696,16 +748,22 @@ impl PostgresReservation {
         }
         Ok(slot)
     }
+
+    /// The owner went away without committing: refuse further work and close the connection
+    /// (which rolls back).
+    fn abandon(&self) {
+        self.finished.store(true, Ordering::Release);
+        // Discard at once if nobody borrows the connection; otherwise the slot's own `Drop`
+        // does it when the last borrower lets go.
+        if let Ok(mut slot) = self.connection.try_lock() {
+            slot.discard();
+        }
+    }
 }
 
 impl Drop for PostgresReservation {
     fn drop(&mut self) {
-        self.tx.finished.store(true, Ordering::Release);
-        // Discard at once if nobody borrows the connection; otherwise the slot's own `Drop`
-        // does it when the last borrower lets go.
-        if let Ok(mut slot) = self.tx.connection.try_lock() {
-            slot.discard();
-        }
+        self.tx.abandon();
     }
 }
 
@@ -719,7 +777,7 @@ impl StoreTransaction for PostgresReservation {
     }
 
     async fn commit(self, record: NewRecord) -> Result<(), Error> {
-        let mut slot = self.take_connection()?;
+        let mut slot = self.tx.take_connection()?;
         let saved = async {
             let client = slot.client()?;
             let complete = client.prepare_cached(COMPLETE_RECORD).await?;
@@ -759,26 +817,11 @@ impl StoreTransaction for PostgresReservation {
             slot.roll_back_and_release().await;
             return Err(error);
         }
-        let committed = match &slot.object {
-            Some(object) => object.batch_execute("COMMIT").await,
-            None => return Err(Error::TransactionFinished),
-        };
-        match committed {
-            // Committed, or failed and therefore rolled back by the server: either way no
-            // transaction is left open on the connection.
-            Ok(()) => {
-                slot.release();
-                Ok(())
-            }
-            Err(error) => {
-                slot.release();
-                Err(error.into())
-            }
-        }
+        slot.commit_and_release().await
     }
 
     async fn rollback(self) -> Result<(), Error> {
-        let mut slot = match self.take_connection() {
+        let mut slot = match self.tx.take_connection() {
             Ok(slot) => slot,
             // Nothing to roll back here: a borrower still holds it (the slot's `Drop` closes
             // it later), or it is already gone.
@@ -792,12 +835,81 @@ impl StoreTransaction for PostgresReservation {
     }
 }
 
+/// A transaction opened by [`PostgresStore::begin_owned`], committed or rolled back by its
+/// owner (the inbox) rather than by the layer. Dropping it without either rolls back (by
+/// closing its connection, as for a request).
+#[cfg(feature = "outbox")]
+pub(crate) struct OwnedTransaction {
+    tx: Arc<TxShared>,
+}
+
+#[cfg(feature = "outbox")]
+impl OwnedTransaction {
+    /// A handle on this transaction: the same type a request's handler gets.
+    pub(crate) fn handle(&self) -> PostgresTransaction {
+        PostgresTransaction {
+            tx: self.tx.clone(),
+        }
+    }
+
+    /// Commits, after checking that the transaction is still the one `begin_owned` opened and
+    /// still able to commit: a `COMMIT` or `ROLLBACK` run through a handle would otherwise
+    /// let this `COMMIT` succeed with nothing in it, and so would a failed statement (`COMMIT`
+    /// of an aborted transaction answers `ROLLBACK` without an error).
+    pub(crate) async fn commit(self) -> Result<(), Error> {
+        let mut slot = self.tx.take_connection()?;
+        let checked = async {
+            let client = slot.client()?;
+            let check = client
+                .prepare_cached(
+                    "SELECT current_setting('tower_idempotency.reservation', true) \
+                     IS NOT DISTINCT FROM $1",
+                )
+                .await?;
+            let same: bool = client
+                .query_one(&check, &[&self.tx.token.to_string()])
+                .await?
+                .try_get(0)?;
+            if same {
+                Ok(())
+            } else {
+                Err(Error::TransactionAborted(
+                    "the transaction ended before commit (COMMIT or ROLLBACK through its handle?)",
+                ))
+            }
+        }
+        .await;
+        if let Err(error) = checked {
+            slot.roll_back_and_release().await;
+            return Err(error);
+        }
+        slot.commit_and_release().await
+    }
+
+    /// Rolls back and gives the connection back to the pool (or closes it if a handle still
+    /// borrows it).
+    pub(crate) async fn rollback(self) {
+        match self.tx.take_connection() {
+            Ok(mut slot) => slot.roll_back_and_release().await,
+            Err(error) => tracing::warn!(%error, "rollback deferred to the connection's release"),
+        }
+    }
+}
+
+#[cfg(feature = "outbox")]
+impl Drop for OwnedTransaction {
+    fn drop(&mut self) {
+        self.tx.abandon();
+    }
+}
+
 /// The handle a handler uses to write its rows in the request's transaction.
 ///
 /// The layer puts it in the request extensions. Everything run through
 /// [`client`](Self::client) belongs to the same PostgreSQL transaction as the idempotency
 /// record: it commits when the layer saves the response, and rolls back if the handler fails,
-/// panics or the client goes away.
+/// panics or the client goes away. (The receiver's inbox, `PostgresInbox::process` with the
+/// `outbox` feature, hands its closure the same handle on a transaction of its own.)
 ///
 /// ```no_run
 /// # async fn handler(tx: tower_idempotency::store::postgres::PostgresTransaction)
