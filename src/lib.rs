@@ -63,15 +63,16 @@
 //! - `metrics`: requests by outcome, rollbacks, lock waits and the outbox's backlog and
 //!   deliveries through the `metrics` facade; the names are in [`metrics`].
 //!
-//! Operations on a SQLite file (inspect or delete a record, counts, purge, dead letters) are
-//! library calls in [`admin`] and a command-line tool, `cargo run --example admin`.
+//! Operations on a store, SQLite or PostgreSQL (inspect or delete a record, counts, purge,
+//! dead letters), are library calls in [`admin`] and a command-line tool,
+//! `cargo run --example admin`.
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations)]
 #![deny(unreachable_pub)]
 #![cfg_attr(docsrs, feature(doc_auto_cfg))]
 
-#[cfg(feature = "sqlite")]
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
 pub mod admin;
 pub mod body;
 #[cfg(feature = "client")]

@@ -206,6 +206,7 @@ pub struct PostgresOptions {
     read_wait: Duration,
     isolation: Isolation,
     serialization_retries: u32,
+    create_schema: bool,
 }
 
 impl PostgresOptions {
@@ -244,6 +245,15 @@ impl PostgresOptions {
         self
     }
 
+    /// Whether connecting creates `idempotency_records` if it is missing (or migrates a table
+    /// of the SQLite layout). Default: `true`. A tool that must not change the database (an
+    /// admin tool) turns it off: connecting then only checks that a connection can be made,
+    /// and calls fail if the table is missing.
+    pub fn create_schema(mut self, create: bool) -> Self {
+        self.create_schema = create;
+        self
+    }
+
     /// Connects without TLS, creates (or migrates) the schema and returns the store.
     pub async fn connect(self) -> Result<PostgresStore, Error> {
         self.connect_with_tls(NoTls).await
@@ -274,7 +284,12 @@ impl PostgresOptions {
                 reservations: AtomicU64::new(1),
             }),
         };
-        store.migrate().await?;
+        if self.create_schema {
+            store.migrate().await?;
+        } else {
+            // Fail here, not on the first call, if the settings cannot connect.
+            drop(store.client().await?);
+        }
         Ok(store)
     }
 }
@@ -320,6 +335,7 @@ impl PostgresStore {
             read_wait: Duration::from_secs(1),
             isolation: Isolation::default(),
             serialization_retries: 3,
+            create_schema: true,
         }
     }
 
