@@ -1,7 +1,9 @@
 //! Operations on an orders database: idempotency records and the outbox's dead letters.
 //!
-//! A command-line tool over [`tower_idempotency::admin::Admin`]; it works on the SQLite file
-//! while the server runs (WAL: reads never wait; writes queue for a few seconds at most).
+//! A command-line tool over [`tower_idempotency::admin::Admin`], on a SQLite file (`--db`) or
+//! a PostgreSQL database (`--database-url`), while the servers run. On SQLite (WAL) reads
+//! never wait and writes queue for a few seconds at most; on PostgreSQL every command is one
+//! short statement. It never creates a database or a table.
 //!
 //! ```text
 //! cargo run --example admin -- --db orders.db inspect --tenant shop-a --operation create_order --key k1
@@ -14,12 +16,16 @@
 //! cargo run --example admin -- --db orders.db dead-letters [--limit 50]
 //! cargo run --example admin -- --db orders.db requeue --id EVENT_ID
 //! cargo run --example admin -- --db orders.db requeue --all
+//! cargo run --example admin -- --database-url postgres://postgres@127.0.0.1:5432/shop count
+//! cargo run --example admin -- --database-url postgres://postgres@127.0.0.1:5432/shop dead-letters
 //! ```
+//!
+//! Every command works with either store.
 //!
 //! Exit status: 0 done, 1 not found or failed, 2 usage error.
 //!
-//! (`tests/admin_cli.rs` includes this file as a module and calls [`run`] directly: the items
-//! it uses are `pub(crate)`.)
+//! (`tests/admin_cli.rs` and `tests/admin_postgres.rs` include this file as a module and call
+//! [`run`] directly: the items they use are `pub(crate)`.)
 
 use std::error::Error;
 use std::io::{IsTerminal, Write};
@@ -29,12 +35,18 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use tower_idempotency::admin::{Admin, RecordFilter, RecordInfo};
 use tower_idempotency::outbox::EventInfo;
+#[cfg(feature = "postgres")]
+use tower_idempotency::store::postgres::PostgresStore;
 use tower_idempotency::store::sqlite::SqliteStore;
 
 type BoxError = Box<dyn Error + Send + Sync>;
 
 const USAGE: &str = "\
-usage: admin --db PATH COMMAND [OPTIONS]
+usage: admin (--db PATH | --database-url URL) COMMAND [OPTIONS]
+
+  --db PATH                a SQLite database file (never created)
+  --database-url URL       a PostgreSQL database (postgres://user@host:5432/db; tables are
+                           those of the connection's search_path, never created)
 
 records (scope: --tenant T --operation O --key K):
   inspect SCOPE [--body]   show a record: state, status, times, fingerprint, headers
@@ -104,6 +116,7 @@ impl<E: Into<BoxError>> From<E> for Failure {
 #[derive(Debug, Default)]
 struct Args {
     db: Option<PathBuf>,
+    database_url: Option<String>,
     command: Option<String>,
     tenant: Option<String>,
     operation: Option<String>,
@@ -142,6 +155,7 @@ impl Args {
             match flag {
                 "-h" | "--help" => parsed.help = true,
                 "--db" => parsed.db = Some(PathBuf::from(value()?)),
+                "--database-url" => parsed.database_url = Some(value()?),
                 "--tenant" => parsed.tenant = Some(value()?),
                 "--operation" => parsed.operation = Some(value()?),
                 "--key" => parsed.key = Some(value()?),
@@ -176,6 +190,68 @@ impl Args {
     }
 }
 
+/// The store the commands run on.
+enum Store {
+    Sqlite(Admin<SqliteStore>),
+    #[cfg(feature = "postgres")]
+    Postgres(Admin<PostgresStore>),
+}
+
+/// Makes the same call on whichever store it is: both `Admin`s have the same methods.
+macro_rules! on_store {
+    ($store:expr, $admin:ident => $call:expr) => {
+        match $store {
+            Store::Sqlite($admin) => $call,
+            #[cfg(feature = "postgres")]
+            Store::Postgres($admin) => $call,
+        }
+    };
+}
+
+/// Opens the store named by `--db` or `--database-url` (exactly one), creating nothing.
+async fn open(args: &Args) -> Result<Store, Failure> {
+    match (&args.db, &args.database_url) {
+        (Some(_), Some(_)) => Err(Failure::Usage(
+            "--db and --database-url are two different stores: pick one".into(),
+        )),
+        (None, None) => Err(Failure::Usage(
+            "a store is required: --db PATH or --database-url URL".into(),
+        )),
+        (Some(db), None) => {
+            // Opening a missing path would create an empty database: an admin tool must not.
+            if !db.is_file() {
+                return Err(Failure::Failed(
+                    format!("no database at {}", db.display()).into(),
+                ));
+            }
+            let store = SqliteStore::open(db)
+                .await
+                .map_err(|error| format!("cannot open {}: {error}", db.display()))?;
+            Ok(Store::Sqlite(Admin::new(store)))
+        }
+        #[cfg(feature = "postgres")]
+        (None, Some(url)) => {
+            let config = url
+                .parse()
+                .map_err(|error| Failure::Usage(format!("--database-url: {error}")))?;
+            // No schema creation or migration; two connections are plenty for one command.
+            // The URL is not repeated in errors: it may carry a password.
+            let store = PostgresStore::builder(config)
+                .create_schema(false)
+                .max_connections(2)
+                .max_read_connections(1)
+                .connect()
+                .await
+                .map_err(|error| format!("cannot connect: {error}"))?;
+            Ok(Store::Postgres(Admin::new(store)))
+        }
+        #[cfg(not(feature = "postgres"))]
+        (None, Some(_)) => Err(Failure::Usage(
+            "--database-url needs the `postgres` feature".into(),
+        )),
+    }
+}
+
 /// Runs one command line (without the program name), writing its report to `out`.
 pub(crate) async fn run(
     args: impl IntoIterator<Item = String>,
@@ -190,25 +266,14 @@ pub(crate) async fn run(
         .command
         .clone()
         .ok_or_else(|| Failure::Usage("no command".into()))?;
-    let db = args
-        .db
-        .clone()
-        .ok_or_else(|| Failure::Usage("--db PATH is required".into()))?;
-    // Opening a missing path would create an empty database: an admin tool must not.
-    if !db.is_file() {
-        return Err(Failure::Failed(
-            format!("no database at {}", db.display()).into(),
-        ));
-    }
-    let store = SqliteStore::open(&db)
-        .await
-        .map_err(|error| format!("cannot open {}: {error}", db.display()))?;
-    let admin = Admin::new(store);
+    let admin = open(&args).await?;
 
     match command.as_str() {
         "inspect" => {
             let (tenant, operation, key) = args.scope()?;
-            match admin.inspect(tenant, operation, key, args.body).await? {
+            match on_store!(&admin, a => a.inspect(tenant, operation, key, args.body).await)
+                .map_err(no_records)?
+            {
                 Some(record) => print_record(out, &record, args.body)?,
                 None => {
                     writeln!(out, "no record for ({tenant}, {operation}, {key})")?;
@@ -218,7 +283,7 @@ pub(crate) async fn run(
         }
         "delete" => {
             let (tenant, operation, key) = args.scope()?;
-            if admin.delete(tenant, operation, key).await? {
+            if on_store!(&admin, a => a.delete(tenant, operation, key).await).map_err(no_records)? {
                 writeln!(out, "deleted the record for ({tenant}, {operation}, {key})")?;
             } else {
                 writeln!(out, "no record for ({tenant}, {operation}, {key})")?;
@@ -233,16 +298,18 @@ pub(crate) async fn run(
             if let Some(operation) = &args.operation {
                 filter = filter.operation(operation);
             }
-            let counts = admin.counts(&filter).await?;
+            let counts = on_store!(&admin, a => a.counts(&filter).await).map_err(no_records)?;
             writeln!(out, "live: {}", counts.live)?;
             writeln!(out, "expired: {}", counts.expired)?;
         }
         "purge" => {
-            let purged = admin.purge_expired(args.batch.unwrap_or(1000)).await?;
+            let batch = args.batch.unwrap_or(1000);
+            let purged =
+                on_store!(&admin, a => a.purge_expired(batch).await).map_err(no_records)?;
             writeln!(out, "purged {purged} expired record(s)")?;
         }
         "outbox" => {
-            let counts = admin.outbox_counts().await.map_err(no_outbox)?;
+            let counts = on_store!(&admin, a => a.outbox_counts().await).map_err(no_outbox)?;
             writeln!(out, "pending: {}", counts.pending)?;
             writeln!(out, "in_flight: {}", counts.in_flight)?;
             writeln!(out, "delivered: {}", counts.delivered)?;
@@ -250,7 +317,7 @@ pub(crate) async fn run(
         }
         "event" => {
             let id = args.id()?;
-            match admin.event(id).await.map_err(no_outbox)? {
+            match on_store!(&admin, a => a.event(id).await).map_err(no_outbox)? {
                 Some(event) => print_event(out, &event)?,
                 None => {
                     writeln!(out, "no event {id}")?;
@@ -259,10 +326,8 @@ pub(crate) async fn run(
             }
         }
         "dead-letters" => {
-            let events = admin
-                .dead_letters(args.limit.unwrap_or(50))
-                .await
-                .map_err(no_outbox)?;
+            let limit = args.limit.unwrap_or(50);
+            let events = on_store!(&admin, a => a.dead_letters(limit).await).map_err(no_outbox)?;
             if events.is_empty() {
                 writeln!(out, "no dead-lettered events")?;
             }
@@ -274,12 +339,12 @@ pub(crate) async fn run(
             }
         }
         "requeue" if args.all => {
-            let requeued = admin.requeue_all_dead().await.map_err(no_outbox)?;
+            let requeued = on_store!(&admin, a => a.requeue_all_dead().await).map_err(no_outbox)?;
             writeln!(out, "requeued {requeued} event(s)")?;
         }
         "requeue" => {
             let id = args.id()?;
-            if admin.requeue(id).await.map_err(no_outbox)? {
+            if on_store!(&admin, a => a.requeue(id).await).map_err(no_outbox)? {
                 writeln!(out, "requeued {id}")?;
             } else {
                 writeln!(out, "no dead-lettered event {id}")?;
@@ -291,10 +356,34 @@ pub(crate) async fn run(
     Ok(Exit::Done)
 }
 
+/// Whether the store said that a table does not exist (SQLite: "no such table"; PostgreSQL:
+/// SQLSTATE 42P01).
+fn is_missing_table(error: &tower_idempotency::Error) -> bool {
+    match error {
+        #[cfg(feature = "postgres")]
+        tower_idempotency::Error::Postgres(error) => {
+            use tower_idempotency::store::postgres::tokio_postgres::error::SqlState;
+            error.code() == Some(&SqlState::UNDEFINED_TABLE)
+        }
+        other => other.to_string().contains("no such table"),
+    }
+}
+
 /// Says plainly when the database has no outbox at all.
 fn no_outbox(error: tower_idempotency::Error) -> Failure {
-    if error.to_string().contains("no such table") {
+    if is_missing_table(&error) {
         Failure::Failed("this database has no outbox (no outbox_events table)".into())
+    } else {
+        Failure::Failed(error.into())
+    }
+}
+
+/// Says plainly when the database has no idempotency records at all.
+fn no_records(error: tower_idempotency::Error) -> Failure {
+    if is_missing_table(&error) {
+        Failure::Failed(
+            "this database has no idempotency records (no idempotency_records table)".into(),
+        )
     } else {
         Failure::Failed(error.into())
     }
