@@ -4,13 +4,14 @@
 //!
 //! Two ways to receive, as a real receiver would choose:
 //!
-//! - [`Mode::Inbox`]: a plain route; `PostgresInbox::process` opens its own transaction.
+//! - [`Mode::Inbox`]: a plain route; `PostgresInbox::process` opens its own transaction (in a
+//!   task of its own, so that a sender hanging up does not cut it short).
 //! - [`Mode::Layered`]: the route is behind `IdempotencyLayer` (the event id is the
 //!   `Idempotency-Key`), and the handler records the id with `PostgresInbox::process_in` in
 //!   the request's transaction: the id, the reservation and the saved response commit together.
 //!
 //! A delivery for the sku `fail-after-record` records the id, then fails (`500`): everything
-//! it did must roll back.
+//! it did must roll back. One for the sku `slow` holds its transaction open for a while.
 
 // Not every test that includes this file uses all of it.
 #![allow(dead_code)]
@@ -52,6 +53,12 @@ CREATE TABLE IF NOT EXISTS reserved_stock (
 
 /// The sku whose deliveries fail after the id was recorded.
 pub const FAIL_AFTER_RECORD: &str = "fail-after-record";
+
+/// The sku whose first application takes [`SLOW_FOR`] after reserving, its transaction
+/// still open (`Mode::Inbox`): long enough for the sender to time out and deliver again
+/// meanwhile.
+pub const SLOW: &str = "slow";
+pub const SLOW_FOR: std::time::Duration = std::time::Duration::from_millis(1500);
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Mode {
@@ -281,18 +288,27 @@ async fn receive_with_inbox(
         Err((status, body)) => return reply(status, body),
     };
     let id = event_id.clone();
-    let processed = receiver
-        .inbox
-        .process(&event_id, |tx| async move {
-            let reserved = reserve(&tx, &id, &order).await?;
-            if order.sku == FAIL_AFTER_RECORD {
-                return Err(tower_idempotency::Error::Corrupt(
-                    "injected failure after recording the id".into(),
-                ));
-            }
-            Ok((order.sku, reserved))
-        })
-        .await;
+    // In a task of its own: a sender that hangs up (its delivery timed out) does not cut the
+    // work short; its retry finds the outcome.
+    let processed = tokio::spawn(async move {
+        receiver
+            .inbox
+            .process(&event_id, |tx| async move {
+                let reserved = reserve(&tx, &id, &order).await?;
+                if order.sku == SLOW {
+                    tokio::time::sleep(SLOW_FOR).await;
+                }
+                if order.sku == FAIL_AFTER_RECORD {
+                    return Err(tower_idempotency::Error::Corrupt(
+                        "injected failure after recording the id".into(),
+                    ));
+                }
+                Ok((order.sku, reserved))
+            })
+            .await
+    })
+    .await
+    .unwrap_or_else(|_| Err(tower_idempotency::Error::Panicked));
     match processed {
         Ok(Processed::First((sku, reserved))) => reply(
             StatusCode::OK,

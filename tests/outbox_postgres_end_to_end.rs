@@ -1,0 +1,332 @@
+//! The outbox end to end on PostgreSQL, over real HTTP: the PostgreSQL order app enqueues
+//! `order_created` in each order's transaction, relays (`PostgresOutbox`) POST the events to
+//! a receiver on PostgreSQL (`tests/pg_common/inventory.rs`, in a schema of its own), and the
+//! receiver's `PostgresInbox` applies each event once.
+//!
+//! - A relay killed after the receiver accepted an event, before marking it delivered: the
+//!   next relay delivers it again with the same id, and the receiver acknowledges it without
+//!   reserving twice (with the inbox's own transactions, and behind the idempotency layer
+//!   with `process_in`).
+//! - A delivery that times out at the sender while the receiver is still applying it: the
+//!   retry arrives while the first transaction is open, waits for it, and reserves nothing
+//!   more.
+//! - Two relays of two instances deliver every event exactly once between them.
+//!
+//! Needs `TEST_DATABASE_URL`; without it every test prints that it was skipped and passes.
+
+mod common;
+mod pg_common;
+
+#[path = "pg_common/inventory.rs"]
+mod inventory;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use common::{post, PATIENCE, SHOP_A};
+use http::StatusCode;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use inventory::{InventoryServer, Mode, SLOW, SLOW_FOR};
+use pg_common::{hook, HookOutcome, PgServer, TestDb};
+use serde_json::json;
+use tokio::sync::mpsc;
+use tower::ServiceExt;
+use tower_idempotency::body::{BoxError, RequestBody};
+use tower_idempotency::outbox::postgres::{enqueue, PostgresOutbox};
+use tower_idempotency::outbox::{sink_fn, EventId, EventStatus, HttpSink, OutboxEvent, Relay};
+
+type Http = HttpSink<Client<HttpConnector, RequestBody>, RequestBody>;
+
+fn http_sink(url: http::Uri) -> Http {
+    HttpSink::new(Client::builder(TokioExecutor::new()).build_http(), url)
+}
+
+/// The PostgreSQL order app whose handler enqueues `order_created` (with the order's sku and
+/// quantity, read back through the request's transaction), as the orders example does.
+async fn order_app(db: &TestDb) -> PgServer {
+    let server = PgServer::builder()
+        .hook(hook(|call| async move {
+            let enqueued = async {
+                let client = call.tx.client().await?;
+                let row = client
+                    .query_one(
+                        "SELECT sku, quantity FROM orders WHERE id = $1",
+                        &[&call.order_id],
+                    )
+                    .await?;
+                let payload = json!({
+                    "order_id": call.order_id,
+                    "tenant": call.tenant,
+                    "sku": row.try_get::<_, String>(0)?,
+                    "quantity": row.try_get::<_, i64>(1)?,
+                });
+                enqueue(&*client, "order_created", &payload).await
+            };
+            HookOutcome {
+                fail_with: enqueued
+                    .await
+                    .is_err()
+                    .then_some(StatusCode::INTERNAL_SERVER_ERROR),
+            }
+        }))
+        .spawn(db)
+        .await;
+    PostgresOutbox::install(&server.store)
+        .await
+        .expect("install outbox");
+    server
+}
+
+async fn only_event(orders: &TestDb) -> String {
+    orders
+        .client()
+        .await
+        .query_one("SELECT event_id FROM outbox_events", &[])
+        .await
+        .expect("the one event")
+        .get(0)
+}
+
+/// Waits until `outbox` has `delivered` delivered events.
+async fn wait_delivered(outbox: &PostgresOutbox, delivered: u64) {
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    loop {
+        let counts = outbox.counts().await.expect("counts");
+        if counts.delivered >= delivered {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not delivered in time: {counts:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Orders 2 books, lets a relay deliver the event to `receiver` and then hang (killed before it
+/// marks the event delivered), then lets a second relay deliver it again. Returns the event id.
+async fn deliver_then_kill_then_redeliver(
+    orders: &PgServer,
+    orders_db: &TestDb,
+    receiver: &InventoryServer,
+) -> String {
+    let outbox = PostgresOutbox::existing(&orders.store);
+    // The first relay's sink: delivers for real, reports it, then never returns.
+    let (accepted_tx, mut accepted) = mpsc::unbounded_channel::<EventId>();
+    let http = http_sink(receiver.events_url());
+    let accept_then_hang = sink_fn(move |event: OutboxEvent| {
+        let (http, accepted_tx) = (http.clone(), accepted_tx.clone());
+        async move {
+            let id = event.id().clone();
+            http.oneshot(event).await?;
+            let _ = accepted_tx.send(id);
+            std::future::pending::<Result<(), BoxError>>().await
+        }
+    });
+    let first = tokio::spawn(
+        Relay::new(outbox.clone(), accept_then_hang)
+            .with_lease(Duration::from_millis(600))
+            .with_poll_interval(Duration::from_millis(10))
+            .run(),
+    );
+
+    let order = post(
+        orders.addr,
+        Some(SHOP_A),
+        Some("k1"),
+        r#"{"sku":"book","quantity":2}"#,
+        &[],
+    )
+    .await;
+    assert_eq!(order.status, StatusCode::CREATED);
+    let event_id = only_event(orders_db).await;
+
+    let accepted_id = tokio::time::timeout(PATIENCE, accepted.recv())
+        .await
+        .expect("the first relay delivered in time")
+        .expect("accepted");
+    assert_eq!(accepted_id.as_str(), event_id);
+    // Killed: the receiver applied the event, the sender never recorded it.
+    first.abort();
+    let _ = first.await;
+    let event = outbox.event(&event_id).await.expect("read").expect("event");
+    assert_eq!(event.status, EventStatus::InFlight, "{event:?}");
+    assert_eq!(receiver.reservations().await, 1);
+
+    let second = tokio::spawn(
+        Relay::new(outbox.clone(), http_sink(receiver.events_url()))
+            .with_poll_interval(Duration::from_millis(10))
+            .run(),
+    );
+    wait_delivered(&outbox, 1).await;
+    second.abort();
+    let event = outbox.event(&event_id).await.expect("read").expect("event");
+    assert_eq!((event.status, event.attempts), (EventStatus::Delivered, 2));
+    event_id
+}
+
+#[tokio::test]
+async fn a_relay_killed_after_delivery_redelivers_the_same_id_and_the_inbox_applies_it_once() {
+    let (Some(orders_db), Some(inventory_db)) = (TestDb::create().await, TestDb::create().await)
+    else {
+        return;
+    };
+    let receiver = InventoryServer::spawn(&inventory_db, Mode::Inbox).await;
+    let orders = order_app(&orders_db).await;
+
+    let event_id = deliver_then_kill_then_redeliver(&orders, &orders_db, &receiver).await;
+
+    let deliveries = receiver.deliveries();
+    assert_eq!(deliveries.len(), 2, "{deliveries:?}");
+    for delivery in &deliveries {
+        assert_eq!(delivery.event_id, event_id, "same id on every delivery");
+        assert_eq!(delivery.status, StatusCode::OK);
+    }
+    assert_eq!(deliveries[0].answer["status"], "reserved");
+    assert_eq!(deliveries[1].answer["status"], "duplicate");
+    // Applied once: one reservation of 2 books, and the id is in the receiver's inbox.
+    assert_eq!(receiver.reservations().await, 1);
+    assert_eq!(receiver.reserved("book").await, 2);
+    assert!(receiver.inbox.contains(&event_id).await.expect("inbox"));
+    orders.shutdown().await;
+}
+
+#[tokio::test]
+async fn behind_the_layer_the_redelivery_is_replayed_and_the_event_applied_once() {
+    let (Some(orders_db), Some(inventory_db)) = (TestDb::create().await, TestDb::create().await)
+    else {
+        return;
+    };
+    let receiver = InventoryServer::spawn(&inventory_db, Mode::Layered).await;
+    let orders = order_app(&orders_db).await;
+
+    let event_id = deliver_then_kill_then_redeliver(&orders, &orders_db, &receiver).await;
+
+    let deliveries = receiver.deliveries();
+    assert_eq!(deliveries.len(), 2, "{deliveries:?}");
+    assert!(!deliveries[0].replayed);
+    assert!(deliveries[1].replayed, "the layer answered from its record");
+    assert_eq!(deliveries[0].answer, deliveries[1].answer);
+    assert_eq!(deliveries[1].answer["status"], "reserved");
+    assert_eq!(receiver.reservations().await, 1);
+    assert!(receiver.inbox.contains(&event_id).await.expect("inbox"));
+    orders.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delivery_timed_out_while_the_receiver_applies_it_is_applied_once() {
+    let (Some(orders_db), Some(inventory_db)) = (TestDb::create().await, TestDb::create().await)
+    else {
+        return;
+    };
+    let receiver = InventoryServer::spawn(&inventory_db, Mode::Inbox).await;
+    let orders = order_app(&orders_db).await;
+    let order = post(
+        orders.addr,
+        Some(SHOP_A),
+        Some("k1"),
+        &format!(r#"{{"sku":"{SLOW}","quantity":1}}"#),
+        &[],
+    )
+    .await;
+    assert_eq!(order.status, StatusCode::CREATED);
+    let event_id = only_event(&orders_db).await;
+
+    // The receiver takes longer than the relay waits: the first attempt times out while the
+    // receiver's transaction is still open, and the retries arrive meanwhile. They wait on the
+    // event id's primary key until the first commits, then are duplicates.
+    let outbox = PostgresOutbox::existing(&orders.store);
+    let relay = tokio::spawn(
+        Relay::new(outbox.clone(), http_sink(receiver.events_url()))
+            .with_delivery_timeout(Duration::from_millis(300))
+            .with_backoff(Duration::from_millis(50), Duration::from_millis(100))
+            .with_poll_interval(Duration::from_millis(10))
+            .run(),
+    );
+    wait_delivered(&outbox, 1).await;
+    relay.abort();
+
+    let event = outbox.event(&event_id).await.expect("read").expect("event");
+    assert!(event.attempts >= 2, "the relay delivered again: {event:?}");
+    // Let any delivery still running at the receiver finish.
+    tokio::time::sleep(SLOW_FOR).await;
+    assert_eq!(receiver.reservations().await, 1);
+    assert_eq!(receiver.reserved(SLOW).await, 1);
+    assert!(receiver.inbox.contains(&event_id).await.expect("inbox"));
+    // Only answers the relay waited for are logged (the others' futures were dropped when
+    // it hung up): the one that let it mark the event delivered acknowledged a duplicate.
+    let deliveries = receiver.deliveries();
+    assert!(!deliveries.is_empty());
+    for delivery in &deliveries {
+        assert_eq!(delivery.event_id, event_id);
+        assert_eq!(delivery.status, StatusCode::OK, "{delivery:?}");
+        assert_eq!(delivery.answer["status"], "duplicate", "{delivery:?}");
+    }
+    orders.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_relays_of_two_instances_deliver_each_event_exactly_once() {
+    const EVENTS: i64 = 40;
+    let (Some(orders_db), Some(inventory_db)) = (TestDb::create().await, TestDb::create().await)
+    else {
+        return;
+    };
+    let receiver = InventoryServer::spawn(&inventory_db, Mode::Inbox).await;
+    let orders = order_app(&orders_db).await;
+    // The events of 40 orders, committed before the relays start.
+    {
+        let mut client = orders.store.client().await.expect("client");
+        let tx = client.transaction().await.expect("begin");
+        for order_id in 1..=EVENTS {
+            let payload = json!({
+                "order_id": order_id, "tenant": "shop-a", "sku": "book", "quantity": 1,
+            });
+            enqueue(&*tx, "order_created", &payload)
+                .await
+                .expect("enqueue");
+        }
+        tx.commit().await.expect("commit");
+    }
+
+    // A second store: another instance, with its own pool and its own relay.
+    let other_instance = orders_db
+        .store_with(|o| o.max_connections(4).max_read_connections(1))
+        .await;
+    let relays: Vec<_> = [
+        PostgresOutbox::existing(&orders.store),
+        PostgresOutbox::existing(&other_instance),
+    ]
+    .into_iter()
+    .map(|outbox| {
+        tokio::spawn(
+            Relay::new(outbox, http_sink(receiver.events_url()))
+                .with_batch_size(4)
+                .with_poll_interval(Duration::from_millis(5))
+                .run(),
+        )
+    })
+    .collect();
+    let outbox = PostgresOutbox::existing(&orders.store);
+    wait_delivered(&outbox, EVENTS as u64).await;
+    for relay in relays {
+        relay.abort();
+    }
+
+    let deliveries = receiver.deliveries();
+    let mut per_id: HashMap<&str, usize> = HashMap::new();
+    for delivery in &deliveries {
+        *per_id.entry(delivery.event_id.as_str()).or_default() += 1;
+        assert_eq!(delivery.answer["status"], "reserved", "{delivery:?}");
+    }
+    assert_eq!(per_id.len(), EVENTS as usize);
+    assert!(
+        per_id.values().all(|n| *n == 1),
+        "an event was delivered twice"
+    );
+    assert_eq!(receiver.reservations().await, EVENTS);
+    assert_eq!(receiver.reserved("book").await, EVENTS);
+    orders.shutdown().await;
+}
