@@ -2,8 +2,8 @@
 //!
 //! A command-line tool over [`tower_idempotency::admin::Admin`], on a SQLite file (`--db`) or
 //! a PostgreSQL database (`--database-url`), while the servers run. On SQLite (WAL) reads
-//! never wait and writes queue for a few seconds at most; on PostgreSQL every command is one
-//! short statement. It never creates a database or a table.
+//! never wait and writes queue for a few seconds at most; on PostgreSQL every command runs
+//! short autocommit statements. It never creates a database, and on PostgreSQL no table either.
 //!
 //! ```text
 //! cargo run --example admin -- --db orders.db inspect --tenant shop-a --operation create_order --key k1
@@ -45,8 +45,8 @@ const USAGE: &str = "\
 usage: admin (--db PATH | --database-url URL) COMMAND [OPTIONS]
 
   --db PATH                a SQLite database file (never created)
-  --database-url URL       a PostgreSQL database (postgres://user@host:5432/db; tables are
-                           those of the connection's search_path, never created)
+  --database-url URL       a PostgreSQL database (postgres://user@host:5432/db; the tables
+                           of the connection's search_path, never created or migrated)
 
 records (scope: --tenant T --operation O --key K):
   inspect SCOPE [--body]   show a record: state, status, times, fingerprint, headers

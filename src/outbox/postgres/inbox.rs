@@ -220,7 +220,10 @@ impl PostgresInbox {
     ///
     /// While another open transaction holds the same id, this waits for it to end, within the
     /// layer's lock timeout; past it the error [`is_busy`](Error::is_busy) (answer `503`, the
-    /// sender retries).
+    /// sender retries). Under `REPEATABLE READ` or `SERIALIZABLE` a wait that ends with the
+    /// other transaction committing is a serialization failure, also `is_busy`, and is not
+    /// retried here (the request's transaction is not this call's to restart): answer `503`,
+    /// and the sender's retry finds the id.
     ///
     /// ```no_run
     /// # async fn handler(
