@@ -102,15 +102,31 @@ impl IdempotencyKey {
     /// A short, stable, non-reversible tag for logs: `k:` and the first 12 hex characters of the
     /// SHA-256 of the key, e.g. `k:3fa2c91b0d4e`.
     pub fn redacted(&self) -> String {
+        self.redacted_lazily().to_string()
+    }
+
+    /// The [redacted](IdempotencyKey::redacted) tag, hashed only when it is printed: for log
+    /// fields that are usually filtered out.
+    pub(crate) fn redacted_lazily(&self) -> Redacted<'_> {
+        Redacted(self)
+    }
+}
+
+/// Prints the [redacted](IdempotencyKey::redacted) tag of a key, never the key.
+pub(crate) struct Redacted<'a>(&'a IdempotencyKey);
+
+impl fmt::Display for Redacted<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         const HEX: &[u8; 16] = b"0123456789abcdef";
-        let digest = Sha256::digest(self.0.as_bytes());
-        let mut tag = String::with_capacity(14);
-        tag.push_str("k:");
-        for byte in digest.iter().take(6) {
-            tag.push(char::from(HEX[usize::from(byte >> 4)]));
-            tag.push(char::from(HEX[usize::from(byte & 0x0f)]));
+        let digest = Sha256::digest(self.0 .0.as_bytes());
+        let mut tag = [0u8; 14];
+        tag[..2].copy_from_slice(b"k:");
+        for (i, byte) in digest.iter().take(6).enumerate() {
+            tag[2 + 2 * i] = HEX[usize::from(byte >> 4)];
+            tag[3 + 2 * i] = HEX[usize::from(byte & 0x0f)];
         }
-        tag
+        // Only ASCII went in.
+        f.write_str(std::str::from_utf8(&tag).map_err(|_| fmt::Error)?)
     }
 }
 
@@ -119,13 +135,13 @@ impl fmt::Debug for IdempotencyKey {
         write!(
             f,
             "IdempotencyKey({}, len {})",
-            self.redacted(),
+            self.redacted_lazily(),
             self.0.len()
         )
     }
 }
 
-/// Prints the [redacted](IdempotencyKey::redacted) tag, never the key.
+/// Whether `byte` is a visible ASCII character (no space, no control).
 fn is_visible_ascii(byte: u8) -> bool {
     (0x21..=0x7E).contains(&byte)
 }
