@@ -25,7 +25,7 @@ use crate::key::IdempotencyKey;
 use crate::layer::{Config, IdempotencyLayer};
 use crate::metrics::{self, Outcome, RollbackReason};
 use crate::response::{select_headers, SavedResponse};
-use crate::store::{Begin, IdempotencyStore, NewRecord, Scope, StoreTransaction, StoredRecord};
+use crate::store::{Began, IdempotencyStore, NewRecord, Scope, StoreTransaction, StoredRecord};
 
 /// The header carrying the client's key.
 pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
@@ -146,7 +146,7 @@ where
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
         let flow = Flow {
-            inner,
+            inner: Some(inner),
             store: self.store.clone(),
             config: self.config.clone(),
         };
@@ -158,7 +158,8 @@ where
 
 /// One request's trip through the layer.
 struct Flow<S, St> {
-    inner: S,
+    /// The service made ready for this call (lent to each attempt).
+    inner: Option<S>,
     store: St,
     config: Arc<Config>,
 }
@@ -217,7 +218,7 @@ where
             "idempotency",
             operation = %checked.scope.operation,
             tenant = %checked.scope.tenant,
-            key = %checked.scope.key.redacted(),
+            key = %checked.scope.key.redacted_lazily(),
         );
         self.execute(checked).instrument(span).await
     }
@@ -230,8 +231,13 @@ where
         ReqB: Body<Data = Bytes> + Send + 'static,
         ReqB::Error: Into<BoxError>,
     {
+        let wire = Wire::of(request.version(), request.headers());
         let request = request.map(RequestBody::streaming);
-        let response = self.inner.call(request).await?;
+        // Lent out only while a transaction is open, never before a pass-through.
+        let Some(inner) = self.inner.as_mut() else {
+            return Ok(self.reject(&Rejection::HandlerPanicked, wire));
+        };
+        let response = inner.call(request).await?;
         Ok(response.map(ResponseBody::inner))
     }
 
@@ -255,135 +261,109 @@ where
             Err(error) => tracing::warn!(%error, "idempotency fast-path lookup failed"),
         }
 
-        let mut attempt: u32 = 0;
+        let mut attempt_number: u32 = 0;
         loop {
-            let lock_started = Instant::now();
-            let begun = self
-                .store
-                .begin(&scope, self.config.lock_timeout, now)
-                .await;
-            metrics::lock_wait(&scope.operation, lock_started.elapsed());
-            let transaction = match begun {
-                Ok(Begin::Existing(record)) => {
-                    return Ok(self.answer_existing(&scope, &record, &fingerprint, wire))
-                }
-                Ok(Begin::Reserved(transaction)) => transaction,
-                Err(error) => return Ok(self.store_failure(&scope, error, wire)),
-            };
-
             // A conflict retry runs the handler again: each attempt gets its own copy of the
             // request head, except the last one allowed, which takes the original.
-            let mut attempt_parts = if attempt < self.config.conflict_retries {
+            let attempt_parts = if attempt_number < self.config.conflict_retries {
                 copy_parts(&parts)
             } else {
                 std::mem::replace(&mut parts, Request::new(()).into_parts().0)
             };
-            attempt_parts.extensions.insert(transaction.handle());
-            attempt_parts.extensions.insert(scope.clone());
-            let request = Request::from_parts(attempt_parts, RequestBody::buffered(body.clone()));
-            if attempt > 0 {
+            let Some(mut inner) = self.inner.take() else {
+                // Only a panic inside a store's `begin_and_run` could lose it.
+                return Ok(self.reject(&Rejection::HandlerPanicked, wire));
+            };
+            if attempt_number > 0 {
                 // The service was made ready for the first call only.
-                std::future::poll_fn(|cx| self.inner.poll_ready(cx)).await?;
+                std::future::poll_fn(|cx| inner.poll_ready(cx)).await?;
             }
-            let response_limit = self.config.response_limit;
-            let save = self.config.save.clone();
-            let call = self.inner.call(request);
-            // Panics in the handler (or its response body) end here, with the transaction still
-            // owned by this frame: it is rolled back when dropped below.
-            let outcome = CatchUnwind {
-                inner: async move {
-                    let response = call.await?;
-                    if !save(response.status()) {
-                        return Ok(Captured::NotSaved(response));
-                    }
-                    let (parts, body) = response.into_parts();
-                    Ok(match collect_response(body, response_limit).await {
-                        Ok((body, trailers)) => Captured::Saveable(parts, body, trailers),
-                        Err(rejection) => Captured::Failed(rejection),
-                    })
-                },
-            }
-            .await;
-
-            let captured = match outcome {
-                Ok(Ok(captured)) => captured,
-                Ok(Err(error)) => {
-                    tracing::warn!("inner service failed; idempotency transaction rolled back");
-                    roll_back(transaction).await;
-                    metrics::rolled_back(&scope.operation, RollbackReason::ServiceError);
-                    return Err(error);
+            let attempt = Attempt {
+                parts: attempt_parts,
+                body: body.clone(),
+                scope: scope.clone(),
+                fingerprint,
+                now,
+                config: self.config.clone(),
+            };
+            // Everything done while the transaction is open: the store may run it where the
+            // transaction lives (the SQLite store, on its writer thread).
+            let lock_started = Instant::now();
+            let began = self
+                .store
+                .begin_and_run(&scope, self.config.lock_timeout, now, move |transaction| {
+                    attempt.run(inner, transaction)
+                })
+                .await;
+            let (inner, finished) = match began {
+                Ok(Began::Existing { record, waited }) => {
+                    metrics::lock_wait(&scope.operation, waited);
+                    return Ok(self.answer_existing(&scope, &record, &fingerprint, wire));
                 }
-                Err(_panic) => {
-                    tracing::error!("handler panicked; idempotency transaction rolled back");
-                    roll_back(transaction).await;
-                    metrics::rolled_back(&scope.operation, RollbackReason::Panic);
-                    return Ok(self.reject(&Rejection::HandlerPanicked, wire));
+                Ok(Began::Ran { output, waited }) => {
+                    metrics::lock_wait(&scope.operation, waited);
+                    output
+                }
+                Err(error) => {
+                    // Mostly a lock wait that timed out.
+                    metrics::lock_wait(&scope.operation, lock_started.elapsed());
+                    return Ok(self.store_failure(&scope, error, wire));
                 }
             };
+            self.inner = Some(inner);
 
-            return match captured {
-                Captured::NotSaved(response) => {
-                    tracing::debug!(status = %response.status(), "response not saveable; rolled back");
-                    roll_back(transaction).await;
-                    metrics::rolled_back(&scope.operation, RollbackReason::NotSaved);
-                    Ok(response.map(ResponseBody::inner))
-                }
-                Captured::Failed(rejection) => {
-                    tracing::warn!(%rejection, "response could not be captured; rolled back");
-                    roll_back(transaction).await;
-                    metrics::rolled_back(&scope.operation, RollbackReason::Capture);
-                    Ok(self.reject(&rejection, wire))
-                }
-                Captured::Saveable(parts, body, trailers)
-                    if is_grpc(&parts.headers)
-                        && !grpc_status(&parts.headers, trailers.as_ref())
-                            .is_some_and(|code| (self.config.grpc_save)(code)) =>
-                {
-                    tracing::debug!("gRPC status not saveable; rolled back");
-                    roll_back(transaction).await;
-                    metrics::rolled_back(&scope.operation, RollbackReason::NotSaved);
+            return match finished {
+                Finished::Committed(parts, body, trailers) => {
+                    tracing::debug!(status = %parts.status, "response saved and committed");
+                    metrics::request(&scope.operation, Outcome::Executed);
                     Ok(Response::from_parts(
                         parts,
                         ResponseBody::full(body, trailers),
                     ))
                 }
-                Captured::Saveable(parts, body, trailers) => {
-                    let saved = SavedResponse {
-                        status: parts.status,
-                        headers: select_headers(&parts.headers, &self.config.replayed_headers),
-                        body: body.clone(),
-                        trailers: trailers
-                            .as_ref()
-                            .map(|t| select_headers(t, &self.config.replayed_trailers)),
-                    };
-                    let record = NewRecord {
-                        fingerprint,
-                        response: saved,
-                        created_at: now,
-                        expires_at: now + self.config.retention,
-                    };
-                    match transaction.commit(record).await {
-                        Ok(()) => {
-                            tracing::debug!(status = %parts.status, "response saved and committed");
-                            metrics::request(&scope.operation, Outcome::Executed);
+                // The database rolled the transaction back for conflicting with a concurrent
+                // one (PostgreSQL 40001, 40P01): running it again may commit.
+                Finished::CommitFailed(error)
+                    if error.is_serialization_conflict()
+                        && attempt_number < self.config.conflict_retries =>
+                {
+                    tracing::info!(%error, attempt = attempt_number, "commit conflicted; running again");
+                    attempt_number += 1;
+                    continue;
+                }
+                Finished::CommitFailed(error) => {
+                    metrics::rollback(&scope.operation, RollbackReason::CommitFailed);
+                    Ok(self.store_failure(&scope, error, wire))
+                }
+                Finished::RolledBack(reason, answer) => {
+                    metrics::rolled_back(&scope.operation, reason);
+                    match answer {
+                        Answer::ServiceError(error) => {
+                            tracing::warn!(
+                                "inner service failed; idempotency transaction rolled back"
+                            );
+                            Err(error)
+                        }
+                        Answer::Reject(rejection) => {
+                            if matches!(rejection, Rejection::HandlerPanicked) {
+                                tracing::error!(
+                                    "handler panicked; idempotency transaction rolled back"
+                                );
+                            } else {
+                                tracing::warn!(%rejection, "response could not be captured; rolled back");
+                            }
+                            Ok(self.reject(&rejection, wire))
+                        }
+                        Answer::Inner(response) => {
+                            tracing::debug!(status = %response.status(), "response not saveable; rolled back");
+                            Ok(response.map(ResponseBody::inner))
+                        }
+                        Answer::Full(parts, body, trailers) => {
+                            tracing::debug!("gRPC status not saveable; rolled back");
                             Ok(Response::from_parts(
                                 parts,
                                 ResponseBody::full(body, trailers),
                             ))
-                        }
-                        // The database rolled the transaction back for conflicting with a
-                        // concurrent one (PostgreSQL 40001, 40P01): running it again may commit.
-                        Err(error)
-                            if error.is_serialization_conflict()
-                                && attempt < self.config.conflict_retries =>
-                        {
-                            tracing::info!(%error, attempt, "commit conflicted; running again");
-                            attempt += 1;
-                            continue;
-                        }
-                        Err(error) => {
-                            metrics::rollback(&scope.operation, RollbackReason::CommitFailed);
-                            Ok(self.store_failure(&scope, error, wire))
                         }
                     }
                 }
@@ -576,6 +556,128 @@ enum Captured<B> {
     NotSaved(Response<B>),
     Saveable(http::response::Parts, Bytes, Option<HeaderMap>),
     Failed(Rejection),
+}
+
+/// How an attempt ended, with the transaction closed either way.
+enum Finished<B, E> {
+    /// Saved and committed: answer with this response.
+    Committed(http::response::Parts, Bytes, Option<HeaderMap>),
+    /// The commit failed (the transaction is rolled back).
+    CommitFailed(Error),
+    /// Rolled back, for this reason; answer as given.
+    RolledBack(RollbackReason, Answer<B, E>),
+}
+
+/// The answer to a rolled-back attempt.
+enum Answer<B, E> {
+    /// The inner service failed.
+    ServiceError(E),
+    /// The layer's own error response.
+    Reject(Rejection),
+    /// The handler's response, not saved, passed through.
+    Inner(Response<B>),
+    /// The handler's captured response, not saved (a gRPC status the policy does not keep).
+    Full(http::response::Parts, Bytes, Option<HeaderMap>),
+}
+
+/// One run of the handler with the transaction open: what the store drives.
+struct Attempt {
+    parts: request::Parts,
+    body: Bytes,
+    scope: Scope,
+    fingerprint: crate::fingerprint::Fingerprint,
+    now: SystemTime,
+    config: Arc<Config>,
+}
+
+impl Attempt {
+    /// Calls `inner` with the transaction's handle in the request extensions, captures the
+    /// response and commits it with the handler's rows, or rolls back. Gives `inner` back.
+    async fn run<S, T, ResB>(self, mut inner: S, transaction: T) -> (S, Finished<ResB, S::Error>)
+    where
+        S: Service<Request<RequestBody>, Response = Response<ResB>>,
+        T: StoreTransaction,
+        ResB: Body<Data = Bytes>,
+    {
+        let Attempt {
+            mut parts,
+            body,
+            scope,
+            fingerprint,
+            now,
+            config,
+        } = self;
+        parts.extensions.insert(transaction.handle());
+        parts.extensions.insert(scope);
+        let request = Request::from_parts(parts, RequestBody::buffered(body));
+        // Panics in the handler (or its response body) end here, with the transaction still
+        // owned by this frame: it is rolled back below.
+        let call = std::panic::catch_unwind(AssertUnwindSafe(|| inner.call(request)));
+        let outcome = match call {
+            Ok(call) => {
+                let save = config.save.clone();
+                let response_limit = config.response_limit;
+                CatchUnwind {
+                    inner: async move {
+                        let response = call.await?;
+                        if !save(response.status()) {
+                            return Ok(Captured::NotSaved(response));
+                        }
+                        let (parts, body) = response.into_parts();
+                        Ok(match collect_response(body, response_limit).await {
+                            Ok((body, trailers)) => Captured::Saveable(parts, body, trailers),
+                            Err(rejection) => Captured::Failed(rejection),
+                        })
+                    },
+                }
+                .await
+            }
+            Err(panic) => Err(panic),
+        };
+        let (reason, answer) = match outcome {
+            Ok(Ok(Captured::Saveable(parts, body, trailers)))
+                if !is_grpc(&parts.headers)
+                    || grpc_status(&parts.headers, trailers.as_ref())
+                        .is_some_and(|code| (config.grpc_save)(code)) =>
+            {
+                let record = NewRecord {
+                    fingerprint,
+                    response: SavedResponse {
+                        status: parts.status,
+                        headers: select_headers(&parts.headers, &config.replayed_headers),
+                        body: body.clone(),
+                        trailers: trailers
+                            .as_ref()
+                            .map(|t| select_headers(t, &config.replayed_trailers)),
+                    },
+                    created_at: now,
+                    expires_at: now + config.retention,
+                };
+                let finished = match transaction.commit(record).await {
+                    Ok(()) => Finished::Committed(parts, body, trailers),
+                    Err(error) => Finished::CommitFailed(error),
+                };
+                return (inner, finished);
+            }
+            Ok(Ok(Captured::Saveable(parts, body, trailers))) => (
+                RollbackReason::NotSaved,
+                Answer::Full(parts, body, trailers),
+            ),
+            Ok(Ok(Captured::NotSaved(response))) => {
+                (RollbackReason::NotSaved, Answer::Inner(response))
+            }
+            Ok(Ok(Captured::Failed(rejection))) => {
+                (RollbackReason::Capture, Answer::Reject(rejection))
+            }
+            Ok(Err(error)) => (RollbackReason::ServiceError, Answer::ServiceError(error)),
+            Err(_panic) => (
+                RollbackReason::Panic,
+                Answer::Reject(Rejection::HandlerPanicked),
+            ),
+        };
+        roll_back(transaction).await;
+        (inner, Finished::RolledBack(reason, answer))
+    }
 }
 
 async fn roll_back<T: StoreTransaction>(transaction: T) {

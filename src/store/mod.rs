@@ -69,6 +69,25 @@ pub enum Begin<T> {
     Existing(StoredRecord),
 }
 
+/// The outcome of [`IdempotencyStore::begin_and_run`].
+#[derive(Debug)]
+pub enum Began<T> {
+    /// A live record was found (see [`Begin::Existing`]); the work did not run.
+    Existing {
+        /// The record.
+        record: StoredRecord,
+        /// How long the request waited for the write lock.
+        waited: Duration,
+    },
+    /// The scope was reserved and the work ran with the transaction.
+    Ran {
+        /// What the work returned.
+        output: T,
+        /// How long the request waited for the write lock.
+        waited: Duration,
+    },
+}
+
 /// A storage backend for idempotency records.
 ///
 /// Implementations must guarantee that between [`begin`](Self::begin) returning
@@ -95,6 +114,43 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
         lock_timeout: Duration,
         now: SystemTime,
     ) -> impl Future<Output = Result<Begin<Self::Transaction>, Error>> + Send;
+
+    /// [`begin`](Self::begin), then, if the scope was reserved, `work` with the transaction:
+    /// everything the request does while it holds the transaction (run the handler, commit or
+    /// roll back). `work` must end the transaction.
+    ///
+    /// The default awaits `work` in place. A store may run it where its transaction lives
+    /// instead: the SQLite store polls it on its writer thread, so that the handler's
+    /// statements and the commit need no round trip between threads. Dropping the returned
+    /// future cancels `work` (dropping it rolls the transaction back).
+    fn begin_and_run<W, F>(
+        &self,
+        scope: &Scope,
+        lock_timeout: Duration,
+        now: SystemTime,
+        work: W,
+    ) -> impl Future<Output = Result<Began<F::Output>, Error>> + Send
+    where
+        W: FnOnce(Self::Transaction) -> F + Send + 'static,
+        F: Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        let started = std::time::Instant::now();
+        let begin = self.begin(scope, lock_timeout, now);
+        async move {
+            match begin.await? {
+                Begin::Existing(record) => Ok(Began::Existing {
+                    record,
+                    waited: started.elapsed(),
+                }),
+                Begin::Reserved(transaction) => {
+                    let waited = started.elapsed();
+                    let output = work(transaction).await;
+                    Ok(Began::Ran { output, waited })
+                }
+            }
+        }
+    }
 
     /// Deletes up to `batch` records that expired before `now`; returns how many it deleted.
     fn purge_expired(

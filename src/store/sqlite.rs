@@ -42,12 +42,17 @@
 //! # Ok(()) }
 //! ```
 
+use std::cell::RefCell;
+use std::collections::VecDeque;
 use std::fmt;
+use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
+use std::task::{Context, Poll, Wake, Waker};
 use std::time::{Duration, Instant, SystemTime};
 
 use bytes::Bytes;
@@ -55,11 +60,13 @@ use http::StatusCode;
 /// The rusqlite version the store's closures use: depend on it through this re-export.
 pub use rusqlite;
 use rusqlite::{params, Connection, OpenFlags, OptionalExtension};
-use tokio::sync::{oneshot, OwnedMutexGuard};
+use tokio::sync::oneshot;
+
+use tracing::Instrument;
 
 use super::{
-    from_unix_millis, to_unix_millis, Begin, IdempotencyStore, NewRecord, Scope, StoreTransaction,
-    StoredRecord,
+    from_unix_millis, to_unix_millis, Began, Begin, IdempotencyStore, NewRecord, Scope,
+    StoreTransaction, StoredRecord,
 };
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
@@ -86,6 +93,10 @@ CREATE INDEX IF NOT EXISTS idempotency_records_expires_at
 
 /// How long standalone writes (`write`, purges) wait for another process's write lock.
 const STANDALONE_BUSY_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The shortest wait for another process's lock a request's begin gets, however little of its
+/// lock timeout is left.
+const MIN_BUSY_WAIT: Duration = Duration::from_millis(1);
 
 /// How often the writer tries again while another process holds SQLite's write lock.
 /// SQLite's own busy handler backs off to 100 ms between tries, while a process with a steady
@@ -177,7 +188,36 @@ impl SqliteOptions {
     }
 }
 
-type Job = Box<dyn FnOnce(&mut Writer) + Send>;
+/// Work for the writer thread.
+enum Job {
+    /// A step of the transaction that owns the writer (a handler's statement, the request's
+    /// end), or of one that has ended (it then only reports so): runs at once, in order.
+    Step(Step),
+    /// Work that needs the writer to itself (a request's begin, a standalone write): runs in
+    /// arrival order, each once no request's transaction owns the writer.
+    Exclusive(Exclusive),
+    /// Polls the work of the request with this generation again (see [`DrivenWaker`]).
+    Wake(u64),
+}
+
+type Step = Box<dyn FnOnce(&mut Writer) + Send>;
+
+/// A job that needs the writer to itself.
+struct Exclusive {
+    /// Counts it in [`Writer::queued`] until it starts (or is dropped).
+    ticket: QueueTicket,
+    step: Step,
+    /// A request's begin: skipped, and dropped early, once the request stops waiting.
+    request: Option<Arc<TxShared>>,
+}
+
+impl Exclusive {
+    fn is_abandoned(&self) -> bool {
+        self.request
+            .as_ref()
+            .is_some_and(|tx| tx.finished.load(Ordering::Acquire))
+    }
+}
 
 /// The name of the savepoint that isolates one request inside a group.
 const REQUEST_SAVEPOINT: &str = "tower_idempotency_request";
@@ -188,8 +228,8 @@ const SAVEPOINT_SQL: &str = "SAVEPOINT tower_idempotency_request";
 /// Keeps the request's rows in the group.
 const RELEASE_SQL: &str = "RELEASE tower_idempotency_request";
 
-/// Told when the group a request belongs to has committed (or failed to).
-type CommitWaiter = oneshot::Sender<Result<(), String>>;
+/// Told when the group a request belongs to has committed (or why it failed to).
+type CommitWaiter = Box<dyn FnOnce(Result<(), String>) + Send>;
 
 /// The SQLite transaction shared by a group of requests.
 struct Group {
@@ -206,7 +246,7 @@ struct Writer {
     /// The open group transaction, if any.
     group: Option<Group>,
     limits: GroupLimits,
-    /// How many requests are waiting for the writer lock.
+    /// How many exclusive jobs (requests' begins, mostly) wait for the writer.
     queued: Arc<AtomicUsize>,
     /// When the active request's savepoint opened.
     request_started: Option<Instant>,
@@ -219,6 +259,10 @@ struct Writer {
     busy: Arc<Mutex<BusyWait>>,
     /// Whether another process writes to the file too.
     other_writers: OtherWriters,
+    /// Which store this is (see [`Shared::id`]).
+    store_id: u64,
+    /// Requests' work started by the last job, for the thread to poll.
+    started: Vec<Driven>,
 }
 
 /// The writer connection's busy handler: `busy_timeout`'s semantics (one statement waits at
@@ -277,7 +321,10 @@ impl Writer {
             self.file.check()?;
             self.give_way();
             self.set_busy_wait(busy_wait);
-            let begun = self.conn.execute_batch("BEGIN IMMEDIATE");
+            let begun = self
+                .conn
+                .prepare_cached("BEGIN IMMEDIATE")
+                .and_then(|mut begin| begin.execute([]));
             self.note_other_writers();
             if let Err(error) = begun {
                 return Err(if is_busy(&error) {
@@ -296,6 +343,35 @@ impl Writer {
         self.active = Some(generation);
         self.request_started = Some(Instant::now());
         Ok(())
+    }
+
+    /// Opens the request's savepoint and checks for a live record: `Some` (with the savepoint
+    /// rolled back already) if there is one. Refuses once `deadline` has passed.
+    fn start_request(
+        &mut self,
+        generation: u64,
+        deadline: Instant,
+        scope: &Scope,
+        now_millis: i64,
+    ) -> Result<Option<StoredRecord>, Error> {
+        // Other processes may hold SQLite's own write lock: wait for it as long as the lock
+        // timeout allows, no longer.
+        let busy_wait = deadline
+            .checked_duration_since(Instant::now())
+            .filter(|left| !left.is_zero())
+            .ok_or(Error::Busy)?;
+        self.begin_request(generation, busy_wait.max(MIN_BUSY_WAIT))?;
+        match check_existing(&self.conn, scope, now_millis) {
+            Ok(None) => Ok(None),
+            Ok(Some(record)) => {
+                self.rollback_request();
+                Ok(Some(record))
+            }
+            Err(error) => {
+                self.rollback_request();
+                Err(error)
+            }
+        }
     }
 
     /// How long each following statement may wait for another process's lock.
@@ -333,7 +409,8 @@ impl Writer {
             .unwrap_or(false);
         let version = self
             .conn
-            .query_row("PRAGMA data_version", [], |row| row.get::<_, i64>(0))
+            .prepare_cached("PRAGMA data_version")
+            .and_then(|mut pragma| pragma.query_row([], |row| row.get::<_, i64>(0)))
             .ok();
         let others = &mut self.other_writers;
         let committed_elsewhere = others.data_version.is_some() && others.data_version != version;
@@ -364,23 +441,27 @@ impl Writer {
         }
     }
 
-    /// Keeps the active request's rows in the group and registers it for the group's commit.
-    fn release_request(&mut self) -> Result<oneshot::Receiver<Result<(), String>>, Error> {
+    /// Keeps the active request's rows in the group (to commit with it).
+    fn release_request(&mut self) -> Result<(), Error> {
         self.conn.prepare_cached(RELEASE_SQL)?.execute([])?;
         self.end_request();
-        Ok(self.wait_for_commit())
+        Ok(())
     }
 
-    /// A receiver told when the open group commits (at once if there is none).
-    fn wait_for_commit(&mut self) -> oneshot::Receiver<Result<(), String>> {
-        let (waiter, receiver) = oneshot::channel();
+    /// Tells `waiter` when the open group commits (at once if there is none).
+    fn on_commit(&mut self, waiter: CommitWaiter) {
         match &mut self.group {
             Some(group) => group.waiters.push(waiter),
-            None => {
-                let _ = waiter.send(Ok(()));
-            }
+            None => waiter(Ok(())),
         }
-        receiver
+    }
+
+    /// Runs a job's step; a panic ends the step, not the thread.
+    fn run(&mut self, step: Step) {
+        // A panicking step drops its reply channel, which its caller reports as
+        // `Error::Panicked`; the thread and the connection go on serving.
+        let _ = std::panic::catch_unwind(AssertUnwindSafe(|| step(self)));
+        self.after_job();
     }
 
     /// Commits the open group and tells its requests. Only between requests.
@@ -396,7 +477,11 @@ impl Writer {
             let _ = self.conn.execute_batch("ROLLBACK");
             Err(error.to_string())
         } else {
-            self.conn.execute_batch("COMMIT").map_err(|error| {
+            let committed = self
+                .conn
+                .prepare_cached("COMMIT")
+                .and_then(|mut commit| commit.execute([]));
+            committed.map(drop).map_err(|error| {
                 tracing::error!(%error, requests = group.waiters.len(), "group commit failed");
                 if !self.conn.is_autocommit() {
                     let _ = self.conn.execute_batch("ROLLBACK");
@@ -408,7 +493,7 @@ impl Writer {
             self.other_writers.committed = Some(Instant::now());
         }
         for waiter in group.waiters {
-            let _ = waiter.send(outcome.clone());
+            waiter(outcome.clone());
         }
     }
 
@@ -422,7 +507,7 @@ impl Writer {
         }
         if let Some(group) = self.group.take() {
             for waiter in group.waiters {
-                let _ = waiter.send(Err(reason.to_owned()));
+                waiter(Err(reason.to_owned()));
             }
         }
     }
@@ -518,14 +603,14 @@ impl DatabaseFile {
 }
 
 struct Shared {
+    /// Tells this store's writer thread from another store's.
+    id: u64,
     path: PathBuf,
     jobs: mpsc::Sender<Job>,
-    /// Held by whoever may send statements to the writer: one transaction at a time.
-    writer_lock: Arc<tokio::sync::Mutex<()>>,
     readers: Mutex<Vec<Connection>>,
     max_idle_readers: usize,
     generations: AtomicU64,
-    /// How many requests are waiting for `writer_lock` (read by the writer thread to decide
+    /// How many exclusive jobs wait for the writer (read by the writer thread to decide
     /// whether a group should wait for more).
     queued: Arc<AtomicUsize>,
 }
@@ -588,8 +673,9 @@ impl SqliteStore {
         }))?;
 
         let (jobs, receiver) = mpsc::channel::<Job>();
+        let store_id = NEXT_STORE_ID.fetch_add(1, Ordering::Relaxed);
         let queued = Arc::new(AtomicUsize::new(0));
-        let mut writer = Writer {
+        let writer = Writer {
             conn,
             active: None,
             group: None,
@@ -600,16 +686,18 @@ impl SqliteStore {
             file,
             busy,
             other_writers: OtherWriters::default(),
+            store_id,
+            started: Vec::new(),
         };
         std::thread::Builder::new()
             .name("tower-idempotency-sqlite-writer".into())
-            .spawn(move || writer_thread(&mut writer, &receiver))?;
+            .spawn(move || writer_thread(writer, &receiver))?;
 
         Ok(SqliteStore {
             shared: Arc::new(Shared {
+                id: store_id,
                 path: options.path,
                 jobs,
-                writer_lock: Arc::new(tokio::sync::Mutex::new(())),
                 readers: Mutex::new(Vec::new()),
                 max_idle_readers: options.max_idle_readers,
                 generations: AtomicU64::new(1),
@@ -649,10 +737,8 @@ impl SqliteStore {
         F: FnOnce(&rusqlite::Transaction<'_>) -> rusqlite::Result<T> + Send + 'static,
         T: Send + 'static,
     {
-        let (_guard, ticket) = self.shared.lock_writer().await;
         self.shared
-            .call(move |writer| {
-                drop(ticket);
+            .call_exclusive(move |writer| {
                 writer.settle();
                 writer.file.check()?;
                 writer.set_busy_wait(STANDALONE_BUSY_TIMEOUT);
@@ -667,6 +753,110 @@ impl SqliteStore {
     }
 }
 
+impl SqliteStore {
+    /// [`IdempotencyStore::begin_and_run`] with the work polled on the writer thread.
+    async fn begin_on_writer<W, F>(
+        self,
+        scope: Scope,
+        lock_timeout: Duration,
+        now: SystemTime,
+        work: W,
+        runtime: tokio::runtime::Handle,
+    ) -> Result<Began<F::Output>, Error>
+    where
+        W: FnOnce(SqliteReservation) -> F + Send + 'static,
+        F: Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        let queued_at = Instant::now();
+        let deadline = queued_at + lock_timeout;
+        let generation = self.shared.generations.fetch_add(1, Ordering::Relaxed);
+        let tx = Arc::new(TxShared {
+            generation,
+            store: self.shared.clone(),
+            finished: AtomicBool::new(false),
+        });
+        // Moved into the begin: whatever happens to it (skipped, failed, dropped with the
+        // queue), its drop queues the rollback of whatever it began.
+        let reservation = SqliteReservation {
+            tx: tx.clone(),
+            open: true,
+            scope: scope.clone(),
+        };
+        // If this future is dropped before the work is done, the begin is skipped and the
+        // handles refuse work; the work itself ends when it sees `answer` go.
+        let cancel = CancelOnDrop(tx.clone());
+        let span = tracing::Span::current();
+        let store = Arc::downgrade(&self.shared);
+        let now_millis = to_unix_millis(now);
+        let (reply, mut answer) = oneshot::channel::<Result<Began<F::Output>, Error>>();
+        let (started, mut begun) = oneshot::channel::<()>();
+        let begin: Step = Box::new(move |writer| {
+            if tx.finished.load(Ordering::Acquire) {
+                return;
+            }
+            let waited = queued_at.elapsed();
+            match writer.start_request(generation, deadline, &scope, now_millis) {
+                Ok(Some(record)) => writer.on_commit(Box::new(move |outcome| {
+                    let _ = reply.send(
+                        outcome
+                            .map(|()| Began::Existing { record, waited })
+                            .map_err(Error::CommitFailed),
+                    );
+                })),
+                Ok(None) => {
+                    let _ = started.send(());
+                    let work = DrivenWork {
+                        work: work(reservation).instrument(span),
+                        reply: Some(reply),
+                        waited,
+                    };
+                    writer.started.push(Driven {
+                        generation,
+                        future: Box::pin(work),
+                        runtime,
+                        waker: Arc::new(DrivenWaker {
+                            generation,
+                            store,
+                            queued: AtomicBool::new(false),
+                        }),
+                    });
+                }
+                Err(error) => {
+                    let _ = reply.send(Err(error));
+                }
+            }
+        });
+        self.shared.send_exclusive(begin, Some(cancel.0.clone()))?;
+        // The lock timeout bounds the wait for the begin, not the work after it.
+        let first = tokio::time::timeout(
+            lock_timeout,
+            std::future::poll_fn(|cx| {
+                if let Poll::Ready(answered) = Pin::new(&mut answer).poll(cx) {
+                    return Poll::Ready(Some(answered));
+                }
+                Pin::new(&mut begun).poll(cx).map(|_| None)
+            }),
+        )
+        .await
+        .map_err(|_| Error::Busy)?;
+        let answered = match first {
+            Some(answered) => answered,
+            None => answer.await,
+        };
+        answered.map_err(|_| Error::Panicked)?
+    }
+}
+
+/// Marks a request's transaction finished when the request stops waiting for it.
+struct CancelOnDrop(Arc<TxShared>);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.finished.store(true, Ordering::Release);
+    }
+}
+
 /// A place in the writer's queue, given up when dropped.
 struct QueueTicket(Arc<AtomicUsize>);
 
@@ -676,38 +866,187 @@ impl Drop for QueueTicket {
     }
 }
 
-/// The writer thread: runs jobs in order, and commits groups when they are due.
-fn writer_thread(writer: &mut Writer, receiver: &mpsc::Receiver<Job>) {
+/// Numbers the stores of the process.
+static NEXT_STORE_ID: AtomicU64 = AtomicU64::new(1);
+
+thread_local! {
+    /// On a writer thread, its store's writer. Jobs borrow it, and so do the statements of a
+    /// request whose work the thread polls: they run at once, without a round trip.
+    static WRITER: RefCell<Option<Writer>> = const { RefCell::new(None) };
+}
+
+/// Runs `f` with this thread's writer; `None` on any other thread (or while it is borrowed).
+fn with_writer<T>(f: impl FnOnce(&mut Writer) -> T) -> Option<T> {
+    WRITER.with(|cell| {
+        let mut writer = cell.try_borrow_mut().ok()?;
+        writer.as_mut().map(f)
+    })
+}
+
+/// Whether this is the writer thread of store `id`, free to run its statements now.
+fn on_writer_thread(id: u64) -> bool {
+    WRITER.with(|cell| {
+        cell.try_borrow()
+            .is_ok_and(|writer| writer.as_ref().is_some_and(|w| w.store_id == id))
+    })
+}
+
+/// The writer thread: runs jobs in order, exclusive ones one at a time, polls the work of the
+/// request that owns the writer, and commits groups when they are due.
+fn writer_thread(writer: Writer, receiver: &mpsc::Receiver<Job>) {
+    WRITER.with(|cell| *cell.borrow_mut() = Some(writer));
+    // Exclusive jobs that arrived while a request's transaction owned the writer.
+    let mut waiting: VecDeque<Exclusive> = VecDeque::new();
+    // Requests' work being polled here (the owner's, and ones awaiting their group's commit).
+    let mut driven: Vec<Driven> = Vec::new();
     loop {
+        // Work started by the last job: poll it at once (outside the writer's borrow, since
+        // its statements borrow the writer).
+        let started = with_writer(|writer| std::mem::take(&mut writer.started)).unwrap_or_default();
+        for mut work in started {
+            if !work.poll() {
+                driven.push(work);
+            }
+        }
+        // The next request starts as soon as the last one ended: no hand-off in between.
+        if with_writer(|writer| writer.active.is_none()).unwrap_or(true) {
+            if let Some(Exclusive { ticket, step, .. }) = waiting.pop_front() {
+                drop(ticket);
+                with_writer(|writer| writer.run(step));
+                continue;
+            }
+        }
         // A request in progress sends its next job within microseconds: waiting for it
         // briefly (yielding the CPU) is cheaper than parking the thread and being woken.
-        let spin = writer
-            .flush_deadline()
+        let spin = with_writer(|writer| writer.flush_deadline())
+            .flatten()
             .map_or(JOB_SPIN, |due| due.min(JOB_SPIN));
-        if let Some(job) = spin_for_job(receiver, spin) {
-            let _ = std::panic::catch_unwind(AssertUnwindSafe(|| job(writer)));
-            writer.after_job();
-            continue;
-        }
-        let job = match writer.flush_deadline() {
-            None => receiver.recv().ok(),
-            Some(wait) => match receiver.recv_timeout(wait) {
-                Ok(job) => Some(job),
-                Err(mpsc::RecvTimeoutError::Timeout) => {
-                    writer.flush();
-                    continue;
-                }
-                Err(mpsc::RecvTimeoutError::Disconnected) => None,
+        let job = match spin_for_job(receiver, spin) {
+            Some(job) => Some(job),
+            None => match with_writer(|writer| writer.flush_deadline()).flatten() {
+                None => receiver.recv().ok(),
+                Some(wait) => match receiver.recv_timeout(wait) {
+                    Ok(job) => Some(job),
+                    Err(mpsc::RecvTimeoutError::Timeout) => {
+                        with_writer(Writer::flush);
+                        continue;
+                    }
+                    Err(mpsc::RecvTimeoutError::Disconnected) => None,
+                },
             },
         };
         // Ends when every sender (the store and all transactions) is gone.
         let Some(job) = job else { break };
-        // A panicking job drops its reply channel, which its caller reports as
-        // `Error::Panicked`; the thread and the connection go on serving.
-        let _ = std::panic::catch_unwind(AssertUnwindSafe(|| job(writer)));
-        writer.after_job();
+        match job {
+            Job::Step(step) => {
+                with_writer(|writer| writer.run(step));
+            }
+            Job::Exclusive(job) => {
+                let owned = with_writer(|writer| writer.active.is_some()).unwrap_or(false);
+                if owned || !waiting.is_empty() {
+                    // Requests that gave up (their lock timeout passed) while a long
+                    // transaction held the writer leave now, with what they hold.
+                    waiting.retain(|queued| !queued.is_abandoned());
+                    waiting.push_back(job);
+                } else {
+                    drop(job.ticket);
+                    with_writer(|writer| writer.run(job.step));
+                }
+            }
+            Job::Wake(generation) => {
+                if let Some(at) = driven.iter().position(|work| work.generation == generation) {
+                    if driven[at].poll() {
+                        driven.swap_remove(at);
+                    }
+                }
+            }
+        }
     }
-    writer.settle();
+    // Cancelled work rolls back through jobs nobody reads any more: end what is open here.
+    drop(driven);
+    drop(waiting);
+    with_writer(Writer::settle);
+}
+
+/// A request's work, polled on the writer thread.
+struct Driven {
+    generation: u64,
+    future: Pin<Box<dyn Future<Output = ()> + Send>>,
+    /// The tokio runtime the request came from: its timers, I/O and `spawn` serve the work.
+    runtime: tokio::runtime::Handle,
+    waker: Arc<DrivenWaker>,
+}
+
+impl Driven {
+    /// Polls the work once; `true` when it is done (finished, cancelled or panicked).
+    fn poll(&mut self) -> bool {
+        self.waker.queued.store(false, Ordering::Release);
+        let _runtime = self.runtime.enter();
+        let waker = Waker::from(self.waker.clone());
+        let mut cx = Context::from_waker(&waker);
+        let future = self.future.as_mut();
+        // A panic drops the work (rolling its transaction back) and its reply, which the
+        // request reports as `Error::Panicked`.
+        !matches!(
+            std::panic::catch_unwind(AssertUnwindSafe(|| future.poll(&mut cx))),
+            Ok(Poll::Pending)
+        )
+    }
+}
+
+/// Wakes driven work: queues a [`Job::Wake`] for it (once until it is polled).
+struct DrivenWaker {
+    generation: u64,
+    store: Weak<Shared>,
+    queued: AtomicBool,
+}
+
+impl Wake for DrivenWaker {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        if self.queued.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        if let Some(store) = self.store.upgrade() {
+            let _ = store.jobs.send(Job::Wake(self.generation));
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A request's work and where its outcome goes; ends early, dropping the work (and with
+    /// it the transaction, which rolls back), once the request stops waiting for it.
+    struct DrivenWork<F: Future> {
+        #[pin]
+        work: F,
+        reply: Option<oneshot::Sender<Result<Began<F::Output>, Error>>>,
+        waited: Duration,
+    }
+}
+
+impl<F: Future> Future for DrivenWork<F> {
+    type Output = ();
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let this = self.project();
+        let Some(reply) = this.reply.as_mut() else {
+            return Poll::Ready(());
+        };
+        if reply.poll_closed(cx).is_ready() {
+            return Poll::Ready(());
+        }
+        let output = std::task::ready!(this.work.poll(cx));
+        if let Some(reply) = this.reply.take() {
+            let _ = reply.send(Ok(Began::Ran {
+                output,
+                waited: *this.waited,
+            }));
+        }
+        Poll::Ready(())
+    }
 }
 
 /// How long the writer thread polls for its next job before it parks.
@@ -728,29 +1067,51 @@ fn spin_for_job(receiver: &mpsc::Receiver<Job>, spin: Duration) -> Option<Job> {
 }
 
 impl Shared {
-    /// Waits for the writer lock. The request counts in `queued` from now until its first job
-    /// starts on the writer thread (the [`QueueTicket`] travels with that job): a group must
-    /// not commit early just because the next request got the lock but has not started yet.
-    async fn lock_writer(&self) -> (OwnedMutexGuard<()>, QueueTicket) {
-        self.queued.fetch_add(1, Ordering::AcqRel);
-        let ticket = QueueTicket(self.queued.clone());
-        let guard = self.writer_lock.clone().lock_owned().await;
-        (guard, ticket)
-    }
-
-    /// Sends `f` to the writer thread and waits for its answer. The caller must hold the
-    /// writer lock (or own the open transaction) so that jobs of different transactions
-    /// never interleave.
+    /// Sends `f` to the writer thread as a step of the transaction that owns the writer, and
+    /// waits for its answer. Only the owner of the open transaction sends steps, so steps of
+    /// different transactions never interleave.
     async fn call<T, F>(&self, f: F) -> Result<T, Error>
     where
         F: FnOnce(&mut Writer) -> Result<T, Error> + Send + 'static,
         T: Send + 'static,
     {
         let (reply, answer) = oneshot::channel();
-        let job: Job = Box::new(move |writer| {
-            let _ = reply.send(f(writer));
-        });
-        self.jobs.send(job).map_err(|_| Error::Closed)?;
+        self.jobs
+            .send(Job::Step(Box::new(move |writer| {
+                let _ = reply.send(f(writer));
+            })))
+            .map_err(|_| Error::Closed)?;
+        answer.await.map_err(|_| Error::Panicked)?
+    }
+
+    /// Queues `step` to run once the writer is free of other transactions. The job counts in
+    /// `queued` from now until it starts, so that a group does not commit early while the
+    /// next request is about to join it.
+    fn send_exclusive(&self, step: Step, request: Option<Arc<TxShared>>) -> Result<(), Error> {
+        self.queued.fetch_add(1, Ordering::AcqRel);
+        let ticket = QueueTicket(self.queued.clone());
+        self.jobs
+            .send(Job::Exclusive(Exclusive {
+                ticket,
+                step,
+                request,
+            }))
+            .map_err(|_| Error::Closed)
+    }
+
+    /// Runs `f` with the writer to itself, and waits for its answer.
+    async fn call_exclusive<T, F>(&self, f: F) -> Result<T, Error>
+    where
+        F: FnOnce(&mut Writer) -> Result<T, Error> + Send + 'static,
+        T: Send + 'static,
+    {
+        let (reply, answer) = oneshot::channel();
+        self.send_exclusive(
+            Box::new(move |writer| {
+                let _ = reply.send(f(writer));
+            }),
+            None,
+        )?;
         answer.await.map_err(|_| Error::Panicked)?
     }
 
@@ -827,6 +1188,58 @@ fn read_record(conn: &Connection, scope: &Scope) -> Result<Option<StoredRecord>,
     }))
 }
 
+/// Saves the idempotency record (in the request's savepoint).
+fn insert_record(conn: &Connection, scope: &Scope, record: &NewRecord) -> Result<(), Error> {
+    let response = &record.response;
+    conn.prepare_cached(
+        "INSERT INTO idempotency_records (tenant, operation, idempotency_key, fingerprint, \
+         fingerprint_version, status, headers, body, trailers, created_at, expires_at) \
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)",
+    )?
+    .execute(params![
+        &*scope.tenant,
+        &*scope.operation,
+        scope.key.as_str(),
+        &record.fingerprint.digest()[..],
+        record.fingerprint.version(),
+        response.status.as_u16(),
+        SavedResponse::encode_headers(&response.headers),
+        &response.body[..],
+        response
+            .trailers
+            .as_ref()
+            .map(|t| SavedResponse::encode_headers(t)),
+        to_unix_millis(record.created_at),
+        to_unix_millis(record.expires_at),
+    ])?;
+    Ok(())
+}
+
+/// The live record of `scope`, read on the writer inside the request's savepoint; an expired
+/// one is deleted (in the savepoint) so that the key can be used again.
+fn check_existing(
+    conn: &Connection,
+    scope: &Scope,
+    now_millis: i64,
+) -> Result<Option<StoredRecord>, Error> {
+    match read_record(conn, scope)? {
+        Some(record) if to_unix_millis(record.expires_at) > now_millis => Ok(Some(record)),
+        Some(_) => {
+            conn.prepare_cached(
+                "DELETE FROM idempotency_records WHERE tenant = ?1 \
+                 AND operation = ?2 AND idempotency_key = ?3",
+            )?
+            .execute(params![
+                &*scope.tenant,
+                &*scope.operation,
+                scope.key.as_str()
+            ])?;
+            Ok(None)
+        }
+        None => Ok(None),
+    }
+}
+
 fn is_busy(error: &rusqlite::Error) -> bool {
     matches!(
         error.sqlite_error_code(),
@@ -855,85 +1268,107 @@ impl IdempotencyStore for SqliteStore {
         now: SystemTime,
     ) -> Result<Begin<SqliteReservation>, Error> {
         let deadline = Instant::now() + lock_timeout;
-        let (guard, ticket) = tokio::time::timeout(lock_timeout, self.shared.lock_writer())
-            .await
-            .map_err(|_| Error::Busy)?;
         let generation = self.shared.generations.fetch_add(1, Ordering::Relaxed);
-        // Built before the savepoint opens, so that dropping this future at any await point
-        // rolls the request back.
-        let reservation = SqliteReservation {
+        // Built before the begin is queued, so that dropping this future at any await point
+        // (or the begin failing in any way) queues the rollback of whatever it began.
+        let mut reservation = SqliteReservation {
             tx: Arc::new(TxShared {
                 generation,
                 store: self.shared.clone(),
                 finished: AtomicBool::new(false),
             }),
-            guard: Some(guard),
+            open: true,
             scope: scope.clone(),
         };
-        // Other processes may hold SQLite's own write lock: wait for it as long as the lock
-        // timeout allows, no longer.
-        let busy_wait = deadline
-            .saturating_duration_since(Instant::now())
-            .max(Duration::from_millis(1));
+        let tx = reservation.tx.clone();
         let scope = scope.clone();
         let now_millis = to_unix_millis(now);
-        let existing = self
-            .shared
-            .call(move |writer| {
-                drop(ticket);
-                writer.begin_request(generation, busy_wait)?;
-                let checked = (|| {
-                    match read_record(&writer.conn, &scope)? {
-                        Some(record) if to_unix_millis(record.expires_at) > now_millis => {
-                            return Ok(Some(record));
-                        }
-                        Some(_) => {
-                            writer.conn.execute(
-                                "DELETE FROM idempotency_records WHERE tenant = ?1 \
-                                 AND operation = ?2 AND idempotency_key = ?3",
-                                params![&*scope.tenant, &*scope.operation, scope.key.as_str()],
-                            )?;
-                        }
-                        None => {}
-                    }
-                    Ok(None)
-                })();
-                match checked {
-                    // The record may belong to the open group: answer only once that group
-                    // is durable.
-                    Ok(Some(record)) => {
-                        writer.rollback_request();
-                        Ok(Some((record, writer.wait_for_commit())))
-                    }
-                    Ok(None) => Ok(None),
-                    Err(error) => {
-                        writer.rollback_request();
-                        Err(error)
-                    }
+        let (reply, answer) = oneshot::channel::<Result<Option<StoredRecord>, Error>>();
+        let begin: Step = Box::new(move |writer| {
+            // Its caller gave up (timed out, or went away) while it waited: skip it.
+            if tx.finished.load(Ordering::Acquire) {
+                return;
+            }
+            match writer.start_request(generation, deadline, &scope, now_millis) {
+                // The record may belong to the open group: answer only once that group is
+                // durable.
+                Ok(Some(record)) => writer.on_commit(Box::new(move |outcome| {
+                    let _ = reply.send(outcome.map(|()| Some(record)).map_err(Error::CommitFailed));
+                })),
+                Ok(None) => {
+                    let _ = reply.send(Ok(None));
                 }
-            })
-            .await?;
-        match existing {
-            Some((record, committed)) => {
-                reservation.tx.finished.store(true, Ordering::Release);
-                drop(reservation);
-                committed
-                    .await
-                    .map_err(|_| Error::Closed)?
-                    .map_err(Error::CommitFailed)?;
+                Err(error) => {
+                    let _ = reply.send(Err(error));
+                }
+            }
+        });
+        self.shared
+            .send_exclusive(begin, Some(reservation.tx.clone()))?;
+        let answer = tokio::time::timeout(lock_timeout, answer)
+            .await
+            .map_err(|_| Error::Busy)?
+            .map_err(|_| Error::Panicked)?;
+        match answer {
+            Ok(None) => Ok(Begin::Reserved(reservation)),
+            Ok(Some(record)) => {
+                // Rolled back on the writer already.
+                reservation.close();
                 Ok(Begin::Existing(record))
             }
-            None => Ok(Begin::Reserved(reservation)),
+            Err(error) => Err(error),
+        }
+    }
+
+    /// Runs `work` on the writer thread, right after the begin: the handler's statements and
+    /// the commit run there at once, and the writer never waits for the request's task to be
+    /// scheduled between them. Its timers, I/O and spawned tasks are served by the calling
+    /// tokio runtime; without one, `work` runs in place.
+    fn begin_and_run<W, F>(
+        &self,
+        scope: &Scope,
+        lock_timeout: Duration,
+        now: SystemTime,
+        work: W,
+    ) -> impl Future<Output = Result<Began<F::Output>, Error>> + Send
+    where
+        W: FnOnce(SqliteReservation) -> F + Send + 'static,
+        F: Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        let runtime = tokio::runtime::Handle::try_current().ok();
+        let store = self.clone();
+        let scope = scope.clone();
+        async move {
+            match runtime {
+                Some(runtime) => {
+                    store
+                        .begin_on_writer(scope, lock_timeout, now, work, runtime)
+                        .await
+                }
+                None => {
+                    let started = Instant::now();
+                    match store.begin(&scope, lock_timeout, now).await? {
+                        Begin::Existing(record) => Ok(Began::Existing {
+                            record,
+                            waited: started.elapsed(),
+                        }),
+                        Begin::Reserved(transaction) => {
+                            let waited = started.elapsed();
+                            let output = work(transaction).await;
+                            Ok(Began::Ran { output, waited })
+                        }
+                    }
+                }
+            }
         }
     }
 
     async fn purge_expired(&self, now: SystemTime, batch: usize) -> Result<u64, Error> {
-        let (_guard, ticket) = self.shared.lock_writer().await;
         let now = to_unix_millis(now);
         let batch = i64::try_from(batch).unwrap_or(i64::MAX);
         self.shared
-            .call(move |writer| {
-                drop(ticket);
+            .call_exclusive(move |writer| {
                 writer.settle();
                 writer.set_busy_wait(STANDALONE_BUSY_TIMEOUT);
                 let deleted = writer.conn.execute(
@@ -955,10 +1390,11 @@ struct TxShared {
 
 /// The open write transaction of one request (the owner side, held by the layer).
 ///
-/// Dropping it without committing rolls back and only then releases the writer lock.
+/// Dropping it without committing rolls back; the next request starts after that.
 pub struct SqliteReservation {
     tx: Arc<TxShared>,
-    guard: Option<OwnedMutexGuard<()>>,
+    /// Whether the request has yet to end (commit, roll back) on the writer.
+    open: bool,
     scope: Scope,
 }
 
@@ -971,54 +1407,73 @@ impl fmt::Debug for SqliteReservation {
 }
 
 impl SqliteReservation {
-    /// Ends the request on the writer thread with `finish`, then releases the writer lock.
-    async fn finish<T, F>(mut self, finish: F) -> Result<T, Error>
+    /// Marks the request ended; from now on the handler's clones of the handle refuse work.
+    fn close(&mut self) {
+        self.open = false;
+        // Release: a begin still waiting on the writer sees it and is skipped.
+        self.tx.finished.store(true, Ordering::Release);
+    }
+
+    /// Ends the request on the writer thread with `end`, which answers through `reply`.
+    ///
+    /// Whatever `end` does (even panicking), the request's savepoint is closed afterwards: the
+    /// writer never waits for an owner that has gone.
+    async fn end<T, F>(mut self, end: F) -> Result<T, Error>
     where
-        F: FnOnce(&mut Writer) -> Result<T, Error> + Send + 'static,
+        F: FnOnce(&mut Writer, oneshot::Sender<Result<T, Error>>) + Send + 'static,
         T: Send + 'static,
     {
         let generation = self.tx.generation;
-        // From here on the handler's clones of the handle refuse work.
-        self.tx.finished.store(true, Ordering::Release);
+        self.close();
         let (reply, answer) = oneshot::channel();
-        let job: Job = Box::new(move |writer| {
-            let result = if writer.active != Some(generation) {
-                Err(Error::TransactionAborted(
+        let step: Step = Box::new(move |writer| {
+            if writer.active != Some(generation) {
+                let _ = reply.send(Err(Error::TransactionAborted(
                     "the transaction was ended before commit",
-                ))
-            } else {
-                finish(writer)
-            };
-            let _ = reply.send(result);
+                )));
+                return;
+            }
+            let ended = std::panic::catch_unwind(AssertUnwindSafe(|| end(writer, reply)));
+            if writer.active == Some(generation) {
+                writer.rollback_request();
+            }
+            if let Err(panic) = ended {
+                std::panic::resume_unwind(panic);
+            }
         });
-        let sent = self.tx.store.jobs.send(job);
-        // The job is queued: the writer thread runs it before any job of the next request, so
-        // the next request may take the writer lock now (its `BEGIN`/savepoint is queued after
-        // this request's end, possibly in the same group) instead of one round trip later.
-        self.guard.take();
-        sent.map_err(|_| Error::Closed)?;
+        if on_writer_thread(self.tx.store.id) {
+            // The request's work, polled here: end it now.
+            with_writer(|writer| writer.run(step));
+        } else {
+            self.tx
+                .store
+                .jobs
+                .send(Job::Step(step))
+                .map_err(|_| Error::Closed)?;
+        }
         answer.await.map_err(|_| Error::Panicked)?
     }
 }
 
 impl Drop for SqliteReservation {
     fn drop(&mut self) {
-        if self.guard.is_none() {
+        if !self.open {
             return;
         }
-        self.tx.finished.store(true, Ordering::Release);
+        // Before the rollback is queued: a begin that has not started yet is skipped, and one
+        // that has is followed by this rollback.
+        self.close();
         let generation = self.tx.generation;
-        // Queued before the guard is released, so the next request's savepoint opens after it.
         let _ = self
             .tx
             .store
             .jobs
-            .send(Box::new(move |writer: &mut Writer| {
+            .send(Job::Step(Box::new(move |writer: &mut Writer| {
                 if writer.active == Some(generation) {
                     writer.rollback_request();
                     tracing::debug!("idempotency transaction rolled back");
                 }
-            }));
+            })));
     }
 }
 
@@ -1033,56 +1488,27 @@ impl StoreTransaction for SqliteReservation {
 
     async fn commit(self, record: NewRecord) -> Result<(), Error> {
         let scope = self.scope.clone();
-        let committed = self
-            .finish(move |writer| {
-                let response = &record.response;
-                let inserted = writer
-                    .conn
-                    .prepare_cached(
-                        "INSERT INTO idempotency_records (tenant, operation, idempotency_key, \
-                         fingerprint, fingerprint_version, status, headers, body, trailers, \
-                         created_at, expires_at) \
-                         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)",
-                    )
-                    .and_then(|mut insert| {
-                        insert.execute(params![
-                            &*scope.tenant,
-                            &*scope.operation,
-                            scope.key.as_str(),
-                            &record.fingerprint.digest()[..],
-                            record.fingerprint.version(),
-                            response.status.as_u16(),
-                            SavedResponse::encode_headers(&response.headers),
-                            &response.body[..],
-                            response
-                                .trailers
-                                .as_ref()
-                                .map(|t| SavedResponse::encode_headers(t)),
-                            to_unix_millis(record.created_at),
-                            to_unix_millis(record.expires_at),
-                        ])
-                    });
-                match inserted {
-                    Ok(_) => writer.release_request(),
-                    Err(error) => {
-                        writer.rollback_request();
-                        Err(error.into())
-                    }
+        // Answered once the group holding the record has committed: one wake-up, not two.
+        self.end(move |writer, reply| {
+            match insert_record(&writer.conn, &scope, &record)
+                .and_then(|()| writer.release_request())
+            {
+                Ok(()) => writer.on_commit(Box::new(move |outcome| {
+                    let _ = reply.send(outcome.map_err(Error::CommitFailed));
+                })),
+                // `end` rolls the savepoint back next.
+                Err(error) => {
+                    let _ = reply.send(Err(error));
                 }
-            })
-            .await?;
-        // The writer lock is already released: later requests join the group meanwhile. The
-        // response waits until the group's commit has returned.
-        committed
-            .await
-            .map_err(|_| Error::Closed)?
-            .map_err(Error::CommitFailed)
+            }
+        })
+        .await
     }
 
     async fn rollback(self) -> Result<(), Error> {
-        self.finish(|writer| {
+        self.end(|writer, reply| {
             writer.rollback_request();
-            Ok(())
+            let _ = reply.send(Ok(()));
         })
         .await
     }
@@ -1134,22 +1560,32 @@ impl SqliteTransaction {
             return Err(Error::TransactionFinished);
         }
         let generation = self.tx.generation;
-        self.tx
-            .store
-            .call(move |writer| {
-                if writer.active != Some(generation) {
-                    return Err(Error::TransactionFinished);
-                }
-                let result = f(&writer.conn);
-                if writer.conn.is_autocommit() {
-                    // `after_job` fails the rest of the group.
-                    return Err(Error::TransactionAborted(
-                        "the transaction ended inside a handler's statement",
-                    ));
-                }
-                result.map_err(Error::from)
+        let statement = move |writer: &mut Writer| {
+            if writer.active != Some(generation) {
+                return Err(Error::TransactionFinished);
+            }
+            let result = f(&writer.conn);
+            if writer.conn.is_autocommit() {
+                // `after_job` fails the rest of the group.
+                return Err(Error::TransactionAborted(
+                    "the transaction ended inside a handler's statement",
+                ));
+            }
+            result.map_err(Error::from)
+        };
+        if on_writer_thread(self.tx.store.id) {
+            // The request's work is polled on the writer thread: run the statement now.
+            return with_writer(|writer| {
+                // As on the channel path: a panicking statement is an error, not a panic of
+                // the handler.
+                let result = std::panic::catch_unwind(AssertUnwindSafe(|| statement(writer)))
+                    .unwrap_or(Err(Error::Panicked));
+                writer.after_job();
+                result
             })
-            .await
+            .unwrap_or(Err(Error::Closed));
+        }
+        self.tx.store.call(statement).await
     }
 
     /// Whether the transaction has been committed or rolled back.
