@@ -23,7 +23,8 @@
 //! | E | ceiling: the same SQL (check the record, insert the order, insert the record, commit) in a tight rusqlite loop on one thread, no HTTP |
 //!
 //! Throughput is the median of the rounds; latencies (p50, p99) pool every request of every
-//! round. After each case a check counts the orders, on a new connection and through
+//! round; `cpu us` is the whole process's CPU time per request over the rounds (on Linux), which
+//! tells a case bounded by the two cores from one bounded by waiting. After each case a check counts the orders, on a new connection and through
 //! `SqliteStore::read`: each fresh `201` the clients received must have exactly one committed
 //! order. Two extra measurements follow the table: replay latency while a handler holds the
 //! write transaction for 100 ms at a time (`hold`), and bytes allocated per request for a
@@ -1150,6 +1151,10 @@ struct Row {
     p99_ms: f64,
     requests: u64,
     errors: u64,
+    /// CPU time of the whole process (server, load generator, writer thread) per request
+    /// over the measured rounds, in microseconds: where the throughput is bounded by the two
+    /// cores rather than by waiting. `None` where the process CPU time cannot be read.
+    cpu_us: Option<f64>,
     /// What the order count check found wrong, if anything.
     integrity: Option<String>,
 }
@@ -1249,6 +1254,7 @@ async fn run_http_case(
     let mut fresh = warmup.fresh;
     let mut pooled = LoadStats::default();
     let mut rounds = Vec::with_capacity(options.rounds);
+    let cpu_before = process_cpu();
     for _ in 0..options.rounds {
         let (back, stats) = run_load(conns, &workload, Limit::For(options.duration)).await;
         conns = back;
@@ -1256,6 +1262,7 @@ async fn run_http_case(
         fresh += stats.fresh;
         pooled.merge(stats);
     }
+    let cpu_us = cpu_per_request(cpu_before, pooled.ok + pooled.errors);
     drop(conns);
 
     // Every fresh 201 must have its order committed by the time the client has it (the commit
@@ -1290,6 +1297,7 @@ async fn run_http_case(
         p99_ms: percentile_ms(&pooled.latencies, 99.0),
         requests: pooled.ok + pooled.errors,
         errors: pooled.errors,
+        cpu_us,
         integrity: (!problems.is_empty()).then(|| problems.join("; ")),
     })
 }
@@ -1383,8 +1391,25 @@ fn ceiling_loop(path: &FsPath, mode: Mode, options: &Options) -> Result<Row, Box
         p99_ms: percentile_ms(&latencies, 99.0),
         requests: latencies.len() as u64,
         errors: 0,
+        cpu_us: None,
         integrity: None,
     })
+}
+
+/// The CPU time this process has used so far (all threads, user and system), on Linux.
+fn process_cpu() -> Option<Duration> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // The command name (field 2) may hold spaces: count fields after its closing parenthesis.
+    let fields: Vec<&str> = stat.get(stat.rfind(')')? + 2..)?.split(' ').collect();
+    let ticks = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    // The kernel reports in clock ticks of USER_HZ, 100 per second on Linux.
+    Some(Duration::from_millis(ticks * 10))
+}
+
+/// CPU microseconds per request since `before`.
+fn cpu_per_request(before: Option<Duration>, requests: u64) -> Option<f64> {
+    let used = process_cpu()?.checked_sub(before?)?;
+    (requests > 0).then(|| used.as_secs_f64() * 1e6 / requests as f64)
 }
 
 /// One line of the extra measurements (`bench/extras.csv`).
@@ -1662,7 +1687,7 @@ fn print_table(rows: &[Row], options: &Options) {
         options.duration.as_secs_f64()
     );
     println!(
-        "{:<4} {:<33} {:<6} {:>4} {:>9} {:>17} {:>8} {:>8} {:>9} {:>6} {:>9}",
+        "{:<4} {:<33} {:<6} {:>4} {:>9} {:>17} {:>8} {:>8} {:>8} {:>9} {:>6} {:>9}",
         "case",
         "",
         "mode",
@@ -1671,6 +1696,7 @@ fn print_table(rows: &[Row], options: &Options) {
         "rounds min-max",
         "p50 ms",
         "p99 ms",
+        "cpu us",
         "requests",
         "errors",
         "ratio"
@@ -1684,7 +1710,7 @@ fn print_table(rows: &[Row], options: &Options) {
             .map(|(base, r)| format!("{r:.2}x {}", base.name()))
             .unwrap_or_default();
         println!(
-            "{:<4} {:<33} {:<6} {:>4} {:>9.0} {:>17} {:>8.3} {:>8.3} {:>9} {:>6} {:>9}",
+            "{:<4} {:<33} {:<6} {:>4} {:>9.0} {:>17} {:>8.3} {:>8.3} {:>8} {:>9} {:>6} {:>9}",
             row.case.name(),
             row.case.describe(),
             row.mode.name(),
@@ -1693,6 +1719,8 @@ fn print_table(rows: &[Row], options: &Options) {
             format!("{min:.0}-{max:.0}"),
             row.p50_ms,
             row.p99_ms,
+            row.cpu_us
+                .map_or_else(|| "-".to_owned(), |cpu| format!("{cpu:.0}")),
             row.requests,
             row.errors,
             ratio
@@ -1796,7 +1824,7 @@ fn print_ratios(rows: &[Row], options: &Options) {
 fn write_results_csv(path: &FsPath, rows: &[Row]) -> std::io::Result<()> {
     let mut csv = String::from(
         "case,description,mode,concurrency,requests_per_s,rounds_min,rounds_max,rounds,\
-         p50_ms,p99_ms,requests,errors,baseline,ratio_to_baseline,order_check\n",
+         p50_ms,p99_ms,cpu_us_per_request,requests,errors,baseline,ratio_to_baseline,order_check\n",
     );
     for row in rows {
         let (min, max) = row
@@ -1808,7 +1836,7 @@ fn write_results_csv(path: &FsPath, rows: &[Row]) -> std::io::Result<()> {
             .unwrap_or_default();
         let _ = writeln!(
             csv,
-            "{},\"{}\",{},{},{:.0},{min:.0},{max:.0},{},{:.3},{:.3},{},{},{baseline},{ratio},{}",
+            "{},\"{}\",{},{},{:.0},{min:.0},{max:.0},{},{:.3},{:.3},{},{},{},{baseline},{ratio},{}",
             row.case.name(),
             row.case.describe(),
             row.mode.name(),
@@ -1817,6 +1845,8 @@ fn write_results_csv(path: &FsPath, rows: &[Row]) -> std::io::Result<()> {
             row.rounds.len(),
             row.p50_ms,
             row.p99_ms,
+            row.cpu_us
+                .map_or_else(String::new, |cpu| format!("{cpu:.1}")),
             row.requests,
             row.errors,
             match (&row.integrity, row.case) {
