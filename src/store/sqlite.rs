@@ -1,11 +1,34 @@
 //! The SQLite store: one writer connection on a dedicated thread, WAL readers for the
 //! replay fast path.
 //!
-//! SQLite allows one writer at a time, so the store queues writers in-process behind an async
-//! lock instead of letting them collide on `SQLITE_BUSY`. The writer connection lives on its
-//! own thread and every statement on it runs there: rusqlite is blocking and must never run on
-//! the async executor's threads. Reads of completed records (the fast path) run on reader
-//! connections under `spawn_blocking`; in WAL mode they never wait for the writer.
+//! SQLite allows one writer at a time, so the store queues writers in-process instead of
+//! letting them collide on `SQLITE_BUSY`. The writer connection lives on its own thread and
+//! every statement on it runs there: rusqlite is blocking and must never run on the async
+//! executor's threads. Reads of completed records (the fast path) run on reader connections
+//! under `spawn_blocking`; in WAL mode they never wait for the writer.
+//!
+//! # The handler runs on the writer thread
+//!
+//! Requests queue on the writer thread itself, and while one holds the transaction, the
+//! layer's work for it (calling the handler, capturing its response, committing) is polled on
+//! that thread too, with the server's tokio runtime entered
+//! ([`IdempotencyStore::begin_and_run`]). A [`SqliteTransaction::run`] from the handler then
+//! runs its statement at once, and the writer never waits for the request's task to be
+//! scheduled between statements: that wait, twice per request, was most of the time a
+//! request held the writer. What it means for a handler:
+//!
+//! - Timers, I/O, `tokio::spawn` and `spawn_blocking` work as usual (the runtime serves them).
+//!   A statement run from another task goes through the writer's queue and joins the same
+//!   transaction.
+//! - Its CPU time is spent on the writer thread. The writer was reserved for the request
+//!   anyway, so no other request's statements are delayed by it; replays never wait for it.
+//! - Task-local values set by outer layers (`tokio::task_local!`) are not visible, and
+//!   `tokio::task::block_in_place` is not available (not a runtime worker thread).
+//! - If the client goes away, the work is dropped on the writer thread a moment later (when it
+//!   next wakes), and the transaction rolls back.
+//!
+//! Called outside a tokio runtime, the work runs in the caller's task and statements make the
+//! round trip to the writer thread.
 //!
 //! # Group commit
 //!
@@ -1546,7 +1569,10 @@ impl fmt::Debug for SqliteTransaction {
 }
 
 impl SqliteTransaction {
-    /// Runs `f` on the transaction's connection, on the writer thread.
+    /// Runs `f` on the transaction's connection, on the writer thread: at once when called
+    /// from the handler under the layer (its work is polled there, see the
+    /// [module docs](self#the-handler-runs-on-the-writer-thread)), through the writer's queue
+    /// from any other task. A panic in `f` is returned as [`Error::Panicked`].
     ///
     /// Do not run `COMMIT`, `ROLLBACK` or `BEGIN` in `f`: the layer commits. If the
     /// transaction ends inside `f` anyway (by such a statement, or because SQLite rolled it back
