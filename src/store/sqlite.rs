@@ -906,11 +906,24 @@ fn with_writer<T>(f: impl FnOnce(&mut Writer) -> T) -> Option<T> {
     })
 }
 
-/// Whether this is the writer thread of store `id`, free to run its statements now.
-fn on_writer_thread(id: u64) -> bool {
+/// Runs `f` at once, as a job, if this is the writer thread of store `id` (and its writer is
+/// free); gives `f` back otherwise, to be sent to the writer thread.
+fn run_if_on_writer<T, F>(id: u64, f: F) -> Result<T, F>
+where
+    F: FnOnce(&mut Writer) -> T,
+{
     WRITER.with(|cell| {
-        cell.try_borrow()
-            .is_ok_and(|writer| writer.as_ref().is_some_and(|w| w.store_id == id))
+        let Ok(mut writer) = cell.try_borrow_mut() else {
+            return Err(f);
+        };
+        match writer.as_mut() {
+            Some(writer) if writer.store_id == id => {
+                let output = f(writer);
+                writer.after_job();
+                Ok(output)
+            }
+            _ => Err(f),
+        }
     })
 }
 
@@ -1464,10 +1477,8 @@ impl SqliteReservation {
                 std::panic::resume_unwind(panic);
             }
         });
-        if on_writer_thread(self.tx.store.id) {
-            // The request's work, polled here: end it now.
-            with_writer(|writer| writer.run(step));
-        } else {
+        // Polled on the writer thread (the request's work), it ends at once.
+        if let Err(step) = run_if_on_writer(self.tx.store.id, step) {
             self.tx
                 .store
                 .jobs
@@ -1590,7 +1601,9 @@ impl SqliteTransaction {
             if writer.active != Some(generation) {
                 return Err(Error::TransactionFinished);
             }
-            let result = f(&writer.conn);
+            // A panicking statement is an error for the caller, not a panic through it.
+            let result = std::panic::catch_unwind(AssertUnwindSafe(|| f(&writer.conn)))
+                .map_err(|_| Error::Panicked)?;
             if writer.conn.is_autocommit() {
                 // `after_job` fails the rest of the group.
                 return Err(Error::TransactionAborted(
@@ -1599,19 +1612,11 @@ impl SqliteTransaction {
             }
             result.map_err(Error::from)
         };
-        if on_writer_thread(self.tx.store.id) {
-            // The request's work is polled on the writer thread: run the statement now.
-            return with_writer(|writer| {
-                // As on the channel path: a panicking statement is an error, not a panic of
-                // the handler.
-                let result = std::panic::catch_unwind(AssertUnwindSafe(|| statement(writer)))
-                    .unwrap_or(Err(Error::Panicked));
-                writer.after_job();
-                result
-            })
-            .unwrap_or(Err(Error::Closed));
+        // From the request's work, polled on the writer thread: run the statement now.
+        match run_if_on_writer(self.tx.store.id, statement) {
+            Ok(result) => result,
+            Err(statement) => self.tx.store.call(statement).await,
         }
-        self.tx.store.call(statement).await
     }
 
     /// Whether the transaction has been committed or rolled back.
