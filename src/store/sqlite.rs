@@ -27,9 +27,6 @@
 //! - If the client goes away, the work is dropped on the writer thread a moment later (when it
 //!   next wakes), and the transaction rolls back.
 //!
-//! Called outside a tokio runtime, the work runs in the caller's task and statements make the
-//! round trip to the writer thread.
-//!
 //! # Group commit
 //!
 //! With `synchronous=FULL` every commit waits for an fsync, which would cap durable throughput
