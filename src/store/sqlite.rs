@@ -69,7 +69,7 @@ use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context, Poll, Wake, Waker};
@@ -810,9 +810,18 @@ impl SqliteStore {
         let store = Arc::downgrade(&self.shared);
         let now_millis = to_unix_millis(now);
         let (reply, mut answer) = oneshot::channel::<Result<Began<F::Output>, Error>>();
-        let (started, mut begun) = oneshot::channel::<()>();
+        // Whether the begin started before the request gave up on its lock timeout: decided
+        // once, by whichever side gets there first, with no wake-up of the request for it.
+        let begin_state = Arc::new(AtomicU8::new(BEGIN_WAITING));
+        let begin_started = begin_state.clone();
         let begin: Step = Box::new(move |writer| {
-            if tx.finished.load(Ordering::Acquire) {
+            let started = begin_started.compare_exchange(
+                BEGIN_WAITING,
+                BEGIN_STARTED,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            );
+            if started.is_err() || tx.finished.load(Ordering::Acquire) {
                 return;
             }
             let waited = queued_at.elapsed();
@@ -825,7 +834,6 @@ impl SqliteStore {
                     );
                 })),
                 Ok(None) => {
-                    let _ = started.send(());
                     let work = DrivenWork {
                         work: work(reservation).instrument(span),
                         reply: Some(reply),
@@ -849,24 +857,32 @@ impl SqliteStore {
         });
         self.shared.send_exclusive(begin, Some(cancel.0.clone()))?;
         // The lock timeout bounds the wait for the begin, not the work after it.
-        let first = tokio::time::timeout(
-            lock_timeout,
-            std::future::poll_fn(|cx| {
-                if let Poll::Ready(answered) = Pin::new(&mut answer).poll(cx) {
-                    return Poll::Ready(Some(answered));
+        let answered = match tokio::time::timeout(lock_timeout, &mut answer).await {
+            Ok(answered) => answered,
+            Err(_elapsed) => {
+                let gave_up = begin_state.compare_exchange(
+                    BEGIN_WAITING,
+                    BEGIN_GAVE_UP,
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                );
+                if gave_up.is_ok() {
+                    return Err(Error::Busy);
                 }
-                Pin::new(&mut begun).poll(cx).map(|_| None)
-            }),
-        )
-        .await
-        .map_err(|_| Error::Busy)?;
-        let answered = match first {
-            Some(answered) => answered,
-            None => answer.await,
+                // The begin started in time: wait for the work.
+                answer.await
+            }
         };
         answered.map_err(|_| Error::Panicked)?
     }
 }
+
+/// A request's begin has not started on the writer yet.
+const BEGIN_WAITING: u8 = 0;
+/// It started (in time).
+const BEGIN_STARTED: u8 = 1;
+/// The request gave up waiting for it (its lock timeout passed): it will not start.
+const BEGIN_GAVE_UP: u8 = 2;
 
 /// Marks a request's transaction finished when the request stops waiting for it.
 struct CancelOnDrop(Arc<TxShared>);
