@@ -5,11 +5,13 @@
 //! enqueues an `order_created` event in the same transaction as each order, and its relay
 //! POSTs the event here with the event id as `Idempotency-Key`. Delivery is at least once: a
 //! relay that dies after this service answered, or an answer lost on the way, means the same
-//! event arrives again. The inbox ([`SqliteInbox`]) records each event id in the same
-//! transaction as the reservation, so a redelivery is acknowledged (`200`) and changes nothing.
+//! event arrives again. The inbox ([`SqliteInbox`], or [`PostgresInbox`] with
+//! `--database-url`) records each event id in the same transaction as the reservation, so a
+//! redelivery is acknowledged (`200`) and changes nothing.
 //!
 //! ```text
 //! cargo run --example inventory                  # serves on 127.0.0.1:3001, database ./inventory.db
+//! cargo run --example inventory -- --database-url postgres://postgres@127.0.0.1/inventory
 //! cargo run --example inventory -- --reject-sku broken   # refuses events for one sku (422)
 //! curl -s http://127.0.0.1:3001/stock
 //! ```
@@ -35,25 +37,32 @@ use axum::{Json, Router};
 use serde_json::{json, Map, Value};
 use tokio::net::TcpListener;
 use tower_idempotency::outbox::inbox::{Processed, SqliteInbox};
+#[cfg(feature = "postgres")]
+use tower_idempotency::outbox::postgres::PostgresInbox;
 use tower_idempotency::outbox::EVENT_TOPIC;
+#[cfg(feature = "postgres")]
+use tower_idempotency::store::postgres::{tokio_postgres, PostgresStore};
 use tower_idempotency::store::sqlite::SqliteStore;
 use tower_idempotency::IDEMPOTENCY_KEY;
 
 type BoxError = Box<dyn Error + Send + Sync>;
 
 const USAGE: &str = "\
-usage: inventory [--addr ADDR] [--db PATH] [--reject-sku SKU]
+usage: inventory [--addr ADDR] [--db PATH | --database-url URL] [--reject-sku SKU]
 
   --addr ADDR       address to listen on (default 127.0.0.1:3001)
   --db PATH         SQLite database for reservations and processed event ids
                     (default ./inventory.db)
+  --database-url URL
+                    PostgreSQL instead (postgres://user@host:5432/db): the tables go in the
+                    first schema of the connection's search_path
   --reject-sku SKU  answer 422 to events for this sku (a poison event, to see the sender's
                     relay retry it and then dead-letter it)
   -h, --help        show this help";
 
 /// The receiver's own tables: what it did, and how much of each sku is reserved. The inbox's
-/// `inbox_events` lives in the same file, which is what lets an event id and its reservation
-/// commit in one transaction.
+/// `inbox_events` lives in the same database, which is what lets an event id and its
+/// reservation commit in one transaction.
 const INVENTORY_SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS reservations (
     order_id  INTEGER NOT NULL,
@@ -65,6 +74,21 @@ CREATE TABLE IF NOT EXISTS reservations (
 CREATE TABLE IF NOT EXISTS reserved_stock (
     sku      TEXT    PRIMARY KEY,
     reserved INTEGER NOT NULL
+);";
+
+/// The same tables on PostgreSQL (64-bit integers, as SQLite's are).
+#[cfg(feature = "postgres")]
+const POSTGRES_SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS reservations (
+    order_id BIGINT NOT NULL,
+    tenant   TEXT   NOT NULL,
+    sku      TEXT   NOT NULL,
+    quantity BIGINT NOT NULL,
+    event_id TEXT   NOT NULL
+);
+CREATE TABLE IF NOT EXISTS reserved_stock (
+    sku      TEXT   PRIMARY KEY,
+    reserved BIGINT NOT NULL
 );";
 
 #[tokio::main]
@@ -99,20 +123,27 @@ async fn main() -> ExitCode {
     }
 }
 
+/// Where the reservations and the inbox live.
+enum Database {
+    /// `--db PATH` (the default).
+    Sqlite(PathBuf),
+    /// `--database-url URL`.
+    Postgres(String),
+}
+
 struct Options {
     addr: String,
-    db: PathBuf,
+    database: Database,
     reject_sku: Option<String>,
 }
 
 impl Options {
     /// Hand-parsed, like the orders example: `None` means `--help`.
     fn parse(mut args: impl Iterator<Item = String>) -> Result<Option<Self>, String> {
-        let mut options = Options {
-            addr: "127.0.0.1:3001".into(),
-            db: "inventory.db".into(),
-            reject_sku: None,
-        };
+        let mut addr = None;
+        let mut db = None;
+        let mut database_url = None;
+        let mut reject_sku = None;
         while let Some(arg) = args.next() {
             let (flag, inline) = match arg.split_once('=') {
                 Some((flag, value)) if flag.starts_with("--") => (flag, Some(value.to_owned())),
@@ -126,25 +157,50 @@ impl Options {
             };
             match flag {
                 "-h" | "--help" => return Ok(None),
-                "--addr" => options.addr = value()?,
-                "--db" => options.db = PathBuf::from(value()?),
-                "--reject-sku" => options.reject_sku = Some(value()?),
+                "--addr" => addr = Some(value()?),
+                "--db" => db = Some(PathBuf::from(value()?)),
+                "--database-url" => database_url = Some(value()?),
+                "--reject-sku" => reject_sku = Some(value()?),
                 _ => return Err(format!("unknown argument `{arg}`")),
             }
         }
-        Ok(Some(options))
+        let database = match (db, database_url) {
+            (Some(_), Some(_)) => {
+                return Err("--db and --database-url are two different stores: pick one".into())
+            }
+            (_, Some(url)) => Database::Postgres(url),
+            (db, None) => Database::Sqlite(db.unwrap_or_else(|| "inventory.db".into())),
+        };
+        Ok(Some(Options {
+            addr: addr.unwrap_or_else(|| "127.0.0.1:3001".into()),
+            database,
+            reject_sku,
+        }))
     }
 }
 
 async fn serve(options: Options) -> Result<(), BoxError> {
-    let inventory = Inventory::open(&options.db, options.reject_sku).await?;
+    let (inventory, described) = match &options.database {
+        Database::Sqlite(db) => (
+            Inventory::open(db, options.reject_sku).await?,
+            db.display().to_string(),
+        ),
+        #[cfg(feature = "postgres")]
+        Database::Postgres(url) => (
+            Inventory::connect(url, options.reject_sku).await?,
+            // The URL is not printed: it may carry a password.
+            "PostgreSQL".to_owned(),
+        ),
+        #[cfg(not(feature = "postgres"))]
+        Database::Postgres(_) => return Err("--database-url needs the `postgres` feature".into()),
+    };
     let listener = TcpListener::bind(&options.addr)
         .await
         .map_err(|error| format!("cannot listen on {}: {error}", options.addr))?;
     println!(
-        "listening on http://{} (database {}); events go to POST /events, stock is at GET /stock",
+        "listening on http://{} (database {described}); events go to POST /events, stock is at \
+         GET /stock",
         listener.local_addr()?,
-        options.db.display()
     );
     axum::serve(listener, app(inventory))
         .with_graceful_shutdown(async {
@@ -154,16 +210,15 @@ async fn serve(options: Options) -> Result<(), BoxError> {
     Ok(())
 }
 
-/// The receiver's state: its database, its inbox, and what it refuses.
+/// The receiver's state: its inbox (with the tables it commits with), and what it refuses.
 #[derive(Clone)]
 pub(crate) struct Inventory {
-    pub(crate) store: SqliteStore,
-    pub(crate) inbox: SqliteInbox,
+    pub(crate) inbox: Inbox,
     reject_sku: Option<Arc<str>>,
 }
 
 impl Inventory {
-    /// Opens (creating if needed) the database, the inventory tables and the inbox.
+    /// Opens (creating if needed) the SQLite database, the inventory tables and the inbox.
     pub(crate) async fn open(db: &Path, reject_sku: Option<String>) -> Result<Self, BoxError> {
         let store = SqliteStore::open(db)
             .await
@@ -171,27 +226,37 @@ impl Inventory {
         store.write(|tx| tx.execute_batch(INVENTORY_SCHEMA)).await?;
         let inbox = SqliteInbox::install(&store, "inventory").await?;
         Ok(Inventory {
-            store,
-            inbox,
+            inbox: Inbox::Sqlite { store, inbox },
+            reject_sku: reject_sku.map(Arc::from),
+        })
+    }
+
+    /// Connects to PostgreSQL at `url` and creates (if needed) the inventory tables and the
+    /// inbox. Several instances may share the database: the inbox applies each event once
+    /// between them.
+    #[cfg(feature = "postgres")]
+    pub(crate) async fn connect(url: &str, reject_sku: Option<String>) -> Result<Self, BoxError> {
+        // The URL is not repeated in errors: it may carry a password.
+        let config: tokio_postgres::Config = url
+            .parse()
+            .map_err(|error| format!("--database-url: {error}"))?;
+        // The receiver keeps no idempotency records, so it does not create their table.
+        let store = PostgresStore::builder(config)
+            .create_schema(false)
+            .connect()
+            .await
+            .map_err(|error| format!("cannot connect: {error}"))?;
+        store.client().await?.batch_execute(POSTGRES_SCHEMA).await?;
+        let inbox = PostgresInbox::install(&store, "inventory").await?;
+        Ok(Inventory {
+            inbox: Inbox::Postgres { store, inbox },
             reject_sku: reject_sku.map(Arc::from),
         })
     }
 
     /// How much of each sku is reserved.
     pub(crate) async fn reserved(&self) -> Result<Map<String, Value>, BoxError> {
-        let rows = self
-            .store
-            .read(|conn| {
-                let mut statement =
-                    conn.prepare("SELECT sku, reserved FROM reserved_stock ORDER BY sku")?;
-                let rows = statement
-                    .query_map([], |row| {
-                        Ok((row.get::<_, String>(0)?, row.get::<_, i64>(1)?))
-                    })?
-                    .collect::<Result<Vec<_>, _>>()?;
-                Ok(rows)
-            })
-            .await?;
+        let rows = self.inbox.reserved().await?;
         Ok(rows
             .into_iter()
             .map(|(sku, reserved)| (sku, Value::from(reserved)))
@@ -200,10 +265,134 @@ impl Inventory {
 
     /// How many reservations were made (one per order, however often its event came).
     pub(crate) async fn reservation_count(&self) -> Result<i64, BoxError> {
-        Ok(self
-            .store
-            .read(|conn| conn.query_row("SELECT count(*) FROM reservations", [], |row| row.get(0)))
-            .await?)
+        self.inbox.reservation_count().await
+    }
+}
+
+/// The inbox and the database it shares with the inventory tables: the same queries, in
+/// each database's own SQL and client.
+#[derive(Clone)]
+pub(crate) enum Inbox {
+    Sqlite {
+        store: SqliteStore,
+        inbox: SqliteInbox,
+    },
+    #[cfg(feature = "postgres")]
+    Postgres {
+        store: PostgresStore,
+        inbox: PostgresInbox,
+    },
+}
+
+impl Inbox {
+    /// Reserves the order's stock, unless `event_id` was processed before: the id and the
+    /// reservation commit in one transaction, or neither does. Returns the sku's new total.
+    async fn reserve(
+        &self,
+        event_id: &str,
+        order: &OrderCreated,
+    ) -> Result<Processed<i64>, BoxError> {
+        match self {
+            Inbox::Sqlite { inbox, .. } => {
+                let (id, order) = (event_id.to_owned(), order.clone());
+                let processed = inbox
+                    .process(event_id, move |tx| {
+                        tx.execute(
+                            "INSERT INTO reservations (order_id, tenant, sku, quantity, event_id) \
+                             VALUES (?1, ?2, ?3, ?4, ?5)",
+                            (order.order_id, &order.tenant, &order.sku, order.quantity, &id),
+                        )?;
+                        tx.query_row(
+                            "INSERT INTO reserved_stock (sku, reserved) VALUES (?1, ?2) \
+                             ON CONFLICT (sku) DO UPDATE SET reserved = reserved + excluded.reserved \
+                             RETURNING reserved",
+                            (&order.sku, order.quantity),
+                            |row| row.get::<_, i64>(0),
+                        )
+                    })
+                    .await?;
+                Ok(processed)
+            }
+            #[cfg(feature = "postgres")]
+            Inbox::Postgres { inbox, .. } => {
+                let processed = inbox
+                    .process(event_id, |tx| async move {
+                        // The transaction the inbox recorded the id in.
+                        let client = tx.client().await?;
+                        client
+                            .execute(
+                                "INSERT INTO reservations (order_id, tenant, sku, quantity, event_id) \
+                                 VALUES ($1, $2, $3, $4, $5)",
+                                &[&order.order_id, &order.tenant, &order.sku, &order.quantity, &event_id],
+                            )
+                            .await?;
+                        let row = client
+                            .query_one(
+                                "INSERT INTO reserved_stock (sku, reserved) VALUES ($1, $2) \
+                                 ON CONFLICT (sku) DO UPDATE \
+                                 SET reserved = reserved_stock.reserved + excluded.reserved \
+                                 RETURNING reserved",
+                                &[&order.sku, &order.quantity],
+                            )
+                            .await?;
+                        Ok(row.try_get::<_, i64>(0)?)
+                    })
+                    .await?;
+                Ok(processed)
+            }
+        }
+    }
+
+    /// Whether `event_id` was processed. (The server does not ask; `tests/outbox_end_to_end.rs`
+    /// does.)
+    #[allow(dead_code)]
+    pub(crate) async fn contains(&self, event_id: &str) -> Result<bool, BoxError> {
+        match self {
+            Inbox::Sqlite { inbox, .. } => Ok(inbox.contains(event_id).await?),
+            #[cfg(feature = "postgres")]
+            Inbox::Postgres { inbox, .. } => Ok(inbox.contains(event_id).await?),
+        }
+    }
+
+    /// `(sku, reserved)`, by sku.
+    async fn reserved(&self) -> Result<Vec<(String, i64)>, BoxError> {
+        const QUERY: &str = "SELECT sku, reserved FROM reserved_stock ORDER BY sku";
+        match self {
+            Inbox::Sqlite { store, .. } => Ok(store
+                .read(|conn| {
+                    let mut statement = conn.prepare(QUERY)?;
+                    let rows = statement
+                        .query_map([], |row| Ok((row.get(0)?, row.get(1)?)))?
+                        .collect::<Result<Vec<_>, _>>()?;
+                    Ok(rows)
+                })
+                .await?),
+            #[cfg(feature = "postgres")]
+            Inbox::Postgres { store, .. } => {
+                let rows = store.client().await?.query(QUERY, &[]).await?;
+                let rows = rows
+                    .iter()
+                    .map(|row| Ok((row.try_get(0)?, row.try_get(1)?)))
+                    .collect::<Result<Vec<_>, tokio_postgres::Error>>()?;
+                Ok(rows)
+            }
+        }
+    }
+
+    async fn reservation_count(&self) -> Result<i64, BoxError> {
+        const QUERY: &str = "SELECT count(*) FROM reservations";
+        match self {
+            Inbox::Sqlite { store, .. } => Ok(store
+                .read(|conn| conn.query_row(QUERY, [], |row| row.get(0)))
+                .await?),
+            #[cfg(feature = "postgres")]
+            Inbox::Postgres { store, .. } => Ok(store
+                .client()
+                .await?
+                .query_one(QUERY, &[])
+                .await?
+                .try_get(0)?),
+        }
     }
 }
 
@@ -215,6 +404,7 @@ pub(crate) fn app(inventory: Inventory) -> Router {
 }
 
 /// An `order_created` event's payload, as the orders example enqueues it.
+#[derive(Clone)]
 struct OrderCreated {
     order_id: i64,
     tenant: String,
@@ -274,32 +464,19 @@ async fn receive_event(
         );
     }
 
+    // In a task of its own: a sender that hangs up (its delivery timed out) does not cut the
+    // work short, and its retry finds the outcome.
+    let task = {
+        let (inbox, event_id, order) = (inventory.inbox.clone(), event_id.clone(), order.clone());
+        tokio::spawn(async move { inbox.reserve(&event_id, &order).await })
+    };
+    let processed = task.await.unwrap_or_else(|error| Err(error.into()));
     let OrderCreated {
         order_id,
-        tenant,
         sku,
         quantity,
+        ..
     } = order;
-    let id = event_id.clone();
-    let reserved_sku = sku.clone();
-    // The event id and the reservation commit in one transaction, or neither does.
-    let processed = inventory
-        .inbox
-        .process(&event_id, move |tx| {
-            tx.execute(
-                "INSERT INTO reservations (order_id, tenant, sku, quantity, event_id) \
-                 VALUES (?1, ?2, ?3, ?4, ?5)",
-                (order_id, &tenant, &reserved_sku, quantity, &id),
-            )?;
-            tx.query_row(
-                "INSERT INTO reserved_stock (sku, reserved) VALUES (?1, ?2) \
-                 ON CONFLICT (sku) DO UPDATE SET reserved = reserved + excluded.reserved \
-                 RETURNING reserved",
-                (&reserved_sku, quantity),
-                |row| row.get::<_, i64>(0),
-            )
-        })
-        .await;
     match processed {
         Ok(Processed::First(reserved)) => {
             println!(
