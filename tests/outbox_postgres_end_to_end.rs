@@ -11,8 +11,13 @@
 //!   retry arrives while the first transaction is open, waits for it, and reserves nothing
 //!   more.
 //! - Two relays of two instances deliver every event exactly once between them.
+//! - The inventory example itself (`inventory --database-url ...`, a child process) as the
+//!   receiver: of that killed relay's events, and of the orders example's relay (`orders --db
+//!   FILE --webhook URL`, a child process too: its relay reads the SQLite store's outbox), with a
+//!   redelivery by hand answered `duplicate`.
 //!
-//! Needs `TEST_DATABASE_URL`; without it every test prints that it was skipped and passes.
+//! Needs `TEST_DATABASE_URL`; without it every test prints that it was skipped and passes
+//! (except the command-line checks of the inventory example, which need no database).
 
 mod common;
 mod pg_common;
@@ -23,12 +28,12 @@ mod inventory;
 use std::collections::HashMap;
 use std::time::Duration;
 
-use common::{post, PATIENCE, SHOP_A};
+use common::{post, Post, PATIENCE, SHOP_A};
 use http::StatusCode;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use inventory::{InventoryServer, Mode, SLOW, SLOW_FOR};
+use inventory::{reservations, InventoryProcess, InventoryServer, Mode, SLOW, SLOW_FOR};
 use pg_common::{hook, HookOutcome, PgServer, TestDb};
 use serde_json::json;
 use tokio::sync::mpsc;
@@ -105,17 +110,19 @@ async fn wait_delivered(outbox: &PostgresOutbox, delivered: u64) {
     }
 }
 
-/// Orders 2 books, lets a relay deliver the event to `receiver` and then hang (killed before it
+/// Orders 2 books, lets a relay deliver the event to the receiver at `events_url` (its tables
+/// in `inventory_db`) and then hang (killed before it
 /// marks the event delivered), then lets a second relay deliver it again. Returns the event id.
 async fn deliver_then_kill_then_redeliver(
     orders: &PgServer,
     orders_db: &TestDb,
-    receiver: &InventoryServer,
+    events_url: http::Uri,
+    inventory_db: &TestDb,
 ) -> String {
     let outbox = PostgresOutbox::existing(&orders.store);
     // The first relay's sink: delivers for real, reports it, then never returns.
     let (accepted_tx, mut accepted) = mpsc::unbounded_channel::<EventId>();
-    let http = http_sink(receiver.events_url());
+    let http = http_sink(events_url.clone());
     let accept_then_hang = sink_fn(move |event: OutboxEvent| {
         let (http, accepted_tx) = (http.clone(), accepted_tx.clone());
         async move {
@@ -153,10 +160,10 @@ async fn deliver_then_kill_then_redeliver(
     let _ = first.await;
     let event = outbox.event(&event_id).await.expect("read").expect("event");
     assert_eq!(event.status, EventStatus::InFlight, "{event:?}");
-    assert_eq!(receiver.reservations().await, 1);
+    assert_eq!(reservations(inventory_db).await, 1);
 
     let second = tokio::spawn(
-        Relay::new(outbox.clone(), http_sink(receiver.events_url()))
+        Relay::new(outbox.clone(), http_sink(events_url))
             .with_poll_interval(Duration::from_millis(10))
             .run(),
     );
@@ -176,7 +183,9 @@ async fn a_relay_killed_after_delivery_redelivers_the_same_id_and_the_inbox_appl
     let receiver = InventoryServer::spawn(&inventory_db, Mode::Inbox).await;
     let orders = order_app(&orders_db).await;
 
-    let event_id = deliver_then_kill_then_redeliver(&orders, &orders_db, &receiver).await;
+    let event_id =
+        deliver_then_kill_then_redeliver(&orders, &orders_db, receiver.events_url(), &inventory_db)
+            .await;
 
     let deliveries = receiver.deliveries();
     assert_eq!(deliveries.len(), 2, "{deliveries:?}");
@@ -202,7 +211,9 @@ async fn behind_the_layer_the_redelivery_is_replayed_and_the_event_applied_once(
     let receiver = InventoryServer::spawn(&inventory_db, Mode::Layered).await;
     let orders = order_app(&orders_db).await;
 
-    let event_id = deliver_then_kill_then_redeliver(&orders, &orders_db, &receiver).await;
+    let event_id =
+        deliver_then_kill_then_redeliver(&orders, &orders_db, receiver.events_url(), &inventory_db)
+            .await;
 
     let deliveries = receiver.deliveries();
     assert_eq!(deliveries.len(), 2, "{deliveries:?}");
@@ -329,4 +340,250 @@ async fn two_relays_of_two_instances_deliver_each_event_exactly_once() {
     assert_eq!(receiver.reservations().await, EVENTS);
     assert_eq!(receiver.reserved("book").await, EVENTS);
     orders.shutdown().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The inventory example (`examples/inventory.rs --database-url ...`) as a real process
+// ---------------------------------------------------------------------------------------------
+
+/// The event id of a delivery line: `event ID: order 1 reserved ...` or `event ID: duplicate...`.
+fn event_id_of(line: &str) -> &str {
+    line.strip_prefix("event ")
+        .and_then(|rest| rest.split_once(": "))
+        .map(|(id, _)| id)
+        .unwrap_or_else(|| panic!("not a delivery line: {line}"))
+}
+
+#[tokio::test]
+async fn the_inventory_example_on_postgres_applies_a_redelivered_event_once() {
+    let (Some(orders_db), Some(inventory_db)) = (TestDb::create().await, TestDb::create().await)
+    else {
+        return;
+    };
+    let mut inventory = InventoryProcess::start(&["--database-url", &inventory_db.url()]).await;
+    assert!(
+        inventory.banner.contains("(database PostgreSQL)"),
+        "{}",
+        inventory.banner
+    );
+    let orders = order_app(&orders_db).await;
+
+    // A relay delivers the event and is killed before it records that; the next relay
+    // delivers it again with the same id.
+    let event_id = deliver_then_kill_then_redeliver(
+        &orders,
+        &orders_db,
+        inventory.events_url(),
+        &inventory_db,
+    )
+    .await;
+
+    assert_eq!(
+        inventory.next_line().await,
+        format!("event {event_id}: order 1 reserved 2 x book (book reserved: 2)")
+    );
+    assert_eq!(
+        inventory.next_line().await,
+        format!("event {event_id}: duplicate, acknowledged without reserving again")
+    );
+    assert_eq!(
+        inventory.stock().await,
+        json!({ "reservations": 1, "reserved": { "book": 2 } })
+    );
+    assert_eq!(reservations(&inventory_db).await, 1);
+    orders.shutdown().await;
+}
+
+#[tokio::test]
+async fn the_orders_example_relays_to_the_inventory_example_on_postgres_once_in_effect() {
+    let Some(inventory_db) = TestDb::create().await else {
+        return;
+    };
+    let mut inventory = InventoryProcess::start(&[
+        "--database-url",
+        &inventory_db.url(),
+        "--reject-sku",
+        "broken",
+    ])
+    .await;
+    // The orders example relays the outbox of its SQLite store (`--webhook` is for `--db`).
+    let dir = tempfile::tempdir().expect("temp dir");
+    let orders_db = dir.path().join("orders.db");
+    let webhook = inventory.events_url().to_string();
+    let orders = common::process::OrdersProcess::start_with(&[
+        "--db",
+        orders_db.to_str().expect("a UTF-8 path"),
+        "--webhook",
+        &webhook,
+    ])
+    .await;
+
+    // An order, and its retry (replayed: no second order, no second event).
+    let order = r#"{"sku":"book","quantity":2}"#;
+    let created = post(orders.addr, Some(SHOP_A), Some("k1"), order, &[]).await;
+    assert_eq!(created.status, StatusCode::CREATED);
+    let retried = post(orders.addr, Some(SHOP_A), Some("k1"), order, &[]).await;
+    assert_eq!(retried.status, StatusCode::CREATED);
+    assert!(retried.replayed());
+    let order_id = created.order_id();
+
+    // The relay delivers the event: the inventory reserves the stock.
+    let line = inventory.next_line().await;
+    let event_id = event_id_of(&line).to_owned();
+    assert_eq!(
+        line,
+        format!("event {event_id}: order {order_id} reserved 2 x book (book reserved: 2)")
+    );
+
+    // The same event again (an answer lost on the way, a relay that died): acknowledged,
+    // nothing reserved again.
+    let payload = json!({ "order_id": order_id, "tenant": "shop-a", "sku": "book", "quantity": 2 });
+    let again = inventory
+        .deliver(&event_id, "order_created", &payload)
+        .await;
+    assert_eq!(again.status, StatusCode::OK);
+    assert_eq!(again.json(), json!({ "status": "duplicate" }));
+    assert_eq!(
+        inventory.next_line().await,
+        format!("event {event_id}: duplicate, acknowledged without reserving again")
+    );
+    assert_eq!(
+        inventory.stock().await,
+        json!({ "reservations": 1, "reserved": { "book": 2 } })
+    );
+    let rows = inventory_db
+        .client()
+        .await
+        .query(
+            "SELECT order_id, tenant, sku, quantity, event_id FROM reservations",
+            &[],
+        )
+        .await
+        .expect("reservations");
+    assert_eq!(rows.len(), 1);
+    let row = &rows[0];
+    assert_eq!(
+        (
+            row.get::<_, i64>(0),
+            row.get::<_, String>(1),
+            row.get::<_, String>(2),
+            row.get::<_, i64>(3),
+            row.get::<_, String>(4),
+        ),
+        (
+            order_id,
+            "shop-a".into(),
+            "book".into(),
+            2,
+            event_id.clone()
+        )
+    );
+    let recorded: i64 = inventory_db
+        .client()
+        .await
+        .query_one(
+            "SELECT count(*) FROM inbox_events WHERE consumer = 'inventory' AND event_id = $1",
+            &[&event_id],
+        )
+        .await
+        .expect("inbox")
+        .get(0);
+    assert_eq!(recorded, 1);
+
+    // The other answers, as on SQLite.
+    let refused = inventory
+        .deliver(
+            "e-broken",
+            "order_created",
+            &json!({ "order_id": 9, "tenant": "shop-a", "sku": "broken", "quantity": 1 }),
+        )
+        .await;
+    assert_eq!(refused.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(refused.json(), json!({ "error": "unknown_sku" }));
+    let invalid = inventory
+        .deliver("e-invalid", "order_created", &json!({ "sku": "book" }))
+        .await;
+    assert_eq!(invalid.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(invalid.json(), json!({ "error": "invalid_event" }));
+    let ignored = inventory
+        .deliver("e-other", "order_shipped", &payload)
+        .await;
+    assert_eq!(ignored.status, StatusCode::OK);
+    assert_eq!(ignored.json(), json!({ "status": "ignored" }));
+    let no_id = Post::order("unused", &payload.to_string())
+        .path("/events")
+        .token(None)
+        .no_key()
+        .header("event-topic", "order_created")
+        .send(inventory.addr)
+        .await;
+    assert_eq!(no_id.status, StatusCode::BAD_REQUEST);
+    assert_eq!(no_id.json(), json!({ "error": "missing_event_id" }));
+
+    // A second order goes through too, and none of the above reserved anything.
+    let second = post(
+        orders.addr,
+        Some(SHOP_A),
+        Some("k2"),
+        r#"{"sku":"book","quantity":1}"#,
+        &[],
+    )
+    .await;
+    assert_eq!(second.status, StatusCode::CREATED);
+    let line = inventory.next_line().await;
+    assert!(
+        line.ends_with("reserved 1 x book (book reserved: 3)"),
+        "{line}"
+    );
+    assert_eq!(
+        inventory.stock().await,
+        json!({ "reservations": 2, "reserved": { "book": 3 } })
+    );
+    orders.kill().await;
+}
+
+/// The inventory example's command line for PostgreSQL (no database needed).
+#[tokio::test]
+async fn the_inventory_example_takes_one_store_and_never_prints_the_url() {
+    // Nothing listens on port 1: it fails at once, without repeating the URL.
+    let unreachable = InventoryProcess::run(&[
+        "--database-url",
+        "postgres://inventory:s3cret-pw@127.0.0.1:1/inventory",
+    ])
+    .await;
+    assert_eq!(unreachable.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&unreachable.stderr);
+    assert!(stderr.starts_with("inventory: cannot connect"), "{stderr}");
+    assert!(
+        !stderr.contains("s3cret-pw"),
+        "the password leaked: {stderr}"
+    );
+    assert!(unreachable.stdout.is_empty());
+
+    let invalid =
+        InventoryProcess::run(&["--database-url", "postgres://u:s3cret-pw@h:notaport/db"]).await;
+    assert_eq!(invalid.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&invalid.stderr);
+    assert!(
+        stderr.starts_with("inventory: --database-url: "),
+        "{stderr}"
+    );
+    assert!(
+        !stderr.contains("s3cret-pw"),
+        "the password leaked: {stderr}"
+    );
+
+    let both =
+        InventoryProcess::run(&["--db", "inventory.db", "--database-url", "postgres://x@y/z"])
+            .await;
+    assert_eq!(both.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&both.stderr);
+    assert!(
+        stderr.starts_with("inventory: --db and --database-url are two different stores"),
+        "{stderr}"
+    );
+
+    let help = InventoryProcess::run(&["--help"]).await;
+    assert!(help.status.success());
+    assert!(String::from_utf8_lossy(&help.stdout).contains("--database-url URL"));
 }
