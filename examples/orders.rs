@@ -81,7 +81,6 @@ usage: orders [--addr ADDR] [--db PATH | --database-url URL] [--webhook URL]
                 share it
   --webhook URL deliver the outbox's events (`order_created`) to this URL: a relay POSTs
                 each one with its event id as `Idempotency-Key` until it is accepted
-                (SQLite only)
   --demo        serve on an ephemeral loopback port with a fresh database, run the retry
                 lab against it over HTTP, print its six lines and exit
   -h, --help    show this help";
@@ -124,8 +123,9 @@ async fn main() -> ExitCode {
         Command::Serve {
             addr,
             database_url: Some(url),
+            webhook,
             ..
-        } => postgres::serve(&addr, &url).await,
+        } => postgres::serve(&addr, &url, webhook.as_deref()).await,
         #[cfg(not(feature = "postgres"))]
         Command::Serve {
             database_url: Some(_),
@@ -192,9 +192,6 @@ impl Command {
         }
         if db.is_some() && database_url.is_some() {
             return Err("--db and --database-url are two different stores: pick one".into());
-        }
-        if webhook.is_some() && database_url.is_some() {
-            return Err("--webhook relays the SQLite store's outbox: use it with --db".into());
         }
         match (
             demo,
@@ -411,11 +408,7 @@ impl IntoResponse for ApiError {
 async fn serve(addr: &str, db: &FsPath, webhook: Option<&str>) -> Result<(), BoxError> {
     let store = open_store(db).await?;
     if let Some(url) = webhook {
-        let uri: axum::http::Uri = url
-            .parse()
-            .map_err(|error| format!("--webhook {url}: {error}"))?;
-        let client = Client::builder(TokioExecutor::new()).build_http::<RequestBody>();
-        let relay = Relay::new(SqliteOutbox::existing(&store), HttpSink::new(client, uri));
+        let relay = Relay::new(SqliteOutbox::existing(&store), webhook_sink(url)?);
         // Like the purge below: the library never spawns its background work.
         tokio::spawn(relay.run());
     }
@@ -445,6 +438,17 @@ async fn serve(addr: &str, db: &FsPath, webhook: Option<&str>) -> Result<(), Box
         .with_graceful_shutdown(ctrl_c())
         .await?;
     Ok(())
+}
+
+/// The relay's sink for `--webhook URL`: POSTs each event there, its id as `Idempotency-Key`.
+type WebhookSink = HttpSink<Client<HttpConnector, RequestBody>, RequestBody>;
+
+fn webhook_sink(url: &str) -> Result<WebhookSink, BoxError> {
+    let uri: axum::http::Uri = url
+        .parse()
+        .map_err(|error| format!("--webhook {url}: {error}"))?;
+    let client = Client::builder(TokioExecutor::new()).build_http::<RequestBody>();
+    Ok(HttpSink::new(client, uri))
 }
 
 /// Resolves on Ctrl-C. If the handler cannot be installed, never resolves (rather than

@@ -406,13 +406,15 @@ async fn the_orders_example_relays_to_the_inventory_example_on_postgres_once_in_
         "broken",
     ])
     .await;
-    // The orders example relays the outbox of its SQLite store (`--webhook` is for `--db`).
-    let dir = tempfile::tempdir().expect("temp dir");
-    let orders_db = dir.path().join("orders.db");
+    // PostgreSQL all the way: the orders example's order, its event and the relay's claims in
+    // one schema, the inventory's reservation and inbox in another.
+    let Some(orders_db) = TestDb::create().await else {
+        return;
+    };
     let webhook = inventory.events_url().to_string();
     let orders = common::process::OrdersProcess::start_with(&[
-        "--db",
-        orders_db.to_str().expect("a UTF-8 path"),
+        "--database-url",
+        &orders_db.url(),
         "--webhook",
         &webhook,
     ])
@@ -539,6 +541,25 @@ async fn the_orders_example_relays_to_the_inventory_example_on_postgres_once_in_
         inventory.stock().await,
         json!({ "reservations": 2, "reserved": { "book": 3 } })
     );
+    // The orders side: one event per order (none for the replay), both marked delivered.
+    let deadline = std::time::Instant::now() + PATIENCE;
+    loop {
+        let events: Vec<(String, String)> = orders_db
+            .client()
+            .await
+            .query("SELECT topic, status FROM outbox_events ORDER BY seq", &[])
+            .await
+            .expect("outbox events")
+            .iter()
+            .map(|row| (row.get(0), row.get(1)))
+            .collect();
+        let delivered = ("order_created".to_owned(), "delivered".to_owned());
+        if events == [delivered.clone(), delivered] {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "outbox: {events:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     orders.kill().await;
 }
 

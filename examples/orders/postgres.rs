@@ -1,6 +1,8 @@
 //! The same order service on PostgreSQL (`--database-url postgres://...`): orders and
 //! idempotency records live in one database, so several instances of this program can serve
-//! the same shop and a duplicate sent to two of them still creates one order.
+//! the same shop and a duplicate sent to two of them still creates one order. Each order's
+//! `order_created` event commits with it in `outbox_events`; with `--webhook URL` a relay
+//! delivers them, and relays in several instances never deliver one event at the same time.
 
 use std::time::Duration;
 
@@ -16,11 +18,13 @@ use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use tower_idempotency::extract::Tx;
 use tower_idempotency::fingerprint::Fingerprinter;
+use tower_idempotency::outbox::postgres::{enqueue, PostgresOutbox};
+use tower_idempotency::outbox::Relay;
 use tower_idempotency::store::continuously_purge_expired;
 use tower_idempotency::store::postgres::{PostgresStore, PostgresTransaction};
 use tower_idempotency::{IdempotencyLayer, Tenant};
 
-use super::{authenticate, ctrl_c, ApiError, BoxError, NewOrder};
+use super::{authenticate, ctrl_c, webhook_sink, ApiError, BoxError, NewOrder};
 
 /// The business table, next to `idempotency_records` (which the store creates).
 const ORDERS_SCHEMA: &str = "
@@ -31,12 +35,18 @@ CREATE TABLE IF NOT EXISTS orders (
     quantity  BIGINT NOT NULL
 );";
 
-/// Serves the order API on `addr`, with PostgreSQL at `url` for orders and records.
-pub(crate) async fn serve(addr: &str, url: &str) -> Result<(), BoxError> {
+/// Serves the order API on `addr`, with PostgreSQL at `url` for orders, records and events;
+/// with `webhook`, a relay delivers the events there.
+pub(crate) async fn serve(addr: &str, url: &str, webhook: Option<&str>) -> Result<(), BoxError> {
     let store = PostgresStore::connect(url)
         .await
         .map_err(|error| format!("cannot open the store: {error}"))?;
     store.client().await?.batch_execute(ORDERS_SCHEMA).await?;
+    let outbox = PostgresOutbox::install(&store).await?;
+    if let Some(url) = webhook {
+        // Claims are leased: every instance may run a relay.
+        tokio::spawn(Relay::new(outbox, webhook_sink(url)?).run());
+    }
     // Every instance may run this: the purge skips rows another instance is deleting.
     tokio::spawn(continuously_purge_expired(
         store.clone(),
@@ -50,6 +60,10 @@ pub(crate) async fn serve(addr: &str, url: &str) -> Result<(), BoxError> {
     let local = listener.local_addr()?;
     // The URL is not printed: it may carry a password.
     println!("listening on http://{local} (database PostgreSQL)");
+    // After the first line, which scripts and tests read for the address.
+    if let Some(url) = webhook {
+        println!("relaying outbox events to {url}");
+    }
 
     axum::serve(listener, app(store))
         .with_graceful_shutdown(ctrl_c())
@@ -68,8 +82,8 @@ fn app(store: PostgresStore) -> Router {
         .with_state(store)
 }
 
-/// `POST /orders`: the order row goes through the request's transaction, so it commits
-/// together with the saved `201`, or not at all.
+/// `POST /orders`: the order row and its `order_created` event go through the request's
+/// transaction, so they commit together with the saved `201`, or not at all.
 async fn create_order(
     Extension(tenant): Extension<Tenant>,
     Tx(tx): Tx<PostgresTransaction>,
@@ -87,6 +101,17 @@ async fn create_order(
         .query_one(&insert, &[&tenant.as_str(), &order.sku, &order.quantity])
         .await
         .and_then(|row| row.try_get(0))
+        .map_err(internal)?;
+    // Reserving stock is another service's job: the event commits with the order, and the
+    // relay delivers it once the order is durable.
+    let event = json!({
+        "order_id": order_id,
+        "tenant": tenant.as_str(),
+        "sku": order.sku,
+        "quantity": order.quantity,
+    });
+    enqueue(&*client, "order_created", &event)
+        .await
         .map_err(internal)?;
     let response = (
         StatusCode::CREATED,
