@@ -135,21 +135,7 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
         F: Future + Send + 'static,
         F::Output: Send + 'static,
     {
-        let started = std::time::Instant::now();
-        let begin = self.begin(scope, lock_timeout, now);
-        async move {
-            match begin.await? {
-                Begin::Existing(record) => Ok(Began::Existing {
-                    record,
-                    waited: started.elapsed(),
-                }),
-                Begin::Reserved(transaction) => {
-                    let waited = started.elapsed();
-                    let output = work(transaction).await;
-                    Ok(Began::Ran { output, waited })
-                }
-            }
-        }
+        begin_then_run(self, scope, lock_timeout, now, work)
     }
 
     /// Deletes up to `batch` records that expired before `now`; returns how many it deleted.
@@ -158,6 +144,33 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
         now: SystemTime,
         batch: usize,
     ) -> impl Future<Output = Result<u64, Error>> + Send;
+}
+
+/// [`IdempotencyStore::begin_and_run`] in place: `begin`, then `work` awaited by the caller.
+pub(crate) async fn begin_then_run<St, W, F>(
+    store: &St,
+    scope: &Scope,
+    lock_timeout: Duration,
+    now: SystemTime,
+    work: W,
+) -> Result<Began<F::Output>, Error>
+where
+    St: IdempotencyStore,
+    W: FnOnce(St::Transaction) -> F,
+    F: Future,
+{
+    let started = std::time::Instant::now();
+    match store.begin(scope, lock_timeout, now).await? {
+        Begin::Existing(record) => Ok(Began::Existing {
+            record,
+            waited: started.elapsed(),
+        }),
+        Begin::Reserved(transaction) => {
+            let waited = started.elapsed();
+            let output = work(transaction).await;
+            Ok(Began::Ran { output, waited })
+        }
+    }
 }
 
 /// An open write transaction. Dropping it without calling [`commit`](Self::commit) rolls it

@@ -85,8 +85,8 @@ use tokio::sync::oneshot;
 use tracing::Instrument;
 
 use super::{
-    from_unix_millis, to_unix_millis, Began, Begin, IdempotencyStore, NewRecord, Scope,
-    StoreTransaction, StoredRecord,
+    begin_then_run, from_unix_millis, to_unix_millis, Began, Begin, IdempotencyStore, NewRecord,
+    Scope, StoreTransaction, StoredRecord,
 };
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
@@ -1395,20 +1395,7 @@ impl IdempotencyStore for SqliteStore {
                         .begin_on_writer(scope, lock_timeout, now, work, runtime)
                         .await
                 }
-                None => {
-                    let started = Instant::now();
-                    match store.begin(&scope, lock_timeout, now).await? {
-                        Begin::Existing(record) => Ok(Began::Existing {
-                            record,
-                            waited: started.elapsed(),
-                        }),
-                        Begin::Reserved(transaction) => {
-                            let waited = started.elapsed();
-                            let output = work(transaction).await;
-                            Ok(Began::Ran { output, waited })
-                        }
-                    }
-                }
+                None => begin_then_run(&store, &scope, lock_timeout, now, work).await,
             }
         }
     }
