@@ -30,6 +30,26 @@ pub enum Error {
     /// The commit failed (for example, the disk is full); nothing of the request was kept.
     #[error("the commit failed: {0}")]
     CommitFailed(String),
+    /// Another request of the same SQLite commit group ended the transaction the group shared
+    /// (its statement rolled the transaction back, or the group's `COMMIT` failed on what one
+    /// member left behind): nothing of this request was kept, through no fault of its own. The
+    /// layer runs the request again, on its own, without the client seeing it.
+    #[error("the commit group was rolled back by another request: {0}")]
+    GroupRolledBack(String),
+    /// A statement the layer keeps to itself: transaction control (`BEGIN`, `COMMIT`,
+    /// `ROLLBACK`, `END`, the request's savepoint...) sent through a request's handle. The
+    /// layer commits the handler's rows together with the record; ending or splitting the
+    /// transaction behind its back would keep rows without a record.
+    #[error(
+        "{0}: the layer commits the request's transaction; a handler runs no transaction control"
+    )]
+    TransactionControl(&'static str),
+    /// A call that needs the store's writer to itself, made from inside a request that holds
+    /// the writer: it would wait for the request to end, and the request for it. Run the
+    /// statements in the request's transaction instead (its handle's `run`, such as
+    /// `SqliteTransaction::run`).
+    #[error("{0} was called inside a request's transaction on the same store; it would wait for that request to end: use SqliteTransaction::run (the request's handle) instead")]
+    InsideRequest(&'static str),
     /// A closure run on the store's connection panicked.
     #[error("a closure run on the store connection panicked")]
     Panicked,
@@ -72,9 +92,12 @@ impl Error {
         match self {
             Error::Busy => true,
             #[cfg(feature = "sqlite")]
+            // A full disk passes once space is freed: the same key then runs afresh.
             Error::Sqlite(rusqlite::Error::SqliteFailure(e, _)) => matches!(
                 e.code,
-                rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked
+                rusqlite::ErrorCode::DatabaseBusy
+                    | rusqlite::ErrorCode::DatabaseLocked
+                    | rusqlite::ErrorCode::DiskFull
             ),
             // A lock wait past `lock_timeout`, a serialization failure or a deadlock (the
             // transaction was rolled back: a retry may well succeed), or no free connection.

@@ -174,7 +174,7 @@ struct Checked {
 
 impl<S, St, ResB> Flow<S, St>
 where
-    S: Service<Request<RequestBody>, Response = Response<ResB>> + Send + 'static,
+    S: Service<Request<RequestBody>, Response = Response<ResB>> + Clone + Send + 'static,
     S::Future: Send + 'static,
     S::Error: Send + 'static,
     St: IdempotencyStore,
@@ -261,11 +261,11 @@ where
             Err(error) => tracing::warn!(%error, "idempotency fast-path lookup failed"),
         }
 
-        let mut attempt_number: u32 = 0;
+        let mut reruns = Reruns::default();
         loop {
-            // A conflict retry runs the handler again: each attempt gets its own copy of the
+            // A run again runs the handler again: each attempt gets its own copy of the
             // request head, except the last one allowed, which takes the original.
-            let attempt_parts = if attempt_number < self.config.conflict_retries {
+            let attempt_parts = if reruns.any_left(&self.config) {
                 copy_parts(&parts)
             } else {
                 std::mem::replace(&mut parts, Request::new(()).into_parts().0)
@@ -274,7 +274,12 @@ where
                 // Only a panic inside a store's `begin_and_run` could lose it.
                 return Ok(self.reject(&Rejection::HandlerPanicked, wire));
             };
-            if attempt_number > 0 {
+            // A begin that fails keeps the service it would have lent to the handler: keep a
+            // clone while the request may still run again.
+            if reruns.any_left(&self.config) {
+                self.inner = Some(inner.clone());
+            }
+            if reruns.attempts() > 0 {
                 // The service was made ready for the first call only.
                 std::future::poll_fn(|cx| inner.poll_ready(cx)).await?;
             }
@@ -307,6 +312,12 @@ where
                 Err(error) => {
                     // Mostly a lock wait that timed out.
                     metrics::lock_wait(&scope.operation, lock_started.elapsed());
+                    // A duplicate that found its original's record in a commit group which
+                    // was then rolled back: the key is free again.
+                    if reruns.take(&error, &self.config) {
+                        tracing::info!(%error, "the record found was rolled back; running again");
+                        continue;
+                    }
                     return Ok(self.store_failure(&scope, error, wire));
                 }
             };
@@ -321,14 +332,11 @@ where
                         ResponseBody::full(body, trailers),
                     ))
                 }
-                // The database rolled the transaction back for conflicting with a concurrent
-                // one (PostgreSQL 40001, 40P01): running it again may commit.
-                Finished::CommitFailed(error)
-                    if error.is_serialization_conflict()
-                        && attempt_number < self.config.conflict_retries =>
-                {
-                    tracing::info!(%error, attempt = attempt_number, "commit conflicted; running again");
-                    attempt_number += 1;
+                // The database threw the work away through no fault of the request's own: a
+                // conflict with a concurrent transaction (PostgreSQL 40001, 40P01), or another
+                // member of its SQLite commit group. Running it again may commit.
+                Finished::CommitFailed(error) if reruns.take(&error, &self.config) => {
+                    tracing::info!(%error, attempt = reruns.attempts(), "transaction thrown away; running again");
                     continue;
                 }
                 Finished::CommitFailed(error) => {
@@ -473,6 +481,43 @@ where
         },
         fingerprint,
     })
+}
+
+/// How often a request may run again after its transaction was thrown away: up to the layer's
+/// `conflict_retries` for serialization conflicts, and up to [`GROUP_RERUNS`] for a SQLite
+/// commit group rolled back by another member (the store then runs it alone, so once is
+/// enough; the second covers a duplicate that ran in its original's place).
+#[derive(Default)]
+struct Reruns {
+    conflicts: u32,
+    group: u32,
+}
+
+/// See [`Reruns`].
+const GROUP_RERUNS: u32 = 2;
+
+impl Reruns {
+    fn attempts(&self) -> u32 {
+        self.conflicts + self.group
+    }
+
+    /// Whether some error could still run the request again.
+    fn any_left(&self, config: &Config) -> bool {
+        self.conflicts < config.conflict_retries || self.group < GROUP_RERUNS
+    }
+
+    /// Counts a run again for `error`, if it is one that runs again and any are left.
+    fn take(&mut self, error: &Error, config: &Config) -> bool {
+        if matches!(error, Error::GroupRolledBack(_)) && self.group < GROUP_RERUNS {
+            self.group += 1;
+            true
+        } else if error.is_serialization_conflict() && self.conflicts < config.conflict_retries {
+            self.conflicts += 1;
+            true
+        } else {
+            false
+        }
+    }
 }
 
 /// A copy of a request head, extensions included (the body is buffered separately).

@@ -242,21 +242,106 @@ impl Exclusive {
 /// The name of the savepoint that isolates one request inside a group.
 const REQUEST_SAVEPOINT: &str = "tower_idempotency_request";
 
-/// Opens the request's savepoint (a literal, so that the statement can be cached).
-const SAVEPOINT_SQL: &str = "SAVEPOINT tower_idempotency_request";
+/// The store's own transaction-control statements.
+///
+/// Only the store may run transaction control on the writer: the connection's authorizer
+/// refuses it to every other statement (see [`Writer::control`]). The cached ones carry a
+/// comment unique to the store, so that a handler's `prepare_cached` of the same words cannot
+/// fetch one of these (authorized) statements from the connection's statement cache.
+struct ControlSql {
+    begin: String,
+    savepoint: String,
+    release: String,
+    commit: String,
+    rollback_request: String,
+}
 
-/// Keeps the request's rows in the group.
-const RELEASE_SQL: &str = "RELEASE tower_idempotency_request";
+impl ControlSql {
+    fn new() -> Self {
+        use std::hash::{BuildHasher, Hasher};
+        // Random per process and store (the standard library seeds it from the OS).
+        let nonce = std::collections::hash_map::RandomState::new()
+            .build_hasher()
+            .finish();
+        let tag = format!("/* tower-idempotency {nonce:016x} */");
+        ControlSql {
+            begin: format!("BEGIN IMMEDIATE {tag}"),
+            savepoint: format!("SAVEPOINT {REQUEST_SAVEPOINT} {tag}"),
+            release: format!("RELEASE {REQUEST_SAVEPOINT} {tag}"),
+            commit: format!("COMMIT {tag}"),
+            rollback_request: format!(
+                "ROLLBACK TO {REQUEST_SAVEPOINT}; RELEASE {REQUEST_SAVEPOINT}"
+            ),
+        }
+    }
+}
 
-/// Told when the group a request belongs to has committed (or why it failed to).
-type CommitWaiter = Box<dyn FnOnce(Result<(), String>) + Send>;
+/// Lets the store's own transaction control through the authorizer while it lives.
+struct ControlAllowed<'a>(&'a AtomicBool);
+
+impl<'a> ControlAllowed<'a> {
+    fn new(flag: &'a AtomicBool) -> Self {
+        flag.store(true, Ordering::Relaxed);
+        ControlAllowed(flag)
+    }
+}
+
+impl Drop for ControlAllowed<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Relaxed);
+    }
+}
+
+/// Installs the writer connection's authorizer: transaction control (`BEGIN`, `COMMIT`,
+/// `ROLLBACK`, `END`) and any statement on the request's savepoint are refused unless the
+/// store itself runs them. A handler's own savepoints (other names) are allowed: they nest
+/// inside the request's and end with it.
+fn refuse_foreign_transaction_control(
+    conn: &mut Connection,
+    allowed: Arc<AtomicBool>,
+) -> rusqlite::Result<()> {
+    use rusqlite::hooks::{AuthAction, AuthContext, Authorization};
+    conn.authorizer(Some(move |context: AuthContext<'_>| {
+        let controls_the_request = match context.action {
+            AuthAction::Transaction { .. } => true,
+            AuthAction::Savepoint { savepoint_name, .. } => {
+                savepoint_name.eq_ignore_ascii_case(REQUEST_SAVEPOINT)
+            }
+            _ => false,
+        };
+        if controls_the_request && !allowed.load(Ordering::Relaxed) {
+            Authorization::Deny
+        } else {
+            Authorization::Allow
+        }
+    }))
+}
+
+/// Told when the group a request belongs to has committed, or why it did not.
+type CommitWaiter = Box<dyn FnOnce(Result<(), Error>) + Send>;
+
+/// A request waiting for its group's commit.
+struct Member {
+    scope: Scope,
+    /// It saved its record in the group (rather than found one of the group's records).
+    saved: bool,
+    notify: CommitWaiter,
+}
 
 /// The SQLite transaction shared by a group of requests.
 struct Group {
-    /// Requests whose records are in the group, waiting for its commit.
-    waiters: Vec<CommitWaiter>,
+    /// Requests whose records (or whose duplicates' records) are in the group.
+    members: Vec<Member>,
     opened: Instant,
+    /// Opened for a request that runs again after another member rolled its group back:
+    /// it commits alone, so nothing another request does can undo it a second time.
+    solo: bool,
 }
+
+/// How long a request is remembered as one to run alone (see [`Writer::rerun_alone`]):
+/// the layer runs it again at once, so this only bounds what a client that went away
+/// leaves behind.
+const RERUN_ALONE_FOR: Duration = Duration::from_secs(60);
 
 /// What lives on the writer thread.
 struct Writer {
@@ -283,6 +368,11 @@ struct Writer {
     store_id: u64,
     /// Requests' work started by the last job, for the thread to poll.
     started: Vec<Driven>,
+    /// Set while the store runs its own transaction control (read by the authorizer).
+    control_allowed: Arc<AtomicBool>,
+    sql: ControlSql,
+    /// Requests whose group another member rolled back: each runs again alone.
+    rerun_alone: std::collections::HashMap<Scope, Instant>,
 }
 
 /// The writer connection's busy handler: `busy_timeout`'s semantics (one statement waits at
@@ -331,20 +421,35 @@ struct OtherWriters {
 }
 
 impl Writer {
+    /// Runs the store's own transaction control: the authorizer refuses it to everyone else.
+    fn control<T>(&self, f: impl FnOnce(&Connection) -> T) -> T {
+        let _allowed = ControlAllowed::new(&self.control_allowed);
+        f(&self.conn)
+    }
+
     /// Opens the group transaction if needed and the request's savepoint in it.
-    fn begin_request(&mut self, generation: u64, busy_wait: Duration) -> Result<(), Error> {
+    fn begin_request(
+        &mut self,
+        generation: u64,
+        scope: &Scope,
+        busy_wait: Duration,
+    ) -> Result<(), Error> {
         if self.active.is_some() {
             self.rollback_request();
+        }
+        let alone = self.rerun_alone.remove(scope).is_some();
+        if self.group.as_ref().is_some_and(|group| alone || group.solo) {
+            self.flush();
         }
         if self.group.is_none() || self.conn.is_autocommit() {
             self.abort_group("the group transaction ended unexpectedly");
             self.file.check()?;
             self.give_way();
             self.set_busy_wait(busy_wait);
-            let begun = self
-                .conn
-                .prepare_cached("BEGIN IMMEDIATE")
-                .and_then(|mut begin| begin.execute([]));
+            let begun = self.control(|conn| {
+                conn.prepare_cached(&self.sql.begin)
+                    .and_then(|mut begin| begin.execute([]))
+            });
             self.note_other_writers();
             if let Err(error) = begun {
                 return Err(if is_busy(&error) {
@@ -354,12 +459,16 @@ impl Writer {
                 });
             }
             self.group = Some(Group {
-                waiters: Vec::new(),
+                members: Vec::new(),
                 opened: Instant::now(),
+                solo: alone,
             });
         }
         // Cached: prepared once per connection rather than once per request.
-        self.conn.prepare_cached(SAVEPOINT_SQL)?.execute([])?;
+        self.control(|conn| {
+            conn.prepare_cached(&self.sql.savepoint)
+                .and_then(|mut savepoint| savepoint.execute([]))
+        })?;
         self.active = Some(generation);
         self.request_started = Some(Instant::now());
         Ok(())
@@ -380,7 +489,7 @@ impl Writer {
             .checked_duration_since(Instant::now())
             .filter(|left| !left.is_zero())
             .ok_or(Error::Busy)?;
-        self.begin_request(generation, busy_wait.max(MIN_BUSY_WAIT))?;
+        self.begin_request(generation, scope, busy_wait.max(MIN_BUSY_WAIT))?;
         match check_existing(&self.conn, scope, now_millis) {
             Ok(None) => Ok(None),
             Ok(Some(record)) => {
@@ -453,8 +562,8 @@ impl Writer {
         let was_active = self.active.is_some();
         self.end_request();
         if was_active && !self.conn.is_autocommit() {
-            let sql = format!("ROLLBACK TO {REQUEST_SAVEPOINT}; RELEASE {REQUEST_SAVEPOINT}");
-            if let Err(error) = self.conn.execute_batch(&sql) {
+            let undone = self.control(|conn| conn.execute_batch(&self.sql.rollback_request));
+            if let Err(error) = undone {
                 tracing::error!(%error, "rolling back a request's savepoint failed");
                 self.abort_group("rolling back a request's savepoint failed");
             }
@@ -463,16 +572,62 @@ impl Writer {
 
     /// Keeps the active request's rows in the group (to commit with it).
     fn release_request(&mut self) -> Result<(), Error> {
-        self.conn.prepare_cached(RELEASE_SQL)?.execute([])?;
+        self.control(|conn| {
+            conn.prepare_cached(&self.sql.release)
+                .and_then(|mut release| release.execute([]))
+        })?;
         self.end_request();
         Ok(())
     }
 
-    /// Tells `waiter` when the open group commits (at once if there is none).
-    fn on_commit(&mut self, waiter: CommitWaiter) {
+    /// Tells `member` when the open group commits (at once if there is none).
+    fn on_commit(&mut self, member: Member) {
         match &mut self.group {
-            Some(group) => group.waiters.push(waiter),
-            None => waiter(Ok(())),
+            Some(group) => group.members.push(member),
+            None => (member.notify)(Ok(())),
+        }
+    }
+
+    /// Remembers that the request of `scope` runs again alone (its group was rolled back
+    /// through no fault of its own).
+    fn rerun_alone(&mut self, scope: Scope) {
+        if self.rerun_alone.len() >= 1024 {
+            self.rerun_alone
+                .retain(|_, since| since.elapsed() < RERUN_ALONE_FOR);
+        }
+        self.rerun_alone.insert(scope, Instant::now());
+    }
+
+    /// Tells a group's members how it ended.
+    ///
+    /// When it failed, a member whose failure it was (the group's only saved record, or a
+    /// request that ran alone) gets the error; every other member gets
+    /// [`Error::GroupRolledBack`] and is remembered to run again alone: the layer then runs it
+    /// again at once, and the client never sees the difference.
+    fn tell_members(&mut self, group: Group, outcome: Result<(), Error>) {
+        let error = match outcome {
+            Ok(()) => {
+                for member in group.members {
+                    (member.notify)(Ok(()));
+                }
+                return;
+            }
+            Err(error) => error,
+        };
+        let saved = group.members.iter().filter(|member| member.saved).count();
+        let its_own = group.solo || saved <= 1;
+        let reason = error.to_string();
+        let mut error = Some(error);
+        for member in group.members {
+            if its_own && member.saved {
+                let error = error
+                    .take()
+                    .unwrap_or_else(|| Error::CommitFailed(reason.clone()));
+                (member.notify)(Err(error));
+            } else {
+                self.rerun_alone(member.scope);
+                (member.notify)(Err(Error::GroupRolledBack(reason.clone())));
+            }
         }
     }
 
@@ -490,44 +645,60 @@ impl Writer {
         let Some(group) = self.group.take() else {
             return;
         };
+        let requests = group.members.len();
         let outcome = if self.conn.is_autocommit() {
-            Err("the group transaction ended unexpectedly".to_owned())
+            Err(Error::TransactionAborted(
+                "the group transaction ended unexpectedly",
+            ))
         } else if let Err(error) = self.file.check() {
-            tracing::error!(%error, requests = group.waiters.len(), "group not committed");
-            let _ = self.conn.execute_batch("ROLLBACK");
-            Err(error.to_string())
+            tracing::error!(%error, requests, "group not committed");
+            self.roll_back_all();
+            Err(error)
         } else {
-            let committed = self
-                .conn
-                .prepare_cached("COMMIT")
-                .and_then(|mut commit| commit.execute([]));
+            let committed = self.control(|conn| {
+                conn.prepare_cached(&self.sql.commit)
+                    .and_then(|mut commit| commit.execute([]))
+            });
             committed.map(drop).map_err(|error| {
-                tracing::error!(%error, requests = group.waiters.len(), "group commit failed");
-                if !self.conn.is_autocommit() {
-                    let _ = self.conn.execute_batch("ROLLBACK");
-                }
-                error.to_string()
+                // A deferred foreign key (or constraint trigger) a member left violated
+                // fails here, with the transaction still open; a full disk or an I/O error
+                // may have ended it already.
+                tracing::warn!(%error, requests, "group commit failed");
+                self.roll_back_all();
+                Error::from(error)
             })
         };
         if outcome.is_ok() {
             self.other_writers.committed = Some(Instant::now());
         }
-        for waiter in group.waiters {
-            waiter(outcome.clone());
-        }
+        self.tell_members(group, outcome);
     }
 
-    /// Throws the open group away (its requests are told it failed).
-    fn abort_group(&mut self, reason: &str) {
-        self.end_request();
+    /// Rolls back whatever transaction is open on the connection.
+    fn roll_back_all(&mut self) {
         if !self.conn.is_autocommit() {
-            if let Err(error) = self.conn.execute_batch("ROLLBACK") {
+            if let Err(error) = self.control(|conn| conn.execute_batch("ROLLBACK")) {
                 tracing::error!(%error, "rollback failed");
             }
         }
+    }
+
+    /// Throws the open group away: the active request (if any) ended it, so every member
+    /// waiting for its commit runs again alone.
+    fn abort_group(&mut self, reason: &'static str) {
+        self.end_request();
+        self.roll_back_all();
         if let Some(group) = self.group.take() {
-            for waiter in group.waiters {
-                waiter(Err(reason.to_owned()));
+            if !group.members.is_empty() {
+                tracing::info!(
+                    reason,
+                    requests = group.members.len(),
+                    "group rolled back; its requests run again"
+                );
+            }
+            for member in group.members {
+                self.rerun_alone(member.scope);
+                (member.notify)(Err(Error::GroupRolledBack(reason.to_owned())));
             }
         }
     }
@@ -549,8 +720,9 @@ impl Writer {
     fn is_due(&self, group: &Group) -> bool {
         // The members already in the group wait for the next request's handler too: only
         // worth it while that is expected to fit in the group delay.
-        self.queued.load(Ordering::Acquire) == 0
-            || group.waiters.len() >= self.limits.max_requests
+        group.solo
+            || self.queued.load(Ordering::Acquire) == 0
+            || group.members.len() >= self.limits.max_requests
             || group.opened.elapsed() + self.typical_hold >= self.limits.max_delay
     }
 
@@ -691,6 +863,8 @@ impl SqliteStore {
         conn.busy_handler(Some(move |attempt| {
             BusyWait::on_busy(&handler_state, attempt)
         }))?;
+        let control_allowed = Arc::new(AtomicBool::new(false));
+        refuse_foreign_transaction_control(&mut conn, control_allowed.clone())?;
 
         let (jobs, receiver) = mpsc::channel::<Job>();
         let store_id = NEXT_STORE_ID.fetch_add(1, Ordering::Relaxed);
@@ -708,6 +882,9 @@ impl SqliteStore {
             other_writers: OtherWriters::default(),
             store_id,
             started: Vec::new(),
+            control_allowed,
+            sql: ControlSql::new(),
+            rerun_alone: std::collections::HashMap::new(),
         };
         std::thread::Builder::new()
             .name("tower-idempotency-sqlite-writer".into())
@@ -758,16 +935,35 @@ impl SqliteStore {
         T: Send + 'static,
     {
         self.shared
-            .call_exclusive(move |writer| {
+            .call_exclusive("SqliteStore::write", move |writer| {
                 writer.settle();
                 writer.file.check()?;
                 writer.set_busy_wait(STANDALONE_BUSY_TIMEOUT);
-                let tx = writer
-                    .conn
-                    .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
-                let value = f(&tx)?;
-                tx.commit()?;
-                Ok(value)
+                let allowed = &writer.control_allowed;
+                let tx = {
+                    let _allowed = ControlAllowed::new(allowed);
+                    rusqlite::Transaction::new_unchecked(
+                        &writer.conn,
+                        rusqlite::TransactionBehavior::Immediate,
+                    )?
+                };
+                // `f` runs as a handler's statements do: its transaction control is refused.
+                let value = std::panic::catch_unwind(AssertUnwindSafe(|| f(&tx)));
+                let _allowed = ControlAllowed::new(allowed);
+                match value {
+                    Ok(Ok(value)) => {
+                        tx.commit()?;
+                        Ok(value)
+                    }
+                    Ok(Err(error)) => {
+                        drop(tx);
+                        Err(error.into())
+                    }
+                    Err(panic) => {
+                        drop(tx);
+                        std::panic::resume_unwind(panic)
+                    }
+                }
             })
             .await
     }
@@ -826,13 +1022,13 @@ impl SqliteStore {
             }
             let waited = queued_at.elapsed();
             match writer.start_request(generation, deadline, &scope, now_millis) {
-                Ok(Some(record)) => writer.on_commit(Box::new(move |outcome| {
-                    let _ = reply.send(
-                        outcome
-                            .map(|()| Began::Existing { record, waited })
-                            .map_err(Error::CommitFailed),
-                    );
-                })),
+                Ok(Some(record)) => writer.on_commit(Member {
+                    scope,
+                    saved: false,
+                    notify: Box::new(move |outcome| {
+                        let _ = reply.send(outcome.map(|()| Began::Existing { record, waited }));
+                    }),
+                }),
                 Ok(None) => {
                     let work = DrivenWork {
                         work: work(reservation).instrument(span),
@@ -855,7 +1051,8 @@ impl SqliteStore {
                 }
             }
         });
-        self.shared.send_exclusive(begin, Some(cancel.0.clone()))?;
+        self.shared
+            .send_exclusive(begin, Some(cancel.0.clone()), NESTED_REQUEST)?;
         // The lock timeout bounds the wait for the begin, not the work after it.
         let answered = match tokio::time::timeout(lock_timeout, &mut answer).await {
             Ok(answered) => answered,
@@ -909,6 +1106,21 @@ thread_local! {
     /// On a writer thread, its store's writer. Jobs borrow it, and so do the statements of a
     /// request whose work the thread polls: they run at once, without a round trip.
     static WRITER: RefCell<Option<Writer>> = const { RefCell::new(None) };
+}
+
+/// What a begin queued from inside a request's work is called in [`Error::InsideRequest`].
+const NESTED_REQUEST: &str = "an idempotent request nested in another on the same store";
+
+/// Whether this is the writer thread of store `id`, polling the work of a request that holds
+/// the writer (a handler's code, under the layer).
+fn inside_request(id: u64) -> bool {
+    WRITER.with(|cell| {
+        cell.try_borrow().is_ok_and(|writer| {
+            writer
+                .as_ref()
+                .is_some_and(|writer| writer.store_id == id && writer.active.is_some())
+        })
+    })
 }
 
 /// Runs `f` with this thread's writer; `None` on any other thread (or while it is borrowed).
@@ -1136,7 +1348,19 @@ impl Shared {
     /// Queues `step` to run once the writer is free of other transactions. The job counts in
     /// `queued` from now until it starts, so that a group does not commit early while the
     /// next request is about to join it.
-    fn send_exclusive(&self, step: Step, request: Option<Arc<TxShared>>) -> Result<(), Error> {
+    ///
+    /// Refused at once ([`Error::InsideRequest`], naming `what`) when called from the work of
+    /// a request that holds this store's writer: the job would wait for that request to end,
+    /// and the request for the job.
+    fn send_exclusive(
+        &self,
+        step: Step,
+        request: Option<Arc<TxShared>>,
+        what: &'static str,
+    ) -> Result<(), Error> {
+        if inside_request(self.id) {
+            return Err(Error::InsideRequest(what));
+        }
         self.queued.fetch_add(1, Ordering::AcqRel);
         let ticket = QueueTicket(self.queued.clone());
         self.jobs
@@ -1148,8 +1372,9 @@ impl Shared {
             .map_err(|_| Error::Closed)
     }
 
-    /// Runs `f` with the writer to itself, and waits for its answer.
-    async fn call_exclusive<T, F>(&self, f: F) -> Result<T, Error>
+    /// Runs `f` with the writer to itself, and waits for its answer. `what` names the call
+    /// in the error a call from inside a request gets (see [`Shared::send_exclusive`]).
+    async fn call_exclusive<T, F>(&self, what: &'static str, f: F) -> Result<T, Error>
     where
         F: FnOnce(&mut Writer) -> Result<T, Error> + Send + 'static,
         T: Send + 'static,
@@ -1160,6 +1385,7 @@ impl Shared {
                 let _ = reply.send(f(writer));
             }),
             None,
+            what,
         )?;
         answer.await.map_err(|_| Error::Panicked)?
     }
@@ -1341,9 +1567,13 @@ impl IdempotencyStore for SqliteStore {
             match writer.start_request(generation, deadline, &scope, now_millis) {
                 // The record may belong to the open group: answer only once that group is
                 // durable.
-                Ok(Some(record)) => writer.on_commit(Box::new(move |outcome| {
-                    let _ = reply.send(outcome.map(|()| Some(record)).map_err(Error::CommitFailed));
-                })),
+                Ok(Some(record)) => writer.on_commit(Member {
+                    scope,
+                    saved: false,
+                    notify: Box::new(move |outcome| {
+                        let _ = reply.send(outcome.map(|()| Some(record)));
+                    }),
+                }),
                 Ok(None) => {
                     let _ = reply.send(Ok(None));
                 }
@@ -1353,7 +1583,7 @@ impl IdempotencyStore for SqliteStore {
             }
         });
         self.shared
-            .send_exclusive(begin, Some(reservation.tx.clone()))?;
+            .send_exclusive(begin, Some(reservation.tx.clone()), NESTED_REQUEST)?;
         let answer = tokio::time::timeout(lock_timeout, answer)
             .await
             .map_err(|_| Error::Busy)?
@@ -1404,7 +1634,7 @@ impl IdempotencyStore for SqliteStore {
         let now = to_unix_millis(now);
         let batch = i64::try_from(batch).unwrap_or(i64::MAX);
         self.shared
-            .call_exclusive(move |writer| {
+            .call_exclusive("IdempotencyStore::purge_expired", move |writer| {
                 writer.settle();
                 writer.set_busy_wait(STANDALONE_BUSY_TIMEOUT);
                 let deleted = writer.conn.execute(
@@ -1527,9 +1757,13 @@ impl StoreTransaction for SqliteReservation {
             match insert_record(&writer.conn, &scope, &record)
                 .and_then(|()| writer.release_request())
             {
-                Ok(()) => writer.on_commit(Box::new(move |outcome| {
-                    let _ = reply.send(outcome.map_err(Error::CommitFailed));
-                })),
+                Ok(()) => writer.on_commit(Member {
+                    scope,
+                    saved: true,
+                    notify: Box::new(move |outcome| {
+                        let _ = reply.send(outcome);
+                    }),
+                }),
                 // `end` rolls the savepoint back next.
                 Err(error) => {
                     let _ = reply.send(Err(error));
@@ -1605,12 +1839,19 @@ impl SqliteTransaction {
             let result = std::panic::catch_unwind(AssertUnwindSafe(|| f(&writer.conn)))
                 .map_err(|_| Error::Panicked)?;
             if writer.conn.is_autocommit() {
-                // `after_job` fails the rest of the group.
+                // `after_job` rolls the rest of the group back, and its members run again.
                 return Err(Error::TransactionAborted(
-                    "the transaction ended inside a handler's statement",
+                    "a handler's statement ended the transaction (RAISE(ROLLBACK), \
+                     ON CONFLICT ROLLBACK, or a disk error)",
                 ));
             }
-            result.map_err(Error::from)
+            result.map_err(|error| match error.sqlite_error_code() {
+                // Only the store's authorizer refuses statements here.
+                Some(rusqlite::ErrorCode::AuthorizationForStatementDenied) => {
+                    Error::TransactionControl("SqliteTransaction::run")
+                }
+                _ => Error::from(error),
+            })
         };
         // From the request's work, polled on the writer thread: run the statement now.
         match run_if_on_writer(self.tx.store.id, statement) {

@@ -1,0 +1,454 @@
+//! A failing request fails alone, whatever ends the transaction its commit group shares.
+//!
+//! Each test sends many new orders at once (48 connections, so that requests really share
+//! SQLite transactions: every good handler checks that it saw another member's uncommitted
+//! order), one in ten of them poisoned in a way that ends the shared transaction: a trigger's
+//! `RAISE(ROLLBACK)`, `INSERT OR ROLLBACK` or `ON CONFLICT ROLLBACK`, or a deferred foreign key
+//! that only fails at `COMMIT`. Every good request must get its `201` with its order and
+//! record (the store runs the innocent members of a rolled-back group again, alone), no
+//! poisoned one a `201`, and `orders == records == good requests`; every `201` replays.
+
+mod common;
+
+use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use common::{hook, post, HookOutcome, Reply, TestServer, PATIENCE, SHOP_A};
+use http::StatusCode;
+use tokio::sync::Semaphore;
+use tower_idempotency::outbox::inbox::SqliteInbox;
+use tower_idempotency::outbox::sqlite::SqliteOutbox;
+use tower_idempotency::store::sqlite::SqliteStore;
+use tower_idempotency::Error;
+
+const REQUESTS: usize = 240;
+const CONNECTIONS: usize = 48;
+const GOOD: &str = r#"{"sku":"book","quantity":1}"#;
+const POISONED: &str = r#"{"sku":"poison","quantity":1}"#;
+
+/// What the poisoned requests do, and the tables it needs.
+struct Poison {
+    /// Run once on the store before the load (tables, triggers).
+    setup: &'static str,
+    /// Run by a poisoned request's handler after its order, through its handle.
+    statement: Option<&'static str>,
+    /// Whether the poison ends the group's transaction (so innocents must run again).
+    ends_the_group: bool,
+}
+
+/// What the handlers saw.
+#[derive(Default)]
+struct Seen {
+    /// The most uncommitted orders of other requests one good handler saw in its own
+    /// transaction: above zero, requests shared a group.
+    others_in_group: AtomicI64,
+    /// Errors the poisoned statements returned to their handlers.
+    poison_errors: std::sync::Mutex<Vec<String>>,
+    poisoned_runs: AtomicUsize,
+}
+
+fn count_orders(conn: &rusqlite::Connection) -> rusqlite::Result<i64> {
+    conn.query_row("SELECT COUNT(*) FROM orders", [], |row| row.get(0))
+}
+
+async fn server(poison: &Poison, seen: Arc<Seen>) -> TestServer {
+    let store_slot: Arc<OnceLock<SqliteStore>> = Arc::default();
+    let statement = poison.statement;
+    let server = TestServer::builder()
+        .layer(|layer| layer.with_lock_timeout(PATIENCE))
+        .hook({
+            let store_slot = store_slot.clone();
+            hook(move |call| {
+                let (seen, store_slot) = (seen.clone(), store_slot.clone());
+                async move {
+                    if call.sku == "poison" {
+                        seen.poisoned_runs.fetch_add(1, Ordering::SeqCst);
+                        let Some(sql) = statement else {
+                            return HookOutcome::default();
+                        };
+                        return match call.tx.run(move |conn| conn.execute_batch(sql)).await {
+                            Ok(()) => HookOutcome::default(),
+                            Err(error) => {
+                                seen.poison_errors
+                                    .lock()
+                                    .expect("lock")
+                                    .push(error.to_string());
+                                HookOutcome {
+                                    fail_with: Some(StatusCode::INTERNAL_SERVER_ERROR),
+                                    ..HookOutcome::default()
+                                }
+                            }
+                        };
+                    }
+                    // Orders inside this transaction, then committed ones: the group cannot
+                    // commit while this request is in it, so the difference (less its own
+                    // order) is other members' uncommitted orders.
+                    let inside = call.tx.run(count_orders).await.expect("count inside");
+                    let store = store_slot.get().expect("store").clone();
+                    let committed = store.read(count_orders).await.expect("count committed");
+                    seen.others_in_group
+                        .fetch_max(inside - committed - 1, Ordering::SeqCst);
+                    HookOutcome::default()
+                }
+            })
+        })
+        .spawn()
+        .await;
+    let _ = store_slot.set(server.store.clone());
+    server
+        .store
+        .write(move |tx| tx.execute_batch(poison_setup()))
+        .await
+        .expect("setup");
+    let setup = poison.setup;
+    server
+        .store
+        .write(move |tx| tx.execute_batch(setup))
+        .await
+        .expect("poison setup");
+    server
+}
+
+/// Tables every poison may use.
+fn poison_setup() -> &'static str {
+    "CREATE TABLE parents (id INTEGER PRIMARY KEY);
+     INSERT INTO parents (id) VALUES (1);"
+}
+
+/// Sends the load and checks every invariant; returns what the handlers saw.
+async fn poisoned_load(poison: Poison) -> Arc<Seen> {
+    let seen = Arc::new(Seen::default());
+    let server = server(&poison, seen.clone()).await;
+    let permits = Arc::new(Semaphore::new(CONNECTIONS));
+    let tasks: Vec<_> = (0..REQUESTS)
+        .map(|i| {
+            let (permits, addr) = (permits.clone(), server.addr);
+            tokio::spawn(async move {
+                let _permit = permits.acquire_owned().await.expect("permit");
+                let poisoned = i % 10 == 0;
+                let key = format!("key-{i}");
+                let body = if poisoned { POISONED } else { GOOD };
+                let reply = post(addr, Some(SHOP_A), Some(&key), body, &[]).await;
+                (key, poisoned, reply)
+            })
+        })
+        .collect();
+    let mut outcomes: Vec<(String, bool, Reply)> = Vec::new();
+    for task in tasks {
+        outcomes.push(task.await.expect("request"));
+    }
+
+    let mut good = 0i64;
+    for (key, poisoned, reply) in &outcomes {
+        if *poisoned {
+            assert_ne!(
+                reply.status,
+                StatusCode::CREATED,
+                "{key} was poisoned: {reply:?}"
+            );
+            assert!(
+                !common::record_exists(&server.store, "shop-a", "create_order", key).await,
+                "{key}: a failure is not saved"
+            );
+        } else {
+            assert_eq!(
+                reply.status,
+                StatusCode::CREATED,
+                "{key} was good: {reply:?}"
+            );
+            assert!(!reply.replayed(), "{key}");
+            good += 1;
+        }
+    }
+    assert_eq!(
+        server.order_count().await,
+        good,
+        "one order per good request"
+    );
+    assert_eq!(
+        server.record_count().await,
+        good,
+        "one record per good request"
+    );
+    let orders = common::orders(&server.store).await;
+    assert!(
+        orders.iter().all(|(_, _, sku, _)| sku == "book"),
+        "no poisoned order kept"
+    );
+
+    // Every 201 replays exactly.
+    for (key, poisoned, reply) in &outcomes {
+        if !*poisoned {
+            let again = post(server.addr, Some(SHOP_A), Some(key), GOOD, &[]).await;
+            assert!(again.replayed(), "{key}: {again:?}");
+            assert_eq!(again.status, reply.status, "{key}");
+            assert_eq!(again.body, reply.body, "{key}");
+        }
+    }
+    assert!(
+        seen.others_in_group.load(Ordering::SeqCst) > 0,
+        "requests shared commit groups"
+    );
+    let runs = server.app.handler_calls();
+    eprintln!(
+        "{good} good of {REQUESTS}; {runs} handler runs; up to {} others seen in a group",
+        seen.others_in_group.load(Ordering::SeqCst)
+    );
+    if poison.ends_the_group {
+        assert!(
+            runs > REQUESTS,
+            "poisoned groups were rolled back and their innocent members ran again \
+             ({runs} runs for {REQUESTS} requests)"
+        );
+    }
+    seen
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trigger_raising_rollback_fails_only_its_own_request() {
+    poisoned_load(Poison {
+        setup: "CREATE TRIGGER poison AFTER INSERT ON orders WHEN NEW.sku = 'poison'
+                BEGIN SELECT RAISE(ROLLBACK, 'poisoned order'); END;",
+        statement: None,
+        ends_the_group: true,
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn insert_or_rollback_fails_only_its_own_request() {
+    poisoned_load(Poison {
+        setup: "CREATE TABLE once (id INTEGER PRIMARY KEY);",
+        statement: Some(
+            "INSERT OR ROLLBACK INTO once (id) VALUES (1); \
+             INSERT OR ROLLBACK INTO once (id) VALUES (1);",
+        ),
+        ends_the_group: true,
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_conflict_rollback_fails_only_its_own_request() {
+    poisoned_load(Poison {
+        setup: "CREATE TABLE unique_once (id INTEGER UNIQUE ON CONFLICT ROLLBACK);",
+        statement: Some(
+            "INSERT INTO unique_once (id) VALUES (1); INSERT INTO unique_once (id) VALUES (1);",
+        ),
+        ends_the_group: true,
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deferred_foreign_key_violated_by_one_request_fails_only_it_at_commit() {
+    poisoned_load(Poison {
+        setup: "CREATE TABLE children (parent_id INTEGER
+                    REFERENCES parents (id) DEFERRABLE INITIALLY DEFERRED);",
+        statement: Some("INSERT INTO children (parent_id) VALUES (999999);"),
+        ends_the_group: true,
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pragma_defer_foreign_keys_violated_by_one_request_fails_only_it_at_commit() {
+    poisoned_load(Poison {
+        setup: "CREATE TABLE kids (parent_id INTEGER REFERENCES parents (id));",
+        statement: Some(
+            "PRAGMA defer_foreign_keys = ON; INSERT INTO kids (parent_id) VALUES (999999);",
+        ),
+        ends_the_group: true,
+    })
+    .await;
+}
+
+/// Transaction control through the handle is refused (the authorizer), so it ends nothing:
+/// the poisoned handler gets the refusal, fails, and only its own savepoint rolls back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transaction_control_through_the_handle_is_refused_and_ends_nothing() {
+    for statement in [
+        "COMMIT; BEGIN",
+        "ROLLBACK",
+        "END",
+        "BEGIN",
+        "RELEASE tower_idempotency_request; SAVEPOINT tower_idempotency_request",
+        "ROLLBACK TO tower_idempotency_request",
+        "release TOWER_IDEMPOTENCY_REQUEST",
+    ] {
+        let seen = poisoned_load(Poison {
+            setup: "SELECT 1;",
+            statement: Some(statement),
+            ends_the_group: false,
+        })
+        .await;
+        let errors = seen.poison_errors.lock().expect("lock").clone();
+        assert_eq!(
+            errors.len(),
+            seen.poisoned_runs.load(Ordering::SeqCst),
+            "{statement}: every poisoned run was refused"
+        );
+        assert!(
+            errors
+                .iter()
+                .all(|error| error.contains("runs no transaction control")),
+            "{statement}: {errors:?}"
+        );
+    }
+}
+
+/// The refusal cannot be bypassed through the statement cache: the store's own cached
+/// `COMMIT` is not what a handler's `prepare_cached("COMMIT")` gets. A handler's own
+/// savepoints (other names) are allowed and nest inside the request's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_refusal_holds_for_cached_statements_and_allows_a_handlers_own_savepoints() {
+    let outcome: Arc<std::sync::Mutex<Vec<String>>> = Arc::default();
+    let server = TestServer::builder()
+        .hook({
+            let outcome = outcome.clone();
+            hook(move |call| {
+                let outcome = outcome.clone();
+                async move {
+                    let cached = call
+                        .tx
+                        .run(|conn| {
+                            for sql in ["COMMIT", "BEGIN IMMEDIATE", "ROLLBACK"] {
+                                conn.prepare_cached(sql)?.execute([])?;
+                            }
+                            Ok(())
+                        })
+                        .await;
+                    let own = call
+                        .tx
+                        .run(|conn| {
+                            conn.execute_batch(
+                                "SAVEPOINT mine; \
+                                 INSERT INTO orders (tenant_id, sku, quantity) VALUES ('x', 'y', 1); \
+                                 ROLLBACK TO mine; RELEASE mine;",
+                            )
+                        })
+                        .await;
+                    let mut outcome = outcome.lock().expect("lock");
+                    outcome.push(match cached {
+                        Ok(()) => "cached: ran".to_owned(),
+                        Err(error) => format!("cached: {error}"),
+                    });
+                    outcome.push(match own {
+                        Ok(()) => "own savepoint: ran".to_owned(),
+                        Err(error) => format!("own savepoint: {error}"),
+                    });
+                    HookOutcome::default()
+                }
+            })
+        })
+        .spawn()
+        .await;
+    // Twice: the second request's statements meet a warm cache.
+    for key in ["first", "second"] {
+        let reply = post(server.addr, Some(SHOP_A), Some(key), GOOD, &[]).await;
+        assert_eq!(reply.status, StatusCode::CREATED, "{reply:?}");
+    }
+    let outcome = outcome.lock().expect("lock").clone();
+    assert_eq!(outcome.len(), 4, "{outcome:?}");
+    for line in &outcome {
+        if line.starts_with("cached") {
+            assert!(line.contains("runs no transaction control"), "{line}");
+        } else {
+            assert_eq!(line, "own savepoint: ran");
+        }
+    }
+    assert_eq!(
+        server.order_count().await,
+        2,
+        "the savepoint's row rolled back"
+    );
+    assert_eq!(server.record_count().await, 2);
+}
+
+/// Calls that need the writer to themselves, made from a handler inside its own request,
+/// fail at once with an error naming `SqliteTransaction::run`, instead of waiting for the
+/// request that waits for them; the request, and every other one, goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_that_need_the_writer_fail_at_once_inside_a_request() {
+    let errors: Arc<std::sync::Mutex<Vec<String>>> = Arc::default();
+    let store_slot: Arc<OnceLock<(SqliteStore, SqliteInbox)>> = Arc::default();
+    let server = TestServer::builder()
+        .layer(|layer| layer.with_lock_timeout(Duration::from_secs(2)))
+        .hook({
+            let (errors, store_slot) = (errors.clone(), store_slot.clone());
+            hook(move |_call| {
+                let (errors, store_slot) = (errors.clone(), store_slot.clone());
+                async move {
+                    let (store, inbox) = store_slot.get().expect("store").clone();
+                    let outbox = SqliteOutbox::existing(&store);
+                    let calls = async {
+                        let mut seen: Vec<Result<(), Error>> = Vec::new();
+                        seen.push(
+                            store
+                                .write(|tx| tx.execute_batch("INSERT INTO parents VALUES (7)"))
+                                .await,
+                        );
+                        seen.push(
+                            tower_idempotency::store::IdempotencyStore::purge_expired(
+                                &store,
+                                std::time::SystemTime::now(),
+                                10,
+                            )
+                            .await
+                            .map(drop),
+                        );
+                        seen.push(outbox.requeue("nope").await.map(drop));
+                        seen.push(
+                            outbox
+                                .purge_delivered(std::time::SystemTime::now(), 10)
+                                .await
+                                .map(drop),
+                        );
+                        seen.push(inbox.process("event-1", |_tx| Ok(())).await.map(drop));
+                        seen
+                    };
+                    let seen = tokio::time::timeout(Duration::from_secs(1), calls)
+                        .await
+                        .expect("the calls fail at once, they do not wait");
+                    let mut errors = errors.lock().expect("lock");
+                    for result in seen {
+                        errors.push(match result {
+                            Ok(()) => "ran".to_owned(),
+                            Err(error) => error.to_string(),
+                        });
+                    }
+                    HookOutcome::default()
+                }
+            })
+        })
+        .spawn()
+        .await;
+    server
+        .store
+        .write(|tx| tx.execute_batch(poison_setup()))
+        .await
+        .expect("setup");
+    SqliteOutbox::install(&server.store).await.expect("outbox");
+    let inbox = SqliteInbox::install(&server.store, "tests")
+        .await
+        .expect("inbox");
+    let _ = store_slot.set((server.store.clone(), inbox));
+
+    let reply = post(server.addr, Some(SHOP_A), Some("reentrant"), GOOD, &[]).await;
+    assert_eq!(reply.status, StatusCode::CREATED, "{reply:?}");
+    let errors = errors.lock().expect("lock").clone();
+    assert_eq!(errors.len(), 5, "{errors:?}");
+    for error in &errors {
+        assert!(error.contains("SqliteTransaction::run"), "{error}");
+    }
+    // Nothing the refused calls would have written was kept, and the writer is free.
+    let parents: i64 = server
+        .store
+        .read(|conn| conn.query_row("SELECT COUNT(*) FROM parents", [], |row| row.get(0)))
+        .await
+        .expect("count");
+    assert_eq!(parents, 1);
+    let next = post(server.addr, Some(SHOP_A), Some("next"), GOOD, &[]).await;
+    assert_eq!(next.status, StatusCode::CREATED, "{next:?}");
+}
