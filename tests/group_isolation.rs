@@ -452,3 +452,193 @@ async fn calls_that_need_the_writer_fail_at_once_inside_a_request() {
     let next = post(server.addr, Some(SHOP_A), Some("next"), GOOD, &[]).await;
     assert_eq!(next.status, StatusCode::CREATED, "{next:?}");
 }
+
+/// One request of the mixed load.
+#[derive(Clone, Copy, Debug)]
+enum Kind {
+    Good,
+    /// Resends an earlier good request (same key, same body) while it may still run.
+    Duplicate(usize),
+    /// The trigger's `RAISE(ROLLBACK)`.
+    RaiseRollback,
+    /// A deferred foreign key that fails at `COMMIT`.
+    DeferredForeignKey,
+    /// `COMMIT; BEGIN` through the handle.
+    TransactionControl,
+    Panic,
+    /// The client gives up while the handler still runs.
+    Disconnect,
+}
+
+impl Kind {
+    fn sku(self) -> &'static str {
+        match self {
+            Kind::Good | Kind::Duplicate(_) => "book",
+            Kind::RaiseRollback => "poison-trigger",
+            Kind::DeferredForeignKey => "poison-fk",
+            Kind::TransactionControl => "poison-commit",
+            Kind::Panic => "poison-panic",
+            Kind::Disconnect => "slow",
+        }
+    }
+}
+
+fn arb_kinds() -> impl proptest::strategy::Strategy<Value = Vec<Kind>> {
+    use proptest::prelude::*;
+    let kind = prop_oneof![
+        12 => Just(Kind::Good),
+        2 => (0usize..1000).prop_map(Kind::Duplicate),
+        1 => Just(Kind::RaiseRollback),
+        1 => Just(Kind::DeferredForeignKey),
+        1 => Just(Kind::TransactionControl),
+        1 => Just(Kind::Panic),
+        1 => Just(Kind::Disconnect),
+    ];
+    proptest::collection::vec(kind, 100..160)
+}
+
+/// Random mixes of good requests, duplicates, poisons, panics and disconnects, 48 at a time:
+/// every good request (and its duplicates) gets the same `201` with one order and record,
+/// nothing else keeps anything, and every `201` replays exactly afterwards.
+async fn mixed_load(kinds: Vec<Kind>) {
+    let server = TestServer::builder()
+        .layer(|layer| layer.with_lock_timeout(PATIENCE))
+        .hook(hook(|call| async move {
+            match call.sku.as_str() {
+                "poison-fk" => {
+                    let _ = call
+                        .tx
+                        .run(|conn| conn.execute_batch("INSERT INTO children VALUES (999999)"))
+                        .await;
+                }
+                "poison-commit" => {
+                    if call
+                        .tx
+                        .run(|conn| conn.execute_batch("COMMIT; BEGIN"))
+                        .await
+                        .is_err()
+                    {
+                        return HookOutcome {
+                            fail_with: Some(StatusCode::INTERNAL_SERVER_ERROR),
+                            ..HookOutcome::default()
+                        };
+                    }
+                }
+                "poison-panic" => panic!("a handler panics"),
+                "slow" => tokio::time::sleep(Duration::from_millis(300)).await,
+                _ => {}
+            }
+            HookOutcome::default()
+        }))
+        .spawn()
+        .await;
+    server
+        .store
+        .write(|tx| {
+            tx.execute_batch(
+                "CREATE TABLE parents (id INTEGER PRIMARY KEY);
+                 CREATE TABLE children (parent_id INTEGER
+                     REFERENCES parents (id) DEFERRABLE INITIALLY DEFERRED);
+                 CREATE TRIGGER poison AFTER INSERT ON orders WHEN NEW.sku = 'poison-trigger'
+                 BEGIN SELECT RAISE(ROLLBACK, 'poisoned order'); END;",
+            )
+        })
+        .await
+        .expect("setup");
+
+    // A duplicate resends an earlier good request's key; one that names anything else is a
+    // good request of its own.
+    let requests: Vec<(String, Kind)> = kinds
+        .iter()
+        .enumerate()
+        .map(|(i, kind)| match *kind {
+            Kind::Duplicate(of) if i > 0 && matches!(kinds[of % i], Kind::Good) => {
+                (format!("mixed-{}", of % i), *kind)
+            }
+            Kind::Duplicate(_) => (format!("mixed-{i}"), Kind::Good),
+            other => (format!("mixed-{i}"), other),
+        })
+        .collect();
+    let permits = Arc::new(Semaphore::new(CONNECTIONS));
+    let tasks: Vec<_> = requests
+        .into_iter()
+        .map(|(key, kind)| {
+            let (permits, addr) = (permits.clone(), server.addr);
+            tokio::spawn(async move {
+                let _permit = permits.acquire_owned().await.expect("permit");
+                let body = format!(r#"{{"sku":"{}","quantity":1}}"#, kind.sku());
+                let send = post(addr, Some(SHOP_A), Some(&key), &body, &[]);
+                let reply = if matches!(kind, Kind::Disconnect) {
+                    tokio::time::timeout(Duration::from_millis(50), send)
+                        .await
+                        .ok()
+                } else {
+                    Some(send.await)
+                };
+                (key, kind, reply)
+            })
+        })
+        .collect();
+    let mut outcomes = Vec::new();
+    for task in tasks {
+        outcomes.push(task.await.expect("request"));
+    }
+    // Disconnected handlers finish their sleep and roll back.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+
+    let mut answers: std::collections::HashMap<String, Vec<u8>> = Default::default();
+    for (key, kind, reply) in &outcomes {
+        let stored = common::record_exists(&server.store, "shop-a", "create_order", key).await;
+        match kind {
+            Kind::Good | Kind::Duplicate(_) => {
+                let reply = reply.as_ref().expect("answered");
+                assert_eq!(reply.status, StatusCode::CREATED, "{key}: {reply:?}");
+                assert!(stored, "{key}");
+                let first = answers
+                    .entry(key.clone())
+                    .or_insert_with(|| reply.body.to_vec());
+                assert_eq!(
+                    first,
+                    &reply.body.to_vec(),
+                    "{key}: duplicates get the same answer"
+                );
+            }
+            Kind::Disconnect => {
+                assert!(reply.is_none(), "{key}: the client gave up first");
+                assert!(!stored, "{key}: a disconnected request keeps nothing");
+            }
+            _ => {
+                let reply = reply.as_ref().expect("answered");
+                assert_ne!(
+                    reply.status,
+                    StatusCode::CREATED,
+                    "{key} ({kind:?}): {reply:?}"
+                );
+                assert!(!stored, "{key} ({kind:?}): a failure keeps nothing");
+            }
+        }
+    }
+    let good = answers.len() as i64;
+    assert_eq!(server.order_count().await, good, "one order per good key");
+    assert_eq!(server.record_count().await, good, "one record per good key");
+    for (key, body) in &answers {
+        let again = post(server.addr, Some(SHOP_A), Some(key), GOOD, &[]).await;
+        assert!(again.replayed(), "{key}: {again:?}");
+        assert_eq!(&again.body.to_vec(), body, "{key}");
+    }
+    server.shutdown().await;
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig { cases: 4, ..Default::default() })]
+
+    #[test]
+    fn mixed_poisons_panics_and_disconnects_fail_alone(kinds in arb_kinds()) {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("runtime")
+            .block_on(mixed_load(kinds));
+    }
+}
