@@ -38,6 +38,25 @@
 //! duplicate that finds a record of the open group waits for the same commit. A lone request
 //! commits at once, exactly as without grouping.
 //!
+//! Some failures end the whole shared transaction, not just a savepoint: a trigger's
+//! `RAISE(ROLLBACK)`, `INSERT OR ROLLBACK` / `ON CONFLICT ROLLBACK`, a deferred foreign key
+//! that only fails at `COMMIT`, a full disk or an I/O error. The request whose failure it was
+//! gets its own error; every other member of the group gets [`Error::GroupRolledBack`], and
+//! the layer runs it again at once, alone in a transaction of its own (so nothing another
+//! request does can undo it twice). Its client sees only the answer of that second run.
+//! (Where the failure surfaces at `COMMIT`, the culprit is found the same way: every member
+//! runs again alone, and only the culprit fails again.)
+//!
+//! # Transaction control is the store's
+//!
+//! The writer connection's authorizer refuses `BEGIN`, `COMMIT`, `ROLLBACK`, `END` and any
+//! statement on the request's savepoint to everything but the store itself: a handler (or a
+//! [`SqliteStore::write`] closure) that tries gets [`Error::TransactionControl`], and its rows
+//! stay in the request's transaction. Savepoints of a handler's own (other names) are allowed.
+//! Calls that need the writer to themselves ([`SqliteStore::write`], `purge_expired`, and
+//! the outbox and inbox calls built on them) fail at once with [`Error::InsideRequest`] when
+//! made from a handler inside its own request: use the request's [`SqliteTransaction::run`].
+//!
 //! # Several processes on one file
 //!
 //! Processes sharing the file take turns for SQLite's write lock: a writer waiting for it
@@ -929,6 +948,10 @@ impl SqliteStore {
     /// Runs `f` in its own write transaction (`BEGIN IMMEDIATE` ... `COMMIT`) on the writer
     /// connection, queued behind the requests that hold it. Use it for migrations and writes
     /// that are not part of an idempotent request. `f` returning an error rolls back.
+    ///
+    /// Called from a handler inside its own request, it fails at once with
+    /// [`Error::InsideRequest`]: it would wait for the request to end. Use the request's
+    /// [`SqliteTransaction::run`] there.
     pub async fn write<T, F>(&self, f: F) -> Result<T, Error>
     where
         F: FnOnce(&rusqlite::Transaction<'_>) -> rusqlite::Result<T> + Send + 'static,
@@ -1819,9 +1842,12 @@ impl SqliteTransaction {
     /// [module docs](self#the-handler-runs-on-the-writer-thread)), through the writer's queue
     /// from any other task. A panic in `f` is returned as [`Error::Panicked`].
     ///
-    /// Do not run `COMMIT`, `ROLLBACK` or `BEGIN` in `f`: the layer commits. If the
-    /// transaction ends inside `f` anyway (by such a statement, or because SQLite rolled it back
-    /// on a full disk), this returns [`Error::TransactionAborted`] and the request fails.
+    /// Transaction control in `f` (`COMMIT`, `ROLLBACK`, `BEGIN`, `END`, the request's
+    /// savepoint) is refused with [`Error::TransactionControl`]: the layer commits. If the
+    /// transaction ends inside `f` anyway (a trigger's `RAISE(ROLLBACK)`, `ON CONFLICT
+    /// ROLLBACK`, or SQLite rolling it back on a full disk), this returns
+    /// [`Error::TransactionAborted`] and the request fails; the other requests of its commit
+    /// group run again (see [group commit](self#group-commit)).
     pub async fn run<T, F>(&self, f: F) -> Result<T, Error>
     where
         F: FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
