@@ -681,3 +681,76 @@ async fn http2_clients_get_the_same_contract() {
     assert_eq!(server.order_count().await, 1);
     assert_eq!(server.record_count().await, 1);
 }
+
+#[tokio::test]
+async fn query_string_is_part_of_the_request() {
+    let server = TestServer::spawn().await;
+    let order = Post::order("key-1", BOOK).send(server.addr).await;
+    assert_eq!(order.status, StatusCode::CREATED, "{order:?}");
+
+    // The same key and body with a query is another request: never a replay of the order.
+    let dry_run = Post::order("key-1", BOOK)
+        .path("/orders?dry_run=true")
+        .send(server.addr)
+        .await;
+    assert_eq!(dry_run.status, StatusCode::CONFLICT, "{dry_run:?}");
+    assert_eq!(dry_run.error_code(), "key_reused_with_different_payload");
+
+    // The query is compared decoded, its pairs in order.
+    let first = Post::order("key-2", BOOK)
+        .path("/orders?note=gift+wrap&a=1&b=2")
+        .send(server.addr)
+        .await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    let respelled = Post::order("key-2", BOOK)
+        .path("/orders?note=gift%20wrap&a=%31&&b=2&")
+        .send(server.addr)
+        .await;
+    assert!(respelled.replayed(), "{respelled:?}");
+    assert_eq!(respelled.body, first.body);
+    for path in ["/orders?a=1&b=2&note=gift+wrap", "/orders"] {
+        let other = Post::order("key-2", BOOK)
+            .path(path)
+            .send(server.addr)
+            .await;
+        assert_eq!(other.status, StatusCode::CONFLICT, "{path}: {other:?}");
+    }
+    assert_eq!(server.app.handler_calls(), 2);
+    assert_eq!(server.order_count().await, 2);
+}
+
+#[tokio::test]
+async fn records_saved_before_the_query_counted_still_compare_as_they_did() {
+    let server = TestServer::spawn().await;
+    // Saved by canonicalization version 1 for `POST /orders?source=app`: the path only.
+    let fingerprint =
+        common::version_1_fingerprint("json", "POST", "/orders", br#"{"quantity":1,"sku":"book"}"#);
+    let scope = ("shop-a", "create_order", "old-key");
+    common::save_record(
+        &server.store,
+        scope,
+        fingerprint,
+        "/orders/41",
+        r#"{"order_id":41}"#,
+    )
+    .await;
+
+    // Replayed as version 1 would have: whatever the query.
+    for path in ["/orders?source=app", "/orders", "/orders?source=web"] {
+        let reply = Post::order("old-key", BOOK)
+            .path(path)
+            .send(server.addr)
+            .await;
+        assert_eq!(reply.status, StatusCode::CREATED, "{path}: {reply:?}");
+        assert!(reply.replayed(), "{path}");
+        assert_eq!(reply.body, r#"{"order_id":41}"#);
+        assert_eq!(reply.header("location"), Some("/orders/41"));
+    }
+    let other = Post::order("old-key", r#"{"sku":"pen","quantity":1}"#)
+        .path("/orders?source=app")
+        .send(server.addr)
+        .await;
+    assert_eq!(other.status, StatusCode::CONFLICT, "{other:?}");
+    assert_eq!(server.app.handler_calls(), 0);
+    assert_eq!(server.order_count().await, 0);
+}

@@ -384,3 +384,57 @@ async fn table_with_the_sqlite_layout_is_migrated_on_open() {
         .get::<_, i64>(0);
     assert_eq!(state_columns, 1);
 }
+
+#[tokio::test]
+async fn records_saved_before_the_query_counted_still_compare_as_they_did() {
+    let Some(db) = TestDb::create().await else {
+        return;
+    };
+    let server = PgServer::spawn(&db).await;
+    // Saved by canonicalization version 1 for `POST /orders?source=app`: the path only.
+    let fingerprint =
+        common::version_1_fingerprint("json", "POST", "/orders", br#"{"quantity":1,"sku":"book"}"#);
+    let scope = ("shop-a", "create_order", "old-key");
+    common::save_record(
+        &server.store,
+        scope,
+        fingerprint,
+        "/orders/41",
+        r#"{"order_id":41}"#,
+    )
+    .await;
+
+    for path in ["/orders?source=app", "/orders", "/orders?source=web"] {
+        let reply = Post::order("old-key", BOOK)
+            .path(path)
+            .send(server.addr)
+            .await;
+        assert_eq!(reply.status, StatusCode::CREATED, "{path}: {reply:?}");
+        assert!(reply.replayed(), "{path}");
+        assert_eq!(reply.body, r#"{"order_id":41}"#);
+    }
+    let other = Post::order("old-key", r#"{"sku":"pen","quantity":1}"#)
+        .path("/orders?source=app")
+        .send(server.addr)
+        .await;
+    assert_eq!(other.status, StatusCode::CONFLICT, "{other:?}");
+
+    // A record saved now keeps its query.
+    let order = Post::order("new-key", BOOK)
+        .path("/orders?source=app")
+        .send(server.addr)
+        .await;
+    assert_eq!(order.status, StatusCode::CREATED, "{order:?}");
+    let dry_run = Post::order("new-key", BOOK)
+        .path("/orders?source=app&dry_run=true")
+        .send(server.addr)
+        .await;
+    assert_eq!(dry_run.status, StatusCode::CONFLICT, "{dry_run:?}");
+    let retry = Post::order("new-key", BOOK)
+        .path("/orders?source=app")
+        .send(server.addr)
+        .await;
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(server.app.handler_calls(), 1);
+    assert_eq!(db.order_count().await, 1);
+}
