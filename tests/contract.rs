@@ -754,3 +754,49 @@ async fn records_saved_before_the_query_counted_still_compare_as_they_did() {
     assert_eq!(server.app.handler_calls(), 0);
     assert_eq!(server.order_count().await, 0);
 }
+
+/// A `Location` in raw UTF-8 (obs-text on the wire).
+const NON_ASCII_LOCATION: &str = "/commandes/été/🦀";
+/// Latin-1 bytes: not UTF-8 at all.
+const LATIN1_VALUE: &[u8] = b"caf\xe9 cr\xe8me";
+
+fn header_bytes<'a>(reply: &'a common::Reply, name: &str) -> Option<&'a [u8]> {
+    reply.headers.get(name).map(HeaderValue::as_bytes)
+}
+
+#[tokio::test]
+async fn header_values_that_are_not_visible_ascii_are_replayed_byte_for_byte() {
+    let latin1 = HeaderName::from_static("x-latin1");
+    let server = TestServer::builder()
+        .response_header(
+            http::header::LOCATION,
+            HeaderValue::from_bytes(NON_ASCII_LOCATION.as_bytes()).expect("obs-text"),
+        )
+        .response_header(
+            latin1.clone(),
+            HeaderValue::from_bytes(LATIN1_VALUE).expect("obs-text"),
+        )
+        .layer(move |layer| layer.with_replayed_header(latin1.clone()))
+        .spawn()
+        .await;
+
+    let first = Post::order("key-1", BOOK).send(server.addr).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    assert_eq!(
+        header_bytes(&first, "location"),
+        Some(NON_ASCII_LOCATION.as_bytes())
+    );
+
+    for _ in 0..2 {
+        let replay = Post::order("key-1", BOOK).send(server.addr).await;
+        assert!(replay.replayed(), "{replay:?}");
+        assert_eq!(
+            header_bytes(&replay, "location"),
+            Some(NON_ASCII_LOCATION.as_bytes())
+        );
+        assert_eq!(header_bytes(&replay, "x-latin1"), Some(LATIN1_VALUE));
+        assert_eq!(replay.body, first.body);
+        replay.assert_content_length_matches();
+    }
+    assert_eq!(server.app.handler_calls(), 1);
+}

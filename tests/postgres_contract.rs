@@ -10,7 +10,8 @@ mod pg_common;
 use std::time::{Duration, SystemTime};
 
 use common::{post, Post, PATIENCE, SHOP_A, SHOP_B};
-use http::StatusCode;
+use http::header::{self, HeaderName};
+use http::{HeaderValue, StatusCode};
 use pg_common::{PgServer, TestDb};
 use tower_idempotency::store::postgres::PostgresStore;
 use tower_idempotency::store::{continuously_purge_expired, IdempotencyStore};
@@ -437,4 +438,47 @@ async fn records_saved_before_the_query_counted_still_compare_as_they_did() {
     assert!(retry.replayed(), "{retry:?}");
     assert_eq!(server.app.handler_calls(), 1);
     assert_eq!(db.order_count().await, 1);
+}
+
+#[tokio::test]
+async fn header_values_that_are_not_visible_ascii_are_replayed_byte_for_byte() {
+    let Some(db) = TestDb::create().await else {
+        return;
+    };
+    // A `Location` in raw UTF-8 (obs-text on the wire), and Latin-1 bytes (not UTF-8).
+    let location = "/commandes/été/🦀".as_bytes();
+    let latin1_value: &[u8] = b"caf\xe9 cr\xe8me";
+    let latin1 = HeaderName::from_static("x-latin1");
+    let server = PgServer::builder()
+        .response_header(
+            header::LOCATION,
+            HeaderValue::from_bytes(location).expect("obs-text"),
+        )
+        .response_header(
+            latin1.clone(),
+            HeaderValue::from_bytes(latin1_value).expect("obs-text"),
+        )
+        .layer(move |layer| layer.with_replayed_header(latin1.clone()))
+        .spawn(&db)
+        .await;
+    let bytes = |reply: &common::Reply, name: &str| {
+        reply
+            .headers
+            .get(name)
+            .map(|value| value.as_bytes().to_vec())
+    };
+
+    let first = Post::order("key-1", BOOK).send(server.addr).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    assert_eq!(bytes(&first, "location").as_deref(), Some(location));
+
+    for _ in 0..2 {
+        let replay = Post::order("key-1", BOOK).send(server.addr).await;
+        assert!(replay.replayed(), "{replay:?}");
+        assert_eq!(bytes(&replay, "location").as_deref(), Some(location));
+        assert_eq!(bytes(&replay, "x-latin1").as_deref(), Some(latin1_value));
+        assert_eq!(replay.body, first.body);
+        replay.assert_content_length_matches();
+    }
+    assert_eq!(server.app.handler_calls(), 1);
 }

@@ -94,6 +94,9 @@ pub struct App {
     /// Requests that reached the app (counted by the auth middleware, before the layer).
     arrivals: watch::Sender<usize>,
     hook: Option<Hook>,
+    /// Set on every `201` of the order handler, replacing its own (see
+    /// [`ServerBuilder::response_header`]).
+    response_headers: Vec<(HeaderName, HeaderValue)>,
 }
 
 impl App {
@@ -125,6 +128,7 @@ pub struct ServerBuilder {
     db_path: Option<PathBuf>,
     auth: bool,
     store_options: Option<StoreOptions>,
+    response_headers: Vec<(HeaderName, HeaderValue)>,
 }
 
 impl Default for ServerBuilder {
@@ -135,6 +139,7 @@ impl Default for ServerBuilder {
             db_path: None,
             auth: true,
             store_options: None,
+            response_headers: Vec::new(),
         }
     }
 }
@@ -163,6 +168,13 @@ impl ServerBuilder {
 
     pub fn hook(mut self, hook: Hook) -> Self {
         self.hook = Some(hook);
+        self
+    }
+
+    /// Sets this header on every `201` of the order handler, replacing the handler's own of that
+    /// name (such as `Location`). Any bytes a header value may hold, obs-text included.
+    pub fn response_header(mut self, name: HeaderName, value: HeaderValue) -> Self {
+        self.response_headers.push((name, value));
         self
     }
 
@@ -213,6 +225,7 @@ impl ServerBuilder {
             note_calls: AtomicUsize::new(0),
             arrivals,
             hook: self.hook,
+            response_headers: self.response_headers,
         });
         let layer = |operation: &str| {
             (self.customise)(
@@ -431,6 +444,9 @@ async fn create_order(
         format!("{{\"order_id\":{order_id}}}"),
     )
         .into_response();
+    for (name, value) in &app.response_headers {
+        response.headers_mut().insert(name.clone(), value.clone());
+    }
     for (name, value) in outcome.headers {
         response.headers_mut().append(name, value);
     }
