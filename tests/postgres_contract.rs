@@ -482,3 +482,34 @@ async fn header_values_that_are_not_visible_ascii_are_replayed_byte_for_byte() {
     }
     assert_eq!(server.app.handler_calls(), 1);
 }
+
+#[tokio::test]
+async fn durations_past_their_maximum_cannot_panic_a_request() {
+    let Some(db) = TestDb::create().await else {
+        return;
+    };
+    let server = PgServer::builder()
+        .layer(|layer| {
+            layer
+                .with_retention(Duration::MAX)
+                .with_body_timeout(Duration::MAX - Duration::from_nanos(1))
+                .with_lock_timeout(Duration::MAX)
+        })
+        .spawn(&db)
+        .await;
+
+    let first = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    let replay = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
+    assert!(replay.replayed(), "{replay:?}");
+    assert_eq!(replay.body, first.body);
+    assert_eq!(server.app.handler_calls(), 1);
+
+    // Kept for the longest retention, 100 years: there in 99, gone in 101.
+    let scope = common::scope("shop-a", "create_order", "key-1");
+    let year = Duration::from_secs(365 * 24 * 3600);
+    let now = SystemTime::now();
+    let lookup = |at| server.store.lookup(&scope, at);
+    assert!(lookup(now + 99 * year).await.expect("lookup").is_some());
+    assert!(lookup(now + 101 * year).await.expect("lookup").is_none());
+}
