@@ -18,6 +18,53 @@
 //! Only the digest is kept, never the body (payloads may hold personal data), together with the
 //! version of the canonicalization that produced it.
 //!
+//! # The query string
+//!
+//! `POST /orders?dry_run=true` is not the request `POST /orders`: the built-in schemes digest the
+//! query too (since [`CANONICALIZATION_VERSION`] 2). It is canonicalized the way
+//! `application/x-www-form-urlencoded` is parsed (the [WHATWG URL] parser, which axum's `Query`
+//! and `serde_urlencoded` follow), so that two spellings a handler cannot tell apart share a
+//! fingerprint:
+//!
+//! - split on `&`, empty pieces dropped; each piece split on its first `=` into name and value
+//!   (`a` is `a=`);
+//! - in names and values `+` is a space and `%XX` is the byte `XX` (`%4a`, `%4A` and `J` agree;
+//!   `a+b` is `a%20b`, and `%2B` is `+`), while a `%` not followed by two hex digits stays as it
+//!   is; the decoded bytes are kept as they are, UTF-8 or not;
+//! - **the pairs keep their order**: `?a=1&b=2` and `?b=2&a=1` are different requests. A handler
+//!   that reads the pairs as a list, or takes the first (or last) of repeated names, tells them
+//!   apart, and a client retrying sends the same URL anyway: sorting would only risk replaying a
+//!   response to a request that means something else.
+//!
+//! No query, `?` and `?&` are all the empty query.
+//!
+//! Records saved under version 1 (method, path and body, whatever the query) are compared as
+//! version 1 compared them: a fresh [`Fingerprint`] of a built-in scheme also carries the digest
+//! version 1 gives the request, and [`Fingerprint::matches`] uses it against a version-1
+//! fingerprint: a version-1 record still replays to a retry whatever its query, as it always did.
+//! Such records last at most the retention after an upgrade. Without a query, a request is
+//! digested exactly as version 1 digested it (so nothing is hashed twice for it).
+//!
+//! ```
+//! use tower_idempotency::fingerprint::Fingerprinter;
+//!
+//! let parts = |uri: &str| http::Request::post(uri).body(()).unwrap().into_parts().0;
+//! let raw = Fingerprinter::raw();
+//! let order = raw.fingerprint(&parts("/orders"), b"book")?;
+//! let dry_run = raw.fingerprint(&parts("/orders?dry_run=true"), b"book")?;
+//! assert!(!order.matches(&dry_run));
+//!
+//! let spelled = raw.fingerprint(&parts("/orders?note=gift+wrap"), b"book")?;
+//! let encoded = raw.fingerprint(&parts("/orders?note=gift%20wrap&"), b"book")?;
+//! assert!(spelled.matches(&encoded));
+//! # Ok::<(), tower_idempotency::fingerprint::FingerprintError>(())
+//! ```
+//!
+//! A [custom](Fingerprinter::custom) scheme digests the method and path with what its function
+//! returns, and not the query: its version belongs to the route, so the layer cannot change its
+//! digests without breaking the records saved before. Its function gets the request head: return
+//! what matters of `parts.uri.query()` with the payload.
+//!
 //! # Deviations from JCS
 //!
 //! - Numbers are kept exactly instead of being rounded to IEEE-754 doubles: JCS would give
@@ -53,6 +100,7 @@
 //! ```
 //!
 //! [RFC 8785]: https://www.rfc-editor.org/rfc/rfc8785
+//! [WHATWG URL]: https://url.spec.whatwg.org/#urlencoded-parsing
 
 use std::borrow::Cow;
 use std::cmp::Ordering;
@@ -66,8 +114,12 @@ use sha2::{Digest, Sha256};
 /// Version of the built-in canonicalization (JSON and raw schemes).
 ///
 /// Stored with every fingerprint; it changes whenever a change to this module would give an
-/// existing payload a different digest.
-pub const CANONICALIZATION_VERSION: u16 = 1;
+/// existing payload a different digest. Version 2 added the query string (see
+/// [the module docs](self#the-query-string)); version-1 records still compare as they did.
+pub const CANONICALIZATION_VERSION: u16 = 2;
+
+/// The built-in canonicalization before the query string counted: method, path and body.
+const PATH_ONLY_VERSION: u16 = 1;
 
 /// The default maximum nesting depth of JSON arrays and objects.
 pub const DEFAULT_MAX_JSON_DEPTH: usize = 128;
@@ -658,17 +710,39 @@ fn write_number(out: &mut Vec<u8>, negative: bool, digits: &[u8], scientific: i6
 /// it.
 ///
 /// Compare a fresh fingerprint with a stored one with [`matches`](Fingerprint::matches) (constant
-/// time), not `==`.
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+/// time), not `==`: `==` compares the version and the digest only.
+#[derive(Clone, Copy)]
 pub struct Fingerprint {
     version: u16,
     digest: [u8; 32],
+    /// The digest version 1 gave the same request (no query), to compare with records saved
+    /// before version 2. Only on fresh fingerprints of the built-in schemes; never stored.
+    path_only: Option<[u8; 32]>,
+}
+
+impl PartialEq for Fingerprint {
+    fn eq(&self, other: &Self) -> bool {
+        self.version == other.version && self.digest == other.digest
+    }
+}
+
+impl Eq for Fingerprint {}
+
+impl std::hash::Hash for Fingerprint {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.version.hash(state);
+        self.digest.hash(state);
+    }
 }
 
 impl Fingerprint {
     /// A fingerprint from its parts, e.g. as read back from a store.
     pub fn new(version: u16, digest: [u8; 32]) -> Self {
-        Fingerprint { version, digest }
+        Fingerprint {
+            version,
+            digest,
+            path_only: None,
+        }
     }
 
     /// The version of the scheme that produced the digest: [`CANONICALIZATION_VERSION`] for the
@@ -682,16 +756,26 @@ impl Fingerprint {
         &self.digest
     }
 
-    /// Whether both fingerprints have the same version and digest. The digests are compared in
-    /// constant time.
+    /// Whether both fingerprints are of the same request: the same version and digest, or, when
+    /// one of them is a version-1 record (saved before the query counted) and the other a fresh
+    /// fingerprint of a built-in scheme, the digest version 1 gives the fresh one's request. The
+    /// digests are compared in constant time.
     pub fn matches(&self, other: &Fingerprint) -> bool {
-        let difference = self
-            .digest
+        let (mine, theirs) = if self.version == other.version {
+            (&self.digest, &other.digest)
+        } else if let (PATH_ONLY_VERSION, Some(path_only)) = (other.version, &self.path_only) {
+            (path_only, &other.digest)
+        } else if let (PATH_ONLY_VERSION, Some(path_only)) = (self.version, &other.path_only) {
+            (&self.digest, path_only)
+        } else {
+            return false;
+        };
+        let difference = mine
             .iter()
-            .zip(other.digest.iter())
+            .zip(theirs.iter())
             .fold(0u8, |acc, (a, b)| acc | (a ^ b));
         // Keep the optimizer from turning the fold into an early-exit comparison.
-        std::hint::black_box(difference) == 0 && self.version == other.version
+        std::hint::black_box(difference) == 0
     }
 
     /// The digest as 64 lowercase hex characters.
@@ -732,9 +816,10 @@ enum Scheme {
 
 /// How a route turns a request into a [`Fingerprint`]. Cheap to clone.
 ///
-/// The digest covers a domain-separated encoding of the scheme, the method, the URI path (not the
-/// query) and the canonical body, each field length-prefixed, so a payload sent to another route
-/// or with another method never matches.
+/// The digest covers a domain-separated encoding of the scheme, the method, the URI path, the
+/// canonical query (built-in schemes; see [the module docs](self#the-query-string)) and the
+/// canonical body, each field length-prefixed, so a payload sent to another route, with another
+/// query or with another method never matches.
 #[derive(Clone)]
 pub struct Fingerprinter {
     scheme: Scheme,
@@ -773,6 +858,9 @@ impl Fingerprinter {
     /// business fields), with the version number the route assigns to its scheme. Change the
     /// version whenever the function changes what it returns for a payload.
     ///
+    /// The method and path are digested with the returned bytes; the query is not: return what
+    /// matters of `parts.uri.query()` too (see [the module docs](self#the-query-string)).
+    ///
     /// An error from the function rejects the request (a 400).
     pub fn custom<F>(version: u16, f: F) -> Self
     where
@@ -803,37 +891,121 @@ impl Fingerprinter {
     /// The fingerprint of a buffered request.
     ///
     /// SHA-256 over a domain-separated encoding of: a tag for the scheme (`json`, `raw` or
-    /// `custom`), the canonicalization version, the method, the URI path (not the query), and the
-    /// canonical bytes, each field length-prefixed so fields cannot run into one another.
+    /// `custom`), the canonicalization version, the method, the URI path, the canonical query
+    /// (built-in schemes, when it is not empty) and the canonical bytes, each field
+    /// length-prefixed so fields cannot run into one another. A request of a built-in scheme
+    /// without a query is digested exactly as version 1 digested it, version field included.
     pub fn fingerprint(
         &self,
         parts: &http::request::Parts,
         body: &[u8],
     ) -> Result<Fingerprint, FingerprintError> {
         let json = |body: &[u8]| canonicalize_json(body, self.max_depth).map(Cow::Owned);
-        let (tag, version, canonical): (&str, u16, Cow<'_, [u8]>) = match &self.scheme {
-            Scheme::Auto if is_json_content_type(&parts.headers) => {
-                ("json", CANONICALIZATION_VERSION, json(body)?)
+        let (tag, canonical): (&str, Cow<'_, [u8]>) = match &self.scheme {
+            Scheme::Auto if is_json_content_type(&parts.headers) => ("json", json(body)?),
+            Scheme::Json => ("json", json(body)?),
+            Scheme::Auto | Scheme::Raw => ("raw", Cow::Borrowed(body)),
+            Scheme::Custom { version, f } => {
+                let canonical = f(parts, body)?;
+                let digest = digest("custom", *version, parts, None, &canonical);
+                return Ok(Fingerprint::new(*version, digest));
             }
-            Scheme::Json => ("json", CANONICALIZATION_VERSION, json(body)?),
-            Scheme::Auto | Scheme::Raw => ("raw", CANONICALIZATION_VERSION, Cow::Borrowed(body)),
-            Scheme::Custom { version, f } => ("custom", *version, Cow::Owned(f(parts, body)?)),
         };
-
-        let mut hasher = Sha256::new();
-        for field in [
-            DOMAIN,
-            tag.as_bytes(),
-            &version.to_be_bytes(),
-            parts.method.as_str().as_bytes(),
-            parts.uri.path().as_bytes(),
-            &canonical,
-        ] {
-            hasher.update((field.len() as u64).to_be_bytes());
-            hasher.update(field);
-        }
-        Ok(Fingerprint::new(version, hasher.finalize().into()))
+        let path_only = digest(tag, PATH_ONLY_VERSION, parts, None, &canonical);
+        let query = canonical_query(parts.uri.query());
+        let digest = if query.is_empty() {
+            path_only
+        } else {
+            digest(
+                tag,
+                CANONICALIZATION_VERSION,
+                parts,
+                Some(&query),
+                &canonical,
+            )
+        };
+        Ok(Fingerprint {
+            version: CANONICALIZATION_VERSION,
+            digest,
+            path_only: Some(path_only),
+        })
     }
+}
+
+/// SHA-256 over the fields of a fingerprint, in order, each prefixed with its length (8 bytes,
+/// big-endian); `query` only where the version has one.
+fn digest(
+    tag: &str,
+    version: u16,
+    parts: &http::request::Parts,
+    query: Option<&[u8]>,
+    canonical: &[u8],
+) -> [u8; 32] {
+    let mut hasher = Sha256::new();
+    let mut field = |bytes: &[u8]| {
+        hasher.update((bytes.len() as u64).to_be_bytes());
+        hasher.update(bytes);
+    };
+    field(DOMAIN);
+    field(tag.as_bytes());
+    field(&version.to_be_bytes());
+    field(parts.method.as_str().as_bytes());
+    field(parts.uri.path().as_bytes());
+    if let Some(query) = query {
+        field(query);
+    }
+    field(canonical);
+    hasher.finalize().into()
+}
+
+/// The canonical query: its `application/x-www-form-urlencoded` pairs in order, each name and
+/// value decoded and length-prefixed (8 bytes, big-endian). Empty when there are no pairs.
+fn canonical_query(query: Option<&str>) -> Vec<u8> {
+    let mut out = Vec::new();
+    for pair in query
+        .unwrap_or_default()
+        .split('&')
+        .filter(|p| !p.is_empty())
+    {
+        let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+        for part in [name, value] {
+            let decoded = form_decode(part);
+            out.extend_from_slice(&(decoded.len() as u64).to_be_bytes());
+            out.extend_from_slice(&decoded);
+        }
+    }
+    out
+}
+
+/// A form-encoded name or value as bytes: `+` is a space, `%XX` the byte `XX`; a `%` without
+/// two hex digits after it is kept.
+fn form_decode(input: &str) -> Vec<u8> {
+    let bytes = input.as_bytes();
+    let hex = |at: usize| {
+        bytes
+            .get(at)
+            .and_then(|b| char::from(*b).to_digit(16))
+            .and_then(|d| u8::try_from(d).ok())
+    };
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut at = 0;
+    while let Some(&byte) = bytes.get(at) {
+        match (byte, hex(at + 1), hex(at + 2)) {
+            (b'%', Some(high), Some(low)) => {
+                out.push(high << 4 | low);
+                at += 3;
+            }
+            (b'+', _, _) => {
+                out.push(b' ');
+                at += 1;
+            }
+            (other, _, _) => {
+                out.push(other);
+                at += 1;
+            }
+        }
+    }
+    out
 }
 
 impl Default for Fingerprinter {
@@ -1437,7 +1609,7 @@ mod tests {
     }
 
     #[test]
-    fn fingerprint_covers_method_and_path_not_query() {
+    fn fingerprint_covers_method_path_and_query() {
         let fingerprinter = Fingerprinter::json();
         let body = r#"{"sku":"book"}"#;
         let base = fingerprint(&fingerprinter, &parts("POST", "/orders", None), body);
@@ -1452,8 +1624,149 @@ mod tests {
         assert!(!base.matches(&other_path));
         assert!(!base.matches(&other_method));
         assert!(!base.matches(&other_body));
-        assert!(base.matches(&with_query));
+        assert!(!base.matches(&with_query));
+        assert!(!with_query.matches(&base));
         assert_eq!(base.version(), CANONICALIZATION_VERSION);
+        assert_eq!(with_query.version(), CANONICALIZATION_VERSION);
+        assert_eq!(CANONICALIZATION_VERSION, 2);
+    }
+
+    /// Whether two URIs get one fingerprint (raw scheme, same method and body).
+    fn same_request(a: &str, b: &str) -> bool {
+        let raw = Fingerprinter::raw();
+        fingerprint(&raw, &parts("POST", a, None), "x").matches(&fingerprint(
+            &raw,
+            &parts("POST", b, None),
+            "x",
+        ))
+    }
+
+    #[test]
+    fn query_is_compared_decoded_with_its_pairs_in_order() {
+        // One request, spelled differently.
+        for (a, b) in [
+            ("/orders", "/orders?"),
+            ("/orders", "/orders?&&"),
+            ("/orders?a=1&b=2", "/orders?a=1&&b=2&"),
+            ("/orders?q=a+b", "/orders?q=a%20b"),
+            ("/orders?q=%41%4a", "/orders?q=AJ"),
+            ("/orders?q=%4a", "/orders?q=%4A"),
+            ("/orders?a", "/orders?a="),
+            ("/orders?n%61me=v", "/orders?name=v"),
+            // The first `=` ends the name.
+            ("/orders?q=a%3Db", "/orders?q=a=b"),
+            ("/orders?q=%zz&r=%4", "/orders?q=%25zz&r=%254"),
+            ("/orders?q=%C3%A9", "/orders?q=%c3%a9"),
+        ] {
+            assert!(same_request(a, b), "{a} and {b} are one request");
+        }
+        // Different requests.
+        for (a, b) in [
+            ("/orders", "/orders?dry_run=true"),
+            ("/orders?a=1&b=2", "/orders?b=2&a=1"),
+            ("/orders?a=1&a=2", "/orders?a=2&a=1"),
+            ("/orders?q=a%26b", "/orders?q=a&b"),
+            ("/orders?q=%2B", "/orders?q=+"),
+            ("/orders?a=1", "/orders?a=1&a=1"),
+            ("/orders?ab=", "/orders?a=b"),
+            ("/orders?a=", "/orders?=a"),
+            ("/orders?q=%FF", "/orders?q=%FE"),
+        ] {
+            assert!(!same_request(a, b), "{a} and {b} are different requests");
+        }
+    }
+
+    #[test]
+    fn form_decode_keeps_bytes() {
+        assert_eq!(form_decode("a+b%20c"), b"a b c");
+        assert_eq!(form_decode("%"), b"%");
+        assert_eq!(form_decode("%4"), b"%4");
+        assert_eq!(form_decode("%g1%ff"), b"%g1\xff");
+        assert_eq!(canonical_query(None), b"");
+        assert_eq!(canonical_query(Some("&")), b"");
+        assert_eq!(
+            canonical_query(Some("a=1")),
+            b"\0\0\0\0\0\0\0\x01a\0\0\0\0\0\0\0\x011"
+        );
+    }
+
+    /// Version 1's digest of `POST /orders` with the JSON body `{"sku":"book","quantity":1}`,
+    /// computed outside this crate from the version-1 format: SHA-256 over the length-prefixed
+    /// fields domain, `json`, `[0, 1]`, `POST`, `/orders` and the canonical body.
+    const VERSION_1_BOOK: &str = "b1ae1830d4a8191aea3292482d1160e5c0801b6cbfdf65f3e711357f13d85dfe";
+
+    #[test]
+    fn version_1_records_still_compare_as_they_did() {
+        let book = r#"{"sku":"book","quantity":1}"#;
+        let stored = Fingerprint::new(
+            1,
+            (0..32)
+                .map(|i| u8::from_str_radix(&VERSION_1_BOOK[2 * i..2 * i + 2], 16).unwrap())
+                .collect::<Vec<_>>()
+                .try_into()
+                .unwrap(),
+        );
+        let auto = Fingerprinter::auto();
+        let json = Some("application/json");
+        // Without a query, version 2 digests the request exactly as version 1 did.
+        let plain = fingerprint(&auto, &parts("POST", "/orders", json), book);
+        assert_eq!(plain.to_hex(), VERSION_1_BOOK);
+        assert_eq!(plain.version(), 2);
+        assert!(stored.matches(&plain) && plain.matches(&stored));
+        // A version-1 record ignored the query: it still does, in both directions.
+        let dry_run = fingerprint(&auto, &parts("POST", "/orders?dry_run=true", json), book);
+        assert_ne!(dry_run.to_hex(), VERSION_1_BOOK);
+        assert!(stored.matches(&dry_run) && dry_run.matches(&stored));
+        // The rest still counts.
+        for (method, uri, body) in [
+            ("POST", "/orders", r#"{"sku":"pen","quantity":1}"#),
+            ("PATCH", "/orders?x=1", book),
+            ("POST", "/orders/1?x=1", book),
+        ] {
+            let other = fingerprint(&auto, &parts(method, uri, json), body);
+            assert!(!stored.matches(&other) && !other.matches(&stored), "{uri}");
+        }
+        // A version-2 record read back from a store (no path-only digest) keeps the query.
+        let stored_dry_run = Fingerprint::new(dry_run.version(), *dry_run.digest());
+        assert!(stored_dry_run.matches(&dry_run));
+        assert!(!stored_dry_run.matches(&plain) && !plain.matches(&stored_dry_run));
+        // Only version 1 gets the path-only comparison.
+        let stored_v3 = Fingerprint::new(3, *plain.digest());
+        assert!(!stored_v3.matches(&plain));
+        // `==` compares what is stored: the version and the digest.
+        assert_eq!(Fingerprint::new(2, *plain.digest()), plain);
+    }
+
+    #[test]
+    fn custom_schemes_keep_their_digests() {
+        // The route owns a custom scheme's version: its digests (method, path, returned bytes)
+        // are the same as before the query counted, with or without a query.
+        let custom = Fingerprinter::custom(1, |_, body| Ok(body.to_vec()));
+        let plain = fingerprint(&custom, &parts("POST", "/orders", None), "x");
+        let with_query = fingerprint(&custom, &parts("POST", "/orders?dry_run=true", None), "x");
+        assert!(plain.matches(&with_query));
+        assert_eq!(plain.version(), 1);
+        // A custom scheme that returns the query tells the requests apart.
+        let with_query_bytes = Fingerprinter::custom(2, |parts, body| {
+            let mut bytes = parts.uri.query().unwrap_or_default().as_bytes().to_vec();
+            bytes.push(0);
+            bytes.extend_from_slice(body);
+            Ok(bytes)
+        });
+        let plain = fingerprint(&with_query_bytes, &parts("POST", "/orders", None), "x");
+        let with_query = fingerprint(
+            &with_query_bytes,
+            &parts("POST", "/orders?dry_run=true", None),
+            "x",
+        );
+        assert!(!plain.matches(&with_query));
+        // A built-in version-1 record never matches a custom fingerprint of the same bytes.
+        let builtin_v1 = Fingerprint::new(
+            1,
+            *fingerprint(&Fingerprinter::raw(), &parts("POST", "/orders", None), "x").digest(),
+        );
+        let custom_v1 = fingerprint(&custom, &parts("POST", "/orders", None), "x");
+        assert!(!builtin_v1.matches(&custom_v1) && !custom_v1.matches(&builtin_v1));
     }
 
     #[test]
@@ -1531,6 +1844,7 @@ mod tests {
         let a = Fingerprint::new(1, [7; 32]);
         assert!(a.matches(&Fingerprint::new(1, [7; 32])));
         assert!(!a.matches(&Fingerprint::new(2, [7; 32])));
+        assert!(!Fingerprint::new(2, [7; 32]).matches(&a));
         let mut digest = [7; 32];
         digest[31] = 8;
         assert!(!a.matches(&Fingerprint::new(1, digest)));

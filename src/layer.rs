@@ -2,11 +2,12 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
 use http::header::{self, HeaderName};
 use http::{request, Method, Response, StatusCode};
+use tokio::time::Instant;
 use tower_layer::Layer;
 
 use crate::error::{default_error_response, Rejection};
@@ -46,6 +47,15 @@ type GrpcSaveFn = dyn Fn(i32) -> bool + Send + Sync;
 type FilterFn = dyn Fn(&request::Parts) -> bool + Send + Sync;
 type ResponderFn = dyn Fn(&Rejection, StatusCode) -> Response<Bytes> + Send + Sync;
 
+/// The longest retention: 100 years of 365 days. A longer one (`Duration::MAX` for "forever") is
+/// clamped to it, so that an expiry is always a time the clock and the stores can represent.
+pub(crate) const MAX_RETENTION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
+/// The longest body and lock timeouts: 24 hours. Longer ones are clamped to it, so that a
+/// deadline never overflows the clock, and the lock timeout stays within what PostgreSQL's
+/// `lock_timeout` accepts (about 24.8 days).
+pub(crate) const MAX_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
+
 /// The configuration shared by every clone of the layer and its services.
 #[derive(Clone)]
 pub(crate) struct Config {
@@ -79,6 +89,24 @@ impl Config {
             Rejection::KeyReused => self.conflict_status,
             other => other.status(),
         }
+    }
+
+    /// When a record saved at `now` expires. The retention is clamped to [`MAX_RETENTION`]
+    /// when set; this saturates anyway, so that no setting can panic a request.
+    pub(crate) fn expires_at(&self, now: SystemTime) -> SystemTime {
+        now.checked_add(self.retention)
+            .or_else(|| now.checked_add(MAX_RETENTION))
+            // Only on a clock a century from its end: expire at once rather than panic.
+            .unwrap_or(now)
+    }
+
+    /// The deadline of a request body that starts arriving now (saturating, like
+    /// [`Config::expires_at`]).
+    pub(crate) fn body_deadline(&self) -> Instant {
+        let now = Instant::now();
+        now.checked_add(self.body_timeout)
+            .or_else(|| now.checked_add(MAX_TIMEOUT))
+            .unwrap_or(now)
     }
 }
 
@@ -255,9 +283,10 @@ impl<St> IdempotencyLayer<St> {
     }
 
     /// How long the whole request body may take to arrive (`408` past it). The write lock is
-    /// not held while the body arrives. Default: 30 s.
+    /// not held while the body arrives. Default: 30 s. At most 24 hours: a longer timeout
+    /// (`Duration::MAX` included) is clamped to that.
     pub fn with_body_timeout(self, timeout: Duration) -> Self {
-        self.map_config(|c| c.body_timeout = timeout)
+        self.map_config(|c| c.body_timeout = timeout.min(MAX_TIMEOUT))
     }
 
     /// The largest response body that is saved. A saveable response past it is rolled back
@@ -273,9 +302,10 @@ impl<St> IdempotencyLayer<St> {
     }
 
     /// How long a request waits for the write lock: behind a duplicate in flight, other
-    /// requests, or another process. Past it: `503` with `Retry-After`. Default: 5 s.
+    /// requests, or another process. Past it: `503` with `Retry-After`. Default: 5 s. At most
+    /// 24 hours: a longer timeout (`Duration::MAX` included) is clamped to that.
     pub fn with_lock_timeout(self, timeout: Duration) -> Self {
-        self.map_config(|c| c.lock_timeout = timeout)
+        self.map_config(|c| c.lock_timeout = timeout.min(MAX_TIMEOUT))
     }
 
     /// How many times the request runs again (handler included, in a fresh transaction) when
@@ -292,9 +322,18 @@ impl<St> IdempotencyLayer<St> {
     }
 
     /// How long a record is kept and replayed. It must cover your clients' retry window; an
-    /// expired record counts as absent. Default: 24 h.
+    /// expired record counts as absent. Default: 24 h. At most 100 years (of 365 days): a longer
+    /// retention (`Duration::MAX` for "keep forever") is clamped to that.
+    ///
+    /// ```
+    /// # fn example(layer: tower_idempotency::IdempotencyLayer<()>) {
+    /// use std::time::Duration;
+    ///
+    /// let layer = layer.with_retention(Duration::from_secs(7 * 24 * 3600));
+    /// # }
+    /// ```
     pub fn with_retention(self, retention: Duration) -> Self {
-        self.map_config(|c| c.retention = retention)
+        self.map_config(|c| c.retention = retention.min(MAX_RETENTION))
     }
 
     /// The status for a key reused with a different payload. Default: `409 Conflict`; the IETF
@@ -372,5 +411,61 @@ impl<S, St: Clone> Layer<S> for IdempotencyLayer<St> {
 
     fn layer(&self, inner: S) -> Self::Service {
         Idempotency::from_parts(inner, self.store.clone(), self.config.clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(layer: &IdempotencyLayer<()>) -> &Config {
+        &layer.config
+    }
+
+    #[test]
+    fn durations_past_their_maximum_are_clamped() {
+        let near_max = Duration::MAX - Duration::from_nanos(1);
+        for huge in [Duration::MAX, near_max, Duration::from_secs(u64::MAX)] {
+            let layer = IdempotencyLayer::new(())
+                .with_retention(huge)
+                .with_body_timeout(huge)
+                .with_lock_timeout(huge);
+            assert_eq!(config(&layer).retention, MAX_RETENTION);
+            assert_eq!(config(&layer).body_timeout, MAX_TIMEOUT);
+            assert_eq!(config(&layer).lock_timeout, MAX_TIMEOUT);
+        }
+        // Values within the maximum are kept as given.
+        let layer = IdempotencyLayer::new(())
+            .with_retention(MAX_RETENTION)
+            .with_body_timeout(Duration::from_secs(3))
+            .with_lock_timeout(Duration::ZERO);
+        assert_eq!(config(&layer).retention, MAX_RETENTION);
+        assert_eq!(config(&layer).body_timeout, Duration::from_secs(3));
+        assert_eq!(config(&layer).lock_timeout, Duration::ZERO);
+        // PostgreSQL's `lock_timeout` takes milliseconds up to `i32::MAX`.
+        assert!(MAX_TIMEOUT.as_millis() < i32::MAX as u128);
+    }
+
+    #[test]
+    fn expiry_and_deadlines_saturate_whatever_the_config_holds() {
+        let now = SystemTime::now();
+        let layer = IdempotencyLayer::new(()).with_retention(Duration::MAX);
+        assert_eq!(config(&layer).expires_at(now), now + MAX_RETENTION);
+        // Even a configuration that bypassed the setters cannot overflow.
+        let layer = IdempotencyLayer::new(()).map_config(|c| {
+            c.retention = Duration::MAX;
+            c.body_timeout = Duration::MAX;
+        });
+        assert_eq!(config(&layer).expires_at(now), now + MAX_RETENTION);
+        let before = Instant::now();
+        let deadline = config(&layer).body_deadline();
+        assert!(deadline >= before + MAX_TIMEOUT);
+        assert!(deadline <= Instant::now() + MAX_TIMEOUT);
+        // The default is unchanged.
+        let layer = IdempotencyLayer::new(());
+        assert_eq!(
+            config(&layer).expires_at(now),
+            now + Duration::from_secs(24 * 3600)
+        );
     }
 }

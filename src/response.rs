@@ -1,5 +1,7 @@
 //! What is captured from the handler's response, saved, and replayed.
 
+use std::fmt::Write as _;
+
 use bytes::Bytes;
 use http::header::{self, HeaderName};
 use http::{HeaderMap, HeaderValue, Response, StatusCode};
@@ -38,31 +40,64 @@ impl SavedResponse {
         response
     }
 
-    /// Encodes a header list for storage: a JSON array of `[name, value]` pairs.
+    /// Encodes a header list for storage, byte for byte: a JSON array of `[name, value]` pairs.
+    ///
+    /// The value is a JSON string when its bytes are UTF-8 (visible ASCII, as every record held
+    /// before, or obs-text that is UTF-8, such as a raw `é` in a `Location`), and otherwise an
+    /// array of its bytes (`[233]` for a Latin-1 `é`). Records written before byte arrays existed
+    /// hold only strings, so they decode as they did. Characters outside ASCII are written as
+    /// `\u` escapes, so the text is ASCII whatever the database's encoding.
     pub(crate) fn encode_headers(headers: &[(HeaderName, HeaderValue)]) -> String {
         let pairs: Vec<serde_json::Value> = headers
             .iter()
-            .filter_map(|(name, value)| {
-                let value = value.to_str().ok()?;
-                Some(serde_json::json!([name.as_str(), value]))
+            .map(|(name, value)| {
+                let value = match std::str::from_utf8(value.as_bytes()) {
+                    Ok(text) => serde_json::Value::from(text),
+                    Err(_) => serde_json::Value::from(value.as_bytes()),
+                };
+                serde_json::json!([name.as_str(), value])
             })
             .collect();
-        serde_json::Value::Array(pairs).to_string()
+        ascii_json(&serde_json::Value::Array(pairs).to_string())
     }
 
-    /// Decodes what [`SavedResponse::encode_headers`] wrote.
+    /// Decodes what [`SavedResponse::encode_headers`] wrote (in this version or an earlier one).
     pub(crate) fn decode_headers(text: &str) -> Result<Vec<(HeaderName, HeaderValue)>, String> {
-        let pairs: Vec<(String, String)> =
+        let pairs: Vec<(String, serde_json::Value)> =
             serde_json::from_str(text).map_err(|e| format!("saved headers: {e}"))?;
         pairs
             .into_iter()
             .map(|(name, value)| {
                 let name = HeaderName::try_from(name).map_err(|e| e.to_string())?;
-                let value = HeaderValue::try_from(value).map_err(|e| e.to_string())?;
+                let value = match value {
+                    serde_json::Value::String(text) => HeaderValue::try_from(text),
+                    bytes => {
+                        let bytes: Vec<u8> = serde_json::from_value(bytes)
+                            .map_err(|e| format!("saved header {name}: {e}"))?;
+                        HeaderValue::from_bytes(&bytes)
+                    }
+                }
+                .map_err(|e| format!("saved header {name}: {e}"))?;
                 Ok((name, value))
             })
             .collect()
     }
+}
+
+/// JSON text with every character outside ASCII escaped (`é` as `\u00e9`, beyond the BMP as a
+/// surrogate pair): outside strings, JSON is ASCII already.
+fn ascii_json(json: &str) -> String {
+    let mut out = String::with_capacity(json.len());
+    for c in json.chars() {
+        if c.is_ascii() {
+            out.push(c);
+        } else {
+            for unit in c.encode_utf16(&mut [0; 2]) {
+                let _ = write!(out, "\\u{unit:04x}");
+            }
+        }
+    }
+    out
 }
 
 fn to_header_map(pairs: &[(HeaderName, HeaderValue)]) -> HeaderMap {
@@ -123,6 +158,65 @@ mod tests {
         );
         let text = SavedResponse::encode_headers(&selected);
         assert_eq!(SavedResponse::decode_headers(&text).unwrap(), selected);
+    }
+
+    #[test]
+    fn header_values_that_are_not_visible_ascii_round_trip_byte_for_byte() {
+        let utf8 = HeaderValue::from_bytes("/commandes/été".as_bytes()).unwrap();
+        let astral = HeaderValue::from_bytes("🦀 名前".as_bytes()).unwrap();
+        let latin1 = HeaderValue::from_bytes(b"/commandes/\xe9t\xe9").unwrap();
+        let mixed = HeaderValue::from_bytes(b"a\tb \x80\xff\"\\").unwrap();
+        let headers = vec![
+            (header::LOCATION, utf8.clone()),
+            (HeaderName::from_static("x-latin1"), latin1.clone()),
+            (HeaderName::from_static("x-mixed"), mixed.clone()),
+            (header::CONTENT_TYPE, HeaderValue::from_static("text/plain")),
+            (HeaderName::from_static("x-astral"), astral),
+        ];
+        let text = SavedResponse::encode_headers(&headers);
+        assert_eq!(
+            text,
+            r#"[["location","/commandes/\u00e9t\u00e9"],["x-latin1",[47,99,111,109,109,97,110,100,101,115,47,233,116,233]],["x-mixed",[97,9,98,32,128,255,34,92]],["content-type","text/plain"],["x-astral","\ud83e\udd80 \u540d\u524d"]]"#
+        );
+        assert!(text.is_ascii());
+        let decoded = SavedResponse::decode_headers(&text).unwrap();
+        assert_eq!(decoded, headers);
+        assert_eq!(decoded[0].1.as_bytes(), "/commandes/été".as_bytes());
+        assert_eq!(decoded[1].1.as_bytes(), b"/commandes/\xe9t\xe9");
+    }
+
+    #[test]
+    fn headers_saved_by_earlier_versions_still_decode() {
+        // What version 1 wrote: strings only (it dropped the values that were not visible ASCII).
+        let text = r#"[["content-type","application/json"],["location","/orders/1"]]"#;
+        assert_eq!(
+            SavedResponse::decode_headers(text).unwrap(),
+            vec![
+                (
+                    header::CONTENT_TYPE,
+                    HeaderValue::from_static("application/json")
+                ),
+                (header::LOCATION, HeaderValue::from_static("/orders/1")),
+            ]
+        );
+        assert_eq!(SavedResponse::decode_headers("[]").unwrap(), vec![]);
+    }
+
+    #[test]
+    fn corrupt_saved_headers_are_errors_not_panics() {
+        for text in [
+            "",
+            "{}",
+            r#"[["location"]]"#,
+            r#"[["location",1]]"#,
+            r#"[["location",[256]]]"#,
+            r#"[["location",[-1]]]"#,
+            r#"[["location",[10]]]"#,
+            r#"[["location","a\nb"]]"#,
+            r#"[["bad name","x"]]"#,
+        ] {
+            assert!(SavedResponse::decode_headers(text).is_err(), "{text}");
+        }
     }
 
     #[test]

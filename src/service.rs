@@ -696,7 +696,7 @@ impl Attempt {
                             .map(|t| select_headers(t, &config.replayed_trailers)),
                     },
                     created_at: now,
-                    expires_at: now + config.retention,
+                    expires_at: config.expires_at(now),
                 };
                 let finished = match transaction.commit(record).await {
                     Ok(()) => Finished::Committed(parts, body, trailers),
@@ -740,7 +740,7 @@ where
     B: Body<Data = Bytes>,
     B::Error: Into<BoxError>,
 {
-    let deadline = Instant::now() + config.body_timeout;
+    let deadline = config.body_deadline();
     let mut body = std::pin::pin!(body);
     let declared = headers
         .get(header::CONTENT_LENGTH)

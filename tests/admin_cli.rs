@@ -75,12 +75,12 @@ async fn inspect_shows_the_record_without_its_body_unless_asked() {
     assert_eq!(field(&output, "state:"), "live");
     assert_eq!(field(&output, "status:"), "201");
     assert!(
-        field(&output, "fingerprint:").starts_with("v1 sha256:"),
+        field(&output, "fingerprint:").starts_with("v2 sha256:"),
         "{output}"
     );
     assert_eq!(
         field(&output, "fingerprint:").len(),
-        "v1 sha256:".len() + 64
+        "v2 sha256:".len() + 64
     );
     assert!(output.contains("location: /orders/1"), "{output}");
     assert_eq!(field(&output, "body:"), "14 bytes (add --body to show it)");

@@ -681,3 +681,151 @@ async fn http2_clients_get_the_same_contract() {
     assert_eq!(server.order_count().await, 1);
     assert_eq!(server.record_count().await, 1);
 }
+
+#[tokio::test]
+async fn query_string_is_part_of_the_request() {
+    let server = TestServer::spawn().await;
+    let order = Post::order("key-1", BOOK).send(server.addr).await;
+    assert_eq!(order.status, StatusCode::CREATED, "{order:?}");
+
+    // The same key and body with a query is another request: never a replay of the order.
+    let dry_run = Post::order("key-1", BOOK)
+        .path("/orders?dry_run=true")
+        .send(server.addr)
+        .await;
+    assert_eq!(dry_run.status, StatusCode::CONFLICT, "{dry_run:?}");
+    assert_eq!(dry_run.error_code(), "key_reused_with_different_payload");
+
+    // The query is compared decoded, its pairs in order.
+    let first = Post::order("key-2", BOOK)
+        .path("/orders?note=gift+wrap&a=1&b=2")
+        .send(server.addr)
+        .await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    let respelled = Post::order("key-2", BOOK)
+        .path("/orders?note=gift%20wrap&a=%31&&b=2&")
+        .send(server.addr)
+        .await;
+    assert!(respelled.replayed(), "{respelled:?}");
+    assert_eq!(respelled.body, first.body);
+    for path in ["/orders?a=1&b=2&note=gift+wrap", "/orders"] {
+        let other = Post::order("key-2", BOOK)
+            .path(path)
+            .send(server.addr)
+            .await;
+        assert_eq!(other.status, StatusCode::CONFLICT, "{path}: {other:?}");
+    }
+    assert_eq!(server.app.handler_calls(), 2);
+    assert_eq!(server.order_count().await, 2);
+}
+
+#[tokio::test]
+async fn records_saved_before_the_query_counted_still_compare_as_they_did() {
+    let server = TestServer::spawn().await;
+    // Saved by canonicalization version 1 for `POST /orders?source=app`: the path only.
+    let fingerprint =
+        common::version_1_fingerprint("json", "POST", "/orders", br#"{"quantity":1,"sku":"book"}"#);
+    let scope = ("shop-a", "create_order", "old-key");
+    common::save_record(
+        &server.store,
+        scope,
+        fingerprint,
+        "/orders/41",
+        r#"{"order_id":41}"#,
+    )
+    .await;
+
+    // Replayed as version 1 would have: whatever the query.
+    for path in ["/orders?source=app", "/orders", "/orders?source=web"] {
+        let reply = Post::order("old-key", BOOK)
+            .path(path)
+            .send(server.addr)
+            .await;
+        assert_eq!(reply.status, StatusCode::CREATED, "{path}: {reply:?}");
+        assert!(reply.replayed(), "{path}");
+        assert_eq!(reply.body, r#"{"order_id":41}"#);
+        assert_eq!(reply.header("location"), Some("/orders/41"));
+    }
+    let other = Post::order("old-key", r#"{"sku":"pen","quantity":1}"#)
+        .path("/orders?source=app")
+        .send(server.addr)
+        .await;
+    assert_eq!(other.status, StatusCode::CONFLICT, "{other:?}");
+    assert_eq!(server.app.handler_calls(), 0);
+    assert_eq!(server.order_count().await, 0);
+}
+
+/// A `Location` in raw UTF-8 (obs-text on the wire).
+const NON_ASCII_LOCATION: &str = "/commandes/été/🦀";
+/// Latin-1 bytes: not UTF-8 at all.
+const LATIN1_VALUE: &[u8] = b"caf\xe9 cr\xe8me";
+
+fn header_bytes<'a>(reply: &'a common::Reply, name: &str) -> Option<&'a [u8]> {
+    reply.headers.get(name).map(HeaderValue::as_bytes)
+}
+
+#[tokio::test]
+async fn header_values_that_are_not_visible_ascii_are_replayed_byte_for_byte() {
+    let latin1 = HeaderName::from_static("x-latin1");
+    let server = TestServer::builder()
+        .response_header(
+            http::header::LOCATION,
+            HeaderValue::from_bytes(NON_ASCII_LOCATION.as_bytes()).expect("obs-text"),
+        )
+        .response_header(
+            latin1.clone(),
+            HeaderValue::from_bytes(LATIN1_VALUE).expect("obs-text"),
+        )
+        .layer(move |layer| layer.with_replayed_header(latin1.clone()))
+        .spawn()
+        .await;
+
+    let first = Post::order("key-1", BOOK).send(server.addr).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    assert_eq!(
+        header_bytes(&first, "location"),
+        Some(NON_ASCII_LOCATION.as_bytes())
+    );
+
+    for _ in 0..2 {
+        let replay = Post::order("key-1", BOOK).send(server.addr).await;
+        assert!(replay.replayed(), "{replay:?}");
+        assert_eq!(
+            header_bytes(&replay, "location"),
+            Some(NON_ASCII_LOCATION.as_bytes())
+        );
+        assert_eq!(header_bytes(&replay, "x-latin1"), Some(LATIN1_VALUE));
+        assert_eq!(replay.body, first.body);
+        replay.assert_content_length_matches();
+    }
+    assert_eq!(server.app.handler_calls(), 1);
+}
+
+#[tokio::test]
+async fn durations_past_their_maximum_cannot_panic_a_request() {
+    let server = TestServer::builder()
+        .layer(|layer| {
+            layer
+                .with_retention(std::time::Duration::MAX)
+                .with_body_timeout(std::time::Duration::MAX - std::time::Duration::from_nanos(1))
+                .with_lock_timeout(std::time::Duration::MAX)
+        })
+        .spawn()
+        .await;
+
+    let first = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    let replay = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
+    assert!(replay.replayed(), "{replay:?}");
+    assert_eq!(replay.body, first.body);
+    assert_eq!(server.app.handler_calls(), 1);
+
+    // Kept for the longest retention, 100 years: there in 99, gone in 101.
+    use tower_idempotency::store::IdempotencyStore;
+    let scope = common::scope("shop-a", "create_order", "key-1");
+    let year = std::time::Duration::from_secs(365 * 24 * 3600);
+    let now = std::time::SystemTime::now();
+    let lookup = |at| server.store.lookup(&scope, at);
+    assert!(lookup(now + 99 * year).await.expect("lookup").is_some());
+    assert!(lookup(now + 101 * year).await.expect("lookup").is_none());
+}

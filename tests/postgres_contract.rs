@@ -10,7 +10,8 @@ mod pg_common;
 use std::time::{Duration, SystemTime};
 
 use common::{post, Post, PATIENCE, SHOP_A, SHOP_B};
-use http::StatusCode;
+use http::header::{self, HeaderName};
+use http::{HeaderValue, StatusCode};
 use pg_common::{PgServer, TestDb};
 use tower_idempotency::store::postgres::PostgresStore;
 use tower_idempotency::store::{continuously_purge_expired, IdempotencyStore};
@@ -383,4 +384,132 @@ async fn table_with_the_sqlite_layout_is_migrated_on_open() {
         .expect("columns")
         .get::<_, i64>(0);
     assert_eq!(state_columns, 1);
+}
+
+#[tokio::test]
+async fn records_saved_before_the_query_counted_still_compare_as_they_did() {
+    let Some(db) = TestDb::create().await else {
+        return;
+    };
+    let server = PgServer::spawn(&db).await;
+    // Saved by canonicalization version 1 for `POST /orders?source=app`: the path only.
+    let fingerprint =
+        common::version_1_fingerprint("json", "POST", "/orders", br#"{"quantity":1,"sku":"book"}"#);
+    let scope = ("shop-a", "create_order", "old-key");
+    common::save_record(
+        &server.store,
+        scope,
+        fingerprint,
+        "/orders/41",
+        r#"{"order_id":41}"#,
+    )
+    .await;
+
+    for path in ["/orders?source=app", "/orders", "/orders?source=web"] {
+        let reply = Post::order("old-key", BOOK)
+            .path(path)
+            .send(server.addr)
+            .await;
+        assert_eq!(reply.status, StatusCode::CREATED, "{path}: {reply:?}");
+        assert!(reply.replayed(), "{path}");
+        assert_eq!(reply.body, r#"{"order_id":41}"#);
+    }
+    let other = Post::order("old-key", r#"{"sku":"pen","quantity":1}"#)
+        .path("/orders?source=app")
+        .send(server.addr)
+        .await;
+    assert_eq!(other.status, StatusCode::CONFLICT, "{other:?}");
+
+    // A record saved now keeps its query.
+    let order = Post::order("new-key", BOOK)
+        .path("/orders?source=app")
+        .send(server.addr)
+        .await;
+    assert_eq!(order.status, StatusCode::CREATED, "{order:?}");
+    let dry_run = Post::order("new-key", BOOK)
+        .path("/orders?source=app&dry_run=true")
+        .send(server.addr)
+        .await;
+    assert_eq!(dry_run.status, StatusCode::CONFLICT, "{dry_run:?}");
+    let retry = Post::order("new-key", BOOK)
+        .path("/orders?source=app")
+        .send(server.addr)
+        .await;
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(server.app.handler_calls(), 1);
+    assert_eq!(db.order_count().await, 1);
+}
+
+#[tokio::test]
+async fn header_values_that_are_not_visible_ascii_are_replayed_byte_for_byte() {
+    let Some(db) = TestDb::create().await else {
+        return;
+    };
+    // A `Location` in raw UTF-8 (obs-text on the wire), and Latin-1 bytes (not UTF-8).
+    let location = "/commandes/été/🦀".as_bytes();
+    let latin1_value: &[u8] = b"caf\xe9 cr\xe8me";
+    let latin1 = HeaderName::from_static("x-latin1");
+    let server = PgServer::builder()
+        .response_header(
+            header::LOCATION,
+            HeaderValue::from_bytes(location).expect("obs-text"),
+        )
+        .response_header(
+            latin1.clone(),
+            HeaderValue::from_bytes(latin1_value).expect("obs-text"),
+        )
+        .layer(move |layer| layer.with_replayed_header(latin1.clone()))
+        .spawn(&db)
+        .await;
+    let bytes = |reply: &common::Reply, name: &str| {
+        reply
+            .headers
+            .get(name)
+            .map(|value| value.as_bytes().to_vec())
+    };
+
+    let first = Post::order("key-1", BOOK).send(server.addr).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    assert_eq!(bytes(&first, "location").as_deref(), Some(location));
+
+    for _ in 0..2 {
+        let replay = Post::order("key-1", BOOK).send(server.addr).await;
+        assert!(replay.replayed(), "{replay:?}");
+        assert_eq!(bytes(&replay, "location").as_deref(), Some(location));
+        assert_eq!(bytes(&replay, "x-latin1").as_deref(), Some(latin1_value));
+        assert_eq!(replay.body, first.body);
+        replay.assert_content_length_matches();
+    }
+    assert_eq!(server.app.handler_calls(), 1);
+}
+
+#[tokio::test]
+async fn durations_past_their_maximum_cannot_panic_a_request() {
+    let Some(db) = TestDb::create().await else {
+        return;
+    };
+    let server = PgServer::builder()
+        .layer(|layer| {
+            layer
+                .with_retention(Duration::MAX)
+                .with_body_timeout(Duration::MAX - Duration::from_nanos(1))
+                .with_lock_timeout(Duration::MAX)
+        })
+        .spawn(&db)
+        .await;
+
+    let first = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    let replay = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
+    assert!(replay.replayed(), "{replay:?}");
+    assert_eq!(replay.body, first.body);
+    assert_eq!(server.app.handler_calls(), 1);
+
+    // Kept for the longest retention, 100 years: there in 99, gone in 101.
+    let scope = common::scope("shop-a", "create_order", "key-1");
+    let year = Duration::from_secs(365 * 24 * 3600);
+    let now = SystemTime::now();
+    let lookup = |at| server.store.lookup(&scope, at);
+    assert!(lookup(now + 99 * year).await.expect("lookup").is_some());
+    assert!(lookup(now + 101 * year).await.expect("lookup").is_none());
 }

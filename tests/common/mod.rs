@@ -15,7 +15,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use axum::extract::{Request, State};
 use axum::middleware::{self, Next};
@@ -32,7 +32,11 @@ use hyper_util::rt::TokioExecutor;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 use tower_idempotency::extract::Tx;
+use tower_idempotency::fingerprint::Fingerprint;
+use tower_idempotency::response::SavedResponse;
 use tower_idempotency::store::sqlite::{SqliteOptions, SqliteStore, SqliteTransaction};
+use tower_idempotency::store::{Begin, IdempotencyStore, NewRecord, Scope, StoreTransaction};
+use tower_idempotency::IdempotencyKey;
 use tower_idempotency::{IdempotencyLayer, Tenant};
 
 pub const SHOP_A: &str = "shop-a-token";
@@ -90,6 +94,9 @@ pub struct App {
     /// Requests that reached the app (counted by the auth middleware, before the layer).
     arrivals: watch::Sender<usize>,
     hook: Option<Hook>,
+    /// Set on every `201` of the order handler, replacing its own (see
+    /// [`ServerBuilder::response_header`]).
+    response_headers: Vec<(HeaderName, HeaderValue)>,
 }
 
 impl App {
@@ -121,6 +128,7 @@ pub struct ServerBuilder {
     db_path: Option<PathBuf>,
     auth: bool,
     store_options: Option<StoreOptions>,
+    response_headers: Vec<(HeaderName, HeaderValue)>,
 }
 
 impl Default for ServerBuilder {
@@ -131,6 +139,7 @@ impl Default for ServerBuilder {
             db_path: None,
             auth: true,
             store_options: None,
+            response_headers: Vec::new(),
         }
     }
 }
@@ -159,6 +168,13 @@ impl ServerBuilder {
 
     pub fn hook(mut self, hook: Hook) -> Self {
         self.hook = Some(hook);
+        self
+    }
+
+    /// Sets this header on every `201` of the order handler, replacing the handler's own of that
+    /// name (such as `Location`). Any bytes a header value may hold, obs-text included.
+    pub fn response_header(mut self, name: HeaderName, value: HeaderValue) -> Self {
+        self.response_headers.push((name, value));
         self
     }
 
@@ -209,6 +225,7 @@ impl ServerBuilder {
             note_calls: AtomicUsize::new(0),
             arrivals,
             hook: self.hook,
+            response_headers: self.response_headers,
         });
         let layer = |operation: &str| {
             (self.customise)(
@@ -427,6 +444,9 @@ async fn create_order(
         format!("{{\"order_id\":{order_id}}}"),
     )
         .into_response();
+    for (name, value) in &app.response_headers {
+        response.headers_mut().insert(name.clone(), value.clone());
+    }
     for (name, value) in outcome.headers {
         response.headers_mut().append(name, value);
     }
@@ -716,6 +736,76 @@ impl Body for ChannelBody {
 }
 
 // ----- database side -----
+
+/// The scope `(tenant, operation, key)` of a record.
+pub fn scope(tenant: &str, operation: &str, key: &str) -> Scope {
+    Scope {
+        tenant: tenant.into(),
+        operation: operation.into(),
+        key: IdempotencyKey::parse(key.as_bytes(), 128).expect("valid key"),
+    }
+}
+
+/// The fingerprint canonicalization version 1 gave a request: SHA-256 over the length-prefixed
+/// domain, scheme tag (`json`, `raw`), version `1`, method, path (not the query) and canonical
+/// body. Written out here from that format, so that the crate is not its own witness.
+pub fn version_1_fingerprint(tag: &str, method: &str, path: &str, canonical: &[u8]) -> Fingerprint {
+    use sha2::{Digest, Sha256};
+    let mut hasher = Sha256::new();
+    for field in [
+        &b"tower-idempotency/request-fingerprint"[..],
+        tag.as_bytes(),
+        &1u16.to_be_bytes(),
+        method.as_bytes(),
+        path.as_bytes(),
+        canonical,
+    ] {
+        hasher.update((field.len() as u64).to_be_bytes());
+        hasher.update(field);
+    }
+    Fingerprint::new(1, hasher.finalize().into())
+}
+
+/// Saves a record through the store's own verbs, as an earlier version of the layer did: a
+/// `201` with this body and `Location`, kept for a day.
+pub async fn save_record<S: IdempotencyStore>(
+    store: &S,
+    (tenant, operation, key): (&str, &str, &str),
+    fingerprint: Fingerprint,
+    location: &str,
+    body: &str,
+) {
+    let scope = scope(tenant, operation, key);
+    let now = SystemTime::now();
+    let Begin::Reserved(transaction) = store.begin(&scope, PATIENCE, now).await.expect("begin")
+    else {
+        panic!("{scope:?} already has a record");
+    };
+    let response = SavedResponse {
+        status: StatusCode::CREATED,
+        headers: vec![
+            (
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            ),
+            (
+                header::LOCATION,
+                HeaderValue::from_str(location).expect("location"),
+            ),
+        ],
+        body: Bytes::copy_from_slice(body.as_bytes()),
+        trailers: None,
+    };
+    transaction
+        .commit(NewRecord {
+            fingerprint,
+            response,
+            created_at: now,
+            expires_at: now + Duration::from_secs(24 * 3600),
+        })
+        .await
+        .expect("commit the record");
+}
 
 pub async fn order_count(store: &SqliteStore) -> i64 {
     count(store, "SELECT COUNT(*) FROM orders").await

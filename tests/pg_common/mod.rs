@@ -22,8 +22,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing;
 use axum::{Extension, Router};
 use bytes::Bytes;
-use http::header;
-use http::{HeaderMap, StatusCode};
+use http::header::{self, HeaderName};
+use http::{HeaderMap, HeaderValue, StatusCode};
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 use tower_idempotency::extract::Tx;
@@ -312,6 +312,9 @@ pub struct App {
     /// Requests that reached the app (counted before the layer).
     arrivals: watch::Sender<usize>,
     hook: Option<Hook>,
+    /// Set on every `201` of the order handler, replacing its own (see
+    /// [`ServerBuilder::response_header`]).
+    response_headers: Vec<(HeaderName, HeaderValue)>,
 }
 
 impl App {
@@ -336,6 +339,7 @@ pub struct ServerBuilder {
     customise: Customise,
     store: CustomiseStore,
     hook: Option<Hook>,
+    response_headers: Vec<(HeaderName, HeaderValue)>,
 }
 
 impl ServerBuilder {
@@ -374,6 +378,13 @@ impl ServerBuilder {
         self
     }
 
+    /// Sets this header on every `201` of the order handler, replacing the handler's own of that
+    /// name (such as `Location`). Any bytes a header value may hold, obs-text included.
+    pub fn response_header(mut self, name: HeaderName, value: HeaderValue) -> Self {
+        self.response_headers.push((name, value));
+        self
+    }
+
     /// Serves the app on a store of its own (its own pools) over `db`'s schema; several
     /// servers on one schema are several app instances sharing one database.
     pub async fn spawn(self, db: &TestDb) -> PgServer {
@@ -388,6 +399,7 @@ impl ServerBuilder {
             handler_calls: AtomicUsize::new(0),
             arrivals,
             hook: self.hook,
+            response_headers: self.response_headers,
         });
         let layer = |operation: &str| {
             (self.customise)(
@@ -445,6 +457,7 @@ impl PgServer {
             customise: Box::new(|layer, _| layer),
             store: Box::new(|options| options),
             hook: None,
+            response_headers: Vec::new(),
         }
     }
 
@@ -539,7 +552,7 @@ async fn create_order(
     if let Some(status) = outcome.fail_with {
         return json_error(status, "injected_failure");
     }
-    (
+    let mut response = (
         StatusCode::CREATED,
         [
             (header::CONTENT_TYPE, "application/json".to_owned()),
@@ -547,7 +560,11 @@ async fn create_order(
         ],
         format!("{{\"order_id\":{order_id}}}"),
     )
-        .into_response()
+        .into_response();
+    for (name, value) in &app.response_headers {
+        response.headers_mut().insert(name.clone(), value.clone());
+    }
+    response
 }
 
 /// The example binary (`examples/orders.rs`) as a child process serving on this database.
