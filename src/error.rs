@@ -27,6 +27,18 @@ pub enum Error {
     /// back), or by a statement the handler ran (`COMMIT`, `ROLLBACK`).
     #[error("the idempotency transaction was aborted: {0}")]
     TransactionAborted(&'static str),
+    /// A transaction handle refused a statement that would end or start a transaction
+    /// (`COMMIT`, `ROLLBACK`, `BEGIN`...; the statement is named). Nothing of it ran, and the
+    /// transaction goes on: the layer commits it with the response, so a handler runs no
+    /// transaction control of its own.
+    #[error("{0} refused: the layer commits; run no transaction control in a handler")]
+    TransactionControl(&'static str),
+    /// A statement run through a transaction handle failed with a serialization failure or a
+    /// deadlock (PostgreSQL `40001`, `40P01`) and the database rolled the transaction back:
+    /// what the store reports for it at commit or rollback, so that the layer runs the
+    /// request again (the handler itself got the database's error). Retryable.
+    #[error("a statement in the transaction conflicted with a concurrent one: {0}")]
+    StatementConflict(String),
     /// The commit failed (for example, the disk is full); nothing of the request was kept.
     #[error("the commit failed: {0}")]
     CommitFailed(String),
@@ -63,6 +75,7 @@ impl Error {
                 *code == SqlState::T_R_SERIALIZATION_FAILURE
                     || *code == SqlState::T_R_DEADLOCK_DETECTED
             }),
+            Error::StatementConflict(_) => true,
             _ => false,
         }
     }
@@ -70,7 +83,7 @@ impl Error {
     /// Whether the request may simply be retried later with the same key.
     pub fn is_busy(&self) -> bool {
         match self {
-            Error::Busy => true,
+            Error::Busy | Error::StatementConflict(_) => true,
             #[cfg(feature = "sqlite")]
             Error::Sqlite(rusqlite::Error::SqliteFailure(e, _)) => matches!(
                 e.code,
