@@ -27,6 +27,20 @@ pub enum Error {
     /// back), or by a statement the handler ran (`COMMIT`, `ROLLBACK`).
     #[error("the idempotency transaction was aborted: {0}")]
     TransactionAborted(&'static str),
+    /// A transaction handle refused a statement that would end or start a transaction
+    /// (`COMMIT`, `ROLLBACK`, `BEGIN`..., and on SQLite any statement on the request's
+    /// savepoint; the statement is named). Nothing of it ran, and the transaction goes on: the
+    /// layer commits it with the response, so a handler runs no transaction control of its own
+    /// (ending or splitting the transaction behind the layer's back would keep rows without a
+    /// record).
+    #[error("{0} refused: the layer commits; run no transaction control in a handler")]
+    TransactionControl(&'static str),
+    /// A statement run through a transaction handle failed with a serialization failure or a
+    /// deadlock (PostgreSQL `40001`, `40P01`) and the database rolled the transaction back:
+    /// what the store reports for it at commit or rollback, so that the layer runs the
+    /// request again (the handler itself got the database's error). Retryable.
+    #[error("a statement in the transaction conflicted with a concurrent one: {0}")]
+    StatementConflict(String),
     /// The commit failed (for example, the disk is full); nothing of the request was kept.
     #[error("the commit failed: {0}")]
     CommitFailed(String),
@@ -36,14 +50,6 @@ pub enum Error {
     /// layer runs the request again, on its own, without the client seeing it.
     #[error("the commit group was rolled back by another request: {0}")]
     GroupRolledBack(String),
-    /// A statement the layer keeps to itself: transaction control (`BEGIN`, `COMMIT`,
-    /// `ROLLBACK`, `END`, the request's savepoint...) sent through a request's handle. The
-    /// layer commits the handler's rows together with the record; ending or splitting the
-    /// transaction behind its back would keep rows without a record.
-    #[error(
-        "{0}: the layer commits the request's transaction; a handler runs no transaction control"
-    )]
-    TransactionControl(&'static str),
     /// A call that needs the store's writer to itself, made from inside a request that holds
     /// the writer: it would wait for the request to end, and the request for it. Run the
     /// statements in the request's transaction instead (its handle's `run`, such as
@@ -83,6 +89,7 @@ impl Error {
                 *code == SqlState::T_R_SERIALIZATION_FAILURE
                     || *code == SqlState::T_R_DEADLOCK_DETECTED
             }),
+            Error::StatementConflict(_) => true,
             _ => false,
         }
     }
@@ -90,7 +97,7 @@ impl Error {
     /// Whether the request may simply be retried later with the same key.
     pub fn is_busy(&self) -> bool {
         match self {
-            Error::Busy => true,
+            Error::Busy | Error::StatementConflict(_) => true,
             #[cfg(feature = "sqlite")]
             // A full disk passes once space is freed: the same key then runs afresh.
             Error::Sqlite(rusqlite::Error::SqliteFailure(e, _)) => matches!(

@@ -720,14 +720,24 @@ impl Attempt {
                 Answer::Reject(Rejection::HandlerPanicked),
             ),
         };
-        roll_back(transaction).await;
+        if let Err(conflict) = roll_back(transaction).await {
+            // The handler answered from a transaction the database had already rolled back.
+            return (inner, Finished::CommitFailed(conflict));
+        }
         (inner, Finished::RolledBack(reason, answer))
     }
 }
 
-async fn roll_back<T: StoreTransaction>(transaction: T) {
-    if let Err(error) = transaction.rollback().await {
-        tracing::error!(%error, "idempotency rollback failed");
+/// Rolls back. A serialization conflict that one of the handler's statements hit (a store
+/// reports it from `rollback`) is returned, so that the request runs again.
+async fn roll_back<T: StoreTransaction>(transaction: T) -> Result<(), Error> {
+    match transaction.rollback().await {
+        Err(error) if error.is_serialization_conflict() => Err(error),
+        Err(error) => {
+            tracing::error!(%error, "idempotency rollback failed");
+            Ok(())
+        }
+        Ok(()) => Ok(()),
     }
 }
 

@@ -67,7 +67,7 @@ async fn order_app(db: &TestDb) -> PgServer {
                     "sku": row.try_get::<_, String>(0)?,
                     "quantity": row.try_get::<_, i64>(1)?,
                 });
-                enqueue(&*client, "order_created", &payload).await
+                enqueue(&client, "order_created", &payload).await
             };
             HookOutcome {
                 fail_with: enqueued

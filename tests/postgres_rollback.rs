@@ -1,6 +1,7 @@
 //! Failures roll everything back on the PostgreSQL store: the handler's order and the record
 //! commit together or not at all, whether the handler fails, panics, the client goes away,
-//! the database connection is killed mid-transaction, or the handler misuses the transaction.
+//! the database connection is killed mid-transaction, or the handler tries to end the
+//! transaction itself (refused).
 //!
 //! Needs `TEST_DATABASE_URL`; without it every test prints that it was skipped and passes.
 
@@ -291,38 +292,175 @@ async fn connection_killed_mid_transaction_rolls_back_and_the_retry_succeeds() {
     assert_eq!(db.record_count().await, 1);
 }
 
-/// A handler that commits the transaction itself breaks the one-transaction promise; the
-/// layer notices, answers 500 and saves no response, and the key is not left stuck.
+/// Transaction control that a handler sends through its handle, in any spelling and through
+/// any method, is refused before it reaches the server: nothing of the refused SQL runs (not
+/// even the statements of a batch before it), the transaction goes on, and the layer commits
+/// the order with its record. Savepoints stay allowed.
 #[tokio::test]
-async fn handler_that_commits_by_itself_is_detected_and_the_key_is_not_stuck() {
+async fn transaction_control_through_the_handle_is_refused_and_the_transaction_goes_on() {
     let Some(db) = TestDb::create().await else {
         return;
     };
+    let problems: Arc<Mutex<Vec<String>>> = Arc::default();
     let server = PgServer::builder()
-        .layer(|layer| layer.with_lock_timeout(Duration::from_secs(2)))
-        .hook(first_call_only(|call| async move {
-            let client = call.tx.client().await.expect("client");
-            client.batch_execute("COMMIT").await.expect("commit");
-            HookOutcome::default()
-        }))
+        .hook({
+            let problems = problems.clone();
+            hook(move |call| {
+                let problems = problems.clone();
+                async move {
+                    let mut found = Vec::new();
+                    let client = call.tx.client().await.expect("client");
+                    let refused = |what: String, outcome: Result<(), Error>| match outcome {
+                        Err(Error::TransactionControl(_)) => None,
+                        other => Some(format!("{what}: not refused: {other:?}")),
+                    };
+                    for sql in [
+                        "COMMIT; BEGIN",
+                        "commit",
+                        "END",
+                        "ROLLBACK",
+                        "ROLLBACK AND CHAIN",
+                        "ABORT",
+                        "BEGIN",
+                        "START TRANSACTION",
+                        "/* the layer commits */ COMMIT",
+                        "-- a comment\nEND",
+                        "SELECT 1; COMMIT",
+                        "PREPARE TRANSACTION 'gid'",
+                        "COMMIT PREPARED 'gid'",
+                        "ROLLBACK PREPARED 'gid'",
+                    ] {
+                        found.extend(refused(
+                            format!("batch_execute({sql:?})"),
+                            client.batch_execute(sql).await,
+                        ));
+                        found.extend(refused(
+                            format!("simple_query({sql:?})"),
+                            client.simple_query(sql).await.map(drop),
+                        ));
+                        found.extend(refused(
+                            format!("execute({sql:?})"),
+                            client.execute(sql, &[]).await.map(drop),
+                        ));
+                        found.extend(refused(
+                            format!("query({sql:?})"),
+                            client.query(sql, &[]).await.map(drop),
+                        ));
+                        found.extend(refused(
+                            format!("prepare({sql:?})"),
+                            client.prepare(sql).await.map(drop),
+                        ));
+                    }
+                    // A refused batch runs none of its statements, not even the first.
+                    found.extend(refused(
+                        "an insert then COMMIT".to_owned(),
+                        client
+                            .batch_execute(
+                                "INSERT INTO orders (tenant_id, sku, quantity) \
+                                 VALUES ('shop-a', 'before-commit', 1); COMMIT",
+                            )
+                            .await,
+                    ));
+                    // The transaction is still the layer's, and savepoints work inside it;
+                    // a COMMIT inside a string or a dollar quote is only text.
+                    if let Err(error) = client
+                        .batch_execute(
+                            "SAVEPOINT undo; \
+                             INSERT INTO orders (tenant_id, sku, quantity) \
+                             VALUES ('shop-a', 'undone', 1); \
+                             ROLLBACK TO SAVEPOINT undo; RELEASE undo; \
+                             SELECT 'COMMIT; BEGIN', $$ROLLBACK$$",
+                        )
+                        .await
+                    {
+                        found.push(format!("savepoints: {error}"));
+                    }
+                    problems.lock().expect("problems").extend(found);
+                    HookOutcome::default()
+                }
+            })
+        })
+        .spawn(&db)
+        .await;
+
+    let reply = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
+
+    assert_eq!(
+        *problems.lock().expect("problems"),
+        Vec::<String>::new(),
+        "every transaction-control statement is refused, and nothing else"
+    );
+    assert_eq!(reply.status, StatusCode::CREATED, "{reply:?}");
+    let orders = db.orders().await;
+    assert_eq!(orders.len(), 1, "only the handler's order: {orders:?}");
+    assert_eq!(orders[0].0, reply.order_id());
+    assert_eq!(orders[0].2, "book");
+    assert_eq!(db.record_count().await, 1);
+    let again = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
+    assert!(again.replayed());
+    assert_eq!(again.body, reply.body);
+    assert_eq!(db.order_count().await, 1);
+}
+
+/// `COMMIT; BEGIN` through the handle would commit the order with no record behind the
+/// layer's back, and the retry would create a second one. It is refused instead: the handler
+/// answers 500 on the error, its order rolls back with the transaction, and the retry with the
+/// same key ends with exactly one order.
+#[tokio::test]
+async fn commit_then_begin_in_a_handler_leaves_no_order_without_a_record() {
+    let Some(db) = TestDb::create().await else {
+        return;
+    };
+    let refusal: Arc<Mutex<Option<String>>> = Arc::default();
+    let server = PgServer::builder()
+        .hook({
+            let refusal = refusal.clone();
+            first_call_only(move |call| {
+                let refusal = refusal.clone();
+                async move {
+                    let client = call.tx.client().await.expect("client");
+                    match client.batch_execute("COMMIT; BEGIN").await {
+                        Ok(()) => HookOutcome::default(),
+                        Err(error) => {
+                            *refusal.lock().expect("refusal") = Some(error.to_string());
+                            HookOutcome {
+                                fail_with: Some(StatusCode::INTERNAL_SERVER_ERROR),
+                            }
+                        }
+                    }
+                }
+            })
+        })
         .spawn(&db)
         .await;
 
     let failed = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
 
+    assert_eq!(failed.status, StatusCode::INTERNAL_SERVER_ERROR);
     assert_eq!(
-        failed.status,
-        StatusCode::INTERNAL_SERVER_ERROR,
-        "{failed:?}"
+        failed.error_code(),
+        "injected_failure",
+        "the handler's own 500"
     );
-    assert_eq!(db.record_count().await, 0, "no response was saved");
+    let refusal = refusal.lock().expect("refusal").clone();
+    let refusal = refusal.expect("the handler got an error");
+    assert!(
+        refusal.contains("COMMIT refused") && refusal.contains("the layer commits"),
+        "a clear refusal: {refusal}"
+    );
+    assert_eq!(db.order_count().await, 0, "no order without a record");
+    assert!(!db.record_exists("shop-a", "create_order", "key-1").await);
+
     let retry = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
     assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
     assert!(!retry.replayed());
-    assert_eq!(db.record_count().await, 1);
     let again = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
     assert!(again.replayed());
     assert_eq!(again.body, retry.body);
+    let orders = db.orders().await;
+    assert_eq!(orders.len(), 1, "exactly one order: {orders:?}");
+    assert_eq!(orders[0].0, retry.order_id());
+    assert_eq!(db.record_count().await, 1);
 }
 
 /// After the request, the handle refuses work: it cannot write outside the transaction.

@@ -100,7 +100,7 @@ async fn create_order(
     let order_id: i64 = client
         .query_one(&insert, &[&tenant.as_str(), &order.sku, &order.quantity])
         .await
-        .and_then(|row| row.try_get(0))
+        .and_then(|row| Ok(row.try_get(0)?))
         .map_err(internal)?;
     // Reserving stock is another service's job: the event commits with the order, and the
     // relay delivers it once the order is durable.
@@ -110,7 +110,7 @@ async fn create_order(
         "sku": order.sku,
         "quantity": order.quantity,
     });
-    enqueue(&*client, "order_created", &event)
+    enqueue(&client, "order_created", &event)
         .await
         .map_err(internal)?;
     let response = (

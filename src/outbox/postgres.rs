@@ -48,14 +48,13 @@ use std::fmt;
 use std::time::{Duration, SystemTime};
 
 use tokio_postgres::row::Row;
-use tokio_postgres::GenericClient;
 
 use super::{
     Backlog, ClaimRequest, Claimed, Enqueue, EventId, EventInfo, EventStatus, OutboxCounts,
     OutboxEvent, OutboxStore, Settlement,
 };
 use crate::error::Error;
-use crate::store::postgres::{PostgresStore, PostgresTransaction};
+use crate::store::postgres::{Executor, PostgresStore, PostgresTransaction};
 use crate::store::{from_unix_millis, to_unix_millis};
 
 mod inbox;
@@ -264,9 +263,10 @@ impl PostgresOutbox {
     }
 }
 
-/// Adds an event to the outbox through `client`: inside the request's transaction (a
-/// [`TransactionClient`](crate::store::postgres::TransactionClient), dereferenced) it belongs
-/// to that transaction. Returns its id.
+/// Adds an event to the outbox through `client`: a
+/// [`TransactionClient`](crate::store::postgres::TransactionClient) of the request's
+/// transaction (the event then belongs to that transaction), or a client or transaction of
+/// your own. Returns its id.
 ///
 /// Use it to write an order and its event with one borrow of the transaction's connection;
 /// [`Enqueue::enqueue`] on the handle does the same in a call of its own.
@@ -282,7 +282,7 @@ impl PostgresOutbox {
 ///     .query_one("INSERT INTO orders (sku) VALUES ('book') RETURNING id", &[])
 ///     .await?;
 /// let order_id: i64 = row.try_get(0)?;
-/// enqueue(&*client, "order_created", &json!({ "order_id": order_id })).await?;
+/// enqueue(&client, "order_created", &json!({ "order_id": order_id })).await?;
 /// # Ok(()) }
 /// ```
 pub async fn enqueue<C>(
@@ -291,14 +291,13 @@ pub async fn enqueue<C>(
     payload: &serde_json::Value,
 ) -> Result<EventId, Error>
 where
-    C: GenericClient + Sync,
+    C: Executor + ?Sized,
 {
     let id = EventId::generate();
     let now = to_unix_millis(SystemTime::now());
     let payload = payload.to_string();
-    let statement = client.prepare(INSERT_EVENT).await?;
     client
-        .execute(&statement, &[&id.as_str(), &topic, &payload, &now])
+        .execute_statement(INSERT_EVENT, &[&id.as_str(), &topic, &payload, &now])
         .await?;
     Ok(id)
 }

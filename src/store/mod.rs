@@ -190,6 +190,11 @@ pub trait StoreTransaction: Send + 'static {
     fn commit(self, record: NewRecord) -> impl Future<Output = Result<(), Error>> + Send;
 
     /// Rolls back everything written in the transaction and waits until that is done.
+    ///
+    /// A store whose handle saw one of the handler's statements fail with a serialization
+    /// conflict (the database rolled the transaction back under the handler) returns that
+    /// error, for which [`Error::is_serialization_conflict`] is true, after rolling back: the
+    /// layer then runs the request again, as after a commit that conflicted.
     fn rollback(self) -> impl Future<Output = Result<(), Error>> + Send;
 }
 

@@ -295,19 +295,53 @@ impl ControlSql {
     }
 }
 
+/// What the writer connection's authorizer reads and writes.
+#[derive(Default)]
+struct ControlGuard {
+    /// Set while the store runs its own transaction control.
+    allowed: AtomicBool,
+    /// The statement last refused, as an index into [`REFUSED`].
+    refused: AtomicU8,
+}
+
+/// The statements the authorizer refuses, by name.
+const REFUSED: [&str; 6] = [
+    "BEGIN",
+    "COMMIT",
+    "ROLLBACK",
+    "SAVEPOINT of the request's savepoint",
+    "RELEASE of the request's savepoint",
+    "ROLLBACK TO the request's savepoint",
+];
+
+impl ControlGuard {
+    /// `error` from a statement of a handler (or a `write` closure): the authorizer's refusal
+    /// becomes [`Error::TransactionControl`], naming the statement.
+    fn error(&self, error: rusqlite::Error) -> Error {
+        if error.sqlite_error_code() != Some(rusqlite::ErrorCode::AuthorizationForStatementDenied) {
+            return Error::from(error);
+        }
+        let refused = REFUSED
+            .get(usize::from(self.refused.load(Ordering::Relaxed)))
+            .copied()
+            .unwrap_or("transaction control");
+        Error::TransactionControl(refused)
+    }
+}
+
 /// Lets the store's own transaction control through the authorizer while it lives.
-struct ControlAllowed<'a>(&'a AtomicBool);
+struct ControlAllowed<'a>(&'a ControlGuard);
 
 impl<'a> ControlAllowed<'a> {
-    fn new(flag: &'a AtomicBool) -> Self {
-        flag.store(true, Ordering::Relaxed);
-        ControlAllowed(flag)
+    fn new(guard: &'a ControlGuard) -> Self {
+        guard.allowed.store(true, Ordering::Relaxed);
+        ControlAllowed(guard)
     }
 }
 
 impl Drop for ControlAllowed<'_> {
     fn drop(&mut self) {
-        self.0.store(false, Ordering::Relaxed);
+        self.0.allowed.store(false, Ordering::Relaxed);
     }
 }
 
@@ -317,21 +351,33 @@ impl Drop for ControlAllowed<'_> {
 /// inside the request's and end with it.
 fn refuse_foreign_transaction_control(
     conn: &mut Connection,
-    allowed: Arc<AtomicBool>,
+    guard: Arc<ControlGuard>,
 ) -> rusqlite::Result<()> {
-    use rusqlite::hooks::{AuthAction, AuthContext, Authorization};
+    use rusqlite::hooks::{AuthAction, AuthContext, Authorization, TransactionOperation};
     conn.authorizer(Some(move |context: AuthContext<'_>| {
-        let controls_the_request = match context.action {
-            AuthAction::Transaction { .. } => true,
-            AuthAction::Savepoint { savepoint_name, .. } => {
-                savepoint_name.eq_ignore_ascii_case(REQUEST_SAVEPOINT)
-            }
-            _ => false,
+        let refused = match context.action {
+            AuthAction::Transaction { operation } => Some(match operation {
+                TransactionOperation::Begin => 0,
+                TransactionOperation::Rollback => 2,
+                // `COMMIT` and `END`, which SQLite reports as an operation of their own.
+                _ => 1,
+            }),
+            AuthAction::Savepoint {
+                operation,
+                savepoint_name,
+            } if savepoint_name.eq_ignore_ascii_case(REQUEST_SAVEPOINT) => Some(match operation {
+                TransactionOperation::Release => 4,
+                TransactionOperation::Rollback => 5,
+                _ => 3,
+            }),
+            _ => None,
         };
-        if controls_the_request && !allowed.load(Ordering::Relaxed) {
-            Authorization::Deny
-        } else {
-            Authorization::Allow
+        match refused {
+            Some(statement) if !guard.allowed.load(Ordering::Relaxed) => {
+                guard.refused.store(statement, Ordering::Relaxed);
+                Authorization::Deny
+            }
+            _ => Authorization::Allow,
         }
     }))
 }
@@ -387,8 +433,8 @@ struct Writer {
     store_id: u64,
     /// Requests' work started by the last job, for the thread to poll.
     started: Vec<Driven>,
-    /// Set while the store runs its own transaction control (read by the authorizer).
-    control_allowed: Arc<AtomicBool>,
+    /// What the authorizer reads: whether the store runs its own transaction control.
+    control: Arc<ControlGuard>,
     sql: ControlSql,
     /// Requests whose group another member rolled back: each runs again alone.
     rerun_alone: std::collections::HashMap<Scope, Instant>,
@@ -442,7 +488,7 @@ struct OtherWriters {
 impl Writer {
     /// Runs the store's own transaction control: the authorizer refuses it to everyone else.
     fn control<T>(&self, f: impl FnOnce(&Connection) -> T) -> T {
-        let _allowed = ControlAllowed::new(&self.control_allowed);
+        let _allowed = ControlAllowed::new(&self.control);
         f(&self.conn)
     }
 
@@ -882,8 +928,8 @@ impl SqliteStore {
         conn.busy_handler(Some(move |attempt| {
             BusyWait::on_busy(&handler_state, attempt)
         }))?;
-        let control_allowed = Arc::new(AtomicBool::new(false));
-        refuse_foreign_transaction_control(&mut conn, control_allowed.clone())?;
+        let control = Arc::new(ControlGuard::default());
+        refuse_foreign_transaction_control(&mut conn, control.clone())?;
 
         let (jobs, receiver) = mpsc::channel::<Job>();
         let store_id = NEXT_STORE_ID.fetch_add(1, Ordering::Relaxed);
@@ -901,7 +947,7 @@ impl SqliteStore {
             other_writers: OtherWriters::default(),
             store_id,
             started: Vec::new(),
-            control_allowed,
+            control,
             sql: ControlSql::new(),
             rerun_alone: std::collections::HashMap::new(),
         };
@@ -962,7 +1008,7 @@ impl SqliteStore {
                 writer.settle();
                 writer.file.check()?;
                 writer.set_busy_wait(STANDALONE_BUSY_TIMEOUT);
-                let allowed = &writer.control_allowed;
+                let allowed = &*writer.control;
                 let tx = {
                     let _allowed = ControlAllowed::new(allowed);
                     rusqlite::Transaction::new_unchecked(
@@ -980,7 +1026,7 @@ impl SqliteStore {
                     }
                     Ok(Err(error)) => {
                         drop(tx);
-                        Err(error.into())
+                        Err(allowed.error(error))
                     }
                     Err(panic) => {
                         drop(tx);
@@ -1871,13 +1917,7 @@ impl SqliteTransaction {
                      ON CONFLICT ROLLBACK, or a disk error)",
                 ));
             }
-            result.map_err(|error| match error.sqlite_error_code() {
-                // Only the store's authorizer refuses statements here.
-                Some(rusqlite::ErrorCode::AuthorizationForStatementDenied) => {
-                    Error::TransactionControl("SqliteTransaction::run")
-                }
-                _ => Error::from(error),
-            })
+            result.map_err(|error| writer.control.error(error))
         };
         // From the request's work, polled on the writer thread: run the statement now.
         match run_if_on_writer(self.tx.store.id, statement) {

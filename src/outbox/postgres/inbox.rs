@@ -6,12 +6,10 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use tokio_postgres::GenericClient;
-
 use crate::error::Error;
 use crate::metrics::outbox as record;
 use crate::outbox::{Processed, Receipt};
-use crate::store::postgres::{PostgresStore, PostgresTransaction, TransactionClient};
+use crate::store::postgres::{Executor, PostgresStore, PostgresTransaction, TransactionClient};
 use crate::store::to_unix_millis;
 
 /// The same table as the SQLite inbox (`processed_at` in Unix milliseconds).
@@ -127,18 +125,18 @@ impl PostgresInbox {
 
     /// Records `event_id` through `client`, which must be inside the transaction that applies
     /// the event (a [`tokio_postgres::Transaction`] of your own, `&*transaction` for one opened
-    /// on a pooled connection, or a dereferenced [`TransactionClient`]): [`Receipt::First`] if
+    /// on a pooled connection, or a [`TransactionClient`]): [`Receipt::First`] if
     /// it was new (apply the event in the same transaction), [`Receipt::Duplicate`] if it was
     /// there already (do nothing).
     ///
     /// While another open transaction holds the same id, this waits for it to end.
     pub async fn record<C>(&self, client: &C, event_id: &str) -> Result<Receipt, Error>
     where
-        C: GenericClient + Sync,
+        C: Executor + ?Sized,
     {
         let now = to_unix_millis(SystemTime::now());
         let inserted = client
-            .execute(INSERT_ID, &[&&*self.consumer, &event_id, &now])
+            .execute_statement(INSERT_ID, &[&&*self.consumer, &event_id, &now])
             .await?;
         Ok(receipt(inserted))
     }

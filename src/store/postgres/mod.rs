@@ -14,7 +14,10 @@
 //! - **Waits are bounded**: taking a pooled connection and every lock wait (`SET LOCAL
 //!   lock_timeout`) share the layer's lock timeout; past it the request gets `503` with
 //!   `Retry-After`. Serialization failures and deadlocks while reserving are retried a bounded
-//!   number of times ([`PostgresOptions::serialization_retries`]).
+//!   number of times ([`PostgresOptions::serialization_retries`]); one that a handler's
+//!   statement gets is reported to the layer, which runs the request again.
+//! - **The layer commits**: the handle refuses transaction control (`COMMIT`, `ROLLBACK`,
+//!   `BEGIN`...), so a handler cannot commit its rows without the record.
 //! - **Replays** are a plain `SELECT` of completed records on a separate pool of read
 //!   connections: no locks, and no waiting for the connections that writers hold.
 //! - **Rollback on drop**: `Drop` cannot await a `ROLLBACK`, so a transaction dropped while still
@@ -43,9 +46,9 @@
 //! (set it with `options=-c search_path=...` in the URL to use another schema).
 
 use std::fmt;
-use std::ops::Deref;
+use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError};
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
@@ -60,7 +63,8 @@ pub use tokio_postgres;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::row::Row;
 use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
-use tokio_postgres::{NoTls, Socket, Statement};
+use tokio_postgres::types::{BorrowToSql, ToSql, Type};
+use tokio_postgres::{GenericClient, NoTls, SimpleQueryMessage, Socket, Statement, ToStatement};
 
 use super::{
     from_unix_millis, to_unix_millis, Begin, IdempotencyStore, NewRecord, Scope, StoreTransaction,
@@ -69,6 +73,8 @@ use super::{
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 use crate::response::SavedResponse;
+
+mod sql_guard;
 
 /// The same columns as the SQLite store, plus `state`: a reservation is an `in_progress` row
 /// whose response columns are still empty. Other transactions never see one (it is committed
@@ -376,11 +382,7 @@ impl PostgresStore {
             return Err(error);
         }
         Ok(OwnedTransaction {
-            tx: Arc::new(TxShared {
-                token,
-                finished: AtomicBool::new(false),
-                connection: Arc::new(Mutex::new(slot)),
-            }),
+            tx: Arc::new(TxShared::new(token, slot)),
         })
     }
 
@@ -433,11 +435,7 @@ impl PostgresStore {
         let token = self.shared.reservations.fetch_add(1, Ordering::Relaxed);
         match reserve(&slot, scope, deadline, now, token, self.shared.isolation).await {
             Ok(Reserved::Row(row_id)) => Ok(Begin::Reserved(PostgresReservation {
-                tx: Arc::new(TxShared {
-                    token,
-                    finished: AtomicBool::new(false),
-                    connection: Arc::new(Mutex::new(slot)),
-                }),
+                tx: Arc::new(TxShared::new(token, slot)),
                 scope: scope.clone(),
                 row_id,
             })),
@@ -525,13 +523,18 @@ async fn reserve(
 /// Whether an error is a conflict that a fresh transaction may not hit again.
 fn is_transient_conflict(error: &Error) -> bool {
     match error {
-        Error::Postgres(error) => matches!(
-            error.code(),
-            Some(code) if *code == SqlState::T_R_SERIALIZATION_FAILURE
-                || *code == SqlState::T_R_DEADLOCK_DETECTED
-        ),
+        Error::Postgres(error) => is_conflict_code(error),
         _ => false,
     }
+}
+
+/// A serialization failure (`40001`) or a deadlock (`40P01`).
+fn is_conflict_code(error: &tokio_postgres::Error) -> bool {
+    matches!(
+        error.code(),
+        Some(code) if *code == SqlState::T_R_SERIALIZATION_FAILURE
+            || *code == SqlState::T_R_DEADLOCK_DETECTED
+    )
 }
 
 fn pool_error(error: PoolError) -> Error {
@@ -728,6 +731,10 @@ struct TxShared {
     /// Set as soon as the layer starts to commit or roll back: handles refuse work from then on.
     finished: AtomicBool,
     connection: Arc<Mutex<Slot>>,
+    /// The first serialization failure or deadlock that a statement run through a handle got
+    /// (the database's message). PostgreSQL has rolled the transaction back by then, whatever
+    /// the handler answers: commit and rollback report it, so that the request runs again.
+    conflict: std::sync::Mutex<Option<String>>,
 }
 
 /// The open transaction of one request (the owner side, held by the layer).
@@ -749,6 +756,37 @@ impl fmt::Debug for PostgresReservation {
 }
 
 impl TxShared {
+    fn new(token: u64, slot: Slot) -> Self {
+        TxShared {
+            token,
+            finished: AtomicBool::new(false),
+            connection: Arc::new(Mutex::new(slot)),
+            conflict: std::sync::Mutex::new(None),
+        }
+    }
+
+    /// Keeps `error` if it is the transaction's first serialization failure or deadlock.
+    fn observe(&self, error: &tokio_postgres::Error) {
+        if !is_conflict_code(error) {
+            return;
+        }
+        let message = match error.as_db_error() {
+            Some(db_error) => db_error.to_string(),
+            None => error.to_string(),
+        };
+        let mut conflict = self.conflict.lock().unwrap_or_else(PoisonError::into_inner);
+        conflict.get_or_insert(message);
+    }
+
+    /// The conflict a handle's statement got, if any, as the error to report.
+    fn conflict(&self) -> Option<Error> {
+        self.conflict
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+            .map(Error::StatementConflict)
+    }
+
     /// Marks the transaction finished and takes its connection from the handles.
     fn take_connection(&self) -> Result<OwnedMutexGuard<Slot>, Error> {
         self.finished.store(true, Ordering::Release);
@@ -794,6 +832,11 @@ impl StoreTransaction for PostgresReservation {
 
     async fn commit(self, record: NewRecord) -> Result<(), Error> {
         let mut slot = self.tx.take_connection()?;
+        // The transaction is already rolled back on the server: report why, to run it again.
+        if let Some(conflict) = self.tx.conflict() {
+            slot.roll_back_and_release().await;
+            return Err(conflict);
+        }
         let saved = async {
             let client = slot.client()?;
             let complete = client.prepare_cached(COMPLETE_RECORD).await?;
@@ -836,18 +879,20 @@ impl StoreTransaction for PostgresReservation {
         slot.commit_and_release().await
     }
 
+    /// Rolls back. Reports a serialization failure or deadlock that a handler's statement
+    /// got ([`Error::StatementConflict`]): the handler's answer came from a transaction the
+    /// database had rolled back, and the layer runs the request again.
     async fn rollback(self) -> Result<(), Error> {
-        let mut slot = match self.tx.take_connection() {
-            Ok(slot) => slot,
+        match self.tx.take_connection() {
+            Ok(mut slot) => slot.roll_back_and_release().await,
             // Nothing to roll back here: a borrower still holds it (the slot's `Drop` closes
             // it later), or it is already gone.
-            Err(error) => {
-                tracing::warn!(%error, "rollback deferred to the connection's release");
-                return Ok(());
-            }
-        };
-        slot.roll_back_and_release().await;
-        Ok(())
+            Err(error) => tracing::warn!(%error, "rollback deferred to the connection's release"),
+        }
+        match self.tx.conflict() {
+            Some(conflict) => Err(conflict),
+            None => Ok(()),
+        }
     }
 }
 
@@ -874,6 +919,10 @@ impl OwnedTransaction {
     /// of an aborted transaction answers `ROLLBACK` without an error).
     pub(crate) async fn commit(self) -> Result<(), Error> {
         let mut slot = self.tx.take_connection()?;
+        if let Some(conflict) = self.tx.conflict() {
+            slot.roll_back_and_release().await;
+            return Err(conflict);
+        }
         let checked = async {
             let client = slot.client()?;
             let check = client
@@ -941,11 +990,16 @@ impl Drop for OwnedTransaction {
 /// # Ok(order_id) }
 /// ```
 ///
-/// - Do not run `COMMIT`, `ROLLBACK` or `BEGIN`: the layer commits. If the transaction ends
-///   anyway, the layer notices, answers `500` and saves nothing.
+/// - The layer commits: `COMMIT`, `ROLLBACK`, `BEGIN` and the like are refused
+///   ([`Error::TransactionControl`]; see [`TransactionClient`]).
 /// - A failed statement aborts the whole PostgreSQL transaction: answer an error status (the
 ///   layer then rolls back) rather than carrying on. Use a `SAVEPOINT` to recover from an
 ///   expected failure inside the transaction.
+/// - A serialization failure (`40001`) or deadlock (`40P01`) of one of the handler's
+///   statements is noticed by the layer, whatever the handler answers: it runs the request
+///   again in a fresh transaction, up to
+///   [`with_conflict_retries`](crate::IdempotencyLayer::with_conflict_retries) times, then
+///   answers `503` with `Retry-After`.
 /// - Statements run with the layer's `lock_timeout` (`SET LOCAL`): a lock wait past it fails
 ///   with SQLSTATE `55P03`, for which [`Error::is_busy`] is true.
 /// - Drop the [`TransactionClient`] before the handler returns; after the request ends the
@@ -978,7 +1032,10 @@ impl PostgresTransaction {
         }
         let connection = OwnedMutexGuard::try_map(slot, |slot| slot.object.as_mut())
             .map_err(|_| Error::TransactionFinished)?;
-        Ok(TransactionClient { connection })
+        Ok(TransactionClient {
+            connection,
+            tx: self.tx.clone(),
+        })
     }
 
     /// Whether the transaction has been committed or rolled back (or is being).
@@ -987,29 +1044,274 @@ impl PostgresTransaction {
     }
 }
 
-/// The transaction's connection, borrowed from a [`PostgresTransaction`]: dereferences to a
-/// [`tokio_postgres::Client`] inside the request's transaction.
+/// The transaction's connection, borrowed from a [`PostgresTransaction`]: runs statements
+/// inside the request's transaction, with the methods of a [`tokio_postgres::Client`].
+///
+/// It does not hand out the client itself, so that every statement goes through two checks:
+///
+/// - **No transaction control.** `BEGIN`, `START TRANSACTION`, `COMMIT`, `END`, `ROLLBACK`,
+///   `ABORT`, `PREPARE TRANSACTION` and `COMMIT`/`ROLLBACK PREPARED` are refused with
+///   [`Error::TransactionControl`] before they reach the server, and nothing of the call runs.
+///   `SAVEPOINT`, `RELEASE` and `ROLLBACK TO` are allowed: they stay inside the transaction.
+///   Every statement is sent with the extended protocol, which runs one command per string;
+///   [`batch_execute`](Self::batch_execute) and [`simple_query`](Self::simple_query) cut
+///   their input into statements and send them one by one. (A `CREATE FUNCTION` or `CREATE
+///   PROCEDURE` with a `BEGIN ATOMIC` body stays whole.)
+/// - **Conflicts are seen by the layer.** A serialization failure or a deadlock that a
+///   statement gets is returned to the handler as usual, and also kept: the layer then runs
+///   the request again (see [`PostgresTransaction`]).
+///
+/// COPY is not offered: a COPY in progress would hold the connection past the borrow.
 pub struct TransactionClient {
     connection: OwnedMappedMutexGuard<Slot, Object>,
+    tx: Arc<TxShared>,
 }
 
 impl fmt::Debug for TransactionClient {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("TransactionClient").finish_non_exhaustive()
+        f.debug_struct("TransactionClient")
+            .field("reservation", &self.tx.token)
+            .finish_non_exhaustive()
     }
 }
 
-impl Deref for TransactionClient {
-    type Target = tokio_postgres::Client;
+/// What a [`TransactionClient`] runs: SQL text (`&str`, `String`), checked before it is sent,
+/// or a [`Statement`] prepared through a `TransactionClient` (checked when prepared).
+pub trait Command: ToStatement + sealed::Command {
+    /// The SQL text to check, if this is text.
+    #[doc(hidden)]
+    fn sql_text(&self) -> Option<&str>;
+}
 
-    fn deref(&self) -> &tokio_postgres::Client {
-        &self.connection
+impl Command for str {
+    fn sql_text(&self) -> Option<&str> {
+        Some(self)
     }
+}
+
+impl Command for String {
+    fn sql_text(&self) -> Option<&str> {
+        Some(self)
+    }
+}
+
+impl Command for Statement {
+    fn sql_text(&self) -> Option<&str> {
+        None
+    }
+}
+
+/// Where a statement of [`enqueue`](crate::outbox::postgres::enqueue) or
+/// `PostgresInbox::record` (with the `outbox` feature) runs: a [`TransactionClient`] (inside
+/// the request's transaction), or a client or transaction of your own (any
+/// [`tokio_postgres::GenericClient`]: a [`tokio_postgres::Client`], a pooled connection, a
+/// [`tokio_postgres::Transaction`]).
+pub trait Executor: Sync + sealed::Executor {
+    /// Runs `statement` with `params`; returns how many rows it changed.
+    fn execute_statement(
+        &self,
+        statement: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> impl Future<Output = Result<u64, Error>> + Send;
+}
+
+impl<C: GenericClient + Sync> Executor for C {
+    async fn execute_statement(
+        &self,
+        statement: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<u64, Error> {
+        Ok(GenericClient::execute(self, statement, params).await?)
+    }
+}
+
+impl Executor for TransactionClient {
+    async fn execute_statement(
+        &self,
+        statement: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<u64, Error> {
+        self.execute(statement, params).await
+    }
+}
+
+mod sealed {
+    use tokio_postgres::{GenericClient, Statement};
+
+    /// Keeps [`Command`](super::Command) to the types this crate knows how to check.
+    #[allow(unreachable_pub)]
+    pub trait Command {}
+
+    impl Command for str {}
+    impl Command for String {}
+    impl Command for Statement {}
+
+    /// Keeps [`Executor`](super::Executor) to the types this crate knows how to run on.
+    #[allow(unreachable_pub)]
+    pub trait Executor {}
+
+    impl Executor for super::TransactionClient {}
+    impl<C: GenericClient> Executor for C {}
 }
 
 impl TransactionClient {
+    fn client(&self) -> &tokio_postgres::Client {
+        &self.connection
+    }
+
+    /// Refuses transaction control in `command`'s text.
+    fn check<T: Command + ?Sized>(command: &T) -> Result<(), Error> {
+        match command.sql_text() {
+            Some(sql) => sql_guard::check_command(sql),
+            None => Ok(()),
+        }
+    }
+
+    /// Converts a database error, keeping a conflict for the layer to see.
+    fn observe<T>(&self, result: Result<T, tokio_postgres::Error>) -> Result<T, Error> {
+        result.map_err(|error| {
+            self.tx.observe(&error);
+            Error::Postgres(error)
+        })
+    }
+
+    /// Prepares `query` ([`tokio_postgres::Client::prepare`]).
+    pub async fn prepare(&self, query: &str) -> Result<Statement, Error> {
+        sql_guard::check_command(query)?;
+        self.observe(self.client().prepare(query).await)
+    }
+
+    /// Prepares `query` with the given parameter types
+    /// ([`tokio_postgres::Client::prepare_typed`]).
+    pub async fn prepare_typed(
+        &self,
+        query: &str,
+        parameter_types: &[Type],
+    ) -> Result<Statement, Error> {
+        sql_guard::check_command(query)?;
+        self.observe(self.client().prepare_typed(query, parameter_types).await)
+    }
+
     /// Prepares `query` once per connection and reuses the statement afterwards.
     pub async fn prepare_cached(&self, query: &str) -> Result<Statement, Error> {
-        Ok(self.connection.prepare_cached(query).await?)
+        sql_guard::check_command(query)?;
+        self.observe(self.connection.prepare_cached(query).await)
+    }
+
+    /// Runs a statement and returns its rows ([`tokio_postgres::Client::query`]).
+    pub async fn query<T>(
+        &self,
+        statement: &T,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Vec<Row>, Error>
+    where
+        T: ?Sized + Command,
+    {
+        Self::check(statement)?;
+        self.observe(self.client().query(statement, params).await)
+    }
+
+    /// Runs a statement that returns exactly one row ([`tokio_postgres::Client::query_one`]).
+    pub async fn query_one<T>(
+        &self,
+        statement: &T,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Row, Error>
+    where
+        T: ?Sized + Command,
+    {
+        Self::check(statement)?;
+        self.observe(self.client().query_one(statement, params).await)
+    }
+
+    /// Runs a statement that returns at most one row
+    /// ([`tokio_postgres::Client::query_opt`]).
+    pub async fn query_opt<T>(
+        &self,
+        statement: &T,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Option<Row>, Error>
+    where
+        T: ?Sized + Command,
+    {
+        Self::check(statement)?;
+        self.observe(self.client().query_opt(statement, params).await)
+    }
+
+    /// Runs `query` with parameters of the given types, without preparing it first
+    /// ([`tokio_postgres::Client::query_typed`]).
+    pub async fn query_typed(
+        &self,
+        query: &str,
+        params: &[(&(dyn ToSql + Sync), Type)],
+    ) -> Result<Vec<Row>, Error> {
+        sql_guard::check_command(query)?;
+        self.observe(self.client().query_typed(query, params).await)
+    }
+
+    /// Runs a statement; returns how many rows it changed
+    /// ([`tokio_postgres::Client::execute`]).
+    pub async fn execute<T>(
+        &self,
+        statement: &T,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<u64, Error>
+    where
+        T: ?Sized + Command,
+    {
+        Self::check(statement)?;
+        self.observe(self.client().execute(statement, params).await)
+    }
+
+    /// [`execute`](Self::execute) with the parameters as an iterator
+    /// ([`tokio_postgres::Client::execute_raw`]).
+    pub async fn execute_raw<T, P, I>(&self, statement: &T, params: I) -> Result<u64, Error>
+    where
+        T: ?Sized + Command,
+        P: BorrowToSql,
+        I: IntoIterator<Item = P>,
+        I::IntoIter: ExactSizeIterator,
+    {
+        Self::check(statement)?;
+        self.observe(self.client().execute_raw(statement, params).await)
+    }
+
+    /// Runs the statements of `query` (separated by `;`, no parameters) one after the other.
+    ///
+    /// All of them are checked before the first runs: one refused statement and none runs.
+    pub async fn batch_execute(&self, query: &str) -> Result<(), Error> {
+        let statements = sql_guard::split(query);
+        for statement in &statements {
+            sql_guard::check_command(statement)?;
+        }
+        for statement in statements {
+            // The extended protocol: a piece that still held two commands would be refused
+            // by the server, so nothing this did not check can run.
+            self.observe(self.client().execute(statement, &[]).await)?;
+        }
+        Ok(())
+    }
+
+    /// Runs the statements of `query` with the simple query protocol (rows as text)
+    /// ([`tokio_postgres::Client::simple_query`]), one after the other; checked like
+    /// [`batch_execute`](Self::batch_execute).
+    pub async fn simple_query(&self, query: &str) -> Result<Vec<SimpleQueryMessage>, Error> {
+        let statements = sql_guard::split(query);
+        for statement in &statements {
+            sql_guard::check_command(statement)?;
+        }
+        let mut messages = Vec::new();
+        for statement in statements {
+            // Parsed first with the extended protocol, which takes one command only: the
+            // simple protocol then runs text the server has read as exactly that command.
+            drop(self.observe(self.client().prepare(statement).await)?);
+            messages.extend(self.observe(self.client().simple_query(statement).await)?);
+        }
+        Ok(messages)
+    }
+
+    /// Whether the connection is closed (the server went away).
+    pub fn is_closed(&self) -> bool {
+        self.client().is_closed()
     }
 }
