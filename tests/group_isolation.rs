@@ -521,12 +521,12 @@ async fn mixed_load(kinds: Vec<Kind>) {
                         .await;
                 }
                 "poison-commit" => {
-                    if call
+                    let refused = call
                         .tx
                         .run(|conn| conn.execute_batch("COMMIT; BEGIN"))
                         .await
-                        .is_err()
-                    {
+                        .is_err();
+                    if refused {
                         return HookOutcome {
                             fail_with: Some(StatusCode::INTERNAL_SERVER_ERROR),
                             ..HookOutcome::default()
