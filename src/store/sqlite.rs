@@ -1246,11 +1246,19 @@ fn writer_thread(writer: Writer, receiver: &mpsc::Receiver<Job>) {
                 continue;
             }
         }
-        // A request in progress sends its next job within microseconds: waiting for it
-        // briefly (yielding the CPU) is cheaper than parking the thread and being woken.
-        let spin = with_writer(|writer| writer.flush_deadline())
-            .flatten()
-            .map_or(JOB_SPIN, |due| due.min(JOB_SPIN));
+        // A request in progress, or the next member of an open group, sends its job within
+        // microseconds: waiting for it briefly (yielding the CPU) is cheaper than parking the
+        // thread and being woken. An idle writer parks at once: nothing is on its way, and
+        // spinning would only burn a core between requests.
+        let busy = with_writer(|writer| writer.active.is_some() || writer.group.is_some())
+            .unwrap_or(false);
+        let spin = if busy {
+            with_writer(|writer| writer.flush_deadline())
+                .flatten()
+                .map_or(JOB_SPIN, |due| due.min(JOB_SPIN))
+        } else {
+            Duration::ZERO
+        };
         let job = match spin_for_job(receiver, spin) {
             Some(job) => Some(job),
             None => match with_writer(|writer| writer.flush_deadline()).flatten() {
