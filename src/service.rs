@@ -251,16 +251,6 @@ where
         let wire = Wire::of(parts.version, &parts.headers);
         let now = SystemTime::now();
 
-        // Fast path: a completed record, read without waiting for the writer.
-        match self.store.lookup(&scope, now).await {
-            Ok(Some(record)) => {
-                return Ok(self.answer_existing(&scope, &record, &fingerprint, wire))
-            }
-            Ok(None) => {}
-            // The write path reads again, authoritatively; a failing read is only logged.
-            Err(error) => tracing::warn!(%error, "idempotency fast-path lookup failed"),
-        }
-
         let mut reruns = Reruns::default();
         loop {
             // A run again runs the handler again: each attempt gets its own copy of the
@@ -294,13 +284,23 @@ where
             // Everything done while the transaction is open: the store may run it where the
             // transaction lives (the SQLite store, on its writer thread).
             let lock_started = Instant::now();
-            let began = self
-                .store
-                .begin_and_run(&scope, self.config.lock_timeout, now, move |transaction| {
-                    attempt.run(inner, transaction)
-                })
-                .await;
+            let work = move |transaction| attempt.run(inner, transaction);
+            let lock_timeout = self.config.lock_timeout;
+            let began = if reruns.attempts() == 0 {
+                // The first attempt starts with the fast path: a completed record, read
+                // without waiting for the writer.
+                self.store
+                    .lookup_then_begin_and_run(&scope, lock_timeout, now, work)
+                    .await
+            } else {
+                self.store
+                    .begin_and_run(&scope, lock_timeout, now, work)
+                    .await
+            };
             let (inner, finished) = match began {
+                Ok(Began::Found { record }) => {
+                    return Ok(self.answer_existing(&scope, &record, &fingerprint, wire));
+                }
                 Ok(Began::Existing { record, waited }) => {
                     metrics::lock_wait(&scope.operation, waited);
                     return Ok(self.answer_existing(&scope, &record, &fingerprint, wire));

@@ -69,9 +69,17 @@ pub enum Begin<T> {
     Existing(StoredRecord),
 }
 
-/// The outcome of [`IdempotencyStore::begin_and_run`].
+/// The outcome of [`IdempotencyStore::begin_and_run`] and
+/// [`IdempotencyStore::lookup_then_begin_and_run`].
 #[derive(Debug)]
 pub enum Began<T> {
+    /// The read-only lookup found a live record
+    /// ([`lookup_then_begin_and_run`](IdempotencyStore::lookup_then_begin_and_run) only): no
+    /// transaction was opened and the work did not run.
+    Found {
+        /// The record.
+        record: StoredRecord,
+    },
     /// A live record was found (see [`Begin::Existing`]); the work did not run.
     Existing {
         /// The record.
@@ -138,6 +146,30 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
         begin_then_run(self, scope, lock_timeout, now, work)
     }
 
+    /// [`lookup`](Self::lookup), then, when it finds no live record,
+    /// [`begin_and_run`](Self::begin_and_run): a request's first attempt. A record the lookup
+    /// finds is [`Began::Found`]; a failing lookup is only logged (the begin reads again).
+    ///
+    /// The default does the two one after the other. A store may do them in one trip: the
+    /// SQLite store queues the begin from the reader thread that found nothing, so that the
+    /// request is woken once.
+    fn lookup_then_begin_and_run<W, F>(
+        &self,
+        scope: &Scope,
+        lock_timeout: Duration,
+        now: SystemTime,
+        work: W,
+    ) -> impl Future<Output = Result<Began<F::Output>, Error>> + Send
+    where
+        W: FnOnce(Self::Transaction) -> F + Send + 'static,
+        F: Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        lookup_then(self, scope, now, move || {
+            self.begin_and_run(scope, lock_timeout, now, work)
+        })
+    }
+
     /// Deletes up to `batch` records that expired before `now`; returns how many it deleted.
     fn purge_expired(
         &self,
@@ -171,6 +203,28 @@ where
             Ok(Began::Ran { output, waited })
         }
     }
+}
+
+/// [`IdempotencyStore::lookup`], then `begin` when it finds no live record: what
+/// [`IdempotencyStore::lookup_then_begin_and_run`] does one step after the other.
+pub(crate) async fn lookup_then<St, T, B, Fut>(
+    store: &St,
+    scope: &Scope,
+    now: SystemTime,
+    begin: B,
+) -> Result<Began<T>, Error>
+where
+    St: IdempotencyStore,
+    B: FnOnce() -> Fut,
+    Fut: Future<Output = Result<Began<T>, Error>>,
+{
+    match store.lookup(scope, now).await {
+        Ok(Some(record)) => return Ok(Began::Found { record }),
+        Ok(None) => {}
+        // The begin reads again, authoritatively; a failing read is only logged.
+        Err(error) => tracing::warn!(%error, "idempotency fast-path lookup failed"),
+    }
+    begin().await
 }
 
 /// An open write transaction. Dropping it without calling [`commit`](Self::commit) rolls it

@@ -104,8 +104,8 @@ use tokio::sync::oneshot;
 use tracing::Instrument;
 
 use super::{
-    begin_then_run, from_unix_millis, to_unix_millis, Began, Begin, IdempotencyStore, NewRecord,
-    Scope, StoreTransaction, StoredRecord,
+    begin_then_run, from_unix_millis, lookup_then, to_unix_millis, Began, Begin, IdempotencyStore,
+    NewRecord, Scope, StoreTransaction, StoredRecord,
 };
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
@@ -1039,7 +1039,47 @@ impl SqliteStore {
 }
 
 impl SqliteStore {
-    /// [`IdempotencyStore::begin_and_run`] with the work polled on the writer thread.
+    /// [`IdempotencyStore::begin_and_run`] (with `look_up_first`,
+    /// [`IdempotencyStore::lookup_then_begin_and_run`]) on the writer thread where there is a
+    /// tokio runtime to serve the work, in place otherwise.
+    fn run_on_writer<W, F>(
+        &self,
+        scope: &Scope,
+        lock_timeout: Duration,
+        now: SystemTime,
+        work: W,
+        look_up_first: bool,
+    ) -> impl Future<Output = Result<Began<F::Output>, Error>> + Send + 'static
+    where
+        W: FnOnce(SqliteReservation) -> F + Send + 'static,
+        F: Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        let runtime = tokio::runtime::Handle::try_current().ok();
+        let store = self.clone();
+        let scope = scope.clone();
+        async move {
+            match (runtime, look_up_first) {
+                (Some(runtime), _) => {
+                    store
+                        .begin_on_writer(scope, lock_timeout, now, work, runtime, look_up_first)
+                        .await
+                }
+                (None, false) => begin_then_run(&store, &scope, lock_timeout, now, work).await,
+                (None, true) => {
+                    lookup_then(&store, &scope, now, || {
+                        begin_then_run(&store, &scope, lock_timeout, now, work)
+                    })
+                    .await
+                }
+            }
+        }
+    }
+
+    /// [`IdempotencyStore::begin_and_run`] with the work polled on the writer thread; with
+    /// `look_up_first`, [`IdempotencyStore::lookup_then_begin_and_run`]: the fast-path read
+    /// runs on a reader thread, which queues the begin itself when it finds no record, so that
+    /// the request is woken once, by the answer, rather than once more between the two.
     async fn begin_on_writer<W, F>(
         self,
         scope: Scope,
@@ -1047,6 +1087,7 @@ impl SqliteStore {
         now: SystemTime,
         work: W,
         runtime: tokio::runtime::Handle,
+        look_up_first: bool,
     ) -> Result<Began<F::Output>, Error>
     where
         W: FnOnce(SqliteReservation) -> F + Send + 'static,
@@ -1079,49 +1120,88 @@ impl SqliteStore {
         // once, by whichever side gets there first, with no wake-up of the request for it.
         let begin_state = Arc::new(AtomicU8::new(BEGIN_WAITING));
         let begin_started = begin_state.clone();
-        let begin: Step = Box::new(move |writer| {
-            let started = begin_started.compare_exchange(
-                BEGIN_WAITING,
-                BEGIN_STARTED,
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            );
-            if started.is_err() || tx.finished.load(Ordering::Acquire) {
-                return;
+        let lookup_scope = look_up_first.then(|| scope.clone());
+        // The begin, or (given the record the fast path found) the answer with that record.
+        let start = move |found: Option<StoredRecord>| -> Option<Step> {
+            if let Some(record) = found {
+                let _ = reply.send(Ok(Began::Found { record }));
+                return None;
             }
-            let waited = queued_at.elapsed();
-            match writer.start_request(generation, deadline, &scope, now_millis) {
-                Ok(Some(record)) => writer.on_commit(Member {
-                    scope,
-                    saved: false,
-                    notify: Box::new(move |outcome| {
-                        let _ = reply.send(outcome.map(|()| Began::Existing { record, waited }));
-                    }),
-                }),
-                Ok(None) => {
-                    let work = DrivenWork {
-                        work: work(reservation).instrument(span),
-                        reply: Some(reply),
-                        waited,
-                    };
-                    writer.started.push(Driven {
-                        generation,
-                        future: Box::pin(work),
-                        runtime,
-                        waker: Arc::new(DrivenWaker {
-                            generation,
-                            store,
-                            queued: AtomicBool::new(false),
+            Some(Box::new(move |writer: &mut Writer| {
+                let started = begin_started.compare_exchange(
+                    BEGIN_WAITING,
+                    BEGIN_STARTED,
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                );
+                if started.is_err() || tx.finished.load(Ordering::Acquire) {
+                    return;
+                }
+                let waited = queued_at.elapsed();
+                match writer.start_request(generation, deadline, &scope, now_millis) {
+                    Ok(Some(record)) => writer.on_commit(Member {
+                        scope,
+                        saved: false,
+                        notify: Box::new(move |outcome| {
+                            let _ =
+                                reply.send(outcome.map(|()| Began::Existing { record, waited }));
                         }),
-                    });
+                    }),
+                    Ok(None) => {
+                        let work = DrivenWork {
+                            work: work(reservation).instrument(span),
+                            reply: Some(reply),
+                            waited,
+                        };
+                        writer.started.push(Driven {
+                            generation,
+                            future: Box::pin(work),
+                            runtime,
+                            waker: Arc::new(DrivenWaker {
+                                generation,
+                                store,
+                                queued: AtomicBool::new(false),
+                            }),
+                        });
+                    }
+                    Err(error) => {
+                        let _ = reply.send(Err(error));
+                    }
                 }
-                Err(error) => {
-                    let _ = reply.send(Err(error));
+            }))
+        };
+        match lookup_scope {
+            None => {
+                if let Some(begin) = start(None) {
+                    self.shared
+                        .send_exclusive(begin, Some(cancel.0.clone()), NESTED_REQUEST)?;
                 }
             }
-        });
-        self.shared
-            .send_exclusive(begin, Some(cancel.0.clone()), NESTED_REQUEST)?;
+            Some(lookup_scope) => {
+                // The check `send_exclusive` makes needs this thread (the reader's is not it).
+                if inside_request(self.shared.id) {
+                    return Err(Error::InsideRequest(NESTED_REQUEST));
+                }
+                let shared = self.shared.clone();
+                let request = cancel.0.clone();
+                // Not awaited: the answer comes through `answer`, from here or the begin.
+                drop(tokio::task::spawn_blocking(move || {
+                    let found = match shared.with_reader(|conn| read_record(conn, &lookup_scope)) {
+                        Ok(record) => record.filter(|record| record.expires_at > now),
+                        // The begin reads again, authoritatively.
+                        Err(error) => {
+                            tracing::warn!(%error, "idempotency fast-path lookup failed");
+                            None
+                        }
+                    };
+                    if let Some(begin) = start(found) {
+                        // If the store is gone, dropping the begin drops its reply: the
+                        // request hears of it.
+                        let _ = shared.send_exclusive(begin, Some(request), NESTED_REQUEST);
+                    }
+                }));
+            }
+        }
         // The lock timeout bounds the wait for the begin, not the work after it.
         let answered = match tokio::time::timeout(lock_timeout, &mut answer).await {
             Ok(answered) => answered,
@@ -1692,19 +1772,24 @@ impl IdempotencyStore for SqliteStore {
         F: Future + Send + 'static,
         F::Output: Send + 'static,
     {
-        let runtime = tokio::runtime::Handle::try_current().ok();
-        let store = self.clone();
-        let scope = scope.clone();
-        async move {
-            match runtime {
-                Some(runtime) => {
-                    store
-                        .begin_on_writer(scope, lock_timeout, now, work, runtime)
-                        .await
-                }
-                None => begin_then_run(&store, &scope, lock_timeout, now, work).await,
-            }
-        }
+        self.run_on_writer(scope, lock_timeout, now, work, false)
+    }
+
+    /// The fast-path read runs on a reader thread (as [`lookup`](Self::lookup)), which queues
+    /// the begin itself when it finds no record: the request is woken once, by its answer.
+    fn lookup_then_begin_and_run<W, F>(
+        &self,
+        scope: &Scope,
+        lock_timeout: Duration,
+        now: SystemTime,
+        work: W,
+    ) -> impl Future<Output = Result<Began<F::Output>, Error>> + Send
+    where
+        W: FnOnce(SqliteReservation) -> F + Send + 'static,
+        F: Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        self.run_on_writer(scope, lock_timeout, now, work, true)
     }
 
     async fn purge_expired(&self, now: SystemTime, batch: usize) -> Result<u64, Error> {
