@@ -115,8 +115,9 @@ usage: bench [--quick] [--duration SECS] [--rounds N] [--cases A,B,C,D,H,R,E,hol
   --cases LIST         what to run (default all): A B C D H R E, hold (replays while a handler
                        holds the write transaction), alloc (bytes allocated per request)
   --concurrency LIST   connections, one request in flight each (default 1,16,64)
-  --modes LIST         SQLite durability: full, normal (default both)
-  --database-url URL   also run A, B, H and R on PostgreSQL (tables in a fresh schema)
+  --modes LIST         full, normal (SQLite's durability), pg (default all three, pg
+                       only with a URL)
+  --database-url URL   run A, B, H and R on PostgreSQL too (tables in a fresh schema)
   --client-threads N   threads of the load generator's runtime (default 1)
   --out DIR            where results.csv, extras.csv and throughput.svg go (default bench)
   -h, --help           show this help
@@ -336,7 +337,7 @@ impl Command {
         let mut rounds = None;
         let mut selected: Option<Vec<String>> = None;
         let mut concurrency = vec![1, 16, 64];
-        let mut modes = vec![Mode::Full, Mode::Normal];
+        let mut modes = None;
         let mut out = PathBuf::from("bench");
         let mut database_url = None;
         let mut client_threads = 1;
@@ -383,16 +384,18 @@ impl Command {
                     concurrency.dedup();
                 }
                 "--modes" => {
-                    modes = list(&value()?)
+                    let mut chosen = list(&value()?)
                         .iter()
                         .map(|m| match m.to_ascii_lowercase().as_str() {
                             "full" => Ok(Mode::Full),
                             "normal" => Ok(Mode::Normal),
-                            other => Err(format!("unknown mode `{other}` (full, normal)")),
+                            "pg" | "postgres" => Ok(Mode::Postgres),
+                            other => Err(format!("unknown mode `{other}` (full, normal, pg)")),
                         })
                         .collect::<Result<Vec<_>, _>>()?;
-                    modes.sort_unstable();
-                    modes.dedup();
+                    chosen.sort_unstable();
+                    chosen.dedup();
+                    modes = Some(chosen);
                 }
                 "--out" => out = PathBuf::from(value()?),
                 "--database-url" => database_url = Some(value()?),
@@ -439,6 +442,17 @@ impl Command {
                 cases.sort_unstable();
                 cases.dedup();
             }
+        }
+        // PostgreSQL runs by default when there is a URL to run it on.
+        let modes = modes.unwrap_or_else(|| {
+            let mut modes = vec![Mode::Full, Mode::Normal];
+            if database_url.is_some() {
+                modes.push(Mode::Postgres);
+            }
+            modes
+        });
+        if modes.contains(&Mode::Postgres) && database_url.is_none() {
+            return Err("--modes pg needs --database-url".into());
         }
         if modes.is_empty() || concurrency.is_empty() {
             return Err("--modes and --concurrency need at least one value".into());
@@ -2609,15 +2623,17 @@ async fn run(options: &Options) -> Result<(), BoxError> {
     let sqlite: Vec<(Mode, Case)> = options
         .modes
         .iter()
+        .filter(|&&mode| mode != Mode::Postgres)
         .flat_map(|&mode| mode.cases(&http).into_iter().map(move |case| (mode, case)))
         .collect();
-    let postgres: Vec<(Mode, Case)> = match options.database_url {
-        Some(_) => Mode::Postgres
+    let postgres: Vec<(Mode, Case)> = if options.modes.contains(&Mode::Postgres) {
+        Mode::Postgres
             .cases(&http)
             .into_iter()
             .map(|case| (Mode::Postgres, case))
-            .collect(),
-        None => Vec::new(),
+            .collect()
+    } else {
+        Vec::new()
     };
     let mut rows = Vec::new();
     for &concurrency in &options.concurrency {
@@ -2628,7 +2644,7 @@ async fn run(options: &Options) -> Result<(), BoxError> {
         }
     }
     if options.cases.contains(&Case::E) {
-        for &mode in &options.modes {
+        for &mode in options.modes.iter().filter(|&&mode| mode != Mode::Postgres) {
             eprintln!("running E {} ...", mode.name());
             rows.push(run_ceiling(mode, options).await?);
         }
