@@ -1,37 +1,57 @@
-//! The benchmark of issue 4: what the idempotency layer costs, measured against baselines in the
-//! same process run, over real HTTP on loopback.
+//! The benchmark of issues 4 and 13: what the idempotency layer costs, measured against
+//! hand-written baselines in the same process run, over real HTTP on loopback, on SQLite and
+//! (with `--database-url`) PostgreSQL.
 //!
 //! ```text
-//! cargo run --release --example bench                 # full run (a few minutes on 2 cores)
-//! cargo run --release --example bench -- --quick      # smoke run, under a minute
+//! cargo run --release --example bench                 # SQLite, full run (several minutes)
+//! cargo run --release --example bench -- --database-url postgres://postgres@127.0.0.1/test
+//! cargo run --release --example bench -- --quick      # smoke run, under a minute (SQLite)
 //! cargo run --release --example bench -- --help
 //! ```
 //!
-//! Every case gets a fresh SQLite database (WAL) in a temp dir (`TMPDIR` picks where: keep it on
-//! a real disk, or `synchronous=FULL` measures no fsync at all), its own server on
-//! `127.0.0.1:0` and `N` keep-alive HTTP/1.1 connections from a load generator in this program,
-//! each with one request in flight (`N` = the concurrency). Client and server share the
-//! machine, as they share one tokio runtime.
+//! Every SQLite case gets a fresh database (WAL) in a temp dir (`TMPDIR` picks where: keep it
+//! on a real disk, or `synchronous=FULL` measures no fsync at all) and its own server on
+//! `127.0.0.1:0`; the PostgreSQL cases of one concurrency share a server and a fresh schema
+//! (dropped after them), each case ordering its own SKU. A load generator in this program
+//! opens `N` keep-alive HTTP/1.1 connections, each with one request in flight (`N` = the
+//! concurrency).
 //!
 //! | case | what runs |
 //! |---|---|
-//! | A | `POST /orders` under the layer (the handler of `examples/orders.rs`), a new key each time |
+//! | A | `POST /orders` under the layer: the handler of `examples/orders.rs` (or `orders/postgres.rs`): the order and its `order_created` outbox event in the request's transaction; a new key each time |
 //! | B | the same route, replays of keys created beforehand |
-//! | C | the same route, 90% new keys and 10% retries of the connection's recent keys |
-//! | D | baseline: the same handler and insert without the layer (one writer connection behind an async mutex, one transaction per request, `spawn_blocking`) |
-//! | R | baseline: `GET /orders/{id}` on the same server, read through `SqliteStore::read` |
-//! | E | ceiling: the same SQL (check the record, insert the order, insert the record, commit) in a tight rusqlite loop on one thread, no HTTP |
+//! | C | the same route, 90% new keys and 10% retries of the connection's recent keys (SQLite) |
+//! | H | baseline: the same work written by hand, no layer (`bench/hand.rs`). SQLite: rusqlite inline under a `tokio::sync::Mutex<Connection>`, cached statements: `BEGIN IMMEDIATE`, look up the key, insert the order, the event and the record, `COMMIT`. PostgreSQL: tokio-postgres and deadpool (pool 32): `BEGIN`, reserve the key `ON CONFLICT DO NOTHING` (on a conflict `SELECT` and compare), insert the order `RETURNING id`, the event, `UPDATE` the record, `COMMIT`. Both fingerprint the request as the layer does (`Fingerprinter::json()`) and save status, headers and body in `idempotency_records` |
+//! | D | the old baseline: H's transaction under `spawn_blocking` behind an async mutex (SQLite) |
+//! | R | baseline: a plain `GET /orders/{id}` on the same server (SQLite: `SqliteStore::read`; PostgreSQL: a pooled connection, a cached statement) |
+//! | E | ceiling: H's SQL in a tight rusqlite loop on one thread, no HTTP (SQLite) |
 //!
-//! Throughput is the median of the rounds; latencies (p50, p99) pool every request of every
-//! round; `cpu us` is the whole process's CPU time per request over the rounds (on Linux), which
-//! tells a case bounded by the two cores from one bounded by waiting. After each case a check counts the orders, on a new connection and through
-//! `SqliteStore::read`: each fresh `201` the clients received must have exactly one committed
-//! order. Two extra measurements follow the table: replay latency while a handler holds the
-//! write transaction for 100 ms at a time (`hold`), and bytes allocated per request for a
-//! 64 KiB JSON body with and without the layer (`alloc`, a counting global allocator that only
-//! counts during that measurement). The disk's `fsync` latency is probed before and after: every
-//! `synchronous=FULL` figure depends on it. The table goes to `bench/results.csv`, the extras to
-//! `bench/extras.csv` and the chart to `bench/throughput.svg`.
+//! All tables are created by the crate (`SqliteStore`/`PostgresStore`, `SqliteOutbox::install`,
+//! `PostgresOutbox::install`), so the layer and the baselines write identical rows.
+//!
+//! At each concurrency the cases' rounds are interleaved (A, B, ..., then A, B, ... again;
+//! both SQLite modes together, as one goal compares FULL with NORMAL), so that a slow spell of
+//! a shared machine falls on every case alike. Throughput is the median of the rounds;
+//! latencies (p50, p99) pool every request of every round.
+//!
+//! **CPU per request** is the server's alone (`srv us`): the load generator runs on a tokio
+//! runtime of its own whose threads are named `bench-client`, and the server's CPU time is the
+//! process's (all threads, exited ones included: the SQLite writer, the blocking pool, the
+//! server's executor) minus the client threads', read from `/proc/self/task/*/stat` (Linux,
+//! 10 ms ticks, summed over the rounds). `cli us` is the load generator's; with PostgreSQL,
+//! `db us` is the CPU of the backends serving the benchmark's connections (found by their
+//! `application_name` in `pg_stat_activity`, read from `/proc/<pid>/stat`: the database must
+//! run on this machine). `--client-threads` sets the load generator's threads (default 1).
+//!
+//! After each case a check counts the case's orders, on a new connection and through the
+//! store's readers: each fresh `201` the clients received must have exactly one committed
+//! order. A goals block then lists every ratio issue 13 sets a goal for, with met/NOT met. Two
+//! extra measurements follow: replay latency while a handler holds the write transaction for
+//! 100 ms at a time (`hold`), and bytes allocated per request for a 64 KiB JSON body with and
+//! without the layer (`alloc`, a counting global allocator that only counts during that
+//! measurement). The disk's `fsync` latency is probed before and after: every
+//! `synchronous=FULL` figure depends on it. The table goes to `bench/results.csv`, the goals to
+//! `bench/goals.csv`, the extras to `bench/extras.csv` and the chart to `bench/throughput.svg`.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::collections::VecDeque;
@@ -42,7 +62,7 @@ use std::net::SocketAddr;
 use std::path::{Path as FsPath, PathBuf};
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
@@ -63,24 +83,42 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tower_idempotency::extract::Tx;
 use tower_idempotency::fingerprint::Fingerprinter;
+use tower_idempotency::outbox::sqlite::SqliteOutbox;
+use tower_idempotency::outbox::Enqueue;
 use tower_idempotency::response::IDEMPOTENT_REPLAYED;
 use tower_idempotency::store::sqlite::rusqlite::{self, Connection, OptionalExtension};
 use tower_idempotency::store::sqlite::{SqliteStore, SqliteTransaction, Synchronous};
 use tower_idempotency::{IdempotencyLayer, Tenant, IDEMPOTENCY_KEY};
 
+use cpu::{CpuSample, CpuUsed};
+use hand::HandRequest;
+use postgres::PgDatabase;
+
+#[path = "bench/cpu.rs"]
+mod cpu;
+#[path = "bench/hand.rs"]
+mod hand;
+#[path = "bench/postgres.rs"]
+mod postgres;
+
 type BoxError = Box<dyn Error + Send + Sync>;
 
 const USAGE: &str = "\
-usage: bench [--quick] [--duration SECS] [--rounds N] [--cases A,B,C,D,R,E,hold,alloc]
-             [--concurrency 1,16,64] [--modes full,normal] [--out DIR]
+usage: bench [--quick] [--duration SECS] [--rounds N] [--cases A,B,C,D,H,R,E,hold,alloc]
+             [--concurrency 1,16,64] [--modes full,normal] [--database-url URL]
+             [--client-threads N] [--out DIR]
 
-  --quick              short rounds (smoke run, under a minute)
+  --quick              short rounds (smoke run, under a minute for SQLite)
   --duration SECS      length of one round (default 2; --quick 0.4)
-  --rounds N           rounds per case; throughput is their median (default 3; --quick 2)
-  --cases LIST         what to run (default all): A B C D R E, hold (replays while a handler
+  --rounds N           rounds per case, interleaved with the other cases' rounds;
+                       throughput is their median (default 3; --quick 2)
+  --cases LIST         what to run (default all): A B C D H R E, hold (replays while a handler
                        holds the write transaction), alloc (bytes allocated per request)
   --concurrency LIST   connections, one request in flight each (default 1,16,64)
-  --modes LIST         durability: full, normal (default both)
+  --modes LIST         full, normal (SQLite's durability), pg (default all three, pg
+                       only with a URL)
+  --database-url URL   run A, B, H and R on PostgreSQL too (tables in a fresh schema)
+  --client-threads N   threads of the load generator's runtime (default 1)
   --out DIR            where results.csv, extras.csv and throughput.svg go (default bench)
   -h, --help           show this help
 
@@ -171,12 +209,15 @@ enum Case {
     B,
     C,
     D,
+    H,
     R,
     E,
 }
 
 impl Case {
-    const HTTP: [Case; 5] = [Case::A, Case::B, Case::C, Case::D, Case::R];
+    const HTTP: [Case; 6] = [Case::A, Case::B, Case::C, Case::D, Case::H, Case::R];
+    /// The cases that run on PostgreSQL (C and D are SQLite-only).
+    const POSTGRES: [Case; 4] = [Case::A, Case::B, Case::H, Case::R];
 
     fn name(self) -> &'static str {
         match self {
@@ -184,6 +225,7 @@ impl Case {
             Case::B => "B",
             Case::C => "C",
             Case::D => "D",
+            Case::H => "H",
             Case::R => "R",
             Case::E => "E",
         }
@@ -194,7 +236,8 @@ impl Case {
             Case::A => "layer, new keys",
             Case::B => "layer, replays",
             Case::C => "layer, 90% new / 10% retries",
-            Case::D => "no layer (baseline)",
+            Case::D => "hand-written, spawn_blocking (old)",
+            Case::H => "hand-written (baseline)",
             Case::R => "GET /orders/{id} (baseline)",
             Case::E => "rusqlite loop, no HTTP (ceiling)",
         }
@@ -203,9 +246,9 @@ impl Case {
     /// The baseline a case is compared with in the table's ratio column.
     fn baseline(self) -> Option<Case> {
         match self {
-            Case::A | Case::C => Some(Case::D),
+            Case::A | Case::C | Case::D => Some(Case::H),
             Case::B => Some(Case::R),
-            Case::D | Case::R | Case::E => None,
+            Case::H | Case::R | Case::E => None,
         }
     }
 
@@ -215,6 +258,7 @@ impl Case {
             Case::B => "#ff7f0e",
             Case::C => "#2ca02c",
             Case::D => "#d62728",
+            Case::H => "#8c564b",
             Case::R => "#9467bd",
             Case::E => "#555555",
         }
@@ -225,6 +269,8 @@ impl Case {
 enum Mode {
     Full,
     Normal,
+    /// PostgreSQL, with its server's `synchronous_commit`.
+    Postgres,
 }
 
 impl Mode {
@@ -232,14 +278,32 @@ impl Mode {
         match self {
             Mode::Full => "FULL",
             Mode::Normal => "NORMAL",
+            Mode::Postgres => "PG",
         }
     }
 
+    fn title(self) -> &'static str {
+        match self {
+            Mode::Full => "SQLite, synchronous=FULL",
+            Mode::Normal => "SQLite, synchronous=NORMAL",
+            Mode::Postgres => "PostgreSQL",
+        }
+    }
+
+    /// SQLite's `synchronous` for the mode (PostgreSQL has none of its own here).
     fn synchronous(self) -> Synchronous {
         match self {
-            Mode::Full => Synchronous::Full,
+            Mode::Full | Mode::Postgres => Synchronous::Full,
             Mode::Normal => Synchronous::Normal,
         }
+    }
+
+    fn cases(self, selected: &[Case]) -> Vec<Case> {
+        selected
+            .iter()
+            .copied()
+            .filter(|case| self != Mode::Postgres || Case::POSTGRES.contains(case))
+            .collect()
     }
 }
 
@@ -255,6 +319,9 @@ struct Options {
     modes: Vec<Mode>,
     out: PathBuf,
     quick: bool,
+    /// PostgreSQL runs its cases when given.
+    database_url: Option<String>,
+    client_threads: usize,
 }
 
 enum Command {
@@ -270,8 +337,10 @@ impl Command {
         let mut rounds = None;
         let mut selected: Option<Vec<String>> = None;
         let mut concurrency = vec![1, 16, 64];
-        let mut modes = vec![Mode::Full, Mode::Normal];
+        let mut modes = None;
         let mut out = PathBuf::from("bench");
+        let mut database_url = None;
+        let mut client_threads = 1;
         while let Some(arg) = args.next() {
             let (flag, inline) = match arg.split_once('=') {
                 Some((flag, value)) if flag.starts_with("--") => (flag, Some(value.to_owned())),
@@ -315,18 +384,28 @@ impl Command {
                     concurrency.dedup();
                 }
                 "--modes" => {
-                    modes = list(&value()?)
+                    let mut chosen = list(&value()?)
                         .iter()
                         .map(|m| match m.to_ascii_lowercase().as_str() {
                             "full" => Ok(Mode::Full),
                             "normal" => Ok(Mode::Normal),
-                            other => Err(format!("unknown mode `{other}` (full, normal)")),
+                            "pg" | "postgres" => Ok(Mode::Postgres),
+                            other => Err(format!("unknown mode `{other}` (full, normal, pg)")),
                         })
                         .collect::<Result<Vec<_>, _>>()?;
-                    modes.sort_unstable();
-                    modes.dedup();
+                    chosen.sort_unstable();
+                    chosen.dedup();
+                    modes = Some(chosen);
                 }
                 "--out" => out = PathBuf::from(value()?),
+                "--database-url" => database_url = Some(value()?),
+                "--client-threads" => {
+                    client_threads = value()?
+                        .parse::<usize>()
+                        .ok()
+                        .filter(|n| (1..=64).contains(n))
+                        .ok_or("--client-threads takes an integer from 1 to 64")?;
+                }
                 _ => return Err(format!("unknown argument `{arg}`")),
             }
         }
@@ -334,7 +413,15 @@ impl Command {
         let (mut cases, mut hold, mut alloc) = (Vec::new(), false, false);
         match selected {
             None => {
-                cases = vec![Case::A, Case::B, Case::C, Case::D, Case::R, Case::E];
+                cases = vec![
+                    Case::A,
+                    Case::B,
+                    Case::C,
+                    Case::D,
+                    Case::H,
+                    Case::R,
+                    Case::E,
+                ];
                 (hold, alloc) = (true, true);
             }
             Some(names) => {
@@ -344,6 +431,7 @@ impl Command {
                         "b" => cases.push(Case::B),
                         "c" => cases.push(Case::C),
                         "d" => cases.push(Case::D),
+                        "h" => cases.push(Case::H),
                         "r" => cases.push(Case::R),
                         "e" => cases.push(Case::E),
                         "hold" => hold = true,
@@ -354,6 +442,17 @@ impl Command {
                 cases.sort_unstable();
                 cases.dedup();
             }
+        }
+        // PostgreSQL runs by default when there is a URL to run it on.
+        let modes = modes.unwrap_or_else(|| {
+            let mut modes = vec![Mode::Full, Mode::Normal];
+            if database_url.is_some() {
+                modes.push(Mode::Postgres);
+            }
+            modes
+        });
+        if modes.contains(&Mode::Postgres) && database_url.is_none() {
+            return Err("--modes pg needs --database-url".into());
         }
         if modes.is_empty() || concurrency.is_empty() {
             return Err("--modes and --concurrency need at least one value".into());
@@ -374,6 +473,8 @@ impl Command {
             modes,
             out,
             quick,
+            database_url,
+            client_threads,
         }))
     }
 }
@@ -409,6 +510,8 @@ const HOLD: Duration = Duration::from_millis(100);
 struct AppState {
     store: SqliteStore,
     baseline: BaselineWriter,
+    /// Baseline H's connection: statements run inline, on the executor, under the lock.
+    hand: Arc<tokio::sync::Mutex<Connection>>,
 }
 
 fn app(state: AppState) -> Router {
@@ -422,6 +525,7 @@ fn app(state: AppState) -> Router {
         .route("/orders", post(create_order).layer(layer("create_order")))
         .route("/orders/{id}", get(get_order))
         .route("/baseline/orders", post(create_order_baseline))
+        .route("/hand/orders", post(create_order_hand))
         // The same route with the raw-bytes fingerprint: isolates what JSON canonicalization
         // allocates in the `alloc` measurement.
         .route(
@@ -459,7 +563,8 @@ async fn authenticate(mut request: Request, next: Next) -> Response {
     }
 }
 
-/// `POST /orders` under the layer: the handler of `examples/orders.rs`.
+/// `POST /orders` under the layer: the handler of `examples/orders.rs` (the order, then its
+/// `order_created` event, in the request's transaction).
 async fn create_order(
     Extension(tenant): Extension<Tenant>,
     Tx(tx): Tx<SqliteTransaction>,
@@ -467,6 +572,7 @@ async fn create_order(
 ) -> Result<Response, ApiError> {
     let order = NewOrder::parse(&body)?;
     let tenant_id = tenant.as_str().to_owned();
+    let (sku, quantity) = (order.sku.clone(), order.quantity);
     let order_id = tx
         .run(move |conn| {
             conn.execute(INSERT_ORDER, (tenant_id, order.sku, order.quantity))?;
@@ -474,26 +580,43 @@ async fn create_order(
         })
         .await
         .map_err(|_| ApiError::Internal)?;
-    Ok(created(order_id))
-}
-
-/// Baseline D: the same handler and insert, without the layer.
-async fn create_order_baseline(
-    State(state): State<AppState>,
-    Extension(tenant): Extension<Tenant>,
-    body: Bytes,
-) -> Result<Response, ApiError> {
-    let order = NewOrder::parse(&body)?;
-    let tenant_id = tenant.as_str().to_owned();
-    let order_id = state
-        .baseline
-        .transaction(move |tx| {
-            tx.execute(INSERT_ORDER, (tenant_id, order.sku, order.quantity))?;
-            Ok(tx.last_insert_rowid())
-        })
+    let event = json!({
+        "order_id": order_id,
+        "tenant": tenant.as_str(),
+        "sku": sku,
+        "quantity": quantity,
+    });
+    tx.enqueue("order_created", event)
         .await
         .map_err(|_| ApiError::Internal)?;
     Ok(created(order_id))
+}
+
+/// Baseline H: the hand-written transaction, run inline under an async mutex.
+async fn create_order_hand(
+    State(state): State<AppState>,
+    request: Request,
+) -> Result<Response, ApiError> {
+    let request = HandRequest::read(request).await?;
+    let mut conn = state.hand.lock().await;
+    let outcome = hand::sqlite_transaction(&mut conn, &request).map_err(|_| ApiError::Internal)?;
+    drop(conn);
+    Ok(outcome.into_response())
+}
+
+/// Baseline D (the old one): the same transaction as H, run under `spawn_blocking`.
+async fn create_order_baseline(
+    State(state): State<AppState>,
+    request: Request,
+) -> Result<Response, ApiError> {
+    let request = HandRequest::read(request).await?;
+    let mut conn = state.baseline.conn.clone().lock_owned().await;
+    let outcome =
+        tokio::task::spawn_blocking(move || hand::sqlite_transaction(&mut conn, &request))
+            .await
+            .map_err(|_| ApiError::Internal)?
+            .map_err(|_| ApiError::Internal)?;
+    Ok(outcome.into_response())
 }
 
 /// Inserts an order, then holds the open transaction for [`HOLD`] while awaiting (the writer
@@ -636,22 +759,6 @@ impl BaselineWriter {
             conn: Arc::new(tokio::sync::Mutex::new(conn)),
         })
     }
-
-    async fn transaction<T, F>(&self, f: F) -> Result<T, BoxError>
-    where
-        F: FnOnce(&rusqlite::Transaction<'_>) -> rusqlite::Result<T> + Send + 'static,
-        T: Send + 'static,
-    {
-        let mut conn = self.conn.clone().lock_owned().await;
-        let value = tokio::task::spawn_blocking(move || {
-            let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
-            let value = f(&tx)?;
-            tx.commit()?;
-            Ok::<_, rusqlite::Error>(value)
-        })
-        .await??;
-        Ok(value)
-    }
 }
 
 /// A writer connection configured like the store's: WAL, the mode's `synchronous` (a
@@ -713,16 +820,22 @@ fn prime_wal(conn: &Connection, mode: Mode) -> Result<(), BoxError> {
 // A server per case
 // ---------------------------------------------------------------------------------------------
 
+/// What a server stores its rows in.
+enum Backend {
+    /// A fresh SQLite database; the temp dir is dropped after the store.
+    Sqlite(AppState, tempfile::TempDir),
+    Postgres(PgDatabase),
+}
+
 struct Server {
     addr: SocketAddr,
-    state: AppState,
+    backend: Backend,
     stop: oneshot::Sender<()>,
     task: JoinHandle<std::io::Result<()>>,
-    // Last: removed after the store above is dropped (or handed back by `shut_down`).
-    _dir: tempfile::TempDir,
 }
 
 impl Server {
+    /// A server on a fresh SQLite database.
     async fn start(mode: Mode) -> Result<Self, BoxError> {
         let dir = tempfile::tempdir()?;
         let path = dir.path().join("orders.db");
@@ -731,9 +844,26 @@ impl Server {
             .open()
             .await?;
         store.write(|tx| tx.execute_batch(ORDERS_SCHEMA)).await?;
+        SqliteOutbox::install(&store).await?;
         let baseline = BaselineWriter::open(&path, mode)?;
-        let state = AppState { store, baseline };
+        let hand = Arc::new(tokio::sync::Mutex::new(open_connection(&path, mode)?));
+        let state = AppState {
+            store,
+            baseline,
+            hand,
+        };
+        let router = app(state.clone());
+        Self::serve(router, Backend::Sqlite(state, dir)).await
+    }
 
+    /// A server on PostgreSQL, its tables in a fresh `schema`.
+    async fn start_postgres(url: &str, schema: &str) -> Result<Self, BoxError> {
+        let database = PgDatabase::create(url, schema).await?;
+        let router = postgres::app(database.state.clone());
+        Self::serve(router, Backend::Postgres(database)).await
+    }
+
+    async fn serve(router: Router, backend: Backend) -> Result<Self, BoxError> {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         // Responses are small and written whole: no reason to let Nagle hold them.
@@ -742,7 +872,7 @@ impl Server {
         });
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(
-            axum::serve(listener, app(state.clone()))
+            axum::serve(listener, router)
                 .with_graceful_shutdown(async {
                     let _ = stopped.await;
                 })
@@ -750,50 +880,106 @@ impl Server {
         );
         Ok(Server {
             addr,
-            state,
+            backend,
             stop,
             task,
-            _dir: dir,
         })
     }
 
-    /// Checks that the database holds `expected` orders, as seen by a new connection (what is
-    /// committed now) and through `SqliteStore::read` (what the store's readers see). Returns
-    /// the problem, if any.
-    async fn check_orders(&self, expected: i64) -> Result<Option<String>, BoxError> {
-        let committed = count_orders(self.state.store.path().to_path_buf()).await?;
-        let via_store: i64 = self
-            .state
-            .store
-            .read(|conn| conn.query_row("SELECT count(*) FROM orders", [], |row| row.get(0)))
-            .await?;
+    /// Inserts `count` orders with `sku` for the read baseline; returns the first id.
+    async fn insert_orders(&self, sku: &'static str, count: u64) -> Result<u64, BoxError> {
+        match &self.backend {
+            Backend::Sqlite(state, _) => {
+                let first = state
+                    .store
+                    .write(move |tx| {
+                        let mut insert = tx.prepare(INSERT_ORDER)?;
+                        let mut first = None;
+                        for _ in 0..count {
+                            insert.execute(("shop-a", sku, 1))?;
+                            first.get_or_insert(tx.last_insert_rowid());
+                        }
+                        Ok(first.unwrap_or_default())
+                    })
+                    .await?;
+                Ok(u64::try_from(first)?)
+            }
+            Backend::Postgres(database) => {
+                Ok(u64::try_from(database.insert_orders(sku, count).await?)?)
+            }
+        }
+    }
+
+    /// Checks that the database holds `expected` orders with `sku`, as seen by a new
+    /// connection (what is committed now) and, on SQLite, through `SqliteStore::read` (what the
+    /// store's readers see). Returns the problem, if any.
+    async fn check_orders(&self, sku: &str, expected: i64) -> Result<Option<String>, BoxError> {
+        let (committed, via_store) = match &self.backend {
+            Backend::Sqlite(state, _) => {
+                let committed =
+                    count_orders(state.store.path().to_path_buf(), sku.to_owned()).await?;
+                let sku = sku.to_owned();
+                let via_store: i64 = state
+                    .store
+                    .read(move |conn| {
+                        conn.query_row("SELECT count(*) FROM orders WHERE sku = ?1", [sku], |row| {
+                            row.get(0)
+                        })
+                    })
+                    .await?;
+                (committed, via_store)
+            }
+            Backend::Postgres(database) => {
+                let committed = database.count_orders(sku).await?;
+                (committed, committed)
+            }
+        };
         Ok((committed != expected || via_store != expected).then(|| {
             format!(
-                "expected {expected} orders (one per fresh 201); a new connection counts \
-                 {committed}, SqliteStore::read counts {via_store}"
+                "expected {expected} orders of {sku} (one per fresh 201); a new connection counts \
+                 {committed}, the store's readers count {via_store}"
             )
         }))
     }
 
-    /// Stops the server once the client connections are closed (drop them first). Returns
-    /// the temp dir, still holding the database.
-    async fn shut_down(self) -> Result<tempfile::TempDir, BoxError> {
+    /// The PostgreSQL backends serving this server (none on SQLite).
+    async fn backends(&self) -> Vec<i32> {
+        match &self.backend {
+            Backend::Sqlite(..) => Vec::new(),
+            Backend::Postgres(database) => database.backends().await.unwrap_or_default(),
+        }
+    }
+
+    /// Stops the server once the client connections are closed (drop them first), then
+    /// drops its database.
+    async fn shut_down(self) -> Result<(), BoxError> {
         let _ = self.stop.send(());
         match tokio::time::timeout(Duration::from_secs(10), self.task).await {
             Ok(joined) => joined??,
             Err(_) => return Err("the server did not shut down within 10 s".into()),
         }
-        Ok(self._dir)
+        match self.backend {
+            Backend::Sqlite(state, dir) => {
+                drop(state);
+                drop(dir);
+            }
+            Backend::Postgres(database) => database.drop_schema().await?,
+        }
+        Ok(())
     }
 }
 
-/// The orders committed in the database at `path`, counted on a new read-only connection: its
-/// first read sees every transaction committed so far.
-async fn count_orders(path: PathBuf) -> Result<i64, BoxError> {
+/// The orders with `sku` committed in the database at `path`, counted on a new read-only
+/// connection: its first read sees every transaction committed so far.
+async fn count_orders(path: PathBuf, sku: String) -> Result<i64, BoxError> {
     tokio::task::spawn_blocking(move || {
         let conn = Connection::open_with_flags(&path, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)?;
         conn.busy_timeout(Duration::from_secs(5))?;
-        Ok(conn.query_row("SELECT count(*) FROM orders", [], |row| row.get(0))?)
+        Ok(
+            conn.query_row("SELECT count(*) FROM orders WHERE sku = ?1", [sku], |row| {
+                row.get(0)
+            })?,
+        )
     })
     .await?
 }
@@ -802,8 +988,38 @@ async fn count_orders(path: PathBuf) -> Result<i64, BoxError> {
 // The load generator
 // ---------------------------------------------------------------------------------------------
 
-/// The order every new-key request sends.
-const ORDER_BODY: &str = r#"{"sku":"book","quantity":1}"#;
+/// The order a case's requests send: each case orders its own SKU, so that the order check
+/// counts a case's orders alone where cases share a database (PostgreSQL).
+fn order_body(sku: &str) -> Bytes {
+    Bytes::from(format!(r#"{{"sku":"{sku}","quantity":1}}"#))
+}
+
+/// The load generator's runtime: threads of its own, named so that their CPU time can be told
+/// apart from the server's (see `cpu`).
+static CLIENT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+
+fn start_client(threads: usize) -> Result<(), BoxError> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(threads)
+        .thread_name(cpu::CLIENT_THREAD)
+        .enable_all()
+        .build()?;
+    CLIENT
+        .set(runtime)
+        .map_err(|_| "the client runtime is already running")?;
+    Ok(())
+}
+
+/// Runs `future` on the load generator's runtime (this runtime when there is none).
+async fn on_client<T: Send + 'static>(
+    future: impl std::future::Future<Output = T> + Send + 'static,
+) -> T {
+    let task = match CLIENT.get() {
+        Some(runtime) => runtime.spawn(future),
+        None => tokio::spawn(future),
+    };
+    task.await.expect("a load generator task panicked")
+}
 
 /// One keep-alive HTTP/1.1 connection with its own request in flight.
 struct Conn {
@@ -831,12 +1047,16 @@ async fn connect(addr: SocketAddr, seed: u64) -> Result<Conn, BoxError> {
     })
 }
 
+/// Opens `n` connections from the load generator's runtime.
 async fn connect_all(addr: SocketAddr, n: usize) -> Result<Vec<Conn>, BoxError> {
-    let mut conns = Vec::with_capacity(n);
-    for i in 0..n {
-        conns.push(connect(addr, i as u64 + 1).await?);
-    }
-    Ok(conns)
+    on_client(async move {
+        let mut conns = Vec::with_capacity(n);
+        for i in 0..n {
+            conns.push(connect(addr, i as u64 + 1).await?);
+        }
+        Ok(conns)
+    })
+    .await
 }
 
 impl Conn {
@@ -852,23 +1072,29 @@ impl Conn {
 
 /// What a connection sends, request after request.
 enum Workload {
-    /// `POST path` with a new key each time (`{prefix}{n}`, n counting from 0).
+    /// `POST path` with a new key each time (`{prefix}{n}`, n counting from 0), sending `body`.
     Create {
         path: &'static str,
         prefix: String,
         body: Bytes,
         next: AtomicU64,
     },
-    /// `POST /orders` replaying one of the keys `{prefix}0` .. `{prefix}{count-1}`.
-    Replay { prefix: String, count: u64 },
+    /// `POST /orders` replaying one of the keys `{prefix}0` .. `{prefix}{count-1}` (created
+    /// with `body`).
+    Replay {
+        prefix: String,
+        count: u64,
+        body: Bytes,
+    },
     /// `POST /orders`: new keys, and `retry_percent` % retries of the connection's recent keys.
     Mixed {
         prefix: String,
         retry_percent: u64,
         next: AtomicU64,
+        body: Bytes,
     },
-    /// `GET /orders/{id}` for ids 1 ..= `max_id`.
-    Read { max_id: u64 },
+    /// `GET /orders/{id}` for ids `first` .. `first + count - 1`.
+    Read { first: u64, count: u64 },
 }
 
 /// What a response must look like to count as a success.
@@ -878,17 +1104,16 @@ struct Expect {
 }
 
 impl Workload {
-    fn create(path: &'static str, prefix: &str) -> Self {
+    fn create(path: &'static str, prefix: &str, sku: &str) -> Self {
         Workload::Create {
             path,
             prefix: prefix.to_owned(),
-            body: Bytes::from_static(ORDER_BODY.as_bytes()),
+            body: order_body(sku),
             next: AtomicU64::new(0),
         }
     }
 
     fn plan(&self, conn: &mut Conn) -> (http::Request<Full<Bytes>>, Expect) {
-        let order = || Full::new(Bytes::from_static(ORDER_BODY.as_bytes()));
         match self {
             Workload::Create {
                 path,
@@ -902,15 +1127,22 @@ impl Workload {
                     created_fresh(),
                 )
             }
-            Workload::Replay { prefix, count } => {
+            Workload::Replay {
+                prefix,
+                count,
+                body,
+            } => {
                 let key = format!("{prefix}{}", conn.next_random() % count);
-                (post_request(conn, "/orders", &key, order()), replayed())
+                let body = Full::new(body.clone());
+                (post_request(conn, "/orders", &key, body), replayed())
             }
             Workload::Mixed {
                 prefix,
                 retry_percent,
                 next,
+                body,
             } => {
+                let order = || Full::new(body.clone());
                 let retry = conn.next_random() % 100 < *retry_percent && !conn.recent.is_empty();
                 if retry {
                     let pick = conn.next_random() as usize % conn.recent.len();
@@ -928,8 +1160,8 @@ impl Workload {
                     )
                 }
             }
-            Workload::Read { max_id } => {
-                let id = 1 + conn.next_random() % max_id;
+            Workload::Read { first, count } => {
+                let id = first + conn.next_random() % count;
                 let request = http::Request::get(format!("/orders/{id}"))
                     .header(HOST, host(conn.addr))
                     .header(
@@ -1022,8 +1254,18 @@ impl LoadStats {
     }
 }
 
-/// Runs `workload` on every connection until the limit; returns the connections for reuse.
+/// Runs `workload` on every connection until the limit, on the load generator's runtime;
+/// returns the connections for reuse.
 async fn run_load(
+    conns: Vec<Conn>,
+    workload: &Arc<Workload>,
+    limit: Limit,
+) -> (Vec<Conn>, LoadStats) {
+    let workload = workload.clone();
+    on_client(async move { run_load_here(conns, &workload, limit).await }).await
+}
+
+async fn run_load_here(
     conns: Vec<Conn>,
     workload: &Arc<Workload>,
     limit: Limit,
@@ -1151,10 +1393,14 @@ struct Row {
     p99_ms: f64,
     requests: u64,
     errors: u64,
-    /// CPU time of the whole process (server, load generator, writer thread) per request
-    /// over the measured rounds, in microseconds: where the throughput is bounded by the two
-    /// cores rather than by waiting. `None` where the process CPU time cannot be read.
+    /// The server's CPU time per request over the measured rounds, in microseconds: every
+    /// thread of this process but the load generator's (executor, SQLite writer, blocking
+    /// pool). `None` where it cannot be read (`/proc`).
     cpu_us: Option<f64>,
+    /// The load generator's CPU time per request, in microseconds.
+    client_cpu_us: Option<f64>,
+    /// The PostgreSQL backends' CPU time per request, in microseconds (PostgreSQL only).
+    db_cpu_us: Option<f64>,
     /// What the order count check found wrong, if anything.
     integrity: Option<String>,
 }
@@ -1189,120 +1435,240 @@ const REPLAY_KEYS: u64 = 1000;
 /// The orders case R reads, inserted before it starts.
 const READ_ORDERS: u64 = 1000;
 
-async fn run_http_case(
+/// A case being measured at one concurrency, its rounds interleaved with other cases'.
+struct CaseRun {
     case: Case,
     mode: Mode,
     concurrency: usize,
-    options: &Options,
-) -> Result<Row, BoxError> {
-    let server = Server::start(mode).await?;
-    // Orders the setup created: each fresh 201 must leave exactly one.
-    let mut expected_orders = 0i64;
-    let workload = Arc::new(match case {
-        Case::A => Workload::create("/orders", "a-"),
-        Case::B => {
-            let setup = connect_all(server.addr, 16).await?;
-            let create = Arc::new(Workload::create("/orders", "b-"));
-            let (setup, stats) = run_load(setup, &create, Limit::Requests(REPLAY_KEYS)).await;
-            drop(setup);
-            if stats.errors > 0 {
-                return Err(format!(
-                    "creating the keys to replay failed: {}",
-                    stats.first_error.unwrap_or_default()
-                )
-                .into());
-            }
-            expected_orders += stats.fresh as i64;
-            Workload::Replay {
-                prefix: "b-".into(),
-                count: REPLAY_KEYS,
-            }
-        }
-        Case::C => Workload::Mixed {
-            prefix: "c-".into(),
-            retry_percent: 10,
-            next: AtomicU64::new(0),
-        },
-        Case::D => Workload::create("/baseline/orders", "d-"),
-        Case::R => {
-            server
-                .state
-                .store
-                .write(|tx| {
-                    let mut insert = tx.prepare(INSERT_ORDER)?;
-                    for _ in 0..READ_ORDERS {
-                        insert.execute(("shop-a", "book", 1))?;
-                    }
-                    Ok(())
-                })
-                .await?;
-            expected_orders += READ_ORDERS as i64;
-            Workload::Read {
-                max_id: READ_ORDERS,
-            }
-        }
-        Case::E => return Err("case E does not run over HTTP".into()),
-    });
-    let label = format!("{} {} c={concurrency}", case.name(), mode.name());
-    let mut problems = Vec::new();
-    if let Some(problem) = server.check_orders(expected_orders).await? {
-        problems.push(format!("after the setup: {problem}"));
-    }
-
-    let conns = connect_all(server.addr, concurrency).await?;
-    let (mut conns, warmup) = run_load(conns, &workload, Limit::For(options.warmup)).await;
-    let mut fresh = warmup.fresh;
-    let mut pooled = LoadStats::default();
-    let mut rounds = Vec::with_capacity(options.rounds);
-    let cpu_before = process_cpu();
-    for _ in 0..options.rounds {
-        let (back, stats) = run_load(conns, &workload, Limit::For(options.duration)).await;
-        conns = back;
-        rounds.push(stats.requests_per_second());
-        fresh += stats.fresh;
-        pooled.merge(stats);
-    }
-    let cpu_us = cpu_per_request(cpu_before, pooled.ok + pooled.errors);
-    drop(conns);
-
-    // Every fresh 201 must have its order committed by the time the client has it (the commit
-    // comes before the response), and nothing else may have created one.
-    expected_orders += fresh as i64;
-    if let Some(problem) = server.check_orders(expected_orders).await? {
-        problems.push(format!("after the load: {problem}"));
-    }
-    if let Some(error) = &pooled.first_error {
-        eprintln!(
-            "  !! {label}: {} unexpected answers, first: {error}",
-            pooled.errors
-        );
-    }
-    let dir = server.shut_down().await?;
-    if !problems.is_empty() {
-        // Late commits show up here; lost ones do not.
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        let settled = count_orders(dir.path().join("orders.db")).await?;
-        problems.push(format!("after shutdown: {settled} orders"));
-        eprintln!("  !! {label}: {}", problems.join("; "));
-    }
-    drop(dir);
-
-    pooled.latencies.sort_unstable();
-    Ok(Row {
-        case,
-        mode,
-        concurrency,
-        rounds,
-        p50_ms: percentile_ms(&pooled.latencies, 50.0),
-        p99_ms: percentile_ms(&pooled.latencies, 99.0),
-        requests: pooled.ok + pooled.errors,
-        errors: pooled.errors,
-        cpu_us,
-        integrity: (!problems.is_empty()).then(|| problems.join("; ")),
-    })
+    server: Arc<Server>,
+    workload: Arc<Workload>,
+    sku: String,
+    conns: Vec<Conn>,
+    /// Orders that must be committed: the setup's plus one per fresh 201.
+    expected_orders: i64,
+    pooled: LoadStats,
+    rounds: Vec<f64>,
+    cpu: Option<CpuUsed>,
+    problems: Vec<String>,
 }
 
-/// Case E: check the record, insert the order, insert the record, commit; on one thread.
+impl CaseRun {
+    /// Sets the case up on `server` (creates the keys to replay, the orders to read), connects
+    /// and warms up.
+    async fn prepare(
+        case: Case,
+        mode: Mode,
+        concurrency: usize,
+        server: Arc<Server>,
+        options: &Options,
+    ) -> Result<Self, BoxError> {
+        let sku = format!("book-{}", case.name());
+        let prefix = format!("{}-{concurrency}-", case.name().to_ascii_lowercase());
+        let mut expected_orders = 0i64;
+        let workload = Arc::new(match case {
+            Case::A => Workload::create("/orders", &prefix, &sku),
+            Case::B => {
+                let setup = connect_all(server.addr, 16).await?;
+                let create = Arc::new(Workload::create("/orders", &prefix, &sku));
+                let (setup, stats) = run_load(setup, &create, Limit::Requests(REPLAY_KEYS)).await;
+                drop(setup);
+                if stats.errors > 0 {
+                    return Err(format!(
+                        "creating the keys to replay failed: {}",
+                        stats.first_error.unwrap_or_default()
+                    )
+                    .into());
+                }
+                expected_orders += stats.fresh as i64;
+                Workload::Replay {
+                    prefix,
+                    count: REPLAY_KEYS,
+                    body: order_body(&sku),
+                }
+            }
+            Case::C => Workload::Mixed {
+                prefix,
+                retry_percent: 10,
+                next: AtomicU64::new(0),
+                body: order_body(&sku),
+            },
+            Case::D => Workload::create("/baseline/orders", &prefix, &sku),
+            Case::H => Workload::create("/hand/orders", &prefix, &sku),
+            Case::R => {
+                let sku: &'static str = "book-R";
+                let first = server.insert_orders(sku, READ_ORDERS).await?;
+                expected_orders += READ_ORDERS as i64;
+                Workload::Read {
+                    first,
+                    count: READ_ORDERS,
+                }
+            }
+            Case::E => return Err("case E does not run over HTTP".into()),
+        });
+        let mut problems = Vec::new();
+        if let Some(problem) = server.check_orders(&sku, expected_orders).await? {
+            problems.push(format!("after the setup: {problem}"));
+        }
+        let conns = connect_all(server.addr, concurrency).await?;
+        let (conns, warmup) = run_load(conns, &workload, Limit::For(options.warmup)).await;
+        expected_orders += warmup.fresh as i64;
+        Ok(CaseRun {
+            case,
+            mode,
+            concurrency,
+            server,
+            workload,
+            sku,
+            conns,
+            expected_orders,
+            pooled: LoadStats::default(),
+            rounds: Vec::with_capacity(options.rounds),
+            cpu: Some(CpuUsed::default()),
+            problems,
+        })
+    }
+
+    fn label(&self) -> String {
+        format!(
+            "{} {} c={}",
+            self.case.name(),
+            self.mode.name(),
+            self.concurrency
+        )
+    }
+
+    /// One measured round.
+    async fn round(&mut self, options: &Options) {
+        let backends = self.server.backends().await;
+        let before = CpuSample::now(&backends);
+        let conns = std::mem::take(&mut self.conns);
+        let (conns, stats) = run_load(conns, &self.workload, Limit::For(options.duration)).await;
+        let after = CpuSample::now(&backends);
+        self.conns = conns;
+        match (before, after, &mut self.cpu) {
+            (Some(before), Some(after), Some(cpu)) => cpu.add(before.until(&after)),
+            _ => self.cpu = None,
+        }
+        self.rounds.push(stats.requests_per_second());
+        self.expected_orders += stats.fresh as i64;
+        self.pooled.merge(stats);
+    }
+
+    /// Closes the connections, checks the orders and makes the row; returns the server.
+    async fn finish(mut self) -> Result<(Row, Arc<Server>), BoxError> {
+        let label = self.label();
+        drop(std::mem::take(&mut self.conns));
+        // Every fresh 201 must have its order committed by the time the client has it (the
+        // commit comes before the response), and nothing else may have created one.
+        if let Some(problem) = self
+            .server
+            .check_orders(&self.sku, self.expected_orders)
+            .await?
+        {
+            self.problems.push(format!("after the load: {problem}"));
+        }
+        if let Some(error) = &self.pooled.first_error {
+            eprintln!(
+                "  !! {label}: {} unexpected answers, first: {error}",
+                self.pooled.errors
+            );
+        }
+        if !self.problems.is_empty() {
+            eprintln!("  !! {label}: {}", self.problems.join("; "));
+        }
+        let mut pooled = self.pooled;
+        pooled.latencies.sort_unstable();
+        let requests = pooled.ok + pooled.errors;
+        let per_request =
+            |used: Duration| (requests > 0).then(|| used.as_secs_f64() * 1e6 / requests as f64);
+        let row = Row {
+            case: self.case,
+            mode: self.mode,
+            concurrency: self.concurrency,
+            rounds: self.rounds,
+            p50_ms: percentile_ms(&pooled.latencies, 50.0),
+            p99_ms: percentile_ms(&pooled.latencies, 99.0),
+            requests,
+            errors: pooled.errors,
+            cpu_us: self.cpu.and_then(|cpu| per_request(cpu.server)),
+            client_cpu_us: self.cpu.and_then(|cpu| per_request(cpu.client)),
+            db_cpu_us: self
+                .cpu
+                .filter(|_| self.mode == Mode::Postgres)
+                .and_then(|cpu| per_request(cpu.database)),
+            integrity: (!self.problems.is_empty()).then(|| self.problems.join("; ")),
+        };
+        Ok((row, self.server))
+    }
+}
+
+/// Measures the `(mode, case)` pairs at one concurrency, their rounds interleaved (A, B, ...,
+/// then A, B, ... again) so that a slow spell of a shared machine falls on every case alike.
+/// SQLite cases get a server and a fresh database each; PostgreSQL cases share one server and
+/// one fresh schema (each case orders its own SKU).
+async fn run_interleaved(
+    pairs: &[(Mode, Case)],
+    concurrency: usize,
+    options: &Options,
+) -> Result<Vec<Row>, BoxError> {
+    let mut shared: Option<Arc<Server>> = None;
+    let mut runs = Vec::with_capacity(pairs.len());
+    // The read baseline's orders first, so that their ids are dense where cases share tables.
+    let mut ordered = pairs.to_vec();
+    ordered.sort_by_key(|&(_, case)| case != Case::R);
+    for &(mode, case) in &ordered {
+        eprintln!(
+            "preparing {} {} c={concurrency} ...",
+            case.name(),
+            mode.name()
+        );
+        let server = match (mode, &shared, &options.database_url) {
+            (Mode::Postgres, Some(server), _) => server.clone(),
+            (Mode::Postgres, None, Some(url)) => {
+                let schema = format!("bench_{}_c{concurrency}", std::process::id());
+                let server = Arc::new(Server::start_postgres(url, &schema).await?);
+                shared = Some(server.clone());
+                server
+            }
+            (Mode::Postgres, None, None) => return Err("PostgreSQL needs --database-url".into()),
+            _ => Arc::new(Server::start(mode).await?),
+        };
+        runs.push(CaseRun::prepare(case, mode, concurrency, server, options).await?);
+    }
+    // Back in the order asked for.
+    runs.sort_by_key(|run| (run.mode, run.case));
+    // The store's writer gives way to another writer of its file for a second after it last
+    // saw one commit (the baseline connections primed the WAL): let that pass.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    for round in 0..options.rounds {
+        for run in &mut runs {
+            run.round(options).await;
+            eprintln!(
+                "  {} round {}: {:.0} req/s",
+                run.label(),
+                round + 1,
+                run.rounds.last().copied().unwrap_or_default()
+            );
+        }
+    }
+    let mut rows = Vec::with_capacity(runs.len());
+    let mut servers = Vec::new();
+    for run in runs {
+        let (row, server) = run.finish().await?;
+        rows.push(row);
+        servers.push(server);
+    }
+    drop(shared);
+    for server in servers {
+        if let Ok(server) = Arc::try_unwrap(server) {
+            server.shut_down().await?;
+        }
+    }
+    Ok(rows)
+}
+
+/// Case E: check the record, insert the order, its event and the record, commit; on one
+/// thread.
 async fn run_ceiling(mode: Mode, options: &Options) -> Result<Row, BoxError> {
     // The store creates the records table; then it is closed and a bare connection takes over.
     let dir = tempfile::tempdir()?;
@@ -1313,6 +1679,7 @@ async fn run_ceiling(mode: Mode, options: &Options) -> Result<Row, BoxError> {
             .open()
             .await?;
         store.write(|tx| tx.execute_batch(ORDERS_SCHEMA)).await?;
+        SqliteOutbox::install(&store).await?;
     }
     let options = options.clone();
     let row = tokio::task::spawn_blocking(move || ceiling_loop(&path, mode, &options)).await??;
@@ -1342,6 +1709,9 @@ fn ceiling_loop(path: &FsPath, mode: Mode, options: &Options) -> Result<Row, Box
         tx.prepare_cached(INSERT_ORDER)?
             .execute(("shop-a", "book", 1))?;
         let order_id = tx.last_insert_rowid();
+        let event =
+            json!({ "order_id": order_id, "tenant": "shop-a", "sku": "book", "quantity": 1 });
+        tower_idempotency::outbox::sqlite::enqueue(&tx, "order_created", &event)?;
         tx.prepare_cached(
             "INSERT INTO idempotency_records (tenant, operation, idempotency_key, fingerprint, \
              fingerprint_version, status, headers, body, trailers, created_at, expires_at) \
@@ -1392,24 +1762,10 @@ fn ceiling_loop(path: &FsPath, mode: Mode, options: &Options) -> Result<Row, Box
         requests: latencies.len() as u64,
         errors: 0,
         cpu_us: None,
+        client_cpu_us: None,
+        db_cpu_us: None,
         integrity: None,
     })
-}
-
-/// The CPU time this process has used so far (all threads, user and system), on Linux.
-fn process_cpu() -> Option<Duration> {
-    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
-    // The command name (field 2) may hold spaces: count fields after its closing parenthesis.
-    let fields: Vec<&str> = stat.get(stat.rfind(')')? + 2..)?.split(' ').collect();
-    let ticks = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
-    // The kernel reports in clock ticks of USER_HZ, 100 per second on Linux.
-    Some(Duration::from_millis(ticks * 10))
-}
-
-/// CPU microseconds per request since `before`.
-fn cpu_per_request(before: Option<Duration>, requests: u64) -> Option<f64> {
-    let used = process_cpu()?.checked_sub(before?)?;
-    (requests > 0).then(|| used.as_secs_f64() * 1e6 / requests as f64)
 }
 
 /// One line of the extra measurements (`bench/extras.csv`).
@@ -1427,7 +1783,7 @@ async fn run_hold(options: &Options) -> Result<Vec<Extra>, BoxError> {
     let duration = (options.duration * options.rounds as u32).max(Duration::from_millis(800));
     let server = Server::start(Mode::Full).await?;
     let setup = connect_all(server.addr, 16).await?;
-    let create = Arc::new(Workload::create("/orders", "h-"));
+    let create = Arc::new(Workload::create("/orders", "h-", "book"));
     let (setup, stats) = run_load(setup, &create, Limit::Requests(REPLAY_KEYS)).await;
     drop(setup);
     if stats.errors > 0 {
@@ -1440,6 +1796,7 @@ async fn run_hold(options: &Options) -> Result<Vec<Extra>, BoxError> {
     let replays = Arc::new(Workload::Replay {
         prefix: "h-".into(),
         count: REPLAY_KEYS,
+        body: order_body("book"),
     });
     let mut conns = connect_all(server.addr, REPLAY_CONCURRENCY).await?;
     (conns, _) = run_load(conns, &replays, Limit::For(options.warmup)).await;
@@ -1465,7 +1822,7 @@ async fn run_hold(options: &Options) -> Result<Vec<Extra>, BoxError> {
             match path {
                 Some(path) => {
                     let conns = connect_all(server.addr, 1).await?;
-                    let slow = Arc::new(Workload::create(path, "slow-"));
+                    let slow = Arc::new(Workload::create(path, "slow-", "book"));
                     let (_, stats) = run_load(conns, &slow, Limit::For(duration)).await;
                     Ok::<_, BoxError>(Some(stats))
                 }
@@ -1516,7 +1873,7 @@ async fn run_hold(options: &Options) -> Result<Vec<Extra>, BoxError> {
 }
 
 /// Bytes allocated per request (the whole process: client, server, SQLite) for a 64 KiB JSON
-/// body, sent one at a time, through the layer and through baseline D.
+/// body, sent one at a time, through the layer and through baseline H.
 async fn run_alloc(options: &Options) -> Result<Vec<Extra>, BoxError> {
     const BODY_SIZE: usize = 64 * 1024;
     let requests: u64 = if options.quick { 100 } else { 300 };
@@ -1547,7 +1904,7 @@ async fn run_alloc(options: &Options) -> Result<Vec<Extra>, BoxError> {
     );
     let mut measured = Vec::new();
     for (variant, path) in [
-        ("D: no layer", "/baseline/orders"),
+        ("H: no layer (hand-written)", "/hand/orders"),
         ("A: layer, JSON fingerprint (as the example)", "/orders"),
         ("A: layer, raw-bytes fingerprint", "/raw/orders"),
     ] {
@@ -1596,7 +1953,7 @@ async fn run_alloc(options: &Options) -> Result<Vec<Extra>, BoxError> {
     if let [(_, baseline, baseline_blocks), rest @ ..] = &measured[..] {
         for ((variant, bytes, blocks), label) in rest
             .iter()
-            .zip(["layer (JSON) minus D", "layer (raw) minus D"])
+            .zip(["layer (JSON) minus H", "layer (raw) minus H"])
         {
             let extra = bytes - baseline;
             println!(
@@ -1606,7 +1963,7 @@ async fn run_alloc(options: &Options) -> Result<Vec<Extra>, BoxError> {
             );
             extras.push(Extra {
                 measure: "alloc_per_request_64k_body",
-                variant: format!("{variant} minus D"),
+                variant: format!("{variant} minus H"),
                 metric: "bytes_over_body",
                 value: extra / BODY_SIZE as f64,
                 unit: "ratio",
@@ -1682,62 +2039,64 @@ fn ratio(rows: &[Row], row: &Row) -> Option<(Case, f64)> {
 fn print_table(rows: &[Row], options: &Options) {
     println!();
     println!(
-        "requests/s: median of {} rounds of {:.1} s; latency p50/p99 over all rounds",
+        "requests/s: median of {} interleaved rounds of {:.1} s; latency p50/p99 over all rounds; \
+         cpu: microseconds per request of the server's threads (srv), the load generator's \
+         (cli) and the PostgreSQL backends' (db)",
         options.rounds,
         options.duration.as_secs_f64()
     );
-    println!(
-        "{:<4} {:<33} {:<6} {:>4} {:>9} {:>17} {:>8} {:>8} {:>8} {:>9} {:>6} {:>9}",
-        "case",
-        "",
-        "mode",
-        "c",
-        "req/s",
-        "rounds min-max",
-        "p50 ms",
-        "p99 ms",
-        "cpu us",
-        "requests",
-        "errors",
-        "ratio"
-    );
-    for row in rows {
-        let (min, max) = row
-            .rounds
-            .iter()
-            .fold((f64::MAX, 0.0f64), |(lo, hi), &v| (lo.min(v), hi.max(v)));
-        let ratio = ratio(rows, row)
-            .map(|(base, r)| format!("{r:.2}x {}", base.name()))
-            .unwrap_or_default();
+    let mut modes: Vec<Mode> = rows.iter().map(|row| row.mode).collect();
+    modes.dedup();
+    for mode in modes {
+        println!();
+        println!("{}", mode.title());
         println!(
-            "{:<4} {:<33} {:<6} {:>4} {:>9.0} {:>17} {:>8.3} {:>8.3} {:>8} {:>9} {:>6} {:>9}",
-            row.case.name(),
-            row.case.describe(),
-            row.mode.name(),
-            row.concurrency,
-            row.median(),
-            format!("{min:.0}-{max:.0}"),
-            row.p50_ms,
-            row.p99_ms,
-            row.cpu_us
-                .map_or_else(|| "-".to_owned(), |cpu| format!("{cpu:.0}")),
-            row.requests,
-            row.errors,
-            ratio
+            "{:<4} {:<35} {:>4} {:>9} {:>15} {:>8} {:>8} {:>7} {:>7} {:>7} {:>9} {:>6} {:>8}",
+            "case",
+            "",
+            "c",
+            "req/s",
+            "rounds min-max",
+            "p50 ms",
+            "p99 ms",
+            "srv us",
+            "cli us",
+            "db us",
+            "requests",
+            "errors",
+            "ratio"
         );
+        let cpu = |value: Option<f64>| value.map_or_else(|| "-".to_owned(), |v| format!("{v:.0}"));
+        for row in rows.iter().filter(|row| row.mode == mode) {
+            let (min, max) = row
+                .rounds
+                .iter()
+                .fold((f64::MAX, 0.0f64), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+            let ratio = ratio(rows, row)
+                .map(|(base, r)| format!("{r:.2}x {}", base.name()))
+                .unwrap_or_default();
+            println!(
+                "{:<4} {:<35} {:>4} {:>9.0} {:>15} {:>8.3} {:>8.3} {:>7} {:>7} {:>7} {:>9} {:>6} {:>8}",
+                row.case.name(),
+                row.case.describe(),
+                row.concurrency,
+                row.median(),
+                format!("{min:.0}-{max:.0}"),
+                row.p50_ms,
+                row.p99_ms,
+                cpu(row.cpu_us),
+                cpu(row.client_cpu_us),
+                cpu(row.db_cpu_us),
+                row.requests,
+                row.errors,
+                ratio
+            );
+        }
     }
     let failed: Vec<&Row> = rows.iter().filter(|r| r.integrity.is_some()).collect();
-    let mut checked: Vec<&str> = rows
-        .iter()
-        .filter(|r| r.case != Case::E)
-        .map(|r| r.case.name())
-        .collect();
-    checked.dedup();
-    if failed.is_empty() && !checked.is_empty() {
+    if failed.is_empty() && rows.iter().any(|r| r.case != Case::E) {
         println!(
-            "order check: every fresh 201 had exactly one committed order when its client had it \
-             ({})",
-            checked.join(", ")
+            "order check: every fresh 201 had exactly one committed order when its client had it"
         );
     }
     for row in failed {
@@ -1751,57 +2110,180 @@ fn print_table(rows: &[Row], options: &Options) {
     }
 }
 
-fn print_ratios(rows: &[Row], options: &Options) {
-    let mut lines = Vec::new();
-    let verdict = |value: f64, target: f64| if value >= target { "met" } else { "NOT met" };
-    for &mode in &options.modes {
-        for &c in &options.concurrency {
-            let a = find(rows, Case::A, mode, c);
-            let d = find(rows, Case::D, mode, c);
-            if let (Some(a), Some(d)) = (a, d) {
-                let r = a.median() / d.median();
-                let target = if c == 16 {
-                    format!("  (target >= 0.8: {})", verdict(r, 0.8))
-                } else {
-                    String::new()
-                };
-                lines.push(format!("A/D  {:<6} c={c:<3} {r:>6.2}{target}", mode.name()));
+/// One goal of the performance issue, as measured.
+struct Goal {
+    what: String,
+    value: f64,
+    /// The bound, and whether the value must be at least (`true`) or at most it.
+    goal: f64,
+    at_least: bool,
+    detail: String,
+}
+
+impl Goal {
+    fn met(&self) -> bool {
+        if self.at_least {
+            self.value >= self.goal
+        } else {
+            self.value <= self.goal
+        }
+    }
+}
+
+/// The ratios the performance issue sets goals for, from the rows of this run.
+fn goals(rows: &[Row]) -> Vec<Goal> {
+    let mut goals = Vec::new();
+    let micros = |ms: f64| ms * 1000.0;
+    // Throughput of the layer over the hand-written handler (at c1, the inverse of their
+    // latency ratio).
+    let mut throughput = |what: String, layer: Option<&Row>, hand: Option<&Row>, goal: f64| {
+        if let (Some(layer), Some(hand)) = (layer, hand) {
+            goals.push(Goal {
+                what,
+                value: layer.median() / hand.median(),
+                goal,
+                at_least: true,
+                detail: format!(
+                    "{:.0} vs {:.0} req/s, p50 {:.0} vs {:.0} us",
+                    layer.median(),
+                    hand.median(),
+                    micros(layer.p50_ms),
+                    micros(hand.p50_ms)
+                ),
+            });
+        }
+    };
+    let (full, normal, pg) = (Mode::Full, Mode::Normal, Mode::Postgres);
+    for (c, goal) in [(1, 0.8), (16, 2.0)] {
+        throughput(
+            format!("SQLite FULL c{c}: layer / hand-written"),
+            find(rows, Case::A, full, c),
+            find(rows, Case::H, full, c),
+            goal,
+        );
+    }
+    throughput(
+        "SQLite FULL c64: layer / hand-written in NORMAL".into(),
+        find(rows, Case::A, full, 64),
+        find(rows, Case::H, normal, 64),
+        1.0,
+    );
+    for (c, goal) in [(1, 0.8), (16, 1.0), (64, 1.0)] {
+        throughput(
+            format!("SQLite NORMAL c{c}: layer / hand-written"),
+            find(rows, Case::A, normal, c),
+            find(rows, Case::H, normal, c),
+            goal,
+        );
+    }
+    for c in [1, 64] {
+        throughput(
+            format!("PostgreSQL c{c}: layer / hand-written"),
+            find(rows, Case::A, pg, c),
+            find(rows, Case::H, pg, c),
+            1.0,
+        );
+    }
+    for (c, goal) in [(1, 1.3), (64, 1.0)] {
+        if let (Some(layer), Some(hand)) =
+            (find(rows, Case::A, full, c), find(rows, Case::H, full, c))
+        {
+            if let (Some(a), Some(h)) = (layer.cpu_us, hand.cpu_us) {
+                goals.push(Goal {
+                    what: format!("server CPU per request, SQLite FULL c{c}: layer / hand-written"),
+                    value: a / h,
+                    goal,
+                    at_least: false,
+                    detail: format!("{a:.0} vs {h:.0} us"),
+                });
             }
         }
     }
-    if let (Some(a), Some(d)) = (
-        find(rows, Case::A, Mode::Full, 64),
-        find(rows, Case::D, Mode::Full, 64),
-    ) {
-        let r = a.median() / d.median();
-        lines.push(format!(
-            "A(FULL, c=64) / D(FULL, c=64)  {r:>6.2}  (target >= 3, group commit: {})",
-            verdict(r, 3.0)
-        ));
-    }
-    for &mode in &options.modes {
-        if let (Some(b), Some(r)) = (find(rows, Case::B, mode, 64), find(rows, Case::R, mode, 64)) {
-            let ratio = b.median() / r.median();
-            lines.push(format!(
-                "B/R  {:<6} c=64  {ratio:>6.2}  (target >= 0.8: {})",
-                mode.name(),
-                verdict(ratio, 0.8)
-            ));
+    for mode in [full, normal, pg] {
+        for c in [1, 64] {
+            if let (Some(replay), Some(read)) =
+                (find(rows, Case::B, mode, c), find(rows, Case::R, mode, c))
+            {
+                goals.push(Goal {
+                    what: format!("replays / GET /orders/{{id}}, {} c{c}", mode.name()),
+                    value: replay.median() / read.median(),
+                    goal: 0.9,
+                    at_least: true,
+                    detail: format!(
+                        "{:.0} vs {:.0} req/s, p50 {:.0} vs {:.0} us",
+                        replay.median(),
+                        read.median(),
+                        micros(replay.p50_ms),
+                        micros(read.p50_ms)
+                    ),
+                });
+            }
         }
     }
-    for &mode in &options.modes {
+    goals
+}
+
+fn print_goals(goals: &[Goal]) {
+    if goals.is_empty() {
+        return;
+    }
+    println!();
+    println!("Goals (issue 13, this run)");
+    for goal in goals {
+        println!(
+            "  {:<66} {:>6.2}  goal {} {:<4} {:<8} ({})",
+            goal.what,
+            goal.value,
+            if goal.at_least { ">=" } else { "<=" },
+            goal.goal,
+            if goal.met() { "met" } else { "NOT met" },
+            goal.detail
+        );
+    }
+    let met = goals.iter().filter(|goal| goal.met()).count();
+    println!("  {met} of {} met", goals.len());
+}
+
+fn write_goals_csv(path: &FsPath, goals: &[Goal]) -> std::io::Result<()> {
+    let mut csv = String::from("goal,value,bound,limit,met,detail\n");
+    for goal in goals {
+        let _ = writeln!(
+            csv,
+            "\"{}\",{:.3},{},{},{},\"{}\"",
+            goal.what,
+            goal.value,
+            if goal.at_least { ">=" } else { "<=" },
+            goal.goal,
+            goal.met(),
+            goal.detail
+        );
+    }
+    std::fs::write(path, csv)
+}
+
+/// Ratios without a goal, for the record: the old baseline and the ceiling.
+fn print_ratios(rows: &[Row]) {
+    let mut lines = Vec::new();
+    for mode in [Mode::Full, Mode::Normal] {
+        for row in rows.iter().filter(|r| r.mode == mode && r.case == Case::D) {
+            if let Some(h) = find(rows, Case::H, mode, row.concurrency) {
+                lines.push(format!(
+                    "D/H  {:<6} c={:<3} {:>6.2}  (spawn_blocking vs inline)",
+                    mode.name(),
+                    row.concurrency,
+                    row.median() / h.median()
+                ));
+            }
+        }
         let Some(e) = find(rows, Case::E, mode, 1) else {
             continue;
         };
-        let best = |case| {
-            options
-                .concurrency
+        for case in [Case::A, Case::H] {
+            let best = rows
                 .iter()
-                .filter_map(|&c| find(rows, case, mode, c))
-                .max_by(|x, y| x.median().total_cmp(&y.median()))
-        };
-        for case in [Case::A, Case::D] {
-            if let Some(row) = best(case) {
+                .filter(|r| r.mode == mode && r.case == case)
+                .max_by(|x, y| x.median().total_cmp(&y.median()));
+            if let Some(row) = best {
                 lines.push(format!(
                     "{}/E  {:<6} best (c={}) {:>6.2}",
                     case.name(),
@@ -1814,7 +2296,7 @@ fn print_ratios(rows: &[Row], options: &Options) {
     }
     if !lines.is_empty() {
         println!();
-        println!("Ratios (same run)");
+        println!("Other ratios (same run)");
         for line in lines {
             println!("  {line}");
         }
@@ -1824,7 +2306,8 @@ fn print_ratios(rows: &[Row], options: &Options) {
 fn write_results_csv(path: &FsPath, rows: &[Row]) -> std::io::Result<()> {
     let mut csv = String::from(
         "case,description,mode,concurrency,requests_per_s,rounds_min,rounds_max,rounds,\
-         p50_ms,p99_ms,cpu_us_per_request,requests,errors,baseline,ratio_to_baseline,order_check\n",
+         p50_ms,p99_ms,server_cpu_us_per_request,client_cpu_us_per_request,\
+         db_cpu_us_per_request,requests,errors,baseline,ratio_to_baseline,order_check\n",
     );
     for row in rows {
         let (min, max) = row
@@ -1836,7 +2319,7 @@ fn write_results_csv(path: &FsPath, rows: &[Row]) -> std::io::Result<()> {
             .unwrap_or_default();
         let _ = writeln!(
             csv,
-            "{},\"{}\",{},{},{:.0},{min:.0},{max:.0},{},{:.3},{:.3},{},{},{},{baseline},{ratio},{}",
+            "{},\"{}\",{},{},{:.0},{min:.0},{max:.0},{},{:.3},{:.3},{},{},{},{},{},{baseline},{ratio},{}",
             row.case.name(),
             row.case.describe(),
             row.mode.name(),
@@ -1846,6 +2329,10 @@ fn write_results_csv(path: &FsPath, rows: &[Row]) -> std::io::Result<()> {
             row.p50_ms,
             row.p99_ms,
             row.cpu_us
+                .map_or_else(String::new, |cpu| format!("{cpu:.1}")),
+            row.client_cpu_us
+                .map_or_else(String::new, |cpu| format!("{cpu:.1}")),
+            row.db_cpu_us
                 .map_or_else(String::new, |cpu| format!("{cpu:.1}")),
             row.requests,
             row.errors,
@@ -1874,12 +2361,8 @@ fn write_extras_csv(path: &FsPath, extras: &[Extra]) -> std::io::Result<()> {
 /// A hand-written SVG: one panel per durability mode, requests/s (log scale) by concurrency,
 /// one line per case; the ceiling E as a dashed level.
 fn throughput_svg(rows: &[Row], options: &Options) -> String {
-    let modes: Vec<Mode> = options
-        .modes
-        .iter()
-        .copied()
-        .filter(|&m| rows.iter().any(|r| r.mode == m))
-        .collect();
+    let mut modes: Vec<Mode> = rows.iter().map(|r| r.mode).collect();
+    modes.dedup();
     let concurrency = &options.concurrency;
     let (panel_w, panel_h) = (440.0, 320.0);
     let (left, top, gap) = (70.0, 50.0, 60.0);
@@ -1922,10 +2405,10 @@ fn throughput_svg(rows: &[Row], options: &Options) -> String {
         let x0 = left + p as f64 * (panel_w + gap);
         let _ = writeln!(
             svg,
-            r##"<text x="{:.0}" y="{:.0}" text-anchor="middle" font-weight="bold">synchronous={}</text>"##,
+            r##"<text x="{:.0}" y="{:.0}" text-anchor="middle" font-weight="bold">{}</text>"##,
             x0 + panel_w / 2.0,
             top - 10.0,
-            mode.name()
+            mode.title()
         );
         // Grid: 1, 2, 5 per decade.
         let mut decade = 10f64.powf(log_lo);
@@ -2026,10 +2509,18 @@ fn throughput_svg(rows: &[Row], options: &Options) -> String {
     }
     // Legend.
     let legend_y = top + panel_h + 62.0;
-    let cases: Vec<Case> = [Case::A, Case::B, Case::C, Case::D, Case::R, Case::E]
-        .into_iter()
-        .filter(|&case| rows.iter().any(|r| r.case == case))
-        .collect();
+    let cases: Vec<Case> = [
+        Case::A,
+        Case::B,
+        Case::C,
+        Case::D,
+        Case::H,
+        Case::R,
+        Case::E,
+    ]
+    .into_iter()
+    .filter(|&case| rows.iter().any(|r| r.case == case))
+    .collect();
     for (i, case) in cases.iter().enumerate() {
         let x = left + (i % 3) as f64 * 300.0;
         let y = legend_y + (i / 3) as f64 * 20.0;
@@ -2105,6 +2596,7 @@ async fn main() -> ExitCode {
 
 async fn run(options: &Options) -> Result<(), BoxError> {
     let started = Instant::now();
+    start_client(options.client_threads)?;
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     println!(
         "tower-idempotency benchmark: {cores} cores, {} rounds x {:.1} s (+{:.1} s warm-up) per case, \
@@ -2121,36 +2613,49 @@ async fn run(options: &Options) -> Result<(), BoxError> {
     let mut extras = Vec::new();
     extras.extend(disk_probe("before", options).await?);
 
+    let http: Vec<Case> = options
+        .cases
+        .iter()
+        .copied()
+        .filter(|&case| case != Case::E)
+        .collect();
+    // Both SQLite modes interleave (a goal compares FULL with NORMAL); PostgreSQL on its own.
+    let sqlite: Vec<(Mode, Case)> = options
+        .modes
+        .iter()
+        .filter(|&&mode| mode != Mode::Postgres)
+        .flat_map(|&mode| mode.cases(&http).into_iter().map(move |case| (mode, case)))
+        .collect();
+    let postgres: Vec<(Mode, Case)> = if options.modes.contains(&Mode::Postgres) {
+        Mode::Postgres
+            .cases(&http)
+            .into_iter()
+            .map(|case| (Mode::Postgres, case))
+            .collect()
+    } else {
+        Vec::new()
+    };
     let mut rows = Vec::new();
-    for &mode in &options.modes {
-        for &case in &options.cases {
-            if case == Case::E {
-                eprintln!("running E {} ...", mode.name());
-                rows.push(run_ceiling(mode, options).await?);
-                continue;
-            }
-            for &concurrency in &options.concurrency {
-                eprintln!(
-                    "running {} {} c={concurrency} ...",
-                    case.name(),
-                    mode.name()
-                );
-                let row = run_http_case(case, mode, concurrency, options).await?;
-                eprintln!(
-                    "  {:.0} req/s, p50 {:.2} ms, p99 {:.2} ms",
-                    row.median(),
-                    row.p50_ms,
-                    row.p99_ms
-                );
-                rows.push(row);
+    for &concurrency in &options.concurrency {
+        for pairs in [&sqlite, &postgres] {
+            if !pairs.is_empty() {
+                rows.extend(run_interleaved(pairs, concurrency, options).await?);
             }
         }
     }
+    if options.cases.contains(&Case::E) {
+        for &mode in options.modes.iter().filter(|&&mode| mode != Mode::Postgres) {
+            eprintln!("running E {} ...", mode.name());
+            rows.push(run_ceiling(mode, options).await?);
+        }
+    }
     rows.sort_by_key(|x| (x.mode, x.case, x.concurrency));
+    let goals = goals(&rows);
 
     if !rows.is_empty() {
         print_table(&rows, options);
-        print_ratios(&rows, options);
+        print_ratios(&rows);
+        print_goals(&goals);
     }
     if options.hold {
         eprintln!("running hold ...");
@@ -2171,6 +2676,11 @@ async fn run(options: &Options) -> Result<(), BoxError> {
         let svg = options.out.join("throughput.svg");
         std::fs::write(&svg, throughput_svg(&rows, options))?;
         written.extend([csv, svg]);
+    }
+    if !goals.is_empty() {
+        let csv = options.out.join("goals.csv");
+        write_goals_csv(&csv, &goals)?;
+        written.push(csv);
     }
     if options.hold || options.alloc || !rows.is_empty() {
         let csv = options.out.join("extras.csv");
