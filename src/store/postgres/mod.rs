@@ -475,24 +475,38 @@ async fn reserve(
         .saturating_duration_since(Instant::now())
         .as_millis()
         .max(1);
-    // One round trip. Only integers are formatted into it.
-    client
-        .batch_execute(&format!(
-            "{}; SET LOCAL lock_timeout = {lock_ms}; SET LOCAL {RESERVATION_SETTING} = '{token}'",
-            isolation.begin_statement()
-        ))
-        .await?;
     let params = [&*scope.tenant, &*scope.operation, scope.key.as_str()];
+    // Prepared once per connection, before the transaction.
     let insert = client.prepare_cached(INSERT_RESERVATION).await?;
     let select = client.prepare_cached(SELECT_RECORD).await?;
     let take_over = client.prepare_cached(TAKE_OVER).await?;
+    // The begin and the first reservation go in one flight (tokio-postgres pipelines requests
+    // polled together, in order): one round trip for both. Only integers are formatted into
+    // the begin. Should the begin's `SET LOCAL`s fail, the transaction is aborted and the
+    // insert fails with it.
+    let begin = format!(
+        "{}; SET LOCAL lock_timeout = {lock_ms}; SET LOCAL {RESERVATION_SETTING} = '{token}'",
+        isolation.begin_statement()
+    );
+    let (begun, first) = futures_util::future::join(
+        client.batch_execute(&begin),
+        client.query_opt(&insert, &[&params[0], &params[1], &params[2], &now]),
+    )
+    .await;
+    begun?;
+    let mut first = Some(first?);
     // Each turn ends in a decision unless another transaction changed the row in between
     // (purged it, or took it over and committed): then look again, a few times at most.
     for _ in 0..4 {
         // Blocks on the primary key while another transaction holds this scope.
-        let inserted = client
-            .query_opt(&insert, &[&params[0], &params[1], &params[2], &now])
-            .await?;
+        let inserted = match first.take() {
+            Some(inserted) => inserted,
+            None => {
+                client
+                    .query_opt(&insert, &[&params[0], &params[1], &params[2], &now])
+                    .await?
+            }
+        };
         if let Some(row) = inserted {
             return Ok(Reserved::Row(row.try_get(0)?));
         }
@@ -1126,12 +1140,15 @@ impl<C: GenericClient + Sync> Executor for C {
 }
 
 impl Executor for TransactionClient {
+    /// Prepared once per pooled connection: a statement sent as text costs a round trip of
+    /// its own (parse and describe) before it runs.
     async fn execute_statement(
         &self,
         statement: &str,
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<u64, Error> {
-        self.execute(statement, params).await
+        let statement = self.prepare_cached(statement).await?;
+        self.execute(&statement, params).await
     }
 }
 
