@@ -178,7 +178,8 @@ async fn create_order(
     let order_id: i64 = client
         .query_one(&insert, &[&tenant.as_str(), &order.sku, &order.quantity])
         .await
-        .and_then(|row| row.try_get(0))
+        .map_err(internal)?
+        .try_get(0)
         .map_err(internal)?;
     let event = json!({
         "order_id": order_id,
@@ -186,7 +187,7 @@ async fn create_order(
         "sku": order.sku,
         "quantity": order.quantity,
     });
-    enqueue(&*client, "order_created", &event)
+    enqueue(&client, "order_created", &event)
         .await
         .map_err(internal)?;
     let response = (
