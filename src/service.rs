@@ -174,7 +174,7 @@ struct Checked {
 
 impl<S, St, ResB> Flow<S, St>
 where
-    S: Service<Request<RequestBody>, Response = Response<ResB>> + Clone + Send + 'static,
+    S: Service<Request<RequestBody>, Response = Response<ResB>> + Send + 'static,
     S::Future: Send + 'static,
     S::Error: Send + 'static,
     St: IdempotencyStore,
@@ -243,7 +243,7 @@ where
 
     async fn execute(mut self, checked: Checked) -> Result<Response<ResponseBody<ResB>>, S::Error> {
         let Checked {
-            mut parts,
+            parts,
             body,
             scope,
             fingerprint,
@@ -252,39 +252,33 @@ where
         let now = SystemTime::now();
 
         let mut reruns = Reruns::default();
+        let mut parts = Some(parts);
         loop {
-            // A run again runs the handler again: each attempt gets its own copy of the
-            // request head, except the last one allowed, which takes the original.
-            let attempt_parts = if reruns.any_left(&self.config) {
-                copy_parts(&parts)
-            } else {
-                std::mem::replace(&mut parts, Request::new(()).into_parts().0)
-            };
-            let Some(mut inner) = self.inner.take() else {
-                // Only a panic inside a store's `begin_and_run` could lose it.
+            let (Some(mut inner), Some(attempt_parts)) = (self.inner.take(), parts.take()) else {
+                // Only a panic inside a store's `begin_and_run` could lose them.
                 return Ok(self.reject(&Rejection::HandlerPanicked, wire));
             };
-            // A begin that fails keeps the service it would have lent to the handler: keep a
-            // clone while the request may still run again.
-            if reruns.any_left(&self.config) {
-                self.inner = Some(inner.clone());
-            }
             if reruns.attempts() > 0 {
                 // The service was made ready for the first call only.
                 std::future::poll_fn(|cx| inner.poll_ready(cx)).await?;
             }
             let attempt = Attempt {
-                parts: attempt_parts,
                 body: body.clone(),
                 scope: scope.clone(),
                 fingerprint,
                 now,
                 config: self.config.clone(),
+                keep_a_copy: reruns.any_left(&self.config),
             };
+            // The service and the request head are lent to the work, and taken back here if
+            // the store drops the work without running it (a begin that found a record, or
+            // failed): a failed begin may run again.
+            let lent = Arc::new(std::sync::Mutex::new(Some((inner, attempt_parts))));
+            let lent_to_work = lent.clone();
             // Everything done while the transaction is open: the store may run it where the
             // transaction lives (the SQLite store, on its writer thread).
             let lock_started = Instant::now();
-            let work = move |transaction| attempt.run(inner, transaction);
+            let work = move |transaction| attempt.run(lent_to_work, transaction);
             let lock_timeout = self.config.lock_timeout;
             let began = if reruns.attempts() == 0 {
                 // The first attempt starts with the fast path: a completed record, read
@@ -297,7 +291,7 @@ where
                     .begin_and_run(&scope, lock_timeout, now, work)
                     .await
             };
-            let (inner, finished) = match began {
+            let (inner, spare_parts, finished) = match began {
                 Ok(Began::Found { record }) => {
                     return Ok(self.answer_existing(&scope, &record, &fingerprint, wire));
                 }
@@ -316,12 +310,17 @@ where
                     // was then rolled back: the key is free again.
                     if reruns.take(&error, &self.config) {
                         tracing::info!(%error, "the record found was rolled back; running again");
+                        if let Some((inner, lent)) = lent.lock().ok().and_then(|mut l| l.take()) {
+                            self.inner = Some(inner);
+                            parts = Some(lent);
+                        }
                         continue;
                     }
                     return Ok(self.store_failure(&scope, error, wire));
                 }
             };
-            self.inner = Some(inner);
+            self.inner = inner;
+            parts = spare_parts;
 
             return match finished {
                 Finished::Committed(parts, body, trailers) => {
@@ -625,33 +624,52 @@ enum Answer<B, E> {
     Full(http::response::Parts, Bytes, Option<HeaderMap>),
 }
 
+/// The service and request head an attempt borrows (see [`Attempt::run`]).
+type Lent<S> = Arc<std::sync::Mutex<Option<(S, request::Parts)>>>;
+
 /// One run of the handler with the transaction open: what the store drives.
 struct Attempt {
-    parts: request::Parts,
     body: Bytes,
     scope: Scope,
     fingerprint: crate::fingerprint::Fingerprint,
     now: SystemTime,
     config: Arc<Config>,
+    /// Whether the request may run again: keep a copy of its head for that.
+    keep_a_copy: bool,
 }
 
 impl Attempt {
-    /// Calls `inner` with the transaction's handle in the request extensions, captures the
-    /// response and commits it with the handler's rows, or rolls back. Gives `inner` back.
-    async fn run<S, T, ResB>(self, mut inner: S, transaction: T) -> (S, Finished<ResB, S::Error>)
+    /// Calls the lent service with the lent request head and the transaction's handle in the
+    /// request extensions, captures the response and commits it with the handler's rows, or
+    /// rolls back. Gives the service back, with a copy of the head if it may run again.
+    async fn run<S, T, ResB>(
+        self,
+        lent: Lent<S>,
+        transaction: T,
+    ) -> (Option<S>, Option<request::Parts>, Finished<ResB, S::Error>)
     where
         S: Service<Request<RequestBody>, Response = Response<ResB>>,
         T: StoreTransaction,
         ResB: Body<Data = Bytes>,
     {
         let Attempt {
-            mut parts,
             body,
             scope,
             fingerprint,
             now,
             config,
+            keep_a_copy,
         } = self;
+        let Some((mut inner, mut parts)) = lent.lock().ok().and_then(|mut lent| lent.take()) else {
+            // Never: the work runs once, and the service takes nothing back after that.
+            let _ = roll_back(transaction).await;
+            let failed = Finished::RolledBack(
+                RollbackReason::Panic,
+                Answer::Reject(Rejection::HandlerPanicked),
+            );
+            return (None, None, failed);
+        };
+        let spare = keep_a_copy.then(|| copy_parts(&parts));
         parts.extensions.insert(transaction.handle());
         parts.extensions.insert(scope);
         let request = Request::from_parts(parts, RequestBody::buffered(body));
@@ -702,7 +720,7 @@ impl Attempt {
                     Ok(()) => Finished::Committed(parts, body, trailers),
                     Err(error) => Finished::CommitFailed(error),
                 };
-                return (inner, finished);
+                return (Some(inner), spare, finished);
             }
             Ok(Ok(Captured::Saveable(parts, body, trailers))) => (
                 RollbackReason::NotSaved,
@@ -722,9 +740,9 @@ impl Attempt {
         };
         if let Err(conflict) = roll_back(transaction).await {
             // The handler answered from a transaction the database had already rolled back.
-            return (inner, Finished::CommitFailed(conflict));
+            return (Some(inner), spare, Finished::CommitFailed(conflict));
         }
-        (inner, Finished::RolledBack(reason, answer))
+        (Some(inner), spare, Finished::RolledBack(reason, answer))
     }
 }
 
