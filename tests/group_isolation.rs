@@ -35,6 +35,8 @@ struct Poison {
     statement: Option<&'static str>,
     /// Whether the poison ends the group's transaction (so innocents must run again).
     ends_the_group: bool,
+    /// Caps the database at this many pages beyond its size after the setup.
+    max_pages: Option<i64>,
 }
 
 /// What the handlers saw.
@@ -107,6 +109,17 @@ async fn server(poison: &Poison, seen: Arc<Seen>) -> TestServer {
         .write(move |tx| tx.execute_batch(setup))
         .await
         .expect("poison setup");
+    if let Some(extra) = poison.max_pages {
+        // `max_page_count` belongs to the connection: set it on the writer's.
+        server
+            .store
+            .write(move |tx| {
+                let pages: i64 = tx.query_row("PRAGMA page_count", [], |row| row.get(0))?;
+                tx.execute_batch(&format!("PRAGMA max_page_count = {}", pages + extra))
+            })
+            .await
+            .expect("cap the size");
+    }
     server
 }
 
@@ -212,6 +225,7 @@ async fn a_trigger_raising_rollback_fails_only_its_own_request() {
                 BEGIN SELECT RAISE(ROLLBACK, 'poisoned order'); END;",
         statement: None,
         ends_the_group: true,
+        max_pages: None,
     })
     .await;
 }
@@ -225,6 +239,7 @@ async fn insert_or_rollback_fails_only_its_own_request() {
              INSERT OR ROLLBACK INTO once (id) VALUES (1);",
         ),
         ends_the_group: true,
+        max_pages: None,
     })
     .await;
 }
@@ -237,6 +252,7 @@ async fn on_conflict_rollback_fails_only_its_own_request() {
             "INSERT INTO unique_once (id) VALUES (1); INSERT INTO unique_once (id) VALUES (1);",
         ),
         ends_the_group: true,
+        max_pages: None,
     })
     .await;
 }
@@ -248,6 +264,7 @@ async fn a_deferred_foreign_key_violated_by_one_request_fails_only_it_at_commit(
                     REFERENCES parents (id) DEFERRABLE INITIALLY DEFERRED);",
         statement: Some("INSERT INTO children (parent_id) VALUES (999999);"),
         ends_the_group: true,
+        max_pages: None,
     })
     .await;
 }
@@ -260,8 +277,32 @@ async fn pragma_defer_foreign_keys_violated_by_one_request_fails_only_it_at_comm
             "PRAGMA defer_foreign_keys = ON; INSERT INTO kids (parent_id) VALUES (999999);",
         ),
         ends_the_group: true,
+        max_pages: None,
     })
     .await;
+}
+
+/// A full disk during one member's statement (the database capped with `max_page_count`,
+/// a poisoned request writing more than fits): SQLite rolls the whole transaction back; that
+/// request fails with `SQLITE_FULL`, and the others of its group run again and keep their
+/// orders.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_disk_during_one_members_statement_fails_only_it() {
+    let seen = poisoned_load(Poison {
+        setup: "CREATE TABLE blobs (b BLOB);",
+        statement: Some("INSERT INTO blobs (b) VALUES (zeroblob(64000000));"),
+        ends_the_group: true,
+        max_pages: Some(4000),
+    })
+    .await;
+    let errors = seen.poison_errors.lock().expect("lock").clone();
+    assert!(!errors.is_empty());
+    assert!(
+        errors
+            .iter()
+            .all(|error| error.contains("database or disk is full")),
+        "{errors:?}"
+    );
 }
 
 /// Transaction control through the handle is refused (the authorizer), so it ends nothing:
@@ -290,6 +331,7 @@ async fn transaction_control_through_the_handle_is_refused_and_ends_nothing() {
             setup: "SELECT 1;",
             statement: Some(statement),
             ends_the_group: false,
+            max_pages: None,
         })
         .await;
         let errors = seen.poison_errors.lock().expect("lock").clone();

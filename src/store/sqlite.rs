@@ -2005,10 +2005,15 @@ impl SqliteTransaction {
                 .map_err(|_| Error::Panicked)?;
             if writer.conn.is_autocommit() {
                 // `after_job` rolls the rest of the group back, and its members run again.
-                return Err(Error::TransactionAborted(
-                    "a handler's statement ended the transaction (RAISE(ROLLBACK), \
-                     ON CONFLICT ROLLBACK, or a disk error)",
-                ));
+                // The statement's own error says why (a full disk is a 503); the request's end
+                // finds its transaction gone either way.
+                return Err(match result {
+                    Err(error) => writer.control.error(error),
+                    Ok(_) => Error::TransactionAborted(
+                        "a handler's statement ended the transaction (RAISE(ROLLBACK), \
+                         ON CONFLICT ROLLBACK, or a disk error)",
+                    ),
+                });
             }
             result.map_err(|error| writer.control.error(error))
         };
