@@ -1124,6 +1124,9 @@ impl SqliteStore {
         // The begin, or (given the record the fast path found) the answer with that record.
         let start = move |found: Option<StoredRecord>| -> Option<Step> {
             if let Some(record) = found {
+                // Nothing began: no rollback to queue for the writer.
+                let mut reservation = reservation;
+                reservation.close();
                 let _ = reply.send(Ok(Began::Found { record }));
                 return None;
             }
