@@ -1,11 +1,14 @@
 //! The store: the one seam between the request flow and a database.
 //!
-//! The flow needs four verbs: [`IdempotencyStore::lookup`] (read-only fast path),
+//! A backend implements four verbs: [`IdempotencyStore::lookup`] (read-only fast path),
 //! [`IdempotencyStore::begin`] (open the write transaction and re-check),
 //! [`StoreTransaction::commit`] (save the record and commit together with the handler's rows)
-//! and [`IdempotencyStore::purge_expired`]. Everything backend-specific (connections, SQL
-//! dialect, locking) stays behind it; the handle the handler uses for its own rows is the
-//! backend's [`StoreTransaction::Handle`].
+//! and [`IdempotencyStore::purge_expired`]. The flow calls them through two provided methods
+//! a backend may override to save trips between threads or round trips:
+//! [`IdempotencyStore::lookup_then_begin_and_run`] for a request's first attempt and
+//! [`IdempotencyStore::begin_and_run`] when it runs again. Everything backend-specific
+//! (connections, SQL dialect, locking) stays behind them; the handle the handler uses for its
+//! own rows is the backend's [`StoreTransaction::Handle`].
 
 use std::future::Future;
 use std::sync::Arc;
