@@ -78,8 +78,9 @@ mod sql_guard;
 
 /// The same columns as the SQLite store, plus `state`: a reservation is an `in_progress` row
 /// whose response columns are still empty. Other transactions never see one (it is committed
-/// only as `completed`), unless a handler commits the transaction itself; such a stray row is
-/// written already expired, so the next request for its key takes it over.
+/// only as `completed`). Should one ever be committed as it is (the handle refuses a handler's
+/// transaction control, so only something outside the layer could), it is written already
+/// expired, so the next request for its key takes it over.
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS idempotency_records (
     tenant              TEXT    NOT NULL,
@@ -880,7 +881,7 @@ impl StoreTransaction for PostgresReservation {
                 .await?;
             if completed != 1 {
                 return Err(Error::TransactionAborted(
-                    "the transaction ended before commit (COMMIT or ROLLBACK in the handler?)",
+                    "the transaction ended before commit (it is not the one the layer began)",
                 ));
             }
             Ok(())
