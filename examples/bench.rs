@@ -1432,6 +1432,32 @@ fn percentile_ms(sorted_micros: &[u32], percentile: f64) -> f64 {
 
 /// The keys case B replays, created (over HTTP, through the layer) before it starts.
 const REPLAY_KEYS: u64 = 1000;
+
+/// Creates [`REPLAY_KEYS`] orders under keys `prefix`0.. and returns the workload that replays
+/// them, with how many orders it created.
+async fn replay_workload(
+    addr: SocketAddr,
+    prefix: &str,
+    sku: &str,
+) -> Result<(Workload, i64), BoxError> {
+    let setup = connect_all(addr, 16).await?;
+    let create = Arc::new(Workload::create("/orders", prefix, sku));
+    let (setup, stats) = run_load(setup, &create, Limit::Requests(REPLAY_KEYS)).await;
+    drop(setup);
+    if stats.errors > 0 {
+        return Err(format!(
+            "creating the keys to replay failed: {}",
+            stats.first_error.unwrap_or_default()
+        )
+        .into());
+    }
+    let replays = Workload::Replay {
+        prefix: prefix.into(),
+        count: REPLAY_KEYS,
+        body: order_body(sku),
+    };
+    Ok((replays, stats.fresh as i64))
+}
 /// The orders case R reads, inserted before it starts.
 const READ_ORDERS: u64 = 1000;
 
@@ -1468,23 +1494,9 @@ impl CaseRun {
         let workload = Arc::new(match case {
             Case::A => Workload::create("/orders", &prefix, &sku),
             Case::B => {
-                let setup = connect_all(server.addr, 16).await?;
-                let create = Arc::new(Workload::create("/orders", &prefix, &sku));
-                let (setup, stats) = run_load(setup, &create, Limit::Requests(REPLAY_KEYS)).await;
-                drop(setup);
-                if stats.errors > 0 {
-                    return Err(format!(
-                        "creating the keys to replay failed: {}",
-                        stats.first_error.unwrap_or_default()
-                    )
-                    .into());
-                }
-                expected_orders += stats.fresh as i64;
-                Workload::Replay {
-                    prefix,
-                    count: REPLAY_KEYS,
-                    body: order_body(&sku),
-                }
+                let (replays, created) = replay_workload(server.addr, &prefix, &sku).await?;
+                expected_orders += created;
+                replays
             }
             Case::C => Workload::Mixed {
                 prefix,
@@ -1782,22 +1794,8 @@ async fn run_hold(options: &Options) -> Result<Vec<Extra>, BoxError> {
     const REPLAY_CONCURRENCY: usize = 16;
     let duration = (options.duration * options.rounds as u32).max(Duration::from_millis(800));
     let server = Server::start(Mode::Full).await?;
-    let setup = connect_all(server.addr, 16).await?;
-    let create = Arc::new(Workload::create("/orders", "h-", "book"));
-    let (setup, stats) = run_load(setup, &create, Limit::Requests(REPLAY_KEYS)).await;
-    drop(setup);
-    if stats.errors > 0 {
-        return Err(format!(
-            "creating the keys to replay failed: {}",
-            stats.first_error.unwrap_or_default()
-        )
-        .into());
-    }
-    let replays = Arc::new(Workload::Replay {
-        prefix: "h-".into(),
-        count: REPLAY_KEYS,
-        body: order_body("book"),
-    });
+    let (replays, _) = replay_workload(server.addr, "h-", "book").await?;
+    let replays = Arc::new(replays);
     let mut conns = connect_all(server.addr, REPLAY_CONCURRENCY).await?;
     (conns, _) = run_load(conns, &replays, Limit::For(options.warmup)).await;
 
