@@ -5,7 +5,7 @@
 //! separate instances, apply it exactly once (the second waits on the id's primary key); and
 //! `process_in` records the id in an idempotent request's transaction over real HTTP.
 //!
-//! Needs `TEST_DATABASE_URL`; without it every test prints that it was skipped and passes.
+//! Needs `TEST_DATABASE_URL`; without it `cargo test` reports these tests as ignored.
 
 mod common;
 mod pg_common;
@@ -121,6 +121,7 @@ async fn wait_for_a_lock_wait(db: &TestDb) {
     }
 }
 
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn an_event_is_processed_once_and_its_redelivery_is_a_duplicate() {
     let Some(db) = TestDb::create().await else {
@@ -200,6 +201,7 @@ async fn an_event_is_processed_once_and_its_redelivery_is_a_duplicate() {
     assert!(!inbox.contains("e3").await.expect("contains"));
 }
 
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn an_error_in_the_closure_rolls_back_the_id_and_the_effect() {
     let Some(db) = TestDb::create().await else {
@@ -249,6 +251,7 @@ async fn an_error_in_the_closure_rolls_back_the_id_and_the_effect() {
     assert_eq!(effects(&db, "e1").await, 1);
 }
 
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn a_transaction_the_closure_ended_or_broke_is_not_committed() {
     let Some(db) = TestDb::create().await else {
@@ -323,6 +326,7 @@ async fn a_transaction_the_closure_ended_or_broke_is_not_committed() {
     ));
 }
 
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn a_panic_or_a_dropped_delivery_leaves_no_id_and_the_redelivery_applies_it() {
     let Some(db) = TestDb::create().await else {
@@ -439,6 +443,7 @@ async fn two_deliveries_at_once(
     (first, second, second_calls.load(Ordering::SeqCst))
 }
 
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_duplicate_delivered_while_the_first_is_applied_waits_and_is_a_duplicate() {
     let Some(db) = TestDb::create().await else {
@@ -452,6 +457,7 @@ async fn a_duplicate_delivered_while_the_first_is_applied_waits_and_is_a_duplica
     assert_eq!(effects(&db, "e1").await, 1);
 }
 
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiting_duplicate_applies_the_event_when_the_first_rolls_back() {
     let Some(db) = TestDb::create().await else {
@@ -466,6 +472,7 @@ async fn a_waiting_duplicate_applies_the_event_when_the_first_rolls_back() {
     assert_eq!(effects(&db, "e1").await, 1);
 }
 
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn under_serializable_the_waiting_duplicate_is_retried_into_a_duplicate() {
     let Some(db) = TestDb::create().await else {
@@ -530,6 +537,7 @@ async fn deliver_all_at_once(
     outcomes
 }
 
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn many_deliveries_at_once_on_two_instances_apply_each_event_once() {
     let Some(db) = TestDb::create().await else {
@@ -550,6 +558,7 @@ async fn many_deliveries_at_once_on_two_instances_apply_each_event_once() {
     }
 }
 
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn many_deliveries_at_once_under_serializable_apply_each_event_once() {
     let Some(db) = TestDb::create().await else {
@@ -568,6 +577,7 @@ async fn many_deliveries_at_once_under_serializable_apply_each_event_once() {
     }
 }
 
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn purge_removes_only_old_ids_of_its_consumer() {
     let Some(db) = TestDb::create().await else {
@@ -636,6 +646,7 @@ fn delivery(event_id: &str, sku: &str) -> Post {
         .header("event-topic", "order_created")
 }
 
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn process_in_records_the_id_with_the_request_and_a_forgotten_key_is_still_a_duplicate() {
     let Some(db) = TestDb::create().await else {
@@ -688,6 +699,7 @@ async fn process_in_records_the_id_with_the_request_and_a_forgotten_key_is_still
     assert_eq!(inventory.reservations().await, 1);
 }
 
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn a_receiver_on_its_own_transactions_acknowledges_redeliveries() {
     let Some(db) = TestDb::create().await else {

@@ -309,6 +309,7 @@ async fn the_relay_and_the_inbox_record_deliveries_failures_dead_letters_and_bac
     );
 }
 
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn the_postgres_inbox_counts_processed_events_and_duplicates() {
     let Some(db) = pg_common::TestDb::create().await else {

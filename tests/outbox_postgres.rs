@@ -3,7 +3,7 @@
 //! two relays at once on separate pools, and a poison event is dead-lettered while the rest
 //! flow.
 //!
-//! Needs `TEST_DATABASE_URL`; without it every test prints that it was skipped and passes.
+//! Needs `TEST_DATABASE_URL`; without it `cargo test` reports these tests as ignored.
 
 mod common;
 mod pg_common;
@@ -103,6 +103,7 @@ impl RecordingSink {
     }
 }
 
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn a_handler_failure_rolls_the_event_back_with_the_order() {
     let Some(db) = TestDb::create().await else {
@@ -130,6 +131,7 @@ async fn a_handler_failure_rolls_the_event_back_with_the_order() {
     server.shutdown().await;
 }
 
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn a_committed_order_has_exactly_one_event_and_replays_add_none() {
     let Some(db) = TestDb::create().await else {
@@ -170,6 +172,7 @@ async fn a_committed_order_has_exactly_one_event_and_replays_add_none() {
     server.shutdown().await;
 }
 
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn a_relay_delivers_each_event_once() {
     let Some(db) = TestDb::create().await else {
@@ -218,6 +221,7 @@ async fn a_relay_delivers_each_event_once() {
     assert_eq!(event_count(&db).await, 0);
 }
 
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn two_relays_at_once_deliver_each_event_once() {
     let Some(db) = TestDb::create().await else {
@@ -278,6 +282,7 @@ async fn two_relays_at_once_deliver_each_event_once() {
     );
 }
 
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn a_poison_event_is_dead_lettered_while_the_others_flow() {
     let Some(db) = TestDb::create().await else {
@@ -363,6 +368,7 @@ async fn a_poison_event_is_dead_lettered_while_the_others_flow() {
     assert_eq!(recorder.attempts_of(&poison), vec![1, 2, 3, 1]);
 }
 
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn a_permanent_error_dead_letters_at_once() {
     let Some(db) = TestDb::create().await else {
@@ -398,6 +404,7 @@ async fn a_permanent_error_dead_letters_at_once() {
     assert_eq!(outbox.requeue_dead().await.expect("requeue"), 1);
 }
 
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn an_abandoned_last_attempt_is_dead_lettered_when_its_lease_runs_out() {
     let Some(db) = TestDb::create().await else {
@@ -448,6 +455,7 @@ async fn an_abandoned_last_attempt_is_dead_lettered_when_its_lease_runs_out() {
         .is_some_and(|e| e.contains("abandoned")));
 }
 
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn enqueue_needs_the_outbox_table_and_fails_the_request_without_it() {
     let Some(db) = TestDb::create().await else {

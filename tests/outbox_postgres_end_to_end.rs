@@ -16,7 +16,7 @@
 //!   FILE --webhook URL`, a child process too: its relay reads the SQLite store's outbox), with a
 //!   redelivery by hand answered `duplicate`.
 //!
-//! Needs `TEST_DATABASE_URL`; without it every test prints that it was skipped and passes
+//! Needs `TEST_DATABASE_URL`; without it `cargo test` reports these tests as ignored.
 //! (except the command-line checks of the inventory example, which need no database).
 
 mod common;
@@ -174,6 +174,7 @@ async fn deliver_then_kill_then_redeliver(
     event_id
 }
 
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn a_relay_killed_after_delivery_redelivers_the_same_id_and_the_inbox_applies_it_once() {
     let (Some(orders_db), Some(inventory_db)) = (TestDb::create().await, TestDb::create().await)
@@ -202,6 +203,7 @@ async fn a_relay_killed_after_delivery_redelivers_the_same_id_and_the_inbox_appl
     orders.shutdown().await;
 }
 
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn behind_the_layer_the_redelivery_is_replayed_and_the_event_applied_once() {
     let (Some(orders_db), Some(inventory_db)) = (TestDb::create().await, TestDb::create().await)
@@ -226,6 +228,7 @@ async fn behind_the_layer_the_redelivery_is_replayed_and_the_event_applied_once(
     orders.shutdown().await;
 }
 
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_delivery_timed_out_while_the_receiver_applies_it_is_applied_once() {
     let (Some(orders_db), Some(inventory_db)) = (TestDb::create().await, TestDb::create().await)
@@ -278,6 +281,8 @@ async fn a_delivery_timed_out_while_the_receiver_applies_it_is_applied_once() {
     orders.shutdown().await;
 }
 
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn two_relays_of_two_instances_deliver_each_event_exactly_once() {
     const EVENTS: i64 = 40;
@@ -354,6 +359,7 @@ fn event_id_of(line: &str) -> &str {
         .unwrap_or_else(|| panic!("not a delivery line: {line}"))
 }
 
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn the_inventory_example_on_postgres_applies_a_redelivered_event_once() {
     let (Some(orders_db), Some(inventory_db)) = (TestDb::create().await, TestDb::create().await)
@@ -394,6 +400,7 @@ async fn the_inventory_example_on_postgres_applies_a_redelivered_event_once() {
     orders.shutdown().await;
 }
 
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn the_orders_example_relays_to_the_inventory_example_on_postgres_once_in_effect() {
     let Some(inventory_db) = TestDb::create().await else {

@@ -3,7 +3,7 @@
 //! `Retry-After`), replays never wait for writers, and serialization failures are `503`s
 //! that a retry gets past.
 //!
-//! Needs `TEST_DATABASE_URL`; without it every test prints that it was skipped and passes.
+//! Needs `TEST_DATABASE_URL`; without it `cargo test` reports these tests as ignored.
 
 mod common;
 mod pg_common;
@@ -69,6 +69,7 @@ fn one_order_per_key<'a>(
         .collect()
 }
 
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_duplicates_run_the_handler_once() {
     const DUPLICATES: usize = 32;
@@ -146,6 +147,7 @@ fn interleaved(
     requests
 }
 
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_keys_with_many_duplicates_interleaved() {
     const KEYS: usize = 20;
@@ -174,6 +176,7 @@ async fn many_keys_with_many_duplicates_interleaved() {
 
 /// Two app instances (two servers, two stores with their own pools) on one database; every
 /// key is sent to both at once, several times: still one order per key.
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_app_instances_sharing_the_database_create_one_order_per_key() {
     const KEYS: usize = 12;
@@ -217,6 +220,7 @@ async fn two_app_instances_sharing_the_database_create_one_order_per_key() {
 
 /// Different keys do not queue behind one writer: both handlers are inside their
 /// transactions at the same time.
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn different_keys_run_their_handlers_in_parallel() {
     let Some(db) = TestDb::create().await else {
@@ -253,6 +257,7 @@ async fn different_keys_run_their_handlers_in_parallel() {
     assert_eq!(db.order_count().await, 2);
 }
 
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn duplicate_waiting_past_the_lock_timeout_is_503_then_replays() {
     let Some(db) = TestDb::create().await else {
@@ -313,6 +318,7 @@ async fn duplicate_waiting_past_the_lock_timeout_is_503_then_replays() {
 
 /// With one transaction connection, held by a slow handler: a new key waits for the pool past
 /// the lock timeout (`503`), while completed keys still replay from the read pool.
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn replays_do_not_wait_for_writers_and_a_full_pool_is_503() {
     let Some(db) = TestDb::create().await else {
@@ -375,6 +381,7 @@ async fn replays_do_not_wait_for_writers_and_a_full_pool_is_503() {
 /// SERIALIZABLE: two handlers that both read the whole `orders` table and insert into it
 /// cannot both commit. The loser's serialization failure is a `503` with `Retry-After`,
 /// nothing of it is kept, and its retry succeeds.
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serialization_failure_is_503_and_the_retry_succeeds() {
     let Some(db) = TestDb::create().await else {
@@ -442,6 +449,7 @@ async fn serialization_failure_is_503_and_the_retry_succeeds() {
 }
 
 /// The same race with the layer's conflict retries: the loser runs again and commits.
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serialization_failure_at_commit_runs_the_request_again() {
     let Some(db) = TestDb::create().await else {
@@ -497,6 +505,7 @@ async fn serialization_failure_at_commit_runs_the_request_again() {
 /// SERIALIZABLE transactions and duplicates in flight: reserving a key that a concurrent
 /// transaction just committed is a serialization failure under this isolation; the store
 /// retries it, and every duplicate still gets the one response.
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serializable_duplicates_are_retried_into_replays() {
     const KEYS: usize = 8;

@@ -2,7 +2,7 @@
 //! changed payload, other tenant and operation, what is never stored, expiry and purging,
 //! durability across a restart, and the schema created and migrated on open.
 //!
-//! Needs `TEST_DATABASE_URL`; without it every test prints that it was skipped and passes.
+//! Needs `TEST_DATABASE_URL`; without it `cargo test` reports these tests as ignored.
 
 mod common;
 mod pg_common;
@@ -18,6 +18,7 @@ use tower_idempotency::store::{continuously_purge_expired, IdempotencyStore};
 
 const BOOK: &str = r#"{"sku":"book","quantity":1}"#;
 
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn new_key_runs_the_handler_once_and_answers_201_with_location() {
     let Some(db) = TestDb::create().await else {
@@ -41,6 +42,7 @@ async fn new_key_runs_the_handler_once_and_answers_201_with_location() {
     assert_eq!(db.record_count().await, 1);
 }
 
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn same_key_and_payload_replays_without_running_the_handler() {
     let Some(db) = TestDb::create().await else {
@@ -64,6 +66,7 @@ async fn same_key_and_payload_replays_without_running_the_handler() {
     assert_eq!(db.record_count().await, 1);
 }
 
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn same_key_with_another_payload_is_409_and_the_original_stays() {
     let Some(db) = TestDb::create().await else {
@@ -87,6 +90,7 @@ async fn same_key_with_another_payload_is_409_and_the_original_stays() {
     assert_eq!(db.record_count().await, 1);
 }
 
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn another_tenant_or_operation_with_the_same_key_is_independent() {
     let Some(db) = TestDb::create().await else {
@@ -124,6 +128,7 @@ async fn another_tenant_or_operation_with_the_same_key_is_independent() {
     assert_eq!(db.order_count().await, 3);
 }
 
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn refused_requests_store_nothing() {
     let Some(db) = TestDb::create().await else {
@@ -170,6 +175,7 @@ async fn wait_until_past(instant: SystemTime) {
     }
 }
 
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn expired_record_counts_as_absent_and_is_taken_over() {
     const RETENTION: Duration = Duration::from_millis(100);
@@ -214,6 +220,7 @@ async fn expired_record_counts_as_absent_and_is_taken_over() {
     assert_eq!(db.record_count().await, 1);
 }
 
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn purge_expired_deletes_in_batches_and_returns_counts() {
     let Some(db) = TestDb::create().await else {
@@ -253,6 +260,7 @@ async fn purge_expired_deletes_in_batches_and_returns_counts() {
     assert!(!again.replayed(), "the key is free again");
 }
 
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn continuous_purge_removes_expired_records_only() {
     let Some(db) = TestDb::create().await else {
@@ -298,6 +306,7 @@ async fn continuous_purge_removes_expired_records_only() {
     assert_eq!(db.order_count().await, 4);
 }
 
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn saved_response_survives_a_restart_of_the_app() {
     let Some(db) = TestDb::create().await else {
@@ -318,6 +327,7 @@ async fn saved_response_survives_a_restart_of_the_app() {
     assert_eq!(db.order_count().await, 1);
 }
 
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn instances_starting_together_create_the_schema_once() {
     let Some(db) = TestDb::create().await else {
@@ -348,6 +358,7 @@ async fn instances_starting_together_create_the_schema_once() {
 
 /// A table made with the SQLite layout (no `state`, response columns `NOT NULL`) is migrated
 /// on open, and its records keep replaying.
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn table_with_the_sqlite_layout_is_migrated_on_open() {
     let Some(db) = TestDb::create().await else {
@@ -386,6 +397,7 @@ async fn table_with_the_sqlite_layout_is_migrated_on_open() {
     assert_eq!(state_columns, 1);
 }
 
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn records_saved_before_the_query_counted_still_compare_as_they_did() {
     let Some(db) = TestDb::create().await else {
@@ -440,6 +452,7 @@ async fn records_saved_before_the_query_counted_still_compare_as_they_did() {
     assert_eq!(db.order_count().await, 1);
 }
 
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn header_values_that_are_not_visible_ascii_are_replayed_byte_for_byte() {
     let Some(db) = TestDb::create().await else {
@@ -483,6 +496,7 @@ async fn header_values_that_are_not_visible_ascii_are_replayed_byte_for_byte() {
     assert_eq!(server.app.handler_calls(), 1);
 }
 
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn durations_past_their_maximum_cannot_panic_a_request() {
     let Some(db) = TestDb::create().await else {

@@ -4,7 +4,7 @@
 //! handle and runs the request again in a fresh transaction, within `with_conflict_retries`,
 //! then answers `503` with `Retry-After`. Never the handler's `500`.
 //!
-//! Needs `TEST_DATABASE_URL`; without it every test prints that it was skipped and passes.
+//! Needs `TEST_DATABASE_URL`; without it `cargo test` reports these tests as ignored.
 
 mod common;
 mod pg_common;
@@ -135,6 +135,7 @@ impl ConcurrentUpdate {
     }
 }
 
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn serialization_failure_in_a_handler_statement_runs_the_request_again() {
     let Some(db) = TestDb::create().await else {
@@ -173,6 +174,7 @@ async fn serialization_failure_in_a_handler_statement_runs_the_request_again() {
     assert_eq!(again.body, reply.body);
 }
 
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn serialization_failure_past_the_conflict_retries_answers_503_with_retry_after() {
     let Some(db) = TestDb::create().await else {
@@ -215,6 +217,7 @@ async fn serialization_failure_past_the_conflict_retries_answers_503_with_retry_
 /// Two requests whose handlers lock two rows in opposite orders: PostgreSQL breaks the
 /// deadlock by failing one handler's statement with `40P01`. That request runs again once the
 /// other has committed; both end `201`, with one order each.
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn deadlock_between_two_handlers_runs_the_loser_again() {
     let Some(db) = TestDb::create().await else {

@@ -3,7 +3,7 @@
 //! the database connection is killed mid-transaction, or the handler tries to end the
 //! transaction itself (refused).
 //!
-//! Needs `TEST_DATABASE_URL`; without it every test prints that it was skipped and passes.
+//! Needs `TEST_DATABASE_URL`; without it `cargo test` reports these tests as ignored.
 
 mod common;
 mod pg_common;
@@ -44,6 +44,7 @@ where
 }
 
 /// The article's lab: saving the record of `key-3` fails after the handler inserted its order.
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn injected_failure_saving_the_record_rolls_back_the_order() {
     let Some(db) = TestDb::create().await else {
@@ -90,6 +91,7 @@ async fn injected_failure_saving_the_record_rolls_back_the_order() {
     assert_eq!(again.body, recovered.body);
 }
 
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn handler_500_after_inserting_rolls_back_its_order() {
     let Some(db) = TestDb::create().await else {
@@ -125,6 +127,7 @@ async fn handler_500_after_inserting_rolls_back_its_order() {
     assert_eq!(server.app.handler_calls(), 2);
 }
 
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn panicking_handler_rolls_back_and_the_server_keeps_serving() {
     let Some(db) = TestDb::create().await else {
@@ -169,6 +172,7 @@ impl Drop for DropSignal {
 /// The request future is dropped with the transaction open: `Drop` closes the connection, and
 /// PostgreSQL rolls back. Had the transaction leaked, the retry of the same key would wait
 /// for it and get a 503.
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn client_disconnect_mid_handler_rolls_back() {
     let Some(db) = TestDb::create().await else {
@@ -221,6 +225,7 @@ async fn client_disconnect_mid_handler_rolls_back() {
 
 /// The transaction's backend is killed (`pg_terminate_backend`) while the handler is inside
 /// it: the request fails, nothing is kept, and the retry succeeds on a fresh connection.
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn connection_killed_mid_transaction_rolls_back_and_the_retry_succeeds() {
     let Some(db) = TestDb::create().await else {
@@ -296,6 +301,7 @@ async fn connection_killed_mid_transaction_rolls_back_and_the_retry_succeeds() {
 /// any method, is refused before it reaches the server: nothing of the refused SQL runs (not
 /// even the statements of a batch before it), the transaction goes on, and the layer commits
 /// the order with its record. Savepoints stay allowed.
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn transaction_control_through_the_handle_is_refused_and_the_transaction_goes_on() {
     let Some(db) = TestDb::create().await else {
@@ -406,6 +412,7 @@ async fn transaction_control_through_the_handle_is_refused_and_the_transaction_g
 /// layer's back, and the retry would create a second one. It is refused instead: the handler
 /// answers 500 on the error, its order rolls back with the transaction, and the retry with the
 /// same key ends with exactly one order.
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn commit_then_begin_in_a_handler_leaves_no_order_without_a_record() {
     let Some(db) = TestDb::create().await else {
@@ -464,6 +471,7 @@ async fn commit_then_begin_in_a_handler_leaves_no_order_without_a_record() {
 }
 
 /// After the request, the handle refuses work: it cannot write outside the transaction.
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn handle_refuses_work_after_the_request() {
     let Some(db) = TestDb::create().await else {
@@ -495,6 +503,7 @@ async fn handle_refuses_work_after_the_request() {
 
 /// A task that outlives its request while still borrowing the connection: the layer refuses
 /// to commit under it (500), and the transaction rolls back once the task lets go.
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn connection_still_borrowed_after_the_handler_is_not_committed() {
     let Some(db) = TestDb::create().await else {

@@ -1,6 +1,6 @@
 //! The store contract, written once as generic functions over [`IdempotencyStore`] and run
 //! against every backend by `store_contract_tests!`: SQLite in a temp dir, and PostgreSQL in a
-//! schema of its own when `TEST_DATABASE_URL` is set (skipped, and saying so, otherwise).
+//! schema of its own when `TEST_DATABASE_URL` is set (reported as ignored otherwise).
 //!
 //! These check the verbs the flow relies on: reserve, commit, roll back (explicitly or by
 //! drop), the scope staying reserved until then, bounded waiting, expiry and purge.
@@ -247,11 +247,11 @@ async fn purge_deletes_expired_records_in_batches<S: IdempotencyStore>(store: S)
 }
 
 macro_rules! store_contract_tests {
-    ($backend:ident, $make:expr) => {
+    ($backend:ident, $make:expr $(, #[$attr:meta])?) => {
         mod $backend {
             use super::*;
 
-            store_contract_tests!(@tests $make;
+            store_contract_tests!(@tests $make; [$(#[$attr])?];
                 commit_saves_the_record,
                 rollback_leaves_nothing,
                 dropping_the_transaction_rolls_back,
@@ -263,18 +263,19 @@ macro_rules! store_contract_tests {
             );
         }
     };
-    (@tests $make:expr; $($name:ident),* $(,)?) => {
-        $(
-            #[tokio::test]
-            async fn $name() {
-                // `None`: the backend is not available here (it said so).
-                let Some((store, _guard)) = $make.await else {
-                    return;
-                };
-                super::$name(store).await;
-            }
-        )*
+    (@tests $make:expr; [$($attr:tt)*]; $name:ident, $($rest:ident,)*) => {
+        $($attr)*
+        #[tokio::test]
+        async fn $name() {
+            // `None`: the backend is not available here.
+            let Some((store, _guard)) = $make.await else {
+                return;
+            };
+            super::$name(store).await;
+        }
+        store_contract_tests!(@tests $make; [$($attr)*]; $($rest,)*);
     };
+    (@tests $make:expr; [$($attr:tt)*];) => {};
 }
 
 async fn sqlite_store() -> Option<(
@@ -300,4 +301,8 @@ async fn postgres_store() -> Option<(
 }
 
 store_contract_tests!(sqlite, sqlite_store());
-store_contract_tests!(postgres, postgres_store());
+store_contract_tests!(
+    postgres,
+    postgres_store(),
+    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
+);

@@ -2,8 +2,9 @@
 //! `TEST_DATABASE_URL`, the order app of the example on a [`PostgresStore`] served on
 //! 127.0.0.1:0, and the example binary started as a child process.
 //!
-//! Without `TEST_DATABASE_URL` every test prints that it was skipped and passes, so that
-//! `cargo test` works on a machine without PostgreSQL. The client side (requests, replies)
+//! Every test that uses it is marked `#[cfg_attr(not(pg_tests), ignore = ...)]` (the build
+//! script sets `pg_tests` when `TEST_DATABASE_URL` is set), so that `cargo test` on a machine
+//! without PostgreSQL reports those tests as ignored. The client side (requests, replies)
 //! is the one of `tests/common`.
 
 // Every test binary compiles this module and uses a different part of it.
