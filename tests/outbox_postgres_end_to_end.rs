@@ -282,7 +282,6 @@ async fn a_delivery_timed_out_while_the_receiver_applies_it_is_applied_once() {
 }
 
 #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn two_relays_of_two_instances_deliver_each_event_exactly_once() {
     const EVENTS: i64 = 40;

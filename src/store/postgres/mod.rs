@@ -127,8 +127,10 @@ ALTER TABLE idempotency_records
 /// An arbitrary constant, the same in every instance.
 const MIGRATION_LOCK: i64 = 0x7469_6465_6d70_0001;
 
-/// The `SET LOCAL` name that marks the transaction opened by `begin`; `commit` checks it to
-/// detect a transaction that the handler ended (`COMMIT`/`ROLLBACK`) behind the layer's back.
+/// The `SET LOCAL` name that marks a transaction opened by `begin_owned`; its `commit` checks it
+/// to detect a transaction that the owner's code ended (`COMMIT`/`ROLLBACK`) behind its back.
+/// (A request's transaction is recognized by its reservation row instead; see
+/// [`COMPLETE_RECORD`].)
 const RESERVATION_SETTING: &str = "tower_idempotency.reservation";
 
 /// Reads a record, for the re-check inside the transaction (any state).
@@ -156,19 +158,27 @@ const TAKE_OVER: &str = "UPDATE idempotency_records SET state = 'in_progress', \
      WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 \
      AND (state = 'in_progress' OR expires_at <= $4) RETURNING ctid::text";
 
-/// Turns this transaction's reservation into the completed record. The last condition checks
-/// that the transaction is still the one `begin` opened (see [`RESERVATION_SETTING`]).
+/// Turns this transaction's reservation into the completed record, and fails (division by
+/// zero, which aborts the transaction) unless exactly that row was completed. `commit` sends it
+/// and `COMMIT` in one flight: PostgreSQL answers the `COMMIT` of an aborted transaction with a
+/// `ROLLBACK`, so a record that is not this transaction's own is never committed.
+///
+/// The last condition checks that the transaction is still the one `begin` opened: the
+/// reservation row was written by it (`xmin`). After a `COMMIT` or `ROLLBACK` behind the layer's
+/// back, the statement would run in a transaction of its own, whose id differs (or the row is
+/// gone).
 ///
 /// The row is found by the `ctid` its reservation returned rather than through the primary
 /// key: under `SERIALIZABLE`, reading the key's index page would take a page-level predicate
 /// lock, and concurrent requests for *different* keys on that page would then fail each other
 /// with serialization errors. (The reservation's `ON CONFLICT` probe takes none.)
-const COMPLETE_RECORD: &str = "UPDATE idempotency_records SET state = 'completed', \
-     fingerprint = $4, fingerprint_version = $5, status = $6, headers = $7, body = $8, \
-     trailers = $9, created_at = $10, expires_at = $11 \
-     WHERE ctid = $13::text::tid \
+const COMPLETE_RECORD: &str = "WITH completed AS (UPDATE idempotency_records SET \
+     state = 'completed', fingerprint = $4, fingerprint_version = $5, status = $6, headers = $7, \
+     body = $8, trailers = $9, created_at = $10, expires_at = $11 \
+     WHERE ctid = $12::text::tid \
      AND tenant = $1 AND operation = $2 AND idempotency_key = $3 AND state = 'in_progress' \
-     AND current_setting('tower_idempotency.reservation', true) = $12";
+     AND xmin = pg_current_xact_id()::xid RETURNING 1) \
+     SELECT 1 / count(*)::int FROM completed";
 
 /// Deletes a batch of expired records. SKIP LOCKED: never wait for (or fight over) a record
 /// that a request is taking over, and let several instances purge at once.
@@ -434,7 +444,7 @@ impl PostgresStore {
             object: Some(object),
         };
         let token = self.shared.reservations.fetch_add(1, Ordering::Relaxed);
-        match reserve(&slot, scope, deadline, now, token, self.shared.isolation).await {
+        match reserve(&slot, scope, deadline, now, self.shared.isolation).await {
             Ok(Reserved::Row(row_id)) => Ok(Begin::Reserved(PostgresReservation {
                 tx: Arc::new(TxShared::new(token, slot)),
                 scope: scope.clone(),
@@ -467,7 +477,6 @@ async fn reserve(
     scope: &Scope,
     deadline: Instant,
     now: i64,
-    token: u64,
     isolation: Isolation,
 ) -> Result<Reserved, Error> {
     let client = slot.client()?;
@@ -482,11 +491,11 @@ async fn reserve(
     let select = client.prepare_cached(SELECT_RECORD).await?;
     let take_over = client.prepare_cached(TAKE_OVER).await?;
     // The begin and the first reservation go in one flight (tokio-postgres pipelines requests
-    // polled together, in order): one round trip for both. Only integers are formatted into
-    // the begin. Should the begin's `SET LOCAL`s fail, the transaction is aborted and the
+    // polled together, in order): one round trip for both. Only an integer is formatted into
+    // the begin. Should the begin's `SET LOCAL` fail, the transaction is aborted and the
     // insert fails with it.
     let begin = format!(
-        "{}; SET LOCAL lock_timeout = {lock_ms}; SET LOCAL {RESERVATION_SETTING} = '{token}'",
+        "{}; SET LOCAL lock_timeout = {lock_ms}",
         isolation.begin_statement()
     );
     let (begun, first) = futures_util::future::join(
@@ -852,46 +861,55 @@ impl StoreTransaction for PostgresReservation {
             slot.roll_back_and_release().await;
             return Err(conflict);
         }
-        let saved = async {
-            let client = slot.client()?;
-            let complete = client.prepare_cached(COMPLETE_RECORD).await?;
-            let response = &record.response;
-            let completed = client
-                .execute(
-                    &complete,
-                    &[
-                        &&*self.scope.tenant,
-                        &&*self.scope.operation,
-                        &self.scope.key.as_str(),
-                        &&record.fingerprint.digest()[..],
-                        &i32::from(record.fingerprint.version()),
-                        &i32::from(response.status.as_u16()),
-                        &SavedResponse::encode_headers(&response.headers),
-                        &&response.body[..],
-                        &response
-                            .trailers
-                            .as_ref()
-                            .map(|t| SavedResponse::encode_headers(t)),
-                        &to_unix_millis(record.created_at),
-                        &to_unix_millis(record.expires_at),
-                        &self.tx.token.to_string(),
-                        &self.row_id,
-                    ],
-                )
-                .await?;
-            if completed != 1 {
-                return Err(Error::TransactionAborted(
-                    "the transaction ended before commit (it is not the one the layer began)",
-                ));
+        let client = match slot.client() {
+            Ok(client) => client,
+            Err(error) => return Err(error),
+        };
+        let complete = match client.prepare_cached(COMPLETE_RECORD).await {
+            Ok(statement) => statement,
+            Err(error) => {
+                slot.roll_back_and_release().await;
+                return Err(error.into());
             }
-            Ok(())
-        }
+        };
+        let response = &record.response;
+        let trailers = response
+            .trailers
+            .as_ref()
+            .map(|t| SavedResponse::encode_headers(t));
+        let params: [&(dyn ToSql + Sync); 12] = [
+            &&*self.scope.tenant,
+            &&*self.scope.operation,
+            &self.scope.key.as_str(),
+            &&record.fingerprint.digest()[..],
+            &i32::from(record.fingerprint.version()),
+            &i32::from(response.status.as_u16()),
+            &SavedResponse::encode_headers(&response.headers),
+            &&response.body[..],
+            &trailers,
+            &to_unix_millis(record.created_at),
+            &to_unix_millis(record.expires_at),
+            &self.row_id,
+        ];
+        // The record and `COMMIT` in one flight (tokio-postgres sends requests polled together
+        // in order): when the record fails, the transaction is aborted and PostgreSQL answers
+        // the `COMMIT` with a `ROLLBACK`.
+        let (saved, committed) = futures_util::future::join(
+            client.query_one(&complete, &params),
+            client.batch_execute("COMMIT"),
+        )
         .await;
-        if let Err(error) = saved {
-            slot.roll_back_and_release().await;
-            return Err(error);
+        // Committed, rolled back, or the connection is gone: no transaction is left open on it.
+        slot.release();
+        match (saved, committed) {
+            (Ok(_), Ok(())) => Ok(()),
+            (Err(error), _) if error.code() == Some(&SqlState::DIVISION_BY_ZERO) => {
+                Err(Error::TransactionAborted(
+                    "the transaction ended before commit (it is not the one the layer began)",
+                ))
+            }
+            (Err(error), _) | (Ok(_), Err(error)) => Err(error.into()),
         }
-        slot.commit_and_release().await
     }
 
     /// Rolls back. Reports a serialization failure or deadlock that a handler's statement
@@ -1333,3 +1351,6 @@ impl TransactionClient {
         self.client().is_closed()
     }
 }
+
+#[cfg(test)]
+mod tests;
