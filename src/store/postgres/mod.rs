@@ -24,6 +24,11 @@
 //!   open (the client went away, the request future was dropped) takes its connection out of
 //!   the pool and closes it; PostgreSQL rolls back a transaction whose connection is gone. The
 //!   explicit paths (`commit`, `rollback`, failures) send `ROLLBACK` and keep the connection.
+//! - **Round trips** for a new key: the replay check on the read pool; `BEGIN` with the
+//!   reservation in one flight; the handler's statements; the completed record with `COMMIT` in
+//!   one flight.
+//!
+//! Needs PostgreSQL 13 or later (`pg_current_xact_id`).
 //!
 //! ```no_run
 //! # async fn run() -> Result<(), tower_idempotency::Error> {
