@@ -1,0 +1,96 @@
+//! How a [`SqliteStore`] is opened: [`SqliteOptions`] (from [`SqliteStore::builder`]), the
+//! durability of commits ([`Synchronous`]) and the limits of group commit ([`GroupLimits`],
+//! which the writer reads, see `group`).
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use super::SqliteStore;
+use crate::error::Error;
+
+/// How hard SQLite works to make a commit durable (`PRAGMA synchronous`, in WAL mode).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Synchronous {
+    /// `FULL`: every commit is on disk before it returns, so a client that received a `201`
+    /// gets it back after a power cut. The default.
+    #[default]
+    Full,
+    /// `NORMAL`: commits survive a crash of the process but the last ones may be lost on
+    /// power loss or an OS crash. Several times faster.
+    Normal,
+}
+
+impl Synchronous {
+    /// The value of `PRAGMA synchronous`.
+    pub(super) fn pragma(self) -> &'static str {
+        match self {
+            Synchronous::Full => "FULL",
+            Synchronous::Normal => "NORMAL",
+        }
+    }
+}
+
+/// Options for opening a [`SqliteStore`]; see [`SqliteStore::builder`].
+#[derive(Clone, Debug)]
+pub struct SqliteOptions {
+    pub(super) path: PathBuf,
+    pub(super) synchronous: Synchronous,
+    pub(super) max_idle_readers: usize,
+    pub(super) group: GroupLimits,
+}
+
+/// When an open group of requests is committed.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct GroupLimits {
+    pub(super) max_requests: usize,
+    pub(super) max_delay: Duration,
+}
+
+impl SqliteOptions {
+    /// The defaults for the database at `path` (what [`SqliteStore::builder`] returns).
+    pub(super) fn new(path: &Path) -> Self {
+        SqliteOptions {
+            path: path.to_path_buf(),
+            synchronous: Synchronous::default(),
+            max_idle_readers: 8,
+            group: GroupLimits {
+                max_requests: 64,
+                max_delay: Duration::from_millis(5),
+            },
+        }
+    }
+
+    /// The durability of commits. Default: [`Synchronous::Full`].
+    pub fn synchronous(mut self, synchronous: Synchronous) -> Self {
+        self.synchronous = synchronous;
+        self
+    }
+
+    /// How many idle reader connections to keep for the replay fast path. Default: 8.
+    pub fn max_idle_readers(mut self, readers: usize) -> Self {
+        self.max_idle_readers = readers;
+        self
+    }
+
+    /// Group commit: at most `max_requests` requests share one commit, and a group is never
+    /// held open longer than `max_delay` waiting for more. A group also commits as soon as no
+    /// request is waiting for the writer. Default: 64 requests, 5 ms. `max_requests = 1` turns
+    /// grouping off (one commit per request).
+    pub fn group_commit(mut self, max_requests: usize, max_delay: Duration) -> Self {
+        self.group = GroupLimits {
+            max_requests: max_requests.max(1),
+            max_delay,
+        };
+        self
+    }
+
+    /// Opens (creating if needed) the database, switches it to WAL, creates the schema and
+    /// starts the writer thread.
+    pub async fn open(self) -> Result<SqliteStore, Error> {
+        let options = self;
+        tokio::task::spawn_blocking(move || SqliteStore::open_blocking(options))
+            .await
+            .map_err(|_| Error::Panicked)?
+    }
+}

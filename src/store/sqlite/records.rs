@@ -1,0 +1,159 @@
+//! The records table: its schema, the statements that read, save and delete records, and
+//! the decoding of a row into a [`StoredRecord`].
+//!
+//! Plain functions on a [`Connection`]: the writer runs them inside a request's savepoint
+//! (`check_existing`, `insert_record`) or alone (`purge_expired`), the reader connections of
+//! the fast path run `read_record`.
+
+use bytes::Bytes;
+use http::StatusCode;
+use rusqlite::{params, Connection, OptionalExtension};
+
+use crate::error::Error;
+use crate::fingerprint::Fingerprint;
+use crate::response::SavedResponse;
+use crate::store::{from_unix_millis, to_unix_millis, NewRecord, Scope, StoredRecord};
+
+/// The records table, created when the store opens.
+pub(super) const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS idempotency_records (
+    tenant              TEXT    NOT NULL,
+    operation           TEXT    NOT NULL,
+    idempotency_key     TEXT    NOT NULL,
+    fingerprint         BLOB    NOT NULL,
+    fingerprint_version INTEGER NOT NULL,
+    status              INTEGER NOT NULL,
+    headers             TEXT    NOT NULL,
+    body                BLOB    NOT NULL,
+    trailers            TEXT,
+    created_at          INTEGER NOT NULL,
+    expires_at          INTEGER NOT NULL,
+    PRIMARY KEY (tenant, operation, idempotency_key)
+);
+CREATE INDEX IF NOT EXISTS idempotency_records_expires_at
+    ON idempotency_records (expires_at);
+";
+
+const SELECT_RECORD: &str = "SELECT fingerprint_version, fingerprint, status, headers, body, \
+     trailers, created_at, expires_at FROM idempotency_records \
+     WHERE tenant = ?1 AND operation = ?2 AND idempotency_key = ?3";
+
+/// The record of `scope`, live or expired.
+pub(super) fn read_record(conn: &Connection, scope: &Scope) -> Result<Option<StoredRecord>, Error> {
+    let mut statement = conn.prepare_cached(SELECT_RECORD)?;
+    let row = statement
+        .query_row(
+            params![&*scope.tenant, &*scope.operation, scope.key.as_str()],
+            |row| {
+                Ok((
+                    row.get::<_, i64>(0)?,
+                    row.get::<_, Vec<u8>>(1)?,
+                    row.get::<_, i64>(2)?,
+                    row.get::<_, String>(3)?,
+                    row.get::<_, Vec<u8>>(4)?,
+                    row.get::<_, Option<String>>(5)?,
+                    row.get::<_, i64>(6)?,
+                    row.get::<_, i64>(7)?,
+                ))
+            },
+        )
+        .optional()?;
+    let Some((version, digest, status, headers, body, trailers, created_at, expires_at)) = row
+    else {
+        return Ok(None);
+    };
+    let version =
+        u16::try_from(version).map_err(|_| Error::Corrupt("fingerprint version".into()))?;
+    let digest: [u8; 32] = digest
+        .try_into()
+        .map_err(|_| Error::Corrupt("fingerprint length".into()))?;
+    let status = u16::try_from(status)
+        .ok()
+        .and_then(|s| StatusCode::from_u16(s).ok())
+        .ok_or_else(|| Error::Corrupt("status".into()))?;
+    let headers = SavedResponse::decode_headers(&headers).map_err(Error::Corrupt)?;
+    let trailers = trailers
+        .map(|t| SavedResponse::decode_headers(&t))
+        .transpose()
+        .map_err(Error::Corrupt)?;
+    Ok(Some(StoredRecord {
+        fingerprint: Fingerprint::new(version, digest),
+        response: SavedResponse {
+            status,
+            headers,
+            body: Bytes::from(body),
+            trailers,
+        },
+        created_at: from_unix_millis(created_at),
+        expires_at: from_unix_millis(expires_at),
+    }))
+}
+
+/// Saves the idempotency record (in the request's savepoint).
+pub(super) fn insert_record(
+    conn: &Connection,
+    scope: &Scope,
+    record: &NewRecord,
+) -> Result<(), Error> {
+    let response = &record.response;
+    conn.prepare_cached(
+        "INSERT INTO idempotency_records (tenant, operation, idempotency_key, fingerprint, \
+         fingerprint_version, status, headers, body, trailers, created_at, expires_at) \
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)",
+    )?
+    .execute(params![
+        &*scope.tenant,
+        &*scope.operation,
+        scope.key.as_str(),
+        &record.fingerprint.digest()[..],
+        record.fingerprint.version(),
+        response.status.as_u16(),
+        SavedResponse::encode_headers(&response.headers),
+        &response.body[..],
+        response
+            .trailers
+            .as_ref()
+            .map(|t| SavedResponse::encode_headers(t)),
+        to_unix_millis(record.created_at),
+        to_unix_millis(record.expires_at),
+    ])?;
+    Ok(())
+}
+
+/// The live record of `scope`, read on the writer inside the request's savepoint; an expired
+/// one is deleted (in the savepoint) so that the key can be used again.
+pub(super) fn check_existing(
+    conn: &Connection,
+    scope: &Scope,
+    now_millis: i64,
+) -> Result<Option<StoredRecord>, Error> {
+    match read_record(conn, scope)? {
+        Some(record) if to_unix_millis(record.expires_at) > now_millis => Ok(Some(record)),
+        Some(_) => {
+            conn.prepare_cached(
+                "DELETE FROM idempotency_records WHERE tenant = ?1 \
+                 AND operation = ?2 AND idempotency_key = ?3",
+            )?
+            .execute(params![
+                &*scope.tenant,
+                &*scope.operation,
+                scope.key.as_str()
+            ])?;
+            Ok(None)
+        }
+        None => Ok(None),
+    }
+}
+
+/// Deletes up to `batch` records that expired at `now_millis` or before; returns how many.
+pub(super) fn purge_expired(
+    conn: &Connection,
+    now_millis: i64,
+    batch: i64,
+) -> rusqlite::Result<usize> {
+    conn.execute(
+        "DELETE FROM idempotency_records WHERE rowid IN (SELECT rowid FROM \
+         idempotency_records WHERE expires_at <= ?1 LIMIT ?2)",
+        params![now_millis, batch],
+    )
+}
