@@ -3,9 +3,11 @@
 //!
 //! SQLite allows one writer at a time, so the store queues writers in-process instead of
 //! letting them collide on `SQLITE_BUSY`. The writer connection lives on its own thread and
-//! every statement on it runs there: rusqlite is blocking and must never run on the async
-//! executor's threads. Reads of completed records (the fast path) run on reader connections
-//! under `spawn_blocking`; in WAL mode they never wait for the writer.
+//! every statement on it runs there: a write may wait for the disk, and must never run on the
+//! async executor's threads. Reads of completed records (the fast path) run on reader
+//! connections, which in WAL mode never wait for the writer: in place, on the request's own
+//! thread, when they cannot wait at all (an idle connection, no busy wait; see
+//! [`SqliteOptions::read_in_place`]), else under `spawn_blocking`.
 //!
 //! # How a request runs
 //!
@@ -13,10 +15,10 @@
 //! attempt and [`IdempotencyStore::begin_and_run`] when it runs the request again (after a
 //! serialization conflict or [`Error::GroupRolledBack`]). Called on a tokio runtime:
 //!
-//! 1. **Fast path** (first attempt only). A reader connection, under `spawn_blocking`, reads
-//!    the record. A live one is the answer ([`Began::Found`]): nothing is queued for the
-//!    writer. Otherwise (no record, an expired one, or a failed read, which is only logged)
-//!    that reader thread queues the request's begin for the writer itself, so that the
+//! 1. **Fast path** (first attempt only). A reader connection reads the record, in place or
+//!    under `spawn_blocking` (above). A live one is the answer ([`Began::Found`]): nothing is
+//!    queued for the writer. Otherwise (no record, an expired one, or a failed read, which is
+//!    only logged) the reader queues the request's begin for the writer itself, so that the
 //!    request is woken once, by its answer.
 //! 2. **Begin.** The begin waits in the writer's queue, at most the lock timeout
 //!    ([`Error::Busy`] past it). On the writer it opens the group transaction if none is open
@@ -158,6 +160,9 @@ use group::Member;
 use records::SCHEMA;
 use writer::{writer_thread, Job, Step, Writer, NESTED_REQUEST};
 
+/// How long a reader connection waits for a lock before it reports busy (off the executor).
+const READER_BUSY_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// What the store's clones, its requests' transactions and the writer's wakers share.
 struct Shared {
     /// Tells this store's writer thread from another store's.
@@ -166,6 +171,8 @@ struct Shared {
     jobs: mpsc::Sender<Job>,
     readers: Mutex<Vec<Connection>>,
     max_idle_readers: usize,
+    /// [`SqliteOptions::read_in_place`].
+    read_in_place: bool,
     generations: AtomicU64,
     /// How many exclusive jobs wait for the writer (read by the writer thread to decide
     /// whether a group should wait for more).
@@ -250,6 +257,7 @@ impl SqliteStore {
                 jobs,
                 readers: Mutex::new(Vec::new()),
                 max_idle_readers: options.max_idle_readers,
+                read_in_place: options.read_in_place,
                 generations: AtomicU64::new(1),
                 queued,
             }),
@@ -332,7 +340,15 @@ static NEXT_STORE_ID: AtomicU64 = AtomicU64::new(1);
 impl IdempotencyStore for SqliteStore {
     type Transaction = SqliteReservation;
 
+    /// In place when that cannot wait (see [`SqliteOptions::read_in_place`]), else under
+    /// `spawn_blocking` (or in place, without a tokio runtime).
     async fn lookup(&self, scope: &Scope, now: SystemTime) -> Result<Option<StoredRecord>, Error> {
+        if let Some(found) = self.shared.try_read_live_record_in_place(scope, now) {
+            return found;
+        }
+        if tokio::runtime::Handle::try_current().is_err() {
+            return self.shared.read_live_record(scope, now);
+        }
         let shared = self.shared.clone();
         let scope = scope.clone();
         tokio::task::spawn_blocking(move || shared.read_live_record(&scope, now))

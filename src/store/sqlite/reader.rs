@@ -2,10 +2,14 @@
 //! [`SqliteStore::read`](super::SqliteStore::read).
 //!
 //! Read-only connections to the same file, kept in a small pool on the store's [`Shared`]
-//! state and used under `spawn_blocking`; in WAL mode they never wait for the writer. For a
-//! request's first attempt (`executor`), the reader thread that finds no live record queues
-//! the request's begin for the writer itself ([`Shared::look_up_then_queue`]), so that the
-//! request is woken once, by its answer. Rows are decoded by `records`.
+//! state; in WAL mode they never wait for the writer. A record lookup runs **in place**, on
+//! the request's own thread, when it cannot wait: an idle connection is at hand and SQLite
+//! answers without a busy wait (a point read of a cached page takes microseconds, less than
+//! handing the read to another thread and back). Otherwise, or with
+//! [`SqliteOptions::read_in_place(false)`](super::SqliteOptions::read_in_place), it runs under
+//! `spawn_blocking`. For a request's first attempt (`executor`), the side that finds no live
+//! record queues the request's begin for the writer itself ([`Shared::look_up_then_queue`]),
+//! so that the request is woken once, by its answer. Rows are decoded by `records`.
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -13,6 +17,7 @@ use std::time::{Duration, SystemTime};
 use rusqlite::{Connection, OpenFlags};
 
 use super::records::read_record;
+use super::READER_BUSY_TIMEOUT;
 use super::reservation::TxShared;
 use super::writer::{Step, NESTED_REQUEST};
 use super::Shared;
@@ -33,17 +38,48 @@ impl Shared {
                     &self.path,
                     OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
                 )?;
-                conn.busy_timeout(Duration::from_secs(5))?;
+                conn.busy_timeout(READER_BUSY_TIMEOUT)?;
                 conn
             }
         };
         let result = f(&conn);
+        self.return_reader(conn);
+        result
+    }
+
+    /// Keeps `conn` for the next read, unless enough are idle.
+    fn return_reader(&self, conn: Connection) {
         if let Ok(mut pool) = self.readers.lock() {
             if pool.len() < self.max_idle_readers {
                 pool.push(conn);
             }
         }
-        result
+    }
+
+    /// The live record of `scope`, read on the calling thread if that cannot wait: on an idle
+    /// reader connection, with no busy wait. `None` when it would have to wait (the option is
+    /// off, no connection is idle, or SQLite answered busy): read under `spawn_blocking` then.
+    pub(super) fn try_read_live_record_in_place(
+        &self,
+        scope: &Scope,
+        now: SystemTime,
+    ) -> Option<Result<Option<StoredRecord>, Error>> {
+        if !self.read_in_place {
+            return None;
+        }
+        let conn = self.readers.lock().ok()?.pop()?;
+        let read = conn
+            .busy_timeout(Duration::ZERO)
+            .map_err(Error::from)
+            .and_then(|()| read_record(&conn, scope));
+        // A connection whose busy timeout cannot be restored is not kept.
+        if conn.busy_timeout(READER_BUSY_TIMEOUT).is_ok() {
+            self.return_reader(conn);
+        }
+        match read {
+            Err(error) if error.is_busy() => None,
+            read => Some(read.map(|record| record.filter(|record| record.expires_at > now))),
+        }
     }
 
     /// The live (unexpired at `now`) record of `scope`, read on a reader connection. Blocking.
@@ -56,10 +92,10 @@ impl Shared {
         Ok(record.filter(|record| record.expires_at > now))
     }
 
-    /// On a reader thread, not awaited: reads the live record of `scope` and gives it to
-    /// `start`, then queues the begin `start` returns (given no record) for the writer, on
-    /// behalf of `request`. A failing read is only logged: the begin reads again,
-    /// authoritatively.
+    /// In place if it cannot wait, else on a reader thread, not awaited: reads the live record
+    /// of `scope` and gives it to `start`, then queues the begin `start` returns (given no
+    /// record) for the writer, on behalf of `request`. A failing read is only logged: the
+    /// begin reads again, authoritatively.
     pub(super) fn look_up_then_queue(
         self: &Arc<Self>,
         scope: Scope,
@@ -67,22 +103,27 @@ impl Shared {
         request: Arc<TxShared>,
         start: impl FnOnce(Option<StoredRecord>) -> Option<Step> + Send + 'static,
     ) {
+        let answer = move |shared: &Shared, found: Result<Option<StoredRecord>, Error>| {
+            let found = found.unwrap_or_else(|error| {
+                // The begin reads again, authoritatively.
+                tracing::warn!(%error, "idempotency fast-path lookup failed");
+                None
+            });
+            if let Some(begin) = start(found) {
+                // If the store is gone, dropping the begin drops its reply: the request hears
+                // of it.
+                let _ = shared.send_exclusive(begin, Some(request), NESTED_REQUEST);
+            }
+        };
+        if let Some(found) = self.try_read_live_record_in_place(&scope, now) {
+            answer(self, found);
+            return;
+        }
         let shared = self.clone();
         // Not awaited: `start` answers the request, or the begin it returns does.
         drop(tokio::task::spawn_blocking(move || {
-            let found = match shared.read_live_record(&scope, now) {
-                Ok(record) => record,
-                // The begin reads again, authoritatively.
-                Err(error) => {
-                    tracing::warn!(%error, "idempotency fast-path lookup failed");
-                    None
-                }
-            };
-            if let Some(begin) = start(found) {
-                // If the store is gone, dropping the begin drops its reply: the
-                // request hears of it.
-                let _ = shared.send_exclusive(begin, Some(request), NESTED_REQUEST);
-            }
+            let found = shared.read_live_record(&scope, now);
+            answer(&shared, found);
         }));
     }
 }
