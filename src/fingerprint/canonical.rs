@@ -17,6 +17,11 @@ use super::FingerprintError;
 /// sorted order when it closes, so the work is bounded by the input length times the nesting
 /// depth of objects: keep `max_depth` modest ([`DEFAULT_MAX_JSON_DEPTH`] is).
 ///
+/// A [`Fingerprinter`] does not build this `Vec`: it hashes the same bytes as they are produced,
+/// and fails with the same errors.
+///
+/// [`DEFAULT_MAX_JSON_DEPTH`]: super::DEFAULT_MAX_JSON_DEPTH
+/// [`Fingerprinter`]: super::Fingerprinter
 /// [RFC 8259]: https://www.rfc-editor.org/rfc/rfc8259
 pub fn canonicalize_json(input: &[u8], max_depth: usize) -> Result<Vec<u8>, FingerprintError> {
     let text = std::str::from_utf8(input).map_err(|_| FingerprintError::InvalidUtf8)?;

@@ -16,7 +16,8 @@
 //! ```
 //!
 //! Only the digest is kept, never the body (payloads may hold personal data), together with the
-//! version of the canonicalization that produced it.
+//! version of the canonicalization that produced it. A [`Fingerprinter`] does not even build the
+//! canonical form: it hashes it as it is produced (see [`Fingerprinter::fingerprint`]).
 //!
 //! # The query string
 //!
@@ -102,7 +103,6 @@
 //! [RFC 8785]: https://www.rfc-editor.org/rfc/rfc8785
 //! [WHATWG URL]: https://url.spec.whatwg.org/#urlencoded-parsing
 
-use std::borrow::Cow;
 use std::fmt;
 use std::sync::Arc;
 
@@ -170,6 +170,7 @@ impl FingerprintError {
 }
 
 mod canonical;
+mod streaming;
 
 pub use canonical::canonicalize_json;
 
@@ -362,67 +363,88 @@ impl Fingerprinter {
     /// (built-in schemes, when it is not empty) and the canonical bytes, each field
     /// length-prefixed so fields cannot run into one another. A request of a built-in scheme
     /// without a query is digested exactly as version 1 digested it, version field included.
+    ///
+    /// The canonical JSON is hashed as it is produced, the bytes [`canonicalize_json`] returns
+    /// without building them: the body is read twice (once to check it and measure the canonical
+    /// form, whose length is hashed first, once to hash it) and the only memory it takes is four
+    /// bytes per member of the objects being written, to sort their keys.
     pub fn fingerprint(
         &self,
         parts: &http::request::Parts,
         body: &[u8],
     ) -> Result<Fingerprint, FingerprintError> {
-        let json = |body: &[u8]| canonicalize_json(body, self.max_depth).map(Cow::Owned);
-        let (tag, canonical): (&str, Cow<'_, [u8]>) = match &self.scheme {
-            Scheme::Auto if is_json_content_type(&parts.headers) => ("json", json(body)?),
-            Scheme::Json => ("json", json(body)?),
-            Scheme::Auto | Scheme::Raw => ("raw", Cow::Borrowed(body)),
+        let (tag, json) = match &self.scheme {
+            Scheme::Auto if is_json_content_type(&parts.headers) => ("json", true),
+            Scheme::Json => ("json", true),
+            Scheme::Auto | Scheme::Raw => ("raw", false),
             Scheme::Custom { version, f } => {
                 let canonical = f(parts, body)?;
-                let digest = digest("custom", *version, parts, None, &canonical);
-                return Ok(Fingerprint::new(*version, digest));
+                let mut hasher = fields(Sha256::new(), "custom", *version, parts, None);
+                field(&mut hasher, &canonical);
+                return Ok(Fingerprint::new(*version, hasher.finalize().into()));
             }
         };
-        let path_only = digest(tag, PATH_ONLY_VERSION, parts, None, &canonical);
+        // The fields before the body are hashed first; the body then goes to both digests at once:
+        // the one version 1 gives the request (no query) and, with a query, the current one.
         let query = canonical_query(parts.uri.query());
-        let digest = if query.is_empty() {
-            path_only
-        } else {
-            digest(
+        let mut hashers = [
+            fields(Sha256::new(), tag, PATH_ONLY_VERSION, parts, None),
+            fields(
+                Sha256::new(),
                 tag,
                 CANONICALIZATION_VERSION,
                 parts,
                 Some(&query),
-                &canonical,
-            )
-        };
+            ),
+        ];
+        let used = if query.is_empty() { 1 } else { 2 };
+        let (hashing, _) = hashers.split_at_mut(used);
+        if json {
+            streaming::hash_canonical_json(body, self.max_depth, hashing)?;
+        } else {
+            for hasher in hashing {
+                field(hasher, body);
+            }
+        }
+        let [path_only, with_query] = hashers;
+        let path_only: [u8; 32] = path_only.finalize().into();
         Ok(Fingerprint {
             version: CANONICALIZATION_VERSION,
-            digest,
+            digest: if used == 2 {
+                with_query.finalize().into()
+            } else {
+                path_only
+            },
             path_only: Some(path_only),
         })
     }
 }
 
-/// SHA-256 over the fields of a fingerprint, in order, each prefixed with its length (8 bytes,
-/// big-endian); `query` only where the version has one.
-fn digest(
+/// Adds the fields of a fingerprint before the canonical bytes to `hasher`, in order, each
+/// prefixed with its length (8 bytes, big-endian); `query` only where the version has one. The
+/// canonical bytes are the last field (see [`field`]).
+fn fields(
+    mut hasher: Sha256,
     tag: &str,
     version: u16,
     parts: &http::request::Parts,
     query: Option<&[u8]>,
-    canonical: &[u8],
-) -> [u8; 32] {
-    let mut hasher = Sha256::new();
-    let mut field = |bytes: &[u8]| {
-        hasher.update((bytes.len() as u64).to_be_bytes());
-        hasher.update(bytes);
-    };
-    field(DOMAIN);
-    field(tag.as_bytes());
-    field(&version.to_be_bytes());
-    field(parts.method.as_str().as_bytes());
-    field(parts.uri.path().as_bytes());
+) -> Sha256 {
+    field(&mut hasher, DOMAIN);
+    field(&mut hasher, tag.as_bytes());
+    field(&mut hasher, &version.to_be_bytes());
+    field(&mut hasher, parts.method.as_str().as_bytes());
+    field(&mut hasher, parts.uri.path().as_bytes());
     if let Some(query) = query {
-        field(query);
+        field(&mut hasher, query);
     }
-    field(canonical);
-    hasher.finalize().into()
+    hasher
+}
+
+/// One field of a fingerprint: its length (8 bytes, big-endian), then its bytes.
+fn field(hasher: &mut Sha256, bytes: &[u8]) {
+    hasher.update((bytes.len() as u64).to_be_bytes());
+    hasher.update(bytes);
 }
 
 /// The canonical query: its `application/x-www-form-urlencoded` pairs in order, each name and

@@ -1,8 +1,22 @@
 use super::*;
-use crate::fingerprint::{FingerprintError, DEFAULT_MAX_JSON_DEPTH};
+use crate::fingerprint::{streaming, FingerprintError, DEFAULT_MAX_JSON_DEPTH};
+
+/// [`canonicalize_json`], checked against the streaming canonicalizer that the fingerprints use:
+/// same bytes, same errors.
+fn both(input: &[u8], max_depth: usize) -> Result<Vec<u8>, FingerprintError> {
+    let reference = canonicalize_json(input, max_depth);
+    let streamed = streaming::canonical_bytes(input, max_depth);
+    assert_eq!(
+        streamed,
+        reference,
+        "streaming and reference differ for {:?}",
+        String::from_utf8_lossy(input)
+    );
+    reference
+}
 
 fn canon(input: &str) -> Result<String, FingerprintError> {
-    canonicalize_json(input.as_bytes(), DEFAULT_MAX_JSON_DEPTH)
+    both(input.as_bytes(), DEFAULT_MAX_JSON_DEPTH)
         .map(|bytes| String::from_utf8(bytes).expect("canonical JSON is UTF-8"))
 }
 
@@ -237,7 +251,7 @@ fn invalid_utf8() {
         b"[1,\xc0\x80]",
     ] {
         assert_eq!(
-            canonicalize_json(bad, DEFAULT_MAX_JSON_DEPTH),
+            both(bad, DEFAULT_MAX_JSON_DEPTH),
             Err(FingerprintError::InvalidUtf8)
         );
     }
@@ -426,7 +440,7 @@ fn deep_nesting_within_the_limit_is_iterative_too() {
 
 #[test]
 fn max_depth_counts_arrays_and_objects() {
-    let depth = |input: &str, max| canonicalize_json(input.as_bytes(), max);
+    let depth = |input: &str, max| both(input.as_bytes(), max);
     assert!(depth("[[1]]", 2).is_ok());
     assert_eq!(depth("[[1]]", 1), Err(FingerprintError::TooDeep { max: 1 }));
     assert!(depth(r#"{"a":[{}]}"#, 3).is_ok());
