@@ -692,7 +692,8 @@ proptest! {
 }
 
 /// 64 KiB JSON bodies of three shapes: a few fields one of which is a large array of objects, a
-/// large string, a flat object with a few thousand keys in no particular order.
+/// large string, a flat object with a few thousand keys in no particular order; and a fourth,
+/// hostile one: objects nested as deep as the default limit allows.
 fn bodies_of_64_kib() -> Vec<(&'static str, Vec<u8>)> {
     const TARGET: usize = 64 * 1024;
     let mut array = String::from(r#"{"order":"ord-2041","customer":{"id":77},"items":["#);
@@ -728,10 +729,23 @@ fn bodies_of_64_kib() -> Vec<(&'static str, Vec<u8>)> {
         .map(|i| members[i * 7919 % count].as_str())
         .collect();
     let flat = format!("{{{}}}", shuffled.join(","));
+    // Not a realistic shape: the worst nesting the default depth allows, each object around a
+    // large array of numbers.
+    let levels = 120;
+    let mut numbers = String::new();
+    while numbers.len() < TARGET - levels * 12 {
+        numbers.push_str(&format!("{},", numbers.len() % 1000));
+    }
+    let nested = format!(
+        "{}[{numbers}0]{}",
+        r#"{"b":0,"a":"#.repeat(levels),
+        "}".repeat(levels)
+    );
     vec![
         ("array of objects", array.into_bytes()),
         ("large string", string.into_bytes()),
         ("flat object", flat.into_bytes()),
+        ("nested objects (hostile)", nested.into_bytes()),
     ]
 }
 
@@ -739,7 +753,7 @@ fn bodies_of_64_kib() -> Vec<(&'static str, Vec<u8>)> {
 /// `cargo test --release --test canonical_props -- --ignored --nocapture fingerprint_cost`.
 /// `FINGERPRINT_RUNS` sets the number of runs per timing (1000), e.g. a few under an instruction
 /// counter such as `valgrind --tool=callgrind --toggle-collect='*Fingerprinter*fingerprint*'`;
-/// `FINGERPRINT_SHAPE` keeps the shapes whose name contains it (`array`, `string` or `flat`).
+/// `FINGERPRINT_SHAPE` keeps the shapes whose name contains it (`array`, `string`, `flat`, `nested`).
 #[test]
 #[ignore = "a timing, not a check: run it by name in release mode"]
 fn fingerprint_cost_of_64_kib_json_bodies() {

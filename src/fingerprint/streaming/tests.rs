@@ -1,5 +1,6 @@
 use sha2::{Digest, Sha256};
 
+use super::scan::{compare_keys, plain_run_end, structural_end};
 use super::*;
 use crate::fingerprint::{canonicalize_json, DEFAULT_MAX_JSON_DEPTH};
 
@@ -258,4 +259,19 @@ fn deep_nesting_is_iterative_and_bounded() {
         canonical_bytes(objects.as_bytes(), usize::MAX),
         Ok(expected.into_bytes())
     );
+}
+
+#[test]
+fn structural_runs_end_at_quotes_and_brackets() {
+    for special in [b'"', b'{', b'}', b'[', b']'] {
+        for at in 0..20 {
+            let mut bytes = b"1, -2.5e+3 ,null,true:\\ \xc3\xa9 ;".to_vec();
+            bytes[at] = special;
+            assert_eq!(structural_end(&bytes, 0), at);
+        }
+    }
+    // Bytes one bit away from `[`, `{`, `]` and `}`.
+    let near = b"\x5a\x5c\x7a\x7c\x5e\x7e\x3b\x3d\x1b\x1d\xdb\xfb\xdd\xfd\x22\x02";
+    assert_eq!(structural_end(near, 0), near.len() - 2);
+    assert_eq!(structural_end(b"", 0), 0);
 }
