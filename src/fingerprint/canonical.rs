@@ -1,6 +1,9 @@
 //! The canonical bytes of a JSON document ([`canonicalize_json`]): a strict RFC 8259 parser that
 //! writes the canonical form into a `Vec` (members sorted in UTF-16 order, whitespace dropped,
 //! strings and numbers written one way; see [the module docs](super#deviations-from-jcs)).
+//!
+//! The fingerprints hash the same bytes without building them (`streaming`); this `Vec` version
+//! is the public function and the reference the streaming one is tested against.
 
 use std::cmp::Ordering;
 

@@ -169,7 +169,9 @@ impl FingerprintError {
     }
 }
 
+// The canonical JSON in a `Vec`: `canonicalize_json`, the reference.
 mod canonical;
+// The same canonical JSON, hashed as it is produced: what the JSON fingerprints use.
 mod streaming;
 
 pub use canonical::canonicalize_json;
