@@ -49,6 +49,33 @@
 //! The tenant comes from your authentication layer: put a [`Tenant`] in the request extensions
 //! (or configure [`IdempotencyLayer::with_tenant_extractor`]).
 //!
+//! # Inside the handler
+//!
+//! - Write through the handle, and only through it: [`SqliteTransaction::run`] runs a closure
+//!   on the writer connection inside the request's transaction; on PostgreSQL,
+//!   [`PostgresTransaction::client`] gives tokio-postgres' query methods inside it. Without the
+//!   layer in front, the [`extract::Tx`] extractor answers `500` rather than let a handler write
+//!   outside a request's transaction; a non-axum service finds the handle with
+//!   `request.extensions().get::<SqliteTransaction>()`.
+//! - The layer commits. `BEGIN`, `COMMIT`, `ROLLBACK` and the like sent through the handle are
+//!   refused ([`Error::TransactionControl`]); savepoints of your own work.
+//! - On SQLite, calls that need the writer to themselves ([`SqliteStore::write`],
+//!   `purge_expired`, the inbox's `process`...) fail at once inside a request
+//!   ([`Error::InsideRequest`]) instead of waiting for the request that waits for them.
+//! - The handle refuses work once the request has ended ([`Error::TransactionFinished`]): do not
+//!   keep it in a spawned task.
+//! - A saveable response (2xx by default) commits with the record; anything else, an error, a
+//!   panic or a dropped request rolls everything back. Side effects outside the database cannot
+//!   be rolled back: enqueue them in the transaction with the [`outbox`] instead.
+//!
+//! Every setting is a `with_*` method of [`IdempotencyLayer`], documented with its default.
+//! The repository's `docs/` folder has the long guides (the contract in full, PostgreSQL,
+//! the outbox, the client, limits, the benchmark, design notes).
+//!
+//! [`SqliteTransaction::run`]: store::sqlite::SqliteTransaction::run
+//! [`SqliteStore::write`]: store::sqlite::SqliteStore::write
+//! [`PostgresTransaction::client`]: store::postgres::PostgresTransaction::client
+//!
 //! # Features
 //!
 //! - `sqlite` (default): [`store::sqlite::SqliteStore`].
