@@ -90,6 +90,11 @@
 //! - `metrics`: requests by outcome, rollbacks, lock waits and the outbox's backlog and
 //!   deliveries through the `metrics` facade; the names are in [`metrics`].
 //!
+//! A build for the client side alone compiles no database:
+//! `tower-idempotency = { version = "0.1", default-features = false, features = ["client"] }`.
+//! Without `sqlite` or `postgres` the layer is there with no store of this crate's; bring an
+//! [`store::IdempotencyStore`] of your own.
+//!
 //! Operations on a store, SQLite or PostgreSQL (inspect or delete a record, counts, purge,
 //! dead letters), are library calls in [`admin`] and a command-line tool,
 //! `cargo run --example admin`.
@@ -97,7 +102,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations)]
 #![deny(unreachable_pub)]
-#![cfg_attr(docsrs, feature(doc_auto_cfg))]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 pub mod admin;
