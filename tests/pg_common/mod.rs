@@ -283,6 +283,8 @@ pub async fn connect(config: &tokio_postgres::Config) -> tokio_postgres::Client 
 pub struct OrderCall {
     pub tenant: String,
     pub key: Option<String>,
+    pub sku: String,
+    pub quantity: i64,
     pub order_id: i64,
     pub tx: PostgresTransaction,
 }
@@ -543,6 +545,8 @@ async fn create_order(
                     .get("idempotency-key")
                     .and_then(|v| v.to_str().ok())
                     .map(str::to_owned),
+                sku,
+                quantity,
                 order_id,
                 tx,
             })

@@ -1,0 +1,473 @@
+//! One fixture over both stores, so that a suite is written once and run against SQLite and
+//! PostgreSQL: [`Backend`] is a fresh database of one kind (a SQLite file in a temp dir, or a
+//! PostgreSQL schema of its own) that serves the order app of the tests on 127.0.0.1:0, reads
+//! its business rows and records, and injects the failures both stores can have.
+//!
+//! A suite writes each test as `async fn name<B: Backend>(db: B)` and instantiates it per
+//! backend with `backend_tests!` inside its `sqlite` and `postgres` modules (the PostgreSQL
+//! instances carry the attribute that reports them as ignored without `TEST_DATABASE_URL`).
+//! Tests that only make sense on one backend sit next to them in the same module.
+//!
+//! The apps themselves are the ones of `tests/common` (SQLite) and `tests/pg_common`
+//! (PostgreSQL); this module only adapts them to one interface.
+
+// Every suite uses a different part of it.
+#![allow(dead_code)]
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::header::HeaderName;
+use http::{HeaderValue, StatusCode};
+use tower_idempotency::store::postgres::PostgresStore;
+use tower_idempotency::store::sqlite::SqliteStore;
+use tower_idempotency::store::IdempotencyStore;
+use tower_idempotency::IdempotencyLayer;
+
+use crate::common::{self, TestServer, PATIENCE};
+use crate::pg_common::{self, PgServer, TestDb};
+
+/// What a backend's order handler tells the test's hook, its order row inserted inside the
+/// open idempotency transaction.
+#[derive(Clone, Debug)]
+pub struct Call {
+    pub key: Option<String>,
+    pub sku: String,
+}
+
+/// What the hook answers: `Some(status)` makes the handler answer that status with
+/// `{"error":"injected_failure"}` instead of its 201.
+pub type FailWith = Option<StatusCode>;
+
+pub type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+pub type Hook = Arc<dyn Fn(Call) -> BoxFuture<FailWith> + Send + Sync>;
+
+/// Wraps an async closure as a [`Hook`].
+pub fn hook<F, Fut>(f: F) -> Hook
+where
+    F: Fn(Call) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = FailWith> + Send + 'static,
+{
+    Arc::new(move |call| Box::pin(f(call)))
+}
+
+/// Runs `behaviour` on the first call only; later calls get the default outcome (succeed).
+/// Works for the hooks of this module and for the backends' own (`pg_common::hook`).
+pub fn first_call_only<C, O, F, Fut>(
+    behaviour: F,
+) -> impl Fn(C) -> BoxFuture<O> + Send + Sync + 'static
+where
+    C: Send + 'static,
+    O: Default + Send + 'static,
+    F: Fn(C) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = O> + Send + 'static,
+{
+    let first = Arc::new(AtomicBool::new(true));
+    let behaviour = Arc::new(behaviour);
+    move |call| {
+        let first = first.swap(false, Ordering::SeqCst);
+        let behaviour = behaviour.clone();
+        Box::pin(async move {
+            if first {
+                behaviour(call).await
+            } else {
+                O::default()
+            }
+        })
+    }
+}
+
+/// The state of a running app that the tests read: how often the order handler ran, and how
+/// many requests reached the app.
+pub trait AppState: Send + Sync + 'static {
+    fn handler_calls(&self) -> usize;
+    /// Waits until at least `n` requests reached the app; `false` if that took too long.
+    fn wait_for_arrivals(&self, n: usize, timeout: Duration) -> impl Future<Output = bool> + Send;
+}
+
+impl AppState for common::App {
+    fn handler_calls(&self) -> usize {
+        common::App::handler_calls(self)
+    }
+
+    fn wait_for_arrivals(&self, n: usize, timeout: Duration) -> impl Future<Output = bool> + Send {
+        common::App::wait_for_arrivals(self, n, timeout)
+    }
+}
+
+impl AppState for pg_common::App {
+    fn handler_calls(&self) -> usize {
+        pg_common::App::handler_calls(self)
+    }
+
+    fn wait_for_arrivals(&self, n: usize, timeout: Duration) -> impl Future<Output = bool> + Send {
+        pg_common::App::wait_for_arrivals(self, n, timeout)
+    }
+}
+
+/// `(id, tenant_id, sku, quantity)` of an order.
+pub type Order = (i64, String, String, i64);
+
+/// A fresh database of one kind, with the `orders` table, and the order app served on it.
+pub trait Backend: Sized + Send + Sync + 'static {
+    type Store: IdempotencyStore + Clone + Send + Sync + 'static;
+    type App: AppState;
+    /// The backend's own running server, stopped when dropped.
+    type Running: Send;
+
+    /// A fresh database; `None` (after saying so) where this backend is not available.
+    fn create() -> impl Future<Output = Option<Self>>;
+
+    /// Whether writers of different keys run at the same time (SQLite has one writer).
+    const PARALLEL_WRITERS: bool;
+
+    /// Serves the order app on this database (every server on one database is another app
+    /// instance sharing it).
+    fn serve(&self, setup: Setup<'_, Self>) -> impl Future<Output = Server<Self>>;
+
+    /// Stops a server gracefully (bounded).
+    fn stop(running: Self::Running) -> impl Future<Output = ()>;
+
+    /// The orders, by id.
+    fn orders(&self) -> impl Future<Output = Vec<Order>>;
+    fn order_count(&self) -> impl Future<Output = i64>;
+    /// Completed records (a reservation is never visible outside its transaction).
+    fn record_count(&self) -> impl Future<Output = i64>;
+    /// Whether a record exists for `(tenant, operation, key)`, expired or not.
+    fn record_exists(&self, tenant: &str, operation: &str, key: &str)
+        -> impl Future<Output = bool>;
+
+    /// From now on, saving the record of `key` fails (a trigger), after the handler's insert.
+    fn fail_saving_the_record_of(&self, key: &'static str) -> impl Future<Output = ()>;
+    /// From now on, inserting an order of `sku` fails (a trigger): the handler's own error.
+    fn fail_inserting_orders_of(&self, sku: &'static str) -> impl Future<Output = ()>;
+    /// Removes the triggers of the two above.
+    fn stop_failing(&self) -> impl Future<Output = ()>;
+
+    /// A server with the default app.
+    fn spawn(&self) -> impl Future<Output = Server<Self>> {
+        self.server().spawn()
+    }
+
+    /// A server to customise.
+    fn server(&self) -> Setup<'_, Self> {
+        Setup {
+            db: self,
+            customise: Box::new(|layer, _| layer),
+            hook: None,
+            response_headers: Vec::new(),
+        }
+    }
+}
+
+type Customise<S> = Box<dyn Fn(IdempotencyLayer<S>, &str) -> IdempotencyLayer<S> + Send>;
+
+/// How to serve the app: the layer of each route, the hook, headers on every 201.
+pub struct Setup<'db, B: Backend> {
+    db: &'db B,
+    customise: Customise<B::Store>,
+    hook: Option<Hook>,
+    response_headers: Vec<(HeaderName, HeaderValue)>,
+}
+
+impl<B: Backend> Setup<'_, B> {
+    /// Customises every route's layer (already given its operation name).
+    pub fn layer<F>(mut self, f: F) -> Self
+    where
+        F: Fn(IdempotencyLayer<B::Store>) -> IdempotencyLayer<B::Store> + Send + 'static,
+    {
+        self.customise = Box::new(move |layer, _| f(layer));
+        self
+    }
+
+    /// Customises the layer per operation (`create_order`, `create_express_order`).
+    pub fn layer_per_operation<F>(mut self, f: F) -> Self
+    where
+        F: Fn(IdempotencyLayer<B::Store>, &str) -> IdempotencyLayer<B::Store> + Send + 'static,
+    {
+        self.customise = Box::new(f);
+        self
+    }
+
+    pub fn hook(mut self, hook: Hook) -> Self {
+        self.hook = Some(hook);
+        self
+    }
+
+    /// Sets this header on every `201` of the order handler, replacing the handler's own of
+    /// that name (such as `Location`).
+    pub fn response_header(mut self, name: HeaderName, value: HeaderValue) -> Self {
+        self.response_headers.push((name, value));
+        self
+    }
+
+    pub async fn spawn(self) -> Server<B> {
+        self.db.serve(self).await
+    }
+}
+
+/// A running order app on 127.0.0.1 and its store.
+pub struct Server<B: Backend> {
+    pub addr: SocketAddr,
+    pub store: B::Store,
+    pub app: Arc<B::App>,
+    running: B::Running,
+}
+
+impl<B: Backend> Server<B> {
+    /// Stops serving (gracefully, bounded) and lets go of the store.
+    pub async fn shutdown(self) {
+        B::stop(self.running).await;
+    }
+}
+
+/// Runs a generic test on a fresh database of `B`, when there is one.
+pub async fn run<B: Backend, Fut: Future<Output = ()>>(test: impl FnOnce(B) -> Fut) {
+    if let Some(db) = B::create().await {
+        test(db).await;
+    }
+}
+
+// ----- SQLite: a file in a temp dir -----
+
+/// A SQLite file in a temp dir of its own. The app opens its own store on it; the test reads
+/// the file through a connection of its own, as another process would.
+pub struct Sqlite {
+    path: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Sqlite {
+    pub fn path(&self) -> &std::path::Path {
+        &self.path
+    }
+
+    fn read<T>(&self, query: impl FnOnce(&rusqlite::Connection) -> rusqlite::Result<T>) -> T {
+        let conn = rusqlite::Connection::open(&self.path).expect("open the database");
+        conn.busy_timeout(PATIENCE).expect("busy timeout");
+        query(&conn).expect("query the database")
+    }
+
+    fn count(&self, sql: &str) -> i64 {
+        self.read(|conn| conn.query_row(sql, [], |row| row.get(0)))
+    }
+
+    fn execute(&self, sql: &str) {
+        self.read(|conn| conn.execute_batch(sql));
+    }
+}
+
+impl Backend for Sqlite {
+    type Store = SqliteStore;
+    type App = common::App;
+    type Running = TestServer;
+
+    const PARALLEL_WRITERS: bool = false;
+
+    async fn create() -> Option<Self> {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("orders.db");
+        Some(Sqlite { path, _dir: dir })
+    }
+
+    async fn serve(&self, setup: Setup<'_, Self>) -> Server<Self> {
+        let mut builder = TestServer::builder()
+            .db_path(&self.path)
+            .layer_per_operation(setup.customise);
+        if let Some(hook) = setup.hook {
+            builder = builder.hook(common::hook(move |call: common::OrderCall| {
+                let outcome = hook(Call {
+                    key: call.key,
+                    sku: call.sku,
+                });
+                async move {
+                    common::HookOutcome {
+                        fail_with: outcome.await,
+                        ..common::HookOutcome::default()
+                    }
+                }
+            }));
+        }
+        for (name, value) in setup.response_headers {
+            builder = builder.response_header(name, value);
+        }
+        let running = builder.spawn().await;
+        Server {
+            addr: running.addr,
+            store: running.store.clone(),
+            app: running.app.clone(),
+            running,
+        }
+    }
+
+    async fn stop(running: TestServer) {
+        running.shutdown().await;
+    }
+
+    async fn orders(&self) -> Vec<Order> {
+        self.read(|conn| {
+            let mut statement =
+                conn.prepare("SELECT id, tenant_id, sku, quantity FROM orders ORDER BY id")?;
+            let rows = statement.query_map([], |row| {
+                Ok((row.get(0)?, row.get(1)?, row.get(2)?, row.get(3)?))
+            })?;
+            rows.collect()
+        })
+    }
+
+    async fn order_count(&self) -> i64 {
+        self.count("SELECT COUNT(*) FROM orders")
+    }
+
+    async fn record_count(&self) -> i64 {
+        self.count("SELECT COUNT(*) FROM idempotency_records")
+    }
+
+    async fn record_exists(&self, tenant: &str, operation: &str, key: &str) -> bool {
+        let found: i64 = self.read(|conn| {
+            conn.query_row(
+                "SELECT COUNT(*) FROM idempotency_records \
+                 WHERE tenant = ?1 AND operation = ?2 AND idempotency_key = ?3",
+                (tenant, operation, key),
+                |row| row.get(0),
+            )
+        });
+        found > 0
+    }
+
+    async fn fail_saving_the_record_of(&self, key: &'static str) {
+        self.execute(&format!(
+            "CREATE TRIGGER fail_record BEFORE INSERT ON idempotency_records \
+             WHEN NEW.idempotency_key = '{key}' \
+             BEGIN SELECT RAISE(ABORT, 'injected record failure'); END;"
+        ));
+    }
+
+    async fn fail_inserting_orders_of(&self, sku: &'static str) {
+        self.execute(&format!(
+            "CREATE TRIGGER fail_order BEFORE INSERT ON orders WHEN NEW.sku = '{sku}' \
+             BEGIN SELECT RAISE(ABORT, 'injected order failure'); END;"
+        ));
+    }
+
+    async fn stop_failing(&self) {
+        self.execute("DROP TRIGGER IF EXISTS fail_record; DROP TRIGGER IF EXISTS fail_order;");
+    }
+}
+
+// ----- PostgreSQL: a schema of its own -----
+
+/// A schema of its own in the database of `TEST_DATABASE_URL`.
+pub struct Postgres(pub TestDb);
+
+impl Backend for Postgres {
+    type Store = PostgresStore;
+    type App = pg_common::App;
+    type Running = PgServer;
+
+    const PARALLEL_WRITERS: bool = true;
+
+    async fn create() -> Option<Self> {
+        TestDb::create().await.map(Postgres)
+    }
+
+    async fn serve(&self, setup: Setup<'_, Self>) -> Server<Self> {
+        let mut builder = PgServer::builder().layer_per_operation(setup.customise);
+        if let Some(hook) = setup.hook {
+            builder = builder.hook(pg_common::hook(move |call: pg_common::OrderCall| {
+                let outcome = hook(Call {
+                    key: call.key,
+                    sku: call.sku,
+                });
+                async move {
+                    pg_common::HookOutcome {
+                        fail_with: outcome.await,
+                    }
+                }
+            }));
+        }
+        for (name, value) in setup.response_headers {
+            builder = builder.response_header(name, value);
+        }
+        let running = builder.spawn(&self.0).await;
+        Server {
+            addr: running.addr,
+            store: running.store.clone(),
+            app: running.app.clone(),
+            running,
+        }
+    }
+
+    async fn stop(running: PgServer) {
+        running.shutdown().await;
+    }
+
+    async fn orders(&self) -> Vec<Order> {
+        self.0.orders().await
+    }
+
+    async fn order_count(&self) -> i64 {
+        self.0.order_count().await
+    }
+
+    async fn record_count(&self) -> i64 {
+        self.0.record_count().await
+    }
+
+    async fn record_exists(&self, tenant: &str, operation: &str, key: &str) -> bool {
+        self.0.record_exists(tenant, operation, key).await
+    }
+
+    async fn fail_saving_the_record_of(&self, key: &'static str) {
+        // The layer reserves the row first and completes it on commit: fail the completion.
+        self.0
+            .execute(&format!(
+                "CREATE FUNCTION fail_record() RETURNS trigger LANGUAGE plpgsql AS $$ \
+                 BEGIN RAISE EXCEPTION 'injected record failure'; END $$; \
+                 CREATE TRIGGER fail_record BEFORE UPDATE ON idempotency_records FOR EACH ROW \
+                 WHEN (NEW.idempotency_key = '{key}' AND NEW.state = 'completed') \
+                 EXECUTE FUNCTION fail_record();"
+            ))
+            .await;
+    }
+
+    async fn fail_inserting_orders_of(&self, sku: &'static str) {
+        self.0
+            .execute(&format!(
+                "CREATE FUNCTION fail_order() RETURNS trigger LANGUAGE plpgsql AS $$ \
+                 BEGIN RAISE EXCEPTION 'injected order failure'; END $$; \
+                 CREATE TRIGGER fail_order BEFORE INSERT ON orders FOR EACH ROW \
+                 WHEN (NEW.sku = '{sku}') EXECUTE FUNCTION fail_order();"
+            ))
+            .await;
+    }
+
+    async fn stop_failing(&self) {
+        self.0
+            .execute(
+                "DROP TRIGGER IF EXISTS fail_record ON idempotency_records; \
+                 DROP TRIGGER IF EXISTS fail_order ON orders;",
+            )
+            .await;
+    }
+}
+
+/// Instantiates generic tests (`async fn name<B: Backend>(db: B)` in the parent module) as
+/// `#[tokio::test]`s on one backend, each after the given attributes:
+/// `backend_tests!(Sqlite []; a, b(flavor = "multi_thread", worker_threads = 2),)`.
+macro_rules! backend_tests {
+    ($backend:ident [$($attr:tt)*]; $name:ident $(($($flavor:tt)*))?, $($rest:tt)*) => {
+        $($attr)*
+        #[tokio::test$(($($flavor)*))?]
+        async fn $name() {
+            $crate::backend::run(super::$name::<$crate::backend::$backend>).await;
+        }
+        backend_tests!($backend [$($attr)*]; $($rest)*);
+    };
+    ($backend:ident [$($attr:tt)*];) => {};
+}
