@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use http::header::HeaderName;
 use http::{HeaderValue, StatusCode};
-use tower_idempotency::store::postgres::PostgresStore;
+use tower_idempotency::store::postgres::{PostgresOptions, PostgresStore};
 use tower_idempotency::store::sqlite::SqliteStore;
 use tower_idempotency::store::IdempotencyStore;
 use tower_idempotency::IdempotencyLayer;
@@ -377,30 +377,7 @@ impl Backend for Postgres {
     }
 
     async fn serve(&self, setup: Setup<'_, Self>) -> Server<Self> {
-        let mut builder = PgServer::builder().layer_per_operation(setup.customise);
-        if let Some(hook) = setup.hook {
-            builder = builder.hook(pg_common::hook(move |call: pg_common::OrderCall| {
-                let outcome = hook(Call {
-                    key: call.key,
-                    sku: call.sku,
-                });
-                async move {
-                    pg_common::HookOutcome {
-                        fail_with: outcome.await,
-                    }
-                }
-            }));
-        }
-        for (name, value) in setup.response_headers {
-            builder = builder.response_header(name, value);
-        }
-        let running = builder.spawn(&self.0).await;
-        Server {
-            addr: running.addr,
-            store: running.store.clone(),
-            app: running.app.clone(),
-            running,
-        }
+        setup.spawn_with(|options| options).await
     }
 
     async fn stop(running: PgServer) {
@@ -454,6 +431,42 @@ impl Backend for Postgres {
                  DROP TRIGGER IF EXISTS fail_order ON orders;",
             )
             .await;
+    }
+}
+
+impl Setup<'_, Postgres> {
+    /// Serves on a store with these options (pool sizes, isolation), starting from the tests'
+    /// smaller pools.
+    pub async fn spawn_with<F>(self, options: F) -> Server<Postgres>
+    where
+        F: FnOnce(PostgresOptions) -> PostgresOptions + Send + 'static,
+    {
+        let mut builder = PgServer::builder()
+            .store(options)
+            .layer_per_operation(self.customise);
+        if let Some(hook) = self.hook {
+            builder = builder.hook(pg_common::hook(move |call: pg_common::OrderCall| {
+                let outcome = hook(Call {
+                    key: call.key,
+                    sku: call.sku,
+                });
+                async move {
+                    pg_common::HookOutcome {
+                        fail_with: outcome.await,
+                    }
+                }
+            }));
+        }
+        for (name, value) in self.response_headers {
+            builder = builder.response_header(name, value);
+        }
+        let running = builder.spawn(&self.db.0).await;
+        Server {
+            addr: running.addr,
+            store: running.store.clone(),
+            app: running.app.clone(),
+            running,
+        }
     }
 }
 
