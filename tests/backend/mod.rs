@@ -22,15 +22,15 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::header::HeaderName;
-use http::{HeaderValue, StatusCode};
+use http::StatusCode;
 use tower_idempotency::store::postgres::{PostgresOptions, PostgresStore};
 use tower_idempotency::store::sqlite::SqliteStore;
 use tower_idempotency::store::IdempotencyStore;
-use tower_idempotency::IdempotencyLayer;
 
-use crate::common::{self, TestServer, PATIENCE};
-use crate::pg_common::{self, PgServer, TestDb};
+use crate::common::{
+    hook_for, AppBuilder, AppOf, HookFor, OrderCallOf, Outcome, SqliteApp, TestServer, PATIENCE,
+};
+use crate::pg_common::{PgApp, PgServer, TestDb};
 
 /// What a backend's order handler tells the test's hook, its order row inserted inside the
 /// open idempotency transaction.
@@ -45,7 +45,7 @@ pub struct Call {
 pub type FailWith = Option<StatusCode>;
 
 pub type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
-pub type Hook = Arc<dyn Fn(Call) -> BoxFuture<FailWith> + Send + Sync>;
+pub type Hook = HookFor<Call, FailWith>;
 
 /// Wraps an async closure as a [`Hook`].
 pub fn hook<F, Fut>(f: F) -> Hook
@@ -53,7 +53,18 @@ where
     F: Fn(Call) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = FailWith> + Send + 'static,
 {
-    Arc::new(move |call| Box::pin(f(call)))
+    hook_for(f)
+}
+
+/// The hook of a backend's app that runs `hook`.
+fn adapt<T: Send + 'static, O: Outcome>(hook: Hook) -> HookFor<OrderCallOf<T>, O> {
+    hook_for(move |call: OrderCallOf<T>| {
+        let outcome = hook(Call {
+            key: call.key,
+            sku: call.sku,
+        });
+        async move { O::failing(outcome.await) }
+    })
 }
 
 /// Runs `behaviour` on the first call only; later calls get the default outcome (succeed).
@@ -90,23 +101,13 @@ pub trait AppState: Send + Sync + 'static {
     fn wait_for_arrivals(&self, n: usize, timeout: Duration) -> impl Future<Output = bool> + Send;
 }
 
-impl AppState for common::App {
+impl<T: Send + 'static, O: Outcome> AppState for AppOf<T, O> {
     fn handler_calls(&self) -> usize {
-        common::App::handler_calls(self)
+        AppOf::handler_calls(self)
     }
 
     fn wait_for_arrivals(&self, n: usize, timeout: Duration) -> impl Future<Output = bool> + Send {
-        common::App::wait_for_arrivals(self, n, timeout)
-    }
-}
-
-impl AppState for pg_common::App {
-    fn handler_calls(&self) -> usize {
-        pg_common::App::handler_calls(self)
-    }
-
-    fn wait_for_arrivals(&self, n: usize, timeout: Duration) -> impl Future<Output = bool> + Send {
-        pg_common::App::wait_for_arrivals(self, n, timeout)
+        AppOf::wait_for_arrivals(self, n, timeout)
     }
 }
 
@@ -156,58 +157,17 @@ pub trait Backend: Sized + Send + Sync + 'static {
 
     /// A server to customise.
     fn server(&self) -> Setup<'_, Self> {
-        Setup {
-            db: self,
-            customise: Box::new(|layer, _| layer),
-            hook: None,
-            response_headers: Vec::new(),
-        }
+        AppBuilder::new(self)
     }
 }
 
-type Customise<S> = Box<dyn Fn(IdempotencyLayer<S>, &str) -> IdempotencyLayer<S> + Send>;
+/// How to serve the app: the layer of each route, the hook, headers on every 201 (the
+/// builder of `tests/common`, on this database).
+pub type Setup<'db, B> = AppBuilder<<B as Backend>::Store, Hook, &'db B>;
 
-/// How to serve the app: the layer of each route, the hook, headers on every 201.
-pub struct Setup<'db, B: Backend> {
-    db: &'db B,
-    customise: Customise<B::Store>,
-    hook: Option<Hook>,
-    response_headers: Vec<(HeaderName, HeaderValue)>,
-}
-
-impl<B: Backend> Setup<'_, B> {
-    /// Customises every route's layer (already given its operation name).
-    pub fn layer<F>(mut self, f: F) -> Self
-    where
-        F: Fn(IdempotencyLayer<B::Store>) -> IdempotencyLayer<B::Store> + Send + 'static,
-    {
-        self.customise = Box::new(move |layer, _| f(layer));
-        self
-    }
-
-    /// Customises the layer per operation (`create_order`, `create_express_order`).
-    pub fn layer_per_operation<F>(mut self, f: F) -> Self
-    where
-        F: Fn(IdempotencyLayer<B::Store>, &str) -> IdempotencyLayer<B::Store> + Send + 'static,
-    {
-        self.customise = Box::new(f);
-        self
-    }
-
-    pub fn hook(mut self, hook: Hook) -> Self {
-        self.hook = Some(hook);
-        self
-    }
-
-    /// Sets this header on every `201` of the order handler, replacing the handler's own of
-    /// that name (such as `Location`).
-    pub fn response_header(mut self, name: HeaderName, value: HeaderValue) -> Self {
-        self.response_headers.push((name, value));
-        self
-    }
-
+impl<B: Backend> AppBuilder<B::Store, Hook, &B> {
     pub async fn spawn(self) -> Server<B> {
-        self.db.serve(self).await
+        self.extra.serve(self).await
     }
 }
 
@@ -264,7 +224,7 @@ impl Sqlite {
 
 impl Backend for Sqlite {
     type Store = SqliteStore;
-    type App = common::App;
+    type App = crate::common::App;
     type Running = TestServer;
 
     const PARALLEL_WRITERS: bool = false;
@@ -276,27 +236,10 @@ impl Backend for Sqlite {
     }
 
     async fn serve(&self, setup: Setup<'_, Self>) -> Server<Self> {
-        let mut builder = TestServer::builder()
-            .db_path(&self.path)
-            .layer_per_operation(setup.customise);
-        if let Some(hook) = setup.hook {
-            builder = builder.hook(common::hook(move |call: common::OrderCall| {
-                let outcome = hook(Call {
-                    key: call.key,
-                    sku: call.sku,
-                });
-                async move {
-                    common::HookOutcome {
-                        fail_with: outcome.await,
-                        ..common::HookOutcome::default()
-                    }
-                }
-            }));
-        }
-        for (name, value) in setup.response_headers {
-            builder = builder.response_header(name, value);
-        }
-        let running = builder.spawn().await;
+        let running = setup
+            .convert(adapt, SqliteApp::on(&self.path))
+            .spawn()
+            .await;
         Server {
             addr: running.addr,
             store: running.store.clone(),
@@ -367,7 +310,7 @@ pub struct Postgres(pub TestDb);
 
 impl Backend for Postgres {
     type Store = PostgresStore;
-    type App = pg_common::App;
+    type App = crate::pg_common::App;
     type Running = PgServer;
 
     const PARALLEL_WRITERS: bool = true;
@@ -441,26 +384,12 @@ impl Setup<'_, Postgres> {
     where
         F: FnOnce(PostgresOptions) -> PostgresOptions + Send + 'static,
     {
-        let mut builder = PgServer::builder()
+        let db = self.extra;
+        let running = self
+            .convert(adapt, PgApp::default())
             .store(options)
-            .layer_per_operation(self.customise);
-        if let Some(hook) = self.hook {
-            builder = builder.hook(pg_common::hook(move |call: pg_common::OrderCall| {
-                let outcome = hook(Call {
-                    key: call.key,
-                    sku: call.sku,
-                });
-                async move {
-                    pg_common::HookOutcome {
-                        fail_with: outcome.await,
-                    }
-                }
-            }));
-        }
-        for (name, value) in self.response_headers {
-            builder = builder.response_header(name, value);
-        }
-        let running = builder.spawn(&self.db.0).await;
+            .spawn(&db.0)
+            .await;
         Server {
             addr: running.addr,
             store: running.store.clone(),
