@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use backend::{hook, AppState, Backend, Hook};
+use backend::{hook, Backend, Hook};
 use common::{post, Reply, PATIENCE, SHOP_A};
 use http::StatusCode;
 use tokio::sync::{Barrier, Notify};

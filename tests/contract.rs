@@ -13,7 +13,7 @@ mod pg_common;
 
 use std::time::{Duration, SystemTime};
 
-use backend::{hook, AppState, Backend, Server};
+use backend::{hook, Backend, Server};
 use common::{post, Post, PATIENCE, SHOP_A, SHOP_B};
 use http::header::{self, HeaderName};
 use http::{HeaderValue, StatusCode};

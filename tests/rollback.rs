@@ -14,7 +14,7 @@ mod pg_common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use backend::{first_call_only, hook, AppState, Backend};
+use backend::{first_call_only, hook, Backend};
 use common::{post, Post, PATIENCE, SHOP_A};
 use http::StatusCode;
 use tokio::io::AsyncWriteExt;

@@ -44,15 +44,13 @@ pub struct Call {
 /// `{"error":"injected_failure"}` instead of its 201.
 pub type FailWith = Option<StatusCode>;
 
-pub type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 pub type Hook = HookFor<Call, FailWith>;
 
 /// Wraps an async closure as a [`Hook`].
-pub fn hook<F, Fut>(f: F) -> Hook
-where
-    F: Fn(Call) -> Fut + Send + Sync + 'static,
-    Fut: Future<Output = FailWith> + Send + 'static,
-{
+pub fn hook<Fut: Future<Output = FailWith> + Send + 'static>(
+    f: impl Fn(Call) -> Fut + Send + Sync + 'static,
+) -> Hook {
     hook_for(f)
 }
 
@@ -71,7 +69,7 @@ fn adapt<T: Send + 'static, O: Outcome>(hook: Hook) -> HookFor<OrderCallOf<T>, O
 /// Works for the hooks of this module and for the backends' own (`pg_common::hook`).
 pub fn first_call_only<C, O, F, Fut>(
     behaviour: F,
-) -> impl Fn(C) -> BoxFuture<O> + Send + Sync + 'static
+) -> impl Fn(C) -> BoxFuture<'static, O> + Send + Sync + 'static
 where
     C: Send + 'static,
     O: Default + Send + 'static,
@@ -98,7 +96,7 @@ where
 pub trait AppState: Send + Sync + 'static {
     fn handler_calls(&self) -> usize;
     /// Waits until at least `n` requests reached the app; `false` if that took too long.
-    fn wait_for_arrivals(&self, n: usize, timeout: Duration) -> impl Future<Output = bool> + Send;
+    fn wait_for_arrivals(&self, n: usize, timeout: Duration) -> BoxFuture<'_, bool>;
 }
 
 impl<T: Send + 'static, O: Outcome> AppState for AppOf<T, O> {
@@ -106,8 +104,8 @@ impl<T: Send + 'static, O: Outcome> AppState for AppOf<T, O> {
         AppOf::handler_calls(self)
     }
 
-    fn wait_for_arrivals(&self, n: usize, timeout: Duration) -> impl Future<Output = bool> + Send {
-        AppOf::wait_for_arrivals(self, n, timeout)
+    fn wait_for_arrivals(&self, n: usize, timeout: Duration) -> BoxFuture<'_, bool> {
+        Box::pin(AppOf::wait_for_arrivals(self, n, timeout))
     }
 }
 
@@ -117,7 +115,6 @@ pub type Order = (i64, String, String, i64);
 /// A fresh database of one kind, with the `orders` table, and the order app served on it.
 pub trait Backend: Sized + Send + Sync + 'static {
     type Store: IdempotencyStore + Clone + Send + Sync + 'static;
-    type App: AppState;
     /// The backend's own running server, stopped when dropped.
     type Running: Send;
 
@@ -175,7 +172,7 @@ impl<B: Backend> AppBuilder<B::Store, Hook, &B> {
 pub struct Server<B: Backend> {
     pub addr: SocketAddr,
     pub store: B::Store,
-    pub app: Arc<B::App>,
+    pub app: Arc<dyn AppState>,
     running: B::Running,
 }
 
@@ -224,7 +221,6 @@ impl Sqlite {
 
 impl Backend for Sqlite {
     type Store = SqliteStore;
-    type App = crate::common::App;
     type Running = TestServer;
 
     const PARALLEL_WRITERS: bool = false;
@@ -310,7 +306,6 @@ pub struct Postgres(pub TestDb);
 
 impl Backend for Postgres {
     type Store = PostgresStore;
-    type App = crate::pg_common::App;
     type Running = PgServer;
 
     const PARALLEL_WRITERS: bool = true;

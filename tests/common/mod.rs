@@ -8,6 +8,7 @@
 // Every test binary compiles this module and uses a different part of it.
 #![allow(dead_code)]
 
+use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -20,7 +21,7 @@ use std::time::{Duration, SystemTime};
 use axum::extract::{Request, State};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing;
+use axum::routing::{self, Route};
 use axum::{Extension, Router};
 use bytes::Bytes;
 use http::header::{self, HeaderName};
@@ -31,6 +32,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
+use tower::{Layer, Service};
 use tower_idempotency::extract::Tx;
 use tower_idempotency::fingerprint::Fingerprint;
 use tower_idempotency::response::SavedResponse;
@@ -293,6 +295,32 @@ impl<S: 'static, H, X> AppBuilder<S, H, X> {
     }
 }
 
+impl<S: Clone + 'static, H, X> AppBuilder<S, H, X> {
+    /// `POST /orders` and `POST /express-orders`: the order handler, each behind its layer.
+    pub fn order_routes<T: InsertOrder, O: Outcome>(&self, store: &S) -> Router<Arc<AppOf<T, O>>>
+    where
+        IdempotencyLayer<S>: Layer<Route> + Clone + Send + Sync + 'static,
+        Guarded<S>: Service<Request, Error = Infallible> + Clone + Send + Sync + 'static,
+        <Guarded<S> as Service<Request>>::Response: IntoResponse + 'static,
+        <Guarded<S> as Service<Request>>::Future: Send + 'static,
+    {
+        let mut router = Router::new();
+        for (path, operation) in [
+            ("/orders", "create_order"),
+            ("/express-orders", "create_express_order"),
+        ] {
+            router = router.route(
+                path,
+                routing::post(create_order::<T, O>).layer(self.layer_for(store, operation)),
+            );
+        }
+        router
+    }
+}
+
+/// A route's service behind the idempotency layer on the store `S`.
+type Guarded<S> = <IdempotencyLayer<S> as Layer<Route>>::Service;
+
 /// A router served on 127.0.0.1:0 until stopped (or dropped: aborted).
 pub struct Serving {
     pub addr: SocketAddr,
@@ -425,21 +453,17 @@ impl ServerBuilder {
             .expect("create orders table");
 
         let app = App::new(self.hook.clone(), self.response_headers.clone());
-        let mut router = Router::new()
-            .route(
-                "/orders",
-                routing::post(create_order).layer(self.layer_for(&store, "create_order")),
-            )
-            .route(
-                "/express-orders",
-                routing::post(create_order).layer(self.layer_for(&store, "create_express_order")),
-            )
+        let mut router = self
+            .order_routes::<SqliteTransaction, HookOutcome>(&store)
             .route(
                 "/notes",
                 routing::post(create_note).layer(self.layer_for(&store, "create_note")),
             )
             // The extractor on a route the layer does not wrap.
-            .route("/unguarded/orders", routing::post(create_order));
+            .route(
+                "/unguarded/orders",
+                routing::post(create_order::<SqliteTransaction, HookOutcome>),
+            );
         if self.extra.auth {
             router = router.layer(middleware::from_fn_with_state(app.clone(), authenticate));
         }
@@ -549,12 +573,40 @@ pub fn parse_order(body: &[u8]) -> Result<(String, i64), &'static str> {
     Ok((sku, quantity))
 }
 
-/// `POST /orders`: validates, inserts the order through the idempotency transaction, runs
-/// the test's hook (with the transaction still open), and answers 201.
-async fn create_order(
-    State(app): State<Arc<App>>,
+/// How an app's transaction handle inserts an order row (returning its id).
+pub trait InsertOrder: Clone + Send + Sync + 'static {
+    fn insert_order(
+        &self,
+        tenant: &Tenant,
+        sku: &str,
+        quantity: i64,
+    ) -> impl Future<Output = Result<i64, tower_idempotency::Error>> + Send;
+}
+
+impl InsertOrder for SqliteTransaction {
+    fn insert_order(
+        &self,
+        tenant: &Tenant,
+        sku: &str,
+        quantity: i64,
+    ) -> impl Future<Output = Result<i64, tower_idempotency::Error>> + Send {
+        let row = (tenant.as_str().to_owned(), sku.to_owned(), quantity);
+        self.run(move |conn| {
+            conn.execute(
+                "INSERT INTO orders (tenant_id, sku, quantity) VALUES (?1, ?2, ?3)",
+                (&row.0, &row.1, row.2),
+            )?;
+            Ok(conn.last_insert_rowid())
+        })
+    }
+}
+
+/// `POST /orders` of both apps: validates, inserts the order through the idempotency
+/// transaction, runs the test's hook (with the transaction still open), and answers 201.
+pub async fn create_order<T: InsertOrder, O: Outcome>(
+    State(app): State<Arc<AppOf<T, O>>>,
     Extension(tenant): Extension<Tenant>,
-    Tx(tx): Tx<SqliteTransaction>,
+    Tx(tx): Tx<T>,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
@@ -563,18 +615,7 @@ async fn create_order(
         Ok(order) => order,
         Err(code) => return json_error(StatusCode::BAD_REQUEST, code),
     };
-
-    let row = (tenant.as_str().to_owned(), sku.clone(), quantity);
-    let order_id = match tx
-        .run(move |conn| {
-            conn.execute(
-                "INSERT INTO orders (tenant_id, sku, quantity) VALUES (?1, ?2, ?3)",
-                (&row.0, &row.1, row.2),
-            )?;
-            Ok(conn.last_insert_rowid())
-        })
-        .await
-    {
+    let order_id = match tx.insert_order(&tenant, &sku, quantity).await {
         Ok(id) => id,
         Err(_) => return json_error(StatusCode::INTERNAL_SERVER_ERROR, "database_error"),
     };

@@ -16,22 +16,16 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use axum::extract::State;
 use axum::middleware;
-use axum::response::Response;
-use axum::routing;
-use axum::{Extension, Router};
-use bytes::Bytes;
+
 use http::header::HeaderName;
-use http::{HeaderMap, HeaderValue, StatusCode};
-use tower_idempotency::extract::Tx;
+use http::{HeaderValue, StatusCode};
 use tower_idempotency::store::postgres::tokio_postgres::{self, NoTls};
 use tower_idempotency::store::postgres::{PostgresOptions, PostgresStore, PostgresTransaction};
 use tower_idempotency::Tenant;
 
 use crate::common::{
-    authenticate, hook_for, json_error, parse_order, AppBuilder, AppOf, HookFor, OrderCallOf,
-    Outcome, Serving,
+    authenticate, hook_for, AppBuilder, AppOf, HookFor, InsertOrder, OrderCallOf, Outcome, Serving,
 };
 
 /// The business table of the PostgreSQL order app (the same as the example's).
@@ -305,11 +299,9 @@ impl Outcome for HookOutcome {
 pub type Hook = HookFor<OrderCall, HookOutcome>;
 
 /// Wraps an async closure as a [`Hook`].
-pub fn hook<F, Fut>(f: F) -> Hook
-where
-    F: Fn(OrderCall) -> Fut + Send + Sync + 'static,
-    Fut: Future<Output = HookOutcome> + Send + 'static,
-{
+pub fn hook<Fut: Future<Output = HookOutcome> + Send + 'static>(
+    f: impl Fn(OrderCall) -> Fut + Send + Sync + 'static,
+) -> Hook {
     hook_for(f)
 }
 
@@ -357,15 +349,8 @@ impl ServerBuilder {
             })
             .await;
         let app = App::new(self.hook.clone(), self.response_headers.clone());
-        let router = Router::new()
-            .route(
-                "/orders",
-                routing::post(create_order).layer(self.layer_for(&store, "create_order")),
-            )
-            .route(
-                "/express-orders",
-                routing::post(create_order).layer(self.layer_for(&store, "create_express_order")),
-            )
+        let router = self
+            .order_routes::<PostgresTransaction, HookOutcome>(&store)
             .layer(middleware::from_fn_with_state(app.clone(), authenticate))
             .with_state(app.clone());
         let serving = Serving::start(router).await;
@@ -402,37 +387,22 @@ impl PgServer {
     }
 }
 
-/// `POST /orders`: validates, inserts the order through the idempotency transaction, runs
-/// the test's hook (with the transaction still open), and answers 201.
-async fn create_order(
-    State(app): State<Arc<App>>,
-    Extension(tenant): Extension<Tenant>,
-    Tx(tx): Tx<PostgresTransaction>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    app.handler_calls.fetch_add(1, Ordering::SeqCst);
-    let (sku, quantity) = match parse_order(&body) {
-        Ok(order) => order,
-        Err(code) => return json_error(StatusCode::BAD_REQUEST, code),
-    };
-
-    let inserted = async {
-        let client = tx.client().await?;
+impl InsertOrder for PostgresTransaction {
+    async fn insert_order(
+        &self,
+        tenant: &Tenant,
+        sku: &str,
+        quantity: i64,
+    ) -> Result<i64, tower_idempotency::Error> {
+        let client = self.client().await?;
         let row = client
             .query_one(
                 "INSERT INTO orders (tenant_id, sku, quantity) VALUES ($1, $2, $3) RETURNING id",
                 &[&tenant.as_str(), &sku, &quantity],
             )
             .await?;
-        Ok::<i64, tower_idempotency::Error>(row.try_get(0)?)
-    };
-    let order_id = match inserted.await {
-        Ok(id) => id,
-        Err(_) => return json_error(StatusCode::INTERNAL_SERVER_ERROR, "database_error"),
-    };
-    app.respond(&tenant, &headers, (sku, quantity), order_id, tx)
-        .await
+        Ok(row.try_get(0)?)
+    }
 }
 
 /// The example binary (`examples/orders.rs`) as a child process serving on this database.
