@@ -161,6 +161,22 @@ impl Holder {
     }
 }
 
+/// Completes the key `done`, holds the holder's key inside its transaction, then sends `done`
+/// again (a replay) and with another payload (a conflict). The first reply, the held request,
+/// the replay and the conflict; the holder is still holding.
+async fn done_while_held(
+    addr: SocketAddr,
+    holder: &Holder,
+) -> (Reply, JoinHandle<Reply>, Reply, Reply) {
+    let first = post(addr, Some(SHOP_A), Some("done"), BOOK, &[]).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    let held = holder.hold(addr).await;
+    let replay = post(addr, Some(SHOP_A), Some("done"), BOOK, &[]).await;
+    let pen = r#"{"sku":"pen","quantity":1}"#;
+    let conflict = post(addr, Some(SHOP_A), Some("done"), pen, &[]).await;
+    (first, held, replay, conflict)
+}
+
 async fn concurrent_duplicates_run_the_handler_once<B: Backend>(db: B) {
     const DUPLICATES: usize = 32;
     // The first handler holds its transaction until every duplicate has reached the server,
@@ -240,21 +256,9 @@ async fn replay_does_not_wait_for_a_writer_in_flight<B: Backend>(db: B) {
         .hook(holder.hook())
         .spawn()
         .await;
-    let first = post(server.addr, Some(SHOP_A), Some("done"), BOOK, &[]).await;
-    assert_eq!(first.status, StatusCode::CREATED);
-    let held = holder.hold(server.addr).await;
-
     // A writer is in flight past the lock timeout; a completed key still replays, and a
     // reused key still gets its 409, from the read-only fast path.
-    let replay = post(server.addr, Some(SHOP_A), Some("done"), BOOK, &[]).await;
-    let conflict = post(
-        server.addr,
-        Some(SHOP_A),
-        Some("done"),
-        r#"{"sku":"pen","quantity":1}"#,
-        &[],
-    )
-    .await;
+    let (first, held, replay, conflict) = done_while_held(server.addr, &holder).await;
     holder.release();
 
     assert_eq!(replay.status, StatusCode::CREATED, "{replay:?}");
@@ -598,19 +602,7 @@ mod postgres {
             .hook(holder.hook())
             .spawn_with(|options| options.max_connections(1))
             .await;
-        let done = post(server.addr, Some(SHOP_A), Some("done"), BOOK, &[]).await;
-        assert_eq!(done.status, StatusCode::CREATED);
-        let held = holder.hold(server.addr).await;
-
-        let replay = post(server.addr, Some(SHOP_A), Some("done"), BOOK, &[]).await;
-        let conflict = post(
-            server.addr,
-            Some(SHOP_A),
-            Some("done"),
-            r#"{"sku":"pen","quantity":1}"#,
-            &[],
-        )
-        .await;
+        let (done, held, replay, conflict) = done_while_held(server.addr, &holder).await;
         let busy = post(server.addr, Some(SHOP_A), Some("new-key"), BOOK, &[]).await;
         holder.release();
 
