@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use backend::{hook, Backend, Hook};
+use backend::{hook, Backend, Hook, Server};
 use common::{post, Reply, PATIENCE, SHOP_A};
 use http::StatusCode;
 use tokio::sync::{Barrier, Notify};
@@ -156,6 +156,19 @@ impl Holder {
         holder
     }
 
+    /// The app with this hook, waits bounded by `lock_timeout` and `Retry-After: 3`.
+    async fn serve<B: Backend>(&self, db: &B, lock_timeout: Duration) -> Server<B> {
+        db.server()
+            .layer(move |layer| {
+                layer
+                    .with_lock_timeout(lock_timeout)
+                    .with_retry_after(Duration::from_secs(3))
+            })
+            .hook(self.hook())
+            .spawn()
+            .await
+    }
+
     fn release(&self) {
         self.release.notify_one();
     }
@@ -250,12 +263,7 @@ async fn many_keys_with_many_duplicates_interleaved<B: Backend>(db: B) {
 
 async fn replay_does_not_wait_for_a_writer_in_flight<B: Backend>(db: B) {
     let holder = Holder::new("holder");
-    let server = db
-        .server()
-        .layer(|layer| layer.with_lock_timeout(Duration::from_millis(200)))
-        .hook(holder.hook())
-        .spawn()
-        .await;
+    let server = holder.serve(&db, Duration::from_millis(200)).await;
     // A writer is in flight past the lock timeout; a completed key still replays, and a
     // reused key still gets its 409, from the read-only fast path.
     let (first, held, replay, conflict) = done_while_held(server.addr, &holder).await;
@@ -270,16 +278,7 @@ async fn replay_does_not_wait_for_a_writer_in_flight<B: Backend>(db: B) {
 
 async fn duplicate_waiting_past_the_lock_timeout_is_503_then_replays<B: Backend>(db: B) {
     let holder = Holder::new("held");
-    let server = db
-        .server()
-        .layer(|layer| {
-            layer
-                .with_lock_timeout(Duration::from_millis(300))
-                .with_retry_after(Duration::from_secs(3))
-        })
-        .hook(holder.hook())
-        .spawn()
-        .await;
+    let server = holder.serve(&db, Duration::from_millis(300)).await;
     let held = holder.hold(server.addr).await;
 
     let waited = post(server.addr, Some(SHOP_A), Some("held"), BOOK, &[]).await;
@@ -401,16 +400,7 @@ mod sqlite {
             return;
         };
         let holder = Holder::new("holder");
-        let server = db
-            .server()
-            .layer(|layer| {
-                layer
-                    .with_lock_timeout(Duration::from_millis(200))
-                    .with_retry_after(Duration::from_secs(3))
-            })
-            .hook(holder.hook())
-            .spawn()
-            .await;
+        let server = holder.serve(&db, Duration::from_millis(200)).await;
         let held = holder.hold(server.addr).await;
 
         let busy = post(server.addr, Some(SHOP_A), Some("other"), BOOK, &[]).await;

@@ -304,6 +304,20 @@ impl Backend for Sqlite {
 /// A schema of its own in the database of `TEST_DATABASE_URL`.
 pub struct Postgres(pub TestDb);
 
+impl Postgres {
+    /// A trigger `name` that fails every row of `event` (`INSERT ON orders`) matching `when`.
+    async fn failing_trigger(&self, name: &str, event: &str, when: &str) {
+        self.0
+            .execute(&format!(
+                "CREATE FUNCTION {name}() RETURNS trigger LANGUAGE plpgsql AS $$ \
+                 BEGIN RAISE EXCEPTION 'injected failure: {name}'; END $$; \
+                 CREATE TRIGGER {name} BEFORE {event} FOR EACH ROW WHEN ({when}) \
+                 EXECUTE FUNCTION {name}();"
+            ))
+            .await;
+    }
+}
+
 impl Backend for Postgres {
     type Store = PostgresStore;
     type Running = PgServer;
@@ -340,25 +354,14 @@ impl Backend for Postgres {
 
     async fn fail_saving_the_record_of(&self, key: &'static str) {
         // The layer reserves the row first and completes it on commit: fail the completion.
-        self.0
-            .execute(&format!(
-                "CREATE FUNCTION fail_record() RETURNS trigger LANGUAGE plpgsql AS $$ \
-                 BEGIN RAISE EXCEPTION 'injected record failure'; END $$; \
-                 CREATE TRIGGER fail_record BEFORE UPDATE ON idempotency_records FOR EACH ROW \
-                 WHEN (NEW.idempotency_key = '{key}' AND NEW.state = 'completed') \
-                 EXECUTE FUNCTION fail_record();"
-            ))
+        let when = format!("NEW.idempotency_key = '{key}' AND NEW.state = 'completed'");
+        self.failing_trigger("fail_record", "UPDATE ON idempotency_records", &when)
             .await;
     }
 
     async fn fail_inserting_orders_of(&self, sku: &'static str) {
-        self.0
-            .execute(&format!(
-                "CREATE FUNCTION fail_order() RETURNS trigger LANGUAGE plpgsql AS $$ \
-                 BEGIN RAISE EXCEPTION 'injected order failure'; END $$; \
-                 CREATE TRIGGER fail_order BEFORE INSERT ON orders FOR EACH ROW \
-                 WHEN (NEW.sku = '{sku}') EXECUTE FUNCTION fail_order();"
-            ))
+        let when = format!("NEW.sku = '{sku}'");
+        self.failing_trigger("fail_order", "INSERT ON orders", &when)
             .await;
     }
 
