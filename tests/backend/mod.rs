@@ -128,6 +128,9 @@ pub trait Backend: Sized + Send + Sync + 'static {
     /// instance sharing it).
     fn serve(&self, setup: Setup<'_, Self>) -> impl Future<Output = Server<Self>>;
 
+    /// The address, store and app of a running server.
+    fn parts(running: &Self::Running) -> (SocketAddr, Self::Store, Arc<dyn AppState>);
+
     /// Stops a server gracefully (bounded).
     fn stop(running: Self::Running) -> impl Future<Output = ()>;
 
@@ -177,6 +180,16 @@ pub struct Server<B: Backend> {
 }
 
 impl<B: Backend> Server<B> {
+    fn new(running: B::Running) -> Self {
+        let (addr, store, app) = B::parts(&running);
+        Server {
+            addr,
+            store,
+            app,
+            running,
+        }
+    }
+
     /// Stops serving (gracefully, bounded) and lets go of the store.
     pub async fn shutdown(self) {
         B::stop(self.running).await;
@@ -236,12 +249,11 @@ impl Backend for Sqlite {
             .convert(adapt, SqliteApp::on(&self.path))
             .spawn()
             .await;
-        Server {
-            addr: running.addr,
-            store: running.store.clone(),
-            app: running.app.clone(),
-            running,
-        }
+        Server::new(running)
+    }
+
+    fn parts(running: &TestServer) -> (SocketAddr, SqliteStore, Arc<dyn AppState>) {
+        (running.addr, running.store.clone(), running.app.clone())
     }
 
     async fn stop(running: TestServer) {
@@ -332,6 +344,10 @@ impl Backend for Postgres {
         setup.spawn_with(|options| options).await
     }
 
+    fn parts(running: &PgServer) -> (SocketAddr, PostgresStore, Arc<dyn AppState>) {
+        (running.addr, running.store.clone(), running.app.clone())
+    }
+
     async fn stop(running: PgServer) {
         running.shutdown().await;
     }
@@ -388,12 +404,7 @@ impl Setup<'_, Postgres> {
             .store(options)
             .spawn(&db.0)
             .await;
-        Server {
-            addr: running.addr,
-            store: running.store.clone(),
-            app: running.app.clone(),
-            running,
-        }
+        Server::new(running)
     }
 }
 
