@@ -1,27 +1,39 @@
-//! Duplicates in flight at the same time, and a store busy past the lock timeout.
+//! Duplicates in flight at the same time, and waits bounded by the lock timeout, written once
+//! and run against a SQLite file (`concurrency::sqlite::...`) and a PostgreSQL schema
+//! (`concurrency::postgres::...`, reported as ignored without `TEST_DATABASE_URL`):
+//! duplicates serialize on their key (within one app instance or across two), waits end in a
+//! `503` with `Retry-After`, replays never wait for writers. Each backend's module also holds
+//! what only it has: SQLite's single writer (another key, or another process, is busy);
+//! PostgreSQL's parallel writers, pool limits and serialization failures.
 
+#[macro_use]
+mod backend;
 mod common;
+mod pg_common;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{hook, post, record_exists, HookOutcome, Reply, TestServer, PATIENCE, SHOP_A};
+use backend::{hook, Backend, Hook, Server};
+use common::{post, Reply, PATIENCE, SHOP_A};
 use http::StatusCode;
 use tokio::sync::{Barrier, Notify};
+use tokio::task::JoinHandle;
+use tower_idempotency::IdempotencyLayer;
 
 const BOOK: &str = r#"{"sku":"book","quantity":1}"#;
 
-/// Sends every `(key, body)` at once (released together by a barrier), each on its own
-/// connection; the replies come back in the same order.
-async fn send_all_at_once(server: &TestServer, requests: Vec<(String, String)>) -> Vec<Reply> {
+/// Sends every `(server, key, body)` at once (released together by a barrier), each on its
+/// own connection; the replies come back in the same order.
+async fn send_all_at_once(requests: Vec<(SocketAddr, String, String)>) -> Vec<Reply> {
     let barrier = Arc::new(Barrier::new(requests.len()));
     let tasks: Vec<_> = requests
         .into_iter()
-        .map(|(key, body)| {
+        .map(|(addr, key, body)| {
             let barrier = barrier.clone();
-            let addr = server.addr;
             tokio::spawn(async move {
                 barrier.wait().await;
                 post(addr, Some(SHOP_A), Some(&key), &body, &[]).await
@@ -35,58 +47,35 @@ async fn send_all_at_once(server: &TestServer, requests: Vec<(String, String)>) 
     replies
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn concurrent_duplicates_run_the_handler_once() {
-    const DUPLICATES: usize = 32;
-    let arrivals_complete = Arc::new(AtomicBool::new(false));
-    // The first handler holds its transaction until every duplicate has reached the server,
-    // so that they are all in flight together.
-    let gate = Arc::new(Notify::new());
-    let server = TestServer::builder()
-        .layer(|layer| layer.with_lock_timeout(Duration::from_secs(30)))
-        .hook({
-            let gate = gate.clone();
-            hook(move |_| {
-                let gate = gate.clone();
-                async move {
-                    gate.notified().await;
-                    HookOutcome::default()
-                }
-            })
-        })
-        .spawn()
-        .await;
-    let opener = {
-        let app = server.app.clone();
-        let gate = gate.clone();
-        let arrivals_complete = arrivals_complete.clone();
-        tokio::spawn(async move {
-            let all = app.wait_for_arrivals(DUPLICATES, PATIENCE).await;
-            arrivals_complete.store(all, Ordering::SeqCst);
-            // Only one handler may ever be waiting; a permit is kept if it is not there yet.
-            gate.notify_one();
-        })
-    };
+/// `n` requests for `key` with a book, to one server.
+fn same_request(addr: SocketAddr, key: &str, n: usize) -> Vec<(SocketAddr, String, String)> {
+    vec![(addr, key.to_owned(), BOOK.to_owned()); n]
+}
 
-    let requests = vec![("dup-key".to_owned(), BOOK.to_owned()); DUPLICATES];
-    let replies = send_all_at_once(&server, requests).await;
-    opener.await.expect("opener");
-
-    assert!(
-        arrivals_complete.load(Ordering::SeqCst),
-        "all duplicates were in flight while the first held its transaction"
-    );
-    assert_eq!(server.app.handler_calls(), 1, "exactly one ran the handler");
-    assert_eq!(server.order_count().await, 1, "exactly one order");
-    assert_eq!(server.record_count().await, 1);
-    let first = &replies[0];
-    for reply in &replies {
-        assert_eq!(reply.status, StatusCode::CREATED, "{reply:?}");
-        assert_eq!(reply.body, first.body, "identical bodies");
-        assert_eq!(reply.header("location"), first.header("location"));
+/// Checks that every key got the same 201 from all its requests, exactly one of them
+/// original, and returns each key's order id and how many requests it had.
+fn one_order_per_key(
+    requests: &[(SocketAddr, String, String)],
+    replies: &[Reply],
+) -> HashMap<String, (i64, usize)> {
+    let mut by_key: HashMap<&str, Vec<&Reply>> = HashMap::new();
+    for ((_, key, _), reply) in requests.iter().zip(replies) {
+        assert_eq!(reply.status, StatusCode::CREATED, "{key}: {reply:?}");
+        by_key.entry(key).or_default().push(reply);
     }
-    let originals = replies.iter().filter(|r| !r.replayed()).count();
-    assert_eq!(originals, 1, "one original response, the others replayed");
+    by_key
+        .into_iter()
+        .map(|(key, replies)| {
+            let first = replies[0];
+            for reply in &replies {
+                assert_eq!(reply.body, first.body, "{key}: identical bodies");
+                assert_eq!(reply.header("location"), first.header("location"));
+            }
+            let originals = replies.iter().filter(|r| !r.replayed()).count();
+            assert_eq!(originals, 1, "{key}: one original, the rest replayed");
+            (key.to_owned(), (first.order_id(), replies.len()))
+        })
+        .collect()
 }
 
 /// A small deterministic shuffle (xorshift), so failures are reproducible.
@@ -100,261 +89,232 @@ fn shuffle<T>(items: &mut [T], mut seed: u64) {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn many_keys_with_many_duplicates_interleaved() {
-    const KEYS: usize = 20;
-    const DUPLICATES: usize = 8;
-    let server = TestServer::builder()
-        .layer(|layer| layer.with_lock_timeout(Duration::from_secs(30)))
-        // Hold each transaction a little, so that duplicates pile up behind it.
-        .hook(hook(|_| async {
-            tokio::time::sleep(Duration::from_millis(3)).await;
-            HookOutcome::default()
-        }))
-        .spawn()
-        .await;
+/// Keys × duplicates, shuffled, spread over the given servers.
+fn interleaved(
+    servers: &[SocketAddr],
+    keys: usize,
+    duplicates: usize,
+) -> Vec<(SocketAddr, String, String)> {
     let mut requests = Vec::new();
-    for k in 0..KEYS {
-        for _ in 0..DUPLICATES {
+    for k in 0..keys {
+        for d in 0..duplicates {
             let body = format!(r#"{{"sku":"sku-{k}","quantity":{}}}"#, k % 100 + 1);
-            requests.push((format!("key-{k}"), body));
+            requests.push((servers[(k + d) % servers.len()], format!("key-{k}"), body));
         }
     }
     shuffle(&mut requests, 0x9E37_79B9_7F4A_7C15);
+    requests
+}
 
-    let replies = send_all_at_once(&server, requests.clone()).await;
+/// A hook that sleeps a little inside each transaction, so that duplicates pile up behind it.
+fn slow_handler(millis: u64) -> Hook {
+    hook(move |_| async move {
+        tokio::time::sleep(Duration::from_millis(millis)).await;
+        None
+    })
+}
 
-    let mut by_key: HashMap<&str, Vec<&Reply>> = HashMap::new();
-    for ((key, _), reply) in requests.iter().zip(&replies) {
-        assert_eq!(reply.status, StatusCode::CREATED, "{key}: {reply:?}");
-        by_key.entry(key).or_default().push(reply);
-    }
-    let mut order_ids = HashSet::new();
-    for (key, replies) in &by_key {
-        assert_eq!(replies.len(), DUPLICATES);
-        let first = replies[0];
-        for reply in replies {
-            assert_eq!(reply.body, first.body, "{key}: identical bodies");
-            assert_eq!(reply.header("location"), first.header("location"));
+/// Holds the handler of one key inside its open transaction until released.
+struct Holder {
+    key: &'static str,
+    started: Arc<Notify>,
+    release: Arc<Notify>,
+}
+
+impl Holder {
+    fn new(key: &'static str) -> Holder {
+        Holder {
+            key,
+            started: Arc::new(Notify::new()),
+            release: Arc::new(Notify::new()),
         }
-        let originals = replies.iter().filter(|r| !r.replayed()).count();
-        assert_eq!(originals, 1, "{key}: one original, the rest replayed");
-        order_ids.insert(first.order_id());
     }
-    assert_eq!(order_ids.len(), KEYS, "one distinct order per key");
-    assert_eq!(server.order_count().await, KEYS as i64);
-    assert_eq!(server.record_count().await, KEYS as i64);
+
+    /// The hook that holds the key's handler (others run through).
+    fn hook(&self) -> Hook {
+        let (key, started, release) = (self.key, self.started.clone(), self.release.clone());
+        hook(move |call| {
+            let (started, release) = (started.clone(), release.clone());
+            async move {
+                if call.key.as_deref() == Some(key) {
+                    started.notify_one();
+                    release.notified().await;
+                }
+                None
+            }
+        })
+    }
+
+    /// Sends the key's request and waits until its handler is inside the transaction.
+    async fn hold(&self, addr: SocketAddr) -> JoinHandle<Reply> {
+        let key = self.key;
+        let holder =
+            tokio::spawn(async move { post(addr, Some(SHOP_A), Some(key), BOOK, &[]).await });
+        tokio::time::timeout(PATIENCE, self.started.notified())
+            .await
+            .expect("the holder's handler started");
+        holder
+    }
+
+    /// The app with this hook, waits bounded by `lock_timeout` and `Retry-After: 3`.
+    async fn serve<B: Backend>(&self, db: &B, lock_timeout: Duration) -> Server<B> {
+        db.server()
+            .layer(move |layer| {
+                layer
+                    .with_lock_timeout(lock_timeout)
+                    .with_retry_after(Duration::from_secs(3))
+            })
+            .hook(self.hook())
+            .spawn()
+            .await
+    }
+
+    fn release(&self) {
+        self.release.notify_one();
+    }
+}
+
+/// Completes the key `done`, holds the holder's key inside its transaction, then sends `done`
+/// again (a replay) and with another payload (a conflict). The first reply, the held request,
+/// the replay and the conflict; the holder is still holding.
+async fn done_while_held(
+    addr: SocketAddr,
+    holder: &Holder,
+) -> (Reply, JoinHandle<Reply>, Reply, Reply) {
+    let first = post(addr, Some(SHOP_A), Some("done"), BOOK, &[]).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    let held = holder.hold(addr).await;
+    let replay = post(addr, Some(SHOP_A), Some("done"), BOOK, &[]).await;
+    let pen = r#"{"sku":"pen","quantity":1}"#;
+    let conflict = post(addr, Some(SHOP_A), Some("done"), pen, &[]).await;
+    (first, held, replay, conflict)
+}
+
+async fn concurrent_duplicates_run_the_handler_once<B: Backend>(db: B) {
+    const DUPLICATES: usize = 32;
+    // The first handler holds its transaction until every duplicate has reached the server,
+    // so that they are all in flight together.
+    let gate = Arc::new(Notify::new());
+    let server = db
+        .server()
+        .layer(|layer| layer.with_lock_timeout(Duration::from_secs(30)))
+        .hook({
+            let gate = gate.clone();
+            hook(move |_| {
+                let gate = gate.clone();
+                async move {
+                    gate.notified().await;
+                    None
+                }
+            })
+        })
+        .spawn()
+        .await;
+    let all_arrived = Arc::new(AtomicBool::new(false));
+    let opener = {
+        let (app, gate, all_arrived) = (server.app.clone(), gate.clone(), all_arrived.clone());
+        tokio::spawn(async move {
+            all_arrived.store(
+                app.wait_for_arrivals(DUPLICATES, PATIENCE).await,
+                Ordering::SeqCst,
+            );
+            // Only one handler may ever be waiting; a permit is kept if it is not there yet.
+            gate.notify_one();
+        })
+    };
+
+    let requests = same_request(server.addr, "dup-key", DUPLICATES);
+    let replies = send_all_at_once(requests.clone()).await;
+    opener.await.expect("opener");
+
+    assert!(
+        all_arrived.load(Ordering::SeqCst),
+        "all duplicates were in flight while the first held its transaction"
+    );
+    one_order_per_key(&requests, &replies);
+    assert_eq!(server.app.handler_calls(), 1, "exactly one ran the handler");
+    assert_eq!(db.order_count().await, 1, "exactly one order");
+    assert_eq!(db.record_count().await, 1);
+}
+
+async fn many_keys_with_many_duplicates_interleaved<B: Backend>(db: B) {
+    const KEYS: usize = 20;
+    const DUPLICATES: usize = 8;
+    let server = db
+        .server()
+        .layer(|layer| layer.with_lock_timeout(Duration::from_secs(30)))
+        .hook(slow_handler(3))
+        .spawn()
+        .await;
+    let requests = interleaved(&[server.addr], KEYS, DUPLICATES);
+
+    let replies = send_all_at_once(requests.clone()).await;
+
+    let by_key = one_order_per_key(&requests, &replies);
+    let mut ids: Vec<i64> = by_key.values().map(|(id, _)| *id).collect();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), KEYS, "one distinct order per key");
+    assert!(by_key.values().all(|(_, n)| *n == DUPLICATES));
+    assert_eq!(db.order_count().await, KEYS as i64);
+    assert_eq!(db.record_count().await, KEYS as i64);
     assert_eq!(server.app.handler_calls(), KEYS);
 }
 
-#[tokio::test]
-async fn store_busy_past_the_lock_timeout_is_503_with_retry_after() {
-    let started = Arc::new(Notify::new());
-    let release = Arc::new(Notify::new());
-    let server = TestServer::builder()
-        .layer(|layer| {
-            layer
-                .with_lock_timeout(Duration::from_millis(200))
-                .with_retry_after(Duration::from_secs(3))
-        })
-        .hook({
-            let (started, release) = (started.clone(), release.clone());
-            hook(move |call| {
-                let (started, release) = (started.clone(), release.clone());
-                async move {
-                    if call.key.as_deref() == Some("holder") {
-                        started.notify_one();
-                        release.notified().await;
-                    }
-                    HookOutcome::default()
-                }
-            })
-        })
-        .spawn()
-        .await;
-
-    let holder = tokio::spawn({
-        let addr = server.addr;
-        async move { post(addr, Some(SHOP_A), Some("holder"), BOOK, &[]).await }
-    });
-    tokio::time::timeout(PATIENCE, started.notified())
-        .await
-        .expect("the holder's handler started");
-
-    let busy = post(server.addr, Some(SHOP_A), Some("other"), BOOK, &[]).await;
-
-    assert_eq!(busy.status, StatusCode::SERVICE_UNAVAILABLE, "{busy:?}");
-    assert_eq!(busy.header("retry-after"), Some("3"));
-    assert_eq!(busy.error_code(), "busy_retry_later");
-    assert_eq!(
-        server.app.handler_calls(),
-        1,
-        "the busy request's handler never ran"
-    );
-    assert!(!record_exists(&server.store, "shop-a", "create_order", "other").await);
-
-    release.notify_one();
-    let held = holder.await.expect("holder task");
-    assert_eq!(held.status, StatusCode::CREATED, "{held:?}");
-
-    let retry = post(server.addr, Some(SHOP_A), Some("other"), BOOK, &[]).await;
-    assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
-    assert!(!retry.replayed());
-    assert_eq!(server.order_count().await, 2);
-    assert_eq!(server.record_count().await, 2);
-}
-
-#[tokio::test]
-async fn replay_does_not_wait_for_a_writer_in_flight() {
-    let started = Arc::new(Notify::new());
-    let release = Arc::new(Notify::new());
-    let server = TestServer::builder()
-        .layer(|layer| layer.with_lock_timeout(Duration::from_millis(200)))
-        .hook({
-            let (started, release) = (started.clone(), release.clone());
-            hook(move |call| {
-                let (started, release) = (started.clone(), release.clone());
-                async move {
-                    if call.key.as_deref() == Some("holder") {
-                        started.notify_one();
-                        release.notified().await;
-                    }
-                    HookOutcome::default()
-                }
-            })
-        })
-        .spawn()
-        .await;
-    let first = post(server.addr, Some(SHOP_A), Some("done"), BOOK, &[]).await;
-    assert_eq!(first.status, StatusCode::CREATED);
-    let holder = tokio::spawn({
-        let addr = server.addr;
-        async move { post(addr, Some(SHOP_A), Some("holder"), BOOK, &[]).await }
-    });
-    tokio::time::timeout(PATIENCE, started.notified())
-        .await
-        .expect("the holder's handler started");
-
-    // The write lock is held past the lock timeout; a completed key still replays, and a
+async fn replay_does_not_wait_for_a_writer_in_flight<B: Backend>(db: B) {
+    let holder = Holder::new("holder");
+    let server = holder.serve(&db, Duration::from_millis(200)).await;
+    // A writer is in flight past the lock timeout; a completed key still replays, and a
     // reused key still gets its 409, from the read-only fast path.
-    let replay = post(server.addr, Some(SHOP_A), Some("done"), BOOK, &[]).await;
-    let conflict = post(
-        server.addr,
-        Some(SHOP_A),
-        Some("done"),
-        r#"{"sku":"pen","quantity":1}"#,
-        &[],
-    )
-    .await;
-    release.notify_one();
+    let (first, held, replay, conflict) = done_while_held(server.addr, &holder).await;
+    holder.release();
 
     assert_eq!(replay.status, StatusCode::CREATED, "{replay:?}");
     assert!(replay.replayed());
     assert_eq!(replay.body, first.body);
     assert_eq!(conflict.status, StatusCode::CONFLICT, "{conflict:?}");
-    assert_eq!(holder.await.expect("holder").status, StatusCode::CREATED);
+    assert_eq!(held.await.expect("holder").status, StatusCode::CREATED);
 }
 
-#[tokio::test]
-async fn another_process_holding_the_write_lock_is_503_then_retry_succeeds() {
-    let server = TestServer::builder()
-        .layer(|layer| layer.with_lock_timeout(Duration::from_millis(300)))
-        .spawn()
-        .await;
-    let first = post(server.addr, Some(SHOP_A), Some("done"), BOOK, &[]).await;
-    assert_eq!(first.status, StatusCode::CREATED);
+async fn duplicate_waiting_past_the_lock_timeout_is_503_then_replays<B: Backend>(db: B) {
+    let holder = Holder::new("held");
+    let server = holder.serve(&db, Duration::from_millis(300)).await;
+    let held = holder.hold(server.addr).await;
 
-    // Another process: its own connection to the same file, holding SQLite's write lock.
-    let path = server.db_path.clone();
-    let (locked_tx, locked_rx) = tokio::sync::oneshot::channel::<()>();
-    let (unlock_tx, unlock_rx) = std::sync::mpsc::channel::<()>();
-    let other_process = std::thread::spawn(move || {
-        let conn = rusqlite::Connection::open(path).expect("open");
-        conn.execute_batch(
-            "BEGIN IMMEDIATE; INSERT INTO orders (tenant_id, sku, quantity) \
-             VALUES ('shop-b', 'other-process', 1);",
-        )
-        .expect("take the write lock");
-        let _ = locked_tx.send(());
-        let _ = unlock_rx.recv_timeout(PATIENCE);
-        conn.execute_batch("COMMIT").expect("commit");
-    });
-    locked_rx.await.expect("the other process holds the lock");
-
-    let busy = post(server.addr, Some(SHOP_A), Some("new-key"), BOOK, &[]).await;
-    let replay = post(server.addr, Some(SHOP_A), Some("done"), BOOK, &[]).await;
-    let _ = unlock_tx.send(());
-    other_process.join().expect("other process");
-
-    assert_eq!(busy.status, StatusCode::SERVICE_UNAVAILABLE, "{busy:?}");
-    assert!(busy.header("retry-after").is_some(), "{busy:?}");
-    assert!(!record_exists(&server.store, "shop-a", "create_order", "new-key").await);
-    assert!(
-        replay.replayed(),
-        "replays do not wait for the writer: {replay:?}"
-    );
-
-    let retry = post(server.addr, Some(SHOP_A), Some("new-key"), BOOK, &[]).await;
-    assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
-    assert!(!retry.replayed());
-    assert_eq!(
-        server.order_count().await,
-        3,
-        "ours, the other process's, the retry's"
-    );
-}
-
-#[tokio::test]
-async fn duplicate_waiting_past_the_lock_timeout_is_503_then_replays() {
-    let started = Arc::new(Notify::new());
-    let release = Arc::new(Notify::new());
-    let server = TestServer::builder()
-        .layer(|layer| layer.with_lock_timeout(Duration::from_millis(200)))
-        .hook({
-            let (started, release) = (started.clone(), release.clone());
-            hook(move |_| {
-                let (started, release) = (started.clone(), release.clone());
-                async move {
-                    started.notify_one();
-                    release.notified().await;
-                    HookOutcome::default()
-                }
-            })
-        })
-        .spawn()
-        .await;
-    let original = tokio::spawn({
-        let addr = server.addr;
-        async move { post(addr, Some(SHOP_A), Some("slow"), BOOK, &[]).await }
-    });
-    tokio::time::timeout(PATIENCE, started.notified())
-        .await
-        .expect("the original's handler started");
-
-    let waited = post(server.addr, Some(SHOP_A), Some("slow"), BOOK, &[]).await;
+    let waited = post(server.addr, Some(SHOP_A), Some("held"), BOOK, &[]).await;
+    // Where writers run in parallel, only that key waits: another one goes through meanwhile.
+    let others = if B::PARALLEL_WRITERS {
+        let other = post(server.addr, Some(SHOP_A), Some("other"), BOOK, &[]).await;
+        assert_eq!(other.status, StatusCode::CREATED, "{other:?}");
+        1
+    } else {
+        0
+    };
 
     assert_eq!(waited.status, StatusCode::SERVICE_UNAVAILABLE, "{waited:?}");
-    assert!(waited.header("retry-after").is_some());
+    assert_eq!(waited.header("retry-after"), Some("3"));
+    assert_eq!(waited.error_code(), "busy_retry_later");
     assert_eq!(
         server.app.handler_calls(),
-        1,
+        1 + others,
         "the duplicate did not run the handler"
     );
 
-    release.notify_one();
-    let original = original.await.expect("original");
-    assert_eq!(original.status, StatusCode::CREATED);
-    let retried = post(server.addr, Some(SHOP_A), Some("slow"), BOOK, &[]).await;
+    holder.release();
+    let original = held.await.expect("original");
+    assert_eq!(original.status, StatusCode::CREATED, "{original:?}");
+    let retried = post(server.addr, Some(SHOP_A), Some("held"), BOOK, &[]).await;
     assert!(retried.replayed(), "{retried:?}");
     assert_eq!(retried.body, original.body);
-    assert_eq!(server.order_count().await, 1);
+    assert_eq!(server.app.handler_calls(), 1 + others);
+    assert_eq!(db.order_count().await, 1 + others as i64);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn when_the_original_fails_a_waiting_duplicate_runs_afresh() {
+async fn when_the_original_fails_a_waiting_duplicate_runs_afresh<B: Backend>(db: B) {
     let gate = Arc::new(Notify::new());
     let first = Arc::new(AtomicBool::new(true));
-    let server = TestServer::builder()
+    let server = db
+        .server()
         .layer(|layer| layer.with_lock_timeout(Duration::from_secs(30)))
         .hook({
             let gate = gate.clone();
@@ -363,13 +323,10 @@ async fn when_the_original_fails_a_waiting_duplicate_runs_afresh() {
                 let fail = first.swap(false, Ordering::SeqCst);
                 async move {
                     if !fail {
-                        return HookOutcome::default();
+                        return None;
                     }
                     gate.notified().await;
-                    HookOutcome {
-                        fail_with: Some(StatusCode::INTERNAL_SERVER_ERROR),
-                        ..HookOutcome::default()
-                    }
+                    Some(StatusCode::INTERNAL_SERVER_ERROR)
                 }
             })
         })
@@ -385,7 +342,7 @@ async fn when_the_original_fails_a_waiting_duplicate_runs_afresh() {
         })
     };
 
-    let replies = send_all_at_once(&server, vec![("dup".to_owned(), BOOK.to_owned()); 2]).await;
+    let replies = send_all_at_once(same_request(server.addr, "dup", 2)).await;
 
     assert!(
         opener.await.expect("opener"),
@@ -404,9 +361,375 @@ async fn when_the_original_fails_a_waiting_duplicate_runs_afresh() {
     );
     assert_eq!(server.app.handler_calls(), 2);
     assert_eq!(
-        server.order_count().await,
+        db.order_count().await,
         1,
         "only the successful attempt's order"
     );
-    assert_eq!(server.record_count().await, 1);
+    assert_eq!(db.record_count().await, 1);
+}
+
+/// The tests above, on one backend.
+macro_rules! concurrency_tests {
+    ($backend:ident $($attr:tt)*) => {
+        backend_tests!($backend [$($attr)*];
+            concurrent_duplicates_run_the_handler_once(flavor = "multi_thread", worker_threads = 2),
+            many_keys_with_many_duplicates_interleaved(flavor = "multi_thread", worker_threads = 2),
+            replay_does_not_wait_for_a_writer_in_flight,
+            duplicate_waiting_past_the_lock_timeout_is_503_then_replays,
+            when_the_original_fails_a_waiting_duplicate_runs_afresh(
+                flavor = "multi_thread",
+                worker_threads = 2
+            ),
+        );
+    };
+}
+
+mod sqlite {
+    //! SQLite has one writer: a writer of another key, or another process holding the write
+    //! lock, makes a new key wait past the lock timeout.
+
+    use backend::Sqlite;
+
+    use super::*;
+
+    concurrency_tests!(Sqlite);
+
+    #[tokio::test]
+    async fn store_busy_past_the_lock_timeout_is_503_with_retry_after() {
+        let Some(db) = Sqlite::create().await else {
+            return;
+        };
+        let holder = Holder::new("holder");
+        let server = holder.serve(&db, Duration::from_millis(200)).await;
+        let held = holder.hold(server.addr).await;
+
+        let busy = post(server.addr, Some(SHOP_A), Some("other"), BOOK, &[]).await;
+
+        assert_eq!(busy.status, StatusCode::SERVICE_UNAVAILABLE, "{busy:?}");
+        assert_eq!(busy.header("retry-after"), Some("3"));
+        assert_eq!(busy.error_code(), "busy_retry_later");
+        assert_eq!(
+            server.app.handler_calls(),
+            1,
+            "the busy request's handler never ran"
+        );
+        assert!(!db.record_exists("shop-a", "create_order", "other").await);
+
+        holder.release();
+        let held = held.await.expect("holder task");
+        assert_eq!(held.status, StatusCode::CREATED, "{held:?}");
+
+        let retry = post(server.addr, Some(SHOP_A), Some("other"), BOOK, &[]).await;
+        assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
+        assert!(!retry.replayed());
+        assert_eq!(db.order_count().await, 2);
+        assert_eq!(db.record_count().await, 2);
+    }
+
+    #[tokio::test]
+    async fn another_process_holding_the_write_lock_is_503_then_retry_succeeds() {
+        let Some(db) = Sqlite::create().await else {
+            return;
+        };
+        let server = db
+            .server()
+            .layer(|layer| layer.with_lock_timeout(Duration::from_millis(300)))
+            .spawn()
+            .await;
+        let first = post(server.addr, Some(SHOP_A), Some("done"), BOOK, &[]).await;
+        assert_eq!(first.status, StatusCode::CREATED);
+
+        // Another process: its own connection to the same file, holding SQLite's write lock.
+        let path = db.path().to_path_buf();
+        let (locked_tx, locked_rx) = tokio::sync::oneshot::channel::<()>();
+        let (unlock_tx, unlock_rx) = std::sync::mpsc::channel::<()>();
+        let other_process = std::thread::spawn(move || {
+            let conn = rusqlite::Connection::open(path).expect("open");
+            conn.execute_batch(
+                "BEGIN IMMEDIATE; INSERT INTO orders (tenant_id, sku, quantity) \
+                 VALUES ('shop-b', 'other-process', 1);",
+            )
+            .expect("take the write lock");
+            let _ = locked_tx.send(());
+            let _ = unlock_rx.recv_timeout(PATIENCE);
+            conn.execute_batch("COMMIT").expect("commit");
+        });
+        locked_rx.await.expect("the other process holds the lock");
+
+        let busy = post(server.addr, Some(SHOP_A), Some("new-key"), BOOK, &[]).await;
+        let replay = post(server.addr, Some(SHOP_A), Some("done"), BOOK, &[]).await;
+        let _ = unlock_tx.send(());
+        other_process.join().expect("other process");
+
+        assert_eq!(busy.status, StatusCode::SERVICE_UNAVAILABLE, "{busy:?}");
+        assert!(busy.header("retry-after").is_some(), "{busy:?}");
+        assert!(!db.record_exists("shop-a", "create_order", "new-key").await);
+        assert!(
+            replay.replayed(),
+            "replays do not wait for the writer: {replay:?}"
+        );
+
+        let retry = post(server.addr, Some(SHOP_A), Some("new-key"), BOOK, &[]).await;
+        assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
+        assert!(!retry.replayed());
+        assert_eq!(
+            db.order_count().await,
+            3,
+            "ours, the other process's, the retry's"
+        );
+    }
+}
+
+mod postgres {
+    //! PostgreSQL runs writers of different keys in parallel, bounds them by its pools, and
+    //! may fail a SERIALIZABLE transaction.
+
+    use backend::Postgres;
+    use pg_common::{hook as pg_hook, HookOutcome, PgServer};
+    use tower_idempotency::store::postgres::{Isolation, PostgresStore};
+
+    use super::*;
+
+    concurrency_tests!(
+        Postgres #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
+    );
+
+    /// Two app instances (two servers, two stores of their own) on one database; every key is
+    /// sent to both at once, several times: still one order per key, and both instances ran
+    /// handlers (on SQLite one instance's writer may win every race, so this is PostgreSQL's).
+    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn two_app_instances_sharing_the_database_create_one_order_per_key() {
+        const KEYS: usize = 12;
+        const DUPLICATES: usize = 6;
+        let Some(db) = Postgres::create().await else {
+            return;
+        };
+        let long_wait = |layer: IdempotencyLayer<PostgresStore>| {
+            layer.with_lock_timeout(Duration::from_secs(30))
+        };
+        let a = db
+            .server()
+            .layer(long_wait)
+            .hook(slow_handler(5))
+            .spawn()
+            .await;
+        let b = db
+            .server()
+            .layer(long_wait)
+            .hook(slow_handler(5))
+            .spawn()
+            .await;
+        let requests = interleaved(&[a.addr, b.addr], KEYS, DUPLICATES);
+
+        let replies = send_all_at_once(requests.clone()).await;
+
+        let by_key = one_order_per_key(&requests, &replies);
+        assert_eq!(by_key.len(), KEYS);
+        assert_eq!(db.order_count().await, KEYS as i64);
+        assert_eq!(db.record_count().await, KEYS as i64);
+        assert_eq!(a.app.handler_calls() + b.app.handler_calls(), KEYS);
+        assert!(
+            a.app.handler_calls() > 0 && b.app.handler_calls() > 0,
+            "both instances ran handlers"
+        );
+    }
+
+    /// Different keys do not queue behind one writer: both handlers are inside their
+    /// transactions at the same time.
+    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn different_keys_run_their_handlers_in_parallel() {
+        let Some(db) = Postgres::create().await else {
+            return;
+        };
+        let together = Arc::new(Barrier::new(2));
+        let server = db
+            .server()
+            .layer(|layer| layer.with_lock_timeout(Duration::from_millis(500)))
+            .hook({
+                let together = together.clone();
+                hook(move |_| {
+                    let together = together.clone();
+                    async move {
+                        // Passes only when the other handler is inside its transaction too.
+                        let met = tokio::time::timeout(PATIENCE, together.wait()).await;
+                        met.is_err().then_some(StatusCode::INTERNAL_SERVER_ERROR)
+                    }
+                })
+            })
+            .spawn()
+            .await;
+
+        let replies = send_all_at_once(two_keys(server.addr)).await;
+
+        for reply in &replies {
+            assert_eq!(reply.status, StatusCode::CREATED, "{reply:?}");
+        }
+        assert_eq!(db.order_count().await, 2);
+    }
+
+    /// `key-a` and `key-b`, with a book, to this server.
+    fn two_keys(addr: SocketAddr) -> Vec<(SocketAddr, String, String)> {
+        ["key-a", "key-b"]
+            .into_iter()
+            .map(|key| (addr, key.to_owned(), BOOK.to_owned()))
+            .collect()
+    }
+
+    /// With one transaction connection, held by a slow handler: a new key waits for the pool
+    /// past the lock timeout (`503`), while completed keys still replay from the read pool.
+    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
+    #[tokio::test]
+    async fn replays_do_not_wait_for_writers_and_a_full_pool_is_503() {
+        let Some(db) = Postgres::create().await else {
+            return;
+        };
+        let holder = Holder::new("holder");
+        let server = db
+            .server()
+            .layer(|layer| layer.with_lock_timeout(Duration::from_millis(300)))
+            .hook(holder.hook())
+            .spawn_with(|options| options.max_connections(1))
+            .await;
+        let (done, held, replay, conflict) = done_while_held(server.addr, &holder).await;
+        let busy = post(server.addr, Some(SHOP_A), Some("new-key"), BOOK, &[]).await;
+        holder.release();
+
+        assert!(replay.replayed(), "{replay:?}");
+        assert_eq!(replay.body, done.body);
+        assert_eq!(conflict.status, StatusCode::CONFLICT, "{conflict:?}");
+        assert_eq!(busy.status, StatusCode::SERVICE_UNAVAILABLE, "{busy:?}");
+        assert!(busy.header("retry-after").is_some());
+        assert_eq!(held.await.expect("holder").status, StatusCode::CREATED);
+        assert!(!db.record_exists("shop-a", "create_order", "new-key").await);
+        let retry = post(server.addr, Some(SHOP_A), Some("new-key"), BOOK, &[]).await;
+        assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
+        assert!(!retry.replayed());
+    }
+
+    /// A SERIALIZABLE app whose first two handlers both read the whole `orders` table, then
+    /// wait for each other, before inserting: they cannot both commit.
+    async fn racing_readers(
+        db: &Postgres,
+        layer: impl Fn(IdempotencyLayer<PostgresStore>) -> IdempotencyLayer<PostgresStore>
+            + Send
+            + 'static,
+    ) -> PgServer {
+        let both_read = Arc::new(Barrier::new(2));
+        let first_call = Arc::new(AtomicBool::new(true));
+        PgServer::builder()
+            .store(|options| options.isolation(Isolation::Serializable))
+            .layer(layer)
+            .hook(pg_hook(move |call| {
+                let (both_read, first_call) = (both_read.clone(), first_call.clone());
+                async move {
+                    // Only the first two calls race; a retry runs alone.
+                    if first_call.load(Ordering::SeqCst) {
+                        let client = call.tx.client().await.expect("client");
+                        client
+                            .query_one("SELECT count(*) FROM orders", &[])
+                            .await
+                            .expect("read orders");
+                        drop(client);
+                        let _ = tokio::time::timeout(PATIENCE, both_read.wait()).await;
+                        first_call.store(false, Ordering::SeqCst);
+                    }
+                    HookOutcome::default()
+                }
+            }))
+            .spawn(&db.0)
+            .await
+    }
+
+    /// The loser's serialization failure is a `503` with `Retry-After`, nothing of it is
+    /// kept, and its retry succeeds.
+    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn serialization_failure_is_503_and_the_retry_succeeds() {
+        let Some(db) = Postgres::create().await else {
+            return;
+        };
+        let server = racing_readers(&db, |layer| {
+            layer
+                .with_lock_timeout(Duration::from_secs(5))
+                .with_conflict_retries(0)
+        })
+        .await;
+
+        let replies = send_all_at_once(two_keys(server.addr)).await;
+
+        let mut statuses: Vec<u16> = replies.iter().map(|r| r.status.as_u16()).collect();
+        statuses.sort();
+        assert_eq!(statuses, [201, 503], "{replies:?}");
+        let (loser, key) = if replies[0].status == StatusCode::SERVICE_UNAVAILABLE {
+            (&replies[0], "key-a")
+        } else {
+            (&replies[1], "key-b")
+        };
+        assert!(loser.header("retry-after").is_some(), "{loser:?}");
+        assert_eq!(
+            db.order_count().await,
+            1,
+            "the loser's order was rolled back"
+        );
+        assert!(!db.record_exists("shop-a", "create_order", key).await);
+
+        let retry = post(server.addr, Some(SHOP_A), Some(key), BOOK, &[]).await;
+        assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
+        assert!(!retry.replayed());
+        assert_eq!(db.order_count().await, 2);
+        assert_eq!(db.record_count().await, 2);
+    }
+
+    /// The same race with the layer's conflict retries: the loser runs again and commits.
+    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn serialization_failure_at_commit_runs_the_request_again() {
+        let Some(db) = Postgres::create().await else {
+            return;
+        };
+        let server =
+            racing_readers(&db, |layer| layer.with_lock_timeout(Duration::from_secs(5))).await;
+
+        let replies = send_all_at_once(two_keys(server.addr)).await;
+
+        for reply in &replies {
+            assert_eq!(reply.status, StatusCode::CREATED, "{reply:?}");
+            assert!(!reply.replayed());
+        }
+        assert_eq!(
+            server.app.handler_calls(),
+            3,
+            "the loser's handler ran again"
+        );
+        assert_eq!(db.order_count().await, 2);
+        assert_eq!(db.record_count().await, 2);
+    }
+
+    /// SERIALIZABLE transactions and duplicates in flight: reserving a key that a concurrent
+    /// transaction just committed is a serialization failure under this isolation; the store
+    /// retries it, and every duplicate still gets the one response.
+    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn serializable_duplicates_are_retried_into_replays() {
+        const KEYS: usize = 8;
+        const DUPLICATES: usize = 4;
+        let Some(db) = Postgres::create().await else {
+            return;
+        };
+        let server = db
+            .server()
+            .layer(|layer| layer.with_lock_timeout(Duration::from_secs(30)))
+            .hook(slow_handler(5))
+            .spawn_with(|options| options.isolation(Isolation::Serializable))
+            .await;
+        let requests = interleaved(&[server.addr], KEYS, DUPLICATES);
+
+        let replies = send_all_at_once(requests.clone()).await;
+
+        one_order_per_key(&requests, &replies);
+        assert_eq!(db.order_count().await, KEYS as i64);
+        assert_eq!(server.app.handler_calls(), KEYS);
+    }
 }

@@ -1,19 +1,29 @@
-//! The contract table of DESIGN.md §1, row by row, over real HTTP and a real SQLite file.
+//! The contract table of DESIGN.md §1, row by row, over real HTTP, written once and run
+//! against a real SQLite file (`contract::sqlite::...`) and a real PostgreSQL schema
+//! (`contract::postgres::...`, reported as ignored without `TEST_DATABASE_URL`): new key,
+//! replay, changed payload, other tenant and operation, what is never stored, expiry and
+//! purging, durability across a restart. Each backend's module also holds the tests that only
+//! make sense there (the PostgreSQL schema created and migrated on open; the SQLite app's
+//! routes without a store).
 
+#[macro_use]
+mod backend;
 mod common;
+mod pg_common;
 
-use common::{
-    hook, orders, post, record_exists, HookOutcome, Post, TestServer, PATIENCE, SHOP_A, SHOP_B,
-};
-use http::header::HeaderName;
+use std::time::{Duration, SystemTime};
+
+use backend::{hook, Backend, Server};
+use common::{post, Post, PATIENCE, SHOP_A, SHOP_B};
+use http::header::{self, HeaderName};
 use http::{HeaderValue, StatusCode};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tower_idempotency::store::{continuously_purge_expired, IdempotencyStore};
 
 const BOOK: &str = r#"{"sku":"book","quantity":1}"#;
 
-#[tokio::test]
-async fn new_key_runs_the_handler_once_and_answers_201_with_location() {
-    let server = TestServer::spawn().await;
+async fn new_key_runs_the_handler_once_and_answers_201_with_location<B: Backend>(db: B) {
+    let server = db.spawn().await;
 
     let reply = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
 
@@ -24,16 +34,15 @@ async fn new_key_runs_the_handler_once_and_answers_201_with_location() {
     assert!(!reply.replayed(), "a first response is not a replay");
     assert_eq!(server.app.handler_calls(), 1);
     assert_eq!(
-        orders(&server.store).await,
+        db.orders().await,
         vec![(id, "shop-a".to_owned(), "book".to_owned(), 1)]
     );
-    assert!(record_exists(&server.store, "shop-a", "create_order", "key-1").await);
-    assert_eq!(server.record_count().await, 1);
+    assert!(db.record_exists("shop-a", "create_order", "key-1").await);
+    assert_eq!(db.record_count().await, 1);
 }
 
-#[tokio::test]
-async fn same_key_and_payload_replays_without_running_the_handler() {
-    let server = TestServer::spawn().await;
+async fn same_key_and_payload_replays_without_running_the_handler<B: Backend>(db: B) {
+    let server = db.spawn().await;
     let first = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
     assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
 
@@ -47,16 +56,15 @@ async fn same_key_and_payload_replays_without_running_the_handler() {
         again.assert_content_length_matches();
     }
     assert_eq!(server.app.handler_calls(), 1, "the handler ran only once");
-    assert_eq!(server.order_count().await, 1);
-    assert_eq!(server.record_count().await, 1);
+    assert_eq!(db.order_count().await, 1);
+    assert_eq!(db.record_count().await, 1);
 }
 
-#[tokio::test]
-async fn same_key_with_another_payload_is_409_and_the_original_stays() {
-    let server = TestServer::spawn().await;
+async fn same_key_with_another_payload_is_409_and_the_original_stays<B: Backend>(db: B) {
+    let server = db.spawn().await;
     let first = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
     assert_eq!(first.status, StatusCode::CREATED);
-    let before = orders(&server.store).await;
+    let before = db.orders().await;
 
     let other = r#"{"sku":"pen","quantity":2}"#;
     let conflict = post(server.addr, Some(SHOP_A), Some("key-1"), other, &[]).await;
@@ -65,11 +73,7 @@ async fn same_key_with_another_payload_is_409_and_the_original_stays() {
     assert_eq!(conflict.error_code(), "key_reused_with_different_payload");
     assert!(!conflict.replayed());
     assert_eq!(server.app.handler_calls(), 1, "the handler did not run");
-    assert_eq!(
-        orders(&server.store).await,
-        before,
-        "the original order stays"
-    );
+    assert_eq!(db.orders().await, before, "the original order stays");
 
     // The saved response is untouched: the original request still replays it.
     let replay = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
@@ -77,12 +81,12 @@ async fn same_key_with_another_payload_is_409_and_the_original_stays() {
     assert_eq!(replay.body, first.body);
     assert_eq!(replay.header("location"), first.header("location"));
     assert!(replay.replayed());
-    assert_eq!(server.record_count().await, 1);
+    assert_eq!(db.record_count().await, 1);
 }
 
-#[tokio::test]
-async fn conflict_status_is_configurable() {
-    let server = TestServer::builder()
+async fn conflict_status_is_configurable<B: Backend>(db: B) {
+    let server = db
+        .server()
         .layer(|layer| layer.with_conflict_status(StatusCode::UNPROCESSABLE_ENTITY))
         .spawn()
         .await;
@@ -94,12 +98,11 @@ async fn conflict_status_is_configurable() {
 
     assert_eq!(conflict.status, StatusCode::UNPROCESSABLE_ENTITY);
     assert_eq!(conflict.error_code(), "key_reused_with_different_payload");
-    assert_eq!(server.order_count().await, 1);
+    assert_eq!(db.order_count().await, 1);
 }
 
-#[tokio::test]
-async fn another_tenant_with_the_same_key_gets_its_own_order() {
-    let server = TestServer::spawn().await;
+async fn another_tenant_with_the_same_key_gets_its_own_order<B: Backend>(db: B) {
+    let server = db.spawn().await;
 
     let a = post(server.addr, Some(SHOP_A), Some("shared-key"), BOOK, &[]).await;
     let b = post(server.addr, Some(SHOP_B), Some("shared-key"), BOOK, &[]).await;
@@ -108,11 +111,14 @@ async fn another_tenant_with_the_same_key_gets_its_own_order() {
     assert_eq!(b.status, StatusCode::CREATED);
     assert!(!b.replayed(), "another tenant's record is never replayed");
     assert_ne!(a.order_id(), b.order_id());
-    let rows = orders(&server.store).await;
+    let rows = db.orders().await;
     assert_eq!(rows.len(), 2);
     assert_eq!(rows[0].1, "shop-a");
     assert_eq!(rows[1].1, "shop-b");
-    assert!(record_exists(&server.store, "shop-b", "create_order", "shared-key").await);
+    assert!(
+        db.record_exists("shop-b", "create_order", "shared-key")
+            .await
+    );
 
     // And each tenant's retry replays its own response.
     let b_again = post(server.addr, Some(SHOP_B), Some("shared-key"), BOOK, &[]).await;
@@ -120,9 +126,8 @@ async fn another_tenant_with_the_same_key_gets_its_own_order() {
     assert_eq!(b_again.body, b.body);
 }
 
-#[tokio::test]
-async fn same_key_on_another_operation_is_independent() {
-    let server = TestServer::spawn().await;
+async fn same_key_on_another_operation_is_independent<B: Backend>(db: B) {
+    let server = db.spawn().await;
 
     let order = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
     let express = Post::order("key-1", BOOK)
@@ -134,9 +139,12 @@ async fn same_key_on_another_operation_is_independent() {
     assert_eq!(express.status, StatusCode::CREATED, "{express:?}");
     assert!(!express.replayed());
     assert_ne!(order.order_id(), express.order_id());
-    assert_eq!(server.order_count().await, 2);
-    assert!(record_exists(&server.store, "shop-a", "create_order", "key-1").await);
-    assert!(record_exists(&server.store, "shop-a", "create_express_order", "key-1").await);
+    assert_eq!(db.order_count().await, 2);
+    assert!(db.record_exists("shop-a", "create_order", "key-1").await);
+    assert!(
+        db.record_exists("shop-a", "create_express_order", "key-1")
+            .await
+    );
 
     // A different payload on the other operation is not a conflict with the first one.
     let express_other = Post::order("key-2", BOOK)
@@ -147,72 +155,24 @@ async fn same_key_on_another_operation_is_independent() {
 }
 
 /// Asserts that a refused request left nothing behind and never reached the handler.
-async fn assert_nothing_happened(server: &TestServer) {
+async fn assert_nothing_happened<B: Backend>(db: &B, server: &Server<B>) {
     assert_eq!(server.app.handler_calls(), 0, "the handler must not run");
-    assert_eq!(server.order_count().await, 0, "no order");
-    assert_eq!(server.record_count().await, 0, "no record");
+    assert_eq!(db.order_count().await, 0, "no order");
+    assert_eq!(db.record_count().await, 0, "no record");
 }
 
-#[tokio::test]
-async fn missing_key_is_400_and_nothing_is_stored() {
-    let server = TestServer::spawn().await;
+async fn missing_key_is_400_and_nothing_is_stored<B: Backend>(db: B) {
+    let server = db.spawn().await;
 
     let reply = post(server.addr, Some(SHOP_A), None, BOOK, &[]).await;
 
     assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{reply:?}");
     assert_eq!(reply.error_code(), "missing_idempotency_key");
-    assert_nothing_happened(&server).await;
+    assert_nothing_happened(&db, &server).await;
 }
 
-#[tokio::test]
-async fn optional_key_passes_the_request_through_untouched() {
-    let server = TestServer::builder()
-        .layer(|layer| layer.with_key_required(false))
-        .spawn()
-        .await;
-
-    // Not JSON at all: a request the layer handled would be refused (invalid_json); a
-    // passed-through one reaches the handler with its exact bytes.
-    let body = b"not json \xff\x00 at all".to_vec();
-    let reply = Post::order("unused", "")
-        .no_key()
-        .path("/notes")
-        .body(body.clone())
-        .send(server.addr)
-        .await;
-
-    assert_eq!(reply.status, StatusCode::OK, "{reply:?}");
-    assert_eq!(reply.body, body, "the body reached the handler untouched");
-    assert_eq!(reply.header("x-saw-transaction"), Some("no"));
-    assert!(!reply.replayed());
-    assert_eq!(server.app.note_calls(), 1);
-    assert_eq!(server.record_count().await, 0, "nothing stored");
-
-    // Twice: not idempotent without a key, the handler runs again.
-    let again = Post::order("unused", "")
-        .no_key()
-        .path("/notes")
-        .body(body.clone())
-        .send(server.addr)
-        .await;
-    assert_eq!(again.status, StatusCode::OK);
-    assert!(!again.replayed());
-    assert_eq!(server.app.note_calls(), 2);
-    assert_eq!(server.record_count().await, 0);
-
-    // With a key the same route is idempotent, and the handler sees the transaction.
-    let keyed = Post::order("note-1", r#"{"text":"hi"}"#)
-        .path("/notes")
-        .send(server.addr)
-        .await;
-    assert_eq!(keyed.status, StatusCode::OK);
-    assert_eq!(keyed.header("x-saw-transaction"), Some("yes"));
-    assert!(record_exists(&server.store, "shop-a", "create_note", "note-1").await);
-}
-
-#[tokio::test]
-async fn malformed_keys_are_400_and_nothing_is_stored() {
-    let server = TestServer::spawn().await;
+async fn malformed_keys_are_400_and_nothing_is_stored<B: Backend>(db: B) {
+    let server = db.spawn().await;
     let too_long = "k".repeat(129);
     let cases: [(&str, &[u8], &str); 7] = [
         (
@@ -239,13 +199,12 @@ async fn malformed_keys_are_400_and_nothing_is_stored() {
         assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{what}: {reply:?}");
         assert_eq!(reply.error_code(), code, "{what}");
     }
-    assert_nothing_happened(&server).await;
+    assert_nothing_happened(&db, &server).await;
 }
 
-#[tokio::test]
-async fn key_with_a_raw_control_byte_is_400_over_the_wire() {
+async fn key_with_a_raw_control_byte_is_400_over_the_wire<B: Backend>(db: B) {
     // No HTTP client library sends \x01 in a header value: write the request by hand.
-    let server = TestServer::spawn().await;
+    let server = db.spawn().await;
     let mut stream = tokio::net::TcpStream::connect(server.addr)
         .await
         .expect("connect");
@@ -270,25 +229,23 @@ async fn key_with_a_raw_control_byte_is_400_over_the_wire() {
         response.starts_with("HTTP/1.1 400"),
         "expected a 400, got {response:?}"
     );
-    assert_nothing_happened(&server).await;
+    assert_nothing_happened(&db, &server).await;
 }
 
-#[tokio::test]
-async fn key_of_128_characters_is_accepted() {
-    let server = TestServer::spawn().await;
+async fn key_of_128_characters_is_accepted<B: Backend>(db: B) {
+    let server = db.spawn().await;
     let key = "k".repeat(128);
 
     let reply = post(server.addr, Some(SHOP_A), Some(&key), BOOK, &[]).await;
 
     assert_eq!(reply.status, StatusCode::CREATED, "{reply:?}");
-    assert!(record_exists(&server.store, "shop-a", "create_order", &key).await);
+    assert!(db.record_exists("shop-a", "create_order", &key).await);
     let again = post(server.addr, Some(SHOP_A), Some(&key), BOOK, &[]).await;
     assert!(again.replayed());
 }
 
-#[tokio::test]
-async fn key_header_sent_twice_is_400_even_when_both_are_equal() {
-    let server = TestServer::spawn().await;
+async fn key_header_sent_twice_is_400_even_when_both_are_equal<B: Backend>(db: B) {
+    let server = db.spawn().await;
     for keys in [[&b"key-1"[..], b"key-2"], [b"key-1", b"key-1"]] {
         let reply = Post::order("unused", BOOK)
             .raw_keys(&keys)
@@ -297,30 +254,11 @@ async fn key_header_sent_twice_is_400_even_when_both_are_equal() {
         assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{keys:?}: {reply:?}");
         assert_eq!(reply.error_code(), "duplicate_idempotency_key_header");
     }
-    assert_nothing_happened(&server).await;
+    assert_nothing_happened(&db, &server).await;
 }
 
-#[tokio::test]
-async fn request_without_tenant_is_401_and_nothing_is_stored() {
-    // The layer itself refuses a request no authentication layer vouched for.
-    let server = TestServer::builder().without_auth().spawn().await;
-    let reply = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
-    assert_eq!(reply.status, StatusCode::UNAUTHORIZED, "{reply:?}");
-    assert_eq!(reply.error_code(), "unauthenticated");
-    assert_nothing_happened(&server).await;
-
-    // Behind the app's auth: no token, or an unknown one.
-    let server = TestServer::spawn().await;
-    for token in [None, Some("forged-token")] {
-        let reply = post(server.addr, token, Some("key-1"), BOOK, &[]).await;
-        assert_eq!(reply.status, StatusCode::UNAUTHORIZED, "{token:?}");
-    }
-    assert_nothing_happened(&server).await;
-}
-
-#[tokio::test]
-async fn quoted_key_is_the_same_key_as_its_bare_form() {
-    let server = TestServer::spawn().await;
+async fn quoted_key_is_the_same_key_as_its_bare_form<B: Backend>(db: B) {
+    let server = db.spawn().await;
 
     let quoted = post(server.addr, Some(SHOP_A), Some("\"abc\""), BOOK, &[]).await;
     let bare = post(server.addr, Some(SHOP_A), Some("abc"), BOOK, &[]).await;
@@ -330,12 +268,11 @@ async fn quoted_key_is_the_same_key_as_its_bare_form() {
     assert!(bare.replayed(), "the bare key replays the quoted one");
     assert_eq!(bare.body, quoted.body);
     assert_eq!(server.app.handler_calls(), 1);
-    assert!(record_exists(&server.store, "shop-a", "create_order", "abc").await);
+    assert!(db.record_exists("shop-a", "create_order", "abc").await);
 }
 
-#[tokio::test]
-async fn equivalent_json_spellings_are_the_same_request() {
-    let server = TestServer::spawn().await;
+async fn equivalent_json_spellings_are_the_same_request<B: Backend>(db: B) {
+    let server = db.spawn().await;
 
     let first = post(
         server.addr,
@@ -358,7 +295,7 @@ async fn equivalent_json_spellings_are_the_same_request() {
     assert_eq!(second.status, StatusCode::CREATED, "{second:?}");
     assert!(second.replayed(), "same canonical payload: a replay");
     assert_eq!(second.body, first.body);
-    assert_eq!(server.order_count().await, 1);
+    assert_eq!(db.order_count().await, 1);
 
     let third = post(
         server.addr,
@@ -369,12 +306,11 @@ async fn equivalent_json_spellings_are_the_same_request() {
     )
     .await;
     assert_eq!(third.status, StatusCode::CONFLICT, "{third:?}");
-    assert_eq!(server.order_count().await, 1);
+    assert_eq!(db.order_count().await, 1);
 }
 
-#[tokio::test]
-async fn invalid_json_or_utf8_is_400_and_nothing_is_stored() {
-    let server = TestServer::spawn().await;
+async fn invalid_json_or_utf8_is_400_and_nothing_is_stored<B: Backend>(db: B) {
+    let server = db.spawn().await;
     let cases: [(&str, &[u8], &str); 3] = [
         (
             "truncated JSON",
@@ -400,12 +336,11 @@ async fn invalid_json_or_utf8_is_400_and_nothing_is_stored() {
         assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{what}: {reply:?}");
         assert_eq!(reply.error_code(), code, "{what}");
     }
-    assert_nothing_happened(&server).await;
+    assert_nothing_happened(&db, &server).await;
 }
 
-#[tokio::test]
-async fn deeply_nested_json_is_refused_and_the_server_keeps_serving() {
-    let server = TestServer::spawn().await;
+async fn deeply_nested_json_is_refused_and_the_server_keeps_serving<B: Backend>(db: B) {
+    let server = db.spawn().await;
     let depth = 100_000;
     let body = format!("{}{}", "[".repeat(depth), "]".repeat(depth));
 
@@ -413,24 +348,19 @@ async fn deeply_nested_json_is_refused_and_the_server_keeps_serving() {
 
     assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{reply:?}");
     assert_eq!(reply.error_code(), "json_too_deep");
-    assert_nothing_happened(&server).await;
+    assert_nothing_happened(&db, &server).await;
     let next = post(server.addr, Some(SHOP_A), Some("after-deep"), BOOK, &[]).await;
     assert_eq!(next.status, StatusCode::CREATED, "the server still serves");
 }
 
-#[tokio::test]
-async fn set_cookie_is_never_replayed_and_content_length_is_right() {
-    let server = TestServer::builder()
-        .layer(|layer| layer.with_replayed_header(http::header::SET_COOKIE))
-        .hook(hook(|_| async {
-            HookOutcome {
-                headers: vec![(
-                    http::header::SET_COOKIE,
-                    HeaderValue::from_static("session=first-client; HttpOnly"),
-                )],
-                ..HookOutcome::default()
-            }
-        }))
+async fn set_cookie_is_never_replayed_and_content_length_is_right<B: Backend>(db: B) {
+    let server = db
+        .server()
+        .layer(|layer| layer.with_replayed_header(header::SET_COOKIE))
+        .response_header(
+            header::SET_COOKIE,
+            HeaderValue::from_static("session=first-client; HttpOnly"),
+        )
         .spawn()
         .await;
 
@@ -454,29 +384,19 @@ async fn set_cookie_is_never_replayed_and_content_length_is_right() {
     assert_eq!(replay.body, first.body);
 }
 
-#[tokio::test]
-async fn allow_listed_header_is_replayed_and_others_are_not() {
+async fn allow_listed_header_is_replayed_and_others_are_not<B: Backend>(db: B) {
     let cost = HeaderName::from_static("x-order-cost");
-    let server = TestServer::builder()
+    let server = db
+        .server()
         .layer({
             let cost = cost.clone();
             move |layer| layer.with_replayed_header(cost.clone())
         })
-        .hook(hook(|_| async {
-            HookOutcome {
-                headers: vec![
-                    (
-                        HeaderName::from_static("x-order-cost"),
-                        HeaderValue::from_static("12.50"),
-                    ),
-                    (
-                        HeaderName::from_static("x-not-listed"),
-                        HeaderValue::from_static("1"),
-                    ),
-                ],
-                ..HookOutcome::default()
-            }
-        }))
+        .response_header(cost, HeaderValue::from_static("12.50"))
+        .response_header(
+            HeaderName::from_static("x-not-listed"),
+            HeaderValue::from_static("1"),
+        )
         .spawn()
         .await;
 
@@ -491,9 +411,8 @@ async fn allow_listed_header_is_replayed_and_others_are_not() {
     assert_eq!(replay.header("location"), first.header("location"));
 }
 
-#[tokio::test]
-async fn validation_error_is_not_saved_and_a_corrected_payload_succeeds() {
-    let server = TestServer::spawn().await;
+async fn validation_error_is_not_saved_and_a_corrected_payload_succeeds<B: Backend>(db: B) {
+    let server = db.spawn().await;
 
     let bad_quantity = post(
         server.addr,
@@ -516,40 +435,24 @@ async fn validation_error_is_not_saved_and_a_corrected_payload_succeeds() {
     assert_eq!(bad_sku.status, StatusCode::BAD_REQUEST);
     assert_eq!(bad_sku.error_code(), "invalid_key_or_sku");
     assert!(!bad_sku.replayed(), "the first 400 was not saved");
-    assert_eq!(server.record_count().await, 0);
-    assert_eq!(server.order_count().await, 0);
+    assert_eq!(db.record_count().await, 0);
+    assert_eq!(db.order_count().await, 0);
 
     let fixed = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
     assert_eq!(fixed.status, StatusCode::CREATED, "{fixed:?}");
     assert!(!fixed.replayed());
-    assert_eq!(server.order_count().await, 1);
+    assert_eq!(db.order_count().await, 1);
     assert_eq!(server.app.handler_calls(), 3);
 }
 
-#[tokio::test]
-async fn tx_extractor_without_the_layer_is_500() {
-    let server = TestServer::spawn().await;
-
-    let reply = Post::order("key-1", BOOK)
-        .path("/unguarded/orders")
-        .send(server.addr)
-        .await;
-
-    assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR);
-    assert_eq!(reply.error_code(), "idempotency_layer_missing");
-    assert_eq!(server.order_count().await, 0);
-    assert_eq!(server.record_count().await, 0);
-}
-
-#[tokio::test]
-async fn other_methods_pass_through() {
+async fn other_methods_pass_through<B: Backend>(db: B) {
     // GET is idempotent by itself: the layer lets it through without asking for a key (a
     // handled request without a key would be 400; here axum's method fallback answers 405).
-    let server = TestServer::spawn().await;
+    let server = db.spawn().await;
     let client: hyper_util::client::legacy::Client<_, http_body_util::Empty<bytes::Bytes>> =
         hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
             .build_http();
-    let request = http::Request::get(format!("{}/orders", server.base_url()))
+    let request = http::Request::get(format!("http://{}/orders", server.addr))
         .header("authorization", format!("Bearer {SHOP_A}"))
         .body(http_body_util::Empty::new())
         .expect("request");
@@ -558,13 +461,13 @@ async fn other_methods_pass_through() {
         .expect("in time")
         .expect("response");
     assert_eq!(response.status(), StatusCode::METHOD_NOT_ALLOWED);
-    assert_eq!(server.record_count().await, 0);
+    assert_eq!(db.record_count().await, 0);
 }
 
-#[tokio::test]
-async fn response_too_large_to_save_is_500_and_rolled_back() {
+async fn response_too_large_to_save_is_500_and_rolled_back<B: Backend>(db: B) {
     // `{"order_id":1}` is 14 bytes: it cannot be saved, so it must not be committed either.
-    let server = TestServer::builder()
+    let server = db
+        .server()
         .layer(|layer| layer.with_response_limit(8))
         .spawn()
         .await;
@@ -574,19 +477,16 @@ async fn response_too_large_to_save_is_500_and_rolled_back() {
     assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR, "{reply:?}");
     assert_eq!(reply.error_code(), "response_too_large_to_save");
     assert_eq!(server.app.handler_calls(), 1);
-    assert_eq!(server.order_count().await, 0, "the order was rolled back");
-    assert_eq!(server.record_count().await, 0);
+    assert_eq!(db.order_count().await, 0, "the order was rolled back");
+    assert_eq!(db.record_count().await, 0);
 }
 
-#[tokio::test]
-async fn widened_save_policy_commits_and_replays_a_422() {
-    let server = TestServer::builder()
+async fn widened_save_policy_commits_and_replays_a_422<B: Backend>(db: B) {
+    let server = db
+        .server()
         .layer(|layer| layer.with_save_policy(|status| status.is_success() || status == 422))
         .hook(hook(|call| async move {
-            HookOutcome {
-                fail_with: (call.sku == "sold-out").then_some(StatusCode::UNPROCESSABLE_ENTITY),
-                ..HookOutcome::default()
-            }
+            (call.sku == "sold-out").then_some(StatusCode::UNPROCESSABLE_ENTITY)
         }))
         .spawn()
         .await;
@@ -596,8 +496,8 @@ async fn widened_save_policy_commits_and_replays_a_422() {
     assert_eq!(first.status, StatusCode::UNPROCESSABLE_ENTITY);
     assert!(!first.replayed());
     // A saved response commits the transaction, with whatever the handler wrote.
-    assert_eq!(server.order_count().await, 1);
-    assert_eq!(server.record_count().await, 1);
+    assert_eq!(db.order_count().await, 1);
+    assert_eq!(db.record_count().await, 1);
 
     let again = post(server.addr, Some(SHOP_A), Some("key-1"), sold_out, &[]).await;
     assert_eq!(again.status, StatusCode::UNPROCESSABLE_ENTITY);
@@ -609,12 +509,11 @@ async fn widened_save_policy_commits_and_replays_a_422() {
     let invalid = r#"{"sku":"book","quantity":0}"#;
     let bad = post(server.addr, Some(SHOP_A), Some("key-2"), invalid, &[]).await;
     assert_eq!(bad.status, StatusCode::BAD_REQUEST);
-    assert!(!record_exists(&server.store, "shop-a", "create_order", "key-2").await);
+    assert!(!db.record_exists("shop-a", "create_order", "key-2").await);
 }
 
-#[tokio::test]
-async fn json_content_type_parameters_and_case_do_not_matter() {
-    let server = TestServer::spawn().await;
+async fn json_content_type_parameters_and_case_do_not_matter<B: Backend>(db: B) {
+    let server = db.spawn().await;
 
     let first = Post::order("key-1", r#"{"sku":"book","quantity":1}"#)
         .send(server.addr)
@@ -626,32 +525,12 @@ async fn json_content_type_parameters_and_case_do_not_matter() {
 
     assert_eq!(first.status, StatusCode::CREATED);
     assert!(second.replayed(), "{second:?}");
-    assert_eq!(server.order_count().await, 1);
+    assert_eq!(db.order_count().await, 1);
 }
 
-#[tokio::test]
-async fn non_json_bodies_are_fingerprinted_by_their_exact_bytes() {
-    let server = TestServer::spawn().await;
-    let note = |body: &'static str| {
-        Post::order("note-1", body)
-            .path("/notes")
-            .content_type(Some("text/plain"))
-    };
-
-    let first = note("hello").send(server.addr).await;
-    assert_eq!(first.status, StatusCode::OK);
-    assert!(!first.replayed());
-    let same = note("hello").send(server.addr).await;
-    assert!(same.replayed(), "{same:?}");
-    assert_eq!(same.body, "hello");
-    let spaced = note("hello ").send(server.addr).await;
-    assert_eq!(spaced.status, StatusCode::CONFLICT, "{spaced:?}");
-    assert_eq!(server.app.note_calls(), 1);
-}
-
-#[tokio::test]
-async fn http2_clients_get_the_same_contract() {
-    let server = TestServer::builder()
+async fn http2_clients_get_the_same_contract<B: Backend>(db: B) {
+    let server = db
+        .server()
         .layer(|layer| layer.with_body_limit(1024))
         .spawn()
         .await;
@@ -678,13 +557,12 @@ async fn http2_clients_get_the_same_contract() {
         StatusCode::PAYLOAD_TOO_LARGE,
         "{too_large:?}"
     );
-    assert_eq!(server.order_count().await, 1);
-    assert_eq!(server.record_count().await, 1);
+    assert_eq!(db.order_count().await, 1);
+    assert_eq!(db.record_count().await, 1);
 }
 
-#[tokio::test]
-async fn query_string_is_part_of_the_request() {
-    let server = TestServer::spawn().await;
+async fn query_string_is_part_of_the_request<B: Backend>(db: B) {
+    let server = db.spawn().await;
     let order = Post::order("key-1", BOOK).send(server.addr).await;
     assert_eq!(order.status, StatusCode::CREATED, "{order:?}");
 
@@ -716,12 +594,11 @@ async fn query_string_is_part_of_the_request() {
         assert_eq!(other.status, StatusCode::CONFLICT, "{path}: {other:?}");
     }
     assert_eq!(server.app.handler_calls(), 2);
-    assert_eq!(server.order_count().await, 2);
+    assert_eq!(db.order_count().await, 2);
 }
 
-#[tokio::test]
-async fn records_saved_before_the_query_counted_still_compare_as_they_did() {
-    let server = TestServer::spawn().await;
+async fn records_saved_before_the_query_counted_still_compare_as_they_did<B: Backend>(db: B) {
+    let server = db.spawn().await;
     // Saved by canonicalization version 1 for `POST /orders?source=app`: the path only.
     let fingerprint =
         common::version_1_fingerprint("json", "POST", "/orders", br#"{"quantity":1,"sku":"book"}"#);
@@ -752,7 +629,26 @@ async fn records_saved_before_the_query_counted_still_compare_as_they_did() {
         .await;
     assert_eq!(other.status, StatusCode::CONFLICT, "{other:?}");
     assert_eq!(server.app.handler_calls(), 0);
-    assert_eq!(server.order_count().await, 0);
+    assert_eq!(db.order_count().await, 0);
+
+    // A record saved now keeps its query.
+    let order = Post::order("new-key", BOOK)
+        .path("/orders?source=app")
+        .send(server.addr)
+        .await;
+    assert_eq!(order.status, StatusCode::CREATED, "{order:?}");
+    let dry_run = Post::order("new-key", BOOK)
+        .path("/orders?source=app&dry_run=true")
+        .send(server.addr)
+        .await;
+    assert_eq!(dry_run.status, StatusCode::CONFLICT, "{dry_run:?}");
+    let retry = Post::order("new-key", BOOK)
+        .path("/orders?source=app")
+        .send(server.addr)
+        .await;
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(server.app.handler_calls(), 1);
+    assert_eq!(db.order_count().await, 1);
 }
 
 /// A `Location` in raw UTF-8 (obs-text on the wire).
@@ -764,12 +660,12 @@ fn header_bytes<'a>(reply: &'a common::Reply, name: &str) -> Option<&'a [u8]> {
     reply.headers.get(name).map(HeaderValue::as_bytes)
 }
 
-#[tokio::test]
-async fn header_values_that_are_not_visible_ascii_are_replayed_byte_for_byte() {
+async fn header_values_that_are_not_visible_ascii_are_replayed_byte_for_byte<B: Backend>(db: B) {
     let latin1 = HeaderName::from_static("x-latin1");
-    let server = TestServer::builder()
+    let server = db
+        .server()
         .response_header(
-            http::header::LOCATION,
+            header::LOCATION,
             HeaderValue::from_bytes(NON_ASCII_LOCATION.as_bytes()).expect("obs-text"),
         )
         .response_header(
@@ -801,14 +697,14 @@ async fn header_values_that_are_not_visible_ascii_are_replayed_byte_for_byte() {
     assert_eq!(server.app.handler_calls(), 1);
 }
 
-#[tokio::test]
-async fn durations_past_their_maximum_cannot_panic_a_request() {
-    let server = TestServer::builder()
+async fn durations_past_their_maximum_cannot_panic_a_request<B: Backend>(db: B) {
+    let server = db
+        .server()
         .layer(|layer| {
             layer
-                .with_retention(std::time::Duration::MAX)
-                .with_body_timeout(std::time::Duration::MAX - std::time::Duration::from_nanos(1))
-                .with_lock_timeout(std::time::Duration::MAX)
+                .with_retention(Duration::MAX)
+                .with_body_timeout(Duration::MAX - Duration::from_nanos(1))
+                .with_lock_timeout(Duration::MAX)
         })
         .spawn()
         .await;
@@ -821,11 +717,459 @@ async fn durations_past_their_maximum_cannot_panic_a_request() {
     assert_eq!(server.app.handler_calls(), 1);
 
     // Kept for the longest retention, 100 years: there in 99, gone in 101.
-    use tower_idempotency::store::IdempotencyStore;
     let scope = common::scope("shop-a", "create_order", "key-1");
-    let year = std::time::Duration::from_secs(365 * 24 * 3600);
-    let now = std::time::SystemTime::now();
+    let year = Duration::from_secs(365 * 24 * 3600);
+    let now = SystemTime::now();
     let lookup = |at| server.store.lookup(&scope, at);
     assert!(lookup(now + 99 * year).await.expect("lookup").is_some());
     assert!(lookup(now + 101 * year).await.expect("lookup").is_none());
+}
+
+async fn another_tenant_or_operation_with_the_same_key_is_independent<B: Backend>(db: B) {
+    let server = db.spawn().await;
+
+    let a = post(server.addr, Some(SHOP_A), Some("shared-key"), BOOK, &[]).await;
+    let b = post(server.addr, Some(SHOP_B), Some("shared-key"), BOOK, &[]).await;
+    let express = Post::order("shared-key", BOOK)
+        .path("/express-orders")
+        .send(server.addr)
+        .await;
+
+    for reply in [&a, &b, &express] {
+        assert_eq!(reply.status, StatusCode::CREATED, "{reply:?}");
+        assert!(!reply.replayed(), "{reply:?}");
+    }
+    let ids = [a.order_id(), b.order_id(), express.order_id()];
+    assert!(ids[0] != ids[1] && ids[1] != ids[2] && ids[0] != ids[2]);
+    let tenants: Vec<String> = db.orders().await.into_iter().map(|o| o.1).collect();
+    assert_eq!(tenants, ["shop-a", "shop-b", "shop-a"]);
+    assert!(
+        db.record_exists("shop-b", "create_order", "shared-key")
+            .await
+    );
+    assert!(
+        db.record_exists("shop-a", "create_express_order", "shared-key")
+            .await
+    );
+
+    let b_again = post(server.addr, Some(SHOP_B), Some("shared-key"), BOOK, &[]).await;
+    assert!(b_again.replayed());
+    assert_eq!(b_again.body, b.body);
+    assert_eq!(db.order_count().await, 3);
+}
+
+async fn refused_requests_store_nothing<B: Backend>(db: B) {
+    let server = db.spawn().await;
+
+    let no_key = post(server.addr, Some(SHOP_A), None, BOOK, &[]).await;
+    let no_tenant = post(server.addr, None, Some("key-1"), BOOK, &[]).await;
+    let bad_json = post(server.addr, Some(SHOP_A), Some("key-1"), "{", &[]).await;
+    let invalid = post(
+        server.addr,
+        Some(SHOP_A),
+        Some("key-1"),
+        r#"{"sku":"book","quantity":0}"#,
+        &[],
+    )
+    .await;
+
+    assert_eq!(no_key.status, StatusCode::BAD_REQUEST, "{no_key:?}");
+    assert_eq!(no_tenant.status, StatusCode::UNAUTHORIZED, "{no_tenant:?}");
+    assert_eq!(bad_json.status, StatusCode::BAD_REQUEST, "{bad_json:?}");
+    assert_eq!(invalid.status, StatusCode::BAD_REQUEST, "{invalid:?}");
+    assert_eq!(invalid.error_code(), "invalid_quantity");
+    assert_eq!(
+        server.app.handler_calls(),
+        1,
+        "only the invalid quantity reached the handler"
+    );
+    assert_eq!(db.order_count().await, 0);
+    assert!(!db.record_exists("shop-a", "create_order", "key-1").await);
+
+    // The validation error was not saved: the corrected payload runs under the same key.
+    let corrected = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
+    assert_eq!(corrected.status, StatusCode::CREATED, "{corrected:?}");
+    assert!(!corrected.replayed());
+    assert_eq!(db.order_count().await, 1);
+}
+
+/// Waits until `SystemTime::now()` is past `instant` (records expire on the wall clock).
+async fn wait_until_past(instant: SystemTime) {
+    while SystemTime::now() <= instant {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+async fn expired_record_counts_as_absent_and_is_taken_over<B: Backend>(db: B) {
+    const RETENTION: Duration = Duration::from_millis(100);
+    let server = db
+        .server()
+        .layer(|layer| layer.with_retention(RETENTION))
+        .spawn()
+        .await;
+
+    let first = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
+    let saved_by = SystemTime::now();
+    assert_eq!(first.status, StatusCode::CREATED);
+    wait_until_past(saved_by + RETENTION + Duration::from_millis(5)).await;
+
+    let fresh = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
+
+    assert_eq!(fresh.status, StatusCode::CREATED, "{fresh:?}");
+    assert!(!fresh.replayed(), "an expired record is not replayed");
+    assert_ne!(fresh.order_id(), first.order_id(), "a new order");
+    assert_eq!(db.order_count().await, 2);
+    assert_eq!(
+        db.record_count().await,
+        1,
+        "the expired record was replaced"
+    );
+
+    // Nor is an expired record a conflict: another payload runs afresh too.
+    wait_until_past(SystemTime::now() + RETENTION + Duration::from_millis(5)).await;
+    let other = post(
+        server.addr,
+        Some(SHOP_A),
+        Some("key-1"),
+        r#"{"sku":"pen","quantity":2}"#,
+        &[],
+    )
+    .await;
+    assert_eq!(other.status, StatusCode::CREATED, "{other:?}");
+    assert!(!other.replayed());
+    assert_eq!(db.order_count().await, 3);
+    assert_eq!(db.record_count().await, 1);
+}
+
+async fn purge_expired_deletes_in_batches_and_returns_counts<B: Backend>(db: B) {
+    let server = db.spawn().await; // default retention: 24 h
+    for k in 0..5 {
+        let key = format!("key-{k}");
+        let reply = post(server.addr, Some(SHOP_A), Some(&key), BOOK, &[]).await;
+        assert_eq!(reply.status, StatusCode::CREATED);
+    }
+    let store = &server.store;
+    assert_eq!(
+        store
+            .purge_expired(SystemTime::now(), 2)
+            .await
+            .expect("purge"),
+        0
+    );
+    assert_eq!(db.record_count().await, 5);
+
+    let later = SystemTime::now() + Duration::from_secs(48 * 3600);
+    let mut deleted = Vec::new();
+    for _ in 0..4 {
+        deleted.push(store.purge_expired(later, 2).await.expect("purge"));
+    }
+
+    assert_eq!(deleted, vec![2, 2, 1, 0]);
+    assert_eq!(db.record_count().await, 0);
+    assert_eq!(
+        db.order_count().await,
+        5,
+        "purging never touches the orders"
+    );
+    let again = post(server.addr, Some(SHOP_A), Some("key-0"), BOOK, &[]).await;
+    assert_eq!(again.status, StatusCode::CREATED);
+    assert!(!again.replayed(), "the key is free again");
+}
+
+async fn continuous_purge_removes_expired_records_only<B: Backend>(db: B) {
+    let server = db
+        .server()
+        .layer_per_operation(|layer, operation| match operation {
+            "create_order" => layer.with_retention(Duration::from_millis(1)),
+            _ => layer.with_retention(Duration::from_secs(3600)),
+        })
+        .spawn()
+        .await;
+    for k in 0..3 {
+        let key = format!("key-{k}");
+        let reply = post(server.addr, Some(SHOP_A), Some(&key), BOOK, &[]).await;
+        assert_eq!(reply.status, StatusCode::CREATED);
+    }
+    let live = Post::order("live-key", BOOK)
+        .path("/express-orders")
+        .send(server.addr)
+        .await;
+    assert_eq!(live.status, StatusCode::CREATED);
+
+    let purge = tokio::spawn(continuously_purge_expired(
+        server.store.clone(),
+        Duration::from_millis(20),
+        2,
+    ));
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    while db.record_count().await > 1 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "expired records still there"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    purge.abort();
+
+    assert!(
+        db.record_exists("shop-a", "create_express_order", "live-key")
+            .await
+    );
+    assert_eq!(db.order_count().await, 4);
+}
+
+async fn saved_response_survives_a_restart_of_the_app<B: Backend>(db: B) {
+    let server = db.spawn().await;
+    let first = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    server.shutdown().await;
+
+    let server = db.spawn().await;
+    let replay = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
+
+    assert!(replay.replayed(), "{replay:?}");
+    assert_eq!(replay.body, first.body);
+    assert_eq!(replay.header("location"), first.header("location"));
+    assert_eq!(server.app.handler_calls(), 0);
+    assert_eq!(db.order_count().await, 1);
+}
+
+/// The tests above, on one backend.
+macro_rules! contract_tests {
+    ($backend:ident $($attr:tt)*) => {
+        backend_tests!($backend [$($attr)*];
+            new_key_runs_the_handler_once_and_answers_201_with_location,
+            same_key_and_payload_replays_without_running_the_handler,
+            same_key_with_another_payload_is_409_and_the_original_stays,
+            conflict_status_is_configurable,
+            another_tenant_with_the_same_key_gets_its_own_order,
+            same_key_on_another_operation_is_independent,
+            another_tenant_or_operation_with_the_same_key_is_independent,
+            missing_key_is_400_and_nothing_is_stored,
+            malformed_keys_are_400_and_nothing_is_stored,
+            key_with_a_raw_control_byte_is_400_over_the_wire,
+            key_of_128_characters_is_accepted,
+            key_header_sent_twice_is_400_even_when_both_are_equal,
+            quoted_key_is_the_same_key_as_its_bare_form,
+            equivalent_json_spellings_are_the_same_request,
+            invalid_json_or_utf8_is_400_and_nothing_is_stored,
+            deeply_nested_json_is_refused_and_the_server_keeps_serving,
+            set_cookie_is_never_replayed_and_content_length_is_right,
+            allow_listed_header_is_replayed_and_others_are_not,
+            validation_error_is_not_saved_and_a_corrected_payload_succeeds,
+            refused_requests_store_nothing,
+            other_methods_pass_through,
+            response_too_large_to_save_is_500_and_rolled_back,
+            widened_save_policy_commits_and_replays_a_422,
+            json_content_type_parameters_and_case_do_not_matter,
+            http2_clients_get_the_same_contract,
+            query_string_is_part_of_the_request,
+            records_saved_before_the_query_counted_still_compare_as_they_did,
+            header_values_that_are_not_visible_ascii_are_replayed_byte_for_byte,
+            durations_past_their_maximum_cannot_panic_a_request,
+            expired_record_counts_as_absent_and_is_taken_over,
+            purge_expired_deletes_in_batches_and_returns_counts,
+            continuous_purge_removes_expired_records_only,
+            saved_response_survives_a_restart_of_the_app,
+        );
+    };
+}
+
+mod sqlite {
+    //! The contract on a SQLite file, and the SQLite app's routes that need no store.
+
+    use common::{record_exists, TestServer};
+
+    use super::*;
+
+    contract_tests!(Sqlite);
+
+    /// Asserts that a refused request left nothing behind and never reached the handler.
+    async fn assert_nothing_happened(server: &TestServer) {
+        assert_eq!(server.app.handler_calls(), 0, "the handler must not run");
+        assert_eq!(server.order_count().await, 0, "no order");
+        assert_eq!(server.record_count().await, 0, "no record");
+    }
+
+    #[tokio::test]
+    async fn optional_key_passes_the_request_through_untouched() {
+        let server = TestServer::builder()
+            .layer(|layer| layer.with_key_required(false))
+            .spawn()
+            .await;
+
+        // Not JSON at all: a request the layer handled would be refused (invalid_json); a
+        // passed-through one reaches the handler with its exact bytes.
+        let body = b"not json \xff\x00 at all".to_vec();
+        let reply = Post::order("unused", "")
+            .no_key()
+            .path("/notes")
+            .body(body.clone())
+            .send(server.addr)
+            .await;
+
+        assert_eq!(reply.status, StatusCode::OK, "{reply:?}");
+        assert_eq!(reply.body, body, "the body reached the handler untouched");
+        assert_eq!(reply.header("x-saw-transaction"), Some("no"));
+        assert!(!reply.replayed());
+        assert_eq!(server.app.note_calls(), 1);
+        assert_eq!(server.record_count().await, 0, "nothing stored");
+
+        // Twice: not idempotent without a key, the handler runs again.
+        let again = Post::order("unused", "")
+            .no_key()
+            .path("/notes")
+            .body(body.clone())
+            .send(server.addr)
+            .await;
+        assert_eq!(again.status, StatusCode::OK);
+        assert!(!again.replayed());
+        assert_eq!(server.app.note_calls(), 2);
+        assert_eq!(server.record_count().await, 0);
+
+        // With a key the same route is idempotent, and the handler sees the transaction.
+        let keyed = Post::order("note-1", r#"{"text":"hi"}"#)
+            .path("/notes")
+            .send(server.addr)
+            .await;
+        assert_eq!(keyed.status, StatusCode::OK);
+        assert_eq!(keyed.header("x-saw-transaction"), Some("yes"));
+        assert!(record_exists(&server.store, "shop-a", "create_note", "note-1").await);
+    }
+
+    #[tokio::test]
+    async fn request_without_tenant_is_401_and_nothing_is_stored() {
+        // The layer itself refuses a request no authentication layer vouched for.
+        let server = TestServer::builder().without_auth().spawn().await;
+        let reply = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
+        assert_eq!(reply.status, StatusCode::UNAUTHORIZED, "{reply:?}");
+        assert_eq!(reply.error_code(), "unauthenticated");
+        assert_nothing_happened(&server).await;
+
+        // Behind the app's auth: no token, or an unknown one.
+        let server = TestServer::spawn().await;
+        for token in [None, Some("forged-token")] {
+            let reply = post(server.addr, token, Some("key-1"), BOOK, &[]).await;
+            assert_eq!(reply.status, StatusCode::UNAUTHORIZED, "{token:?}");
+        }
+        assert_nothing_happened(&server).await;
+    }
+
+    #[tokio::test]
+    async fn tx_extractor_without_the_layer_is_500() {
+        let server = TestServer::spawn().await;
+
+        let reply = Post::order("key-1", BOOK)
+            .path("/unguarded/orders")
+            .send(server.addr)
+            .await;
+
+        assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(reply.error_code(), "idempotency_layer_missing");
+        assert_eq!(server.order_count().await, 0);
+        assert_eq!(server.record_count().await, 0);
+    }
+
+    #[tokio::test]
+    async fn non_json_bodies_are_fingerprinted_by_their_exact_bytes() {
+        let server = TestServer::spawn().await;
+        let note = |body: &'static str| {
+            Post::order("note-1", body)
+                .path("/notes")
+                .content_type(Some("text/plain"))
+        };
+
+        let first = note("hello").send(server.addr).await;
+        assert_eq!(first.status, StatusCode::OK);
+        assert!(!first.replayed());
+        let same = note("hello").send(server.addr).await;
+        assert!(same.replayed(), "{same:?}");
+        assert_eq!(same.body, "hello");
+        let spaced = note("hello ").send(server.addr).await;
+        assert_eq!(spaced.status, StatusCode::CONFLICT, "{spaced:?}");
+        assert_eq!(server.app.note_calls(), 1);
+    }
+}
+
+mod postgres {
+    //! The contract on a PostgreSQL schema, and the schema the store creates and migrates.
+
+    use pg_common::{PgServer, TestDb};
+    use tower_idempotency::store::postgres::PostgresStore;
+
+    use super::*;
+
+    contract_tests!(
+        Postgres #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
+    );
+
+    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
+    #[tokio::test]
+    async fn instances_starting_together_create_the_schema_once() {
+        let Some(db) = TestDb::create().await else {
+            return;
+        };
+        let opens: Vec<_> = (0..4)
+            .map(|_| {
+                let config = db.config();
+                tokio::spawn(async move { PostgresStore::builder(config).connect().await })
+            })
+            .collect();
+        for open in opens {
+            open.await.expect("task").expect("every instance opens");
+        }
+        let tables = db
+            .client()
+            .await
+            .query_one(
+                "SELECT count(*) FROM information_schema.tables \
+             WHERE table_schema = current_schema() AND table_name = 'idempotency_records'",
+                &[],
+            )
+            .await
+            .expect("tables")
+            .get::<_, i64>(0);
+        assert_eq!(tables, 1);
+    }
+
+    /// A table made with the SQLite layout (no `state`, response columns `NOT NULL`) is migrated
+    /// on open, and its records keep replaying.
+    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
+    #[tokio::test]
+    async fn table_with_the_sqlite_layout_is_migrated_on_open() {
+        let Some(db) = TestDb::create().await else {
+            return;
+        };
+        db.execute(
+            "CREATE TABLE idempotency_records (
+            tenant TEXT NOT NULL, operation TEXT NOT NULL, idempotency_key TEXT NOT NULL,
+            fingerprint BYTEA NOT NULL, fingerprint_version INTEGER NOT NULL,
+            status INTEGER NOT NULL, headers TEXT NOT NULL, body BYTEA NOT NULL, trailers TEXT,
+            created_at BIGINT NOT NULL, expires_at BIGINT NOT NULL,
+            PRIMARY KEY (tenant, operation, idempotency_key))",
+        )
+        .await;
+        let server = PgServer::spawn(&db).await;
+        let first = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
+        assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+        server.shutdown().await;
+
+        // Opening again finds the column and leaves the table alone.
+        let server = PgServer::spawn(&db).await;
+        let replay = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
+        assert!(replay.replayed(), "{replay:?}");
+        assert_eq!(replay.body, first.body);
+        let state_columns = db
+            .client()
+            .await
+            .query_one(
+                "SELECT count(*) FROM information_schema.columns WHERE table_schema = \
+             current_schema() AND table_name = 'idempotency_records' AND column_name = 'state'",
+                &[],
+            )
+            .await
+            .expect("columns")
+            .get::<_, i64>(0);
+        assert_eq!(state_columns, 1);
+    }
 }

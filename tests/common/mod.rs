@@ -8,6 +8,7 @@
 // Every test binary compiles this module and uses a different part of it.
 #![allow(dead_code)]
 
+use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -20,7 +21,7 @@ use std::time::{Duration, SystemTime};
 use axum::extract::{Request, State};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing;
+use axum::routing::{self, Route};
 use axum::{Extension, Router};
 use bytes::Bytes;
 use http::header::{self, HeaderName};
@@ -31,6 +32,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
+use tower::{Layer, Service};
 use tower_idempotency::extract::Tx;
 use tower_idempotency::fingerprint::Fingerprint;
 use tower_idempotency::response::SavedResponse;
@@ -53,16 +55,19 @@ pub const ORDERS_SCHEMA: &str = "CREATE TABLE IF NOT EXISTS orders (
 )";
 
 /// What the order handler knows when it calls the hook: its order row is already inserted,
-/// inside the open idempotency transaction.
+/// inside the open idempotency transaction `tx` (a [`SqliteTransaction`] here, a
+/// `PostgresTransaction` in `tests/pg_common`).
 #[derive(Clone, Debug)]
-pub struct OrderCall {
+pub struct OrderCallOf<T> {
     pub tenant: String,
     pub key: Option<String>,
     pub sku: String,
     pub quantity: i64,
     pub order_id: i64,
-    pub tx: SqliteTransaction,
+    pub tx: T,
 }
+
+pub type OrderCall = OrderCallOf<SqliteTransaction>;
 
 /// What the hook asks the handler to do next.
 #[derive(Debug, Default)]
@@ -73,8 +78,45 @@ pub struct HookOutcome {
     pub headers: Vec<(HeaderName, HeaderValue)>,
 }
 
-pub type HookFuture = Pin<Box<dyn Future<Output = HookOutcome> + Send>>;
-pub type Hook = Arc<dyn Fn(OrderCall) -> HookFuture + Send + Sync>;
+/// What a hook of either app answers.
+pub trait Outcome: Default + Send + 'static {
+    /// Answer this status instead of the 201 (or, `None`, go on).
+    fn failing(fail_with: Option<StatusCode>) -> Self;
+    fn fail_with(&self) -> Option<StatusCode>;
+    /// Extra headers on the 201.
+    fn into_headers(self) -> Vec<(HeaderName, HeaderValue)>;
+}
+
+impl Outcome for HookOutcome {
+    fn failing(fail_with: Option<StatusCode>) -> Self {
+        HookOutcome {
+            fail_with,
+            ..HookOutcome::default()
+        }
+    }
+
+    fn fail_with(&self) -> Option<StatusCode> {
+        self.fail_with
+    }
+
+    fn into_headers(self) -> Vec<(HeaderName, HeaderValue)> {
+        self.headers
+    }
+}
+
+/// A hook of the tests: run by the order handler after its insert, with the call `C`.
+pub type HookFor<C, O> = Arc<dyn Fn(C) -> Pin<Box<dyn Future<Output = O> + Send>> + Send + Sync>;
+
+/// Wraps an async closure as a hook.
+pub fn hook_for<C, O, F, Fut>(f: F) -> HookFor<C, O>
+where
+    F: Fn(C) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = O> + Send + 'static,
+{
+    Arc::new(move |call| Box::pin(f(call)))
+}
+
+pub type Hook = HookFor<OrderCall, HookOutcome>;
 
 /// Wraps an async closure as a [`Hook`].
 pub fn hook<F, Fut>(f: F) -> Hook
@@ -82,24 +124,40 @@ where
     F: Fn(OrderCall) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = HookOutcome> + Send + 'static,
 {
-    Arc::new(move |call| Box::pin(f(call)))
+    hook_for(f)
 }
 
-/// The state shared by the app's handlers and the test.
-pub struct App {
+/// The state shared by an app's handlers and the test, for a transaction handle `T` and the
+/// hook's outcome `O`.
+pub struct AppOf<T, O> {
     /// How many times the order handler ran (entered its body).
     pub handler_calls: AtomicUsize,
-    /// How many times the note handler ran.
+    /// How many times the note handler ran (the SQLite app's).
     pub note_calls: AtomicUsize,
     /// Requests that reached the app (counted by the auth middleware, before the layer).
     arrivals: watch::Sender<usize>,
-    hook: Option<Hook>,
+    hook: Option<HookFor<OrderCallOf<T>, O>>,
     /// Set on every `201` of the order handler, replacing its own (see
-    /// [`ServerBuilder::response_header`]).
+    /// [`AppBuilder::response_header`]).
     response_headers: Vec<(HeaderName, HeaderValue)>,
 }
 
-impl App {
+pub type App = AppOf<SqliteTransaction, HookOutcome>;
+
+impl<T: Send + 'static, O: Outcome> AppOf<T, O> {
+    pub fn new(
+        hook: Option<HookFor<OrderCallOf<T>, O>>,
+        response_headers: Vec<(HeaderName, HeaderValue)>,
+    ) -> Arc<Self> {
+        Arc::new(AppOf {
+            handler_calls: AtomicUsize::new(0),
+            note_calls: AtomicUsize::new(0),
+            arrivals: watch::channel(0usize).0,
+            hook,
+            response_headers,
+        })
+    }
+
     pub fn handler_calls(&self) -> usize {
         self.handler_calls.load(Ordering::SeqCst)
     }
@@ -114,59 +172,96 @@ impl App {
         let reached = tokio::time::timeout(timeout, arrivals.wait_for(|seen| *seen >= n)).await;
         matches!(reached, Ok(Ok(_)))
     }
+
+    /// The rest of the order handler once its order row is inserted: runs the hook (with the
+    /// transaction still open), then answers its injected failure or the 201.
+    pub async fn respond(
+        &self,
+        tenant: &Tenant,
+        headers: &HeaderMap,
+        (sku, quantity): (String, i64),
+        order_id: i64,
+        tx: T,
+    ) -> Response {
+        let outcome = match &self.hook {
+            Some(hook) => {
+                hook(OrderCallOf {
+                    tenant: tenant.as_str().to_owned(),
+                    key: headers
+                        .get("idempotency-key")
+                        .and_then(|v| v.to_str().ok())
+                        .map(str::to_owned),
+                    sku,
+                    quantity,
+                    order_id,
+                    tx,
+                })
+                .await
+            }
+            None => O::default(),
+        };
+        if let Some(status) = outcome.fail_with() {
+            return json_error(status, "injected_failure");
+        }
+        let mut response = (
+            StatusCode::CREATED,
+            [
+                (header::CONTENT_TYPE, "application/json".to_owned()),
+                (header::LOCATION, format!("/orders/{order_id}")),
+            ],
+            format!("{{\"order_id\":{order_id}}}"),
+        )
+            .into_response();
+        for (name, value) in &self.response_headers {
+            response.headers_mut().insert(name.clone(), value.clone());
+        }
+        for (name, value) in outcome.into_headers() {
+            response.headers_mut().append(name, value);
+        }
+        response
+    }
 }
 
-type StoreOptions = Box<dyn FnOnce(SqliteOptions) -> SqliteOptions + Send>;
+type Customise<S> = Box<dyn Fn(IdempotencyLayer<S>, &str) -> IdempotencyLayer<S> + Send>;
 
-type Customise =
-    Box<dyn Fn(IdempotencyLayer<SqliteStore>, &str) -> IdempotencyLayer<SqliteStore> + Send>;
-
-/// Builds a [`TestServer`].
-pub struct ServerBuilder {
-    customise: Customise,
-    hook: Option<Hook>,
-    db_path: Option<PathBuf>,
-    auth: bool,
-    store_options: Option<StoreOptions>,
-    response_headers: Vec<(HeaderName, HeaderValue)>,
+/// Builds an app on the store `S` with hooks `H`; `X` is what only one backend's app takes
+/// (the database file, the store's options...).
+pub struct AppBuilder<S, H, X> {
+    pub customise: Customise<S>,
+    pub hook: Option<H>,
+    pub response_headers: Vec<(HeaderName, HeaderValue)>,
+    pub extra: X,
 }
 
-impl Default for ServerBuilder {
-    fn default() -> Self {
-        ServerBuilder {
+impl<S: 'static, H, X> AppBuilder<S, H, X> {
+    pub fn new(extra: X) -> Self {
+        AppBuilder {
             customise: Box::new(|layer, _| layer),
             hook: None,
-            db_path: None,
-            auth: true,
-            store_options: None,
             response_headers: Vec::new(),
+            extra,
         }
     }
-}
 
-impl ServerBuilder {
     /// Customises every route's layer (already given its operation name).
-    pub fn layer<F>(mut self, f: F) -> Self
+    pub fn layer<F>(self, f: F) -> Self
     where
-        F: Fn(IdempotencyLayer<SqliteStore>) -> IdempotencyLayer<SqliteStore> + Send + 'static,
+        F: Fn(IdempotencyLayer<S>) -> IdempotencyLayer<S> + Send + 'static,
     {
-        self.customise = Box::new(move |layer, _| f(layer));
-        self
+        self.layer_per_operation(move |layer, _| f(layer))
     }
 
-    /// Customises the layer per operation (`create_order`, `create_express_order`,
-    /// `create_note`).
+    /// Customises the layer per operation (`create_order`, `create_express_order`, and the
+    /// SQLite app's `create_note`).
     pub fn layer_per_operation<F>(mut self, f: F) -> Self
     where
-        F: Fn(IdempotencyLayer<SqliteStore>, &str) -> IdempotencyLayer<SqliteStore>
-            + Send
-            + 'static,
+        F: Fn(IdempotencyLayer<S>, &str) -> IdempotencyLayer<S> + Send + 'static,
     {
         self.customise = Box::new(f);
         self
     }
 
-    pub fn hook(mut self, hook: Hook) -> Self {
+    pub fn hook(mut self, hook: H) -> Self {
         self.hook = Some(hook);
         self
     }
@@ -178,81 +273,63 @@ impl ServerBuilder {
         self
     }
 
-    /// Uses this database file instead of a fresh one in a temp dir.
-    pub fn db_path(mut self, path: impl AsRef<Path>) -> Self {
-        self.db_path = Some(path.as_ref().to_path_buf());
-        self
-    }
-
-    /// Opens the store with these options (group commit, durability...).
-    pub fn store_options<F>(mut self, f: F) -> Self
-    where
-        F: FnOnce(SqliteOptions) -> SqliteOptions + Send + 'static,
-    {
-        self.store_options = Some(Box::new(f));
-        self
-    }
-
-    /// Leaves out the auth middleware: requests reach the layer without a tenant.
-    pub fn without_auth(mut self) -> Self {
-        self.auth = false;
-        self
-    }
-
-    pub async fn spawn(self) -> TestServer {
-        let (dir, db_path) = match self.db_path {
-            Some(path) => (None, path),
-            None => {
-                let dir = tempfile::tempdir().expect("temp dir");
-                let path = dir.path().join("orders.db");
-                (Some(dir), path)
-            }
-        };
-        let options = SqliteStore::builder(&db_path);
-        let options = match self.store_options {
-            Some(f) => f(options),
-            None => options,
-        };
-        let store = options.open().await.expect("open store");
-        store
-            .write(|tx| tx.execute_batch(ORDERS_SCHEMA))
-            .await
-            .expect("create orders table");
-
-        let (arrivals, _) = watch::channel(0usize);
-        let app = Arc::new(App {
-            handler_calls: AtomicUsize::new(0),
-            note_calls: AtomicUsize::new(0),
-            arrivals,
-            hook: self.hook,
+    /// The same settings with another kind of hook and another `extra`.
+    pub fn convert<H2, X2>(self, hook: impl FnOnce(H) -> H2, extra: X2) -> AppBuilder<S, H2, X2> {
+        AppBuilder {
+            customise: self.customise,
+            hook: self.hook.map(hook),
             response_headers: self.response_headers,
-        });
-        let layer = |operation: &str| {
-            (self.customise)(
-                IdempotencyLayer::new(store.clone()).with_operation(operation.to_owned()),
-                operation,
-            )
-        };
-        let mut router = Router::new()
-            .route(
-                "/orders",
-                routing::post(create_order).layer(layer("create_order")),
-            )
-            .route(
-                "/express-orders",
-                routing::post(create_order).layer(layer("create_express_order")),
-            )
-            .route(
-                "/notes",
-                routing::post(create_note).layer(layer("create_note")),
-            )
-            // The extractor on a route the layer does not wrap.
-            .route("/unguarded/orders", routing::post(create_order));
-        if self.auth {
-            router = router.layer(middleware::from_fn_with_state(app.clone(), authenticate));
+            extra,
         }
-        let router = router.with_state(app.clone());
+    }
 
+    /// The layer of one route.
+    pub fn layer_for(&self, store: &S, operation: &str) -> IdempotencyLayer<S>
+    where
+        S: Clone,
+    {
+        (self.customise)(
+            IdempotencyLayer::new(store.clone()).with_operation(operation.to_owned()),
+            operation,
+        )
+    }
+}
+
+impl<S: Clone + 'static, H, X> AppBuilder<S, H, X> {
+    /// `POST /orders` and `POST /express-orders`: the order handler, each behind its layer.
+    pub fn order_routes<T: InsertOrder, O: Outcome>(&self, store: &S) -> Router<Arc<AppOf<T, O>>>
+    where
+        IdempotencyLayer<S>: Layer<Route> + Clone + Send + Sync + 'static,
+        Guarded<S>: Service<Request, Error = Infallible> + Clone + Send + Sync + 'static,
+        <Guarded<S> as Service<Request>>::Response: IntoResponse + 'static,
+        <Guarded<S> as Service<Request>>::Future: Send + 'static,
+    {
+        let mut router = Router::new();
+        for (path, operation) in [
+            ("/orders", "create_order"),
+            ("/express-orders", "create_express_order"),
+        ] {
+            router = router.route(
+                path,
+                routing::post(create_order::<T, O>).layer(self.layer_for(store, operation)),
+            );
+        }
+        router
+    }
+}
+
+/// A route's service behind the idempotency layer on the store `S`.
+type Guarded<S> = <IdempotencyLayer<S> as Layer<Route>>::Service;
+
+/// A router served on 127.0.0.1:0 until stopped (or dropped: aborted).
+pub struct Serving {
+    pub addr: SocketAddr,
+    shutdown: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<()>>,
+}
+
+impl Serving {
+    pub async fn start(router: Router) -> Serving {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
@@ -266,13 +343,137 @@ impl ServerBuilder {
                 .await
                 .expect("serve");
         });
-        TestServer {
+        Serving {
             addr,
+            shutdown: Some(shutdown),
+            task: Some(task),
+        }
+    }
+
+    /// Stops serving, gracefully but bounded.
+    pub async fn stop(mut self) {
+        if let Some(shutdown) = self.shutdown.take() {
+            let _ = shutdown.send(());
+        }
+        if let Some(task) = self.task.take() {
+            let abort = task.abort_handle();
+            if tokio::time::timeout(PATIENCE, task).await.is_err() {
+                abort.abort();
+            }
+        }
+    }
+}
+
+impl Drop for Serving {
+    fn drop(&mut self) {
+        if let Some(task) = self.task.take() {
+            task.abort();
+        }
+    }
+}
+
+type StoreOptions = Box<dyn FnOnce(SqliteOptions) -> SqliteOptions + Send>;
+
+/// What only the SQLite app takes.
+pub struct SqliteApp {
+    db_path: Option<PathBuf>,
+    auth: bool,
+    store_options: Option<StoreOptions>,
+}
+
+impl Default for SqliteApp {
+    fn default() -> Self {
+        SqliteApp {
+            db_path: None,
+            auth: true,
+            store_options: None,
+        }
+    }
+}
+
+impl SqliteApp {
+    /// On this database file.
+    pub fn on(path: impl AsRef<Path>) -> SqliteApp {
+        SqliteApp {
+            db_path: Some(path.as_ref().to_path_buf()),
+            ..SqliteApp::default()
+        }
+    }
+}
+
+/// Builds a [`TestServer`].
+pub type ServerBuilder = AppBuilder<SqliteStore, Hook, SqliteApp>;
+
+impl Default for ServerBuilder {
+    fn default() -> Self {
+        AppBuilder::new(SqliteApp::default())
+    }
+}
+
+impl ServerBuilder {
+    /// Uses this database file instead of a fresh one in a temp dir.
+    pub fn db_path(mut self, path: impl AsRef<Path>) -> Self {
+        self.extra.db_path = Some(path.as_ref().to_path_buf());
+        self
+    }
+
+    /// Opens the store with these options (group commit, durability...).
+    pub fn store_options<F>(mut self, f: F) -> Self
+    where
+        F: FnOnce(SqliteOptions) -> SqliteOptions + Send + 'static,
+    {
+        self.extra.store_options = Some(Box::new(f));
+        self
+    }
+
+    /// Leaves out the auth middleware: requests reach the layer without a tenant.
+    pub fn without_auth(mut self) -> Self {
+        self.extra.auth = false;
+        self
+    }
+
+    pub async fn spawn(mut self) -> TestServer {
+        let (dir, db_path) = match self.extra.db_path.clone() {
+            Some(path) => (None, path),
+            None => {
+                let dir = tempfile::tempdir().expect("temp dir");
+                let path = dir.path().join("orders.db");
+                (Some(dir), path)
+            }
+        };
+        let options = SqliteStore::builder(&db_path);
+        let options = match self.extra.store_options.take() {
+            Some(f) => f(options),
+            None => options,
+        };
+        let store = options.open().await.expect("open store");
+        store
+            .write(|tx| tx.execute_batch(ORDERS_SCHEMA))
+            .await
+            .expect("create orders table");
+
+        let app = App::new(self.hook.clone(), self.response_headers.clone());
+        let mut router = self
+            .order_routes::<SqliteTransaction, HookOutcome>(&store)
+            .route(
+                "/notes",
+                routing::post(create_note).layer(self.layer_for(&store, "create_note")),
+            )
+            // The extractor on a route the layer does not wrap.
+            .route(
+                "/unguarded/orders",
+                routing::post(create_order::<SqliteTransaction, HookOutcome>),
+            );
+        if self.extra.auth {
+            router = router.layer(middleware::from_fn_with_state(app.clone(), authenticate));
+        }
+        let serving = Serving::start(router.with_state(app.clone())).await;
+        TestServer {
+            addr: serving.addr,
             store,
             db_path,
             app,
-            shutdown: Some(shutdown),
-            task: Some(task),
+            serving,
             _dir: dir,
         }
     }
@@ -284,8 +485,7 @@ pub struct TestServer {
     pub store: SqliteStore,
     pub db_path: PathBuf,
     pub app: Arc<App>,
-    shutdown: Option<oneshot::Sender<()>>,
-    task: Option<JoinHandle<()>>,
+    serving: Serving,
     _dir: Option<tempfile::TempDir>,
 }
 
@@ -305,16 +505,8 @@ impl TestServer {
 
     /// Stops serving (gracefully, bounded) and drops the store, so that the database file can
     /// be opened afresh.
-    pub async fn shutdown(mut self) {
-        if let Some(shutdown) = self.shutdown.take() {
-            let _ = shutdown.send(());
-        }
-        if let Some(task) = self.task.take() {
-            let abort = task.abort_handle();
-            if tokio::time::timeout(PATIENCE, task).await.is_err() {
-                abort.abort();
-            }
-        }
+    pub async fn shutdown(self) {
+        self.serving.stop().await;
     }
 
     pub async fn order_count(&self) -> i64 {
@@ -326,17 +518,14 @@ impl TestServer {
     }
 }
 
-impl Drop for TestServer {
-    fn drop(&mut self) {
-        if let Some(task) = self.task.take() {
-            task.abort();
-        }
-    }
-}
-
-/// The demo authentication: a known bearer token becomes a [`Tenant`] in the extensions,
-/// anything else is 401. Also counts arrivals, before the idempotency layer sees the request.
-async fn authenticate(State(app): State<Arc<App>>, mut request: Request, next: Next) -> Response {
+/// The demo authentication of the example: a known bearer token becomes a [`Tenant`] in the
+/// extensions, anything else is 401. Also counts arrivals, before the idempotency layer sees
+/// the request.
+pub async fn authenticate<T, O>(
+    State(app): State<Arc<AppOf<T, O>>>,
+    mut request: Request,
+    next: Next,
+) -> Response {
     app.arrivals.send_modify(|seen| *seen += 1);
     let tenant = match request
         .headers()
@@ -384,12 +573,40 @@ pub fn parse_order(body: &[u8]) -> Result<(String, i64), &'static str> {
     Ok((sku, quantity))
 }
 
-/// `POST /orders`: validates, inserts the order through the idempotency transaction, runs
-/// the test's hook (with the transaction still open), and answers 201.
-async fn create_order(
-    State(app): State<Arc<App>>,
+/// How an app's transaction handle inserts an order row (returning its id).
+pub trait InsertOrder: Clone + Send + Sync + 'static {
+    fn insert_order(
+        &self,
+        tenant: &Tenant,
+        sku: &str,
+        quantity: i64,
+    ) -> impl Future<Output = Result<i64, tower_idempotency::Error>> + Send;
+}
+
+impl InsertOrder for SqliteTransaction {
+    fn insert_order(
+        &self,
+        tenant: &Tenant,
+        sku: &str,
+        quantity: i64,
+    ) -> impl Future<Output = Result<i64, tower_idempotency::Error>> + Send {
+        let row = (tenant.as_str().to_owned(), sku.to_owned(), quantity);
+        self.run(move |conn| {
+            conn.execute(
+                "INSERT INTO orders (tenant_id, sku, quantity) VALUES (?1, ?2, ?3)",
+                (&row.0, &row.1, row.2),
+            )?;
+            Ok(conn.last_insert_rowid())
+        })
+    }
+}
+
+/// `POST /orders` of both apps: validates, inserts the order through the idempotency
+/// transaction, runs the test's hook (with the transaction still open), and answers 201.
+pub async fn create_order<T: InsertOrder, O: Outcome>(
+    State(app): State<Arc<AppOf<T, O>>>,
     Extension(tenant): Extension<Tenant>,
-    Tx(tx): Tx<SqliteTransaction>,
+    Tx(tx): Tx<T>,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
@@ -398,59 +615,12 @@ async fn create_order(
         Ok(order) => order,
         Err(code) => return json_error(StatusCode::BAD_REQUEST, code),
     };
-
-    let tenant_id = tenant.as_str().to_owned();
-    let row = (tenant_id.clone(), sku.clone(), quantity);
-    let order_id = match tx
-        .run(move |conn| {
-            conn.execute(
-                "INSERT INTO orders (tenant_id, sku, quantity) VALUES (?1, ?2, ?3)",
-                (&row.0, &row.1, row.2),
-            )?;
-            Ok(conn.last_insert_rowid())
-        })
-        .await
-    {
+    let order_id = match tx.insert_order(&tenant, &sku, quantity).await {
         Ok(id) => id,
         Err(_) => return json_error(StatusCode::INTERNAL_SERVER_ERROR, "database_error"),
     };
-
-    let outcome = match &app.hook {
-        Some(hook) => {
-            hook(OrderCall {
-                tenant: tenant_id,
-                key: headers
-                    .get("idempotency-key")
-                    .and_then(|v| v.to_str().ok())
-                    .map(str::to_owned),
-                sku,
-                quantity,
-                order_id,
-                tx,
-            })
-            .await
-        }
-        None => HookOutcome::default(),
-    };
-    if let Some(status) = outcome.fail_with {
-        return json_error(status, "injected_failure");
-    }
-    let mut response = (
-        StatusCode::CREATED,
-        [
-            (header::CONTENT_TYPE, "application/json".to_owned()),
-            (header::LOCATION, format!("/orders/{order_id}")),
-        ],
-        format!("{{\"order_id\":{order_id}}}"),
-    )
-        .into_response();
-    for (name, value) in &app.response_headers {
-        response.headers_mut().insert(name.clone(), value.clone());
-    }
-    for (name, value) in outcome.headers {
-        response.headers_mut().append(name, value);
-    }
-    response
+    app.respond(&tenant, &headers, (sku, quantity), order_id, tx)
+        .await
 }
 
 /// `POST /notes`: no database; echoes the body it received and says whether a transaction

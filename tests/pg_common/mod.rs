@@ -12,27 +12,21 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
-use axum::extract::{Request, State};
-use axum::middleware::{self, Next};
-use axum::response::{IntoResponse, Response};
-use axum::routing;
-use axum::{Extension, Router};
-use bytes::Bytes;
-use http::header::{self, HeaderName};
-use http::{HeaderMap, HeaderValue, StatusCode};
-use tokio::sync::{oneshot, watch};
-use tokio::task::JoinHandle;
-use tower_idempotency::extract::Tx;
+use axum::middleware;
+
+use http::header::HeaderName;
+use http::{HeaderValue, StatusCode};
 use tower_idempotency::store::postgres::tokio_postgres::{self, NoTls};
 use tower_idempotency::store::postgres::{PostgresOptions, PostgresStore, PostgresTransaction};
-use tower_idempotency::{IdempotencyLayer, Tenant};
+use tower_idempotency::Tenant;
 
-use crate::common::{json_error, PATIENCE};
+use crate::common::{
+    authenticate, hook_for, AppBuilder, AppOf, HookFor, InsertOrder, OrderCallOf, Outcome, Serving,
+};
 
 /// The business table of the PostgreSQL order app (the same as the example's).
 pub const ORDERS_SCHEMA: &str = "CREATE TABLE IF NOT EXISTS orders (
@@ -279,13 +273,7 @@ pub async fn connect(config: &tokio_postgres::Config) -> tokio_postgres::Client 
 
 /// What the order handler knows when it calls the hook: its order row is already inserted,
 /// inside the open idempotency transaction.
-#[derive(Clone, Debug)]
-pub struct OrderCall {
-    pub tenant: String,
-    pub key: Option<String>,
-    pub order_id: i64,
-    pub tx: PostgresTransaction,
-}
+pub type OrderCall = OrderCallOf<PostgresTransaction>;
 
 /// What the hook asks the handler to do next.
 #[derive(Debug, Default)]
@@ -294,151 +282,83 @@ pub struct HookOutcome {
     pub fail_with: Option<StatusCode>,
 }
 
-pub type HookFuture = Pin<Box<dyn Future<Output = HookOutcome> + Send>>;
-pub type Hook = Arc<dyn Fn(OrderCall) -> HookFuture + Send + Sync>;
+impl Outcome for HookOutcome {
+    fn failing(fail_with: Option<StatusCode>) -> Self {
+        HookOutcome { fail_with }
+    }
+
+    fn fail_with(&self) -> Option<StatusCode> {
+        self.fail_with
+    }
+
+    fn into_headers(self) -> Vec<(HeaderName, HeaderValue)> {
+        Vec::new()
+    }
+}
+
+pub type Hook = HookFor<OrderCall, HookOutcome>;
 
 /// Wraps an async closure as a [`Hook`].
-pub fn hook<F, Fut>(f: F) -> Hook
-where
-    F: Fn(OrderCall) -> Fut + Send + Sync + 'static,
-    Fut: Future<Output = HookOutcome> + Send + 'static,
-{
-    Arc::new(move |call| Box::pin(f(call)))
+pub fn hook<Fut: Future<Output = HookOutcome> + Send + 'static>(
+    f: impl Fn(OrderCall) -> Fut + Send + Sync + 'static,
+) -> Hook {
+    hook_for(f)
 }
 
 /// The state shared by the app's handlers and the test.
-pub struct App {
-    /// How many times the order handler ran (entered its body).
-    pub handler_calls: AtomicUsize,
-    /// Requests that reached the app (counted before the layer).
-    arrivals: watch::Sender<usize>,
-    hook: Option<Hook>,
-    /// Set on every `201` of the order handler, replacing its own (see
-    /// [`ServerBuilder::response_header`]).
-    response_headers: Vec<(HeaderName, HeaderValue)>,
-}
+pub type App = AppOf<PostgresTransaction, HookOutcome>;
 
-impl App {
-    pub fn handler_calls(&self) -> usize {
-        self.handler_calls.load(Ordering::SeqCst)
-    }
-
-    /// Waits until at least `n` requests reached the app; `false` if that took too long.
-    pub async fn wait_for_arrivals(&self, n: usize, timeout: Duration) -> bool {
-        let mut arrivals = self.arrivals.subscribe();
-        let reached = tokio::time::timeout(timeout, arrivals.wait_for(|seen| *seen >= n)).await;
-        matches!(reached, Ok(Ok(_)))
-    }
-}
-
-type Customise =
-    Box<dyn Fn(IdempotencyLayer<PostgresStore>, &str) -> IdempotencyLayer<PostgresStore> + Send>;
 type CustomiseStore = Box<dyn FnOnce(PostgresOptions) -> PostgresOptions + Send>;
 
-/// Builds a [`PgServer`].
-pub struct ServerBuilder {
-    customise: Customise,
+/// What only the PostgreSQL app takes: the store's options.
+pub struct PgApp {
     store: CustomiseStore,
-    hook: Option<Hook>,
-    response_headers: Vec<(HeaderName, HeaderValue)>,
 }
 
+impl Default for PgApp {
+    fn default() -> Self {
+        PgApp {
+            store: Box::new(|options| options),
+        }
+    }
+}
+
+/// Builds a [`PgServer`].
+pub type ServerBuilder = AppBuilder<PostgresStore, Hook, PgApp>;
+
 impl ServerBuilder {
-    /// Customises every route's layer (already given its operation name).
-    pub fn layer<F>(mut self, f: F) -> Self
-    where
-        F: Fn(IdempotencyLayer<PostgresStore>) -> IdempotencyLayer<PostgresStore> + Send + 'static,
-    {
-        self.customise = Box::new(move |layer, _| f(layer));
-        self
-    }
-
-    /// Customises the layer per operation (`create_order`, `create_express_order`).
-    pub fn layer_per_operation<F>(mut self, f: F) -> Self
-    where
-        F: Fn(IdempotencyLayer<PostgresStore>, &str) -> IdempotencyLayer<PostgresStore>
-            + Send
-            + 'static,
-    {
-        self.customise = Box::new(f);
-        self
-    }
-
     /// Customises the store's options (pool sizes, isolation), starting from the tests' smaller
     /// pools (8 transaction connections, 4 read connections).
     pub fn store<F>(mut self, f: F) -> Self
     where
         F: FnOnce(PostgresOptions) -> PostgresOptions + Send + 'static,
     {
-        self.store = Box::new(f);
-        self
-    }
-
-    pub fn hook(mut self, hook: Hook) -> Self {
-        self.hook = Some(hook);
-        self
-    }
-
-    /// Sets this header on every `201` of the order handler, replacing the handler's own of that
-    /// name (such as `Location`). Any bytes a header value may hold, obs-text included.
-    pub fn response_header(mut self, name: HeaderName, value: HeaderValue) -> Self {
-        self.response_headers.push((name, value));
+        self.extra.store = Box::new(f);
         self
     }
 
     /// Serves the app on a store of its own (its own pools) over `db`'s schema; several
     /// servers on one schema are several app instances sharing one database.
-    pub async fn spawn(self, db: &TestDb) -> PgServer {
+    pub async fn spawn(mut self, db: &TestDb) -> PgServer {
         // Smaller pools than the defaults: tests run two at a time, some with two servers,
         // and the server allows 100 connections in all.
-        let customise = self.store;
+        let customise_store = std::mem::replace(&mut self.extra.store, Box::new(|options| options));
         let store = db
-            .store_with(|options| customise(options.max_connections(8).max_read_connections(4)))
+            .store_with(|options| {
+                customise_store(options.max_connections(8).max_read_connections(4))
+            })
             .await;
-        let (arrivals, _) = watch::channel(0usize);
-        let app = Arc::new(App {
-            handler_calls: AtomicUsize::new(0),
-            arrivals,
-            hook: self.hook,
-            response_headers: self.response_headers,
-        });
-        let layer = |operation: &str| {
-            (self.customise)(
-                IdempotencyLayer::new(store.clone()).with_operation(operation.to_owned()),
-                operation,
-            )
-        };
-        let router = Router::new()
-            .route(
-                "/orders",
-                routing::post(create_order).layer(layer("create_order")),
-            )
-            .route(
-                "/express-orders",
-                routing::post(create_order).layer(layer("create_express_order")),
-            )
+        let app = App::new(self.hook.clone(), self.response_headers.clone());
+        let router = self
+            .order_routes::<PostgresTransaction, HookOutcome>(&store)
             .layer(middleware::from_fn_with_state(app.clone(), authenticate))
             .with_state(app.clone());
-
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let addr = listener.local_addr().expect("local addr");
-        let (shutdown, signal) = oneshot::channel::<()>();
-        let task = tokio::spawn(async move {
-            axum::serve(listener, router)
-                .with_graceful_shutdown(async move {
-                    let _ = signal.await;
-                })
-                .await
-                .expect("serve");
-        });
+        let serving = Serving::start(router).await;
         PgServer {
-            addr,
+            addr: serving.addr,
             store,
             app,
-            shutdown: Some(shutdown),
-            task: Some(task),
+            serving,
         }
     }
 }
@@ -448,18 +368,12 @@ pub struct PgServer {
     pub addr: SocketAddr,
     pub store: PostgresStore,
     pub app: Arc<App>,
-    shutdown: Option<oneshot::Sender<()>>,
-    task: Option<JoinHandle<()>>,
+    serving: Serving,
 }
 
 impl PgServer {
     pub fn builder() -> ServerBuilder {
-        ServerBuilder {
-            customise: Box::new(|layer, _| layer),
-            store: Box::new(|options| options),
-            hook: None,
-            response_headers: Vec::new(),
-        }
+        AppBuilder::new(PgApp::default())
     }
 
     /// The default app on `db`.
@@ -468,104 +382,27 @@ impl PgServer {
     }
 
     /// Stops serving (gracefully, bounded).
-    pub async fn shutdown(mut self) {
-        if let Some(shutdown) = self.shutdown.take() {
-            let _ = shutdown.send(());
-        }
-        if let Some(task) = self.task.take() {
-            let abort = task.abort_handle();
-            if tokio::time::timeout(PATIENCE, task).await.is_err() {
-                abort.abort();
-            }
-        }
+    pub async fn shutdown(self) {
+        self.serving.stop().await;
     }
 }
 
-impl Drop for PgServer {
-    fn drop(&mut self) {
-        if let Some(task) = self.task.take() {
-            task.abort();
-        }
-    }
-}
-
-/// The demo authentication of the example; also counts arrivals.
-async fn authenticate(State(app): State<Arc<App>>, mut request: Request, next: Next) -> Response {
-    app.arrivals.send_modify(|seen| *seen += 1);
-    let tenant = match request
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-    {
-        Some("Bearer shop-a-token") => "shop-a",
-        Some("Bearer shop-b-token") => "shop-b",
-        _ => return json_error(StatusCode::UNAUTHORIZED, "unauthenticated"),
-    };
-    request.extensions_mut().insert(Tenant::new(tenant));
-    next.run(request).await
-}
-
-/// `POST /orders`: validates, inserts the order through the idempotency transaction, runs
-/// the test's hook (with the transaction still open), and answers 201.
-async fn create_order(
-    State(app): State<Arc<App>>,
-    Extension(tenant): Extension<Tenant>,
-    Tx(tx): Tx<PostgresTransaction>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    app.handler_calls.fetch_add(1, Ordering::SeqCst);
-    let (sku, quantity) = match super::common::parse_order(&body) {
-        Ok(order) => order,
-        Err(code) => return json_error(StatusCode::BAD_REQUEST, code),
-    };
-
-    let inserted = async {
-        let client = tx.client().await?;
+impl InsertOrder for PostgresTransaction {
+    async fn insert_order(
+        &self,
+        tenant: &Tenant,
+        sku: &str,
+        quantity: i64,
+    ) -> Result<i64, tower_idempotency::Error> {
+        let client = self.client().await?;
         let row = client
             .query_one(
                 "INSERT INTO orders (tenant_id, sku, quantity) VALUES ($1, $2, $3) RETURNING id",
                 &[&tenant.as_str(), &sku, &quantity],
             )
             .await?;
-        Ok::<i64, tower_idempotency::Error>(row.try_get(0)?)
-    };
-    let order_id = match inserted.await {
-        Ok(id) => id,
-        Err(_) => return json_error(StatusCode::INTERNAL_SERVER_ERROR, "database_error"),
-    };
-
-    let outcome = match &app.hook {
-        Some(hook) => {
-            hook(OrderCall {
-                tenant: tenant.as_str().to_owned(),
-                key: headers
-                    .get("idempotency-key")
-                    .and_then(|v| v.to_str().ok())
-                    .map(str::to_owned),
-                order_id,
-                tx,
-            })
-            .await
-        }
-        None => HookOutcome::default(),
-    };
-    if let Some(status) = outcome.fail_with {
-        return json_error(status, "injected_failure");
+        Ok(row.try_get(0)?)
     }
-    let mut response = (
-        StatusCode::CREATED,
-        [
-            (header::CONTENT_TYPE, "application/json".to_owned()),
-            (header::LOCATION, format!("/orders/{order_id}")),
-        ],
-        format!("{{\"order_id\":{order_id}}}"),
-    )
-        .into_response();
-    for (name, value) in &app.response_headers {
-        response.headers_mut().insert(name.clone(), value.clone());
-    }
-    response
 }
 
 /// The example binary (`examples/orders.rs`) as a child process serving on this database.
