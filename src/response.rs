@@ -13,6 +13,7 @@ pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-
 
 /// A response as saved in the store and replayed to retries.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct SavedResponse {
     /// The status code.
     pub status: StatusCode,
@@ -22,6 +23,24 @@ pub struct SavedResponse {
     pub body: Bytes,
     /// The trailers, if the response had any (gRPC answers in trailers).
     pub trailers: Option<Vec<(HeaderName, HeaderValue)>>,
+}
+
+impl SavedResponse {
+    /// A saved response with no trailers (a store of your own builds one from its row).
+    pub fn new(status: StatusCode, headers: Vec<(HeaderName, HeaderValue)>, body: Bytes) -> Self {
+        SavedResponse {
+            status,
+            headers,
+            body,
+            trailers: None,
+        }
+    }
+
+    /// With these trailers (gRPC answers in trailers).
+    pub fn with_trailers(mut self, trailers: Vec<(HeaderName, HeaderValue)>) -> Self {
+        self.trailers = Some(trailers);
+        self
+    }
 }
 
 // The encoding is for the stores; without one (a client-only build) it goes unused.

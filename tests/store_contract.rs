@@ -21,34 +21,30 @@ const LOCK_TIMEOUT: Duration = Duration::from_secs(5);
 const HOUR: Duration = Duration::from_secs(3600);
 
 fn scope(tenant: &str, operation: &str, key: &str) -> Scope {
-    Scope {
-        tenant: tenant.into(),
-        operation: operation.into(),
-        key: IdempotencyKey::parse(key.as_bytes(), 128).expect("valid key"),
-    }
+    Scope::new(
+        tenant,
+        operation,
+        IdempotencyKey::parse(key.as_bytes(), 128).expect("valid key"),
+    )
 }
 
 fn record(now: SystemTime, seed: u8) -> NewRecord {
-    NewRecord {
-        fingerprint: Fingerprint::new(1, [seed; 32]),
-        response: SavedResponse {
-            status: StatusCode::CREATED,
-            headers: vec![
-                (header::LOCATION, HeaderValue::from_static("/orders/7")),
-                (
-                    header::CONTENT_TYPE,
-                    HeaderValue::from_static("application/json"),
-                ),
-            ],
-            body: Bytes::from(format!("{{\"order_id\":{seed}}}")),
-            trailers: Some(vec![(
-                HeaderName::from_static("grpc-status"),
-                HeaderValue::from_static("0"),
-            )]),
-        },
-        created_at: now,
-        expires_at: now + HOUR,
-    }
+    let response = SavedResponse::new(
+        StatusCode::CREATED,
+        vec![
+            (header::LOCATION, HeaderValue::from_static("/orders/7")),
+            (
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            ),
+        ],
+        Bytes::from(format!("{{\"order_id\":{seed}}}")),
+    )
+    .with_trailers(vec![(
+        HeaderName::from_static("grpc-status"),
+        HeaderValue::from_static("0"),
+    )]);
+    NewRecord::new(Fingerprint::new(1, [seed; 32]), response, now, now + HOUR)
 }
 
 async fn reserve<S: IdempotencyStore>(store: &S, scope: &Scope, now: SystemTime) -> S::Transaction {

@@ -26,6 +26,7 @@ pub mod sqlite;
 
 /// The unique scope of a record: `(tenant, operation, key)`.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub struct Scope {
     /// The tenant, from the server's authentication.
     pub tenant: Arc<str>,
@@ -37,6 +38,7 @@ pub struct Scope {
 
 /// A saved record, as read back from the store.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct StoredRecord {
     /// The fingerprint of the request that created it.
     pub fingerprint: Fingerprint,
@@ -50,6 +52,7 @@ pub struct StoredRecord {
 
 /// What [`StoreTransaction::commit`] saves.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct NewRecord {
     /// The fingerprint of the request.
     pub fingerprint: Fingerprint,
@@ -59,6 +62,56 @@ pub struct NewRecord {
     pub created_at: SystemTime,
     /// `created_at` plus the retention.
     pub expires_at: SystemTime,
+}
+
+impl Scope {
+    /// The scope of `key` for `operation` of `tenant`.
+    pub fn new(
+        tenant: impl Into<Arc<str>>,
+        operation: impl Into<Arc<str>>,
+        key: IdempotencyKey,
+    ) -> Self {
+        Scope {
+            tenant: tenant.into(),
+            operation: operation.into(),
+            key,
+        }
+    }
+}
+
+impl StoredRecord {
+    /// A record as a store read it back (a store of your own builds one from its row).
+    pub fn new(
+        fingerprint: Fingerprint,
+        response: SavedResponse,
+        created_at: SystemTime,
+        expires_at: SystemTime,
+    ) -> Self {
+        StoredRecord {
+            fingerprint,
+            response,
+            created_at,
+            expires_at,
+        }
+    }
+}
+
+impl NewRecord {
+    /// The record to save for a request (what the layer gives
+    /// [`StoreTransaction::commit`]; also for tests of a store of your own).
+    pub fn new(
+        fingerprint: Fingerprint,
+        response: SavedResponse,
+        created_at: SystemTime,
+        expires_at: SystemTime,
+    ) -> Self {
+        NewRecord {
+            fingerprint,
+            response,
+            created_at,
+            expires_at,
+        }
+    }
 }
 
 /// The outcome of [`IdempotencyStore::begin`].

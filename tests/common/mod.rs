@@ -909,11 +909,11 @@ impl Body for ChannelBody {
 
 /// The scope `(tenant, operation, key)` of a record.
 pub fn scope(tenant: &str, operation: &str, key: &str) -> Scope {
-    Scope {
-        tenant: tenant.into(),
-        operation: operation.into(),
-        key: IdempotencyKey::parse(key.as_bytes(), 128).expect("valid key"),
-    }
+    Scope::new(
+        tenant,
+        operation,
+        IdempotencyKey::parse(key.as_bytes(), 128).expect("valid key"),
+    )
 }
 
 /// The fingerprint canonicalization version 1 gave a request: SHA-256 over the length-prefixed
@@ -951,9 +951,9 @@ pub async fn save_record<S: IdempotencyStore>(
     else {
         panic!("{scope:?} already has a record");
     };
-    let response = SavedResponse {
-        status: StatusCode::CREATED,
-        headers: vec![
+    let response = SavedResponse::new(
+        StatusCode::CREATED,
+        vec![
             (
                 header::CONTENT_TYPE,
                 HeaderValue::from_static("application/json"),
@@ -963,16 +963,15 @@ pub async fn save_record<S: IdempotencyStore>(
                 HeaderValue::from_str(location).expect("location"),
             ),
         ],
-        body: Bytes::copy_from_slice(body.as_bytes()),
-        trailers: None,
-    };
+        Bytes::copy_from_slice(body.as_bytes()),
+    );
     transaction
-        .commit(NewRecord {
+        .commit(NewRecord::new(
             fingerprint,
             response,
-            created_at: now,
-            expires_at: now + Duration::from_secs(24 * 3600),
-        })
+            now,
+            now + Duration::from_secs(24 * 3600),
+        ))
         .await
         .expect("commit the record");
 }

@@ -17,10 +17,10 @@ use std::time::{Duration, SystemTime};
 use rusqlite::{Connection, OpenFlags};
 
 use super::records::read_record;
-use super::READER_BUSY_TIMEOUT;
 use super::reservation::TxShared;
 use super::writer::{Step, NESTED_REQUEST};
 use super::Shared;
+use super::READER_BUSY_TIMEOUT;
 use crate::error::Error;
 use crate::store::{Scope, StoredRecord};
 
