@@ -1,12 +1,9 @@
-//! The admin tool (`examples/admin.rs`, included here and run in-process with its real
-//! command-line parsing) against a real orders database: records made by the order app over
+//! The admin tool (`examples/admin.rs`, run as a process) against a real orders database: records made by the order app over
 //! HTTP, and outbox events delivered, retried and dead-lettered by a real relay.
 
 mod common;
 
-// The example's `main` is not used here.
-#[allow(dead_code)]
-#[path = "../examples/admin.rs"]
+#[path = "admin_tool/mod.rs"]
 mod admin;
 
 use std::path::Path;

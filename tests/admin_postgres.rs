@@ -1,5 +1,5 @@
-//! `Admin<PostgresStore>` and the admin tool (`examples/admin.rs` with `--database-url`,
-//! included here and run in-process with its real command-line parsing) against a real
+//! `Admin<PostgresStore>` and the admin tool (`examples/admin.rs` with `--database-url`, run
+//! as a process) against a real
 //! PostgreSQL database: records made by the PostgreSQL order app over HTTP, and outbox events
 //! delivered and dead-lettered by a real relay. The PostgreSQL twin of `tests/admin_cli.rs`.
 //!
@@ -8,9 +8,7 @@
 mod common;
 mod pg_common;
 
-// The example's `main` is not used here.
-#[allow(dead_code)]
-#[path = "../examples/admin.rs"]
+#[path = "admin_tool/mod.rs"]
 mod admin;
 
 use std::sync::Arc;

@@ -401,9 +401,11 @@ async fn two_deliveries_at_once(
 
     let (entered_tx, entered) = oneshot::channel::<()>();
     let (release_tx, release) = oneshot::channel::<()>();
+    // Owned: what the closure captures holds no reference, not even a `'static` one.
+    let first_result = first_result.map_err(str::to_owned);
     let first = tokio::spawn(async move {
         first_inbox
-            .process("e1", |tx| async move {
+            .process("e1", move |tx| async move {
                 let applied = apply(tx, "e1".to_owned()).await?;
                 let _ = entered_tx.send(());
                 let _ = release.await;
@@ -422,7 +424,7 @@ async fn two_deliveries_at_once(
     let calls = second_calls.clone();
     let second = tokio::spawn(async move {
         second_inbox
-            .process("e1", |tx| {
+            .process("e1", move |tx| {
                 calls.fetch_add(1, Ordering::SeqCst);
                 apply(tx, "e1".to_owned())
             })
@@ -518,7 +520,8 @@ async fn deliver_all_at_once(
             let inbox = inboxes[(copy + event) % 2].clone();
             let id = format!("e{event}");
             tasks.push(tokio::spawn(async move {
-                let outcome = inbox.process(&id, |tx| apply_blind(tx, id.clone())).await;
+                let event_id = id.clone();
+                let outcome = inbox.process(&id, |tx| apply_blind(tx, event_id)).await;
                 (id, outcome)
             }));
         }

@@ -401,7 +401,7 @@ async fn a_permanent_error_dead_letters_at_once() {
         event.last_error.as_deref(),
         Some("permanent: sku gone for good")
     );
-    assert_eq!(outbox.requeue_dead().await.expect("requeue"), 1);
+    assert_eq!(outbox.requeue_all_dead().await.expect("requeue"), 1);
 }
 
 #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]

@@ -82,15 +82,15 @@ use std::time::{Duration, SystemTime};
 use crate::body::BoxError;
 use crate::error::Error;
 
-#[cfg(feature = "sqlite")]
 pub mod inbox;
-#[cfg(all(feature = "outbox", feature = "postgres"))]
+#[cfg(feature = "postgres")]
 pub mod postgres;
 mod relay;
 mod sink;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
 
+pub use inbox::{Inbox, InboxBackend, InboxOutcome};
 pub use relay::{Relay, RoundReport};
 pub use sink::{sink_fn, HttpSink, Permanent, SinkFn, EVENT_TOPIC};
 
@@ -399,6 +399,202 @@ pub struct OutboxCounts {
     pub delivered: u64,
     /// Dead-lettered.
     pub dead: u64,
+}
+
+/// What a database implements to hold an outbox: the relay's [`OutboxStore`] plus creating
+/// the table and the maintenance queries. [`Outbox`] and [`Admin`](crate::admin::Admin) are
+/// written once over it; `SqliteStore` and `PostgresStore` implement it (each in its module,
+/// with only its SQL).
+pub trait OutboxBackend: OutboxStore {
+    /// Creates the `outbox_events` table if needed. Idempotent.
+    fn install_outbox(&self) -> impl Future<Output = Result<(), Error>> + Send;
+
+    /// One event, by id.
+    fn event(&self, id: &str) -> impl Future<Output = Result<Option<EventInfo>, Error>> + Send;
+
+    /// How many events are in each state.
+    fn outbox_counts(&self) -> impl Future<Output = Result<OutboxCounts, Error>> + Send;
+
+    /// Dead-lettered events, oldest first, at most `limit`.
+    fn dead_letters(
+        &self,
+        limit: usize,
+    ) -> impl Future<Output = Result<Vec<EventInfo>, Error>> + Send;
+
+    /// Moves the dead-lettered event `id` back to pending, due now, attempts reset; `false`
+    /// if no dead event has this id.
+    fn requeue(&self, id: &str) -> impl Future<Output = Result<bool, Error>> + Send;
+
+    /// [`requeue`](Self::requeue) for every dead-lettered event; returns how many.
+    fn requeue_all_dead(&self) -> impl Future<Output = Result<u64, Error>> + Send;
+
+    /// Deletes up to `batch` events delivered before `before`; returns how many.
+    fn purge_delivered(
+        &self,
+        before: SystemTime,
+        batch: usize,
+    ) -> impl Future<Output = Result<u64, Error>> + Send;
+}
+
+/// The outbox of a database: what a [`Relay`] delivers from (it is an [`OutboxStore`]) and the
+/// operations on `outbox_events` (counts, dead letters, requeue, purge), the same on every
+/// backend. Cheap to clone. Named for its backend as
+/// [`SqliteOutbox`](sqlite::SqliteOutbox) and [`PostgresOutbox`](postgres::PostgresOutbox).
+#[derive(Clone)]
+pub struct Outbox<S> {
+    store: S,
+}
+
+impl<S: fmt::Debug> fmt::Debug for Outbox<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Outbox")
+            .field("store", &self.store)
+            .finish()
+    }
+}
+
+impl<S: OutboxBackend> Outbox<S> {
+    /// Creates `outbox_events` if needed and returns the outbox. Idempotent (and safe for
+    /// instances starting at once): call it at start-up, before serving requests that enqueue.
+    pub async fn install(store: &S) -> Result<Self, Error> {
+        store.install_outbox().await?;
+        Ok(Outbox::existing(store))
+    }
+
+    /// The outbox of a database whose `outbox_events` table already exists (an admin tool
+    /// should not create tables); calls on it fail if the table is missing.
+    pub fn existing(store: &S) -> Self {
+        Outbox {
+            store: store.clone(),
+        }
+    }
+
+    /// The store.
+    pub fn store(&self) -> &S {
+        &self.store
+    }
+
+    /// One event, by id.
+    pub async fn event(&self, id: &str) -> Result<Option<EventInfo>, Error> {
+        self.store.event(id).await
+    }
+
+    /// How many events are in each state.
+    pub async fn counts(&self) -> Result<OutboxCounts, Error> {
+        self.store.outbox_counts().await
+    }
+
+    /// Dead-lettered events, oldest first, at most `limit`.
+    pub async fn dead_letters(&self, limit: usize) -> Result<Vec<EventInfo>, Error> {
+        self.store.dead_letters(limit).await
+    }
+
+    /// Moves a dead-lettered event back to pending, due now, with its attempts reset (its last
+    /// error is kept until the next attempt). Returns `false` if no dead event has this id.
+    pub async fn requeue(&self, id: &str) -> Result<bool, Error> {
+        self.store.requeue(id).await
+    }
+
+    /// Requeues every dead-lettered event (see [`requeue`](Self::requeue)); returns how many.
+    pub async fn requeue_all_dead(&self) -> Result<u64, Error> {
+        self.store.requeue_all_dead().await
+    }
+
+    /// Deletes up to `batch` events delivered before `before`; returns how many. Delivered
+    /// events are kept until then only for inspection: nothing reads them again. Several
+    /// instances may purge at once.
+    pub async fn purge_delivered(&self, before: SystemTime, batch: usize) -> Result<u64, Error> {
+        self.store.purge_delivered(before, batch).await
+    }
+}
+
+impl<S: OutboxBackend> OutboxStore for Outbox<S> {
+    fn claim(&self, request: ClaimRequest) -> impl Future<Output = Result<Claimed, Error>> + Send {
+        self.store.claim(request)
+    }
+
+    fn settle(
+        &self,
+        settlements: Vec<Settlement>,
+    ) -> impl Future<Output = Result<(), Error>> + Send {
+        self.store.settle(settlements)
+    }
+
+    fn backlog(&self) -> impl Future<Output = Result<Backlog, Error>> + Send {
+        self.store.backlog()
+    }
+}
+
+/// A stored attempt count as a `u32`, the same on every backend: a negative count reads as 0
+/// and one past `u32::MAX` as `u32::MAX` (saturating).
+pub(crate) fn attempts_from_column(attempts: i64) -> u32 {
+    u32::try_from(attempts.max(0)).unwrap_or(u32::MAX)
+}
+
+/// A stored count as a `u64` (a negative one, which `count(*)` never gives, as 0).
+pub(crate) fn count_from_column(count: i64) -> u64 {
+    u64::try_from(count).unwrap_or(0)
+}
+
+/// An event's state from its stored columns: `pending` is in flight while a lease holds it.
+pub(crate) fn event_status(status: &str, leased: bool) -> Result<EventStatus, Error> {
+    match (status, leased) {
+        ("pending", false) => Ok(EventStatus::Pending),
+        ("pending", true) => Ok(EventStatus::InFlight),
+        ("delivered", _) => Ok(EventStatus::Delivered),
+        ("dead", _) => Ok(EventStatus::Dead),
+        (other, _) => Err(Error::Corrupt(format!("outbox status {other:?}"))),
+    }
+}
+
+impl OutboxCounts {
+    /// Adds `count` events in `status` (see [`event_status`]).
+    pub(crate) fn add(&mut self, status: EventStatus, count: u64) {
+        let slot = match status {
+            EventStatus::Pending => &mut self.pending,
+            EventStatus::InFlight => &mut self.in_flight,
+            EventStatus::Delivered => &mut self.delivered,
+            EventStatus::Dead => &mut self.dead,
+        };
+        *slot += count;
+    }
+}
+
+/// An `outbox_events` row as read by either backend (in `EVENT_COLUMNS` order), before checks.
+pub(crate) struct RawEvent {
+    pub(crate) id: String,
+    pub(crate) topic: String,
+    pub(crate) payload: String,
+    pub(crate) status: String,
+    pub(crate) attempts: i64,
+    pub(crate) created_at: i64,
+    pub(crate) available_at: i64,
+    pub(crate) delivered_at: Option<i64>,
+    pub(crate) last_error: Option<String>,
+    pub(crate) leased: bool,
+}
+
+/// The columns [`RawEvent`] is read from, in order.
+#[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
+pub(crate) const EVENT_COLUMNS: &str = "event_id, topic, payload, status, attempts, created_at, \
+     available_at, delivered_at, last_error, lease_owner";
+
+impl RawEvent {
+    /// The event as shown, at `now` (Unix milliseconds: in flight while its lease runs).
+    pub(crate) fn into_info(self, now: i64) -> Result<EventInfo, Error> {
+        let status = event_status(&self.status, self.leased && self.available_at > now)?;
+        Ok(EventInfo {
+            id: EventId::from(self.id),
+            topic: self.topic,
+            payload: self.payload,
+            status,
+            attempts: attempts_from_column(self.attempts),
+            created_at: crate::store::from_unix_millis(self.created_at),
+            available_at: crate::store::from_unix_millis(self.available_at),
+            delivered_at: self.delivered_at.map(crate::store::from_unix_millis),
+            last_error: self.last_error,
+        })
+    }
 }
 
 /// How long to wait before attempt `attempt + 1`, after attempt `attempt` failed:
