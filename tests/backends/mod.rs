@@ -7,18 +7,23 @@
 
 #![allow(dead_code)] // each suite uses what it needs
 
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
 use serde_json::Value;
 use tempfile::TempDir;
+use tower_idempotency::admin::AdminBackend;
 use tower_idempotency::outbox::{EventId, InboxBackend, OutboxBackend};
 use tower_idempotency::store::postgres::PostgresStore;
 use tower_idempotency::store::sqlite::SqliteStore;
 
-use crate::pg_common::TestDb;
+use crate::common::TestServer;
+use crate::pg_common::{PgServer, TestDb};
 
 /// A database of one backend, with a store on it.
 pub trait Backend: Sized {
     /// The store: it holds an outbox and inboxes.
-    type Store: OutboxBackend + InboxBackend;
+    type Store: OutboxBackend + InboxBackend + AdminBackend;
 
     /// A fresh database, or `None` when this backend is not available.
     async fn open() -> Option<Self>;
@@ -34,12 +39,55 @@ pub trait Backend: Sized {
 
     /// Rows in `outbox_events`.
     async fn event_count(&self) -> i64;
+
+    /// The order app (`common`'s or `pg_common`'s) serving on this database.
+    async fn serve(&self) -> Served;
+
+    /// Runs SQL on the database, outside any request.
+    async fn execute(&self, sql: &'static str);
+
+    /// Rows in `idempotency_records`.
+    async fn record_count(&self) -> i64;
+
+    /// Rows in the order app's `orders`.
+    async fn order_count(&self) -> i64;
+
+    /// How the admin tool names this database: `--db PATH` or `--database-url URL`.
+    fn tool_args(&self) -> Vec<String>;
+}
+
+/// The order app serving on a backend's database.
+pub enum Served {
+    Sqlite(TestServer),
+    Postgres(PgServer),
+}
+
+impl Served {
+    pub fn addr(&self) -> SocketAddr {
+        match self {
+            Served::Sqlite(server) => server.addr,
+            Served::Postgres(server) => server.addr,
+        }
+    }
+
+    pub async fn shutdown(self) {
+        match self {
+            Served::Sqlite(server) => drop(server),
+            Served::Postgres(server) => server.shutdown().await,
+        }
+    }
 }
 
 /// A SQLite file in a temp dir.
 pub struct Sqlite {
     store: SqliteStore,
     dir: TempDir,
+}
+
+impl Sqlite {
+    fn path(&self) -> PathBuf {
+        self.dir.path().join("orders.db")
+    }
 }
 
 impl Backend for Sqlite {
@@ -51,6 +99,26 @@ impl Backend for Sqlite {
             .await
             .expect("open");
         Some(Sqlite { store, dir })
+    }
+
+    async fn serve(&self) -> Served {
+        Served::Sqlite(TestServer::builder().db_path(self.path()).spawn().await)
+    }
+
+    async fn execute(&self, sql: &'static str) {
+        crate::common::execute(&self.store, sql).await;
+    }
+
+    async fn record_count(&self) -> i64 {
+        crate::common::record_count(&self.store).await
+    }
+
+    async fn order_count(&self) -> i64 {
+        crate::common::order_count(&self.store).await
+    }
+
+    fn tool_args(&self) -> Vec<String> {
+        vec!["--db".into(), self.path().display().to_string()]
     }
 
     fn store(&self) -> &SqliteStore {
@@ -98,6 +166,26 @@ impl Backend for Postgres {
 
     fn store(&self) -> &PostgresStore {
         &self.store
+    }
+
+    async fn serve(&self) -> Served {
+        Served::Postgres(PgServer::spawn(&self.db).await)
+    }
+
+    async fn execute(&self, sql: &'static str) {
+        self.db.execute(sql).await;
+    }
+
+    async fn record_count(&self) -> i64 {
+        self.db.record_count().await
+    }
+
+    async fn order_count(&self) -> i64 {
+        self.db.order_count().await
+    }
+
+    fn tool_args(&self) -> Vec<String> {
+        vec!["--database-url".into(), self.db.url()]
     }
 
     async fn another_store(&self) -> PostgresStore {
