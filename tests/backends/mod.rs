@@ -13,7 +13,7 @@ use std::path::PathBuf;
 use serde_json::Value;
 use tempfile::TempDir;
 use tower_idempotency::admin::AdminBackend;
-use tower_idempotency::outbox::{EventId, InboxBackend, OutboxBackend};
+use tower_idempotency::outbox::{EventId, Inbox, InboxBackend, OutboxBackend, Processed};
 use tower_idempotency::store::postgres::PostgresStore;
 use tower_idempotency::store::sqlite::SqliteStore;
 
@@ -54,7 +54,42 @@ pub trait Backend: Sized {
 
     /// How the admin tool names this database: `--db PATH` or `--database-url URL`.
     fn tool_args(&self) -> Vec<String>;
+
+    /// Processes `event_id` with `inbox`, applying it as `apply` says (the closure is the
+    /// backend's: a `rusqlite` one on SQLite, a future on PostgreSQL).
+    async fn process(
+        inbox: &Inbox<Self::Store>,
+        event_id: &str,
+        apply: Apply,
+    ) -> Result<Processed<i64>, tower_idempotency::Error>;
+
+    /// Applies `event_id` through a request's transaction handle: one [`EFFECTS`] row.
+    async fn apply_in(tx: &<Self::Store as InboxBackend>::Transaction, event_id: &str);
+
+    /// Committed [`EFFECTS`] rows of `event_id`.
+    async fn effects(&self, event_id: &str) -> i64;
 }
+
+/// The receiver's effect in the inbox suites: one row per application of an event.
+pub const EFFECTS: &str = "CREATE TABLE effects (event_id TEXT NOT NULL, note TEXT NOT NULL)";
+
+/// What an inbox suite's closure does.
+#[derive(Clone, Copy, Debug)]
+pub enum Apply {
+    /// Nothing (`Ok(0)`).
+    Nothing,
+    /// Inserts the event's [`EFFECTS`] row; returns the event's rows as the transaction sees
+    /// them.
+    Effect,
+    /// Inserts the row, then fails.
+    EffectThenFail,
+    /// Runs a statement on a table that does not exist.
+    BrokenStatement,
+}
+
+/// The SQL of [`Apply::Effect`]'s insert, and what [`Apply::EffectThenFail`] fails with.
+const INSERT_EFFECT: &str = "INSERT INTO effects (event_id, note) VALUES ($1, 'applied')";
+pub const FAILURE: &str = "the receiver failed";
 
 /// The order app serving on a backend's database.
 pub enum Served {
@@ -119,6 +154,58 @@ impl Backend for Sqlite {
 
     fn tool_args(&self) -> Vec<String> {
         vec!["--db".into(), self.path().display().to_string()]
+    }
+
+    async fn process(
+        inbox: &Inbox<SqliteStore>,
+        event_id: &str,
+        apply: Apply,
+    ) -> Result<Processed<i64>, tower_idempotency::Error> {
+        let id = event_id.to_owned();
+        inbox
+            .process(event_id, move |tx| {
+                let insert = INSERT_EFFECT.replace('$', "?");
+                match apply {
+                    Apply::Nothing => return Ok(0),
+                    Apply::BrokenStatement => {
+                        tx.execute("INSERT INTO no_such_table VALUES (1)", [])?;
+                        return Ok(0);
+                    }
+                    Apply::Effect | Apply::EffectThenFail => tx.execute(&insert, [&id])?,
+                };
+                if let Apply::EffectThenFail = apply {
+                    // Any `rusqlite` error that carries the message will do.
+                    return Err(rusqlite::Error::InvalidParameterName(FAILURE.into()));
+                }
+                tx.query_row(
+                    "SELECT count(*) FROM effects WHERE event_id = ?1",
+                    [&id],
+                    |row| row.get(0),
+                )
+            })
+            .await
+    }
+
+    async fn apply_in(tx: &tower_idempotency::store::sqlite::SqliteTransaction, event_id: &str) {
+        let id = event_id.to_owned();
+        let insert = INSERT_EFFECT.replace('$', "?");
+        tx.run(move |conn| conn.execute(&insert, [id]))
+            .await
+            .expect("apply");
+    }
+
+    async fn effects(&self, event_id: &str) -> i64 {
+        let id = event_id.to_owned();
+        self.store
+            .read(move |conn| {
+                conn.query_row(
+                    "SELECT count(*) FROM effects WHERE event_id = ?1",
+                    [id],
+                    |row| row.get(0),
+                )
+            })
+            .await
+            .expect("count effects")
     }
 
     fn store(&self) -> &SqliteStore {
@@ -186,6 +273,62 @@ impl Backend for Postgres {
 
     fn tool_args(&self) -> Vec<String> {
         vec!["--database-url".into(), self.db.url()]
+    }
+
+    async fn process(
+        inbox: &Inbox<PostgresStore>,
+        event_id: &str,
+        apply: Apply,
+    ) -> Result<Processed<i64>, tower_idempotency::Error> {
+        let id = event_id.to_owned();
+        inbox
+            .process(event_id, move |tx| async move {
+                let client = tx.client().await?;
+                match apply {
+                    Apply::Nothing => return Ok(0),
+                    Apply::BrokenStatement => {
+                        client
+                            .execute("INSERT INTO no_such_table VALUES (1)", &[])
+                            .await?;
+                        return Ok(0);
+                    }
+                    Apply::Effect | Apply::EffectThenFail => {
+                        client.execute(INSERT_EFFECT, &[&id]).await?
+                    }
+                };
+                if let Apply::EffectThenFail = apply {
+                    return Err(tower_idempotency::Error::Corrupt(FAILURE.into()));
+                }
+                let row = client
+                    .query_one("SELECT count(*) FROM effects WHERE event_id = $1", &[&id])
+                    .await?;
+                Ok(row.try_get(0)?)
+            })
+            .await
+    }
+
+    async fn apply_in(
+        tx: &tower_idempotency::store::postgres::PostgresTransaction,
+        event_id: &str,
+    ) {
+        let client = tx.client().await.expect("client");
+        client
+            .execute(INSERT_EFFECT, &[&event_id])
+            .await
+            .expect("apply");
+    }
+
+    async fn effects(&self, event_id: &str) -> i64 {
+        self.db
+            .client()
+            .await
+            .query_one(
+                "SELECT count(*) FROM effects WHERE event_id = $1",
+                &[&event_id],
+            )
+            .await
+            .expect("count effects")
+            .get(0)
     }
 
     async fn another_store(&self) -> PostgresStore {
