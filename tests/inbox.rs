@@ -668,7 +668,7 @@ mod postgres {
                     let _ = release.await;
                     match first_result {
                         Ok(()) => Ok(applied),
-                        Err(message) => Err(Error::Corrupt(message.into())),
+                        Err(message) => Err(Error::Corrupt(message)),
                     }
                 })
                 .await

@@ -3,7 +3,7 @@
 //! events. `cargo run --example admin -- --help` is a command-line tool over these calls.
 //!
 //! [`Admin`] is written once over [`AdminBackend`] (the queries on records, which each store
-//! implements with its own SQL) and, for the outbox, [`OutboxBackend`](crate::outbox::OutboxBackend):
+//! implements with its own SQL) and, for the outbox, [`outbox::OutboxBackend`](crate::outbox::OutboxBackend):
 //! it has the same calls for each backend, `Admin<SqliteStore>` (feature `sqlite`) and
 //! `Admin<PostgresStore>` (feature `postgres`), so a tool can be written once over `Admin<S>`.
 //!

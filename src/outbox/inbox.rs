@@ -142,7 +142,7 @@ pub trait InboxBackend: Clone + Send + Sync + 'static {
 
 /// What an [`Inbox::process`] closure may return on backend `S`: on SQLite a
 /// `rusqlite::Result<T>`, on PostgreSQL a future of `Result<T, Error>`.
-pub trait InboxOutcome<S: InboxBackend + ?Sized> {
+pub trait InboxOutcome<S: InboxBackend> {
     /// The value the closure produced (`T`).
     type Value: Send + 'static;
 
@@ -199,6 +199,10 @@ impl<S: InboxBackend> Inbox<S> {
     /// [`Processed::Duplicate`] without calling `f`. An error from `f` (or, on PostgreSQL, a
     /// panic or this future being dropped) rolls back both the id and the effect, so the
     /// redelivery runs `f` again.
+    ///
+    /// `f` is `Send + 'static` on every backend (SQLite runs it on the writer thread): move
+    /// owned values into it (`String` rather than a borrowed `&str`; even a captured
+    /// `&'static str` trips the compiler on PostgreSQL's future, so own that too).
     ///
     /// Two deliveries of one event at once apply it once: the second waits for the first
     /// transaction to end. On PostgreSQL under `REPEATABLE READ` or `SERIALIZABLE` that wait
@@ -270,7 +274,6 @@ impl<S: InboxBackend> Inbox<S> {
 }
 
 /// [`Receipt::First`] if the insert added the id, [`Receipt::Duplicate`] if it was there.
-#[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
 pub(crate) fn receipt(inserted: u64) -> Receipt {
     if inserted == 1 {
         Receipt::First

@@ -66,13 +66,19 @@
 //!
 //! # Backends
 //!
-//! The relay only needs the [`OutboxStore`] trait (claim, settle, backlog) and handlers only
-//! need [`Enqueue`] on their transaction handle; the relay, the sinks and the backoff are
-//! shared. SQLite: `sqlite::SqliteOutbox`. PostgreSQL (features `outbox` and `postgres`):
-//! `postgres::PostgresOutbox`, which claims with `FOR UPDATE SKIP LOCKED` and a lease, so relays
-//! in several instances share the work. The receiver's inbox exists for both,
-//! `inbox::SqliteInbox` and `postgres::PostgresInbox`, with the same [`Receipt`] and
-//! [`Processed`].
+//! One implementation per concern, written once over a small trait that each backend
+//! implements with its own SQL (`sqlite.rs`, `postgres.rs`):
+//!
+//! - the relay needs only [`OutboxStore`] (claim, settle, backlog); handlers need only
+//!   [`Enqueue`] on their transaction handle. The relay, the sinks and the backoff are shared.
+//! - [`Outbox`] (the relay's store, plus counts, dead letters, requeue and purge) over
+//!   [`OutboxBackend`]: `sqlite::SqliteOutbox`, and on PostgreSQL (features `outbox` and
+//!   `postgres`) `postgres::PostgresOutbox`, which claims with `FOR UPDATE SKIP LOCKED` and a
+//!   lease, so relays in several instances share the work.
+//! - the receiver's [`Inbox`] over [`InboxBackend`]: `inbox::SqliteInbox` and
+//!   `postgres::PostgresInbox`, with the same calls, [`Receipt`] and [`Processed`].
+//! - [`Admin`](crate::admin::Admin) over [`AdminBackend`](crate::admin::AdminBackend) and
+//!   [`OutboxBackend`].
 
 use std::fmt;
 use std::future::Future;
@@ -82,6 +88,9 @@ use std::time::{Duration, SystemTime};
 use crate::body::BoxError;
 use crate::error::Error;
 
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+mod columns;
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
 pub mod inbox;
 #[cfg(feature = "postgres")]
 pub mod postgres;
@@ -90,6 +99,7 @@ mod sink;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
 
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
 pub use inbox::{Inbox, InboxBackend, InboxOutcome};
 pub use relay::{Relay, RoundReport};
 pub use sink::{sink_fn, HttpSink, Permanent, SinkFn, EVENT_TOPIC};
@@ -211,8 +221,7 @@ pub trait Enqueue {
     ) -> impl Future<Output = Result<EventId, Error>> + Send;
 }
 
-/// Whether an event id was new to an inbox (see [`inbox::SqliteInbox::record`] and
-/// [`postgres::PostgresInbox::process_in`]).
+/// Whether an event id was new to an inbox (see [`Inbox::process_in`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Receipt {
     /// First time: the id is now recorded (in the caller's transaction); apply the event.
@@ -221,8 +230,7 @@ pub enum Receipt {
     Duplicate,
 }
 
-/// What an inbox's `process` did (see [`inbox::SqliteInbox::process`] and
-/// [`postgres::PostgresInbox::process`]).
+/// What an inbox's `process` did (see [`Inbox::process`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Processed<T> {
     /// The event was new: the closure ran and its result committed with the id.
@@ -522,78 +530,6 @@ impl<S: OutboxBackend> OutboxStore for Outbox<S> {
 
     fn backlog(&self) -> impl Future<Output = Result<Backlog, Error>> + Send {
         self.store.backlog()
-    }
-}
-
-/// A stored attempt count as a `u32`, the same on every backend: a negative count reads as 0
-/// and one past `u32::MAX` as `u32::MAX` (saturating).
-pub(crate) fn attempts_from_column(attempts: i64) -> u32 {
-    u32::try_from(attempts.max(0)).unwrap_or(u32::MAX)
-}
-
-/// A stored count as a `u64` (a negative one, which `count(*)` never gives, as 0).
-pub(crate) fn count_from_column(count: i64) -> u64 {
-    u64::try_from(count).unwrap_or(0)
-}
-
-/// An event's state from its stored columns: `pending` is in flight while a lease holds it.
-pub(crate) fn event_status(status: &str, leased: bool) -> Result<EventStatus, Error> {
-    match (status, leased) {
-        ("pending", false) => Ok(EventStatus::Pending),
-        ("pending", true) => Ok(EventStatus::InFlight),
-        ("delivered", _) => Ok(EventStatus::Delivered),
-        ("dead", _) => Ok(EventStatus::Dead),
-        (other, _) => Err(Error::Corrupt(format!("outbox status {other:?}"))),
-    }
-}
-
-impl OutboxCounts {
-    /// Adds `count` events in `status` (see [`event_status`]).
-    pub(crate) fn add(&mut self, status: EventStatus, count: u64) {
-        let slot = match status {
-            EventStatus::Pending => &mut self.pending,
-            EventStatus::InFlight => &mut self.in_flight,
-            EventStatus::Delivered => &mut self.delivered,
-            EventStatus::Dead => &mut self.dead,
-        };
-        *slot += count;
-    }
-}
-
-/// An `outbox_events` row as read by either backend (in `EVENT_COLUMNS` order), before checks.
-pub(crate) struct RawEvent {
-    pub(crate) id: String,
-    pub(crate) topic: String,
-    pub(crate) payload: String,
-    pub(crate) status: String,
-    pub(crate) attempts: i64,
-    pub(crate) created_at: i64,
-    pub(crate) available_at: i64,
-    pub(crate) delivered_at: Option<i64>,
-    pub(crate) last_error: Option<String>,
-    pub(crate) leased: bool,
-}
-
-/// The columns [`RawEvent`] is read from, in order.
-#[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
-pub(crate) const EVENT_COLUMNS: &str = "event_id, topic, payload, status, attempts, created_at, \
-     available_at, delivered_at, last_error, lease_owner";
-
-impl RawEvent {
-    /// The event as shown, at `now` (Unix milliseconds: in flight while its lease runs).
-    pub(crate) fn into_info(self, now: i64) -> Result<EventInfo, Error> {
-        let status = event_status(&self.status, self.leased && self.available_at > now)?;
-        Ok(EventInfo {
-            id: EventId::from(self.id),
-            topic: self.topic,
-            payload: self.payload,
-            status,
-            attempts: attempts_from_column(self.attempts),
-            created_at: crate::store::from_unix_millis(self.created_at),
-            available_at: crate::store::from_unix_millis(self.available_at),
-            delivered_at: self.delivered_at.map(crate::store::from_unix_millis),
-            last_error: self.last_error,
-        })
     }
 }
 

@@ -51,11 +51,13 @@ use std::time::{Duration, SystemTime};
 
 use tokio_postgres::row::Row;
 
+use super::columns::{
+    attempts_from_column, count_from_column, event_status, RawEvent, EVENT_COLUMNS,
+};
 use super::inbox::receipt;
 use super::{
-    attempts_from_column, count_from_column, event_status, Backlog, ClaimRequest, Claimed, Enqueue,
-    EventId, EventInfo, Inbox, InboxBackend, InboxOutcome, Outbox, OutboxBackend, OutboxCounts,
-    OutboxEvent, OutboxStore, Processed, RawEvent, Receipt, Settlement, EVENT_COLUMNS,
+    Backlog, ClaimRequest, Claimed, Enqueue, EventId, EventInfo, Inbox, InboxBackend, InboxOutcome,
+    Outbox, OutboxBackend, OutboxCounts, OutboxEvent, OutboxStore, Processed, Receipt, Settlement,
 };
 use crate::error::Error;
 use crate::store::postgres::{Executor, PostgresStore, PostgresTransaction, TransactionClient};
@@ -158,7 +160,7 @@ pub(crate) async fn install_schema(
 }
 
 /// Adds an event to the outbox through `client`: a
-/// [`TransactionClient`](crate::store::postgres::TransactionClient) of the request's
+/// [`TransactionClient`] of the request's
 /// transaction (the event then belongs to that transaction), or a client or transaction of
 /// your own. Returns its id.
 ///

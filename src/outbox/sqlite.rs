@@ -35,11 +35,13 @@ use std::time::{Duration, SystemTime};
 
 use rusqlite::{params, Connection, OptionalExtension, Row};
 
+use super::columns::{
+    attempts_from_column, count_from_column, event_status, RawEvent, EVENT_COLUMNS,
+};
 use super::inbox::receipt;
 use super::{
-    attempts_from_column, count_from_column, event_status, Backlog, ClaimRequest, Claimed, Enqueue,
-    EventId, EventInfo, Inbox, InboxBackend, InboxOutcome, Outbox, OutboxBackend, OutboxCounts,
-    OutboxEvent, OutboxStore, Processed, RawEvent, Receipt, Settlement, EVENT_COLUMNS,
+    Backlog, ClaimRequest, Claimed, Enqueue, EventId, EventInfo, Inbox, InboxBackend, InboxOutcome,
+    Outbox, OutboxBackend, OutboxCounts, OutboxEvent, OutboxStore, Processed, Receipt, Settlement,
 };
 use crate::error::Error;
 use crate::store::sqlite::{SqliteStore, SqliteTransaction};
