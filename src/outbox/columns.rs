@@ -1,7 +1,7 @@
 //! Reading `outbox_events` rows back, the same on every backend: the backends' SQL selects
 //! the columns, these turn them into events, states and counts.
 
-use super::{EventId, EventInfo, EventStatus, OutboxCounts};
+use super::{Claimed, EventId, EventInfo, EventStatus, OutboxCounts, OutboxEvent};
 use crate::error::Error;
 use crate::store::from_unix_millis;
 
@@ -73,5 +73,18 @@ impl RawEvent {
             delivered_at: self.delivered_at.map(from_unix_millis),
             last_error: self.last_error,
         })
+    }
+}
+
+/// What a claim returns, from the rows its two updates returned as `(seq, event)`: RETURNING
+/// gives no order, and events are delivered oldest first.
+pub(crate) fn claimed_oldest_first(
+    mut claimed: Vec<(i64, OutboxEvent)>,
+    abandoned: Vec<(i64, OutboxEvent)>,
+) -> Claimed {
+    claimed.sort_by_key(|(seq, _)| *seq);
+    Claimed {
+        events: claimed.into_iter().map(|(_, event)| event).collect(),
+        abandoned: abandoned.into_iter().map(|(_, event)| event).collect(),
     }
 }

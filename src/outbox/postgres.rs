@@ -52,7 +52,8 @@ use std::time::{Duration, SystemTime};
 use tokio_postgres::row::Row;
 
 use super::columns::{
-    attempts_from_column, count_from_column, event_status, RawEvent, EVENT_COLUMNS,
+    attempts_from_column, claimed_oldest_first, count_from_column, event_status, RawEvent,
+    EVENT_COLUMNS,
 };
 use super::inbox::receipt;
 use super::{
@@ -251,19 +252,14 @@ impl OutboxStore for PostgresStore {
             .iter()
             .map(claimed_row)
             .collect::<Result<Vec<_>, Error>>()?;
-        let mut claimed = tx
+        let claimed = tx
             .query(CLAIM, &[&token, &lease_until, &now, &batch])
             .await?
             .iter()
             .map(claimed_row)
             .collect::<Result<Vec<_>, Error>>()?;
         tx.commit().await?;
-        // RETURNING gives no order: deliver oldest first.
-        claimed.sort_by_key(|(seq, _)| *seq);
-        Ok(Claimed {
-            events: claimed.into_iter().map(|(_, event)| event).collect(),
-            abandoned: abandoned.into_iter().map(|(_, event)| event).collect(),
-        })
+        Ok(claimed_oldest_first(claimed, abandoned))
     }
 
     async fn settle(&self, settlements: Vec<Settlement>) -> Result<(), Error> {

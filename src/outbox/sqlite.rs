@@ -36,7 +36,8 @@ use std::time::{Duration, SystemTime};
 use rusqlite::{params, Connection, OptionalExtension, Row};
 
 use super::columns::{
-    attempts_from_column, count_from_column, event_status, RawEvent, EVENT_COLUMNS,
+    attempts_from_column, claimed_oldest_first, count_from_column, event_status, RawEvent,
+    EVENT_COLUMNS,
 };
 use super::inbox::receipt;
 use super::{
@@ -141,7 +142,7 @@ impl OutboxStore for SqliteStore {
         if !due {
             return Ok(Claimed::default());
         }
-        let (abandoned, mut claimed) = self
+        let (abandoned, claimed) = self
             .write(move |tx| {
                 // First, the events whose last allowed attempt was abandoned: retrying them
                 // would exceed the attempts (and an event that crashes its relay would be
@@ -170,12 +171,7 @@ impl OutboxStore for SqliteStore {
                 Ok((abandoned, claimed))
             })
             .await?;
-        // RETURNING gives no order: deliver oldest first.
-        claimed.sort_by_key(|(seq, _)| *seq);
-        Ok(Claimed {
-            events: claimed.into_iter().map(|(_, event)| event).collect(),
-            abandoned: abandoned.into_iter().map(|(_, event)| event).collect(),
-        })
+        Ok(claimed_oldest_first(claimed, abandoned))
     }
 
     async fn settle(&self, settlements: Vec<Settlement>) -> Result<(), Error> {
