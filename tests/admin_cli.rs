@@ -21,6 +21,9 @@ use backends::{Backend, Served};
 use common::{post, SHOP_A, SHOP_B};
 use http::StatusCode;
 use serde_json::json;
+use std::time::Duration;
+
+use tower_idempotency::admin::{Admin, RecordFilter, RecordState};
 use tower_idempotency::body::BoxError;
 use tower_idempotency::outbox::{sink_fn, EventStatus, Outbox, OutboxEvent, Relay};
 
@@ -280,25 +283,112 @@ async fn dead_letters_are_listed_and_requeued<B: Backend>(db: B) {
     assert_eq!(output, "no dead-lettered events\n");
 }
 
+/// The `Admin` calls behind the tool, on the records of [`server_with_records`] and an outbox
+/// event; returns the server, still running.
+async fn library_calls<B: Backend>(db: &B) -> Served {
+    let server = server_with_records(db).await;
+    let admin = Admin::new(db.store().clone());
+    let record = admin
+        .inspect("shop-a", "create_order", "k2", true)
+        .await
+        .expect("inspect")
+        .expect("record");
+    assert_eq!(
+        (
+            record.tenant.as_str(),
+            record.operation.as_str(),
+            record.key.as_str()
+        ),
+        ("shop-a", "create_order", "k2")
+    );
+    assert_eq!(record.state, RecordState::Live);
+    assert_eq!(record.status, StatusCode::CREATED);
+    assert_eq!(record.body.as_deref(), Some(&br#"{"order_id":2}"#[..]));
+    assert_eq!(record.body_len, 14);
+    assert!(record
+        .headers
+        .iter()
+        .any(|(name, value)| name == "location" && value == "/orders/2"));
+    let retention = record
+        .expires_at
+        .duration_since(record.created_at)
+        .expect("expires after creation");
+    assert_eq!(retention, Duration::from_secs(24 * 3600));
+    let hidden = admin
+        .inspect("shop-a", "create_order", "k2", false)
+        .await
+        .expect("inspect")
+        .expect("record");
+    assert_eq!((hidden.body, hidden.body_len), (None, 14));
+    assert_eq!(hidden.fingerprint.to_hex(), record.fingerprint.to_hex());
+    assert!(admin
+        .inspect("shop-a", "create_note", "k2", false)
+        .await
+        .expect("inspect")
+        .is_none());
+
+    let counts = admin
+        .counts(
+            &RecordFilter::default()
+                .tenant("shop-b")
+                .operation("create_order"),
+        )
+        .await
+        .expect("counts");
+    assert_eq!((counts.live, counts.expired), (1, 0));
+    assert!(admin
+        .delete("shop-b", "create_order", "k1")
+        .await
+        .expect("delete"));
+    assert!(!admin
+        .delete("shop-b", "create_order", "k1")
+        .await
+        .expect("delete"));
+    assert_eq!(admin.purge_expired(10).await.expect("purge"), 0);
+    let counts = admin
+        .counts(&RecordFilter::default())
+        .await
+        .expect("counts");
+    assert_eq!((counts.live, counts.expired), (2, 0));
+
+    // The outbox calls (the table exists once installed).
+    Outbox::install(db.store()).await.expect("install");
+    let id = db
+        .enqueue_now("order_created", json!({ "order_id": 1 }))
+        .await;
+    let counts = admin.outbox_counts().await.expect("outbox counts");
+    assert_eq!((counts.pending, counts.dead), (1, 0));
+    let event = admin
+        .event(id.as_str())
+        .await
+        .expect("event")
+        .expect("exists");
+    assert_eq!(event.status, EventStatus::Pending);
+    assert!(admin.dead_letters(10).await.expect("dead").is_empty());
+    assert!(!admin.requeue(id.as_str()).await.expect("requeue"));
+    assert_eq!(admin.requeue_all_dead().await.expect("requeue all"), 0);
+    server
+}
+
+async fn the_library_calls_behind_the_tool<B: Backend>(db: B) {
+    library_calls(&db).await.shutdown().await;
+}
+
 mod sqlite {
     //! On a SQLite file.
 
     use std::path::Path;
-    use std::time::Duration;
-
-    use http::StatusCode;
-    use tower_idempotency::admin::{Admin, RecordFilter, RecordState};
 
     use super::admin::{self, Exit, Failure};
-    use super::BOOK;
     use crate::backends::Sqlite;
-    use crate::common::{post, TestServer, SHOP_A, SHOP_B};
+    use crate::common::TestServer;
 
     crate::backend_tests!(Sqlite =>
         inspect_shows_the_record_without_its_body_unless_asked,
         delete_removes_one_key_and_the_next_request_runs_afresh,
         count_and_purge_by_state,
         dead_letters_are_listed_and_requeued,
+        the_library_calls_behind_the_tool,
     );
 
     /// Runs `admin --db <db> <args>`.
@@ -306,16 +396,6 @@ mod sqlite {
         let mut argv = vec!["--db".to_owned(), db.display().to_string()];
         argv.extend(args.iter().map(|arg| (*arg).to_owned()));
         super::run(argv).await
-    }
-
-    /// An order app with three records: shop-a's `k1` and `k2`, shop-b's `k1`.
-    async fn server_with_records() -> TestServer {
-        let server = TestServer::spawn().await;
-        for (token, key) in [(SHOP_A, "k1"), (SHOP_A, "k2"), (SHOP_B, "k1")] {
-            let reply = post(server.addr, Some(token), Some(key), BOOK, &[]).await;
-            assert_eq!(reply.status, StatusCode::CREATED);
-        }
-        server
     }
 
     #[tokio::test]
@@ -363,72 +443,21 @@ mod sqlite {
         assert!(matches!(result, Ok(Exit::Done)));
         assert!(output.starts_with("usage: admin"));
     }
-
-    #[tokio::test]
-    async fn the_library_calls_behind_the_tool() {
-        let server = server_with_records().await;
-        let admin = Admin::new(server.store.clone());
-        let record = admin
-            .inspect("shop-a", "create_order", "k2", true)
-            .await
-            .expect("inspect")
-            .expect("record");
-        assert_eq!(record.state, RecordState::Live);
-        assert_eq!(record.status, StatusCode::CREATED);
-        assert_eq!(record.body.as_deref(), Some(&br#"{"order_id":2}"#[..]));
-        assert_eq!(record.body_len, 14);
-        let retention = record
-            .expires_at
-            .duration_since(record.created_at)
-            .expect("expires after creation");
-        assert_eq!(retention, Duration::from_secs(24 * 3600));
-        let hidden = admin
-            .inspect("shop-a", "create_order", "k2", false)
-            .await
-            .expect("inspect")
-            .expect("record");
-        assert_eq!((hidden.body, hidden.body_len), (None, 14));
-        assert_eq!(hidden.fingerprint.to_hex(), record.fingerprint.to_hex());
-
-        let counts = admin
-            .counts(
-                &RecordFilter::default()
-                    .tenant("shop-b")
-                    .operation("create_order"),
-            )
-            .await
-            .expect("counts");
-        assert_eq!((counts.live, counts.expired), (1, 0));
-        assert!(admin
-            .delete("shop-b", "create_order", "k1")
-            .await
-            .expect("delete"));
-        assert_eq!(admin.purge_expired(10).await.expect("purge"), 0);
-        let counts = admin
-            .counts(&RecordFilter::default())
-            .await
-            .expect("counts");
-        assert_eq!((counts.live, counts.expired), (2, 0));
-    }
 }
 
 mod postgres {
     //! On PostgreSQL.
 
     use std::sync::Arc;
-    use std::time::Duration;
 
     use http::StatusCode;
-    use serde_json::json;
     use tokio::sync::Notify;
-    use tower_idempotency::admin::{Admin, RecordFilter, RecordState};
-    use tower_idempotency::outbox::postgres::{enqueue, PostgresOutbox};
-    use tower_idempotency::outbox::EventStatus;
+    use tower_idempotency::admin::{Admin, RecordFilter};
     use tower_idempotency::store::postgres::PostgresStore;
 
     use super::admin::{Exit, Failure};
     use super::{failure_message, field, BOOK, SHOP_A_K1};
-    use crate::backends::Postgres;
+    use crate::backends::{Backend, Postgres};
     use crate::common::{post, PATIENCE, SHOP_A};
     use crate::pg_common::{hook, HookOutcome, PgServer, TestDb};
 
@@ -448,20 +477,6 @@ mod postgres {
 
     async fn run(argv: &[&str]) -> (Result<Exit, Failure>, String) {
         super::run(argv.iter().map(|arg| (*arg).to_owned()).collect()).await
-    }
-
-    /// The order app with three records: shop-a's `k1` and `k2`, shop-b's `k1`.
-    async fn server_with_records(db: &TestDb) -> PgServer {
-        let server = PgServer::spawn(db).await;
-        for (token, key) in [
-            (SHOP_A, "k1"),
-            (SHOP_A, "k2"),
-            (crate::common::SHOP_B, "k1"),
-        ] {
-            let reply = post(server.addr, Some(token), Some(key), BOOK, &[]).await;
-            assert_eq!(reply.status, StatusCode::CREATED);
-        }
-        server
     }
 
     #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
@@ -555,74 +570,13 @@ mod postgres {
     #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
     #[tokio::test]
     async fn the_library_calls_behind_the_tool() {
-        let Some(db) = TestDb::create().await else {
+        let Some(backend) = Postgres::open().await else {
             return;
         };
-        let server = server_with_records(&db).await;
-        let admin = Admin::new(server.store.clone());
+        let server = super::library_calls(&backend).await;
+        let db = &backend.db;
+        let admin = Admin::new(backend.store().clone());
         assert!(format!("{admin:?}").contains("PostgresStore"));
-        let record = admin
-            .inspect("shop-a", "create_order", "k2", true)
-            .await
-            .expect("inspect")
-            .expect("record");
-        assert_eq!(
-            (
-                record.tenant.as_str(),
-                record.operation.as_str(),
-                record.key.as_str()
-            ),
-            ("shop-a", "create_order", "k2")
-        );
-        assert_eq!(record.state, RecordState::Live);
-        assert_eq!(record.status, StatusCode::CREATED);
-        assert_eq!(record.body.as_deref(), Some(&br#"{"order_id":2}"#[..]));
-        assert_eq!(record.body_len, 14);
-        assert!(record
-            .headers
-            .iter()
-            .any(|(name, value)| name == "location" && value == "/orders/2"));
-        let retention = record
-            .expires_at
-            .duration_since(record.created_at)
-            .expect("expires after creation");
-        assert_eq!(retention, Duration::from_secs(24 * 3600));
-        let hidden = admin
-            .inspect("shop-a", "create_order", "k2", false)
-            .await
-            .expect("inspect")
-            .expect("record");
-        assert_eq!((hidden.body, hidden.body_len), (None, 14));
-        assert_eq!(hidden.fingerprint.to_hex(), record.fingerprint.to_hex());
-        assert!(admin
-            .inspect("shop-a", "create_note", "k2", false)
-            .await
-            .expect("inspect")
-            .is_none());
-
-        let counts = admin
-            .counts(
-                &RecordFilter::default()
-                    .tenant("shop-b")
-                    .operation("create_order"),
-            )
-            .await
-            .expect("counts");
-        assert_eq!((counts.live, counts.expired), (1, 0));
-        assert!(admin
-            .delete("shop-b", "create_order", "k1")
-            .await
-            .expect("delete"));
-        assert!(!admin
-            .delete("shop-b", "create_order", "k1")
-            .await
-            .expect("delete"));
-        assert_eq!(admin.purge_expired(10).await.expect("purge"), 0);
-        let counts = admin
-            .counts(&RecordFilter::default())
-            .await
-            .expect("counts");
-        assert_eq!((counts.live, counts.expired), (2, 0));
 
         // A reservation a handler committed itself is no record: not shown, counted as expired
         // (it was written already expired), and purged.
@@ -658,27 +612,6 @@ mod postgres {
             .expect("counts");
         assert_eq!((counts.live, counts.expired), (1, 0));
 
-        // The outbox calls (the table exists once installed).
-        let outbox = PostgresOutbox::install(&server.store)
-            .await
-            .expect("install");
-        let client = server.store.client().await.expect("client");
-        let id = enqueue(&**client, "order_created", &json!({ "order_id": 1 }))
-            .await
-            .expect("enqueue");
-        drop(client);
-        let counts = admin.outbox_counts().await.expect("outbox counts");
-        assert_eq!((counts.pending, counts.dead), (1, 0));
-        let event = admin
-            .event(id.as_str())
-            .await
-            .expect("event")
-            .expect("exists");
-        assert_eq!(event.status, EventStatus::Pending);
-        assert!(admin.dead_letters(10).await.expect("dead").is_empty());
-        assert!(!admin.requeue(id.as_str()).await.expect("requeue"));
-        assert_eq!(admin.requeue_all_dead().await.expect("requeue all"), 0);
-        drop(outbox);
         server.shutdown().await;
     }
 
