@@ -24,8 +24,7 @@
 //!
 //! Exit status: 0 done, 1 not found or failed, 2 usage error.
 //!
-//! (`tests/admin_cli.rs` and `tests/admin_postgres.rs` include this file as a module and call
-//! [`run`] directly: the items they use are `pub(crate)`.)
+//! The commands are written once, over `Admin<S>`: [`Admin`] has the same calls on every store.
 
 use std::error::Error;
 use std::io::{IsTerminal, Write};
@@ -33,8 +32,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use tower_idempotency::admin::{Admin, RecordFilter, RecordInfo};
-use tower_idempotency::outbox::EventInfo;
+use tower_idempotency::admin::{Admin, AdminBackend, RecordFilter, RecordInfo};
+use tower_idempotency::outbox::{EventInfo, OutboxBackend};
 #[cfg(feature = "postgres")]
 use tower_idempotency::store::postgres::PostgresStore;
 use tower_idempotency::store::sqlite::SqliteStore;
@@ -93,7 +92,7 @@ async fn main() -> ExitCode {
 
 /// How a command ended, short of a failure.
 #[derive(Debug, PartialEq, Eq)]
-pub(crate) enum Exit {
+enum Exit {
     Done,
     /// The record or event asked for does not exist (exit status 1).
     NotFound,
@@ -101,7 +100,7 @@ pub(crate) enum Exit {
 
 /// Why a command did not run (exit status 2) or failed (1).
 #[derive(Debug)]
-pub(crate) enum Failure {
+enum Failure {
     Usage(String),
     Failed(BoxError),
 }
@@ -197,17 +196,6 @@ enum Store {
     Postgres(Admin<PostgresStore>),
 }
 
-/// Makes the same call on whichever store it is: both `Admin`s have the same methods.
-macro_rules! on_store {
-    ($store:expr, $admin:ident => $call:expr) => {
-        match $store {
-            Store::Sqlite($admin) => $call,
-            #[cfg(feature = "postgres")]
-            Store::Postgres($admin) => $call,
-        }
-    };
-}
-
 /// Opens the store named by `--db` or `--database-url` (exactly one), creating nothing.
 async fn open(args: &Args) -> Result<Store, Failure> {
     match (&args.db, &args.database_url) {
@@ -253,7 +241,7 @@ async fn open(args: &Args) -> Result<Store, Failure> {
 }
 
 /// Runs one command line (without the program name), writing its report to `out`.
-pub(crate) async fn run(
+async fn run(
     args: impl IntoIterator<Item = String>,
     out: &mut impl Write,
 ) -> Result<Exit, Failure> {
@@ -266,12 +254,26 @@ pub(crate) async fn run(
         .command
         .clone()
         .ok_or_else(|| Failure::Usage("no command".into()))?;
-    let admin = open(&args).await?;
+    match open(&args).await? {
+        Store::Sqlite(admin) => execute(&admin, &command, &args, out).await,
+        #[cfg(feature = "postgres")]
+        Store::Postgres(admin) => execute(&admin, &command, &args, out).await,
+    }
+}
 
-    match command.as_str() {
+/// Runs `command` on any store: the same calls on each.
+async fn execute<S: AdminBackend + OutboxBackend>(
+    admin: &Admin<S>,
+    command: &str,
+    args: &Args,
+    out: &mut impl Write,
+) -> Result<Exit, Failure> {
+    match command {
         "inspect" => {
             let (tenant, operation, key) = args.scope()?;
-            match on_store!(&admin, a => a.inspect(tenant, operation, key, args.body).await)
+            match admin
+                .inspect(tenant, operation, key, args.body)
+                .await
                 .map_err(no_records)?
             {
                 Some(record) => print_record(out, &record, args.body)?,
@@ -283,7 +285,11 @@ pub(crate) async fn run(
         }
         "delete" => {
             let (tenant, operation, key) = args.scope()?;
-            if on_store!(&admin, a => a.delete(tenant, operation, key).await).map_err(no_records)? {
+            if admin
+                .delete(tenant, operation, key)
+                .await
+                .map_err(no_records)?
+            {
                 writeln!(out, "deleted the record for ({tenant}, {operation}, {key})")?;
             } else {
                 writeln!(out, "no record for ({tenant}, {operation}, {key})")?;
@@ -298,18 +304,17 @@ pub(crate) async fn run(
             if let Some(operation) = &args.operation {
                 filter = filter.operation(operation);
             }
-            let counts = on_store!(&admin, a => a.counts(&filter).await).map_err(no_records)?;
+            let counts = admin.counts(&filter).await.map_err(no_records)?;
             writeln!(out, "live: {}", counts.live)?;
             writeln!(out, "expired: {}", counts.expired)?;
         }
         "purge" => {
             let batch = args.batch.unwrap_or(1000);
-            let purged =
-                on_store!(&admin, a => a.purge_expired(batch).await).map_err(no_records)?;
+            let purged = admin.purge_expired(batch).await.map_err(no_records)?;
             writeln!(out, "purged {purged} expired record(s)")?;
         }
         "outbox" => {
-            let counts = on_store!(&admin, a => a.outbox_counts().await).map_err(no_outbox)?;
+            let counts = admin.outbox_counts().await.map_err(no_outbox)?;
             writeln!(out, "pending: {}", counts.pending)?;
             writeln!(out, "in_flight: {}", counts.in_flight)?;
             writeln!(out, "delivered: {}", counts.delivered)?;
@@ -317,7 +322,7 @@ pub(crate) async fn run(
         }
         "event" => {
             let id = args.id()?;
-            match on_store!(&admin, a => a.event(id).await).map_err(no_outbox)? {
+            match admin.event(id).await.map_err(no_outbox)? {
                 Some(event) => print_event(out, &event)?,
                 None => {
                     writeln!(out, "no event {id}")?;
@@ -327,7 +332,7 @@ pub(crate) async fn run(
         }
         "dead-letters" => {
             let limit = args.limit.unwrap_or(50);
-            let events = on_store!(&admin, a => a.dead_letters(limit).await).map_err(no_outbox)?;
+            let events = admin.dead_letters(limit).await.map_err(no_outbox)?;
             if events.is_empty() {
                 writeln!(out, "no dead-lettered events")?;
             }
@@ -339,12 +344,12 @@ pub(crate) async fn run(
             }
         }
         "requeue" if args.all => {
-            let requeued = on_store!(&admin, a => a.requeue_all_dead().await).map_err(no_outbox)?;
+            let requeued = admin.requeue_all_dead().await.map_err(no_outbox)?;
             writeln!(out, "requeued {requeued} event(s)")?;
         }
         "requeue" => {
             let id = args.id()?;
-            if on_store!(&admin, a => a.requeue(id).await).map_err(no_outbox)? {
+            if admin.requeue(id).await.map_err(no_outbox)? {
                 writeln!(out, "requeued {id}")?;
             } else {
                 writeln!(out, "no dead-lettered event {id}")?;
@@ -440,7 +445,7 @@ fn print_event(out: &mut impl Write, event: &EventInfo) -> std::io::Result<()> {
 
 /// `2026-05-01T12:00:00.123Z`: UTC, without a date crate (days to civil date, per Howard
 /// Hinnant's algorithm).
-pub(crate) fn rfc3339(time: SystemTime) -> String {
+fn rfc3339(time: SystemTime) -> String {
     let since_epoch = time.duration_since(UNIX_EPOCH).unwrap_or_default();
     let secs = since_epoch.as_secs();
     let millis = since_epoch.subsec_millis();

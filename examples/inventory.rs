@@ -315,15 +315,16 @@ impl Inbox {
             }
             #[cfg(feature = "postgres")]
             Inbox::Postgres { inbox, .. } => {
+                let (id, order) = (event_id.to_owned(), order.clone());
                 let processed = inbox
-                    .process(event_id, |tx| async move {
+                    .process(event_id, move |tx| async move {
                         // The transaction the inbox recorded the id in.
                         let client = tx.client().await?;
                         client
                             .execute(
                                 "INSERT INTO reservations (order_id, tenant, sku, quantity, event_id) \
                                  VALUES ($1, $2, $3, $4, $5)",
-                                &[&order.order_id, &order.tenant, &order.sku, &order.quantity, &event_id],
+                                &[&order.order_id, &order.tenant, &order.sku, &order.quantity, &id],
                             )
                             .await?;
                         let row = client

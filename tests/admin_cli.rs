@@ -1,32 +1,42 @@
-//! The admin tool (`examples/admin.rs`, included here and run in-process with its real
-//! command-line parsing) against a real orders database: records made by the order app over
-//! HTTP, and outbox events delivered, retried and dead-lettered by a real relay.
+//! The admin tool (`examples/admin.rs`, run as a process) and the `Admin` calls behind it, on
+//! SQLite files and on PostgreSQL: records made by the order app over HTTP, and outbox events
+//! delivered, retried and dead-lettered by a real relay. The commands' suite is written once
+//! over a backend fixture and run on each; what differs (opening a missing file or an
+//! unreachable server, a database without tables, the library calls) stays per backend.
+//!
+//! The PostgreSQL tests need `TEST_DATABASE_URL`; without it `cargo test` reports them as
+//! ignored.
 
+mod backends;
 mod common;
+mod pg_common;
 
-// The example's `main` is not used here.
-#[allow(dead_code)]
-#[path = "../examples/admin.rs"]
+#[path = "admin_tool/mod.rs"]
 mod admin;
 
-use std::path::Path;
-use std::time::{Duration, SystemTime};
+use std::time::SystemTime;
 
 use admin::{Exit, Failure};
-use common::{post, TestServer, SHOP_A, SHOP_B};
+use backends::{Backend, Served};
+use common::{post, SHOP_A, SHOP_B};
 use http::StatusCode;
 use serde_json::json;
+use std::time::Duration;
+
 use tower_idempotency::admin::{Admin, RecordFilter, RecordState};
 use tower_idempotency::body::BoxError;
-use tower_idempotency::outbox::sqlite::{enqueue, SqliteOutbox};
-use tower_idempotency::outbox::{sink_fn, EventStatus, OutboxEvent, Relay};
+use tower_idempotency::outbox::{sink_fn, EventStatus, Outbox, OutboxEvent, Relay};
 
 const BOOK: &str = r#"{"sku":"book","quantity":1}"#;
 
-/// Runs `admin --db <db> <args>` and returns how it ended and what it printed.
-async fn admin(db: &Path, args: &[&str]) -> (Result<Exit, Failure>, String) {
-    let mut argv = vec!["--db".to_owned(), db.display().to_string()];
+/// Runs `admin <the database's flag> <args>` and returns how it ended and what it printed.
+async fn admin<B: Backend>(db: &B, args: &[&str]) -> (Result<Exit, Failure>, String) {
+    let mut argv = db.tool_args();
     argv.extend(args.iter().map(|arg| (*arg).to_owned()));
+    run(argv).await
+}
+
+async fn run(argv: Vec<String>) -> (Result<Exit, Failure>, String) {
     let mut out = Vec::new();
     let result = admin::run(argv, &mut out).await;
     (result, String::from_utf8(out).expect("utf-8 output"))
@@ -41,36 +51,39 @@ fn field<'a>(output: &'a str, label: &str) -> &'a str {
         .unwrap_or_else(|| panic!("no `{label}` in:\n{output}"))
 }
 
-/// An order app with three records: shop-a's `k1` and `k2`, shop-b's `k1`.
-async fn server_with_records() -> TestServer {
-    let server = TestServer::spawn().await;
+fn failure_message(result: Result<Exit, Failure>) -> String {
+    match result {
+        Err(Failure::Failed(error)) => error.to_string(),
+        other => panic!("expected a failure, got {other:?}"),
+    }
+}
+
+/// The order app with three records: shop-a's `k1` and `k2`, shop-b's `k1` (orders 1 to 3).
+async fn server_with_records<B: Backend>(db: &B) -> Served {
+    let server = db.serve().await;
     for (token, key) in [(SHOP_A, "k1"), (SHOP_A, "k2"), (SHOP_B, "k1")] {
-        let reply = post(server.addr, Some(token), Some(key), BOOK, &[]).await;
+        let reply = post(server.addr(), Some(token), Some(key), BOOK, &[]).await;
         assert_eq!(reply.status, StatusCode::CREATED);
     }
     server
 }
 
-#[tokio::test]
-async fn inspect_shows_the_record_without_its_body_unless_asked() {
-    let server = server_with_records().await;
-    let db = server.db_path.clone();
+const SHOP_A_K1: [&str; 6] = [
+    "--tenant",
+    "shop-a",
+    "--operation",
+    "create_order",
+    "--key",
+    "k1",
+];
 
-    let (result, output) = admin(
-        &db,
-        &[
-            "inspect",
-            "--tenant",
-            "shop-a",
-            "--operation",
-            "create_order",
-            "--key",
-            "k1",
-        ],
-    )
-    .await;
+async fn inspect_shows_the_record_without_its_body_unless_asked<B: Backend>(db: B) {
+    let server = server_with_records(&db).await;
+
+    let (result, output) = admin(&db, &[&["inspect"][..], &SHOP_A_K1].concat()).await;
     assert!(matches!(result, Ok(Exit::Done)), "{result:?}");
     assert_eq!(field(&output, "tenant:"), "shop-a");
+    assert_eq!(field(&output, "operation:"), "create_order");
     assert_eq!(field(&output, "key:"), "k1");
     assert_eq!(field(&output, "state:"), "live");
     assert_eq!(field(&output, "status:"), "201");
@@ -88,7 +101,6 @@ async fn inspect_shows_the_record_without_its_body_unless_asked() {
         !output.contains("order_id"),
         "the body stays hidden:\n{output}"
     );
-    // Times are RFC 3339 UTC, the expiry a day after the creation (the default retention).
     let created = field(&output, "created_at:");
     assert!(created.ends_with('Z') && created.len() == 24, "{created}");
 
@@ -121,42 +133,36 @@ async fn inspect_shows_the_record_without_its_body_unless_asked() {
     .await;
     assert!(matches!(result, Ok(Exit::NotFound)), "{result:?}");
     assert!(output.contains("no record"), "{output}");
+    server.shutdown().await;
 }
 
-#[tokio::test]
-async fn delete_removes_one_key_and_the_next_request_runs_afresh() {
-    let server = server_with_records().await;
-    let db = server.db_path.clone();
-    let scope = [
-        "--tenant",
-        "shop-a",
-        "--operation",
-        "create_order",
-        "--key",
-        "k1",
-    ];
+async fn delete_removes_one_key_and_the_next_request_runs_afresh<B: Backend>(db: B) {
+    let server = server_with_records(&db).await;
 
-    let (result, output) = admin(&db, &[&["delete"][..], &scope].concat()).await;
+    let (result, output) = admin(&db, &[&["delete"][..], &SHOP_A_K1].concat()).await;
     assert!(matches!(result, Ok(Exit::Done)), "{result:?} {output}");
-    assert_eq!(server.record_count().await, 2, "only that record went");
-    let (result, _) = admin(&db, &[&["delete"][..], &scope].concat()).await;
+    assert_eq!(
+        output,
+        "deleted the record for (shop-a, create_order, k1)\n"
+    );
+    assert_eq!(db.record_count().await, 2, "only that record went");
+    let (result, _) = admin(&db, &[&["delete"][..], &SHOP_A_K1].concat()).await;
     assert!(matches!(result, Ok(Exit::NotFound)), "{result:?}");
 
     // Deleting a record forgets the key: the same request creates a new order.
-    let reply = post(server.addr, Some(SHOP_A), Some("k1"), BOOK, &[]).await;
+    let reply = post(server.addr(), Some(SHOP_A), Some("k1"), BOOK, &[]).await;
     assert_eq!(reply.status, StatusCode::CREATED);
     assert!(!reply.replayed());
-    assert_eq!(server.order_count().await, 4);
+    assert_eq!(db.order_count().await, 4);
+    server.shutdown().await;
 }
 
-#[tokio::test]
-async fn count_and_purge_by_state() {
-    let server = server_with_records().await;
-    let db = server.db_path.clone();
+async fn count_and_purge_by_state<B: Backend>(db: B) {
+    let server = server_with_records(&db).await;
     // shop-b's record expired an hour ago.
-    common::execute(
-        &server.store,
-        "UPDATE idempotency_records SET expires_at = created_at - 3600000 WHERE tenant = 'shop-b'",
+    db.execute(
+        "UPDATE idempotency_records SET expires_at = created_at - 3600000 \
+         WHERE tenant = 'shop-b'",
     )
     .await;
 
@@ -165,6 +171,12 @@ async fn count_and_purge_by_state() {
     assert_eq!(output, "live: 2\nexpired: 1\n");
     let (_, output) = admin(&db, &["count", "--tenant", "shop-a"]).await;
     assert_eq!(output, "live: 2\nexpired: 0\n");
+    let (_, output) = admin(
+        &db,
+        &["count", "--tenant", "shop-b", "--operation", "create_order"],
+    )
+    .await;
+    assert_eq!(output, "live: 0\nexpired: 1\n");
     let (_, output) = admin(&db, &["count", "--operation", "create_note"]).await;
     assert_eq!(output, "live: 0\nexpired: 0\n");
     let (_, output) = admin(
@@ -187,25 +199,20 @@ async fn count_and_purge_by_state() {
     assert_eq!(output, "purged 1 expired record(s)\n");
     let (_, output) = admin(&db, &["count"]).await;
     assert_eq!(output, "live: 2\nexpired: 0\n");
+    server.shutdown().await;
 }
 
-#[tokio::test]
-async fn dead_letters_are_listed_and_requeued() {
-    let server = TestServer::spawn().await;
-    let db = server.db_path.clone();
-    let outbox = SqliteOutbox::install(&server.store).await.expect("install");
-    let ids = server
-        .store
-        .write(|tx| {
-            Ok((
-                enqueue(tx, "order_created", &json!({ "sku": "poison" }))?,
-                enqueue(tx, "order_created", &json!({ "sku": "book" }))?,
-                enqueue(tx, "order_created", &json!({ "sku": "poison", "n": 2 }))?,
-            ))
-        })
-        .await
-        .expect("enqueue");
-    let (poison, good, poison_2) = ids;
+async fn dead_letters_are_listed_and_requeued<B: Backend>(db: B) {
+    let outbox = Outbox::install(db.store()).await.expect("install");
+    let poison = db
+        .enqueue_now("order_created", json!({ "sku": "poison" }))
+        .await;
+    let good = db
+        .enqueue_now("order_created", json!({ "sku": "book" }))
+        .await;
+    let poison_2 = db
+        .enqueue_now("order_created", json!({ "sku": "poison", "n": 2 }))
+        .await;
     let refuse_poison = sink_fn(|event: OutboxEvent| async move {
         if event.payload().contains("poison") {
             Err::<(), BoxError>("the receiver answered 422: unknown sku".into())
@@ -242,6 +249,10 @@ async fn dead_letters_are_listed_and_requeued() {
     let (_, output) = admin(&db, &["event", "--id", good.as_str()]).await;
     assert_eq!(field(&output, "status:"), "delivered");
     assert_eq!(field(&output, "attempts:"), "1");
+    assert!(output.contains("delivered_at:"), "{output}");
+    let (result, output) = admin(&db, &["event", "--id", "no-such-event"]).await;
+    assert!(matches!(result, Ok(Exit::NotFound)), "{result:?}");
+    assert_eq!(output, "no event no-such-event\n");
 
     // One by id: due again at once, attempts reset.
     let (result, output) = admin(&db, &["requeue", "--id", poison.as_str()]).await;
@@ -272,65 +283,32 @@ async fn dead_letters_are_listed_and_requeued() {
     assert_eq!(output, "no dead-lettered events\n");
 }
 
-#[tokio::test]
-async fn usage_errors_and_missing_databases_are_reported() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let missing = dir.path().join("missing.db");
-    let (result, _) = admin(&missing, &["count"]).await;
-    match result {
-        Err(Failure::Failed(error)) => assert!(error.to_string().contains("no database")),
-        other => panic!("expected a failure, got {other:?}"),
-    }
-    assert!(!missing.exists(), "the tool must not create a database");
-
-    let server = TestServer::spawn().await;
-    let db = server.db_path.clone();
-    for args in [
-        &["inspect", "--tenant", "shop-a"][..],
-        &["frobnicate"],
-        &["purge", "--batch", "0"],
-        &["requeue"],
-        &["count", "--bogus"],
-    ] {
-        let (result, _) = admin(&db, args).await;
-        assert!(
-            matches!(result, Err(Failure::Usage(_))),
-            "{args:?}: {result:?}"
-        );
-    }
-    let mut out = Vec::new();
-    assert!(matches!(
-        admin::run(Vec::<String>::new(), &mut out).await,
-        Err(Failure::Usage(_))
-    ));
-
-    // A database without an outbox says so instead of creating one.
-    let (result, _) = admin(&db, &["dead-letters"]).await;
-    match result {
-        Err(Failure::Failed(error)) => {
-            assert!(error.to_string().contains("no outbox"), "{error}")
-        }
-        other => panic!("expected a failure, got {other:?}"),
-    }
-
-    let (result, output) = admin(&db, &["--help"]).await;
-    assert!(matches!(result, Ok(Exit::Done)));
-    assert!(output.starts_with("usage: admin"));
-}
-
-#[tokio::test]
-async fn the_library_calls_behind_the_tool() {
-    let server = server_with_records().await;
-    let admin = Admin::new(server.store.clone());
+/// The `Admin` calls behind the tool, on the records of [`server_with_records`] and an outbox
+/// event; returns the server, still running.
+async fn library_calls<B: Backend>(db: &B) -> Served {
+    let server = server_with_records(db).await;
+    let admin = Admin::new(db.store().clone());
     let record = admin
         .inspect("shop-a", "create_order", "k2", true)
         .await
         .expect("inspect")
         .expect("record");
+    assert_eq!(
+        (
+            record.tenant.as_str(),
+            record.operation.as_str(),
+            record.key.as_str()
+        ),
+        ("shop-a", "create_order", "k2")
+    );
     assert_eq!(record.state, RecordState::Live);
     assert_eq!(record.status, StatusCode::CREATED);
     assert_eq!(record.body.as_deref(), Some(&br#"{"order_id":2}"#[..]));
     assert_eq!(record.body_len, 14);
+    assert!(record
+        .headers
+        .iter()
+        .any(|(name, value)| name == "location" && value == "/orders/2"));
     let retention = record
         .expires_at
         .duration_since(record.created_at)
@@ -343,6 +321,11 @@ async fn the_library_calls_behind_the_tool() {
         .expect("record");
     assert_eq!((hidden.body, hidden.body_len), (None, 14));
     assert_eq!(hidden.fingerprint.to_hex(), record.fingerprint.to_hex());
+    assert!(admin
+        .inspect("shop-a", "create_note", "k2", false)
+        .await
+        .expect("inspect")
+        .is_none());
 
     let counts = admin
         .counts(
@@ -357,10 +340,359 @@ async fn the_library_calls_behind_the_tool() {
         .delete("shop-b", "create_order", "k1")
         .await
         .expect("delete"));
+    assert!(!admin
+        .delete("shop-b", "create_order", "k1")
+        .await
+        .expect("delete"));
     assert_eq!(admin.purge_expired(10).await.expect("purge"), 0);
     let counts = admin
         .counts(&RecordFilter::default())
         .await
         .expect("counts");
     assert_eq!((counts.live, counts.expired), (2, 0));
+
+    // The outbox calls (the table exists once installed).
+    Outbox::install(db.store()).await.expect("install");
+    let id = db
+        .enqueue_now("order_created", json!({ "order_id": 1 }))
+        .await;
+    let counts = admin.outbox_counts().await.expect("outbox counts");
+    assert_eq!((counts.pending, counts.dead), (1, 0));
+    let event = admin
+        .event(id.as_str())
+        .await
+        .expect("event")
+        .expect("exists");
+    assert_eq!(event.status, EventStatus::Pending);
+    assert!(admin.dead_letters(10).await.expect("dead").is_empty());
+    assert!(!admin.requeue(id.as_str()).await.expect("requeue"));
+    assert_eq!(admin.requeue_all_dead().await.expect("requeue all"), 0);
+    server
+}
+
+async fn the_library_calls_behind_the_tool<B: Backend>(db: B) {
+    library_calls(&db).await.shutdown().await;
+}
+
+mod sqlite {
+    //! On a SQLite file.
+
+    use std::path::Path;
+
+    use super::admin::{self, Exit, Failure};
+    use crate::backends::Sqlite;
+    use crate::common::TestServer;
+
+    crate::backend_tests!(Sqlite =>
+        inspect_shows_the_record_without_its_body_unless_asked,
+        delete_removes_one_key_and_the_next_request_runs_afresh,
+        count_and_purge_by_state,
+        dead_letters_are_listed_and_requeued,
+        the_library_calls_behind_the_tool,
+    );
+
+    /// Runs `admin --db <db> <args>`.
+    async fn admin(db: &Path, args: &[&str]) -> (Result<Exit, Failure>, String) {
+        let mut argv = vec!["--db".to_owned(), db.display().to_string()];
+        argv.extend(args.iter().map(|arg| (*arg).to_owned()));
+        super::run(argv).await
+    }
+
+    #[tokio::test]
+    async fn usage_errors_and_missing_databases_are_reported() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let missing = dir.path().join("missing.db");
+        let (result, _) = admin(&missing, &["count"]).await;
+        match result {
+            Err(Failure::Failed(error)) => assert!(error.to_string().contains("no database")),
+            other => panic!("expected a failure, got {other:?}"),
+        }
+        assert!(!missing.exists(), "the tool must not create a database");
+
+        let server = TestServer::spawn().await;
+        let db = server.db_path.clone();
+        for args in [
+            &["inspect", "--tenant", "shop-a"][..],
+            &["frobnicate"],
+            &["purge", "--batch", "0"],
+            &["requeue"],
+            &["count", "--bogus"],
+        ] {
+            let (result, _) = admin(&db, args).await;
+            assert!(
+                matches!(result, Err(Failure::Usage(_))),
+                "{args:?}: {result:?}"
+            );
+        }
+        let mut out = Vec::new();
+        assert!(matches!(
+            admin::run(Vec::<String>::new(), &mut out).await,
+            Err(Failure::Usage(_))
+        ));
+
+        // A database without an outbox says so instead of creating one.
+        let (result, _) = admin(&db, &["dead-letters"]).await;
+        match result {
+            Err(Failure::Failed(error)) => {
+                assert!(error.to_string().contains("no outbox"), "{error}")
+            }
+            other => panic!("expected a failure, got {other:?}"),
+        }
+
+        let (result, output) = admin(&db, &["--help"]).await;
+        assert!(matches!(result, Ok(Exit::Done)));
+        assert!(output.starts_with("usage: admin"));
+    }
+}
+
+mod postgres {
+    //! On PostgreSQL.
+
+    use std::sync::Arc;
+
+    use http::StatusCode;
+    use tokio::sync::Notify;
+    use tower_idempotency::admin::{Admin, RecordFilter};
+    use tower_idempotency::store::postgres::PostgresStore;
+
+    use super::admin::{Exit, Failure};
+    use super::{failure_message, field, BOOK, SHOP_A_K1};
+    use crate::backends::{Backend, Postgres};
+    use crate::common::{post, PATIENCE, SHOP_A};
+    use crate::pg_common::{hook, HookOutcome, PgServer, TestDb};
+
+    crate::backend_tests!(
+        #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
+        Postgres =>
+        inspect_shows_the_record_without_its_body_unless_asked,
+        delete_removes_one_key_and_the_next_request_runs_afresh,
+        count_and_purge_by_state,
+        dead_letters_are_listed_and_requeued,
+    );
+
+    /// Runs `admin --database-url <db> <args>`.
+    async fn admin(db: &TestDb, args: &[&str]) -> (Result<Exit, Failure>, String) {
+        run(&[&["--database-url", &db.url()][..], args].concat()).await
+    }
+
+    async fn run(argv: &[&str]) -> (Result<Exit, Failure>, String) {
+        super::run(argv.iter().map(|arg| (*arg).to_owned()).collect()).await
+    }
+
+    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
+    #[tokio::test]
+    async fn a_database_without_the_tables_is_reported_and_left_alone() {
+        let Some(db) = TestDb::create().await else {
+            return;
+        };
+        // A schema with only `orders`: no idempotency records, no outbox.
+        for args in [
+            &["count"][..],
+            &["purge"],
+            &[&["inspect"][..], &SHOP_A_K1].concat(),
+        ] {
+            let (result, _) = admin(&db, args).await;
+            let message = failure_message(result);
+            assert!(
+                message.contains("no idempotency records"),
+                "{args:?}: {message}"
+            );
+        }
+        for args in [&["outbox"][..], &["dead-letters"], &["requeue", "--all"]] {
+            let (result, _) = admin(&db, args).await;
+            let message = failure_message(result);
+            assert!(message.contains("no outbox"), "{args:?}: {message}");
+        }
+        let created: i64 = db
+            .client()
+            .await
+            .query_one(
+                "SELECT count(*) FROM information_schema.tables \
+                 WHERE table_schema = $1 AND table_name <> 'orders'",
+                &[&db.schema],
+            )
+            .await
+            .expect("tables")
+            .get(0);
+        assert_eq!(created, 0, "the tool created no table");
+    }
+
+    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
+    #[tokio::test]
+    async fn usage_errors_and_unreachable_databases_are_reported() {
+        let Some(db) = TestDb::create().await else {
+            return;
+        };
+        let url = db.url();
+        let (result, _) = run(&["--db", "orders.db", "--database-url", &url, "count"]).await;
+        assert!(matches!(result, Err(Failure::Usage(_))), "{result:?}");
+        let (result, _) = run(&["count"]).await;
+        assert!(matches!(result, Err(Failure::Usage(_))), "{result:?}");
+        let (result, _) = run(&[
+            "--database-url",
+            "postgres://localhost:notaport/shop",
+            "count",
+        ])
+        .await;
+        assert!(matches!(result, Err(Failure::Usage(_))), "{result:?}");
+        for args in [
+            &["inspect", "--tenant", "shop-a"][..],
+            &["frobnicate"],
+            &["requeue"],
+            &["event"],
+        ] {
+            let (result, _) = admin(&db, args).await;
+            assert!(
+                matches!(result, Err(Failure::Usage(_))),
+                "{args:?}: {result:?}"
+            );
+        }
+
+        // Nothing listens on port 1: a clear failure, without the URL (it may carry a password).
+        let (result, _) = tokio::time::timeout(
+            PATIENCE,
+            run(&[
+                "--database-url",
+                "postgres://admin:s3cret@127.0.0.1:1/shop",
+                "count",
+            ]),
+        )
+        .await
+        .expect("failed in time");
+        let message = failure_message(result);
+        assert!(
+            message.starts_with("cannot connect: PostgreSQL"),
+            "{message}"
+        );
+        assert!(!message.contains("s3cret"), "{message}");
+    }
+
+    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
+    #[tokio::test]
+    async fn the_library_calls_behind_the_tool() {
+        let Some(backend) = Postgres::open().await else {
+            return;
+        };
+        let server = super::library_calls(&backend).await;
+        let db = &backend.db;
+        let admin = Admin::new(backend.store().clone());
+        assert!(format!("{admin:?}").contains("PostgresStore"));
+
+        // A reservation a handler committed itself is no record: not shown, counted as expired
+        // (it was written already expired), and purged.
+        db.execute(
+            "INSERT INTO idempotency_records \
+             (tenant, operation, idempotency_key, state, created_at, expires_at) \
+             VALUES ('shop-a', 'create_order', 'stray', 'in_progress', 1, 1)",
+        )
+        .await;
+        assert!(admin
+            .inspect("shop-a", "create_order", "stray", true)
+            .await
+            .expect("inspect")
+            .is_none());
+        let counts = admin
+            .counts(&RecordFilter::default().tenant("shop-a"))
+            .await
+            .expect("counts");
+        assert_eq!((counts.live, counts.expired), (2, 1));
+        // Purged in batches: three expired records, two per batch.
+        db.execute("UPDATE idempotency_records SET expires_at = 1 WHERE idempotency_key = 'k2'")
+            .await;
+        db.execute(
+            "INSERT INTO idempotency_records \
+             (tenant, operation, idempotency_key, state, created_at, expires_at) \
+             VALUES ('shop-b', 'create_order', 'stray', 'in_progress', 1, 1)",
+        )
+        .await;
+        assert_eq!(admin.purge_expired(2).await.expect("purge"), 3);
+        let counts = admin
+            .counts(&RecordFilter::default())
+            .await
+            .expect("counts");
+        assert_eq!((counts.live, counts.expired), (1, 0));
+
+        server.shutdown().await;
+    }
+
+    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
+    #[tokio::test]
+    async fn a_request_running_now_is_not_deleted_under_it() {
+        let Some(db) = TestDb::create().await else {
+            return;
+        };
+        // The handler waits (its reservation open) until the test lets it finish.
+        let entered = Arc::new(Notify::new());
+        let release = Arc::new(Notify::new());
+        let (entered_hook, release_hook) = (entered.clone(), release.clone());
+        let server = PgServer::builder()
+            .hook(hook(move |_call| {
+                let (entered, release) = (entered_hook.clone(), release_hook.clone());
+                async move {
+                    entered.notify_one();
+                    release.notified().await;
+                    HookOutcome::default()
+                }
+            }))
+            .spawn(&db)
+            .await;
+        let addr = server.addr;
+        let request =
+            tokio::spawn(async move { post(addr, Some(SHOP_A), Some("k1"), BOOK, &[]).await });
+        tokio::time::timeout(PATIENCE, entered.notified())
+            .await
+            .expect("the handler runs");
+
+        // The first request for a key is invisible while it runs: nothing to inspect or delete.
+        let (result, _) = admin(&db, &[&["inspect"][..], &SHOP_A_K1].concat()).await;
+        assert!(matches!(result, Ok(Exit::NotFound)), "{result:?}");
+        let (result, _) = admin(&db, &[&["delete"][..], &SHOP_A_K1].concat()).await;
+        assert!(matches!(result, Ok(Exit::NotFound)), "{result:?}");
+        let (_, output) = admin(&db, &["count"]).await;
+        assert_eq!(output, "live: 0\nexpired: 0\n");
+
+        release.notify_one();
+        let reply = request.await.expect("request");
+        assert_eq!(reply.status, StatusCode::CREATED);
+        let (result, output) = admin(&db, &[&["inspect"][..], &SHOP_A_K1].concat()).await;
+        assert!(matches!(result, Ok(Exit::Done)), "{result:?}");
+        assert_eq!(field(&output, "state:"), "live");
+        server.shutdown().await;
+    }
+
+    async fn records_table_exists(db: &TestDb) -> bool {
+        db.client()
+            .await
+            .query_one("SELECT to_regclass('idempotency_records') IS NOT NULL", &[])
+            .await
+            .expect("to_regclass")
+            .get(0)
+    }
+
+    /// A store opened for administration creates nothing, but sees what is there.
+    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
+    #[tokio::test]
+    async fn a_store_opened_without_creating_the_schema_creates_nothing() {
+        let Some(db) = TestDb::create().await else {
+            return;
+        };
+        let store = PostgresStore::builder(db.config())
+            .create_schema(false)
+            .connect()
+            .await
+            .expect("connect");
+        assert!(!records_table_exists(&db).await);
+        let missing = Admin::new(store.clone())
+            .counts(&RecordFilter::default())
+            .await;
+        assert!(missing.is_err(), "{missing:?}");
+        // Once the app created it, the same store works.
+        let _app_store = db.store().await;
+        assert!(records_table_exists(&db).await);
+        let counts = Admin::new(store)
+            .counts(&RecordFilter::default())
+            .await
+            .expect("counts");
+        assert_eq!((counts.live, counts.expired), (0, 0));
+    }
 }

@@ -1,138 +1,28 @@
-//! The transactional outbox on real SQLite files: events commit or roll back with the
-//! handler's rows (through the order app over real HTTP), and the relay's retries, backoff,
-//! dead letters, timeouts and abandoned leases.
+//! The transactional outbox on real SQLite files and on PostgreSQL: the relay's deliveries,
+//! retries, backoff, dead letters, timeouts and abandoned leases, written once over
+//! [`Outbox`] and run against each backend; and, per backend (their servers differ), events
+//! committing or rolling back with the handler's rows through the order app over real HTTP.
+//!
+//! The PostgreSQL tests need `TEST_DATABASE_URL`; without it `cargo test` reports them as
+//! ignored.
 
+mod backends;
 mod common;
+mod pg_common;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
-use common::{hook, post, HookOutcome, TestServer, PATIENCE, SHOP_A};
-use http::StatusCode;
+use backends::Backend;
+use common::PATIENCE;
 use serde_json::json;
 use tower_idempotency::body::BoxError;
-use tower_idempotency::outbox::sqlite::{enqueue, SqliteOutbox};
 use tower_idempotency::outbox::{
-    sink_fn, Enqueue, EventId, EventStatus, OutboxEvent, Permanent, Relay,
+    sink_fn, EventId, EventStatus, Outbox, OutboxEvent, OutboxStore, Permanent, Relay, SinkFn,
 };
-use tower_idempotency::store::sqlite::SqliteStore;
 
 const BOOK: &str = r#"{"sku":"book","quantity":1}"#;
-
-/// A hook that enqueues `order_created` in the request's transaction and remembers its id.
-fn enqueueing_hook(ids: Arc<Mutex<Vec<EventId>>>, fail_with: Option<StatusCode>) -> common::Hook {
-    hook(move |call| {
-        let ids = ids.clone();
-        async move {
-            let payload = json!({ "order_id": call.order_id, "sku": call.sku });
-            let id = call
-                .tx
-                .enqueue("order_created", payload)
-                .await
-                .expect("enqueue in the request's transaction");
-            ids.lock().expect("ids").push(id);
-            HookOutcome {
-                fail_with,
-                ..HookOutcome::default()
-            }
-        }
-    })
-}
-
-async fn event_count(store: &SqliteStore) -> i64 {
-    store
-        .read(|conn| conn.query_row("SELECT count(*) FROM outbox_events", [], |row| row.get(0)))
-        .await
-        .expect("count events")
-}
-
-/// Enqueues an event outside any request (in a transaction of its own).
-async fn enqueue_now(
-    store: &SqliteStore,
-    topic: &'static str,
-    payload: serde_json::Value,
-) -> EventId {
-    store
-        .write(move |tx| enqueue(tx, topic, &payload))
-        .await
-        .expect("enqueue")
-}
-
-#[tokio::test]
-async fn a_handler_failure_rolls_the_event_back_with_the_order() {
-    let ids = Arc::new(Mutex::new(Vec::new()));
-    let server = TestServer::builder()
-        .hook(enqueueing_hook(
-            ids.clone(),
-            Some(StatusCode::INTERNAL_SERVER_ERROR),
-        ))
-        .spawn()
-        .await;
-    SqliteOutbox::install(&server.store).await.expect("install");
-
-    let reply = post(server.addr, Some(SHOP_A), Some("k1"), BOOK, &[]).await;
-    assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR);
-    // The handler did enqueue (it got an id), but nothing of the request was kept.
-    assert_eq!(ids.lock().expect("ids").len(), 1);
-    assert_eq!(event_count(&server.store).await, 0, "the event rolled back");
-    assert_eq!(server.order_count().await, 0);
-    assert_eq!(server.record_count().await, 0);
-}
-
-#[tokio::test]
-async fn a_failed_commit_rolls_the_event_back_with_the_order() {
-    let ids = Arc::new(Mutex::new(Vec::new()));
-    let server = TestServer::builder()
-        .hook(enqueueing_hook(ids.clone(), None))
-        .spawn()
-        .await;
-    SqliteOutbox::install(&server.store).await.expect("install");
-    // Saving the response fails after the handler wrote its order and its event.
-    common::execute(
-        &server.store,
-        "CREATE TRIGGER fail_record BEFORE INSERT ON idempotency_records \
-         BEGIN SELECT RAISE(ABORT, 'injected'); END;",
-    )
-    .await;
-
-    let reply = post(server.addr, Some(SHOP_A), Some("k1"), BOOK, &[]).await;
-    assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR);
-    assert_eq!(ids.lock().expect("ids").len(), 1);
-    assert_eq!(event_count(&server.store).await, 0, "the event rolled back");
-    assert_eq!(server.order_count().await, 0);
-}
-
-#[tokio::test]
-async fn a_committed_order_has_exactly_one_event_and_replays_add_none() {
-    let ids = Arc::new(Mutex::new(Vec::new()));
-    let server = TestServer::builder()
-        .hook(enqueueing_hook(ids.clone(), None))
-        .spawn()
-        .await;
-    let outbox = SqliteOutbox::install(&server.store).await.expect("install");
-
-    let first = post(server.addr, Some(SHOP_A), Some("k1"), BOOK, &[]).await;
-    let retry = post(server.addr, Some(SHOP_A), Some("k1"), BOOK, &[]).await;
-    assert_eq!(first.status, StatusCode::CREATED);
-    assert!(retry.replayed());
-    assert_eq!(event_count(&server.store).await, 1);
-
-    let id = ids.lock().expect("ids")[0].clone();
-    let event = outbox
-        .event(id.as_str())
-        .await
-        .expect("read")
-        .expect("event");
-    assert_eq!(event.topic, "order_created");
-    assert_eq!(event.status, EventStatus::Pending);
-    assert_eq!(event.attempts, 0);
-    let payload: serde_json::Value = serde_json::from_str(&event.payload).expect("json");
-    assert_eq!(
-        payload,
-        json!({ "order_id": first.order_id(), "sku": "book" })
-    );
-}
 
 /// Records every delivery attempt by event id; fails those whose payload says `poison`.
 #[derive(Clone, Default)]
@@ -150,11 +40,18 @@ impl RecordingSink {
             .unwrap_or_default()
     }
 
+    fn deliveries(&self) -> usize {
+        self.attempts
+            .lock()
+            .expect("attempts")
+            .values()
+            .map(Vec::len)
+            .sum()
+    }
+
     fn sink(
         &self,
-    ) -> tower_idempotency::outbox::SinkFn<
-        impl Fn(OutboxEvent) -> std::future::Ready<Result<(), BoxError>> + Clone,
-    > {
+    ) -> SinkFn<impl Fn(OutboxEvent) -> std::future::Ready<Result<(), BoxError>> + Clone> {
         let attempts = self.attempts.clone();
         sink_fn(move |event: OutboxEvent| {
             attempts
@@ -173,13 +70,53 @@ impl RecordingSink {
     }
 }
 
-#[tokio::test]
-async fn a_poison_event_is_dead_lettered_while_the_others_flow() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let store = SqliteStore::open(dir.path().join("orders.db"))
+async fn a_relay_delivers_each_event_once<B: Backend>(backend: B) {
+    let outbox = Outbox::install(backend.store()).await.expect("install");
+    // Installing twice is harmless.
+    Outbox::install(backend.store())
         .await
-        .expect("open");
-    let outbox = SqliteOutbox::install(&store).await.expect("install");
+        .expect("install again");
+    let mut ids = Vec::new();
+    for n in 0..25 {
+        ids.push(
+            backend
+                .enqueue_now("order_created", json!({ "order_id": n }))
+                .await,
+        );
+    }
+    let recorder = RecordingSink::default();
+    let mut relay = Relay::new(outbox.clone(), recorder.sink()).with_batch_size(10);
+
+    let mut claimed = Vec::new();
+    for _ in 0..4 {
+        claimed.push(relay.run_once().await.expect("round").claimed);
+    }
+    assert_eq!(claimed, vec![10, 10, 5, 0]);
+    for id in &ids {
+        assert_eq!(recorder.attempts_of(id), vec![1], "delivered once: {id}");
+        let event = outbox
+            .event(id.as_str())
+            .await
+            .expect("read")
+            .expect("event");
+        assert_eq!(event.status, EventStatus::Delivered);
+        assert!(event.delivered_at.is_some());
+    }
+    let counts = outbox.counts().await.expect("counts");
+    assert_eq!((counts.delivered, counts.pending, counts.dead), (25, 0, 0));
+    assert_eq!(outbox.backlog().await.expect("backlog").pending, 0);
+
+    // Delivered events can be purged.
+    let purged = outbox
+        .purge_delivered(SystemTime::now() + Duration::from_secs(1), 100)
+        .await
+        .expect("purge");
+    assert_eq!(purged, 25);
+    assert_eq!(backend.event_count().await, 0);
+}
+
+async fn a_poison_event_is_dead_lettered_while_the_others_flow<B: Backend>(backend: B) {
+    let outbox = Outbox::install(backend.store()).await.expect("install");
     let recorder = RecordingSink::default();
     // Retries wait 0.5 to 1 s: long enough that the rounds below run while the poison event
     // is not due, short enough for a fast test.
@@ -188,10 +125,16 @@ async fn a_poison_event_is_dead_lettered_while_the_others_flow() {
         .with_backoff(Duration::from_secs(1), Duration::from_secs(1));
 
     // The poison event is the oldest: it is claimed first.
-    let poison = enqueue_now(&store, "order_created", json!({ "sku": "poison" })).await;
+    let poison = backend
+        .enqueue_now("order_created", json!({ "sku": "poison" }))
+        .await;
     let mut good = Vec::new();
     for n in 0..3 {
-        good.push(enqueue_now(&store, "order_created", json!({ "order_id": n })).await);
+        good.push(
+            backend
+                .enqueue_now("order_created", json!({ "order_id": n }))
+                .await,
+        );
     }
 
     let first = relay.run_once().await.expect("round");
@@ -199,7 +142,11 @@ async fn a_poison_event_is_dead_lettered_while_the_others_flow() {
 
     // New events flow while the poison event waits for its retry.
     for n in 3..6 {
-        good.push(enqueue_now(&store, "order_created", json!({ "order_id": n })).await);
+        good.push(
+            backend
+                .enqueue_now("order_created", json!({ "order_id": n }))
+                .await,
+        );
     }
     let second = relay.run_once().await.expect("round");
     assert_eq!((second.claimed, second.delivered), (3, 3), "{second:?}");
@@ -243,21 +190,30 @@ async fn a_poison_event_is_dead_lettered_while_the_others_flow() {
     }
     let counts = outbox.counts().await.expect("counts");
     assert_eq!((counts.delivered, counts.dead, counts.pending), (6, 1, 0));
+    let backlog = outbox.backlog().await.expect("backlog");
+    assert_eq!((backlog.pending, backlog.dead), (0, 1));
+    let dead = outbox.dead_letters(10).await.expect("dead letters");
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].id, poison);
 
     // A dead letter stays put: later rounds do not touch it.
     let idle = relay.run_once().await.expect("round");
     assert_eq!(idle.claimed, 0);
     assert_eq!(recorder.attempts_of(&poison).len(), 3);
+
+    // Requeued, it flows again (and fails again, from attempt 1).
+    assert!(outbox.requeue(poison.as_str()).await.expect("requeue"));
+    assert!(!outbox.requeue(poison.as_str()).await.expect("requeue"));
+    let again = relay.run_once().await.expect("round");
+    assert_eq!((again.claimed, again.retried), (1, 1));
+    assert_eq!(recorder.attempts_of(&poison), vec![1, 2, 3, 1]);
 }
 
-#[tokio::test]
-async fn a_permanent_error_dead_letters_at_once() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let store = SqliteStore::open(dir.path().join("orders.db"))
-        .await
-        .expect("open");
-    let outbox = SqliteOutbox::install(&store).await.expect("install");
-    let id = enqueue_now(&store, "order_created", json!({ "sku": "gone" })).await;
+async fn a_permanent_error_dead_letters_at_once<B: Backend>(backend: B) {
+    let outbox = Outbox::install(backend.store()).await.expect("install");
+    let id = backend
+        .enqueue_now("order_created", json!({ "sku": "gone" }))
+        .await;
     let mut relay = Relay::new(
         outbox.clone(),
         sink_fn(|_event: OutboxEvent| async {
@@ -280,18 +236,14 @@ async fn a_permanent_error_dead_letters_at_once() {
         event.last_error.as_deref(),
         Some("permanent: sku gone for good")
     );
+    assert_eq!(outbox.requeue_all_dead().await.expect("requeue"), 1);
 }
 
-#[tokio::test]
-async fn a_sink_that_hangs_or_panics_is_a_failed_attempt_not_a_dead_relay() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let store = SqliteStore::open(dir.path().join("orders.db"))
-        .await
-        .expect("open");
-    let outbox = SqliteOutbox::install(&store).await.expect("install");
-    let hangs = enqueue_now(&store, "t", json!("hang")).await;
-    let panics = enqueue_now(&store, "t", json!("panic")).await;
-    let fine = enqueue_now(&store, "t", json!("fine")).await;
+async fn a_sink_that_hangs_or_panics_is_a_failed_attempt_not_a_dead_relay<B: Backend>(backend: B) {
+    let outbox = Outbox::install(backend.store()).await.expect("install");
+    let hangs = backend.enqueue_now("t", json!("hang")).await;
+    let panics = backend.enqueue_now("t", json!("panic")).await;
+    let fine = backend.enqueue_now("t", json!("fine")).await;
     let mut relay = Relay::new(
         outbox.clone(),
         sink_fn(|event: OutboxEvent| async move {
@@ -334,14 +286,13 @@ async fn a_sink_that_hangs_or_panics_is_a_failed_attempt_not_a_dead_relay() {
     assert_eq!(delivered.status, EventStatus::Delivered);
 }
 
-#[tokio::test]
-async fn an_abandoned_last_attempt_is_dead_lettered_when_its_lease_runs_out() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let store = SqliteStore::open(dir.path().join("orders.db"))
-        .await
-        .expect("open");
-    let outbox = SqliteOutbox::install(&store).await.expect("install");
-    let id = enqueue_now(&store, "order_created", json!({ "order_id": 1 })).await;
+async fn an_abandoned_last_attempt_is_dead_lettered_when_its_lease_runs_out<B: Backend>(
+    backend: B,
+) {
+    let outbox = Outbox::install(backend.store()).await.expect("install");
+    let id = backend
+        .enqueue_now("order_created", json!({ "order_id": 1 }))
+        .await;
 
     // A relay allowed one attempt dies while delivering (its round is dropped mid-delivery).
     let mut dying = Relay::new(
@@ -349,8 +300,8 @@ async fn an_abandoned_last_attempt_is_dead_lettered_when_its_lease_runs_out() {
         sink_fn(|_event: OutboxEvent| std::future::pending::<Result<(), BoxError>>()),
     )
     .with_max_attempts(1)
-    .with_lease(Duration::from_millis(300));
-    let cut = tokio::time::timeout(Duration::from_millis(100), dying.run_once()).await;
+    .with_lease(Duration::from_millis(1000));
+    let cut = tokio::time::timeout(Duration::from_millis(250), dying.run_once()).await;
     assert!(cut.is_err(), "the round was still delivering");
     drop(dying);
     let event = outbox
@@ -361,23 +312,15 @@ async fn an_abandoned_last_attempt_is_dead_lettered_when_its_lease_runs_out() {
     assert_eq!(event.status, EventStatus::InFlight);
 
     // Within the lease, nobody else takes it.
-    let calls = Arc::new(Mutex::new(0));
-    let counted = calls.clone();
-    let mut next = Relay::new(
-        outbox.clone(),
-        sink_fn(move |_event: OutboxEvent| {
-            *counted.lock().expect("calls") += 1;
-            std::future::ready(Ok::<(), BoxError>(()))
-        }),
-    )
-    .with_max_attempts(1);
+    let recorder = RecordingSink::default();
+    let mut next = Relay::new(outbox.clone(), recorder.sink()).with_max_attempts(1);
     assert_eq!(next.run_once().await.expect("round").claimed, 0);
 
     // After it, the event is not delivered again: its only attempt is spent.
-    tokio::time::sleep(Duration::from_millis(350)).await;
+    tokio::time::sleep(Duration::from_millis(1100)).await;
     let report = next.run_once().await.expect("round");
     assert_eq!((report.claimed, report.dead_lettered), (0, 1));
-    assert_eq!(*calls.lock().expect("calls"), 0);
+    assert_eq!(recorder.deliveries(), 0);
     let event = outbox
         .event(id.as_str())
         .await
@@ -390,34 +333,380 @@ async fn an_abandoned_last_attempt_is_dead_lettered_when_its_lease_runs_out() {
         .is_some_and(|e| e.contains("abandoned")));
 }
 
-#[tokio::test]
-async fn enqueue_needs_the_outbox_table_and_fails_the_request_without_it() {
-    let errors = Arc::new(Mutex::new(Vec::new()));
-    let seen = errors.clone();
-    let server = TestServer::builder()
-        .hook(hook(move |call| {
-            let seen = seen.clone();
+mod sqlite {
+    //! On a SQLite file: the relay's suite, and the order app over real HTTP.
+
+    use std::sync::{Arc, Mutex};
+
+    use http::StatusCode;
+    use serde_json::json;
+    use tower_idempotency::outbox::sqlite::SqliteOutbox;
+    use tower_idempotency::outbox::{Enqueue, EventId, EventStatus};
+    use tower_idempotency::store::sqlite::SqliteStore;
+
+    use super::BOOK;
+    use crate::backends::Sqlite;
+    use crate::common::{self, hook, post, HookOutcome, TestServer, SHOP_A};
+
+    crate::backend_tests!(Sqlite =>
+        a_relay_delivers_each_event_once,
+        a_poison_event_is_dead_lettered_while_the_others_flow,
+        a_permanent_error_dead_letters_at_once,
+        a_sink_that_hangs_or_panics_is_a_failed_attempt_not_a_dead_relay,
+        an_abandoned_last_attempt_is_dead_lettered_when_its_lease_runs_out,
+    );
+
+    async fn event_count(store: &SqliteStore) -> i64 {
+        store
+            .read(|conn| conn.query_row("SELECT count(*) FROM outbox_events", [], |row| row.get(0)))
+            .await
+            .expect("count events")
+    }
+
+    /// A hook that enqueues `order_created` in the request's transaction and remembers its id.
+    fn enqueueing_hook(
+        ids: Arc<Mutex<Vec<EventId>>>,
+        fail_with: Option<StatusCode>,
+    ) -> common::Hook {
+        hook(move |call| {
+            let ids = ids.clone();
             async move {
-                let result = call.tx.enqueue("order_created", json!({})).await;
-                if let Err(error) = &result {
-                    seen.lock().expect("errors").push(error.to_string());
-                }
+                let payload = json!({ "order_id": call.order_id, "sku": call.sku });
+                let id = call
+                    .tx
+                    .enqueue("order_created", payload)
+                    .await
+                    .expect("enqueue in the request's transaction");
+                ids.lock().expect("ids").push(id);
                 HookOutcome {
-                    fail_with: result.is_err().then_some(StatusCode::INTERNAL_SERVER_ERROR),
+                    fail_with,
                     ..HookOutcome::default()
                 }
             }
-        }))
-        .spawn()
+        })
+    }
+
+    #[tokio::test]
+    async fn a_handler_failure_rolls_the_event_back_with_the_order() {
+        let ids = Arc::new(Mutex::new(Vec::new()));
+        let server = TestServer::builder()
+            .hook(enqueueing_hook(
+                ids.clone(),
+                Some(StatusCode::INTERNAL_SERVER_ERROR),
+            ))
+            .spawn()
+            .await;
+        SqliteOutbox::install(&server.store).await.expect("install");
+
+        let reply = post(server.addr, Some(SHOP_A), Some("k1"), BOOK, &[]).await;
+        assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR);
+        // The handler did enqueue (it got an id), but nothing of the request was kept.
+        assert_eq!(ids.lock().expect("ids").len(), 1);
+        assert_eq!(event_count(&server.store).await, 0, "the event rolled back");
+        assert_eq!(server.order_count().await, 0);
+        assert_eq!(server.record_count().await, 0);
+    }
+
+    #[tokio::test]
+    async fn a_failed_commit_rolls_the_event_back_with_the_order() {
+        let ids = Arc::new(Mutex::new(Vec::new()));
+        let server = TestServer::builder()
+            .hook(enqueueing_hook(ids.clone(), None))
+            .spawn()
+            .await;
+        SqliteOutbox::install(&server.store).await.expect("install");
+        // Saving the response fails after the handler wrote its order and its event.
+        common::execute(
+            &server.store,
+            "CREATE TRIGGER fail_record BEFORE INSERT ON idempotency_records \
+             BEGIN SELECT RAISE(ABORT, 'injected'); END;",
+        )
         .await;
-    // No `SqliteOutbox::install`: the handler's enqueue fails, the handler answers 500, and
-    // the order rolls back with it.
-    let reply = post(server.addr, Some(SHOP_A), Some("k1"), BOOK, &[]).await;
-    assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR);
-    let errors = errors.lock().expect("errors").clone();
-    assert!(
-        errors.len() == 1 && errors[0].contains("no such table: outbox_events"),
-        "{errors:?}"
+
+        let reply = post(server.addr, Some(SHOP_A), Some("k1"), BOOK, &[]).await;
+        assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(ids.lock().expect("ids").len(), 1);
+        assert_eq!(event_count(&server.store).await, 0, "the event rolled back");
+        assert_eq!(server.order_count().await, 0);
+    }
+
+    #[tokio::test]
+    async fn a_committed_order_has_exactly_one_event_and_replays_add_none() {
+        let ids = Arc::new(Mutex::new(Vec::new()));
+        let server = TestServer::builder()
+            .hook(enqueueing_hook(ids.clone(), None))
+            .spawn()
+            .await;
+        let outbox = SqliteOutbox::install(&server.store).await.expect("install");
+
+        let first = post(server.addr, Some(SHOP_A), Some("k1"), BOOK, &[]).await;
+        let retry = post(server.addr, Some(SHOP_A), Some("k1"), BOOK, &[]).await;
+        assert_eq!(first.status, StatusCode::CREATED);
+        assert!(retry.replayed());
+        assert_eq!(event_count(&server.store).await, 1);
+
+        let id = ids.lock().expect("ids")[0].clone();
+        let event = outbox
+            .event(id.as_str())
+            .await
+            .expect("read")
+            .expect("event");
+        assert_eq!(event.topic, "order_created");
+        assert_eq!(event.status, EventStatus::Pending);
+        assert_eq!(event.attempts, 0);
+        let payload: serde_json::Value = serde_json::from_str(&event.payload).expect("json");
+        assert_eq!(
+            payload,
+            json!({ "order_id": first.order_id(), "sku": "book" })
+        );
+    }
+
+    #[tokio::test]
+    async fn enqueue_needs_the_outbox_table_and_fails_the_request_without_it() {
+        let errors = Arc::new(Mutex::new(Vec::new()));
+        let seen = errors.clone();
+        let server = TestServer::builder()
+            .hook(hook(move |call| {
+                let seen = seen.clone();
+                async move {
+                    let result = call.tx.enqueue("order_created", json!({})).await;
+                    if let Err(error) = &result {
+                        seen.lock().expect("errors").push(error.to_string());
+                    }
+                    HookOutcome {
+                        fail_with: result.is_err().then_some(StatusCode::INTERNAL_SERVER_ERROR),
+                        ..HookOutcome::default()
+                    }
+                }
+            }))
+            .spawn()
+            .await;
+        // No `SqliteOutbox::install`: the handler's enqueue fails, the handler answers 500, and
+        // the order rolls back with it.
+        let reply = post(server.addr, Some(SHOP_A), Some("k1"), BOOK, &[]).await;
+        assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR);
+        let errors = errors.lock().expect("errors").clone();
+        assert!(
+            errors.len() == 1 && errors[0].contains("no such table: outbox_events"),
+            "{errors:?}"
+        );
+        assert_eq!(server.order_count().await, 0);
+    }
+}
+
+mod postgres {
+    //! On PostgreSQL: the relay's suite, two relays on separate pools, and the order app over
+    //! real HTTP.
+
+    use std::sync::{Arc, Mutex};
+
+    use http::StatusCode;
+    use serde_json::json;
+    use tower_idempotency::outbox::postgres::PostgresOutbox;
+    use tower_idempotency::outbox::{Enqueue, EventId, EventStatus, OutboxStore, Relay};
+
+    use super::{RecordingSink, BOOK};
+    use crate::backends::{Backend, Postgres};
+    use crate::common::{post, PATIENCE, SHOP_A};
+    use crate::pg_common::{hook, Hook, HookOutcome, PgServer, TestDb};
+
+    crate::backend_tests!(
+        #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
+        Postgres =>
+        a_relay_delivers_each_event_once,
+        a_poison_event_is_dead_lettered_while_the_others_flow,
+        a_permanent_error_dead_letters_at_once,
+        a_sink_that_hangs_or_panics_is_a_failed_attempt_not_a_dead_relay,
+        an_abandoned_last_attempt_is_dead_lettered_when_its_lease_runs_out,
     );
-    assert_eq!(server.order_count().await, 0);
+
+    async fn event_count(db: &TestDb) -> i64 {
+        db.client()
+            .await
+            .query_one("SELECT count(*) FROM outbox_events", &[])
+            .await
+            .expect("count events")
+            .get(0)
+    }
+
+    /// A hook that enqueues `order_created` in the request's transaction and remembers its id.
+    fn enqueueing_hook(ids: Arc<Mutex<Vec<EventId>>>, fail_with: Option<StatusCode>) -> Hook {
+        hook(move |call| {
+            let ids = ids.clone();
+            async move {
+                let payload = json!({ "order_id": call.order_id, "tenant": call.tenant });
+                let id = call
+                    .tx
+                    .enqueue("order_created", payload)
+                    .await
+                    .expect("enqueue in the request's transaction");
+                ids.lock().expect("ids").push(id);
+                HookOutcome { fail_with }
+            }
+        })
+    }
+
+    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
+    #[tokio::test]
+    async fn a_handler_failure_rolls_the_event_back_with_the_order() {
+        let Some(db) = TestDb::create().await else {
+            return;
+        };
+        let ids = Arc::new(Mutex::new(Vec::new()));
+        let server = PgServer::builder()
+            .hook(enqueueing_hook(
+                ids.clone(),
+                Some(StatusCode::INTERNAL_SERVER_ERROR),
+            ))
+            .spawn(&db)
+            .await;
+        PostgresOutbox::install(&server.store)
+            .await
+            .expect("install");
+
+        let reply = post(server.addr, Some(SHOP_A), Some("k1"), BOOK, &[]).await;
+        assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR);
+        // The handler did enqueue (it got an id), but nothing of the request was kept.
+        assert_eq!(ids.lock().expect("ids").len(), 1);
+        assert_eq!(event_count(&db).await, 0, "the event rolled back");
+        assert_eq!(db.order_count().await, 0);
+        assert_eq!(db.record_count().await, 0);
+        server.shutdown().await;
+    }
+
+    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
+    #[tokio::test]
+    async fn a_committed_order_has_exactly_one_event_and_replays_add_none() {
+        let Some(db) = TestDb::create().await else {
+            return;
+        };
+        let ids = Arc::new(Mutex::new(Vec::new()));
+        let server = PgServer::builder()
+            .hook(enqueueing_hook(ids.clone(), None))
+            .spawn(&db)
+            .await;
+        let outbox = PostgresOutbox::install(&server.store)
+            .await
+            .expect("install");
+
+        let first = post(server.addr, Some(SHOP_A), Some("k1"), BOOK, &[]).await;
+        let retry = post(server.addr, Some(SHOP_A), Some("k1"), BOOK, &[]).await;
+        assert_eq!(first.status, StatusCode::CREATED);
+        assert!(retry.replayed());
+        assert_eq!(event_count(&db).await, 1);
+        assert_eq!(db.order_count().await, 1);
+
+        let id = ids.lock().expect("ids")[0].clone();
+        let event = outbox
+            .event(id.as_str())
+            .await
+            .expect("read")
+            .expect("event");
+        assert_eq!(event.topic, "order_created");
+        assert_eq!(event.status, EventStatus::Pending);
+        assert_eq!(event.attempts, 0);
+        let payload: serde_json::Value = serde_json::from_str(&event.payload).expect("json");
+        assert_eq!(
+            payload,
+            json!({ "order_id": first.order_id(), "tenant": "shop-a" })
+        );
+        let backlog = outbox.backlog().await.expect("backlog");
+        assert_eq!((backlog.pending, backlog.dead), (1, 0));
+        server.shutdown().await;
+    }
+
+    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn two_relays_at_once_deliver_each_event_once() {
+        let Some(backend) = Postgres::open().await else {
+            return;
+        };
+        // Two stores: two app instances, each with its own pool and its own relay.
+        let first = PostgresOutbox::install(backend.store())
+            .await
+            .expect("install");
+        let second = PostgresOutbox::install(&backend.another_store().await)
+            .await
+            .expect("install");
+        const EVENTS: usize = 300;
+        let mut ids = Vec::new();
+        for n in 0..EVENTS {
+            ids.push(
+                backend
+                    .enqueue_now("order_created", json!({ "order_id": n }))
+                    .await,
+            );
+        }
+
+        // One recorder for both relays: every delivery of every event, whichever relay made it.
+        let recorder = RecordingSink::default();
+        let run = |outbox: PostgresOutbox| {
+            let recorder = recorder.clone();
+            async move {
+                let mut relay = Relay::new(outbox.clone(), recorder.sink()).with_batch_size(7);
+                let deadline = tokio::time::Instant::now() + PATIENCE * 3;
+                let mut claimed = 0;
+                loop {
+                    claimed += relay.run_once().await.expect("round").claimed;
+                    if outbox.backlog().await.expect("backlog").pending == 0 {
+                        return claimed;
+                    }
+                    assert!(tokio::time::Instant::now() < deadline, "events left over");
+                    tokio::task::yield_now().await;
+                }
+            }
+        };
+        let (by_first, by_second) = tokio::join!(
+            tokio::spawn(run(first.clone())),
+            tokio::spawn(run(second.clone()))
+        );
+        let (by_first, by_second) = (by_first.expect("relay"), by_second.expect("relay"));
+        println!("the first relay claimed {by_first}, the second {by_second}");
+        assert_eq!(by_first + by_second, EVENTS, "{by_first} + {by_second}");
+        assert_eq!(recorder.deliveries(), EVENTS);
+        for id in &ids {
+            assert_eq!(recorder.attempts_of(id), vec![1], "delivered once: {id}");
+        }
+        let counts = first.counts().await.expect("counts");
+        assert_eq!(
+            (counts.delivered, counts.pending, counts.in_flight),
+            (300, 0, 0)
+        );
+    }
+
+    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
+    #[tokio::test]
+    async fn enqueue_needs_the_outbox_table_and_fails_the_request_without_it() {
+        let Some(db) = TestDb::create().await else {
+            return;
+        };
+        let errors = Arc::new(Mutex::new(Vec::new()));
+        let seen = errors.clone();
+        let server = PgServer::builder()
+            .hook(hook(move |call| {
+                let seen = seen.clone();
+                async move {
+                    let result = call.tx.enqueue("order_created", json!({})).await;
+                    if let Err(error) = &result {
+                        seen.lock().expect("errors").push(format!("{error:?}"));
+                    }
+                    HookOutcome {
+                        fail_with: result.is_err().then_some(StatusCode::INTERNAL_SERVER_ERROR),
+                    }
+                }
+            }))
+            .spawn(&db)
+            .await;
+        // No `PostgresOutbox::install`: the enqueue fails, the handler answers 500, and the order
+        // rolls back with it.
+        let reply = post(server.addr, Some(SHOP_A), Some("k1"), BOOK, &[]).await;
+        assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR);
+        let errors = errors.lock().expect("errors").clone();
+        assert!(
+            errors.len() == 1 && errors[0].contains("outbox_events"),
+            "{errors:?}"
+        );
+        assert_eq!(db.order_count().await, 0);
+        server.shutdown().await;
+    }
 }

@@ -2,8 +2,10 @@
 //! state, purge expired ones, and (feature `outbox`) count, list and requeue dead-lettered
 //! events. `cargo run --example admin -- --help` is a command-line tool over these calls.
 //!
-//! [`Admin`] has the same calls for each backend: `Admin<SqliteStore>` (feature `sqlite`) and
-//! `Admin<PostgresStore>` (feature `postgres`).
+//! [`Admin`] is written once over [`AdminBackend`] (the queries on records, which each store
+//! implements with its own SQL) and, for the outbox, [`outbox::OutboxBackend`](crate::outbox::OutboxBackend):
+//! it has the same calls for each backend, `Admin<SqliteStore>` (feature `sqlite`) and
+//! `Admin<PostgresStore>` (feature `postgres`), so a tool can be written once over `Admin<S>`.
 //!
 //! ```no_run
 //! # async fn run() -> Result<(), tower_idempotency::Error> {
@@ -45,6 +47,7 @@
 //! personal data.
 
 use std::fmt;
+use std::future::Future;
 use std::time::SystemTime;
 
 use bytes::Bytes;
@@ -52,8 +55,9 @@ use http::{HeaderName, HeaderValue, StatusCode};
 
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
-use crate::response::SavedResponse;
-use crate::store::{from_unix_millis, IdempotencyStore};
+#[cfg(feature = "outbox")]
+use crate::outbox::{EventInfo, Outbox, OutboxBackend, OutboxCounts};
+use crate::store::{from_unix_millis, IdempotencyStore, SavedColumns};
 
 #[cfg(feature = "postgres")]
 mod postgres;
@@ -84,7 +88,65 @@ impl<S> Admin<S> {
     }
 }
 
-impl<S: IdempotencyStore> Admin<S> {
+/// The queries on idempotency records that [`Admin`] needs from a store, beyond
+/// [`IdempotencyStore`] (whose `purge_expired` it uses). Each backend implements them with its
+/// own SQL; [`Admin`] is written once over them.
+pub trait AdminBackend: IdempotencyStore {
+    /// The record of `(tenant, operation, key)`, expired or not; the body only if `with_body`.
+    fn inspect_record(
+        &self,
+        tenant: &str,
+        operation: &str,
+        key: &str,
+        with_body: bool,
+    ) -> impl Future<Output = Result<Option<RecordInfo>, Error>> + Send;
+
+    /// Deletes the record of `(tenant, operation, key)`; whether one existed.
+    fn delete_record(
+        &self,
+        tenant: &str,
+        operation: &str,
+        key: &str,
+    ) -> impl Future<Output = Result<bool, Error>> + Send;
+
+    /// Counts the records `filter` selects, by state.
+    fn count_records(
+        &self,
+        filter: &RecordFilter,
+    ) -> impl Future<Output = Result<RecordCounts, Error>> + Send;
+}
+
+impl<S: AdminBackend> Admin<S> {
+    /// The record of `(tenant, operation, key)`, expired or not; the body only if `with_body`
+    /// (it is not even read otherwise: it may be large or personal).
+    pub async fn inspect(
+        &self,
+        tenant: &str,
+        operation: &str,
+        key: &str,
+        with_body: bool,
+    ) -> Result<Option<RecordInfo>, Error> {
+        self.store
+            .inspect_record(tenant, operation, key, with_body)
+            .await
+    }
+
+    /// Deletes the record of `(tenant, operation, key)`: the next request with that key runs
+    /// the handler again (the business rows it created stay). Returns whether one existed.
+    ///
+    /// A request holding that scope right now finishes first (SQLite: the delete waits for
+    /// the writer; PostgreSQL: for the record's row lock). The first request for a key is not
+    /// seen on PostgreSQL while it runs (its reservation is not committed): nothing is
+    /// deleted, and its record appears when it commits.
+    pub async fn delete(&self, tenant: &str, operation: &str, key: &str) -> Result<bool, Error> {
+        self.store.delete_record(tenant, operation, key).await
+    }
+
+    /// Counts records by state.
+    pub async fn counts(&self, filter: &RecordFilter) -> Result<RecordCounts, Error> {
+        self.store.count_records(filter).await
+    }
+
     /// Deletes every expired record, in batches of `batch` (each its own short transaction, so
     /// requests are not held up); returns how many.
     pub async fn purge_expired(&self, batch: usize) -> Result<u64, Error> {
@@ -98,6 +160,40 @@ impl<S: IdempotencyStore> Admin<S> {
                 return Ok(total);
             }
         }
+    }
+}
+
+#[cfg(feature = "outbox")]
+impl<S: OutboxBackend> Admin<S> {
+    /// Outbox events by state (see [`Outbox::counts`]). Fails if the database has no outbox.
+    pub async fn outbox_counts(&self) -> Result<OutboxCounts, Error> {
+        self.outbox().counts().await
+    }
+
+    /// One outbox event, by id.
+    pub async fn event(&self, id: &str) -> Result<Option<EventInfo>, Error> {
+        self.outbox().event(id).await
+    }
+
+    /// Dead-lettered events, oldest first, at most `limit`.
+    pub async fn dead_letters(&self, limit: usize) -> Result<Vec<EventInfo>, Error> {
+        self.outbox().dead_letters(limit).await
+    }
+
+    /// Requeues one dead-lettered event: due at once, attempts reset. Returns `false` if no
+    /// dead event has this id.
+    pub async fn requeue(&self, id: &str) -> Result<bool, Error> {
+        self.outbox().requeue(id).await
+    }
+
+    /// Requeues every dead-lettered event; returns how many.
+    pub async fn requeue_all_dead(&self) -> Result<u64, Error> {
+        self.outbox().requeue_all_dead().await
+    }
+
+    /// The outbox of this database, without creating its table.
+    fn outbox(&self) -> Outbox<S> {
+        Outbox::existing(&self.store)
     }
 }
 
@@ -190,6 +286,16 @@ pub struct RecordCounts {
     pub expired: u64,
 }
 
+impl RecordCounts {
+    /// The counts as a backend's `count(*)` columns give them.
+    fn from_columns(live: i64, expired: i64) -> Self {
+        RecordCounts {
+            live: u64::try_from(live).unwrap_or(0),
+            expired: u64::try_from(expired).unwrap_or(0),
+        }
+    }
+}
+
 /// The columns [`Admin::inspect`] reads, without the body unless asked.
 struct RawRecord {
     version: i64,
@@ -205,17 +311,11 @@ struct RawRecord {
 impl RawRecord {
     /// The record as shown, checking what was read.
     fn into_info(self, tenant: &str, operation: &str, key: &str) -> Result<RecordInfo, Error> {
-        let version = u16::try_from(self.version)
-            .map_err(|_| Error::Corrupt("fingerprint version".into()))?;
-        let digest: [u8; 32] = self
-            .digest
-            .try_into()
-            .map_err(|_| Error::Corrupt("fingerprint length".into()))?;
-        let status = u16::try_from(self.status)
-            .ok()
-            .and_then(|s| StatusCode::from_u16(s).ok())
-            .ok_or_else(|| Error::Corrupt("status".into()))?;
-        let headers = SavedResponse::decode_headers(&self.headers).map_err(Error::Corrupt)?;
+        let SavedColumns {
+            fingerprint,
+            status,
+            headers,
+        } = SavedColumns::decode(self.version, &self.digest, self.status, &self.headers)?;
         let expires_at = from_unix_millis(self.expires_at);
         Ok(RecordInfo {
             tenant: tenant.to_owned(),
@@ -230,7 +330,7 @@ impl RawRecord {
             headers,
             created_at: from_unix_millis(self.created_at),
             expires_at,
-            fingerprint: Fingerprint::new(version, digest),
+            fingerprint,
             body_len: usize::try_from(self.body_len).unwrap_or(0),
             body: self.body.map(Bytes::from),
         })

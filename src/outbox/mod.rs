@@ -66,13 +66,19 @@
 //!
 //! # Backends
 //!
-//! The relay only needs the [`OutboxStore`] trait (claim, settle, backlog) and handlers only
-//! need [`Enqueue`] on their transaction handle; the relay, the sinks and the backoff are
-//! shared. SQLite: `sqlite::SqliteOutbox`. PostgreSQL (features `outbox` and `postgres`):
-//! `postgres::PostgresOutbox`, which claims with `FOR UPDATE SKIP LOCKED` and a lease, so relays
-//! in several instances share the work. The receiver's inbox exists for both,
-//! `inbox::SqliteInbox` and `postgres::PostgresInbox`, with the same [`Receipt`] and
-//! [`Processed`].
+//! One implementation per concern, written once over a small trait that each backend
+//! implements with its own SQL (`sqlite.rs`, `postgres.rs`):
+//!
+//! - the relay needs only [`OutboxStore`] (claim, settle, backlog); handlers need only
+//!   [`Enqueue`] on their transaction handle. The relay, the sinks and the backoff are shared.
+//! - [`Outbox`] (the relay's store, plus counts, dead letters, requeue and purge) over
+//!   [`OutboxBackend`]: `sqlite::SqliteOutbox`, and on PostgreSQL (features `outbox` and
+//!   `postgres`) `postgres::PostgresOutbox`, which claims with `FOR UPDATE SKIP LOCKED` and a
+//!   lease, so relays in several instances share the work.
+//! - the receiver's [`Inbox`] over [`InboxBackend`]: `inbox::SqliteInbox` and
+//!   `postgres::PostgresInbox`, with the same calls, [`Receipt`] and [`Processed`].
+//! - [`Admin`](crate::admin::Admin) over [`AdminBackend`](crate::admin::AdminBackend) and
+//!   [`OutboxBackend`].
 
 use std::fmt;
 use std::future::Future;
@@ -82,15 +88,19 @@ use std::time::{Duration, SystemTime};
 use crate::body::BoxError;
 use crate::error::Error;
 
-#[cfg(feature = "sqlite")]
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+mod columns;
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
 pub mod inbox;
-#[cfg(all(feature = "outbox", feature = "postgres"))]
+#[cfg(feature = "postgres")]
 pub mod postgres;
 mod relay;
 mod sink;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
 
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+pub use inbox::{Inbox, InboxBackend, InboxOutcome};
 pub use relay::{Relay, RoundReport};
 pub use sink::{sink_fn, HttpSink, Permanent, SinkFn, EVENT_TOPIC};
 
@@ -211,8 +221,7 @@ pub trait Enqueue {
     ) -> impl Future<Output = Result<EventId, Error>> + Send;
 }
 
-/// Whether an event id was new to an inbox (see [`inbox::SqliteInbox::record`] and
-/// [`postgres::PostgresInbox::process_in`]).
+/// Whether an event id was new to an inbox (see [`Inbox::process_in`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Receipt {
     /// First time: the id is now recorded (in the caller's transaction); apply the event.
@@ -221,8 +230,7 @@ pub enum Receipt {
     Duplicate,
 }
 
-/// What an inbox's `process` did (see [`inbox::SqliteInbox::process`] and
-/// [`postgres::PostgresInbox::process`]).
+/// What an inbox's `process` did (see [`Inbox::process`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Processed<T> {
     /// The event was new: the closure ran and its result committed with the id.
@@ -399,6 +407,130 @@ pub struct OutboxCounts {
     pub delivered: u64,
     /// Dead-lettered.
     pub dead: u64,
+}
+
+/// What a database implements to hold an outbox: the relay's [`OutboxStore`] plus creating
+/// the table and the maintenance queries. [`Outbox`] and [`Admin`](crate::admin::Admin) are
+/// written once over it; `SqliteStore` and `PostgresStore` implement it (each in its module,
+/// with only its SQL).
+pub trait OutboxBackend: OutboxStore {
+    /// Creates the `outbox_events` table if needed. Idempotent.
+    fn install_outbox(&self) -> impl Future<Output = Result<(), Error>> + Send;
+
+    /// One event, by id.
+    fn event(&self, id: &str) -> impl Future<Output = Result<Option<EventInfo>, Error>> + Send;
+
+    /// How many events are in each state.
+    fn outbox_counts(&self) -> impl Future<Output = Result<OutboxCounts, Error>> + Send;
+
+    /// Dead-lettered events, oldest first, at most `limit`.
+    fn dead_letters(
+        &self,
+        limit: usize,
+    ) -> impl Future<Output = Result<Vec<EventInfo>, Error>> + Send;
+
+    /// Moves the dead-lettered event `id` back to pending, due now, attempts reset; `false`
+    /// if no dead event has this id.
+    fn requeue(&self, id: &str) -> impl Future<Output = Result<bool, Error>> + Send;
+
+    /// [`requeue`](Self::requeue) for every dead-lettered event; returns how many.
+    fn requeue_all_dead(&self) -> impl Future<Output = Result<u64, Error>> + Send;
+
+    /// Deletes up to `batch` events delivered before `before`; returns how many.
+    fn purge_delivered(
+        &self,
+        before: SystemTime,
+        batch: usize,
+    ) -> impl Future<Output = Result<u64, Error>> + Send;
+}
+
+/// The outbox of a database: what a [`Relay`] delivers from (it is an [`OutboxStore`]) and the
+/// operations on `outbox_events` (counts, dead letters, requeue, purge), the same on every
+/// backend. Cheap to clone. Named for its backend as
+/// [`SqliteOutbox`](sqlite::SqliteOutbox) and [`PostgresOutbox`](postgres::PostgresOutbox).
+#[derive(Clone)]
+pub struct Outbox<S> {
+    store: S,
+}
+
+impl<S: fmt::Debug> fmt::Debug for Outbox<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Outbox")
+            .field("store", &self.store)
+            .finish()
+    }
+}
+
+impl<S: OutboxBackend> Outbox<S> {
+    /// Creates `outbox_events` if needed and returns the outbox. Idempotent (and safe for
+    /// instances starting at once): call it at start-up, before serving requests that enqueue.
+    pub async fn install(store: &S) -> Result<Self, Error> {
+        store.install_outbox().await?;
+        Ok(Outbox::existing(store))
+    }
+
+    /// The outbox of a database whose `outbox_events` table already exists (an admin tool
+    /// should not create tables); calls on it fail if the table is missing.
+    pub fn existing(store: &S) -> Self {
+        Outbox {
+            store: store.clone(),
+        }
+    }
+
+    /// The store.
+    pub fn store(&self) -> &S {
+        &self.store
+    }
+
+    /// One event, by id.
+    pub async fn event(&self, id: &str) -> Result<Option<EventInfo>, Error> {
+        self.store.event(id).await
+    }
+
+    /// How many events are in each state.
+    pub async fn counts(&self) -> Result<OutboxCounts, Error> {
+        self.store.outbox_counts().await
+    }
+
+    /// Dead-lettered events, oldest first, at most `limit`.
+    pub async fn dead_letters(&self, limit: usize) -> Result<Vec<EventInfo>, Error> {
+        self.store.dead_letters(limit).await
+    }
+
+    /// Moves a dead-lettered event back to pending, due now, with its attempts reset (its last
+    /// error is kept until the next attempt). Returns `false` if no dead event has this id.
+    pub async fn requeue(&self, id: &str) -> Result<bool, Error> {
+        self.store.requeue(id).await
+    }
+
+    /// Requeues every dead-lettered event (see [`requeue`](Self::requeue)); returns how many.
+    pub async fn requeue_all_dead(&self) -> Result<u64, Error> {
+        self.store.requeue_all_dead().await
+    }
+
+    /// Deletes up to `batch` events delivered before `before`; returns how many. Delivered
+    /// events are kept until then only for inspection: nothing reads them again. Several
+    /// instances may purge at once.
+    pub async fn purge_delivered(&self, before: SystemTime, batch: usize) -> Result<u64, Error> {
+        self.store.purge_delivered(before, batch).await
+    }
+}
+
+impl<S: OutboxBackend> OutboxStore for Outbox<S> {
+    fn claim(&self, request: ClaimRequest) -> impl Future<Output = Result<Claimed, Error>> + Send {
+        self.store.claim(request)
+    }
+
+    fn settle(
+        &self,
+        settlements: Vec<Settlement>,
+    ) -> impl Future<Output = Result<(), Error>> + Send {
+        self.store.settle(settlements)
+    }
+
+    fn backlog(&self) -> impl Future<Output = Result<Backlog, Error>> + Send {
+        self.store.backlog()
+    }
 }
 
 /// How long to wait before attempt `attempt + 1`, after attempt `attempt` failed:

@@ -1,6 +1,7 @@
-//! The outbox on the PostgreSQL store: `outbox_events` lives in the same database (and
-//! schema) as the handler's rows and the idempotency records, so an event commits in their
-//! transaction.
+//! The outbox and the inbox on the PostgreSQL store (the SQL only: [`Outbox`] and [`Inbox`]
+//! are written once over [`OutboxBackend`] and [`InboxBackend`]). `outbox_events` lives in the
+//! same database (and schema) as the handler's rows and the idempotency records, so an event
+//! commits in their transaction; `inbox_events` holds the receiver's processed event ids.
 //!
 //! Events are enqueued through the request's [`PostgresTransaction`] (the same connection and
 //! the same transaction as the order), so an event commits or rolls back with the order and the
@@ -44,22 +45,24 @@
 //! `inbox_events`, in the same transaction as the event's effect, so a redelivery is
 //! acknowledged without being applied twice.
 
-use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
 use std::time::{Duration, SystemTime};
 
 use tokio_postgres::row::Row;
 
+use super::columns::{
+    attempts_from_column, claimed_oldest_first, count_from_column, event_status, RawEvent,
+    EVENT_COLUMNS,
+};
+use super::inbox::receipt;
 use super::{
-    Backlog, ClaimRequest, Claimed, Enqueue, EventId, EventInfo, EventStatus, OutboxCounts,
-    OutboxEvent, OutboxStore, Settlement,
+    Backlog, ClaimRequest, Claimed, Enqueue, EventId, EventInfo, Inbox, InboxBackend, InboxOutcome,
+    Outbox, OutboxBackend, OutboxCounts, OutboxEvent, OutboxStore, Processed, Receipt, Settlement,
 };
 use crate::error::Error;
-use crate::store::postgres::{Executor, PostgresStore, PostgresTransaction};
+use crate::store::postgres::{Executor, PostgresStore, PostgresTransaction, TransactionClient};
 use crate::store::{from_unix_millis, to_unix_millis};
-
-mod inbox;
-
-pub use inbox::PostgresInbox;
 
 /// The same columns and meaning as the SQLite outbox (times are Unix milliseconds).
 /// `available_at` is when the event is next due; a claim moves it to the end of the lease, so
@@ -83,12 +86,31 @@ CREATE TABLE IF NOT EXISTS outbox_events (
 CREATE INDEX IF NOT EXISTS outbox_events_due ON outbox_events (status, available_at);
 ";
 
-/// Serializes `install` between instances starting at the same time (concurrent
-/// `CREATE TABLE IF NOT EXISTS` of one table can fail on PostgreSQL's catalog index).
-const INSTALL_LOCK: i64 = 0x7469_6465_6d70_0002;
+/// Serializes the outbox's `install` between instances starting at the same time
+/// (concurrent `CREATE TABLE IF NOT EXISTS` of one table can fail on PostgreSQL's catalog
+/// index).
+const OUTBOX_INSTALL_LOCK: i64 = 0x7469_6465_6d70_0002;
 
-const EVENT_COLUMNS: &str = "event_id, topic, payload, status, attempts, created_at, \
-     available_at, delivered_at, last_error, lease_owner";
+/// The same table as the SQLite inbox (`processed_at` in Unix milliseconds).
+const INBOX_SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS inbox_events (
+    consumer     TEXT   NOT NULL,
+    event_id     TEXT   NOT NULL,
+    processed_at BIGINT NOT NULL,
+    PRIMARY KEY (consumer, event_id)
+);
+CREATE INDEX IF NOT EXISTS inbox_events_processed_at ON inbox_events (processed_at);
+";
+
+/// Serializes the inbox's `install` (see [`OUTBOX_INSTALL_LOCK`]).
+const INBOX_INSTALL_LOCK: i64 = 0x7469_6465_6d70_0003;
+
+/// Records an id. While another transaction holds the same `(consumer, event_id)` (it
+/// inserted it and has not ended), this blocks on the primary key; when that one commits,
+/// the conflict makes this a no-op (0 rows: a duplicate), and when it rolls back, this insert
+/// goes through (1 row: the first).
+const INSERT_ID: &str = "INSERT INTO inbox_events (consumer, event_id, processed_at) \
+     VALUES ($1, $2, $3) ON CONFLICT (consumer, event_id) DO NOTHING";
 
 const INSERT_EVENT: &str = "INSERT INTO outbox_events (event_id, topic, payload, status, \
      attempts, available_at, created_at) VALUES ($1, $2, $3, 'pending', 0, $4, $4)";
@@ -112,159 +134,34 @@ const CLAIM: &str = "UPDATE outbox_events SET lease_owner = $1, available_at = $
          FOR UPDATE SKIP LOCKED) \
      RETURNING seq, event_id, topic, payload, attempts, created_at";
 
-/// The outbox of a [`PostgresStore`]: the relay's [`OutboxStore`] and the operations on
-/// `outbox_events` (counts, dead letters, requeue, purge). Cheap to clone.
-#[derive(Clone)]
-pub struct PostgresOutbox {
-    store: PostgresStore,
-}
+/// The outbox of a [`PostgresStore`] (see [`Outbox`]).
+pub type PostgresOutbox = Outbox<PostgresStore>;
 
-impl fmt::Debug for PostgresOutbox {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("PostgresOutbox")
-            .field("store", &self.store)
-            .finish()
-    }
-}
+/// The processed event ids of one consumer in a PostgreSQL database (see [`Inbox`]): table
+/// `inbox_events`, in the same schema as the store's tables. [`Inbox::process`] hands its
+/// closure the same [`PostgresTransaction`] a request's handler gets (take its
+/// [`client`](PostgresTransaction::client), do not `COMMIT`), on a transaction of the inbox's
+/// own, and the closure returns a future.
+pub type PostgresInbox = Inbox<PostgresStore>;
 
-impl PostgresOutbox {
-    /// Creates `outbox_events` if needed (in the first schema of the connection's
-    /// `search_path`, like the store's own table) and returns the outbox. Idempotent: call it
-    /// at start-up, before serving requests that enqueue.
-    pub async fn install(store: &PostgresStore) -> Result<Self, Error> {
-        let mut client = store.client().await?;
-        let tx = client.transaction().await?;
-        tx.execute("SELECT pg_advisory_xact_lock($1)", &[&INSTALL_LOCK])
-            .await?;
-        tx.batch_execute(SCHEMA).await?;
-        tx.commit().await?;
-        Ok(PostgresOutbox {
-            store: store.clone(),
-        })
-    }
-
-    /// The outbox of a database whose `outbox_events` table already exists (an admin tool
-    /// should not create tables); calls on it fail if the table is missing.
-    pub fn existing(store: &PostgresStore) -> Self {
-        PostgresOutbox {
-            store: store.clone(),
-        }
-    }
-
-    /// The store.
-    pub fn store(&self) -> &PostgresStore {
-        &self.store
-    }
-
-    /// One event, by id.
-    pub async fn event(&self, id: &str) -> Result<Option<EventInfo>, Error> {
-        let now = to_unix_millis(SystemTime::now());
-        let client = self.store.client().await?;
-        let row = client
-            .query_opt(
-                &format!("SELECT {EVENT_COLUMNS} FROM outbox_events WHERE event_id = $1"),
-                &[&id],
-            )
-            .await?;
-        row.map(|row| RawEvent::from_row(&row)?.into_info(now))
-            .transpose()
-    }
-
-    /// How many events are in each state.
-    pub async fn counts(&self) -> Result<OutboxCounts, Error> {
-        let now = to_unix_millis(SystemTime::now());
-        let client = self.store.client().await?;
-        let rows = client
-            .query(
-                "SELECT status, lease_owner IS NOT NULL AND available_at > $1, count(*) \
-                 FROM outbox_events GROUP BY 1, 2",
-                &[&now],
-            )
-            .await?;
-        let mut counts = OutboxCounts::default();
-        for row in rows {
-            let status: String = row.try_get(0)?;
-            let leased: bool = row.try_get(1)?;
-            let count = u64::try_from(row.try_get::<_, i64>(2)?).unwrap_or(0);
-            match (status.as_str(), leased) {
-                ("pending", false) => counts.pending += count,
-                ("pending", true) => counts.in_flight += count,
-                ("delivered", _) => counts.delivered += count,
-                ("dead", _) => counts.dead += count,
-                (other, _) => return Err(Error::Corrupt(format!("outbox status {other:?}"))),
-            }
-        }
-        Ok(counts)
-    }
-
-    /// Dead-lettered events, oldest first, at most `limit`.
-    pub async fn dead_letters(&self, limit: usize) -> Result<Vec<EventInfo>, Error> {
-        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        let now = to_unix_millis(SystemTime::now());
-        let client = self.store.client().await?;
-        let rows = client
-            .query(
-                &format!(
-                    "SELECT {EVENT_COLUMNS} FROM outbox_events WHERE status = 'dead' \
-                     ORDER BY seq LIMIT $1"
-                ),
-                &[&limit],
-            )
-            .await?;
-        rows.iter()
-            .map(|row| RawEvent::from_row(row)?.into_info(now))
-            .collect()
-    }
-
-    /// Moves a dead-lettered event back to pending, due now, with its attempts reset (its last
-    /// error is kept until the next attempt). Returns `false` if no dead event has this id.
-    pub async fn requeue(&self, id: &str) -> Result<bool, Error> {
-        let now = to_unix_millis(SystemTime::now());
-        let client = self.store.client().await?;
-        let changed = client
-            .execute(
-                "UPDATE outbox_events SET status = 'pending', attempts = 0, \
-                 available_at = $2, lease_owner = NULL \
-                 WHERE event_id = $1 AND status = 'dead'",
-                &[&id, &now],
-            )
-            .await?;
-        Ok(changed > 0)
-    }
-
-    /// Requeues every dead-lettered event (see [`requeue`](Self::requeue)); returns how many.
-    pub async fn requeue_dead(&self) -> Result<u64, Error> {
-        let now = to_unix_millis(SystemTime::now());
-        let client = self.store.client().await?;
-        Ok(client
-            .execute(
-                "UPDATE outbox_events SET status = 'pending', attempts = 0, \
-                 available_at = $1, lease_owner = NULL WHERE status = 'dead'",
-                &[&now],
-            )
-            .await?)
-    }
-
-    /// Deletes up to `batch` events delivered before `before`; returns how many. Delivered
-    /// events are kept until then only for inspection: nothing reads them again. Several
-    /// instances may purge at once (SKIP LOCKED).
-    pub async fn purge_delivered(&self, before: SystemTime, batch: usize) -> Result<u64, Error> {
-        let before = to_unix_millis(before);
-        let batch = i64::try_from(batch).unwrap_or(i64::MAX);
-        let client = self.store.client().await?;
-        Ok(client
-            .execute(
-                "DELETE FROM outbox_events WHERE seq IN (SELECT seq FROM outbox_events \
-                 WHERE status = 'delivered' AND delivered_at <= $1 LIMIT $2 \
-                 FOR UPDATE SKIP LOCKED)",
-                &[&before, &batch],
-            )
-            .await?)
-    }
+/// Creates tables in one transaction under a transaction-level advisory lock, so that
+/// instances starting at the same time do not race on PostgreSQL's catalog.
+pub(crate) async fn install_schema(
+    store: &PostgresStore,
+    lock: i64,
+    schema: &str,
+) -> Result<(), Error> {
+    let mut client = store.client().await?;
+    let tx = client.transaction().await?;
+    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&lock])
+        .await?;
+    tx.batch_execute(schema).await?;
+    tx.commit().await?;
+    Ok(())
 }
 
 /// Adds an event to the outbox through `client`: a
-/// [`TransactionClient`](crate::store::postgres::TransactionClient) of the request's
+/// [`TransactionClient`] of the request's
 /// transaction (the event then belongs to that transaction), or a client or transaction of
 /// your own. Returns its id.
 ///
@@ -325,14 +222,14 @@ impl Enqueue for PostgresTransaction {
     }
 }
 
-impl OutboxStore for PostgresOutbox {
+impl OutboxStore for PostgresStore {
     async fn claim(&self, request: ClaimRequest) -> Result<Claimed, Error> {
         let now = to_unix_millis(request.now);
         let lease_until = to_unix_millis(request.now + request.lease.max(Duration::from_millis(1)));
         let batch = i64::try_from(request.batch).unwrap_or(i64::MAX);
         let token = request.token.as_str().to_owned();
         let max_attempts = i32::try_from(request.max_attempts).unwrap_or(i32::MAX);
-        let mut client = self.store.client().await?;
+        let mut client = self.client().await?;
         // An idle relay polls often: a plain read first, so that polling opens no write
         // transaction and locks nothing.
         let due: bool = client
@@ -355,19 +252,14 @@ impl OutboxStore for PostgresOutbox {
             .iter()
             .map(claimed_row)
             .collect::<Result<Vec<_>, Error>>()?;
-        let mut claimed = tx
+        let claimed = tx
             .query(CLAIM, &[&token, &lease_until, &now, &batch])
             .await?
             .iter()
             .map(claimed_row)
             .collect::<Result<Vec<_>, Error>>()?;
         tx.commit().await?;
-        // RETURNING gives no order: deliver oldest first.
-        claimed.sort_by_key(|(seq, _)| *seq);
-        Ok(Claimed {
-            events: claimed.into_iter().map(|(_, event)| event).collect(),
-            abandoned: abandoned.into_iter().map(|(_, event)| event).collect(),
-        })
+        Ok(claimed_oldest_first(claimed, abandoned))
     }
 
     async fn settle(&self, settlements: Vec<Settlement>) -> Result<(), Error> {
@@ -375,7 +267,7 @@ impl OutboxStore for PostgresOutbox {
             return Ok(());
         }
         let now = to_unix_millis(SystemTime::now());
-        let mut client = self.store.client().await?;
+        let mut client = self.client().await?;
         let tx = client.transaction().await?;
         for settlement in &settlements {
             match settlement {
@@ -422,7 +314,7 @@ impl OutboxStore for PostgresOutbox {
     }
 
     async fn backlog(&self) -> Result<Backlog, Error> {
-        let client = self.store.client().await?;
+        let client = self.client().await?;
         let row = client
             .query_one(
                 "SELECT (SELECT count(*) FROM outbox_events WHERE status = 'pending'), \
@@ -431,75 +323,294 @@ impl OutboxStore for PostgresOutbox {
             )
             .await?;
         Ok(Backlog {
-            pending: u64::try_from(row.try_get::<_, i64>(0)?).unwrap_or(0),
-            dead: u64::try_from(row.try_get::<_, i64>(1)?).unwrap_or(0),
+            pending: count_from_column(row.try_get(0)?),
+            dead: count_from_column(row.try_get(1)?),
         })
     }
 }
 
 /// A row returned by a claim: `(seq, event)`.
 fn claimed_row(row: &Row) -> Result<(i64, OutboxEvent), Error> {
-    let attempts: i32 = row.try_get(4)?;
     Ok((
         row.try_get(0)?,
         OutboxEvent::new(
             EventId::from(row.try_get::<_, String>(1)?),
             row.try_get::<_, String>(2)?,
             row.try_get::<_, String>(3)?,
-            u32::try_from(attempts).unwrap_or(0),
+            attempts_from_column(row.try_get::<_, i32>(4)?.into()),
             from_unix_millis(row.try_get(5)?),
         ),
     ))
 }
 
-/// An `outbox_events` row as read (in [`EVENT_COLUMNS`] order).
-struct RawEvent {
-    id: String,
-    topic: String,
-    payload: String,
-    status: String,
-    attempts: i32,
-    created_at: i64,
-    available_at: i64,
-    delivered_at: Option<i64>,
-    last_error: Option<String>,
-    leased: bool,
+/// An `outbox_events` row, in [`EVENT_COLUMNS`] order.
+fn raw_event(row: &Row) -> Result<RawEvent, Error> {
+    Ok(RawEvent {
+        id: row.try_get(0)?,
+        topic: row.try_get(1)?,
+        payload: row.try_get(2)?,
+        status: row.try_get(3)?,
+        attempts: row.try_get::<_, i32>(4)?.into(),
+        created_at: row.try_get(5)?,
+        available_at: row.try_get(6)?,
+        delivered_at: row.try_get(7)?,
+        last_error: row.try_get(8)?,
+        leased: row.try_get::<_, Option<String>>(9)?.is_some(),
+    })
 }
 
-impl RawEvent {
-    fn from_row(row: &Row) -> Result<Self, Error> {
-        Ok(RawEvent {
-            id: row.try_get(0)?,
-            topic: row.try_get(1)?,
-            payload: row.try_get(2)?,
-            status: row.try_get(3)?,
-            attempts: row.try_get(4)?,
-            created_at: row.try_get(5)?,
-            available_at: row.try_get(6)?,
-            delivered_at: row.try_get(7)?,
-            last_error: row.try_get(8)?,
-            leased: row.try_get::<_, Option<String>>(9)?.is_some(),
-        })
+/// Statements run in autocommit on pooled connections of the store.
+impl OutboxBackend for PostgresStore {
+    async fn install_outbox(&self) -> Result<(), Error> {
+        install_schema(self, OUTBOX_INSTALL_LOCK, SCHEMA).await
     }
 
-    fn into_info(self, now: i64) -> Result<EventInfo, Error> {
-        let status = match self.status.as_str() {
-            "pending" if self.leased && self.available_at > now => EventStatus::InFlight,
-            "pending" => EventStatus::Pending,
-            "delivered" => EventStatus::Delivered,
-            "dead" => EventStatus::Dead,
-            other => return Err(Error::Corrupt(format!("outbox status {other:?}"))),
-        };
-        Ok(EventInfo {
-            id: EventId::from(self.id),
-            topic: self.topic,
-            payload: self.payload,
-            status,
-            attempts: u32::try_from(self.attempts).unwrap_or(0),
-            created_at: from_unix_millis(self.created_at),
-            available_at: from_unix_millis(self.available_at),
-            delivered_at: self.delivered_at.map(from_unix_millis),
-            last_error: self.last_error,
-        })
+    async fn event(&self, id: &str) -> Result<Option<EventInfo>, Error> {
+        let now = to_unix_millis(SystemTime::now());
+        let client = self.client().await?;
+        let row = client
+            .query_opt(
+                &format!("SELECT {EVENT_COLUMNS} FROM outbox_events WHERE event_id = $1"),
+                &[&id],
+            )
+            .await?;
+        row.map(|row| raw_event(&row)?.into_info(now)).transpose()
     }
+
+    async fn outbox_counts(&self) -> Result<OutboxCounts, Error> {
+        let now = to_unix_millis(SystemTime::now());
+        let client = self.client().await?;
+        let rows = client
+            .query(
+                "SELECT status, lease_owner IS NOT NULL AND available_at > $1, count(*) \
+                 FROM outbox_events GROUP BY 1, 2",
+                &[&now],
+            )
+            .await?;
+        let mut counts = OutboxCounts::default();
+        for row in rows {
+            let status: String = row.try_get(0)?;
+            let status = event_status(&status, row.try_get(1)?)?;
+            counts.add(status, count_from_column(row.try_get(2)?));
+        }
+        Ok(counts)
+    }
+
+    async fn dead_letters(&self, limit: usize) -> Result<Vec<EventInfo>, Error> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let now = to_unix_millis(SystemTime::now());
+        let client = self.client().await?;
+        let rows = client
+            .query(
+                &format!(
+                    "SELECT {EVENT_COLUMNS} FROM outbox_events WHERE status = 'dead' \
+                     ORDER BY seq LIMIT $1"
+                ),
+                &[&limit],
+            )
+            .await?;
+        rows.iter()
+            .map(|row| raw_event(row)?.into_info(now))
+            .collect()
+    }
+
+    async fn requeue(&self, id: &str) -> Result<bool, Error> {
+        let now = to_unix_millis(SystemTime::now());
+        let client = self.client().await?;
+        let changed = client
+            .execute(
+                "UPDATE outbox_events SET status = 'pending', attempts = 0, \
+                 available_at = $2, lease_owner = NULL \
+                 WHERE event_id = $1 AND status = 'dead'",
+                &[&id, &now],
+            )
+            .await?;
+        Ok(changed > 0)
+    }
+
+    async fn requeue_all_dead(&self) -> Result<u64, Error> {
+        let now = to_unix_millis(SystemTime::now());
+        let client = self.client().await?;
+        Ok(client
+            .execute(
+                "UPDATE outbox_events SET status = 'pending', attempts = 0, \
+                 available_at = $1, lease_owner = NULL WHERE status = 'dead'",
+                &[&now],
+            )
+            .await?)
+    }
+
+    /// Several instances may purge at once (SKIP LOCKED).
+    async fn purge_delivered(&self, before: SystemTime, batch: usize) -> Result<u64, Error> {
+        let before = to_unix_millis(before);
+        let batch = i64::try_from(batch).unwrap_or(i64::MAX);
+        let client = self.client().await?;
+        Ok(client
+            .execute(
+                "DELETE FROM outbox_events WHERE seq IN (SELECT seq FROM outbox_events \
+                 WHERE status = 'delivered' AND delivered_at <= $1 LIMIT $2 \
+                 FOR UPDATE SKIP LOCKED)",
+                &[&before, &batch],
+            )
+            .await?)
+    }
+}
+
+impl PostgresInbox {
+    /// Records `event_id` through `client`, which must be inside the transaction that applies
+    /// the event (a [`tokio_postgres::Transaction`] of your own, `&*transaction` for one opened
+    /// on a pooled connection, or a [`TransactionClient`]): [`Receipt::First`] if
+    /// it was new (apply the event in the same transaction), [`Receipt::Duplicate`] if it was
+    /// there already (do nothing).
+    ///
+    /// While another open transaction holds the same id, this waits for it to end.
+    pub async fn record<C>(&self, client: &C, event_id: &str) -> Result<Receipt, Error>
+    where
+        C: Executor + ?Sized,
+    {
+        let now = to_unix_millis(SystemTime::now());
+        let inserted = client
+            .execute_statement(INSERT_ID, &[&self.consumer(), &event_id, &now])
+            .await?;
+        Ok(receipt(inserted))
+    }
+}
+
+/// A PostgreSQL [`Inbox::process`] closure returns a future of `Result<T, Error>`, as an
+/// `async move` block or an `async fn(PostgresTransaction) -> Result<T, Error>` does.
+impl<T, Fut> InboxOutcome<PostgresStore> for Fut
+where
+    T: Send + 'static,
+    Fut: Future<Output = Result<T, Error>> + Send + 'static,
+{
+    type Value = T;
+
+    fn into_resolved(self) -> Pin<Box<dyn Future<Output = Result<T, Error>> + Send>> {
+        Box::pin(self)
+    }
+}
+
+impl InboxBackend for PostgresStore {
+    type Transaction = PostgresTransaction;
+    type Work<'a> = PostgresTransaction;
+    type Resolved<T: Send + 'static> = Pin<Box<dyn Future<Output = Result<T, Error>> + Send>>;
+
+    async fn install_inbox(&self) -> Result<(), Error> {
+        install_schema(self, INBOX_INSTALL_LOCK, INBOX_SCHEMA).await
+    }
+
+    async fn record_in(
+        &self,
+        tx: &PostgresTransaction,
+        consumer: &str,
+        event_id: &str,
+    ) -> Result<Receipt, Error> {
+        let client = tx.client().await?;
+        record_cached(&client, consumer, event_id).await
+    }
+
+    /// On a transaction of the store's own, with its isolation level. A panic in `work` or
+    /// this future being dropped rolls back. Under `REPEATABLE READ` or `SERIALIZABLE`, a
+    /// wait on the id's primary key that ends in a serialization failure is retried
+    /// ([`PostgresOptions::serialization_retries`] times) before `work` is called.
+    ///
+    /// [`PostgresOptions::serialization_retries`]: crate::store::postgres::PostgresOptions::serialization_retries
+    async fn process_once<F, R>(
+        &self,
+        consumer: &str,
+        event_id: &str,
+        work: F,
+    ) -> Result<Processed<R::Value>, Error>
+    where
+        F: for<'a> FnOnce(PostgresTransaction) -> R + Send + 'static,
+        R: InboxOutcome<Self>,
+    {
+        let mut retries = 0;
+        let transaction = loop {
+            let transaction = self.begin_owned().await?;
+            let recorded = async {
+                let client = transaction.handle().client().await?;
+                record_cached(&client, consumer, event_id).await
+            }
+            .await;
+            match recorded {
+                Ok(Receipt::First) => break transaction,
+                Ok(Receipt::Duplicate) => {
+                    transaction.rollback().await;
+                    return Ok(Processed::Duplicate);
+                }
+                Err(error)
+                    if error.is_serialization_conflict()
+                        && retries < self.serialization_retries() =>
+                {
+                    transaction.rollback().await;
+                    retries += 1;
+                    tracing::debug!(%error, retries, "recording an inbox id conflicted; retrying");
+                    // A short pause, growing with each retry, lets the other transaction end.
+                    tokio::time::sleep(Duration::from_millis(2u64 << retries.min(6))).await;
+                }
+                Err(error) => {
+                    transaction.rollback().await;
+                    return Err(error);
+                }
+            }
+        };
+        match work(transaction.handle()).into_resolved().await {
+            Ok(value) => {
+                transaction.commit().await?;
+                Ok(Processed::First(value))
+            }
+            Err(error) => {
+                transaction.rollback().await;
+                Err(error)
+            }
+        }
+    }
+
+    async fn inbox_contains(&self, consumer: &str, event_id: &str) -> Result<bool, Error> {
+        let client = self.client().await?;
+        Ok(client
+            .query_one(
+                "SELECT EXISTS (SELECT 1 FROM inbox_events \
+                 WHERE consumer = $1 AND event_id = $2)",
+                &[&consumer, &event_id],
+            )
+            .await?
+            .try_get(0)?)
+    }
+
+    /// Several instances may purge at once (SKIP LOCKED).
+    async fn purge_inbox(
+        &self,
+        consumer: &str,
+        before: SystemTime,
+        batch: usize,
+    ) -> Result<u64, Error> {
+        let before = to_unix_millis(before);
+        let batch = i64::try_from(batch).unwrap_or(i64::MAX);
+        let client = self.client().await?;
+        Ok(client
+            .execute(
+                "DELETE FROM inbox_events WHERE (consumer, event_id) IN ( \
+                     SELECT consumer, event_id FROM inbox_events \
+                     WHERE consumer = $1 AND processed_at <= $2 LIMIT $3 \
+                     FOR UPDATE SKIP LOCKED)",
+                &[&consumer, &before, &batch],
+            )
+            .await?)
+    }
+}
+
+/// [`PostgresInbox::record`] on a transaction's connection, with its statement cached.
+async fn record_cached(
+    client: &TransactionClient,
+    consumer: &str,
+    event_id: &str,
+) -> Result<Receipt, Error> {
+    let insert = client.prepare_cached(INSERT_ID).await?;
+    let now = to_unix_millis(SystemTime::now());
+    let inserted = client
+        .execute(&insert, &[&consumer, &event_id, &now])
+        .await?;
+    Ok(receipt(inserted))
 }

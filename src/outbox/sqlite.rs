@@ -1,5 +1,7 @@
-//! The outbox on the SQLite store: `outbox_events` lives in the same database file as the
-//! handler's rows and the idempotency records, so an event commits in their transaction.
+//! The outbox and the inbox on the SQLite store (the SQL only: [`Outbox`] and [`Inbox`] are
+//! written once over [`OutboxBackend`] and [`InboxBackend`]). `outbox_events` lives in the same
+//! database file as the handler's rows and the idempotency records, so an event commits in
+//! their transaction; `inbox_events` holds the receiver's processed event ids.
 //!
 //! Everything goes through the store's public API: events are enqueued with
 //! [`SqliteTransaction::run`], relays claim and settle with [`SqliteStore::write`] (one
@@ -29,14 +31,18 @@
 //! # Ok(()) }
 //! ```
 
-use std::fmt;
 use std::time::{Duration, SystemTime};
 
 use rusqlite::{params, Connection, OptionalExtension, Row};
 
+use super::columns::{
+    attempts_from_column, claimed_oldest_first, count_from_column, event_status, RawEvent,
+    EVENT_COLUMNS,
+};
+use super::inbox::receipt;
 use super::{
-    Backlog, ClaimRequest, Claimed, Enqueue, EventId, EventInfo, EventStatus, OutboxCounts,
-    OutboxEvent, OutboxStore, Settlement,
+    Backlog, ClaimRequest, Claimed, Enqueue, EventId, EventInfo, Inbox, InboxBackend, InboxOutcome,
+    Outbox, OutboxBackend, OutboxCounts, OutboxEvent, OutboxStore, Processed, Receipt, Settlement,
 };
 use crate::error::Error;
 use crate::store::sqlite::{SqliteStore, SqliteTransaction};
@@ -62,174 +68,21 @@ CREATE TABLE IF NOT EXISTS outbox_events (
 CREATE INDEX IF NOT EXISTS outbox_events_due ON outbox_events (status, available_at);
 ";
 
-const EVENT_COLUMNS: &str = "event_id, topic, payload, status, attempts, created_at, \
-     available_at, delivered_at, last_error, lease_owner";
+const INBOX_SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS inbox_events (
+    consumer     TEXT    NOT NULL,
+    event_id     TEXT    NOT NULL,
+    processed_at INTEGER NOT NULL,
+    PRIMARY KEY (consumer, event_id)
+);
+CREATE INDEX IF NOT EXISTS inbox_events_processed_at ON inbox_events (processed_at);
+";
 
-/// The outbox of a [`SqliteStore`]: the relay's [`OutboxStore`] and the operations on
-/// `outbox_events` (counts, dead letters, requeue, purge). Cheap to clone.
-#[derive(Clone)]
-pub struct SqliteOutbox {
-    store: SqliteStore,
-}
+/// The outbox of a [`SqliteStore`] (see [`Outbox`]).
+pub type SqliteOutbox = Outbox<SqliteStore>;
 
-impl fmt::Debug for SqliteOutbox {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("SqliteOutbox")
-            .field("path", &self.store.path())
-            .finish()
-    }
-}
-
-impl SqliteOutbox {
-    /// Creates `outbox_events` if needed and returns the outbox. Idempotent: call it at
-    /// start-up, before serving requests that enqueue.
-    pub async fn install(store: &SqliteStore) -> Result<Self, Error> {
-        store.write(|tx| tx.execute_batch(SCHEMA)).await?;
-        Ok(SqliteOutbox {
-            store: store.clone(),
-        })
-    }
-
-    /// The outbox of a database whose `outbox_events` table already exists (an admin tool
-    /// should not create tables); calls on it fail if the table is missing.
-    pub fn existing(store: &SqliteStore) -> Self {
-        SqliteOutbox {
-            store: store.clone(),
-        }
-    }
-
-    /// The store.
-    pub fn store(&self) -> &SqliteStore {
-        &self.store
-    }
-
-    /// One event, by id.
-    pub async fn event(&self, id: &str) -> Result<Option<EventInfo>, Error> {
-        let id = id.to_owned();
-        let now = to_unix_millis(SystemTime::now());
-        let raw = self
-            .store
-            .read(move |conn| {
-                conn.query_row(
-                    &format!("SELECT {EVENT_COLUMNS} FROM outbox_events WHERE event_id = ?1"),
-                    [id],
-                    RawEvent::from_row,
-                )
-                .optional()
-            })
-            .await?;
-        raw.map(|raw| raw.into_info(now)).transpose()
-    }
-
-    /// How many events are in each state.
-    pub async fn counts(&self) -> Result<OutboxCounts, Error> {
-        let now = to_unix_millis(SystemTime::now());
-        let rows = self
-            .store
-            .read(move |conn| {
-                let mut statement = conn.prepare(
-                    "SELECT status, lease_owner IS NOT NULL AND available_at > ?1, count(*) \
-                     FROM outbox_events GROUP BY 1, 2",
-                )?;
-                let rows = statement
-                    .query_map([now], |row| {
-                        Ok((
-                            row.get::<_, String>(0)?,
-                            row.get::<_, bool>(1)?,
-                            row.get::<_, i64>(2)?,
-                        ))
-                    })?
-                    .collect::<rusqlite::Result<Vec<_>>>()?;
-                Ok(rows)
-            })
-            .await?;
-        let mut counts = OutboxCounts::default();
-        for (status, leased, count) in rows {
-            let count = u64::try_from(count).unwrap_or(0);
-            match (status.as_str(), leased) {
-                ("pending", false) => counts.pending += count,
-                ("pending", true) => counts.in_flight += count,
-                ("delivered", _) => counts.delivered += count,
-                ("dead", _) => counts.dead += count,
-                (other, _) => return Err(Error::Corrupt(format!("outbox status {other:?}"))),
-            }
-        }
-        Ok(counts)
-    }
-
-    /// Dead-lettered events, oldest first, at most `limit`.
-    pub async fn dead_letters(&self, limit: usize) -> Result<Vec<EventInfo>, Error> {
-        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        let now = to_unix_millis(SystemTime::now());
-        let raws = self
-            .store
-            .read(move |conn| {
-                let mut statement = conn.prepare(&format!(
-                    "SELECT {EVENT_COLUMNS} FROM outbox_events WHERE status = 'dead' \
-                     ORDER BY seq LIMIT ?1"
-                ))?;
-                let rows = statement
-                    .query_map([limit], RawEvent::from_row)?
-                    .collect::<rusqlite::Result<Vec<_>>>()?;
-                Ok(rows)
-            })
-            .await?;
-        raws.into_iter().map(|raw| raw.into_info(now)).collect()
-    }
-
-    /// Moves a dead-lettered event back to pending, due now, with its attempts reset (its last
-    /// error is kept until the next attempt). Returns `false` if no dead event has this id.
-    pub async fn requeue(&self, id: &str) -> Result<bool, Error> {
-        let id = id.to_owned();
-        let now = to_unix_millis(SystemTime::now());
-        let changed = self
-            .store
-            .write(move |tx| {
-                tx.execute(
-                    "UPDATE outbox_events SET status = 'pending', attempts = 0, \
-                     available_at = ?2, lease_owner = NULL \
-                     WHERE event_id = ?1 AND status = 'dead'",
-                    params![id, now],
-                )
-            })
-            .await?;
-        Ok(changed > 0)
-    }
-
-    /// Requeues every dead-lettered event (see [`requeue`](Self::requeue)); returns how many.
-    pub async fn requeue_dead(&self) -> Result<u64, Error> {
-        let now = to_unix_millis(SystemTime::now());
-        let changed = self
-            .store
-            .write(move |tx| {
-                tx.execute(
-                    "UPDATE outbox_events SET status = 'pending', attempts = 0, \
-                     available_at = ?1, lease_owner = NULL WHERE status = 'dead'",
-                    [now],
-                )
-            })
-            .await?;
-        Ok(changed as u64)
-    }
-
-    /// Deletes up to `batch` events delivered before `before`; returns how many. Delivered
-    /// events are kept until then only for inspection: nothing reads them again.
-    pub async fn purge_delivered(&self, before: SystemTime, batch: usize) -> Result<u64, Error> {
-        let before = to_unix_millis(before);
-        let batch = i64::try_from(batch).unwrap_or(i64::MAX);
-        let deleted = self
-            .store
-            .write(move |tx| {
-                tx.execute(
-                    "DELETE FROM outbox_events WHERE seq IN (SELECT seq FROM outbox_events \
-                     WHERE status = 'delivered' AND delivered_at <= ?1 LIMIT ?2)",
-                    params![before, batch],
-                )
-            })
-            .await?;
-        Ok(deleted as u64)
-    }
-}
+/// The inbox of a [`SqliteStore`] (see [`Inbox`]).
+pub type SqliteInbox = Inbox<SqliteStore>;
 
 /// Adds an event to the outbox on `conn`: inside [`SqliteTransaction::run`], it belongs to the
 /// request's transaction. Returns its id.
@@ -267,7 +120,7 @@ impl Enqueue for SqliteTransaction {
     }
 }
 
-impl OutboxStore for SqliteOutbox {
+impl OutboxStore for SqliteStore {
     async fn claim(&self, request: ClaimRequest) -> Result<Claimed, Error> {
         let now = to_unix_millis(request.now);
         let lease_until = to_unix_millis(request.now + request.lease.max(Duration::from_millis(1)));
@@ -277,7 +130,6 @@ impl OutboxStore for SqliteOutbox {
         // An idle relay polls often: look on a reader first (WAL: no lock), so that polling
         // never takes the write lock away from requests, in this process or another.
         let due = self
-            .store
             .read(move |conn| {
                 conn.query_row(
                     "SELECT EXISTS (SELECT 1 FROM outbox_events \
@@ -290,8 +142,7 @@ impl OutboxStore for SqliteOutbox {
         if !due {
             return Ok(Claimed::default());
         }
-        let (abandoned, mut claimed) = self
-            .store
+        let (abandoned, claimed) = self
             .write(move |tx| {
                 // First, the events whose last allowed attempt was abandoned: retrying them
                 // would exceed the attempts (and an event that crashes its relay would be
@@ -320,12 +171,7 @@ impl OutboxStore for SqliteOutbox {
                 Ok((abandoned, claimed))
             })
             .await?;
-        // RETURNING gives no order: deliver oldest first.
-        claimed.sort_by_key(|(seq, _)| *seq);
-        Ok(Claimed {
-            events: claimed.into_iter().map(|(_, event)| event).collect(),
-            abandoned: abandoned.into_iter().map(|(_, event)| event).collect(),
-        })
+        Ok(claimed_oldest_first(claimed, abandoned))
     }
 
     async fn settle(&self, settlements: Vec<Settlement>) -> Result<(), Error> {
@@ -333,57 +179,55 @@ impl OutboxStore for SqliteOutbox {
             return Ok(());
         }
         let now = to_unix_millis(SystemTime::now());
-        self.store
-            .write(move |tx| {
-                for settlement in &settlements {
-                    match settlement {
-                        // Recorded whoever holds the claim now: the sink accepted the event,
-                        // and that stays true.
-                        Settlement::Delivered { id } => tx
-                            .prepare_cached(
-                                "UPDATE outbox_events SET status = 'delivered', \
+        self.write(move |tx| {
+            for settlement in &settlements {
+                match settlement {
+                    // Recorded whoever holds the claim now: the sink accepted the event,
+                    // and that stays true.
+                    Settlement::Delivered { id } => tx
+                        .prepare_cached(
+                            "UPDATE outbox_events SET status = 'delivered', \
                                  delivered_at = ?2, lease_owner = NULL, last_error = NULL \
                                  WHERE event_id = ?1 AND status = 'pending'",
-                            )?
-                            .execute(params![id.as_str(), now])?,
-                        // Only under our own claim: if it ran out and another relay claimed
-                        // the event, that relay decides what happens next.
-                        Settlement::Retry {
-                            id,
-                            token,
-                            at,
-                            error,
-                        } => tx
-                            .prepare_cached(
-                                "UPDATE outbox_events SET available_at = ?3, \
+                        )?
+                        .execute(params![id.as_str(), now])?,
+                    // Only under our own claim: if it ran out and another relay claimed
+                    // the event, that relay decides what happens next.
+                    Settlement::Retry {
+                        id,
+                        token,
+                        at,
+                        error,
+                    } => tx
+                        .prepare_cached(
+                            "UPDATE outbox_events SET available_at = ?3, \
                                  lease_owner = NULL, last_error = ?4 \
                                  WHERE event_id = ?1 AND lease_owner = ?2 \
                                  AND status = 'pending'",
-                            )?
-                            .execute(params![
-                                id.as_str(),
-                                token.as_str(),
-                                to_unix_millis(*at),
-                                error
-                            ])?,
-                        Settlement::Dead { id, token, error } => tx
-                            .prepare_cached(
-                                "UPDATE outbox_events SET status = 'dead', \
+                        )?
+                        .execute(params![
+                            id.as_str(),
+                            token.as_str(),
+                            to_unix_millis(*at),
+                            error
+                        ])?,
+                    Settlement::Dead { id, token, error } => tx
+                        .prepare_cached(
+                            "UPDATE outbox_events SET status = 'dead', \
                                  lease_owner = NULL, last_error = ?3 \
                                  WHERE event_id = ?1 AND lease_owner = ?2 \
                                  AND status = 'pending'",
-                            )?
-                            .execute(params![id.as_str(), token.as_str(), error])?,
-                    };
-                }
-                Ok(())
-            })
-            .await
+                        )?
+                        .execute(params![id.as_str(), token.as_str(), error])?,
+                };
+            }
+            Ok(())
+        })
+        .await
     }
 
     async fn backlog(&self) -> Result<Backlog, Error> {
         let (pending, dead) = self
-            .store
             .read(|conn| {
                 conn.query_row(
                     "SELECT (SELECT count(*) FROM outbox_events WHERE status = 'pending'), \
@@ -394,75 +238,257 @@ impl OutboxStore for SqliteOutbox {
             })
             .await?;
         Ok(Backlog {
-            pending: u64::try_from(pending).unwrap_or(0),
-            dead: u64::try_from(dead).unwrap_or(0),
+            pending: count_from_column(pending),
+            dead: count_from_column(dead),
         })
     }
 }
 
 /// A row returned by a claim: `(seq, event)`.
 fn claimed_row(row: &Row<'_>) -> rusqlite::Result<(i64, OutboxEvent)> {
-    let attempts: i64 = row.get(4)?;
     Ok((
         row.get(0)?,
         OutboxEvent::new(
             EventId::from(row.get::<_, String>(1)?),
             row.get::<_, String>(2)?,
             row.get::<_, String>(3)?,
-            u32::try_from(attempts).unwrap_or(u32::MAX),
+            attempts_from_column(row.get(4)?),
             from_unix_millis(row.get(5)?),
         ),
     ))
 }
 
-/// An `outbox_events` row as read (in [`EVENT_COLUMNS`] order).
-struct RawEvent {
-    id: String,
-    topic: String,
-    payload: String,
-    status: String,
-    attempts: i64,
-    created_at: i64,
-    available_at: i64,
-    delivered_at: Option<i64>,
-    last_error: Option<String>,
-    leased: bool,
+/// An `outbox_events` row, in [`EVENT_COLUMNS`] order.
+fn raw_event(row: &Row<'_>) -> rusqlite::Result<RawEvent> {
+    Ok(RawEvent {
+        id: row.get(0)?,
+        topic: row.get(1)?,
+        payload: row.get(2)?,
+        status: row.get(3)?,
+        attempts: row.get(4)?,
+        created_at: row.get(5)?,
+        available_at: row.get(6)?,
+        delivered_at: row.get(7)?,
+        last_error: row.get(8)?,
+        leased: row.get::<_, Option<String>>(9)?.is_some(),
+    })
 }
 
-impl RawEvent {
-    fn from_row(row: &Row<'_>) -> rusqlite::Result<Self> {
-        Ok(RawEvent {
-            id: row.get(0)?,
-            topic: row.get(1)?,
-            payload: row.get(2)?,
-            status: row.get(3)?,
-            attempts: row.get(4)?,
-            created_at: row.get(5)?,
-            available_at: row.get(6)?,
-            delivered_at: row.get(7)?,
-            last_error: row.get(8)?,
-            leased: row.get::<_, Option<String>>(9)?.is_some(),
-        })
+impl OutboxBackend for SqliteStore {
+    async fn install_outbox(&self) -> Result<(), Error> {
+        self.write(|tx| tx.execute_batch(SCHEMA)).await
     }
 
-    fn into_info(self, now: i64) -> Result<EventInfo, Error> {
-        let status = match self.status.as_str() {
-            "pending" if self.leased && self.available_at > now => EventStatus::InFlight,
-            "pending" => EventStatus::Pending,
-            "delivered" => EventStatus::Delivered,
-            "dead" => EventStatus::Dead,
-            other => return Err(Error::Corrupt(format!("outbox status {other:?}"))),
-        };
-        Ok(EventInfo {
-            id: EventId::from(self.id),
-            topic: self.topic,
-            payload: self.payload,
-            status,
-            attempts: u32::try_from(self.attempts).unwrap_or(u32::MAX),
-            created_at: from_unix_millis(self.created_at),
-            available_at: from_unix_millis(self.available_at),
-            delivered_at: self.delivered_at.map(from_unix_millis),
-            last_error: self.last_error,
-        })
+    async fn event(&self, id: &str) -> Result<Option<EventInfo>, Error> {
+        let id = id.to_owned();
+        let now = to_unix_millis(SystemTime::now());
+        let raw = self
+            .read(move |conn| {
+                conn.query_row(
+                    &format!("SELECT {EVENT_COLUMNS} FROM outbox_events WHERE event_id = ?1"),
+                    [id],
+                    raw_event,
+                )
+                .optional()
+            })
+            .await?;
+        raw.map(|raw| raw.into_info(now)).transpose()
     }
+
+    async fn outbox_counts(&self) -> Result<OutboxCounts, Error> {
+        let now = to_unix_millis(SystemTime::now());
+        let rows = self
+            .read(move |conn| {
+                let mut statement = conn.prepare(
+                    "SELECT status, lease_owner IS NOT NULL AND available_at > ?1, count(*) \
+                     FROM outbox_events GROUP BY 1, 2",
+                )?;
+                let rows = statement
+                    .query_map([now], |row| {
+                        Ok((
+                            row.get::<_, String>(0)?,
+                            row.get::<_, bool>(1)?,
+                            row.get::<_, i64>(2)?,
+                        ))
+                    })?
+                    .collect::<rusqlite::Result<Vec<_>>>()?;
+                Ok(rows)
+            })
+            .await?;
+        let mut counts = OutboxCounts::default();
+        for (status, leased, count) in rows {
+            counts.add(event_status(&status, leased)?, count_from_column(count));
+        }
+        Ok(counts)
+    }
+
+    async fn dead_letters(&self, limit: usize) -> Result<Vec<EventInfo>, Error> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let now = to_unix_millis(SystemTime::now());
+        let raws = self
+            .read(move |conn| {
+                let mut statement = conn.prepare(&format!(
+                    "SELECT {EVENT_COLUMNS} FROM outbox_events WHERE status = 'dead' \
+                     ORDER BY seq LIMIT ?1"
+                ))?;
+                let rows = statement
+                    .query_map([limit], raw_event)?
+                    .collect::<rusqlite::Result<Vec<_>>>()?;
+                Ok(rows)
+            })
+            .await?;
+        raws.into_iter().map(|raw| raw.into_info(now)).collect()
+    }
+
+    async fn requeue(&self, id: &str) -> Result<bool, Error> {
+        let id = id.to_owned();
+        let now = to_unix_millis(SystemTime::now());
+        let changed = self
+            .write(move |tx| {
+                tx.execute(
+                    "UPDATE outbox_events SET status = 'pending', attempts = 0, \
+                     available_at = ?2, lease_owner = NULL \
+                     WHERE event_id = ?1 AND status = 'dead'",
+                    params![id, now],
+                )
+            })
+            .await?;
+        Ok(changed > 0)
+    }
+
+    async fn requeue_all_dead(&self) -> Result<u64, Error> {
+        let now = to_unix_millis(SystemTime::now());
+        let changed = self
+            .write(move |tx| {
+                tx.execute(
+                    "UPDATE outbox_events SET status = 'pending', attempts = 0, \
+                     available_at = ?1, lease_owner = NULL WHERE status = 'dead'",
+                    [now],
+                )
+            })
+            .await?;
+        Ok(changed as u64)
+    }
+
+    async fn purge_delivered(&self, before: SystemTime, batch: usize) -> Result<u64, Error> {
+        let before = to_unix_millis(before);
+        let batch = i64::try_from(batch).unwrap_or(i64::MAX);
+        let deleted = self
+            .write(move |tx| {
+                tx.execute(
+                    "DELETE FROM outbox_events WHERE seq IN (SELECT seq FROM outbox_events \
+                     WHERE status = 'delivered' AND delivered_at <= ?1 LIMIT ?2)",
+                    params![before, batch],
+                )
+            })
+            .await?;
+        Ok(deleted as u64)
+    }
+}
+
+impl SqliteInbox {
+    /// Records `event_id` on `conn`, which must be inside the transaction that applies the
+    /// event (a [`SqliteTransaction::run`] or [`SqliteStore::write`] closure):
+    /// [`Receipt::First`] if it was new (apply the event in the same transaction),
+    /// [`Receipt::Duplicate`] if it was there already (do nothing).
+    pub fn record(&self, conn: &Connection, event_id: &str) -> rusqlite::Result<Receipt> {
+        record_id(conn, self.consumer(), event_id)
+    }
+}
+
+/// A SQLite [`Inbox::process`] closure returns a `rusqlite::Result`.
+impl<T: Send + 'static> InboxOutcome<SqliteStore> for rusqlite::Result<T> {
+    type Value = T;
+
+    fn into_resolved(self) -> rusqlite::Result<T> {
+        self
+    }
+}
+
+impl InboxBackend for SqliteStore {
+    type Transaction = SqliteTransaction;
+    type Work<'a> = &'a rusqlite::Transaction<'a>;
+    type Resolved<T: Send + 'static> = rusqlite::Result<T>;
+
+    async fn install_inbox(&self) -> Result<(), Error> {
+        self.write(|tx| tx.execute_batch(INBOX_SCHEMA)).await
+    }
+
+    async fn record_in(
+        &self,
+        tx: &SqliteTransaction,
+        consumer: &str,
+        event_id: &str,
+    ) -> Result<Receipt, Error> {
+        let (consumer, event_id) = (consumer.to_owned(), event_id.to_owned());
+        tx.run(move |conn| record_id(conn, &consumer, &event_id))
+            .await
+    }
+
+    /// One write transaction on the writer thread: `work` runs there, synchronously.
+    async fn process_once<F, R>(
+        &self,
+        consumer: &str,
+        event_id: &str,
+        work: F,
+    ) -> Result<Processed<R::Value>, Error>
+    where
+        F: for<'a> FnOnce(&'a rusqlite::Transaction<'a>) -> R + Send + 'static,
+        R: InboxOutcome<Self>,
+    {
+        let (consumer, event_id) = (consumer.to_owned(), event_id.to_owned());
+        self.write(move |tx| match record_id(tx, &consumer, &event_id)? {
+            Receipt::First => work(tx).into_resolved().map(Processed::First),
+            Receipt::Duplicate => Ok(Processed::Duplicate),
+        })
+        .await
+    }
+
+    async fn inbox_contains(&self, consumer: &str, event_id: &str) -> Result<bool, Error> {
+        let (consumer, event_id) = (consumer.to_owned(), event_id.to_owned());
+        self.read(move |conn| {
+            conn.query_row(
+                "SELECT EXISTS (SELECT 1 FROM inbox_events \
+                 WHERE consumer = ?1 AND event_id = ?2)",
+                params![consumer, event_id],
+                |row| row.get(0),
+            )
+        })
+        .await
+    }
+
+    async fn purge_inbox(
+        &self,
+        consumer: &str,
+        before: SystemTime,
+        batch: usize,
+    ) -> Result<u64, Error> {
+        let consumer = consumer.to_owned();
+        let before = to_unix_millis(before);
+        let batch = i64::try_from(batch).unwrap_or(i64::MAX);
+        let deleted = self
+            .write(move |tx| {
+                tx.execute(
+                    "DELETE FROM inbox_events WHERE rowid IN (SELECT rowid FROM inbox_events \
+                     WHERE consumer = ?1 AND processed_at <= ?2 LIMIT ?3)",
+                    params![consumer, before, batch],
+                )
+            })
+            .await?;
+        Ok(deleted as u64)
+    }
+}
+
+fn record_id(conn: &Connection, consumer: &str, event_id: &str) -> rusqlite::Result<Receipt> {
+    let inserted = conn
+        .prepare_cached(
+            "INSERT INTO inbox_events (consumer, event_id, processed_at) VALUES (?1, ?2, ?3) \
+             ON CONFLICT (consumer, event_id) DO NOTHING",
+        )?
+        .execute(params![
+            consumer,
+            event_id,
+            to_unix_millis(SystemTime::now())
+        ])?;
+    Ok(receipt(inserted as u64))
 }

@@ -19,10 +19,15 @@ use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
 use crate::response::SavedResponse;
 
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+mod columns;
 #[cfg(feature = "postgres")]
 pub mod postgres;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
+
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+pub(crate) use columns::SavedColumns;
 
 /// The unique scope of a record: `(tenant, operation, key)`.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]

@@ -79,6 +79,8 @@ use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 use crate::response::SavedResponse;
 
+#[cfg(feature = "outbox")]
+mod owned;
 mod sql_guard;
 
 /// The same columns as the SQLite store, plus `state`: a reservation is an `in_progress` row
@@ -371,41 +373,6 @@ impl PostgresStore {
     /// The pool of request transactions (the one [`client`](Self::client) takes from).
     pub fn pool(&self) -> &Pool {
         &self.shared.transactions
-    }
-
-    /// Opens a transaction of the store's own, outside any request (the inbox's), on a pooled
-    /// connection, with the store's isolation level. It is used through the same handle as a
-    /// request's transaction and rolls back the same way if dropped.
-    #[cfg(feature = "outbox")]
-    pub(crate) async fn begin_owned(&self) -> Result<OwnedTransaction, Error> {
-        let mut slot = Slot {
-            object: Some(self.client().await?),
-        };
-        let token = self.shared.reservations.fetch_add(1, Ordering::Relaxed);
-        // One round trip. Only an integer is formatted into it.
-        let begun = match slot.client() {
-            Ok(client) => client
-                .batch_execute(&format!(
-                    "{}; SET LOCAL {RESERVATION_SETTING} = '{token}'",
-                    self.shared.isolation.begin_statement()
-                ))
-                .await
-                .map_err(Error::from),
-            Err(error) => Err(error),
-        };
-        if let Err(error) = begun {
-            slot.roll_back_and_release().await;
-            return Err(error);
-        }
-        Ok(OwnedTransaction {
-            tx: Arc::new(TxShared::new(token, slot)),
-        })
-    }
-
-    /// [`PostgresOptions::serialization_retries`].
-    #[cfg(feature = "outbox")]
-    pub(crate) fn serialization_retries(&self) -> u32 {
-        self.shared.serialization_retries
     }
 
     async fn migrate(&self) -> Result<(), Error> {
@@ -931,78 +898,6 @@ impl StoreTransaction for PostgresReservation {
             Some(conflict) => Err(conflict),
             None => Ok(()),
         }
-    }
-}
-
-/// A transaction opened by [`PostgresStore::begin_owned`], committed or rolled back by its
-/// owner (the inbox) rather than by the layer. Dropping it without either rolls back (by
-/// closing its connection, as for a request).
-#[cfg(feature = "outbox")]
-pub(crate) struct OwnedTransaction {
-    tx: Arc<TxShared>,
-}
-
-#[cfg(feature = "outbox")]
-impl OwnedTransaction {
-    /// A handle on this transaction: the same type a request's handler gets.
-    pub(crate) fn handle(&self) -> PostgresTransaction {
-        PostgresTransaction {
-            tx: self.tx.clone(),
-        }
-    }
-
-    /// Commits, after checking that the transaction is still the one `begin_owned` opened and
-    /// still able to commit: a `COMMIT` or `ROLLBACK` run through a handle would otherwise
-    /// let this `COMMIT` succeed with nothing in it, and so would a failed statement (`COMMIT`
-    /// of an aborted transaction answers `ROLLBACK` without an error).
-    pub(crate) async fn commit(self) -> Result<(), Error> {
-        let mut slot = self.tx.take_connection()?;
-        if let Some(conflict) = self.tx.conflict() {
-            slot.roll_back_and_release().await;
-            return Err(conflict);
-        }
-        let checked = async {
-            let client = slot.client()?;
-            let check = client
-                .prepare_cached(
-                    "SELECT current_setting('tower_idempotency.reservation', true) \
-                     IS NOT DISTINCT FROM $1",
-                )
-                .await?;
-            let same: bool = client
-                .query_one(&check, &[&self.tx.token.to_string()])
-                .await?
-                .try_get(0)?;
-            if same {
-                Ok(())
-            } else {
-                Err(Error::TransactionAborted(
-                    "the transaction ended before commit (COMMIT or ROLLBACK through its handle?)",
-                ))
-            }
-        }
-        .await;
-        if let Err(error) = checked {
-            slot.roll_back_and_release().await;
-            return Err(error);
-        }
-        slot.commit_and_release().await
-    }
-
-    /// Rolls back and gives the connection back to the pool (or closes it if a handle still
-    /// borrows it).
-    pub(crate) async fn rollback(self) {
-        match self.tx.take_connection() {
-            Ok(mut slot) => slot.roll_back_and_release().await,
-            Err(error) => tracing::warn!(%error, "rollback deferred to the connection's release"),
-        }
-    }
-}
-
-#[cfg(feature = "outbox")]
-impl Drop for OwnedTransaction {
-    fn drop(&mut self) {
-        self.tx.abandon();
     }
 }
 
