@@ -108,11 +108,11 @@ async fn a_failed_application_rolls_back_the_id_and_the_effect<B: Backend>(db: B
 
 /// A reservation of the idempotency layer's kind: what `process_in` gets the handle of.
 async fn reserve<S: IdempotencyStore>(store: &S, key: &str) -> S::Transaction {
-    let scope = Scope {
-        tenant: "shop-a".into(),
-        operation: "receive_event".into(),
-        key: IdempotencyKey::parse(key.as_bytes(), 128).expect("valid key"),
-    };
+    let scope = Scope::new(
+        "shop-a",
+        "receive_event",
+        IdempotencyKey::parse(key.as_bytes(), 128).expect("valid key"),
+    );
     match store
         .begin(&scope, Duration::from_secs(5), SystemTime::now())
         .await
@@ -125,17 +125,12 @@ async fn reserve<S: IdempotencyStore>(store: &S, key: &str) -> S::Transaction {
 
 fn record() -> NewRecord {
     let now = SystemTime::now();
-    NewRecord {
-        fingerprint: Fingerprint::new(1, [7; 32]),
-        response: SavedResponse {
-            status: StatusCode::OK,
-            headers: vec![],
-            body: Bytes::from_static(b"{}"),
-            trailers: None,
-        },
-        created_at: now,
-        expires_at: now + Duration::from_secs(3600),
-    }
+    NewRecord::new(
+        Fingerprint::new(1, [7; 32]),
+        SavedResponse::new(StatusCode::OK, vec![], Bytes::from_static(b"{}")),
+        now,
+        now + Duration::from_secs(3600),
+    )
 }
 
 async fn process_in_records_the_id_with_the_request_transaction<B: Backend, T>(db: B)

@@ -138,6 +138,7 @@ const MIGRATION_LOCK: i64 = 0x7469_6465_6d70_0001;
 /// to detect a transaction that the owner's code ended (`COMMIT`/`ROLLBACK`) behind its back.
 /// (A request's transaction is recognized by its reservation row instead; see
 /// [`COMPLETE_RECORD`].)
+#[cfg(feature = "outbox")]
 const RESERVATION_SETTING: &str = "tower_idempotency.reservation";
 
 /// Reads a record, for the re-check inside the transaction (any state).
@@ -687,7 +688,9 @@ impl Slot {
         }
     }
 
-    /// Ends the transaction with `COMMIT` and gives the connection back to the pool.
+    /// Ends the transaction with `COMMIT` and gives the connection back to the pool (for the
+    /// inbox's own transactions: a request's commit sends `COMMIT` with its record).
+    #[cfg(feature = "outbox")]
     async fn commit_and_release(&mut self) -> Result<(), Error> {
         let committed = match &self.object {
             // As in `roll_back_and_release`, a drop while this awaits discards the connection.
