@@ -8,14 +8,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::json;
-use tower_idempotency::outbox::sqlite::SqliteOutbox;
 use tower_idempotency::store::sqlite::rusqlite::{self, Connection, OptionalExtension};
-use tower_idempotency::store::sqlite::SqliteStore;
 
 use crate::cli::{Case, Mode, Options};
 use crate::cpu::{CpuSample, CpuUsed};
 use crate::load::{connect_all, order_body, run_load, Conn, Limit, LoadStats, Workload};
-use crate::servers::{open_connection, prime_wal, Server, INSERT_ORDER, ORDERS_SCHEMA};
+use crate::servers::{create_database, open_connection, prime_wal, Server, INSERT_ORDER};
 use crate::BoxError;
 
 /// One row of the table.
@@ -48,7 +46,7 @@ impl Row {
     }
 }
 
-pub(crate) fn median(values: &[f64]) -> f64 {
+fn median(values: &[f64]) -> f64 {
     let mut sorted = values.to_vec();
     sorted.sort_by(f64::total_cmp);
     match sorted.len() {
@@ -68,7 +66,7 @@ pub(crate) fn percentile_ms(sorted_micros: &[u32], percentile: f64) -> f64 {
 }
 
 /// The keys case B replays, created (over HTTP, through the layer) before it starts.
-pub(crate) const REPLAY_KEYS: u64 = 1000;
+const REPLAY_KEYS: u64 = 1000;
 
 /// Creates [`REPLAY_KEYS`] orders under keys `prefix`0.. and returns the workload that replays
 /// them, with how many orders it created.
@@ -96,29 +94,29 @@ pub(crate) async fn replay_workload(
     Ok((replays, stats.fresh as i64))
 }
 /// The orders case R reads, inserted before it starts.
-pub(crate) const READ_ORDERS: u64 = 1000;
+const READ_ORDERS: u64 = 1000;
 
 /// A case being measured at one concurrency, its rounds interleaved with other cases'.
-pub(crate) struct CaseRun {
-    pub(crate) case: Case,
-    pub(crate) mode: Mode,
-    pub(crate) concurrency: usize,
-    pub(crate) server: Arc<Server>,
-    pub(crate) workload: Arc<Workload>,
-    pub(crate) sku: String,
-    pub(crate) conns: Vec<Conn>,
+struct CaseRun {
+    case: Case,
+    mode: Mode,
+    concurrency: usize,
+    server: Arc<Server>,
+    workload: Arc<Workload>,
+    sku: String,
+    conns: Vec<Conn>,
     /// Orders that must be committed: the setup's plus one per fresh 201.
-    pub(crate) expected_orders: i64,
-    pub(crate) pooled: LoadStats,
-    pub(crate) rounds: Vec<f64>,
-    pub(crate) cpu: Option<CpuUsed>,
-    pub(crate) problems: Vec<String>,
+    expected_orders: i64,
+    pooled: LoadStats,
+    rounds: Vec<f64>,
+    cpu: Option<CpuUsed>,
+    problems: Vec<String>,
 }
 
 impl CaseRun {
     /// Sets the case up on `server` (creates the keys to replay, the orders to read), connects
     /// and warms up.
-    pub(crate) async fn prepare(
+    async fn prepare(
         case: Case,
         mode: Mode,
         concurrency: usize,
@@ -177,7 +175,7 @@ impl CaseRun {
         })
     }
 
-    pub(crate) fn label(&self) -> String {
+    fn label(&self) -> String {
         format!(
             "{} {} c={}",
             self.case.name(),
@@ -187,7 +185,7 @@ impl CaseRun {
     }
 
     /// One measured round.
-    pub(crate) async fn round(&mut self, options: &Options) {
+    async fn round(&mut self, options: &Options) {
         let backends = self.server.backends().await;
         let before = CpuSample::now(&backends);
         let conns = std::mem::take(&mut self.conns);
@@ -204,7 +202,7 @@ impl CaseRun {
     }
 
     /// Closes the connections, checks the orders and makes the row; returns the server.
-    pub(crate) async fn finish(mut self) -> Result<(Row, Arc<Server>), BoxError> {
+    async fn finish(mut self) -> Result<(Row, Arc<Server>), BoxError> {
         let label = self.label();
         drop(std::mem::take(&mut self.conns));
         // Every fresh 201 must have its order committed by the time the client has it (the
@@ -322,21 +320,14 @@ pub(crate) async fn run_ceiling(mode: Mode, options: &Options) -> Result<Row, Bo
     // The store creates the records table; then it is closed and a bare connection takes over.
     let dir = tempfile::tempdir()?;
     let path = dir.path().join("orders.db");
-    {
-        let store = SqliteStore::builder(&path)
-            .synchronous(mode.synchronous())
-            .open()
-            .await?;
-        store.write(|tx| tx.execute_batch(ORDERS_SCHEMA)).await?;
-        SqliteOutbox::install(&store).await?;
-    }
+    drop(create_database(&path, mode).await?);
     let options = options.clone();
     let row = tokio::task::spawn_blocking(move || ceiling_loop(&path, mode, &options)).await??;
     drop(dir);
     Ok(row)
 }
 
-pub(crate) fn ceiling_loop(path: &FsPath, mode: Mode, options: &Options) -> Result<Row, BoxError> {
+fn ceiling_loop(path: &FsPath, mode: Mode, options: &Options) -> Result<Row, BoxError> {
     let mut conn = open_connection(path, mode)?;
     prime_wal(&conn, mode)?;
     let mut n: u64 = 0;

@@ -24,7 +24,8 @@ usage: cargo bench --bench orders -- [--quick] [--duration SECS] [--rounds N]
                        only with a URL)
   --database-url URL   run A, B, H and R on PostgreSQL too (tables in a fresh schema)
   --client-threads N   threads of the load generator's runtime (default 1)
-  --out DIR            where results.csv, extras.csv and throughput.svg go (default bench)
+  --out DIR            where results.csv, goals.csv, extras.csv and throughput.svg go
+                       (default bench)
   -h, --help           show this help
 
 Temp databases go to the system temp dir (TMPDIR): keep it on a real disk.";
@@ -43,7 +44,7 @@ pub(crate) enum Case {
 impl Case {
     pub(crate) const HTTP: [Case; 6] = [Case::A, Case::B, Case::C, Case::D, Case::H, Case::R];
     /// The cases that run on PostgreSQL (C and D are SQLite-only).
-    pub(crate) const POSTGRES: [Case; 4] = [Case::A, Case::B, Case::H, Case::R];
+    const POSTGRES: [Case; 4] = [Case::A, Case::B, Case::H, Case::R];
 
     pub(crate) fn name(self) -> &'static str {
         match self {
@@ -337,7 +338,7 @@ pub(crate) fn describe_duration(duration: Duration) -> String {
     }
 }
 
-pub(crate) fn list(value: &str) -> Vec<String> {
+fn list(value: &str) -> Vec<String> {
     value
         .split(',')
         .map(str::trim)

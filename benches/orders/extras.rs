@@ -22,7 +22,7 @@ pub(crate) struct Extra {
 
 /// Replay latency while a handler holds the write transaction 100 ms at a time, in a loop.
 pub(crate) async fn run_hold(options: &Options) -> Result<Vec<Extra>, BoxError> {
-    pub(crate) const REPLAY_CONCURRENCY: usize = 16;
+    const REPLAY_CONCURRENCY: usize = 16;
     let duration = (options.duration * options.rounds as u32).max(Duration::from_millis(800));
     let server = Server::start(Mode::Full).await?;
     let (replays, _) = replay_workload(server.addr, "h-", "book").await?;
@@ -127,7 +127,7 @@ pub(crate) async fn disk_probe(
 /// How long the temp dir's disk takes to make a small overwrite durable (`fsync`, as SQLite
 /// syncs): every `synchronous=FULL` figure depends on it, and on a shared machine it varies.
 /// Stops after `samples` syncs or 3 s.
-pub(crate) fn probe_fsync(samples: usize) -> Result<(f64, f64, usize), BoxError> {
+fn probe_fsync(samples: usize) -> Result<(f64, f64, usize), BoxError> {
     use std::io::{Seek, SeekFrom, Write};
     let dir = tempfile::tempdir()?;
     let mut file = std::fs::File::create(dir.path().join("fsync-probe"))?;

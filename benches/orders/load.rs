@@ -29,7 +29,7 @@ pub(crate) fn order_body(sku: &str) -> Bytes {
 
 /// The load generator's runtime: threads of its own, named so that their CPU time can be told
 /// apart from the server's (see `cpu`).
-pub(crate) static CLIENT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+static CLIENT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
 
 pub(crate) fn start_client(threads: usize) -> Result<(), BoxError> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -44,7 +44,7 @@ pub(crate) fn start_client(threads: usize) -> Result<(), BoxError> {
 }
 
 /// Runs `future` on the load generator's runtime (this runtime when there is none).
-pub(crate) async fn on_client<T: Send + 'static>(
+async fn on_client<T: Send + 'static>(
     future: impl std::future::Future<Output = T> + Send + 'static,
 ) -> T {
     let task = match CLIENT.get() {
@@ -56,14 +56,14 @@ pub(crate) async fn on_client<T: Send + 'static>(
 
 /// One keep-alive HTTP/1.1 connection with its own request in flight.
 pub(crate) struct Conn {
-    pub(crate) addr: SocketAddr,
-    pub(crate) sender: SendRequest<Full<Bytes>>,
-    pub(crate) rng: u64,
+    addr: SocketAddr,
+    sender: SendRequest<Full<Bytes>>,
+    rng: u64,
     /// Keys this connection created recently (case C retries them).
-    pub(crate) recent: VecDeque<String>,
+    recent: VecDeque<String>,
 }
 
-pub(crate) async fn connect(addr: SocketAddr, seed: u64) -> Result<Conn, BoxError> {
+async fn connect(addr: SocketAddr, seed: u64) -> Result<Conn, BoxError> {
     let stream = TcpStream::connect(addr).await?;
     stream.set_nodelay(true)?;
     let (sender, connection) = http1::handshake(TokioIo::new(stream)).await?;
@@ -94,7 +94,7 @@ pub(crate) async fn connect_all(addr: SocketAddr, n: usize) -> Result<Vec<Conn>,
 
 impl Conn {
     /// splitmix64: a tiny, good-enough generator; no dependency for it.
-    pub(crate) fn next_random(&mut self) -> u64 {
+    fn next_random(&mut self) -> u64 {
         self.rng = self.rng.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.rng;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -131,9 +131,9 @@ pub(crate) enum Workload {
 }
 
 /// What a response must look like to count as a success.
-pub(crate) struct Expect {
-    pub(crate) status: StatusCode,
-    pub(crate) replayed: bool,
+struct Expect {
+    status: StatusCode,
+    replayed: bool,
 }
 
 impl Workload {
@@ -146,7 +146,7 @@ impl Workload {
         }
     }
 
-    pub(crate) fn plan(&self, conn: &mut Conn) -> (http::Request<Full<Bytes>>, Expect) {
+    fn plan(&self, conn: &mut Conn) -> (http::Request<Full<Bytes>>, Expect) {
         match self {
             Workload::Create {
                 path,
@@ -213,25 +213,25 @@ impl Workload {
     }
 }
 
-pub(crate) fn created_fresh() -> Expect {
+fn created_fresh() -> Expect {
     Expect {
         status: StatusCode::CREATED,
         replayed: false,
     }
 }
 
-pub(crate) fn replayed() -> Expect {
+fn replayed() -> Expect {
     Expect {
         status: StatusCode::CREATED,
         replayed: true,
     }
 }
 
-pub(crate) fn host(addr: SocketAddr) -> HeaderValue {
+fn host(addr: SocketAddr) -> HeaderValue {
     HeaderValue::try_from(addr.to_string()).expect("an address is a valid header value")
 }
 
-pub(crate) fn post_request(
+fn post_request(
     conn: &Conn,
     path: &str,
     key: &str,
@@ -298,7 +298,7 @@ pub(crate) async fn run_load(
     on_client(async move { run_load_here(conns, &workload, limit).await }).await
 }
 
-pub(crate) async fn run_load_here(
+async fn run_load_here(
     conns: Vec<Conn>,
     workload: &Arc<Workload>,
     limit: Limit,
@@ -336,7 +336,7 @@ pub(crate) async fn run_load_here(
     (conns, stats)
 }
 
-pub(crate) async fn drive(
+async fn drive(
     mut conn: Conn,
     workload: Arc<Workload>,
     deadline: Option<Instant>,

@@ -13,7 +13,7 @@ pub(crate) fn find(rows: &[Row], case: Case, mode: Mode, concurrency: usize) -> 
 }
 
 /// The row's ratio to its baseline at the same mode and concurrency.
-pub(crate) fn ratio(rows: &[Row], row: &Row) -> Option<(Case, f64)> {
+fn ratio(rows: &[Row], row: &Row) -> Option<(Case, f64)> {
     let baseline = row.case.baseline()?;
     let base = find(rows, baseline, row.mode, row.concurrency)?;
     Some((baseline, row.median() / base.median()))
@@ -95,16 +95,16 @@ pub(crate) fn print_table(rows: &[Row], options: &Options) {
 
 /// One goal of the performance issue, as measured.
 pub(crate) struct Goal {
-    pub(crate) what: String,
-    pub(crate) value: f64,
+    what: String,
+    value: f64,
     /// The bound, and whether the value must be at least (`true`) or at most it.
-    pub(crate) goal: f64,
-    pub(crate) at_least: bool,
-    pub(crate) detail: String,
+    goal: f64,
+    at_least: bool,
+    detail: String,
 }
 
 impl Goal {
-    pub(crate) fn met(&self) -> bool {
+    fn met(&self) -> bool {
         if self.at_least {
             self.value >= self.goal
         } else {

@@ -35,7 +35,7 @@ use crate::postgres::{self, PgDatabase};
 use crate::BoxError;
 
 /// The business table, as in `examples/orders.rs`.
-pub(crate) const ORDERS_SCHEMA: &str = "
+const ORDERS_SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS orders (
     id        INTEGER PRIMARY KEY,
     tenant_id TEXT    NOT NULL,
@@ -50,14 +50,14 @@ pub(crate) const INSERT_ORDER: &str =
 pub(crate) const HOLD: Duration = Duration::from_millis(100);
 
 #[derive(Clone)]
-pub(crate) struct AppState {
-    pub(crate) store: SqliteStore,
-    pub(crate) baseline: BaselineWriter,
+struct AppState {
+    store: SqliteStore,
+    baseline: BaselineWriter,
     /// Baseline H's connection: statements run inline, on the executor, under the lock.
-    pub(crate) hand: Arc<tokio::sync::Mutex<Connection>>,
+    hand: Arc<tokio::sync::Mutex<Connection>>,
 }
 
-pub(crate) fn app(state: AppState) -> Router {
+fn app(state: AppState) -> Router {
     let layer = |operation: &'static str| {
         IdempotencyLayer::new(state.store.clone())
             .with_operation(operation)
@@ -108,7 +108,7 @@ pub(crate) async fn authenticate(mut request: Request, next: Next) -> Response {
 
 /// `POST /orders` under the layer: the handler of `examples/orders.rs` (the order, then its
 /// `order_created` event, in the request's transaction).
-pub(crate) async fn create_order(
+async fn create_order(
     Extension(tenant): Extension<Tenant>,
     Tx(tx): Tx<SqliteTransaction>,
     body: Bytes,
@@ -136,7 +136,7 @@ pub(crate) async fn create_order(
 }
 
 /// Baseline H: the hand-written transaction, run inline under an async mutex.
-pub(crate) async fn create_order_hand(
+async fn create_order_hand(
     State(state): State<AppState>,
     request: Request,
 ) -> Result<Response, ApiError> {
@@ -148,7 +148,7 @@ pub(crate) async fn create_order_hand(
 }
 
 /// Baseline D (the old one): the same transaction as H, run under `spawn_blocking`.
-pub(crate) async fn create_order_baseline(
+async fn create_order_baseline(
     State(state): State<AppState>,
     request: Request,
 ) -> Result<Response, ApiError> {
@@ -164,7 +164,7 @@ pub(crate) async fn create_order_baseline(
 
 /// Inserts an order, then holds the open transaction for [`HOLD`] while awaiting (the writer
 /// thread is free; the write lock is not).
-pub(crate) async fn slow_async(
+async fn slow_async(
     Extension(tenant): Extension<Tenant>,
     Tx(tx): Tx<SqliteTransaction>,
     body: Bytes,
@@ -184,7 +184,7 @@ pub(crate) async fn slow_async(
 
 /// Inserts an order and sleeps [`HOLD`] inside the statement closure: the transaction and the
 /// writer connection's thread are both busy.
-pub(crate) async fn slow_blocking(
+async fn slow_blocking(
     Extension(tenant): Extension<Tenant>,
     Tx(tx): Tx<SqliteTransaction>,
     body: Bytes,
@@ -202,7 +202,7 @@ pub(crate) async fn slow_blocking(
     Ok(created(order_id))
 }
 
-pub(crate) fn created(order_id: i64) -> Response {
+fn created(order_id: i64) -> Response {
     (
         StatusCode::CREATED,
         [(LOCATION, format!("/orders/{order_id}"))],
@@ -212,7 +212,7 @@ pub(crate) fn created(order_id: i64) -> Response {
 }
 
 /// Baseline R: `GET /orders/{id}` as in the orders example.
-pub(crate) async fn get_order(
+async fn get_order(
     State(state): State<AppState>,
     Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
@@ -288,20 +288,33 @@ impl IntoResponse for ApiError {
 /// Baseline D's database access: one writer connection behind an async mutex, each request its
 /// own `BEGIN IMMEDIATE` ... `COMMIT` run under `spawn_blocking` (never on the executor).
 #[derive(Clone)]
-pub(crate) struct BaselineWriter {
-    pub(crate) conn: Arc<tokio::sync::Mutex<Connection>>,
+struct BaselineWriter {
+    conn: Arc<tokio::sync::Mutex<Connection>>,
 }
 
 impl BaselineWriter {
     /// Opens the connection and primes the WAL through it (it stays open as long as the
     /// server, so the primed WAL file is not deleted).
-    pub(crate) fn open(path: &FsPath, mode: Mode) -> Result<Self, BoxError> {
+    fn open(path: &FsPath, mode: Mode) -> Result<Self, BoxError> {
         let conn = open_connection(path, mode)?;
         prime_wal(&conn, mode)?;
         Ok(BaselineWriter {
             conn: Arc::new(tokio::sync::Mutex::new(conn)),
         })
     }
+}
+
+/// A fresh database at `path` with every table a case writes: the crate's records and outbox
+/// tables (created by the crate, so the layer and the baselines write identical rows) and
+/// `orders`.
+pub(crate) async fn create_database(path: &FsPath, mode: Mode) -> Result<SqliteStore, BoxError> {
+    let store = SqliteStore::builder(path)
+        .synchronous(mode.synchronous())
+        .open()
+        .await?;
+    store.write(|tx| tx.execute_batch(ORDERS_SCHEMA)).await?;
+    SqliteOutbox::install(&store).await?;
+    Ok(store)
 }
 
 /// A writer connection configured like the store's: WAL, the mode's `synchronous` (a
@@ -319,7 +332,7 @@ pub(crate) fn open_connection(path: &FsPath, mode: Mode) -> Result<Connection, B
 
 /// Pages of ballast written by [`prime_wal`]: a little more than the WAL holds before its
 /// automatic checkpoint (1000 pages).
-pub(crate) const BALLAST_PAGES: usize = 1100;
+const BALLAST_PAGES: usize = 1100;
 
 /// Brings a fresh database to its steady state before anything is measured: a WAL file already
 /// at its working size, and free pages in the database file.
@@ -364,7 +377,7 @@ pub(crate) fn prime_wal(conn: &Connection, mode: Mode) -> Result<(), BoxError> {
 // ---------------------------------------------------------------------------------------------
 
 /// What a server stores its rows in.
-pub(crate) enum Backend {
+enum Backend {
     /// A fresh SQLite database; the temp dir is dropped after the store.
     Sqlite(AppState, tempfile::TempDir),
     Postgres(PgDatabase),
@@ -372,9 +385,9 @@ pub(crate) enum Backend {
 
 pub(crate) struct Server {
     pub(crate) addr: SocketAddr,
-    pub(crate) backend: Backend,
-    pub(crate) stop: oneshot::Sender<()>,
-    pub(crate) task: JoinHandle<std::io::Result<()>>,
+    backend: Backend,
+    stop: oneshot::Sender<()>,
+    task: JoinHandle<std::io::Result<()>>,
 }
 
 impl Server {
@@ -382,12 +395,7 @@ impl Server {
     pub(crate) async fn start(mode: Mode) -> Result<Self, BoxError> {
         let dir = tempfile::tempdir()?;
         let path = dir.path().join("orders.db");
-        let store = SqliteStore::builder(&path)
-            .synchronous(mode.synchronous())
-            .open()
-            .await?;
-        store.write(|tx| tx.execute_batch(ORDERS_SCHEMA)).await?;
-        SqliteOutbox::install(&store).await?;
+        let store = create_database(&path, mode).await?;
         let baseline = BaselineWriter::open(&path, mode)?;
         let hand = Arc::new(tokio::sync::Mutex::new(open_connection(&path, mode)?));
         let state = AppState {
@@ -406,7 +414,7 @@ impl Server {
         Self::serve(router, Backend::Postgres(database)).await
     }
 
-    pub(crate) async fn serve(router: Router, backend: Backend) -> Result<Self, BoxError> {
+    async fn serve(router: Router, backend: Backend) -> Result<Self, BoxError> {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         // Responses are small and written whole: no reason to let Nagle hold them.
@@ -522,7 +530,7 @@ impl Server {
 
 /// The orders with `sku` committed in the database at `path`, counted on a new read-only
 /// connection: its first read sees every transaction committed so far.
-pub(crate) async fn count_orders(path: PathBuf, sku: String) -> Result<i64, BoxError> {
+async fn count_orders(path: PathBuf, sku: String) -> Result<i64, BoxError> {
     tokio::task::spawn_blocking(move || {
         let conn = Connection::open_with_flags(&path, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)?;
         conn.busy_timeout(Duration::from_secs(5))?;
