@@ -1,6 +1,7 @@
 //! Throughput of the order route behind `IdempotencyLayer`, SQLite store vs PostgreSQL store,
-//! in the same run: new keys (the handler runs and commits an order and its record) and
-//! replays (a completed key: the fast path), at concurrency 1, 16 and 64.
+//! in the same run: new keys (the handler of `examples/orders.rs` runs: the order and its
+//! `order_created` outbox event, committed with the record) and replays (a completed key: the
+//! fast path), at concurrency 1, 16 and 64.
 //!
 //! ```text
 //! cargo run --release --example bench_stores -- --database-url postgres://postgres@127.0.0.1:5432/test
@@ -25,8 +26,12 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Extension, Router};
+use serde_json::{json, Value};
 use tower::ServiceExt;
 use tower_idempotency::extract::Tx;
+use tower_idempotency::outbox::postgres::{enqueue, PostgresOutbox};
+use tower_idempotency::outbox::sqlite::SqliteOutbox;
+use tower_idempotency::outbox::Enqueue;
 use tower_idempotency::store::postgres::tokio_postgres::{self, NoTls};
 use tower_idempotency::store::postgres::{PostgresStore, PostgresTransaction};
 use tower_idempotency::store::sqlite::{SqliteStore, SqliteTransaction};
@@ -64,6 +69,7 @@ async fn main() -> Result<(), BoxError> {
             )
         })
         .await?;
+    SqliteOutbox::install(&sqlite).await?;
     let sqlite_app = Router::new().route("/orders", post(sqlite_order).layer(layer(sqlite)));
 
     let schema = format!("bench_{}", std::process::id());
@@ -86,6 +92,7 @@ async fn main() -> Result<(), BoxError> {
          sku TEXT NOT NULL, quantity BIGINT NOT NULL)",
         )
         .await?;
+    PostgresOutbox::install(&postgres).await?;
     let postgres_app = Router::new().route("/orders", post(postgres_order).layer(layer(postgres)));
 
     println!(
@@ -193,43 +200,86 @@ async fn call(app: &Router, key: &str) -> Result<(), BoxError> {
     Ok(())
 }
 
+/// `POST /orders` on SQLite: the order, then its `order_created` event, in the request's
+/// transaction (as `examples/orders.rs`).
 async fn sqlite_order(
     Extension(tenant): Extension<Tenant>,
     Tx(tx): Tx<SqliteTransaction>,
-    _body: Bytes,
+    body: Bytes,
 ) -> Response {
-    let tenant = tenant.as_str().to_owned();
-    let inserted = tx
-        .run(move |conn| {
-            conn.execute(
-                "INSERT INTO orders (tenant_id, sku, quantity) VALUES (?1, 'book', 1)",
-                [tenant],
-            )?;
-            Ok(conn.last_insert_rowid())
-        })
-        .await;
-    created(inserted.ok())
+    let Some((sku, quantity)) = parse_order(&body) else {
+        return StatusCode::BAD_REQUEST.into_response();
+    };
+    let created = async {
+        let tenant_id = tenant.as_str().to_owned();
+        let order_sku = sku.clone();
+        let order_id = tx
+            .run(move |conn| {
+                conn.execute(
+                    "INSERT INTO orders (tenant_id, sku, quantity) VALUES (?1, ?2, ?3)",
+                    (tenant_id, order_sku, quantity),
+                )?;
+                Ok(conn.last_insert_rowid())
+            })
+            .await?;
+        tx.enqueue("order_created", event(order_id, &tenant, &sku, quantity))
+            .await?;
+        Ok::<i64, tower_idempotency::Error>(order_id)
+    };
+    created_response(created.await.ok())
 }
 
+/// `POST /orders` on PostgreSQL: the same work (as `examples/orders/postgres.rs`).
 async fn postgres_order(
     Extension(tenant): Extension<Tenant>,
     Tx(tx): Tx<PostgresTransaction>,
-    _body: Bytes,
+    body: Bytes,
 ) -> Response {
-    let inserted = async {
+    let Some((sku, quantity)) = parse_order(&body) else {
+        return StatusCode::BAD_REQUEST.into_response();
+    };
+    let created = async {
         let client = tx.client().await?;
         let insert = client
             .prepare_cached(
-                "INSERT INTO orders (tenant_id, sku, quantity) VALUES ($1, 'book', 1) RETURNING id",
+                "INSERT INTO orders (tenant_id, sku, quantity) VALUES ($1, $2, $3) RETURNING id",
             )
             .await?;
-        let row = client.query_one(&insert, &[&tenant.as_str()]).await?;
-        Ok::<i64, tower_idempotency::Error>(row.try_get(0)?)
+        let row = client
+            .query_one(&insert, &[&tenant.as_str(), &sku, &quantity])
+            .await?;
+        let order_id: i64 = row.try_get(0)?;
+        // On the borrowed connection: the handle lends one borrow at a time.
+        enqueue(
+            &client,
+            "order_created",
+            &event(order_id, &tenant, &sku, quantity),
+        )
+        .await?;
+        Ok::<i64, tower_idempotency::Error>(order_id)
     };
-    created(inserted.await.ok())
+    created_response(created.await.ok())
 }
 
-fn created(order_id: Option<i64>) -> Response {
+/// The order's SKU and quantity, if the body is an order.
+fn parse_order(body: &[u8]) -> Option<(String, i64)> {
+    let value: Value = serde_json::from_slice(body).ok()?;
+    let sku = value.get("sku")?.as_str()?.to_owned();
+    let quantity = value.get("quantity")?.as_i64()?;
+    Some((sku, quantity))
+}
+
+/// The `order_created` event, as the orders example writes it.
+fn event(order_id: i64, tenant: &Tenant, sku: &str, quantity: i64) -> Value {
+    json!({
+        "order_id": order_id,
+        "tenant": tenant.as_str(),
+        "sku": sku,
+        "quantity": quantity,
+    })
+}
+
+fn created_response(order_id: Option<i64>) -> Response {
     match order_id {
         Some(id) => (StatusCode::CREATED, format!("{{\"order_id\":{id}}}")).into_response(),
         None => StatusCode::INTERNAL_SERVER_ERROR.into_response(),

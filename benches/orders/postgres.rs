@@ -23,8 +23,9 @@ use tower_idempotency::store::postgres::tokio_postgres::{self, NoTls};
 use tower_idempotency::store::postgres::{PostgresStore, PostgresTransaction};
 use tower_idempotency::{IdempotencyLayer, Tenant};
 
-use super::hand::{postgres_transaction, HandRequest, OPERATION};
-use super::{authenticate, ApiError, BoxError, NewOrder};
+use crate::hand::{postgres_transaction, HandRequest, OPERATION};
+use crate::servers::{authenticate, ApiError, NewOrder};
+use crate::BoxError;
 
 /// The `application_name` of every connection this benchmark opens for serving, so that the
 /// CPU time of their backends can be found.

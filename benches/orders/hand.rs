@@ -20,7 +20,8 @@ use tower_idempotency::store::postgres::deadpool_postgres::Pool;
 use tower_idempotency::store::sqlite::rusqlite::{self, params, Connection, OptionalExtension};
 use tower_idempotency::{Tenant, IDEMPOTENCY_KEY};
 
-use super::{ApiError, BoxError, NewOrder};
+use crate::servers::{ApiError, NewOrder};
+use crate::BoxError;
 
 /// The layer's operation name for the route, so the records are alike.
 pub(crate) const OPERATION: &str = "create_order";

@@ -1,0 +1,348 @@
+//! The command line: which cases, modes and concurrencies to run, for how long, and where the
+//! files go.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use tower_idempotency::store::sqlite::Synchronous;
+
+pub(crate) const USAGE: &str = "\
+usage: cargo bench --bench orders -- [--quick] [--duration SECS] [--rounds N]
+             [--cases A,B,C,D,H,R,E,hold,alloc] [--concurrency 1,16,64]
+             [--modes full,normal] [--database-url URL] [--client-threads N] [--out DIR]
+
+  (no flags)           the full run: every case, both SQLite modes, 3 rounds of 2 s
+
+  --quick              short rounds (smoke run, under a minute for SQLite)
+  --duration SECS      length of one round (default 2; --quick 0.4)
+  --rounds N           rounds per case, interleaved with the other cases' rounds;
+                       throughput is their median (default 3; --quick 2)
+  --cases LIST         what to run (default all): A B C D H R E, hold (replays while a handler
+                       holds the write transaction), alloc (bytes allocated per request)
+  --concurrency LIST   connections, one request in flight each (default 1,16,64)
+  --modes LIST         full, normal (SQLite's durability), pg (default all three, pg
+                       only with a URL)
+  --database-url URL   run A, B, H and R on PostgreSQL too (tables in a fresh schema)
+  --client-threads N   threads of the load generator's runtime (default 1)
+  --out DIR            where results.csv, goals.csv, extras.csv and throughput.svg go
+                       (default bench)
+  -h, --help           show this help
+
+Temp databases go to the system temp dir (TMPDIR): keep it on a real disk.";
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Case {
+    A,
+    B,
+    C,
+    D,
+    H,
+    R,
+    E,
+}
+
+impl Case {
+    pub(crate) const HTTP: [Case; 6] = [Case::A, Case::B, Case::C, Case::D, Case::H, Case::R];
+    /// The cases that run on PostgreSQL (C and D are SQLite-only).
+    const POSTGRES: [Case; 4] = [Case::A, Case::B, Case::H, Case::R];
+
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Case::A => "A",
+            Case::B => "B",
+            Case::C => "C",
+            Case::D => "D",
+            Case::H => "H",
+            Case::R => "R",
+            Case::E => "E",
+        }
+    }
+
+    pub(crate) fn describe(self) -> &'static str {
+        match self {
+            Case::A => "layer, new keys",
+            Case::B => "layer, replays",
+            Case::C => "layer, 90% new / 10% retries",
+            Case::D => "hand-written, spawn_blocking (old)",
+            Case::H => "hand-written (baseline)",
+            Case::R => "GET /orders/{id} (baseline)",
+            Case::E => "rusqlite loop, no HTTP (ceiling)",
+        }
+    }
+
+    /// The baseline a case is compared with in the table's ratio column.
+    pub(crate) fn baseline(self) -> Option<Case> {
+        match self {
+            Case::A | Case::C | Case::D => Some(Case::H),
+            Case::B => Some(Case::R),
+            Case::H | Case::R | Case::E => None,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Mode {
+    Full,
+    Normal,
+    /// PostgreSQL, with its server's `synchronous_commit`.
+    Postgres,
+}
+
+impl Mode {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Mode::Full => "FULL",
+            Mode::Normal => "NORMAL",
+            Mode::Postgres => "PG",
+        }
+    }
+
+    pub(crate) fn title(self) -> &'static str {
+        match self {
+            Mode::Full => "SQLite, synchronous=FULL",
+            Mode::Normal => "SQLite, synchronous=NORMAL",
+            Mode::Postgres => "PostgreSQL",
+        }
+    }
+
+    /// SQLite's `synchronous` for the mode (PostgreSQL has none of its own here).
+    pub(crate) fn synchronous(self) -> Synchronous {
+        match self {
+            Mode::Full | Mode::Postgres => Synchronous::Full,
+            Mode::Normal => Synchronous::Normal,
+        }
+    }
+
+    pub(crate) fn cases(self, selected: &[Case]) -> Vec<Case> {
+        selected
+            .iter()
+            .copied()
+            .filter(|case| self != Mode::Postgres || Case::POSTGRES.contains(case))
+            .collect()
+    }
+}
+
+#[derive(Clone, Debug)]
+pub(crate) struct Options {
+    pub(crate) duration: Duration,
+    pub(crate) warmup: Duration,
+    pub(crate) rounds: usize,
+    pub(crate) cases: Vec<Case>,
+    pub(crate) hold: bool,
+    pub(crate) alloc: bool,
+    pub(crate) concurrency: Vec<usize>,
+    pub(crate) modes: Vec<Mode>,
+    pub(crate) out: PathBuf,
+    pub(crate) quick: bool,
+    /// PostgreSQL runs its cases when given.
+    pub(crate) database_url: Option<String>,
+    pub(crate) client_threads: usize,
+}
+
+pub(crate) enum Command {
+    Help,
+    Run(Options),
+}
+
+impl Command {
+    /// Hand-parsed, like the orders example: a few flags do not justify a dependency.
+    pub(crate) fn parse(mut args: impl Iterator<Item = String>) -> Result<Self, String> {
+        let mut quick = false;
+        let mut duration = None;
+        let mut rounds = None;
+        let mut selected: Option<Vec<String>> = None;
+        let mut concurrency = vec![1, 16, 64];
+        let mut modes = None;
+        let mut out = PathBuf::from("bench");
+        let mut database_url = None;
+        let mut client_threads = 1;
+        while let Some(arg) = args.next() {
+            let (flag, inline) = match arg.split_once('=') {
+                Some((flag, value)) if flag.starts_with("--") => (flag, Some(value.to_owned())),
+                _ => (arg.as_str(), None),
+            };
+            let mut value = || {
+                inline
+                    .clone()
+                    .or_else(|| args.next())
+                    .ok_or_else(|| format!("{flag} needs a value"))
+            };
+            match flag {
+                "-h" | "--help" => return Ok(Command::Help),
+                "--quick" if inline.is_none() => quick = true,
+                "--duration" => {
+                    let secs: f64 = value()?
+                        .parse()
+                        .map_err(|_| "--duration takes seconds, such as 2 or 0.5")?;
+                    if !(0.05..=3600.0).contains(&secs) {
+                        return Err("--duration must be between 0.05 and 3600 seconds".into());
+                    }
+                    duration = Some(Duration::from_secs_f64(secs));
+                }
+                "--rounds" => {
+                    let n: usize = value()?
+                        .parse()
+                        .map_err(|_| "--rounds takes a positive integer")?;
+                    if n == 0 {
+                        return Err("--rounds must be at least 1".into());
+                    }
+                    rounds = Some(n);
+                }
+                "--cases" => selected = Some(list(&value()?)),
+                "--concurrency" => {
+                    concurrency = list(&value()?)
+                        .iter()
+                        .map(|c| c.parse::<usize>().ok().filter(|c| (1..=1024).contains(c)))
+                        .collect::<Option<Vec<_>>>()
+                        .ok_or("--concurrency takes integers from 1 to 1024, such as 1,16,64")?;
+                    concurrency.sort_unstable();
+                    concurrency.dedup();
+                }
+                "--modes" => {
+                    let mut chosen = list(&value()?)
+                        .iter()
+                        .map(|m| match m.to_ascii_lowercase().as_str() {
+                            "full" => Ok(Mode::Full),
+                            "normal" => Ok(Mode::Normal),
+                            "pg" | "postgres" => Ok(Mode::Postgres),
+                            other => Err(format!("unknown mode `{other}` (full, normal, pg)")),
+                        })
+                        .collect::<Result<Vec<_>, _>>()?;
+                    chosen.sort_unstable();
+                    chosen.dedup();
+                    modes = Some(chosen);
+                }
+                "--out" => out = PathBuf::from(value()?),
+                "--database-url" => database_url = Some(value()?),
+                "--client-threads" => {
+                    client_threads = value()?
+                        .parse::<usize>()
+                        .ok()
+                        .filter(|n| (1..=64).contains(n))
+                        .ok_or("--client-threads takes an integer from 1 to 64")?;
+                }
+                _ => return Err(format!("unknown argument `{arg}`")),
+            }
+        }
+
+        let (mut cases, mut hold, mut alloc) = (Vec::new(), false, false);
+        match selected {
+            None => {
+                cases = vec![
+                    Case::A,
+                    Case::B,
+                    Case::C,
+                    Case::D,
+                    Case::H,
+                    Case::R,
+                    Case::E,
+                ];
+                (hold, alloc) = (true, true);
+            }
+            Some(names) => {
+                for name in names {
+                    match name.to_ascii_lowercase().as_str() {
+                        "a" => cases.push(Case::A),
+                        "b" => cases.push(Case::B),
+                        "c" => cases.push(Case::C),
+                        "d" => cases.push(Case::D),
+                        "h" => cases.push(Case::H),
+                        "r" => cases.push(Case::R),
+                        "e" => cases.push(Case::E),
+                        "hold" => hold = true,
+                        "alloc" => alloc = true,
+                        _ => return Err(format!("unknown case `{name}`")),
+                    }
+                }
+                cases.sort_unstable();
+                cases.dedup();
+            }
+        }
+        // PostgreSQL runs by default when there is a URL to run it on.
+        let modes = modes.unwrap_or_else(|| {
+            let mut modes = vec![Mode::Full, Mode::Normal];
+            if database_url.is_some() {
+                modes.push(Mode::Postgres);
+            }
+            modes
+        });
+        if modes.contains(&Mode::Postgres) && database_url.is_none() {
+            return Err("--modes pg needs --database-url".into());
+        }
+        if modes.is_empty() || concurrency.is_empty() {
+            return Err("--modes and --concurrency need at least one value".into());
+        }
+        let duration = duration.unwrap_or(if quick {
+            Duration::from_millis(400)
+        } else {
+            Duration::from_secs(2)
+        });
+        Ok(Command::Run(Options {
+            duration,
+            warmup: (duration / 4).clamp(Duration::from_millis(100), Duration::from_millis(500)),
+            rounds: rounds.unwrap_or(if quick { 2 } else { 3 }),
+            cases,
+            hold,
+            alloc,
+            concurrency,
+            modes,
+            out,
+            quick,
+            database_url,
+            client_threads,
+        }))
+    }
+}
+
+impl Options {
+    /// How long the run takes at least: the measured rounds and warm-ups of every case, the
+    /// pause before each group's rounds, the ceiling E and the hold measurement. The setup
+    /// (keys to replay, orders to read, PostgreSQL schemas) and the alloc run come on top.
+    pub(crate) fn estimate(&self) -> Duration {
+        let http: Vec<Case> = self
+            .cases
+            .iter()
+            .copied()
+            .filter(|&c| c != Case::E)
+            .collect();
+        let measured = self.duration * self.rounds as u32;
+        let per_case = measured + self.warmup;
+        let sqlite_modes = self.modes.iter().filter(|&&m| m != Mode::Postgres).count();
+        let (mut pairs, mut groups) = (0, 0);
+        for &mode in &self.modes {
+            pairs += mode.cases(&http).len() * self.concurrency.len();
+        }
+        if sqlite_modes > 0 && !http.is_empty() {
+            groups += self.concurrency.len();
+        }
+        if self.modes.contains(&Mode::Postgres) && !Mode::Postgres.cases(&http).is_empty() {
+            groups += self.concurrency.len();
+        }
+        let mut total = per_case * pairs as u32 + Duration::from_millis(1100) * groups as u32;
+        if self.cases.contains(&Case::E) {
+            total += per_case * sqlite_modes as u32;
+        }
+        if self.hold {
+            total += self.warmup + measured.max(Duration::from_millis(800)) * 3;
+        }
+        total
+    }
+}
+
+/// `4 min 30 s`, `40 s`.
+pub(crate) fn describe_duration(duration: Duration) -> String {
+    let secs = duration.as_secs();
+    match (secs / 60, secs % 60) {
+        (0, s) => format!("{s} s"),
+        (m, s) => format!("{m} min {s} s"),
+    }
+}
+
+fn list(value: &str) -> Vec<String> {
+    value
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned)
+        .collect()
+}
