@@ -3,7 +3,7 @@
 //!
 //! `begin_on_writer` queues the request's begin (from a reader thread after the fast-path
 //! read, see `reader`, when it looks up first); the begin, run by the writer thread (`writer`)
-//! with group commit's `start_request` (`group`), either answers with a record it found or
+//! with group commit's `reserve_scope` (`group`), either answers with a record it found or
 //! starts the work (the layer's handler call and commit, given a [`SqliteReservation`]) as
 //! [`Driven`] work. The writer thread polls it with the request's tokio runtime entered, and a
 //! [`DrivenWaker`] queues the next poll as a job. [`DrivenWork`] sends the work's output back
@@ -124,7 +124,7 @@ impl SqliteStore {
                     return;
                 }
                 let waited = queued_at.elapsed();
-                match writer.start_request(generation, deadline, &scope, now_millis) {
+                match writer.reserve_scope(generation, deadline, &scope, now_millis) {
                     Ok(Some(record)) => writer.on_commit(Member {
                         scope,
                         saved: false,

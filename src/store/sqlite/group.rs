@@ -1,7 +1,7 @@
 //! Group commit: the requests queued for the writer share one SQLite transaction.
 //!
 //! Each request runs in its own savepoint inside the open [`Group`] (see
-//! `Writer::begin_request`), keeps its rows there when it commits (`release_request`) or
+//! `Writer::open_request_savepoint`), keeps its rows there when it commits (`release_request`) or
 //! undoes only them (`rollback_request`), and waits as a [`Member`] for the group's `COMMIT`
 //! (`flush`), which the writer thread (`writer`) runs when the group is due. A failure that
 //! ends the whole transaction tells each member how it ended (`tell_members`, `abort_group`):
@@ -46,7 +46,7 @@ const RERUN_ALONE_FOR: Duration = Duration::from_secs(60);
 
 impl Writer {
     /// Opens the group transaction if needed and the request's savepoint in it.
-    fn begin_request(
+    fn open_request_savepoint(
         &mut self,
         generation: u64,
         scope: &Scope,
@@ -94,7 +94,7 @@ impl Writer {
 
     /// Opens the request's savepoint and checks for a live record: `Some` (with the savepoint
     /// rolled back already) if there is one. Refuses once `deadline` has passed.
-    pub(super) fn start_request(
+    pub(super) fn reserve_scope(
         &mut self,
         generation: u64,
         deadline: Instant,
@@ -107,7 +107,7 @@ impl Writer {
             .checked_duration_since(Instant::now())
             .filter(|left| !left.is_zero())
             .ok_or(Error::Busy)?;
-        self.begin_request(generation, scope, busy_wait.max(MIN_BUSY_WAIT))?;
+        self.open_request_savepoint(generation, scope, busy_wait.max(MIN_BUSY_WAIT))?;
         match check_existing(&self.conn, scope, now_millis) {
             Ok(None) => Ok(None),
             Ok(Some(record)) => {

@@ -376,7 +376,7 @@ impl IdempotencyStore for SqliteStore {
             if tx.finished.load(Ordering::Acquire) {
                 return;
             }
-            match writer.start_request(generation, deadline, &scope, now_millis) {
+            match writer.reserve_scope(generation, deadline, &scope, now_millis) {
                 // The record may belong to the open group: answer only once that group is
                 // durable.
                 Ok(Some(record)) => writer.on_commit(Member {
