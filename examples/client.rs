@@ -19,9 +19,7 @@
 //! key).
 
 use std::collections::VecDeque;
-use std::error::Error;
 use std::future::IntoFuture;
-use std::io::IsTerminal;
 use std::net::SocketAddr;
 use std::process::ExitCode;
 use std::sync::{Arc, Mutex};
@@ -42,24 +40,25 @@ use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tower::{Layer, ServiceExt};
+use tower_idempotency::body::BoxError;
 use tower_idempotency::client::{BufferedBody, RetryLayer, RetryOutcome};
 use tower_idempotency::extract::Tx;
 use tower_idempotency::fingerprint::Fingerprinter;
 use tower_idempotency::store::sqlite::{SqliteStore, SqliteTransaction};
 use tower_idempotency::{IdempotencyLayer, Tenant};
 
-type BoxError = Box<dyn Error + Send + Sync>;
+use order_table::NewOrder;
+
+/// Logging, as every example has it.
+#[path = "common/cli.rs"]
+mod cli;
+/// The `orders` table of the order examples.
+#[path = "common/order_table.rs"]
+mod order_table;
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
+    cli::init_logging();
 
     // A bug that makes a request hang must fail the example, not hang it.
     match tokio::time::timeout(Duration::from_secs(30), run()).await {
@@ -77,15 +76,7 @@ async fn main() -> ExitCode {
 
 async fn run() -> Result<(), BoxError> {
     let dir = tempfile::tempdir()?;
-    let store = SqliteStore::open(dir.path().join("orders.db")).await?;
-    store
-        .write(|tx| {
-            tx.execute_batch(
-                "CREATE TABLE orders (id INTEGER PRIMARY KEY, tenant_id TEXT NOT NULL, \
-                 sku TEXT NOT NULL, quantity INTEGER NOT NULL)",
-            )
-        })
-        .await?;
+    let store = order_table::open_store(&dir.path().join("orders.db")).await?;
     let server = TcpListener::bind("127.0.0.1:0").await?;
     let server_addr = server.local_addr()?;
     tokio::spawn(axum::serve(server, app(store.clone())).into_future());
@@ -152,23 +143,16 @@ fn app(store: SqliteStore) -> Router {
         .layer(middleware::from_fn(authenticate))
 }
 
-/// Demo authentication: the tenant comes from the server, never from a header the client
-/// picks.
+/// Demo authentication ([`order_table::tenant_of`]): the tenant comes from the server, never
+/// from a header the client picks.
 async fn authenticate(mut request: Request, next: Next) -> Response {
-    let tenant = match request
-        .headers()
-        .get(AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-    {
-        Some("Bearer shop-a-token") => Tenant::new("shop-a"),
-        Some("Bearer shop-b-token") => Tenant::new("shop-b"),
-        _ => {
-            return (
-                StatusCode::UNAUTHORIZED,
-                Json(json!({"error": "unauthenticated"})),
-            )
-                .into_response()
-        }
+    let authorization = request.headers().get(AUTHORIZATION);
+    let Some(tenant) = order_table::tenant_of(authorization.and_then(|v| v.to_str().ok())) else {
+        return (
+            StatusCode::UNAUTHORIZED,
+            Json(json!({"error": "unauthenticated"})),
+        )
+            .into_response();
     };
     request.extensions_mut().insert(tenant);
     next.run(request).await
@@ -192,15 +176,11 @@ async fn create_order(
         )
             .into_response();
     };
+    // Trimmed: the order examples also check the sku and quantity (`NewOrder::new`).
+    let order = NewOrder { sku, quantity };
     let tenant_id = tenant.as_str().to_owned();
     let inserted = tx
-        .run(move |conn| {
-            conn.execute(
-                "INSERT INTO orders (tenant_id, sku, quantity) VALUES (?1, ?2, ?3)",
-                (tenant_id, sku, quantity),
-            )?;
-            Ok(conn.last_insert_rowid())
-        })
+        .run(move |conn| order_table::insert(conn, &tenant_id, &order))
         .await;
     match inserted {
         Ok(id) => (

@@ -25,21 +25,16 @@
 //! sent to either one replays the first answer.
 //!
 //! Logs go to stderr; set `RUST_LOG` (default `warn`) to see more.
-//!
-//! (`tests/hyper_example.rs` includes this file as a module and serves it in-process: the
-//! items it uses are `pub(crate)`.)
 
 use std::convert::Infallible;
-use std::error::Error;
 use std::future::Future;
-use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{ALLOW, AUTHORIZATION, CONTENT_TYPE, LOCATION};
-use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode};
+use http::{HeaderValue, Method, Request, Response, StatusCode};
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
@@ -50,17 +45,23 @@ use hyper_util::server::graceful::GracefulShutdown;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use tower::{Layer, ServiceExt};
-use tower_idempotency::body::RequestBody;
+use tower_idempotency::body::{BoxError, RequestBody};
 use tower_idempotency::fingerprint::Fingerprinter;
-use tower_idempotency::store::continuously_purge_expired;
-use tower_idempotency::store::sqlite::rusqlite::OptionalExtension;
 use tower_idempotency::store::sqlite::{SqliteStore, SqliteTransaction};
 use tower_idempotency::{IdempotencyLayer, Tenant};
 
-type BoxError = Box<dyn Error + Send + Sync>;
+use cli::{ctrl_c, Flag, Flags};
+use order_table::{open_store, NewOrder};
+
+/// Logging, flags and exit codes, as every example has them.
+#[path = "common/cli.rs"]
+mod cli;
+/// The `orders` table and the rules of a valid order, shared with the other order examples.
+#[path = "common/order_table.rs"]
+mod order_table;
 
 /// Every answer's body: the handler's own, or the layer's (a replay or an error it wrote).
-pub(crate) type Body = UnsyncBoxBody<Bytes, Infallible>;
+type Body = UnsyncBoxBody<Bytes, Infallible>;
 
 const USAGE: &str = "\
 usage: hyper_orders [--addr ADDR] [--db PATH]
@@ -69,92 +70,27 @@ usage: hyper_orders [--addr ADDR] [--db PATH]
   --db PATH     SQLite database for orders and idempotency records (default ./orders.db)
   -h, --help    show this help";
 
-/// The business table, in the same database file as `idempotency_records`: that is what lets
-/// an order and its saved response commit in one transaction.
-pub(crate) const ORDERS_SCHEMA: &str = "
-CREATE TABLE IF NOT EXISTS orders (
-    id        INTEGER PRIMARY KEY,
-    tenant_id TEXT    NOT NULL,
-    sku       TEXT    NOT NULL,
-    quantity  INTEGER NOT NULL
-);";
-
 #[tokio::main]
 async fn main() -> ExitCode {
-    // Logs on stderr, so that stdout carries only what the program is asked to print.
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
-
-    let (addr, db) = match parse_args(std::env::args().skip(1)) {
-        Ok(Some(args)) => args,
-        Ok(None) => {
-            println!("{USAGE}");
-            return ExitCode::SUCCESS;
-        }
-        Err(message) => {
-            eprintln!("hyper_orders: {message}\n\n{USAGE}");
-            return ExitCode::from(2);
-        }
+    let flags = [Flag::Value("--addr"), Flag::Value("--db")];
+    let parse = |mut flags: Flags| -> Result<_, String> {
+        let addr = flags.value("--addr");
+        let db = flags.value("--db").map(PathBuf::from);
+        Ok((
+            addr.unwrap_or_else(|| "127.0.0.1:3000".into()),
+            db.unwrap_or_else(|| "orders.db".into()),
+        ))
     };
-    match serve(&addr, &db).await {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(error) => {
-            eprintln!("hyper_orders: {error}");
-            ExitCode::FAILURE
-        }
-    }
-}
-
-/// `--addr` and `--db` (`--flag VALUE` or `--flag=VALUE`); `None` for `--help`. Hand-parsed:
-/// two flags do not justify an argument-parsing dependency.
-fn parse_args(mut args: impl Iterator<Item = String>) -> Result<Option<(String, PathBuf)>, String> {
-    let mut addr = None;
-    let mut db = None;
-    while let Some(arg) = args.next() {
-        let (flag, inline) = match arg.split_once('=') {
-            Some((flag, value)) if flag.starts_with("--") => (flag, Some(value.to_owned())),
-            _ => (arg.as_str(), None),
-        };
-        let mut value = || {
-            inline
-                .clone()
-                .or_else(|| args.next())
-                .ok_or_else(|| format!("{flag} needs a value"))
-        };
-        match flag {
-            "-h" | "--help" => return Ok(None),
-            "--addr" => addr = Some(value()?),
-            "--db" => db = Some(PathBuf::from(value()?)),
-            _ => return Err(format!("unknown argument `{arg}`")),
-        }
-    }
-    Ok(Some((
-        addr.unwrap_or_else(|| "127.0.0.1:3000".into()),
-        db.unwrap_or_else(|| "orders.db".into()),
-    )))
+    let run = |(addr, db): (String, PathBuf)| async move { serve(&addr, &db).await };
+    cli::main("hyper_orders", USAGE, &flags, parse, run).await
 }
 
 // ---------------------------------------------------------------------------------------------
 // The app
 // ---------------------------------------------------------------------------------------------
 
-/// Opens the store and creates the `orders` table next to the idempotency records.
-pub(crate) async fn open_store(db: &Path) -> Result<SqliteStore, BoxError> {
-    let store = SqliteStore::open(db)
-        .await
-        .map_err(|error| format!("cannot open {}: {error}", db.display()))?;
-    store.write(|tx| tx.execute_batch(ORDERS_SCHEMA)).await?;
-    Ok(store)
-}
-
 /// The layer around `POST /orders`: the same configuration as the axum example's.
-pub(crate) fn idempotency_layer(store: SqliteStore) -> IdempotencyLayer<SqliteStore> {
+fn idempotency_layer(store: SqliteStore) -> IdempotencyLayer<SqliteStore> {
     IdempotencyLayer::new(store)
         // Name the operation so that records survive a change of route.
         .with_operation("create_order")
@@ -165,13 +101,13 @@ pub(crate) fn idempotency_layer(store: SqliteStore) -> IdempotencyLayer<SqliteSt
 
 /// What every connection shares: the store (for reads) and the configured layer.
 #[derive(Clone, Debug)]
-pub(crate) struct App {
-    pub(crate) store: SqliteStore,
-    pub(crate) idempotency: IdempotencyLayer<SqliteStore>,
+struct App {
+    store: SqliteStore,
+    idempotency: IdempotencyLayer<SqliteStore>,
 }
 
 impl App {
-    pub(crate) fn new(store: SqliteStore) -> Self {
+    fn new(store: SqliteStore) -> Self {
         App {
             idempotency: idempotency_layer(store.clone()),
             store,
@@ -181,10 +117,7 @@ impl App {
 
 /// The router: authentication first (it puts the [`Tenant`] in the extensions, and the layer
 /// scopes every record by it), then a match on method and path.
-pub(crate) async fn route(
-    app: App,
-    mut request: Request<Incoming>,
-) -> Result<Response<Body>, Infallible> {
+async fn route(app: App, mut request: Request<Incoming>) -> Result<Response<Body>, Infallible> {
     let Some(tenant) = authenticate(request.headers()) else {
         return Ok(json_error(StatusCode::UNAUTHORIZED, "unauthenticated"));
     };
@@ -212,20 +145,11 @@ pub(crate) async fn route(
     Ok(response)
 }
 
-/// Demo authentication: a fixed token per tenant. A real app verifies a session or a signed
-/// token here; what matters is that the tenant comes from the server, never from a header the
-/// client picks freely.
-fn authenticate(headers: &HeaderMap) -> Option<Tenant> {
-    let token = headers
-        .get(AUTHORIZATION)?
-        .to_str()
-        .ok()?
-        .strip_prefix("Bearer ")?;
-    match token {
-        "shop-a-token" => Some(Tenant::new("shop-a")),
-        "shop-b-token" => Some(Tenant::new("shop-b")),
-        _ => None,
-    }
+/// Demo authentication: a fixed token per tenant ([`order_table::tenant_of`]). A real app
+/// verifies a session or a signed token here; what matters is that the tenant comes from the
+/// server, never from a header the client picks freely.
+fn authenticate(headers: &http::HeaderMap) -> Option<Tenant> {
+    order_table::tenant_of(headers.get(AUTHORIZATION)?.to_str().ok())
 }
 
 /// `POST /orders`, behind the idempotency layer: runs once per `(tenant, key)`; the layer
@@ -252,20 +176,14 @@ async fn create_order(request: Request<RequestBody>) -> Result<Response<Full<Byt
             "internal_error",
         ));
     };
-    let order = match NewOrder::parse(&body) {
+    let order = match NewOrder::from_json(&body) {
         Ok(order) => order,
         Err(code) => return Ok(full_json_error(StatusCode::BAD_REQUEST, code)),
     };
     let tenant_id = tenant.as_str().to_owned();
     // Same connection, same transaction as the idempotency record the layer saves after us.
     let inserted = tx
-        .run(move |conn| {
-            conn.execute(
-                "INSERT INTO orders (tenant_id, sku, quantity) VALUES (?1, ?2, ?3)",
-                (tenant_id, order.sku, order.quantity),
-            )?;
-            Ok(conn.last_insert_rowid())
-        })
+        .run(move |conn| order_table::insert(conn, &tenant_id, &order))
         .await;
     let order_id = match inserted {
         Ok(order_id) => order_id,
@@ -292,17 +210,7 @@ async fn get_order(store: &SqliteStore, tenant: &Tenant, id: &str) -> Response<B
     let Ok(order_id) = id.parse::<i64>() else {
         return json_error(StatusCode::NOT_FOUND, "not_found");
     };
-    let tenant_id = tenant.as_str().to_owned();
-    let order = store
-        .read(move |conn| {
-            conn.query_row(
-                "SELECT sku, quantity FROM orders WHERE id = ?1 AND tenant_id = ?2",
-                (order_id, tenant_id),
-                |row| Ok((row.get::<_, String>(0)?, row.get::<_, i64>(1)?)),
-            )
-            .optional()
-        })
-        .await;
+    let order = order_table::find(store, tenant.as_str(), order_id).await;
     match order {
         Ok(Some((sku, quantity))) => full_json(
             StatusCode::OK,
@@ -314,37 +222,6 @@ async fn get_order(store: &SqliteStore, tenant: &Tenant, id: &str) -> Response<B
             tracing::error!(%error, "reading the order failed");
             json_error(StatusCode::INTERNAL_SERVER_ERROR, "internal_error")
         }
-    }
-}
-
-/// A validated order request.
-struct NewOrder {
-    sku: String,
-    quantity: i64,
-}
-
-impl NewOrder {
-    /// Parsed from a JSON value so that every invalid field gets one of the two documented
-    /// error codes. A body that is not JSON at all does not get here: the layer's JSON
-    /// fingerprinter answers it `400 invalid_json`.
-    fn parse(body: &[u8]) -> Result<Self, &'static str> {
-        let value: Value = serde_json::from_slice(body).map_err(|_| "invalid_key_or_sku")?;
-        let sku = value
-            .get("sku")
-            .and_then(Value::as_str)
-            // Counted in characters, not bytes: "書" is one character.
-            .filter(|sku| (1..=100).contains(&sku.chars().count()))
-            .ok_or("invalid_key_or_sku")?;
-        // `as_i64` is `None` for `1.5`, `1.0`, `"1"` and `true`: only JSON integers pass.
-        let quantity = value
-            .get("quantity")
-            .and_then(Value::as_i64)
-            .filter(|quantity| (1..=100).contains(quantity))
-            .ok_or("invalid_quantity")?;
-        Ok(NewOrder {
-            sku: sku.to_owned(),
-            quantity,
-        })
     }
 }
 
@@ -381,22 +258,9 @@ fn method_not_allowed(allow: &'static str) -> Response<Body> {
 async fn serve(addr: &str, db: &Path) -> Result<(), BoxError> {
     let store = open_store(db).await?;
     // The library never spawns background work; expired records are purged by this task.
-    tokio::spawn(continuously_purge_expired(
-        store.clone(),
-        Duration::from_secs(60),
-        1000,
-    ));
-
-    let listener = TcpListener::bind(addr)
-        .await
-        .map_err(|error| format!("cannot listen on {addr}: {error}"))?;
-    let local = listener.local_addr()?;
-    println!(
-        "listening on http://{local} (database {}); try: curl -i http://{local}/orders \
-         -H 'Authorization: Bearer shop-a-token' -H 'Idempotency-Key: key-1' \
-         -H 'Content-Type: application/json' -d '{{\"sku\":\"book\",\"quantity\":1}}'",
-        db.display()
-    );
+    order_table::spawn_purge(&store);
+    let (listener, local) = cli::listen(addr).await?;
+    println!("{}", order_table::banner(local, db));
     serve_on(listener, App::new(store), ctrl_c()).await;
     Ok(())
 }
@@ -404,7 +268,7 @@ async fn serve(addr: &str, db: &Path) -> Result<(), BoxError> {
 /// Serves HTTP/1.1 connections on `listener` until `shutdown` resolves, then lets the requests
 /// in flight finish (for at most 10 s): one committed and never answered would be replayed to
 /// the retry anyway, but there is no reason to make the client retry.
-pub(crate) async fn serve_on(listener: TcpListener, app: App, shutdown: impl Future<Output = ()>) {
+async fn serve_on(listener: TcpListener, app: App, shutdown: impl Future<Output = ()>) {
     let graceful = GracefulShutdown::new();
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
@@ -436,17 +300,5 @@ pub(crate) async fn serve_on(listener: TcpListener, app: App, shutdown: impl Fut
         .is_err()
     {
         tracing::warn!("connections still open after 10 s; closing them");
-    }
-}
-
-/// Resolves on Ctrl-C. If the handler cannot be installed, never resolves (rather than
-/// shutting the server down at once).
-async fn ctrl_c() {
-    match tokio::signal::ctrl_c().await {
-        Ok(()) => eprintln!("shutting down: finishing requests in flight"),
-        Err(error) => {
-            tracing::error!(%error, "cannot listen for Ctrl-C");
-            std::future::pending::<()>().await;
-        }
     }
 }

@@ -18,12 +18,7 @@
 //!
 //! Every delivery is printed on stdout (`reserved` or `duplicate`); logs go to stderr (set
 //! `RUST_LOG`, default `warn`).
-//!
-//! (`tests/outbox_end_to_end.rs` includes this file as a module and serves it in-process: the
-//! items it uses are `pub(crate)`.)
 
-use std::error::Error;
-use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -35,7 +30,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Map, Value};
-use tokio::net::TcpListener;
+use tower_idempotency::body::BoxError;
 use tower_idempotency::outbox::inbox::{Processed, SqliteInbox};
 #[cfg(feature = "postgres")]
 use tower_idempotency::outbox::postgres::PostgresInbox;
@@ -45,7 +40,11 @@ use tower_idempotency::store::postgres::{tokio_postgres, PostgresStore};
 use tower_idempotency::store::sqlite::SqliteStore;
 use tower_idempotency::IDEMPOTENCY_KEY;
 
-type BoxError = Box<dyn Error + Send + Sync>;
+use cli::{Flag, Flags};
+
+/// Logging, flags and exit codes, as every example has them.
+#[path = "common/cli.rs"]
+mod cli;
 
 const USAGE: &str = "\
 usage: inventory [--addr ADDR] [--db PATH | --database-url URL] [--reject-sku SKU]
@@ -93,34 +92,13 @@ CREATE TABLE IF NOT EXISTS reserved_stock (
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    // Logs on stderr, so that stdout carries only the deliveries.
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
-
-    let options = match Options::parse(std::env::args().skip(1)) {
-        Ok(Some(options)) => options,
-        Ok(None) => {
-            println!("{USAGE}");
-            return ExitCode::SUCCESS;
-        }
-        Err(message) => {
-            eprintln!("inventory: {message}\n\n{USAGE}");
-            return ExitCode::from(2);
-        }
-    };
-    match serve(options).await {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(error) => {
-            eprintln!("inventory: {error}");
-            ExitCode::FAILURE
-        }
-    }
+    let flags = [
+        Flag::Value("--addr"),
+        Flag::Value("--db"),
+        Flag::Value("--database-url"),
+        Flag::Value("--reject-sku"),
+    ];
+    cli::main("inventory", USAGE, &flags, Options::parse, serve).await
 }
 
 /// Where the reservations and the inbox live.
@@ -138,32 +116,11 @@ struct Options {
 }
 
 impl Options {
-    /// Hand-parsed, like the orders example: `None` means `--help`.
-    fn parse(mut args: impl Iterator<Item = String>) -> Result<Option<Self>, String> {
-        let mut addr = None;
-        let mut db = None;
-        let mut database_url = None;
-        let mut reject_sku = None;
-        while let Some(arg) = args.next() {
-            let (flag, inline) = match arg.split_once('=') {
-                Some((flag, value)) if flag.starts_with("--") => (flag, Some(value.to_owned())),
-                _ => (arg.as_str(), None),
-            };
-            let mut value = || {
-                inline
-                    .clone()
-                    .or_else(|| args.next())
-                    .ok_or_else(|| format!("{flag} needs a value"))
-            };
-            match flag {
-                "-h" | "--help" => return Ok(None),
-                "--addr" => addr = Some(value()?),
-                "--db" => db = Some(PathBuf::from(value()?)),
-                "--database-url" => database_url = Some(value()?),
-                "--reject-sku" => reject_sku = Some(value()?),
-                _ => return Err(format!("unknown argument `{arg}`")),
-            }
-        }
+    fn parse(mut flags: Flags) -> Result<Self, String> {
+        let addr = flags.value("--addr");
+        let db = flags.value("--db").map(PathBuf::from);
+        let database_url = flags.value("--database-url");
+        let reject_sku = flags.value("--reject-sku");
         let database = match (db, database_url) {
             (Some(_), Some(_)) => {
                 return Err("--db and --database-url are two different stores: pick one".into())
@@ -171,11 +128,11 @@ impl Options {
             (_, Some(url)) => Database::Postgres(url),
             (db, None) => Database::Sqlite(db.unwrap_or_else(|| "inventory.db".into())),
         };
-        Ok(Some(Options {
+        Ok(Options {
             addr: addr.unwrap_or_else(|| "127.0.0.1:3001".into()),
             database,
             reject_sku,
-        }))
+        })
     }
 }
 
@@ -194,13 +151,10 @@ async fn serve(options: Options) -> Result<(), BoxError> {
         #[cfg(not(feature = "postgres"))]
         Database::Postgres(_) => return Err("--database-url needs the `postgres` feature".into()),
     };
-    let listener = TcpListener::bind(&options.addr)
-        .await
-        .map_err(|error| format!("cannot listen on {}: {error}", options.addr))?;
+    let (listener, local) = cli::listen(&options.addr).await?;
     println!(
-        "listening on http://{} (database {described}); events go to POST /events, stock is at \
-         GET /stock",
-        listener.local_addr()?,
+        "listening on http://{local} (database {described}); events go to POST /events, stock \
+         is at GET /stock"
     );
     axum::serve(listener, app(inventory))
         .with_graceful_shutdown(async {
@@ -212,14 +166,14 @@ async fn serve(options: Options) -> Result<(), BoxError> {
 
 /// The receiver's state: its inbox (with the tables it commits with), and what it refuses.
 #[derive(Clone)]
-pub(crate) struct Inventory {
-    pub(crate) inbox: Inbox,
+struct Inventory {
+    inbox: Inbox,
     reject_sku: Option<Arc<str>>,
 }
 
 impl Inventory {
     /// Opens (creating if needed) the SQLite database, the inventory tables and the inbox.
-    pub(crate) async fn open(db: &Path, reject_sku: Option<String>) -> Result<Self, BoxError> {
+    async fn open(db: &Path, reject_sku: Option<String>) -> Result<Self, BoxError> {
         let store = SqliteStore::open(db)
             .await
             .map_err(|error| format!("cannot open {}: {error}", db.display()))?;
@@ -235,7 +189,7 @@ impl Inventory {
     /// inbox. Several instances may share the database: the inbox applies each event once
     /// between them.
     #[cfg(feature = "postgres")]
-    pub(crate) async fn connect(url: &str, reject_sku: Option<String>) -> Result<Self, BoxError> {
+    async fn connect(url: &str, reject_sku: Option<String>) -> Result<Self, BoxError> {
         // The URL is not repeated in errors: it may carry a password.
         let config: tokio_postgres::Config = url
             .parse()
@@ -255,7 +209,7 @@ impl Inventory {
     }
 
     /// How much of each sku is reserved.
-    pub(crate) async fn reserved(&self) -> Result<Map<String, Value>, BoxError> {
+    async fn reserved(&self) -> Result<Map<String, Value>, BoxError> {
         let rows = self.inbox.reserved().await?;
         Ok(rows
             .into_iter()
@@ -264,7 +218,7 @@ impl Inventory {
     }
 
     /// How many reservations were made (one per order, however often its event came).
-    pub(crate) async fn reservation_count(&self) -> Result<i64, BoxError> {
+    async fn reservation_count(&self) -> Result<i64, BoxError> {
         self.inbox.reservation_count().await
     }
 }
@@ -272,7 +226,7 @@ impl Inventory {
 /// The inbox and the database it shares with the inventory tables: the same queries, in
 /// each database's own SQL and client.
 #[derive(Clone)]
-pub(crate) enum Inbox {
+enum Inbox {
     Sqlite {
         store: SqliteStore,
         inbox: SqliteInbox,
@@ -344,17 +298,6 @@ impl Inbox {
         }
     }
 
-    /// Whether `event_id` was processed. (The server does not ask; `tests/outbox_end_to_end.rs`
-    /// does.)
-    #[allow(dead_code)]
-    pub(crate) async fn contains(&self, event_id: &str) -> Result<bool, BoxError> {
-        match self {
-            Inbox::Sqlite { inbox, .. } => Ok(inbox.contains(event_id).await?),
-            #[cfg(feature = "postgres")]
-            Inbox::Postgres { inbox, .. } => Ok(inbox.contains(event_id).await?),
-        }
-    }
-
     /// `(sku, reserved)`, by sku.
     async fn reserved(&self) -> Result<Vec<(String, i64)>, BoxError> {
         const QUERY: &str = "SELECT sku, reserved FROM reserved_stock ORDER BY sku";
@@ -397,7 +340,7 @@ impl Inbox {
     }
 }
 
-pub(crate) fn app(inventory: Inventory) -> Router {
+fn app(inventory: Inventory) -> Router {
     Router::new()
         .route("/events", post(receive_event))
         .route("/stock", get(stock))

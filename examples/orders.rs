@@ -29,42 +29,46 @@
 //!
 //! Logs go to stderr; set `RUST_LOG` (default `warn`) to see more.
 
-use std::error::Error;
 use std::future::IntoFuture;
-use std::io::IsTerminal;
 use std::path::{Path as FsPath, PathBuf};
 use std::process::ExitCode;
-use std::sync::Arc;
-use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::{Path, Request, State};
-use axum::http::header::{AUTHORIZATION, CONTENT_TYPE, LOCATION};
-use axum::http::{HeaderValue, StatusCode};
+use axum::http::header::{AUTHORIZATION, LOCATION};
+use axum::http::StatusCode;
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
-use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
-use tokio::sync::{oneshot, Barrier};
-use tower_idempotency::body::RequestBody;
+use tower_idempotency::body::{BoxError, RequestBody};
 use tower_idempotency::extract::Tx;
 use tower_idempotency::fingerprint::Fingerprinter;
 use tower_idempotency::outbox::sqlite::SqliteOutbox;
 use tower_idempotency::outbox::{Enqueue, HttpSink, Relay};
-use tower_idempotency::response::IDEMPOTENT_REPLAYED;
-use tower_idempotency::store::continuously_purge_expired;
-use tower_idempotency::store::sqlite::rusqlite::OptionalExtension;
 use tower_idempotency::store::sqlite::{SqliteStore, SqliteTransaction};
-use tower_idempotency::{IdempotencyLayer, Tenant, IDEMPOTENCY_KEY};
+use tower_idempotency::store::IdempotencyStore;
+use tower_idempotency::{IdempotencyLayer, Tenant};
 
-type BoxError = Box<dyn Error + Send + Sync>;
+use cli::{ctrl_c, Flag, Flags};
+use order_table::NewOrder;
 
+/// Logging, flags and exit codes, as every example has them.
+#[path = "common/cli.rs"]
+mod cli;
+/// The `--demo`: the retry lab, and its HTTP client.
+#[path = "common/lab.rs"]
+mod lab;
+#[path = "common/lab_http.rs"]
+mod lab_http;
+/// The `orders` table and the rules of a valid order, shared with the other order examples.
+#[path = "common/order_table.rs"]
+mod order_table;
 /// The PostgreSQL variant of the app (`--database-url`).
 #[cfg(feature = "postgres")]
 #[path = "orders/postgres.rs"]
@@ -85,130 +89,16 @@ usage: orders [--addr ADDR] [--db PATH | --database-url URL] [--webhook URL]
                 lab against it over HTTP, print its six lines and exit
   -h, --help    show this help";
 
-/// The business table. It lives in the same database file as `idempotency_records`, which is
-/// what lets an order and its saved response commit in one transaction.
-const ORDERS_SCHEMA: &str = "
-CREATE TABLE IF NOT EXISTS orders (
-    id        INTEGER PRIMARY KEY,
-    tenant_id TEXT    NOT NULL,
-    sku       TEXT    NOT NULL,
-    quantity  INTEGER NOT NULL
-);";
-
 #[tokio::main]
 async fn main() -> ExitCode {
-    // Logs on stderr, so that stdout carries only what the program is asked to print.
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
-
-    let command = match Command::parse(std::env::args().skip(1)) {
-        Ok(command) => command,
-        Err(message) => {
-            eprintln!("orders: {message}\n\n{USAGE}");
-            return ExitCode::from(2);
-        }
-    };
-    let outcome = match command {
-        Command::Help => {
-            println!("{USAGE}");
-            Ok(())
-        }
-        #[cfg(feature = "postgres")]
-        Command::Serve {
-            addr,
-            database_url: Some(url),
-            webhook,
-            ..
-        } => postgres::serve(&addr, &url, webhook.as_deref()).await,
-        #[cfg(not(feature = "postgres"))]
-        Command::Serve {
-            database_url: Some(_),
-            ..
-        } => Err("--database-url needs the `postgres` feature".into()),
-        Command::Serve {
-            addr, db, webhook, ..
-        } => serve(&addr, &db, webhook.as_deref()).await,
-        Command::Demo => demo().await,
-    };
-    match outcome {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(error) => {
-            eprintln!("orders: {error}");
-            ExitCode::FAILURE
-        }
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Command line
-// ---------------------------------------------------------------------------------------------
-
-enum Command {
-    Help,
-    Serve {
-        addr: String,
-        db: PathBuf,
-        database_url: Option<String>,
-        webhook: Option<String>,
-    },
-    Demo,
-}
-
-impl Command {
-    /// Hand-parsed: three flags do not justify an argument-parsing dependency.
-    fn parse(mut args: impl Iterator<Item = String>) -> Result<Self, String> {
-        let mut addr = None;
-        let mut db = None;
-        let mut database_url = None;
-        let mut webhook = None;
-        let mut demo = false;
-        while let Some(arg) = args.next() {
-            // Accept both `--addr VALUE` and `--addr=VALUE`.
-            let (flag, inline) = match arg.split_once('=') {
-                Some((flag, value)) if flag.starts_with("--") => (flag, Some(value.to_owned())),
-                _ => (arg.as_str(), None),
-            };
-            let mut value = || {
-                inline
-                    .clone()
-                    .or_else(|| args.next())
-                    .ok_or_else(|| format!("{flag} needs a value"))
-            };
-            match flag {
-                "-h" | "--help" => return Ok(Command::Help),
-                "--addr" => addr = Some(value()?),
-                "--db" => db = Some(PathBuf::from(value()?)),
-                "--database-url" => database_url = Some(value()?),
-                "--webhook" => webhook = Some(value()?),
-                "--demo" if inline.is_none() => demo = true,
-                _ => return Err(format!("unknown argument `{arg}`")),
-            }
-        }
-        if db.is_some() && database_url.is_some() {
-            return Err("--db and --database-url are two different stores: pick one".into());
-        }
-        match (
-            demo,
-            addr.is_some() || db.is_some() || database_url.is_some() || webhook.is_some(),
-        ) {
-            (true, true) => {
-                Err("--demo picks its own address and database, and has no webhook".into())
-            }
-            (true, false) => Ok(Command::Demo),
-            (false, _) => Ok(Command::Serve {
-                addr: addr.unwrap_or_else(|| "127.0.0.1:3000".into()),
-                db: db.unwrap_or_else(|| "orders.db".into()),
-                database_url,
-                webhook,
-            }),
-        }
-    }
+    let flags = [
+        Flag::Value("--addr"),
+        Flag::Value("--db"),
+        Flag::Value("--database-url"),
+        Flag::Value("--webhook"),
+        Flag::Switch("--demo"),
+    ];
+    cli::main("orders", USAGE, &flags, Command::parse, Command::run).await
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -218,26 +108,18 @@ impl Command {
 /// Opens the store and creates the `orders` and `outbox_events` tables next to the
 /// idempotency records.
 async fn open_store(db: &FsPath) -> Result<SqliteStore, BoxError> {
-    let store = SqliteStore::open(db)
-        .await
-        .map_err(|error| format!("cannot open {}: {error}", db.display()))?;
-    store.write(|tx| tx.execute_batch(ORDERS_SCHEMA)).await?;
+    let store = order_table::open_store(db).await?;
     SqliteOutbox::install(&store).await?;
     Ok(store)
 }
 
 fn app(store: SqliteStore) -> Router {
-    let idempotency = IdempotencyLayer::new(store.clone())
-        // Name the operation so that records survive a change of route.
-        .with_operation("create_order")
-        // The route only takes JSON: compare payloads as JSON values even when a client
-        // forgets the Content-Type, so `{"sku":"book", "quantity":1}` sent with different
-        // spacing or key order is still the same request.
-        .with_fingerprinter(Fingerprinter::json());
-
     Router::new()
         // Only the POST is wrapped: GET is idempotent by itself.
-        .route("/orders", post(create_order).layer(idempotency))
+        .route(
+            "/orders",
+            post(create_order).layer(idempotency(store.clone())),
+        )
         .route("/orders/{id}", get(get_order))
         // Added last, so it is the outermost layer: it must run before the idempotency layer,
         // which scopes every record by the tenant it finds here.
@@ -245,21 +127,23 @@ fn app(store: SqliteStore) -> Router {
         .with_state(store)
 }
 
-/// Demo authentication: a fixed token per tenant. A real app verifies a session or a signed
-/// token here; what matters is that the tenant comes from the server, never from a header the
-/// client picks freely.
+/// The idempotency layer of `POST /orders` (on either database).
+fn idempotency<S: IdempotencyStore>(store: S) -> IdempotencyLayer<S> {
+    IdempotencyLayer::new(store)
+        // Name the operation so that records survive a change of route.
+        .with_operation("create_order")
+        // The route only takes JSON: compare payloads as JSON values even when a client
+        // forgets the Content-Type, so `{"sku":"book", "quantity":1}` sent with different
+        // spacing or key order is still the same request.
+        .with_fingerprinter(Fingerprinter::json())
+}
+
+/// Demo authentication: a fixed token per tenant ([`order_table::tenant_of`]). A real app
+/// verifies a session or a signed token here; what matters is that the tenant comes from the
+/// server, never from a header the client picks freely.
 async fn authenticate(mut request: Request, next: Next) -> Response {
-    let tenant = request
-        .headers()
-        .get(AUTHORIZATION)
-        .and_then(|value| value.to_str().ok())
-        .and_then(|value| value.strip_prefix("Bearer "))
-        .and_then(|token| match token {
-            "shop-a-token" => Some(Tenant::new("shop-a")),
-            "shop-b-token" => Some(Tenant::new("shop-b")),
-            _ => None,
-        });
-    match tenant {
+    let authorization = request.headers().get(AUTHORIZATION);
+    match order_table::tenant_of(authorization.and_then(|value| value.to_str().ok())) {
         Some(tenant) => {
             request.extensions_mut().insert(tenant);
             next.run(request).await
@@ -277,18 +161,11 @@ async fn create_order(
     Tx(tx): Tx<SqliteTransaction>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    let order = NewOrder::parse(&body)?;
-    let tenant_id = tenant.as_str().to_owned();
-    let (sku, quantity) = (order.sku.clone(), order.quantity);
+    let order = NewOrder::from_json(&body).map_err(ApiError::Invalid)?;
     // Same connection, same transaction as the idempotency record the layer saves after us.
+    let (tenant_id, row) = (tenant.as_str().to_owned(), order.clone());
     let order_id = tx
-        .run(move |conn| {
-            conn.execute(
-                "INSERT INTO orders (tenant_id, sku, quantity) VALUES (?1, ?2, ?3)",
-                (tenant_id, order.sku, order.quantity),
-            )?;
-            Ok(conn.last_insert_rowid())
-        })
+        .run(move |conn| order_table::insert(conn, &tenant_id, &row))
         .await
         .map_err(|error| {
             tracing::error!(%error, "inserting the order failed");
@@ -297,24 +174,33 @@ async fn create_order(
     // Reserving stock is another service's job. Calling it from here could not be undone by a
     // rollback; the event commits with the order instead (or not at all), and the relay
     // delivers it once the order is durable.
-    let event = json!({
-        "order_id": order_id,
-        "tenant": tenant.as_str(),
-        "sku": sku,
-        "quantity": quantity,
-    });
+    let event = order_created(order_id, &tenant, &order);
     tx.enqueue("order_created", event).await.map_err(|error| {
         tracing::error!(%error, "enqueueing order_created failed");
         ApiError::Internal
     })?;
+    Ok(created(order_id))
+}
 
-    // `Location` and `Content-Type` are saved with the body and replayed to retries.
+/// The `order_created` event of a new order: what the inventory needs to reserve its stock.
+fn order_created(order_id: i64, tenant: &Tenant, order: &NewOrder) -> Value {
+    json!({
+        "order_id": order_id,
+        "tenant": tenant.as_str(),
+        "sku": order.sku,
+        "quantity": order.quantity,
+    })
+}
+
+/// `201` with the new order's id and `Location`: both are saved with the body (and its
+/// `Content-Type`) and replayed to retries.
+fn created(order_id: i64) -> Response {
     let response = (
         StatusCode::CREATED,
         [(LOCATION, format!("/orders/{order_id}"))],
         Json(json!({ "order_id": order_id })),
     );
-    Ok(response.into_response())
+    response.into_response()
 }
 
 /// `GET /orders/{id}`: the caller's own order. Another tenant's order is answered exactly like
@@ -325,16 +211,7 @@ async fn get_order(
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
     let order_id: i64 = id.parse().map_err(|_| ApiError::NotFound)?;
-    let tenant_id = tenant.as_str().to_owned();
-    let order = store
-        .read(move |conn| {
-            conn.query_row(
-                "SELECT sku, quantity FROM orders WHERE id = ?1 AND tenant_id = ?2",
-                (order_id, tenant_id),
-                |row| Ok((row.get::<_, String>(0)?, row.get::<_, i64>(1)?)),
-            )
-            .optional()
-        })
+    let order = order_table::find(&store, tenant.as_str(), order_id)
         .await
         .map_err(|error| {
             tracing::error!(%error, "reading the order failed");
@@ -346,44 +223,13 @@ async fn get_order(
     ))
 }
 
-/// A validated order request.
-struct NewOrder {
-    sku: String,
-    quantity: i64,
-}
-
-impl NewOrder {
-    /// Parsed by hand from a JSON value (rather than with a typed `Json<T>` extractor) so that
-    /// every invalid field gets one of the two documented error codes. A body that is not JSON
-    /// at all does not get here: the layer's JSON fingerprinter answers it `400 invalid_json`.
-    fn parse(body: &[u8]) -> Result<Self, ApiError> {
-        let value: Value = serde_json::from_slice(body).map_err(|_| ApiError::InvalidKeyOrSku)?;
-        let sku = value
-            .get("sku")
-            .and_then(Value::as_str)
-            // Counted in characters, not bytes: "書" is one character.
-            .filter(|sku| (1..=100).contains(&sku.chars().count()))
-            .ok_or(ApiError::InvalidKeyOrSku)?;
-        // `as_i64` is `None` for `1.5`, `1.0`, `"1"` and `true`: only JSON integers pass.
-        let quantity = value
-            .get("quantity")
-            .and_then(Value::as_i64)
-            .filter(|quantity| (1..=100).contains(quantity))
-            .ok_or(ApiError::InvalidQuantity)?;
-        Ok(NewOrder {
-            sku: sku.to_owned(),
-            quantity,
-        })
-    }
-}
-
 /// The app's own error answers, as `{"error":"<code>"}`. (The layer answers its own: a
 /// missing key, `409` for a reused key, `413` for a large body, and so on.)
 #[derive(Debug)]
 enum ApiError {
     Unauthenticated,
-    InvalidKeyOrSku,
-    InvalidQuantity,
+    /// `400` with the code of the invalid field (`invalid_key_or_sku`, `invalid_quantity`).
+    Invalid(&'static str),
     NotFound,
     Internal,
 }
@@ -392,8 +238,7 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let (status, code) = match self {
             ApiError::Unauthenticated => (StatusCode::UNAUTHORIZED, "unauthenticated"),
-            ApiError::InvalidKeyOrSku => (StatusCode::BAD_REQUEST, "invalid_key_or_sku"),
-            ApiError::InvalidQuantity => (StatusCode::BAD_REQUEST, "invalid_quantity"),
+            ApiError::Invalid(code) => (StatusCode::BAD_REQUEST, code),
             ApiError::NotFound => (StatusCode::NOT_FOUND, "not_found"),
             ApiError::Internal => (StatusCode::INTERNAL_SERVER_ERROR, "internal_error"),
         };
@@ -413,28 +258,23 @@ async fn serve(addr: &str, db: &FsPath, webhook: Option<&str>) -> Result<(), Box
         tokio::spawn(relay.run());
     }
     // The library never spawns background work; expired records are purged by this task.
-    tokio::spawn(continuously_purge_expired(
-        store.clone(),
-        Duration::from_secs(60),
-        1000,
-    ));
+    order_table::spawn_purge(&store);
+    let (listener, local) = cli::listen(addr).await?;
+    println!("{}", order_table::banner(local, db));
+    serve_app(listener, app(store), webhook).await
+}
 
-    let listener = TcpListener::bind(addr)
-        .await
-        .map_err(|error| format!("cannot listen on {addr}: {error}"))?;
-    let local = listener.local_addr()?;
-    println!(
-        "listening on http://{local} (database {}); try: curl -i http://{local}/orders \
-         -H 'Authorization: Bearer shop-a-token' -H 'Idempotency-Key: key-1' \
-         -H 'Content-Type: application/json' -d '{{\"sku\":\"book\",\"quantity\":1}}'",
-        db.display()
-    );
-    // After the first line, which scripts and tests read for the address.
+/// Serves `app` on `listener` until Ctrl-C. Says where the relay delivers (`--webhook`) after
+/// the first line, which scripts and tests read for the address.
+async fn serve_app(
+    listener: TcpListener,
+    app: Router,
+    webhook: Option<&str>,
+) -> Result<(), BoxError> {
     if let Some(url) = webhook {
         println!("relaying outbox events to {url}");
     }
-
-    axum::serve(listener, app(store))
+    axum::serve(listener, app)
         .with_graceful_shutdown(ctrl_c())
         .await?;
     Ok(())
@@ -451,239 +291,79 @@ fn webhook_sink(url: &str) -> Result<WebhookSink, BoxError> {
     Ok(HttpSink::new(client, uri))
 }
 
-/// Resolves on Ctrl-C. If the handler cannot be installed, never resolves (rather than
-/// shutting the server down at once).
-async fn ctrl_c() {
-    match tokio::signal::ctrl_c().await {
-        Ok(()) => eprintln!("shutting down: finishing requests in flight"),
-        Err(error) => {
-            tracing::error!(%error, "cannot listen for Ctrl-C");
-            std::future::pending::<()>().await;
-        }
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// The demo: the article's lab, over real HTTP against the app above
-// ---------------------------------------------------------------------------------------------
-
-/// Fails the demo with a message when a condition does not hold.
-macro_rules! ensure {
-    ($condition:expr, $($message:tt)+) => {
-        if !$condition {
-            return Err(format!($($message)+).into());
-        }
-    };
-}
-
+/// The demo: the article's retry lab, over real HTTP against the app above.
 async fn demo() -> Result<(), BoxError> {
     let dir = tempfile::tempdir()?;
     let store = open_store(&dir.path().join("orders.db")).await?;
-    let listener = TcpListener::bind("127.0.0.1:0").await?;
-    let client = DemoClient::new(format!("http://{}", listener.local_addr()?));
-
-    let (stop, stopped) = oneshot::channel::<()>();
-    let server = tokio::spawn(
-        axum::serve(listener, app(store.clone()))
-            .with_graceful_shutdown(async {
-                let _ = stopped.await;
-            })
-            .into_future(),
-    );
-
-    // A bug that makes a request hang must fail the demo, not hang it.
-    let lab = tokio::time::timeout(Duration::from_secs(30), run_lab(&client, &store))
-        .await
-        .unwrap_or_else(|_| Err("the lab did not finish within 30 s".into()));
-
-    // Close the client's idle connections so the graceful shutdown does not wait for them.
-    drop(client);
-    let _ = stop.send(());
-    server.await??;
-    lab.map_err(|error| format!("demo failed: {error}").into())
-}
-
-async fn run_lab(client: &DemoClient, store: &SqliteStore) -> Result<(), BoxError> {
-    const SHOP_A: &str = "shop-a-token";
-    const SHOP_B: &str = "shop-b-token";
-
-    // 1. The first response is lost on the way; the client retries with the same key.
-    let first = client.create_order(SHOP_A, "key-1", "book", 1).await?;
-    let retry = client.create_order(SHOP_A, "key-1", "book", 1).await?;
-    ensure!(
-        first.status == StatusCode::CREATED && !first.replayed,
-        "first request: expected a fresh 201, got {first:?}"
-    );
-    ensure!(
-        retry.replayed
-            && retry.status == first.status
-            && retry.body == first.body
-            && retry.location == first.location,
-        "retry: expected a replay of {first:?}, got {retry:?}"
-    );
-    let orders = expect_orders(store, 1).await?;
-    println!("retry: {} orders={orders}", retry.summary());
-
-    // 2. Same key, different payload: refused, nothing changes.
-    let conflict = client.create_order(SHOP_A, "key-1", "book", 2).await?;
-    ensure!(
-        conflict.status == StatusCode::CONFLICT
-            && conflict.body == r#"{"error":"key_reused_with_different_payload"}"#,
-        "changed payload: expected 409 key_reused_with_different_payload, got {conflict:?}"
-    );
-    let orders = expect_orders(store, 1).await?;
-    println!("changed payload: {} orders={orders}", conflict.summary());
-
-    // 3. Another tenant may use the same key: it is a different scope.
-    let other = client.create_order(SHOP_B, "key-1", "book", 1).await?;
-    ensure!(
-        other.status == StatusCode::CREATED && !other.replayed && other.body != first.body,
-        "other tenant: expected a new 201 order, got {other:?}"
-    );
-    let orders = expect_orders(store, 2).await?;
-    println!("other tenant: {} orders={orders}", other.summary());
-
-    // 4. Two copies of one request in flight at once: exactly one runs the handler, the other
-    //    gets its response.
-    let barrier = Arc::new(Barrier::new(2));
-    let spawn_copy = || {
-        let (client, barrier) = (client.clone(), barrier.clone());
-        tokio::spawn(async move {
-            barrier.wait().await;
-            client.create_order(SHOP_A, "key-2", "book", 1).await
-        })
+    let (listener, addr) = cli::listen("127.0.0.1:0").await?;
+    let client = lab_http::HttpShop::new(addr);
+    let router = app(store.clone());
+    let serve = move |shutdown: lab::Shutdown| {
+        axum::serve(listener, router)
+            .with_graceful_shutdown(shutdown)
+            .into_future()
     };
-    let (a, b) = (spawn_copy(), spawn_copy());
-    let (a, b) = (a.await??, b.await??);
-    ensure!(
-        a.status == StatusCode::CREATED && a.body == b.body && a.location == b.location,
-        "concurrent retry: expected the same 201 twice, got {a:?} and {b:?}"
-    );
-    ensure!(
-        a.replayed != b.replayed,
-        "concurrent retry: expected exactly one replay, got {a:?} and {b:?}"
-    );
-    let orders = expect_orders(store, 3).await?;
-    println!("concurrent retry: {} orders={orders}", a.summary());
-
-    // 5. Saving the response fails after the handler inserted its order: both roll back.
-    store
-        .write(|tx| {
-            tx.execute_batch(
-                "CREATE TRIGGER fail_replay BEFORE INSERT ON idempotency_records \
-                 WHEN NEW.idempotency_key = 'key-3' \
-                 BEGIN SELECT RAISE(ABORT, 'injected replay failure'); END;",
-            )
-        })
-        .await?;
-    let failed = client.create_order(SHOP_A, "key-3", "book", 1).await?;
-    ensure!(
-        failed.status == StatusCode::INTERNAL_SERVER_ERROR
-            && failed.body == r#"{"error":"internal_error"}"#,
-        "injected failure: expected 500 internal_error, got {failed:?}"
-    );
-    let records = store
-        .read(|conn| {
-            conn.query_row(
-                "SELECT count(*) FROM idempotency_records WHERE idempotency_key = 'key-3'",
-                [],
-                |row| row.get::<_, i64>(0),
-            )
-        })
-        .await?;
-    ensure!(
-        records == 0,
-        "injected failure: expected no saved record for key-3, found {records}"
-    );
-    let orders = expect_orders(store, 3).await?;
-    println!("injected failure: rolled back, orders={orders}");
-
-    // 6. Nothing was kept for key-3, so once the fault is gone the same key runs afresh.
-    store
-        .write(|tx| tx.execute_batch("DROP TRIGGER fail_replay"))
-        .await?;
-    let recovered = client.create_order(SHOP_A, "key-3", "book", 1).await?;
-    ensure!(
-        recovered.status == StatusCode::CREATED && !recovered.replayed,
-        "retry after rollback: expected a fresh 201, got {recovered:?}"
-    );
-    let orders = expect_orders(store, 4).await?;
-    println!(
-        "retry after rollback: {} orders={orders}",
-        recovered.summary()
-    );
-    Ok(())
+    lab::demo(store, serve, async { Ok(client) }).await
 }
 
-/// Counts the orders (through the store, as any reader would) and checks the count.
-async fn expect_orders(store: &SqliteStore, expected: i64) -> Result<i64, BoxError> {
-    let orders = store
-        .read(|conn| conn.query_row("SELECT count(*) FROM orders", [], |row| row.get(0)))
-        .await?;
-    ensure!(
-        orders == expected,
-        "expected {expected} orders in the database, found {orders}"
-    );
-    Ok(orders)
+// ---------------------------------------------------------------------------------------------
+// Command line
+// ---------------------------------------------------------------------------------------------
+
+enum Command {
+    Serve {
+        addr: String,
+        db: PathBuf,
+        database_url: Option<String>,
+        webhook: Option<String>,
+    },
+    Demo,
 }
 
-/// A plain HTTP client: the demo goes through the network stack like any real client.
-#[derive(Clone)]
-struct DemoClient {
-    http: Client<HttpConnector, Full<Bytes>>,
-    base: String,
-}
-
-/// What the demo looks at in a response.
-#[derive(Debug)]
-struct Reply {
-    status: StatusCode,
-    body: String,
-    replayed: bool,
-    location: Option<HeaderValue>,
-}
-
-impl Reply {
-    /// `201 {"order_id":1}`, as the lab prints it.
-    fn summary(&self) -> String {
-        format!("{} {}", self.status.as_u16(), self.body)
-    }
-}
-
-impl DemoClient {
-    fn new(base: String) -> Self {
-        DemoClient {
-            http: Client::builder(TokioExecutor::new()).build_http(),
-            base,
+impl Command {
+    fn parse(mut flags: Flags) -> Result<Self, String> {
+        let addr = flags.value("--addr");
+        let db = flags.value("--db").map(PathBuf::from);
+        let database_url = flags.value("--database-url");
+        let webhook = flags.value("--webhook");
+        if db.is_some() && database_url.is_some() {
+            return Err("--db and --database-url are two different stores: pick one".into());
+        }
+        match (
+            flags.switch("--demo"),
+            addr.is_some() || db.is_some() || database_url.is_some() || webhook.is_some(),
+        ) {
+            (true, true) => {
+                Err("--demo picks its own address and database, and has no webhook".into())
+            }
+            (true, false) => Ok(Command::Demo),
+            (false, _) => Ok(Command::Serve {
+                addr: addr.unwrap_or_else(|| "127.0.0.1:3000".into()),
+                db: db.unwrap_or_else(|| "orders.db".into()),
+                database_url,
+                webhook,
+            }),
         }
     }
 
-    async fn create_order(
-        &self,
-        token: &str,
-        key: &str,
-        sku: &str,
-        quantity: i64,
-    ) -> Result<Reply, BoxError> {
-        let body = json!({ "sku": sku, "quantity": quantity }).to_string();
-        let request = axum::http::Request::post(format!("{}/orders", self.base))
-            .header(AUTHORIZATION, format!("Bearer {token}"))
-            .header(IDEMPOTENCY_KEY, key)
-            .header(CONTENT_TYPE, "application/json")
-            .body(Full::new(Bytes::from(body)))?;
-        let response = self.http.request(request).await?;
-        let status = response.status();
-        let replayed = response
-            .headers()
-            .get(IDEMPOTENT_REPLAYED)
-            .is_some_and(|value| value == "true");
-        let location = response.headers().get(LOCATION).cloned();
-        let body = response.into_body().collect().await?.to_bytes();
-        Ok(Reply {
-            status,
-            body: String::from_utf8(body.to_vec())?,
-            replayed,
-            location,
-        })
+    async fn run(self) -> Result<(), BoxError> {
+        match self {
+            #[cfg(feature = "postgres")]
+            Command::Serve {
+                addr,
+                database_url: Some(url),
+                webhook,
+                ..
+            } => postgres::serve(&addr, &url, webhook.as_deref()).await,
+            #[cfg(not(feature = "postgres"))]
+            Command::Serve {
+                database_url: Some(_),
+                ..
+            } => Err("--database-url needs the `postgres` feature".into()),
+            Command::Serve {
+                addr, db, webhook, ..
+            } => serve(&addr, &db, webhook.as_deref()).await,
+            Command::Demo => demo().await,
+        }
     }
 }

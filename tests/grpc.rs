@@ -1,12 +1,13 @@
-//! The gRPC example (`examples/grpc_orders.rs`) served in-process by tonic, called over real
-//! HTTP/2 on loopback with the generated tonic client: replays, conflicts, concurrent
-//! duplicates, rollbacks and the layer's rejections as gRPC statuses. Also checks that the
-//! checked-in generated code is what `proto/orders.proto` generates today.
+//! The gRPC order app of the example (`tests/apps/grpc_orders.rs`, as in
+//! `examples/grpc_orders.rs`) served in-process by tonic, called over real HTTP/2 on loopback
+//! with the generated tonic client: replays, conflicts, concurrent duplicates, rollbacks and
+//! the layer's rejections as gRPC statuses. Also runs the example's `--demo` as a process, and
+//! checks that the checked-in generated code is what `proto/orders.proto` generates today.
 
-// The example's `main`, its command line and its demo client are not all used here.
-#[allow(dead_code)]
-#[path = "../examples/grpc_orders.rs"]
-mod example;
+#[path = "apps/grpc_orders.rs"]
+mod app;
+#[path = "apps/process.rs"]
+mod process;
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -14,13 +15,11 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use app::pb::orders_client::OrdersClient;
+use app::pb::orders_server::{Orders, OrdersServer};
+use app::pb::{CreateOrderRequest, CreateOrderResponse, GetOrderRequest, ListOrdersRequest, Order};
+use app::{OrderService, CREATE_ORDER_PATH};
 use bytes::{BufMut, Bytes, BytesMut};
-use example::pb::orders_client::OrdersClient;
-use example::pb::orders_server::{Orders, OrdersServer};
-use example::pb::{
-    CreateOrderRequest, CreateOrderResponse, GetOrderRequest, ListOrdersRequest, Order,
-};
-use example::{OrderService, CREATE_ORDER_PATH};
 use http::{HeaderMap, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
@@ -145,7 +144,7 @@ impl Setup {
     async fn spawn(self) -> GrpcServer {
         let dir = tempfile::tempdir().expect("temp dir");
         let db_path = dir.path().join("orders.db");
-        let store = example::open_store(&db_path).await.expect("open store");
+        let store = app::open_store(&db_path).await.expect("open store");
         let create_calls = Arc::new(AtomicUsize::new(0));
         let fail_next_flaky = Arc::new(AtomicBool::new(false));
         let orders = TestOrders {
@@ -153,7 +152,7 @@ impl Setup {
             create_calls: create_calls.clone(),
             fail_next_flaky: fail_next_flaky.clone(),
         };
-        let layer = (self.customise)(example::idempotency_layer(store.clone()));
+        let layer = (self.customise)(app::idempotency_layer(store.clone()));
 
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
@@ -165,7 +164,7 @@ impl Setup {
         };
         let task = if self.auth {
             tokio::spawn(async move {
-                example::serve_on(listener, layer, orders, shutdown)
+                app::serve_on(listener, layer, orders, shutdown)
                     .await
                     .expect("serve");
             })
@@ -673,10 +672,10 @@ async fn a_single_wrapped_service_can_be_added_to_the_server() {
     use tower::Layer;
 
     let dir = tempfile::tempdir().expect("temp dir");
-    let store = example::open_store(&dir.path().join("orders.db"))
+    let store = app::open_store(&dir.path().join("orders.db"))
         .await
         .expect("open store");
-    let service = example::idempotency_layer(store.clone())
+    let service = app::idempotency_layer(store.clone())
         .layer(OrdersServer::new(OrderService::new(store.clone())));
     // Stands in for authentication, server-wide and outside the wrapped service.
     let authenticate = tower::util::MapRequestLayer::new(|mut request: http::Request<_>| {
@@ -775,19 +774,34 @@ async fn streaming_and_read_rpcs_pass_through_without_a_key() {
 
 // ----- the example's demo, and the generated code -----
 
+/// `cargo run --example grpc_orders -- --demo`, as CI runs it: the retry lab's six lines.
 #[tokio::test]
 async fn the_demo_runs() {
-    tokio::time::timeout(Duration::from_secs(60), example::demo())
-        .await
-        .expect("the demo finishes")
-        .expect("the demo succeeds");
+    let output = process::run_example("grpc_orders", &["--demo"], Duration::from_secs(60)).await;
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "the demo fails: {}\n{stdout}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert_eq!(
+        stdout.lines().collect::<Vec<_>>(),
+        [
+            "retry: OK {order_id: 1} orders=1",
+            "changed payload: FAILED_PRECONDITION key_reused_with_different_payload orders=1",
+            "other tenant: OK {order_id: 2} orders=2",
+            "concurrent retry: OK {order_id: 3} orders=3",
+            "injected failure: rolled back, orders=3",
+            "retry after rollback: OK {order_id: 4} orders=4",
+        ]
+    );
 }
 
 #[test]
 fn create_order_path_is_the_generated_service_path() {
     assert_eq!(
         CREATE_ORDER_PATH,
-        format!("/{}/CreateOrder", example::pb::orders_server::SERVICE_NAME)
+        format!("/{}/CreateOrder", app::pb::orders_server::SERVICE_NAME)
     );
 }
 

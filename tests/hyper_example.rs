@@ -1,76 +1,49 @@
-//! The plain hyper example (`examples/hyper_orders.rs`) served in-process, checked against the
-//! contract of DESIGN.md §1 with the shared HTTP client of `tests/common` over loopback.
+//! The plain hyper example (`examples/hyper_orders.rs`) run as a process, as `cargo run
+//! --example hyper_orders` runs it, and checked against the contract of DESIGN.md §1 with the
+//! shared HTTP client of `tests/common` over loopback.
 
 mod common;
-
-// The example's `main` and command line are not used here.
-#[allow(dead_code)]
-#[path = "../examples/hyper_orders.rs"]
-mod example;
+#[path = "apps/process.rs"]
+mod process;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
 
 use common::{orders, record_exists, Post, Reply, PATIENCE, SHOP_A, SHOP_B};
 use http::StatusCode;
+use process::{arg, ExampleProcess};
 use tokio::sync::{oneshot, Barrier};
-use tokio::task::JoinHandle;
 use tower_idempotency::store::sqlite::{rusqlite, SqliteStore};
-use tower_idempotency::IdempotencyLayer;
 
 const BOOK: &str = r#"{"sku":"book","quantity":1}"#;
 
-/// The example app on 127.0.0.1, over a fresh database file.
+/// The example on 127.0.0.1, over a fresh database file.
 struct HyperExample {
     addr: SocketAddr,
+    /// Killed first when dropped, before the directory of its file goes.
+    _process: ExampleProcess,
+    /// The test's own connection to the example's file, as another process has one: to count
+    /// rows and to inject faults.
     store: SqliteStore,
     db_path: PathBuf,
-    stop: Option<oneshot::Sender<()>>,
-    task: JoinHandle<()>,
     _dir: tempfile::TempDir,
 }
 
-impl Drop for HyperExample {
-    fn drop(&mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-        self.task.abort();
-    }
-}
-
 impl HyperExample {
-    /// The example exactly as `cargo run --example hyper_orders` serves it.
+    /// The example exactly as `cargo run --example hyper_orders -- --db FILE` serves it.
     async fn spawn() -> Self {
-        Self::spawn_with(|layer| layer).await
-    }
-
-    /// The example with its idempotency layer customised further (a shorter lock timeout).
-    async fn spawn_with(
-        customise: impl FnOnce(IdempotencyLayer<SqliteStore>) -> IdempotencyLayer<SqliteStore>,
-    ) -> Self {
         let dir = tempfile::tempdir().expect("temp dir");
         let db_path = dir.path().join("orders.db");
-        let store = example::open_store(&db_path).await.expect("open store");
-        let mut app = example::App::new(store.clone());
-        app.idempotency = customise(app.idempotency);
-
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        let process = ExampleProcess::start("hyper_orders", &["--db", arg(&db_path)]).await;
+        let store = SqliteStore::open(&db_path)
             .await
-            .expect("bind");
-        let addr = listener.local_addr().expect("local addr");
-        let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(example::serve_on(listener, app, async {
-            let _ = stopped.await;
-        }));
+            .expect("open the example's database");
         HyperExample {
-            addr,
+            addr: process.addr,
+            _process: process,
             store,
             db_path,
-            stop: Some(stop),
-            task,
             _dir: dir,
         }
     }
@@ -345,8 +318,8 @@ async fn body_over_the_limit_is_413() {
 
 #[tokio::test]
 async fn store_busy_past_the_lock_timeout_is_503_then_the_retry_succeeds() {
-    let server =
-        HyperExample::spawn_with(|layer| layer.with_lock_timeout(Duration::from_millis(300))).await;
+    // The example keeps the default lock timeout, 5 s: the busy answer takes that long.
+    let server = HyperExample::spawn().await;
 
     // Another process: its own connection to the same file, holding SQLite's write lock.
     let path = server.db_path.clone();

@@ -1,6 +1,7 @@
 //! The outbox end to end over real HTTP: the order app enqueues `order_created` in each
 //! order's transaction, relays POST the events to the inventory example (`examples/inventory.rs`,
-//! served in-process on loopback), and the inventory's inbox applies each event once.
+//! run as a process on loopback, behind a proxy that logs each delivery), and the inventory's
+//! inbox applies each event once.
 //!
 //! - A relay killed after the receiver accepted an event but before marking it delivered: the
 //!   next relay delivers it again with the same id, and the receiver acknowledges it without
@@ -9,11 +10,8 @@
 //!   exactly once between them.
 
 mod common;
-
-// The example's `main` and command line are not used here.
-#[allow(dead_code)]
-#[path = "../examples/inventory.rs"]
-mod inventory;
+#[path = "apps/process.rs"]
+mod process;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -21,19 +19,22 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::extract::{Request, State};
-use axum::middleware::{self, Next};
 use axum::response::Response;
+use axum::Router;
+use bytes::Bytes;
 use common::{hook, post, HookOutcome, TestServer, PATIENCE, SHOP_A};
 use http::StatusCode;
-use http_body_util::BodyExt;
+use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
+use process::{arg, ExampleProcess};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tower::ServiceExt;
 use tower_idempotency::body::{BoxError, RequestBody};
+use tower_idempotency::outbox::inbox::SqliteInbox;
 use tower_idempotency::outbox::sqlite::{enqueue, SqliteOutbox};
 use tower_idempotency::outbox::{
     sink_fn, EventId, EventStatus, HttpSink, OutboxEvent, OutboxStore, Relay,
@@ -51,44 +52,56 @@ struct Delivery {
     answer: Value,
 }
 
-/// The inventory example on 127.0.0.1, with every delivery logged.
+/// The inventory example as a process on a fresh SQLite file, behind a loopback proxy that
+/// logs every delivery.
 struct InventoryServer {
+    /// The proxy's address: where the relays deliver.
     addr: SocketAddr,
-    inventory: inventory::Inventory,
     deliveries: Arc<Mutex<Vec<Delivery>>>,
-    task: JoinHandle<()>,
+    proxy: JoinHandle<()>,
+    /// Killed first when dropped, before the directory of its file goes.
+    process: ExampleProcess,
+    /// The test's own connection to the inventory's file.
+    store: SqliteStore,
     _dir: tempfile::TempDir,
 }
 
 impl Drop for InventoryServer {
     fn drop(&mut self) {
-        self.task.abort();
+        self.proxy.abort();
     }
 }
 
 impl InventoryServer {
-    async fn spawn() -> Self {
+    /// `inventory --db FILE ARGS...`, behind the logging proxy.
+    async fn spawn(args: &[&str]) -> Self {
         let dir = tempfile::tempdir().expect("temp dir");
-        let inventory = inventory::Inventory::open(&dir.path().join("inventory.db"), None)
+        let db = dir.path().join("inventory.db");
+        let process =
+            ExampleProcess::start("inventory", &[&["--db", arg(&db)][..], args].concat()).await;
+        let store = SqliteStore::open(&db)
             .await
-            .expect("open inventory");
+            .expect("open the inventory's database");
         let deliveries = Arc::new(Mutex::new(Vec::new()));
-        let app = inventory::app(inventory.clone()).layer(middleware::from_fn_with_state(
-            deliveries.clone(),
-            log_delivery,
-        ));
+        let proxy = Proxy {
+            upstream: process.addr,
+            client: Client::builder(TokioExecutor::new()).build_http(),
+            deliveries: deliveries.clone(),
+        };
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
         let addr = listener.local_addr().expect("addr");
-        let task = tokio::spawn(async move {
-            axum::serve(listener, app).await.expect("serve inventory");
+        let app = Router::new().fallback(forward).with_state(proxy);
+        let proxy = tokio::spawn(async move {
+            axum::serve(listener, app).await.expect("serve the proxy");
         });
         InventoryServer {
             addr,
-            inventory,
             deliveries,
-            task,
+            proxy,
+            process,
+            store,
             _dir: dir,
         }
     }
@@ -101,30 +114,68 @@ impl InventoryServer {
         self.deliveries.lock().expect("deliveries").clone()
     }
 
+    /// How many reservations the inventory made.
     async fn reservations(&self) -> i64 {
-        self.inventory
-            .reservation_count()
+        self.stock().await["reservations"]
+            .as_i64()
+            .expect("a count of reservations")
+    }
+
+    /// `GET /stock` on the example: `{"reserved":{"book":2},"reservations":1}`.
+    async fn stock(&self) -> Value {
+        let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+        let uri: http::Uri = format!("http://{}/stock", self.process.addr)
+            .parse()
+            .expect("uri");
+        let response = tokio::time::timeout(PATIENCE, client.get(uri))
             .await
-            .expect("reservations")
+            .expect("stock in time")
+            .expect("GET /stock");
+        assert_eq!(response.status(), StatusCode::OK);
+        let body = response.into_body().collect().await.expect("stock body");
+        serde_json::from_slice(&body.to_bytes()).expect("stock is JSON")
+    }
+
+    /// Whether the inventory's inbox recorded `event_id`.
+    async fn processed(&self, event_id: &str) -> bool {
+        SqliteInbox::install(&self.store, "inventory")
+            .await
+            .expect("the inventory's inbox")
+            .contains(event_id)
+            .await
+            .expect("inbox")
     }
 }
 
-/// Logs the event id and the answer of every `POST /events`.
-async fn log_delivery(
-    State(deliveries): State<Arc<Mutex<Vec<Delivery>>>>,
-    request: Request,
-    next: Next,
-) -> Response {
+/// The proxy in front of the inventory example.
+#[derive(Clone)]
+struct Proxy {
+    upstream: SocketAddr,
+    client: Client<HttpConnector, Full<Bytes>>,
+    deliveries: Arc<Mutex<Vec<Delivery>>>,
+}
+
+/// Forwards a request to the inventory, and logs the event id and the answer of each.
+async fn forward(State(proxy): State<Proxy>, request: Request) -> Response {
     let event_id = request
         .headers()
         .get(IDEMPOTENCY_KEY)
         .and_then(|v| v.to_str().ok())
         .unwrap_or_default()
         .to_owned();
-    let response = next.run(request).await;
+    let (mut parts, body) = request.into_parts();
+    let body = body.collect().await.expect("delivery").to_bytes();
+    parts.uri = format!("http://{}{}", proxy.upstream, parts.uri.path())
+        .parse()
+        .expect("uri");
+    let response = proxy
+        .client
+        .request(http::Request::from_parts(parts, Full::new(body)))
+        .await
+        .expect("the inventory answers");
     let (parts, body) = response.into_parts();
     let body = body.collect().await.expect("inventory answer").to_bytes();
-    deliveries.lock().expect("deliveries").push(Delivery {
+    proxy.deliveries.lock().expect("deliveries").push(Delivery {
         event_id,
         status: parts.status,
         answer: serde_json::from_slice(&body).unwrap_or(Value::Null),
@@ -190,7 +241,7 @@ async fn wait_delivered(outbox: &SqliteOutbox, delivered: u64) {
 
 #[tokio::test]
 async fn a_relay_killed_after_delivery_redelivers_the_same_id_and_the_receiver_applies_it_once() {
-    let inventory = InventoryServer::spawn().await;
+    let inventory = InventoryServer::spawn(&[]).await;
     let orders = order_app().await;
     let outbox = SqliteOutbox::existing(&orders.store);
 
@@ -256,14 +307,8 @@ async fn a_relay_killed_after_delivery_redelivers_the_same_id_and_the_receiver_a
     assert_eq!(deliveries[1].answer["status"], "duplicate");
     // Applied once: one reservation of 2 books, and the id is in the receiver's inbox.
     assert_eq!(inventory.reservations().await, 1);
-    let reserved = inventory.inventory.reserved().await.expect("reserved");
-    assert_eq!(reserved.get("book"), Some(&json!(2)));
-    assert!(inventory
-        .inventory
-        .inbox
-        .contains(&event_id)
-        .await
-        .expect("inbox"));
+    assert_eq!(inventory.stock().await["reserved"]["book"], json!(2));
+    assert!(inventory.processed(&event_id).await);
     let event = outbox.event(&event_id).await.expect("read").expect("event");
     assert_eq!((event.status, event.attempts), (EventStatus::Delivered, 2));
 }
@@ -271,7 +316,7 @@ async fn a_relay_killed_after_delivery_redelivers_the_same_id_and_the_receiver_a
 #[tokio::test]
 async fn two_relays_at_once_deliver_each_event_exactly_once() {
     const EVENTS: i64 = 40;
-    let inventory = InventoryServer::spawn().await;
+    let inventory = InventoryServer::spawn(&[]).await;
     let orders = order_app().await;
     // The events of 40 orders, committed before the relays start.
     orders
@@ -330,19 +375,8 @@ async fn two_relays_at_once_deliver_each_event_exactly_once() {
 
 #[tokio::test]
 async fn the_receiver_refusing_an_event_leaves_it_for_retry_and_reserves_nothing() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let inventory =
-        inventory::Inventory::open(&dir.path().join("inventory.db"), Some("broken".into()))
-            .await
-            .expect("open inventory");
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let url: http::Uri = format!("http://{}/events", listener.local_addr().expect("addr"))
-        .parse()
-        .expect("uri");
-    let app = inventory::app(inventory.clone());
-    let server = tokio::spawn(async move { axum::serve(listener, app).await.expect("serve") });
+    let inventory = InventoryServer::spawn(&["--reject-sku", "broken"]).await;
+    let url = inventory.events_url();
 
     let orders = order_app().await;
     let reply = post(
@@ -369,6 +403,5 @@ async fn the_receiver_refusing_an_event_leaves_it_for_retry_and_reserves_nothing
         error.contains("422") && error.contains("unknown_sku"),
         "the receiver's answer is kept for the operator: {error}"
     );
-    assert_eq!(inventory.reservation_count().await.expect("count"), 0);
-    server.abort();
+    assert_eq!(inventory.reservations().await, 0);
 }

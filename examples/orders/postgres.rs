@@ -8,23 +8,22 @@ use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::{Path, State};
-use axum::http::header::LOCATION;
-use axum::http::StatusCode;
 use axum::middleware;
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use serde_json::{json, Value};
-use tokio::net::TcpListener;
 use tower_idempotency::extract::Tx;
-use tower_idempotency::fingerprint::Fingerprinter;
 use tower_idempotency::outbox::postgres::{enqueue, PostgresOutbox};
 use tower_idempotency::outbox::Relay;
 use tower_idempotency::store::continuously_purge_expired;
 use tower_idempotency::store::postgres::{PostgresStore, PostgresTransaction};
-use tower_idempotency::{IdempotencyLayer, Tenant};
+use tower_idempotency::Tenant;
 
-use super::{authenticate, ctrl_c, webhook_sink, ApiError, BoxError, NewOrder};
+use super::{
+    authenticate, created, idempotency, order_created, serve_app, webhook_sink, ApiError, BoxError,
+    NewOrder,
+};
 
 /// The business table, next to `idempotency_records` (which the store creates).
 const ORDERS_SCHEMA: &str = "
@@ -54,29 +53,18 @@ pub(crate) async fn serve(addr: &str, url: &str, webhook: Option<&str>) -> Resul
         1000,
     ));
 
-    let listener = TcpListener::bind(addr)
-        .await
-        .map_err(|error| format!("cannot listen on {addr}: {error}"))?;
-    let local = listener.local_addr()?;
+    let (listener, local) = crate::cli::listen(addr).await?;
     // The URL is not printed: it may carry a password.
     println!("listening on http://{local} (database PostgreSQL)");
-    // After the first line, which scripts and tests read for the address.
-    if let Some(url) = webhook {
-        println!("relaying outbox events to {url}");
-    }
-
-    axum::serve(listener, app(store))
-        .with_graceful_shutdown(ctrl_c())
-        .await?;
-    Ok(())
+    serve_app(listener, app(store), webhook).await
 }
 
 fn app(store: PostgresStore) -> Router {
-    let idempotency = IdempotencyLayer::new(store.clone())
-        .with_operation("create_order")
-        .with_fingerprinter(Fingerprinter::json());
     Router::new()
-        .route("/orders", post(create_order).layer(idempotency))
+        .route(
+            "/orders",
+            post(create_order).layer(idempotency(store.clone())),
+        )
         .route("/orders/{id}", get(get_order))
         .layer(middleware::from_fn(authenticate))
         .with_state(store)
@@ -89,7 +77,7 @@ async fn create_order(
     Tx(tx): Tx<PostgresTransaction>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    let order = NewOrder::parse(&body)?;
+    let order = NewOrder::from_json(&body).map_err(ApiError::Invalid)?;
     let client = tx.client().await.map_err(internal)?;
     let insert = client
         .prepare_cached(
@@ -104,21 +92,11 @@ async fn create_order(
         .map_err(internal)?;
     // Reserving stock is another service's job: the event commits with the order, and the
     // relay delivers it once the order is durable.
-    let event = json!({
-        "order_id": order_id,
-        "tenant": tenant.as_str(),
-        "sku": order.sku,
-        "quantity": order.quantity,
-    });
+    let event = order_created(order_id, &tenant, &order);
     enqueue(&client, "order_created", &event)
         .await
         .map_err(internal)?;
-    let response = (
-        StatusCode::CREATED,
-        [(LOCATION, format!("/orders/{order_id}"))],
-        Json(json!({ "order_id": order_id })),
-    );
-    Ok(response.into_response())
+    Ok(created(order_id))
 }
 
 /// `GET /orders/{id}`: the caller's own order; another tenant's is a 404.

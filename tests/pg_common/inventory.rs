@@ -368,36 +368,9 @@ fn reply(status: StatusCode, body: Value) -> Response {
     (status, Json(body)).into_response()
 }
 
-/// The `inventory` example binary, up to date (built once per test binary: `cargo test --test
-/// NAME` does not build examples, and one left in `target/` may be stale).
-fn inventory_binary() -> std::path::PathBuf {
-    static BINARY: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
-    BINARY
-        .get_or_init(|| {
-            let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-            let mut command = std::process::Command::new(cargo);
-            command
-                .current_dir(env!("CARGO_MANIFEST_DIR"))
-                .args(["build", "--example", "inventory", "--message-format=json"])
-                .stderr(std::process::Stdio::inherit());
-            if !cfg!(debug_assertions) {
-                command.arg("--release");
-            }
-            let output = command.output().expect("run cargo build");
-            assert!(
-                output.status.success(),
-                "`cargo build --example inventory` failed"
-            );
-            String::from_utf8_lossy(&output.stdout)
-                .lines()
-                .filter_map(|line| serde_json::from_str::<Value>(line).ok())
-                .filter(|message| message["reason"] == "compiler-artifact")
-                .filter(|message| message["target"]["name"] == "inventory")
-                .find_map(|message| message["executable"].as_str().map(Into::into))
-                .expect("cargo reported the inventory executable")
-        })
-        .clone()
-}
+/// The example as a child process.
+#[path = "../apps/process.rs"]
+mod process;
 
 /// `inventory --addr 127.0.0.1:0 ARGS...` (the example), a child process killed when dropped,
 /// with its stdout lines (one per delivery) readable by the test.
@@ -405,65 +378,25 @@ pub struct InventoryProcess {
     pub addr: SocketAddr,
     /// The first line: `listening on http://ADDR (database ...); ...`.
     pub banner: String,
-    lines: tokio::sync::mpsc::UnboundedReceiver<String>,
-    _child: tokio::process::Child,
+    process: process::ExampleProcess,
 }
 
 impl InventoryProcess {
     /// Starts the example with these arguments and waits until it listens.
     pub async fn start(args: &[&str]) -> InventoryProcess {
-        use tokio::io::{AsyncBufReadExt, BufReader};
-
-        let mut child = tokio::process::Command::new(inventory_binary())
-            .args(["--addr", "127.0.0.1:0"])
-            .args(args)
-            .env("RUST_LOG", "error")
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::inherit())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("start the inventory example");
-        let mut stdout = BufReader::new(child.stdout.take().expect("piped stdout")).lines();
-        let banner = tokio::time::timeout(PATIENCE, stdout.next_line())
-            .await
-            .expect("the inventory starts in time")
-            .expect("read its stdout")
-            .expect("the inventory printed its address");
-        let addr = banner
-            .strip_prefix("listening on http://")
-            .and_then(|rest| rest.split_whitespace().next())
-            .and_then(|addr| addr.parse().ok())
-            .unwrap_or_else(|| panic!("unexpected first line: {banner}"));
-        // Keep draining stdout, so that the child never blocks on a full pipe.
-        let (sender, lines) = tokio::sync::mpsc::unbounded_channel();
-        tokio::spawn(async move {
-            while let Ok(Some(line)) = stdout.next_line().await {
-                let _ = sender.send(line);
-            }
-        });
+        let process = process::ExampleProcess::start("inventory", args).await;
         InventoryProcess {
-            addr,
-            banner,
-            lines,
-            _child: child,
+            addr: process.addr,
+            banner: process.banner.clone(),
+            process,
         }
     }
 
     /// Runs the example with these arguments (and `--addr 127.0.0.1:0`) to its end: for the
     /// command lines that exit at once.
     pub async fn run(args: &[&str]) -> std::process::Output {
-        let run = tokio::process::Command::new(inventory_binary())
-            .args(["--addr", "127.0.0.1:0"])
-            .args(args)
-            .env("RUST_LOG", "error")
-            .stdin(std::process::Stdio::null())
-            .kill_on_drop(true)
-            .output();
-        tokio::time::timeout(PATIENCE, run)
-            .await
-            .expect("the inventory exits in time")
-            .expect("run the inventory example")
+        let args = [&["--addr", "127.0.0.1:0"][..], args].concat();
+        process::run_example("inventory", &args, PATIENCE).await
     }
 
     pub fn events_url(&self) -> http::Uri {
@@ -472,10 +405,7 @@ impl InventoryProcess {
 
     /// The next line the example printed (a delivery: `event ID: ...`).
     pub async fn next_line(&mut self) -> String {
-        tokio::time::timeout(PATIENCE, self.lines.recv())
-            .await
-            .expect("the inventory printed a line in time")
-            .expect("the inventory is still running")
+        self.process.next_line().await
     }
 
     /// `POST /events` by hand, as a relay would: the event id as `Idempotency-Key`, the topic

@@ -1,0 +1,138 @@
+//! The example programs as child processes, for the tests that check an example as a user runs
+//! it: built once per test binary, started on `127.0.0.1:0`, their stdout readable line by line.
+
+// Not every test that includes this file uses all of it.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Output, Stdio};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+use tokio::sync::mpsc;
+
+/// How long an example may take to start, or to print a line the test waits for: reached only
+/// when the test fails.
+const PATIENCE: Duration = Duration::from_secs(10);
+
+/// The example `name`'s binary, up to date.
+///
+/// `cargo test` builds examples, but `cargo test --test NAME` does not, and a binary left in
+/// `target/` may be stale. So the first call for an example in a test binary runs
+/// `cargo build --example NAME` (the cargo that runs the tests, the same profile and target
+/// directory: a no-op when `cargo test` has just built it) and takes the path cargo reports.
+pub fn example_binary(name: &str) -> PathBuf {
+    static BUILT: Mutex<Option<HashMap<String, PathBuf>>> = Mutex::new(None);
+    let mut built = BUILT
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let built = built.get_or_insert_with(HashMap::new);
+    if let Some(binary) = built.get(name) {
+        return binary.clone();
+    }
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let mut command = std::process::Command::new(cargo);
+    command
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .args(["build", "--example", name, "--message-format=json"])
+        .stderr(Stdio::inherit());
+    if !cfg!(debug_assertions) {
+        command.arg("--release");
+    }
+    let output = command.output().expect("run cargo build");
+    assert!(
+        output.status.success(),
+        "`cargo build --example {name}` failed"
+    );
+    let binary = String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter(|message| message["reason"] == "compiler-artifact")
+        .filter(|message| message["target"]["name"] == name)
+        .find_map(|message| message["executable"].as_str().map(PathBuf::from))
+        .unwrap_or_else(|| panic!("cargo reported no executable for example {name}"));
+    built.insert(name.to_owned(), binary.clone());
+    binary
+}
+
+/// `NAME --addr 127.0.0.1:0 ARGS...`, a child process killed when dropped.
+pub struct ExampleProcess {
+    /// The address it printed on its first line.
+    pub addr: SocketAddr,
+    /// That first line: `listening on http://ADDR (database ...); ...`.
+    pub banner: String,
+    lines: mpsc::UnboundedReceiver<String>,
+    child: Child,
+}
+
+impl ExampleProcess {
+    /// Starts the example with these arguments and waits until it listens.
+    pub async fn start(name: &str, args: &[&str]) -> ExampleProcess {
+        let mut child = Command::new(example_binary(name))
+            .args(["--addr", "127.0.0.1:0"])
+            .args(args)
+            .env("RUST_LOG", "error")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap_or_else(|error| panic!("start the {name} example: {error}"));
+        let mut stdout = BufReader::new(child.stdout.take().expect("piped stdout")).lines();
+        let banner = tokio::time::timeout(PATIENCE, stdout.next_line())
+            .await
+            .expect("the example starts in time")
+            .expect("read its stdout")
+            .expect("the example printed its address");
+        let addr = banner
+            .strip_prefix("listening on http://")
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|addr| addr.parse().ok())
+            .unwrap_or_else(|| panic!("unexpected first line: {banner}"));
+        // Keep draining stdout, so that the child never blocks on a full pipe.
+        let (sender, lines) = mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            while let Ok(Some(line)) = stdout.next_line().await {
+                let _ = sender.send(line);
+            }
+        });
+        ExampleProcess {
+            addr,
+            banner,
+            lines,
+            child,
+        }
+    }
+
+    /// The next line the example printed after its first.
+    pub async fn next_line(&mut self) -> String {
+        tokio::time::timeout(PATIENCE, self.lines.recv())
+            .await
+            .expect("the example printed a line in time")
+            .expect("the example is still running")
+    }
+}
+
+/// Runs the example with these arguments to its end (at most `patience`): for the command
+/// lines that exit by themselves, such as `--demo`.
+pub async fn run_example(name: &str, args: &[&str], patience: Duration) -> Output {
+    let run = Command::new(example_binary(name))
+        .args(args)
+        .env("RUST_LOG", "error")
+        .stdin(Stdio::null())
+        .kill_on_drop(true)
+        .output();
+    tokio::time::timeout(patience, run)
+        .await
+        .unwrap_or_else(|_| panic!("the {name} example exits within {patience:?}"))
+        .unwrap_or_else(|error| panic!("run the {name} example: {error}"))
+}
+
+/// A path as an argument.
+pub fn arg(path: &Path) -> &str {
+    path.to_str().expect("a UTF-8 path")
+}
