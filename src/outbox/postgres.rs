@@ -61,6 +61,7 @@ use super::{
     Outbox, OutboxBackend, OutboxCounts, OutboxEvent, OutboxStore, Processed, Receipt, Settlement,
 };
 use crate::error::Error;
+use crate::store::postgres::migrate::install_schema;
 use crate::store::postgres::{Executor, PostgresStore, PostgresTransaction, TransactionClient};
 use crate::store::{from_unix_millis, to_unix_millis};
 
@@ -143,22 +144,6 @@ pub type PostgresOutbox = Outbox<PostgresStore>;
 /// [`client`](PostgresTransaction::client), do not `COMMIT`), on a transaction of the inbox's
 /// own, and the closure returns a future.
 pub type PostgresInbox = Inbox<PostgresStore>;
-
-/// Creates tables in one transaction under a transaction-level advisory lock, so that
-/// instances starting at the same time do not race on PostgreSQL's catalog.
-pub(crate) async fn install_schema(
-    store: &PostgresStore,
-    lock: i64,
-    schema: &str,
-) -> Result<(), Error> {
-    let mut client = store.client().await?;
-    let tx = client.transaction().await?;
-    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&lock])
-        .await?;
-    tx.batch_execute(schema).await?;
-    tx.commit().await?;
-    Ok(())
-}
 
 /// Adds an event to the outbox through `client`: a
 /// [`TransactionClient`] of the request's
@@ -362,7 +347,7 @@ fn raw_event(row: &Row) -> Result<RawEvent, Error> {
 /// Statements run in autocommit on pooled connections of the store.
 impl OutboxBackend for PostgresStore {
     async fn install_outbox(&self) -> Result<(), Error> {
-        install_schema(self, OUTBOX_INSTALL_LOCK, SCHEMA).await
+        install_schema(self, OUTBOX_INSTALL_LOCK, SCHEMA, &[]).await
     }
 
     async fn event(&self, id: &str) -> Result<Option<EventInfo>, Error> {
@@ -496,7 +481,7 @@ impl InboxBackend for PostgresStore {
     type Resolved<T: Send + 'static> = Pin<Box<dyn Future<Output = Result<T, Error>> + Send>>;
 
     async fn install_inbox(&self) -> Result<(), Error> {
-        install_schema(self, INBOX_INSTALL_LOCK, INBOX_SCHEMA).await
+        install_schema(self, INBOX_INSTALL_LOCK, INBOX_SCHEMA, &[]).await
     }
 
     async fn record_in(

@@ -1,12 +1,15 @@
 //! The checks every backend makes on a saved record's columns as read back: the fingerprint's
-//! version and length, the status code and the encoded headers. One function, so that a store
-//! and the admin calls refuse the same corrupt rows with the same errors.
+//! version and length, the status code and the encoded headers (and, for a whole record, the
+//! trailers). One function, so that the stores and the admin calls refuse the same corrupt
+//! rows with the same errors.
 
+use bytes::Bytes;
 use http::{HeaderName, HeaderValue, StatusCode};
 
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 use crate::response::SavedResponse;
+use crate::store::{from_unix_millis, StoredRecord};
 
 /// A record's checked columns.
 pub(crate) struct SavedColumns {
@@ -38,6 +41,32 @@ impl SavedColumns {
             fingerprint: Fingerprint::new(version, digest),
             status,
             headers,
+        })
+    }
+
+    /// The record of a row with these columns, its body, its encoded `trailers` (if any) and
+    /// its times (Unix milliseconds). Trailers that do not decode are [`Error::Corrupt`].
+    pub(crate) fn into_record(
+        self,
+        body: Bytes,
+        trailers: Option<&str>,
+        created_at: i64,
+        expires_at: i64,
+    ) -> Result<StoredRecord, Error> {
+        let trailers = trailers
+            .map(SavedResponse::decode_headers)
+            .transpose()
+            .map_err(Error::Corrupt)?;
+        Ok(StoredRecord {
+            fingerprint: self.fingerprint,
+            response: SavedResponse {
+                status: self.status,
+                headers: self.headers,
+                body,
+                trailers,
+            },
+            created_at: from_unix_millis(created_at),
+            expires_at: from_unix_millis(expires_at),
         })
     }
 }

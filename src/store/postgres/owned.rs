@@ -5,7 +5,8 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use super::{PostgresStore, PostgresTransaction, Slot, TxShared, RESERVATION_SETTING};
+use super::slot::{Slot, TxShared};
+use super::{PostgresStore, PostgresTransaction, RESERVATION_SETTING};
 use crate::error::Error;
 
 impl PostgresStore {

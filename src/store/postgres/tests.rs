@@ -1,19 +1,25 @@
-//! White-box checks of the commit path against a real PostgreSQL (`TEST_DATABASE_URL`): what
-//! `commit` does when the transaction it holds is no longer the one `begin` opened. Handles
-//! refuse transaction control, so these end the transaction through the connection itself.
+//! White-box checks against a real PostgreSQL (`TEST_DATABASE_URL`): what `commit` does when
+//! the transaction it holds is no longer the one `begin` opened (handles refuse transaction
+//! control, so these end the transaction through the connection itself), and a store on a
+//! pool of the app's own.
 
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
+use deadpool_postgres::{Manager, Pool};
 use http::StatusCode;
+use tokio_postgres::NoTls;
 
 use super::*;
+use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
-use crate::store::{Begin, IdempotencyStore, StoreTransaction};
+use crate::response::SavedResponse;
+use crate::store::{Begin, IdempotencyStore, NewRecord, Scope, StoreTransaction};
 
-/// A store in a schema of its own, and the admin client that drops the schema.
-async fn store() -> (PostgresStore, tokio_postgres::Client, String) {
+/// A schema of its own: the admin client that drops it, its name, and settings whose
+/// connections use it.
+async fn schema() -> (tokio_postgres::Client, String, tokio_postgres::Config) {
     let url = std::env::var("TEST_DATABASE_URL").expect("TEST_DATABASE_URL");
     let (admin, connection) = tokio_postgres::connect(&url, NoTls).await.expect("connect");
     tokio::spawn(connection);
@@ -28,6 +34,12 @@ async fn store() -> (PostgresStore, tokio_postgres::Client, String) {
         .expect("schema");
     let mut config: tokio_postgres::Config = url.parse().expect("url");
     config.options(format!("-c search_path={schema}"));
+    (admin, schema, config)
+}
+
+/// A store in a schema of its own, and the admin client that drops the schema.
+async fn store() -> (PostgresStore, tokio_postgres::Client, String) {
+    let (admin, schema, config) = schema().await;
     let store = PostgresStore::builder(config)
         .connect()
         .await
@@ -141,6 +153,104 @@ async fn a_transaction_rolled_back_behind_the_layer_saves_nothing_and_frees_the_
         .await
         .expect("lookup")
         .is_some());
+    admin
+        .batch_execute(&format!("DROP SCHEMA {schema} CASCADE"))
+        .await
+        .expect("drop");
+}
+
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
+#[tokio::test]
+async fn a_store_on_the_apps_own_pool_installs_reserves_and_replays_through_it() {
+    let (admin, schema, config) = schema().await;
+    let pool = Pool::builder(Manager::new(config.clone(), NoTls))
+        .max_size(2)
+        .build()
+        .expect("pool");
+    let table_exists = || async {
+        admin
+            .query_one(
+                "SELECT to_regclass($1) IS NOT NULL",
+                &[&format!("{schema}.idempotency_records")],
+            )
+            .await
+            .expect("to_regclass")
+            .get::<_, bool>(0)
+    };
+
+    // Without schema creation, connecting only takes a connection from the pool; the
+    // migration is then a call of its own.
+    let unmigrated = PostgresStore::from_pool(pool.clone())
+        .create_schema(false)
+        .connect()
+        .await
+        .expect("store without schema creation");
+    assert!(!table_exists().await, "nothing was created");
+    unmigrated.migrate().await.expect("migrate");
+    assert!(table_exists().await, "migrate created the table");
+    drop(unmigrated);
+
+    // With it (the default; the table is there already, so it changes nothing), the store
+    // reserves, commits and replays on the app's pool: writes and reads share it.
+    let store = PostgresStore::from_pool(pool.clone())
+        .read_wait(Duration::from_millis(200))
+        .connect()
+        .await
+        .expect("store");
+    assert_eq!(store.pool().status().max_size, 2, "the app's pool itself");
+    let scope = scope("own-pool");
+    reserve(&store, &scope)
+        .await
+        .commit(record())
+        .await
+        .expect("commit");
+    let replayed = store
+        .lookup(&scope, SystemTime::now())
+        .await
+        .expect("lookup")
+        .expect("the saved record");
+    assert_eq!(replayed.response.status, StatusCode::CREATED);
+    {
+        // The app's own connections see the record; while they hold the whole pool, the
+        // replay check (which reads from the same pool) gives up after `read_wait`.
+        let first = pool.get().await.expect("connection");
+        let _second = pool.get().await.expect("connection");
+        let completed: i64 = first
+            .query_one(
+                "SELECT count(*) FROM idempotency_records WHERE state = 'completed'",
+                &[],
+            )
+            .await
+            .expect("count")
+            .get(0);
+        assert_eq!(completed, 1);
+        let waited = store.lookup(&scope, SystemTime::now()).await;
+        assert!(matches!(waited, Err(Error::Busy)), "{waited:?}");
+    }
+
+    // A read pool of its own serves the replay check instead.
+    let reads = Pool::builder(Manager::new(config, NoTls))
+        .max_size(1)
+        .build()
+        .expect("read pool");
+    let store = PostgresStore::from_pool(pool.clone())
+        .read_pool(reads.clone())
+        .connect()
+        .await
+        .expect("store with a read pool");
+    assert_eq!(reads.status().size, 0);
+    assert!(store
+        .lookup(&scope, SystemTime::now())
+        .await
+        .expect("lookup")
+        .is_some());
+    assert_eq!(
+        reads.status().size,
+        1,
+        "the replay check used the read pool"
+    );
+
+    drop((store, pool, reads));
     admin
         .batch_execute(&format!("DROP SCHEMA {schema} CASCADE"))
         .await

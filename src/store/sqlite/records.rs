@@ -1,18 +1,16 @@
 //! The records table: its schema, the statements that read, save and delete records, and
-//! the decoding of a row into a [`StoredRecord`].
+//! the reading of a row into a [`StoredRecord`] (checked by [`SavedColumns`]).
 //!
 //! Plain functions on a [`Connection`]: the writer runs them inside a request's savepoint
 //! (`check_existing`, `insert_record`) or alone (`purge_expired`), the reader connections of
 //! the fast path run `read_record`.
 
 use bytes::Bytes;
-use http::StatusCode;
 use rusqlite::{params, Connection, OptionalExtension};
 
 use crate::error::Error;
-use crate::fingerprint::Fingerprint;
 use crate::response::SavedResponse;
-use crate::store::{from_unix_millis, to_unix_millis, NewRecord, Scope, StoredRecord};
+use crate::store::{to_unix_millis, NewRecord, SavedColumns, Scope, StoredRecord};
 
 /// The records table, created when the store opens.
 pub(super) const SCHEMA: &str = "
@@ -62,31 +60,14 @@ pub(super) fn read_record(conn: &Connection, scope: &Scope) -> Result<Option<Sto
     else {
         return Ok(None);
     };
-    let version =
-        u16::try_from(version).map_err(|_| Error::Corrupt("fingerprint version".into()))?;
-    let digest: [u8; 32] = digest
-        .try_into()
-        .map_err(|_| Error::Corrupt("fingerprint length".into()))?;
-    let status = u16::try_from(status)
-        .ok()
-        .and_then(|s| StatusCode::from_u16(s).ok())
-        .ok_or_else(|| Error::Corrupt("status".into()))?;
-    let headers = SavedResponse::decode_headers(&headers).map_err(Error::Corrupt)?;
-    let trailers = trailers
-        .map(|t| SavedResponse::decode_headers(&t))
-        .transpose()
-        .map_err(Error::Corrupt)?;
-    Ok(Some(StoredRecord {
-        fingerprint: Fingerprint::new(version, digest),
-        response: SavedResponse {
-            status,
-            headers,
-            body: Bytes::from(body),
-            trailers,
-        },
-        created_at: from_unix_millis(created_at),
-        expires_at: from_unix_millis(expires_at),
-    }))
+    SavedColumns::decode(version, &digest, status, &headers)?
+        .into_record(
+            Bytes::from(body),
+            trailers.as_deref(),
+            created_at,
+            expires_at,
+        )
+        .map(Some)
 }
 
 /// Saves the idempotency record (in the request's savepoint).

@@ -1,0 +1,298 @@
+//! Reserving a key and ending the request's transaction: `try_begin` takes a connection and
+//! [`reserve`] sends the `BEGIN` and the reservation's `INSERT` in one flight (then, for a
+//! duplicate, replays or takes over its record); [`PostgresReservation`] is the layer's side of
+//! the open transaction, whose `commit` sends the completed record and `COMMIT` in one flight,
+//! checked by the reservation row's `xmin`.
+
+use std::fmt;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use tokio::time::Instant;
+use tokio_postgres::error::SqlState;
+use tokio_postgres::row::Row;
+use tokio_postgres::types::ToSql;
+
+use super::slot::{Slot, TxShared};
+use super::store::pool_error;
+use super::{
+    Isolation, PostgresStore, PostgresTransaction, COMPLETE_RECORD, INSERT_RESERVATION,
+    SELECT_RECORD, TAKE_OVER,
+};
+use crate::error::Error;
+use crate::response::SavedResponse;
+use crate::store::{
+    to_unix_millis, Begin, NewRecord, SavedColumns, Scope, StoreTransaction, StoredRecord,
+};
+
+impl PostgresStore {
+    /// One attempt at opening the transaction and reserving the scope.
+    pub(super) async fn try_begin(
+        &self,
+        scope: &Scope,
+        deadline: Instant,
+        now: i64,
+    ) -> Result<Begin<PostgresReservation>, Error> {
+        let object = tokio::time::timeout_at(deadline, self.shared.transactions.get())
+            .await
+            .map_err(|_| Error::Busy)?
+            .map_err(pool_error)?;
+        // From here on, dropping this future (the client went away) discards the connection,
+        // which rolls back whatever the server has done for it.
+        let mut slot = Slot {
+            object: Some(object),
+        };
+        let token = self.shared.reservations.fetch_add(1, Ordering::Relaxed);
+        match reserve(&slot, scope, deadline, now, self.shared.isolation).await {
+            Ok(Reserved::Row(row_id)) => Ok(Begin::Reserved(PostgresReservation {
+                tx: Arc::new(TxShared::new(token, slot)),
+                scope: scope.clone(),
+                row_id,
+            })),
+            Ok(Reserved::Existing(record)) => {
+                slot.roll_back_and_release().await;
+                Ok(Begin::Existing(record))
+            }
+            Err(error) => {
+                slot.roll_back_and_release().await;
+                Err(error)
+            }
+        }
+    }
+}
+
+/// What [`reserve`] found.
+enum Reserved {
+    /// The scope is reserved by this transaction, in the row at this `ctid`.
+    Row(String),
+    /// A duplicate committed first: its live record.
+    Existing(StoredRecord),
+}
+
+/// Opens the transaction on `slot`'s connection and reserves `scope`. The transaction is
+/// left open either way.
+async fn reserve(
+    slot: &Slot,
+    scope: &Scope,
+    deadline: Instant,
+    now: i64,
+    isolation: Isolation,
+) -> Result<Reserved, Error> {
+    let client = slot.client()?;
+    // `lock_timeout` 0 would mean "wait forever": never less than 1 ms.
+    let lock_ms = deadline
+        .saturating_duration_since(Instant::now())
+        .as_millis()
+        .max(1);
+    let params = [&*scope.tenant, &*scope.operation, scope.key.as_str()];
+    // Prepared once per connection, before the transaction.
+    let insert = client.prepare_cached(INSERT_RESERVATION).await?;
+    let select = client.prepare_cached(SELECT_RECORD).await?;
+    let take_over = client.prepare_cached(TAKE_OVER).await?;
+    // The begin and the first reservation go in one flight (tokio-postgres pipelines requests
+    // polled together, in order): one round trip for both. Only an integer is formatted into
+    // the begin. Should the begin's `SET LOCAL` fail, the transaction is aborted and the
+    // insert fails with it.
+    let begin = format!(
+        "{}; SET LOCAL lock_timeout = {lock_ms}",
+        isolation.begin_statement()
+    );
+    let (begun, first) = futures_util::future::join(
+        client.batch_execute(&begin),
+        client.query_opt(&insert, &[&params[0], &params[1], &params[2], &now]),
+    )
+    .await;
+    begun?;
+    let mut first = Some(first?);
+    // Each turn ends in a decision unless another transaction changed the row in between
+    // (purged it, or took it over and committed): then look again, a few times at most.
+    for _ in 0..4 {
+        // Blocks on the primary key while another transaction holds this scope.
+        let inserted = match first.take() {
+            Some(inserted) => inserted,
+            None => {
+                client
+                    .query_opt(&insert, &[&params[0], &params[1], &params[2], &now])
+                    .await?
+            }
+        };
+        if let Some(row) = inserted {
+            return Ok(Reserved::Row(row.try_get(0)?));
+        }
+        let Some(row) = client
+            .query_opt(&select, &[&params[0], &params[1], &params[2]])
+            .await?
+        else {
+            continue; // purged since the insert saw it
+        };
+        let state: &str = row.try_get(0)?;
+        let expires_at: i64 = row.try_get(8)?;
+        if state == "completed" && expires_at > now {
+            return decode_record(&row).map(Reserved::Existing);
+        }
+        // Expired, or a stray reservation that was committed: take it over. Blocks if another
+        // request is taking it over too; when that one commits, its fresh record no longer
+        // matches and the next turn replays it.
+        let taken = client
+            .query_opt(&take_over, &[&params[0], &params[1], &params[2], &now])
+            .await?;
+        if let Some(row) = taken {
+            return Ok(Reserved::Row(row.try_get(0)?));
+        }
+    }
+    Err(Error::Busy)
+}
+
+/// Whether an error is a conflict that a fresh transaction may not hit again.
+pub(super) fn is_transient_conflict(error: &Error) -> bool {
+    match error {
+        Error::Postgres(error) => is_conflict_code(error),
+        _ => false,
+    }
+}
+
+/// A serialization failure (`40001`) or a deadlock (`40P01`).
+pub(super) fn is_conflict_code(error: &tokio_postgres::Error) -> bool {
+    matches!(
+        error.code(),
+        Some(code) if *code == SqlState::T_R_SERIALIZATION_FAILURE
+            || *code == SqlState::T_R_DEADLOCK_DETECTED
+    )
+}
+
+/// Reads a row of [`SELECT_RECORD`] or [`SELECT_LIVE_RECORD`](super::SELECT_LIVE_RECORD) as a
+/// completed record, checked by [`SavedColumns`].
+pub(super) fn decode_record(row: &Row) -> Result<StoredRecord, Error> {
+    let corrupt = |what: &str| Error::Corrupt(what.to_owned());
+    let version: i32 = row
+        .try_get::<_, Option<i32>>(1)?
+        .ok_or_else(|| corrupt("fingerprint version missing"))?;
+    let digest = row
+        .try_get::<_, Option<&[u8]>>(2)?
+        .ok_or_else(|| corrupt("fingerprint missing"))?;
+    let status: i32 = row
+        .try_get::<_, Option<i32>>(3)?
+        .ok_or_else(|| corrupt("status"))?;
+    let headers = row
+        .try_get::<_, Option<&str>>(4)?
+        .ok_or_else(|| corrupt("headers missing"))?;
+    let columns = SavedColumns::decode(version.into(), digest, status.into(), headers)?;
+    let body = row
+        .try_get::<_, Option<&[u8]>>(5)?
+        .ok_or_else(|| corrupt("body missing"))?;
+    columns.into_record(
+        Bytes::copy_from_slice(body),
+        row.try_get(6)?,
+        row.try_get(7)?,
+        row.try_get(8)?,
+    )
+}
+
+/// The open transaction of one request (the owner side, held by the layer).
+///
+/// Dropping it without committing rolls back (by closing its connection; see the module docs).
+pub struct PostgresReservation {
+    pub(super) tx: Arc<TxShared>,
+    scope: Scope,
+    /// The `ctid` of the reserved row.
+    row_id: String,
+}
+
+impl fmt::Debug for PostgresReservation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PostgresReservation")
+            .field("reservation", &self.tx.token)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for PostgresReservation {
+    fn drop(&mut self) {
+        self.tx.abandon();
+    }
+}
+
+impl StoreTransaction for PostgresReservation {
+    type Handle = PostgresTransaction;
+
+    fn handle(&self) -> PostgresTransaction {
+        PostgresTransaction {
+            tx: self.tx.clone(),
+        }
+    }
+
+    async fn commit(self, record: NewRecord) -> Result<(), Error> {
+        let mut slot = self.tx.take_connection()?;
+        // The transaction is already rolled back on the server: report why, to run it again.
+        if let Some(conflict) = self.tx.conflict() {
+            slot.roll_back_and_release().await;
+            return Err(conflict);
+        }
+        let client = match slot.client() {
+            Ok(client) => client,
+            Err(error) => return Err(error),
+        };
+        let complete = match client.prepare_cached(COMPLETE_RECORD).await {
+            Ok(statement) => statement,
+            Err(error) => {
+                slot.roll_back_and_release().await;
+                return Err(error.into());
+            }
+        };
+        let response = &record.response;
+        let trailers = response
+            .trailers
+            .as_ref()
+            .map(|t| SavedResponse::encode_headers(t));
+        let params: [&(dyn ToSql + Sync); 12] = [
+            &&*self.scope.tenant,
+            &&*self.scope.operation,
+            &self.scope.key.as_str(),
+            &&record.fingerprint.digest()[..],
+            &i32::from(record.fingerprint.version()),
+            &i32::from(response.status.as_u16()),
+            &SavedResponse::encode_headers(&response.headers),
+            &&response.body[..],
+            &trailers,
+            &to_unix_millis(record.created_at),
+            &to_unix_millis(record.expires_at),
+            &self.row_id,
+        ];
+        // The record and `COMMIT` in one flight (tokio-postgres sends requests polled together
+        // in order): when the record fails, the transaction is aborted and PostgreSQL answers
+        // the `COMMIT` with a `ROLLBACK`.
+        let (saved, committed) = futures_util::future::join(
+            client.query_one(&complete, &params),
+            client.batch_execute("COMMIT"),
+        )
+        .await;
+        // Committed, rolled back, or the connection is gone: no transaction is left open on it.
+        slot.release();
+        match (saved, committed) {
+            (Ok(_), Ok(())) => Ok(()),
+            (Err(error), _) if error.code() == Some(&SqlState::DIVISION_BY_ZERO) => {
+                Err(Error::TransactionAborted(
+                    "the transaction ended before commit (it is not the one the layer began)",
+                ))
+            }
+            (Err(error), _) | (Ok(_), Err(error)) => Err(error.into()),
+        }
+    }
+
+    /// Rolls back. Reports a serialization failure or deadlock that a handler's statement
+    /// got ([`Error::StatementConflict`]): the handler's answer came from a transaction the
+    /// database had rolled back, and the layer runs the request again.
+    async fn rollback(self) -> Result<(), Error> {
+        match self.tx.take_connection() {
+            Ok(mut slot) => slot.roll_back_and_release().await,
+            // Nothing to roll back here: a borrower still holds it (the slot's `Drop` closes
+            // it later), or it is already gone.
+            Err(error) => tracing::warn!(%error, "rollback deferred to the connection's release"),
+        }
+        match self.tx.conflict() {
+            Some(conflict) => Err(conflict),
+            None => Ok(()),
+        }
+    }
+}

@@ -1,0 +1,162 @@
+//! The connection of one open transaction ([`Slot`]: rolled back by closing it if dropped
+//! open) and what the layer's side and the handler's handles share about the transaction
+//! ([`TxShared`]: whether it is finished, its connection, the first conflict a handle's
+//! statement got).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, PoisonError};
+
+use deadpool_postgres::{ClientWrapper, Object};
+use tokio::sync::{Mutex, OwnedMutexGuard};
+
+use super::reservation::is_conflict_code;
+use crate::error::Error;
+
+/// The connection of one transaction, while it may still be open.
+///
+/// Dropping a slot that still holds its connection discards the connection instead of
+/// returning it to the pool: `Drop` cannot await a `ROLLBACK`, and a pooled connection with an
+/// open transaction would hand it to the next request. Closing the socket is what makes
+/// PostgreSQL roll back (it aborts the transaction of a backend whose client is gone, as soon
+/// as the backend reads from the socket: at once when idle, after the running statement
+/// otherwise). The cost, a new connection, is paid only when a future is dropped mid-request;
+/// every path the layer drives to its end sends `ROLLBACK` or `COMMIT` and keeps the
+/// connection.
+pub(super) struct Slot {
+    pub(super) object: Option<Object>,
+}
+
+impl Slot {
+    pub(super) fn client(&self) -> Result<&ClientWrapper, Error> {
+        self.object.as_deref().ok_or(Error::TransactionFinished)
+    }
+
+    /// Ends the transaction with `ROLLBACK` and gives the connection back to the pool; if that
+    /// fails, the connection is discarded (closing it rolls back).
+    pub(super) async fn roll_back_and_release(&mut self) {
+        let rolled_back = match &self.object {
+            // The connection stays in the slot while this awaits: if this future is dropped,
+            // the slot's `Drop` discards it.
+            Some(object) => object.batch_execute("ROLLBACK").await,
+            None => return,
+        };
+        match rolled_back {
+            Ok(()) => self.release(),
+            Err(error) => {
+                tracing::warn!(%error, "ROLLBACK failed; closing the connection");
+                self.discard();
+            }
+        }
+    }
+
+    /// Ends the transaction with `COMMIT` and gives the connection back to the pool (for the
+    /// inbox's own transactions: a request's commit sends `COMMIT` with its record).
+    #[cfg(feature = "outbox")]
+    pub(super) async fn commit_and_release(&mut self) -> Result<(), Error> {
+        let committed = match &self.object {
+            // As in `roll_back_and_release`, a drop while this awaits discards the connection.
+            Some(object) => object.batch_execute("COMMIT").await,
+            None => return Err(Error::TransactionFinished),
+        };
+        // Committed, or failed and therefore rolled back by the server: either way no
+        // transaction is left open on the connection.
+        self.release();
+        committed.map_err(Error::from)
+    }
+
+    /// Gives the connection back to the pool: only once no transaction is open on it.
+    pub(super) fn release(&mut self) {
+        drop(self.object.take());
+    }
+
+    fn discard(&mut self) {
+        if let Some(object) = self.object.take() {
+            // Out of the pool for good; dropping the client closes its connection.
+            drop(Object::take(object));
+        }
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        if self.object.is_some() {
+            tracing::debug!("idempotency transaction dropped while open; closing its connection");
+            self.discard();
+        }
+    }
+}
+
+/// One transaction, shared by its owner ([`PostgresReservation`](super::PostgresReservation)
+/// or the inbox's own transaction) and its [`PostgresTransaction`](super::PostgresTransaction)
+/// handles.
+pub(super) struct TxShared {
+    /// The transaction's number in this process (for `Debug` and the inbox's commit check).
+    pub(super) token: u64,
+    /// Set as soon as the layer starts to commit or roll back: handles refuse work from then on.
+    pub(super) finished: AtomicBool,
+    pub(super) connection: Arc<Mutex<Slot>>,
+    /// The first serialization failure or deadlock that a statement run through a handle got
+    /// (the database's message). PostgreSQL has rolled the transaction back by then, whatever
+    /// the handler answers: commit and rollback report it, so that the request runs again.
+    conflict: std::sync::Mutex<Option<String>>,
+}
+
+impl TxShared {
+    pub(super) fn new(token: u64, slot: Slot) -> Self {
+        TxShared {
+            token,
+            finished: AtomicBool::new(false),
+            connection: Arc::new(Mutex::new(slot)),
+            conflict: std::sync::Mutex::new(None),
+        }
+    }
+
+    /// Keeps `error` if it is the transaction's first serialization failure or deadlock.
+    pub(super) fn observe(&self, error: &tokio_postgres::Error) {
+        if !is_conflict_code(error) {
+            return;
+        }
+        let message = match error.as_db_error() {
+            Some(db_error) => db_error.to_string(),
+            None => error.to_string(),
+        };
+        let mut conflict = self.conflict.lock().unwrap_or_else(PoisonError::into_inner);
+        conflict.get_or_insert(message);
+    }
+
+    /// The conflict a handle's statement got, if any, as the error to report.
+    pub(super) fn conflict(&self) -> Option<Error> {
+        self.conflict
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+            .map(Error::StatementConflict)
+    }
+
+    /// Marks the transaction finished and takes its connection from the handles.
+    pub(super) fn take_connection(&self) -> Result<OwnedMutexGuard<Slot>, Error> {
+        self.finished.store(true, Ordering::Release);
+        // The handler has returned its response; a connection still borrowed now belongs to
+        // a task that outlived its request, still using the transaction: do not commit under it.
+        let slot = self.connection.clone().try_lock_owned().map_err(|_| {
+            Error::TransactionAborted("a handler still holds the transaction's connection")
+        })?;
+        if slot.object.is_none() {
+            return Err(Error::TransactionAborted(
+                "the transaction's connection is gone",
+            ));
+        }
+        Ok(slot)
+    }
+
+    /// The owner went away without committing: refuse further work and close the connection
+    /// (which rolls back).
+    pub(super) fn abandon(&self) {
+        self.finished.store(true, Ordering::Release);
+        // Discard at once if nobody borrows the connection; otherwise the slot's own `Drop`
+        // does it when the last borrower lets go.
+        if let Ok(mut slot) = self.connection.try_lock() {
+            slot.discard();
+        }
+    }
+}

@@ -1,0 +1,135 @@
+//! The store itself: [`PostgresStore`], its shared state (the two pools and the settings),
+//! and its [`IdempotencyStore`] calls: the replay check on the read pool, `begin` (retrying a
+//! reservation that conflicted) and the purge of expired records.
+
+use std::fmt;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use deadpool_postgres::{Object, Pool, PoolError};
+use tokio::time::Instant;
+
+use super::reservation::{decode_record, is_transient_conflict};
+use super::{Isolation, PostgresReservation, PURGE_EXPIRED, SELECT_LIVE_RECORD};
+use crate::error::Error;
+use crate::store::{to_unix_millis, Begin, IdempotencyStore, Scope, StoredRecord};
+
+/// What clones of a store share.
+pub(super) struct Shared {
+    /// Request transactions and [`PostgresStore::client`].
+    pub(super) transactions: Pool,
+    /// The replay fast path.
+    pub(super) reads: Pool,
+    pub(super) read_wait: Duration,
+    pub(super) isolation: Isolation,
+    pub(super) serialization_retries: u32,
+    /// The next transaction's token (its name in logs and `Debug`).
+    pub(super) reservations: AtomicU64,
+}
+
+/// A PostgreSQL-backed [`IdempotencyStore`]. Cheap to clone; clones share the pools.
+#[derive(Clone)]
+pub struct PostgresStore {
+    pub(super) shared: Arc<Shared>,
+}
+
+impl fmt::Debug for PostgresStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PostgresStore")
+            .field("transactions", &self.shared.transactions.status())
+            .field("reads", &self.shared.reads.status())
+            .field("isolation", &self.shared.isolation)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PostgresStore {
+    /// A pooled connection in autocommit mode, for work outside a request: creating your
+    /// tables, reads of your own rows. Open your own transaction with
+    /// `client.transaction().await`. It comes from the same pool as request transactions.
+    pub async fn client(&self) -> Result<Object, Error> {
+        self.shared.transactions.get().await.map_err(pool_error)
+    }
+
+    /// The pool of request transactions (the one [`client`](Self::client) takes from).
+    pub fn pool(&self) -> &Pool {
+        &self.shared.transactions
+    }
+}
+
+pub(super) fn pool_error(error: PoolError) -> Error {
+    match error {
+        PoolError::Timeout(_) => Error::Busy,
+        PoolError::Backend(error) => Error::Postgres(error),
+        PoolError::Closed => Error::Closed,
+        other => Error::Io(std::io::Error::other(other.to_string())),
+    }
+}
+
+impl IdempotencyStore for PostgresStore {
+    type Transaction = PostgresReservation;
+
+    async fn lookup(&self, scope: &Scope, now: SystemTime) -> Result<Option<StoredRecord>, Error> {
+        // A plain snapshot read in autocommit: it takes no row locks and never waits for the
+        // transaction that holds this scope (an uncommitted reservation is simply invisible).
+        let read = async {
+            let client = self.shared.reads.get().await.map_err(pool_error)?;
+            let select = client.prepare_cached(SELECT_LIVE_RECORD).await?;
+            let row = client
+                .query_opt(
+                    &select,
+                    &[
+                        &&*scope.tenant,
+                        &&*scope.operation,
+                        &scope.key.as_str(),
+                        &to_unix_millis(now),
+                    ],
+                )
+                .await?;
+            row.as_ref().map(decode_record).transpose()
+        };
+        tokio::time::timeout(self.shared.read_wait, read)
+            .await
+            .map_err(|_| Error::Busy)?
+    }
+
+    async fn begin(
+        &self,
+        scope: &Scope,
+        lock_timeout: Duration,
+        now: SystemTime,
+    ) -> Result<Begin<PostgresReservation>, Error> {
+        let deadline = Instant::now() + lock_timeout;
+        let now = to_unix_millis(now);
+        let mut retries = 0;
+        loop {
+            match self.try_begin(scope, deadline, now).await {
+                Err(error)
+                    if is_transient_conflict(&error)
+                        && retries < self.shared.serialization_retries =>
+                {
+                    retries += 1;
+                    tracing::debug!(%error, retries, "reserving the key conflicted; retrying");
+                    // A short pause, growing with each retry, lets the other transaction end.
+                    let pause = Duration::from_millis(2u64 << retries.min(6));
+                    if Instant::now() + pause >= deadline {
+                        return Err(Error::Busy);
+                    }
+                    tokio::time::sleep(pause).await;
+                }
+                outcome => return outcome,
+            }
+        }
+    }
+
+    async fn purge_expired(&self, now: SystemTime, batch: usize) -> Result<u64, Error> {
+        let client = self.client().await?;
+        let batch = i64::try_from(batch).unwrap_or(i64::MAX);
+        let purge = client.prepare_cached(PURGE_EXPIRED).await?;
+        let deleted = client
+            .execute(&purge, &[&to_unix_millis(now), &batch])
+            .await?;
+        Ok(deleted)
+    }
+}
