@@ -7,7 +7,8 @@
 //! The PostgreSQL tests need `TEST_DATABASE_URL`; without it `cargo test` reports them as
 //! ignored.
 
-mod backends;
+#[macro_use]
+mod backend;
 mod common;
 mod pg_common;
 
@@ -17,7 +18,7 @@ mod admin;
 use std::time::SystemTime;
 
 use admin::{Exit, Failure};
-use backends::{Backend, Served};
+use backend::{event_of, Backend, Server};
 use common::{post, SHOP_A, SHOP_B};
 use http::StatusCode;
 use serde_json::json;
@@ -31,7 +32,7 @@ const BOOK: &str = r#"{"sku":"book","quantity":1}"#;
 
 /// Runs `admin <the database's flag> <args>` and returns how it ended and what it printed.
 async fn admin<B: Backend>(db: &B, args: &[&str]) -> (Result<Exit, Failure>, String) {
-    let mut argv = db.tool_args();
+    let mut argv = db.tool_args().await;
     argv.extend(args.iter().map(|arg| (*arg).to_owned()));
     run(argv).await
 }
@@ -59,10 +60,10 @@ fn failure_message(result: Result<Exit, Failure>) -> String {
 }
 
 /// The order app with three records: shop-a's `k1` and `k2`, shop-b's `k1` (orders 1 to 3).
-async fn server_with_records<B: Backend>(db: &B) -> Served {
-    let server = db.serve().await;
+async fn server_with_records<B: Backend>(db: &B) -> Server<B> {
+    let server = db.spawn().await;
     for (token, key) in [(SHOP_A, "k1"), (SHOP_A, "k2"), (SHOP_B, "k1")] {
-        let reply = post(server.addr(), Some(token), Some(key), BOOK, &[]).await;
+        let reply = post(server.addr, Some(token), Some(key), BOOK, &[]).await;
         assert_eq!(reply.status, StatusCode::CREATED);
     }
     server
@@ -150,7 +151,7 @@ async fn delete_removes_one_key_and_the_next_request_runs_afresh<B: Backend>(db:
     assert!(matches!(result, Ok(Exit::NotFound)), "{result:?}");
 
     // Deleting a record forgets the key: the same request creates a new order.
-    let reply = post(server.addr(), Some(SHOP_A), Some("k1"), BOOK, &[]).await;
+    let reply = post(server.addr, Some(SHOP_A), Some("k1"), BOOK, &[]).await;
     assert_eq!(reply.status, StatusCode::CREATED);
     assert!(!reply.replayed());
     assert_eq!(db.order_count().await, 4);
@@ -203,7 +204,7 @@ async fn count_and_purge_by_state<B: Backend>(db: B) {
 }
 
 async fn dead_letters_are_listed_and_requeued<B: Backend>(db: B) {
-    let outbox = Outbox::install(db.store()).await.expect("install");
+    let outbox = Outbox::install(db.store().await).await.expect("install");
     let poison = db
         .enqueue_now("order_created", json!({ "sku": "poison" }))
         .await;
@@ -258,11 +259,7 @@ async fn dead_letters_are_listed_and_requeued<B: Backend>(db: B) {
     let (result, output) = admin(&db, &["requeue", "--id", poison.as_str()]).await;
     assert!(matches!(result, Ok(Exit::Done)), "{result:?}");
     assert_eq!(output, format!("requeued {poison}\n"));
-    let event = outbox
-        .event(poison.as_str())
-        .await
-        .expect("read")
-        .expect("event");
+    let event = event_of(&outbox, &poison).await;
     assert_eq!((event.status, event.attempts), (EventStatus::Pending, 0));
     assert!(event.available_at <= SystemTime::now());
     // Only dead events can be requeued.
@@ -285,9 +282,9 @@ async fn dead_letters_are_listed_and_requeued<B: Backend>(db: B) {
 
 /// The `Admin` calls behind the tool, on the records of [`server_with_records`] and an outbox
 /// event; returns the server, still running.
-async fn library_calls<B: Backend>(db: &B) -> Served {
+async fn library_calls<B: Backend>(db: &B) -> Server<B> {
     let server = server_with_records(db).await;
-    let admin = Admin::new(db.store().clone());
+    let admin = Admin::new(db.store().await.clone());
     let record = admin
         .inspect("shop-a", "create_order", "k2", true)
         .await
@@ -352,7 +349,7 @@ async fn library_calls<B: Backend>(db: &B) -> Served {
     assert_eq!((counts.live, counts.expired), (2, 0));
 
     // The outbox calls (the table exists once installed).
-    Outbox::install(db.store()).await.expect("install");
+    Outbox::install(db.store().await).await.expect("install");
     let id = db
         .enqueue_now("order_created", json!({ "order_id": 1 }))
         .await;
@@ -380,10 +377,9 @@ mod sqlite {
     use std::path::Path;
 
     use super::admin::{self, Exit, Failure};
-    use crate::backends::Sqlite;
     use crate::common::TestServer;
 
-    crate::backend_tests!(Sqlite =>
+    backend_tests!(Sqlite;
         inspect_shows_the_record_without_its_body_unless_asked,
         delete_removes_one_key_and_the_next_request_runs_afresh,
         count_and_purge_by_state,
@@ -457,13 +453,11 @@ mod postgres {
 
     use super::admin::{Exit, Failure};
     use super::{failure_message, field, BOOK, SHOP_A_K1};
-    use crate::backends::{Backend, Postgres};
+    use crate::backend::{Backend, Postgres};
     use crate::common::{post, PATIENCE, SHOP_A};
     use crate::pg_common::{hook, HookOutcome, PgServer, TestDb};
 
-    crate::backend_tests!(
-        #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-        Postgres =>
+    backend_tests!(Postgres;
         inspect_shows_the_record_without_its_body_unless_asked,
         delete_removes_one_key_and_the_next_request_runs_afresh,
         count_and_purge_by_state,
@@ -503,17 +497,9 @@ mod postgres {
             let message = failure_message(result);
             assert!(message.contains("no outbox"), "{args:?}: {message}");
         }
-        let created: i64 = db
-            .client()
-            .await
-            .query_one(
-                "SELECT count(*) FROM information_schema.tables \
-                 WHERE table_schema = $1 AND table_name <> 'orders'",
-                &[&db.schema],
-            )
-            .await
-            .expect("tables")
-            .get(0);
+        let tables = "SELECT count(*) FROM information_schema.tables \
+                      WHERE table_schema = $1 AND table_name <> 'orders'";
+        let created: i64 = db.value(tables, &[&db.schema]).await;
         assert_eq!(created, 0, "the tool created no table");
     }
 
@@ -570,12 +556,12 @@ mod postgres {
     #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
     #[tokio::test]
     async fn the_library_calls_behind_the_tool() {
-        let Some(backend) = Postgres::open().await else {
+        let Some(backend) = Postgres::create().await else {
             return;
         };
         let server = super::library_calls(&backend).await;
         let db = &backend.db;
-        let admin = Admin::new(backend.store().clone());
+        let admin = Admin::new(backend.store().await.clone());
         assert!(format!("{admin:?}").contains("PostgresStore"));
 
         // A reservation a handler committed itself is no record: not shown, counted as expired
@@ -661,12 +647,8 @@ mod postgres {
     }
 
     async fn records_table_exists(db: &TestDb) -> bool {
-        db.client()
+        db.value("SELECT to_regclass('idempotency_records') IS NOT NULL", &[])
             .await
-            .query_one("SELECT to_regclass('idempotency_records') IS NOT NULL", &[])
-            .await
-            .expect("to_regclass")
-            .get(0)
     }
 
     /// A store opened for administration creates nothing, but sees what is there.

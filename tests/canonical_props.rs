@@ -5,6 +5,8 @@
 //! out in randomly varied but equivalent spellings: whitespace, member order, `\u` escapes, and
 //! numbers such as `1.50`, `15e-1` and `0.15E1`.
 
+mod json_bodies;
+
 use proptest::collection::vec;
 use proptest::prelude::*;
 use tower_idempotency::fingerprint::{canonicalize_json, FingerprintError, DEFAULT_MAX_JSON_DEPTH};
@@ -695,40 +697,7 @@ proptest! {
 /// large string, a flat object with a few thousand keys in no particular order; and a fourth,
 /// hostile one: objects nested as deep as the default limit allows.
 fn bodies_of_64_kib() -> Vec<(&'static str, Vec<u8>)> {
-    const TARGET: usize = 64 * 1024;
-    let mut array = String::from(r#"{"order":"ord-2041","customer":{"id":77},"items":["#);
-    let mut index = 0;
-    while array.len() < TARGET - 120 {
-        array.push_str(if index > 0 { "," } else { "" });
-        array.push_str(&format!(
-            r#"{{"sku":"SKU-{index:05}","quantity":{},"price":{}.{:02},"note":"gift \u00e9"}}"#,
-            index % 7 + 1,
-            index % 300,
-            index % 100
-        ));
-        index += 1;
-    }
-    array.push_str(r#"],"currency":"EUR"}"#);
-    let mut blob = String::new();
-    while blob.len() < TARGET - 64 {
-        blob.push_str(&format!(
-            "line {}: the quick brown fox \\\"jumps\\\"\\n",
-            blob.len()
-        ));
-    }
-    let string = format!(r#"{{"id":1,"blob":"{blob}","kind":"note"}}"#);
-    let mut members = Vec::new();
-    let mut size = 2;
-    while size < TARGET - 40 {
-        let member = format!(r#""field_{0:05}":"value {0}""#, members.len());
-        size += member.len() + 1;
-        members.push(member);
-    }
-    let count = members.len();
-    let shuffled: Vec<&str> = (0..count)
-        .map(|i| members[i * 7919 % count].as_str())
-        .collect();
-    let flat = format!("{{{}}}", shuffled.join(","));
+    const TARGET: usize = json_bodies::TARGET;
     // Not a realistic shape: the worst nesting the default depth allows, each object around a
     // large array of numbers.
     let levels = 120;
@@ -742,9 +711,9 @@ fn bodies_of_64_kib() -> Vec<(&'static str, Vec<u8>)> {
         "}".repeat(levels)
     );
     vec![
-        ("array of objects", array.into_bytes()),
-        ("large string", string.into_bytes()),
-        ("flat object", flat.into_bytes()),
+        ("array of objects", json_bodies::array_of_objects()),
+        ("large string", json_bodies::large_string()),
+        ("flat object", json_bodies::flat_object()),
         ("nested objects (hostile)", nested.into_bytes()),
     ]
 }
@@ -762,11 +731,7 @@ fn fingerprint_cost_of_64_kib_json_bodies() {
         .ok()
         .and_then(|runs| runs.parse().ok())
         .unwrap_or(1000);
-    let (parts, ()) = http::Request::post("/orders?dry_run=true")
-        .header("content-type", "application/json")
-        .body(())
-        .expect("a valid request")
-        .into_parts();
+    let parts = json_bodies::order_head();
     let fingerprinter = Fingerprinter::auto();
     let only = std::env::var("FINGERPRINT_SHAPE").unwrap_or_default();
     for (shape, body) in bodies_of_64_kib() {

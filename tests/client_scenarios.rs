@@ -8,27 +8,23 @@ use std::time::Duration;
 
 use http::StatusCode;
 use tokio::time::Instant;
-use tower_idempotency::client::RetryError;
+use tower_idempotency::client::{Retry, RetryError};
 
 use client_common::{
-    client, fast, order_request, send, Fault, OrdersServer, Plan, Proxy, SHOP_A, SHOP_B,
+    client, fast, order_request, send, Answer, Fault, HttpClient, OrdersServer, Plan, Proxy,
+    SHOP_A, SHOP_B,
 };
 
-#[tokio::test]
-async fn a_201_lost_after_the_commit_is_recovered_by_a_retry_with_the_same_key() {
-    let server = OrdersServer::spawn().await;
-    let proxy = Proxy::spawn(server.addr, Plan::script([Fault::Drop])).await;
-    let client = client(fast());
+/// Orders a book as shop A through `proxy`; the client retries until it gets an answer.
+async fn order_a_book(client: &Retry<HttpClient>, proxy: &Proxy) -> Answer {
+    send(client, order_request(&proxy.url("/orders"), SHOP_A, "book"))
+        .await
+        .expect("the retry gets an answer")
+}
 
-    let answer = send(
-        &client,
-        order_request(&proxy.url("/orders"), SHOP_A, "book"),
-    )
-    .await
-    .expect("the retry gets an answer");
-
-    // The first response was lost on the way back: the server had committed the order.
-    assert_eq!(proxy.dropped(), 1);
+/// Asserts that `answer` is the saved `201` of the one order there is, which the second
+/// attempt got as a replay; returns the order's id.
+async fn assert_one_order_replayed(server: &OrdersServer, answer: &Answer) -> i64 {
     assert_eq!(answer.status, StatusCode::CREATED);
     assert_eq!(answer.outcome.attempts, 2);
     assert!(
@@ -38,7 +34,21 @@ async fn a_201_lost_after_the_commit_is_recovered_by_a_retry_with_the_same_key()
     let orders = server.orders().await;
     assert_eq!(orders.len(), 1, "exactly one order: {orders:?}");
     assert_eq!(answer.order_id(), orders[0].0, "the original order's id");
-    let location = format!("/orders/{}", orders[0].0);
+    orders[0].0
+}
+
+#[tokio::test]
+async fn a_201_lost_after_the_commit_is_recovered_by_a_retry_with_the_same_key() {
+    let server = OrdersServer::spawn().await;
+    let proxy = Proxy::spawn(server.addr, Plan::script([Fault::Drop])).await;
+    let client = client(fast());
+
+    let answer = order_a_book(&client, &proxy).await;
+
+    // The first response was lost on the way back: the server had committed the order.
+    assert_eq!(proxy.dropped(), 1);
+    let order_id = assert_one_order_replayed(&server, &answer).await;
+    let location = format!("/orders/{order_id}");
     assert_eq!(
         answer.headers.get("location").and_then(|v| v.to_str().ok()),
         Some(location.as_str())
@@ -53,12 +63,7 @@ async fn a_201_delayed_past_the_attempt_timeout_is_recovered_without_waiting_for
     let client = client(fast().with_attempt_timeout(Duration::from_secs(1)));
 
     let started = Instant::now();
-    let answer = send(
-        &client,
-        order_request(&proxy.url("/orders"), SHOP_A, "book"),
-    )
-    .await
-    .expect("the retry gets an answer");
+    let answer = order_a_book(&client, &proxy).await;
 
     assert_eq!(proxy.delayed(), 1);
     assert!(
@@ -66,12 +71,7 @@ async fn a_201_delayed_past_the_attempt_timeout_is_recovered_without_waiting_for
         "the client gave up on the held response and retried: {:?}",
         started.elapsed()
     );
-    assert_eq!(answer.status, StatusCode::CREATED);
-    assert_eq!(answer.outcome.attempts, 2);
-    assert!(answer.outcome.replayed);
-    let orders = server.orders().await;
-    assert_eq!(orders.len(), 1, "exactly one order: {orders:?}");
-    assert_eq!(answer.order_id(), orders[0].0);
+    assert_one_order_replayed(&server, &answer).await;
 }
 
 #[tokio::test]
@@ -187,19 +187,17 @@ async fn a_key_reused_with_another_payload_is_a_final_409() {
     let client = client(fast());
     let url = format!("http://{}/orders", server.addr);
 
-    let mut first = order_request(&url, SHOP_A, "book");
-    first
-        .headers_mut()
-        .insert("idempotency-key", "caller-key-1".parse().expect("value"));
-    let first = send(&client, first).await.expect("first");
+    let with_key = |sku: &str| {
+        let mut request = order_request(&url, SHOP_A, sku);
+        let key = http::HeaderValue::from_static("caller-key-1");
+        request.headers_mut().insert("idempotency-key", key);
+        request
+    };
+    let first = send(&client, with_key("book")).await.expect("first");
     assert_eq!(first.status, StatusCode::CREATED);
     assert_eq!(first.key(), "caller-key-1", "the caller's key is kept");
 
-    let mut changed = order_request(&url, SHOP_A, "pen");
-    changed
-        .headers_mut()
-        .insert("idempotency-key", "caller-key-1".parse().expect("value"));
-    let changed = send(&client, changed).await.expect("second");
+    let changed = send(&client, with_key("pen")).await.expect("second");
     assert_eq!(changed.status, StatusCode::CONFLICT);
     assert_eq!(changed.outcome.attempts, 1, "a 409 is final");
     assert_eq!(server.orders().await.len(), 1);

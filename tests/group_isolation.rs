@@ -355,44 +355,42 @@ async fn transaction_control_through_the_handle_is_refused_and_ends_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_refusal_holds_for_cached_statements_and_allows_a_handlers_own_savepoints() {
     let outcome: Arc<std::sync::Mutex<Vec<String>>> = Arc::default();
+    let seen = outcome.clone();
     let server = TestServer::builder()
-        .hook({
-            let outcome = outcome.clone();
-            hook(move |call| {
-                let outcome = outcome.clone();
-                async move {
-                    let cached = call
-                        .tx
-                        .run(|conn| {
-                            for sql in ["COMMIT", "BEGIN IMMEDIATE", "ROLLBACK"] {
-                                conn.prepare_cached(sql)?.execute([])?;
-                            }
-                            Ok(())
-                        })
-                        .await;
-                    let own = call
-                        .tx
-                        .run(|conn| {
-                            conn.execute_batch(
-                                "SAVEPOINT mine; \
-                                 INSERT INTO orders (tenant_id, sku, quantity) VALUES ('x', 'y', 1); \
-                                 ROLLBACK TO mine; RELEASE mine;",
-                            )
-                        })
-                        .await;
-                    let mut outcome = outcome.lock().expect("lock");
-                    outcome.push(match cached {
-                        Ok(()) => "cached: ran".to_owned(),
-                        Err(error) => format!("cached: {error}"),
-                    });
-                    outcome.push(match own {
-                        Ok(()) => "own savepoint: ran".to_owned(),
-                        Err(error) => format!("own savepoint: {error}"),
-                    });
-                    HookOutcome::default()
-                }
-            })
-        })
+        .hook(hook(move |call| {
+            let outcome = seen.clone();
+            async move {
+                let cached = call
+                    .tx
+                    .run(|conn| {
+                        for sql in ["COMMIT", "BEGIN IMMEDIATE", "ROLLBACK"] {
+                            conn.prepare_cached(sql)?.execute([])?;
+                        }
+                        Ok(())
+                    })
+                    .await;
+                let own = call
+                    .tx
+                    .run(|conn| {
+                        conn.execute_batch(
+                            "SAVEPOINT mine; \
+                             INSERT INTO orders (tenant_id, sku, quantity) VALUES ('x', 'y', 1); \
+                             ROLLBACK TO mine; RELEASE mine;",
+                        )
+                    })
+                    .await;
+                let mut outcome = outcome.lock().expect("lock");
+                outcome.push(match cached {
+                    Ok(()) => "cached: ran".to_owned(),
+                    Err(error) => format!("cached: {error}"),
+                });
+                outcome.push(match own {
+                    Ok(()) => "own savepoint: ran".to_owned(),
+                    Err(error) => format!("own savepoint: {error}"),
+                });
+                HookOutcome::default()
+            }
+        }))
         .spawn()
         .await;
     // Twice: the second request's statements meet a warm cache.

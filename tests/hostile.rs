@@ -18,9 +18,7 @@ const BOOK: &str = r#"{"sku":"book","quantity":1}"#;
 
 /// The handler never ran, and nothing was stored.
 async fn assert_nothing_happened(server: &TestServer) {
-    assert_eq!(server.app.handler_calls(), 0, "the handler must not run");
-    assert_eq!(server.order_count().await, 0, "no order");
-    assert_eq!(server.record_count().await, 0, "no record");
+    assert_eq!(server.counts().await, (0, 0, 0), "the handler must not run");
 }
 
 /// A normal request still gets its 201 afterwards.
@@ -84,6 +82,20 @@ fn status_line(response: &str) -> &str {
     response.lines().next().unwrap_or_default()
 }
 
+/// Sends an order for `key` with the `extra` header lines, raw, and returns what came back.
+async fn raw_order(addr: std::net::SocketAddr, key: &[u8], extra: &str) -> String {
+    raw_exchange(addr, request_with_body(addr, key, extra, BOOK.as_bytes())).await
+}
+
+/// Asserts that the raw `response` has this status line (`HTTP/1.1 431`).
+fn assert_status(response: &str, status: &str) {
+    assert!(
+        status_line(response).starts_with(status),
+        "{}",
+        &response[..response.len().min(200)]
+    );
+}
+
 /// A body that trickles must not hold the write lock: while it trickles, another request
 /// commits (within a lock timeout far shorter than the trickle) and another process can take
 /// SQLite's write lock; the trickle ends in a 408 with nothing stored.
@@ -98,12 +110,7 @@ async fn trickling_body_is_408_and_holds_no_write_lock_meanwhile() {
         })
         .spawn()
         .await;
-    let (sender, body) = ChannelBody::new();
-    let trickle = tokio::spawn(async move {
-        while sender.send(Bytes::from_static(b" ")).await.is_ok() {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    });
+    let (trickle, body) = ChannelBody::trickling();
     let started = Instant::now();
     let slow = tokio::spawn({
         let addr = server.addr;
@@ -132,19 +139,18 @@ async fn trickling_body_is_408_and_holds_no_write_lock_meanwhile() {
     assert!(started.elapsed() >= BODY_TIMEOUT);
     assert_eq!(slow.status, StatusCode::REQUEST_TIMEOUT, "{slow:?}");
     assert_eq!(slow.error_code(), "request_body_timeout");
-    assert_eq!(server.app.handler_calls(), 1, "only the fast request ran");
-    assert_eq!(server.order_count().await, 1);
-    assert_eq!(server.record_count().await, 1);
+    assert_eq!(
+        server.counts().await,
+        (1, 1, 1),
+        "only the fast request ran"
+    );
 }
 
 /// A declared length far past what the server would even drain: refused at once from the
 /// header, without waiting for a body that never comes.
 #[tokio::test]
 async fn huge_declared_content_length_is_413_at_once() {
-    let server = TestServer::builder()
-        .layer(|layer| layer.with_body_limit(1024))
-        .spawn()
-        .await;
+    let server = TestServer::with_layer(|layer| layer.with_body_limit(1024)).await;
     let mut raw = head(server.addr, b"huge", "content-length: 10000000000\r\n\r\n");
     raw.extend_from_slice(b"{\"sku\":");
     let started = Instant::now();
@@ -166,10 +172,7 @@ async fn huge_declared_content_length_is_413_at_once() {
 
 #[tokio::test]
 async fn body_over_the_limit_over_http2_is_413() {
-    let server = TestServer::builder()
-        .layer(|layer| layer.with_body_limit(1024))
-        .spawn()
-        .await;
+    let server = TestServer::with_layer(|layer| layer.with_body_limit(1024)).await;
     let body = format!(r#"{{"sku":"{}","quantity":1}}"#, "x".repeat(4096));
 
     let reply = Post::order("h2-large", &body).send_http2(server.addr).await;
@@ -293,14 +296,9 @@ async fn invalid_utf8_anywhere_in_the_body_is_400() {
             "invalid_json",
         ),
     ];
-    for (what, body, code) in cases {
-        let reply = Post::order("utf8", "")
-            .body(body.to_vec())
-            .send(server.addr)
-            .await;
-        assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{what}: {reply:?}");
-        assert_eq!(reply.error_code(), code, "{what}");
-    }
+    let requests =
+        cases.map(|(what, body, code)| (what, Post::order("utf8", "").body(body.to_vec()), code));
+    common::assert_each_is_400(server.addr, requests).await;
     assert_nothing_happened(&server).await;
     assert_still_serving(&server, "after").await;
 }
@@ -332,9 +330,7 @@ async fn numbers_past_the_canonical_range_are_400_and_huge_ones_do_no_harm() {
         "invalid_json",
         "the handler's own answer"
     );
-    assert_eq!(server.app.handler_calls(), 1);
-    assert_eq!(server.order_count().await, 0);
-    assert_eq!(server.record_count().await, 0);
+    assert_eq!(server.counts().await, (1, 0, 0));
     assert_still_serving(&server, "after").await;
 }
 
@@ -413,11 +409,7 @@ async fn keys_with_control_characters_and_non_ascii_bytes_are_400() {
     keys.push("🔑".as_bytes().to_vec());
 
     for key in &keys {
-        let response = raw_exchange(
-            server.addr,
-            request_with_body(server.addr, key, "", BOOK.as_bytes()),
-        )
-        .await;
+        let response = raw_order(server.addr, key, "").await;
         assert!(
             status_line(&response).starts_with("HTTP/1.1 400"),
             "key {key:?}: {response}"
@@ -433,17 +425,9 @@ async fn ten_thousand_distinct_headers_are_431() {
     let server = TestServer::spawn().await;
     let extra: String = (0..10_000).map(|i| format!("x-h-{i}: {i}\r\n")).collect();
 
-    let response = raw_exchange(
-        server.addr,
-        request_with_body(server.addr, b"many-headers", &extra, BOOK.as_bytes()),
-    )
-    .await;
+    let response = raw_order(server.addr, b"many-headers", &extra).await;
 
-    assert!(
-        status_line(&response).starts_with("HTTP/1.1 431"),
-        "{}",
-        &response[..response.len().min(200)]
-    );
+    assert_status(&response, "HTTP/1.1 431");
     assert_nothing_happened(&server).await;
     assert_still_serving(&server, "after").await;
 }
@@ -455,16 +439,8 @@ async fn very_long_header_values_are_refused_and_a_long_key_is_400() {
     let server = TestServer::spawn().await;
 
     let huge = format!("x-long: {}\r\n", "a".repeat(1024 * 1024));
-    let response = raw_exchange(
-        server.addr,
-        request_with_body(server.addr, b"huge-header", &huge, BOOK.as_bytes()),
-    )
-    .await;
-    assert!(
-        status_line(&response).starts_with("HTTP/1.1 431"),
-        "{}",
-        &response[..response.len().min(200)]
-    );
+    let response = raw_order(server.addr, b"huge-header", &huge).await;
+    assert_status(&response, "HTTP/1.1 431");
 
     let long_key = "k".repeat(64 * 1024);
     let quoted_key = format!("\"{}\"", "\\\"".repeat(32 * 1024));

@@ -11,7 +11,8 @@
 //! The PostgreSQL tests need `TEST_DATABASE_URL`; without it `cargo test` reports them as
 //! ignored.
 
-mod backends;
+#[macro_use]
+mod backend;
 mod common;
 mod pg_common;
 
@@ -20,7 +21,7 @@ mod inventory;
 
 use std::time::{Duration, SystemTime};
 
-use backends::{Apply, Backend, EFFECTS, FAILURE};
+use backend::{Apply, Backend, EFFECTS, FAILURE};
 use bytes::Bytes;
 use http::StatusCode;
 use tower_idempotency::fingerprint::Fingerprint;
@@ -31,11 +32,11 @@ use tower_idempotency::IdempotencyKey;
 
 async fn an_event_is_applied_once_and_redeliveries_are_duplicates<B: Backend>(db: B) {
     db.execute(EFFECTS).await;
-    let inbox = Inbox::install(db.store(), "inventory")
+    let inbox = Inbox::install(db.store().await, "inventory")
         .await
         .expect("install");
     // Installing again (another instance starting) is harmless.
-    Inbox::install(db.store(), "inventory")
+    Inbox::install(db.store().await, "inventory")
         .await
         .expect("install again");
     assert_eq!(inbox.consumer(), "inventory");
@@ -58,7 +59,7 @@ async fn an_event_is_applied_once_and_redeliveries_are_duplicates<B: Backend>(db
     assert_eq!(db.effects("e1").await, 1);
 
     // Ids are per consumer: another consumer of the same event applies it for itself.
-    let billing = Inbox::install(db.store(), "billing")
+    let billing = Inbox::install(db.store().await, "billing")
         .await
         .expect("install billing");
     assert!(!billing.contains("e1").await.expect("contains"));
@@ -72,7 +73,7 @@ async fn an_event_is_applied_once_and_redeliveries_are_duplicates<B: Backend>(db
 
 async fn a_failed_application_rolls_back_the_id_and_the_effect<B: Backend>(db: B) {
     db.execute(EFFECTS).await;
-    let inbox = Inbox::install(db.store(), "inventory")
+    let inbox = Inbox::install(db.store().await, "inventory")
         .await
         .expect("install");
 
@@ -139,12 +140,12 @@ where
     T: StoreTransaction<Handle = <B::Store as InboxBackend>::Transaction>,
 {
     db.execute(EFFECTS).await;
-    let inbox = Inbox::install(db.store(), "inventory")
+    let inbox = Inbox::install(db.store().await, "inventory")
         .await
         .expect("install");
 
     // Rolled back with the request: neither the id nor the effect stays.
-    let request = reserve(db.store(), "k1").await;
+    let request = reserve(db.store().await, "k1").await;
     let handle = request.handle();
     assert_eq!(
         inbox.process_in(&handle, "e1").await.expect("record"),
@@ -162,7 +163,7 @@ where
     assert_eq!(db.effects("e1").await, 0);
 
     // Committed with the request's saved response: the redelivery is a duplicate.
-    let request = reserve(db.store(), "k2").await;
+    let request = reserve(db.store().await, "k2").await;
     let handle = request.handle();
     assert_eq!(
         inbox.process_in(&handle, "e1").await.expect("record"),
@@ -174,7 +175,7 @@ where
     assert!(inbox.contains("e1").await.expect("contains"));
     assert_eq!(db.effects("e1").await, 1);
 
-    let request = reserve(db.store(), "k3").await;
+    let request = reserve(db.store().await, "k3").await;
     assert_eq!(
         inbox
             .process_in(&request.handle(), "e1")
@@ -186,10 +187,10 @@ where
 }
 
 async fn purge_removes_only_old_ids_of_its_consumer<B: Backend>(db: B) {
-    let inbox = Inbox::install(db.store(), "inventory")
+    let inbox = Inbox::install(db.store().await, "inventory")
         .await
         .expect("install");
-    let billing = Inbox::install(db.store(), "billing")
+    let billing = Inbox::install(db.store().await, "billing")
         .await
         .expect("install billing");
     for id in ["old1", "old2", "old3", "new"] {
@@ -242,9 +243,7 @@ async fn purge_removes_only_old_ids_of_its_consumer<B: Backend>(db: B) {
 mod sqlite {
     //! On a SQLite file.
 
-    use crate::backends::Sqlite;
-
-    crate::backend_tests!(Sqlite =>
+    backend_tests!(Sqlite;
         an_event_is_applied_once_and_redeliveries_are_duplicates,
         a_failed_application_rolls_back_the_id_and_the_effect,
         process_in_records_the_id_with_the_request_transaction,
@@ -260,7 +259,7 @@ mod postgres {
     use std::sync::Arc;
     use std::time::Duration;
 
-    use crate::backends::Postgres;
+    use crate::backend::EFFECTS;
     use crate::common::{Post, PATIENCE};
     use crate::inventory::{InventoryServer, Mode, FAIL_AFTER_RECORD};
     use crate::pg_common::TestDb;
@@ -271,17 +270,12 @@ mod postgres {
     use tower_idempotency::store::postgres::{Isolation, PostgresStore, PostgresTransaction};
     use tower_idempotency::Error;
 
-    crate::backend_tests!(
-        #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-        Postgres =>
+    backend_tests!(Postgres;
         an_event_is_applied_once_and_redeliveries_are_duplicates,
         a_failed_application_rolls_back_the_id_and_the_effect,
         process_in_records_the_id_with_the_request_transaction,
         purge_removes_only_old_ids_of_its_consumer,
     );
-
-    /// The receiver's effect: one row per application of an event.
-    const EFFECTS: &str = "CREATE TABLE effects (event_id TEXT NOT NULL, note TEXT NOT NULL)";
 
     /// A store of its own (an instance), with small pools.
     async fn instance(db: &TestDb) -> PostgresStore {
@@ -336,15 +330,8 @@ mod postgres {
 
     /// Committed effect rows of `event_id`.
     async fn effects(db: &TestDb, event_id: &str) -> i64 {
-        db.client()
-            .await
-            .query_one(
-                "SELECT count(*) FROM effects WHERE event_id = $1",
-                &[&event_id],
-            )
-            .await
-            .expect("count effects")
-            .get(0)
+        let sql = "SELECT count(*) FROM effects WHERE event_id = $1";
+        db.value(sql, &[&event_id]).await
     }
 
     /// Waits until a connection of this test's schema waits on a lock (another transaction holds

@@ -31,9 +31,7 @@ fn order_of_len(len: usize) -> String {
 async fn assert_too_large_and_nothing_stored(server: &TestServer, reply: &Reply) {
     assert_eq!(reply.status, StatusCode::PAYLOAD_TOO_LARGE, "{reply:?}");
     assert_eq!(reply.error_code(), "payload_too_large");
-    assert_eq!(server.app.handler_calls(), 0, "the handler must not run");
-    assert_eq!(server.order_count().await, 0);
-    assert_eq!(server.record_count().await, 0);
+    assert_eq!(server.counts().await, (0, 0, 0), "the handler must not run");
 }
 
 #[tokio::test]
@@ -86,22 +84,10 @@ async fn chunked_body_over_the_limit_is_413() {
     }
     raw.extend_from_slice(b"0\r\n\r\n");
 
-    let mut stream = tokio::net::TcpStream::connect(server.addr)
-        .await
-        .expect("connect");
-    stream.write_all(&raw).await.expect("write request");
-    let mut response = Vec::new();
-    tokio::time::timeout(PATIENCE, stream.read_to_end(&mut response))
-        .await
-        .expect("response in time")
-        .expect("read response");
-
-    let text = String::from_utf8_lossy(&response);
+    let text = common::exchange_raw(server.addr, &raw).await;
     assert!(text.starts_with("HTTP/1.1 413"), "{text}");
     assert!(text.contains("payload_too_large"), "{text}");
-    assert_eq!(server.app.handler_calls(), 0);
-    assert_eq!(server.order_count().await, 0);
-    assert_eq!(server.record_count().await, 0);
+    assert_eq!(server.counts().await, (0, 0, 0));
 }
 
 /// Streams `total` bytes in 64 KiB chunks from another task while the request is in flight.
@@ -197,26 +183,14 @@ async fn naive_client_sending_5_mib_before_reading_receives_the_413() {
         );
         assert!(response.contains("payload_too_large"), "{response}");
     }
-    assert_eq!(server.app.handler_calls(), 0);
-    assert_eq!(server.order_count().await, 0);
-    assert_eq!(server.record_count().await, 0);
+    assert_eq!(server.counts().await, (0, 0, 0));
 }
 
 #[tokio::test]
 async fn body_trickling_past_the_body_timeout_is_408() {
     const TIMEOUT: Duration = Duration::from_millis(300);
-    let server = TestServer::builder()
-        .layer(|layer| layer.with_body_timeout(TIMEOUT))
-        .spawn()
-        .await;
-    // One byte every 50 ms, for as long as the request lasts: the connection is never idle
-    // for long, but the whole body takes forever.
-    let (sender, body) = ChannelBody::new();
-    let trickle = tokio::spawn(async move {
-        while sender.send(Bytes::from_static(b" ")).await.is_ok() {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    });
+    let server = TestServer::with_layer(|layer| layer.with_body_timeout(TIMEOUT)).await;
+    let (trickle, body) = ChannelBody::trickling();
     let started = Instant::now();
 
     let reply = Post::order("key-1", "")

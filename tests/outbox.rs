@@ -1,12 +1,14 @@
 //! The transactional outbox on real SQLite files and on PostgreSQL: the relay's deliveries,
 //! retries, backoff, dead letters, timeouts and abandoned leases, written once over
-//! [`Outbox`] and run against each backend; and, per backend (their servers differ), events
-//! committing or rolling back with the handler's rows through the order app over real HTTP.
+//! [`Outbox`] and run against each backend; and events committing or rolling back with the
+//! handler's rows through the order app over real HTTP. On PostgreSQL only: two relays on
+//! separate pools at once.
 //!
 //! The PostgreSQL tests need `TEST_DATABASE_URL`; without it `cargo test` reports them as
 //! ignored.
 
-mod backends;
+#[macro_use]
+mod backend;
 mod common;
 mod pg_common;
 
@@ -14,8 +16,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
-use backends::Backend;
-use common::PATIENCE;
+use backend::{event_of, hook, Backend, Server};
+use common::{post, PATIENCE, SHOP_A};
+use http::StatusCode;
 use serde_json::json;
 use tower_idempotency::body::BoxError;
 use tower_idempotency::outbox::{
@@ -71,19 +74,14 @@ impl RecordingSink {
 }
 
 async fn a_relay_delivers_each_event_once<B: Backend>(backend: B) {
-    let outbox = Outbox::install(backend.store()).await.expect("install");
+    let outbox = Outbox::install(backend.store().await)
+        .await
+        .expect("install");
     // Installing twice is harmless.
-    Outbox::install(backend.store())
+    Outbox::install(backend.store().await)
         .await
         .expect("install again");
-    let mut ids = Vec::new();
-    for n in 0..25 {
-        ids.push(
-            backend
-                .enqueue_now("order_created", json!({ "order_id": n }))
-                .await,
-        );
-    }
+    let ids = backend.enqueue_orders(0..25).await;
     let recorder = RecordingSink::default();
     let mut relay = Relay::new(outbox.clone(), recorder.sink()).with_batch_size(10);
 
@@ -94,11 +92,7 @@ async fn a_relay_delivers_each_event_once<B: Backend>(backend: B) {
     assert_eq!(claimed, vec![10, 10, 5, 0]);
     for id in &ids {
         assert_eq!(recorder.attempts_of(id), vec![1], "delivered once: {id}");
-        let event = outbox
-            .event(id.as_str())
-            .await
-            .expect("read")
-            .expect("event");
+        let event = event_of(&outbox, id).await;
         assert_eq!(event.status, EventStatus::Delivered);
         assert!(event.delivered_at.is_some());
     }
@@ -116,7 +110,9 @@ async fn a_relay_delivers_each_event_once<B: Backend>(backend: B) {
 }
 
 async fn a_poison_event_is_dead_lettered_while_the_others_flow<B: Backend>(backend: B) {
-    let outbox = Outbox::install(backend.store()).await.expect("install");
+    let outbox = Outbox::install(backend.store().await)
+        .await
+        .expect("install");
     let recorder = RecordingSink::default();
     // Retries wait 0.5 to 1 s: long enough that the rounds below run while the poison event
     // is not due, short enough for a fast test.
@@ -128,26 +124,13 @@ async fn a_poison_event_is_dead_lettered_while_the_others_flow<B: Backend>(backe
     let poison = backend
         .enqueue_now("order_created", json!({ "sku": "poison" }))
         .await;
-    let mut good = Vec::new();
-    for n in 0..3 {
-        good.push(
-            backend
-                .enqueue_now("order_created", json!({ "order_id": n }))
-                .await,
-        );
-    }
+    let mut good = backend.enqueue_orders(0..3).await;
 
     let first = relay.run_once().await.expect("round");
     assert_eq!((first.claimed, first.delivered, first.retried), (4, 3, 1));
 
     // New events flow while the poison event waits for its retry.
-    for n in 3..6 {
-        good.push(
-            backend
-                .enqueue_now("order_created", json!({ "order_id": n }))
-                .await,
-        );
-    }
+    good.extend(backend.enqueue_orders(3..6).await);
     let second = relay.run_once().await.expect("round");
     assert_eq!((second.claimed, second.delivered), (3, 3), "{second:?}");
     assert_eq!(recorder.attempts_of(&poison), vec![1], "not retried yet");
@@ -156,11 +139,7 @@ async fn a_poison_event_is_dead_lettered_while_the_others_flow<B: Backend>(backe
     let deadline = tokio::time::Instant::now() + PATIENCE;
     loop {
         relay.run_once().await.expect("round");
-        let event = outbox
-            .event(poison.as_str())
-            .await
-            .expect("read")
-            .expect("event");
+        let event = event_of(&outbox, &poison).await;
         if event.status == EventStatus::Dead {
             assert_eq!(event.attempts, 3);
             assert!(
@@ -181,11 +160,7 @@ async fn a_poison_event_is_dead_lettered_while_the_others_flow<B: Backend>(backe
     assert_eq!(recorder.attempts_of(&poison), vec![1, 2, 3]);
     for id in &good {
         assert_eq!(recorder.attempts_of(id), vec![1], "delivered once: {id}");
-        let event = outbox
-            .event(id.as_str())
-            .await
-            .expect("read")
-            .expect("event");
+        let event = event_of(&outbox, id).await;
         assert_eq!(event.status, EventStatus::Delivered);
     }
     let counts = outbox.counts().await.expect("counts");
@@ -210,7 +185,9 @@ async fn a_poison_event_is_dead_lettered_while_the_others_flow<B: Backend>(backe
 }
 
 async fn a_permanent_error_dead_letters_at_once<B: Backend>(backend: B) {
-    let outbox = Outbox::install(backend.store()).await.expect("install");
+    let outbox = Outbox::install(backend.store().await)
+        .await
+        .expect("install");
     let id = backend
         .enqueue_now("order_created", json!({ "sku": "gone" }))
         .await;
@@ -225,11 +202,7 @@ async fn a_permanent_error_dead_letters_at_once<B: Backend>(backend: B) {
         (report.claimed, report.dead_lettered, report.retried),
         (1, 1, 0)
     );
-    let event = outbox
-        .event(id.as_str())
-        .await
-        .expect("read")
-        .expect("event");
+    let event = event_of(&outbox, &id).await;
     assert_eq!(event.status, EventStatus::Dead);
     assert_eq!(event.attempts, 1);
     assert_eq!(
@@ -240,7 +213,9 @@ async fn a_permanent_error_dead_letters_at_once<B: Backend>(backend: B) {
 }
 
 async fn a_sink_that_hangs_or_panics_is_a_failed_attempt_not_a_dead_relay<B: Backend>(backend: B) {
-    let outbox = Outbox::install(backend.store()).await.expect("install");
+    let outbox = Outbox::install(backend.store().await)
+        .await
+        .expect("install");
     let hangs = backend.enqueue_now("t", json!("hang")).await;
     let panics = backend.enqueue_now("t", json!("panic")).await;
     let fine = backend.enqueue_now("t", json!("fine")).await;
@@ -260,11 +235,7 @@ async fn a_sink_that_hangs_or_panics_is_a_failed_attempt_not_a_dead_relay<B: Bac
 
     let report = relay.run_once().await.expect("round");
     assert_eq!((report.delivered, report.retried), (1, 2), "{report:?}");
-    let hung = outbox
-        .event(hangs.as_str())
-        .await
-        .expect("read")
-        .expect("event");
+    let hung = event_of(&outbox, &hangs).await;
     assert_eq!(hung.status, EventStatus::Pending);
     assert!(
         hung.last_error
@@ -272,24 +243,18 @@ async fn a_sink_that_hangs_or_panics_is_a_failed_attempt_not_a_dead_relay<B: Bac
             .is_some_and(|e| e.contains("did not answer")),
         "{hung:?}"
     );
-    let panicked = outbox
-        .event(panics.as_str())
-        .await
-        .expect("read")
-        .expect("event");
+    let panicked = event_of(&outbox, &panics).await;
     assert_eq!(panicked.last_error.as_deref(), Some("the sink panicked"));
-    let delivered = outbox
-        .event(fine.as_str())
-        .await
-        .expect("read")
-        .expect("event");
+    let delivered = event_of(&outbox, &fine).await;
     assert_eq!(delivered.status, EventStatus::Delivered);
 }
 
 async fn an_abandoned_last_attempt_is_dead_lettered_when_its_lease_runs_out<B: Backend>(
     backend: B,
 ) {
-    let outbox = Outbox::install(backend.store()).await.expect("install");
+    let outbox = Outbox::install(backend.store().await)
+        .await
+        .expect("install");
     let id = backend
         .enqueue_now("order_created", json!({ "order_id": 1 }))
         .await;
@@ -304,11 +269,7 @@ async fn an_abandoned_last_attempt_is_dead_lettered_when_its_lease_runs_out<B: B
     let cut = tokio::time::timeout(Duration::from_millis(250), dying.run_once()).await;
     assert!(cut.is_err(), "the round was still delivering");
     drop(dying);
-    let event = outbox
-        .event(id.as_str())
-        .await
-        .expect("read")
-        .expect("event");
+    let event = event_of(&outbox, &id).await;
     assert_eq!(event.status, EventStatus::InFlight);
 
     // Within the lease, nobody else takes it.
@@ -321,11 +282,7 @@ async fn an_abandoned_last_attempt_is_dead_lettered_when_its_lease_runs_out<B: B
     let report = next.run_once().await.expect("round");
     assert_eq!((report.claimed, report.dead_lettered), (0, 1));
     assert_eq!(recorder.deliveries(), 0);
-    let event = outbox
-        .event(id.as_str())
-        .await
-        .expect("read")
-        .expect("event");
+    let event = event_of(&outbox, &id).await;
     assert_eq!(event.status, EventStatus::Dead);
     assert!(event
         .last_error
@@ -333,310 +290,172 @@ async fn an_abandoned_last_attempt_is_dead_lettered_when_its_lease_runs_out<B: B
         .is_some_and(|e| e.contains("abandoned")));
 }
 
-mod sqlite {
-    //! On a SQLite file: the relay's suite, and the order app over real HTTP.
+/// The ids of the events the order handler enqueued.
+type Ids = Arc<Mutex<Vec<EventId>>>;
 
-    use std::sync::{Arc, Mutex};
-
-    use http::StatusCode;
-    use serde_json::json;
-    use tower_idempotency::outbox::sqlite::SqliteOutbox;
-    use tower_idempotency::outbox::{Enqueue, EventId, EventStatus};
-    use tower_idempotency::store::sqlite::SqliteStore;
-
-    use super::BOOK;
-    use crate::backends::Sqlite;
-    use crate::common::{self, hook, post, HookOutcome, TestServer, SHOP_A};
-
-    crate::backend_tests!(Sqlite =>
-        a_relay_delivers_each_event_once,
-        a_poison_event_is_dead_lettered_while_the_others_flow,
-        a_permanent_error_dead_letters_at_once,
-        a_sink_that_hangs_or_panics_is_a_failed_attempt_not_a_dead_relay,
-        an_abandoned_last_attempt_is_dead_lettered_when_its_lease_runs_out,
-    );
-
-    async fn event_count(store: &SqliteStore) -> i64 {
-        store
-            .read(|conn| conn.query_row("SELECT count(*) FROM outbox_events", [], |row| row.get(0)))
-            .await
-            .expect("count events")
-    }
-
-    /// A hook that enqueues `order_created` in the request's transaction and remembers its id.
-    fn enqueueing_hook(
-        ids: Arc<Mutex<Vec<EventId>>>,
-        fail_with: Option<StatusCode>,
-    ) -> common::Hook {
-        hook(move |call| {
-            let ids = ids.clone();
+/// The order app whose handler enqueues `order_created` in the request's transaction (and
+/// remembers its id) and then answers `fail_with` (or its 201); its outbox installed.
+async fn enqueueing_app<B: Backend>(
+    db: &B,
+    fail_with: Option<StatusCode>,
+) -> (Server<B>, Outbox<B::Store>, Ids) {
+    let ids = Ids::default();
+    let enqueued = ids.clone();
+    let server = db
+        .server()
+        .hook(hook(move |call| {
+            let ids = enqueued.clone();
             async move {
-                let payload = json!({ "order_id": call.order_id, "sku": call.sku });
+                let payload = json!({
+                    "order_id": call.order_id,
+                    "sku": call.sku,
+                    "tenant": call.tenant,
+                });
                 let id = call
                     .tx
                     .enqueue("order_created", payload)
                     .await
                     .expect("enqueue in the request's transaction");
                 ids.lock().expect("ids").push(id);
-                HookOutcome {
-                    fail_with,
-                    ..HookOutcome::default()
-                }
+                fail_with
             }
-        })
-    }
-
-    #[tokio::test]
-    async fn a_handler_failure_rolls_the_event_back_with_the_order() {
-        let ids = Arc::new(Mutex::new(Vec::new()));
-        let server = TestServer::builder()
-            .hook(enqueueing_hook(
-                ids.clone(),
-                Some(StatusCode::INTERNAL_SERVER_ERROR),
-            ))
-            .spawn()
-            .await;
-        SqliteOutbox::install(&server.store).await.expect("install");
-
-        let reply = post(server.addr, Some(SHOP_A), Some("k1"), BOOK, &[]).await;
-        assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR);
-        // The handler did enqueue (it got an id), but nothing of the request was kept.
-        assert_eq!(ids.lock().expect("ids").len(), 1);
-        assert_eq!(event_count(&server.store).await, 0, "the event rolled back");
-        assert_eq!(server.order_count().await, 0);
-        assert_eq!(server.record_count().await, 0);
-    }
-
-    #[tokio::test]
-    async fn a_failed_commit_rolls_the_event_back_with_the_order() {
-        let ids = Arc::new(Mutex::new(Vec::new()));
-        let server = TestServer::builder()
-            .hook(enqueueing_hook(ids.clone(), None))
-            .spawn()
-            .await;
-        SqliteOutbox::install(&server.store).await.expect("install");
-        // Saving the response fails after the handler wrote its order and its event.
-        common::execute(
-            &server.store,
-            "CREATE TRIGGER fail_record BEFORE INSERT ON idempotency_records \
-             BEGIN SELECT RAISE(ABORT, 'injected'); END;",
-        )
+        }))
+        .spawn()
         .await;
+    let outbox = Outbox::install(&server.store).await.expect("install");
+    (server, outbox, ids)
+}
 
-        let reply = post(server.addr, Some(SHOP_A), Some("k1"), BOOK, &[]).await;
-        assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR);
-        assert_eq!(ids.lock().expect("ids").len(), 1);
-        assert_eq!(event_count(&server.store).await, 0, "the event rolled back");
-        assert_eq!(server.order_count().await, 0);
-    }
+/// Posts an order that fails with a 500 after its handler enqueued its event; asserts that
+/// nothing of it was kept.
+async fn assert_failed_order_rolls_back<B: Backend>(db: &B, server: Server<B>, ids: Ids) {
+    let reply = post(server.addr, Some(SHOP_A), Some("k1"), BOOK, &[]).await;
+    assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR);
+    // The handler did enqueue (it got an id), but nothing of the request was kept.
+    assert_eq!(ids.lock().expect("ids").len(), 1);
+    assert_eq!(db.event_count().await, 0, "the event rolled back");
+    assert_eq!(db.counts().await, (0, 0));
+    server.shutdown().await;
+}
 
-    #[tokio::test]
-    async fn a_committed_order_has_exactly_one_event_and_replays_add_none() {
-        let ids = Arc::new(Mutex::new(Vec::new()));
-        let server = TestServer::builder()
-            .hook(enqueueing_hook(ids.clone(), None))
-            .spawn()
-            .await;
-        let outbox = SqliteOutbox::install(&server.store).await.expect("install");
+async fn a_handler_failure_rolls_the_event_back_with_the_order<B: Backend>(db: B) {
+    let failing = Some(StatusCode::INTERNAL_SERVER_ERROR);
+    let (server, _, ids) = enqueueing_app(&db, failing).await;
+    assert_failed_order_rolls_back(&db, server, ids).await;
+}
 
-        let first = post(server.addr, Some(SHOP_A), Some("k1"), BOOK, &[]).await;
-        let retry = post(server.addr, Some(SHOP_A), Some("k1"), BOOK, &[]).await;
-        assert_eq!(first.status, StatusCode::CREATED);
-        assert!(retry.replayed());
-        assert_eq!(event_count(&server.store).await, 1);
+async fn a_failed_commit_rolls_the_event_back_with_the_order<B: Backend>(db: B) {
+    let (server, _, ids) = enqueueing_app(&db, None).await;
+    // Saving the response fails after the handler wrote its order and its event.
+    db.fail_saving_the_record_of("k1").await;
+    assert_failed_order_rolls_back(&db, server, ids).await;
+}
 
-        let id = ids.lock().expect("ids")[0].clone();
-        let event = outbox
-            .event(id.as_str())
-            .await
-            .expect("read")
-            .expect("event");
-        assert_eq!(event.topic, "order_created");
-        assert_eq!(event.status, EventStatus::Pending);
-        assert_eq!(event.attempts, 0);
-        let payload: serde_json::Value = serde_json::from_str(&event.payload).expect("json");
-        assert_eq!(
-            payload,
-            json!({ "order_id": first.order_id(), "sku": "book" })
+async fn a_committed_order_has_exactly_one_event_and_replays_add_none<B: Backend>(db: B) {
+    let (server, outbox, ids) = enqueueing_app(&db, None).await;
+
+    let first = post(server.addr, Some(SHOP_A), Some("k1"), BOOK, &[]).await;
+    let retry = post(server.addr, Some(SHOP_A), Some("k1"), BOOK, &[]).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(retry.replayed());
+    assert_eq!(db.event_count().await, 1);
+    assert_eq!(db.order_count().await, 1);
+
+    let id = ids.lock().expect("ids")[0].clone();
+    let event = event_of(&outbox, &id).await;
+    assert_eq!(event.topic, "order_created");
+    assert_eq!(event.status, EventStatus::Pending);
+    assert_eq!(event.attempts, 0);
+    let payload: serde_json::Value = serde_json::from_str(&event.payload).expect("json");
+    assert_eq!(
+        payload,
+        json!({ "order_id": first.order_id(), "sku": "book", "tenant": "shop-a" })
+    );
+    let backlog = outbox.backlog().await.expect("backlog");
+    assert_eq!((backlog.pending, backlog.dead), (1, 0));
+    server.shutdown().await;
+}
+
+async fn enqueue_needs_the_outbox_table_and_fails_the_request_without_it<B: Backend>(db: B) {
+    let errors = Arc::new(Mutex::new(Vec::new()));
+    let seen = errors.clone();
+    // The handler answers 500 when its enqueue fails, and notes why.
+    let enqueue_or_fail = hook(move |call| {
+        let seen = seen.clone();
+        async move {
+            let result = call.tx.enqueue("order_created", json!({})).await;
+            if let Err(error) = &result {
+                seen.lock()
+                    .expect("errors")
+                    .push(format!("{error} ({error:?})"));
+            }
+            result.is_err().then_some(StatusCode::INTERNAL_SERVER_ERROR)
+        }
+    });
+    let server = db.server().hook(enqueue_or_fail).spawn().await;
+    // No `Outbox::install`: the handler's enqueue fails, the handler answers 500, and the order
+    // rolls back with it.
+    let reply = post(server.addr, Some(SHOP_A), Some("k1"), BOOK, &[]).await;
+    assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR);
+    let errors = errors.lock().expect("errors").clone();
+    assert!(
+        errors.len() == 1 && errors[0].contains(B::NO_OUTBOX_TABLE),
+        "{errors:?}"
+    );
+    assert_eq!(db.order_count().await, 0);
+    server.shutdown().await;
+}
+
+/// The tests above, on one backend.
+macro_rules! outbox_tests {
+    ($backend:ident) => {
+        backend_tests!($backend;
+            a_relay_delivers_each_event_once,
+            a_poison_event_is_dead_lettered_while_the_others_flow,
+            a_permanent_error_dead_letters_at_once,
+            a_sink_that_hangs_or_panics_is_a_failed_attempt_not_a_dead_relay,
+            an_abandoned_last_attempt_is_dead_lettered_when_its_lease_runs_out,
+            a_handler_failure_rolls_the_event_back_with_the_order,
+            a_failed_commit_rolls_the_event_back_with_the_order,
+            a_committed_order_has_exactly_one_event_and_replays_add_none,
+            enqueue_needs_the_outbox_table_and_fails_the_request_without_it,
         );
-    }
+    };
+}
 
-    #[tokio::test]
-    async fn enqueue_needs_the_outbox_table_and_fails_the_request_without_it() {
-        let errors = Arc::new(Mutex::new(Vec::new()));
-        let seen = errors.clone();
-        let server = TestServer::builder()
-            .hook(hook(move |call| {
-                let seen = seen.clone();
-                async move {
-                    let result = call.tx.enqueue("order_created", json!({})).await;
-                    if let Err(error) = &result {
-                        seen.lock().expect("errors").push(error.to_string());
-                    }
-                    HookOutcome {
-                        fail_with: result.is_err().then_some(StatusCode::INTERNAL_SERVER_ERROR),
-                        ..HookOutcome::default()
-                    }
-                }
-            }))
-            .spawn()
-            .await;
-        // No `SqliteOutbox::install`: the handler's enqueue fails, the handler answers 500, and
-        // the order rolls back with it.
-        let reply = post(server.addr, Some(SHOP_A), Some("k1"), BOOK, &[]).await;
-        assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR);
-        let errors = errors.lock().expect("errors").clone();
-        assert!(
-            errors.len() == 1 && errors[0].contains("no such table: outbox_events"),
-            "{errors:?}"
-        );
-        assert_eq!(server.order_count().await, 0);
-    }
+mod sqlite {
+    //! On a SQLite file.
+
+    outbox_tests!(Sqlite);
 }
 
 mod postgres {
-    //! On PostgreSQL: the relay's suite, two relays on separate pools, and the order app over
-    //! real HTTP.
+    //! On PostgreSQL: the suite, and two relays on separate pools.
 
-    use std::sync::{Arc, Mutex};
-
-    use http::StatusCode;
-    use serde_json::json;
     use tower_idempotency::outbox::postgres::PostgresOutbox;
-    use tower_idempotency::outbox::{Enqueue, EventId, EventStatus, OutboxStore, Relay};
+    use tower_idempotency::outbox::{OutboxStore, Relay};
 
-    use super::{RecordingSink, BOOK};
-    use crate::backends::{Backend, Postgres};
-    use crate::common::{post, PATIENCE, SHOP_A};
-    use crate::pg_common::{hook, Hook, HookOutcome, PgServer, TestDb};
+    use super::RecordingSink;
+    use crate::backend::{Backend, Postgres};
+    use crate::common::PATIENCE;
 
-    crate::backend_tests!(
-        #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-        Postgres =>
-        a_relay_delivers_each_event_once,
-        a_poison_event_is_dead_lettered_while_the_others_flow,
-        a_permanent_error_dead_letters_at_once,
-        a_sink_that_hangs_or_panics_is_a_failed_attempt_not_a_dead_relay,
-        an_abandoned_last_attempt_is_dead_lettered_when_its_lease_runs_out,
-    );
-
-    async fn event_count(db: &TestDb) -> i64 {
-        db.client()
-            .await
-            .query_one("SELECT count(*) FROM outbox_events", &[])
-            .await
-            .expect("count events")
-            .get(0)
-    }
-
-    /// A hook that enqueues `order_created` in the request's transaction and remembers its id.
-    fn enqueueing_hook(ids: Arc<Mutex<Vec<EventId>>>, fail_with: Option<StatusCode>) -> Hook {
-        hook(move |call| {
-            let ids = ids.clone();
-            async move {
-                let payload = json!({ "order_id": call.order_id, "tenant": call.tenant });
-                let id = call
-                    .tx
-                    .enqueue("order_created", payload)
-                    .await
-                    .expect("enqueue in the request's transaction");
-                ids.lock().expect("ids").push(id);
-                HookOutcome { fail_with }
-            }
-        })
-    }
-
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    #[tokio::test]
-    async fn a_handler_failure_rolls_the_event_back_with_the_order() {
-        let Some(db) = TestDb::create().await else {
-            return;
-        };
-        let ids = Arc::new(Mutex::new(Vec::new()));
-        let server = PgServer::builder()
-            .hook(enqueueing_hook(
-                ids.clone(),
-                Some(StatusCode::INTERNAL_SERVER_ERROR),
-            ))
-            .spawn(&db)
-            .await;
-        PostgresOutbox::install(&server.store)
-            .await
-            .expect("install");
-
-        let reply = post(server.addr, Some(SHOP_A), Some("k1"), BOOK, &[]).await;
-        assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR);
-        // The handler did enqueue (it got an id), but nothing of the request was kept.
-        assert_eq!(ids.lock().expect("ids").len(), 1);
-        assert_eq!(event_count(&db).await, 0, "the event rolled back");
-        assert_eq!(db.order_count().await, 0);
-        assert_eq!(db.record_count().await, 0);
-        server.shutdown().await;
-    }
-
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    #[tokio::test]
-    async fn a_committed_order_has_exactly_one_event_and_replays_add_none() {
-        let Some(db) = TestDb::create().await else {
-            return;
-        };
-        let ids = Arc::new(Mutex::new(Vec::new()));
-        let server = PgServer::builder()
-            .hook(enqueueing_hook(ids.clone(), None))
-            .spawn(&db)
-            .await;
-        let outbox = PostgresOutbox::install(&server.store)
-            .await
-            .expect("install");
-
-        let first = post(server.addr, Some(SHOP_A), Some("k1"), BOOK, &[]).await;
-        let retry = post(server.addr, Some(SHOP_A), Some("k1"), BOOK, &[]).await;
-        assert_eq!(first.status, StatusCode::CREATED);
-        assert!(retry.replayed());
-        assert_eq!(event_count(&db).await, 1);
-        assert_eq!(db.order_count().await, 1);
-
-        let id = ids.lock().expect("ids")[0].clone();
-        let event = outbox
-            .event(id.as_str())
-            .await
-            .expect("read")
-            .expect("event");
-        assert_eq!(event.topic, "order_created");
-        assert_eq!(event.status, EventStatus::Pending);
-        assert_eq!(event.attempts, 0);
-        let payload: serde_json::Value = serde_json::from_str(&event.payload).expect("json");
-        assert_eq!(
-            payload,
-            json!({ "order_id": first.order_id(), "tenant": "shop-a" })
-        );
-        let backlog = outbox.backlog().await.expect("backlog");
-        assert_eq!((backlog.pending, backlog.dead), (1, 0));
-        server.shutdown().await;
-    }
+    outbox_tests!(Postgres);
 
     #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn two_relays_at_once_deliver_each_event_once() {
-        let Some(backend) = Postgres::open().await else {
+        let Some(backend) = Postgres::create().await else {
             return;
         };
         // Two stores: two app instances, each with its own pool and its own relay.
-        let first = PostgresOutbox::install(backend.store())
+        let first = PostgresOutbox::install(backend.store().await)
             .await
             .expect("install");
         let second = PostgresOutbox::install(&backend.another_store().await)
             .await
             .expect("install");
         const EVENTS: usize = 300;
-        let mut ids = Vec::new();
-        for n in 0..EVENTS {
-            ids.push(
-                backend
-                    .enqueue_now("order_created", json!({ "order_id": n }))
-                    .await,
-            );
-        }
+        let ids = backend.enqueue_orders(0..EVENTS).await;
 
         // One recorder for both relays: every delivery of every event, whichever relay made it.
         let recorder = RecordingSink::default();
@@ -672,41 +491,5 @@ mod postgres {
             (counts.delivered, counts.pending, counts.in_flight),
             (300, 0, 0)
         );
-    }
-
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    #[tokio::test]
-    async fn enqueue_needs_the_outbox_table_and_fails_the_request_without_it() {
-        let Some(db) = TestDb::create().await else {
-            return;
-        };
-        let errors = Arc::new(Mutex::new(Vec::new()));
-        let seen = errors.clone();
-        let server = PgServer::builder()
-            .hook(hook(move |call| {
-                let seen = seen.clone();
-                async move {
-                    let result = call.tx.enqueue("order_created", json!({})).await;
-                    if let Err(error) = &result {
-                        seen.lock().expect("errors").push(format!("{error:?}"));
-                    }
-                    HookOutcome {
-                        fail_with: result.is_err().then_some(StatusCode::INTERNAL_SERVER_ERROR),
-                    }
-                }
-            }))
-            .spawn(&db)
-            .await;
-        // No `PostgresOutbox::install`: the enqueue fails, the handler answers 500, and the order
-        // rolls back with it.
-        let reply = post(server.addr, Some(SHOP_A), Some("k1"), BOOK, &[]).await;
-        assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR);
-        let errors = errors.lock().expect("errors").clone();
-        assert!(
-            errors.len() == 1 && errors[0].contains("outbox_events"),
-            "{errors:?}"
-        );
-        assert_eq!(db.order_count().await, 0);
-        server.shutdown().await;
     }
 }

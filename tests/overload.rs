@@ -15,12 +15,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::{hook, HookOutcome, Reply, TestServer, PATIENCE, SHOP_A};
+use common::{exchange_raw, hook, HookOutcome, Reply, TestServer, PATIENCE, SHOP_A};
 use http::StatusCode;
-use http_body_util::{BodyExt, Full};
+use http_body_util::Full;
 use hyper::client::conn::http1::SendRequest;
 use hyper_util::rt::TokioIo;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::{Barrier, Mutex};
 
 /// Held by each test: they measure the memory of the whole process.
@@ -61,13 +60,7 @@ async fn post_on(sender: &mut SendRequest<Full<Bytes>>, key: &str) -> Reply {
         .expect("request");
     let exchange = async {
         let response = sender.send_request(request).await.expect("response");
-        let (parts, body) = response.into_parts();
-        let body = body.collect().await.expect("body").to_bytes();
-        Reply {
-            status: parts.status,
-            headers: parts.headers,
-            body,
-        }
+        Reply::read(response).await
     };
     tokio::time::timeout(PATIENCE, exchange)
         .await
@@ -189,10 +182,7 @@ async fn one_byte_chunks_cost_about_the_body_not_a_buffer_per_chunk() {
     const UPLOADS: usize = 4;
     const LIMIT: usize = 128 * 1024;
     let _one_at_a_time = ONE_AT_A_TIME.lock().await;
-    let server = TestServer::builder()
-        .layer(|layer| layer.with_body_limit(LIMIT))
-        .spawn()
-        .await;
+    let server = TestServer::with_layer(|layer| layer.with_body_limit(LIMIT)).await;
 
     // One request, the same for every client (the same key: the first creates the order,
     // the others replay it; every body is read in full first all the same).
@@ -225,16 +215,7 @@ async fn one_byte_chunks_cost_about_the_body_not_a_buffer_per_chunk() {
     let uploads: Vec<_> = (0..UPLOADS)
         .map(|_| {
             let (raw, addr) = (raw.clone(), server.addr);
-            tokio::spawn(async move {
-                let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
-                stream.write_all(&raw).await.expect("upload");
-                let mut response = Vec::new();
-                tokio::time::timeout(PATIENCE, stream.read_to_end(&mut response))
-                    .await
-                    .expect("answered in time")
-                    .expect("read the answer");
-                String::from_utf8_lossy(&response).into_owned()
-            })
+            tokio::spawn(async move { exchange_raw(addr, &raw).await })
         })
         .collect();
     for upload in uploads {

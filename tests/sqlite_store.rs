@@ -35,10 +35,8 @@ fn other_process_holding_the_lock(
 /// store's own busy timeout allows (5 s when opened), not the last request's remainder.
 #[tokio::test]
 async fn short_request_lock_timeout_does_not_leak_into_purge_and_write() {
-    let server = TestServer::builder()
-        .layer(|layer| layer.with_lock_timeout(Duration::from_millis(50)))
-        .spawn()
-        .await;
+    let server =
+        TestServer::with_layer(|layer| layer.with_lock_timeout(Duration::from_millis(50))).await;
     let reply = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
     assert_eq!(reply.status, StatusCode::CREATED);
 

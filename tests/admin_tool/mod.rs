@@ -54,33 +54,10 @@ pub async fn run(
     }
 }
 
-/// The `admin` example binary, up to date: `cargo build --example admin` (a no-op when
-/// `cargo test` has just built it), at the path cargo reports for the artifact.
+/// The `admin` example binary, up to date (see [`crate::common::process::build_example`]).
 fn binary() -> PathBuf {
     static BINARY: OnceLock<PathBuf> = OnceLock::new();
     BINARY
-        .get_or_init(|| {
-            let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-            let mut command = std::process::Command::new(cargo);
-            command
-                .current_dir(env!("CARGO_MANIFEST_DIR"))
-                .args(["build", "--example", "admin", "--message-format=json"])
-                .stderr(Stdio::inherit());
-            if !cfg!(debug_assertions) {
-                command.arg("--release");
-            }
-            let built = command.output().expect("run cargo build");
-            assert!(
-                built.status.success(),
-                "`cargo build --example admin` failed"
-            );
-            String::from_utf8_lossy(&built.stdout)
-                .lines()
-                .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
-                .filter(|message| message["reason"] == "compiler-artifact")
-                .filter(|message| message["target"]["name"] == "admin")
-                .find_map(|message| message["executable"].as_str().map(PathBuf::from))
-                .expect("cargo names the admin binary")
-        })
+        .get_or_init(|| crate::common::process::build_example("admin"))
         .clone()
 }

@@ -1,12 +1,14 @@
 //! One fixture over both stores, so that a suite is written once and run against SQLite and
 //! PostgreSQL: [`Backend`] is a fresh database of one kind (a SQLite file in a temp dir, or a
-//! PostgreSQL schema of its own) that serves the order app of the tests on 127.0.0.1:0, reads
-//! its business rows and records, and injects the failures both stores can have.
+//! PostgreSQL schema of its own) that serves the order app of the tests on 127.0.0.1:0, opens a
+//! store of its own on it (for the outbox, inbox and admin suites), reads its business rows,
+//! records and events, and injects the failures both stores can have.
 //!
-//! A suite writes each test as `async fn name<B: Backend>(db: B)` and instantiates it per
-//! backend with `backend_tests!` inside its `sqlite` and `postgres` modules (the PostgreSQL
-//! instances carry the attribute that reports them as ignored without `TEST_DATABASE_URL`).
-//! Tests that only make sense on one backend sit next to them in the same module.
+//! A suite writes each test as `async fn name<B: Backend>(db: B)` and instantiates it in its
+//! `sqlite` and `postgres` modules with `backend_tests!(Sqlite; a, b)` and
+//! `backend_tests!(Postgres; a, b)`; every PostgreSQL instance carries the attribute that
+//! reports it as ignored without `TEST_DATABASE_URL`. Tests that only make sense on one
+//! backend sit next to them in the same module.
 //!
 //! The apps themselves are the ones of `tests/common` (SQLite) and `tests/pg_common`
 //! (PostgreSQL); this module only adapts them to one interface.
@@ -14,6 +16,7 @@
 // Every suite uses a different part of it.
 #![allow(dead_code)]
 
+use std::fmt;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -23,8 +26,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::StatusCode;
-use tower_idempotency::store::postgres::{PostgresOptions, PostgresStore};
-use tower_idempotency::store::sqlite::SqliteStore;
+use serde_json::Value;
+use tokio::sync::OnceCell;
+use tower_idempotency::admin::AdminBackend;
+use tower_idempotency::outbox::{
+    Enqueue, EventId, EventInfo, Inbox, InboxBackend, Outbox, OutboxBackend, Processed,
+};
+use tower_idempotency::store::postgres::{PostgresOptions, PostgresStore, PostgresTransaction};
+use tower_idempotency::store::sqlite::{SqliteStore, SqliteTransaction};
 use tower_idempotency::store::IdempotencyStore;
 
 use crate::common::{
@@ -33,11 +42,48 @@ use crate::common::{
 use crate::pg_common::{PgApp, PgServer, TestDb};
 
 /// What a backend's order handler tells the test's hook, its order row inserted inside the
-/// open idempotency transaction.
+/// open idempotency transaction `tx`.
 #[derive(Clone, Debug)]
 pub struct Call {
+    pub tenant: String,
     pub key: Option<String>,
     pub sku: String,
+    pub order_id: i64,
+    pub tx: Tx,
+}
+
+type EnqueueFn = dyn Fn(String, Value) -> BoxFuture<'static, Result<EventId, tower_idempotency::Error>>
+    + Send
+    + Sync;
+
+/// The request's transaction, whichever the backend, for what the generic suites do in it:
+/// enqueue an outbox event.
+#[derive(Clone)]
+pub struct Tx(Arc<EnqueueFn>);
+
+impl Tx {
+    fn of<T: Enqueue + Send + Sync + 'static>(tx: T) -> Tx {
+        let tx = Arc::new(tx);
+        Tx(Arc::new(move |topic, payload| {
+            let tx = tx.clone();
+            Box::pin(async move { tx.enqueue(&topic, payload).await })
+        }))
+    }
+
+    /// Enqueues an event in the request's transaction.
+    pub async fn enqueue(
+        &self,
+        topic: &str,
+        payload: Value,
+    ) -> Result<EventId, tower_idempotency::Error> {
+        (self.0)(topic.to_owned(), payload).await
+    }
+}
+
+impl fmt::Debug for Tx {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Tx")
+    }
 }
 
 /// What the hook answers: `Some(status)` makes the handler answer that status with
@@ -55,11 +101,14 @@ pub fn hook<Fut: Future<Output = FailWith> + Send + 'static>(
 }
 
 /// The hook of a backend's app that runs `hook`.
-fn adapt<T: Send + 'static, O: Outcome>(hook: Hook) -> HookFor<OrderCallOf<T>, O> {
+fn adapt<T: Enqueue + Send + Sync + 'static, O: Outcome>(hook: Hook) -> HookFor<OrderCallOf<T>, O> {
     hook_for(move |call: OrderCallOf<T>| {
         let outcome = hook(Call {
+            tenant: call.tenant,
             key: call.key,
             sku: call.sku,
+            order_id: call.order_id,
+            tx: Tx::of(call.tx),
         });
         async move { O::failing(outcome.await) }
     })
@@ -112,27 +161,76 @@ impl<T: Send + 'static, O: Outcome> AppState for AppOf<T, O> {
 /// `(id, tenant_id, sku, quantity)` of an order.
 pub type Order = (i64, String, String, i64);
 
-/// A fresh database of one kind, with the `orders` table, and the order app served on it.
-pub trait Backend: Sized + Send + Sync + 'static {
-    type Store: IdempotencyStore + Clone + Send + Sync + 'static;
-    /// The backend's own running server, stopped when dropped.
-    type Running: Send;
+/// The receiver's effect in the inbox suites: one row per application of an event.
+pub const EFFECTS: &str = "CREATE TABLE effects (event_id TEXT NOT NULL, note TEXT NOT NULL)";
 
+/// What an inbox suite's closure does.
+#[derive(Clone, Copy, Debug)]
+pub enum Apply {
+    /// Nothing (`Ok(0)`).
+    Nothing,
+    /// Inserts the event's [`EFFECTS`] row; returns the event's rows as the transaction sees
+    /// them.
+    Effect,
+    /// Inserts the row, then fails.
+    EffectThenFail,
+    /// Runs a statement on a table that does not exist.
+    BrokenStatement,
+}
+
+/// The SQL of [`Apply::Effect`]'s insert, and what [`Apply::EffectThenFail`] fails with.
+const INSERT_EFFECT: &str = "INSERT INTO effects (event_id, note) VALUES ($1, 'applied')";
+pub const FAILURE: &str = "the receiver failed";
+
+/// What [`Backend::process`] returns.
+pub type Processing = Result<Processed<i64>, tower_idempotency::Error>;
+
+/// The event `id` of `outbox`, which must exist.
+pub async fn event_of<S: OutboxBackend>(outbox: &Outbox<S>, id: &EventId) -> EventInfo {
+    outbox
+        .event(id.as_str())
+        .await
+        .expect("read")
+        .expect("event")
+}
+
+/// A fresh database of one kind, with the `orders` table once an app served on it, and a
+/// store of its own on it, opened on first use.
+pub trait Backend: Sized + Send + Sync + 'static {
+    type Store: IdempotencyStore
+        + OutboxBackend
+        + InboxBackend
+        + AdminBackend
+        + Clone
+        + Send
+        + Sync
+        + 'static;
     /// A fresh database; `None` (after saying so) where this backend is not available.
     fn create() -> impl Future<Output = Option<Self>>;
 
     /// Whether writers of different keys run at the same time (SQLite has one writer).
     const PARALLEL_WRITERS: bool;
 
+    /// What the error of an enqueue without the outbox table says.
+    const NO_OUTBOX_TABLE: &'static str;
+
     /// Serves the order app on this database (every server on one database is another app
     /// instance sharing it).
     fn serve(&self, setup: Setup<'_, Self>) -> impl Future<Output = Server<Self>>;
 
-    /// The address, store and app of a running server.
-    fn parts(running: &Self::Running) -> (SocketAddr, Self::Store, Arc<dyn AppState>);
+    /// Where the test's own store is kept once opened.
+    fn store_cell(&self) -> &OnceCell<Self::Store>;
 
-    /// Stops a server gracefully (bounded).
-    fn stop(running: Self::Running) -> impl Future<Output = ()>;
+    /// The test's own store on this database (opened on first use).
+    fn store(&self) -> impl Future<Output = &Self::Store> {
+        self.store_cell().get_or_init(|| self.another_store())
+    }
+
+    /// Another store on the same database (another app instance, with a pool of its own).
+    fn another_store(&self) -> impl Future<Output = Self::Store>;
+
+    /// Runs SQL on the database, outside any request.
+    fn execute(&self, sql: &str) -> impl Future<Output = ()>;
 
     /// The orders, by id.
     fn orders(&self) -> impl Future<Output = Vec<Order>>;
@@ -142,6 +240,10 @@ pub trait Backend: Sized + Send + Sync + 'static {
     /// Whether a record exists for `(tenant, operation, key)`, expired or not.
     fn record_exists(&self, tenant: &str, operation: &str, key: &str)
         -> impl Future<Output = bool>;
+    /// Rows in `outbox_events`.
+    fn event_count(&self) -> impl Future<Output = i64>;
+    /// Committed [`EFFECTS`] rows of `event_id`.
+    fn effects(&self, event_id: &str) -> impl Future<Output = i64>;
 
     /// From now on, saving the record of `key` fails (a trigger), after the handler's insert.
     fn fail_saving_the_record_of(&self, key: &'static str) -> impl Future<Output = ()>;
@@ -149,6 +251,44 @@ pub trait Backend: Sized + Send + Sync + 'static {
     fn fail_inserting_orders_of(&self, sku: &'static str) -> impl Future<Output = ()>;
     /// Removes the triggers of the two above.
     fn stop_failing(&self) -> impl Future<Output = ()>;
+
+    /// Enqueues an event outside any request (in a transaction of its own).
+    fn enqueue_now(&self, topic: &str, payload: Value) -> impl Future<Output = EventId>;
+
+    /// Enqueues `order_created` events `{"order_id": n}` for each `n` of `orders`, in order.
+    fn enqueue_orders(&self, orders: std::ops::Range<usize>) -> impl Future<Output = Vec<EventId>> {
+        async move {
+            let mut ids = Vec::new();
+            for n in orders {
+                let payload = serde_json::json!({ "order_id": n });
+                ids.push(self.enqueue_now("order_created", payload).await);
+            }
+            ids
+        }
+    }
+
+    /// How the admin tool names this database: `--db PATH` or `--database-url URL` (the
+    /// database exists by then).
+    fn tool_args(&self) -> impl Future<Output = Vec<String>>;
+
+    /// Processes `event_id` with `inbox`, applying it as `apply` says (the closure is the
+    /// backend's: a `rusqlite` one on SQLite, a future on PostgreSQL).
+    fn process(
+        inbox: &Inbox<Self::Store>,
+        event_id: &str,
+        apply: Apply,
+    ) -> impl Future<Output = Processing>;
+
+    /// Applies `event_id` through a request's transaction handle: one [`EFFECTS`] row.
+    fn apply_in(
+        tx: &<Self::Store as InboxBackend>::Transaction,
+        event_id: &str,
+    ) -> impl Future<Output = ()>;
+
+    /// `(orders, completed records)`.
+    fn counts(&self) -> impl Future<Output = (i64, i64)> {
+        async { (self.order_count().await, self.record_count().await) }
+    }
 
     /// A server with the default app.
     fn spawn(&self) -> impl Future<Output = Server<Self>> {
@@ -171,28 +311,48 @@ impl<B: Backend> AppBuilder<B::Store, Hook, &B> {
     }
 }
 
+/// A backend's own running server, stopped when dropped.
+trait Running: Send {
+    /// Stops it gracefully (bounded).
+    fn stop(self: Box<Self>) -> BoxFuture<'static, ()>;
+}
+
+impl Running for TestServer {
+    fn stop(self: Box<Self>) -> BoxFuture<'static, ()> {
+        Box::pin((*self).shutdown())
+    }
+}
+
+impl Running for PgServer {
+    fn stop(self: Box<Self>) -> BoxFuture<'static, ()> {
+        Box::pin((*self).shutdown())
+    }
+}
+
 /// A running order app on 127.0.0.1 and its store.
 pub struct Server<B: Backend> {
     pub addr: SocketAddr,
     pub store: B::Store,
     pub app: Arc<dyn AppState>,
-    running: B::Running,
+    running: Box<dyn Running>,
 }
 
 impl<B: Backend> Server<B> {
-    fn new(running: B::Running) -> Self {
-        let (addr, store, app) = B::parts(&running);
+    fn new<A: AppState>(
+        (addr, store, app): (SocketAddr, B::Store, Arc<A>),
+        running: impl Running + 'static,
+    ) -> Self {
         Server {
             addr,
             store,
             app,
-            running,
+            running: Box::new(running),
         }
     }
 
     /// Stops serving (gracefully, bounded) and lets go of the store.
     pub async fn shutdown(self) {
-        B::stop(self.running).await;
+        self.running.stop().await;
     }
 }
 
@@ -209,6 +369,7 @@ pub async fn run<B: Backend, Fut: Future<Output = ()>>(test: impl FnOnce(B) -> F
 /// the file through a connection of its own, as another process would.
 pub struct Sqlite {
     path: PathBuf,
+    store: OnceCell<SqliteStore>,
     _dir: tempfile::TempDir,
 }
 
@@ -223,25 +384,25 @@ impl Sqlite {
         query(&conn).expect("query the database")
     }
 
-    fn count(&self, sql: &str) -> i64 {
-        self.read(|conn| conn.query_row(sql, [], |row| row.get(0)))
-    }
-
-    fn execute(&self, sql: &str) {
-        self.read(|conn| conn.execute_batch(sql));
+    fn count(&self, sql: &str, params: impl rusqlite::Params) -> i64 {
+        self.read(|conn| conn.query_row(sql, params, |row| row.get(0)))
     }
 }
 
 impl Backend for Sqlite {
     type Store = SqliteStore;
-    type Running = TestServer;
 
     const PARALLEL_WRITERS: bool = false;
+    const NO_OUTBOX_TABLE: &'static str = "no such table: outbox_events";
 
     async fn create() -> Option<Self> {
         let dir = tempfile::tempdir().expect("temp dir");
         let path = dir.path().join("orders.db");
-        Some(Sqlite { path, _dir: dir })
+        Some(Sqlite {
+            path,
+            store: OnceCell::new(),
+            _dir: dir,
+        })
     }
 
     async fn serve(&self, setup: Setup<'_, Self>) -> Server<Self> {
@@ -249,15 +410,20 @@ impl Backend for Sqlite {
             .convert(adapt, SqliteApp::on(&self.path))
             .spawn()
             .await;
-        Server::new(running)
+        let parts = (running.addr, running.store.clone(), running.app.clone());
+        Server::new(parts, running)
     }
 
-    fn parts(running: &TestServer) -> (SocketAddr, SqliteStore, Arc<dyn AppState>) {
-        (running.addr, running.store.clone(), running.app.clone())
+    fn store_cell(&self) -> &OnceCell<SqliteStore> {
+        &self.store
     }
 
-    async fn stop(running: TestServer) {
-        running.shutdown().await;
+    async fn another_store(&self) -> SqliteStore {
+        SqliteStore::open(&self.path).await.expect("open")
+    }
+
+    async fn execute(&self, sql: &str) {
+        self.read(|conn| conn.execute_batch(sql));
     }
 
     async fn orders(&self) -> Vec<Order> {
@@ -272,23 +438,28 @@ impl Backend for Sqlite {
     }
 
     async fn order_count(&self) -> i64 {
-        self.count("SELECT COUNT(*) FROM orders")
+        self.count("SELECT COUNT(*) FROM orders", [])
     }
 
     async fn record_count(&self) -> i64 {
-        self.count("SELECT COUNT(*) FROM idempotency_records")
+        self.count("SELECT COUNT(*) FROM idempotency_records", [])
     }
 
     async fn record_exists(&self, tenant: &str, operation: &str, key: &str) -> bool {
-        let found: i64 = self.read(|conn| {
-            conn.query_row(
-                "SELECT COUNT(*) FROM idempotency_records \
-                 WHERE tenant = ?1 AND operation = ?2 AND idempotency_key = ?3",
-                (tenant, operation, key),
-                |row| row.get(0),
-            )
-        });
-        found > 0
+        let sql = "SELECT COUNT(*) FROM idempotency_records \
+                   WHERE tenant = ?1 AND operation = ?2 AND idempotency_key = ?3";
+        self.count(sql, (tenant, operation, key)) > 0
+    }
+
+    async fn event_count(&self) -> i64 {
+        self.count("SELECT count(*) FROM outbox_events", [])
+    }
+
+    async fn effects(&self, event_id: &str) -> i64 {
+        self.count(
+            "SELECT count(*) FROM effects WHERE event_id = ?1",
+            [event_id],
+        )
     }
 
     async fn fail_saving_the_record_of(&self, key: &'static str) {
@@ -296,30 +467,84 @@ impl Backend for Sqlite {
             "CREATE TRIGGER fail_record BEFORE INSERT ON idempotency_records \
              WHEN NEW.idempotency_key = '{key}' \
              BEGIN SELECT RAISE(ABORT, 'injected record failure'); END;"
-        ));
+        ))
+        .await;
     }
 
     async fn fail_inserting_orders_of(&self, sku: &'static str) {
         self.execute(&format!(
             "CREATE TRIGGER fail_order BEFORE INSERT ON orders WHEN NEW.sku = '{sku}' \
              BEGIN SELECT RAISE(ABORT, 'injected order failure'); END;"
-        ));
+        ))
+        .await;
     }
 
     async fn stop_failing(&self) {
-        self.execute("DROP TRIGGER IF EXISTS fail_record; DROP TRIGGER IF EXISTS fail_order;");
+        self.execute("DROP TRIGGER IF EXISTS fail_record; DROP TRIGGER IF EXISTS fail_order;")
+            .await;
+    }
+
+    async fn enqueue_now(&self, topic: &str, payload: Value) -> EventId {
+        let topic = topic.to_owned();
+        self.store()
+            .await
+            .write(move |tx| tower_idempotency::outbox::sqlite::enqueue(tx, &topic, &payload))
+            .await
+            .expect("enqueue")
+    }
+
+    async fn tool_args(&self) -> Vec<String> {
+        self.store().await;
+        vec!["--db".into(), self.path.display().to_string()]
+    }
+
+    async fn process(inbox: &Inbox<SqliteStore>, event_id: &str, apply: Apply) -> Processing {
+        let id = event_id.to_owned();
+        inbox
+            .process(event_id, move |tx| {
+                let insert = INSERT_EFFECT.replace('$', "?");
+                match apply {
+                    Apply::Nothing => return Ok(0),
+                    Apply::BrokenStatement => {
+                        tx.execute("INSERT INTO no_such_table VALUES (1)", [])?;
+                        return Ok(0);
+                    }
+                    Apply::Effect | Apply::EffectThenFail => tx.execute(&insert, [&id])?,
+                };
+                if let Apply::EffectThenFail = apply {
+                    // Any `rusqlite` error that carries the message will do.
+                    return Err(rusqlite::Error::InvalidParameterName(FAILURE.into()));
+                }
+                tx.query_row(
+                    "SELECT count(*) FROM effects WHERE event_id = ?1",
+                    [&id],
+                    |row| row.get(0),
+                )
+            })
+            .await
+    }
+
+    async fn apply_in(tx: &SqliteTransaction, event_id: &str) {
+        let id = event_id.to_owned();
+        let insert = INSERT_EFFECT.replace('$', "?");
+        tx.run(move |conn| conn.execute(&insert, [id]))
+            .await
+            .expect("apply");
     }
 }
 
 // ----- PostgreSQL: a schema of its own -----
 
-/// A schema of its own in the database of `TEST_DATABASE_URL`.
-pub struct Postgres(pub TestDb);
+/// A schema of its own in the database of `TEST_DATABASE_URL`, dropped at the end.
+pub struct Postgres {
+    store: OnceCell<PostgresStore>,
+    pub db: TestDb,
+}
 
 impl Postgres {
     /// A trigger `name` that fails every row of `event` (`INSERT ON orders`) matching `when`.
     async fn failing_trigger(&self, name: &str, event: &str, when: &str) {
-        self.0
+        self.db
             .execute(&format!(
                 "CREATE FUNCTION {name}() RETURNS trigger LANGUAGE plpgsql AS $$ \
                  BEGIN RAISE EXCEPTION 'injected failure: {name}'; END $$; \
@@ -332,40 +557,61 @@ impl Postgres {
 
 impl Backend for Postgres {
     type Store = PostgresStore;
-    type Running = PgServer;
 
     const PARALLEL_WRITERS: bool = true;
+    const NO_OUTBOX_TABLE: &'static str = "outbox_events";
 
     async fn create() -> Option<Self> {
-        TestDb::create().await.map(Postgres)
+        let db = TestDb::create().await?;
+        Some(Postgres {
+            store: OnceCell::new(),
+            db,
+        })
     }
 
     async fn serve(&self, setup: Setup<'_, Self>) -> Server<Self> {
         setup.spawn_with(|options| options).await
     }
 
-    fn parts(running: &PgServer) -> (SocketAddr, PostgresStore, Arc<dyn AppState>) {
-        (running.addr, running.store.clone(), running.app.clone())
+    fn store_cell(&self) -> &OnceCell<PostgresStore> {
+        &self.store
     }
 
-    async fn stop(running: PgServer) {
-        running.shutdown().await;
+    async fn another_store(&self) -> PostgresStore {
+        self.db
+            .store_with(|o| o.max_connections(4).max_read_connections(2))
+            .await
+    }
+
+    async fn execute(&self, sql: &str) {
+        self.db.execute(sql).await;
     }
 
     async fn orders(&self) -> Vec<Order> {
-        self.0.orders().await
+        self.db.orders().await
     }
 
     async fn order_count(&self) -> i64 {
-        self.0.order_count().await
+        self.db.order_count().await
     }
 
     async fn record_count(&self) -> i64 {
-        self.0.record_count().await
+        self.db.record_count().await
     }
 
     async fn record_exists(&self, tenant: &str, operation: &str, key: &str) -> bool {
-        self.0.record_exists(tenant, operation, key).await
+        self.db.record_exists(tenant, operation, key).await
+    }
+
+    async fn event_count(&self) -> i64 {
+        self.db
+            .value("SELECT count(*) FROM outbox_events", &[])
+            .await
+    }
+
+    async fn effects(&self, event_id: &str) -> i64 {
+        let sql = "SELECT count(*) FROM effects WHERE event_id = $1";
+        self.db.value(sql, &[&event_id]).await
     }
 
     async fn fail_saving_the_record_of(&self, key: &'static str) {
@@ -382,12 +628,60 @@ impl Backend for Postgres {
     }
 
     async fn stop_failing(&self) {
-        self.0
+        self.db
             .execute(
                 "DROP TRIGGER IF EXISTS fail_record ON idempotency_records; \
                  DROP TRIGGER IF EXISTS fail_order ON orders;",
             )
             .await;
+    }
+
+    /// Autocommit, on a pooled connection.
+    async fn enqueue_now(&self, topic: &str, payload: Value) -> EventId {
+        let client = self.store().await.client().await.expect("client");
+        tower_idempotency::outbox::postgres::enqueue(&**client, topic, &payload)
+            .await
+            .expect("enqueue")
+    }
+
+    async fn tool_args(&self) -> Vec<String> {
+        vec!["--database-url".into(), self.db.url()]
+    }
+
+    async fn process(inbox: &Inbox<PostgresStore>, event_id: &str, apply: Apply) -> Processing {
+        let id = event_id.to_owned();
+        inbox
+            .process(event_id, move |tx| async move {
+                let client = tx.client().await?;
+                match apply {
+                    Apply::Nothing => return Ok(0),
+                    Apply::BrokenStatement => {
+                        client
+                            .execute("INSERT INTO no_such_table VALUES (1)", &[])
+                            .await?;
+                        return Ok(0);
+                    }
+                    Apply::Effect | Apply::EffectThenFail => {
+                        client.execute(INSERT_EFFECT, &[&id]).await?
+                    }
+                };
+                if let Apply::EffectThenFail = apply {
+                    return Err(tower_idempotency::Error::Corrupt(FAILURE.into()));
+                }
+                let row = client
+                    .query_one("SELECT count(*) FROM effects WHERE event_id = $1", &[&id])
+                    .await?;
+                Ok(row.try_get(0)?)
+            })
+            .await
+    }
+
+    async fn apply_in(tx: &PostgresTransaction, event_id: &str) {
+        let client = tx.client().await.expect("client");
+        client
+            .execute(INSERT_EFFECT, &[&event_id])
+            .await
+            .expect("apply");
     }
 }
 
@@ -402,23 +696,44 @@ impl Setup<'_, Postgres> {
         let running = self
             .convert(adapt, PgApp::default())
             .store(options)
-            .spawn(&db.0)
+            .spawn(&db.db)
             .await;
-        Server::new(running)
+        let parts = (running.addr, running.store.clone(), running.app.clone());
+        Server::new(parts, running)
     }
 }
 
-/// Instantiates generic tests (`async fn name<B: Backend>(db: B)` in the parent module) as
-/// `#[tokio::test]`s on one backend, each after the given attributes:
-/// `backend_tests!(Sqlite []; a, b(flavor = "multi_thread", worker_threads = 2),)`.
+/// Instantiates generic tests (`async fn name<B: Backend>(db: B)` in the suite's root module)
+/// as `#[tokio::test]`s on a fresh database each, inside the suite's `sqlite` or `postgres`
+/// module (which also holds the suite's tests for that backend only):
+/// `backend_tests!(Sqlite; a, b(flavor = "multi_thread", worker_threads = 2), c = a)`, where
+/// `c = a` runs `a` under the name `c`. Every PostgreSQL instance carries the attribute that
+/// reports it as ignored without `TEST_DATABASE_URL`.
 macro_rules! backend_tests {
-    ($backend:ident [$($attr:tt)*]; $name:ident $(($($flavor:tt)*))?, $($rest:tt)*) => {
+    (Sqlite; $($tests:tt)*) => {
+        backend_tests!(@each Sqlite []; $($tests)*);
+    };
+    (Postgres; $($tests:tt)*) => {
+        backend_tests!(@each Postgres
+            [#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]];
+            $($tests)*);
+    };
+    (@each $backend:ident [$($attr:tt)*]; $name:ident = $test:ident $(, $($rest:tt)*)?) => {
+        $($attr)*
+        #[tokio::test]
+        async fn $name() {
+            $crate::backend::run(|db: $crate::backend::$backend| super::$test(db)).await;
+        }
+        backend_tests!(@each $backend [$($attr)*]; $($($rest)*)?);
+    };
+    (@each $backend:ident [$($attr:tt)*];
+        $name:ident $(($($flavor:tt)*))? $(, $($rest:tt)*)?) => {
         $($attr)*
         #[tokio::test$(($($flavor)*))?]
         async fn $name() {
-            $crate::backend::run(super::$name::<$crate::backend::$backend>).await;
+            $crate::backend::run(|db: $crate::backend::$backend| super::$name(db)).await;
         }
-        backend_tests!($backend [$($attr)*]; $($rest)*);
+        backend_tests!(@each $backend [$($attr)*]; $($($rest)*)?);
     };
-    ($backend:ident [$($attr:tt)*];) => {};
+    (@each $backend:ident [$($attr:tt)*];) => {};
 }

@@ -92,9 +92,7 @@ impl OrdersServer {
             .layer(middleware::from_fn(authenticate));
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("local addr");
-        let task = tokio::spawn(async move {
-            axum::serve(listener, app).await.expect("serve");
-        });
+        let task = tokio::spawn(serve(listener, app));
         OrdersServer {
             addr,
             store,
@@ -276,9 +274,7 @@ impl ScriptedServer {
         });
         let app = Router::new().fallback(answer).with_state(script.clone());
         let addr = listener.local_addr().expect("local addr");
-        let task = tokio::spawn(async move {
-            axum::serve(listener, app).await.expect("serve");
-        });
+        let task = tokio::spawn(serve(listener, app));
         ScriptedServer { addr, script, task }
     }
 
@@ -600,4 +596,9 @@ impl Body for Chunks {
     ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
         Poll::Ready(self.get_mut().0.pop_front().map(|c| Ok(Frame::data(c))))
     }
+}
+
+/// Serves `app` on `listener` until the task is aborted.
+async fn serve(listener: TcpListener, app: Router) {
+    axum::serve(listener, app).await.expect("serve");
 }

@@ -490,6 +490,14 @@ pub struct TestServer {
 }
 
 impl TestServer {
+    /// The default app, its layers customised by `f`.
+    pub async fn with_layer<F>(f: F) -> TestServer
+    where
+        F: Fn(IdempotencyLayer<SqliteStore>) -> IdempotencyLayer<SqliteStore> + Send + 'static,
+    {
+        Self::builder().layer(f).spawn().await
+    }
+
     pub fn builder() -> ServerBuilder {
         ServerBuilder::default()
     }
@@ -515,6 +523,12 @@ impl TestServer {
 
     pub async fn record_count(&self) -> i64 {
         record_count(&self.store).await
+    }
+
+    /// `(handler calls, orders, records)`: what the requests so far left behind.
+    pub async fn counts(&self) -> (usize, i64, i64) {
+        let calls = self.app.handler_calls();
+        (calls, self.order_count().await, self.record_count().await)
     }
 }
 
@@ -646,6 +660,25 @@ pub struct Reply {
 }
 
 impl Reply {
+    /// Reads the whole response (its body within [`PATIENCE`]).
+    pub async fn read<B>(response: http::Response<B>) -> Reply
+    where
+        B: Body,
+        B::Error: std::fmt::Debug,
+    {
+        let (parts, body) = response.into_parts();
+        let body = tokio::time::timeout(PATIENCE, body.collect())
+            .await
+            .expect("response body in time")
+            .expect("response body")
+            .to_bytes();
+        Reply {
+            status: parts.status,
+            headers: parts.headers,
+            body,
+        }
+    }
+
     pub fn json(&self) -> serde_json::Value {
         serde_json::from_slice(&self.body)
             .unwrap_or_else(|e| panic!("body is not JSON ({e}): {:?}", self.body))
@@ -796,13 +829,7 @@ impl Post {
             .expect("response in time")
             .expect("response");
         assert_eq!(response.version(), http::Version::HTTP_2);
-        let (parts, body) = response.into_parts();
-        let body = body.collect().await.expect("response body").to_bytes();
-        Reply {
-            status: parts.status,
-            headers: parts.headers,
-            body,
-        }
+        Reply::read(response).await
     }
 
     /// Sends it with a streamed body (chunked unless a `content-length` header was added).
@@ -842,16 +869,34 @@ where
         .await
         .expect("response in time")
         .expect("response");
-    let (parts, body) = response.into_parts();
-    let body = tokio::time::timeout(PATIENCE, body.collect())
+    Reply::read(response).await
+}
+
+/// Sends raw bytes on a connection of its own (the request says `Connection: close`) and
+/// returns all the server answered, within [`PATIENCE`].
+pub async fn exchange_raw(addr: SocketAddr, raw: &[u8]) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    stream.write_all(raw).await.expect("write request");
+    let mut response = Vec::new();
+    tokio::time::timeout(PATIENCE, stream.read_to_end(&mut response))
         .await
-        .expect("response body in time")
-        .expect("response body")
-        .to_bytes();
-    Reply {
-        status: parts.status,
-        headers: parts.headers,
-        body,
+        .expect("response in time")
+        .expect("read response");
+    String::from_utf8_lossy(&response).into_owned()
+}
+
+/// Sends each `(what, request, code)` and asserts that the answer is a `400` with that error
+/// code.
+pub async fn assert_each_is_400<'a>(
+    addr: SocketAddr,
+    cases: impl IntoIterator<Item = (&'a str, Post, &'a str)>,
+) {
+    for (what, request, code) in cases {
+        let reply = request.send(addr).await;
+        assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{what}: {reply:?}");
+        assert_eq!(reply.error_code(), code, "{what}");
     }
 }
 
@@ -884,6 +929,19 @@ impl ChannelBody {
     pub fn new() -> (mpsc::Sender<Bytes>, ChannelBody) {
         let (sender, chunks) = mpsc::channel(4);
         (sender, ChannelBody { chunks })
+    }
+
+    /// A body that never ends: one space every 50 ms, for as long as the request lasts (the
+    /// connection is never idle for long, but the whole body takes forever). Abort the task
+    /// to stop it.
+    pub fn trickling() -> (JoinHandle<()>, ChannelBody) {
+        let (sender, body) = ChannelBody::new();
+        let trickle = tokio::spawn(async move {
+            while sender.send(Bytes::from_static(b" ")).await.is_ok() {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        });
+        (trickle, body)
     }
 }
 
@@ -1069,7 +1127,9 @@ pub mod process {
         BINARY.get_or_init(|| build_example("orders")).clone()
     }
 
-    fn build_example(name: &str) -> PathBuf {
+    /// Runs `cargo build --example <name>` (see [`orders_binary`]) and returns the path cargo
+    /// reports for the executable.
+    pub fn build_example(name: &str) -> PathBuf {
         let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
         let mut command = std::process::Command::new(cargo);
         command
@@ -1116,6 +1176,14 @@ pub mod process {
         child: Child,
     }
 
+    /// The address in the example's first line, `listening on http://ADDR ...`.
+    fn listening_on(line: &str) -> SocketAddr {
+        line.strip_prefix("listening on http://")
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|addr| addr.parse().ok())
+            .unwrap_or_else(|| panic!("unexpected first line: {line}"))
+    }
+
     impl OrdersProcess {
         /// Starts the example on the SQLite file `db` and waits until it listens.
         pub async fn start(db: &Path) -> OrdersProcess {
@@ -1138,16 +1206,12 @@ pub mod process {
                 .expect("start the example");
             let stdout = child.stdout.take().expect("piped stdout");
             let mut lines = BufReader::new(stdout).lines();
-            let line = tokio::time::timeout(PATIENCE, lines.next_line())
-                .await
+            let first = tokio::time::timeout(PATIENCE, lines.next_line()).await;
+            let line = first
                 .expect("the example starts in time")
                 .expect("read the example's stdout")
                 .expect("the example printed its address");
-            let addr = line
-                .strip_prefix("listening on http://")
-                .and_then(|rest| rest.split_whitespace().next())
-                .and_then(|addr| addr.parse().ok())
-                .unwrap_or_else(|| panic!("unexpected first line: {line}"));
+            let addr = listening_on(&line);
             // Keep draining stdout so that the child never blocks on a full pipe.
             tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
             OrdersProcess { addr, child }

@@ -20,6 +20,7 @@ use axum::middleware;
 
 use http::header::HeaderName;
 use http::{HeaderValue, StatusCode};
+use tower_idempotency::store::postgres::tokio_postgres::types::{FromSql, ToSql};
 use tower_idempotency::store::postgres::tokio_postgres::{self, NoTls};
 use tower_idempotency::store::postgres::{PostgresOptions, PostgresStore, PostgresTransaction};
 use tower_idempotency::Tenant;
@@ -133,13 +134,22 @@ impl TestDb {
             .unwrap_or_else(|e| panic!("{sql}: {e}"));
     }
 
-    async fn count(&self, sql: &str) -> i64 {
+    /// The first column of the one row that `sql` returns.
+    pub async fn value<T: for<'a> FromSql<'a>>(
+        &self,
+        sql: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> T {
         self.client()
             .await
-            .query_one(sql, &[])
+            .query_one(sql, params)
             .await
             .unwrap_or_else(|e| panic!("{sql}: {e}"))
             .get(0)
+    }
+
+    async fn count(&self, sql: &str) -> i64 {
+        self.value(sql, &[]).await
     }
 
     pub async fn order_count(&self) -> i64 {
@@ -152,19 +162,16 @@ impl TestDb {
             .await
     }
 
+    /// `(orders, completed records)`.
+    pub async fn counts(&self) -> (i64, i64) {
+        (self.order_count().await, self.record_count().await)
+    }
+
     /// Whether a record exists for `(tenant, operation, key)`, in any state, expired or not.
     pub async fn record_exists(&self, tenant: &str, operation: &str, key: &str) -> bool {
-        self.client()
-            .await
-            .query_one(
-                "SELECT count(*) FROM idempotency_records \
-                 WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3",
-                &[&tenant, &operation, &key],
-            )
-            .await
-            .expect("record lookup")
-            .get::<_, i64>(0)
-            > 0
+        let sql = "SELECT count(*) FROM idempotency_records \
+                   WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3";
+        self.value::<i64>(sql, &[&tenant, &operation, &key]).await > 0
     }
 
     /// The orders as `(id, tenant_id, sku, quantity)`, by id.
