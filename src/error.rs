@@ -73,6 +73,10 @@ pub enum Error {
     #[cfg(feature = "postgres")]
     #[error("PostgreSQL: {}", postgres_detail(.0))]
     Postgres(#[from] tokio_postgres::Error),
+    /// An error from sqlx (the `sqlx-postgres` store, or its pool).
+    #[cfg(feature = "sqlx-postgres")]
+    #[error("sqlx: {0}")]
+    Sqlx(#[from] sqlx::Error),
     /// An I/O error (opening the database, for example).
     #[error(transparent)]
     Io(#[from] std::io::Error),
@@ -89,6 +93,8 @@ impl Error {
                 *code == SqlState::T_R_SERIALIZATION_FAILURE
                     || *code == SqlState::T_R_DEADLOCK_DETECTED
             }),
+            #[cfg(feature = "sqlx-postgres")]
+            Error::Sqlx(e) => matches!(sqlx_code(e).as_deref(), Some("40001" | "40P01")),
             Error::StatementConflict(_) => true,
             _ => false,
         }
@@ -116,9 +122,23 @@ impl Error {
                     || *code == SqlState::T_R_DEADLOCK_DETECTED
                     || *code == SqlState::TOO_MANY_CONNECTIONS
             }),
+            // The same codes through sqlx, and a pool that had no free connection in time.
+            #[cfg(feature = "sqlx-postgres")]
+            Error::Sqlx(sqlx::Error::PoolTimedOut) => true,
+            #[cfg(feature = "sqlx-postgres")]
+            Error::Sqlx(e) => matches!(
+                sqlx_code(e).as_deref(),
+                Some("55P03" | "40001" | "40P01" | "53300")
+            ),
             _ => false,
         }
     }
+}
+
+/// The SQLSTATE of a database error reported through sqlx.
+#[cfg(feature = "sqlx-postgres")]
+pub(crate) fn sqlx_code(error: &sqlx::Error) -> Option<std::borrow::Cow<'_, str>> {
+    error.as_database_error().and_then(|e| e.code())
 }
 
 /// tokio-postgres displays only the kind ("db error"); the server's message is its source.

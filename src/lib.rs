@@ -82,6 +82,10 @@
 //! - `axum`: the [`extract::Tx`] extractor for the transaction handle.
 //! - `postgres`: [`store::postgres::PostgresStore`], for several app instances sharing one
 //!   database (tokio-postgres with a deadpool pool).
+//! - `sqlx-postgres`: [`store::sqlx_postgres::SqlxPostgresStore`], the same store on sqlx,
+//!   built from the application's own `sqlx::PgPool`; handlers run ordinary sqlx code on
+//!   [`store::sqlx_postgres::SqlxHandle`]. The schema also ships as a sqlx migration
+//!   (`migrations/`).
 //! - `client`: [`client::RetryLayer`], the client half: adds an `Idempotency-Key`, buffers the
 //!   body and retries with the same key and bytes.
 //! - `outbox`: [`outbox`], side effects that commit with the handler's rows: the handler
@@ -92,8 +96,8 @@
 //!
 //! A build for the client side alone compiles no database:
 //! `tower-idempotency = { version = "0.1", default-features = false, features = ["client"] }`.
-//! Without `sqlite` or `postgres` the layer is there with no store of this crate's; bring an
-//! [`store::IdempotencyStore`] of your own.
+//! Without `sqlite`, `postgres` or `sqlx-postgres` the layer is there with no store of this
+//! crate's; bring an [`store::IdempotencyStore`] of your own.
 //!
 //! Operations on a store, SQLite or PostgreSQL (inspect or delete a record, counts, purge,
 //! dead letters), are library calls in [`admin`] and a command-line tool,

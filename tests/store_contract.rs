@@ -1,6 +1,7 @@
 //! The store contract, written once as generic functions over [`IdempotencyStore`] and run
-//! against every backend by `store_contract_tests!`: SQLite in a temp dir, and PostgreSQL in a
-//! schema of its own when `TEST_DATABASE_URL` is set (reported as ignored otherwise).
+//! against every backend by `store_contract_tests!`: SQLite in a temp dir, and PostgreSQL (the
+//! tokio-postgres store and the sqlx store) in a schema of its own when `TEST_DATABASE_URL` is
+//! set (reported as ignored otherwise).
 //!
 //! These check the verbs the flow relies on: reserve, commit, roll back (explicitly or by
 //! drop), the scope staying reserved until then, bounded waiting, expiry and purge.
@@ -300,5 +301,38 @@ store_contract_tests!(sqlite, sqlite_store());
 store_contract_tests!(
     postgres,
     postgres_store(),
+    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
+);
+
+async fn sqlx_postgres_store() -> Option<(
+    tower_idempotency::store::sqlx_postgres::SqlxPostgresStore,
+    pg_common::TestDb,
+)> {
+    use std::str::FromStr;
+    use tower_idempotency::store::sqlx_postgres::sqlx::postgres::{
+        PgConnectOptions, PgPoolOptions,
+    };
+
+    let db = pg_common::TestDb::create().await?;
+    let url = std::env::var("TEST_DATABASE_URL").expect("TEST_DATABASE_URL");
+    let options = PgConnectOptions::from_str(&url)
+        .expect("TEST_DATABASE_URL is a valid URL")
+        .options([("search_path", db.schema.as_str())])
+        .application_name(&db.schema);
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .connect_with(options)
+        .await
+        .expect("connect the sqlx pool");
+    let store = tower_idempotency::store::sqlx_postgres::SqlxPostgresStore::builder(pool)
+        .max_read_connections(2)
+        .build();
+    store.migrate().await.expect("create the table");
+    Some((store, db))
+}
+
+store_contract_tests!(
+    sqlx_postgres,
+    sqlx_postgres_store(),
     #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 );

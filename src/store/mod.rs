@@ -19,14 +19,20 @@ use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
 use crate::response::SavedResponse;
 
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "sqlx-postgres"))]
 mod columns;
+#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
+mod pg_sql;
 #[cfg(feature = "postgres")]
 pub mod postgres;
+#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
+mod sql_guard;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
+#[cfg(feature = "sqlx-postgres")]
+pub mod sqlx_postgres;
 
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "sqlx-postgres"))]
 pub(crate) use columns::SavedColumns;
 
 /// The unique scope of a record: `(tenant, operation, key)`.
@@ -354,7 +360,10 @@ pub async fn continuously_purge_expired<S: IdempotencyStore>(
 }
 
 /// Milliseconds since the Unix epoch, saturating (the representation stores use).
-#[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
+#[cfg_attr(
+    not(any(feature = "sqlite", feature = "postgres", feature = "sqlx-postgres")),
+    allow(dead_code)
+)]
 pub(crate) fn to_unix_millis(time: SystemTime) -> i64 {
     match time.duration_since(UNIX_EPOCH) {
         Ok(d) => i64::try_from(d.as_millis()).unwrap_or(i64::MAX),
@@ -363,7 +372,10 @@ pub(crate) fn to_unix_millis(time: SystemTime) -> i64 {
 }
 
 /// The inverse of [`to_unix_millis`].
-#[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
+#[cfg_attr(
+    not(any(feature = "sqlite", feature = "postgres", feature = "sqlx-postgres")),
+    allow(dead_code)
+)]
 pub(crate) fn from_unix_millis(millis: i64) -> SystemTime {
     UNIX_EPOCH + Duration::from_millis(u64::try_from(millis).unwrap_or(0))
 }

@@ -95,7 +95,7 @@ pub use store::PostgresStore;
 // (the store and its calls), `reservation` (reserving a key, commit and rollback), `slot`
 // (a transaction's connection and shared state), `handle` (the handler's handle and its
 // guarded client), `sql_guard` (refusing transaction control), `owned` (the inbox's own
-// transactions). The SQL the store runs is below.
+// transactions). The SQL the store runs is in `store::pg_sql`.
 mod handle;
 pub(crate) mod migrate;
 mod options;
@@ -105,58 +105,13 @@ mod store;
 
 #[cfg(feature = "outbox")]
 mod owned;
-mod sql_guard;
+use super::sql_guard;
 
-/// The same columns as the SQLite store, plus `state`: a reservation is an `in_progress` row
-/// whose response columns are still empty. Other transactions never see one (it is committed
-/// only as `completed`). Should one ever be committed as it is (the handle refuses a handler's
-/// transaction control, so only something outside the layer could), it is written already
-/// expired, so the next request for its key takes it over.
-const SCHEMA: &str = "
-CREATE TABLE IF NOT EXISTS idempotency_records (
-    tenant              TEXT    NOT NULL,
-    operation           TEXT    NOT NULL,
-    idempotency_key     TEXT    NOT NULL,
-    fingerprint         BYTEA,
-    fingerprint_version INTEGER,
-    status              INTEGER,
-    headers             TEXT,
-    body                BYTEA,
-    trailers            TEXT,
-    created_at          BIGINT  NOT NULL,
-    expires_at          BIGINT  NOT NULL,
-    state               TEXT    NOT NULL DEFAULT 'completed',
-    PRIMARY KEY (tenant, operation, idempotency_key),
-    CONSTRAINT idempotency_records_state CHECK (state IN ('in_progress', 'completed')),
-    CONSTRAINT idempotency_records_completed CHECK (state = 'in_progress' OR (
-        fingerprint IS NOT NULL AND fingerprint_version IS NOT NULL AND status IS NOT NULL
-        AND headers IS NOT NULL AND body IS NOT NULL))
-);
-CREATE INDEX IF NOT EXISTS idempotency_records_expires_at
-    ON idempotency_records (expires_at);
-";
-
-/// Brings a table created with the SQLite layout (no `state`, response columns `NOT NULL`) to
-/// the layout above. Run only when `state` is missing, so that a normal start never takes the
-/// `ACCESS EXCLUSIVE` lock of an `ALTER TABLE`.
-const MIGRATE_ADD_STATE: &str = "
-ALTER TABLE idempotency_records
-    ADD COLUMN state TEXT NOT NULL DEFAULT 'completed',
-    ALTER COLUMN fingerprint DROP NOT NULL,
-    ALTER COLUMN fingerprint_version DROP NOT NULL,
-    ALTER COLUMN status DROP NOT NULL,
-    ALTER COLUMN headers DROP NOT NULL,
-    ALTER COLUMN body DROP NOT NULL,
-    ADD CONSTRAINT idempotency_records_state CHECK (state IN ('in_progress', 'completed')),
-    ADD CONSTRAINT idempotency_records_completed CHECK (state = 'in_progress' OR (
-        fingerprint IS NOT NULL AND fingerprint_version IS NOT NULL AND status IS NOT NULL
-        AND headers IS NOT NULL AND body IS NOT NULL));
-";
-
-/// Serializes schema creation between instances starting at the same time: concurrent
-/// `CREATE TABLE IF NOT EXISTS` of one table can fail on PostgreSQL's catalog index.
-/// An arbitrary constant, the same in every instance.
-const MIGRATION_LOCK: i64 = 0x7469_6465_6d70_0001;
+// The SQL the store runs, shared with the sqlx store.
+use super::pg_sql::{
+    COMPLETE_RECORD, INSERT_RESERVATION, MIGRATE_ADD_STATE, MIGRATION_LOCK, PURGE_EXPIRED, SCHEMA,
+    SELECT_LIVE_RECORD, SELECT_RECORD, TAKE_OVER,
+};
 
 /// The `SET LOCAL` name that marks a transaction opened by `begin_owned`; its `commit` checks it
 /// to detect a transaction that the owner's code ended (`COMMIT`/`ROLLBACK`) behind its back.
@@ -164,61 +119,6 @@ const MIGRATION_LOCK: i64 = 0x7469_6465_6d70_0001;
 /// [`COMPLETE_RECORD`].)
 #[cfg(feature = "outbox")]
 const RESERVATION_SETTING: &str = "tower_idempotency.reservation";
-
-/// Reads a record, for the re-check inside the transaction (any state).
-const SELECT_RECORD: &str = "SELECT state, fingerprint_version, fingerprint, status, headers, \
-     body, trailers, created_at, expires_at FROM idempotency_records \
-     WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3";
-
-/// Reads a live completed record, for the fast path (the same columns as [`SELECT_RECORD`]).
-const SELECT_LIVE_RECORD: &str = "SELECT state, fingerprint_version, fingerprint, status, \
-     headers, body, trailers, created_at, expires_at FROM idempotency_records \
-     WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 \
-     AND state = 'completed' AND expires_at > $4";
-
-/// Reserves a scope: blocks on the primary key while another transaction holds it. Returns
-/// the row's physical address, which `commit` updates it by (see [`COMPLETE_RECORD`]).
-const INSERT_RESERVATION: &str = "INSERT INTO idempotency_records \
-     (tenant, operation, idempotency_key, state, created_at, expires_at) \
-     VALUES ($1, $2, $3, 'in_progress', $4, $4) \
-     ON CONFLICT (tenant, operation, idempotency_key) DO NOTHING RETURNING ctid::text";
-
-/// Takes over an expired record (or a stray reservation) as this transaction's reservation.
-const TAKE_OVER: &str = "UPDATE idempotency_records SET state = 'in_progress', \
-     fingerprint = NULL, fingerprint_version = NULL, status = NULL, headers = NULL, body = NULL, \
-     trailers = NULL, created_at = $4, expires_at = $4 \
-     WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 \
-     AND (state = 'in_progress' OR expires_at <= $4) RETURNING ctid::text";
-
-/// Turns this transaction's reservation into the completed record, and fails (division by
-/// zero, which aborts the transaction) unless exactly that row was completed. `commit` sends it
-/// and `COMMIT` in one flight: PostgreSQL answers the `COMMIT` of an aborted transaction with a
-/// `ROLLBACK`, so a record that is not this transaction's own is never committed.
-///
-/// The last condition checks that the transaction is still the one `begin` opened: the
-/// reservation row was written by it (`xmin`). After a `COMMIT` or `ROLLBACK` behind the layer's
-/// back, the statement would run in a transaction of its own, whose id differs (or the row is
-/// gone).
-///
-/// The row is found by the `ctid` its reservation returned rather than through the primary
-/// key: under `SERIALIZABLE`, reading the key's index page would take a page-level predicate
-/// lock, and concurrent requests for *different* keys on that page would then fail each other
-/// with serialization errors. (The reservation's `ON CONFLICT` probe takes none.)
-const COMPLETE_RECORD: &str = "WITH completed AS (UPDATE idempotency_records SET \
-     state = 'completed', fingerprint = $4, fingerprint_version = $5, status = $6, headers = $7, \
-     body = $8, trailers = $9, created_at = $10, expires_at = $11 \
-     WHERE ctid = $12::text::tid \
-     AND tenant = $1 AND operation = $2 AND idempotency_key = $3 AND state = 'in_progress' \
-     AND xmin = pg_current_xact_id()::xid RETURNING 1) \
-     SELECT 1 / count(*)::int FROM completed";
-
-/// Deletes a batch of expired records. SKIP LOCKED: never wait for (or fight over) a record
-/// that a request is taking over, and let several instances purge at once.
-const PURGE_EXPIRED: &str = "DELETE FROM idempotency_records AS r USING ( \
-         SELECT tenant, operation, idempotency_key FROM idempotency_records \
-         WHERE expires_at <= $1 LIMIT $2 FOR UPDATE SKIP LOCKED) AS expired \
-     WHERE r.tenant = expired.tenant AND r.operation = expired.operation \
-     AND r.idempotency_key = expired.idempotency_key";
 
 #[cfg(test)]
 mod tests;

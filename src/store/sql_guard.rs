@@ -20,7 +20,7 @@ use crate::error::Error;
 /// `SAVEPOINT`, `RELEASE` and `ROLLBACK TO` are allowed: on PostgreSQL they work inside the
 /// transaction the layer opened and can neither end it nor roll back anything of the layer's
 /// (the layer sets no savepoint), and they are how a handler recovers from an expected error.
-pub(super) fn refused(command: &str) -> Option<&'static str> {
+pub(crate) fn refused(command: &str) -> Option<&'static str> {
     let mut words = Words::new(command);
     let first = words.next()?;
     let is = |word: &str, keyword: &str| word.eq_ignore_ascii_case(keyword);
@@ -62,7 +62,7 @@ pub(super) fn refused(command: &str) -> Option<&'static str> {
 /// words, not from how this module cuts the rest); the other statements that [`split`] finds
 /// are checked too, so that `SELECT 1; COMMIT` is refused with a clear error rather than by
 /// the server for holding two commands.
-pub(super) fn check_command(command: &str) -> Result<(), Error> {
+pub(crate) fn check_command(command: &str) -> Result<(), Error> {
     let refusal = refused(command).or_else(|| split(command).into_iter().find_map(refused));
     match refusal {
         Some(statement) => Err(Error::TransactionControl(statement)),
@@ -74,7 +74,7 @@ pub(super) fn check_command(command: &str) -> Result<(), Error> {
 /// and comments), the way `psql` does: semicolons inside strings, quoted identifiers,
 /// comments, dollar quotes, parentheses and the `BEGIN ATOMIC ... END` body of a `CREATE
 /// FUNCTION` or `CREATE PROCEDURE` do not end a statement.
-pub(super) fn split(sql: &str) -> Vec<&str> {
+pub(crate) fn split(sql: &str) -> Vec<&str> {
     let bytes = sql.as_bytes();
     let mut statements = Vec::new();
     let mut start = 0;
