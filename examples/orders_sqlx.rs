@@ -23,7 +23,7 @@ use axum::{Extension, Json, Router};
 use serde_json::{json, Value};
 use sqlx::postgres::PgPoolOptions;
 use tower_idempotency::extract::Tx;
-use tower_idempotency::store::sqlx_postgres::{SqlxHandle, SqlxPostgresStore};
+use tower_idempotency::store::sqlx_postgres::{SqlxPostgresStore, SqlxTransaction};
 use tower_idempotency::{Fingerprinter, IdempotencyLayer, Tenant};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -79,7 +79,7 @@ async fn main() -> Result<(), BoxError> {
 /// `POST /orders`: runs once per `(tenant, key)`; the layer replays its `201` to retries.
 async fn create_order(
     Extension(tenant): Extension<Tenant>,
-    Tx(tx): Tx<SqlxHandle>,
+    Tx(tx): Tx<SqlxTransaction>,
     Json(order): Json<Value>,
 ) -> Result<Response, ApiError> {
     let sku = order["sku"].as_str().ok_or(ApiError::BadRequest)?;

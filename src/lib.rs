@@ -84,7 +84,7 @@
 //!   database (tokio-postgres with a deadpool pool).
 //! - `sqlx-postgres`: [`store::sqlx_postgres::SqlxPostgresStore`], the same store on sqlx,
 //!   built from the application's own `sqlx::PgPool`; handlers run ordinary sqlx code on
-//!   [`store::sqlx_postgres::SqlxHandle`]. The schema also ships as a sqlx migration
+//!   [`store::sqlx_postgres::SqlxTransaction`]. The schema also ships as a sqlx migration
 //!   (`migrations/`).
 //! - `client`: [`client::RetryLayer`], the client half: adds an `Idempotency-Key`, buffers the
 //!   body and retries with the same key and bytes.

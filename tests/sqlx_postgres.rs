@@ -19,7 +19,7 @@ use serde_json::json;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::Executor as _;
 use tower_idempotency::extract::Tx;
-use tower_idempotency::store::sqlx_postgres::{SqlxHandle, SqlxPostgresStore};
+use tower_idempotency::store::sqlx_postgres::{SqlxPostgresStore, SqlxTransaction};
 use tower_idempotency::{Fingerprinter, IdempotencyLayer, Tenant};
 
 mod common;
@@ -80,7 +80,7 @@ fn server_error(what: impl std::fmt::Display) -> Response {
 async fn create_order(
     State(app): State<Arc<App>>,
     Extension(tenant): Extension<Tenant>,
-    Tx(tx): Tx<SqlxHandle>,
+    Tx(tx): Tx<SqlxTransaction>,
     body: Bytes,
 ) -> Response {
     let call = app.calls.fetch_add(1, Ordering::SeqCst) + 1;

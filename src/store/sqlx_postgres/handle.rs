@@ -17,20 +17,20 @@ use sqlx::postgres::{
 use sqlx::{Describe, Either, Execute, Executor};
 use tokio::sync::{OwnedMappedMutexGuard, OwnedMutexGuard};
 
-use super::transaction::{observe, ConflictCell, Slot, TxShared};
+use super::reservation::{observe, ConflictCell, Slot, TxShared};
 use crate::error::Error;
 use crate::store::sql_guard;
 
 /// The handle a handler uses to write its rows in the request's transaction.
 ///
 /// The layer puts it in the request extensions (take it with
-/// [`Tx<SqlxHandle>`](crate::extract::Tx) in axum). Everything run on the connection it
+/// [`Tx<SqlxTransaction>`](crate::extract::Tx) in axum). Everything run on the connection it
 /// lends belongs to the same PostgreSQL transaction as the idempotency record: it commits when
 /// the layer saves the response, and rolls back if the handler fails, panics or the client
 /// goes away.
 ///
 /// ```no_run
-/// # async fn handler(tx: tower_idempotency::store::sqlx_postgres::SqlxHandle)
+/// # async fn handler(tx: tower_idempotency::store::sqlx_postgres::SqlxTransaction)
 /// #     -> Result<i64, Box<dyn std::error::Error>> {
 /// let mut conn = tx.acquire().await?;
 /// let (order_id,): (i64,) =
@@ -57,22 +57,22 @@ use crate::store::sql_guard;
 /// - Drop the [`SqlxConnection`] before the handler returns; after the request ends the
 ///   handle refuses work ([`Error::TransactionFinished`]).
 #[derive(Clone)]
-pub struct SqlxHandle {
+pub struct SqlxTransaction {
     tx: Arc<TxShared>,
 }
 
-impl fmt::Debug for SqlxHandle {
+impl fmt::Debug for SqlxTransaction {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("SqlxHandle")
+        f.debug_struct("SqlxTransaction")
             .field("reservation", &self.tx.token)
             .field("finished", &self.is_finished())
             .finish()
     }
 }
 
-impl SqlxHandle {
+impl SqlxTransaction {
     pub(super) fn new(tx: Arc<TxShared>) -> Self {
-        SqlxHandle { tx }
+        SqlxTransaction { tx }
     }
 
     /// Borrows the transaction's connection. Waits while another borrow of the same
@@ -99,7 +99,7 @@ impl SqlxHandle {
     }
 }
 
-/// The transaction's connection, borrowed from a [`SqlxHandle`]: dereferences to a
+/// The transaction's connection, borrowed from a [`SqlxTransaction`]: dereferences to a
 /// [`TxConnection`], whose `&mut` is a [`sqlx::Executor`] (`.execute(&mut *conn)`).
 pub struct SqlxConnection {
     connection: OwnedMappedMutexGuard<Slot, TxConnection>,
@@ -139,7 +139,7 @@ impl DerefMut for SqlxConnection {
 ///   (Its rows come back once the last statement has run.)
 /// - **Conflicts are seen by the layer.** A serialization failure or a deadlock that a
 ///   statement gets is returned to the handler as usual, and also kept: the layer then runs
-///   the request again (see [`SqlxHandle`]).
+///   the request again (see [`SqlxTransaction`]).
 ///
 /// It does not hand out the `PgConnection` itself, so that nothing bypasses the checks.
 pub struct TxConnection {

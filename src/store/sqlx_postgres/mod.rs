@@ -9,7 +9,7 @@
 //!   that index entry until the first transaction ends: after a commit it reads the completed
 //!   record and replays it, after a rollback its own insert goes through and it runs the
 //!   handler. Requests with different keys never wait for each other.
-//! - **The handler's rows** go through [`SqlxHandle`]: [`SqlxHandle::acquire`] lends
+//! - **The handler's rows** go through [`SqlxTransaction`]: [`SqlxTransaction::acquire`] lends
 //!   the transaction's connection, on which ordinary sqlx code runs
 //!   (`sqlx::query(..).execute(&mut *conn)`, `query_as`, the `query!` macros). The layer then
 //!   turns the reservation into the completed record and commits, before the response leaves.
@@ -86,14 +86,14 @@ use crate::error::{sqlx_code, Error};
 use crate::response::SavedResponse;
 
 mod handle;
-mod transaction;
+mod reservation;
 
-pub use handle::{SqlxConnection, SqlxHandle, TxConnection};
+pub use handle::{SqlxConnection, SqlxTransaction, TxConnection};
+use reservation::Slot;
+pub use reservation::SqlxReservation;
 /// The sqlx version of the pools and of the handle's connection: depend on it through this
 /// re-export (or keep yours on the same 0.8 release).
 pub use sqlx;
-use transaction::Slot;
-pub use transaction::SqlxTransaction;
 
 /// The isolation level of the request transactions.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -283,7 +283,7 @@ impl SqlxPostgresStore {
         scope: &Scope,
         deadline: Instant,
         now: i64,
-    ) -> Result<Begin<SqlxTransaction>, Error> {
+    ) -> Result<Begin<SqlxReservation>, Error> {
         let connection = tokio::time::timeout_at(deadline, self.shared.transactions.acquire())
             .await
             .map_err(|_| Error::Busy)?
@@ -293,7 +293,7 @@ impl SqlxPostgresStore {
         let mut slot = Slot::new(TxConnection::new(connection));
         let token = self.shared.reservations.fetch_add(1, Ordering::Relaxed);
         match reserve(&mut slot, scope, deadline, now, self.shared.isolation).await {
-            Ok(Reserved::Row(row_id)) => Ok(Begin::Reserved(SqlxTransaction::new(
+            Ok(Reserved::Row(row_id)) => Ok(Begin::Reserved(SqlxReservation::new(
                 token,
                 slot,
                 scope.clone(),
@@ -433,7 +433,7 @@ fn decode_record(row: &PgRow) -> Result<StoredRecord, Error> {
 }
 
 impl IdempotencyStore for SqlxPostgresStore {
-    type Transaction = SqlxTransaction;
+    type Transaction = SqlxReservation;
 
     async fn lookup(&self, scope: &Scope, now: SystemTime) -> Result<Option<StoredRecord>, Error> {
         // A plain snapshot read in autocommit on the read pool: it takes no row locks and
@@ -460,7 +460,7 @@ impl IdempotencyStore for SqlxPostgresStore {
         scope: &Scope,
         lock_timeout: Duration,
         now: SystemTime,
-    ) -> Result<Begin<SqlxTransaction>, Error> {
+    ) -> Result<Begin<SqlxReservation>, Error> {
         let deadline = Instant::now() + lock_timeout;
         let now = to_unix_millis(now);
         let mut retries = 0;

@@ -12,7 +12,7 @@ use sqlx::postgres::PgConnection;
 use sqlx::Executor as _;
 use tokio::sync::{Mutex, OwnedMutexGuard};
 
-use super::{is_conflict, SqlxHandle, TxConnection};
+use super::{is_conflict, SqlxTransaction, TxConnection};
 use crate::error::{sqlx_code, Error};
 use crate::response::SavedResponse;
 use crate::store::pg_sql::COMPLETE_RECORD;
@@ -171,17 +171,17 @@ impl TxShared {
 ///
 /// [`commit`](StoreTransaction::commit) and [`rollback`](StoreTransaction::rollback) consume
 /// it; dropping it without either rolls back (by closing its connection; see the module docs).
-/// The handler gets a [`SqlxHandle`] on it, never the transaction itself.
-pub struct SqlxTransaction {
+/// The handler gets a [`SqlxTransaction`] on it, never the transaction itself.
+pub struct SqlxReservation {
     tx: Arc<TxShared>,
     scope: Scope,
     /// The `ctid` of the reserved row.
     row_id: String,
 }
 
-impl SqlxTransaction {
+impl SqlxReservation {
     pub(super) fn new(token: u64, slot: Slot, scope: Scope, row_id: String) -> Self {
-        SqlxTransaction {
+        SqlxReservation {
             tx: Arc::new(TxShared::new(token, slot)),
             scope,
             row_id,
@@ -189,25 +189,25 @@ impl SqlxTransaction {
     }
 }
 
-impl fmt::Debug for SqlxTransaction {
+impl fmt::Debug for SqlxReservation {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("SqlxTransaction")
+        f.debug_struct("SqlxReservation")
             .field("reservation", &self.tx.token)
             .finish_non_exhaustive()
     }
 }
 
-impl Drop for SqlxTransaction {
+impl Drop for SqlxReservation {
     fn drop(&mut self) {
         self.tx.abandon();
     }
 }
 
-impl StoreTransaction for SqlxTransaction {
-    type Handle = SqlxHandle;
+impl StoreTransaction for SqlxReservation {
+    type Handle = SqlxTransaction;
 
-    fn handle(&self) -> SqlxHandle {
-        SqlxHandle::new(self.tx.clone())
+    fn handle(&self) -> SqlxTransaction {
+        SqlxTransaction::new(self.tx.clone())
     }
 
     async fn commit(self, record: NewRecord) -> Result<(), Error> {
