@@ -79,11 +79,8 @@ use super::pg_sql::{
     INSERT_RESERVATION, MIGRATE_ADD_STATE, MIGRATION_LOCK, PURGE_EXPIRED, SCHEMA,
     SELECT_LIVE_RECORD, SELECT_RECORD, TAKE_OVER,
 };
-use super::{
-    from_unix_millis, to_unix_millis, Begin, IdempotencyStore, SavedColumns, Scope, StoredRecord,
-};
+use super::{to_unix_millis, Begin, IdempotencyStore, SavedColumns, Scope, StoredRecord};
 use crate::error::{sqlx_code, Error};
-use crate::response::SavedResponse;
 
 mod handle;
 mod reservation;
@@ -414,22 +411,12 @@ fn decode_record(row: &PgRow) -> Result<StoredRecord, Error> {
     let body: &[u8] = row
         .try_get::<Option<&[u8]>, _>(5)?
         .ok_or_else(|| corrupt("body missing"))?;
-    let trailers = row
-        .try_get::<Option<&str>, _>(6)?
-        .map(SavedResponse::decode_headers)
-        .transpose()
-        .map_err(Error::Corrupt)?;
-    Ok(StoredRecord {
-        fingerprint: columns.fingerprint,
-        response: SavedResponse {
-            status: columns.status,
-            headers: columns.headers,
-            body: Bytes::copy_from_slice(body),
-            trailers,
-        },
-        created_at: from_unix_millis(row.try_get(7)?),
-        expires_at: from_unix_millis(row.try_get(8)?),
-    })
+    columns.into_record(
+        Bytes::copy_from_slice(body),
+        row.try_get(6)?,
+        row.try_get(7)?,
+        row.try_get(8)?,
+    )
 }
 
 impl IdempotencyStore for SqlxPostgresStore {
