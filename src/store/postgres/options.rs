@@ -14,31 +14,7 @@ use super::store::Shared;
 use super::PostgresStore;
 use crate::error::Error;
 
-/// The isolation level of the request transactions.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Isolation {
-    /// `READ COMMITTED`, PostgreSQL's default: what the reservation needs, and never a
-    /// serialization failure from the layer's own statements.
-    #[default]
-    ReadCommitted,
-    /// `REPEATABLE READ`.
-    RepeatableRead,
-    /// `SERIALIZABLE`: the handler's reads and writes behave as if requests ran one at a time.
-    /// Conflicts surface as serialization failures (`40001`): while reserving the key they are
-    /// retried, later they answer `503` and the client retries.
-    Serializable,
-}
-
-impl Isolation {
-    pub(super) fn begin_statement(self) -> &'static str {
-        match self {
-            Isolation::ReadCommitted => "BEGIN ISOLATION LEVEL READ COMMITTED",
-            Isolation::RepeatableRead => "BEGIN ISOLATION LEVEL REPEATABLE READ",
-            Isolation::Serializable => "BEGIN ISOLATION LEVEL SERIALIZABLE",
-        }
-    }
-}
+pub use crate::store::pg_reserve::Isolation;
 
 /// Options for opening a [`PostgresStore`]; see [`PostgresStore::builder`] and
 /// [`PostgresStore::from_pool`].

@@ -14,6 +14,9 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::row::Row;
 use tokio_postgres::types::ToSql;
 
+use deadpool_postgres::ClientWrapper;
+use tokio_postgres::Statement;
+
 use super::slot::{Slot, TxShared};
 use super::store::pool_error;
 use super::{
@@ -22,6 +25,7 @@ use super::{
 };
 use crate::error::Error;
 use crate::response::SavedResponse;
+use crate::store::pg_reserve::{self, ReserveStatements, Reserved};
 use crate::store::{
     to_unix_millis, Begin, NewRecord, SavedColumns, Scope, StoreTransaction, StoredRecord,
 };
@@ -62,16 +66,65 @@ impl PostgresStore {
     }
 }
 
-/// What [`reserve`] found.
-enum Reserved {
-    /// The scope is reserved by this transaction, in the row at this `ctid`.
-    Row(String),
-    /// A duplicate committed first: its live record.
-    Existing(StoredRecord),
+/// The reservation's statements on a tokio-postgres connection.
+struct Statements<'a> {
+    client: &'a ClientWrapper,
+    insert: Statement,
+    select: Statement,
+    take_over: Statement,
+    scope: &'a Scope,
+    now: i64,
 }
 
-/// Opens the transaction on `slot`'s connection and reserves `scope`. The transaction is
-/// left open either way.
+impl ReserveStatements for Statements<'_> {
+    async fn insert(&mut self) -> Result<Option<String>, Error> {
+        let s = self.scope;
+        let row = self
+            .client
+            .query_opt(
+                &self.insert,
+                &[&&*s.tenant, &&*s.operation, &s.key.as_str(), &self.now],
+            )
+            .await?;
+        Ok(row.map(|row| row.try_get(0)).transpose()?)
+    }
+
+    async fn select(&mut self) -> Result<Option<Option<StoredRecord>>, Error> {
+        let s = self.scope;
+        let Some(row) = self
+            .client
+            .query_opt(
+                &self.select,
+                &[&&*s.tenant, &&*s.operation, &s.key.as_str()],
+            )
+            .await?
+        else {
+            return Ok(None);
+        };
+        let state: &str = row.try_get(0)?;
+        let expires_at: i64 = row.try_get(8)?;
+        if state == "completed" && expires_at > self.now {
+            decode_record(&row).map(|record| Some(Some(record)))
+        } else {
+            Ok(Some(None))
+        }
+    }
+
+    async fn take_over(&mut self) -> Result<Option<String>, Error> {
+        let s = self.scope;
+        let row = self
+            .client
+            .query_opt(
+                &self.take_over,
+                &[&&*s.tenant, &&*s.operation, &s.key.as_str(), &self.now],
+            )
+            .await?;
+        Ok(row.map(|row| row.try_get(0)).transpose()?)
+    }
+}
+
+/// Opens the transaction on `slot`'s connection and reserves `scope` (see
+/// [`pg_reserve::reserve`]). The transaction is left open either way.
 async fn reserve(
     slot: &Slot,
     scope: &Scope,
@@ -80,68 +133,23 @@ async fn reserve(
     isolation: Isolation,
 ) -> Result<Reserved, Error> {
     let client = slot.client()?;
-    // `lock_timeout` 0 would mean "wait forever": never less than 1 ms.
-    let lock_ms = deadline
-        .saturating_duration_since(Instant::now())
-        .as_millis()
-        .max(1);
-    let params = [&*scope.tenant, &*scope.operation, scope.key.as_str()];
     // Prepared once per connection, before the transaction.
-    let insert = client.prepare_cached(INSERT_RESERVATION).await?;
-    let select = client.prepare_cached(SELECT_RECORD).await?;
-    let take_over = client.prepare_cached(TAKE_OVER).await?;
+    let mut statements = Statements {
+        client,
+        insert: client.prepare_cached(INSERT_RESERVATION).await?,
+        select: client.prepare_cached(SELECT_RECORD).await?,
+        take_over: client.prepare_cached(TAKE_OVER).await?,
+        scope,
+        now,
+    };
     // The begin and the first reservation go in one flight (tokio-postgres pipelines requests
-    // polled together, in order): one round trip for both. Only an integer is formatted into
-    // the begin. Should the begin's `SET LOCAL` fail, the transaction is aborted and the
-    // insert fails with it.
-    let begin = format!(
-        "{}; SET LOCAL lock_timeout = {lock_ms}",
-        isolation.begin_statement()
-    );
-    let (begun, first) = futures_util::future::join(
-        client.batch_execute(&begin),
-        client.query_opt(&insert, &[&params[0], &params[1], &params[2], &now]),
-    )
-    .await;
+    // polled together, in order): one round trip for both. Should the begin's `SET LOCAL`
+    // fail, the transaction is aborted and the insert fails with it.
+    let begin = isolation.begin_request(deadline);
+    let (begun, first) =
+        futures_util::future::join(client.batch_execute(&begin), statements.insert()).await;
     begun?;
-    let mut first = Some(first?);
-    // Each turn ends in a decision unless another transaction changed the row in between
-    // (purged it, or took it over and committed): then look again, a few times at most.
-    for _ in 0..4 {
-        // Blocks on the primary key while another transaction holds this scope.
-        let inserted = match first.take() {
-            Some(inserted) => inserted,
-            None => {
-                client
-                    .query_opt(&insert, &[&params[0], &params[1], &params[2], &now])
-                    .await?
-            }
-        };
-        if let Some(row) = inserted {
-            return Ok(Reserved::Row(row.try_get(0)?));
-        }
-        let Some(row) = client
-            .query_opt(&select, &[&params[0], &params[1], &params[2]])
-            .await?
-        else {
-            continue; // purged since the insert saw it
-        };
-        let state: &str = row.try_get(0)?;
-        let expires_at: i64 = row.try_get(8)?;
-        if state == "completed" && expires_at > now {
-            return decode_record(&row).map(Reserved::Existing);
-        }
-        // Expired, or a stray reservation that was committed: take it over. Blocks if another
-        // request is taking it over too; when that one commits, its fresh record no longer
-        // matches and the next turn replays it.
-        let taken = client
-            .query_opt(&take_over, &[&params[0], &params[1], &params[2], &now])
-            .await?;
-        if let Some(row) = taken {
-            return Ok(Reserved::Row(row.try_get(0)?));
-        }
-    }
-    Err(Error::Busy)
+    pg_reserve::reserve(&mut statements, Some(first?)).await
 }
 
 /// Whether an error is a conflict that a fresh transaction may not hit again.

@@ -68,13 +68,14 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
-use sqlx::postgres::{PgPool, PgPoolOptions, PgRow};
+use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions, PgRow};
 // The `Executor` methods on a connection rather than the query builders' `execute(conn)`:
 // their boxed futures keep the store's futures provably `Send` (the builders' generic futures
 // hit a rustc limitation on higher-ranked lifetimes there).
 use sqlx::{Executor as _, Row};
 use tokio::time::Instant;
 
+use super::pg_reserve::{self, ReserveStatements, Reserved};
 use super::pg_sql::{
     INSERT_RESERVATION, MIGRATE_ADD_STATE, MIGRATION_LOCK, PURGE_EXPIRED, SCHEMA,
     SELECT_LIVE_RECORD, SELECT_RECORD, TAKE_OVER,
@@ -92,31 +93,7 @@ pub use reservation::SqlxReservation;
 /// re-export (or keep yours on the same 0.8 release).
 pub use sqlx;
 
-/// The isolation level of the request transactions.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Isolation {
-    /// `READ COMMITTED`, PostgreSQL's default: what the reservation needs, and never a
-    /// serialization failure from the layer's own statements.
-    #[default]
-    ReadCommitted,
-    /// `REPEATABLE READ`.
-    RepeatableRead,
-    /// `SERIALIZABLE`: the handler's reads and writes behave as if requests ran one at a time.
-    /// Conflicts surface as serialization failures (`40001`): while reserving the key they are
-    /// retried; a handler's statement that gets one makes the layer run the request again.
-    Serializable,
-}
-
-impl Isolation {
-    fn begin_statement(self) -> &'static str {
-        match self {
-            Isolation::ReadCommitted => "BEGIN ISOLATION LEVEL READ COMMITTED",
-            Isolation::RepeatableRead => "BEGIN ISOLATION LEVEL REPEATABLE READ",
-            Isolation::Serializable => "BEGIN ISOLATION LEVEL SERIALIZABLE",
-        }
-    }
-}
+pub use super::pg_reserve::Isolation;
 
 /// Options for a [`SqlxPostgresStore`]; see [`SqlxPostgresStore::builder`].
 #[derive(Clone, Debug)]
@@ -308,16 +285,57 @@ impl SqlxPostgresStore {
     }
 }
 
-/// What [`reserve`] found.
-enum Reserved {
-    /// The scope is reserved by this transaction, in the row at this `ctid`.
-    Row(String),
-    /// A duplicate committed first: its live record.
-    Existing(StoredRecord),
+/// The reservation's statements on a sqlx connection.
+struct Statements<'a> {
+    conn: &'a mut PgConnection,
+    scope: &'a Scope,
+    now: i64,
 }
 
-/// Opens the transaction on `slot`'s connection and reserves `scope`. The transaction is
-/// left open either way.
+impl ReserveStatements for Statements<'_> {
+    async fn insert(&mut self) -> Result<Option<String>, Error> {
+        let s = self.scope;
+        let insert = sqlx::query(INSERT_RESERVATION)
+            .bind(&*s.tenant)
+            .bind(&*s.operation)
+            .bind(s.key.as_str())
+            .bind(self.now);
+        let row = (&mut *self.conn).fetch_optional(insert).await?;
+        Ok(row.map(|row| row.try_get(0)).transpose()?)
+    }
+
+    async fn select(&mut self) -> Result<Option<Option<StoredRecord>>, Error> {
+        let s = self.scope;
+        let select = sqlx::query(SELECT_RECORD)
+            .bind(&*s.tenant)
+            .bind(&*s.operation)
+            .bind(s.key.as_str());
+        let Some(row) = (&mut *self.conn).fetch_optional(select).await? else {
+            return Ok(None);
+        };
+        let state: &str = row.try_get(0)?;
+        let expires_at: i64 = row.try_get(8)?;
+        if state == "completed" && expires_at > self.now {
+            decode_record(&row).map(|record| Some(Some(record)))
+        } else {
+            Ok(Some(None))
+        }
+    }
+
+    async fn take_over(&mut self) -> Result<Option<String>, Error> {
+        let s = self.scope;
+        let take_over = sqlx::query(TAKE_OVER)
+            .bind(&*s.tenant)
+            .bind(&*s.operation)
+            .bind(s.key.as_str())
+            .bind(self.now);
+        let row = (&mut *self.conn).fetch_optional(take_over).await?;
+        Ok(row.map(|row| row.try_get(0)).transpose()?)
+    }
+}
+
+/// Opens the transaction on `slot`'s connection and reserves `scope` (see
+/// [`pg_reserve::reserve`]). The transaction is left open either way.
 async fn reserve(
     slot: &mut Slot,
     scope: &Scope,
@@ -326,57 +344,9 @@ async fn reserve(
     isolation: Isolation,
 ) -> Result<Reserved, Error> {
     let conn = slot.raw()?;
-    // `lock_timeout` 0 would mean "wait forever": never less than 1 ms. Only an integer is
-    // formatted into the statement.
-    let lock_ms = deadline
-        .saturating_duration_since(Instant::now())
-        .as_millis()
-        .max(1);
-    let begin = format!(
-        "{}; SET LOCAL lock_timeout = {lock_ms}",
-        isolation.begin_statement()
-    );
+    let begin = isolation.begin_request(deadline);
     (&mut *conn).execute(begin.as_str()).await?;
-    let (tenant, operation, key) = (&*scope.tenant, &*scope.operation, scope.key.as_str());
-    // Each turn ends in a decision unless another transaction changed the row in between
-    // (purged it, or took it over and committed): then look again, a few times at most.
-    for _ in 0..4 {
-        // Blocks on the primary key while another transaction holds this scope.
-        let insert = sqlx::query(INSERT_RESERVATION)
-            .bind(tenant)
-            .bind(operation)
-            .bind(key)
-            .bind(now);
-        let inserted = (&mut *conn).fetch_optional(insert).await?;
-        if let Some(row) = inserted {
-            return Ok(Reserved::Row(row.try_get(0)?));
-        }
-        let select = sqlx::query(SELECT_RECORD)
-            .bind(tenant)
-            .bind(operation)
-            .bind(key);
-        let Some(row) = (&mut *conn).fetch_optional(select).await? else {
-            continue; // purged since the insert saw it
-        };
-        let state: &str = row.try_get(0)?;
-        let expires_at: i64 = row.try_get(8)?;
-        if state == "completed" && expires_at > now {
-            return decode_record(&row).map(Reserved::Existing);
-        }
-        // Expired, or a stray reservation that was committed: take it over. Blocks if another
-        // request is taking it over too; when that one commits, its fresh record no longer
-        // matches and the next turn replays it.
-        let take_over = sqlx::query(TAKE_OVER)
-            .bind(tenant)
-            .bind(operation)
-            .bind(key)
-            .bind(now);
-        let taken = (&mut *conn).fetch_optional(take_over).await?;
-        if let Some(row) = taken {
-            return Ok(Reserved::Row(row.try_get(0)?));
-        }
-    }
-    Err(Error::Busy)
+    pg_reserve::reserve(&mut Statements { conn, scope, now }, None).await
 }
 
 /// A serialization failure (`40001`) or a deadlock (`40P01`).
