@@ -1,0 +1,142 @@
+//! Reading bodies: the request body buffered within the layer's limits and deadline, and the
+//! response body captured to be saved.
+
+use super::*;
+
+/// Buffers the request body under the limit and the timeout.
+///
+/// An oversized body is drained (read and discarded) up to the drain limit so that the client,
+/// still sending, gets to read the `413` rather than a reset connection.
+pub(super) async fn read_body<B>(
+    body: B,
+    headers: &HeaderMap,
+    config: &Config,
+) -> Result<Bytes, Rejection>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    let deadline = config.body_deadline();
+    let mut body = std::pin::pin!(body);
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if let Some(length) = declared {
+        if length > config.body_limit as u64 {
+            if length <= config.drain_limit as u64 {
+                drain(body.as_mut(), 0, config.drain_limit, deadline).await;
+            }
+            return Err(Rejection::BodyTooLarge);
+        }
+    }
+
+    // The first chunk is kept as it came (the common case: the whole body); later ones are
+    // copied into one buffer as they arrive. Keeping every chunk would let a client that
+    // sends one-byte chunks make the server hold a `Bytes` (and the read buffer behind it)
+    // per byte: about 30 times the body limit.
+    let mut first: Option<Bytes> = None;
+    let mut joined = BytesMut::new();
+    let mut total = 0usize;
+    loop {
+        let frame = match tokio::time::timeout_at(deadline, body.as_mut().frame()).await {
+            Err(_) => return Err(Rejection::BodyTimeout),
+            Ok(None) => break,
+            Ok(Some(Err(_))) => return Err(Rejection::BodyRead),
+            Ok(Some(Ok(frame))) => frame,
+        };
+        let Ok(data) = frame.into_data() else {
+            continue; // request trailers are not part of the payload
+        };
+        total = total.saturating_add(data.len());
+        if total > config.body_limit {
+            drain(body.as_mut(), total, config.drain_limit, deadline).await;
+            return Err(Rejection::BodyTooLarge);
+        }
+        if data.is_empty() {
+            continue;
+        }
+        match first.take() {
+            None if joined.is_empty() => first = Some(data),
+            earlier => {
+                if let Some(earlier) = earlier {
+                    let expected = declared.map_or(0, |length| length as usize);
+                    joined.reserve(expected.max(earlier.len() + data.len()));
+                    joined.extend_from_slice(&earlier);
+                }
+                joined.extend_from_slice(&data);
+            }
+        }
+    }
+    Ok(first.unwrap_or_else(|| joined.freeze()))
+}
+
+/// One chunk (the common case) is used as it came; several are joined with one copy.
+pub(super) fn join(mut chunks: Vec<Bytes>, total: usize) -> Bytes {
+    match chunks.len() {
+        0 => Bytes::new(),
+        1 => chunks.swap_remove(0),
+        _ => {
+            let mut joined = BytesMut::with_capacity(total);
+            for chunk in &chunks {
+                joined.extend_from_slice(chunk);
+            }
+            joined.freeze()
+        }
+    }
+}
+
+/// Reads and discards the body until it ends, `limit` bytes have been seen in all, or the
+/// deadline (capped at a few seconds) passes.
+pub(super) async fn drain<B>(
+    mut body: Pin<&mut B>,
+    mut seen: usize,
+    limit: usize,
+    deadline: Instant,
+) where
+    B: Body<Data = Bytes>,
+{
+    let deadline = deadline.min(Instant::now() + Duration::from_secs(5));
+    while seen <= limit {
+        match tokio::time::timeout_at(deadline, body.as_mut().frame()).await {
+            Ok(Some(Ok(frame))) => {
+                if let Some(data) = frame.data_ref() {
+                    seen = seen.saturating_add(data.len());
+                }
+            }
+            _ => return,
+        }
+    }
+}
+
+/// Buffers the handler's response body (and trailers) so it can be saved.
+pub(super) async fn collect_response<B>(
+    body: B,
+    limit: usize,
+) -> Result<(Bytes, Option<HeaderMap>), Rejection>
+where
+    B: Body<Data = Bytes>,
+{
+    let mut body = std::pin::pin!(body);
+    let mut chunks: Vec<Bytes> = Vec::new();
+    let mut total = 0usize;
+    let mut trailers: Option<HeaderMap> = None;
+    while let Some(frame) = body.as_mut().frame().await {
+        let frame = frame.map_err(|_| Rejection::ResponseBody)?;
+        match frame.into_data() {
+            Ok(data) => {
+                total = total.saturating_add(data.len());
+                if total > limit {
+                    return Err(Rejection::ResponseTooLarge);
+                }
+                chunks.push(data);
+            }
+            Err(frame) => {
+                if let Ok(t) = frame.into_trailers() {
+                    trailers.get_or_insert_with(HeaderMap::new).extend(t);
+                }
+            }
+        }
+    }
+    Ok((join(chunks, total), trailers))
+}
