@@ -27,7 +27,7 @@ use http::StatusCode;
 use tower_idempotency::fingerprint::Fingerprint;
 use tower_idempotency::outbox::{Inbox, InboxBackend, Processed, Receipt};
 use tower_idempotency::response::SavedResponse;
-use tower_idempotency::store::{Begin, IdempotencyStore, NewRecord, Scope, StoreTransaction};
+use tower_idempotency::store::{Begin, IdempotencyStore, NewRecord, Reservation, Scope};
 use tower_idempotency::IdempotencyKey;
 
 async fn an_event_is_applied_once_and_redeliveries_are_duplicates<B: Backend>(db: B) {
@@ -108,7 +108,7 @@ async fn a_failed_application_rolls_back_the_id_and_the_effect<B: Backend>(db: B
 }
 
 /// A reservation of the idempotency layer's kind: what `process_in` gets the handle of.
-async fn reserve<S: IdempotencyStore>(store: &S, key: &str) -> S::Transaction {
+async fn reserve<S: IdempotencyStore>(store: &S, key: &str) -> S::Reservation {
     let scope = Scope::new(
         "shop-a",
         "receive_event",
@@ -136,8 +136,8 @@ fn record() -> NewRecord {
 
 async fn process_in_records_the_id_with_the_request_transaction<B: Backend, T>(db: B)
 where
-    B::Store: IdempotencyStore<Transaction = T>,
-    T: StoreTransaction<Handle = <B::Store as InboxBackend>::Transaction>,
+    B::Store: IdempotencyStore<Reservation = T>,
+    T: Reservation<Handle = <B::Store as InboxBackend>::Transaction>,
 {
     db.execute(EFFECTS).await;
     let inbox = Inbox::install(db.store().await, "inventory")

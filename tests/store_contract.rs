@@ -14,7 +14,7 @@ use http::{HeaderValue, StatusCode};
 use tower_idempotency::fingerprint::Fingerprint;
 use tower_idempotency::response::SavedResponse;
 use tower_idempotency::store::{
-    Begin, IdempotencyStore, NewRecord, Scope, StoreTransaction, StoredRecord,
+    Begin, IdempotencyStore, NewRecord, Reservation, Scope, StoredRecord,
 };
 use tower_idempotency::IdempotencyKey;
 
@@ -48,7 +48,7 @@ fn record(now: SystemTime, seed: u8) -> NewRecord {
     NewRecord::new(Fingerprint::new(1, [seed; 32]), response, now, now + HOUR)
 }
 
-async fn reserve<S: IdempotencyStore>(store: &S, scope: &Scope, now: SystemTime) -> S::Transaction {
+async fn reserve<S: IdempotencyStore>(store: &S, scope: &Scope, now: SystemTime) -> S::Reservation {
     match store.begin(scope, LOCK_TIMEOUT, now).await.expect("begin") {
         Begin::Reserved(tx) => tx,
         Begin::Existing(record) => panic!("expected a reservation, found {record:?}"),

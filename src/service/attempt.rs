@@ -56,7 +56,7 @@ impl Attempt {
     ) -> (Option<S>, Option<request::Parts>, Finished<ResB, S::Error>)
     where
         S: Service<Request<RequestBody>, Response = Response<ResB>>,
-        T: StoreTransaction,
+        T: Reservation,
         ResB: Body<Data = Bytes>,
     {
         let Attempt {
@@ -155,7 +155,7 @@ impl Attempt {
 
 /// Rolls back. A serialization conflict that one of the handler's statements hit (a store
 /// reports it from `rollback`) is returned, so that the request runs again.
-pub(super) async fn roll_back<T: StoreTransaction>(transaction: T) -> Result<(), Error> {
+pub(super) async fn roll_back<T: Reservation>(transaction: T) -> Result<(), Error> {
     match transaction.rollback().await {
         Err(error) if error.is_serialization_conflict() => Err(error),
         Err(error) => {

@@ -25,7 +25,7 @@ use crate::key::IdempotencyKey;
 use crate::layer::{Config, IdempotencyLayer};
 use crate::metrics::{self, Outcome, RollbackReason};
 use crate::response::{select_headers, SavedResponse};
-use crate::store::{Began, IdempotencyStore, NewRecord, Scope, StoreTransaction, StoredRecord};
+use crate::store::{IdempotencyStore, NewRecord, Reservation, RunOutcome, Scope, StoredRecord};
 
 // What lives where: the flow of a request (this file), one run of the handler in the reserved
 // transaction (`attempt`), reading request and response bodies (`read`), gRPC (`grpc`).
@@ -302,14 +302,14 @@ where
                     .await
             };
             let (inner, spare_parts, finished) = match began {
-                Ok(Began::Found { record }) => {
+                Ok(RunOutcome::Found { record }) => {
                     return Ok(self.answer_existing(&scope, &record, &fingerprint, wire));
                 }
-                Ok(Began::Existing { record, waited }) => {
+                Ok(RunOutcome::Existing { record, waited }) => {
                     metrics::lock_wait(&scope.operation, waited);
                     return Ok(self.answer_existing(&scope, &record, &fingerprint, wire));
                 }
-                Ok(Began::Ran { output, waited }) => {
+                Ok(RunOutcome::Ran { output, waited }) => {
                     metrics::lock_wait(&scope.operation, waited);
                     output
                 }

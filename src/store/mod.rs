@@ -2,13 +2,13 @@
 //!
 //! A backend implements four verbs: [`IdempotencyStore::lookup`] (read-only fast path),
 //! [`IdempotencyStore::begin`] (open the write transaction and re-check),
-//! [`StoreTransaction::commit`] (save the record and commit together with the handler's rows)
+//! [`Reservation::commit`] (save the record and commit together with the handler's rows)
 //! and [`IdempotencyStore::purge_expired`]. The flow calls them through two provided methods
 //! a backend may override to save trips between threads or round trips:
 //! [`IdempotencyStore::lookup_then_begin_and_run`] for a request's first attempt and
 //! [`IdempotencyStore::begin_and_run`] when it runs again. Everything backend-specific
 //! (connections, SQL dialect, locking) stays behind them; the handle the handler uses for its
-//! own rows is the backend's [`StoreTransaction::Handle`].
+//! own rows is the backend's [`Reservation::Handle`].
 
 use std::future::Future;
 use std::sync::Arc;
@@ -63,7 +63,7 @@ pub struct StoredRecord {
     pub expires_at: SystemTime,
 }
 
-/// What [`StoreTransaction::commit`] saves.
+/// What [`Reservation::commit`] saves.
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct NewRecord {
@@ -111,7 +111,7 @@ impl StoredRecord {
 
 impl NewRecord {
     /// The record to save for a request (what the layer gives
-    /// [`StoreTransaction::commit`]; also for tests of a store of your own).
+    /// [`Reservation::commit`]; also for tests of a store of your own).
     pub fn new(
         fingerprint: Fingerprint,
         response: SavedResponse,
@@ -141,7 +141,7 @@ pub enum Begin<T> {
 /// The outcome of [`IdempotencyStore::begin_and_run`] and
 /// [`IdempotencyStore::lookup_then_begin_and_run`].
 #[derive(Debug)]
-pub enum Began<T> {
+pub enum RunOutcome<T> {
     /// The read-only lookup found a live record
     /// ([`lookup_then_begin_and_run`](IdempotencyStore::lookup_then_begin_and_run) only): no
     /// transaction was opened and the work did not run.
@@ -169,11 +169,13 @@ pub enum Began<T> {
 ///
 /// Implementations must guarantee that between [`begin`](Self::begin) returning
 /// [`Begin::Reserved`] and the transaction's commit or rollback, no other `begin` for the same
-/// scope returns `Reserved`, and that [`StoreTransaction::commit`] makes the handler's writes and
+/// scope returns `Reserved`, and that [`Reservation::commit`] makes the handler's writes and
 /// the record durable together or not at all.
 pub trait IdempotencyStore: Clone + Send + Sync + 'static {
-    /// The open write transaction returned by [`begin`](Self::begin).
-    type Transaction: StoreTransaction;
+    /// The reserved scope with its open write transaction, returned by [`begin`](Self::begin):
+    /// what the layer commits or rolls back. (The handler gets its
+    /// [`handle`](Reservation::handle), the store's `*Transaction` type.)
+    type Reservation: Reservation;
 
     /// Reads a live (unexpired) record without taking the write lock: the replay fast path.
     fn lookup(
@@ -190,7 +192,7 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
         scope: &Scope,
         lock_timeout: Duration,
         now: SystemTime,
-    ) -> impl Future<Output = Result<Begin<Self::Transaction>, Error>> + Send;
+    ) -> impl Future<Output = Result<Begin<Self::Reservation>, Error>> + Send;
 
     /// [`begin`](Self::begin), then, if the scope was reserved, `work` with the transaction:
     /// everything the request does while it holds the transaction (run the handler, commit or
@@ -206,18 +208,18 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
         lock_timeout: Duration,
         now: SystemTime,
         work: W,
-    ) -> impl Future<Output = Result<Began<F::Output>, Error>> + Send
+    ) -> impl Future<Output = Result<RunOutcome<F::Output>, Error>> + Send
     where
-        W: FnOnce(Self::Transaction) -> F + Send + 'static,
+        W: FnOnce(Self::Reservation) -> F + Send + 'static,
         F: Future + Send + 'static,
         F::Output: Send + 'static,
     {
-        begin_then_run(self, scope, lock_timeout, now, work)
+        begin_and_run_in_place(self, scope, lock_timeout, now, work)
     }
 
     /// [`lookup`](Self::lookup), then, when it finds no live record,
     /// [`begin_and_run`](Self::begin_and_run): a request's first attempt. A record the lookup
-    /// finds is [`Began::Found`]; a failing lookup is only logged (the begin reads again).
+    /// finds is [`RunOutcome::Found`]; a failing lookup is only logged (the begin reads again).
     ///
     /// The default does the two one after the other. A store may do them in one trip: the
     /// SQLite store queues the begin from the reader thread that found nothing, so that the
@@ -228,9 +230,9 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
         lock_timeout: Duration,
         now: SystemTime,
         work: W,
-    ) -> impl Future<Output = Result<Began<F::Output>, Error>> + Send
+    ) -> impl Future<Output = Result<RunOutcome<F::Output>, Error>> + Send
     where
-        W: FnOnce(Self::Transaction) -> F + Send + 'static,
+        W: FnOnce(Self::Reservation) -> F + Send + 'static,
         F: Future + Send + 'static,
         F::Output: Send + 'static,
     {
@@ -248,28 +250,28 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
 }
 
 /// [`IdempotencyStore::begin_and_run`] in place: `begin`, then `work` awaited by the caller.
-pub(crate) async fn begin_then_run<St, W, F>(
+pub(crate) async fn begin_and_run_in_place<St, W, F>(
     store: &St,
     scope: &Scope,
     lock_timeout: Duration,
     now: SystemTime,
     work: W,
-) -> Result<Began<F::Output>, Error>
+) -> Result<RunOutcome<F::Output>, Error>
 where
     St: IdempotencyStore,
-    W: FnOnce(St::Transaction) -> F,
+    W: FnOnce(St::Reservation) -> F,
     F: Future,
 {
     let started = std::time::Instant::now();
     match store.begin(scope, lock_timeout, now).await? {
-        Begin::Existing(record) => Ok(Began::Existing {
+        Begin::Existing(record) => Ok(RunOutcome::Existing {
             record,
             waited: started.elapsed(),
         }),
         Begin::Reserved(transaction) => {
             let waited = started.elapsed();
             let output = work(transaction).await;
-            Ok(Began::Ran { output, waited })
+            Ok(RunOutcome::Ran { output, waited })
         }
     }
 }
@@ -281,14 +283,14 @@ pub(crate) async fn lookup_then<St, T, B, Fut>(
     scope: &Scope,
     now: SystemTime,
     begin: B,
-) -> Result<Began<T>, Error>
+) -> Result<RunOutcome<T>, Error>
 where
     St: IdempotencyStore,
     B: FnOnce() -> Fut,
-    Fut: Future<Output = Result<Began<T>, Error>>,
+    Fut: Future<Output = Result<RunOutcome<T>, Error>>,
 {
     match store.lookup(scope, now).await {
-        Ok(Some(record)) => return Ok(Began::Found { record }),
+        Ok(Some(record)) => return Ok(RunOutcome::Found { record }),
         Ok(None) => {}
         // The begin reads again, authoritatively; a failing read is only logged.
         Err(error) => tracing::warn!(%error, "idempotency fast-path lookup failed"),
@@ -296,10 +298,11 @@ where
     begin().await
 }
 
-/// An open write transaction. Dropping it without calling [`commit`](Self::commit) rolls it
-/// back: the rollback is the transaction's `Drop`, so a panic, an error or a dropped request
+/// A reserved scope and the open write transaction that holds it: the layer's side, which
+/// saves the record and commits ([`commit`](Self::commit)) or rolls back; the handler writes
+/// through its [`handle`](Self::handle). Dropping it without calling `commit` rolls it back: the rollback is the transaction's `Drop`, so a panic, an error or a dropped request
 /// future can never leave it open or half-committed.
-pub trait StoreTransaction: Send + 'static {
+pub trait Reservation: Send + 'static {
     /// The handle put in the request extensions; the handler writes its rows through it, in
     /// this same transaction. Once the transaction has ended, the handle refuses work.
     type Handle: Clone + Send + Sync + 'static;

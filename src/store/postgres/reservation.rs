@@ -27,7 +27,7 @@ use crate::error::Error;
 use crate::response::SavedResponse;
 use crate::store::pg_reserve::{self, ReserveStatements, Reserved};
 use crate::store::{
-    to_unix_millis, Begin, NewRecord, SavedColumns, Scope, StoreTransaction, StoredRecord,
+    to_unix_millis, Begin, NewRecord, Reservation, SavedColumns, Scope, StoredRecord,
 };
 
 impl PostgresStore {
@@ -221,7 +221,7 @@ impl Drop for PostgresReservation {
     }
 }
 
-impl StoreTransaction for PostgresReservation {
+impl Reservation for PostgresReservation {
     type Handle = PostgresTransaction;
 
     fn handle(&self) -> PostgresTransaction {

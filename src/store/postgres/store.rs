@@ -68,7 +68,7 @@ pub(super) fn pool_error(error: PoolError) -> Error {
 }
 
 impl IdempotencyStore for PostgresStore {
-    type Transaction = PostgresReservation;
+    type Reservation = PostgresReservation;
 
     async fn lookup(&self, scope: &Scope, now: SystemTime) -> Result<Option<StoredRecord>, Error> {
         // A plain snapshot read in autocommit: it takes no row locks and never waits for the

@@ -15,7 +15,7 @@ use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
 use crate::response::SavedResponse;
-use crate::store::{Begin, IdempotencyStore, NewRecord, Scope, StoreTransaction};
+use crate::store::{Begin, IdempotencyStore, NewRecord, Reservation, Scope};
 
 /// A schema of its own: the admin client that drops it, its name, and settings whose
 /// connections use it.

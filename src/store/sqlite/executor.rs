@@ -27,7 +27,9 @@ use super::{Shared, SqliteStore};
 use crate::error::Error;
 #[cfg(doc)]
 use crate::store::IdempotencyStore;
-use crate::store::{begin_then_run, lookup_then, to_unix_millis, Began, Scope, StoredRecord};
+use crate::store::{
+    begin_and_run_in_place, lookup_then, to_unix_millis, RunOutcome, Scope, StoredRecord,
+};
 
 impl SqliteStore {
     /// [`IdempotencyStore::begin_and_run`] (with `look_up_first`,
@@ -40,7 +42,7 @@ impl SqliteStore {
         now: SystemTime,
         work: W,
         look_up_first: bool,
-    ) -> impl Future<Output = Result<Began<F::Output>, Error>> + Send + 'static
+    ) -> impl Future<Output = Result<RunOutcome<F::Output>, Error>> + Send + 'static
     where
         W: FnOnce(SqliteReservation) -> F + Send + 'static,
         F: Future + Send + 'static,
@@ -56,10 +58,12 @@ impl SqliteStore {
                         .begin_on_writer(scope, lock_timeout, now, work, runtime, look_up_first)
                         .await
                 }
-                (None, false) => begin_then_run(&store, &scope, lock_timeout, now, work).await,
+                (None, false) => {
+                    begin_and_run_in_place(&store, &scope, lock_timeout, now, work).await
+                }
                 (None, true) => {
                     lookup_then(&store, &scope, now, || {
-                        begin_then_run(&store, &scope, lock_timeout, now, work)
+                        begin_and_run_in_place(&store, &scope, lock_timeout, now, work)
                     })
                     .await
                 }
@@ -79,7 +83,7 @@ impl SqliteStore {
         work: W,
         runtime: tokio::runtime::Handle,
         look_up_first: bool,
-    ) -> Result<Began<F::Output>, Error>
+    ) -> Result<RunOutcome<F::Output>, Error>
     where
         W: FnOnce(SqliteReservation) -> F + Send + 'static,
         F: Future + Send + 'static,
@@ -98,7 +102,7 @@ impl SqliteStore {
         let span = tracing::Span::current();
         let store = Arc::downgrade(&self.shared);
         let now_millis = to_unix_millis(now);
-        let (reply, mut answer) = oneshot::channel::<Result<Began<F::Output>, Error>>();
+        let (reply, mut answer) = oneshot::channel::<Result<RunOutcome<F::Output>, Error>>();
         // Whether the begin started before the request gave up on its lock timeout: decided
         // once, by whichever side gets there first, with no wake-up of the request for it.
         let begin_state = Arc::new(AtomicU8::new(BEGIN_WAITING));
@@ -110,7 +114,7 @@ impl SqliteStore {
                 // Nothing began: no rollback to queue for the writer.
                 let mut reservation = reservation;
                 reservation.close();
-                let _ = reply.send(Ok(Began::Found { record }));
+                let _ = reply.send(Ok(RunOutcome::Found { record }));
                 return None;
             }
             Some(Box::new(move |writer: &mut Writer| {
@@ -129,8 +133,8 @@ impl SqliteStore {
                         scope,
                         saved: false,
                         notify: Box::new(move |outcome| {
-                            let _ =
-                                reply.send(outcome.map(|()| Began::Existing { record, waited }));
+                            let _ = reply
+                                .send(outcome.map(|()| RunOutcome::Existing { record, waited }));
                         }),
                     }),
                     Ok(None) => {
@@ -264,7 +268,7 @@ pin_project_lite::pin_project! {
     struct DrivenWork<F: Future> {
         #[pin]
         work: F,
-        reply: Option<oneshot::Sender<Result<Began<F::Output>, Error>>>,
+        reply: Option<oneshot::Sender<Result<RunOutcome<F::Output>, Error>>>,
         waited: Duration,
     }
 }
@@ -282,7 +286,7 @@ impl<F: Future> Future for DrivenWork<F> {
         }
         let output = std::task::ready!(this.work.poll(cx));
         if let Some(reply) = this.reply.take() {
-            let _ = reply.send(Ok(Began::Ran {
+            let _ = reply.send(Ok(RunOutcome::Ran {
                 output,
                 waited: *this.waited,
             }));

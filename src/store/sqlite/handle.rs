@@ -1,6 +1,6 @@
 //! [`SqliteTransaction`]: the handler's side of a request's write transaction.
 //!
-//! The layer puts one in the request extensions ([`StoreTransaction::handle`] of the
+//! The layer puts one in the request extensions ([`Reservation::handle`] of the
 //! request's `SqliteReservation`). Its statements run on the writer thread: at once
 //! when the handler's work is polled there (`executor`, through `writer`'s
 //! `run_if_on_writer`), through the writer's queue from any other task. They share the
@@ -18,7 +18,7 @@ use super::reservation::TxShared;
 use super::writer::{run_if_on_writer, Writer};
 use crate::error::Error;
 #[cfg(doc)]
-use crate::store::StoreTransaction;
+use crate::store::Reservation;
 
 /// The handle a handler uses to write its rows in the request's transaction.
 ///

@@ -16,7 +16,7 @@
 //! serialization conflict or [`Error::GroupRolledBack`]). Called on a tokio runtime:
 //!
 //! 1. **Fast path** (first attempt only). A reader connection reads the record, in place or
-//!    under `spawn_blocking` (above). A live one is the answer ([`Began::Found`]): nothing is
+//!    under `spawn_blocking` (above). A live one is the answer ([`RunOutcome::Found`]): nothing is
 //!    queued for the writer. Otherwise (no record, an expired one, or a failed read, which is
 //!    only logged) the reader queues the request's begin for the writer itself, so that the
 //!    request is woken once, by its answer.
@@ -24,13 +24,13 @@
 //!    ([`Error::Busy`] past it). On the writer it opens the group transaction if none is open
 //!    (`BEGIN IMMEDIATE`) and the request's savepoint in it, and reads the record again: a
 //!    live one (a duplicate committed first, perhaps in the open group) is the answer once
-//!    that group is durable ([`Began::Existing`]); an expired one is deleted.
+//!    that group is durable ([`RunOutcome::Existing`]); an expired one is deleted.
 //! 3. **Work.** Otherwise the layer's work for the request (calling the handler, capturing
 //!    its response, committing) is polled on the writer thread, and the handler's
 //!    [`SqliteTransaction::run`] runs its statements there at once (see below).
-//! 4. **Commit.** [`StoreTransaction::commit`](crate::store::StoreTransaction::commit) inserts
+//! 4. **Commit.** [`Reservation::commit`](crate::store::Reservation::commit) inserts
 //!    the record and releases the savepoint, keeping the request's rows in the group; the
-//!    request gets its answer ([`Began::Ran`]) once the group's `COMMIT` has returned. A
+//!    request gets its answer ([`RunOutcome::Ran`]) once the group's `COMMIT` has returned. A
 //!    rollback, an error or a dropped [`SqliteReservation`] undoes the savepoint alone.
 //!
 //! Without a tokio runtime the same steps run one after the other in the caller's task
@@ -152,7 +152,7 @@ pub use handle::SqliteTransaction;
 pub use options::{SqliteOptions, Synchronous};
 pub use reservation::SqliteReservation;
 
-use super::{to_unix_millis, Began, Begin, IdempotencyStore, Scope, StoredRecord};
+use super::{to_unix_millis, Begin, IdempotencyStore, RunOutcome, Scope, StoredRecord};
 use crate::error::Error;
 use authorizer::{refuse_foreign_transaction_control, ControlAllowed, ControlGuard, ControlSql};
 use file::{BusyWait, DatabaseFile, OtherWriters, STANDALONE_BUSY_TIMEOUT};
@@ -338,7 +338,7 @@ impl SqliteStore {
 static NEXT_STORE_ID: AtomicU64 = AtomicU64::new(1);
 
 impl IdempotencyStore for SqliteStore {
-    type Transaction = SqliteReservation;
+    type Reservation = SqliteReservation;
 
     /// In place when that cannot wait (see [`SqliteOptions::read_in_place`]), else under
     /// `spawn_blocking` (or in place, without a tokio runtime).
@@ -421,7 +421,7 @@ impl IdempotencyStore for SqliteStore {
         lock_timeout: Duration,
         now: SystemTime,
         work: W,
-    ) -> impl Future<Output = Result<Began<F::Output>, Error>> + Send
+    ) -> impl Future<Output = Result<RunOutcome<F::Output>, Error>> + Send
     where
         W: FnOnce(SqliteReservation) -> F + Send + 'static,
         F: Future + Send + 'static,
@@ -438,7 +438,7 @@ impl IdempotencyStore for SqliteStore {
         lock_timeout: Duration,
         now: SystemTime,
         work: W,
-    ) -> impl Future<Output = Result<Began<F::Output>, Error>> + Send
+    ) -> impl Future<Output = Result<RunOutcome<F::Output>, Error>> + Send
     where
         W: FnOnce(SqliteReservation) -> F + Send + 'static,
         F: Future + Send + 'static,

@@ -2,7 +2,7 @@
 //!
 //! The begin (`SqliteStore::begin`, or `executor` for `begin_and_run`) creates it before it
 //! queues anything, so that whatever happens next, dropping it queues the rollback of what
-//! the begin started on the writer. [`StoreTransaction::commit`] saves the record
+//! the begin started on the writer. [`Reservation::commit`] saves the record
 //! (`records`) and joins the request's group commit (`group`); `rollback` and `Drop` undo
 //! the request's savepoint. [`TxShared`] is what it shares with the handler's handles
 //! (`handle`) and with the begin: the request's generation, the store, and whether the
@@ -21,7 +21,7 @@ use super::records::insert_record;
 use super::writer::{run_if_on_writer, Job, Step, Writer};
 use super::Shared;
 use crate::error::Error;
-use crate::store::{NewRecord, Scope, StoreTransaction};
+use crate::store::{NewRecord, Reservation, Scope};
 
 /// What a request's reservation, its handles and its queued begin share.
 pub(super) struct TxShared {
@@ -133,7 +133,7 @@ impl Drop for SqliteReservation {
     }
 }
 
-impl StoreTransaction for SqliteReservation {
+impl Reservation for SqliteReservation {
     type Handle = SqliteTransaction;
 
     fn handle(&self) -> SqliteTransaction {

@@ -390,7 +390,7 @@ fn decode_record(row: &PgRow) -> Result<StoredRecord, Error> {
 }
 
 impl IdempotencyStore for SqlxPostgresStore {
-    type Transaction = SqlxReservation;
+    type Reservation = SqlxReservation;
 
     async fn lookup(&self, scope: &Scope, now: SystemTime) -> Result<Option<StoredRecord>, Error> {
         // A plain snapshot read in autocommit on the read pool: it takes no row locks and

@@ -16,7 +16,7 @@ use super::{is_conflict, SqlxTransaction, TxConnection};
 use crate::error::{sqlx_code, Error};
 use crate::response::SavedResponse;
 use crate::store::pg_sql::COMPLETE_RECORD;
-use crate::store::{to_unix_millis, NewRecord, Scope, StoreTransaction};
+use crate::store::{to_unix_millis, NewRecord, Reservation, Scope};
 
 /// The connection of one transaction, while it may still be open.
 ///
@@ -169,7 +169,7 @@ impl TxShared {
 
 /// The open transaction of one request: the owner side, which the layer holds and ends.
 ///
-/// [`commit`](StoreTransaction::commit) and [`rollback`](StoreTransaction::rollback) consume
+/// [`commit`](Reservation::commit) and [`rollback`](Reservation::rollback) consume
 /// it; dropping it without either rolls back (by closing its connection; see the module docs).
 /// The handler gets a [`SqlxTransaction`] on it, never the transaction itself.
 pub struct SqlxReservation {
@@ -203,7 +203,7 @@ impl Drop for SqlxReservation {
     }
 }
 
-impl StoreTransaction for SqlxReservation {
+impl Reservation for SqlxReservation {
     type Handle = SqlxTransaction;
 
     fn handle(&self) -> SqlxTransaction {
