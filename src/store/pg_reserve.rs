@@ -108,3 +108,32 @@ pub(crate) async fn reserve<S: ReserveStatements>(
     }
     Err(Error::Busy)
 }
+
+/// Runs `attempt` (open a transaction and reserve) again after a serialization failure or a
+/// deadlock, at most `retries` times, after a short pause that grows with each retry so that
+/// the other transaction can end; never past `deadline` ([`Error::Busy`] then).
+pub(crate) async fn retry_conflicts<T, F, Fut>(
+    retries: u32,
+    deadline: Instant,
+    mut attempt: F,
+) -> Result<T, Error>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, Error>>,
+{
+    let mut retried = 0;
+    loop {
+        match attempt().await {
+            Err(error) if error.is_serialization_conflict() && retried < retries => {
+                retried += 1;
+                tracing::debug!(%error, retries = retried, "reserving the key conflicted; retrying");
+                let pause = std::time::Duration::from_millis(2u64 << retried.min(6));
+                if Instant::now() + pause >= deadline {
+                    return Err(Error::Busy);
+                }
+                tokio::time::sleep(pause).await;
+            }
+            outcome => return outcome,
+        }
+    }
+}

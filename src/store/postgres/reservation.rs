@@ -152,14 +152,6 @@ async fn reserve(
     pg_reserve::reserve(&mut statements, Some(first?)).await
 }
 
-/// Whether an error is a conflict that a fresh transaction may not hit again.
-pub(super) fn is_transient_conflict(error: &Error) -> bool {
-    match error {
-        Error::Postgres(error) => is_conflict_code(error),
-        _ => false,
-    }
-}
-
 /// A serialization failure (`40001`) or a deadlock (`40P01`).
 pub(super) fn is_conflict_code(error: &tokio_postgres::Error) -> bool {
     matches!(

@@ -10,9 +10,10 @@ use std::time::{Duration, SystemTime};
 use deadpool_postgres::{Object, Pool, PoolError};
 use tokio::time::Instant;
 
-use super::reservation::{decode_record, is_transient_conflict};
+use super::reservation::decode_record;
 use super::{Isolation, PostgresReservation, PURGE_EXPIRED, SELECT_LIVE_RECORD};
 use crate::error::Error;
+use crate::store::pg_reserve;
 use crate::store::{to_unix_millis, Begin, IdempotencyStore, Scope, StoredRecord};
 
 /// What clones of a store share.
@@ -102,25 +103,10 @@ impl IdempotencyStore for PostgresStore {
     ) -> Result<Begin<PostgresReservation>, Error> {
         let deadline = Instant::now() + lock_timeout;
         let now = to_unix_millis(now);
-        let mut retries = 0;
-        loop {
-            match self.try_begin(scope, deadline, now).await {
-                Err(error)
-                    if is_transient_conflict(&error)
-                        && retries < self.shared.serialization_retries =>
-                {
-                    retries += 1;
-                    tracing::debug!(%error, retries, "reserving the key conflicted; retrying");
-                    // A short pause, growing with each retry, lets the other transaction end.
-                    let pause = Duration::from_millis(2u64 << retries.min(6));
-                    if Instant::now() + pause >= deadline {
-                        return Err(Error::Busy);
-                    }
-                    tokio::time::sleep(pause).await;
-                }
-                outcome => return outcome,
-            }
-        }
+        pg_reserve::retry_conflicts(self.shared.serialization_retries, deadline, || {
+            self.try_begin(scope, deadline, now)
+        })
+        .await
     }
 
     async fn purge_expired(&self, now: SystemTime, batch: usize) -> Result<u64, Error> {

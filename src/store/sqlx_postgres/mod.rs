@@ -420,24 +420,10 @@ impl IdempotencyStore for SqlxPostgresStore {
     ) -> Result<Begin<SqlxReservation>, Error> {
         let deadline = Instant::now() + lock_timeout;
         let now = to_unix_millis(now);
-        let mut retries = 0;
-        loop {
-            match self.try_begin(scope, deadline, now).await {
-                Err(Error::Sqlx(error))
-                    if is_conflict(&error) && retries < self.shared.serialization_retries =>
-                {
-                    retries += 1;
-                    tracing::debug!(%error, retries, "reserving the key conflicted; retrying");
-                    // A short pause, growing with each retry, lets the other transaction end.
-                    let pause = Duration::from_millis(2u64 << retries.min(6));
-                    if Instant::now() + pause >= deadline {
-                        return Err(Error::Busy);
-                    }
-                    tokio::time::sleep(pause).await;
-                }
-                outcome => return outcome,
-            }
-        }
+        pg_reserve::retry_conflicts(self.shared.serialization_retries, deadline, || {
+            self.try_begin(scope, deadline, now)
+        })
+        .await
     }
 
     async fn purge_expired(&self, now: SystemTime, batch: usize) -> Result<u64, Error> {
