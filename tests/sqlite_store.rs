@@ -62,3 +62,24 @@ async fn short_request_lock_timeout_does_not_leak_into_purge_and_write() {
     other.join().expect("other process");
     written.expect("write waits for the other process's lock, then succeeds");
 }
+
+/// Several stores setting up the same new file at the same moment (as two processes started
+/// together do) all open it: a busy answer while another switches it to WAL is waited out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn stores_opening_one_new_file_at_once_all_open_it() {
+    for _ in 0..20 {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("orders.db");
+        let opens: Vec<_> = (0..8)
+            .map(|_| {
+                let path = path.clone();
+                tokio::spawn(async move {
+                    tower_idempotency::store::sqlite::SqliteStore::open(path).await
+                })
+            })
+            .collect();
+        for open in opens {
+            open.await.expect("join").expect("open the new file");
+        }
+    }
+}

@@ -155,7 +155,7 @@ pub use reservation::SqliteReservation;
 use super::{to_unix_millis, Begin, IdempotencyStore, RunOutcome, Scope, StoredRecord};
 use crate::error::Error;
 use authorizer::{refuse_foreign_transaction_control, ControlAllowed, ControlGuard, ControlSql};
-use file::{BusyWait, DatabaseFile, OtherWriters, STANDALONE_BUSY_TIMEOUT};
+use file::{is_busy, BusyWait, DatabaseFile, OtherWriters, STANDALONE_BUSY_TIMEOUT};
 use group::Member;
 use records::SCHEMA;
 use writer::{writer_thread, Job, Step, Writer, NESTED_REQUEST};
@@ -206,14 +206,19 @@ impl SqliteStore {
 
     fn open_blocking(options: SqliteOptions) -> Result<Self, Error> {
         let mut conn = Connection::open(&options.path)?;
-        conn.busy_timeout(Duration::from_secs(5))?;
-        let mode: String = conn.query_row("PRAGMA journal_mode = WAL", [], |row| row.get(0))?;
-        if !mode.eq_ignore_ascii_case("wal") {
-            tracing::warn!(%mode, "SQLite did not switch to WAL; replays may wait for writers");
+        conn.busy_timeout(STANDALONE_BUSY_TIMEOUT)?;
+        // Another process setting up the same new file at the same moment can make SQLite
+        // answer busy without waiting (switching to WAL, recovering the WAL): try again until
+        // the busy timeout has passed.
+        let deadline = Instant::now() + STANDALONE_BUSY_TIMEOUT;
+        loop {
+            match set_up_file(&conn, options.synchronous) {
+                Err(error) if is_busy(&error) && Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                set_up => break set_up?,
+            }
         }
-        conn.pragma_update(None, "synchronous", options.synchronous.pragma())?;
-        conn.pragma_update(None, "foreign_keys", "ON")?;
-        conn.execute_batch(SCHEMA)?;
 
         let file = DatabaseFile::opened(&options.path);
         // From now on the writer connection waits for other processes' locks through this
@@ -332,6 +337,17 @@ impl SqliteStore {
             })
             .await
     }
+}
+
+/// Switches the database to WAL, sets the connection's pragmas and creates the schema.
+fn set_up_file(conn: &Connection, synchronous: Synchronous) -> rusqlite::Result<()> {
+    let mode: String = conn.query_row("PRAGMA journal_mode = WAL", [], |row| row.get(0))?;
+    if !mode.eq_ignore_ascii_case("wal") {
+        tracing::warn!(%mode, "SQLite did not switch to WAL; replays may wait for writers");
+    }
+    conn.pragma_update(None, "synchronous", synchronous.pragma())?;
+    conn.pragma_update(None, "foreign_keys", "ON")?;
+    conn.execute_batch(SCHEMA)
 }
 
 /// Numbers the stores of the process.
