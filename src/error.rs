@@ -177,6 +177,10 @@ pub enum Rejection {
     InvalidPayload(FingerprintError),
     /// The key was already used in this scope with a different payload. `409` by default.
     KeyReused,
+    /// A request with the same key is still running, and the layer's
+    /// [in-flight policy](crate::InFlight) answers at once (or after its bound) rather than
+    /// wait for it. `409` with `Retry-After`; retry later with the same key.
+    InFlight,
     /// The store is busy; retry later with the same key. `503` with `Retry-After`.
     Busy,
     /// The handler panicked; everything was rolled back. `500`.
@@ -201,7 +205,7 @@ impl Rejection {
             Rejection::MissingTenant => StatusCode::UNAUTHORIZED,
             Rejection::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Rejection::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
-            Rejection::KeyReused => StatusCode::CONFLICT,
+            Rejection::KeyReused | Rejection::InFlight => StatusCode::CONFLICT,
             Rejection::Busy => StatusCode::SERVICE_UNAVAILABLE,
             Rejection::HandlerPanicked
             | Rejection::ResponseTooLarge
@@ -223,6 +227,7 @@ impl Rejection {
             Rejection::BodyRead => "request_body_unreadable",
             Rejection::InvalidPayload(e) => e.code(),
             Rejection::KeyReused => "key_reused_with_different_payload",
+            Rejection::InFlight => "request_in_flight",
             Rejection::Busy => "busy_retry_later",
             Rejection::HandlerPanicked => "internal_error",
             Rejection::ResponseTooLarge => "response_too_large_to_save",
@@ -239,6 +244,7 @@ impl Rejection {
         const DEADLINE_EXCEEDED: i32 = 4;
         const RESOURCE_EXHAUSTED: i32 = 8;
         const FAILED_PRECONDITION: i32 = 9;
+        const ABORTED: i32 = 10;
         const INTERNAL: i32 = 13;
         const UNAVAILABLE: i32 = 14;
         const UNAUTHENTICATED: i32 = 16;
@@ -252,6 +258,7 @@ impl Rejection {
             Rejection::BodyTooLarge => RESOURCE_EXHAUSTED,
             Rejection::BodyTimeout => DEADLINE_EXCEEDED,
             Rejection::KeyReused => FAILED_PRECONDITION,
+            Rejection::InFlight => ABORTED,
             Rejection::Busy => UNAVAILABLE,
             Rejection::HandlerPanicked
             | Rejection::ResponseTooLarge
@@ -265,6 +272,7 @@ impl Rejection {
         matches!(
             self,
             Rejection::Busy
+                | Rejection::InFlight
                 | Rejection::BodyTimeout
                 | Rejection::BodyRead
                 | Rejection::HandlerPanicked

@@ -12,6 +12,8 @@ use tower_layer::Layer;
 
 use crate::error::{default_error_response, Rejection};
 use crate::fingerprint::Fingerprinter;
+use crate::in_flight::{InFlight, Running};
+use crate::problem::ProblemDetails;
 use crate::key::DEFAULT_MAX_KEY_LEN;
 use crate::response::is_never_replayed;
 use crate::service::Idempotency;
@@ -80,6 +82,9 @@ pub(crate) struct Config {
     pub(crate) replayed_headers: Vec<HeaderName>,
     pub(crate) replayed_trailers: Vec<HeaderName>,
     pub(crate) error_responder: Arc<ResponderFn>,
+    pub(crate) in_flight: InFlight,
+    /// The scopes this layer's requests are running (for the in-flight policy).
+    pub(crate) running: Arc<Running>,
 }
 
 impl Config {
@@ -87,6 +92,7 @@ impl Config {
     pub(crate) fn status_of(&self, rejection: &Rejection) -> StatusCode {
         match rejection {
             Rejection::KeyReused => self.conflict_status,
+            Rejection::InFlight => StatusCode::CONFLICT,
             other => other.status(),
         }
     }
@@ -191,8 +197,37 @@ impl<St> IdempotencyLayer<St> {
                     HeaderName::from_static("grpc-status-details-bin"),
                 ],
                 error_responder: Arc::new(default_error_response),
+                in_flight: InFlight::Wait,
+                running: Arc::default(),
             }),
         }
+    }
+
+    /// A layer answering the way the IETF draft `draft-ietf-httpapi-idempotency-key-header`
+    /// says: [`new`](Self::new), then [`with_ietf_draft`](Self::with_ietf_draft).
+    ///
+    /// ```
+    /// # fn example(store: ()) {
+    /// use tower_idempotency::{problem::ProblemDetails, IdempotencyLayer};
+    ///
+    /// let layer = IdempotencyLayer::ietf(store)
+    ///     .with_operation("create_order")
+    ///     .with_problem_details(ProblemDetails::new("https://developer.example.com/idempotency"));
+    /// # }
+    /// ```
+    pub fn ietf(store: St) -> Self {
+        IdempotencyLayer::new(store).with_ietf_draft()
+    }
+
+    /// The IETF draft's answers in one switch: the layer's own answers as RFC 9457 problem
+    /// details ([`ProblemDetails::default`], with `Link: <...>; rel="describedby"` on those
+    /// about the key), `422` for a key reused with another payload, and `409` with
+    /// `Retry-After` at once for a duplicate of a request still running
+    /// ([`InFlight::Reject`]). Setters called after it override each part.
+    pub fn with_ietf_draft(self) -> Self {
+        self.with_problem_details(ProblemDetails::default())
+            .with_conflict_status(StatusCode::UNPROCESSABLE_ENTITY)
+            .with_in_flight(InFlight::Reject)
     }
 
     fn map_config(mut self, f: impl FnOnce(&mut Config)) -> Self {
@@ -317,7 +352,8 @@ impl<St> IdempotencyLayer<St> {
         self.map_config(|c| c.conflict_retries = retries)
     }
 
-    /// The `Retry-After` sent with `503`. Default: 1 s.
+    /// The `Retry-After` sent with `503`, and with the `409` of a request in flight
+    /// ([`with_in_flight`](Self::with_in_flight)). Default: 1 s.
     pub fn with_retry_after(self, delay: Duration) -> Self {
         self.map_config(|c| c.retry_after = delay)
     }
@@ -404,6 +440,38 @@ impl<St> IdempotencyLayer<St> {
         F: Fn(&Rejection, StatusCode) -> Response<Bytes> + Send + Sync + 'static,
     {
         self.map_config(|c| c.error_responder = Arc::new(responder))
+    }
+
+    /// Writes the layer's own answers as RFC 9457 problem details
+    /// (`application/problem+json`), with the types documented where `problems` says. The
+    /// statuses stay as configured ([`ietf`](Self::ietf) also sets the draft's).
+    ///
+    /// Default: `{"error":"<code>"}` as `application/json`.
+    pub fn with_problem_details(self, problems: ProblemDetails) -> Self {
+        self.with_error_responder(move |rejection, status| problems.response(rejection, status))
+    }
+
+    /// What a request gets while another with the same `(tenant, operation, key)` is still
+    /// running: wait for it, `409` at once, or wait up to a bound then `409` (the `409`s with
+    /// `Retry-After`, see [`with_retry_after`](Self::with_retry_after)).
+    ///
+    /// Default: [`InFlight::Wait`] (up to the lock timeout). A bound of [`InFlight::WaitUpTo`]
+    /// is clamped to 24 hours.
+    ///
+    /// ```
+    /// # fn example(layer: tower_idempotency::IdempotencyLayer<()>) {
+    /// use std::time::Duration;
+    /// use tower_idempotency::InFlight;
+    ///
+    /// let layer = layer.with_in_flight(InFlight::WaitUpTo(Duration::from_millis(500)));
+    /// # }
+    /// ```
+    pub fn with_in_flight(self, policy: InFlight) -> Self {
+        let policy = match policy {
+            InFlight::WaitUpTo(bound) => InFlight::WaitUpTo(bound.min(MAX_TIMEOUT)),
+            other => other,
+        };
+        self.map_config(|c| c.in_flight = policy)
     }
 }
 

@@ -117,17 +117,20 @@ mod error;
 #[cfg(feature = "axum")]
 pub mod extract;
 pub mod fingerprint;
+mod in_flight;
 pub mod key;
 mod layer;
 pub mod metrics;
 #[cfg(feature = "outbox")]
 pub mod outbox;
+pub mod problem;
 pub mod response;
 mod service;
 pub mod store;
 
 pub use crate::error::{Error, Rejection};
 pub use crate::fingerprint::Fingerprinter;
+pub use crate::in_flight::InFlight;
 pub use crate::key::IdempotencyKey;
 pub use crate::layer::{IdempotencyLayer, Tenant};
 pub use crate::service::{Idempotency, ResponseFuture, IDEMPOTENCY_KEY};

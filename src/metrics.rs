@@ -65,6 +65,9 @@ pub enum Outcome {
     Conflict,
     /// The store stayed busy past the lock timeout (`503`).
     Busy,
+    /// A request with the same key was still running and the layer's in-flight policy
+    /// answered `409` ([`InFlight`](crate::InFlight)).
+    InFlight,
     /// The layer refused the request before the store (bad or missing key, no tenant, body
     /// too large or too slow, invalid payload).
     Rejected,
@@ -82,6 +85,7 @@ impl Outcome {
             Outcome::Replayed => "replayed",
             Outcome::Conflict => "conflict",
             Outcome::Busy => "busy",
+            Outcome::InFlight => "in_flight",
             Outcome::Rejected => "rejected",
             Outcome::RolledBack => "rolled_back",
             Outcome::Error => "error",

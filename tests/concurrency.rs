@@ -22,7 +22,7 @@ use common::{post, Reply, PATIENCE, SHOP_A};
 use http::StatusCode;
 use tokio::sync::{Barrier, Notify};
 use tokio::task::JoinHandle;
-use tower_idempotency::IdempotencyLayer;
+use tower_idempotency::{IdempotencyLayer, InFlight};
 
 const BOOK: &str = r#"{"sku":"book","quantity":1}"#;
 
@@ -368,6 +368,116 @@ async fn when_the_original_fails_a_waiting_duplicate_runs_afresh<B: Backend>(db:
     assert_eq!(db.record_count().await, 1);
 }
 
+/// `n` duplicates of the holder's key, sent at once while its handler holds the transaction.
+async fn duplicates_while_held(addr: SocketAddr, holder: &Holder, n: usize) -> Vec<Reply> {
+    send_all_at_once(same_request(addr, holder.key, n)).await
+}
+
+/// The app with this hook, the duplicates of a running request answered by `policy`; the lock
+/// timeout is far longer than the test, so that only the policy can answer early.
+async fn serve_with_policy<B: Backend>(db: &B, holder: &Holder, policy: InFlight) -> Server<B> {
+    db.server()
+        .layer(move |layer| {
+            layer
+                .with_in_flight(policy)
+                .with_lock_timeout(Duration::from_secs(60))
+                .with_retry_after(Duration::from_secs(3))
+        })
+        .hook(holder.hook())
+        .spawn()
+        .await
+}
+
+async fn in_flight_reject_answers_duplicates_409_with_retry_after_at_once<B: Backend>(db: B) {
+    const DUPLICATES: usize = 8;
+    let holder = Holder::new("running");
+    let server = serve_with_policy(&db, &holder, InFlight::Reject).await;
+    let held = holder.hold(server.addr).await;
+
+    // Answered while the first still holds its transaction: nobody waited for it.
+    let duplicates = duplicates_while_held(server.addr, &holder, DUPLICATES).await;
+    holder.release();
+
+    for reply in &duplicates {
+        assert_eq!(reply.status, StatusCode::CONFLICT, "{reply:?}");
+        assert_eq!(reply.header("retry-after"), Some("3"));
+        assert_eq!(reply.error_code(), "request_in_flight");
+    }
+    let first = held.await.expect("holder");
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    // Once it has ended, the same key replays.
+    let retry = post(server.addr, Some(SHOP_A), Some(holder.key), BOOK, &[]).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
+    assert!(retry.replayed());
+    assert_eq!(retry.body, first.body);
+    assert_eq!(server.app.handler_calls(), 1, "only the first ran the handler");
+    assert_eq!(db.counts().await, (1, 1));
+}
+
+async fn in_flight_wait_up_to_a_bound_replays_when_the_first_ends_in_time<B: Backend>(db: B) {
+    const DUPLICATES: usize = 8;
+    let holder = Holder::new("running");
+    let policy = InFlight::WaitUpTo(Duration::from_secs(30));
+    let server = serve_with_policy(&db, &holder, policy).await;
+    let held = holder.hold(server.addr).await;
+
+    let duplicates = {
+        let (addr, key) = (server.addr, holder.key);
+        tokio::spawn(async move { send_all_at_once(same_request(addr, key, DUPLICATES)).await })
+    };
+    assert!(
+        server
+            .app
+            .wait_for_arrivals(1 + DUPLICATES, PATIENCE)
+            .await,
+        "the duplicates reached the layer while the first held its transaction"
+    );
+    holder.release();
+    let first = held.await.expect("holder");
+    let duplicates = duplicates.await.expect("duplicates");
+
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    for reply in &duplicates {
+        assert_eq!(reply.status, StatusCode::CREATED, "{reply:?}");
+        assert!(reply.replayed());
+        assert_eq!(reply.body, first.body);
+    }
+    assert_eq!(server.app.handler_calls(), 1);
+    assert_eq!(db.counts().await, (1, 1));
+}
+
+async fn in_flight_wait_up_to_a_bound_then_409<B: Backend>(db: B) {
+    let holder = Holder::new("running");
+    let policy = InFlight::WaitUpTo(Duration::from_millis(200));
+    let server = serve_with_policy(&db, &holder, policy).await;
+    let held = holder.hold(server.addr).await;
+
+    // The first is still held when the bound passes.
+    let duplicates = duplicates_while_held(server.addr, &holder, 4).await;
+    // Another key is not held back by the policy.
+    let other = if B::PARALLEL_WRITERS {
+        Some(post(server.addr, Some(SHOP_A), Some("other"), BOOK, &[]).await)
+    } else {
+        None
+    };
+    holder.release();
+
+    for reply in &duplicates {
+        assert_eq!(reply.status, StatusCode::CONFLICT, "{reply:?}");
+        assert_eq!(reply.header("retry-after"), Some("3"));
+        assert_eq!(reply.error_code(), "request_in_flight");
+    }
+    if let Some(other) = other {
+        assert_eq!(other.status, StatusCode::CREATED, "{other:?}");
+    }
+    assert_eq!(held.await.expect("holder").status, StatusCode::CREATED);
+    let retry = post(server.addr, Some(SHOP_A), Some(holder.key), BOOK, &[]).await;
+    assert!(retry.replayed(), "{retry:?}");
+    let others = usize::from(B::PARALLEL_WRITERS);
+    assert_eq!(server.app.handler_calls(), 1 + others);
+    assert_eq!(db.order_count().await, 1 + others as i64);
+}
+
 /// The tests above, on one backend.
 macro_rules! concurrency_tests {
     ($backend:ident) => {
@@ -380,6 +490,15 @@ macro_rules! concurrency_tests {
                 flavor = "multi_thread",
                 worker_threads = 2
             ),
+            in_flight_reject_answers_duplicates_409_with_retry_after_at_once(
+                flavor = "multi_thread",
+                worker_threads = 2
+            ),
+            in_flight_wait_up_to_a_bound_replays_when_the_first_ends_in_time(
+                flavor = "multi_thread",
+                worker_threads = 2
+            ),
+            in_flight_wait_up_to_a_bound_then_409(flavor = "multi_thread", worker_threads = 2),
         );
     };
 }

@@ -58,7 +58,7 @@ pub(super) fn grpc_rejection<B>(
     );
     headers.insert("grpc-status", HeaderValue::from(rejection.grpc_code()));
     headers.insert("grpc-message", HeaderValue::from_static(rejection.code()));
-    if matches!(rejection, Rejection::Busy) {
+    if matches!(rejection, Rejection::Busy | Rejection::InFlight) {
         let millis = u64::try_from(retry_after.as_millis()).unwrap_or(u64::MAX);
         headers.insert("grpc-retry-pushback-ms", HeaderValue::from(millis));
     }

@@ -259,6 +259,20 @@ where
             fingerprint,
         } = checked;
         let wire = Wire::of(parts.version, &parts.headers);
+        // Held until the request ends: duplicates meanwhile follow the in-flight policy.
+        let _running = match self
+            .config
+            .running
+            .claim(&scope, self.config.in_flight)
+            .await
+        {
+            Ok(claim) => claim,
+            Err(rejection) => {
+                tracing::info!("a request with the same key is running; answered 409");
+                metrics::request(&scope.operation, Outcome::InFlight);
+                return Ok(self.reject(&rejection, wire));
+            }
+        };
         let now = SystemTime::now();
 
         let mut reruns = Reruns::default();
@@ -430,7 +444,9 @@ where
         let status = self.config.status_of(rejection);
         let mut response = (self.config.error_responder)(rejection, status);
         let headers = response.headers_mut();
-        if matches!(rejection, Rejection::Busy) && !headers.contains_key(header::RETRY_AFTER) {
+        if matches!(rejection, Rejection::Busy | Rejection::InFlight)
+            && !headers.contains_key(header::RETRY_AFTER)
+        {
             let seconds = self.config.retry_after.as_secs().max(1);
             headers.insert(header::RETRY_AFTER, HeaderValue::from(seconds));
         }

@@ -1,0 +1,129 @@
+//! What the IETF draft (`draft-ietf-httpapi-idempotency-key-header`) and the users of other
+//! idempotency libraries ask for, over real HTTP on both stores (`ietf_draft::sqlite::...`,
+//! `ietf_draft::postgres::...`): the draft's statuses and RFC 9457 problem details in one
+//! switch, and keys of 255 characters. The in-flight policies are in `tests/concurrency.rs`.
+
+#[macro_use]
+mod backend;
+mod common;
+mod pg_common;
+
+use backend::Backend;
+use common::{post, Post, Reply, SHOP_A};
+use http::StatusCode;
+use tower_idempotency::problem::{ProblemDetails, DEFAULT_DOCUMENTATION, PROBLEM_JSON};
+
+const BOOK: &str = r#"{"sku":"book","quantity":1}"#;
+const PEN: &str = r#"{"sku":"pen","quantity":1}"#;
+const DOCS: &str = "https://developer.example.com/idempotency";
+
+/// Checks a problem-details answer: media type, status in the body, and the `type` of `code`
+/// under `docs`; returns the body.
+fn problem(reply: &Reply, status: StatusCode, docs: &str, code: &str) -> serde_json::Value {
+    assert_eq!(reply.status, status, "{reply:?}");
+    assert_eq!(reply.header("content-type"), Some(PROBLEM_JSON), "{reply:?}");
+    let body = reply.json();
+    assert_eq!(body["status"], status.as_u16(), "{body}");
+    assert_eq!(body["type"], format!("{docs}#{code}"), "{body}");
+    assert_eq!(body["code"], code, "{body}");
+    assert!(body["title"].as_str().is_some_and(|t| !t.is_empty()));
+    assert!(body["detail"].as_str().is_some_and(|d| !d.is_empty()));
+    body
+}
+
+fn described_by(docs: &str) -> String {
+    format!("<{docs}>; rel=\"describedby\"; type=\"text/html\"")
+}
+
+async fn ietf_draft_answers_with_its_statuses_and_problem_details<B: Backend>(db: B) {
+    let server = db
+        .server()
+        .layer(|layer| layer.with_ietf_draft().with_body_limit(1024))
+        .spawn()
+        .await;
+    let addr = server.addr;
+    let docs = DEFAULT_DOCUMENTATION;
+
+    let missing = Post::order("unused", BOOK).no_key().send(addr).await;
+    let body = problem(&missing, StatusCode::BAD_REQUEST, docs, "missing_idempotency_key");
+    assert_eq!(body["title"], "Idempotency-Key is missing");
+    assert_eq!(missing.header("link"), Some(described_by(docs).as_str()));
+
+    let first = post(addr, Some(SHOP_A), Some("order-1"), BOOK, &[]).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    let reused = post(addr, Some(SHOP_A), Some("order-1"), PEN, &[]).await;
+    let body = problem(
+        &reused,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        docs,
+        "key_reused_with_different_payload",
+    );
+    assert_eq!(body["title"], "Idempotency-Key is already used");
+    assert_eq!(reused.header("link"), Some(described_by(docs).as_str()));
+
+    let malformed = Post::order("bad key", BOOK).send(addr).await;
+    problem(&malformed, StatusCode::BAD_REQUEST, docs, "invalid_idempotency_key");
+    let large = Post::order("order-2", &"x".repeat(2048)).send(addr).await;
+    problem(&large, StatusCode::PAYLOAD_TOO_LARGE, docs, "payload_too_large");
+    assert_eq!(large.header("link"), None, "not an answer about the key");
+    let anonymous = post(addr, None, Some("order-3"), BOOK, &[]).await;
+    // The test app's own authentication answers before the layer.
+    assert_eq!(anonymous.status, StatusCode::UNAUTHORIZED);
+
+    // The replay is the handler's response, untouched.
+    let replay = post(addr, Some(SHOP_A), Some("order-1"), BOOK, &[]).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body, first.body);
+    assert_eq!(server.app.handler_calls(), 1);
+    assert_eq!(db.counts().await, (1, 1), "nothing of the refusals was stored");
+}
+
+async fn problem_details_with_own_documentation_keep_the_configured_statuses<B: Backend>(db: B) {
+    let server = db
+        .server()
+        .layer(|layer| layer.with_problem_details(ProblemDetails::new(DOCS)))
+        .spawn()
+        .await;
+
+    post(server.addr, Some(SHOP_A), Some("k"), BOOK, &[]).await;
+    let reused = post(server.addr, Some(SHOP_A), Some("k"), PEN, &[]).await;
+
+    // Bodies only: the default 409 stays.
+    problem(
+        &reused,
+        StatusCode::CONFLICT,
+        DOCS,
+        "key_reused_with_different_payload",
+    );
+    assert_eq!(reused.header("link"), Some(described_by(DOCS).as_str()));
+}
+
+async fn the_default_stays_the_json_error_body<B: Backend>(db: B) {
+    let server = db.spawn().await;
+
+    post(server.addr, Some(SHOP_A), Some("k"), BOOK, &[]).await;
+    let reused = post(server.addr, Some(SHOP_A), Some("k"), PEN, &[]).await;
+
+    assert_eq!(reused.status, StatusCode::CONFLICT);
+    assert_eq!(reused.header("content-type"), Some("application/json"));
+    assert_eq!(reused.error_code(), "key_reused_with_different_payload");
+    assert_eq!(reused.header("link"), None);
+}
+
+macro_rules! ietf_tests {
+    ($backend:ident) => {
+        backend_tests!($backend;
+            ietf_draft_answers_with_its_statuses_and_problem_details,
+            problem_details_with_own_documentation_keep_the_configured_statuses,
+            the_default_stays_the_json_error_body,
+        );
+    };
+}
+
+mod sqlite {
+    ietf_tests!(Sqlite);
+}
+
+mod postgres {
+    ietf_tests!(Postgres);
+}
