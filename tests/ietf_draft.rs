@@ -1,7 +1,7 @@
 //! What the IETF draft (`draft-ietf-httpapi-idempotency-key-header`) and the users of other
 //! idempotency libraries ask for, over real HTTP on both stores (`ietf_draft::sqlite::...`,
 //! `ietf_draft::postgres::...`): the draft's statuses and RFC 9457 problem details in one
-//! switch, and keys of 255 characters. The in-flight policies are in `tests/concurrency.rs`.
+//! switch, and keys of 255 characters (Stripe's longest) end to end. The in-flight policies are in `tests/concurrency.rs`.
 
 #[macro_use]
 mod backend;
@@ -110,12 +110,57 @@ async fn the_default_stays_the_json_error_body<B: Backend>(db: B) {
     assert_eq!(reused.header("link"), None);
 }
 
+/// A key of `len` characters, every one allowed by the key syntax.
+fn long_key(len: usize) -> String {
+    let alphabet = b"abcdefghijklmnopqrstuvwxyz0123456789-_ABCDEFGHIJKLMNOPQRSTUVWXYZ";
+    (0..len)
+        .map(|i| char::from(alphabet[i % alphabet.len()]))
+        .collect()
+}
+
+async fn keys_of_255_characters_are_stored_and_replayed_with_max_key_len_255<B: Backend>(db: B) {
+    let server = db
+        .server()
+        .layer(|layer| layer.with_max_key_len(255))
+        .spawn()
+        .await;
+    let key = long_key(255);
+
+    let first = post(server.addr, Some(SHOP_A), Some(&key), BOOK, &[]).await;
+    let replay = post(server.addr, Some(SHOP_A), Some(&key), BOOK, &[]).await;
+    let reused = post(server.addr, Some(SHOP_A), Some(&key), PEN, &[]).await;
+    let too_long = post(server.addr, Some(SHOP_A), Some(&long_key(256)), BOOK, &[]).await;
+
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    assert!(db.record_exists("shop-a", "create_order", &key).await);
+    assert!(replay.replayed(), "{replay:?}");
+    assert_eq!(replay.body, first.body);
+    assert_eq!(reused.status, StatusCode::CONFLICT, "the whole key is compared");
+    assert_eq!(too_long.status, StatusCode::BAD_REQUEST);
+    assert_eq!(too_long.error_code(), "idempotency_key_too_long");
+    assert_eq!(server.app.handler_calls(), 1);
+    assert_eq!(db.counts().await, (1, 1));
+}
+
+async fn the_default_stays_128_characters<B: Backend>(db: B) {
+    let server = db.spawn().await;
+
+    let longest = post(server.addr, Some(SHOP_A), Some(&long_key(128)), BOOK, &[]).await;
+    let too_long = post(server.addr, Some(SHOP_A), Some(&long_key(129)), BOOK, &[]).await;
+
+    assert_eq!(longest.status, StatusCode::CREATED, "{longest:?}");
+    assert_eq!(too_long.status, StatusCode::BAD_REQUEST);
+    assert_eq!(too_long.error_code(), "idempotency_key_too_long");
+}
+
 macro_rules! ietf_tests {
     ($backend:ident) => {
         backend_tests!($backend;
             ietf_draft_answers_with_its_statuses_and_problem_details,
             problem_details_with_own_documentation_keep_the_configured_statuses,
             the_default_stays_the_json_error_body,
+            keys_of_255_characters_are_stored_and_replayed_with_max_key_len_255,
+            the_default_stays_128_characters,
         );
     };
 }
