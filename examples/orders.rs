@@ -69,13 +69,16 @@ mod lab_http;
 /// The `orders` table and the rules of a valid order, shared with the other order examples.
 #[path = "common/order_table.rs"]
 mod order_table;
+/// `GET /metrics` in the Prometheus text format.
+#[path = "orders/metrics.rs"]
+mod metrics;
 /// The PostgreSQL variant of the app (`--database-url`).
 #[cfg(feature = "postgres")]
 #[path = "orders/postgres.rs"]
 mod postgres;
 
 const USAGE: &str = "\
-usage: orders [--addr ADDR] [--db PATH | --database-url URL] [--webhook URL]
+usage: orders [--addr ADDR] [--db PATH | --database-url URL] [--webhook URL] [--ietf]
        orders --demo
 
   --addr ADDR   address to listen on (default 127.0.0.1:3000)
@@ -85,6 +88,8 @@ usage: orders [--addr ADDR] [--db PATH | --database-url URL] [--webhook URL]
                 share it
   --webhook URL deliver the outbox's events (`order_created`) to this URL: a relay POSTs
                 each one with its event id as `Idempotency-Key` until it is accepted
+  --ietf        answer the IETF draft's way: problem+json bodies, 422 for a reused key,
+                409 with Retry-After at once for a duplicate still running
   --demo        serve on an ephemeral loopback port with a fresh database, run the retry
                 lab against it over HTTP, print its six lines and exit
   -h, --help    show this help";
@@ -96,6 +101,7 @@ async fn main() -> ExitCode {
         Flag::Value("--db"),
         Flag::Value("--database-url"),
         Flag::Value("--webhook"),
+        Flag::Switch("--ietf"),
         Flag::Switch("--demo"),
     ];
     cli::main("orders", USAGE, &flags, Command::parse, Command::run).await
@@ -113,12 +119,12 @@ async fn open_store(db: &FsPath) -> Result<SqliteStore, BoxError> {
     Ok(store)
 }
 
-fn app(store: SqliteStore) -> Router {
+fn app(store: SqliteStore, ietf: bool) -> Router {
     Router::new()
         // Only the POST is wrapped: GET is idempotent by itself.
         .route(
             "/orders",
-            post(create_order).layer(idempotency(store.clone())),
+            post(create_order).layer(idempotency(store.clone(), ietf)),
         )
         .route("/orders/{id}", get(get_order))
         // Added last, so it is the outermost layer: it must run before the idempotency layer,
@@ -127,9 +133,12 @@ fn app(store: SqliteStore) -> Router {
         .with_state(store)
 }
 
-/// The idempotency layer of `POST /orders` (on either database).
-fn idempotency<S: IdempotencyStore>(store: S) -> IdempotencyLayer<S> {
-    IdempotencyLayer::new(store)
+/// The idempotency layer of `POST /orders` (on either database); with `ietf`, its own
+/// answers as the IETF draft shows them (`--ietf`).
+fn idempotency<S: IdempotencyStore>(store: S, ietf: bool) -> IdempotencyLayer<S> {
+    let layer = IdempotencyLayer::new(store);
+    let layer = if ietf { layer.with_ietf_draft() } else { layer };
+    layer
         // Name the operation so that records survive a change of route.
         .with_operation("create_order")
         // The route only takes JSON: compare payloads as JSON values even when a client
@@ -250,7 +259,12 @@ impl IntoResponse for ApiError {
 // Serving
 // ---------------------------------------------------------------------------------------------
 
-async fn serve(addr: &str, db: &FsPath, webhook: Option<&str>) -> Result<(), BoxError> {
+async fn serve(
+    addr: &str,
+    db: &FsPath,
+    webhook: Option<&str>,
+    ietf: bool,
+) -> Result<(), BoxError> {
     let store = open_store(db).await?;
     if let Some(url) = webhook {
         let relay = Relay::new(SqliteOutbox::existing(&store), webhook_sink(url)?);
@@ -261,16 +275,17 @@ async fn serve(addr: &str, db: &FsPath, webhook: Option<&str>) -> Result<(), Box
     order_table::spawn_purge(&store);
     let (listener, local) = cli::listen(addr).await?;
     println!("{}", order_table::banner(local, db));
-    serve_app(listener, app(store), webhook).await
+    serve_app(listener, app(store, ietf), webhook).await
 }
 
-/// Serves `app` on `listener` until Ctrl-C. Says where the relay delivers (`--webhook`) after
-/// the first line, which scripts and tests read for the address.
+/// Serves `app` and `GET /metrics` on `listener` until Ctrl-C. Says where the relay delivers
+/// (`--webhook`) after the first line, which scripts and tests read for the address.
 async fn serve_app(
     listener: TcpListener,
     app: Router,
     webhook: Option<&str>,
 ) -> Result<(), BoxError> {
+    let app = app.merge(metrics::routes(metrics::install()?));
     if let Some(url) = webhook {
         println!("relaying outbox events to {url}");
     }
@@ -297,7 +312,7 @@ async fn demo() -> Result<(), BoxError> {
     let store = open_store(&dir.path().join("orders.db")).await?;
     let (listener, addr) = cli::listen("127.0.0.1:0").await?;
     let client = lab_http::HttpShop::new(addr);
-    let router = app(store.clone());
+    let router = app(store.clone(), false);
     let serve = move |shutdown: lab::Shutdown| {
         axum::serve(listener, router)
             .with_graceful_shutdown(shutdown)
@@ -316,6 +331,7 @@ enum Command {
         db: PathBuf,
         database_url: Option<String>,
         webhook: Option<String>,
+        ietf: bool,
     },
     Demo,
 }
@@ -326,15 +342,16 @@ impl Command {
         let db = flags.value("--db").map(PathBuf::from);
         let database_url = flags.value("--database-url");
         let webhook = flags.value("--webhook");
+        let ietf = flags.switch("--ietf");
         if db.is_some() && database_url.is_some() {
             return Err("--db and --database-url are two different stores: pick one".into());
         }
         match (
             flags.switch("--demo"),
-            addr.is_some() || db.is_some() || database_url.is_some() || webhook.is_some(),
+            addr.is_some() || db.is_some() || database_url.is_some() || webhook.is_some() || ietf,
         ) {
             (true, true) => {
-                Err("--demo picks its own address and database, and has no webhook".into())
+                Err("--demo picks its own address and database, and has no options".into())
             }
             (true, false) => Ok(Command::Demo),
             (false, _) => Ok(Command::Serve {
@@ -342,6 +359,7 @@ impl Command {
                 db: db.unwrap_or_else(|| "orders.db".into()),
                 database_url,
                 webhook,
+                ietf,
             }),
         }
     }
@@ -353,16 +371,21 @@ impl Command {
                 addr,
                 database_url: Some(url),
                 webhook,
+                ietf,
                 ..
-            } => postgres::serve(&addr, &url, webhook.as_deref()).await,
+            } => postgres::serve(&addr, &url, webhook.as_deref(), ietf).await,
             #[cfg(not(feature = "postgres"))]
             Command::Serve {
                 database_url: Some(_),
                 ..
             } => Err("--database-url needs the `postgres` feature".into()),
             Command::Serve {
-                addr, db, webhook, ..
-            } => serve(&addr, &db, webhook.as_deref()).await,
+                addr,
+                db,
+                webhook,
+                ietf,
+                ..
+            } => serve(&addr, &db, webhook.as_deref(), ietf).await,
             Command::Demo => demo().await,
         }
     }

@@ -36,7 +36,12 @@ CREATE TABLE IF NOT EXISTS orders (
 
 /// Serves the order API on `addr`, with PostgreSQL at `url` for orders, records and events;
 /// with `webhook`, a relay delivers the events there.
-pub(crate) async fn serve(addr: &str, url: &str, webhook: Option<&str>) -> Result<(), BoxError> {
+pub(crate) async fn serve(
+    addr: &str,
+    url: &str,
+    webhook: Option<&str>,
+    ietf: bool,
+) -> Result<(), BoxError> {
     let store = PostgresStore::connect(url)
         .await
         .map_err(|error| format!("cannot open the store: {error}"))?;
@@ -56,14 +61,14 @@ pub(crate) async fn serve(addr: &str, url: &str, webhook: Option<&str>) -> Resul
     let (listener, local) = crate::cli::listen(addr).await?;
     // The URL is not printed: it may carry a password.
     println!("listening on http://{local} (database PostgreSQL)");
-    serve_app(listener, app(store), webhook).await
+    serve_app(listener, app(store, ietf), webhook).await
 }
 
-fn app(store: PostgresStore) -> Router {
+fn app(store: PostgresStore, ietf: bool) -> Router {
     Router::new()
         .route(
             "/orders",
-            post(create_order).layer(idempotency(store.clone())),
+            post(create_order).layer(idempotency(store.clone(), ietf)),
         )
         .route("/orders/{id}", get(get_order))
         .layer(middleware::from_fn(authenticate))

@@ -1,0 +1,98 @@
+//! The order example (`examples/orders.rs`) as a user runs it, a process on loopback: its
+//! `/metrics` after some traffic, and its `--ietf` answers.
+
+mod common;
+#[path = "apps/process.rs"]
+mod process;
+
+use std::net::SocketAddr;
+
+use common::{post, Post, Reply, PATIENCE, SHOP_A};
+use http::StatusCode;
+use http_body_util::Empty;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use process::{arg, ExampleProcess};
+
+const BOOK: &str = r#"{"sku":"book","quantity":1}"#;
+const PEN: &str = r#"{"sku":"pen","quantity":1}"#;
+
+/// `GET path` with a fresh client, as `curl` would.
+async fn get(addr: SocketAddr, path: &str) -> Reply {
+    let client: Client<_, Empty<bytes::Bytes>> =
+        Client::builder(TokioExecutor::new()).build_http();
+    let uri = format!("http://{addr}{path}").parse().expect("uri");
+    let response = tokio::time::timeout(PATIENCE, client.get(uri))
+        .await
+        .expect("response in time")
+        .expect("response");
+    Reply::read(response).await
+}
+
+/// The value of the sample `name{labels...}` whose labels include every one of `labels`.
+fn sample(text: &str, name: &str, labels: &[&str]) -> Option<f64> {
+    text.lines()
+        .filter(|line| line.starts_with(&format!("{name}{{")))
+        .find(|line| labels.iter().all(|label| line.contains(label)))
+        .and_then(|line| line.rsplit(' ').next())
+        .and_then(|value| value.parse().ok())
+}
+
+#[tokio::test]
+async fn metrics_after_traffic_count_each_outcome_and_the_lock_wait() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let db = dir.path().join("orders.db");
+    let app = ExampleProcess::start("orders", &["--db", arg(&db)]).await;
+
+    let first = post(app.addr, Some(SHOP_A), Some("k1"), BOOK, &[]).await;
+    let replay = post(app.addr, Some(SHOP_A), Some("k1"), BOOK, &[]).await;
+    let conflict = post(app.addr, Some(SHOP_A), Some("k1"), PEN, &[]).await;
+    let second = post(app.addr, Some(SHOP_A), Some("k2"), BOOK, &[]).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(replay.replayed());
+    assert_eq!(conflict.status, StatusCode::CONFLICT);
+    assert_eq!(second.status, StatusCode::CREATED);
+
+    let scrape = get(app.addr, "/metrics").await;
+
+    assert_eq!(scrape.status, StatusCode::OK, "{scrape:?}");
+    assert!(scrape
+        .header("content-type")
+        .is_some_and(|t| t.starts_with("text/plain")));
+    let text = String::from_utf8(scrape.body.to_vec()).expect("UTF-8");
+    let requests = |outcome: &str| {
+        let outcome = format!("outcome=\"{outcome}\"");
+        let labels = ["operation=\"create_order\"", outcome.as_str()];
+        sample(&text, "idempotency_requests_total", &labels)
+    };
+    assert_eq!(requests("executed"), Some(2.0), "{text}");
+    assert_eq!(requests("replayed"), Some(1.0), "{text}");
+    assert_eq!(requests("conflict"), Some(1.0), "{text}");
+    // A histogram with buckets (not a summary), one observation per write transaction opened.
+    let wait = "idempotency_lock_wait_seconds";
+    let all = ["operation=\"create_order\"", "le=\"+Inf\""];
+    assert_eq!(sample(&text, &format!("{wait}_bucket"), &all), Some(2.0), "{text}");
+    assert!(text.contains(&format!("{wait}_count{{operation=\"create_order\"}} 2")), "{text}");
+}
+
+#[tokio::test]
+async fn the_ietf_flag_answers_the_drafts_way() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let db = dir.path().join("orders.db");
+    let app = ExampleProcess::start("orders", &["--db", arg(&db), "--ietf"]).await;
+
+    let missing = Post::order("unused", BOOK).no_key().send(app.addr).await;
+    post(app.addr, Some(SHOP_A), Some("k1"), BOOK, &[]).await;
+    let reused = post(app.addr, Some(SHOP_A), Some("k1"), PEN, &[]).await;
+
+    assert_eq!(missing.status, StatusCode::BAD_REQUEST);
+    assert_eq!(
+        missing.header("content-type"),
+        Some("application/problem+json")
+    );
+    assert!(missing
+        .header("link")
+        .is_some_and(|l| l.contains("rel=\"describedby\"")));
+    assert_eq!(reused.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(reused.json()["title"], "Idempotency-Key is already used");
+}
