@@ -52,7 +52,6 @@ use tower_idempotency::fingerprint::Fingerprinter;
 use tower_idempotency::outbox::sqlite::SqliteOutbox;
 use tower_idempotency::outbox::{Enqueue, HttpSink, Relay};
 use tower_idempotency::store::sqlite::{SqliteStore, SqliteTransaction};
-use tower_idempotency::store::IdempotencyStore;
 use tower_idempotency::{IdempotencyLayer, Tenant};
 
 use cli::{ctrl_c, Flag, Flags};
@@ -72,6 +71,9 @@ mod order_table;
 /// `GET /metrics` in the Prometheus text format.
 #[path = "orders/metrics.rs"]
 mod metrics;
+/// `GET /openapi.json`, the API's OpenAPI document.
+#[path = "orders/openapi.rs"]
+mod openapi;
 /// The PostgreSQL variant of the app (`--database-url`).
 #[cfg(feature = "postgres")]
 #[path = "orders/postgres.rs"]
@@ -135,7 +137,7 @@ fn app(store: SqliteStore, ietf: bool) -> Router {
 
 /// The idempotency layer of `POST /orders` (on either database); with `ietf`, its own
 /// answers as the IETF draft shows them (`--ietf`).
-fn idempotency<S: IdempotencyStore>(store: S, ietf: bool) -> IdempotencyLayer<S> {
+fn idempotency<S>(store: S, ietf: bool) -> IdempotencyLayer<S> {
     let layer = IdempotencyLayer::new(store);
     let layer = if ietf { layer.with_ietf_draft() } else { layer };
     layer
@@ -275,17 +277,22 @@ async fn serve(
     order_table::spawn_purge(&store);
     let (listener, local) = cli::listen(addr).await?;
     println!("{}", order_table::banner(local, db));
-    serve_app(listener, app(store, ietf), webhook).await
+    serve_app(listener, app(store, ietf), webhook, ietf).await
 }
 
-/// Serves `app` and `GET /metrics` on `listener` until Ctrl-C. Says where the relay delivers
-/// (`--webhook`) after the first line, which scripts and tests read for the address.
+/// Serves `app`, `GET /metrics` and `GET /openapi.json` on `listener` until Ctrl-C. Says where
+/// the relay delivers (`--webhook`) after the first line, which scripts and tests read for the
+/// address.
 async fn serve_app(
     listener: TcpListener,
     app: Router,
     webhook: Option<&str>,
+    ietf: bool,
 ) -> Result<(), BoxError> {
-    let app = app.merge(metrics::routes(metrics::install()?));
+    let app = app
+        .merge(metrics::routes(metrics::install()?))
+        // Documented from a layer configured as the route's (its store plays no part).
+        .merge(openapi::routes(&idempotency((), ietf))?);
     if let Some(url) = webhook {
         println!("relaying outbox events to {url}");
     }

@@ -58,6 +58,17 @@ pub(crate) const MAX_RETENTION: Duration = Duration::from_secs(100 * 365 * 24 * 
 /// `lock_timeout` accepts (about 24.8 days).
 pub(crate) const MAX_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
 
+/// What the layer's error bodies are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ErrorFormat {
+    /// `{"error": code}` (the default).
+    Json,
+    /// RFC 9457 problem details.
+    Problem,
+    /// A responder of the application's own.
+    Custom,
+}
+
 /// The configuration shared by every clone of the layer and its services.
 #[derive(Clone)]
 pub(crate) struct Config {
@@ -83,6 +94,9 @@ pub(crate) struct Config {
     pub(crate) replayed_trailers: Vec<HeaderName>,
     pub(crate) error_responder: Arc<ResponderFn>,
     pub(crate) in_flight: InFlight,
+    /// What the error responder writes (for the OpenAPI description).
+    #[cfg_attr(not(feature = "utoipa"), allow(dead_code))]
+    pub(crate) error_format: ErrorFormat,
     /// The scopes this layer's requests are running (for the in-flight policy).
     pub(crate) running: Arc<Running>,
 }
@@ -198,6 +212,7 @@ impl<St> IdempotencyLayer<St> {
                 ],
                 error_responder: Arc::new(default_error_response),
                 in_flight: InFlight::Wait,
+                error_format: ErrorFormat::Json,
                 running: Arc::default(),
             }),
         }
@@ -228,6 +243,11 @@ impl<St> IdempotencyLayer<St> {
         self.with_problem_details(ProblemDetails::default())
             .with_conflict_status(StatusCode::UNPROCESSABLE_ENTITY)
             .with_in_flight(InFlight::Reject)
+    }
+
+    #[cfg(feature = "utoipa")]
+    pub(crate) fn config(&self) -> &Config {
+        &self.config
     }
 
     fn map_config(mut self, f: impl FnOnce(&mut Config)) -> Self {
@@ -439,7 +459,10 @@ impl<St> IdempotencyLayer<St> {
     where
         F: Fn(&Rejection, StatusCode) -> Response<Bytes> + Send + Sync + 'static,
     {
-        self.map_config(|c| c.error_responder = Arc::new(responder))
+        self.map_config(|c| {
+            c.error_responder = Arc::new(responder);
+            c.error_format = ErrorFormat::Custom;
+        })
     }
 
     /// Writes the layer's own answers as RFC 9457 problem details
@@ -449,6 +472,7 @@ impl<St> IdempotencyLayer<St> {
     /// Default: `{"error":"<code>"}` as `application/json`.
     pub fn with_problem_details(self, problems: ProblemDetails) -> Self {
         self.with_error_responder(move |rejection, status| problems.response(rejection, status))
+            .map_config(|c| c.error_format = ErrorFormat::Problem)
     }
 
     /// What a request gets while another with the same `(tenant, operation, key)` is still

@@ -91,6 +91,9 @@
 //! - `outbox`: [`outbox`], side effects that commit with the handler's rows: the handler
 //!   enqueues events in its transaction, a relay you spawn delivers them at least once, and the
 //!   receiver's inbox drops redeliveries.
+//! - `utoipa`: [`IdempotencyLayer::document`] adds the `Idempotency-Key` parameter, the
+//!   `Idempotent-Replayed` header and the layer's own answers to an operation of a utoipa
+//!   OpenAPI document.
 //! - `metrics`: requests by outcome, rollbacks, lock waits and the outbox's backlog and
 //!   deliveries through the `metrics` facade; the names are in [`metrics`].
 //!
@@ -121,6 +124,8 @@ mod in_flight;
 pub mod key;
 mod layer;
 pub mod metrics;
+#[cfg(feature = "utoipa")]
+mod openapi;
 #[cfg(feature = "outbox")]
 pub mod outbox;
 pub mod problem;

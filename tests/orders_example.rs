@@ -1,5 +1,5 @@
 //! The order example (`examples/orders.rs`) as a user runs it, a process on loopback: its
-//! `/metrics` after some traffic, and its `--ietf` answers.
+//! `/metrics` after some traffic, its `/openapi.json`, and its `--ietf` answers.
 
 mod common;
 #[path = "apps/process.rs"]
@@ -95,4 +95,59 @@ async fn the_ietf_flag_answers_the_drafts_way() {
         .is_some_and(|l| l.contains("rel=\"describedby\"")));
     assert_eq!(reused.status, StatusCode::UNPROCESSABLE_ENTITY);
     assert_eq!(reused.json()["title"], "Idempotency-Key is already used");
+
+    // The OpenAPI document follows the configuration: problem details, 422, 409 in flight.
+    let api = get(app.addr, "/openapi.json").await.json();
+    let responses = &api["paths"]["/orders"]["post"]["responses"];
+    let problem = |status: &str| &responses[status]["content"]["application/problem+json"];
+    assert_eq!(problem("422")["schema"]["properties"]["type"]["format"], "uri");
+    assert!(problem("409")["schema"].is_object(), "{responses}");
+    assert!(responses["409"]["headers"]["Retry-After"].is_object());
+    assert!(responses["422"]["headers"]["Link"].is_object());
+}
+
+#[tokio::test]
+async fn openapi_json_documents_what_the_layer_adds_to_post_orders() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let db = dir.path().join("orders.db");
+    let app = ExampleProcess::start("orders", &["--db", arg(&db)]).await;
+
+    let reply = get(app.addr, "/openapi.json").await;
+
+    assert_eq!(reply.status, StatusCode::OK, "{reply:?}");
+    let api = reply.json();
+    assert!(api["openapi"].as_str().is_some_and(|v| v.starts_with("3.")));
+    let create = &api["paths"]["/orders"]["post"];
+    let parameters = create["parameters"].as_array().expect("parameters");
+    let key = parameters
+        .iter()
+        .find(|p| p["name"] == "Idempotency-Key")
+        .expect("the key parameter");
+    assert_eq!(key["in"], "header");
+    assert_eq!(key["required"], true);
+    assert_eq!(key["schema"]["maxLength"], 128);
+    assert_eq!(key["schema"]["minLength"], 1);
+    let responses = &create["responses"];
+    // The handler's own responses stay, the 2xx gains the replay header.
+    assert!(responses["201"]["headers"]["Location"].is_object());
+    assert_eq!(
+        responses["201"]["headers"]["Idempotent-Replayed"]["schema"]["enum"],
+        serde_json::json!(["true"])
+    );
+    let own_400 = responses["400"]["description"].as_str().expect("400");
+    assert!(own_400.starts_with("The sku or the quantity is invalid"), "{own_400}");
+    assert!(own_400.contains("Idempotency-Key"), "the layer's causes added: {own_400}");
+    // The layer's answers, with the default `{"error": code}` bodies.
+    for status in ["401", "408", "409", "413", "500", "503"] {
+        let schema = &responses[status]["content"]["application/json"]["schema"];
+        assert_eq!(schema["required"], serde_json::json!(["error"]), "{status}");
+    }
+    assert!(responses["503"]["headers"]["Retry-After"].is_object());
+    // The default waits for a request in flight: no 409 for it.
+    let conflict = responses["409"]["description"].as_str().expect("409");
+    assert!(!conflict.contains("still being processed"), "{conflict}");
+    assert!(responses.get("422").is_none());
+    // GET is not wrapped: nothing added.
+    let get_order = &api["paths"]["/orders/{id}"]["get"];
+    assert!(get_order.get("parameters").is_none(), "{get_order}");
 }

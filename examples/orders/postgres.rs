@@ -61,7 +61,7 @@ pub(crate) async fn serve(
     let (listener, local) = crate::cli::listen(addr).await?;
     // The URL is not printed: it may carry a password.
     println!("listening on http://{local} (database PostgreSQL)");
-    serve_app(listener, app(store, ietf), webhook).await
+    serve_app(listener, app(store, ietf), webhook, ietf).await
 }
 
 fn app(store: PostgresStore, ietf: bool) -> Router {
