@@ -169,9 +169,9 @@ impl FingerprintError {
     }
 }
 
-// The canonical JSON in a `Vec`: `canonicalize_json`, the reference.
+// `canonicalize_json`: the canonical JSON in a `Vec`.
 mod canonical;
-// The same canonical JSON, hashed as it is produced: what the JSON fingerprints use.
+// The parser and writer of canonical JSON, into a `Vec` or hashed as it is produced.
 mod streaming;
 
 pub use canonical::canonicalize_json;

@@ -1,33 +1,28 @@
-//! Canonical JSON hashed as it is written, with no copy of the document.
+//! Canonical JSON written straight to where it goes, with no copy of the document: into a `Vec`
+//! for [`canonicalize_json`](super::canonicalize_json), into the hashers for a fingerprint.
 //!
-//! [`canonicalize_json`](super::canonicalize_json) builds the canonical form in a `Vec`, members
-//! included, then rewrites each object in sorted order when it closes; the fingerprint only needs
-//! its SHA-256, so [`hash_canonical_json`] writes the same bytes straight into the hashers. The
-//! digest covers the length of the canonical form before the form itself, so the document is read
-//! in two passes:
+//! A digest covers the length of the canonical form before the form itself, so the document is
+//! read in two passes:
 //!
-//! 1. **Measure**, in document order: every check of [`canonicalize_json`](super::canonicalize_json),
-//!    in the same order and with the same errors, counting the canonical length instead of
-//!    writing (a length does not depend on the order of members). This pass holds its stack of
-//!    open arrays and objects, and the key positions of the document's own object if it is one
-//!    (the second pass starts with them). Duplicate keys are not looked for here: when the
-//!    measure fails, it runs again with the duplicate check on (see below), so the error is the
-//!    one the `Vec` canonicalizer returns.
+//! 1. **Measure**, in document order: every check of the parser, counting the canonical length
+//!    instead of writing (a length does not depend on the order of members). This pass holds its
+//!    stack of open arrays and objects, and the key positions of the document's own object if it
+//!    is one (the second pass starts with them). Duplicate keys are not looked for here: when the
+//!    measure fails, it runs again with the duplicate check on (see below), so that the error is
+//!    the first fault in document order.
 //! 2. **Write**, in canonical order: an object's members are found by skipping over their values,
-//!    their key positions (a `u32` each, on one stack shared by all the open objects) are sorted
-//!    by key, then each member is written, its value canonicalized from its place in the input,
-//!    straight into the hashers (through a small buffer on the stack). Arrays are written as
-//!    they come. An object with the same key twice is found when its keys are sorted: since the
-//!    measure found no other fault, [`FingerprintError::DuplicateKey`] is then the error.
+//!    their key positions (one `usize` each, on one stack shared by all the open objects) are
+//!    sorted by key, then each member is written, its value canonicalized from its place in the
+//!    input, straight into the sink (for the hashers, through a small buffer on the stack).
+//!    Arrays are written as they come. An object with the same key twice is found when its keys
+//!    are sorted: since the measure found no other fault, [`FingerprintError::DuplicateKey`] is
+//!    then the error.
 //!
-//! The heap cost is the key stack: four bytes per member of the objects being written (an object
-//! and the objects around it), whatever the size of the values. The time is linear in the input
-//! times the nesting depth of *objects*, which `max_depth` bounds: a value is measured once,
+//! The heap cost is the key stack: one position per member of the objects being written (an
+//! object and the objects around it), whatever the size of the values. The time is linear in the
+//! input times the nesting depth of *objects*, which `max_depth` bounds: a value is measured once,
 //! skipped over once by each object around it but the document's own, then written once.
 //! Skipping looks for a few bytes only (quotes, brackets, backslashes), eight bytes at a time.
-//!
-//! Input positions are kept as `u32`: a body of 4 GiB or more goes through
-//! [`canonicalize_json`](super::canonicalize_json) instead.
 
 use sha2::{Digest, Sha256};
 
@@ -39,15 +34,12 @@ mod walker;
 
 /// Feeds `hashers` the canonical form of the JSON document `input` as one field of a
 /// fingerprint: its length (8 bytes, big-endian), then its bytes. Exactly what hashing the output
-/// of [`canonicalize_json`](super::canonicalize_json) that way gives, and the same errors.
+/// of [`canonical_bytes`] that way gives, and the same errors.
 pub(super) fn hash_canonical_json(
     input: &[u8],
     max_depth: usize,
     hashers: &mut [Sha256],
 ) -> Result<(), FingerprintError> {
-    if u32::try_from(input.len()).is_err() {
-        return hash_buffered(input, max_depth, hashers);
-    }
     let measured = measure(input, max_depth)?;
     for hasher in hashers.iter_mut() {
         hasher.update(measured.length.to_be_bytes());
@@ -62,32 +54,17 @@ pub(super) fn hash_canonical_json(
     Ok(())
 }
 
-/// What [`hash_canonical_json`] does with [`canonicalize_json`](super::canonicalize_json)'s bytes.
-fn hash_buffered(
-    input: &[u8],
-    max_depth: usize,
-    hashers: &mut [Sha256],
-) -> Result<(), FingerprintError> {
-    let canonical = super::canonicalize_json(input, max_depth)?;
-    for hasher in hashers.iter_mut() {
-        hasher.update((canonical.len() as u64).to_be_bytes());
-        hasher.update(&canonical);
-    }
-    Ok(())
-}
-
 /// What the first pass learns of a valid document.
 pub(super) struct Measured {
     /// The length of the canonical form.
     pub(super) length: u64,
     /// When the document is an object, the positions of its keys, in document order (so the
     /// second pass need not find them again).
-    pub(super) root_keys: Vec<u32>,
+    pub(super) root_keys: Vec<usize>,
 }
 
-/// Validates `input` exactly as [`canonicalize_json`](super::canonicalize_json) does (same checks,
-/// same order, same errors) and measures its canonical form. `input` is at most `u32::MAX` bytes
-/// long.
+/// Validates `input` (every check, the first fault in document order is the error) and measures
+/// its canonical form.
 pub(super) fn measure(input: &[u8], max_depth: usize) -> Result<Measured, FingerprintError> {
     let text = std::str::from_utf8(input).map_err(|_| FingerprintError::InvalidUtf8)?;
     let mut counter = Counter(0);
@@ -111,7 +88,7 @@ pub(super) fn measure(input: &[u8], max_depth: usize) -> Result<Measured, Finger
 pub(super) fn write_canonical(
     input: &[u8],
     max_depth: usize,
-    root_keys: Vec<u32>,
+    root_keys: Vec<usize>,
     out: &mut impl Sink,
 ) -> Result<(), FingerprintError> {
     let mut walker = Walker::new(input, max_depth, Order::Canonical);
@@ -119,13 +96,12 @@ pub(super) fn write_canonical(
     walker.run(out)
 }
 
-/// The canonical form through the two passes, as bytes (the length [`measure`] found checked).
-#[cfg(test)]
+/// The canonical form of `input`, as bytes: [`canonicalize_json`](super::canonicalize_json).
 pub(super) fn canonical_bytes(input: &[u8], max_depth: usize) -> Result<Vec<u8>, FingerprintError> {
     let measured = measure(input, max_depth)?;
-    let mut out = Vec::new();
+    let mut out = Vec::with_capacity(usize::try_from(measured.length).unwrap_or(input.len()));
     write_canonical(input, max_depth, measured.root_keys, &mut out)?;
-    assert_eq!(out.len() as u64, measured.length, "the measured length");
+    debug_assert_eq!(out.len() as u64, measured.length, "the measured length");
     Ok(out)
 }
 

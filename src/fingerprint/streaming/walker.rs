@@ -38,7 +38,7 @@ pub(super) struct Walker<'a> {
     stack: Vec<Frame>,
     /// Input positions of the keys (their opening `"`) of the open objects, innermost last. In
     /// canonical order, the document's own object's are there from the start (see [`measure`](super::measure)).
-    pub(super) keys: Vec<u32>,
+    pub(super) keys: Vec<usize>,
     max_depth: usize,
 }
 
@@ -54,8 +54,8 @@ impl<'a> Walker<'a> {
         }
     }
 
-    /// The structure of `Canonicalizer::run`, with the members of objects taken in the walk's
-    /// order.
+    /// Parses the one value of the document (and the whitespace around it), writing it to `out`
+    /// with the members of objects taken in the walk's order.
     pub(super) fn run(&mut self, out: &mut impl Sink) -> Result<(), FingerprintError> {
         self.skip_whitespace();
         'value: loop {
@@ -89,7 +89,7 @@ impl<'a> Walker<'a> {
                         let (first, current, end) = (*first, *current, *end);
                         if let Some(&key) = self.keys.get(current) {
                             out.byte(b',');
-                            self.pos = key as usize;
+                            self.pos = key;
                             self.member(out)?;
                             continue 'value;
                         }
@@ -232,8 +232,7 @@ impl<'a> Walker<'a> {
             Order::Canonical => false,
         };
         if kept {
-            // Positions fit in a u32: longer inputs never get here (`hash_canonical_json`).
-            self.keys.push(self.pos as u32);
+            self.keys.push(self.pos);
         }
         self.string(out)?;
         self.skip_whitespace();
@@ -248,9 +247,7 @@ impl<'a> Walker<'a> {
 
     /// The input position of the key at `index` on the key stack.
     fn key(&self, index: usize) -> usize {
-        self.keys
-            .get(index)
-            .map_or(self.bytes.len(), |&key| key as usize)
+        self.keys.get(index).map_or(self.bytes.len(), |&key| key)
     }
 
     /// From the first key of an object (already validated), pushes the position of each key on
@@ -260,8 +257,7 @@ impl<'a> Walker<'a> {
             if self.peek() != Some(b'"') {
                 return Err(self.error("expected a string as object key"));
             }
-            // Positions fit in a u32: longer inputs never get here (`hash_canonical_json`).
-            self.keys.push(self.pos as u32);
+            self.keys.push(self.pos);
             self.skip_string()?;
             self.skip_whitespace();
             if self.peek() != Some(b':') {
@@ -289,9 +285,9 @@ impl<'a> Walker<'a> {
             return Ok(());
         };
         let bytes = self.bytes;
-        keys.sort_unstable_by(|&a, &b| compare_keys(bytes, a as usize, b as usize));
-        let equal = |pair: &[u32]| match *pair {
-            [a, b] => compare_keys(bytes, a as usize, b as usize).is_eq(),
+        keys.sort_unstable_by(|&a, &b| compare_keys(bytes, a, b));
+        let equal = |pair: &[usize]| match *pair {
+            [a, b] => compare_keys(bytes, a, b).is_eq(),
             _ => false,
         };
         if keys.windows(2).any(equal) {
