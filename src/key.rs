@@ -31,6 +31,8 @@ use sha2::{Digest, Sha256};
 /// The default maximum length of a key, in bytes after unquoting.
 pub const DEFAULT_MAX_KEY_LEN: usize = 128;
 
+pub use crate::key_source::KeyExtractor;
+
 /// A validated idempotency key.
 ///
 /// `Debug` never prints the key itself (it is a capability to replay a response):

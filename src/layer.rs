@@ -14,7 +14,7 @@ use crate::error::{default_error_response, Rejection};
 use crate::fingerprint::Fingerprinter;
 use crate::in_flight::{InFlight, Running};
 use crate::problem::ProblemDetails;
-use crate::key::DEFAULT_MAX_KEY_LEN;
+use crate::key::{KeyExtractor, DEFAULT_MAX_KEY_LEN};
 use crate::response::is_never_replayed;
 use crate::service::Idempotency;
 
@@ -74,6 +74,7 @@ pub(crate) enum ErrorFormat {
 pub(crate) struct Config {
     pub(crate) operation: Option<Arc<str>>,
     pub(crate) key_required: bool,
+    pub(crate) key_extractor: KeyExtractor,
     pub(crate) max_key_len: usize,
     pub(crate) methods: Vec<Method>,
     pub(crate) filter: Option<Arc<FilterFn>>,
@@ -188,6 +189,7 @@ impl<St> IdempotencyLayer<St> {
             config: Arc::new(Config {
                 operation: None,
                 key_required: true,
+                key_extractor: KeyExtractor::default(),
                 max_key_len: DEFAULT_MAX_KEY_LEN,
                 methods: vec![Method::POST, Method::PATCH],
                 filter: None,
@@ -271,7 +273,28 @@ impl<St> IdempotencyLayer<St> {
         self.map_config(|c| c.key_required = required)
     }
 
-    /// The longest key accepted, in bytes. Default: 128.
+    /// Where the key is: another header, a member of the JSON body, or a function of your own
+    /// (see [`KeyExtractor`]). Default: the `Idempotency-Key` header.
+    ///
+    /// ```
+    /// # fn example(layer: tower_idempotency::IdempotencyLayer<()>) {
+    /// use tower_idempotency::key::KeyExtractor;
+    ///
+    /// // A webhook receiver: the sender's event id is the key.
+    /// let layer = layer.with_key_extractor(KeyExtractor::json_pointer("/id"));
+    /// # }
+    /// ```
+    pub fn with_key_extractor(self, extractor: KeyExtractor) -> Self {
+        self.map_config(|c| c.key_extractor = extractor)
+    }
+
+    /// The longest key accepted, in bytes. Default: 128; Stripe and most peers accept 255.
+    ///
+    /// ```
+    /// # fn example(layer: tower_idempotency::IdempotencyLayer<()>) {
+    /// let layer = layer.with_max_key_len(255);
+    /// # }
+    /// ```
     pub fn with_max_key_len(self, max: usize) -> Self {
         self.map_config(|c| c.max_key_len = max.max(1))
     }

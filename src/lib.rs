@@ -122,6 +122,7 @@ pub mod extract;
 pub mod fingerprint;
 mod in_flight;
 pub mod key;
+mod key_source;
 mod layer;
 pub mod metrics;
 #[cfg(feature = "utoipa")]

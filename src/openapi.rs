@@ -47,12 +47,15 @@ impl<St> IdempotencyLayer<St> {
     #[cfg_attr(docsrs, doc(cfg(feature = "utoipa")))]
     pub fn document(&self, operation: &mut Operation) {
         let config = self.config();
-        let parameters = operation.parameters.get_or_insert_with(Vec::new);
-        parameters.retain(|p| {
-            !(p.parameter_in == ParameterIn::Header
-                && p.name.eq_ignore_ascii_case(IDEMPOTENCY_KEY.as_str()))
-        });
-        parameters.push(key_parameter(config));
+        // A key taken from the body is the body's business: documented with it.
+        if let Some(name) = config.key_extractor.header_name() {
+            let parameters = operation.parameters.get_or_insert_with(Vec::new);
+            parameters.retain(|p| {
+                !(p.parameter_in == ParameterIn::Header
+                    && p.name.eq_ignore_ascii_case(name.as_str()))
+            });
+            parameters.push(key_parameter(config, name));
+        }
 
         for (status, response) in operation.responses.responses.iter_mut() {
             if let (true, RefOr::T(response)) = (status.starts_with('2'), response) {
@@ -153,8 +156,14 @@ fn string() -> ObjectBuilder {
     ObjectBuilder::new().schema_type(Type::String)
 }
 
-fn key_parameter(config: &Config) -> Parameter {
-    let mut parameter = Parameter::new("Idempotency-Key");
+fn key_parameter(config: &Config, name: &http::HeaderName) -> Parameter {
+    // The canonical spelling for the default header, the configured name otherwise.
+    let name = if *name == IDEMPOTENCY_KEY {
+        "Idempotency-Key"
+    } else {
+        name.as_str()
+    };
+    let mut parameter = Parameter::new(name);
     parameter.parameter_in = ParameterIn::Header;
     parameter.required = if config.key_required {
         Required::True

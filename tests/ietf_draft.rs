@@ -1,7 +1,9 @@
 //! What the IETF draft (`draft-ietf-httpapi-idempotency-key-header`) and the users of other
 //! idempotency libraries ask for, over real HTTP on both stores (`ietf_draft::sqlite::...`,
 //! `ietf_draft::postgres::...`): the draft's statuses and RFC 9457 problem details in one
-//! switch, and keys of 255 characters (Stripe's longest) end to end. The in-flight policies are in `tests/concurrency.rs`.
+//! switch, keys of 255 characters (Stripe's longest) end to end, the key from another header or
+//! from the body, and fingerprints over chosen JSON members. The in-flight policies are in
+//! `tests/concurrency.rs`.
 
 #[macro_use]
 mod backend;
@@ -11,6 +13,8 @@ mod pg_common;
 use backend::Backend;
 use common::{post, Post, Reply, SHOP_A};
 use http::StatusCode;
+use tower_idempotency::fingerprint::Fingerprinter;
+use tower_idempotency::key::KeyExtractor;
 use tower_idempotency::problem::{ProblemDetails, DEFAULT_DOCUMENTATION, PROBLEM_JSON};
 
 const BOOK: &str = r#"{"sku":"book","quantity":1}"#;
@@ -153,6 +157,100 @@ async fn the_default_stays_128_characters<B: Backend>(db: B) {
     assert_eq!(too_long.error_code(), "idempotency_key_too_long");
 }
 
+async fn the_key_from_another_header<B: Backend>(db: B) {
+    let delivery = http::HeaderName::from_static("x-github-delivery");
+    let server = db
+        .server()
+        .layer(move |layer| layer.with_key_extractor(KeyExtractor::header(delivery.clone())))
+        .spawn()
+        .await;
+    let send = |delivery: Option<&str>| {
+        let mut request = Post::order("unused", BOOK).no_key();
+        if let Some(delivery) = delivery {
+            request = request.header("x-github-delivery", delivery);
+        }
+        async move { request.send(server.addr).await }
+    };
+
+    let first = send(Some("72d3162e-cc78")).await;
+    let redelivery = send(Some("72d3162e-cc78")).await;
+    let missing = send(None).await;
+    // `Idempotency-Key` is not the key any more.
+    let other_header = Post::order("72d3162e-cc78", BOOK).send(server.addr).await;
+
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    assert!(redelivery.replayed(), "{redelivery:?}");
+    assert_eq!(redelivery.body, first.body);
+    assert_eq!(missing.status, StatusCode::BAD_REQUEST);
+    assert_eq!(missing.error_code(), "missing_idempotency_key");
+    assert_eq!(other_header.status, StatusCode::BAD_REQUEST);
+    assert!(db.record_exists("shop-a", "create_order", "72d3162e-cc78").await);
+    assert_eq!(db.counts().await, (1, 1));
+}
+
+async fn the_key_from_the_json_body<B: Backend>(db: B) {
+    let server = db
+        .server()
+        .layer(|layer| layer.with_key_extractor(KeyExtractor::json_pointer("/event/id")))
+        .spawn()
+        .await;
+    let event = |id: &str, sku: &str| {
+        format!(r#"{{"event":{{"id":"{id}"}},"sku":"{sku}","quantity":1}}"#)
+    };
+    let send = |body: String| async move { Post::order("x", &body).no_key().send(server.addr).await };
+
+    let first = send(event("evt_1", "book")).await;
+    let redelivery = send(event("evt_1", "book")).await;
+    let reused = send(event("evt_1", "pen")).await;
+    let second = send(event("evt_2", "book")).await;
+    let without = send(BOOK.to_owned()).await;
+    let not_a_key = send(r#"{"event":{"id":["evt_3"]},"sku":"book","quantity":1}"#.to_owned()).await;
+
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    assert!(redelivery.replayed(), "{redelivery:?}");
+    assert_eq!(reused.status, StatusCode::CONFLICT);
+    assert_eq!(second.status, StatusCode::CREATED);
+    assert_eq!(without.status, StatusCode::BAD_REQUEST);
+    assert_eq!(without.error_code(), "missing_idempotency_key");
+    assert_eq!(not_a_key.status, StatusCode::BAD_REQUEST);
+    assert_eq!(not_a_key.error_code(), "invalid_idempotency_key");
+    assert!(db.record_exists("shop-a", "create_order", "evt_1").await);
+    assert_eq!(server.app.handler_calls(), 2);
+    assert_eq!(db.counts().await, (2, 2), "nothing of the refusals was stored");
+}
+
+async fn a_fingerprint_over_chosen_members_ignores_the_others<B: Backend>(db: B) {
+    let server = db
+        .server()
+        .layer_per_operation(|layer, operation| match operation {
+            // `/orders`: every member but the client's timestamp.
+            "create_order" => layer.with_fingerprinter(Fingerprinter::json_except(["/sent_at"])),
+            // `/express-orders`: only the business members.
+            _ => layer.with_fingerprinter(Fingerprinter::json_only(["/sku", "/quantity"])),
+        })
+        .spawn()
+        .await;
+    let order = |sku: &str, extra: &str| format!(r#"{{"sku":"{sku}","quantity":1,{extra}}}"#);
+    let send = |path: &'static str, key: &'static str, body: String| async move {
+        Post::order(key, &body).path(path).send(server.addr).await
+    };
+
+    let first = send("/orders", "a", order("book", r#""sent_at":"10:00""#)).await;
+    let later = send("/orders", "a", order("book", r#""sent_at":"10:05""#)).await;
+    let noted = send("/orders", "a", order("book", r#""sent_at":"10:05","note":"x""#)).await;
+    let express = send("/express-orders", "b", order("book", r#""note":"x""#)).await;
+    let express_retry = send("/express-orders", "b", order("book", r#""note":"y""#)).await;
+    let express_other = send("/express-orders", "b", order("pen", r#""note":"x""#)).await;
+
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    assert!(later.replayed(), "the timestamp does not count: {later:?}");
+    assert_eq!(noted.status, StatusCode::CONFLICT, "any other member does");
+    assert_eq!(express.status, StatusCode::CREATED, "{express:?}");
+    assert!(express_retry.replayed(), "only sku and quantity count");
+    assert_eq!(express_other.status, StatusCode::CONFLICT);
+    assert_eq!(db.counts().await, (2, 2));
+}
+
 macro_rules! ietf_tests {
     ($backend:ident) => {
         backend_tests!($backend;
@@ -161,6 +259,9 @@ macro_rules! ietf_tests {
             the_default_stays_the_json_error_body,
             keys_of_255_characters_are_stored_and_replayed_with_max_key_len_255,
             the_default_stays_128_characters,
+            the_key_from_another_header,
+            the_key_from_the_json_body,
+            a_fingerprint_over_chosen_members_ignores_the_others,
         );
     };
 }

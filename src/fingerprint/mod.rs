@@ -173,6 +173,8 @@ impl FingerprintError {
 mod canonical;
 // The parser and writer of canonical JSON, into a `Vec` or hashed as it is produced.
 mod streaming;
+// Canonical JSON over chosen members only (`json_only`, `json_except`).
+mod select;
 
 pub use canonical::canonicalize_json;
 
@@ -282,6 +284,7 @@ enum Scheme {
     Json,
     Raw,
     Custom { version: u16, f: Arc<CustomFn> },
+    Select(Arc<select::Selection>),
 }
 
 /// How a route turns a request into a [`Fingerprint`]. Cheap to clone.
@@ -345,6 +348,56 @@ impl Fingerprinter {
         })
     }
 
+    /// Canonical JSON over the members these JSON pointers name (RFC 6901: `/sku`,
+    /// `/shipping/address`; `sku` is `/sku`), whatever the `Content-Type`; the other members do
+    /// not count. A pointer to a missing member selects nothing. Pointers go through objects
+    /// only (an array is chosen or left out whole).
+    ///
+    /// The whole body must still be valid JSON (the same checks as [`json`](Self::json)). The
+    /// digest covers the choice of pointers: changing them changes every fingerprint of the
+    /// route (records saved before then answer as a reused key until they expire).
+    ///
+    /// ```
+    /// use tower_idempotency::fingerprint::Fingerprinter;
+    ///
+    /// let business = Fingerprinter::json_only(["/sku", "/quantity"]);
+    /// let (parts, ()) = http::Request::post("/orders").body(()).unwrap().into_parts();
+    /// let first = business.fingerprint(&parts, br#"{"sku":"book","quantity":1,"note":"a"}"#)?;
+    /// let retry = business.fingerprint(&parts, br#"{"quantity":1,"sku":"book","note":"b"}"#)?;
+    /// assert!(first.matches(&retry));
+    /// # Ok::<(), tower_idempotency::fingerprint::FingerprintError>(())
+    /// ```
+    pub fn json_only<I, S>(pointers: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<str>,
+    {
+        Self::with_scheme(Scheme::Select(Arc::new(select::Selection::new(true, pointers))))
+    }
+
+    /// Canonical JSON over every member but those these JSON pointers name (a rotating
+    /// credential, a client timestamp); otherwise as [`json_only`](Self::json_only).
+    ///
+    /// ```
+    /// use tower_idempotency::fingerprint::Fingerprinter;
+    ///
+    /// let fingerprinter = Fingerprinter::json_except(["/sent_at", "/auth/token"]);
+    /// let (parts, ()) = http::Request::post("/events").body(()).unwrap().into_parts();
+    /// let first = fingerprinter.fingerprint(&parts, br#"{"id":1,"sent_at":"10:00"}"#)?;
+    /// let retry = fingerprinter.fingerprint(&parts, br#"{"id":1,"sent_at":"10:05"}"#)?;
+    /// let other = fingerprinter.fingerprint(&parts, br#"{"id":2,"sent_at":"10:00"}"#)?;
+    /// assert!(first.matches(&retry));
+    /// assert!(!first.matches(&other));
+    /// # Ok::<(), tower_idempotency::fingerprint::FingerprintError>(())
+    /// ```
+    pub fn json_except<I, S>(pointers: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<str>,
+    {
+        Self::with_scheme(Scheme::Select(Arc::new(select::Selection::new(false, pointers))))
+    }
+
     /// Maximum JSON nesting depth (default [`DEFAULT_MAX_JSON_DEPTH`]). Has no effect on raw and
     /// custom schemes.
     ///
@@ -379,6 +432,15 @@ impl Fingerprinter {
             Scheme::Auto if is_json_content_type(&parts.headers) => ("json", true),
             Scheme::Json => ("json", true),
             Scheme::Auto | Scheme::Raw => ("raw", false),
+            Scheme::Select(selection) => {
+                let canonical = selection.canonical(body, self.max_depth)?;
+                let query = canonical_query(parts.uri.query());
+                let version = CANONICALIZATION_VERSION;
+                let mut hasher = fields(Sha256::new(), selection.tag(), version, parts, Some(&query));
+                field(&mut hasher, selection.spec());
+                field(&mut hasher, &canonical);
+                return Ok(Fingerprint::new(version, hasher.finalize().into()));
+            }
             Scheme::Custom { version, f } => {
                 let canonical = f(parts, body)?;
                 let mut hasher = fields(Sha256::new(), "custom", *version, parts, None);
@@ -516,6 +578,9 @@ impl fmt::Debug for Fingerprinter {
             Scheme::Custom { version, .. } => {
                 debug.field("scheme", &"custom").field("version", version)
             }
+            Scheme::Select(selection) => debug
+                .field("scheme", &selection.tag())
+                .field("pointers", &String::from_utf8_lossy(selection.spec())),
         };
         debug.field("max_depth", &self.max_depth).finish()
     }

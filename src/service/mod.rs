@@ -21,7 +21,6 @@ use tracing::Instrument;
 
 use crate::body::{BoxError, RequestBody, ResponseBody};
 use crate::error::{Error, Rejection};
-use crate::key::IdempotencyKey;
 use crate::layer::{Config, IdempotencyLayer};
 use crate::metrics::{self, Outcome, RollbackReason};
 use crate::response::{select_headers, SavedResponse};
@@ -209,14 +208,16 @@ where
         if !handled {
             return self.pass_through(request).await;
         }
-        let key_headers = request.headers().get_all(IDEMPOTENCY_KEY).iter().count();
-        if key_headers == 0 && !self.config.key_required {
+        // A key in a header is known before the body; one in the body only after it.
+        let key_headers = (self.config.key_extractor.header_name())
+            .map(|name| request.headers().get_all(name).iter().count());
+        if key_headers == Some(0) && !self.config.key_required {
             return self.pass_through(request).await;
         }
         let wire = Wire::of(request.version(), request.headers());
         // `check` consumes the request; a rejection's metric label still needs its path.
         let uri = request.uri().clone();
-        let checked = match check(&self.config, request, key_headers > 0, key_headers > 1).await {
+        let checked = match check(&self.config, request, key_headers).await {
             Ok(checked) => checked,
             Err(rejection) => {
                 let operation = self.config.operation.as_deref().unwrap_or(uri.path());
@@ -464,8 +465,7 @@ where
 async fn check<ReqB>(
     config: &Config,
     request: Request<ReqB>,
-    has_key: bool,
-    repeated_key: bool,
+    key_headers: Option<usize>,
 ) -> Result<Checked, Rejection>
 where
     ReqB: Body<Data = Bytes> + Send + 'static,
@@ -473,21 +473,17 @@ where
 {
     let (parts, body) = request.into_parts();
     let tenant = (config.tenant)(&parts).ok_or(Rejection::MissingTenant)?;
-    if !has_key {
-        return Err(Rejection::MissingKey);
-    }
-    if repeated_key {
-        return Err(Rejection::DuplicateKeyHeader);
-    }
-    let key = parts
-        .headers
-        .get(IDEMPOTENCY_KEY)
-        .ok_or(Rejection::MissingKey)
-        .and_then(|value| {
-            IdempotencyKey::parse(value.as_bytes(), config.max_key_len)
-                .map_err(Rejection::InvalidKey)
-        })?;
+    let key = match key_headers {
+        Some(0) => return Err(Rejection::MissingKey),
+        Some(1) => Some(config.key_extractor.extract(&parts, &[], config.max_key_len)?),
+        Some(_) => return Err(Rejection::DuplicateKeyHeader),
+        None => None,
+    };
     let body = read_body(body, &parts.headers, config).await?;
+    let key = match key {
+        Some(key) => key,
+        None => (config.key_extractor).extract(&parts, &body, config.max_key_len)?,
+    };
     let fingerprint = config
         .fingerprinter
         .fingerprint(&parts, &body)
