@@ -65,15 +65,15 @@ mod cli;
 mod lab;
 #[path = "common/lab_http.rs"]
 mod lab_http;
-/// The `orders` table and the rules of a valid order, shared with the other order examples.
-#[path = "common/order_table.rs"]
-mod order_table;
 /// `GET /metrics` in the Prometheus text format.
 #[path = "orders/metrics.rs"]
 mod metrics;
 /// `GET /openapi.json`, the API's OpenAPI document.
 #[path = "orders/openapi.rs"]
 mod openapi;
+/// The `orders` table and the rules of a valid order, shared with the other order examples.
+#[path = "common/order_table.rs"]
+mod order_table;
 /// The PostgreSQL variant of the app (`--database-url`).
 #[cfg(feature = "postgres")]
 #[path = "orders/postgres.rs"]
@@ -261,12 +261,7 @@ impl IntoResponse for ApiError {
 // Serving
 // ---------------------------------------------------------------------------------------------
 
-async fn serve(
-    addr: &str,
-    db: &FsPath,
-    webhook: Option<&str>,
-    ietf: bool,
-) -> Result<(), BoxError> {
+async fn serve(addr: &str, db: &FsPath, webhook: Option<&str>, ietf: bool) -> Result<(), BoxError> {
     let store = open_store(db).await?;
     if let Some(url) = webhook {
         let relay = Relay::new(SqliteOutbox::existing(&store), webhook_sink(url)?);

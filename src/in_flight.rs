@@ -80,7 +80,9 @@ impl Running {
     /// Whether `scope` is still held by the holder whose end notifies `done`.
     fn held_by(&self, scope: &Scope, done: &Arc<Notify>) -> bool {
         let scopes = self.scopes.lock().unwrap_or_else(|e| e.into_inner());
-        scopes.get(scope).is_some_and(|held| Arc::ptr_eq(held, done))
+        scopes
+            .get(scope)
+            .is_some_and(|held| Arc::ptr_eq(held, done))
     }
 
     /// Applies `policy` to a request for `scope`: `Ok(Some(claim))` to go on holding the

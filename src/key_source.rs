@@ -145,7 +145,10 @@ mod tests {
         assert_eq!(key(r#"{"data":{"id":"evt_1"}}"#).unwrap().as_str(), "evt_1");
         assert_eq!(key(r#"{"data":{"id":42}}"#).unwrap().as_str(), "42");
         assert!(matches!(key(r#"{"data":{}}"#), Err(Rejection::MissingKey)));
-        assert!(matches!(key(r#"{"data":{"id":null}}"#), Err(Rejection::MissingKey)));
+        assert!(matches!(
+            key(r#"{"data":{"id":null}}"#),
+            Err(Rejection::MissingKey)
+        ));
         assert!(matches!(
             key(r#"{"data":{"id":[1]}}"#),
             Err(Rejection::InvalidKey(KeyError::Malformed))

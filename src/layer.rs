@@ -13,8 +13,8 @@ use tower_layer::Layer;
 use crate::error::{default_error_response, Rejection};
 use crate::fingerprint::Fingerprinter;
 use crate::in_flight::{InFlight, Running};
-use crate::problem::ProblemDetails;
 use crate::key::{KeyExtractor, DEFAULT_MAX_KEY_LEN};
+use crate::problem::ProblemDetails;
 use crate::response::is_never_replayed;
 use crate::service::Idempotency;
 

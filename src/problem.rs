@@ -82,7 +82,10 @@ impl ProblemDetails {
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
         headers.insert(header::CONTENT_LANGUAGE, HeaderValue::from_static("en"));
         if is_about_the_key(rejection) {
-            let link = format!("<{}>; rel=\"describedby\"; type=\"text/html\"", self.documentation);
+            let link = format!(
+                "<{}>; rel=\"describedby\"; type=\"text/html\"",
+                self.documentation
+            );
             // A documentation URI that is not a valid header value only loses its `Link`.
             if let Ok(link) = HeaderValue::try_from(link) {
                 headers.insert(header::LINK, link);

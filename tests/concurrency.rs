@@ -410,7 +410,11 @@ async fn in_flight_reject_answers_duplicates_409_with_retry_after_at_once<B: Bac
     assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
     assert!(retry.replayed());
     assert_eq!(retry.body, first.body);
-    assert_eq!(server.app.handler_calls(), 1, "only the first ran the handler");
+    assert_eq!(
+        server.app.handler_calls(),
+        1,
+        "only the first ran the handler"
+    );
     assert_eq!(db.counts().await, (1, 1));
 }
 
@@ -426,10 +430,7 @@ async fn in_flight_wait_up_to_a_bound_replays_when_the_first_ends_in_time<B: Bac
         tokio::spawn(async move { send_all_at_once(same_request(addr, key, DUPLICATES)).await })
     };
     assert!(
-        server
-            .app
-            .wait_for_arrivals(1 + DUPLICATES, PATIENCE)
-            .await,
+        server.app.wait_for_arrivals(1 + DUPLICATES, PATIENCE).await,
         "the duplicates reached the layer while the first held its transaction"
     );
     holder.release();

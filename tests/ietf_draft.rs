@@ -25,7 +25,11 @@ const DOCS: &str = "https://developer.example.com/idempotency";
 /// under `docs`; returns the body.
 fn problem(reply: &Reply, status: StatusCode, docs: &str, code: &str) -> serde_json::Value {
     assert_eq!(reply.status, status, "{reply:?}");
-    assert_eq!(reply.header("content-type"), Some(PROBLEM_JSON), "{reply:?}");
+    assert_eq!(
+        reply.header("content-type"),
+        Some(PROBLEM_JSON),
+        "{reply:?}"
+    );
     let body = reply.json();
     assert_eq!(body["status"], status.as_u16(), "{body}");
     assert_eq!(body["type"], format!("{docs}#{code}"), "{body}");
@@ -49,7 +53,12 @@ async fn ietf_draft_answers_with_its_statuses_and_problem_details<B: Backend>(db
     let docs = DEFAULT_DOCUMENTATION;
 
     let missing = Post::order("unused", BOOK).no_key().send(addr).await;
-    let body = problem(&missing, StatusCode::BAD_REQUEST, docs, "missing_idempotency_key");
+    let body = problem(
+        &missing,
+        StatusCode::BAD_REQUEST,
+        docs,
+        "missing_idempotency_key",
+    );
     assert_eq!(body["title"], "Idempotency-Key is missing");
     assert_eq!(missing.header("link"), Some(described_by(docs).as_str()));
 
@@ -66,9 +75,19 @@ async fn ietf_draft_answers_with_its_statuses_and_problem_details<B: Backend>(db
     assert_eq!(reused.header("link"), Some(described_by(docs).as_str()));
 
     let malformed = Post::order("bad key", BOOK).send(addr).await;
-    problem(&malformed, StatusCode::BAD_REQUEST, docs, "invalid_idempotency_key");
+    problem(
+        &malformed,
+        StatusCode::BAD_REQUEST,
+        docs,
+        "invalid_idempotency_key",
+    );
     let large = Post::order("order-2", &"x".repeat(2048)).send(addr).await;
-    problem(&large, StatusCode::PAYLOAD_TOO_LARGE, docs, "payload_too_large");
+    problem(
+        &large,
+        StatusCode::PAYLOAD_TOO_LARGE,
+        docs,
+        "payload_too_large",
+    );
     assert_eq!(large.header("link"), None, "not an answer about the key");
     let anonymous = post(addr, None, Some("order-3"), BOOK, &[]).await;
     // The test app's own authentication answers before the layer.
@@ -79,7 +98,11 @@ async fn ietf_draft_answers_with_its_statuses_and_problem_details<B: Backend>(db
     assert!(replay.replayed());
     assert_eq!(replay.body, first.body);
     assert_eq!(server.app.handler_calls(), 1);
-    assert_eq!(db.counts().await, (1, 1), "nothing of the refusals was stored");
+    assert_eq!(
+        db.counts().await,
+        (1, 1),
+        "nothing of the refusals was stored"
+    );
 }
 
 async fn problem_details_with_own_documentation_keep_the_configured_statuses<B: Backend>(db: B) {
@@ -139,7 +162,11 @@ async fn keys_of_255_characters_are_stored_and_replayed_with_max_key_len_255<B: 
     assert!(db.record_exists("shop-a", "create_order", &key).await);
     assert!(replay.replayed(), "{replay:?}");
     assert_eq!(replay.body, first.body);
-    assert_eq!(reused.status, StatusCode::CONFLICT, "the whole key is compared");
+    assert_eq!(
+        reused.status,
+        StatusCode::CONFLICT,
+        "the whole key is compared"
+    );
     assert_eq!(too_long.status, StatusCode::BAD_REQUEST);
     assert_eq!(too_long.error_code(), "idempotency_key_too_long");
     assert_eq!(server.app.handler_calls(), 1);
@@ -184,7 +211,10 @@ async fn the_key_from_another_header<B: Backend>(db: B) {
     assert_eq!(missing.status, StatusCode::BAD_REQUEST);
     assert_eq!(missing.error_code(), "missing_idempotency_key");
     assert_eq!(other_header.status, StatusCode::BAD_REQUEST);
-    assert!(db.record_exists("shop-a", "create_order", "72d3162e-cc78").await);
+    assert!(
+        db.record_exists("shop-a", "create_order", "72d3162e-cc78")
+            .await
+    );
     assert_eq!(db.counts().await, (1, 1));
 }
 
@@ -194,17 +224,18 @@ async fn the_key_from_the_json_body<B: Backend>(db: B) {
         .layer(|layer| layer.with_key_extractor(KeyExtractor::json_pointer("/event/id")))
         .spawn()
         .await;
-    let event = |id: &str, sku: &str| {
-        format!(r#"{{"event":{{"id":"{id}"}},"sku":"{sku}","quantity":1}}"#)
-    };
-    let send = |body: String| async move { Post::order("x", &body).no_key().send(server.addr).await };
+    let event =
+        |id: &str, sku: &str| format!(r#"{{"event":{{"id":"{id}"}},"sku":"{sku}","quantity":1}}"#);
+    let send =
+        |body: String| async move { Post::order("x", &body).no_key().send(server.addr).await };
 
     let first = send(event("evt_1", "book")).await;
     let redelivery = send(event("evt_1", "book")).await;
     let reused = send(event("evt_1", "pen")).await;
     let second = send(event("evt_2", "book")).await;
     let without = send(BOOK.to_owned()).await;
-    let not_a_key = send(r#"{"event":{"id":["evt_3"]},"sku":"book","quantity":1}"#.to_owned()).await;
+    let not_a_key =
+        send(r#"{"event":{"id":["evt_3"]},"sku":"book","quantity":1}"#.to_owned()).await;
 
     assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
     assert!(redelivery.replayed(), "{redelivery:?}");
@@ -216,7 +247,11 @@ async fn the_key_from_the_json_body<B: Backend>(db: B) {
     assert_eq!(not_a_key.error_code(), "invalid_idempotency_key");
     assert!(db.record_exists("shop-a", "create_order", "evt_1").await);
     assert_eq!(server.app.handler_calls(), 2);
-    assert_eq!(db.counts().await, (2, 2), "nothing of the refusals was stored");
+    assert_eq!(
+        db.counts().await,
+        (2, 2),
+        "nothing of the refusals was stored"
+    );
 }
 
 async fn a_fingerprint_over_chosen_members_ignores_the_others<B: Backend>(db: B) {
@@ -237,7 +272,12 @@ async fn a_fingerprint_over_chosen_members_ignores_the_others<B: Backend>(db: B)
 
     let first = send("/orders", "a", order("book", r#""sent_at":"10:00""#)).await;
     let later = send("/orders", "a", order("book", r#""sent_at":"10:05""#)).await;
-    let noted = send("/orders", "a", order("book", r#""sent_at":"10:05","note":"x""#)).await;
+    let noted = send(
+        "/orders",
+        "a",
+        order("book", r#""sent_at":"10:05","note":"x""#),
+    )
+    .await;
     let express = send("/express-orders", "b", order("book", r#""note":"x""#)).await;
     let express_retry = send("/express-orders", "b", order("book", r#""note":"y""#)).await;
     let express_other = send("/express-orders", "b", order("pen", r#""note":"x""#)).await;

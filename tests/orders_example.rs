@@ -19,8 +19,7 @@ const PEN: &str = r#"{"sku":"pen","quantity":1}"#;
 
 /// `GET path` with a fresh client, as `curl` would.
 async fn get(addr: SocketAddr, path: &str) -> Reply {
-    let client: Client<_, Empty<bytes::Bytes>> =
-        Client::builder(TokioExecutor::new()).build_http();
+    let client: Client<_, Empty<bytes::Bytes>> = Client::builder(TokioExecutor::new()).build_http();
     let uri = format!("http://{addr}{path}").parse().expect("uri");
     let response = tokio::time::timeout(PATIENCE, client.get(uri))
         .await
@@ -71,8 +70,15 @@ async fn metrics_after_traffic_count_each_outcome_and_the_lock_wait() {
     // A histogram with buckets (not a summary), one observation per write transaction opened.
     let wait = "idempotency_lock_wait_seconds";
     let all = ["operation=\"create_order\"", "le=\"+Inf\""];
-    assert_eq!(sample(&text, &format!("{wait}_bucket"), &all), Some(2.0), "{text}");
-    assert!(text.contains(&format!("{wait}_count{{operation=\"create_order\"}} 2")), "{text}");
+    assert_eq!(
+        sample(&text, &format!("{wait}_bucket"), &all),
+        Some(2.0),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!("{wait}_count{{operation=\"create_order\"}} 2")),
+        "{text}"
+    );
 }
 
 #[tokio::test]
@@ -100,7 +106,10 @@ async fn the_ietf_flag_answers_the_drafts_way() {
     let api = get(app.addr, "/openapi.json").await.json();
     let responses = &api["paths"]["/orders"]["post"]["responses"];
     let problem = |status: &str| &responses[status]["content"]["application/problem+json"];
-    assert_eq!(problem("422")["schema"]["properties"]["type"]["format"], "uri");
+    assert_eq!(
+        problem("422")["schema"]["properties"]["type"]["format"],
+        "uri"
+    );
     assert!(problem("409")["schema"].is_object(), "{responses}");
     assert!(responses["409"]["headers"]["Retry-After"].is_object());
     assert!(responses["422"]["headers"]["Link"].is_object());
@@ -135,8 +144,14 @@ async fn openapi_json_documents_what_the_layer_adds_to_post_orders() {
         serde_json::json!(["true"])
     );
     let own_400 = responses["400"]["description"].as_str().expect("400");
-    assert!(own_400.starts_with("The sku or the quantity is invalid"), "{own_400}");
-    assert!(own_400.contains("Idempotency-Key"), "the layer's causes added: {own_400}");
+    assert!(
+        own_400.starts_with("The sku or the quantity is invalid"),
+        "{own_400}"
+    );
+    assert!(
+        own_400.contains("Idempotency-Key"),
+        "the layer's causes added: {own_400}"
+    );
     // The layer's answers, with the default `{"error": code}` bodies.
     for status in ["401", "408", "409", "413", "500", "503"] {
         let schema = &responses[status]["content"]["application/json"]["schema"];

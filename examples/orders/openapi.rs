@@ -65,11 +65,15 @@ fn create_order() -> Operation {
     let created = ObjectBuilder::new()
         .property("order_id", integer())
         .required("order_id");
-    let invalid = ObjectBuilder::new()
-        .property("error", string().enum_values(Some(["invalid_key_or_sku", "invalid_quantity"])));
+    let invalid = ObjectBuilder::new().property(
+        "error",
+        string().enum_values(Some(["invalid_key_or_sku", "invalid_quantity"])),
+    );
     OperationBuilder::new()
         .operation_id(Some("create_order"))
-        .summary(Some("Create an order; safe to retry with the same Idempotency-Key"))
+        .summary(Some(
+            "Create an order; safe to retry with the same Idempotency-Key",
+        ))
         .request_body(Some(
             RequestBodyBuilder::new()
                 .content("application/json", Content::new(Some(order)))
@@ -107,6 +111,9 @@ fn get_order() -> Operation {
                 .description("The caller's own order")
                 .content("application/json", Content::new(Some(order))),
         )
-        .response("404", ResponseBuilder::new().description("No such order of the caller's"))
+        .response(
+            "404",
+            ResponseBuilder::new().description("No such order of the caller's"),
+        )
         .build()
 }

@@ -372,7 +372,9 @@ impl Fingerprinter {
         I: IntoIterator<Item = S>,
         S: AsRef<str>,
     {
-        Self::with_scheme(Scheme::Select(Arc::new(select::Selection::new(true, pointers))))
+        Self::with_scheme(Scheme::Select(Arc::new(select::Selection::new(
+            true, pointers,
+        ))))
     }
 
     /// Canonical JSON over every member but those these JSON pointers name (a rotating
@@ -395,7 +397,9 @@ impl Fingerprinter {
         I: IntoIterator<Item = S>,
         S: AsRef<str>,
     {
-        Self::with_scheme(Scheme::Select(Arc::new(select::Selection::new(false, pointers))))
+        Self::with_scheme(Scheme::Select(Arc::new(select::Selection::new(
+            false, pointers,
+        ))))
     }
 
     /// Maximum JSON nesting depth (default [`DEFAULT_MAX_JSON_DEPTH`]). Has no effect on raw and
@@ -436,7 +440,8 @@ impl Fingerprinter {
                 let canonical = selection.canonical(body, self.max_depth)?;
                 let query = canonical_query(parts.uri.query());
                 let version = CANONICALIZATION_VERSION;
-                let mut hasher = fields(Sha256::new(), selection.tag(), version, parts, Some(&query));
+                let mut hasher =
+                    fields(Sha256::new(), selection.tag(), version, parts, Some(&query));
                 field(&mut hasher, selection.spec());
                 field(&mut hasher, &canonical);
                 return Ok(Fingerprint::new(version, hasher.finalize().into()));

@@ -33,7 +33,10 @@ impl Selection {
         I: IntoIterator<Item = S>,
         S: AsRef<str>,
     {
-        let mut given: Vec<String> = pointers.into_iter().map(|p| normalize(p.as_ref())).collect();
+        let mut given: Vec<String> = pointers
+            .into_iter()
+            .map(|p| normalize(p.as_ref()))
+            .collect();
         given.sort();
         given.dedup();
         let spec = given.join("\n");
@@ -60,7 +63,11 @@ impl Selection {
     }
 
     /// The canonical bytes of the chosen part of `body`.
-    pub(super) fn canonical(&self, body: &[u8], max_depth: usize) -> Result<Vec<u8>, FingerprintError> {
+    pub(super) fn canonical(
+        &self,
+        body: &[u8],
+        max_depth: usize,
+    ) -> Result<Vec<u8>, FingerprintError> {
         // Checks the whole document: invalid JSON, duplicate keys and depth are refused as for
         // the whole-body scheme, whatever is chosen.
         canonicalize_json(body, max_depth)?;
@@ -103,7 +110,9 @@ fn members(value: &RawValue) -> Result<Option<BTreeMap<String, &RawValue>>, Fing
     if !value.get().trim_start().starts_with('{') {
         return Ok(None);
     }
-    serde_json::from_str(value.get()).map(Some).map_err(not_json)
+    serde_json::from_str(value.get())
+        .map(Some)
+        .map_err(not_json)
 }
 
 /// The object of these members, written as JSON.
@@ -177,7 +186,8 @@ mod tests {
 
     #[test]
     fn only_the_chosen_members_count_with_every_digit() {
-        let body = r#"{"sku":"book","quantity":1,"price":0.10000000000000001,"meta":{"ts":1,"id":"a"}}"#;
+        let body =
+            r#"{"sku":"book","quantity":1,"price":0.10000000000000001,"meta":{"ts":1,"id":"a"}}"#;
         assert_eq!(
             canonical(true, &["/sku", "price", "/meta/id", "/absent"], body),
             r#"{"meta":{"id":"a"},"price":0.10000000000000001,"sku":"book"}"#

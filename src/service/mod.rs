@@ -475,7 +475,11 @@ where
     let tenant = (config.tenant)(&parts).ok_or(Rejection::MissingTenant)?;
     let key = match key_headers {
         Some(0) => return Err(Rejection::MissingKey),
-        Some(1) => Some(config.key_extractor.extract(&parts, &[], config.max_key_len)?),
+        Some(1) => Some(
+            config
+                .key_extractor
+                .extract(&parts, &[], config.max_key_len)?,
+        ),
         Some(_) => return Err(Rejection::DuplicateKeyHeader),
         None => None,
     };
