@@ -368,3 +368,121 @@ async fn an_asynchronous_standby_may_lose_201s_in_a_failover() {
         report.lost, report.created_before
     );
 }
+
+/// Waits until one backend of the primary waits for its synchronous standby (`SyncRep`: a
+/// `COMMIT` sent, the standby stopped) and returns its pid.
+async fn backend_waiting_for_the_standby(cluster: &Cluster) -> i32 {
+    let primary = cluster.primary().await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let waiting = primary
+            .query(
+                "SELECT pid FROM pg_stat_activity WHERE wait_event = 'SyncRep'",
+                &[],
+            )
+            .await
+            .expect("read pg_stat_activity");
+        if let [row] = &waiting[..] {
+            return row.get(0);
+        }
+        assert!(Instant::now() < deadline, "no COMMIT waits for the standby");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Sends `key` in a task of its own (it may wait for a while) and returns its handle.
+fn send_later(app: SocketAddr, key: &str) -> tokio::task::JoinHandle<Option<Reply>> {
+    let post = Post::order(key, &body_of(key));
+    tokio::spawn(async move {
+        post.try_send(&client(), app, Duration::from_secs(60))
+            .await
+    })
+}
+
+fn assert_unavailable(reply: &Reply, what: &str) {
+    assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE, "{what}: {reply:?}");
+    assert!(reply.header("retry-after").is_some(), "{what}: {reply:?}");
+    assert_eq!(reply.error_code(), "busy_retry_later", "{what}");
+}
+
+/// A commit whose outcome is unknown (the connection died after `COMMIT` was sent) is
+/// answered `503`, never a final failure; the retry with the same key replays when the commit
+/// had happened and runs afresh when it had not. Both made certain with the standby stopped,
+/// so that the `COMMIT` waits for it: the backend is then terminated (the transaction stays
+/// committed on the primary), or the primary is killed and the standby, which never got the
+/// commit, promoted.
+#[cfg_attr(not(pg_cluster_tests), ignore = "needs the PostgreSQL server programs (initdb, pg_ctl, pg_basebackup): install them or set PG_BINDIR")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_of_unknown_outcome_is_a_503_and_the_retry_settles_it() {
+    let mut cluster = Cluster::start(Replication::Sync).await;
+    let url = cluster.url();
+    let app = OrdersProcess::start_with(&["--database-url", &url]).await;
+    let addr = app.addr;
+    let send = |key: &str| {
+        let post = Post::order(key, &body_of(key));
+        async move { post.send(addr).await }
+    };
+    let warm = send("warm").await;
+    assert_eq!(warm.status, StatusCode::CREATED, "{warm:?}");
+
+    // Committed, answer lost: the backend is terminated while its COMMIT waits.
+    cluster.stop_standby().await;
+    let pending = send_later(app.addr, "committed");
+    let pid = backend_waiting_for_the_standby(&cluster).await;
+    let primary = cluster.primary().await;
+    let terminated: bool = primary
+        .query_one("SELECT pg_terminate_backend($1)", &[&pid])
+        .await
+        .expect("terminate")
+        .get(0);
+    assert!(terminated);
+    let lost_answer = pending.await.expect("task").expect("an answer");
+    assert_unavailable(&lost_answer, "COMMIT sent, connection lost");
+    let kept: i64 = primary
+        .query_one(
+            "SELECT count(*) FROM orders WHERE sku = 'committed'",
+            &[],
+        )
+        .await
+        .expect("count")
+        .get(0);
+    assert_eq!(kept, 1, "the primary kept the commit whose answer was lost");
+    cluster.start_standby().await;
+    cluster.wait_for_standby(Replication::Sync).await;
+    let retry = send("committed").await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
+    assert!(retry.replayed(), "it had committed: the retry replays it");
+
+    // Not committed anywhere that survives: the primary dies while the COMMIT waits.
+    cluster.stop_standby().await;
+    let pending = send_later(app.addr, "not-committed");
+    backend_waiting_for_the_standby(&cluster).await;
+    cluster.kill_primary().await;
+    let lost_answer = pending.await.expect("task").expect("an answer");
+    assert_unavailable(&lost_answer, "COMMIT sent, primary killed");
+    cluster.start_standby().await;
+    cluster.promote_standby().await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let retry = loop {
+        let reply = send("not-committed").await;
+        if reply.status != StatusCode::SERVICE_UNAVAILABLE || Instant::now() > deadline {
+            break reply;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
+    assert!(!retry.replayed(), "it had not committed: the retry runs afresh");
+    for key in ["warm", "committed"] {
+        let again = send(key).await;
+        assert_eq!(again.status, StatusCode::CREATED, "{key}: {again:?}");
+        assert!(again.replayed(), "{key}");
+    }
+    let primary = cluster.standby().await;
+    let orders: i64 = primary
+        .query_one("SELECT count(*) FROM orders", &[])
+        .await
+        .expect("count")
+        .get(0);
+    assert_eq!(orders, 3, "one order per key");
+    app.kill().await;
+}
