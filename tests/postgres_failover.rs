@@ -486,3 +486,159 @@ async fn a_commit_of_unknown_outcome_is_a_503_and_the_retry_settles_it() {
     assert_eq!(orders, 3, "one order per key");
     app.kill().await;
 }
+
+/// An order app in this process whose replays read from the standby
+/// ([`PostgresOptions::read_from`](tower_idempotency::store::postgres::PostgresOptions::read_from)),
+/// with request transactions on the multi-host URL.
+async fn app_reading_from_the_standby(cluster: &Cluster) -> SocketAddr {
+    use axum::extract::Extension;
+    use axum::response::{IntoResponse, Response};
+    use axum::routing::post;
+    use tower_idempotency::extract::Tx;
+    use tower_idempotency::store::postgres::{PostgresStore, PostgresTransaction};
+    use tower_idempotency::{IdempotencyLayer, Tenant};
+
+    async fn create_order(
+        Extension(tenant): Extension<Tenant>,
+        Tx(tx): Tx<PostgresTransaction>,
+        body: Bytes,
+    ) -> Response {
+        let sku = serde_json::from_slice::<serde_json::Value>(&body).expect("JSON")["sku"]
+            .as_str()
+            .expect("sku")
+            .to_owned();
+        let inserted = async {
+            let client = tx.client().await?;
+            let row = client
+                .query_one(
+                    "INSERT INTO orders (tenant_id, sku, quantity) VALUES ($1, $2, 1) RETURNING id",
+                    &[&tenant.as_str(), &sku],
+                )
+                .await?;
+            Ok::<i64, tower_idempotency::Error>(row.get(0))
+        };
+        match inserted.await {
+            Ok(id) => (
+                StatusCode::CREATED,
+                axum::Json(serde_json::json!({ "order_id": id })),
+            )
+                .into_response(),
+            Err(error) => {
+                eprintln!("order not inserted: {error}");
+                StatusCode::INTERNAL_SERVER_ERROR.into_response()
+            }
+        }
+    }
+
+    let store = PostgresStore::builder(cluster.config())
+        .read_from(cluster.standby_config())
+        .connect()
+        .await
+        .expect("open the store");
+    store
+        .client()
+        .await
+        .expect("a connection")
+        .batch_execute(
+            "CREATE TABLE orders (id BIGSERIAL PRIMARY KEY, tenant_id TEXT NOT NULL, \
+             sku TEXT NOT NULL, quantity BIGINT NOT NULL)",
+        )
+        .await
+        .expect("create orders");
+    let app = axum::Router::new()
+        .route(
+            "/orders",
+            post(create_order).layer(IdempotencyLayer::new(store).with_operation("create_order")),
+        )
+        .layer(axum::middleware::from_fn(
+            |mut request: axum::extract::Request, next: axum::middleware::Next| async move {
+                request.extensions_mut().insert(Tenant::new("shop-a"));
+                next.run(request).await
+            },
+        ));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("address");
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    addr
+}
+
+/// Replays from a hot standby never show a key as absent that the primary committed: with
+/// the standby's replay paused, a retry of a key committed since misses there and is answered
+/// by the primary (replayed, no second order); a standby that is down is skipped; and while
+/// the primary is down, keys the standby has replay from it.
+#[cfg_attr(not(pg_cluster_tests), ignore = "needs the PostgreSQL server programs (initdb, pg_ctl, pg_basebackup): install them or set PG_BINDIR")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replays_from_a_hot_standby_fall_through_to_the_primary_on_a_miss() {
+    let mut cluster = Cluster::start(Replication::Sync).await;
+    let addr = app_reading_from_the_standby(&cluster).await;
+    let send = |key: &str| {
+        let post = Post::order(key, &body_of(key));
+        async move { post.send(addr).await }
+    };
+    let first = send("before-pause").await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+
+    // The standby stops applying WAL: it does not see what the primary commits next.
+    let standby = cluster.standby().await;
+    standby
+        .batch_execute("SELECT pg_wal_replay_pause()")
+        .await
+        .expect("pause replay");
+    let created = send("during-pause").await;
+    assert_eq!(created.status, StatusCode::CREATED, "{created:?}");
+    let seen: i64 = standby
+        .query_one(
+            "SELECT count(*) FROM idempotency_records WHERE idempotency_key = 'during-pause'",
+            &[],
+        )
+        .await
+        .expect("count")
+        .get(0);
+    assert_eq!(seen, 0, "the paused standby misses the new record");
+    let retry = send("during-pause").await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
+    assert!(retry.replayed(), "a miss on the standby is answered by the primary");
+    assert_eq!(retry.body, created.body);
+    standby
+        .batch_execute("SELECT pg_wal_replay_resume()")
+        .await
+        .expect("resume replay");
+    cluster.wait_for_standby(Replication::Sync).await;
+
+    // A standby that is down: replays come from the primary.
+    drop(standby);
+    cluster.stop_standby().await;
+    let retry = send("before-pause").await;
+    assert!(retry.replayed() && retry.body == first.body, "{retry:?}");
+    cluster.start_standby().await;
+    cluster.wait_for_standby(Replication::Sync).await;
+
+    // The primary is down: what the standby has still replays; a new key waits (503).
+    cluster.kill_primary().await;
+    for (key, original) in [("before-pause", &first), ("during-pause", &created)] {
+        let retry = send(key).await;
+        assert_eq!(retry.status, StatusCode::CREATED, "{key}: {retry:?}");
+        assert!(retry.replayed() && retry.body == original.body, "{key}");
+    }
+    assert_unavailable(&send("new").await, "a new key without a primary");
+    cluster.promote_standby().await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let new = loop {
+        let reply = send("new").await;
+        if reply.status != StatusCode::SERVICE_UNAVAILABLE || Instant::now() > deadline {
+            break reply;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(new.status, StatusCode::CREATED, "{new:?}");
+    let orders: i64 = cluster
+        .standby()
+        .await
+        .query_one("SELECT count(*) FROM orders", &[])
+        .await
+        .expect("count")
+        .get(0);
+    assert_eq!(orders, 3, "one order per key");
+}
