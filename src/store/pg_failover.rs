@@ -62,3 +62,19 @@ impl Observed {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::is_unavailable_code;
+
+    #[test]
+    fn failover_codes_are_unavailable_and_others_are_not() {
+        for code in ["25006", "57P01", "57P02", "57P03", "08000", "08003", "08006", "08001"] {
+            assert!(is_unavailable_code(code), "{code}");
+        }
+        // A conflict, a lock timeout, a constraint, a syntax error, too many connections.
+        for code in ["40001", "40P01", "55P03", "23505", "42601", "53300", "57014"] {
+            assert!(!is_unavailable_code(code), "{code}");
+        }
+    }
+}
