@@ -25,14 +25,15 @@ fn main() {
     }
     println!("cargo::rerun-if-env-changed=PG_BINDIR");
     println!("cargo::rerun-if-changed=/usr/lib/postgresql");
-    if postgres_bindir().is_some() {
+    if let Some(bindir) = postgres_bindir() {
         println!("cargo::rustc-cfg=pg_cluster_tests");
+        // The tests start the servers from here (`tests/cluster/mod.rs`).
+        println!("cargo::rustc-env=PG_CLUSTER_BINDIR={}", bindir.display());
     }
 }
 
 /// The directory of the PostgreSQL server programs: `PG_BINDIR`, else the newest
-/// `/usr/lib/postgresql/<version>/bin` (the layout of Debian and Ubuntu packages). The tests
-/// find it the same way (`tests/cluster/mod.rs`).
+/// `/usr/lib/postgresql/<version>/bin` (the layout of Debian and Ubuntu packages).
 fn postgres_bindir() -> Option<PathBuf> {
     let complete = |dir: &Path| {
         ["initdb", "pg_ctl", "pg_basebackup", "postgres"]

@@ -54,7 +54,9 @@ pub enum Error {
     /// committed. Retryable with the same key, and only that way: the next attempt replays
     /// the saved response if it committed and runs afresh if it did not, so the layer answers
     /// `503` with `Retry-After`, never a final failure.
-    #[error("the outcome of the commit is unknown (the connection was lost after COMMIT was sent): {0}")]
+    #[error(
+        "the outcome of the commit is unknown (the connection was lost after COMMIT was sent): {0}"
+    )]
     CommitOutcomeUnknown(String),
     /// The commit failed (for example, the disk is full); nothing of the request was kept.
     #[error("the commit failed: {0}")]

@@ -92,7 +92,9 @@ impl Load {
     async fn send(&self, http: &HttpClient, app: usize, key: &str, fresh: bool) {
         let started = Instant::now();
         let post = Post::order(key, &body_of(key));
-        let reply = post.try_send(http, self.apps[app % 2], REQUEST_TIMEOUT).await;
+        let reply = post
+            .try_send(http, self.apps[app % 2], REQUEST_TIMEOUT)
+            .await;
         let counts = &self.counts;
         let Some(reply) = reply else {
             counts.unanswered.fetch_add(1, Ordering::SeqCst);
@@ -107,15 +109,23 @@ impl Load {
                         .unavailable_without_retry_after
                         .fetch_add(1, Ordering::SeqCst);
                 }
-                self.keys.lock().expect("lock").entry(key.into()).or_default();
-            }
-            status => {
-                self.keys.lock().expect("lock").entry(key.into()).or_default();
-                counts
-                    .unexpected
+                self.keys
                     .lock()
                     .expect("lock")
-                    .push((key.into(), status, reply.body.clone()));
+                    .entry(key.into())
+                    .or_default();
+            }
+            status => {
+                self.keys
+                    .lock()
+                    .expect("lock")
+                    .entry(key.into())
+                    .or_default();
+                counts.unexpected.lock().expect("lock").push((
+                    key.into(),
+                    status,
+                    reply.body.clone(),
+                ));
             }
         }
     }
@@ -154,7 +164,7 @@ impl Load {
         let mut i = 0usize;
         while !self.stop.load(Ordering::SeqCst) {
             i += 1;
-            if i % 4 == 0 && !mine.is_empty() {
+            if i.is_multiple_of(4) && !mine.is_empty() {
                 let pending = {
                     let keys = self.keys.lock().expect("lock");
                     mine.iter()
@@ -253,12 +263,18 @@ async fn failover_round(round: usize, replication: Replication) -> Round {
         let deadline = Instant::now() + Duration::from_secs(30);
         let reply = loop {
             let post = Post::order(key, &body_of(key));
-            match post.try_send(&http, load.apps[n % 2], REQUEST_TIMEOUT).await {
+            match post
+                .try_send(&http, load.apps[n % 2], REQUEST_TIMEOUT)
+                .await
+            {
                 Some(reply) if reply.status == StatusCode::CREATED => break reply,
                 Some(reply) if reply.status == StatusCode::SERVICE_UNAVAILABLE => {}
                 other => panic!("{key}: resent, answered {other:?}"),
             }
-            assert!(Instant::now() < deadline, "{key}: no 201 after the failover");
+            assert!(
+                Instant::now() < deadline,
+                "{key}: no 201 after the failover"
+            );
             tokio::time::sleep(Duration::from_millis(100)).await;
         };
         if let Some(created) = created {
@@ -266,7 +282,10 @@ async fn failover_round(round: usize, replication: Replication) -> Round {
                 lost += 1;
             }
         }
-        assert!(order_ids.insert(reply.order_id()), "{key}: an order of another key");
+        assert!(
+            order_ids.insert(reply.order_id()),
+            "{key}: an order of another key"
+        );
     }
 
     let primary = cluster.standby().await;
@@ -282,8 +301,7 @@ async fn failover_round(round: usize, replication: Replication) -> Round {
     };
     let orders = count("SELECT count(*) FROM orders").await;
     let records = count("SELECT count(*) FROM idempotency_records WHERE state = 'completed'").await;
-    let distinct =
-        count("SELECT count(DISTINCT idempotency_key) FROM idempotency_records").await;
+    let distinct = count("SELECT count(DISTINCT idempotency_key) FROM idempotency_records").await;
     let stored_ids: BTreeSet<i64> = primary
         .query("SELECT id FROM orders", &[])
         .await
@@ -319,11 +337,20 @@ async fn failover_round(round: usize, replication: Replication) -> Round {
 
     // What holds whatever the replication: the switch answers 503, never 500, and every
     // order has exactly one key and one record.
-    let unexpected = counts.unexpected.lock().expect("lock");
-    assert!(unexpected.is_empty(), "answers other than 201/503: {unexpected:?}");
-    assert_eq!(counts.unanswered.load(Ordering::SeqCst), 0, "every request answered");
+    let unexpected = std::mem::take(&mut *counts.unexpected.lock().expect("lock"));
+    assert!(
+        unexpected.is_empty(),
+        "answers other than 201/503: {unexpected:?}"
+    );
     assert_eq!(
-        counts.unavailable_without_retry_after.load(Ordering::SeqCst),
+        counts.unanswered.load(Ordering::SeqCst),
+        0,
+        "every request answered"
+    );
+    assert_eq!(
+        counts
+            .unavailable_without_retry_after
+            .load(Ordering::SeqCst),
         0,
         "every 503 carries Retry-After"
     );
@@ -338,7 +365,10 @@ async fn failover_round(round: usize, replication: Replication) -> Round {
 
 /// The guarantee, with a synchronous standby: three rounds (`synchronous_commit = on`,
 /// `remote_apply`, `on`), each on a fresh cluster.
-#[cfg_attr(not(pg_cluster_tests), ignore = "needs the PostgreSQL server programs (initdb, pg_ctl, pg_basebackup): install them or set PG_BINDIR")]
+#[cfg_attr(
+    not(pg_cluster_tests),
+    ignore = "needs the PostgreSQL server programs (initdb, pg_ctl, pg_basebackup): install them or set PG_BINDIR"
+)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_synchronous_standby_keeps_every_201_through_a_failover() {
     for (round, replication) in [
@@ -351,15 +381,24 @@ async fn a_synchronous_standby_keeps_every_201_through_a_failover() {
     {
         let report = failover_round(round + 1, replication).await;
         assert!(report.created_before >= CREATED_PER_PHASE);
-        assert!(report.unavailable > 0, "the kill landed under load: {report:?}");
-        assert_eq!(report.lost, 0, "every 201 survives the failover: {report:?}");
+        assert!(
+            report.unavailable > 0,
+            "the kill landed under load: {report:?}"
+        );
+        assert_eq!(
+            report.lost, 0,
+            "every 201 survives the failover: {report:?}"
+        );
     }
 }
 
 /// What an asynchronous standby loses: the same failover with `synchronous_commit = off`
 /// reports the keys whose `201` did not survive (their retry created a new order). Reported,
 /// not asserted: it depends on how far the standby lagged at the kill.
-#[cfg_attr(not(pg_cluster_tests), ignore = "needs the PostgreSQL server programs (initdb, pg_ctl, pg_basebackup): install them or set PG_BINDIR")]
+#[cfg_attr(
+    not(pg_cluster_tests),
+    ignore = "needs the PostgreSQL server programs (initdb, pg_ctl, pg_basebackup): install them or set PG_BINDIR"
+)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_asynchronous_standby_may_lose_201s_in_a_failover() {
     let report = failover_round(1, Replication::Async).await;
@@ -393,14 +432,27 @@ async fn backend_waiting_for_the_standby(cluster: &Cluster) -> i32 {
 /// Sends `key` in a task of its own (it may wait for a while) and returns its handle.
 fn send_later(app: SocketAddr, key: &str) -> tokio::task::JoinHandle<Option<Reply>> {
     let post = Post::order(key, &body_of(key));
-    tokio::spawn(async move {
-        post.try_send(&client(), app, Duration::from_secs(60))
-            .await
-    })
+    tokio::spawn(async move { post.try_send(&client(), app, Duration::from_secs(60)).await })
+}
+
+/// Sends `key` until the answer is not a `503` (the new primary takes writes), for 30 s at most.
+async fn send_past_503s(app: SocketAddr, key: &str) -> Reply {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let reply = Post::order(key, &body_of(key)).send(app).await;
+        if reply.status != StatusCode::SERVICE_UNAVAILABLE || Instant::now() > deadline {
+            return reply;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 fn assert_unavailable(reply: &Reply, what: &str) {
-    assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE, "{what}: {reply:?}");
+    assert_eq!(
+        reply.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{what}: {reply:?}"
+    );
     assert!(reply.header("retry-after").is_some(), "{what}: {reply:?}");
     assert_eq!(reply.error_code(), "busy_retry_later", "{what}");
 }
@@ -411,7 +463,10 @@ fn assert_unavailable(reply: &Reply, what: &str) {
 /// so that the `COMMIT` waits for it: the backend is then terminated (the transaction stays
 /// committed on the primary), or the primary is killed and the standby, which never got the
 /// commit, promoted.
-#[cfg_attr(not(pg_cluster_tests), ignore = "needs the PostgreSQL server programs (initdb, pg_ctl, pg_basebackup): install them or set PG_BINDIR")]
+#[cfg_attr(
+    not(pg_cluster_tests),
+    ignore = "needs the PostgreSQL server programs (initdb, pg_ctl, pg_basebackup): install them or set PG_BINDIR"
+)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_commit_of_unknown_outcome_is_a_503_and_the_retry_settles_it() {
     let mut cluster = Cluster::start(Replication::Sync).await;
@@ -439,10 +494,7 @@ async fn a_commit_of_unknown_outcome_is_a_503_and_the_retry_settles_it() {
     let lost_answer = pending.await.expect("task").expect("an answer");
     assert_unavailable(&lost_answer, "COMMIT sent, connection lost");
     let kept: i64 = primary
-        .query_one(
-            "SELECT count(*) FROM orders WHERE sku = 'committed'",
-            &[],
-        )
+        .query_one("SELECT count(*) FROM orders WHERE sku = 'committed'", &[])
         .await
         .expect("count")
         .get(0);
@@ -462,16 +514,12 @@ async fn a_commit_of_unknown_outcome_is_a_503_and_the_retry_settles_it() {
     assert_unavailable(&lost_answer, "COMMIT sent, primary killed");
     cluster.start_standby().await;
     cluster.promote_standby().await;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let retry = loop {
-        let reply = send("not-committed").await;
-        if reply.status != StatusCode::SERVICE_UNAVAILABLE || Instant::now() > deadline {
-            break reply;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let retry = send_past_503s(addr, "not-committed").await;
     assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
-    assert!(!retry.replayed(), "it had not committed: the retry runs afresh");
+    assert!(
+        !retry.replayed(),
+        "it had not committed: the retry runs afresh"
+    );
     for key in ["warm", "committed"] {
         let again = send(key).await;
         assert_eq!(again.status, StatusCode::CREATED, "{key}: {again:?}");
@@ -568,7 +616,10 @@ async fn app_reading_from_the_standby(cluster: &Cluster) -> SocketAddr {
 /// the standby's replay paused, a retry of a key committed since misses there and is answered
 /// by the primary (replayed, no second order); a standby that is down is skipped; and while
 /// the primary is down, keys the standby has replay from it.
-#[cfg_attr(not(pg_cluster_tests), ignore = "needs the PostgreSQL server programs (initdb, pg_ctl, pg_basebackup): install them or set PG_BINDIR")]
+#[cfg_attr(
+    not(pg_cluster_tests),
+    ignore = "needs the PostgreSQL server programs (initdb, pg_ctl, pg_basebackup): install them or set PG_BINDIR"
+)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replays_from_a_hot_standby_fall_through_to_the_primary_on_a_miss() {
     let mut cluster = Cluster::start(Replication::Sync).await;
@@ -599,7 +650,10 @@ async fn replays_from_a_hot_standby_fall_through_to_the_primary_on_a_miss() {
     assert_eq!(seen, 0, "the paused standby misses the new record");
     let retry = send("during-pause").await;
     assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
-    assert!(retry.replayed(), "a miss on the standby is answered by the primary");
+    assert!(
+        retry.replayed(),
+        "a miss on the standby is answered by the primary"
+    );
     assert_eq!(retry.body, created.body);
     standby
         .batch_execute("SELECT pg_wal_replay_resume()")
@@ -624,14 +678,7 @@ async fn replays_from_a_hot_standby_fall_through_to_the_primary_on_a_miss() {
     }
     assert_unavailable(&send("new").await, "a new key without a primary");
     cluster.promote_standby().await;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let new = loop {
-        let reply = send("new").await;
-        if reply.status != StatusCode::SERVICE_UNAVAILABLE || Instant::now() > deadline {
-            break reply;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let new = send_past_503s(addr, "new").await;
     assert_eq!(new.status, StatusCode::CREATED, "{new:?}");
     let orders: i64 = cluster
         .standby()

@@ -54,6 +54,26 @@ pub(crate) enum Observed {
 }
 
 impl Observed {
+    /// Keeps what a handle's statement got in `first`, unless `first` already holds something
+    /// (the first error is the cause; later ones follow from it): a serialization failure or
+    /// deadlock (`conflict`), a failover error (`unavailable`), or nothing at all.
+    pub(crate) fn keep_first(
+        first: &std::sync::Mutex<Option<Observed>>,
+        conflict: bool,
+        unavailable: bool,
+        message: impl FnOnce() -> String,
+    ) {
+        let observed = match (conflict, unavailable) {
+            (true, _) => Observed::Conflict(message()),
+            (false, true) => Observed::Unavailable(message()),
+            (false, false) => return,
+        };
+        let mut first = first
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        first.get_or_insert(observed);
+    }
+
     /// The error a commit or rollback reports for it.
     pub(crate) fn into_error(self) -> Error {
         match self {
@@ -69,11 +89,15 @@ mod tests {
 
     #[test]
     fn failover_codes_are_unavailable_and_others_are_not() {
-        for code in ["25006", "57P01", "57P02", "57P03", "08000", "08003", "08006", "08001"] {
+        for code in [
+            "25006", "57P01", "57P02", "57P03", "08000", "08003", "08006", "08001",
+        ] {
             assert!(is_unavailable_code(code), "{code}");
         }
         // A conflict, a lock timeout, a constraint, a syntax error, too many connections.
-        for code in ["40001", "40P01", "55P03", "23505", "42601", "53300", "57014"] {
+        for code in [
+            "40001", "40P01", "55P03", "23505", "42601", "53300", "57014",
+        ] {
             assert!(!is_unavailable_code(code), "{code}");
         }
     }

@@ -67,27 +67,10 @@ pub struct Cluster {
 }
 
 impl Cluster {
-    /// The directory of the server programs (the same search as `build.rs`).
+    /// The directory of the server programs, as `build.rs` found it (`PG_BINDIR`, or the
+    /// newest `/usr/lib/postgresql/<version>/bin`).
     pub fn bindir() -> Option<PathBuf> {
-        let complete = |dir: &Path| {
-            ["initdb", "pg_ctl", "pg_basebackup", "postgres"]
-                .iter()
-                .all(|program| dir.join(program).is_file())
-        };
-        if let Some(dir) = std::env::var_os("PG_BINDIR") {
-            return Some(PathBuf::from(dir)).filter(|dir| complete(dir));
-        }
-        let mut versions: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
-            .ok()?
-            .filter_map(|entry| {
-                let entry = entry.ok()?;
-                let version = entry.file_name().to_str()?.parse().ok()?;
-                Some((version, entry.path().join("bin")))
-            })
-            .filter(|(_, dir)| complete(dir))
-            .collect();
-        versions.sort();
-        versions.pop().map(|(_, dir)| dir)
+        option_env!("PG_CLUSTER_BINDIR").map(PathBuf::from)
     }
 
     /// Builds and starts a primary and a standby streaming from it, and waits until the
@@ -100,10 +83,10 @@ impl Cluster {
             .tempdir()
             .expect("a temporary directory");
         if as_postgres {
-            run_checked(std::process::Command::new("chown").args([
-                "postgres:",
-                dir.path().to_str().expect("UTF-8 temp path"),
-            ]));
+            run_checked(
+                std::process::Command::new("chown")
+                    .args(["postgres:", dir.path().to_str().expect("UTF-8 temp path")]),
+            );
         }
         let (primary_port, standby_port) = free_ports();
         let mut cluster = Cluster {
@@ -233,8 +216,11 @@ impl Cluster {
     /// `pg_ctl promote`: the standby ends recovery and takes writes; waits until it does.
     pub async fn promote_standby(&self) {
         let standby = self.standby_dir();
-        self.run("pg_ctl", &["-D", path(&standby), "-w", "-t", "60", "promote"])
-            .await;
+        self.run(
+            "pg_ctl",
+            &["-D", path(&standby), "-w", "-t", "60", "promote"],
+        )
+        .await;
     }
 
     /// Stops the standby (fast shutdown): a synchronous primary's commits then wait.
@@ -297,7 +283,16 @@ impl Cluster {
         let log = data.with_extension("log");
         self.run(
             "pg_ctl",
-            &["-D", path(data), "-l", path(&log), "-w", "-t", "60", "start"],
+            &[
+                "-D",
+                path(data),
+                "-l",
+                path(&log),
+                "-w",
+                "-t",
+                "60",
+                "start",
+            ],
         )
         .await;
     }
@@ -359,7 +354,10 @@ impl Drop for Cluster {
             (self.standby_running, self.standby_dir()),
         ] {
             if running {
-                self.run_quietly("pg_ctl", &["-D", path(&data), "-m", "immediate", "-w", "stop"]);
+                self.run_quietly(
+                    "pg_ctl",
+                    &["-D", path(&data), "-m", "immediate", "-w", "stop"],
+                );
             }
         }
         // The temporary directory goes with `self.dir`.

@@ -128,19 +128,15 @@ impl TxShared {
     /// Keeps `error` if it is the transaction's first serialization failure, deadlock or
     /// failover error.
     pub(super) fn observe(&self, error: &tokio_postgres::Error) {
-        let message = || match error.as_db_error() {
-            Some(db_error) => db_error.to_string(),
-            None => error.to_string(),
-        };
-        let observed = if is_conflict_code(error) {
-            Observed::Conflict(message())
-        } else if postgres_unavailable(error) {
-            Observed::Unavailable(message())
-        } else {
-            return;
-        };
-        let mut first = self.observed.lock().unwrap_or_else(PoisonError::into_inner);
-        first.get_or_insert(observed);
+        Observed::keep_first(
+            &self.observed,
+            is_conflict_code(error),
+            postgres_unavailable(error),
+            || match error.as_db_error() {
+                Some(db_error) => db_error.to_string(),
+                None => error.to_string(),
+            },
+        );
     }
 
     /// What a handle's statement got that ended the transaction, if anything, as the error

@@ -93,19 +93,15 @@ pub(super) type ConflictCell = Arc<std::sync::Mutex<Option<Observed>>>;
 /// Keeps `error` if it is the transaction's first serialization failure, deadlock or
 /// failover error.
 pub(super) fn observe(conflict: &ConflictCell, error: &sqlx::Error) {
-    let message = || match error.as_database_error() {
-        Some(db_error) => db_error.message().to_owned(),
-        None => error.to_string(),
-    };
-    let observed = if is_conflict(error) {
-        Observed::Conflict(message())
-    } else if sqlx_unavailable(error) {
-        Observed::Unavailable(message())
-    } else {
-        return;
-    };
-    let mut conflict = conflict.lock().unwrap_or_else(PoisonError::into_inner);
-    conflict.get_or_insert(observed);
+    Observed::keep_first(
+        conflict,
+        is_conflict(error),
+        sqlx_unavailable(error),
+        || match error.as_database_error() {
+            Some(db_error) => db_error.message().to_owned(),
+            None => error.to_string(),
+        },
+    );
 }
 
 pub(super) struct TxShared {
