@@ -2,10 +2,18 @@
 //! when `TEST_MYSQL_URL` names a MySQL or MariaDB server. The crate itself never reads them: the
 //! test suites that need a server are marked `#[cfg_attr(not(pg_tests), ignore = "...")]`, so that
 //! `cargo test` without a server reports them as ignored, not as passed.
+//!
+//! Sets `cfg(pg_cluster_tests)` when the PostgreSQL server programs (`initdb`, `pg_ctl`,
+//! `pg_basebackup`) are installed: in `PG_BINDIR`, or in `/usr/lib/postgresql/<version>/bin`.
+//! The failover tests build a primary and a standby from them; without them they are reported
+//! as ignored.
+
+use std::path::{Path, PathBuf};
 
 fn main() {
     println!("cargo::rustc-check-cfg=cfg(pg_tests)");
     println!("cargo::rustc-check-cfg=cfg(mysql_tests)");
+    println!("cargo::rustc-check-cfg=cfg(pg_cluster_tests)");
     for (variable, cfg) in [
         ("TEST_DATABASE_URL", "pg_tests"),
         ("TEST_MYSQL_URL", "mysql_tests"),
@@ -15,4 +23,35 @@ fn main() {
             println!("cargo::rustc-cfg={cfg}");
         }
     }
+    println!("cargo::rerun-if-env-changed=PG_BINDIR");
+    println!("cargo::rerun-if-changed=/usr/lib/postgresql");
+    if let Some(bindir) = postgres_bindir() {
+        println!("cargo::rustc-cfg=pg_cluster_tests");
+        // The tests start the servers from here (`tests/cluster/mod.rs`).
+        println!("cargo::rustc-env=PG_CLUSTER_BINDIR={}", bindir.display());
+    }
+}
+
+/// The directory of the PostgreSQL server programs: `PG_BINDIR`, else the newest
+/// `/usr/lib/postgresql/<version>/bin` (the layout of Debian and Ubuntu packages).
+fn postgres_bindir() -> Option<PathBuf> {
+    let complete = |dir: &Path| {
+        ["initdb", "pg_ctl", "pg_basebackup", "postgres"]
+            .iter()
+            .all(|program| dir.join(program).is_file())
+    };
+    if let Some(dir) = std::env::var_os("PG_BINDIR") {
+        return Some(PathBuf::from(dir)).filter(|dir| complete(dir));
+    }
+    let mut versions: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
+        .ok()?
+        .filter_map(|entry| {
+            let entry = entry.ok()?;
+            let version = entry.file_name().to_str()?.parse().ok()?;
+            Some((version, entry.path().join("bin")))
+        })
+        .filter(|(_, dir)| complete(dir))
+        .collect();
+    versions.sort();
+    versions.pop().map(|(_, dir)| dir)
 }

@@ -11,8 +11,9 @@ use crate::key::KeyError;
 
 /// A failure of the store or of a transaction handle.
 ///
-/// Store errors never reach the client as they are: the layer turns [`Error::Busy`] into
-/// `503` with `Retry-After` and everything else into `500`, and logs the cause.
+/// Store errors never reach the client as they are: the layer turns those for which
+/// [`Error::is_busy`] is true ([`Error::Busy`], a conflict, an [unavailable](Error::is_unavailable)
+/// database) into `503` with `Retry-After` and everything else into `500`, and logs the cause.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -41,6 +42,22 @@ pub enum Error {
     /// request again (the handler itself got the database's error). Retryable.
     #[error("a statement in the transaction conflicted with a concurrent one: {0}")]
     StatementConflict(String),
+    /// The database went away or cannot take writes: the connection was lost, the server is
+    /// shutting down or starting (`57P01`, `57P02`, `57P03`), it is read-only (`25006`: a
+    /// standby, or an old primary after a failover), or no host accepted the connection. It is
+    /// what a store reports when one of the handler's statements got such an error: the
+    /// transaction is gone, whatever the handler answered. Nothing of the request was kept;
+    /// retryable with the same key (a failover usually ends within seconds).
+    #[error("the database is unavailable (a failover?): {0}")]
+    Unavailable(String),
+    /// The connection was lost after `COMMIT` was sent: the transaction may or may not have
+    /// committed. Retryable with the same key, and only that way: the next attempt replays
+    /// the saved response if it committed and runs afresh if it did not, so the layer answers
+    /// `503` with `Retry-After`, never a final failure.
+    #[error(
+        "the outcome of the commit is unknown (the connection was lost after COMMIT was sent): {0}"
+    )]
+    CommitOutcomeUnknown(String),
     /// The commit failed (for example, the disk is full); nothing of the request was kept.
     #[error("the commit failed: {0}")]
     CommitFailed(String),
@@ -100,8 +117,27 @@ impl Error {
         }
     }
 
-    /// Whether the request may simply be retried later with the same key.
+    /// Whether the database went away or cannot take writes (a failover, a restart): the
+    /// connection was lost (before or after `COMMIT`), the server refused it or is
+    /// shutting down or starting (`57P01`, `57P02`, `57P03`, class `08`), or it is read-only
+    /// (`25006`). Retryable with the same key; [`is_busy`](Self::is_busy) is true for these too.
+    pub fn is_unavailable(&self) -> bool {
+        match self {
+            Error::Unavailable(_) | Error::CommitOutcomeUnknown(_) => true,
+            #[cfg(feature = "postgres")]
+            Error::Postgres(e) => crate::store::pg_failover::postgres_unavailable(e),
+            #[cfg(feature = "sqlx-postgres")]
+            Error::Sqlx(e) => crate::store::pg_failover::sqlx_unavailable(e),
+            _ => false,
+        }
+    }
+
+    /// Whether the request may simply be retried later with the same key: the store was busy,
+    /// or [unavailable](Self::is_unavailable).
     pub fn is_busy(&self) -> bool {
+        if self.is_unavailable() {
+            return true;
+        }
         match self {
             Error::Busy | Error::StatementConflict(_) => true,
             #[cfg(feature = "sqlite")]

@@ -244,7 +244,9 @@ mod postgres {
     rollback_tests!(Postgres);
 
     /// The transaction's backend is killed (`pg_terminate_backend`) while the handler is inside
-    /// it: the request fails, nothing is kept, and the retry succeeds on a fresh connection.
+    /// it: the request is answered `503` with `Retry-After` (the database went away under it,
+    /// as in a failover: not a final failure), nothing is kept, and the retry succeeds on a
+    /// fresh connection.
     #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
     #[tokio::test]
     async fn connection_killed_mid_transaction_rolls_back_and_the_retry_succeeds() {
@@ -291,12 +293,9 @@ mod postgres {
         let _ = killed_tx.send(());
         let failed = first.await.expect("first request");
 
-        assert_eq!(
-            failed.status,
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "{failed:?}"
-        );
-        assert_eq!(failed.error_code(), "internal_error");
+        assert_eq!(failed.status, StatusCode::SERVICE_UNAVAILABLE, "{failed:?}");
+        assert_eq!(failed.error_code(), "busy_retry_later");
+        assert!(failed.header("retry-after").is_some(), "{failed:?}");
         assert_eq!(
             db.order_count().await,
             0,

@@ -146,7 +146,8 @@ impl Attempt {
             ),
         };
         if let Err(conflict) = roll_back(transaction).await {
-            // The handler answered from a transaction the database had already rolled back.
+            // The handler answered from a transaction the database had already rolled back (or
+            // lost).
             return (Some(inner), spare, Finished::CommitFailed(conflict));
         }
         (Some(inner), spare, Finished::RolledBack(reason, answer))
@@ -154,10 +155,12 @@ impl Attempt {
 }
 
 /// Rolls back. A serialization conflict that one of the handler's statements hit (a store
-/// reports it from `rollback`) is returned, so that the request runs again.
+/// reports it from `rollback`) is returned, so that the request runs again; so is a database
+/// that went away or became read-only under the handler (a failover), so that the request is
+/// answered `503` with `Retry-After` rather than with the handler's own error.
 pub(super) async fn roll_back<T: Reservation>(transaction: T) -> Result<(), Error> {
     match transaction.rollback().await {
-        Err(error) if error.is_serialization_conflict() => Err(error),
+        Err(error) if error.is_serialization_conflict() || error.is_unavailable() => Err(error),
         Err(error) => {
             tracing::error!(%error, "idempotency rollback failed");
             Ok(())

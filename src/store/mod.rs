@@ -22,6 +22,8 @@ use crate::response::SavedResponse;
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "sqlx-postgres"))]
 mod columns;
 #[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
+pub(crate) mod pg_failover;
+#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
 mod pg_reserve;
 #[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
 mod pg_sql;

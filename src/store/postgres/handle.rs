@@ -50,6 +50,9 @@ use crate::error::Error;
 ///   again in a fresh transaction, up to
 ///   [`with_conflict_retries`](crate::IdempotencyLayer::with_conflict_retries) times, then
 ///   answers `503` with `Retry-After`.
+/// - A statement that finds the database gone or read-only (a lost connection, `25006`,
+///   `57P01`, `57P02`, `57P03`: a failover) is noticed too: the layer answers `503` with
+///   `Retry-After` whatever the handler answers, and the connection is not reused.
 /// - Statements run with the layer's `lock_timeout` (`SET LOCAL`): a lock wait past it fails
 ///   with SQLSTATE `55P03`, for which [`Error::is_busy`] is true.
 /// - Drop the [`TransactionClient`] before the handler returns; after the request ends the

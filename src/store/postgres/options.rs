@@ -22,6 +22,7 @@ pub use crate::store::pg_reserve::Isolation;
 pub struct PostgresOptions {
     connections: Connections,
     read_pool: Option<Pool>,
+    read_config: Option<Box<tokio_postgres::Config>>,
     max_connections: usize,
     max_read_connections: usize,
     read_wait: Duration,
@@ -56,6 +57,35 @@ impl PostgresOptions {
     /// write path.
     pub fn read_pool(mut self, pool: Pool) -> Self {
         self.read_pool = Some(pool);
+        self
+    }
+
+    /// Replays read from the server of these settings, a hot standby for example, instead of
+    /// the primary: the store builds its read pool on them
+    /// ([`max_read_connections`](Self::max_read_connections)). (A [`read_pool`](Self::read_pool)
+    /// of your own takes precedence.)
+    ///
+    /// A standby can never make a key look absent that the primary has committed: the read
+    /// is only the fast path. On a miss (the standby has not replayed the commit yet) or an
+    /// error (the standby is down), the request takes the write path on the primary, which
+    /// reserves the key with an `INSERT` and finds the committed record there. What a replay
+    /// from the standby shows is a record the primary committed; a record deleted since
+    /// (by the admin tool: the purge only deletes expired ones, which the read skips) may
+    /// still replay from a lagging standby. See `docs/postgresql.md`, "Running past one
+    /// server".
+    ///
+    /// ```no_run
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// use tower_idempotency::store::postgres::PostgresStore;
+    ///
+    /// let primary = "postgres://app@db1,db2/shop?target_session_attrs=read-write".parse()?;
+    /// let standby = "postgres://app@db2/shop".parse()?;
+    /// let store = PostgresStore::builder(primary).read_from(standby).connect().await?;
+    /// # let _ = store;
+    /// # Ok(()) }
+    /// ```
+    pub fn read_from(mut self, config: tokio_postgres::Config) -> Self {
+        self.read_config = Some(Box::new(config));
         self
     }
 
@@ -109,7 +139,12 @@ impl PostgresOptions {
                 .build()
                 .map_err(|error| Error::Io(std::io::Error::other(error)))
         };
-        let (transactions, reads) = match (self.connections, self.read_pool) {
+        let read_pool = match (self.read_pool, &self.read_config) {
+            (Some(reads), _) => Some(reads),
+            (None, Some(config)) => Some(pool(config, self.max_read_connections)?),
+            (None, None) => None,
+        };
+        let (transactions, reads) = match (self.connections, read_pool) {
             (Connections::Config(config), read_pool) => {
                 let reads = match read_pool {
                     Some(reads) => reads,
@@ -189,6 +224,7 @@ impl PostgresStore {
         PostgresOptions {
             connections,
             read_pool: None,
+            read_config: None,
             max_connections: 16,
             max_read_connections: 8,
             read_wait: Duration::from_secs(1),

@@ -66,7 +66,7 @@ impl OwnedTransaction {
     pub(crate) async fn commit(self) -> Result<(), Error> {
         let mut slot = self.tx.take_connection()?;
         if let Some(conflict) = self.tx.conflict() {
-            slot.roll_back_and_release().await;
+            slot.roll_back_after(&conflict).await;
             return Err(conflict);
         }
         let checked = async {

@@ -25,6 +25,7 @@ use super::{
 };
 use crate::error::Error;
 use crate::response::SavedResponse;
+use crate::store::pg_failover::postgres_unavailable;
 use crate::store::pg_reserve::{self, ReserveStatements, Reserved};
 use crate::store::{
     to_unix_millis, Begin, NewRecord, Reservation, SavedColumns, Scope, StoredRecord,
@@ -59,7 +60,11 @@ impl PostgresStore {
                 Ok(Begin::Existing(record))
             }
             Err(error) => {
-                slot.roll_back_and_release().await;
+                slot.roll_back_after(&error).await;
+                if error.is_unavailable() {
+                    // The other idle connections most likely lead to the same server.
+                    self.forget_idle_connections();
+                }
                 Err(error)
             }
         }
@@ -224,9 +229,10 @@ impl Reservation for PostgresReservation {
 
     async fn commit(self, record: NewRecord) -> Result<(), Error> {
         let mut slot = self.tx.take_connection()?;
-        // The transaction is already rolled back on the server: report why, to run it again.
+        // The transaction is already rolled back on the server (or the server is gone): report
+        // why, to run it again or answer 503.
         if let Some(conflict) = self.tx.conflict() {
-            slot.roll_back_and_release().await;
+            slot.roll_back_after(&conflict).await;
             return Err(conflict);
         }
         let client = match slot.client() {
@@ -276,6 +282,11 @@ impl Reservation for PostgresReservation {
                     "the transaction ended before commit (it is not the one the layer began)",
                 ))
             }
+            // The connection was lost with `COMMIT` sent (or on its way): it may have committed.
+            // Not a final failure: the same key replays if it did, and runs afresh if not.
+            (_, Err(error)) if postgres_unavailable(&error) => {
+                Err(Error::CommitOutcomeUnknown(error.to_string()))
+            }
             (Err(error), _) | (Ok(_), Err(error)) => Err(error.into()),
         }
     }
@@ -285,7 +296,10 @@ impl Reservation for PostgresReservation {
     /// database had rolled back, and the layer runs the request again.
     async fn rollback(self) -> Result<(), Error> {
         match self.tx.take_connection() {
-            Ok(mut slot) => slot.roll_back_and_release().await,
+            Ok(mut slot) => match self.tx.conflict() {
+                Some(observed) => slot.roll_back_after(&observed).await,
+                None => slot.roll_back_and_release().await,
+            },
             // Nothing to roll back here: a borrower still holds it (the slot's `Drop` closes
             // it later), or it is already gone.
             Err(error) => tracing::warn!(%error, "rollback deferred to the connection's release"),

@@ -11,6 +11,7 @@ use tokio::sync::{Mutex, OwnedMutexGuard};
 
 use super::reservation::is_conflict_code;
 use crate::error::Error;
+use crate::store::pg_failover::{postgres_unavailable, Observed};
 
 /// The connection of one transaction, while it may still be open.
 ///
@@ -69,7 +70,19 @@ impl Slot {
         drop(self.object.take());
     }
 
-    fn discard(&mut self) {
+    /// Ends the transaction after `error`: a connection to a server that went away or cannot
+    /// take writes is closed rather than returned to the pool, so that the pool connects
+    /// afresh (to the new primary, with `target_session_attrs=read-write`); otherwise as
+    /// [`roll_back_and_release`](Self::roll_back_and_release).
+    pub(super) async fn roll_back_after(&mut self, error: &Error) {
+        if error.is_unavailable() {
+            self.discard();
+        } else {
+            self.roll_back_and_release().await;
+        }
+    }
+
+    pub(super) fn discard(&mut self) {
         if let Some(object) = self.object.take() {
             // Out of the pool for good; dropping the client closes its connection.
             drop(Object::take(object));
@@ -95,10 +108,11 @@ pub(super) struct TxShared {
     /// Set as soon as the layer starts to commit or roll back: handles refuse work from then on.
     pub(super) finished: AtomicBool,
     pub(super) connection: Arc<Mutex<Slot>>,
-    /// The first serialization failure or deadlock that a statement run through a handle got
-    /// (the database's message). PostgreSQL has rolled the transaction back by then, whatever
-    /// the handler answers: commit and rollback report it, so that the request runs again.
-    conflict: std::sync::Mutex<Option<String>>,
+    /// The first serialization failure, deadlock or failover error that a statement run
+    /// through a handle got (the database's message). PostgreSQL has rolled the transaction
+    /// back by then (or the server is gone), whatever the handler answers: commit and rollback
+    /// report it, so that the request runs again or is answered `503`.
+    observed: std::sync::Mutex<Option<Observed>>,
 }
 
 impl TxShared {
@@ -107,30 +121,32 @@ impl TxShared {
             token,
             finished: AtomicBool::new(false),
             connection: Arc::new(Mutex::new(slot)),
-            conflict: std::sync::Mutex::new(None),
+            observed: std::sync::Mutex::new(None),
         }
     }
 
-    /// Keeps `error` if it is the transaction's first serialization failure or deadlock.
+    /// Keeps `error` if it is the transaction's first serialization failure, deadlock or
+    /// failover error.
     pub(super) fn observe(&self, error: &tokio_postgres::Error) {
-        if !is_conflict_code(error) {
-            return;
-        }
-        let message = match error.as_db_error() {
-            Some(db_error) => db_error.to_string(),
-            None => error.to_string(),
-        };
-        let mut conflict = self.conflict.lock().unwrap_or_else(PoisonError::into_inner);
-        conflict.get_or_insert(message);
+        Observed::keep_first(
+            &self.observed,
+            is_conflict_code(error),
+            postgres_unavailable(error),
+            || match error.as_db_error() {
+                Some(db_error) => db_error.to_string(),
+                None => error.to_string(),
+            },
+        );
     }
 
-    /// The conflict a handle's statement got, if any, as the error to report.
+    /// What a handle's statement got that ended the transaction, if anything, as the error
+    /// to report.
     pub(super) fn conflict(&self) -> Option<Error> {
-        self.conflict
+        self.observed
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clone()
-            .map(Error::StatementConflict)
+            .map(Observed::into_error)
     }
 
     /// Marks the transaction finished and takes its connection from the handles.

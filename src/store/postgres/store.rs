@@ -59,6 +59,17 @@ impl PostgresStore {
     }
 }
 
+impl PostgresStore {
+    /// Closes the idle connections of both pools, after one of them met a server that went
+    /// away or became read-only (a failover): the others most likely lead to the same server,
+    /// and the pools then connect afresh (to the new primary, with several hosts and
+    /// `target_session_attrs=read-write`) instead of failing one request per connection.
+    pub(super) fn forget_idle_connections(&self) {
+        self.shared.transactions.retain(|_, _| false);
+        self.shared.reads.retain(|_, _| false);
+    }
+}
+
 pub(super) fn pool_error(error: PoolError) -> Error {
     match error {
         PoolError::Timeout(_) => Error::Busy,

@@ -15,6 +15,7 @@ use tokio::sync::{Mutex, OwnedMutexGuard};
 use super::{is_conflict, SqlxTransaction, TxConnection};
 use crate::error::{sqlx_code, Error};
 use crate::response::SavedResponse;
+use crate::store::pg_failover::{sqlx_unavailable, Observed};
 use crate::store::pg_sql::COMPLETE_RECORD;
 use crate::store::{to_unix_millis, NewRecord, Reservation, Scope};
 
@@ -84,21 +85,23 @@ impl Drop for Slot {
     }
 }
 
-/// The first serialization failure or deadlock that a statement run through a handle got
-/// (the database's message), shared by the transaction and the connection it lends.
-pub(super) type ConflictCell = Arc<std::sync::Mutex<Option<String>>>;
+/// The first serialization failure, deadlock or failover error that a statement run through
+/// a handle got (the database's message), shared by the transaction and the connection it
+/// lends.
+pub(super) type ConflictCell = Arc<std::sync::Mutex<Option<Observed>>>;
 
-/// Keeps `error` if it is the transaction's first serialization failure or deadlock.
+/// Keeps `error` if it is the transaction's first serialization failure, deadlock or
+/// failover error.
 pub(super) fn observe(conflict: &ConflictCell, error: &sqlx::Error) {
-    if !is_conflict(error) {
-        return;
-    }
-    let message = match error.as_database_error() {
-        Some(db_error) => db_error.message().to_owned(),
-        None => error.to_string(),
-    };
-    let mut conflict = conflict.lock().unwrap_or_else(PoisonError::into_inner);
-    conflict.get_or_insert(message);
+    Observed::keep_first(
+        conflict,
+        is_conflict(error),
+        sqlx_unavailable(error),
+        || match error.as_database_error() {
+            Some(db_error) => db_error.message().to_owned(),
+            None => error.to_string(),
+        },
+    );
 }
 
 pub(super) struct TxShared {
@@ -132,7 +135,7 @@ impl TxShared {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clone()
-            .map(Error::StatementConflict)
+            .map(Observed::into_error)
     }
 
     pub(super) fn is_finished(&self) -> bool {
@@ -266,7 +269,13 @@ impl Reservation for SqlxReservation {
             // layer run the request again), or the connection broke: do not reuse it.
             Err(error) => {
                 slot.discard();
-                Err(error.into())
+                if sqlx_unavailable(&error) {
+                    // `COMMIT` was sent: it may have committed. The same key replays if it
+                    // did and runs afresh if not.
+                    Err(Error::CommitOutcomeUnknown(error.to_string()))
+                } else {
+                    Err(error.into())
+                }
             }
         }
     }
@@ -276,6 +285,10 @@ impl Reservation for SqlxReservation {
     /// database had rolled back, and the layer runs the request again.
     async fn rollback(self) -> Result<(), Error> {
         match self.tx.take_connection() {
+            // A server that went away or cannot take writes: not a connection to reuse.
+            Ok(mut slot) if self.tx.conflict().is_some_and(|e| e.is_unavailable()) => {
+                slot.discard()
+            }
             Ok(mut slot) => slot.roll_back_and_release().await,
             // Nothing to roll back here: a borrower still holds it (the slot's `Drop` closes
             // it later), or it is already gone.
