@@ -77,6 +77,8 @@ struct Statements<'a> {
 }
 
 impl ReserveStatements for Statements<'_> {
+    type Row = String;
+
     async fn insert(&mut self) -> Result<Option<String>, Error> {
         let s = self.scope;
         let row = self
@@ -131,7 +133,7 @@ async fn reserve(
     deadline: Instant,
     now: i64,
     isolation: Isolation,
-) -> Result<Reserved, Error> {
+) -> Result<Reserved<String>, Error> {
     let client = slot.client()?;
     // Prepared once per connection, before the transaction.
     let mut statements = Statements {
