@@ -176,12 +176,11 @@ impl TestDb {
 
     /// The `order_id` in each completed record's saved body.
     pub async fn recorded_order_ids(&self) -> Vec<i64> {
-        let bodies: Vec<Vec<u8>> = sqlx::query_scalar(
-            "SELECT body FROM idempotency_records WHERE state = 'completed'",
-        )
-        .fetch_all(&mut self.connection().await)
-        .await
-        .expect("record bodies");
+        let bodies: Vec<Vec<u8>> =
+            sqlx::query_scalar("SELECT body FROM idempotency_records WHERE state = 'completed'")
+                .fetch_all(&mut self.connection().await)
+                .await
+                .expect("record bodies");
         let mut ids: Vec<i64> = bodies
             .iter()
             .map(|body| {
@@ -237,8 +236,10 @@ impl Drop for TestDb {
                 }
                 let _ = admin
                     .execute(
-                        format!("SET SESSION lock_wait_timeout = 5; DROP DATABASE IF EXISTS {name}")
-                            .as_str(),
+                        format!(
+                            "SET SESSION lock_wait_timeout = 5; DROP DATABASE IF EXISTS {name}"
+                        )
+                        .as_str(),
                     )
                     .await;
             });
