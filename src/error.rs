@@ -90,8 +90,8 @@ pub enum Error {
     #[cfg(feature = "postgres")]
     #[error("PostgreSQL: {}", postgres_detail(.0))]
     Postgres(#[from] tokio_postgres::Error),
-    /// An error from sqlx (the `sqlx-postgres` store, or its pool).
-    #[cfg(feature = "sqlx-postgres")]
+    /// An error from sqlx (the `sqlx-postgres` or `sqlx-mysql` store, or its pool).
+    #[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
     #[error("sqlx: {0}")]
     Sqlx(#[from] sqlx::Error),
     /// An I/O error (opening the database, for example).
@@ -110,8 +110,12 @@ impl Error {
                 *code == SqlState::T_R_SERIALIZATION_FAILURE
                     || *code == SqlState::T_R_DEADLOCK_DETECTED
             }),
-            #[cfg(feature = "sqlx-postgres")]
-            Error::Sqlx(e) => matches!(sqlx_code(e).as_deref(), Some("40001" | "40P01")),
+            // PostgreSQL's SQLSTATEs; MySQL reports a deadlock (1213) as `40001` too.
+            #[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
+            Error::Sqlx(e) => {
+                matches!(sqlx_code(e).as_deref(), Some("40001" | "40P01"))
+                    || mysql_number(e) == Some(MYSQL_DEADLOCK)
+            }
             Error::StatementConflict(_) => true,
             _ => false,
         }
@@ -158,23 +162,57 @@ impl Error {
                     || *code == SqlState::T_R_DEADLOCK_DETECTED
                     || *code == SqlState::TOO_MANY_CONNECTIONS
             }),
-            // The same codes through sqlx, and a pool that had no free connection in time.
-            #[cfg(feature = "sqlx-postgres")]
+            // The same codes through sqlx, and a pool that had no free connection in time; on
+            // MySQL and MariaDB a lock wait timeout (1205), a deadlock (1213) and too many
+            // connections (1040).
+            #[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
             Error::Sqlx(sqlx::Error::PoolTimedOut) => true,
-            #[cfg(feature = "sqlx-postgres")]
-            Error::Sqlx(e) => matches!(
-                sqlx_code(e).as_deref(),
-                Some("55P03" | "40001" | "40P01" | "53300")
-            ),
+            #[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
+            Error::Sqlx(e) => {
+                matches!(
+                    sqlx_code(e).as_deref(),
+                    Some("55P03" | "40001" | "40P01" | "53300")
+                ) || matches!(
+                    mysql_number(e),
+                    Some(MYSQL_LOCK_WAIT_TIMEOUT | MYSQL_DEADLOCK | MYSQL_TOO_MANY_CONNECTIONS)
+                )
+            }
             _ => false,
         }
     }
 }
 
 /// The SQLSTATE of a database error reported through sqlx.
-#[cfg(feature = "sqlx-postgres")]
+#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
 pub(crate) fn sqlx_code(error: &sqlx::Error) -> Option<std::borrow::Cow<'_, str>> {
     error.as_database_error().and_then(|e| e.code())
+}
+
+/// MySQL's `ER_LOCK_WAIT_TIMEOUT`: a lock wait past `innodb_lock_wait_timeout` (only the
+/// statement is rolled back).
+#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
+pub(crate) const MYSQL_LOCK_WAIT_TIMEOUT: u16 = 1205;
+/// MySQL's `ER_LOCK_DEADLOCK`: InnoDB rolled the whole transaction back.
+#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
+pub(crate) const MYSQL_DEADLOCK: u16 = 1213;
+/// MySQL's `ER_CON_COUNT_ERROR`.
+#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
+const MYSQL_TOO_MANY_CONNECTIONS: u16 = 1040;
+
+/// The error number of a MySQL or MariaDB error reported through sqlx (its SQLSTATE is often
+/// only the general `HY000`).
+#[cfg(feature = "sqlx-mysql")]
+pub(crate) fn mysql_number(error: &sqlx::Error) -> Option<u16> {
+    error
+        .as_database_error()
+        .and_then(|e| e.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>())
+        .map(sqlx::mysql::MySqlDatabaseError::number)
+}
+
+/// Without the MySQL driver, no error has a MySQL number.
+#[cfg(all(feature = "sqlx-postgres", not(feature = "sqlx-mysql")))]
+pub(crate) fn mysql_number(_error: &sqlx::Error) -> Option<u16> {
+    None
 }
 
 /// tokio-postgres displays only the kind ("db error"); the server's message is its source.

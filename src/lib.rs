@@ -86,6 +86,10 @@
 //!   built from the application's own `sqlx::PgPool`; handlers run ordinary sqlx code on
 //!   [`store::sqlx_postgres::SqlxTransaction`]. The schema also ships as a sqlx migration
 //!   (`migrations/`).
+//! - `sqlx-mysql`: [`store::sqlx_mysql::SqlxMySqlStore`], the same contract on MySQL or
+//!   MariaDB (InnoDB), built from the application's own `sqlx::MySqlPool`; handlers run
+//!   ordinary sqlx code on [`store::sqlx_mysql::SqlxTransaction`] (migration in
+//!   `migrations/mysql/`).
 //! - `client`: [`client::RetryLayer`], the client half: adds an `Idempotency-Key`, buffers the
 //!   body and retries with the same key and bytes.
 //! - `outbox`: [`outbox`], side effects that commit with the handler's rows: the handler
@@ -99,7 +103,7 @@
 //!
 //! A build for the client side alone compiles no database:
 //! `tower-idempotency = { version = "0.1", default-features = false, features = ["client"] }`.
-//! Without `sqlite`, `postgres` or `sqlx-postgres` the layer is there with no store of this
+//! Without `sqlite`, `postgres`, `sqlx-postgres` or `sqlx-mysql` the layer is there with no store of this
 //! crate's; bring an [`store::IdempotencyStore`] of your own.
 //!
 //! Operations on a store, SQLite or PostgreSQL (inspect or delete a record, counts, purge,

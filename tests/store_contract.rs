@@ -1,6 +1,7 @@
 //! The store contract, written once as generic functions over [`IdempotencyStore`] and run
 //! against every backend by `store_contract_tests!`: SQLite in a temp dir, and PostgreSQL (the
 //! tokio-postgres store and the sqlx store) in a schema of its own when `TEST_DATABASE_URL` is
+//! set, and MySQL or MariaDB (the sqlx store) in a database of its own when `TEST_MYSQL_URL` is
 //! set (reported as ignored otherwise).
 //!
 //! These check the verbs the flow relies on: reserve, commit, roll back (explicitly or by
@@ -335,4 +336,20 @@ store_contract_tests!(
     sqlx_postgres,
     sqlx_postgres_store(),
     #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
+);
+
+mod mysql_common;
+
+async fn sqlx_mysql_store() -> Option<(
+    tower_idempotency::store::sqlx_mysql::SqlxMySqlStore,
+    mysql_common::TestDb,
+)> {
+    let db = mysql_common::TestDb::create().await?;
+    Some((db.store(4).await, db))
+}
+
+store_contract_tests!(
+    sqlx_mysql,
+    sqlx_mysql_store(),
+    #[cfg_attr(not(mysql_tests), ignore = "needs MySQL or MariaDB: set TEST_MYSQL_URL")]
 );

@@ -19,7 +19,12 @@ use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
 use crate::response::SavedResponse;
 
-#[cfg(any(feature = "sqlite", feature = "postgres", feature = "sqlx-postgres"))]
+#[cfg(any(
+    feature = "sqlite",
+    feature = "postgres",
+    feature = "sqlx-postgres",
+    feature = "sqlx-mysql"
+))]
 mod columns;
 #[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
 pub(crate) mod pg_failover;
@@ -29,14 +34,31 @@ mod pg_reserve;
 mod pg_sql;
 #[cfg(feature = "postgres")]
 pub mod postgres;
-#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
+#[cfg(any(
+    feature = "postgres",
+    feature = "sqlx-postgres",
+    feature = "sqlx-mysql"
+))]
+mod reserve;
+#[cfg(any(
+    feature = "postgres",
+    feature = "sqlx-postgres",
+    feature = "sqlx-mysql"
+))]
 mod sql_guard;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
+#[cfg(feature = "sqlx-mysql")]
+pub mod sqlx_mysql;
 #[cfg(feature = "sqlx-postgres")]
 pub mod sqlx_postgres;
 
-#[cfg(any(feature = "sqlite", feature = "postgres", feature = "sqlx-postgres"))]
+#[cfg(any(
+    feature = "sqlite",
+    feature = "postgres",
+    feature = "sqlx-postgres",
+    feature = "sqlx-mysql"
+))]
 pub(crate) use columns::SavedColumns;
 
 /// The unique scope of a record: `(tenant, operation, key)`.
@@ -368,7 +390,12 @@ pub async fn continuously_purge_expired<S: IdempotencyStore>(
 
 /// Milliseconds since the Unix epoch, saturating (the representation stores use).
 #[cfg_attr(
-    not(any(feature = "sqlite", feature = "postgres", feature = "sqlx-postgres")),
+    not(any(
+        feature = "sqlite",
+        feature = "postgres",
+        feature = "sqlx-postgres",
+        feature = "sqlx-mysql"
+    )),
     allow(dead_code)
 )]
 pub(crate) fn to_unix_millis(time: SystemTime) -> i64 {
@@ -380,7 +407,12 @@ pub(crate) fn to_unix_millis(time: SystemTime) -> i64 {
 
 /// The inverse of [`to_unix_millis`].
 #[cfg_attr(
-    not(any(feature = "sqlite", feature = "postgres", feature = "sqlx-postgres")),
+    not(any(
+        feature = "sqlite",
+        feature = "postgres",
+        feature = "sqlx-postgres",
+        feature = "sqlx-mysql"
+    )),
     allow(dead_code)
 )]
 pub(crate) fn from_unix_millis(millis: i64) -> SystemTime {

@@ -11,8 +11,26 @@
 //! right. Multi-statement strings (`batch_execute`) are cut here ([`split`]) and each piece is
 //! checked and sent on its own: a cut missed here makes the server refuse the piece, a cut made
 //! wrongly makes the piece a syntax error; neither runs a hidden statement.
+//!
+//! The lexer knows two dialects ([`Dialect`]); MySQL's list of refused statements, longer
+//! because of its implicit commits, is in [`mysql`].
 
 use crate::error::Error;
+
+#[cfg(feature = "sqlx-mysql")]
+pub(crate) mod mysql;
+
+/// Whose lexical rules the SQL follows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Dialect {
+    /// PostgreSQL: nested `/* */` comments, `E'...'` strings, dollar quotes.
+    Postgres,
+    /// MySQL and MariaDB: `#` comments, `-- ` only before a blank, executable `/*! */`
+    /// comments (their text runs), backslash escapes in `'` and `"` strings, backquoted
+    /// identifiers, no dollar quotes.
+    #[cfg_attr(not(feature = "sqlx-mysql"), allow(dead_code))]
+    MySql,
+}
 
 /// The transaction-control statement that `command` starts with, if any: what the handle
 /// refuses. `command` holds one command, possibly after empty statements and comments.
@@ -20,8 +38,12 @@ use crate::error::Error;
 /// `SAVEPOINT`, `RELEASE` and `ROLLBACK TO` are allowed: on PostgreSQL they work inside the
 /// transaction the layer opened and can neither end it nor roll back anything of the layer's
 /// (the layer sets no savepoint), and they are how a handler recovers from an expected error.
+#[cfg_attr(
+    not(any(feature = "postgres", feature = "sqlx-postgres")),
+    allow(dead_code)
+)]
 pub(crate) fn refused(command: &str) -> Option<&'static str> {
-    let mut words = Words::new(command);
+    let mut words = Words::new(Dialect::Postgres, command);
     let first = words.next()?;
     let is = |word: &str, keyword: &str| word.eq_ignore_ascii_case(keyword);
     if is(first, "BEGIN") {
@@ -62,6 +84,10 @@ pub(crate) fn refused(command: &str) -> Option<&'static str> {
 /// words, not from how this module cuts the rest); the other statements that [`split`] finds
 /// are checked too, so that `SELECT 1; COMMIT` is refused with a clear error rather than by
 /// the server for holding two commands.
+#[cfg_attr(
+    not(any(feature = "postgres", feature = "sqlx-postgres")),
+    allow(dead_code)
+)]
 pub(crate) fn check_command(command: &str) -> Result<(), Error> {
     let refusal = refused(command).or_else(|| split(command).into_iter().find_map(refused));
     match refusal {
@@ -74,7 +100,16 @@ pub(crate) fn check_command(command: &str) -> Result<(), Error> {
 /// and comments), the way `psql` does: semicolons inside strings, quoted identifiers,
 /// comments, dollar quotes, parentheses and the `BEGIN ATOMIC ... END` body of a `CREATE
 /// FUNCTION` or `CREATE PROCEDURE` do not end a statement.
+#[cfg_attr(
+    not(any(feature = "postgres", feature = "sqlx-postgres")),
+    allow(dead_code)
+)]
 pub(crate) fn split(sql: &str) -> Vec<&str> {
+    split_in(Dialect::Postgres, sql)
+}
+
+/// [`split`] by the rules of `dialect` (the routine-body heuristic is PostgreSQL's only).
+pub(crate) fn split_in(dialect: Dialect, sql: &str) -> Vec<&str> {
     let bytes = sql.as_bytes();
     let mut statements = Vec::new();
     let mut start = 0;
@@ -83,7 +118,7 @@ pub(crate) fn split(sql: &str) -> Vec<&str> {
     let mut routine = RoutineBody::default();
     let mut empty = true;
     while at < bytes.len() {
-        match token(bytes, at) {
+        match token(dialect, bytes, at) {
             Token::Blank(end) => at = end,
             Token::Semicolon if parens == 0 && routine.depth == 0 => {
                 if !empty {
@@ -99,7 +134,9 @@ pub(crate) fn split(sql: &str) -> Vec<&str> {
                 empty = false;
                 match other {
                     Token::Word(end) => {
-                        routine.word(&sql[at..end], parens);
+                        if dialect == Dialect::Postgres {
+                            routine.word(&sql[at..end], parens);
+                        }
                         at = end;
                     }
                     Token::Open => {
@@ -175,15 +212,17 @@ impl RoutineBody {
 
 /// The words (identifiers and keywords) a command starts with, after comments, whitespace
 /// and empty statements; ends at the first token that is not a word.
-struct Words<'a> {
+pub(crate) struct Words<'a> {
+    dialect: Dialect,
     sql: &'a str,
     at: usize,
     started: bool,
 }
 
 impl<'a> Words<'a> {
-    fn new(sql: &'a str) -> Self {
+    pub(crate) fn new(dialect: Dialect, sql: &'a str) -> Self {
         Words {
+            dialect,
             sql,
             at: 0,
             started: false,
@@ -197,7 +236,7 @@ impl<'a> Iterator for Words<'a> {
     fn next(&mut self) -> Option<&'a str> {
         let bytes = self.sql.as_bytes();
         while self.at < bytes.len() {
-            match token(bytes, self.at) {
+            match token(self.dialect, bytes, self.at) {
                 Token::Blank(end) => self.at = end,
                 // Leading semicolons are empty statements, which the server drops.
                 Token::Semicolon if !self.started => self.at += 1,
@@ -218,7 +257,7 @@ impl<'a> Iterator for Words<'a> {
 }
 
 /// One lexical token, by where it ends.
-enum Token {
+pub(crate) enum Token {
     /// Whitespace or a comment.
     Blank(usize),
     /// An unquoted identifier or keyword (letters, digits, `_`, `$`, non-ASCII).
@@ -249,8 +288,13 @@ fn is_tag_cont(byte: u8) -> bool {
 }
 
 /// The token that starts at `at` (not past the end).
-fn token(bytes: &[u8], at: usize) -> Token {
+pub(crate) fn token(dialect: Dialect, bytes: &[u8], at: usize) -> Token {
     let next = |offset: usize| bytes.get(at + offset).copied();
+    if dialect == Dialect::MySql {
+        if let Some(token) = mysql_token(bytes, at) {
+            return token;
+        }
+    }
     match bytes[at] {
         byte if is_space(byte) => {
             let end = bytes[at..]
@@ -296,6 +340,58 @@ fn token(bytes: &[u8], at: usize) -> Token {
         }
         _ => Token::Other(at + 1),
     }
+}
+
+/// The tokens MySQL lexes otherwise than PostgreSQL (`None`: lexed alike).
+fn mysql_token(bytes: &[u8], at: usize) -> Option<Token> {
+    let next = |offset: usize| bytes.get(at + offset).copied();
+    let to_line_end = || {
+        bytes[at..]
+            .iter()
+            .position(|&b| b == b'\n' || b == b'\r')
+            .map_or(bytes.len(), |n| at + n)
+    };
+    Some(match bytes[at] {
+        b'#' => Token::Blank(to_line_end()),
+        // `--` starts a comment only before a blank or a control character (`1--1` is `1 - -1`).
+        b'-' if next(1) == Some(b'-') => match next(2) {
+            None => Token::Blank(bytes.len()),
+            Some(byte) if byte <= b' ' => Token::Blank(to_line_end()),
+            Some(_) => Token::Other(at + 1),
+        },
+        // An executable comment (`/*! ... */`, MariaDB's `/*M! ... */`): its text runs, so only
+        // the opener (and its version number) and the closer are blank.
+        b'/' if next(1) == Some(b'*')
+            && (next(2) == Some(b'!') || (next(2) == Some(b'M') && next(3) == Some(b'!'))) =>
+        {
+            let opener = if next(2) == Some(b'!') {
+                at + 3
+            } else {
+                at + 4
+            };
+            let end = bytes[opener..]
+                .iter()
+                .position(|b| !b.is_ascii_digit())
+                .map_or(bytes.len(), |n| opener + n);
+            Token::Blank(end)
+        }
+        b'*' if next(1) == Some(b'/') => Token::Blank(at + 2),
+        // Comments do not nest.
+        b'/' if next(1) == Some(b'*') => {
+            let end = bytes[at + 2..]
+                .windows(2)
+                .position(|w| w == b"*/")
+                .map_or(bytes.len(), |n| at + 2 + n + 2);
+            Token::Blank(end)
+        }
+        b'\'' => Token::Other(quoted_end(bytes, at + 1, b'\'', true)),
+        b'"' => Token::Other(quoted_end(bytes, at + 1, b'"', true)),
+        b'`' => Token::Other(quoted_end(bytes, at + 1, b'`', false)),
+        // No `E'...'` strings (`e` is a word there) and no dollar quotes.
+        b'E' | b'e' if next(1) == Some(b'\'') => Token::Word(at + 1),
+        b'$' => Token::Other(at + 1),
+        _ => return None,
+    })
 }
 
 /// The end of the (nested) `/* */` comment that starts at `at`; the end of the input if it

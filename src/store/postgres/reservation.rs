@@ -82,6 +82,8 @@ struct Statements<'a> {
 }
 
 impl ReserveStatements for Statements<'_> {
+    type Row = String;
+
     async fn insert(&mut self) -> Result<Option<String>, Error> {
         let s = self.scope;
         let row = self
@@ -136,7 +138,7 @@ async fn reserve(
     deadline: Instant,
     now: i64,
     isolation: Isolation,
-) -> Result<Reserved, Error> {
+) -> Result<Reserved<String>, Error> {
     let client = slot.client()?;
     // Prepared once per connection, before the transaction.
     let mut statements = Statements {

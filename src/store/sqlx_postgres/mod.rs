@@ -293,6 +293,8 @@ struct Statements<'a> {
 }
 
 impl ReserveStatements for Statements<'_> {
+    type Row = String;
+
     async fn insert(&mut self) -> Result<Option<String>, Error> {
         let s = self.scope;
         let insert = sqlx::query(INSERT_RESERVATION)
@@ -342,7 +344,7 @@ async fn reserve(
     deadline: Instant,
     now: i64,
     isolation: Isolation,
-) -> Result<Reserved, Error> {
+) -> Result<Reserved<String>, Error> {
     let conn = slot.raw()?;
     let begin = isolation.begin_request(deadline);
     (&mut *conn).execute(begin.as_str()).await?;

@@ -1,0 +1,119 @@
+//! How a SQL store with row locks reserves a key, written once for every such driver
+//! (tokio-postgres, sqlx on PostgreSQL, sqlx on MySQL and MariaDB): the decision between
+//! reserving, replaying and taking over an expired record, and the bounded retry of a
+//! reservation that hit a serialization failure or a deadlock. Each driver runs its own three
+//! statements through [`ReserveStatements`].
+
+use std::future::Future;
+
+use tokio::time::Instant;
+
+use super::StoredRecord;
+use crate::error::Error;
+
+/// The isolation level of the request transactions.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Isolation {
+    /// `READ COMMITTED` (PostgreSQL's default): what the reservation needs, and never a
+    /// serialization failure from the layer's own statements.
+    #[default]
+    ReadCommitted,
+    /// `REPEATABLE READ` (InnoDB's default).
+    RepeatableRead,
+    /// `SERIALIZABLE`: the handler's reads and writes behave as if requests ran one at a time.
+    /// Conflicts surface as serialization failures or deadlocks: while reserving the key they
+    /// are retried, later they answer `503` and the client retries.
+    Serializable,
+}
+
+/// What [`reserve`] found.
+pub(crate) enum Reserved<R> {
+    /// The scope is reserved by this transaction, in this row (the driver's row address, or
+    /// `()` where it needs none).
+    Row(R),
+    /// A duplicate committed first: its live record.
+    Existing(StoredRecord),
+}
+
+/// The reservation's statements on one driver's connection, inside the open transaction, for
+/// one scope at one `now`.
+pub(crate) trait ReserveStatements {
+    /// What identifies the reserved row for the commit.
+    type Row;
+
+    /// Inserts the reservation: the new row, or `None` when the key has a row (blocks on the
+    /// primary key while another transaction holds it).
+    fn insert(&mut self) -> impl Future<Output = Result<Option<Self::Row>, Error>> + Send;
+
+    /// Reads the key's row: `None` when the key has no row, `Some(None)` when its row is not a
+    /// live completed record (expired, or a stray reservation), else the record.
+    fn select(
+        &mut self,
+    ) -> impl Future<Output = Result<Option<Option<StoredRecord>>, Error>> + Send;
+
+    /// Takes an expired record (or a stray reservation) over: the row once taken over, or
+    /// `None` if it changed meanwhile.
+    fn take_over(&mut self) -> impl Future<Output = Result<Option<Self::Row>, Error>> + Send;
+}
+
+/// Reserves the scope, or finds the record a duplicate committed first. `first` is the answer
+/// of an insert the driver already sent (tokio-postgres sends it with the `BEGIN`).
+pub(crate) async fn reserve<S: ReserveStatements>(
+    statements: &mut S,
+    mut first: Option<Option<S::Row>>,
+) -> Result<Reserved<S::Row>, Error> {
+    // Each turn ends in a decision unless another transaction changed the row in between
+    // (purged it, or took it over and committed): then look again, a few times at most.
+    for _ in 0..4 {
+        let inserted = match first.take() {
+            Some(inserted) => inserted,
+            None => statements.insert().await?,
+        };
+        if let Some(row) = inserted {
+            return Ok(Reserved::Row(row));
+        }
+        let Some(found) = statements.select().await? else {
+            continue; // purged since the insert saw it
+        };
+        if let Some(record) = found {
+            return Ok(Reserved::Existing(record));
+        }
+        // Expired, or a stray reservation that was committed: take it over. Blocks if another
+        // request is taking it over too; when that one commits, its fresh record no longer
+        // matches and the next turn replays it.
+        if let Some(row) = statements.take_over().await? {
+            return Ok(Reserved::Row(row));
+        }
+    }
+    Err(Error::Busy)
+}
+
+/// Runs `attempt` (open a transaction and reserve) again after a serialization failure or a
+/// deadlock, at most `retries` times, after a short pause that grows with each retry so that
+/// the other transaction can end; never past `deadline` ([`Error::Busy`] then).
+pub(crate) async fn retry_conflicts<T, F, Fut>(
+    retries: u32,
+    deadline: Instant,
+    mut attempt: F,
+) -> Result<T, Error>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, Error>>,
+{
+    let mut retried = 0;
+    loop {
+        match attempt().await {
+            Err(error) if error.is_serialization_conflict() && retried < retries => {
+                retried += 1;
+                tracing::debug!(%error, retries = retried, "reserving the key conflicted; retrying");
+                let pause = std::time::Duration::from_millis(2u64 << retried.min(6));
+                if Instant::now() + pause >= deadline {
+                    return Err(Error::Busy);
+                }
+                tokio::time::sleep(pause).await;
+            }
+            outcome => return outcome,
+        }
+    }
+}

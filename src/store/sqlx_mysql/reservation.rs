@@ -1,0 +1,301 @@
+//! The owner side of a request's transaction: the connection it holds, what its handles
+//! share, and the commit with the record.
+
+use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, PoisonError};
+
+use sqlx::mysql::MySqlConnection;
+// The `Executor` methods rather than the query builders' `execute(conn)`: their boxed futures
+// keep these `async fn`s provably `Send` (the builders' generic futures hit a rustc limitation
+// on higher-ranked lifetimes there).
+use futures_util::StreamExt;
+use sqlx::Executor as _;
+use tokio::sync::{Mutex, OwnedMutexGuard};
+
+use super::sql::{self, COMPLETE_RECORD};
+use super::{is_conflict, SqlxTransaction, TxConnection};
+use crate::error::Error;
+use crate::response::SavedResponse;
+use crate::store::{to_unix_millis, NewRecord, Reservation, Scope};
+
+/// The connection of one transaction, while it may still be open.
+///
+/// Dropping a slot that still holds its connection takes the connection out of the pool and
+/// closes it instead of returning it: `Drop` cannot await a `ROLLBACK`, and a pooled connection
+/// with an open transaction would hand it to the next user of the pool. Closing the socket is
+/// what makes the server roll back. Every path the layer drives to its end sends `ROLLBACK` or
+/// `COMMIT` (and restores the session's settings) and keeps the connection.
+pub(super) struct Slot {
+    pub(super) connection: Option<TxConnection>,
+}
+
+impl Slot {
+    pub(super) fn new(connection: TxConnection) -> Self {
+        Slot {
+            connection: Some(connection),
+        }
+    }
+
+    pub(super) fn raw(&mut self) -> Result<&mut MySqlConnection, Error> {
+        self.connection
+            .as_mut()
+            .map(TxConnection::raw_mut)
+            .ok_or(Error::TransactionFinished)
+    }
+
+    /// Ends the transaction with `ROLLBACK` and gives the connection back to the pool; if that
+    /// fails, the connection is discarded (closing it rolls back).
+    pub(super) async fn roll_back_and_release(&mut self) {
+        if let Err(error) = self.end(&sql::rollback()).await {
+            tracing::warn!(%error, "ROLLBACK failed; closing the connection");
+        }
+    }
+
+    /// Sends `statements` (`COMMIT` or `ROLLBACK`, then the session's settings restored) and
+    /// gives the connection back if all of them ran, else discards it. The error is the first
+    /// statement's: once that ran, the transaction has ended as asked, whatever follows.
+    async fn end(&mut self, statements: &str) -> Result<(), sqlx::Error> {
+        let (ended, restored) = match self.raw() {
+            // The connection stays in the slot while this awaits: if this future is dropped,
+            // the slot's `Drop` discards it.
+            Ok(conn) => {
+                let mut results = conn.fetch_many(statements);
+                let ended = match results.next().await {
+                    Some(Ok(_)) => Ok(()),
+                    Some(Err(error)) => Err(error),
+                    None => Err(sqlx::Error::Protocol(
+                        "no result for COMMIT or ROLLBACK".into(),
+                    )),
+                };
+                let mut restored = ended.is_ok();
+                while let Some(result) = results.next().await {
+                    if let Err(error) = result {
+                        tracing::warn!(%error, "restoring the session failed; closing the connection");
+                        restored = false;
+                    }
+                }
+                (ended, restored)
+            }
+            Err(_) => return Ok(()),
+        };
+        if restored {
+            self.release();
+        } else {
+            self.discard();
+        }
+        ended
+    }
+
+    /// Gives the connection back to the pool: only once no transaction is open on it.
+    fn release(&mut self) {
+        drop(self.connection.take());
+    }
+
+    fn discard(&mut self) {
+        if let Some(connection) = self.connection.take() {
+            // Out of the pool for good (the pool may open a replacement); dropping the
+            // connection closes its socket.
+            drop(connection.into_pooled().detach());
+        }
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        if self.connection.is_some() {
+            tracing::debug!("idempotency transaction dropped while open; closing its connection");
+            self.discard();
+        }
+    }
+}
+
+/// The first serialization failure or deadlock that a statement run through a handle got
+/// (the database's message), shared by the transaction and the connection it lends.
+pub(super) type ConflictCell = Arc<std::sync::Mutex<Option<String>>>;
+
+/// Keeps `error` if it is the transaction's first serialization failure or deadlock.
+pub(super) fn observe(conflict: &ConflictCell, error: &sqlx::Error) {
+    if !is_conflict(error) {
+        return;
+    }
+    let message = match error.as_database_error() {
+        Some(db_error) => db_error.message().to_owned(),
+        None => error.to_string(),
+    };
+    let mut conflict = conflict.lock().unwrap_or_else(PoisonError::into_inner);
+    conflict.get_or_insert(message);
+}
+
+pub(super) struct TxShared {
+    pub(super) token: u64,
+    /// Set as soon as the layer starts to commit or roll back: handles refuse work from then on.
+    finished: AtomicBool,
+    pub(super) connection: Arc<Mutex<Slot>>,
+    /// InnoDB has rolled the transaction back once a handler's statement deadlocked, whatever
+    /// the handler answers: commit and rollback report it, so that the request runs again.
+    conflict: ConflictCell,
+}
+
+impl TxShared {
+    fn new(token: u64, slot: Slot) -> Self {
+        let conflict = match &slot.connection {
+            Some(connection) => connection.conflict_cell(),
+            None => ConflictCell::default(),
+        };
+        TxShared {
+            token,
+            finished: AtomicBool::new(false),
+            connection: Arc::new(Mutex::new(slot)),
+            conflict,
+        }
+    }
+
+    /// The conflict a handle's statement got, if any, as the error to report.
+    fn conflict(&self) -> Option<Error> {
+        self.conflict
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+            .map(Error::StatementConflict)
+    }
+
+    pub(super) fn is_finished(&self) -> bool {
+        self.finished.load(Ordering::Acquire)
+    }
+
+    /// Marks the transaction finished and takes its connection from the handles.
+    fn take_connection(&self) -> Result<OwnedMutexGuard<Slot>, Error> {
+        self.finished.store(true, Ordering::Release);
+        // The handler has returned its response; a connection still borrowed now belongs to
+        // a task that outlived its request, still using the transaction: do not commit under it.
+        let slot = self.connection.clone().try_lock_owned().map_err(|_| {
+            Error::TransactionAborted("a handler still holds the transaction's connection")
+        })?;
+        if slot.connection.is_none() {
+            return Err(Error::TransactionAborted(
+                "the transaction's connection is gone",
+            ));
+        }
+        Ok(slot)
+    }
+
+    /// The owner went away without committing: refuse further work and close the connection
+    /// (which rolls back).
+    fn abandon(&self) {
+        self.finished.store(true, Ordering::Release);
+        // Discard at once if nobody borrows the connection; otherwise the slot's own `Drop`
+        // does it when the last borrower lets go.
+        if let Ok(mut slot) = self.connection.try_lock() {
+            slot.discard();
+        }
+    }
+}
+
+/// The open transaction of one request: the owner side, which the layer holds and ends.
+///
+/// [`commit`](Reservation::commit) and [`rollback`](Reservation::rollback) consume
+/// it; dropping it without either rolls back (by closing its connection; see the module docs).
+/// The handler gets a [`SqlxTransaction`] on it, never the transaction itself.
+pub struct SqlxReservation {
+    tx: Arc<TxShared>,
+    scope: Scope,
+}
+
+impl SqlxReservation {
+    pub(super) fn new(token: u64, slot: Slot, scope: Scope) -> Self {
+        SqlxReservation {
+            tx: Arc::new(TxShared::new(token, slot)),
+            scope,
+        }
+    }
+}
+
+impl fmt::Debug for SqlxReservation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SqlxReservation")
+            .field("reservation", &self.tx.token)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for SqlxReservation {
+    fn drop(&mut self) {
+        self.tx.abandon();
+    }
+}
+
+impl Reservation for SqlxReservation {
+    type Handle = SqlxTransaction;
+
+    fn handle(&self) -> SqlxTransaction {
+        SqlxTransaction::new(self.tx.clone())
+    }
+
+    async fn commit(self, record: NewRecord) -> Result<(), Error> {
+        let mut slot = self.tx.take_connection()?;
+        // The transaction is already rolled back on the server: report why, to run it again.
+        if let Some(conflict) = self.tx.conflict() {
+            slot.roll_back_and_release().await;
+            return Err(conflict);
+        }
+        let response = &record.response;
+        let trailers = response
+            .trailers
+            .as_ref()
+            .map(|t| SavedResponse::encode_headers(t));
+        let saved = match slot.raw() {
+            Ok(conn) => {
+                let complete = sqlx::query(COMPLETE_RECORD)
+                    .bind(&record.fingerprint.digest()[..])
+                    .bind(i32::from(record.fingerprint.version()))
+                    .bind(i32::from(response.status.as_u16()))
+                    .bind(SavedResponse::encode_headers(&response.headers))
+                    .bind(&response.body[..])
+                    .bind(trailers)
+                    .bind(to_unix_millis(record.created_at))
+                    .bind(to_unix_millis(record.expires_at))
+                    .bind(&*self.scope.tenant)
+                    .bind(&*self.scope.operation)
+                    .bind(self.scope.key.as_str());
+                conn.execute(complete).await
+            }
+            Err(error) => return Err(error),
+        };
+        match saved {
+            // The reservation is still this transaction's own: commit it with the handler's rows.
+            Ok(done) if done.rows_affected() == 1 => {}
+            // The reservation row is gone or completed: the server ended the transaction under
+            // the handler (a deadlock rolled it back). Nothing of what followed may commit.
+            Ok(_) => {
+                slot.roll_back_and_release().await;
+                return Err(Error::TransactionAborted(
+                    "the transaction ended before commit (it is not the one the layer began)",
+                ));
+            }
+            // The connection broke, or the server refused the update: nothing may commit.
+            Err(error) => {
+                slot.roll_back_and_release().await;
+                return Err(error.into());
+            }
+        }
+        // Refused by the server, or the connection broke: the connection is not reused.
+        slot.end(&sql::commit()).await.map_err(Error::from)
+    }
+
+    /// Rolls back. Reports a serialization failure or deadlock that a handler's statement
+    /// got ([`Error::StatementConflict`]): the handler's answer came from a transaction the
+    /// database had rolled back, and the layer runs the request again.
+    async fn rollback(self) -> Result<(), Error> {
+        match self.tx.take_connection() {
+            Ok(mut slot) => slot.roll_back_and_release().await,
+            // Nothing to roll back here: a borrower still holds it (the slot's `Drop` closes
+            // it later), or it is already gone.
+            Err(error) => tracing::warn!(%error, "rollback deferred to the connection's release"),
+        }
+        match self.tx.conflict() {
+            Some(conflict) => Err(conflict),
+            None => Ok(()),
+        }
+    }
+}
