@@ -6,7 +6,8 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::slot::{Slot, TxShared};
-use super::{PostgresStore, PostgresTransaction, RESERVATION_SETTING};
+use super::{PostgresStore, PostgresTransaction};
+use crate::store::pg_sql::{IS_OWN_TRANSACTION, OWN_TRANSACTION_SETTING};
 use crate::error::Error;
 
 impl PostgresStore {
@@ -22,7 +23,7 @@ impl PostgresStore {
         let begun = match slot.client() {
             Ok(client) => client
                 .batch_execute(&format!(
-                    "{}; SET LOCAL {RESERVATION_SETTING} = '{token}'",
+                    "{}; SET LOCAL {OWN_TRANSACTION_SETTING} = '{token}'",
                     self.shared.isolation.begin_statement()
                 ))
                 .await
@@ -72,10 +73,7 @@ impl OwnedTransaction {
         let checked = async {
             let client = slot.client()?;
             let check = client
-                .prepare_cached(
-                    "SELECT current_setting('tower_idempotency.reservation', true) \
-                     IS NOT DISTINCT FROM $1",
-                )
+.prepare_cached(IS_OWN_TRANSACTION)
                 .await?;
             let same: bool = client
                 .query_one(&check, &[&self.tx.token.to_string()])
