@@ -318,6 +318,25 @@ impl<S: Clone + 'static, H, X> AppBuilder<S, H, X> {
     }
 }
 
+impl<S: Clone + 'static, T: InsertOrder, O: Outcome, X> AppBuilder<S, HookFor<OrderCallOf<T>, O>, X> {
+    /// The order routes on `store`, behind the demo authentication, served on 127.0.0.1:0:
+    /// the app of a database backend whose handle is `T` (the SQLite app adds its own routes).
+    pub async fn serve_orders(&self, store: &S) -> (Arc<AppOf<T, O>>, Serving)
+    where
+        IdempotencyLayer<S>: Layer<Route> + Clone + Send + Sync + 'static,
+        Guarded<S>: Service<Request, Error = Infallible> + Clone + Send + Sync + 'static,
+        <Guarded<S> as Service<Request>>::Response: IntoResponse + 'static,
+        <Guarded<S> as Service<Request>>::Future: Send + 'static,
+    {
+        let app = AppOf::<T, O>::new(self.hook.clone(), self.response_headers.clone());
+        let router = self
+            .order_routes::<T, O>(store)
+            .layer(middleware::from_fn_with_state(app.clone(), authenticate))
+            .with_state(app.clone());
+        (app, Serving::start(router).await)
+    }
+}
+
 /// A route's service behind the idempotency layer on the store `S`.
 type Guarded<S> = <IdempotencyLayer<S> as Layer<Route>>::Service;
 
