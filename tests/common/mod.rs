@@ -1118,7 +1118,8 @@ pub mod process {
     use std::net::SocketAddr;
     use std::path::{Path, PathBuf};
     use std::process::Stdio;
-    use std::sync::OnceLock;
+    use std::collections::HashMap;
+    use std::sync::{Mutex, OnceLock, PoisonError};
     use std::time::{Duration, Instant};
 
     use bytes::Bytes;
@@ -1142,8 +1143,21 @@ pub mod process {
     /// target directory: a no-op when `cargo test` has just built it) and takes the path
     /// cargo reports for the artifact. Cargo holds no build lock while tests run.
     pub fn orders_binary() -> PathBuf {
-        static BINARY: OnceLock<PathBuf> = OnceLock::new();
-        BINARY.get_or_init(|| build_example("orders")).clone()
+        example_binary("orders")
+    }
+
+    /// The binary of the example `name`, up to date (see [`orders_binary`]): built once per
+    /// test binary.
+    pub fn example_binary(name: &str) -> PathBuf {
+        static BINARIES: OnceLock<Mutex<HashMap<String, PathBuf>>> = OnceLock::new();
+        let mut binaries = BINARIES
+            .get_or_init(Mutex::default)
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        binaries
+            .entry(name.to_owned())
+            .or_insert_with(|| build_example(name))
+            .clone()
     }
 
     /// Runs `cargo build --example <name>` (see [`orders_binary`]) and returns the path cargo
@@ -1213,7 +1227,13 @@ pub mod process {
         /// Starts the example on `127.0.0.1:0` with these store arguments (`--db PATH` or
         /// `--database-url URL`) and waits until it listens (it prints its address).
         pub async fn start_with(store_args: &[&str]) -> OrdersProcess {
-            let mut child = Command::new(orders_binary())
+            Self::start_example("orders", store_args).await
+        }
+
+        /// Starts the example `name` (an order app that takes `--addr` and prints its
+        /// address first, as `orders` and `orders_sqlx` do) with these store arguments.
+        pub async fn start_example(name: &str, store_args: &[&str]) -> OrdersProcess {
+            let mut child = Command::new(example_binary(name))
                 .args(["--addr", "127.0.0.1:0"])
                 .args(store_args)
                 .env("RUST_LOG", "error")

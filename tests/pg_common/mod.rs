@@ -409,5 +409,27 @@ impl InsertOrder for PostgresTransaction {
 
 /// The example binary (`examples/orders.rs`) as a child process serving on this database.
 pub async fn start_example(db: &TestDb) -> super::common::process::OrdersProcess {
-    super::common::process::OrdersProcess::start_with(&["--database-url", &db.url()]).await
+    start_order_example(OrderExample::TokioPostgres, db).await
+}
+
+/// The order examples that serve on PostgreSQL (`--database-url`), one per store.
+#[derive(Clone, Copy, Debug)]
+pub enum OrderExample {
+    /// `examples/orders.rs`, on the tokio-postgres store.
+    TokioPostgres,
+    /// `examples/orders_sqlx.rs`, on the sqlx store.
+    Sqlx,
+}
+
+/// `example` as a child process serving on this database.
+pub async fn start_order_example(
+    example: OrderExample,
+    db: &TestDb,
+) -> super::common::process::OrdersProcess {
+    let name = match example {
+        OrderExample::TokioPostgres => "orders",
+        OrderExample::Sqlx => "orders_sqlx",
+    };
+    super::common::process::OrdersProcess::start_example(name, &["--database-url", &db.url()])
+        .await
 }
