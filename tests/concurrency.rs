@@ -374,9 +374,8 @@ async fn when_the_original_fails_a_waiting_duplicate_runs_afresh<B: Backend>(db:
 async fn two_app_instances_sharing_the_database_create_one_order_per_key<B: Backend>(db: B) {
     const KEYS: usize = 12;
     const DUPLICATES: usize = 6;
-    let long_wait = |layer: IdempotencyLayer<B::Store>| {
-        layer.with_lock_timeout(Duration::from_secs(30))
-    };
+    let long_wait =
+        |layer: IdempotencyLayer<B::Store>| layer.with_lock_timeout(Duration::from_secs(30));
     let a = db
         .server()
         .layer(long_wait)
@@ -580,7 +579,6 @@ mod postgres {
 
     concurrency_tests!(Postgres);
     parallel_writer_tests!(Postgres);
-
 
     /// With one transaction connection, held by a slow handler: a new key waits for the pool
     /// past the lock timeout (`503`), while completed keys still replay from the read pool.

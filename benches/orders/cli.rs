@@ -17,12 +17,12 @@ usage: cargo bench --bench orders -- [--quick] [--duration SECS] [--rounds N]
   --duration SECS      length of one round (default 2; --quick 0.4)
   --rounds N           rounds per case, interleaved with the other cases' rounds;
                        throughput is their median (default 3; --quick 2)
-  --cases LIST         what to run (default all): A B C D H R E, hold (replays while a handler
+  --cases LIST         what to run (default all): A B C D H R SA SH E, hold (replays while a handler
                        holds the write transaction), alloc (bytes allocated per request)
   --concurrency LIST   connections, one request in flight each (default 1,16,64)
   --modes LIST         full, normal (SQLite's durability), pg (default all three, pg
                        only with a URL)
-  --database-url URL   run A, B, H and R on PostgreSQL too (tables in a fresh schema)
+  --database-url URL   run A, B, H, R, SA and SH on PostgreSQL too (tables in a fresh schema)
   --client-threads N   threads of the load generator's runtime (default 1)
   --out DIR            where results.csv, goals.csv, extras.csv and throughput.svg go
                        (default bench)
@@ -57,14 +57,7 @@ impl Case {
         Case::SqlxH,
     ];
     /// The cases that run on PostgreSQL (C and D are SQLite-only).
-    const POSTGRES: [Case; 6] = [
-        Case::A,
-        Case::B,
-        Case::H,
-        Case::R,
-        Case::SqlxA,
-        Case::SqlxH,
-    ];
+    const POSTGRES: [Case; 6] = [Case::A, Case::B, Case::H, Case::R, Case::SqlxA, Case::SqlxH];
     /// The cases that run only on PostgreSQL (the sqlx store).
     const POSTGRES_ONLY: [Case; 2] = [Case::SqlxA, Case::SqlxH];
 

@@ -17,11 +17,11 @@ use serde_json::{json, Value};
 use tower_idempotency::extract::Tx;
 use tower_idempotency::fingerprint::Fingerprinter;
 use tower_idempotency::outbox::postgres::{enqueue, PostgresOutbox};
+use tower_idempotency::outbox::sqlx_postgres::enqueue as sqlx_enqueue;
 use tower_idempotency::store::postgres::deadpool_postgres::{
     Manager, ManagerConfig, Pool, RecyclingMethod,
 };
 use tower_idempotency::store::postgres::tokio_postgres::{self, NoTls};
-use tower_idempotency::outbox::sqlx_postgres::enqueue as sqlx_enqueue;
 use tower_idempotency::store::postgres::{PostgresStore, PostgresTransaction};
 use tower_idempotency::store::sqlx_postgres::sqlx::postgres::{
     PgConnectOptions, PgPool, PgPoolOptions,
@@ -190,7 +190,10 @@ pub(crate) fn app(state: PgState) -> Router {
         .route("/orders", post(create_order).layer(idempotency))
         .route("/orders/{id}", get(get_order))
         .route("/hand/orders", post(create_order_hand))
-        .route("/sqlx/orders", post(create_order_sqlx).layer(sqlx_idempotency))
+        .route(
+            "/sqlx/orders",
+            post(create_order_sqlx).layer(sqlx_idempotency),
+        )
         .route("/sqlx/hand/orders", post(create_order_sqlx_hand))
         .layer(middleware::from_fn(authenticate))
         .with_state(state)

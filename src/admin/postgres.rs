@@ -26,10 +26,7 @@ impl AdminBackend for PostgresStore {
     ) -> Result<Option<RecordInfo>, Error> {
         let client = self.client().await?;
         let row = client
-            .query_opt(
-                &inspect_record(with_body),
-                &[&tenant, &operation, &key],
-            )
+            .query_opt(&inspect_record(with_body), &[&tenant, &operation, &key])
             .await?;
         row.map(|row| raw_record(&row)?.into_info(tenant, operation, key))
             .transpose()
@@ -38,10 +35,7 @@ impl AdminBackend for PostgresStore {
     async fn delete_record(&self, tenant: &str, operation: &str, key: &str) -> Result<bool, Error> {
         let client = self.client().await?;
         let deleted = client
-            .execute(
-                DELETE_RECORD,
-                &[&tenant, &operation, &key],
-            )
+            .execute(DELETE_RECORD, &[&tenant, &operation, &key])
             .await?;
         Ok(deleted > 0)
     }

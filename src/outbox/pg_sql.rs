@@ -154,7 +154,10 @@ mod tests {
     #[test]
     fn event_reads_select_the_columns_raw_event_expects() {
         for sql in [SELECT_EVENT, DEAD_LETTERS] {
-            assert!(sql.contains(&format!("SELECT {EVENT_COLUMNS} FROM")), "{sql}");
+            assert!(
+                sql.contains(&format!("SELECT {EVENT_COLUMNS} FROM")),
+                "{sql}"
+            );
         }
     }
 }

@@ -152,13 +152,7 @@ impl OutboxStore for PostgresStore {
         let mut client = self.client().await?;
         // An idle relay polls often: a plain read first, so that polling opens no write
         // transaction and locks nothing.
-        let due: bool = client
-            .query_one(
-                SELECT_DUE,
-                &[&now],
-            )
-            .await?
-            .try_get(0)?;
+        let due: bool = client.query_one(SELECT_DUE, &[&now]).await?.try_get(0)?;
         if !due {
             return Ok(Claimed::default());
         }
@@ -193,11 +187,7 @@ impl OutboxStore for PostgresStore {
                 // Recorded whoever holds the claim now: the sink accepted the event, and that
                 // stays true.
                 Settlement::Delivered { id } => {
-                    tx.execute(
-                        SETTLE_DELIVERED,
-                        &[&id.as_str(), &now],
-                    )
-                    .await?
+                    tx.execute(SETTLE_DELIVERED, &[&id.as_str(), &now]).await?
                 }
                 // Only under our own claim: if it ran out and another relay claimed the event,
                 // that relay decides what happens next.
@@ -214,11 +204,8 @@ impl OutboxStore for PostgresStore {
                     .await?
                 }
                 Settlement::Dead { id, token, error } => {
-                    tx.execute(
-                        SETTLE_DEAD,
-                        &[&id.as_str(), &token.as_str(), error],
-                    )
-                    .await?
+                    tx.execute(SETTLE_DEAD, &[&id.as_str(), &token.as_str(), error])
+                        .await?
                 }
             };
         }
@@ -228,12 +215,7 @@ impl OutboxStore for PostgresStore {
 
     async fn backlog(&self) -> Result<Backlog, Error> {
         let client = self.client().await?;
-        let row = client
-            .query_one(
-                BACKLOG,
-                &[],
-            )
-            .await?;
+        let row = client.query_one(BACKLOG, &[]).await?;
         Ok(Backlog {
             pending: count_from_column(row.try_get(0)?),
             dead: count_from_column(row.try_get(1)?),
@@ -280,24 +262,14 @@ impl OutboxBackend for PostgresStore {
     async fn event(&self, id: &str) -> Result<Option<EventInfo>, Error> {
         let now = to_unix_millis(SystemTime::now());
         let client = self.client().await?;
-        let row = client
-            .query_opt(
-                SELECT_EVENT,
-                &[&id],
-            )
-            .await?;
+        let row = client.query_opt(SELECT_EVENT, &[&id]).await?;
         row.map(|row| raw_event(&row)?.into_info(now)).transpose()
     }
 
     async fn outbox_counts(&self) -> Result<OutboxCounts, Error> {
         let now = to_unix_millis(SystemTime::now());
         let client = self.client().await?;
-        let rows = client
-            .query(
-                COUNT_BY_STATE,
-                &[&now],
-            )
-            .await?;
+        let rows = client.query(COUNT_BY_STATE, &[&now]).await?;
         let mut counts = OutboxCounts::default();
         for row in rows {
             let status: String = row.try_get(0)?;
@@ -311,12 +283,7 @@ impl OutboxBackend for PostgresStore {
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         let now = to_unix_millis(SystemTime::now());
         let client = self.client().await?;
-        let rows = client
-            .query(
-                DEAD_LETTERS,
-                &[&limit],
-            )
-            .await?;
+        let rows = client.query(DEAD_LETTERS, &[&limit]).await?;
         rows.iter()
             .map(|row| raw_event(row)?.into_info(now))
             .collect()
@@ -325,24 +292,14 @@ impl OutboxBackend for PostgresStore {
     async fn requeue(&self, id: &str) -> Result<bool, Error> {
         let now = to_unix_millis(SystemTime::now());
         let client = self.client().await?;
-        let changed = client
-            .execute(
-                REQUEUE,
-                &[&id, &now],
-            )
-            .await?;
+        let changed = client.execute(REQUEUE, &[&id, &now]).await?;
         Ok(changed > 0)
     }
 
     async fn requeue_all_dead(&self) -> Result<u64, Error> {
         let now = to_unix_millis(SystemTime::now());
         let client = self.client().await?;
-        Ok(client
-            .execute(
-                REQUEUE_ALL_DEAD,
-                &[&now],
-            )
-            .await?)
+        Ok(client.execute(REQUEUE_ALL_DEAD, &[&now]).await?)
     }
 
     /// Several instances may purge at once (SKIP LOCKED).
@@ -350,12 +307,7 @@ impl OutboxBackend for PostgresStore {
         let before = to_unix_millis(before);
         let batch = i64::try_from(batch).unwrap_or(i64::MAX);
         let client = self.client().await?;
-        Ok(client
-            .execute(
-                PURGE_DELIVERED,
-                &[&before, &batch],
-            )
-            .await?)
+        Ok(client.execute(PURGE_DELIVERED, &[&before, &batch]).await?)
     }
 }
 
@@ -473,10 +425,7 @@ impl InboxBackend for PostgresStore {
     async fn inbox_contains(&self, consumer: &str, event_id: &str) -> Result<bool, Error> {
         let client = self.client().await?;
         Ok(client
-            .query_one(
-                INBOX_CONTAINS,
-                &[&consumer, &event_id],
-            )
+            .query_one(INBOX_CONTAINS, &[&consumer, &event_id])
             .await?
             .try_get(0)?)
     }
@@ -492,10 +441,7 @@ impl InboxBackend for PostgresStore {
         let batch = i64::try_from(batch).unwrap_or(i64::MAX);
         let client = self.client().await?;
         Ok(client
-            .execute(
-                PURGE_INBOX,
-                &[&consumer, &before, &batch],
-            )
+            .execute(PURGE_INBOX, &[&consumer, &before, &batch])
             .await?)
     }
 }

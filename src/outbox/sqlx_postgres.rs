@@ -148,7 +148,11 @@ impl OutboxStore for SqlxPostgresStore {
         // First, the events whose last allowed attempt was abandoned: retrying them would
         // exceed the attempts (and an event that crashes its relay would be retried forever).
         let abandoned = (&mut *tx)
-            .fetch_all(sqlx::query(DEAD_LETTER_ABANDONED).bind(now).bind(max_attempts))
+            .fetch_all(
+                sqlx::query(DEAD_LETTER_ABANDONED)
+                    .bind(now)
+                    .bind(max_attempts),
+            )
             .await?
             .iter()
             .map(claimed_row)

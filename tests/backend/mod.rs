@@ -557,62 +557,66 @@ async fn failing_trigger(db: &TestDb, name: &str, event: &str, when: &str) {
 /// tokio-postgres connection of its own, as another process would.
 macro_rules! pg_database_reads {
     () => {
-    async fn execute(&self, sql: &str) {
-        self.db.execute(sql).await;
-    }
+        async fn execute(&self, sql: &str) {
+            self.db.execute(sql).await;
+        }
 
-    async fn orders(&self) -> Vec<Order> {
-        self.db.orders().await
-    }
+        async fn orders(&self) -> Vec<Order> {
+            self.db.orders().await
+        }
 
-    async fn order_count(&self) -> i64 {
-        self.db.order_count().await
-    }
+        async fn order_count(&self) -> i64 {
+            self.db.order_count().await
+        }
 
-    async fn record_count(&self) -> i64 {
-        self.db.record_count().await
-    }
+        async fn record_count(&self) -> i64 {
+            self.db.record_count().await
+        }
 
-    async fn record_exists(&self, tenant: &str, operation: &str, key: &str) -> bool {
-        self.db.record_exists(tenant, operation, key).await
-    }
+        async fn record_exists(&self, tenant: &str, operation: &str, key: &str) -> bool {
+            self.db.record_exists(tenant, operation, key).await
+        }
 
-    async fn event_count(&self) -> i64 {
-        self.db
-            .value("SELECT count(*) FROM outbox_events", &[])
-            .await
-    }
+        async fn event_count(&self) -> i64 {
+            self.db
+                .value("SELECT count(*) FROM outbox_events", &[])
+                .await
+        }
 
-    async fn effects(&self, event_id: &str) -> i64 {
-        let sql = "SELECT count(*) FROM effects WHERE event_id = $1";
-        self.db.value(sql, &[&event_id]).await
-    }
+        async fn effects(&self, event_id: &str) -> i64 {
+            let sql = "SELECT count(*) FROM effects WHERE event_id = $1";
+            self.db.value(sql, &[&event_id]).await
+        }
 
-    async fn fail_saving_the_record_of(&self, key: &'static str) {
-        // The layer reserves the row first and completes it on commit: fail the completion.
-        let when = format!("NEW.idempotency_key = '{key}' AND NEW.state = 'completed'");
-        failing_trigger(&self.db, "fail_record", "UPDATE ON idempotency_records", &when)
-            .await;
-    }
-
-    async fn fail_inserting_orders_of(&self, sku: &'static str) {
-        let when = format!("NEW.sku = '{sku}'");
-        failing_trigger(&self.db, "fail_order", "INSERT ON orders", &when)
-            .await;
-    }
-
-    async fn stop_failing(&self) {
-        self.db
-            .execute(
-                "DROP TRIGGER IF EXISTS fail_record ON idempotency_records; \
-                 DROP TRIGGER IF EXISTS fail_order ON orders;",
+        async fn fail_saving_the_record_of(&self, key: &'static str) {
+            // The layer reserves the row first and completes it on commit: fail the completion.
+            let when = format!("NEW.idempotency_key = '{key}' AND NEW.state = 'completed'");
+            failing_trigger(
+                &self.db,
+                "fail_record",
+                "UPDATE ON idempotency_records",
+                &when,
             )
             .await;
-    }
+        }
 
-    async fn tool_args(&self) -> Vec<String> {
-        vec!["--database-url".into(), self.db.url()]
-    }
+        async fn fail_inserting_orders_of(&self, sku: &'static str) {
+            let when = format!("NEW.sku = '{sku}'");
+            failing_trigger(&self.db, "fail_order", "INSERT ON orders", &when).await;
+        }
+
+        async fn stop_failing(&self) {
+            self.db
+                .execute(
+                    "DROP TRIGGER IF EXISTS fail_record ON idempotency_records; \
+                 DROP TRIGGER IF EXISTS fail_order ON orders;",
+                )
+                .await;
+        }
+
+        async fn tool_args(&self) -> Vec<String> {
+            vec!["--database-url".into(), self.db.url()]
+        }
     };
 }
 
@@ -661,7 +665,6 @@ impl Backend for Postgres {
             .await
             .expect("enqueue")
     }
-
 
     async fn process(inbox: &Inbox<PostgresStore>, event_id: &str, apply: Apply) -> Processing {
         let id = event_id.to_owned();
@@ -748,10 +751,7 @@ impl Backend for SqlxPostgres {
     }
 
     async fn serve(&self, setup: Setup<'_, Self>) -> Server<Self> {
-        let running = setup
-            .convert(adapt, SqlxPgApp)
-            .spawn(&self.db)
-            .await;
+        let running = setup.convert(adapt, SqlxPgApp).spawn(&self.db).await;
         let parts = (running.addr, running.store.clone(), running.app.clone());
         Server::new(parts, running)
     }
@@ -774,11 +774,7 @@ impl Backend for SqlxPostgres {
             .expect("enqueue")
     }
 
-    async fn process(
-        inbox: &Inbox<SqlxPostgresStore>,
-        event_id: &str,
-        apply: Apply,
-    ) -> Processing {
+    async fn process(inbox: &Inbox<SqlxPostgresStore>, event_id: &str, apply: Apply) -> Processing {
         let id = event_id.to_owned();
         inbox
             .process(event_id, move |tx| async move {

@@ -318,7 +318,9 @@ impl<S: Clone + 'static, H, X> AppBuilder<S, H, X> {
     }
 }
 
-impl<S: Clone + 'static, T: InsertOrder, O: Outcome, X> AppBuilder<S, HookFor<OrderCallOf<T>, O>, X> {
+impl<S: Clone + 'static, T: InsertOrder, O: Outcome, X>
+    AppBuilder<S, HookFor<OrderCallOf<T>, O>, X>
+{
     /// The order routes on `store`, behind the demo authentication, served on 127.0.0.1:0:
     /// the app of a database backend whose handle is `T` (the SQLite app adds its own routes).
     pub async fn serve_orders(&self, store: &S) -> (Arc<AppOf<T, O>>, Serving)
@@ -1115,10 +1117,10 @@ pub async fn execute(store: &SqliteStore, sql: &'static str) {
 /// The `orders` example as real processes on a SQLite file, and a client that tolerates a
 /// server that dies under it.
 pub mod process {
+    use std::collections::HashMap;
     use std::net::SocketAddr;
     use std::path::{Path, PathBuf};
     use std::process::Stdio;
-    use std::collections::HashMap;
     use std::sync::{Mutex, OnceLock, PoisonError};
     use std::time::{Duration, Instant};
 

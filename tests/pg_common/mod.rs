@@ -430,6 +430,5 @@ pub async fn start_order_example(
         OrderExample::TokioPostgres => "orders",
         OrderExample::Sqlx => "orders_sqlx",
     };
-    super::common::process::OrdersProcess::start_example(name, &["--database-url", &db.url()])
-        .await
+    super::common::process::OrdersProcess::start_example(name, &["--database-url", &db.url()]).await
 }

@@ -3,8 +3,8 @@
 //! tables when they are installed), and upgrades a table of an older layout.
 
 use super::{PostgresStore, MIGRATION_LOCK, SCHEMA};
-use crate::store::pg_sql::{Upgrade, ADD_STATE, HAS_COLUMN};
 use crate::error::Error;
+use crate::store::pg_sql::{Upgrade, ADD_STATE, HAS_COLUMN};
 
 /// Creates tables (`schema`: `CREATE ... IF NOT EXISTS` statements) in one transaction under a
 /// transaction-level advisory lock (`lock`, the same in every instance), so that instances
@@ -46,6 +46,6 @@ impl PostgresStore {
     /// [`create_schema(false)`](super::PostgresOptions::create_schema); call it yourself to
     /// migrate when you choose (a deploy step, say). Running it again changes nothing.
     pub async fn migrate(&self) -> Result<(), Error> {
-install_schema(self, MIGRATION_LOCK, SCHEMA, &[ADD_STATE]).await
+        install_schema(self, MIGRATION_LOCK, SCHEMA, &[ADD_STATE]).await
     }
 }

@@ -109,10 +109,9 @@ use super::sql_guard;
 
 // The SQL the store runs, shared with the sqlx store.
 use super::pg_sql::{
-    COMPLETE_RECORD, INSERT_RESERVATION, MIGRATION_LOCK, PURGE_EXPIRED, SCHEMA,
-    SELECT_LIVE_RECORD, SELECT_RECORD, TAKE_OVER,
+    COMPLETE_RECORD, INSERT_RESERVATION, MIGRATION_LOCK, PURGE_EXPIRED, SCHEMA, SELECT_LIVE_RECORD,
+    SELECT_RECORD, TAKE_OVER,
 };
-
 
 #[cfg(test)]
 mod tests;

@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use super::slot::{Slot, TxShared};
 use super::{PostgresStore, PostgresTransaction};
-use crate::store::pg_sql::{IS_OWN_TRANSACTION, OWN_TRANSACTION_SETTING};
 use crate::error::Error;
+use crate::store::pg_sql::{IS_OWN_TRANSACTION, OWN_TRANSACTION_SETTING};
 
 impl PostgresStore {
     /// Opens a transaction of the store's own, outside any request (the inbox's), on a pooled
@@ -72,9 +72,7 @@ impl OwnedTransaction {
         }
         let checked = async {
             let client = slot.client()?;
-            let check = client
-.prepare_cached(IS_OWN_TRANSACTION)
-                .await?;
+            let check = client.prepare_cached(IS_OWN_TRANSACTION).await?;
             let same: bool = client
                 .query_one(&check, &[&self.tx.token.to_string()])
                 .await?
