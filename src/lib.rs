@@ -115,7 +115,7 @@
 #![deny(unreachable_pub)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "sqlx-postgres"))]
 pub mod admin;
 pub mod body;
 #[cfg(feature = "client")]

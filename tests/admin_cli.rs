@@ -678,3 +678,16 @@ mod postgres {
         assert_eq!((counts.live, counts.expired), (0, 0));
     }
 }
+
+mod sqlx_postgres {
+    //! Records and events written through the sqlx store, read and changed by the admin tool
+    //! (`--database-url`, the tokio-postgres store) and by `Admin` on the sqlx store itself.
+
+    backend_tests!(SqlxPostgres;
+        inspect_shows_the_record_without_its_body_unless_asked,
+        delete_removes_one_key_and_the_next_request_runs_afresh,
+        count_and_purge_by_state,
+        dead_letters_are_listed_and_requeued,
+        the_library_calls_behind_the_tool,
+    );
+}

@@ -1112,3 +1112,11 @@ mod postgres {
         assert_eq!(state_columns, 1);
     }
 }
+
+mod sqlx_postgres {
+    //! The contract on a PostgreSQL schema through the sqlx store. The schema tests of
+    //! `postgres` are the tokio-postgres store's `connect`; the sqlx store's `migrate` runs the
+    //! same install (`tests/sqlx_postgres.rs` and `store_contract` use it).
+
+    contract_tests!(SqlxPostgres);
+}

@@ -406,6 +406,55 @@ async fn enqueue_needs_the_outbox_table_and_fails_the_request_without_it<B: Back
     server.shutdown().await;
 }
 
+/// Two relays on separate pools (two app instances) share the work: each event is delivered
+/// once (PostgreSQL backends: `FOR UPDATE SKIP LOCKED`).
+async fn two_relays_at_once_deliver_each_event_once<B: Backend>(backend: B) {
+    // Two stores: two app instances, each with its own pool and its own relay.
+    let first = Outbox::install(backend.store().await)
+        .await
+        .expect("install");
+    let second = Outbox::install(&backend.another_store().await)
+        .await
+        .expect("install");
+    const EVENTS: usize = 300;
+    let ids = backend.enqueue_orders(0..EVENTS).await;
+
+    // One recorder for both relays: every delivery of every event, whichever relay made it.
+    let recorder = RecordingSink::default();
+    let run = |outbox: Outbox<B::Store>| {
+        let recorder = recorder.clone();
+        async move {
+            let mut relay = Relay::new(outbox.clone(), recorder.sink()).with_batch_size(7);
+            let deadline = tokio::time::Instant::now() + PATIENCE * 3;
+            let mut claimed = 0;
+            loop {
+                claimed += relay.run_once().await.expect("round").claimed;
+                if outbox.backlog().await.expect("backlog").pending == 0 {
+                    return claimed;
+                }
+                assert!(tokio::time::Instant::now() < deadline, "events left over");
+                tokio::task::yield_now().await;
+            }
+        }
+    };
+    let (by_first, by_second) = tokio::join!(
+        tokio::spawn(run(first.clone())),
+        tokio::spawn(run(second.clone()))
+    );
+    let (by_first, by_second) = (by_first.expect("relay"), by_second.expect("relay"));
+    println!("the first relay claimed {by_first}, the second {by_second}");
+    assert_eq!(by_first + by_second, EVENTS, "{by_first} + {by_second}");
+    assert_eq!(recorder.deliveries(), EVENTS);
+    for id in &ids {
+        assert_eq!(recorder.attempts_of(id), vec![1], "delivered once: {id}");
+    }
+    let counts = first.counts().await.expect("counts");
+    assert_eq!(
+        (counts.delivered, counts.pending, counts.in_flight),
+        (300, 0, 0)
+    );
+}
+
 /// The tests above, on one backend.
 macro_rules! outbox_tests {
     ($backend:ident) => {
@@ -432,64 +481,17 @@ mod sqlite {
 mod postgres {
     //! On PostgreSQL: the suite, and two relays on separate pools.
 
-    use tower_idempotency::outbox::postgres::PostgresOutbox;
-    use tower_idempotency::outbox::{OutboxStore, Relay};
-
-    use super::RecordingSink;
-    use crate::backend::{Backend, Postgres};
-    use crate::common::PATIENCE;
-
     outbox_tests!(Postgres);
+    backend_tests!(Postgres;
+        two_relays_at_once_deliver_each_event_once(flavor = "multi_thread", worker_threads = 4),
+    );
+}
 
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-    async fn two_relays_at_once_deliver_each_event_once() {
-        let Some(backend) = Postgres::create().await else {
-            return;
-        };
-        // Two stores: two app instances, each with its own pool and its own relay.
-        let first = PostgresOutbox::install(backend.store().await)
-            .await
-            .expect("install");
-        let second = PostgresOutbox::install(&backend.another_store().await)
-            .await
-            .expect("install");
-        const EVENTS: usize = 300;
-        let ids = backend.enqueue_orders(0..EVENTS).await;
+mod sqlx_postgres {
+    //! On PostgreSQL through the sqlx store: the suite, and two relays on separate pools.
 
-        // One recorder for both relays: every delivery of every event, whichever relay made it.
-        let recorder = RecordingSink::default();
-        let run = |outbox: PostgresOutbox| {
-            let recorder = recorder.clone();
-            async move {
-                let mut relay = Relay::new(outbox.clone(), recorder.sink()).with_batch_size(7);
-                let deadline = tokio::time::Instant::now() + PATIENCE * 3;
-                let mut claimed = 0;
-                loop {
-                    claimed += relay.run_once().await.expect("round").claimed;
-                    if outbox.backlog().await.expect("backlog").pending == 0 {
-                        return claimed;
-                    }
-                    assert!(tokio::time::Instant::now() < deadline, "events left over");
-                    tokio::task::yield_now().await;
-                }
-            }
-        };
-        let (by_first, by_second) = tokio::join!(
-            tokio::spawn(run(first.clone())),
-            tokio::spawn(run(second.clone()))
-        );
-        let (by_first, by_second) = (by_first.expect("relay"), by_second.expect("relay"));
-        println!("the first relay claimed {by_first}, the second {by_second}");
-        assert_eq!(by_first + by_second, EVENTS, "{by_first} + {by_second}");
-        assert_eq!(recorder.deliveries(), EVENTS);
-        for id in &ids {
-            assert_eq!(recorder.attempts_of(id), vec![1], "delivered once: {id}");
-        }
-        let counts = first.counts().await.expect("counts");
-        assert_eq!(
-            (counts.delivered, counts.pending, counts.in_flight),
-            (300, 0, 0)
-        );
-    }
+    outbox_tests!(SqlxPostgres);
+    backend_tests!(SqlxPostgres;
+        two_relays_at_once_deliver_each_event_once(flavor = "multi_thread", worker_threads = 4),
+    );
 }

@@ -1,6 +1,7 @@
-//! The example app (`examples/orders.rs --database-url ...`) as real processes on one
-//! PostgreSQL database: two instances answering duplicates at once, and an instance killed
-//! with SIGKILL under load and started again.
+//! The example app (`examples/orders.rs --database-url ...`, and `examples/orders_sqlx.rs` on
+//! the sqlx store: the `sqlx_` tests) as real processes on one PostgreSQL database: two
+//! instances answering duplicates at once, and an instance killed with SIGKILL under load and
+//! started again.
 //!
 //! Needs `TEST_DATABASE_URL` and the example binary that `cargo test` builds; without the
 //! variable `cargo test` reports these tests as ignored.
@@ -21,7 +22,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use pg_common::{start_example, TestDb};
+use pg_common::{start_order_example, OrderExample, TestDb};
 use tokio::sync::Barrier;
 
 /// Two instances of the example share one database; every key goes to both at the same
@@ -29,13 +30,23 @@ use tokio::sync::Barrier;
 #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_example_instances_create_one_order_per_key() {
+    two_instances_create_one_order_per_key(OrderExample::TokioPostgres).await;
+}
+
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlx_two_example_instances_create_one_order_per_key() {
+    two_instances_create_one_order_per_key(OrderExample::Sqlx).await;
+}
+
+async fn two_instances_create_one_order_per_key(example: OrderExample) {
     const KEYS: usize = 10;
     const DUPLICATES: usize = 4;
     let Some(db) = TestDb::create().await else {
         return;
     };
-    let a = start_example(&db).await;
-    let b = start_example(&db).await;
+    let a = start_order_example(example, &db).await;
+    let b = start_order_example(example, &db).await;
     assert_ne!(a.addr, b.addr);
 
     let mut requests = Vec::new();
@@ -120,12 +131,22 @@ async fn try_post(
 #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn example_killed_under_load_keeps_one_order_per_key() {
+    killed_under_load_keeps_one_order_per_key(OrderExample::TokioPostgres).await;
+}
+
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlx_example_killed_under_load_keeps_one_order_per_key() {
+    killed_under_load_keeps_one_order_per_key(OrderExample::Sqlx).await;
+}
+
+async fn killed_under_load_keeps_one_order_per_key(example: OrderExample) {
     const WORKERS: usize = 8;
     const KEYS_PER_WORKER: usize = 400;
     let Some(db) = TestDb::create().await else {
         return;
     };
-    let server = start_example(&db).await;
+    let server = start_order_example(example, &db).await;
     let addr = server.addr;
     let body_of = |key: &str| format!(r#"{{"sku":"{key}","quantity":1}}"#);
 
@@ -173,7 +194,7 @@ async fn example_killed_under_load_keeps_one_order_per_key() {
         seen.len()
     );
 
-    let server = start_example(&db).await;
+    let server = start_order_example(example, &db).await;
     let client: Client<HttpConnector, Full<Bytes>> =
         Client::builder(TokioExecutor::new()).build_http();
     let mut final_ids: HashMap<String, i64> = HashMap::new();

@@ -548,3 +548,14 @@ mod postgres {
         assert_eq!(db.counts().await, (1, 1));
     }
 }
+
+mod sqlx_postgres {
+    //! The suite through the sqlx store. What `postgres` adds is covered for sqlx in
+    //! `tests/sqlx_postgres.rs`, on its own app whose handler runs sqlx code:
+    //! `a_terminated_backend_rolls_back_and_the_retry_succeeds` (`pg_terminate_backend` under
+    //! the transaction), `transaction_control_through_the_handle_is_refused` (every spelling
+    //! through `query`, `raw_sql` and the executor). Not yet on sqlx: the handle refusing work
+    //! after the request, and a connection still borrowed when the handler returns.
+
+    rollback_tests!(SqlxPostgres);
+}

@@ -3,7 +3,6 @@
 //!
 //! Every test needs PostgreSQL (`TEST_DATABASE_URL`) and is reported as ignored without it.
 
-use std::str::FromStr;
 use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,7 +15,6 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Extension, Json, Router};
 use serde_json::json;
-use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::Executor as _;
 use tower_idempotency::extract::Tx;
 use tower_idempotency::store::sqlx_postgres::{SqlxPostgresStore, SqlxTransaction};
@@ -27,21 +25,6 @@ mod pg_common;
 
 use common::{Post, Serving};
 use pg_common::TestDb;
-
-/// A pool of `max` connections on `db`'s schema, marked with its name (the schema's cleanup
-/// closes them).
-async fn pool(db: &TestDb, max: u32) -> PgPool {
-    let url = std::env::var("TEST_DATABASE_URL").expect("TEST_DATABASE_URL");
-    let options = PgConnectOptions::from_str(&url)
-        .expect("TEST_DATABASE_URL is a valid URL")
-        .options([("search_path", db.schema.as_str())])
-        .application_name(&db.schema);
-    PgPoolOptions::new()
-        .max_connections(max)
-        .connect_with(options)
-        .await
-        .expect("connect the sqlx pool")
-}
 
 /// What the tests watch and steer.
 #[derive(Default)]
@@ -181,7 +164,7 @@ struct Server {
 impl Server {
     async fn start() -> Option<Server> {
         let db = TestDb::create().await?;
-        let store = SqlxPostgresStore::builder(pool(&db, 10).await)
+        let store = SqlxPostgresStore::builder(db.sqlx_pool(10).await)
             .max_read_connections(4)
             .build();
         store.migrate().await.expect("create the table");

@@ -141,6 +141,8 @@ impl CaseRun {
             },
             Case::D => Workload::create("/baseline/orders", &prefix, &sku),
             Case::H => Workload::create("/hand/orders", &prefix, &sku),
+            Case::SqlxA => Workload::create("/sqlx/orders", &prefix, &sku),
+            Case::SqlxH => Workload::create("/sqlx/hand/orders", &prefix, &sku),
             Case::R => {
                 let sku: &'static str = "book-R";
                 let first = server.insert_orders(sku, READ_ORDERS).await?;

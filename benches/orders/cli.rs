@@ -17,12 +17,12 @@ usage: cargo bench --bench orders -- [--quick] [--duration SECS] [--rounds N]
   --duration SECS      length of one round (default 2; --quick 0.4)
   --rounds N           rounds per case, interleaved with the other cases' rounds;
                        throughput is their median (default 3; --quick 2)
-  --cases LIST         what to run (default all): A B C D H R E, hold (replays while a handler
+  --cases LIST         what to run (default all): A B C D H R SA SH E, hold (replays while a handler
                        holds the write transaction), alloc (bytes allocated per request)
   --concurrency LIST   connections, one request in flight each (default 1,16,64)
   --modes LIST         full, normal (SQLite's durability), pg (default all three, pg
                        only with a URL)
-  --database-url URL   run A, B, H and R on PostgreSQL too (tables in a fresh schema)
+  --database-url URL   run A, B, H, R, SA and SH on PostgreSQL too (tables in a fresh schema)
   --client-threads N   threads of the load generator's runtime (default 1)
   --out DIR            where results.csv, goals.csv, extras.csv and throughput.svg go
                        (default bench)
@@ -38,13 +38,28 @@ pub(crate) enum Case {
     D,
     H,
     R,
+    /// Case A on the sqlx store.
+    SqlxA,
+    /// Case H written with sqlx.
+    SqlxH,
     E,
 }
 
 impl Case {
-    pub(crate) const HTTP: [Case; 6] = [Case::A, Case::B, Case::C, Case::D, Case::H, Case::R];
+    pub(crate) const HTTP: [Case; 8] = [
+        Case::A,
+        Case::B,
+        Case::C,
+        Case::D,
+        Case::H,
+        Case::R,
+        Case::SqlxA,
+        Case::SqlxH,
+    ];
     /// The cases that run on PostgreSQL (C and D are SQLite-only).
-    const POSTGRES: [Case; 4] = [Case::A, Case::B, Case::H, Case::R];
+    const POSTGRES: [Case; 6] = [Case::A, Case::B, Case::H, Case::R, Case::SqlxA, Case::SqlxH];
+    /// The cases that run only on PostgreSQL (the sqlx store).
+    const POSTGRES_ONLY: [Case; 2] = [Case::SqlxA, Case::SqlxH];
 
     pub(crate) fn name(self) -> &'static str {
         match self {
@@ -54,6 +69,8 @@ impl Case {
             Case::D => "D",
             Case::H => "H",
             Case::R => "R",
+            Case::SqlxA => "SA",
+            Case::SqlxH => "SH",
             Case::E => "E",
         }
     }
@@ -66,6 +83,8 @@ impl Case {
             Case::D => "hand-written, spawn_blocking (old)",
             Case::H => "hand-written (baseline)",
             Case::R => "GET /orders/{id} (baseline)",
+            Case::SqlxA => "sqlx store, layer, new keys",
+            Case::SqlxH => "hand-written on sqlx (baseline)",
             Case::E => "rusqlite loop, no HTTP (ceiling)",
         }
     }
@@ -75,7 +94,8 @@ impl Case {
         match self {
             Case::A | Case::C | Case::D => Some(Case::H),
             Case::B => Some(Case::R),
-            Case::H | Case::R | Case::E => None,
+            Case::SqlxA => Some(Case::SqlxH),
+            Case::H | Case::R | Case::SqlxH | Case::E => None,
         }
     }
 }
@@ -117,7 +137,10 @@ impl Mode {
         selected
             .iter()
             .copied()
-            .filter(|case| self != Mode::Postgres || Case::POSTGRES.contains(case))
+            .filter(|case| match self {
+                Mode::Postgres => Case::POSTGRES.contains(case),
+                Mode::Full | Mode::Normal => !Case::POSTGRES_ONLY.contains(case),
+            })
             .collect()
     }
 }
@@ -235,6 +258,8 @@ impl Command {
                     Case::D,
                     Case::H,
                     Case::R,
+                    Case::SqlxA,
+                    Case::SqlxH,
                     Case::E,
                 ];
                 (hold, alloc) = (true, true);
@@ -248,6 +273,8 @@ impl Command {
                         "d" => cases.push(Case::D),
                         "h" => cases.push(Case::H),
                         "r" => cases.push(Case::R),
+                        "sa" => cases.push(Case::SqlxA),
+                        "sh" => cases.push(Case::SqlxH),
                         "e" => cases.push(Case::E),
                         "hold" => hold = true,
                         "alloc" => alloc = true,

@@ -18,6 +18,8 @@ use tower_idempotency::fingerprint::{Fingerprint, Fingerprinter};
 use tower_idempotency::response::IDEMPOTENT_REPLAYED;
 use tower_idempotency::store::postgres::deadpool_postgres::Pool;
 use tower_idempotency::store::sqlite::rusqlite::{self, params, Connection, OptionalExtension};
+use tower_idempotency::store::sqlx_postgres::sqlx::postgres::PgPool;
+use tower_idempotency::store::sqlx_postgres::sqlx::{self, Executor as _, Row as _};
 use tower_idempotency::{Tenant, IDEMPOTENCY_KEY};
 
 use crate::servers::{ApiError, NewOrder};
@@ -353,6 +355,71 @@ pub(crate) async fn postgres_transaction(
             ],
         )
         .await?;
+    }
+    tx.commit().await?;
+    Ok(outcome)
+}
+
+/// [`postgres_transaction`] written with sqlx on its `PgPool`: the same statements in the same
+/// order (sqlx prepares each once per connection), `BEGIN` and `COMMIT` through
+/// `sqlx::Transaction`.
+pub(crate) async fn sqlx_transaction(
+    pool: &PgPool,
+    request: &HandRequest,
+) -> Result<HandOutcome, BoxError> {
+    let now = now_millis();
+    let mut tx = pool.begin().await?;
+    let reserve = sqlx::query(PG_RESERVE)
+        .bind(&request.tenant)
+        .bind(OPERATION)
+        .bind(&request.key)
+        .bind(now);
+    if (&mut *tx).execute(reserve).await?.rows_affected() == 0 {
+        let select = sqlx::query(PG_SELECT_RECORD)
+            .bind(&request.tenant)
+            .bind(OPERATION)
+            .bind(&request.key);
+        let row = (&mut *tx).fetch_one(select).await?;
+        let version: i32 = row.try_get(0)?;
+        let digest: Vec<u8> = row.try_get(1)?;
+        let status: i32 = row.try_get(2)?;
+        let replay = HandOutcome::Replay {
+            status: i64::from(status),
+            headers: row.try_get(3)?,
+            body: row.try_get(4)?,
+        };
+        tx.rollback().await?;
+        return Ok(HandOutcome::existing(
+            request,
+            i64::from(version),
+            &digest,
+            replay,
+        ));
+    }
+    let insert_order = sqlx::query(PG_INSERT_ORDER)
+        .bind(&request.tenant)
+        .bind(&request.order.sku)
+        .bind(request.order.quantity);
+    let order_id: i64 = (&mut *tx).fetch_one(insert_order).await?.try_get(0)?;
+    let insert_event = sqlx::query(PG_INSERT_EVENT)
+        .bind(event_id())
+        .bind("order_created")
+        .bind(request.event(order_id))
+        .bind(now);
+    (&mut *tx).execute(insert_event).await?;
+    let outcome = HandOutcome::created(order_id);
+    if let HandOutcome::Created { headers, body, .. } = &outcome {
+        let complete = sqlx::query(PG_COMPLETE_RECORD)
+            .bind(&request.tenant)
+            .bind(OPERATION)
+            .bind(&request.key)
+            .bind(&request.fingerprint.digest()[..])
+            .bind(i32::from(request.fingerprint.version()))
+            .bind(headers.as_str())
+            .bind(body.as_bytes())
+            .bind(now)
+            .bind(now + RETENTION_MS);
+        (&mut *tx).execute(complete).await?;
     }
     tx.commit().await?;
     Ok(outcome)

@@ -36,6 +36,8 @@
 //! | H | baseline: the same work written by hand, no layer (`hand.rs`). SQLite: rusqlite inline under a `tokio::sync::Mutex<Connection>`, cached statements: `BEGIN IMMEDIATE`, look up the key, insert the order, the event and the record, `COMMIT`. PostgreSQL: tokio-postgres and deadpool (pool 32): `BEGIN`, reserve the key `ON CONFLICT DO NOTHING` (on a conflict `SELECT` and compare), insert the order `RETURNING id`, the event, `UPDATE` the record, `COMMIT`. Both fingerprint the request as the layer does (`Fingerprinter::json()`) and save status, headers and body in `idempotency_records` |
 //! | D | the old baseline: H's transaction under `spawn_blocking` behind an async mutex (SQLite) |
 //! | R | baseline: a plain `GET /orders/{id}` on the same server (SQLite: `SqliteStore::read`; PostgreSQL: a pooled connection, a cached statement) |
+//! | SA | case A on the sqlx store (`SqlxPostgresStore` on a `PgPool` of 32, `outbox::sqlx_postgres::enqueue`), PostgreSQL only |
+//! | SH | baseline: H's PostgreSQL transaction written with sqlx on a `PgPool` of 32 (the same statements, `query` with binds, which sqlx prepares once per connection), PostgreSQL only |
 //! | E | ceiling: H's SQL in a tight rusqlite loop on one thread, no HTTP (SQLite) |
 //!
 //! All tables are created by the crate (`SqliteStore`/`PostgresStore`, `SqliteOutbox::install`,

@@ -2,6 +2,7 @@
 //! hand-written baseline and a plain `GET /orders/{id}`, on one server whose tables live in a
 //! schema of their own (created fresh for each concurrency level, dropped after it).
 
+use std::str::FromStr;
 use std::time::Duration;
 
 use axum::body::Bytes;
@@ -16,14 +17,20 @@ use serde_json::{json, Value};
 use tower_idempotency::extract::Tx;
 use tower_idempotency::fingerprint::Fingerprinter;
 use tower_idempotency::outbox::postgres::{enqueue, PostgresOutbox};
+use tower_idempotency::outbox::sqlx_postgres::enqueue as sqlx_enqueue;
 use tower_idempotency::store::postgres::deadpool_postgres::{
     Manager, ManagerConfig, Pool, RecyclingMethod,
 };
 use tower_idempotency::store::postgres::tokio_postgres::{self, NoTls};
 use tower_idempotency::store::postgres::{PostgresStore, PostgresTransaction};
+use tower_idempotency::store::sqlx_postgres::sqlx::postgres::{
+    PgConnectOptions, PgPool, PgPoolOptions,
+};
+use tower_idempotency::store::sqlx_postgres::sqlx::{self, Executor as _, Row as _};
+use tower_idempotency::store::sqlx_postgres::{SqlxPostgresStore, SqlxTransaction};
 use tower_idempotency::{IdempotencyLayer, Tenant};
 
-use crate::hand::{postgres_transaction, HandRequest, OPERATION};
+use crate::hand::{postgres_transaction, sqlx_transaction, HandRequest, OPERATION};
 use crate::servers::{authenticate, ApiError, NewOrder};
 use crate::BoxError;
 
@@ -47,6 +54,10 @@ pub(crate) struct PgState {
     pub(crate) store: PostgresStore,
     /// The hand-written handler's own pool (deadpool, as a user would set it up).
     pub(crate) hand: Pool,
+    /// The sqlx store (case SA), on a `PgPool` of its own.
+    pub(crate) sqlx_store: SqlxPostgresStore,
+    /// The sqlx hand-written handler's pool (case SH).
+    pub(crate) sqlx_hand: PgPool,
 }
 
 /// The database side of a PostgreSQL server: its state, and the schema to drop at the end.
@@ -83,8 +94,23 @@ impl PgDatabase {
             },
         );
         let hand = Pool::builder(manager).max_size(POOL_SIZE).build()?;
+        let sqlx_options = PgConnectOptions::from_str(url)?
+            .options([("search_path", schema)])
+            .application_name(APPLICATION_NAME);
+        let sqlx_pool = || {
+            PgPoolOptions::new()
+                .max_connections(POOL_SIZE as u32)
+                .connect_lazy_with(sqlx_options.clone())
+        };
+        let sqlx_store = SqlxPostgresStore::builder(sqlx_pool()).build();
+        let sqlx_hand = sqlx_pool();
         Ok(PgDatabase {
-            state: PgState { store, hand },
+            state: PgState {
+                store,
+                hand,
+                sqlx_store,
+                sqlx_hand,
+            },
             admin,
             schema: schema.to_owned(),
         })
@@ -140,6 +166,9 @@ impl PgDatabase {
             schema,
         } = self;
         state.hand.close();
+        state.sqlx_store.pool().close().await;
+        state.sqlx_store.read_pool().close().await;
+        state.sqlx_hand.close().await;
         drop(state);
         // Closed pools end their connections in the background: give them a moment.
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -154,10 +183,18 @@ pub(crate) fn app(state: PgState) -> Router {
     let idempotency = IdempotencyLayer::new(state.store.clone())
         .with_operation(OPERATION)
         .with_fingerprinter(Fingerprinter::json());
+    let sqlx_idempotency = IdempotencyLayer::new(state.sqlx_store.clone())
+        .with_operation(OPERATION)
+        .with_fingerprinter(Fingerprinter::json());
     Router::new()
         .route("/orders", post(create_order).layer(idempotency))
         .route("/orders/{id}", get(get_order))
         .route("/hand/orders", post(create_order_hand))
+        .route(
+            "/sqlx/orders",
+            post(create_order_sqlx).layer(sqlx_idempotency),
+        )
+        .route("/sqlx/hand/orders", post(create_order_sqlx_hand))
         .layer(middleware::from_fn(authenticate))
         .with_state(state)
 }
@@ -206,6 +243,56 @@ async fn create_order_hand(
 ) -> Result<Response, ApiError> {
     let request = HandRequest::read(request).await?;
     let outcome = postgres_transaction(&state.hand, &request)
+        .await
+        .map_err(internal)?;
+    Ok(outcome.into_response())
+}
+
+/// Case SA: `POST /orders` under the layer on the sqlx store, the handler of
+/// `examples/orders_sqlx.rs` plus the outbox event, as [`create_order`].
+async fn create_order_sqlx(
+    Extension(tenant): Extension<Tenant>,
+    Tx(tx): Tx<SqlxTransaction>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let order = NewOrder::parse(&body)?;
+    let mut conn = tx.acquire().await.map_err(internal)?;
+    let insert = sqlx::query(
+        "INSERT INTO orders (tenant_id, sku, quantity) VALUES ($1, $2, $3) RETURNING id",
+    )
+    .bind(tenant.as_str())
+    .bind(&order.sku)
+    .bind(order.quantity);
+    let order_id: i64 = (&mut *conn)
+        .fetch_one(insert)
+        .await
+        .map_err(internal)?
+        .try_get(0)
+        .map_err(internal)?;
+    let event = json!({
+        "order_id": order_id,
+        "tenant": tenant.as_str(),
+        "sku": order.sku,
+        "quantity": order.quantity,
+    });
+    sqlx_enqueue(&mut *conn, "order_created", &event)
+        .await
+        .map_err(internal)?;
+    let response = (
+        StatusCode::CREATED,
+        [(LOCATION, format!("/orders/{order_id}"))],
+        Json(json!({ "order_id": order_id })),
+    );
+    Ok(response.into_response())
+}
+
+/// Baseline SH: the hand-written transaction on sqlx, no layer.
+async fn create_order_sqlx_hand(
+    State(state): State<PgState>,
+    request: Request,
+) -> Result<Response, ApiError> {
+    let request = HandRequest::read(request).await?;
+    let outcome = sqlx_transaction(&state.sqlx_hand, &request)
         .await
         .map_err(internal)?;
     Ok(outcome.into_response())

@@ -167,6 +167,14 @@ pub(crate) fn goals(rows: &[Row]) -> Vec<Goal> {
             1.0,
         );
     }
+    for c in [1, 64] {
+        throughput(
+            format!("PostgreSQL on sqlx c{c}: layer / hand-written"),
+            find(rows, Case::SqlxA, pg, c),
+            find(rows, Case::SqlxH, pg, c),
+            1.0,
+        );
+    }
     for (c, goal) in [(1, 1.3), (64, 1.0)] {
         if let (Some(layer), Some(hand)) =
             (find(rows, Case::A, full, c), find(rows, Case::H, full, c))

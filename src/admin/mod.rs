@@ -59,10 +59,14 @@ use crate::fingerprint::Fingerprint;
 use crate::outbox::{EventInfo, Outbox, OutboxBackend, OutboxCounts};
 use crate::store::{from_unix_millis, IdempotencyStore, SavedColumns};
 
+#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
+mod pg_sql;
 #[cfg(feature = "postgres")]
 mod postgres;
 #[cfg(feature = "sqlite")]
 mod sqlite;
+#[cfg(feature = "sqlx-postgres")]
+mod sqlx_postgres;
 
 /// Administrative calls on a store; see the [module docs](self).
 #[derive(Clone)]

@@ -10,6 +10,7 @@ use std::time::SystemTime;
 
 use tokio_postgres::row::Row;
 
+use super::pg_sql::{inspect_record, COUNT_RECORDS, DELETE_RECORD};
 use super::{AdminBackend, RawRecord, RecordCounts, RecordFilter, RecordInfo};
 use crate::error::Error;
 use crate::store::postgres::PostgresStore;
@@ -23,18 +24,9 @@ impl AdminBackend for PostgresStore {
         key: &str,
         with_body: bool,
     ) -> Result<Option<RecordInfo>, Error> {
-        let body_column = if with_body { "body" } else { "NULL::bytea" };
         let client = self.client().await?;
         let row = client
-            .query_opt(
-                &format!(
-                    "SELECT fingerprint_version, fingerprint, status, headers, length(body), \
-                     {body_column}, created_at, expires_at FROM idempotency_records \
-                     WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 \
-                     AND state = 'completed'"
-                ),
-                &[&tenant, &operation, &key],
-            )
+            .query_opt(&inspect_record(with_body), &[&tenant, &operation, &key])
             .await?;
         row.map(|row| raw_record(&row)?.into_info(tenant, operation, key))
             .transpose()
@@ -43,11 +35,7 @@ impl AdminBackend for PostgresStore {
     async fn delete_record(&self, tenant: &str, operation: &str, key: &str) -> Result<bool, Error> {
         let client = self.client().await?;
         let deleted = client
-            .execute(
-                "DELETE FROM idempotency_records \
-                 WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3",
-                &[&tenant, &operation, &key],
-            )
+            .execute(DELETE_RECORD, &[&tenant, &operation, &key])
             .await?;
         Ok(deleted > 0)
     }
@@ -57,10 +45,7 @@ impl AdminBackend for PostgresStore {
         let client = self.client().await?;
         let row = client
             .query_one(
-                "SELECT count(*) FILTER (WHERE state = 'completed' AND expires_at > $1), \
-                 count(*) FILTER (WHERE NOT (state = 'completed' AND expires_at > $1)) \
-                 FROM idempotency_records \
-                 WHERE ($2::text IS NULL OR tenant = $2) AND ($3::text IS NULL OR operation = $3)",
+                COUNT_RECORDS,
                 &[
                     &now,
                     &filter.tenant.as_deref(),

@@ -54,7 +54,9 @@ pub(crate) struct RawEvent {
     pub(crate) leased: bool,
 }
 
-/// The columns [`RawEvent`] is read from, in order.
+/// The columns [`RawEvent`] is read from, in order (the PostgreSQL statements spell them out,
+/// checked by a test of `pg_sql`).
+#[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
 pub(crate) const EVENT_COLUMNS: &str = "event_id, topic, payload, status, attempts, created_at, \
      available_at, delivered_at, last_error, lease_owner";
 

@@ -88,18 +88,22 @@ use std::time::{Duration, SystemTime};
 use crate::body::BoxError;
 use crate::error::Error;
 
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "sqlx-postgres"))]
 mod columns;
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "sqlx-postgres"))]
 pub mod inbox;
+#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
+mod pg_sql;
 #[cfg(feature = "postgres")]
 pub mod postgres;
 mod relay;
 mod sink;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
+#[cfg(feature = "sqlx-postgres")]
+pub mod sqlx_postgres;
 
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "sqlx-postgres"))]
 pub use inbox::{Inbox, InboxBackend, InboxOutcome};
 pub use relay::{Relay, RoundReport};
 pub use sink::{sink_fn, HttpSink, Permanent, SinkFn, EVENT_TOPIC};

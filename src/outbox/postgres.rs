@@ -53,9 +53,14 @@ use tokio_postgres::row::Row;
 
 use super::columns::{
     attempts_from_column, claimed_oldest_first, count_from_column, event_status, RawEvent,
-    EVENT_COLUMNS,
 };
 use super::inbox::receipt;
+use super::pg_sql::{
+    BACKLOG, CLAIM, COUNT_BY_STATE, DEAD_LETTERS, DEAD_LETTER_ABANDONED, INBOX_CONTAINS,
+    INBOX_INSTALL_LOCK, INBOX_SCHEMA, INSERT_EVENT, INSERT_ID, OUTBOX_INSTALL_LOCK,
+    PURGE_DELIVERED, PURGE_INBOX, REQUEUE, REQUEUE_ALL_DEAD, SCHEMA, SELECT_DUE, SELECT_EVENT,
+    SETTLE_DEAD, SETTLE_DELIVERED, SETTLE_RETRY,
+};
 use super::{
     Backlog, ClaimRequest, Claimed, Enqueue, EventId, EventInfo, Inbox, InboxBackend, InboxOutcome,
     Outbox, OutboxBackend, OutboxCounts, OutboxEvent, OutboxStore, Processed, Receipt, Settlement,
@@ -64,76 +69,6 @@ use crate::error::Error;
 use crate::store::postgres::migrate::install_schema;
 use crate::store::postgres::{Executor, PostgresStore, PostgresTransaction, TransactionClient};
 use crate::store::{from_unix_millis, to_unix_millis};
-
-/// The same columns and meaning as the SQLite outbox (times are Unix milliseconds).
-/// `available_at` is when the event is next due; a claim moves it to the end of the lease, so
-/// "due" covers both new events and claims whose relay died: one index serves the claim.
-const SCHEMA: &str = "
-CREATE TABLE IF NOT EXISTS outbox_events (
-    seq          BIGSERIAL PRIMARY KEY,
-    event_id     TEXT    NOT NULL UNIQUE,
-    topic        TEXT    NOT NULL,
-    payload      TEXT    NOT NULL,
-    status       TEXT    NOT NULL DEFAULT 'pending'
-                         CONSTRAINT outbox_events_status
-                         CHECK (status IN ('pending', 'delivered', 'dead')),
-    attempts     INTEGER NOT NULL DEFAULT 0,
-    available_at BIGINT  NOT NULL,
-    lease_owner  TEXT,
-    last_error   TEXT,
-    created_at   BIGINT  NOT NULL,
-    delivered_at BIGINT
-);
-CREATE INDEX IF NOT EXISTS outbox_events_due ON outbox_events (status, available_at);
-";
-
-/// Serializes the outbox's `install` between instances starting at the same time
-/// (concurrent `CREATE TABLE IF NOT EXISTS` of one table can fail on PostgreSQL's catalog
-/// index).
-const OUTBOX_INSTALL_LOCK: i64 = 0x7469_6465_6d70_0002;
-
-/// The same table as the SQLite inbox (`processed_at` in Unix milliseconds).
-const INBOX_SCHEMA: &str = "
-CREATE TABLE IF NOT EXISTS inbox_events (
-    consumer     TEXT   NOT NULL,
-    event_id     TEXT   NOT NULL,
-    processed_at BIGINT NOT NULL,
-    PRIMARY KEY (consumer, event_id)
-);
-CREATE INDEX IF NOT EXISTS inbox_events_processed_at ON inbox_events (processed_at);
-";
-
-/// Serializes the inbox's `install` (see [`OUTBOX_INSTALL_LOCK`]).
-const INBOX_INSTALL_LOCK: i64 = 0x7469_6465_6d70_0003;
-
-/// Records an id. While another transaction holds the same `(consumer, event_id)` (it
-/// inserted it and has not ended), this blocks on the primary key; when that one commits,
-/// the conflict makes this a no-op (0 rows: a duplicate), and when it rolls back, this insert
-/// goes through (1 row: the first).
-const INSERT_ID: &str = "INSERT INTO inbox_events (consumer, event_id, processed_at) \
-     VALUES ($1, $2, $3) ON CONFLICT (consumer, event_id) DO NOTHING";
-
-const INSERT_EVENT: &str = "INSERT INTO outbox_events (event_id, topic, payload, status, \
-     attempts, available_at, created_at) VALUES ($1, $2, $3, 'pending', 0, $4, $4)";
-
-/// Dead-letters the events whose last allowed attempt was abandoned (the lease ran out).
-const DEAD_LETTER_ABANDONED: &str = "UPDATE outbox_events SET status = 'dead', \
-     lease_owner = NULL, last_error = 'abandoned: the lease of its last attempt ran out' \
-     WHERE seq IN (SELECT seq FROM outbox_events \
-         WHERE status = 'pending' AND lease_owner IS NOT NULL \
-         AND available_at <= $1 AND attempts >= $2 \
-         FOR UPDATE SKIP LOCKED) \
-     RETURNING seq, event_id, topic, payload, attempts, created_at";
-
-/// Claims due events. SKIP LOCKED: rows another relay is claiming right now are skipped, not
-/// waited for; a row claimed and committed meanwhile is re-checked (no longer due) and left.
-const CLAIM: &str = "UPDATE outbox_events SET lease_owner = $1, available_at = $2, \
-     attempts = attempts + 1 \
-     WHERE seq IN (SELECT seq FROM outbox_events \
-         WHERE status = 'pending' AND available_at <= $3 \
-         ORDER BY available_at, seq LIMIT $4 \
-         FOR UPDATE SKIP LOCKED) \
-     RETURNING seq, event_id, topic, payload, attempts, created_at";
 
 /// The outbox of a [`PostgresStore`] (see [`Outbox`]).
 pub type PostgresOutbox = Outbox<PostgresStore>;
@@ -217,14 +152,7 @@ impl OutboxStore for PostgresStore {
         let mut client = self.client().await?;
         // An idle relay polls often: a plain read first, so that polling opens no write
         // transaction and locks nothing.
-        let due: bool = client
-            .query_one(
-                "SELECT EXISTS (SELECT 1 FROM outbox_events \
-                 WHERE status = 'pending' AND available_at <= $1)",
-                &[&now],
-            )
-            .await?
-            .try_get(0)?;
+        let due: bool = client.query_one(SELECT_DUE, &[&now]).await?.try_get(0)?;
         if !due {
             return Ok(Claimed::default());
         }
@@ -259,13 +187,7 @@ impl OutboxStore for PostgresStore {
                 // Recorded whoever holds the claim now: the sink accepted the event, and that
                 // stays true.
                 Settlement::Delivered { id } => {
-                    tx.execute(
-                        "UPDATE outbox_events SET status = 'delivered', delivered_at = $2, \
-                         lease_owner = NULL, last_error = NULL \
-                         WHERE event_id = $1 AND status = 'pending'",
-                        &[&id.as_str(), &now],
-                    )
-                    .await?
+                    tx.execute(SETTLE_DELIVERED, &[&id.as_str(), &now]).await?
                 }
                 // Only under our own claim: if it ran out and another relay claimed the event,
                 // that relay decides what happens next.
@@ -276,21 +198,14 @@ impl OutboxStore for PostgresStore {
                     error,
                 } => {
                     tx.execute(
-                        "UPDATE outbox_events SET available_at = $3, lease_owner = NULL, \
-                         last_error = $4 \
-                         WHERE event_id = $1 AND lease_owner = $2 AND status = 'pending'",
+                        SETTLE_RETRY,
                         &[&id.as_str(), &token.as_str(), &to_unix_millis(*at), error],
                     )
                     .await?
                 }
                 Settlement::Dead { id, token, error } => {
-                    tx.execute(
-                        "UPDATE outbox_events SET status = 'dead', lease_owner = NULL, \
-                         last_error = $3 \
-                         WHERE event_id = $1 AND lease_owner = $2 AND status = 'pending'",
-                        &[&id.as_str(), &token.as_str(), error],
-                    )
-                    .await?
+                    tx.execute(SETTLE_DEAD, &[&id.as_str(), &token.as_str(), error])
+                        .await?
                 }
             };
         }
@@ -300,13 +215,7 @@ impl OutboxStore for PostgresStore {
 
     async fn backlog(&self) -> Result<Backlog, Error> {
         let client = self.client().await?;
-        let row = client
-            .query_one(
-                "SELECT (SELECT count(*) FROM outbox_events WHERE status = 'pending'), \
-                 (SELECT count(*) FROM outbox_events WHERE status = 'dead')",
-                &[],
-            )
-            .await?;
+        let row = client.query_one(BACKLOG, &[]).await?;
         Ok(Backlog {
             pending: count_from_column(row.try_get(0)?),
             dead: count_from_column(row.try_get(1)?),
@@ -328,7 +237,7 @@ fn claimed_row(row: &Row) -> Result<(i64, OutboxEvent), Error> {
     ))
 }
 
-/// An `outbox_events` row, in [`EVENT_COLUMNS`] order.
+/// An `outbox_events` row, in `EVENT_COLUMNS` order.
 fn raw_event(row: &Row) -> Result<RawEvent, Error> {
     Ok(RawEvent {
         id: row.try_get(0)?,
@@ -353,25 +262,14 @@ impl OutboxBackend for PostgresStore {
     async fn event(&self, id: &str) -> Result<Option<EventInfo>, Error> {
         let now = to_unix_millis(SystemTime::now());
         let client = self.client().await?;
-        let row = client
-            .query_opt(
-                &format!("SELECT {EVENT_COLUMNS} FROM outbox_events WHERE event_id = $1"),
-                &[&id],
-            )
-            .await?;
+        let row = client.query_opt(SELECT_EVENT, &[&id]).await?;
         row.map(|row| raw_event(&row)?.into_info(now)).transpose()
     }
 
     async fn outbox_counts(&self) -> Result<OutboxCounts, Error> {
         let now = to_unix_millis(SystemTime::now());
         let client = self.client().await?;
-        let rows = client
-            .query(
-                "SELECT status, lease_owner IS NOT NULL AND available_at > $1, count(*) \
-                 FROM outbox_events GROUP BY 1, 2",
-                &[&now],
-            )
-            .await?;
+        let rows = client.query(COUNT_BY_STATE, &[&now]).await?;
         let mut counts = OutboxCounts::default();
         for row in rows {
             let status: String = row.try_get(0)?;
@@ -385,15 +283,7 @@ impl OutboxBackend for PostgresStore {
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         let now = to_unix_millis(SystemTime::now());
         let client = self.client().await?;
-        let rows = client
-            .query(
-                &format!(
-                    "SELECT {EVENT_COLUMNS} FROM outbox_events WHERE status = 'dead' \
-                     ORDER BY seq LIMIT $1"
-                ),
-                &[&limit],
-            )
-            .await?;
+        let rows = client.query(DEAD_LETTERS, &[&limit]).await?;
         rows.iter()
             .map(|row| raw_event(row)?.into_info(now))
             .collect()
@@ -402,27 +292,14 @@ impl OutboxBackend for PostgresStore {
     async fn requeue(&self, id: &str) -> Result<bool, Error> {
         let now = to_unix_millis(SystemTime::now());
         let client = self.client().await?;
-        let changed = client
-            .execute(
-                "UPDATE outbox_events SET status = 'pending', attempts = 0, \
-                 available_at = $2, lease_owner = NULL \
-                 WHERE event_id = $1 AND status = 'dead'",
-                &[&id, &now],
-            )
-            .await?;
+        let changed = client.execute(REQUEUE, &[&id, &now]).await?;
         Ok(changed > 0)
     }
 
     async fn requeue_all_dead(&self) -> Result<u64, Error> {
         let now = to_unix_millis(SystemTime::now());
         let client = self.client().await?;
-        Ok(client
-            .execute(
-                "UPDATE outbox_events SET status = 'pending', attempts = 0, \
-                 available_at = $1, lease_owner = NULL WHERE status = 'dead'",
-                &[&now],
-            )
-            .await?)
+        Ok(client.execute(REQUEUE_ALL_DEAD, &[&now]).await?)
     }
 
     /// Several instances may purge at once (SKIP LOCKED).
@@ -430,14 +307,7 @@ impl OutboxBackend for PostgresStore {
         let before = to_unix_millis(before);
         let batch = i64::try_from(batch).unwrap_or(i64::MAX);
         let client = self.client().await?;
-        Ok(client
-            .execute(
-                "DELETE FROM outbox_events WHERE seq IN (SELECT seq FROM outbox_events \
-                 WHERE status = 'delivered' AND delivered_at <= $1 LIMIT $2 \
-                 FOR UPDATE SKIP LOCKED)",
-                &[&before, &batch],
-            )
-            .await?)
+        Ok(client.execute(PURGE_DELIVERED, &[&before, &batch]).await?)
     }
 }
 
@@ -555,11 +425,7 @@ impl InboxBackend for PostgresStore {
     async fn inbox_contains(&self, consumer: &str, event_id: &str) -> Result<bool, Error> {
         let client = self.client().await?;
         Ok(client
-            .query_one(
-                "SELECT EXISTS (SELECT 1 FROM inbox_events \
-                 WHERE consumer = $1 AND event_id = $2)",
-                &[&consumer, &event_id],
-            )
+            .query_one(INBOX_CONTAINS, &[&consumer, &event_id])
             .await?
             .try_get(0)?)
     }
@@ -575,13 +441,7 @@ impl InboxBackend for PostgresStore {
         let batch = i64::try_from(batch).unwrap_or(i64::MAX);
         let client = self.client().await?;
         Ok(client
-            .execute(
-                "DELETE FROM inbox_events WHERE (consumer, event_id) IN ( \
-                     SELECT consumer, event_id FROM inbox_events \
-                     WHERE consumer = $1 AND processed_at <= $2 LIMIT $3 \
-                     FOR UPDATE SKIP LOCKED)",
-                &[&consumer, &before, &batch],
-            )
+            .execute(PURGE_INBOX, &[&consumer, &before, &batch])
             .await?)
     }
 }

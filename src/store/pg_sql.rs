@@ -31,6 +31,28 @@ ALTER TABLE idempotency_records
         AND headers IS NOT NULL AND body IS NOT NULL));
 ";
 
+/// A change to a table of an older layout, made when an install finds `column` missing from
+/// `table` (and only then, so that a normal start never takes the `ACCESS EXCLUSIVE` lock of
+/// an `ALTER TABLE`).
+pub(crate) struct Upgrade {
+    pub(crate) table: &'static str,
+    pub(crate) column: &'static str,
+    pub(crate) statement: &'static str,
+}
+
+/// `idempotency_records` of the SQLite layout gets its `state` ([`MIGRATE_ADD_STATE`]).
+pub(crate) const ADD_STATE: Upgrade = Upgrade {
+    table: "idempotency_records",
+    column: "state",
+    statement: MIGRATE_ADD_STATE,
+};
+
+/// Whether the table `$1` has the column `$2`. `current_schemas(false)[1]` is where an
+/// unqualified `CREATE TABLE` puts a table.
+pub(crate) const HAS_COLUMN: &str = "SELECT EXISTS (SELECT 1 FROM information_schema.columns \
+     WHERE table_schema = (current_schemas(false))[1] \
+     AND table_name = $1::text AND column_name = $2::text)";
+
 /// Serializes schema creation between instances starting at the same time: concurrent
 /// `CREATE TABLE IF NOT EXISTS` of one table can fail on PostgreSQL's catalog index.
 /// An arbitrary constant, the same in every instance.
@@ -93,3 +115,17 @@ pub(crate) const PURGE_EXPIRED: &str = "DELETE FROM idempotency_records AS r USI
          WHERE expires_at <= $1 LIMIT $2 FOR UPDATE SKIP LOCKED) AS expired \
      WHERE r.tenant = expired.tenant AND r.operation = expired.operation \
      AND r.idempotency_key = expired.idempotency_key";
+
+/// The `SET LOCAL` setting that marks a transaction a store opened for itself (the inbox's),
+/// set to a token unique in the store; [`IS_OWN_TRANSACTION`] checks it before `COMMIT`, to
+/// detect a transaction that the owner's code ended behind its back (or that a failed
+/// statement aborted: the check then fails too). A request's transaction is recognized by its
+/// reservation row instead (see [`COMPLETE_RECORD`]).
+#[cfg(feature = "outbox")]
+pub(crate) const OWN_TRANSACTION_SETTING: &str = "tower_idempotency.reservation";
+
+/// Whether the transaction is still the one marked with the token `$1` (see
+/// [`OWN_TRANSACTION_SETTING`]).
+#[cfg(feature = "outbox")]
+pub(crate) const IS_OWN_TRANSACTION: &str =
+    "SELECT current_setting('tower_idempotency.reservation', true) IS NOT DISTINCT FROM $1";

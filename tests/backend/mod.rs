@@ -5,13 +5,16 @@
 //! records and events, and injects the failures both stores can have.
 //!
 //! A suite writes each test as `async fn name<B: Backend>(db: B)` and instantiates it in its
-//! `sqlite` and `postgres` modules with `backend_tests!(Sqlite; a, b)` and
-//! `backend_tests!(Postgres; a, b)`; every PostgreSQL instance carries the attribute that
+//! `sqlite`, `postgres` and `sqlx_postgres` modules with `backend_tests!(Sqlite; a, b)`,
+//! `backend_tests!(Postgres; a, b)` and `backend_tests!(SqlxPostgres; a, b)` (the PostgreSQL
+//! store on sqlx, on a schema of its own too); every PostgreSQL instance carries the attribute that
 //! reports it as ignored without `TEST_DATABASE_URL`. Tests that only make sense on one
 //! backend sit next to them in the same module.
 //!
 //! The apps themselves are the ones of `tests/common` (SQLite) and `tests/pg_common`
-//! (PostgreSQL); this module only adapts them to one interface.
+//! (PostgreSQL, and `pg_common::sqlx_app` on sqlx); this module only adapts them to one
+//! interface. Another backend is a struct implementing [`Backend`] and an arm of
+//! [`backend_tests!`] with the attribute that reports it ignored without its server.
 
 // Every suite uses a different part of it.
 #![allow(dead_code)]
@@ -34,11 +37,13 @@ use tower_idempotency::outbox::{
 };
 use tower_idempotency::store::postgres::{PostgresOptions, PostgresStore, PostgresTransaction};
 use tower_idempotency::store::sqlite::{SqliteStore, SqliteTransaction};
+use tower_idempotency::store::sqlx_postgres::{SqlxPostgresStore, SqlxTransaction};
 use tower_idempotency::store::IdempotencyStore;
 
 use crate::common::{
     hook_for, AppBuilder, AppOf, HookFor, OrderCallOf, Outcome, SqliteApp, TestServer, PATIENCE,
 };
+use crate::pg_common::sqlx_app::{SqlxPgApp, SqlxServer};
 use crate::pg_common::{PgApp, PgServer, TestDb};
 
 /// What a backend's order handler tells the test's hook, its order row inserted inside the
@@ -533,26 +538,94 @@ impl Backend for Sqlite {
     }
 }
 
-// ----- PostgreSQL: a schema of its own -----
+// ----- PostgreSQL, either driver: a schema of its own -----
+
+/// A trigger `name` on `db` that fails every row of `event` (`INSERT ON orders`) matching
+/// `when`.
+async fn failing_trigger(db: &TestDb, name: &str, event: &str, when: &str) {
+    db.execute(&format!(
+        "CREATE FUNCTION {name}() RETURNS trigger LANGUAGE plpgsql AS $$ \
+         BEGIN RAISE EXCEPTION 'injected failure: {name}'; END $$; \
+         CREATE TRIGGER {name} BEFORE {event} FOR EACH ROW WHEN ({when}) \
+         EXECUTE FUNCTION {name}();"
+    ))
+    .await;
+}
+
+/// The [`Backend`] methods of a PostgreSQL backend (a struct with `db: TestDb`) that read and
+/// change the database itself, whichever driver its store uses: the test reads through a
+/// tokio-postgres connection of its own, as another process would.
+macro_rules! pg_database_reads {
+    () => {
+        async fn execute(&self, sql: &str) {
+            self.db.execute(sql).await;
+        }
+
+        async fn orders(&self) -> Vec<Order> {
+            self.db.orders().await
+        }
+
+        async fn order_count(&self) -> i64 {
+            self.db.order_count().await
+        }
+
+        async fn record_count(&self) -> i64 {
+            self.db.record_count().await
+        }
+
+        async fn record_exists(&self, tenant: &str, operation: &str, key: &str) -> bool {
+            self.db.record_exists(tenant, operation, key).await
+        }
+
+        async fn event_count(&self) -> i64 {
+            self.db
+                .value("SELECT count(*) FROM outbox_events", &[])
+                .await
+        }
+
+        async fn effects(&self, event_id: &str) -> i64 {
+            let sql = "SELECT count(*) FROM effects WHERE event_id = $1";
+            self.db.value(sql, &[&event_id]).await
+        }
+
+        async fn fail_saving_the_record_of(&self, key: &'static str) {
+            // The layer reserves the row first and completes it on commit: fail the completion.
+            let when = format!("NEW.idempotency_key = '{key}' AND NEW.state = 'completed'");
+            failing_trigger(
+                &self.db,
+                "fail_record",
+                "UPDATE ON idempotency_records",
+                &when,
+            )
+            .await;
+        }
+
+        async fn fail_inserting_orders_of(&self, sku: &'static str) {
+            let when = format!("NEW.sku = '{sku}'");
+            failing_trigger(&self.db, "fail_order", "INSERT ON orders", &when).await;
+        }
+
+        async fn stop_failing(&self) {
+            self.db
+                .execute(
+                    "DROP TRIGGER IF EXISTS fail_record ON idempotency_records; \
+                 DROP TRIGGER IF EXISTS fail_order ON orders;",
+                )
+                .await;
+        }
+
+        async fn tool_args(&self) -> Vec<String> {
+            vec!["--database-url".into(), self.db.url()]
+        }
+    };
+}
+
+// ----- PostgreSQL on tokio-postgres -----
 
 /// A schema of its own in the database of `TEST_DATABASE_URL`, dropped at the end.
 pub struct Postgres {
     store: OnceCell<PostgresStore>,
     pub db: TestDb,
-}
-
-impl Postgres {
-    /// A trigger `name` that fails every row of `event` (`INSERT ON orders`) matching `when`.
-    async fn failing_trigger(&self, name: &str, event: &str, when: &str) {
-        self.db
-            .execute(&format!(
-                "CREATE FUNCTION {name}() RETURNS trigger LANGUAGE plpgsql AS $$ \
-                 BEGIN RAISE EXCEPTION 'injected failure: {name}'; END $$; \
-                 CREATE TRIGGER {name} BEFORE {event} FOR EACH ROW WHEN ({when}) \
-                 EXECUTE FUNCTION {name}();"
-            ))
-            .await;
-    }
 }
 
 impl Backend for Postgres {
@@ -583,58 +656,7 @@ impl Backend for Postgres {
             .await
     }
 
-    async fn execute(&self, sql: &str) {
-        self.db.execute(sql).await;
-    }
-
-    async fn orders(&self) -> Vec<Order> {
-        self.db.orders().await
-    }
-
-    async fn order_count(&self) -> i64 {
-        self.db.order_count().await
-    }
-
-    async fn record_count(&self) -> i64 {
-        self.db.record_count().await
-    }
-
-    async fn record_exists(&self, tenant: &str, operation: &str, key: &str) -> bool {
-        self.db.record_exists(tenant, operation, key).await
-    }
-
-    async fn event_count(&self) -> i64 {
-        self.db
-            .value("SELECT count(*) FROM outbox_events", &[])
-            .await
-    }
-
-    async fn effects(&self, event_id: &str) -> i64 {
-        let sql = "SELECT count(*) FROM effects WHERE event_id = $1";
-        self.db.value(sql, &[&event_id]).await
-    }
-
-    async fn fail_saving_the_record_of(&self, key: &'static str) {
-        // The layer reserves the row first and completes it on commit: fail the completion.
-        let when = format!("NEW.idempotency_key = '{key}' AND NEW.state = 'completed'");
-        self.failing_trigger("fail_record", "UPDATE ON idempotency_records", &when)
-            .await;
-    }
-
-    async fn fail_inserting_orders_of(&self, sku: &'static str) {
-        let when = format!("NEW.sku = '{sku}'");
-        self.failing_trigger("fail_order", "INSERT ON orders", &when)
-            .await;
-    }
-
-    async fn stop_failing(&self) {
-        self.db
-            .execute(
-                "DROP TRIGGER IF EXISTS fail_record ON idempotency_records; \
-                 DROP TRIGGER IF EXISTS fail_order ON orders;",
-            )
-            .await;
-    }
+    pg_database_reads!();
 
     /// Autocommit, on a pooled connection.
     async fn enqueue_now(&self, topic: &str, payload: Value) -> EventId {
@@ -642,10 +664,6 @@ impl Backend for Postgres {
         tower_idempotency::outbox::postgres::enqueue(&**client, topic, &payload)
             .await
             .expect("enqueue")
-    }
-
-    async fn tool_args(&self) -> Vec<String> {
-        vec!["--database-url".into(), self.db.url()]
     }
 
     async fn process(inbox: &Inbox<PostgresStore>, event_id: &str, apply: Apply) -> Processing {
@@ -703,6 +721,101 @@ impl Setup<'_, Postgres> {
     }
 }
 
+// ----- PostgreSQL on sqlx -----
+
+/// A schema of its own, as [`Postgres`], served by the app on the sqlx store
+/// (`pg_common::sqlx_app`).
+pub struct SqlxPostgres {
+    store: OnceCell<SqlxPostgresStore>,
+    pub db: TestDb,
+}
+
+impl Running for SqlxServer {
+    fn stop(self: Box<Self>) -> BoxFuture<'static, ()> {
+        Box::pin((*self).shutdown())
+    }
+}
+
+impl Backend for SqlxPostgres {
+    type Store = SqlxPostgresStore;
+
+    const PARALLEL_WRITERS: bool = true;
+    const NO_OUTBOX_TABLE: &'static str = "outbox_events";
+
+    async fn create() -> Option<Self> {
+        let db = TestDb::create().await?;
+        Some(SqlxPostgres {
+            store: OnceCell::new(),
+            db,
+        })
+    }
+
+    async fn serve(&self, setup: Setup<'_, Self>) -> Server<Self> {
+        let running = setup.convert(adapt, SqlxPgApp).spawn(&self.db).await;
+        let parts = (running.addr, running.store.clone(), running.app.clone());
+        Server::new(parts, running)
+    }
+
+    fn store_cell(&self) -> &OnceCell<SqlxPostgresStore> {
+        &self.store
+    }
+
+    async fn another_store(&self) -> SqlxPostgresStore {
+        self.db.sqlx_store(4, 2).await
+    }
+
+    pg_database_reads!();
+
+    /// Autocommit, on the store's pool.
+    async fn enqueue_now(&self, topic: &str, payload: Value) -> EventId {
+        let pool = self.store().await.pool();
+        tower_idempotency::outbox::sqlx_postgres::enqueue(pool, topic, &payload)
+            .await
+            .expect("enqueue")
+    }
+
+    async fn process(inbox: &Inbox<SqlxPostgresStore>, event_id: &str, apply: Apply) -> Processing {
+        let id = event_id.to_owned();
+        inbox
+            .process(event_id, move |tx| async move {
+                let mut conn = tx.acquire().await?;
+                match apply {
+                    Apply::Nothing => return Ok(0),
+                    Apply::BrokenStatement => {
+                        sqlx::query("INSERT INTO no_such_table VALUES (1)")
+                            .execute(&mut *conn)
+                            .await?;
+                        return Ok(0);
+                    }
+                    Apply::Effect | Apply::EffectThenFail => {
+                        sqlx::query(INSERT_EFFECT)
+                            .bind(&id)
+                            .execute(&mut *conn)
+                            .await?
+                    }
+                };
+                if let Apply::EffectThenFail = apply {
+                    return Err(tower_idempotency::Error::Corrupt(FAILURE.into()));
+                }
+                let count = sqlx::query_scalar("SELECT count(*) FROM effects WHERE event_id = $1")
+                    .bind(&id)
+                    .fetch_one(&mut *conn)
+                    .await?;
+                Ok(count)
+            })
+            .await
+    }
+
+    async fn apply_in(tx: &SqlxTransaction, event_id: &str) {
+        let mut conn = tx.acquire().await.expect("connection");
+        sqlx::query(INSERT_EFFECT)
+            .bind(event_id)
+            .execute(&mut *conn)
+            .await
+            .expect("apply");
+    }
+}
+
 /// Instantiates generic tests (`async fn name<B: Backend>(db: B)` in the suite's root module)
 /// as `#[tokio::test]`s on a fresh database each, inside the suite's `sqlite` or `postgres`
 /// module (which also holds the suite's tests for that backend only):
@@ -715,6 +828,11 @@ macro_rules! backend_tests {
     };
     (Postgres; $($tests:tt)*) => {
         backend_tests!(@each Postgres
+            [#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]];
+            $($tests)*);
+    };
+    (SqlxPostgres; $($tests:tt)*) => {
+        backend_tests!(@each SqlxPostgres
             [#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]];
             $($tests)*);
     };

@@ -318,6 +318,27 @@ impl<S: Clone + 'static, H, X> AppBuilder<S, H, X> {
     }
 }
 
+impl<S: Clone + 'static, T: InsertOrder, O: Outcome, X>
+    AppBuilder<S, HookFor<OrderCallOf<T>, O>, X>
+{
+    /// The order routes on `store`, behind the demo authentication, served on 127.0.0.1:0:
+    /// the app of a database backend whose handle is `T` (the SQLite app adds its own routes).
+    pub async fn serve_orders(&self, store: &S) -> (Arc<AppOf<T, O>>, Serving)
+    where
+        IdempotencyLayer<S>: Layer<Route> + Clone + Send + Sync + 'static,
+        Guarded<S>: Service<Request, Error = Infallible> + Clone + Send + Sync + 'static,
+        <Guarded<S> as Service<Request>>::Response: IntoResponse + 'static,
+        <Guarded<S> as Service<Request>>::Future: Send + 'static,
+    {
+        let app = AppOf::<T, O>::new(self.hook.clone(), self.response_headers.clone());
+        let router = self
+            .order_routes::<T, O>(store)
+            .layer(middleware::from_fn_with_state(app.clone(), authenticate))
+            .with_state(app.clone());
+        (app, Serving::start(router).await)
+    }
+}
+
 /// A route's service behind the idempotency layer on the store `S`.
 type Guarded<S> = <IdempotencyLayer<S> as Layer<Route>>::Service;
 
@@ -1096,10 +1117,11 @@ pub async fn execute(store: &SqliteStore, sql: &'static str) {
 /// The `orders` example as real processes on a SQLite file, and a client that tolerates a
 /// server that dies under it.
 pub mod process {
+    use std::collections::HashMap;
     use std::net::SocketAddr;
     use std::path::{Path, PathBuf};
     use std::process::Stdio;
-    use std::sync::OnceLock;
+    use std::sync::{Mutex, OnceLock, PoisonError};
     use std::time::{Duration, Instant};
 
     use bytes::Bytes;
@@ -1123,8 +1145,21 @@ pub mod process {
     /// target directory: a no-op when `cargo test` has just built it) and takes the path
     /// cargo reports for the artifact. Cargo holds no build lock while tests run.
     pub fn orders_binary() -> PathBuf {
-        static BINARY: OnceLock<PathBuf> = OnceLock::new();
-        BINARY.get_or_init(|| build_example("orders")).clone()
+        example_binary("orders")
+    }
+
+    /// The binary of the example `name`, up to date (see [`orders_binary`]): built once per
+    /// test binary.
+    pub fn example_binary(name: &str) -> PathBuf {
+        static BINARIES: OnceLock<Mutex<HashMap<String, PathBuf>>> = OnceLock::new();
+        let mut binaries = BINARIES
+            .get_or_init(Mutex::default)
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        binaries
+            .entry(name.to_owned())
+            .or_insert_with(|| build_example(name))
+            .clone()
     }
 
     /// Runs `cargo build --example <name>` (see [`orders_binary`]) and returns the path cargo
@@ -1194,7 +1229,13 @@ pub mod process {
         /// Starts the example on `127.0.0.1:0` with these store arguments (`--db PATH` or
         /// `--database-url URL`) and waits until it listens (it prints its address).
         pub async fn start_with(store_args: &[&str]) -> OrdersProcess {
-            let mut child = Command::new(orders_binary())
+            Self::start_example("orders", store_args).await
+        }
+
+        /// Starts the example `name` (an order app that takes `--addr` and prints its
+        /// address first, as `orders` and `orders_sqlx` do) with these store arguments.
+        pub async fn start_example(name: &str, store_args: &[&str]) -> OrdersProcess {
+            let mut child = Command::new(example_binary(name))
                 .args(["--addr", "127.0.0.1:0"])
                 .args(store_args)
                 .env("RUST_LOG", "error")

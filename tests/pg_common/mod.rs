@@ -16,8 +16,6 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use axum::middleware;
-
 use http::header::HeaderName;
 use http::{HeaderValue, StatusCode};
 use tower_idempotency::store::postgres::tokio_postgres::types::{FromSql, ToSql};
@@ -26,8 +24,10 @@ use tower_idempotency::store::postgres::{PostgresOptions, PostgresStore, Postgre
 use tower_idempotency::Tenant;
 
 use crate::common::{
-    authenticate, hook_for, AppBuilder, AppOf, HookFor, InsertOrder, OrderCallOf, Outcome, Serving,
+    hook_for, AppBuilder, AppOf, HookFor, InsertOrder, OrderCallOf, Outcome, Serving,
 };
+
+pub mod sqlx_app;
 
 /// The business table of the PostgreSQL order app (the same as the example's).
 pub const ORDERS_SCHEMA: &str = "CREATE TABLE IF NOT EXISTS orders (
@@ -355,12 +355,7 @@ impl ServerBuilder {
                 customise_store(options.max_connections(8).max_read_connections(4))
             })
             .await;
-        let app = App::new(self.hook.clone(), self.response_headers.clone());
-        let router = self
-            .order_routes::<PostgresTransaction, HookOutcome>(&store)
-            .layer(middleware::from_fn_with_state(app.clone(), authenticate))
-            .with_state(app.clone());
-        let serving = Serving::start(router).await;
+        let (app, serving) = self.serve_orders(&store).await;
         PgServer {
             addr: serving.addr,
             store,
@@ -414,5 +409,26 @@ impl InsertOrder for PostgresTransaction {
 
 /// The example binary (`examples/orders.rs`) as a child process serving on this database.
 pub async fn start_example(db: &TestDb) -> super::common::process::OrdersProcess {
-    super::common::process::OrdersProcess::start_with(&["--database-url", &db.url()]).await
+    start_order_example(OrderExample::TokioPostgres, db).await
+}
+
+/// The order examples that serve on PostgreSQL (`--database-url`), one per store.
+#[derive(Clone, Copy, Debug)]
+pub enum OrderExample {
+    /// `examples/orders.rs`, on the tokio-postgres store.
+    TokioPostgres,
+    /// `examples/orders_sqlx.rs`, on the sqlx store.
+    Sqlx,
+}
+
+/// `example` as a child process serving on this database.
+pub async fn start_order_example(
+    example: OrderExample,
+    db: &TestDb,
+) -> super::common::process::OrdersProcess {
+    let name = match example {
+        OrderExample::TokioPostgres => "orders",
+        OrderExample::Sqlx => "orders_sqlx",
+    };
+    super::common::process::OrdersProcess::start_example(name, &["--database-url", &db.url()]).await
 }

@@ -2,17 +2,9 @@
 //! lock (the store's `idempotency_records` when it connects, the outbox's and the inbox's
 //! tables when they are installed), and upgrades a table of an older layout.
 
-use super::{PostgresStore, MIGRATE_ADD_STATE, MIGRATION_LOCK, SCHEMA};
+use super::{PostgresStore, MIGRATION_LOCK, SCHEMA};
 use crate::error::Error;
-
-/// A change to a table of an older layout, made when the install finds `column` missing from
-/// `table` (and only then, so that a normal start never takes the `ACCESS EXCLUSIVE` lock of
-/// an `ALTER TABLE`).
-pub(crate) struct Upgrade {
-    table: &'static str,
-    column: &'static str,
-    statement: &'static str,
-}
+use crate::store::pg_sql::{Upgrade, ADD_STATE, HAS_COLUMN};
 
 /// Creates tables (`schema`: `CREATE ... IF NOT EXISTS` statements) in one transaction under a
 /// transaction-level advisory lock (`lock`, the same in every instance), so that instances
@@ -30,14 +22,8 @@ pub(crate) async fn install_schema(
         .await?;
     tx.batch_execute(schema).await?;
     for upgrade in upgrades {
-        // `current_schemas(false)[1]` is where the unqualified CREATE TABLE above put it.
         let has_column: bool = tx
-            .query_one(
-                "SELECT EXISTS (SELECT 1 FROM information_schema.columns \
-                 WHERE table_schema = (current_schemas(false))[1] \
-                 AND table_name = $1::text AND column_name = $2::text)",
-                &[&upgrade.table, &upgrade.column],
-            )
+            .query_one(HAS_COLUMN, &[&upgrade.table, &upgrade.column])
             .await?
             .try_get(0)?;
         if !has_column {
@@ -60,16 +46,6 @@ impl PostgresStore {
     /// [`create_schema(false)`](super::PostgresOptions::create_schema); call it yourself to
     /// migrate when you choose (a deploy step, say). Running it again changes nothing.
     pub async fn migrate(&self) -> Result<(), Error> {
-        install_schema(
-            self,
-            MIGRATION_LOCK,
-            SCHEMA,
-            &[Upgrade {
-                table: "idempotency_records",
-                column: "state",
-                statement: MIGRATE_ADD_STATE,
-            }],
-        )
-        .await
+        install_schema(self, MIGRATION_LOCK, SCHEMA, &[ADD_STATE]).await
     }
 }

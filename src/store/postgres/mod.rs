@@ -109,16 +109,9 @@ use super::sql_guard;
 
 // The SQL the store runs, shared with the sqlx store.
 use super::pg_sql::{
-    COMPLETE_RECORD, INSERT_RESERVATION, MIGRATE_ADD_STATE, MIGRATION_LOCK, PURGE_EXPIRED, SCHEMA,
-    SELECT_LIVE_RECORD, SELECT_RECORD, TAKE_OVER,
+    COMPLETE_RECORD, INSERT_RESERVATION, MIGRATION_LOCK, PURGE_EXPIRED, SCHEMA, SELECT_LIVE_RECORD,
+    SELECT_RECORD, TAKE_OVER,
 };
-
-/// The `SET LOCAL` name that marks a transaction opened by `begin_owned`; its `commit` checks it
-/// to detect a transaction that the owner's code ended (`COMMIT`/`ROLLBACK`) behind its back.
-/// (A request's transaction is recognized by its reservation row instead; see
-/// [`COMPLETE_RECORD`].)
-#[cfg(feature = "outbox")]
-const RESERVATION_SETTING: &str = "tower_idempotency.reservation";
 
 #[cfg(test)]
 mod tests;

@@ -6,8 +6,9 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::slot::{Slot, TxShared};
-use super::{PostgresStore, PostgresTransaction, RESERVATION_SETTING};
+use super::{PostgresStore, PostgresTransaction};
 use crate::error::Error;
+use crate::store::pg_sql::{IS_OWN_TRANSACTION, OWN_TRANSACTION_SETTING};
 
 impl PostgresStore {
     /// Opens a transaction of the store's own, outside any request (the inbox's), on a pooled
@@ -22,7 +23,7 @@ impl PostgresStore {
         let begun = match slot.client() {
             Ok(client) => client
                 .batch_execute(&format!(
-                    "{}; SET LOCAL {RESERVATION_SETTING} = '{token}'",
+                    "{}; SET LOCAL {OWN_TRANSACTION_SETTING} = '{token}'",
                     self.shared.isolation.begin_statement()
                 ))
                 .await
@@ -71,12 +72,7 @@ impl OwnedTransaction {
         }
         let checked = async {
             let client = slot.client()?;
-            let check = client
-                .prepare_cached(
-                    "SELECT current_setting('tower_idempotency.reservation', true) \
-                     IS NOT DISTINCT FROM $1",
-                )
-                .await?;
+            let check = client.prepare_cached(IS_OWN_TRANSACTION).await?;
             let same: bool = client
                 .query_one(&check, &[&self.tx.token.to_string()])
                 .await?

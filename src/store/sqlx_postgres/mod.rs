@@ -77,13 +77,15 @@ use tokio::time::Instant;
 
 use super::pg_reserve::{self, ReserveStatements, Reserved};
 use super::pg_sql::{
-    INSERT_RESERVATION, MIGRATE_ADD_STATE, MIGRATION_LOCK, PURGE_EXPIRED, SCHEMA,
-    SELECT_LIVE_RECORD, SELECT_RECORD, TAKE_OVER,
+    INSERT_RESERVATION, PURGE_EXPIRED, SELECT_LIVE_RECORD, SELECT_RECORD, TAKE_OVER,
 };
 use super::{to_unix_millis, Begin, IdempotencyStore, SavedColumns, Scope, StoredRecord};
 use crate::error::{sqlx_code, Error};
 
 mod handle;
+mod migrate;
+#[cfg(feature = "outbox")]
+mod owned;
 mod reservation;
 
 pub use handle::{SqlxConnection, SqlxTransaction, TxConnection};
@@ -222,33 +224,6 @@ impl SqlxPostgresStore {
     /// The pool of the replay fast path.
     pub fn read_pool(&self) -> &PgPool {
         &self.shared.reads
-    }
-
-    /// Creates `idempotency_records` if it is missing (the crate's migration file, run under
-    /// an advisory lock so that instances starting together do not race), and brings a table
-    /// of the SQLite layout (no `state` column) to the current one. Safe to run at every start,
-    /// and before or after `sqlx migrate run` of the same file.
-    pub async fn migrate(&self) -> Result<(), Error> {
-        let mut tx = self.shared.transactions.begin().await?;
-        sqlx::query("SELECT pg_advisory_xact_lock($1)")
-            .bind(MIGRATION_LOCK)
-            .execute(&mut *tx)
-            .await?;
-        sqlx::raw_sql(SCHEMA).execute(&mut *tx).await?;
-        // `current_schemas(false)[1]` is where the unqualified CREATE TABLE above put it.
-        let has_state: bool = sqlx::query_scalar(
-            "SELECT EXISTS (SELECT 1 FROM information_schema.columns \
-             WHERE table_schema = (current_schemas(false))[1] \
-             AND table_name = 'idempotency_records' AND column_name = 'state')",
-        )
-        .fetch_one(&mut *tx)
-        .await?;
-        if !has_state {
-            tracing::info!("migrating idempotency_records: adding the reservation state");
-            sqlx::raw_sql(MIGRATE_ADD_STATE).execute(&mut *tx).await?;
-        }
-        tx.commit().await?;
-        Ok(())
     }
 
     /// One attempt at opening the transaction and reserving the scope.

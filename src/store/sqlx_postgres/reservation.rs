@@ -62,6 +62,32 @@ impl Slot {
         }
     }
 
+    /// Sends `COMMIT` and gives the connection back; if the server refuses it (it rolled back:
+    /// a serialization failure at commit makes the layer run the request again) or the
+    /// connection broke, the connection is not reused.
+    pub(super) async fn commit_and_release(&mut self) -> Result<(), Error> {
+        let committed = self.raw()?.execute("COMMIT").await;
+        match committed {
+            // Committed: no transaction is left open on the connection.
+            Ok(_) => {
+                self.release();
+                Ok(())
+            }
+            // Refused by the server (it rolled back: a serialization failure at commit makes the
+            // layer run the request again), or the connection broke: do not reuse it.
+            Err(error) => {
+                self.discard();
+                if sqlx_unavailable(&error) {
+                    // `COMMIT` was sent: it may have committed. The same key replays if it
+                    // did and runs afresh if not.
+                    Err(Error::CommitOutcomeUnknown(error.to_string()))
+                } else {
+                    Err(error.into())
+                }
+            }
+        }
+    }
+
     /// Gives the connection back to the pool: only once no transaction is open on it.
     fn release(&mut self) {
         drop(self.connection.take());
@@ -116,7 +142,7 @@ pub(super) struct TxShared {
 }
 
 impl TxShared {
-    fn new(token: u64, slot: Slot) -> Self {
+    pub(super) fn new(token: u64, slot: Slot) -> Self {
         let conflict = match &slot.connection {
             Some(connection) => connection.conflict_cell(),
             None => ConflictCell::default(),
@@ -130,7 +156,7 @@ impl TxShared {
     }
 
     /// The conflict a handle's statement got, if any, as the error to report.
-    fn conflict(&self) -> Option<Error> {
+    pub(super) fn conflict(&self) -> Option<Error> {
         self.conflict
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -143,7 +169,7 @@ impl TxShared {
     }
 
     /// Marks the transaction finished and takes its connection from the handles.
-    fn take_connection(&self) -> Result<OwnedMutexGuard<Slot>, Error> {
+    pub(super) fn take_connection(&self) -> Result<OwnedMutexGuard<Slot>, Error> {
         self.finished.store(true, Ordering::Release);
         // The handler has returned its response; a connection still borrowed now belongs to
         // a task that outlived its request, still using the transaction: do not commit under it.
@@ -160,7 +186,7 @@ impl TxShared {
 
     /// The owner went away without committing: refuse further work and close the connection
     /// (which rolls back).
-    fn abandon(&self) {
+    pub(super) fn abandon(&self) {
         self.finished.store(true, Ordering::Release);
         // Discard at once if nobody borrows the connection; otherwise the slot's own `Drop`
         // does it when the last borrower lets go.
@@ -255,29 +281,7 @@ impl Reservation for SqlxReservation {
             });
         }
         // The record is this transaction's own: commit it with the handler's rows.
-        let committed = match slot.raw() {
-            Ok(conn) => conn.execute("COMMIT").await,
-            Err(error) => return Err(error),
-        };
-        match committed {
-            // Committed: no transaction is left open on the connection.
-            Ok(_) => {
-                slot.release();
-                Ok(())
-            }
-            // Refused by the server (it rolled back: a serialization failure at commit makes the
-            // layer run the request again), or the connection broke: do not reuse it.
-            Err(error) => {
-                slot.discard();
-                if sqlx_unavailable(&error) {
-                    // `COMMIT` was sent: it may have committed. The same key replays if it
-                    // did and runs afresh if not.
-                    Err(Error::CommitOutcomeUnknown(error.to_string()))
-                } else {
-                    Err(error.into())
-                }
-            }
-        }
+        slot.commit_and_release().await
     }
 
     /// Rolls back. Reports a serialization failure or deadlock that a handler's statement
