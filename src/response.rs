@@ -1,6 +1,7 @@
 //! What is captured from the handler's response, saved, and replayed.
 
 use std::fmt::Write as _;
+use std::io::Write as _;
 
 use bytes::Bytes;
 use http::header::{self, HeaderName};
@@ -67,21 +68,55 @@ impl SavedResponse {
     /// hold only strings, so they decode as they did. Characters outside ASCII are written as
     /// `\u` escapes, so the text is ASCII whatever the database's encoding.
     pub(crate) fn encode_headers(headers: &[(HeaderName, HeaderValue)]) -> String {
-        let pairs: Vec<serde_json::Value> = headers
-            .iter()
-            .map(|(name, value)| {
-                let value = match std::str::from_utf8(value.as_bytes()) {
-                    Ok(text) => serde_json::Value::from(text),
-                    Err(_) => serde_json::Value::from(value.as_bytes()),
-                };
-                serde_json::json!([name.as_str(), value])
-            })
-            .collect();
-        ascii_json(&serde_json::Value::Array(pairs).to_string())
+        // Written straight into one buffer (what `serde_json::Value` would print, without
+        // building one): the record of every new key goes through here.
+        let mut json = Vec::with_capacity(2 + headers.len() * 48);
+        json.push(b'[');
+        for (i, (name, value)) in headers.iter().enumerate() {
+            if i > 0 {
+                json.push(b',');
+            }
+            json.extend_from_slice(b"[\"");
+            json.extend_from_slice(name.as_str().as_bytes()); // lowercase token characters
+            json.extend_from_slice(b"\",");
+            match std::str::from_utf8(value.as_bytes()) {
+                Ok(text) => {
+                    // Writing JSON into a Vec cannot fail.
+                    let _ = serde_json::to_writer(&mut json, text);
+                }
+                Err(_) => {
+                    json.push(b'[');
+                    for (j, byte) in value.as_bytes().iter().enumerate() {
+                        if j > 0 {
+                            json.push(b',');
+                        }
+                        let _ = write!(json, "{byte}");
+                    }
+                    json.push(b']');
+                }
+            }
+            json.push(b']');
+        }
+        json.push(b']');
+        // Only JSON text went in (a header name is ASCII, serde_json writes valid UTF-8).
+        let json = String::from_utf8(json).unwrap_or_default();
+        if json.is_ascii() {
+            json
+        } else {
+            ascii_json(&json)
+        }
     }
 
     /// Decodes what [`SavedResponse::encode_headers`] wrote (in this version or an earlier one).
     pub(crate) fn decode_headers(text: &str) -> Result<Vec<(HeaderName, HeaderValue)>, String> {
+        if let Some(headers) = decode_plain_headers(text) {
+            return Ok(headers);
+        }
+        Self::decode_json_headers(text)
+    }
+
+    /// [`decode_headers`](Self::decode_headers) through a JSON parser: any valid encoding.
+    fn decode_json_headers(text: &str) -> Result<Vec<(HeaderName, HeaderValue)>, String> {
         let pairs: Vec<(String, serde_json::Value)> =
             serde_json::from_str(text).map_err(|e| format!("saved headers: {e}"))?;
         pairs
@@ -100,6 +135,42 @@ impl SavedResponse {
                 Ok((name, value))
             })
             .collect()
+    }
+}
+
+/// The common case of [`SavedResponse::decode_headers`] without a JSON parser: a list whose
+/// names and values are all strings of visible ASCII with nothing escaped
+/// (`[["location","/orders/1"]]`), as every record of printable headers is saved. Anything
+/// else (escapes, byte arrays, spaces between tokens, a header the `http` crate refuses) is
+/// `None`, and goes through the JSON parser, which decides what it means or why it is corrupt.
+fn decode_plain_headers(text: &str) -> Option<Vec<(HeaderName, HeaderValue)>> {
+    /// The content of a JSON string at the start of `rest` (after its opening quote), if it
+    /// is plain visible ASCII, and what follows its closing quote.
+    fn plain_string(rest: &[u8]) -> Option<(&[u8], &[u8])> {
+        let end = rest.iter().position(|&b| b == b'"')?;
+        let (content, after) = rest.split_at(end);
+        content
+            .iter()
+            .all(|&b| (0x20..0x7f).contains(&b) && b != b'\\')
+            .then(|| (content, &after[1..]))
+    }
+    let mut rest = text.as_bytes().strip_prefix(b"[")?;
+    let mut headers = Vec::new();
+    if let Some(end) = rest.strip_prefix(b"]") {
+        return end.is_empty().then_some(headers);
+    }
+    loop {
+        let (name, after) = plain_string(rest.strip_prefix(b"[\"")?)?;
+        let (value, after) = plain_string(after.strip_prefix(b",\"")?)?;
+        let name = HeaderName::from_bytes(name).ok()?;
+        let value = HeaderValue::from_bytes(value).ok()?;
+        headers.push((name, value));
+        rest = after.strip_prefix(b"]")?;
+        match rest.split_first()? {
+            (b',', after) => rest = after,
+            (b']', []) => return Some(headers),
+            _ => return None,
+        }
     }
 }
 
@@ -235,6 +306,39 @@ mod tests {
             r#"[["bad name","x"]]"#,
         ] {
             assert!(SavedResponse::decode_headers(text).is_err(), "{text}");
+        }
+    }
+
+    #[test]
+    fn plain_headers_decode_as_the_json_parser_reads_them() {
+        for text in [
+            "[]",
+            r#"[["location","/orders/7"]]"#,
+            r#"[["content-type","application/json"],["location","/orders/1"],["x-a","a b"]]"#,
+            r#"[["Location","/x"]]"#,
+            r#"[["x-empty",""]]"#,
+        ] {
+            assert_eq!(
+                decode_plain_headers(text),
+                Some(SavedResponse::decode_json_headers(text).unwrap()),
+                "{text}"
+            );
+        }
+        // Escapes, byte arrays, spacing, trailing text and what `http` refuses go to the JSON
+        // parser, which reads them or says why they are corrupt.
+        for text in [
+            r#"[["location","/a"b"]]"#,
+            r#"[["location","é"]]"#,
+            r#"[["x-latin1",[233]]]"#,
+            r#"[ ["location","/x"]]"#,
+            r#"[["location","/x"]] "#,
+            r#"[["location","/x"],]"#,
+            r#"[["bad name","x"]]"#,
+            "[[\"location\",\"a\tb\"]]",
+            "",
+            "[",
+        ] {
+            assert_eq!(decode_plain_headers(text), None, "{text}");
         }
     }
 

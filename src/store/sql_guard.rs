@@ -15,6 +15,9 @@
 //! The lexer knows two dialects ([`Dialect`]); MySQL's list of refused statements, longer
 //! because of its implicit commits, is in [`mysql`].
 
+use std::collections::HashSet;
+use std::sync::{LazyLock, RwLock};
+
 use crate::error::Error;
 
 #[cfg(feature = "sqlx-mysql")]
@@ -95,6 +98,37 @@ pub(crate) fn check_command(command: &str) -> Result<(), Error> {
         None => Ok(()),
     }
 }
+
+/// [`check_command`], remembering the texts it accepted: a handler sends the same few
+/// statements on every request, and looking a text up costs a fraction of reading it again.
+/// Only accepted texts are kept (a refusal is checked every time), at most
+/// [`REMEMBERED`] of them, each at most [`REMEMBERED_LEN`] bytes long; past that, texts are
+/// checked every time. Process-wide: whether a text is accepted depends on nothing else.
+pub(crate) fn check_command_remembered(command: &str) -> Result<(), Error> {
+    static ACCEPTED: LazyLock<RwLock<HashSet<Box<str>>>> =
+        LazyLock::new(|| RwLock::new(HashSet::new()));
+    if ACCEPTED
+        .read()
+        .is_ok_and(|accepted| accepted.contains(command))
+    {
+        return Ok(());
+    }
+    check_command(command)?;
+    if command.len() <= REMEMBERED_LEN {
+        if let Ok(mut accepted) = ACCEPTED.write() {
+            if accepted.len() < REMEMBERED {
+                accepted.insert(command.into());
+            }
+        }
+    }
+    Ok(())
+}
+
+/// How many accepted texts [`check_command_remembered`] keeps.
+const REMEMBERED: usize = 1024;
+
+/// The longest text [`check_command_remembered`] keeps.
+const REMEMBERED_LEN: usize = 4096;
 
 /// Cuts `sql` into its statements (without the `;`), leaving out empty ones (only whitespace
 /// and comments), the way `psql` does: semicolons inside strings, quoted identifiers,
@@ -468,8 +502,22 @@ fn dollar_end(bytes: &[u8], at: usize) -> usize {
 
 #[cfg(test)]
 mod tests {
-    use super::{check_command, refused, split};
+    use super::{check_command, check_command_remembered, refused, split};
     use crate::error::Error;
+
+    #[test]
+    fn remembered_checks_answer_as_the_check_does() {
+        for _ in 0..2 {
+            assert!(check_command_remembered("INSERT INTO t VALUES (1)").is_ok());
+            assert!(check_command_remembered("SELECT 1; COMMIT").is_err());
+            assert!(check_command_remembered("commit").is_err());
+            assert!(check_command_remembered("ROLLBACK TO SAVEPOINT a").is_ok());
+            assert!(check_command_remembered("ROLLBACK").is_err());
+        }
+        let long = format!("SELECT 1 {}", " ".repeat(5000));
+        assert!(check_command_remembered(&long).is_ok());
+        assert!(check_command_remembered(&format!("COMMIT {long}")).is_err());
+    }
 
     #[test]
     fn transaction_control_is_refused_in_any_case_and_spelling() {

@@ -218,7 +218,7 @@ impl TransactionClient {
     /// Refuses transaction control in `command`'s text.
     fn check<T: Command + ?Sized>(command: &T) -> Result<(), Error> {
         match command.sql_text() {
-            Some(sql) => sql_guard::check_command(sql),
+            Some(sql) => sql_guard::check_command_remembered(sql),
             None => Ok(()),
         }
     }
@@ -233,7 +233,7 @@ impl TransactionClient {
 
     /// Prepares `query` ([`tokio_postgres::Client::prepare`]).
     pub async fn prepare(&self, query: &str) -> Result<Statement, Error> {
-        sql_guard::check_command(query)?;
+        sql_guard::check_command_remembered(query)?;
         self.observe(self.client().prepare(query).await)
     }
 
@@ -244,13 +244,13 @@ impl TransactionClient {
         query: &str,
         parameter_types: &[Type],
     ) -> Result<Statement, Error> {
-        sql_guard::check_command(query)?;
+        sql_guard::check_command_remembered(query)?;
         self.observe(self.client().prepare_typed(query, parameter_types).await)
     }
 
     /// Prepares `query` once per connection and reuses the statement afterwards.
     pub async fn prepare_cached(&self, query: &str) -> Result<Statement, Error> {
-        sql_guard::check_command(query)?;
+        sql_guard::check_command_remembered(query)?;
         self.observe(self.connection.prepare_cached(query).await)
     }
 
@@ -301,7 +301,7 @@ impl TransactionClient {
         query: &str,
         params: &[(&(dyn ToSql + Sync), Type)],
     ) -> Result<Vec<Row>, Error> {
-        sql_guard::check_command(query)?;
+        sql_guard::check_command_remembered(query)?;
         self.observe(self.client().query_typed(query, params).await)
     }
 

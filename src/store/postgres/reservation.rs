@@ -71,12 +71,12 @@ impl PostgresStore {
     }
 }
 
-/// The reservation's statements on a tokio-postgres connection.
+/// The reservation's statements on a tokio-postgres connection. The re-check and the take-over
+/// are prepared (from the connection's cache) only when a conflict needs them: a new key runs
+/// the insert alone.
 struct Statements<'a> {
     client: &'a ClientWrapper,
     insert: Statement,
-    select: Statement,
-    take_over: Statement,
     scope: &'a Scope,
     now: i64,
 }
@@ -98,12 +98,10 @@ impl ReserveStatements for Statements<'_> {
 
     async fn select(&mut self) -> Result<Option<Option<StoredRecord>>, Error> {
         let s = self.scope;
+        let select = self.client.prepare_cached(SELECT_RECORD).await?;
         let Some(row) = self
             .client
-            .query_opt(
-                &self.select,
-                &[&&*s.tenant, &&*s.operation, &s.key.as_str()],
-            )
+            .query_opt(&select, &[&&*s.tenant, &&*s.operation, &s.key.as_str()])
             .await?
         else {
             return Ok(None);
@@ -119,10 +117,11 @@ impl ReserveStatements for Statements<'_> {
 
     async fn take_over(&mut self) -> Result<Option<String>, Error> {
         let s = self.scope;
+        let take_over = self.client.prepare_cached(TAKE_OVER).await?;
         let row = self
             .client
             .query_opt(
-                &self.take_over,
+                &take_over,
                 &[&&*s.tenant, &&*s.operation, &s.key.as_str(), &self.now],
             )
             .await?;
@@ -144,8 +143,6 @@ async fn reserve(
     let mut statements = Statements {
         client,
         insert: client.prepare_cached(INSERT_RESERVATION).await?,
-        select: client.prepare_cached(SELECT_RECORD).await?,
-        take_over: client.prepare_cached(TAKE_OVER).await?,
         scope,
         now,
     };
