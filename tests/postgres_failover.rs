@@ -1,4 +1,4 @@
-//! Surviving a PostgreSQL primary failover (issue 16): a primary with a streaming standby
+//! Surviving a PostgreSQL primary failover: a primary with a streaming standby
 //! built on this machine (`tests/cluster`), two instances of the order example as processes
 //! on the multi-host URL (`target_session_attrs=read-write`), the primary SIGKILLed under
 //! load and the standby promoted.

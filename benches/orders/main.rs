@@ -59,7 +59,7 @@
 //!
 //! After each case a check counts the case's orders, on a new connection and through the
 //! store's readers: each fresh `201` the clients received must have exactly one committed
-//! order. A goals block then lists every ratio issue 13 sets a goal for, with met/NOT met. Two
+//! order. A goals block then lists every ratio of the performance goals, with met/NOT met. Two
 //! extra measurements follow: replay latency while a handler holds the write transaction for
 
 use std::error::Error;

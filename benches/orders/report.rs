@@ -219,7 +219,7 @@ pub(crate) fn print_goals(goals: &[Goal]) {
         return;
     }
     println!();
-    println!("Goals (issue 13, this run)");
+    println!("Goals (this run)");
     for goal in goals {
         println!(
             "  {:<66} {:>6.2}  goal {} {:<4} {:<8} ({})",
