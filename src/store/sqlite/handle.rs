@@ -93,6 +93,18 @@ impl SqliteTransaction {
             }
             result.map_err(|error| writer.control.error(error))
         };
+        // The request holds the writer in place: run the statement here.
+        if self.tx.in_place.is_some() {
+            return self
+                .tx
+                .with_lent(move |lent| {
+                    let writer = lent.as_mut().ok_or(Error::TransactionFinished)?;
+                    let result = statement(writer);
+                    writer.after_job();
+                    result
+                })
+                .await;
+        }
         // From the request's work, polled on the writer thread: run the statement now.
         match run_if_on_writer(self.tx.store.id, statement) {
             Ok(result) => result,
