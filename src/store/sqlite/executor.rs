@@ -57,7 +57,10 @@ impl SqliteStore {
                 (Some(runtime), _) => {
                     // In place if the writer is idle; else queued, without reading again.
                     let (work, look_up_first) = if store.shared.write_in_place {
-                        match store.try_run_in_place(&scope, now, work, look_up_first).await {
+                        match store
+                            .try_run_in_place(&scope, now, work, look_up_first)
+                            .await
+                        {
                             InPlace::Done(outcome) => return outcome,
                             InPlace::Queue { work, looked_up } => {
                                 (work, look_up_first && !looked_up)

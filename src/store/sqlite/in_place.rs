@@ -19,14 +19,14 @@
 //! [`Error::InsideRequest`] rather than waiting for its own end.
 
 use std::panic::AssertUnwindSafe;
-use std::sync::{Arc, TryLockError};
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, TryLockError};
 use std::time::{Duration, SystemTime};
 
 use super::reservation::{SqliteReservation, TxShared};
-use super::writer::{inside_request, Job, Writer, NESTED_REQUEST};
 #[cfg(doc)]
 use super::writer::IdleWriter;
+use super::writer::{inside_request, Job, Writer, NESTED_REQUEST};
 use super::{Shared, SqliteStore};
 use crate::error::Error;
 use crate::store::{to_unix_millis, RunOutcome, Scope};
@@ -186,7 +186,8 @@ impl SqliteStore {
                     tracing::warn!(%error, "idempotency fast-path lookup failed");
                     looked_up = true;
                 }
-                None => return InPlace::Queue { work, looked_up },
+                // No idle reader: if the writer is idle, the begin reads the record itself.
+                None => {}
             }
         }
         let Some(mut writer) = shared.take_idle_writer() else {

@@ -33,12 +33,23 @@
 //!    request gets its answer ([`RunOutcome::Ran`]) once the group's `COMMIT` has returned. A
 //!    rollback, an error or a dropped [`SqliteReservation`] undoes the savepoint alone.
 //!
+//! **In place.** When the writer is idle (nothing open, nobody queued) and SQLite's write
+//! lock is free without a busy wait, steps 2 to 4 run on the request's own task instead, with
+//! the writer the writer thread left idle ([`SqliteOptions::write_in_place`], on by default):
+//! the begin, the handler's statements and the commit run inline, as in a hand-written
+//! handler, without the two hand-overs to the writer thread and back. Requests that arrive
+//! meanwhile queue for the writer thread (step 2), which takes the writer back when the
+//! request ends; if any queued, the request's savepoint stays in an open group that they join,
+//! and it is answered when that group commits.
+//!
 //! Without a tokio runtime the same steps run one after the other in the caller's task
 //! ([`IdempotencyStore::lookup`], [`IdempotencyStore::begin`], then the work awaited in
 //! place).
 //!
-//! # The handler runs on the writer thread
+//! # The handler runs on the writer thread (or in place)
 //!
+//! A request that runs in place (above) runs its handler on its own task, as without the
+//! layer, and its statements on the calling thread. One that queued runs as follows.
 //! Requests queue on the writer thread itself, and while one holds the transaction, the
 //! layer's work for it (calling the handler, capturing its response, committing) is polled on
 //! that thread too, with the server's tokio runtime entered (step 3 above). A

@@ -145,12 +145,12 @@ pub(super) const NESTED_REQUEST: &str = "an idempotent request nested in another
 pub(super) fn inside_request(id: u64) -> bool {
     inside_request_in_place(id)
         || WRITER.with(|cell| {
-        cell.try_borrow().is_ok_and(|writer| {
-            writer
-                .as_ref()
-                .is_some_and(|writer| writer.store_id == id && writer.active.is_some())
+            cell.try_borrow().is_ok_and(|writer| {
+                writer
+                    .as_ref()
+                    .is_some_and(|writer| writer.store_id == id && writer.active.is_some())
+            })
         })
-    })
 }
 
 /// Runs `f` with this thread's writer; `None` on any other thread (or while it is borrowed).
