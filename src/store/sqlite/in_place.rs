@@ -44,6 +44,8 @@ pub(super) fn inside_request_in_place(id: u64) -> bool {
 }
 
 /// What an attempt to run a request in place came to.
+// Returned once per request and matched at once: boxing the outcome would allocate for each.
+#[allow(clippy::large_enum_variant)]
 pub(super) enum InPlace<W, T> {
     /// It ran, or was answered, in place.
     Done(Result<RunOutcome<T>, Error>),
