@@ -188,8 +188,9 @@ impl SqliteStore {
                     tracing::warn!(%error, "idempotency fast-path lookup failed");
                     looked_up = true;
                 }
-                // No idle reader: if the writer is idle, the begin reads the record itself.
-                None => {}
+                // No idle reader: read on the blocking pool, as before (a replay never needs
+                // the writer).
+                None => return InPlace::Queue { work, looked_up },
             }
         }
         let Some(mut writer) = shared.take_idle_writer() else {
