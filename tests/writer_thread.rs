@@ -27,7 +27,7 @@ async fn handlers_use_timers_spawned_tasks_and_the_blocking_pool() {
             tokio::time::sleep(Duration::from_millis(20)).await;
             let blocking = tokio::task::spawn_blocking(|| 6 * 7).await;
             assert_eq!(blocking.ok(), Some(42));
-            // Another task's statement goes through the writer's queue, not inline.
+            // Another task's statement joins the same transaction.
             let tx = call.tx.clone();
             let spawned =
                 tokio::spawn(async move { tx.run(|conn| conn.execute(INSERT_GIFT, [])).await })

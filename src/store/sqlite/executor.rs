@@ -21,6 +21,7 @@ use tokio::sync::oneshot;
 use tracing::Instrument;
 
 use super::group::Member;
+use super::in_place::InPlace;
 use super::reservation::{SqliteReservation, TxShared};
 use super::writer::{inside_request, Job, Step, Writer, NESTED_REQUEST};
 use super::{Shared, SqliteStore};
@@ -54,6 +55,20 @@ impl SqliteStore {
         async move {
             match (runtime, look_up_first) {
                 (Some(runtime), _) => {
+                    // In place if the writer is idle; else queued, without reading again.
+                    let (work, look_up_first) = if store.shared.write_in_place {
+                        match store
+                            .try_run_in_place(&scope, now, work, look_up_first)
+                            .await
+                        {
+                            InPlace::Done(outcome) => return outcome,
+                            InPlace::Queue { work, looked_up } => {
+                                (work, look_up_first && !looked_up)
+                            }
+                        }
+                    } else {
+                        (work, look_up_first)
+                    };
                     store
                         .begin_on_writer(scope, lock_timeout, now, work, runtime, look_up_first)
                         .await

@@ -101,18 +101,30 @@ impl Writer {
     /// free for [`GIVE_WAY`] after this writer's last commit, so that the other one gets its
     /// turn (a writer with a steady queue would otherwise take the lock again at once).
     pub(super) fn give_way(&self) {
+        if let Some(wait) = self.give_way_for() {
+            std::thread::sleep(wait);
+        }
+    }
+
+    /// How long [`give_way`](Self::give_way) would sleep now, if at all.
+    pub(super) fn give_way_for(&self) -> Option<Duration> {
         let others = &self.other_writers;
         if others
             .seen
             .is_none_or(|seen| seen.elapsed() >= OTHER_WRITER_WINDOW)
         {
-            return;
+            return None;
         }
-        if let Some(since) = others.committed.map(|committed| committed.elapsed()) {
-            if since < GIVE_WAY {
-                std::thread::sleep(GIVE_WAY - since);
-            }
-        }
+        let since = others.committed.map(|committed| committed.elapsed())?;
+        GIVE_WAY.checked_sub(since).filter(|wait| !wait.is_zero())
+    }
+
+    /// Whether another process was seen writing to the file lately: a request then does not
+    /// run in place, since its begin may have to wait (or give way) for that process.
+    pub(super) fn other_writers_seen(&self) -> bool {
+        self.other_writers
+            .seen
+            .is_some_and(|seen| seen.elapsed() < OTHER_WRITER_WINDOW)
     }
 
     /// After `BEGIN IMMEDIATE`: notes whether another process held the lock, or committed

@@ -107,7 +107,32 @@ impl Writer {
             .checked_duration_since(Instant::now())
             .filter(|left| !left.is_zero())
             .ok_or(Error::Busy)?;
-        self.open_request_savepoint(generation, scope, busy_wait.max(MIN_BUSY_WAIT))?;
+        self.reserve_with_busy_wait(generation, busy_wait.max(MIN_BUSY_WAIT), scope, now_millis)
+    }
+
+    /// [`reserve_scope`](Self::reserve_scope) for a request that runs in place (see
+    /// `in_place`): never waits for another process's lock ([`Error::Busy`] at once, and the
+    /// request queues for the writer thread instead).
+    pub(super) fn reserve_scope_in_place(
+        &mut self,
+        generation: u64,
+        scope: &Scope,
+        now_millis: i64,
+    ) -> Result<Option<StoredRecord>, Error> {
+        if self.other_writers_seen() {
+            return Err(Error::Busy);
+        }
+        self.reserve_with_busy_wait(generation, Duration::ZERO, scope, now_millis)
+    }
+
+    fn reserve_with_busy_wait(
+        &mut self,
+        generation: u64,
+        busy_wait: Duration,
+        scope: &Scope,
+        now_millis: i64,
+    ) -> Result<Option<StoredRecord>, Error> {
+        self.open_request_savepoint(generation, scope, busy_wait)?;
         match check_existing(&self.conn, scope, now_millis) {
             Ok(None) => Ok(None),
             Ok(Some(record)) => {

@@ -1,9 +1,10 @@
 //! [`SqliteTransaction`]: the handler's side of a request's write transaction.
 //!
 //! The layer puts one in the request extensions ([`Reservation::handle`] of the
-//! request's `SqliteReservation`). Its statements run on the writer thread: at once
-//! when the handler's work is polled there (`executor`, through `writer`'s
-//! `run_if_on_writer`), through the writer's queue from any other task. They share the
+//! request's `SqliteReservation`). Its statements run where the request holds the writer:
+//! inline when it runs in place (`in_place`); on the writer thread otherwise, at once when the
+//! handler's work is polled there (`executor`, through `writer`'s `run_if_on_writer`),
+//! through the writer's queue from any other task. They share the
 //! reservation's [`TxShared`] (`reservation`), which tells whether the request still holds
 //! the writer; the authorizer's refusals (`authorizer`) become [`Error::TransactionControl`].
 
@@ -52,10 +53,13 @@ impl fmt::Debug for SqliteTransaction {
 }
 
 impl SqliteTransaction {
-    /// Runs `f` on the transaction's connection, on the writer thread: at once when called
-    /// from the handler under the layer (its work is polled there, see the
-    /// [module docs](super#the-handler-runs-on-the-writer-thread)), through the writer's queue
-    /// from any other task. A panic in `f` is returned as [`Error::Panicked`].
+    /// Runs `f` on the transaction's connection: on the calling thread when the request
+    /// runs in place ([`SqliteOptions::write_in_place`](super::SqliteOptions::write_in_place);
+    /// on the blocking pool if another task of the request is running a statement at that
+    /// moment); otherwise on the writer thread, at once when called from the handler under the
+    /// layer (its work is polled there, see the
+    /// [module docs](super#the-handler-runs-on-the-writer-thread-or-in-place)), through the
+    /// writer's queue from any other task. A panic in `f` is returned as [`Error::Panicked`].
     ///
     /// Transaction control in `f` (`COMMIT`, `ROLLBACK`, `BEGIN`, `END`, the request's
     /// savepoint) is refused with [`Error::TransactionControl`]: the layer commits. If the
@@ -93,6 +97,18 @@ impl SqliteTransaction {
             }
             result.map_err(|error| writer.control.error(error))
         };
+        // The request holds the writer in place: run the statement here.
+        if self.tx.in_place.is_some() {
+            return self
+                .tx
+                .with_lent(move |lent| {
+                    let writer = lent.as_mut().ok_or(Error::TransactionFinished)?;
+                    let result = statement(writer);
+                    writer.after_job();
+                    result
+                })
+                .await;
+        }
         // From the request's work, polled on the writer thread: run the statement now.
         match run_if_on_writer(self.tx.store.id, statement) {
             Ok(result) => result,

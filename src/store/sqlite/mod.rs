@@ -33,12 +33,23 @@
 //!    request gets its answer ([`RunOutcome::Ran`]) once the group's `COMMIT` has returned. A
 //!    rollback, an error or a dropped [`SqliteReservation`] undoes the savepoint alone.
 //!
+//! **In place.** When the writer is idle (nothing open, nobody queued) and SQLite's write
+//! lock is free without a busy wait, steps 2 to 4 run on the request's own task instead, with
+//! the writer the writer thread left idle ([`SqliteOptions::write_in_place`], on by default):
+//! the begin, the handler's statements and the commit run inline, as in a hand-written
+//! handler, without the two hand-overs to the writer thread and back. Requests that arrive
+//! meanwhile queue for the writer thread (step 2), which takes the writer back when the
+//! request ends; if any queued, the request's savepoint stays in an open group that they join,
+//! and it is answered when that group commits.
+//!
 //! Without a tokio runtime the same steps run one after the other in the caller's task
 //! ([`IdempotencyStore::lookup`], [`IdempotencyStore::begin`], then the work awaited in
 //! place).
 //!
-//! # The handler runs on the writer thread
+//! # The handler runs on the writer thread (or in place)
 //!
+//! A request that runs in place (above) runs its handler on its own task, as without the
+//! layer, and its statements on the calling thread. One that queued runs as follows.
 //! Requests queue on the writer thread itself, and while one holds the transaction, the
 //! layer's work for it (calling the handler, capturing its response, committing) is polled on
 //! that thread too, with the server's tokio runtime entered (step 3 above). A
@@ -116,6 +127,7 @@
 // - `writer`: the writer thread, its job queue and the `Writer` that lives on it.
 // - `group`: group commit on the `Writer`: requests' savepoints, commits, isolation.
 // - `executor`: `begin_and_run` on the writer thread, polling the requests' work there.
+// - `in_place`: `begin_and_run` on the request's own task, with the idle writer.
 // - `reader`: the reader connections of the fast path.
 // - `records`: the schema, the record SQL and row decoding.
 // - `authorizer`: the writer's authorizer, refusing transaction control to handlers.
@@ -128,6 +140,7 @@ mod executor;
 mod file;
 mod group;
 mod handle;
+mod in_place;
 mod options;
 mod reader;
 mod records;
@@ -158,7 +171,7 @@ use authorizer::{refuse_foreign_transaction_control, ControlAllowed, ControlGuar
 use file::{is_busy, BusyWait, DatabaseFile, OtherWriters, STANDALONE_BUSY_TIMEOUT};
 use group::Member;
 use records::SCHEMA;
-use writer::{writer_thread, Job, Step, Writer, NESTED_REQUEST};
+use writer::{writer_thread, IdleWriter, Job, Step, Writer, NESTED_REQUEST};
 
 /// How long a reader connection waits for a lock before it reports busy (off the executor).
 const READER_BUSY_TIMEOUT: Duration = Duration::from_secs(5);
@@ -173,6 +186,10 @@ struct Shared {
     max_idle_readers: usize,
     /// [`SqliteOptions::read_in_place`].
     read_in_place: bool,
+    /// [`SqliteOptions::write_in_place`].
+    write_in_place: bool,
+    /// Where the writer thread leaves the writer while idle (see `in_place`).
+    idle: Arc<Mutex<IdleWriter>>,
     generations: AtomicU64,
     /// How many exclusive jobs wait for the writer (read by the writer thread to decide
     /// whether a group should wait for more).
@@ -251,9 +268,11 @@ impl SqliteStore {
             sql: ControlSql::new(),
             rerun_alone: std::collections::HashMap::new(),
         };
+        let idle = Arc::new(Mutex::new(IdleWriter::default()));
+        let thread_idle = idle.clone();
         std::thread::Builder::new()
             .name("tower-idempotency-sqlite-writer".into())
-            .spawn(move || writer_thread(writer, &receiver))?;
+            .spawn(move || writer_thread(writer, &receiver, &thread_idle))?;
 
         Ok(SqliteStore {
             shared: Arc::new(Shared {
@@ -263,6 +282,8 @@ impl SqliteStore {
                 readers: Mutex::new(Vec::new()),
                 max_idle_readers: options.max_idle_readers,
                 read_in_place: options.read_in_place,
+                write_in_place: options.write_in_place,
+                idle,
                 generations: AtomicU64::new(1),
                 queued,
             }),

@@ -38,6 +38,7 @@ pub struct SqliteOptions {
     pub(super) synchronous: Synchronous,
     pub(super) max_idle_readers: usize,
     pub(super) read_in_place: bool,
+    pub(super) write_in_place: bool,
     pub(super) group: GroupLimits,
 }
 
@@ -56,6 +57,7 @@ impl SqliteOptions {
             synchronous: Synchronous::default(),
             max_idle_readers: 8,
             read_in_place: true,
+            write_in_place: true,
             group: GroupLimits {
                 max_requests: 64,
                 max_delay: Duration::from_millis(5),
@@ -85,6 +87,24 @@ impl SqliteOptions {
     /// `spawn_blocking`.
     pub fn read_in_place(mut self, in_place: bool) -> Self {
         self.read_in_place = in_place;
+        self
+    }
+
+    /// Whether a request may run its whole write transaction in place, on its own task,
+    /// when the writer is idle. Default: `true`.
+    ///
+    /// It does only when that cannot wait: the writer thread has nothing open and nothing
+    /// queued, and SQLite's write lock is free (no busy wait; no other process seen writing
+    /// to the file lately). The request then begins, runs the handler (whose
+    /// [`SqliteTransaction::run`](super::SqliteTransaction::run) statements run inline, as in
+    /// a hand-written handler) and commits on its own task, saving the two hand-overs to the
+    /// writer thread and back: a lone request's latency and CPU time. Its statements and its
+    /// commit (with `synchronous=FULL`, an fsync) then run on a runtime worker thread, as a
+    /// hand-written handler's do. Requests that arrive meanwhile queue for the writer thread
+    /// and join a group commit, as always. With `false`, every request's transaction runs on
+    /// the writer thread.
+    pub fn write_in_place(mut self, in_place: bool) -> Self {
+        self.write_in_place = in_place;
         self
     }
 

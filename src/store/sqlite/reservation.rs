@@ -11,7 +11,7 @@
 use std::fmt;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use tokio::sync::oneshot;
 
@@ -30,6 +30,9 @@ pub(super) struct TxShared {
     pub(super) store: Arc<Shared>,
     /// Set once the request has ended, or stopped waiting for its begin.
     pub(super) finished: AtomicBool,
+    /// The writer, when the request runs in place (see `in_place`): held here from its begin
+    /// to its end, then given back to the store. `None` when it runs on the writer thread.
+    pub(super) in_place: Option<Mutex<Option<Box<Writer>>>>,
 }
 
 /// The open write transaction of one request (the owner side, held by the layer).
@@ -54,11 +57,32 @@ impl SqliteReservation {
     /// A new request's reservation of `scope` (not yet begun), numbered by `store`.
     pub(super) fn new(store: &Arc<Shared>, scope: &Scope) -> Self {
         let generation = store.generations.fetch_add(1, Ordering::Relaxed);
+        Self::with_writer(store, scope, generation, None)
+    }
+
+    /// The reservation of a request that runs in place, holding `writer`, on which its
+    /// savepoint (numbered `generation`) is open.
+    pub(super) fn in_place(
+        store: &Arc<Shared>,
+        scope: &Scope,
+        generation: u64,
+        writer: Box<Writer>,
+    ) -> Self {
+        Self::with_writer(store, scope, generation, Some(writer))
+    }
+
+    fn with_writer(
+        store: &Arc<Shared>,
+        scope: &Scope,
+        generation: u64,
+        writer: Option<Box<Writer>>,
+    ) -> Self {
         SqliteReservation {
             tx: Arc::new(TxShared {
                 generation,
                 store: store.clone(),
                 finished: AtomicBool::new(false),
+                in_place: writer.map(|writer| Mutex::new(Some(writer))),
             }),
             open: true,
             scope: scope.clone(),
@@ -99,8 +123,23 @@ impl SqliteReservation {
                 std::panic::resume_unwind(panic);
             }
         });
+        if self.tx.in_place.is_some() {
+            // The request holds the writer: end here, and give the writer back.
+            let store = self.tx.store.clone();
+            self.tx
+                .with_lent(move |lent| {
+                    let Some(mut writer) = lent.take() else {
+                        return Err(Error::TransactionFinished);
+                    };
+                    // A panicking end drops its reply, which reads as `Error::Panicked`.
+                    let _ = std::panic::catch_unwind(AssertUnwindSafe(|| step(&mut writer)));
+                    writer.after_job();
+                    store.return_writer(writer);
+                    Ok(())
+                })
+                .await?;
         // Polled on the writer thread (the request's work), it ends at once.
-        if let Err(step) = run_if_on_writer(self.tx.store.id, step) {
+        } else if let Err(step) = run_if_on_writer(self.tx.store.id, step) {
             self.tx
                 .store
                 .jobs
@@ -120,6 +159,10 @@ impl Drop for SqliteReservation {
         // that has is followed by this rollback.
         self.close();
         let generation = self.tx.generation;
+        if self.tx.in_place.is_some() {
+            self.tx.roll_back_lent();
+            return;
+        }
         let _ = self
             .tx
             .store

@@ -24,6 +24,7 @@ use super::authorizer::{ControlGuard, ControlSql};
 use super::executor::Driven;
 use super::file::{BusyWait, DatabaseFile, OtherWriters};
 use super::group::Group;
+use super::in_place::inside_request_in_place;
 use super::options::GroupLimits;
 use super::reservation::TxShared;
 use super::Shared;
@@ -41,6 +42,21 @@ pub(super) enum Job {
     /// Polls the work of the request with this generation again (see
     /// [`DrivenWaker`](super::executor::DrivenWaker)).
     Wake(u64),
+    /// The writer, back from a request that ran in place (see `in_place`) and could not put
+    /// it in the [`IdleWriter`] slot (the thread wanted it, a group is open, or the slot was
+    /// locked for a moment).
+    Return(Box<Writer>),
+}
+
+/// Where the writer thread leaves the writer while it has nothing to do, so that a request
+/// can run its transaction in place, on its own task (see `in_place`).
+#[derive(Default)]
+pub(super) struct IdleWriter {
+    /// The idle writer, or `None` while the thread or a request holds it.
+    pub(super) writer: Option<Box<Writer>>,
+    /// The thread waits for it: a request gives it back through the queue
+    /// ([`Job::Return`]), which wakes the thread, rather than through the slot.
+    pub(super) wanted: bool,
 }
 
 /// Something to run on the writer thread, with the writer.
@@ -124,15 +140,17 @@ thread_local! {
 pub(super) const NESTED_REQUEST: &str = "an idempotent request nested in another on the same store";
 
 /// Whether this is the writer thread of store `id`, polling the work of a request that holds
-/// the writer (a handler's code, under the layer).
+/// the writer (a handler's code, under the layer), or the task of a request of store `id`
+/// that holds the writer in place.
 pub(super) fn inside_request(id: u64) -> bool {
-    WRITER.with(|cell| {
-        cell.try_borrow().is_ok_and(|writer| {
-            writer
-                .as_ref()
-                .is_some_and(|writer| writer.store_id == id && writer.active.is_some())
+    inside_request_in_place(id)
+        || WRITER.with(|cell| {
+            cell.try_borrow().is_ok_and(|writer| {
+                writer
+                    .as_ref()
+                    .is_some_and(|writer| writer.store_id == id && writer.active.is_some())
+            })
         })
-    })
 }
 
 /// Runs `f` with this thread's writer; `None` on any other thread (or while it is borrowed).
@@ -166,8 +184,14 @@ where
 
 /// The writer thread: runs jobs in order, exclusive ones one at a time, polls the work of the
 /// request that owns the writer, and commits groups when they are due.
-pub(super) fn writer_thread(writer: Writer, receiver: &mpsc::Receiver<Job>) {
+pub(super) fn writer_thread(
+    writer: Writer,
+    receiver: &mpsc::Receiver<Job>,
+    idle: &Mutex<IdleWriter>,
+) {
     WRITER.with(|cell| *cell.borrow_mut() = Some(writer));
+    // Jobs that arrived while a request running in place held the writer.
+    let mut backlog: VecDeque<Job> = VecDeque::new();
     // Exclusive jobs that arrived while a request's transaction owned the writer.
     let mut waiting: VecDeque<Exclusive> = VecDeque::new();
     // Requests' work being polled here (the owner's, and ones awaiting their group's commit).
@@ -202,9 +226,30 @@ pub(super) fn writer_thread(writer: Writer, receiver: &mpsc::Receiver<Job>) {
         } else {
             Duration::ZERO
         };
-        let job = match spin_for_job(receiver, spin) {
+        let job = match backlog.pop_front() {
+            Some(job) => Some(job),
+            None => spin_for_job(receiver, spin),
+        };
+        let job = match job {
             Some(job) => Some(job),
             None => match with_writer(|writer| writer.flush_deadline()).flatten() {
+                // Idle: nothing open, nothing waiting. Lend the writer to whichever request
+                // comes first (in place) while parked, and take it back for the next job.
+                None if !busy && waiting.is_empty() && driven.is_empty() => {
+                    lend(idle);
+                    match receiver.recv() {
+                        // The request that took it gave it back with a group open.
+                        Ok(Job::Return(writer)) => {
+                            take_back(idle, *writer);
+                            continue;
+                        }
+                        Ok(job) => {
+                            reclaim(idle, receiver, &mut backlog);
+                            Some(job)
+                        }
+                        Err(mpsc::RecvError) => None,
+                    }
+                }
                 None => receiver.recv().ok(),
                 Some(wait) => match receiver.recv_timeout(wait) {
                     Ok(job) => Some(job),
@@ -234,6 +279,8 @@ pub(super) fn writer_thread(writer: Writer, receiver: &mpsc::Receiver<Job>) {
                     with_writer(|writer| writer.run(job.step));
                 }
             }
+            // Sent only while the writer is lent, which is handled above; kept if it comes.
+            Job::Return(writer) => take_back(idle, *writer),
             Job::Wake(generation) => {
                 if let Some(at) = driven.iter().position(|work| work.generation == generation) {
                     if driven[at].poll() {
@@ -246,7 +293,65 @@ pub(super) fn writer_thread(writer: Writer, receiver: &mpsc::Receiver<Job>) {
     // Cancelled work rolls back through jobs nobody reads any more: end what is open here.
     drop(driven);
     drop(waiting);
+    drop(backlog);
+    if let Some(writer) = idle.lock().ok().and_then(|mut slot| slot.writer.take()) {
+        take_back(idle, *writer);
+    }
     with_writer(Writer::settle);
+}
+
+/// Puts the writer back in the thread-local.
+fn take_back(idle: &Mutex<IdleWriter>, writer: Writer) {
+    if let Ok(mut slot) = idle.lock() {
+        slot.wanted = false;
+    }
+    WRITER.with(|cell| *cell.borrow_mut() = Some(writer));
+}
+
+/// Leaves the writer (from the thread-local) in the `idle` slot.
+fn lend(idle: &Mutex<IdleWriter>) {
+    let Some(writer) = WRITER.with(|cell| cell.borrow_mut().take()) else {
+        return;
+    };
+    match idle.lock() {
+        Ok(mut slot) => {
+            slot.writer = Some(Box::new(writer));
+            slot.wanted = false;
+        }
+        // Never poisoned (nothing panics under it); keep the writer here if it is.
+        Err(_) => WRITER.with(|cell| *cell.borrow_mut() = Some(writer)),
+    }
+}
+
+/// Takes the writer back from the `idle` slot into the thread-local; if a request running in
+/// place holds it, waits for it to come back through the queue, keeping the jobs that arrive
+/// meanwhile in `backlog` (in order). The thread may wait here: it is not an async thread.
+fn reclaim(idle: &Mutex<IdleWriter>, receiver: &mpsc::Receiver<Job>, backlog: &mut VecDeque<Job>) {
+    if WRITER.with(|cell| cell.borrow().is_some()) {
+        return;
+    }
+    let lent = match idle.lock() {
+        Ok(mut slot) => match slot.writer.take() {
+            Some(writer) => Some(writer),
+            None => {
+                slot.wanted = true;
+                None
+            }
+        },
+        Err(_) => None,
+    };
+    let writer = match lent {
+        Some(writer) => writer,
+        None => loop {
+            match receiver.recv() {
+                Ok(Job::Return(writer)) => break writer,
+                Ok(job) => backlog.push_back(job),
+                // Every sender is gone, the request's with it: nothing comes back.
+                Err(mpsc::RecvError) => return,
+            }
+        },
+    };
+    take_back(idle, *writer);
 }
 
 /// How long the writer thread polls for its next job before it parks.
