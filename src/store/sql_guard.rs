@@ -15,9 +15,6 @@
 //! The lexer knows two dialects ([`Dialect`]); MySQL's list of refused statements, longer
 //! because of its implicit commits, is in [`mysql`].
 
-use std::collections::HashSet;
-use std::sync::{LazyLock, RwLock};
-
 use crate::error::Error;
 
 #[cfg(feature = "sqlx-mysql")]
@@ -104,7 +101,11 @@ pub(crate) fn check_command(command: &str) -> Result<(), Error> {
 /// Only accepted texts are kept (a refusal is checked every time), at most
 /// [`REMEMBERED`] of them, each at most [`REMEMBERED_LEN`] bytes long; past that, texts are
 /// checked every time. Process-wide: whether a text is accepted depends on nothing else.
+#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
 pub(crate) fn check_command_remembered(command: &str) -> Result<(), Error> {
+    use std::collections::HashSet;
+    use std::sync::{LazyLock, RwLock};
+
     static ACCEPTED: LazyLock<RwLock<HashSet<Box<str>>>> =
         LazyLock::new(|| RwLock::new(HashSet::new()));
     if ACCEPTED
@@ -125,9 +126,11 @@ pub(crate) fn check_command_remembered(command: &str) -> Result<(), Error> {
 }
 
 /// How many accepted texts [`check_command_remembered`] keeps.
+#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
 const REMEMBERED: usize = 1024;
 
 /// The longest text [`check_command_remembered`] keeps.
+#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
 const REMEMBERED_LEN: usize = 4096;
 
 /// Cuts `sql` into its statements (without the `;`), leaving out empty ones (only whitespace
@@ -502,11 +505,14 @@ fn dollar_end(bytes: &[u8], at: usize) -> usize {
 
 #[cfg(test)]
 mod tests {
-    use super::{check_command, check_command_remembered, refused, split};
+    use super::{check_command, refused, split};
     use crate::error::Error;
 
     #[test]
+    #[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
     fn remembered_checks_answer_as_the_check_does() {
+        use super::check_command_remembered;
+
         for _ in 0..2 {
             assert!(check_command_remembered("INSERT INTO t VALUES (1)").is_ok());
             assert!(check_command_remembered("SELECT 1; COMMIT").is_err());

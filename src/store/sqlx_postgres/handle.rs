@@ -177,7 +177,7 @@ impl TxConnection {
 
 /// Refuses transaction control anywhere in `sql`.
 fn check(sql: &str) -> Result<(), sqlx::Error> {
-    sql_guard::check_command(sql).map_err(refusal)
+    sql_guard::check_command_remembered(sql).map_err(refusal)
 }
 
 /// The error a refused statement gets: sqlx's own type, so that a handler's `?` carries it.
