@@ -880,7 +880,9 @@ impl Post {
     }
 }
 
-async fn send<B>(request: http::Request<B>) -> Reply
+/// Sends `request` with a fresh hyper-util client (its own connection) and reads the whole
+/// reply, within [`PATIENCE`].
+pub async fn send<B>(request: http::Request<B>) -> Reply
 where
     B: Body<Data = Bytes> + Send + Unpin + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
