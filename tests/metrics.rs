@@ -84,6 +84,19 @@ fn requests(metrics: &HashMap<String, DebugValue>, outcome: &str) -> u64 {
     )
 }
 
+/// The relay's counter `name` of `topic`.
+fn by_topic(metrics: &HashMap<String, DebugValue>, name: &str, topic: &str) -> u64 {
+    counter(metrics, &format!("{name}{{topic={topic}}}"))
+}
+
+/// The inbox events of `consumer` counted with `result` (`processed`, `duplicate`).
+fn inbox_events(metrics: &HashMap<String, DebugValue>, consumer: &str, result: &str) -> u64 {
+    counter(
+        metrics,
+        &format!("{INBOX_EVENTS_TOTAL}{{consumer={consumer},result={result}}}"),
+    )
+}
+
 #[tokio::test]
 async fn the_layer_counts_requests_by_outcome_rollbacks_and_lock_waits() {
     let recorder = DebuggingRecorder::new();
@@ -234,17 +247,11 @@ async fn the_relay_and_the_inbox_record_deliveries_failures_dead_letters_and_bac
     assert_eq!(gauge(&metrics, &format!("{OUTBOX_BACKLOG}{{}}")), 3.0);
     assert_eq!(gauge(&metrics, &format!("{OUTBOX_DEAD_LETTERS}{{}}")), 0.0);
     assert_eq!(
-        counter(
-            &metrics,
-            &format!("{OUTBOX_DELIVERED_TOTAL}{{topic=order_created}}")
-        ),
+        by_topic(&metrics, OUTBOX_DELIVERED_TOTAL, "order_created"),
         2
     );
     assert_eq!(
-        counter(
-            &metrics,
-            &format!("{OUTBOX_DELIVERY_FAILURES_TOTAL}{{topic=order_cancelled}}")
-        ),
+        by_topic(&metrics, OUTBOX_DELIVERY_FAILURES_TOTAL, "order_cancelled"),
         1
     );
     let took = histogram(
@@ -259,17 +266,11 @@ async fn the_relay_and_the_inbox_record_deliveries_failures_dead_letters_and_bac
     relay.run_once().await.expect("third round");
     let metrics = take(&snapshotter);
     assert_eq!(
-        counter(
-            &metrics,
-            &format!("{OUTBOX_DELIVERY_FAILURES_TOTAL}{{topic=order_cancelled}}")
-        ),
+        by_topic(&metrics, OUTBOX_DELIVERY_FAILURES_TOTAL, "order_cancelled"),
         1
     );
     assert_eq!(
-        counter(
-            &metrics,
-            &format!("{OUTBOX_DEAD_LETTERED_TOTAL}{{topic=order_cancelled}}")
-        ),
+        by_topic(&metrics, OUTBOX_DEAD_LETTERED_TOTAL, "order_cancelled"),
         1
     );
     assert_eq!(gauge(&metrics, &format!("{OUTBOX_BACKLOG}{{}}")), 0.0);
@@ -293,20 +294,8 @@ async fn the_relay_and_the_inbox_record_deliveries_failures_dead_letters_and_bac
         Processed::Duplicate
     );
     let metrics = take(&snapshotter);
-    assert_eq!(
-        counter(
-            &metrics,
-            &format!("{INBOX_EVENTS_TOTAL}{{consumer=inventory,result=processed}}")
-        ),
-        1
-    );
-    assert_eq!(
-        counter(
-            &metrics,
-            &format!("{INBOX_EVENTS_TOTAL}{{consumer=inventory,result=duplicate}}")
-        ),
-        2
-    );
+    assert_eq!(inbox_events(&metrics, "inventory", "processed"), 1);
+    assert_eq!(inbox_events(&metrics, "inventory", "duplicate"), 2);
 }
 
 #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
@@ -338,20 +327,8 @@ async fn the_postgres_inbox_counts_processed_events_and_duplicates() {
         .await;
     assert!(failed.is_err());
     let metrics = take(&snapshotter);
-    assert_eq!(
-        counter(
-            &metrics,
-            &format!("{INBOX_EVENTS_TOTAL}{{consumer=billing,result=processed}}")
-        ),
-        1
-    );
-    assert_eq!(
-        counter(
-            &metrics,
-            &format!("{INBOX_EVENTS_TOTAL}{{consumer=billing,result=duplicate}}")
-        ),
-        2
-    );
+    assert_eq!(inbox_events(&metrics, "billing", "processed"), 1);
+    assert_eq!(inbox_events(&metrics, "billing", "duplicate"), 2);
 
     // In the request's transaction (`process_in`), over HTTP behind the layer: the server runs
     // on this thread, so this thread's recorder sees it.
@@ -368,18 +345,6 @@ async fn the_postgres_inbox_counts_processed_events_and_duplicates() {
     // Replayed by the layer: the handler, and so the inbox, is not called again.
     assert!(delivery.send(receiver.addr).await.replayed());
     let metrics = take(&snapshotter);
-    assert_eq!(
-        counter(
-            &metrics,
-            &format!("{INBOX_EVENTS_TOTAL}{{consumer=inventory,result=processed}}")
-        ),
-        1
-    );
-    assert_eq!(
-        counter(
-            &metrics,
-            &format!("{INBOX_EVENTS_TOTAL}{{consumer=inventory,result=duplicate}}")
-        ),
-        0
-    );
+    assert_eq!(inbox_events(&metrics, "inventory", "processed"), 1);
+    assert_eq!(inbox_events(&metrics, "inventory", "duplicate"), 0);
 }
