@@ -14,14 +14,12 @@ mod pg_common;
 mod inventory;
 
 use std::collections::HashMap;
-use std::sync::Arc;
 use std::time::Duration;
 
-use common::{hook, post, HookOutcome, TestServer, PATIENCE, SHOP_A};
+use common::{hook, post, HeldHandler, HookOutcome, Outcome, TestServer, SHOP_A};
 use http::StatusCode;
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use serde_json::json;
-use tokio::sync::Notify;
 use tower_idempotency::body::BoxError;
 use tower_idempotency::metrics::{
     HANDLER_ROLLBACKS_TOTAL, INBOX_EVENTS_TOTAL, LOCK_WAIT_SECONDS, OUTBOX_BACKLOG,
@@ -104,22 +102,17 @@ async fn the_layer_counts_requests_by_outcome_rollbacks_and_lock_waits() {
     let _local = metrics::set_default_local_recorder(&recorder);
 
     // `fail` answers 500 (rolled back); `slow` holds its transaction until released.
-    let entered_slow = Arc::new(Notify::new());
-    let release_slow = Arc::new(Notify::new());
-    let (entered, release) = (entered_slow.clone(), release_slow.clone());
+    let slow_handler = HeldHandler::default();
+    let held = slow_handler.clone();
     let server = TestServer::builder()
         .layer(|layer| layer.with_lock_timeout(Duration::from_millis(100)))
         .hook(hook(move |call| {
-            let (entered, release) = (entered.clone(), release.clone());
+            let held = held.clone();
             async move {
                 match call.sku.as_str() {
-                    "fail" => HookOutcome {
-                        fail_with: Some(StatusCode::INTERNAL_SERVER_ERROR),
-                        ..HookOutcome::default()
-                    },
+                    "fail" => HookOutcome::failing(Some(StatusCode::INTERNAL_SERVER_ERROR)),
                     "slow" => {
-                        entered.notify_one();
-                        release.notified().await;
+                        held.hold().await;
                         HookOutcome::default()
                     }
                     _ => HookOutcome::default(),
@@ -165,12 +158,10 @@ async fn the_layer_counts_requests_by_outcome_rollbacks_and_lock_waits() {
         r#"{"sku":"slow","quantity":1}"#,
         &[],
     ));
-    tokio::time::timeout(PATIENCE, entered_slow.notified())
-        .await
-        .expect("the slow handler started");
+    slow_handler.started().await;
     let busy = post(addr, Some(SHOP_A), Some("k4"), book, &[]).await;
     assert_eq!(busy.status, StatusCode::SERVICE_UNAVAILABLE);
-    release_slow.notify_one();
+    slow_handler.release();
     assert_eq!(
         slow.await.expect("slow request").status,
         StatusCode::CREATED

@@ -5,18 +5,28 @@
 
 mod common;
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{hook, post, HookOutcome, TestServer, PATIENCE, SHOP_A};
+use common::{hook, post, HeldHandler, HookOutcome, Outcome, TestServer, PATIENCE, SHOP_A};
 use http::StatusCode;
-use tokio::sync::Notify;
+use tower_idempotency::store::sqlite::SqliteTransaction;
 use tower_idempotency::Error;
 
 const BOOK: &str = r#"{"sku":"book","quantity":1}"#;
 
 const INSERT_GIFT: &str =
     "INSERT INTO orders (tenant_id, sku, quantity) VALUES ('shop-a', 'gift', 1)";
+
+/// Inserts a gift row from a task of its own, through the request's transaction `tx`.
+async fn insert_a_gift_from_a_spawned_task(tx: &SqliteTransaction) {
+    let tx = tx.clone();
+    let spawned =
+        tokio::spawn(async move { tx.run(|conn| conn.execute(INSERT_GIFT, [])).await }).await;
+    assert!(
+        matches!(spawned, Ok(Ok(1))),
+        "the spawned task's insert: {spawned:?}"
+    );
+}
 
 /// Timers, `tokio::spawn` and `spawn_blocking` work in a handler, and a statement sent from
 /// another task joins the same transaction.
@@ -28,14 +38,7 @@ async fn handlers_use_timers_spawned_tasks_and_the_blocking_pool() {
             let blocking = tokio::task::spawn_blocking(|| 6 * 7).await;
             assert_eq!(blocking.ok(), Some(42));
             // Another task's statement joins the same transaction.
-            let tx = call.tx.clone();
-            let spawned =
-                tokio::spawn(async move { tx.run(|conn| conn.execute(INSERT_GIFT, [])).await })
-                    .await;
-            assert!(
-                matches!(spawned, Ok(Ok(1))),
-                "the spawned task's insert: {spawned:?}"
-            );
+            insert_a_gift_from_a_spawned_task(&call.tx).await;
             HookOutcome::default()
         }))
         .spawn()
@@ -56,15 +59,8 @@ async fn handlers_use_timers_spawned_tasks_and_the_blocking_pool() {
 async fn a_spawned_tasks_rows_roll_back_with_the_request() {
     let server = TestServer::builder()
         .hook(hook(|call| async move {
-            let tx = call.tx.clone();
-            let spawned =
-                tokio::spawn(async move { tx.run(|conn| conn.execute(INSERT_GIFT, [])).await })
-                    .await;
-            assert!(matches!(spawned, Ok(Ok(1))), "{spawned:?}");
-            HookOutcome {
-                fail_with: Some(StatusCode::INTERNAL_SERVER_ERROR),
-                ..HookOutcome::default()
-            }
+            insert_a_gift_from_a_spawned_task(&call.tx).await;
+            HookOutcome::failing(Some(StatusCode::INTERNAL_SERVER_ERROR))
         }))
         .spawn()
         .await;
@@ -90,10 +86,7 @@ async fn a_panicking_statement_is_an_error_for_the_handler() {
                 .run(|_conn| -> Result<(), _> { panic!("a statement closure panicked") })
                 .await;
             assert!(matches!(result, Err(Error::Panicked)), "{result:?}");
-            HookOutcome {
-                fail_with: Some(StatusCode::INTERNAL_SERVER_ERROR),
-                ..HookOutcome::default()
-            }
+            HookOutcome::failing(Some(StatusCode::INTERNAL_SERVER_ERROR))
         }))
         .spawn()
         .await;
@@ -116,19 +109,17 @@ async fn a_panicking_statement_is_an_error_for_the_handler() {
 /// request arrives, and never run.
 #[tokio::test]
 async fn requests_that_give_up_leave_the_writers_queue() {
-    let started = Arc::new(Notify::new());
-    let release = Arc::new(Notify::new());
+    let slow_handler = HeldHandler::default();
     let lock_timeout = Duration::from_millis(150);
     let server = TestServer::builder()
         .layer(move |layer| layer.with_lock_timeout(lock_timeout))
         .hook({
-            let (started, release) = (started.clone(), release.clone());
+            let slow_handler = slow_handler.clone();
             hook(move |call| {
-                let (started, release) = (started.clone(), release.clone());
+                let slow_handler = slow_handler.clone();
                 async move {
                     if call.key.as_deref() == Some("slow") {
-                        started.notify_one();
-                        release.notified().await;
+                        slow_handler.hold().await;
                     }
                     HookOutcome::default()
                 }
@@ -138,9 +129,7 @@ async fn requests_that_give_up_leave_the_writers_queue() {
         .await;
     let addr = server.addr;
     let slow = tokio::spawn(async move { post(addr, Some(SHOP_A), Some("slow"), BOOK, &[]).await });
-    tokio::time::timeout(PATIENCE, started.notified())
-        .await
-        .expect("the slow handler started");
+    slow_handler.started().await;
 
     let began = Instant::now();
     let waiters: Vec<_> = (0..5)
@@ -166,7 +155,7 @@ async fn requests_that_give_up_leave_the_writers_queue() {
     assert_eq!(late.status, StatusCode::SERVICE_UNAVAILABLE, "{late:?}");
     assert_eq!(server.store.writers_waiting(), 1);
 
-    release.notify_one();
+    slow_handler.release();
     let slow = slow.await.expect("slow request");
     assert_eq!(slow.status, StatusCode::CREATED, "{slow:?}");
     // Only the slow request ran; the abandoned begins were skipped.

@@ -127,6 +127,35 @@ where
     hook_for(f)
 }
 
+/// A handler the test holds inside its open transaction: the hook awaits
+/// [`HeldHandler::hold`]; the test waits for [`HeldHandler::started`] and ends the hold with
+/// [`HeldHandler::release`].
+#[derive(Clone, Debug, Default)]
+pub struct HeldHandler {
+    started: Arc<tokio::sync::Notify>,
+    release: Arc<tokio::sync::Notify>,
+}
+
+impl HeldHandler {
+    /// In the hook: signals that the handler runs, and waits until the test releases it.
+    pub async fn hold(&self) {
+        self.started.notify_one();
+        self.release.notified().await;
+    }
+
+    /// Waits (within [`PATIENCE`]) until the held handler runs.
+    pub async fn started(&self) {
+        tokio::time::timeout(PATIENCE, self.started.notified())
+            .await
+            .expect("the held handler started in time");
+    }
+
+    /// Lets the held handler go on.
+    pub fn release(&self) {
+        self.release.notify_one();
+    }
+}
+
 /// The state shared by an app's handlers and the test, for a transaction handle `T` and the
 /// hook's outcome `O`.
 pub struct AppOf<T, O> {
