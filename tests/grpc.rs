@@ -214,6 +214,20 @@ impl GrpcServer {
         self.count("SELECT COUNT(*) FROM idempotency_records").await
     }
 
+    /// Asserts how many times the handler ran, and how many orders and records there are.
+    async fn assert_counts(&self, (calls, orders, records): (usize, i64, i64), what: &str) {
+        let counts = (
+            self.create_calls(),
+            self.order_count().await,
+            self.record_count().await,
+        );
+        assert_eq!(
+            counts,
+            (calls, orders, records),
+            "{what}: (handler calls, orders, records)"
+        );
+    }
+
     async fn count(&self, sql: &'static str) -> i64 {
         self.store
             .read(move |conn| conn.query_row(sql, [], |row| row.get(0)))
@@ -342,9 +356,9 @@ async fn retry_is_decoded_as_the_original_response_with_replayed_metadata() {
             }
         );
     }
-    assert_eq!(server.create_calls(), 1, "the handler ran once");
-    assert_eq!(server.order_count().await, 1);
-    assert_eq!(server.record_count().await, 1);
+    server
+        .assert_counts((1, 1, 1), "the handler ran once")
+        .await;
 
     // The order is there, read through the RPC the layer passes through.
     let order = server.get_order(first.order_id).await.expect("get order");
@@ -470,9 +484,9 @@ async fn concurrent_duplicates_create_one_order() {
         1,
         "one original, the rest replayed: {answers:?}"
     );
-    assert_eq!(server.create_calls(), 1, "the handler ran once");
-    assert_eq!(server.order_count().await, 1);
-    assert_eq!(server.record_count().await, 1);
+    server
+        .assert_counts((1, 1, 1), "the handler ran once")
+        .await;
 }
 
 // ----- rollback -----
@@ -484,18 +498,19 @@ async fn non_ok_status_after_the_insert_rolls_back_and_the_retry_runs_afresh() {
 
     let failed = server.create(Call::order("key-1").sku("flaky")).await;
     assert_status(failed, Code::Internal, "injected_failure");
-    assert_eq!(server.create_calls(), 1, "the handler ran (and inserted)");
-    assert_eq!(server.order_count().await, 0, "the order was rolled back");
-    assert_eq!(server.record_count().await, 0, "nothing was saved");
+    server
+        .assert_counts(
+            (1, 0, 0),
+            "the handler ran (and inserted), the order was rolled back, nothing was saved",
+        )
+        .await;
 
     let retry = server
         .create(Call::order("key-1").sku("flaky"))
         .await
         .expect("retry");
     assert!(!retry.replayed, "the retry ran afresh");
-    assert_eq!(server.create_calls(), 2);
-    assert_eq!(server.order_count().await, 1);
-    assert_eq!(server.record_count().await, 1);
+    server.assert_counts((2, 1, 1), "the retry ran").await;
 }
 
 #[tokio::test]
@@ -555,9 +570,9 @@ async fn key_problems_are_invalid_argument_and_nothing_runs() {
         "duplicate_idempotency_key_header",
     );
 
-    assert_eq!(server.create_calls(), 0, "the handler never ran");
-    assert_eq!(server.order_count().await, 0);
-    assert_eq!(server.record_count().await, 0);
+    server
+        .assert_counts((0, 0, 0), "the handler never ran")
+        .await;
 }
 
 #[tokio::test]

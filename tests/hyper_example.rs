@@ -58,6 +58,13 @@ impl HyperExample {
         common::record_count(&self.store).await
     }
 
+    /// Posts the book order with `key`, and asserts that it ran afresh: `201`, not a replay.
+    async fn assert_created_afresh(&self, key: &str) {
+        let reply = Post::order(key, BOOK).send(self.addr).await;
+        assert_eq!(reply.status, StatusCode::CREATED, "{reply:?}");
+        assert!(!reply.replayed(), "{reply:?}");
+    }
+
     /// `GET /orders/{id}` as `token`.
     async fn get(&self, id: i64, token: &str) -> Reply {
         get(self.addr, &format!("/orders/{id}"), Some(token)).await
@@ -200,9 +207,7 @@ async fn failure_after_the_insert_rolls_back_and_the_retry_runs_afresh() {
     assert_eq!(server.record_count().await, 0);
 
     stop_failing_saves(&server.store).await;
-    let retry = Post::order("key-1", BOOK).send(server.addr).await;
-    assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
-    assert!(!retry.replayed());
+    server.assert_created_afresh("key-1").await;
     assert_eq!(server.order_count().await, 1);
 }
 
@@ -221,9 +226,7 @@ async fn validation_errors_are_not_saved_so_a_corrected_payload_succeeds() {
     assert_each_is_400(server.addr, requests).await;
     assert_eq!(server.record_count().await, 0);
 
-    let corrected = Post::order("key-1", BOOK).send(server.addr).await;
-    assert_eq!(corrected.status, StatusCode::CREATED, "{corrected:?}");
-    assert!(!corrected.replayed());
+    server.assert_created_afresh("key-1").await;
     assert_eq!(server.order_count().await, 1);
 }
 
@@ -301,9 +304,7 @@ async fn store_busy_past_the_lock_timeout_is_503_then_the_retry_succeeds() {
     assert_eq!(busy.status, StatusCode::SERVICE_UNAVAILABLE, "{busy:?}");
     assert_eq!(busy.error_code(), "busy_retry_later");
     assert!(busy.header("retry-after").is_some(), "{busy:?}");
-    let retry = Post::order("key-1", BOOK).send(server.addr).await;
-    assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
-    assert!(!retry.replayed());
+    server.assert_created_afresh("key-1").await;
 }
 
 #[tokio::test]
