@@ -123,43 +123,22 @@ async fn the_layer_counts_requests_by_outcome_rollbacks_and_lock_waits() {
         .await;
     let addr = server.addr;
     let book = r#"{"sku":"book","quantity":1}"#;
+    let send =
+        |key: Option<&'static str>, body: &'static str| post(addr, Some(SHOP_A), key, body, &[]);
 
-    assert_eq!(
-        post(addr, Some(SHOP_A), Some("k1"), book, &[]).await.status,
-        StatusCode::CREATED
-    );
-    assert!(post(addr, Some(SHOP_A), Some("k1"), book, &[])
-        .await
-        .replayed());
-    let conflict = post(
-        addr,
-        Some(SHOP_A),
-        Some("k1"),
-        r#"{"sku":"book","quantity":2}"#,
-        &[],
-    );
-    assert_eq!(conflict.await.status, StatusCode::CONFLICT);
-    let rejected = post(addr, Some(SHOP_A), None, book, &[]).await;
+    assert_eq!(send(Some("k1"), book).await.status, StatusCode::CREATED);
+    assert!(send(Some("k1"), book).await.replayed());
+    let conflict = send(Some("k1"), r#"{"sku":"book","quantity":2}"#).await;
+    assert_eq!(conflict.status, StatusCode::CONFLICT);
+    let rejected = send(None, book).await;
     assert_eq!(rejected.status, StatusCode::BAD_REQUEST);
-    let failed = post(
-        addr,
-        Some(SHOP_A),
-        Some("k2"),
-        r#"{"sku":"fail","quantity":1}"#,
-        &[],
-    );
-    assert_eq!(failed.await.status, StatusCode::INTERNAL_SERVER_ERROR);
+    let failed = send(Some("k2"), r#"{"sku":"fail","quantity":1}"#).await;
+    assert_eq!(failed.status, StatusCode::INTERNAL_SERVER_ERROR);
 
     // A request that holds the writer, and one that gives up waiting for it.
-    let slow = tokio::spawn(post(
-        addr,
-        Some(SHOP_A),
-        Some("k3"),
-        r#"{"sku":"slow","quantity":1}"#,
-        &[],
-    ));
+    let slow = tokio::spawn(send(Some("k3"), r#"{"sku":"slow","quantity":1}"#));
     slow_handler.started().await;
-    let busy = post(addr, Some(SHOP_A), Some("k4"), book, &[]).await;
+    let busy = send(Some("k4"), book).await;
     assert_eq!(busy.status, StatusCode::SERVICE_UNAVAILABLE);
     slow_handler.release();
     assert_eq!(

@@ -68,8 +68,11 @@ async fn a_spawned_tasks_rows_roll_back_with_the_request() {
     let reply = post(server.addr, Some(SHOP_A), Some("k1"), BOOK, &[]).await;
 
     assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR, "{reply:?}");
-    assert_eq!(server.order_count().await, 0);
-    assert_eq!(server.record_count().await, 0);
+    assert_eq!(
+        server.counts().await,
+        (1, 0, 0),
+        "(handler calls, orders, records)"
+    );
 }
 
 /// A statement closure that panics is an error for the handler (as on any other thread), not
@@ -100,8 +103,11 @@ async fn a_panicking_statement_is_an_error_for_the_handler() {
     let next = post(server.addr, Some(SHOP_A), Some("k2"), BOOK, &[]).await;
     assert_eq!(next.status, StatusCode::CREATED, "{next:?}");
 
-    assert_eq!(server.order_count().await, 1);
-    assert_eq!(server.record_count().await, 1);
+    assert_eq!(
+        server.counts().await,
+        (2, 1, 1),
+        "(handler calls, orders, records)"
+    );
 }
 
 /// Requests that give up on their lock timeout while a long handler holds the writer get their
