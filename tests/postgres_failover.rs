@@ -49,6 +49,11 @@ fn body_of(key: &str) -> String {
     format!(r#"{{"sku":"{key}","quantity":1}}"#)
 }
 
+/// `POST /orders` of `key` (with its own sku) to `app`.
+async fn send_order(app: SocketAddr, key: &str) -> Reply {
+    Post::order(key, &body_of(key)).send(app).await
+}
+
 /// What the clients saw of one key.
 #[derive(Debug, Default)]
 struct KeyLog {
@@ -439,7 +444,7 @@ fn send_later(app: SocketAddr, key: &str) -> tokio::task::JoinHandle<Option<Repl
 async fn send_past_503s(app: SocketAddr, key: &str) -> Reply {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let reply = Post::order(key, &body_of(key)).send(app).await;
+        let reply = send_order(app, key).await;
         if reply.status != StatusCode::SERVICE_UNAVAILABLE || Instant::now() > deadline {
             return reply;
         }
@@ -473,11 +478,7 @@ async fn a_commit_of_unknown_outcome_is_a_503_and_the_retry_settles_it() {
     let url = cluster.url();
     let app = OrdersProcess::start_with(&["--database-url", &url]).await;
     let addr = app.addr;
-    let send = |key: &str| {
-        let post = Post::order(key, &body_of(key));
-        async move { post.send(addr).await }
-    };
-    let warm = send("warm").await;
+    let warm = send_order(addr, "warm").await;
     assert_eq!(warm.status, StatusCode::CREATED, "{warm:?}");
 
     // Committed, answer lost: the backend is terminated while its COMMIT waits.
@@ -501,7 +502,7 @@ async fn a_commit_of_unknown_outcome_is_a_503_and_the_retry_settles_it() {
     assert_eq!(kept, 1, "the primary kept the commit whose answer was lost");
     cluster.start_standby().await;
     cluster.wait_for_standby(Replication::Sync).await;
-    let retry = send("committed").await;
+    let retry = send_order(addr, "committed").await;
     assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
     assert!(retry.replayed(), "it had committed: the retry replays it");
 
@@ -521,7 +522,7 @@ async fn a_commit_of_unknown_outcome_is_a_503_and_the_retry_settles_it() {
         "it had not committed: the retry runs afresh"
     );
     for key in ["warm", "committed"] {
-        let again = send(key).await;
+        let again = send_order(addr, key).await;
         assert_eq!(again.status, StatusCode::CREATED, "{key}: {again:?}");
         assert!(again.replayed(), "{key}");
     }
@@ -624,11 +625,7 @@ async fn app_reading_from_the_standby(cluster: &Cluster) -> SocketAddr {
 async fn replays_from_a_hot_standby_fall_through_to_the_primary_on_a_miss() {
     let mut cluster = Cluster::start(Replication::Sync).await;
     let addr = app_reading_from_the_standby(&cluster).await;
-    let send = |key: &str| {
-        let post = Post::order(key, &body_of(key));
-        async move { post.send(addr).await }
-    };
-    let first = send("before-pause").await;
+    let first = send_order(addr, "before-pause").await;
     assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
 
     // The standby stops applying WAL: it does not see what the primary commits next.
@@ -637,7 +634,7 @@ async fn replays_from_a_hot_standby_fall_through_to_the_primary_on_a_miss() {
         .batch_execute("SELECT pg_wal_replay_pause()")
         .await
         .expect("pause replay");
-    let created = send("during-pause").await;
+    let created = send_order(addr, "during-pause").await;
     assert_eq!(created.status, StatusCode::CREATED, "{created:?}");
     let seen: i64 = standby
         .query_one(
@@ -648,7 +645,7 @@ async fn replays_from_a_hot_standby_fall_through_to_the_primary_on_a_miss() {
         .expect("count")
         .get(0);
     assert_eq!(seen, 0, "the paused standby misses the new record");
-    let retry = send("during-pause").await;
+    let retry = send_order(addr, "during-pause").await;
     assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
     assert!(
         retry.replayed(),
@@ -664,7 +661,7 @@ async fn replays_from_a_hot_standby_fall_through_to_the_primary_on_a_miss() {
     // A standby that is down: replays come from the primary.
     drop(standby);
     cluster.stop_standby().await;
-    let retry = send("before-pause").await;
+    let retry = send_order(addr, "before-pause").await;
     assert!(retry.replayed() && retry.body == first.body, "{retry:?}");
     cluster.start_standby().await;
     cluster.wait_for_standby(Replication::Sync).await;
@@ -672,11 +669,14 @@ async fn replays_from_a_hot_standby_fall_through_to_the_primary_on_a_miss() {
     // The primary is down: what the standby has still replays; a new key waits (503).
     cluster.kill_primary().await;
     for (key, original) in [("before-pause", &first), ("during-pause", &created)] {
-        let retry = send(key).await;
+        let retry = send_order(addr, key).await;
         assert_eq!(retry.status, StatusCode::CREATED, "{key}: {retry:?}");
         assert!(retry.replayed() && retry.body == original.body, "{key}");
     }
-    assert_unavailable(&send("new").await, "a new key without a primary");
+    assert_unavailable(
+        &send_order(addr, "new").await,
+        "a new key without a primary",
+    );
     cluster.promote_standby().await;
     let new = send_past_503s(addr, "new").await;
     assert_eq!(new.status, StatusCode::CREATED, "{new:?}");
