@@ -47,12 +47,9 @@ pub const SHOP_B: &str = "shop-b-token";
 /// A generous bound for anything a test waits for: reached only when the test fails.
 pub const PATIENCE: Duration = Duration::from_secs(10);
 
-pub const ORDERS_SCHEMA: &str = "CREATE TABLE IF NOT EXISTS orders (
-    id INTEGER PRIMARY KEY,
-    tenant_id TEXT NOT NULL,
-    sku TEXT NOT NULL,
-    quantity INTEGER NOT NULL
-)";
+#[path = "../sqlite_orders/mod.rs"]
+mod sqlite_orders;
+pub use sqlite_orders::ORDERS_SCHEMA;
 
 /// What the order handler knows when it calls the hook: its order row is already inserted,
 /// inside the open idempotency transaction `tx` (a [`SqliteTransaction`] here, a
@@ -654,14 +651,7 @@ impl InsertOrder for SqliteTransaction {
         sku: &str,
         quantity: i64,
     ) -> impl Future<Output = Result<i64, tower_idempotency::Error>> + Send {
-        let row = (tenant.as_str().to_owned(), sku.to_owned(), quantity);
-        self.run(move |conn| {
-            conn.execute(
-                "INSERT INTO orders (tenant_id, sku, quantity) VALUES (?1, ?2, ?3)",
-                (&row.0, &row.1, row.2),
-            )?;
-            Ok(conn.last_insert_rowid())
-        })
+        sqlite_orders::insert_order(self, tenant.as_str(), sku, quantity)
     }
 }
 
