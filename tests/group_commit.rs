@@ -39,6 +39,15 @@ fn send(server: &TestServer, key: &'static str) -> JoinHandle<Reply> {
     tokio::spawn(async move { post(addr, Some(SHOP_A), Some(key), BOOK, &[]).await })
 }
 
+/// The replies to these requests, in their order.
+async fn replies<const N: usize>(requests: [JoinHandle<Reply>; N]) -> [Reply; N] {
+    let mut replies = Vec::with_capacity(N);
+    for request in requests {
+        replies.push(request.await.expect("request task"));
+    }
+    replies.try_into().expect("one reply per request")
+}
+
 /// What the test hooks share: C's handler signals that it started and waits to be released.
 #[derive(Default)]
 struct Gates {
@@ -100,6 +109,17 @@ impl Group {
         Group { gates, server }
     }
 
+    /// [`Group::start`], then `a` and `c` sent: both their handlers have started.
+    async fn running_a_and_c(
+        queued_behind_a: usize,
+        max_requests: usize,
+    ) -> (Group, JoinHandle<Reply>, JoinHandle<Reply>) {
+        let group = Group::start(queued_behind_a, max_requests).await;
+        let a = group.send_a().await;
+        let c = group.send_c().await;
+        (group, a, c)
+    }
+
     /// Sends `a` and waits until its handler runs (on the writer).
     async fn send_a(&self) -> JoinHandle<Reply> {
         let a = send(&self.server, "a");
@@ -140,11 +160,7 @@ async fn a_group_commits_together_and_a_failing_member_rolls_back_alone() {
     assert_eq!(server.record_count().await, 0);
 
     gates.c.release();
-    let (a, b, c) = (
-        a.await.expect("a"),
-        b.await.expect("b"),
-        c.await.expect("c"),
-    );
+    let [a, b, c] = replies([a, b, c]).await;
     assert_eq!(a.status, StatusCode::CREATED, "{a:?}");
     assert_eq!(c.status, StatusCode::CREATED, "{c:?}");
     assert_eq!(b.status, StatusCode::INTERNAL_SERVER_ERROR, "{b:?}");
@@ -173,11 +189,8 @@ async fn a_group_commits_together_and_a_failing_member_rolls_back_alone() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_duplicate_of_a_member_is_answered_only_after_the_group_commits() {
-    let group = Group::start(1, 64).await;
+    let (group, a, c) = Group::running_a_and_c(1, 64).await;
     let (gates, server) = (&group.gates, &group.server);
-
-    let a = group.send_a().await;
-    let c = group.send_c().await;
 
     // The duplicate of `a` finds no committed record on the fast path and queues for the
     // writer; inside the group it sees a's record, which is not durable yet.
@@ -192,11 +205,7 @@ async fn a_duplicate_of_a_member_is_answered_only_after_the_group_commits() {
     assert_eq!(server.record_count().await, 0);
 
     gates.c.release();
-    let (a, c, duplicate) = (
-        a.await.expect("a"),
-        c.await.expect("c"),
-        duplicate.await.expect("duplicate"),
-    );
+    let [a, c, duplicate] = replies([a, c, duplicate]).await;
     assert_eq!(a.status, StatusCode::CREATED);
     assert_eq!(c.status, StatusCode::CREATED);
     assert_eq!(duplicate.status, StatusCode::CREATED, "{duplicate:?}");
@@ -208,11 +217,8 @@ async fn a_duplicate_of_a_member_is_answered_only_after_the_group_commits() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_grouping_each_request_commits_on_its_own() {
-    let group = Group::start(1, 1).await;
+    let (group, a, c) = Group::running_a_and_c(1, 1).await;
     let (gates, server) = (&group.gates, &group.server);
-
-    let a = group.send_a().await;
-    let c = group.send_c().await;
 
     // With groups of one, a commits and answers while c still holds the writer.
     let a = tokio::time::timeout(PATIENCE, a)
