@@ -95,21 +95,19 @@ async fn a_lone_request_runs_on_its_own_task_unless_turned_off() {
 async fn requests_arriving_meanwhile_queue_and_the_duplicate_waits() {
     let slow_handler = HeldHandler::default();
     let threads = Threads::default();
-    let server = TestServer::builder()
-        .hook({
-            let (slow_handler, record) = (slow_handler.clone(), thread_recorder(threads.clone()));
-            hook(move |call| {
-                let (slow_handler, record) = (slow_handler.clone(), record.clone());
-                async move {
-                    if call.key.as_deref() == Some("slow") {
-                        slow_handler.hold().await;
-                    }
-                    record(call).await
+    let server = TestServer::with_hook({
+        let (slow_handler, record) = (slow_handler.clone(), thread_recorder(threads.clone()));
+        hook(move |call| {
+            let (slow_handler, record) = (slow_handler.clone(), record.clone());
+            async move {
+                if call.key.as_deref() == Some("slow") {
+                    slow_handler.hold().await;
                 }
-            })
+                record(call).await
+            }
         })
-        .spawn()
-        .await;
+    })
+    .await;
     let addr = server.addr;
     let warm_up = post(addr, Some(SHOP_A), Some("warm-up"), BOOK, &[]).await;
     assert_eq!(warm_up.status, StatusCode::CREATED, "{warm_up:?}");

@@ -32,17 +32,15 @@ async fn insert_a_gift_from_a_spawned_task(tx: &SqliteTransaction) {
 /// another task joins the same transaction.
 #[tokio::test]
 async fn handlers_use_timers_spawned_tasks_and_the_blocking_pool() {
-    let server = TestServer::builder()
-        .hook(hook(|call| async move {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-            let blocking = tokio::task::spawn_blocking(|| 6 * 7).await;
-            assert_eq!(blocking.ok(), Some(42));
-            // Another task's statement joins the same transaction.
-            insert_a_gift_from_a_spawned_task(&call.tx).await;
-            HookOutcome::default()
-        }))
-        .spawn()
-        .await;
+    let server = TestServer::with_hook(hook(|call| async move {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let blocking = tokio::task::spawn_blocking(|| 6 * 7).await;
+        assert_eq!(blocking.ok(), Some(42));
+        // Another task's statement joins the same transaction.
+        insert_a_gift_from_a_spawned_task(&call.tx).await;
+        HookOutcome::default()
+    }))
+    .await;
 
     let reply = post(server.addr, Some(SHOP_A), Some("k1"), BOOK, &[]).await;
 
@@ -57,13 +55,11 @@ async fn handlers_use_timers_spawned_tasks_and_the_blocking_pool() {
 /// A row written from a spawned task is rolled back with the rest when the handler fails.
 #[tokio::test]
 async fn a_spawned_tasks_rows_roll_back_with_the_request() {
-    let server = TestServer::builder()
-        .hook(hook(|call| async move {
-            insert_a_gift_from_a_spawned_task(&call.tx).await;
-            HookOutcome::failing(Some(StatusCode::INTERNAL_SERVER_ERROR))
-        }))
-        .spawn()
-        .await;
+    let server = TestServer::with_hook(hook(|call| async move {
+        insert_a_gift_from_a_spawned_task(&call.tx).await;
+        HookOutcome::failing(Some(StatusCode::INTERNAL_SERVER_ERROR))
+    }))
+    .await;
 
     let reply = post(server.addr, Some(SHOP_A), Some("k1"), BOOK, &[]).await;
 
@@ -79,20 +75,18 @@ async fn a_spawned_tasks_rows_roll_back_with_the_request() {
 /// a panic through it; the request rolls back and the writer goes on serving.
 #[tokio::test]
 async fn a_panicking_statement_is_an_error_for_the_handler() {
-    let server = TestServer::builder()
-        .hook(hook(|call| async move {
-            if call.key.as_deref() != Some("boom") {
-                return HookOutcome::default();
-            }
-            let result = call
-                .tx
-                .run(|_conn| -> Result<(), _> { panic!("a statement closure panicked") })
-                .await;
-            assert!(matches!(result, Err(Error::Panicked)), "{result:?}");
-            HookOutcome::failing(Some(StatusCode::INTERNAL_SERVER_ERROR))
-        }))
-        .spawn()
-        .await;
+    let server = TestServer::with_hook(hook(|call| async move {
+        if call.key.as_deref() != Some("boom") {
+            return HookOutcome::default();
+        }
+        let result = call
+            .tx
+            .run(|_conn| -> Result<(), _> { panic!("a statement closure panicked") })
+            .await;
+        assert!(matches!(result, Err(Error::Panicked)), "{result:?}");
+        HookOutcome::failing(Some(StatusCode::INTERNAL_SERVER_ERROR))
+    }))
+    .await;
 
     let failed = post(server.addr, Some(SHOP_A), Some("boom"), BOOK, &[]).await;
     assert_eq!(

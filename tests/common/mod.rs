@@ -545,6 +545,11 @@ impl TestServer {
         Self::builder().layer(f).spawn().await
     }
 
+    /// The default app, its handler running `hook` after the insert.
+    pub async fn with_hook(hook: Hook) -> TestServer {
+        Self::builder().hook(hook).spawn().await
+    }
+
     pub fn builder() -> ServerBuilder {
         ServerBuilder::default()
     }
