@@ -32,6 +32,8 @@ use http::StatusCode;
 use http_body_util::Full;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
+use tower_idempotency::store::postgres::tokio_postgres;
+use tower_idempotency::store::postgres::tokio_postgres::types::{FromSqlOwned, ToSql};
 
 type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
@@ -47,6 +49,19 @@ const PROMOTION_DELAY: Duration = Duration::from_millis(500);
 
 fn body_of(key: &str) -> String {
     format!(r#"{{"sku":"{key}","quantity":1}}"#)
+}
+
+/// The one value that `sql` selects.
+async fn select_one<T: FromSqlOwned>(
+    client: &tokio_postgres::Client,
+    sql: &str,
+    params: &[&(dyn ToSql + Sync)],
+) -> T {
+    client
+        .query_one(sql, params)
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"))
+        .get(0)
 }
 
 /// `POST /orders` of `key` (with its own sku) to `app`.
@@ -294,16 +309,7 @@ async fn failover_round(round: usize, replication: Replication) -> Round {
     }
 
     let primary = cluster.standby().await;
-    let count = |sql: &'static str| {
-        let primary = &primary;
-        async move {
-            primary
-                .query_one(sql, &[])
-                .await
-                .unwrap_or_else(|e| panic!("{sql}: {e}"))
-                .get::<_, i64>(0)
-        }
-    };
+    let count = |sql: &'static str| select_one::<i64>(&primary, sql, &[]);
     let orders = count("SELECT count(*) FROM orders").await;
     let records = count("SELECT count(*) FROM idempotency_records WHERE state = 'completed'").await;
     let distinct = count("SELECT count(DISTINCT idempotency_key) FROM idempotency_records").await;
@@ -486,19 +492,16 @@ async fn a_commit_of_unknown_outcome_is_a_503_and_the_retry_settles_it() {
     let pending = send_later(app.addr, "committed");
     let pid = backend_waiting_for_the_standby(&cluster).await;
     let primary = cluster.primary().await;
-    let terminated: bool = primary
-        .query_one("SELECT pg_terminate_backend($1)", &[&pid])
-        .await
-        .expect("terminate")
-        .get(0);
+    let terminated: bool = select_one(&primary, "SELECT pg_terminate_backend($1)", &[&pid]).await;
     assert!(terminated);
     let lost_answer = pending.await.expect("task").expect("an answer");
     assert_unavailable(&lost_answer, "COMMIT sent, connection lost");
-    let kept: i64 = primary
-        .query_one("SELECT count(*) FROM orders WHERE sku = 'committed'", &[])
-        .await
-        .expect("count")
-        .get(0);
+    let kept: i64 = select_one(
+        &primary,
+        "SELECT count(*) FROM orders WHERE sku = 'committed'",
+        &[],
+    )
+    .await;
     assert_eq!(kept, 1, "the primary kept the commit whose answer was lost");
     cluster.start_standby().await;
     cluster.wait_for_standby(Replication::Sync).await;
@@ -526,12 +529,8 @@ async fn a_commit_of_unknown_outcome_is_a_503_and_the_retry_settles_it() {
         assert_eq!(again.status, StatusCode::CREATED, "{key}: {again:?}");
         assert!(again.replayed(), "{key}");
     }
-    let primary = cluster.standby().await;
-    let orders: i64 = primary
-        .query_one("SELECT count(*) FROM orders", &[])
-        .await
-        .expect("count")
-        .get(0);
+    let promoted = cluster.standby().await;
+    let orders: i64 = select_one(&promoted, "SELECT count(*) FROM orders", &[]).await;
     assert_eq!(orders, 3, "one order per key");
     app.kill().await;
 }
@@ -636,14 +635,12 @@ async fn replays_from_a_hot_standby_fall_through_to_the_primary_on_a_miss() {
         .expect("pause replay");
     let created = send_order(addr, "during-pause").await;
     assert_eq!(created.status, StatusCode::CREATED, "{created:?}");
-    let seen: i64 = standby
-        .query_one(
-            "SELECT count(*) FROM idempotency_records WHERE idempotency_key = 'during-pause'",
-            &[],
-        )
-        .await
-        .expect("count")
-        .get(0);
+    let seen: i64 = select_one(
+        &standby,
+        "SELECT count(*) FROM idempotency_records WHERE idempotency_key = 'during-pause'",
+        &[],
+    )
+    .await;
     assert_eq!(seen, 0, "the paused standby misses the new record");
     let retry = send_order(addr, "during-pause").await;
     assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
@@ -680,12 +677,7 @@ async fn replays_from_a_hot_standby_fall_through_to_the_primary_on_a_miss() {
     cluster.promote_standby().await;
     let new = send_past_503s(addr, "new").await;
     assert_eq!(new.status, StatusCode::CREATED, "{new:?}");
-    let orders: i64 = cluster
-        .standby()
-        .await
-        .query_one("SELECT count(*) FROM orders", &[])
-        .await
-        .expect("count")
-        .get(0);
+    let promoted = cluster.standby().await;
+    let orders: i64 = select_one(&promoted, "SELECT count(*) FROM orders", &[]).await;
     assert_eq!(orders, 3, "one order per key");
 }
