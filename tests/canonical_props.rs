@@ -6,6 +6,7 @@
 //! numbers such as `1.50`, `15e-1` and `0.15E1`.
 
 mod json_bodies;
+mod splitmix;
 
 use proptest::collection::vec;
 use proptest::prelude::*;
@@ -99,11 +100,7 @@ struct Choices(u64);
 
 impl Choices {
     fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        splitmix::next_u64(&mut self.0)
     }
 
     fn below(&mut self, n: usize) -> usize {

@@ -68,14 +68,7 @@ impl Drop for HyperServer {
 }
 
 async fn spawn_hyper_server() -> HyperServer {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let store = SqliteStore::open(dir.path().join("orders.db"))
-        .await
-        .expect("open store");
-    store
-        .write(|tx| tx.execute_batch(common::ORDERS_SCHEMA))
-        .await
-        .expect("schema");
+    let (dir, store) = common::sqlite_orders::orders_store_in_a_temp_dir().await;
     let service = ServiceBuilder::new()
         .layer(
             IdempotencyLayer::new(store.clone())

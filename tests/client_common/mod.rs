@@ -52,7 +52,7 @@ pub const PATIENCE: Duration = Duration::from_secs(20);
 
 #[path = "../sqlite_orders/mod.rs"]
 mod sqlite_orders;
-use sqlite_orders::{insert_order, ORDERS_SCHEMA};
+use sqlite_orders::{insert_order, orders_store_in_a_temp_dir};
 
 /// The order app on 127.0.0.1, over a SQLite file in a temp dir.
 pub struct OrdersServer {
@@ -71,14 +71,7 @@ impl OrdersServer {
     pub async fn spawn_with(
         customise: impl FnOnce(IdempotencyLayer<SqliteStore>) -> IdempotencyLayer<SqliteStore>,
     ) -> OrdersServer {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let store = SqliteStore::open(dir.path().join("orders.db"))
-            .await
-            .expect("open store");
-        store
-            .write(|tx| tx.execute_batch(ORDERS_SCHEMA))
-            .await
-            .expect("create orders table");
+        let (dir, store) = orders_store_in_a_temp_dir().await;
         let idempotency = customise(
             IdempotencyLayer::new(store.clone())
                 .with_operation("create_order")

@@ -47,9 +47,10 @@ pub const SHOP_B: &str = "shop-b-token";
 /// A generous bound for anything a test waits for: reached only when the test fails.
 pub const PATIENCE: Duration = Duration::from_secs(10);
 
+#[path = "../splitmix/mod.rs"]
+mod splitmix;
 #[path = "../sqlite_orders/mod.rs"]
-mod sqlite_orders;
-pub use sqlite_orders::ORDERS_SCHEMA;
+pub mod sqlite_orders;
 
 /// What the order handler knows when it calls the hook: its order row is already inserted,
 /// inside the open idempotency transaction `tx` (a [`SqliteTransaction`] here, a
@@ -494,10 +495,7 @@ impl ServerBuilder {
             None => options,
         };
         let store = options.open().await.expect("open store");
-        store
-            .write(|tx| tx.execute_batch(ORDERS_SCHEMA))
-            .await
-            .expect("create orders table");
+        sqlite_orders::create_orders_table(&store).await;
 
         let app = App::new(self.hook.clone(), self.response_headers.clone());
         let mut router = self
@@ -1382,11 +1380,7 @@ pub mod process {
         }
 
         pub fn next_u64(&mut self) -> u64 {
-            self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = self.0;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^ (z >> 31)
+            super::splitmix::next_u64(&mut self.0)
         }
 
         /// Uniform in `0..n` (n > 0).

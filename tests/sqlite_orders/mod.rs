@@ -6,7 +6,7 @@
 
 use std::future::Future;
 
-use tower_idempotency::store::sqlite::SqliteTransaction;
+use tower_idempotency::store::sqlite::{SqliteStore, SqliteTransaction};
 
 pub const ORDERS_SCHEMA: &str = "CREATE TABLE IF NOT EXISTS orders (
     id INTEGER PRIMARY KEY,
@@ -14,6 +14,25 @@ pub const ORDERS_SCHEMA: &str = "CREATE TABLE IF NOT EXISTS orders (
     sku TEXT NOT NULL,
     quantity INTEGER NOT NULL
 )";
+
+/// Creates the `orders` table next to the idempotency records of `store`.
+pub async fn create_orders_table(store: &SqliteStore) {
+    store
+        .write(|tx| tx.execute_batch(ORDERS_SCHEMA))
+        .await
+        .expect("create orders table");
+}
+
+/// A store over `orders.db` in a new temp dir (kept while the returned directory lives),
+/// with the `orders` table.
+pub async fn orders_store_in_a_temp_dir() -> (tempfile::TempDir, SqliteStore) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let store = SqliteStore::open(dir.path().join("orders.db"))
+        .await
+        .expect("open store");
+    create_orders_table(&store).await;
+    (dir, store)
+}
 
 /// Inserts the order row through `tx`, in the request's transaction; returns its id.
 pub fn insert_order<'tx>(
