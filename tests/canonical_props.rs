@@ -6,6 +6,7 @@
 //! numbers such as `1.50`, `15e-1` and `0.15E1`.
 
 mod json_bodies;
+mod splitmix;
 
 use proptest::collection::vec;
 use proptest::prelude::*;
@@ -99,11 +100,7 @@ struct Choices(u64);
 
 impl Choices {
     fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        splitmix::next_u64(&mut self.0)
     }
 
     fn below(&mut self, n: usize) -> usize {
@@ -123,7 +120,7 @@ impl Choices {
 fn render(value: &Json, choices: &mut Choices) -> String {
     let mut out = String::new();
     whitespace(&mut out, choices);
-    render_into(value, choices, &mut out);
+    write_json(value, choices, &mut out);
     whitespace(&mut out, choices);
     out
 }
@@ -134,7 +131,41 @@ fn whitespace(out: &mut String, choices: &mut Choices) {
     }
 }
 
-fn render_into(value: &Json, choices: &mut Choices, out: &mut String) {
+/// How [`write_json`] spells a document out: the white space between tokens, the order of an
+/// object's members, and how numbers and strings are written.
+trait Spelling {
+    fn space(&mut self, out: &mut String);
+    /// The indices of `members` in the order they are written.
+    fn member_order(&mut self, members: &[(String, Json)]) -> Vec<usize>;
+    fn number(&mut self, negative: bool, digits: &str, exponent: i64, out: &mut String);
+    fn string(&mut self, s: &str, out: &mut String);
+}
+
+/// A random but equivalent spelling.
+impl Spelling for Choices {
+    fn space(&mut self, out: &mut String) {
+        whitespace(out, self);
+    }
+
+    fn member_order(&mut self, members: &[(String, Json)]) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..members.len()).collect();
+        for i in (1..order.len()).rev() {
+            order.swap(i, self.below(i + 1));
+        }
+        order
+    }
+
+    fn number(&mut self, negative: bool, digits: &str, exponent: i64, out: &mut String) {
+        render_number(negative, digits, exponent, self, out);
+    }
+
+    fn string(&mut self, s: &str, out: &mut String) {
+        render_string(s, self, out);
+    }
+}
+
+/// Writes `value` token by token, spelled as `spelling` says.
+fn write_json(value: &Json, spelling: &mut impl Spelling, out: &mut String) {
     match value {
         Json::Null => out.push_str("null"),
         Json::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
@@ -142,40 +173,37 @@ fn render_into(value: &Json, choices: &mut Choices, out: &mut String) {
             negative,
             digits,
             exponent,
-        } => render_number(*negative, digits, *exponent, choices, out),
-        Json::String(s) => render_string(s, choices, out),
+        } => spelling.number(*negative, digits, *exponent, out),
+        Json::String(s) => spelling.string(s, out),
         Json::Array(items) => {
             out.push('[');
-            whitespace(out, choices);
+            spelling.space(out);
             for (index, item) in items.iter().enumerate() {
                 if index > 0 {
                     out.push(',');
-                    whitespace(out, choices);
+                    spelling.space(out);
                 }
-                render_into(item, choices, out);
-                whitespace(out, choices);
+                write_json(item, spelling, out);
+                spelling.space(out);
             }
             out.push(']');
         }
         Json::Object(members) => {
-            let mut order: Vec<usize> = (0..members.len()).collect();
-            for i in (1..order.len()).rev() {
-                order.swap(i, choices.below(i + 1));
-            }
+            let order = spelling.member_order(members);
             out.push('{');
-            whitespace(out, choices);
+            spelling.space(out);
             for (position, &index) in order.iter().enumerate() {
                 if position > 0 {
                     out.push(',');
-                    whitespace(out, choices);
+                    spelling.space(out);
                 }
                 let (key, value) = &members[index];
-                render_string(key, choices, out);
-                whitespace(out, choices);
+                spelling.string(key, out);
+                spelling.space(out);
                 out.push(':');
-                whitespace(out, choices);
-                render_into(value, choices, out);
-                whitespace(out, choices);
+                spelling.space(out);
+                write_json(value, spelling, out);
+                spelling.space(out);
             }
             out.push('}');
         }
@@ -276,88 +304,73 @@ fn render_number(
     }
 }
 
-/// The expected canonical form, written independently of the library.
-fn expected_canonical(value: &Json, out: &mut String) {
-    match value {
-        Json::Null => out.push_str("null"),
-        Json::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
-        Json::Number {
-            negative,
-            digits,
-            exponent,
-        } => {
-            if digits.is_empty() {
-                out.push('0');
-                return;
-            }
-            if *negative {
-                out.push('-');
-            }
-            // ECMAScript's Number::toString: value = digits × 10^(point - k).
-            let k = digits.len() as i64;
-            let point = exponent + k;
-            if k <= point && point <= 21 {
-                out.push_str(digits);
-                out.push_str(&"0".repeat((point - k) as usize));
-            } else if 0 < point && point <= 21 {
-                out.push_str(&digits[..point as usize]);
+/// The canonical spelling, written independently of the library: no white space, members
+/// sorted by their UTF-16 code units, ECMAScript's numbers and the shortest string escapes.
+struct Canonical;
+
+impl Spelling for Canonical {
+    fn space(&mut self, _out: &mut String) {}
+
+    fn member_order(&mut self, members: &[(String, Json)]) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..members.len()).collect();
+        order.sort_by_key(|&index| members[index].0.encode_utf16().collect::<Vec<u16>>());
+        order
+    }
+
+    fn number(&mut self, negative: bool, digits: &str, exponent: i64, out: &mut String) {
+        if digits.is_empty() {
+            out.push('0');
+            return;
+        }
+        if negative {
+            out.push('-');
+        }
+        // ECMAScript's Number::toString: value = digits × 10^(point - k).
+        let k = digits.len() as i64;
+        let point = exponent + k;
+        if k <= point && point <= 21 {
+            out.push_str(digits);
+            out.push_str(&"0".repeat((point - k) as usize));
+        } else if 0 < point && point <= 21 {
+            out.push_str(&digits[..point as usize]);
+            out.push('.');
+            out.push_str(&digits[point as usize..]);
+        } else if -6 < point && point <= 0 {
+            out.push_str("0.");
+            out.push_str(&"0".repeat((-point) as usize));
+            out.push_str(digits);
+        } else {
+            out.push_str(&digits[..1]);
+            if k > 1 {
                 out.push('.');
-                out.push_str(&digits[point as usize..]);
-            } else if -6 < point && point <= 0 {
-                out.push_str("0.");
-                out.push_str(&"0".repeat((-point) as usize));
-                out.push_str(digits);
-            } else {
-                out.push_str(&digits[..1]);
-                if k > 1 {
-                    out.push('.');
-                    out.push_str(&digits[1..]);
-                }
-                out.push_str(&format!("e{:+}", point - 1));
+                out.push_str(&digits[1..]);
             }
-        }
-        Json::String(s) => {
-            out.push('"');
-            for c in s.chars() {
-                match c {
-                    '"' => out.push_str("\\\""),
-                    '\\' => out.push_str("\\\\"),
-                    '\u{8}' => out.push_str("\\b"),
-                    '\u{c}' => out.push_str("\\f"),
-                    '\n' => out.push_str("\\n"),
-                    '\r' => out.push_str("\\r"),
-                    '\t' => out.push_str("\\t"),
-                    '\u{0}'..='\u{1f}' => out.push_str(&format!("\\u{:04x}", c as u32)),
-                    _ => out.push(c),
-                }
-            }
-            out.push('"');
-        }
-        Json::Array(items) => {
-            out.push('[');
-            for (index, item) in items.iter().enumerate() {
-                if index > 0 {
-                    out.push(',');
-                }
-                expected_canonical(item, out);
-            }
-            out.push(']');
-        }
-        Json::Object(members) => {
-            let mut sorted: Vec<_> = members.iter().collect();
-            sorted.sort_by_key(|(key, _)| key.encode_utf16().collect::<Vec<u16>>());
-            out.push('{');
-            for (index, (key, value)) in sorted.into_iter().enumerate() {
-                if index > 0 {
-                    out.push(',');
-                }
-                expected_canonical(&Json::String(key.clone()), out);
-                out.push(':');
-                expected_canonical(value, out);
-            }
-            out.push('}');
+            out.push_str(&format!("e{:+}", point - 1));
         }
     }
+
+    fn string(&mut self, s: &str, out: &mut String) {
+        out.push('"');
+        for c in s.chars() {
+            match c {
+                '"' => out.push_str("\\\""),
+                '\\' => out.push_str("\\\\"),
+                '\u{8}' => out.push_str("\\b"),
+                '\u{c}' => out.push_str("\\f"),
+                '\n' => out.push_str("\\n"),
+                '\r' => out.push_str("\\r"),
+                '\t' => out.push_str("\\t"),
+                '\u{0}'..='\u{1f}' => out.push_str(&format!("\\u{:04x}", c as u32)),
+                _ => out.push(c),
+            }
+        }
+        out.push('"');
+    }
+}
+
+/// The expected canonical form.
+fn expected_canonical(value: &Json, out: &mut String) {
+    write_json(value, &mut Canonical, out);
 }
 
 fn count_nodes(value: &Json) -> usize {

@@ -11,15 +11,34 @@ use http::{Method, StatusCode};
 use http_body_util::{Empty, Full};
 use tokio::net::TcpListener;
 use tokio::time::Instant;
-use tower_idempotency::client::{KeyFormat, RetryError};
+use tower_idempotency::client::{KeyFormat, Retry, RetryError};
 
-use client_common::{client, fast, send, Chunks, Scripted, ScriptedServer};
+use client_common::{client, fast, send, Chunks, HttpClient, Scripted, ScriptedServer};
 
 fn post(url: &str, body: &'static str) -> http::Request<Full<Bytes>> {
     http::Request::post(url)
         .header("content-type", "application/json")
         .body(Full::new(Bytes::from_static(body.as_bytes())))
         .expect("request")
+}
+
+/// `POST /orders` to a server that never answers in time: the error, and how long it took.
+async fn unanswered(client: &Retry<HttpClient>, server: &ScriptedServer) -> (RetryError, Duration) {
+    let started = Instant::now();
+    let error = send(client, post(&server.url("/orders"), "{}"))
+        .await
+        .expect_err("no answer");
+    (error, started.elapsed())
+}
+
+/// A port on 127.0.0.1 that was free a moment ago, and nothing listens on now.
+async fn closed_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port()
 }
 
 #[tokio::test]
@@ -147,15 +166,22 @@ async fn a_non_idempotent_method_without_a_key_is_sent_once() {
     assert_eq!(answer.outcome.key, None);
 }
 
-#[tokio::test]
-async fn retry_after_in_seconds_is_honoured() {
-    let server = ScriptedServer::spawn([Scripted::status(503).header("retry-after", "1")]).await;
+/// One `status` answer with this `Retry-After`, then the retry's answer: the wait between
+/// the two attempts.
+async fn wait_after_a_retry_after(status: u16, retry_after: &str) -> Duration {
+    let server =
+        ScriptedServer::spawn([Scripted::status(status).header("retry-after", retry_after)]).await;
     let answer = send(&client(fast()), post(&server.url("/orders"), "{}"))
         .await
         .expect("an answer");
     assert_eq!(answer.outcome.attempts, 2);
     let seen = server.seen();
-    let gap = seen[1].at - seen[0].at;
+    seen[1].at - seen[0].at
+}
+
+#[tokio::test]
+async fn retry_after_in_seconds_is_honoured() {
+    let gap = wait_after_a_retry_after(503, "1").await;
     assert!(gap >= Duration::from_secs(1), "waited only {gap:?}");
     assert!(gap < Duration::from_secs(3), "waited {gap:?}");
 }
@@ -164,13 +190,7 @@ async fn retry_after_in_seconds_is_honoured() {
 async fn retry_after_as_an_http_date_is_honoured() {
     // HTTP-dates have whole seconds: two seconds ahead is a wait of more than one.
     let date = httpdate::fmt_http_date(SystemTime::now() + Duration::from_secs(2));
-    let server = ScriptedServer::spawn([Scripted::status(429).header("retry-after", &date)]).await;
-    let answer = send(&client(fast()), post(&server.url("/orders"), "{}"))
-        .await
-        .expect("an answer");
-    assert_eq!(answer.outcome.attempts, 2);
-    let seen = server.seen();
-    let gap = seen[1].at - seen[0].at;
+    let gap = wait_after_a_retry_after(429, &date).await;
     assert!(gap >= Duration::from_millis(900), "waited only {gap:?}");
     assert!(gap < Duration::from_secs(4), "waited {gap:?}");
 }
@@ -245,11 +265,7 @@ async fn the_deadline_cuts_the_attempt_in_flight() {
             .with_attempt_timeout(Duration::from_secs(30))
             .with_deadline(Duration::from_millis(400)),
     );
-    let started = Instant::now();
-    let error = send(&client, post(&server.url("/orders"), "{}"))
-        .await
-        .expect_err("no answer");
-    let elapsed = started.elapsed();
+    let (error, elapsed) = unanswered(&client, &server).await;
     let RetryError::DeadlineExceeded { outcome } = &error else {
         panic!("expected DeadlineExceeded, got {error:?}");
     };
@@ -268,11 +284,7 @@ async fn the_deadline_bounds_the_retries() {
             .with_attempt_timeout(Duration::from_millis(150))
             .with_deadline(Duration::from_millis(500)),
     );
-    let started = Instant::now();
-    let error = send(&client, post(&server.url("/orders"), "{}"))
-        .await
-        .expect_err("no answer");
-    let elapsed = started.elapsed();
+    let (error, elapsed) = unanswered(&client, &server).await;
     assert!(elapsed < Duration::from_secs(2), "{elapsed:?}");
     let attempts = error.outcome().expect("an outcome").attempts;
     assert!(
@@ -290,12 +302,7 @@ async fn the_deadline_bounds_the_retries() {
 #[tokio::test]
 async fn connection_errors_are_retried_until_the_server_is_up() {
     // A free port, closed until the server starts on it a little later.
-    let port = TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind")
-        .local_addr()
-        .expect("addr")
-        .port();
+    let port = closed_port().await;
     let starting = tokio::spawn(async move {
         tokio::time::sleep(Duration::from_millis(200)).await;
         let listener = TcpListener::bind(("127.0.0.1", port))
@@ -322,12 +329,7 @@ async fn connection_errors_are_retried_until_the_server_is_up() {
 
 #[tokio::test]
 async fn connection_errors_end_in_an_error_with_the_outcome() {
-    let port = TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind")
-        .local_addr()
-        .expect("addr")
-        .port();
+    let port = closed_port().await;
     let url = format!("http://127.0.0.1:{port}/orders");
 
     let error = send(&client(fast().with_max_attempts(3)), post(&url, "{}"))

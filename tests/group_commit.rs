@@ -6,7 +6,10 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{hook, post, record_exists, HookOutcome, Reply, TestServer, PATIENCE, SHOP_A};
+use common::{
+    hook, post, record_exists, HeldHandler, HookOutcome, Outcome, Reply, TestServer, PATIENCE,
+    SHOP_A,
+};
 use http::StatusCode;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
@@ -36,12 +39,20 @@ fn send(server: &TestServer, key: &'static str) -> JoinHandle<Reply> {
     tokio::spawn(async move { post(addr, Some(SHOP_A), Some(key), BOOK, &[]).await })
 }
 
+/// The replies to these requests, in their order.
+async fn replies<const N: usize>(requests: [JoinHandle<Reply>; N]) -> [Reply; N] {
+    let mut replies = Vec::with_capacity(N);
+    for request in requests {
+        replies.push(request.await.expect("request task"));
+    }
+    replies.try_into().expect("one reply per request")
+}
+
 /// What the test hooks share: C's handler signals that it started and waits to be released.
 #[derive(Default)]
 struct Gates {
     a_started: Notify,
-    c_started: Notify,
-    release_c: Notify,
+    c: HeldHandler,
 }
 
 /// The server for these tests: a long group delay, so that group membership is decided by
@@ -66,13 +77,9 @@ async fn server(gates: Arc<Gates>, queued_behind_a: usize, max_requests: usize) 
                             }
                             HookOutcome::default()
                         }
-                        Some("b") => HookOutcome {
-                            fail_with: Some(StatusCode::INTERNAL_SERVER_ERROR),
-                            ..HookOutcome::default()
-                        },
+                        Some("b") => HookOutcome::failing(Some(StatusCode::INTERNAL_SERVER_ERROR)),
                         Some("c") => {
-                            gates.c_started.notify_one();
-                            gates.release_c.notified().await;
+                            gates.c.hold().await;
                             HookOutcome::default()
                         }
                         _ => HookOutcome::default(),
@@ -88,17 +95,55 @@ async fn server(gates: Arc<Gates>, queued_behind_a: usize, max_requests: usize) 
     server
 }
 
+/// A test's server with its gates.
+struct Group {
+    gates: Arc<Gates>,
+    server: TestServer,
+}
+
+impl Group {
+    /// See [`server`].
+    async fn start(queued_behind_a: usize, max_requests: usize) -> Group {
+        let gates = Arc::new(Gates::default());
+        let server = server(gates.clone(), queued_behind_a, max_requests).await;
+        Group { gates, server }
+    }
+
+    /// [`Group::start`], then `a` and `c` sent: both their handlers have started.
+    async fn running_a_and_c(
+        queued_behind_a: usize,
+        max_requests: usize,
+    ) -> (Group, JoinHandle<Reply>, JoinHandle<Reply>) {
+        let group = Group::start(queued_behind_a, max_requests).await;
+        let a = group.send_a().await;
+        let c = group.send_c().await;
+        (group, a, c)
+    }
+
+    /// Sends `a` and waits until its handler runs (on the writer).
+    async fn send_a(&self) -> JoinHandle<Reply> {
+        let a = send(&self.server, "a");
+        started(&self.gates.a_started).await;
+        a
+    }
+
+    /// Sends `c` and waits until its handler runs (and holds the writer).
+    async fn send_c(&self) -> JoinHandle<Reply> {
+        let c = send(&self.server, "c");
+        self.gates.c.started().await;
+        c
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_group_commits_together_and_a_failing_member_rolls_back_alone() {
-    let gates = Arc::new(Gates::default());
-    let server = server(gates.clone(), 2, 64).await;
+    let group = Group::start(2, 64).await;
+    let (gates, server) = (&group.gates, &group.server);
 
-    let a = send(&server, "a");
     // `a` holds the writer until `b` and `c` queue behind it: all three share one group.
-    started(&gates.a_started).await;
-    let b = send(&server, "b");
-    let c = send(&server, "c");
-    started(&gates.c_started).await;
+    let a = group.send_a().await;
+    let b = send(server, "b");
+    let c = group.send_c().await;
 
     // `a` finished its handler long ago, but its group is still open (`c` is in it): its
     // response must not have left, and nothing is committed yet.
@@ -114,12 +159,8 @@ async fn a_group_commits_together_and_a_failing_member_rolls_back_alone() {
     );
     assert_eq!(server.record_count().await, 0);
 
-    gates.release_c.notify_one();
-    let (a, b, c) = (
-        a.await.expect("a"),
-        b.await.expect("b"),
-        c.await.expect("c"),
-    );
+    gates.c.release();
+    let [a, b, c] = replies([a, b, c]).await;
     assert_eq!(a.status, StatusCode::CREATED, "{a:?}");
     assert_eq!(c.status, StatusCode::CREATED, "{c:?}");
     assert_eq!(b.status, StatusCode::INTERNAL_SERVER_ERROR, "{b:?}");
@@ -148,17 +189,12 @@ async fn a_group_commits_together_and_a_failing_member_rolls_back_alone() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_duplicate_of_a_member_is_answered_only_after_the_group_commits() {
-    let gates = Arc::new(Gates::default());
-    let server = server(gates.clone(), 1, 64).await;
-
-    let a = send(&server, "a");
-    started(&gates.a_started).await;
-    let c = send(&server, "c");
-    started(&gates.c_started).await;
+    let (group, a, c) = Group::running_a_and_c(1, 64).await;
+    let (gates, server) = (&group.gates, &group.server);
 
     // The duplicate of `a` finds no committed record on the fast path and queues for the
     // writer; inside the group it sees a's record, which is not durable yet.
-    let duplicate = send(&server, "a");
+    let duplicate = send(server, "a");
     until_writers_waiting(&server.store, 1).await;
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert!(!a.is_finished(), "a answered before its group committed");
@@ -168,12 +204,8 @@ async fn a_duplicate_of_a_member_is_answered_only_after_the_group_commits() {
     );
     assert_eq!(server.record_count().await, 0);
 
-    gates.release_c.notify_one();
-    let (a, c, duplicate) = (
-        a.await.expect("a"),
-        c.await.expect("c"),
-        duplicate.await.expect("duplicate"),
-    );
+    gates.c.release();
+    let [a, c, duplicate] = replies([a, c, duplicate]).await;
     assert_eq!(a.status, StatusCode::CREATED);
     assert_eq!(c.status, StatusCode::CREATED);
     assert_eq!(duplicate.status, StatusCode::CREATED, "{duplicate:?}");
@@ -185,13 +217,8 @@ async fn a_duplicate_of_a_member_is_answered_only_after_the_group_commits() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_grouping_each_request_commits_on_its_own() {
-    let gates = Arc::new(Gates::default());
-    let server = server(gates.clone(), 1, 1).await;
-
-    let a = send(&server, "a");
-    started(&gates.a_started).await;
-    let c = send(&server, "c");
-    started(&gates.c_started).await;
+    let (group, a, c) = Group::running_a_and_c(1, 1).await;
+    let (gates, server) = (&group.gates, &group.server);
 
     // With groups of one, a commits and answers while c still holds the writer.
     let a = tokio::time::timeout(PATIENCE, a)
@@ -201,7 +228,7 @@ async fn without_grouping_each_request_commits_on_its_own() {
     assert_eq!(a.status, StatusCode::CREATED);
     assert_eq!(server.order_count().await, 1, "a's order is committed");
 
-    gates.release_c.notify_one();
+    gates.c.release();
     assert_eq!(c.await.expect("c").status, StatusCode::CREATED);
     assert_eq!(server.order_count().await, 2);
 }

@@ -8,6 +8,7 @@
 mod app;
 #[path = "apps/process.rs"]
 mod process;
+mod sqlite_faults;
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -25,13 +26,14 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use prost::Message;
+use sqlite_faults::{fail_saving_records, stop_failing_saves, OtherProcessLock};
 use tokio::sync::{oneshot, Barrier};
 use tokio::task::JoinHandle;
 use tonic::metadata::MetadataValue;
 use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Channel, Endpoint, Server};
 use tonic::{Code, Request, Response, Status};
-use tower_idempotency::store::sqlite::{rusqlite, SqliteStore};
+use tower_idempotency::store::sqlite::SqliteStore;
 use tower_idempotency::IdempotencyLayer;
 
 const SHOP_A: &str = "shop-a-token";
@@ -212,11 +214,32 @@ impl GrpcServer {
         self.count("SELECT COUNT(*) FROM idempotency_records").await
     }
 
+    /// Asserts how many times the handler ran, and how many orders and records there are.
+    async fn assert_counts(&self, (calls, orders, records): (usize, i64, i64), what: &str) {
+        let counts = (
+            self.create_calls(),
+            self.order_count().await,
+            self.record_count().await,
+        );
+        assert_eq!(
+            counts,
+            (calls, orders, records),
+            "{what}: (handler calls, orders, records)"
+        );
+    }
+
     async fn count(&self, sql: &'static str) -> i64 {
         self.store
             .read(move |conn| conn.query_row(sql, [], |row| row.get(0)))
             .await
             .expect("count")
+    }
+
+    /// `GetOrder` as shop-a, through the RPC the layer passes through.
+    async fn get_order(&self, order_id: i64) -> Result<Order, Status> {
+        let request = authorized(GetOrderRequest { order_id });
+        let response = self.client.clone().get_order(request).await?;
+        Ok(response.into_inner())
     }
 
     /// `CreateOrder` with the generated client, on the shared HTTP/2 connection.
@@ -333,20 +356,12 @@ async fn retry_is_decoded_as_the_original_response_with_replayed_metadata() {
             }
         );
     }
-    assert_eq!(server.create_calls(), 1, "the handler ran once");
-    assert_eq!(server.order_count().await, 1);
-    assert_eq!(server.record_count().await, 1);
+    server
+        .assert_counts((1, 1, 1), "the handler ran once")
+        .await;
 
     // The order is there, read through the RPC the layer passes through.
-    let order = server
-        .client
-        .clone()
-        .get_order(authorized(GetOrderRequest {
-            order_id: first.order_id,
-        }))
-        .await
-        .expect("get order")
-        .into_inner();
+    let order = server.get_order(first.order_id).await.expect("get order");
     assert_eq!((order.sku.as_str(), order.quantity), ("book", 1));
 }
 
@@ -365,11 +380,7 @@ async fn another_tenant_with_the_same_key_gets_its_own_order() {
     assert_eq!(server.order_count().await, 2);
     // Each tenant reads only its own order.
     let other = server
-        .client
-        .clone()
-        .get_order(authorized(GetOrderRequest {
-            order_id: b.order_id,
-        }))
+        .get_order(b.order_id)
         .await
         .expect_err("shop-b's order, read by shop-a");
     assert_eq!(other.code(), Code::NotFound);
@@ -473,9 +484,9 @@ async fn concurrent_duplicates_create_one_order() {
         1,
         "one original, the rest replayed: {answers:?}"
     );
-    assert_eq!(server.create_calls(), 1, "the handler ran once");
-    assert_eq!(server.order_count().await, 1);
-    assert_eq!(server.record_count().await, 1);
+    server
+        .assert_counts((1, 1, 1), "the handler ran once")
+        .await;
 }
 
 // ----- rollback -----
@@ -487,18 +498,19 @@ async fn non_ok_status_after_the_insert_rolls_back_and_the_retry_runs_afresh() {
 
     let failed = server.create(Call::order("key-1").sku("flaky")).await;
     assert_status(failed, Code::Internal, "injected_failure");
-    assert_eq!(server.create_calls(), 1, "the handler ran (and inserted)");
-    assert_eq!(server.order_count().await, 0, "the order was rolled back");
-    assert_eq!(server.record_count().await, 0, "nothing was saved");
+    server
+        .assert_counts(
+            (1, 0, 0),
+            "the handler ran (and inserted), the order was rolled back, nothing was saved",
+        )
+        .await;
 
     let retry = server
         .create(Call::order("key-1").sku("flaky"))
         .await
         .expect("retry");
     assert!(!retry.replayed, "the retry ran afresh");
-    assert_eq!(server.create_calls(), 2);
-    assert_eq!(server.order_count().await, 1);
-    assert_eq!(server.record_count().await, 1);
+    server.assert_counts((2, 1, 1), "the retry ran").await;
 }
 
 #[tokio::test]
@@ -522,27 +534,14 @@ async fn invalid_argument_from_the_handler_is_not_saved_so_a_corrected_request_s
 #[tokio::test]
 async fn store_failure_while_saving_is_internal_and_rolls_the_order_back() {
     let server = Setup::example().spawn().await;
-    server
-        .store
-        .write(|tx| {
-            tx.execute_batch(
-                "CREATE TRIGGER fail_save BEFORE INSERT ON idempotency_records \
-                 BEGIN SELECT RAISE(ABORT, 'injected save failure'); END;",
-            )
-        })
-        .await
-        .expect("trigger");
+    fail_saving_records(&server.store).await;
 
     let failed = server.create(Call::order("key-1")).await;
     assert_status(failed, Code::Internal, "internal_error");
     assert_eq!(server.create_calls(), 1);
     assert_eq!(server.order_count().await, 0);
 
-    server
-        .store
-        .write(|tx| tx.execute_batch("DROP TRIGGER fail_save"))
-        .await
-        .expect("drop trigger");
+    stop_failing_saves(&server.store).await;
     let retry = server.create(Call::order("key-1")).await.expect("retry");
     assert!(!retry.replayed);
     assert_eq!(server.order_count().await, 1);
@@ -571,9 +570,9 @@ async fn key_problems_are_invalid_argument_and_nothing_runs() {
         "duplicate_idempotency_key_header",
     );
 
-    assert_eq!(server.create_calls(), 0, "the handler never ran");
-    assert_eq!(server.order_count().await, 0);
-    assert_eq!(server.record_count().await, 0);
+    server
+        .assert_counts((0, 0, 0), "the handler never ran")
+        .await;
 }
 
 #[tokio::test]
@@ -623,24 +622,12 @@ async fn store_busy_past_the_lock_timeout_is_unavailable_then_the_retry_succeeds
     let done = server.create(Call::order("done")).await.expect("first");
 
     // Another process: its own connection to the same file, holding SQLite's write lock.
-    let path = server.db_path.clone();
-    let (locked_tx, locked_rx) = oneshot::channel::<()>();
-    let (unlock_tx, unlock_rx) = std::sync::mpsc::channel::<()>();
-    let other_process = std::thread::spawn(move || {
-        let conn = rusqlite::Connection::open(path).expect("open");
-        conn.execute_batch("BEGIN IMMEDIATE")
-            .expect("take the write lock");
-        let _ = locked_tx.send(());
-        let _ = unlock_rx.recv_timeout(PATIENCE);
-        conn.execute_batch("COMMIT").expect("commit");
-    });
-    locked_rx.await.expect("the other process holds the lock");
+    let other_process = OtherProcessLock::take(&server.db_path, PATIENCE).await;
 
     let busy = server.create(Call::order("new-key")).await;
     // A completed key still replays: the fast path reads without the write lock.
     let replay = server.create(Call::order("done")).await;
-    let _ = unlock_tx.send(());
-    other_process.join().expect("other process");
+    other_process.release();
 
     let pushback = busy
         .as_ref()

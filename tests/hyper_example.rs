@@ -5,16 +5,18 @@
 mod common;
 #[path = "apps/process.rs"]
 mod process;
+mod sqlite_faults;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use common::{orders, record_exists, Post, Reply, PATIENCE, SHOP_A, SHOP_B};
+use common::{assert_each_is_400, orders, record_exists, Post, Reply, PATIENCE, SHOP_A, SHOP_B};
 use http::StatusCode;
 use process::{arg, ExampleProcess};
-use tokio::sync::{oneshot, Barrier};
-use tower_idempotency::store::sqlite::{rusqlite, SqliteStore};
+use sqlite_faults::{fail_saving_records, stop_failing_saves, OtherProcessLock};
+use tokio::sync::Barrier;
+use tower_idempotency::store::sqlite::SqliteStore;
 
 const BOOK: &str = r#"{"sku":"book","quantity":1}"#;
 
@@ -56,6 +58,13 @@ impl HyperExample {
         common::record_count(&self.store).await
     }
 
+    /// Posts the book order with `key`, and asserts that it ran afresh: `201`, not a replay.
+    async fn assert_created_afresh(&self, key: &str) {
+        let reply = Post::order(key, BOOK).send(self.addr).await;
+        assert_eq!(reply.status, StatusCode::CREATED, "{reply:?}");
+        assert!(!reply.replayed(), "{reply:?}");
+    }
+
     /// `GET /orders/{id}` as `token`.
     async fn get(&self, id: i64, token: &str) -> Reply {
         get(self.addr, &format!("/orders/{id}"), Some(token)).await
@@ -71,22 +80,7 @@ async fn get(addr: SocketAddr, path: &str, token: Option<&str>) -> Reply {
     let request = request
         .body(http_body_util::Empty::<bytes::Bytes>::new())
         .expect("request");
-    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-        .build_http();
-    let response = tokio::time::timeout(PATIENCE, client.request(request))
-        .await
-        .expect("response in time")
-        .expect("response");
-    let (parts, body) = response.into_parts();
-    let body = http_body_util::BodyExt::collect(body)
-        .await
-        .expect("body")
-        .to_bytes();
-    Reply {
-        status: parts.status,
-        headers: parts.headers,
-        body,
-    }
+    common::send(request).await
 }
 
 #[tokio::test]
@@ -200,16 +194,7 @@ async fn concurrent_duplicates_create_one_order() {
 async fn failure_after_the_insert_rolls_back_and_the_retry_runs_afresh() {
     let server = HyperExample::spawn().await;
     // Saving the response fails after the handler inserted its order (the article's trigger).
-    server
-        .store
-        .write(|tx| {
-            tx.execute_batch(
-                "CREATE TRIGGER fail_save BEFORE INSERT ON idempotency_records \
-                 BEGIN SELECT RAISE(ABORT, 'injected save failure'); END;",
-            )
-        })
-        .await
-        .expect("trigger");
+    fail_saving_records(&server.store).await;
 
     let failed = Post::order("key-1", BOOK).send(server.addr).await;
     assert_eq!(
@@ -221,14 +206,8 @@ async fn failure_after_the_insert_rolls_back_and_the_retry_runs_afresh() {
     assert_eq!(server.order_count().await, 0, "the order was rolled back");
     assert_eq!(server.record_count().await, 0);
 
-    server
-        .store
-        .write(|tx| tx.execute_batch("DROP TRIGGER fail_save"))
-        .await
-        .expect("drop trigger");
-    let retry = Post::order("key-1", BOOK).send(server.addr).await;
-    assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
-    assert!(!retry.replayed());
+    stop_failing_saves(&server.store).await;
+    server.assert_created_afresh("key-1").await;
     assert_eq!(server.order_count().await, 1);
 }
 
@@ -243,16 +222,11 @@ async fn validation_errors_are_not_saved_so_a_corrected_payload_succeeds() {
         (r#"{"sku":"book","quantity":1.5}"#, "invalid_quantity"),
         (r#"{"sku":"book""#, "invalid_json"),
     ];
-    for (body, code) in cases {
-        let reply = Post::order("key-1", body).send(server.addr).await;
-        assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{body}: {reply:?}");
-        assert_eq!(reply.error_code(), code, "{body}");
-    }
+    let requests = cases.map(|(body, code)| (body, Post::order("key-1", body), code));
+    assert_each_is_400(server.addr, requests).await;
     assert_eq!(server.record_count().await, 0);
 
-    let corrected = Post::order("key-1", BOOK).send(server.addr).await;
-    assert_eq!(corrected.status, StatusCode::CREATED, "{corrected:?}");
-    assert!(!corrected.replayed());
+    server.assert_created_afresh("key-1").await;
     assert_eq!(server.order_count().await, 1);
 }
 
@@ -272,11 +246,11 @@ async fn key_problems_are_400_and_nothing_is_stored() {
             "duplicate_idempotency_key_header",
         ),
     ];
-    for (request, code) in cases {
-        let reply = request.send(server.addr).await;
-        assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{code}: {reply:?}");
-        assert_eq!(reply.error_code(), code);
-    }
+    assert_each_is_400(
+        server.addr,
+        cases.map(|(request, code)| (code, request, code)),
+    )
+    .await;
     assert_eq!(server.order_count().await, 0);
     assert_eq!(server.record_count().await, 0);
 }
@@ -322,29 +296,15 @@ async fn store_busy_past_the_lock_timeout_is_503_then_the_retry_succeeds() {
     let server = HyperExample::spawn().await;
 
     // Another process: its own connection to the same file, holding SQLite's write lock.
-    let path = server.db_path.clone();
-    let (locked_tx, locked_rx) = oneshot::channel::<()>();
-    let (unlock_tx, unlock_rx) = std::sync::mpsc::channel::<()>();
-    let other_process = std::thread::spawn(move || {
-        let conn = rusqlite::Connection::open(path).expect("open");
-        conn.execute_batch("BEGIN IMMEDIATE")
-            .expect("take the write lock");
-        let _ = locked_tx.send(());
-        let _ = unlock_rx.recv_timeout(PATIENCE);
-        conn.execute_batch("COMMIT").expect("commit");
-    });
-    locked_rx.await.expect("the other process holds the lock");
+    let other_process = OtherProcessLock::take(&server.db_path, PATIENCE).await;
 
     let busy = Post::order("key-1", BOOK).send(server.addr).await;
-    let _ = unlock_tx.send(());
-    other_process.join().expect("other process");
+    other_process.release();
 
     assert_eq!(busy.status, StatusCode::SERVICE_UNAVAILABLE, "{busy:?}");
     assert_eq!(busy.error_code(), "busy_retry_later");
     assert!(busy.header("retry-after").is_some(), "{busy:?}");
-    let retry = Post::order("key-1", BOOK).send(server.addr).await;
-    assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
-    assert!(!retry.replayed());
+    server.assert_created_afresh("key-1").await;
 }
 
 #[tokio::test]

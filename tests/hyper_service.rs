@@ -6,7 +6,7 @@ mod common;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use common::{order_count, record_count, Post, PATIENCE, SHOP_A, SHOP_B};
+use common::{order_count, record_count, InsertOrder, Post, PATIENCE, SHOP_A, SHOP_B};
 use http::{header, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
@@ -14,7 +14,7 @@ use hyper_util::service::TowerToHyperService;
 use tower::ServiceBuilder;
 use tower_idempotency::body::{BoxError, RequestBody};
 use tower_idempotency::store::sqlite::{SqliteStore, SqliteTransaction};
-use tower_idempotency::IdempotencyLayer;
+use tower_idempotency::{IdempotencyLayer, Tenant};
 
 const BOOK: &str = r#"{"sku":"book","quantity":1}"#;
 
@@ -42,13 +42,7 @@ async fn create_order(request: Request<RequestBody>) -> Result<Response<Full<Byt
     let quantity = order["quantity"].as_i64().ok_or("no quantity")?;
     let explode = sku == "explode";
     let id = tx
-        .run(move |conn| {
-            conn.execute(
-                "INSERT INTO orders (tenant_id, sku, quantity) VALUES (?1, ?2, ?3)",
-                (&*tenant, &sku, quantity),
-            )?;
-            Ok(conn.last_insert_rowid())
-        })
+        .insert_order(&Tenant::new(tenant), &sku, quantity)
         .await?;
     if explode {
         return Err("injected service error".into());
@@ -74,14 +68,7 @@ impl Drop for HyperServer {
 }
 
 async fn spawn_hyper_server() -> HyperServer {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let store = SqliteStore::open(dir.path().join("orders.db"))
-        .await
-        .expect("open store");
-    store
-        .write(|tx| tx.execute_batch(common::ORDERS_SCHEMA))
-        .await
-        .expect("schema");
+    let (dir, store) = common::sqlite_orders::orders_store_in_a_temp_dir().await;
     let service = ServiceBuilder::new()
         .layer(
             IdempotencyLayer::new(store.clone())

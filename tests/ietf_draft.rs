@@ -10,7 +10,9 @@ mod backend;
 mod common;
 mod pg_common;
 
-use backend::Backend;
+use std::net::SocketAddr;
+
+use backend::{Backend, Server};
 use common::{post, Post, Reply, SHOP_A};
 use http::StatusCode;
 use tower_idempotency::fingerprint::Fingerprinter;
@@ -39,6 +41,32 @@ fn problem(reply: &Reply, status: StatusCode, docs: &str, code: &str) -> serde_j
     body
 }
 
+/// Orders a book with the key `k`, then a pen with the same key: the answer to the pen.
+async fn reuse_a_key(addr: SocketAddr) -> Reply {
+    post(addr, Some(SHOP_A), Some("k"), BOOK, &[]).await;
+    post(addr, Some(SHOP_A), Some("k"), PEN, &[]).await
+}
+
+/// The handler ran `orders` times, and left that many orders and records: nothing of the
+/// refusals was stored.
+async fn assert_only_orders_were_stored<B: Backend>(db: &B, server: &Server<B>, orders: usize) {
+    assert_eq!(server.app.handler_calls(), orders, "handler calls");
+    let stored = i64::try_from(orders).expect("a small count");
+    assert_eq!(
+        db.counts().await,
+        (stored, stored),
+        "nothing of the refusals was stored"
+    );
+}
+
+/// Checks a [`problem`] answer about the key: its `(status, code)`, its title, and the `Link`
+/// to the documentation.
+fn key_problem(reply: &Reply, (status, code): (StatusCode, &str), docs: &str, title: &str) {
+    let body = problem(reply, status, docs, code);
+    assert_eq!(body["title"], title);
+    assert_eq!(reply.header("link"), Some(described_by(docs).as_str()));
+}
+
 fn described_by(docs: &str) -> String {
     format!("<{docs}>; rel=\"describedby\"; type=\"text/html\"")
 }
@@ -53,26 +81,17 @@ async fn ietf_draft_answers_with_its_statuses_and_problem_details<B: Backend>(db
     let docs = DEFAULT_DOCUMENTATION;
 
     let missing = Post::order("unused", BOOK).no_key().send(addr).await;
-    let body = problem(
-        &missing,
-        StatusCode::BAD_REQUEST,
-        docs,
-        "missing_idempotency_key",
-    );
-    assert_eq!(body["title"], "Idempotency-Key is missing");
-    assert_eq!(missing.header("link"), Some(described_by(docs).as_str()));
+    let missing_key = (StatusCode::BAD_REQUEST, "missing_idempotency_key");
+    key_problem(&missing, missing_key, docs, "Idempotency-Key is missing");
 
     let first = post(addr, Some(SHOP_A), Some("order-1"), BOOK, &[]).await;
     assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
     let reused = post(addr, Some(SHOP_A), Some("order-1"), PEN, &[]).await;
-    let body = problem(
-        &reused,
+    let reused_key = (
         StatusCode::UNPROCESSABLE_ENTITY,
-        docs,
         "key_reused_with_different_payload",
     );
-    assert_eq!(body["title"], "Idempotency-Key is already used");
-    assert_eq!(reused.header("link"), Some(described_by(docs).as_str()));
+    key_problem(&reused, reused_key, docs, "Idempotency-Key is already used");
 
     let malformed = Post::order("bad key", BOOK).send(addr).await;
     problem(
@@ -97,12 +116,7 @@ async fn ietf_draft_answers_with_its_statuses_and_problem_details<B: Backend>(db
     let replay = post(addr, Some(SHOP_A), Some("order-1"), BOOK, &[]).await;
     assert!(replay.replayed());
     assert_eq!(replay.body, first.body);
-    assert_eq!(server.app.handler_calls(), 1);
-    assert_eq!(
-        db.counts().await,
-        (1, 1),
-        "nothing of the refusals was stored"
-    );
+    assert_only_orders_were_stored(&db, &server, 1).await;
 }
 
 async fn problem_details_with_own_documentation_keep_the_configured_statuses<B: Backend>(db: B) {
@@ -112,8 +126,7 @@ async fn problem_details_with_own_documentation_keep_the_configured_statuses<B: 
         .spawn()
         .await;
 
-    post(server.addr, Some(SHOP_A), Some("k"), BOOK, &[]).await;
-    let reused = post(server.addr, Some(SHOP_A), Some("k"), PEN, &[]).await;
+    let reused = reuse_a_key(server.addr).await;
 
     // Bodies only: the default 409 stays.
     problem(
@@ -128,8 +141,7 @@ async fn problem_details_with_own_documentation_keep_the_configured_statuses<B: 
 async fn the_default_stays_the_json_error_body<B: Backend>(db: B) {
     let server = db.spawn().await;
 
-    post(server.addr, Some(SHOP_A), Some("k"), BOOK, &[]).await;
-    let reused = post(server.addr, Some(SHOP_A), Some("k"), PEN, &[]).await;
+    let reused = reuse_a_key(server.addr).await;
 
     assert_eq!(reused.status, StatusCode::CONFLICT);
     assert_eq!(reused.header("content-type"), Some("application/json"));
@@ -169,8 +181,7 @@ async fn keys_of_255_characters_are_stored_and_replayed_with_max_key_len_255<B: 
     );
     assert_eq!(too_long.status, StatusCode::BAD_REQUEST);
     assert_eq!(too_long.error_code(), "idempotency_key_too_long");
-    assert_eq!(server.app.handler_calls(), 1);
-    assert_eq!(db.counts().await, (1, 1));
+    assert_only_orders_were_stored(&db, &server, 1).await;
 }
 
 async fn the_default_stays_128_characters<B: Backend>(db: B) {
@@ -246,12 +257,7 @@ async fn the_key_from_the_json_body<B: Backend>(db: B) {
     assert_eq!(not_a_key.status, StatusCode::BAD_REQUEST);
     assert_eq!(not_a_key.error_code(), "invalid_idempotency_key");
     assert!(db.record_exists("shop-a", "create_order", "evt_1").await);
-    assert_eq!(server.app.handler_calls(), 2);
-    assert_eq!(
-        db.counts().await,
-        (2, 2),
-        "nothing of the refusals was stored"
-    );
+    assert_only_orders_were_stored(&db, &server, 2).await;
 }
 
 async fn a_fingerprint_over_chosen_members_ignores_the_others<B: Backend>(db: B) {

@@ -14,14 +14,12 @@ mod pg_common;
 mod inventory;
 
 use std::collections::HashMap;
-use std::sync::Arc;
 use std::time::Duration;
 
-use common::{hook, post, HookOutcome, TestServer, PATIENCE, SHOP_A};
+use common::{hook, post, HeldHandler, HookOutcome, Outcome, TestServer, SHOP_A};
 use http::StatusCode;
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use serde_json::json;
-use tokio::sync::Notify;
 use tower_idempotency::body::BoxError;
 use tower_idempotency::metrics::{
     HANDLER_ROLLBACKS_TOTAL, INBOX_EVENTS_TOTAL, LOCK_WAIT_SECONDS, OUTBOX_BACKLOG,
@@ -84,6 +82,19 @@ fn requests(metrics: &HashMap<String, DebugValue>, outcome: &str) -> u64 {
     )
 }
 
+/// The relay's counter `name` of `topic`.
+fn by_topic(metrics: &HashMap<String, DebugValue>, name: &str, topic: &str) -> u64 {
+    counter(metrics, &format!("{name}{{topic={topic}}}"))
+}
+
+/// The inbox events of `consumer` counted with `result` (`processed`, `duplicate`).
+fn inbox_events(metrics: &HashMap<String, DebugValue>, consumer: &str, result: &str) -> u64 {
+    counter(
+        metrics,
+        &format!("{INBOX_EVENTS_TOTAL}{{consumer={consumer},result={result}}}"),
+    )
+}
+
 #[tokio::test]
 async fn the_layer_counts_requests_by_outcome_rollbacks_and_lock_waits() {
     let recorder = DebuggingRecorder::new();
@@ -91,22 +102,17 @@ async fn the_layer_counts_requests_by_outcome_rollbacks_and_lock_waits() {
     let _local = metrics::set_default_local_recorder(&recorder);
 
     // `fail` answers 500 (rolled back); `slow` holds its transaction until released.
-    let entered_slow = Arc::new(Notify::new());
-    let release_slow = Arc::new(Notify::new());
-    let (entered, release) = (entered_slow.clone(), release_slow.clone());
+    let slow_handler = HeldHandler::default();
+    let held = slow_handler.clone();
     let server = TestServer::builder()
         .layer(|layer| layer.with_lock_timeout(Duration::from_millis(100)))
         .hook(hook(move |call| {
-            let (entered, release) = (entered.clone(), release.clone());
+            let held = held.clone();
             async move {
                 match call.sku.as_str() {
-                    "fail" => HookOutcome {
-                        fail_with: Some(StatusCode::INTERNAL_SERVER_ERROR),
-                        ..HookOutcome::default()
-                    },
+                    "fail" => HookOutcome::failing(Some(StatusCode::INTERNAL_SERVER_ERROR)),
                     "slow" => {
-                        entered.notify_one();
-                        release.notified().await;
+                        held.hold().await;
                         HookOutcome::default()
                     }
                     _ => HookOutcome::default(),
@@ -117,47 +123,24 @@ async fn the_layer_counts_requests_by_outcome_rollbacks_and_lock_waits() {
         .await;
     let addr = server.addr;
     let book = r#"{"sku":"book","quantity":1}"#;
+    let send =
+        |key: Option<&'static str>, body: &'static str| post(addr, Some(SHOP_A), key, body, &[]);
 
-    assert_eq!(
-        post(addr, Some(SHOP_A), Some("k1"), book, &[]).await.status,
-        StatusCode::CREATED
-    );
-    assert!(post(addr, Some(SHOP_A), Some("k1"), book, &[])
-        .await
-        .replayed());
-    let conflict = post(
-        addr,
-        Some(SHOP_A),
-        Some("k1"),
-        r#"{"sku":"book","quantity":2}"#,
-        &[],
-    );
-    assert_eq!(conflict.await.status, StatusCode::CONFLICT);
-    let rejected = post(addr, Some(SHOP_A), None, book, &[]).await;
+    assert_eq!(send(Some("k1"), book).await.status, StatusCode::CREATED);
+    assert!(send(Some("k1"), book).await.replayed());
+    let conflict = send(Some("k1"), r#"{"sku":"book","quantity":2}"#).await;
+    assert_eq!(conflict.status, StatusCode::CONFLICT);
+    let rejected = send(None, book).await;
     assert_eq!(rejected.status, StatusCode::BAD_REQUEST);
-    let failed = post(
-        addr,
-        Some(SHOP_A),
-        Some("k2"),
-        r#"{"sku":"fail","quantity":1}"#,
-        &[],
-    );
-    assert_eq!(failed.await.status, StatusCode::INTERNAL_SERVER_ERROR);
+    let failed = send(Some("k2"), r#"{"sku":"fail","quantity":1}"#).await;
+    assert_eq!(failed.status, StatusCode::INTERNAL_SERVER_ERROR);
 
     // A request that holds the writer, and one that gives up waiting for it.
-    let slow = tokio::spawn(post(
-        addr,
-        Some(SHOP_A),
-        Some("k3"),
-        r#"{"sku":"slow","quantity":1}"#,
-        &[],
-    ));
-    tokio::time::timeout(PATIENCE, entered_slow.notified())
-        .await
-        .expect("the slow handler started");
-    let busy = post(addr, Some(SHOP_A), Some("k4"), book, &[]).await;
+    let slow = tokio::spawn(send(Some("k3"), r#"{"sku":"slow","quantity":1}"#));
+    slow_handler.started().await;
+    let busy = send(Some("k4"), book).await;
     assert_eq!(busy.status, StatusCode::SERVICE_UNAVAILABLE);
-    release_slow.notify_one();
+    slow_handler.release();
     assert_eq!(
         slow.await.expect("slow request").status,
         StatusCode::CREATED
@@ -234,17 +217,11 @@ async fn the_relay_and_the_inbox_record_deliveries_failures_dead_letters_and_bac
     assert_eq!(gauge(&metrics, &format!("{OUTBOX_BACKLOG}{{}}")), 3.0);
     assert_eq!(gauge(&metrics, &format!("{OUTBOX_DEAD_LETTERS}{{}}")), 0.0);
     assert_eq!(
-        counter(
-            &metrics,
-            &format!("{OUTBOX_DELIVERED_TOTAL}{{topic=order_created}}")
-        ),
+        by_topic(&metrics, OUTBOX_DELIVERED_TOTAL, "order_created"),
         2
     );
     assert_eq!(
-        counter(
-            &metrics,
-            &format!("{OUTBOX_DELIVERY_FAILURES_TOTAL}{{topic=order_cancelled}}")
-        ),
+        by_topic(&metrics, OUTBOX_DELIVERY_FAILURES_TOTAL, "order_cancelled"),
         1
     );
     let took = histogram(
@@ -259,17 +236,11 @@ async fn the_relay_and_the_inbox_record_deliveries_failures_dead_letters_and_bac
     relay.run_once().await.expect("third round");
     let metrics = take(&snapshotter);
     assert_eq!(
-        counter(
-            &metrics,
-            &format!("{OUTBOX_DELIVERY_FAILURES_TOTAL}{{topic=order_cancelled}}")
-        ),
+        by_topic(&metrics, OUTBOX_DELIVERY_FAILURES_TOTAL, "order_cancelled"),
         1
     );
     assert_eq!(
-        counter(
-            &metrics,
-            &format!("{OUTBOX_DEAD_LETTERED_TOTAL}{{topic=order_cancelled}}")
-        ),
+        by_topic(&metrics, OUTBOX_DEAD_LETTERED_TOTAL, "order_cancelled"),
         1
     );
     assert_eq!(gauge(&metrics, &format!("{OUTBOX_BACKLOG}{{}}")), 0.0);
@@ -293,20 +264,8 @@ async fn the_relay_and_the_inbox_record_deliveries_failures_dead_letters_and_bac
         Processed::Duplicate
     );
     let metrics = take(&snapshotter);
-    assert_eq!(
-        counter(
-            &metrics,
-            &format!("{INBOX_EVENTS_TOTAL}{{consumer=inventory,result=processed}}")
-        ),
-        1
-    );
-    assert_eq!(
-        counter(
-            &metrics,
-            &format!("{INBOX_EVENTS_TOTAL}{{consumer=inventory,result=duplicate}}")
-        ),
-        2
-    );
+    assert_eq!(inbox_events(&metrics, "inventory", "processed"), 1);
+    assert_eq!(inbox_events(&metrics, "inventory", "duplicate"), 2);
 }
 
 #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
@@ -338,20 +297,8 @@ async fn the_postgres_inbox_counts_processed_events_and_duplicates() {
         .await;
     assert!(failed.is_err());
     let metrics = take(&snapshotter);
-    assert_eq!(
-        counter(
-            &metrics,
-            &format!("{INBOX_EVENTS_TOTAL}{{consumer=billing,result=processed}}")
-        ),
-        1
-    );
-    assert_eq!(
-        counter(
-            &metrics,
-            &format!("{INBOX_EVENTS_TOTAL}{{consumer=billing,result=duplicate}}")
-        ),
-        2
-    );
+    assert_eq!(inbox_events(&metrics, "billing", "processed"), 1);
+    assert_eq!(inbox_events(&metrics, "billing", "duplicate"), 2);
 
     // In the request's transaction (`process_in`), over HTTP behind the layer: the server runs
     // on this thread, so this thread's recorder sees it.
@@ -368,18 +315,6 @@ async fn the_postgres_inbox_counts_processed_events_and_duplicates() {
     // Replayed by the layer: the handler, and so the inbox, is not called again.
     assert!(delivery.send(receiver.addr).await.replayed());
     let metrics = take(&snapshotter);
-    assert_eq!(
-        counter(
-            &metrics,
-            &format!("{INBOX_EVENTS_TOTAL}{{consumer=inventory,result=processed}}")
-        ),
-        1
-    );
-    assert_eq!(
-        counter(
-            &metrics,
-            &format!("{INBOX_EVENTS_TOTAL}{{consumer=inventory,result=duplicate}}")
-        ),
-        0
-    );
+    assert_eq!(inbox_events(&metrics, "inventory", "processed"), 1);
+    assert_eq!(inbox_events(&metrics, "inventory", "duplicate"), 0);
 }

@@ -7,6 +7,7 @@
 //! - Under steady load on both, neither process starves the other of the write lock.
 
 mod common;
+mod sqlite_faults;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -17,6 +18,7 @@ use std::time::{Duration, Instant};
 use common::process::{self, OrdersProcess};
 use common::{Post, Reply};
 use http::StatusCode;
+use sqlite_faults::OtherProcessLock;
 use tokio::sync::Barrier;
 
 /// The example's lock timeout (`IdempotencyLayer`'s default).
@@ -156,19 +158,7 @@ async fn write_lock_held_by_another_process_is_503_then_retries_create_one_order
     assert_eq!(done.status, StatusCode::CREATED, "{done:?}");
 
     // The third process: its own connection, holding the write lock past the lock timeout.
-    let (locked_tx, locked_rx) = tokio::sync::oneshot::channel();
-    let holder = std::thread::spawn({
-        let db = db.clone();
-        move || {
-            let conn = rusqlite::Connection::open(db).expect("open");
-            conn.execute_batch("BEGIN IMMEDIATE")
-                .expect("take the lock");
-            let _ = locked_tx.send(());
-            std::thread::sleep(LOCK_TIMEOUT + Duration::from_millis(700));
-            conn.execute_batch("COMMIT").expect("commit");
-        }
-    });
-    locked_rx.await.expect("the lock is held");
+    let holder = OtherProcessLock::take(&db, LOCK_TIMEOUT + Duration::from_millis(700)).await;
     let started = Instant::now();
 
     let tasks: Vec<_> = (0..KEYS)
@@ -187,7 +177,7 @@ async fn write_lock_held_by_another_process_is_503_then_retries_create_one_order
     for task in tasks {
         outcomes.push(task.await.expect("client"));
     }
-    holder.join().expect("holder");
+    holder.join();
     a.kill().await;
     b.kill().await;
 

@@ -32,6 +32,8 @@ use http::StatusCode;
 use http_body_util::Full;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
+use tower_idempotency::store::postgres::tokio_postgres;
+use tower_idempotency::store::postgres::tokio_postgres::types::{FromSqlOwned, ToSql};
 
 type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
@@ -47,6 +49,24 @@ const PROMOTION_DELAY: Duration = Duration::from_millis(500);
 
 fn body_of(key: &str) -> String {
     format!(r#"{{"sku":"{key}","quantity":1}}"#)
+}
+
+/// The one value that `sql` selects.
+async fn select_one<T: FromSqlOwned>(
+    client: &tokio_postgres::Client,
+    sql: &str,
+    params: &[&(dyn ToSql + Sync)],
+) -> T {
+    client
+        .query_one(sql, params)
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"))
+        .get(0)
+}
+
+/// `POST /orders` of `key` (with its own sku) to `app`.
+async fn send_order(app: SocketAddr, key: &str) -> Reply {
+    Post::order(key, &body_of(key)).send(app).await
 }
 
 /// What the clients saw of one key.
@@ -289,16 +309,7 @@ async fn failover_round(round: usize, replication: Replication) -> Round {
     }
 
     let primary = cluster.standby().await;
-    let count = |sql: &'static str| {
-        let primary = &primary;
-        async move {
-            primary
-                .query_one(sql, &[])
-                .await
-                .unwrap_or_else(|e| panic!("{sql}: {e}"))
-                .get::<_, i64>(0)
-        }
-    };
+    let count = |sql: &'static str| select_one::<i64>(&primary, sql, &[]);
     let orders = count("SELECT count(*) FROM orders").await;
     let records = count("SELECT count(*) FROM idempotency_records WHERE state = 'completed'").await;
     let distinct = count("SELECT count(DISTINCT idempotency_key) FROM idempotency_records").await;
@@ -439,7 +450,7 @@ fn send_later(app: SocketAddr, key: &str) -> tokio::task::JoinHandle<Option<Repl
 async fn send_past_503s(app: SocketAddr, key: &str) -> Reply {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let reply = Post::order(key, &body_of(key)).send(app).await;
+        let reply = send_order(app, key).await;
         if reply.status != StatusCode::SERVICE_UNAVAILABLE || Instant::now() > deadline {
             return reply;
         }
@@ -473,11 +484,7 @@ async fn a_commit_of_unknown_outcome_is_a_503_and_the_retry_settles_it() {
     let url = cluster.url();
     let app = OrdersProcess::start_with(&["--database-url", &url]).await;
     let addr = app.addr;
-    let send = |key: &str| {
-        let post = Post::order(key, &body_of(key));
-        async move { post.send(addr).await }
-    };
-    let warm = send("warm").await;
+    let warm = send_order(addr, "warm").await;
     assert_eq!(warm.status, StatusCode::CREATED, "{warm:?}");
 
     // Committed, answer lost: the backend is terminated while its COMMIT waits.
@@ -485,23 +492,20 @@ async fn a_commit_of_unknown_outcome_is_a_503_and_the_retry_settles_it() {
     let pending = send_later(app.addr, "committed");
     let pid = backend_waiting_for_the_standby(&cluster).await;
     let primary = cluster.primary().await;
-    let terminated: bool = primary
-        .query_one("SELECT pg_terminate_backend($1)", &[&pid])
-        .await
-        .expect("terminate")
-        .get(0);
+    let terminated: bool = select_one(&primary, "SELECT pg_terminate_backend($1)", &[&pid]).await;
     assert!(terminated);
     let lost_answer = pending.await.expect("task").expect("an answer");
     assert_unavailable(&lost_answer, "COMMIT sent, connection lost");
-    let kept: i64 = primary
-        .query_one("SELECT count(*) FROM orders WHERE sku = 'committed'", &[])
-        .await
-        .expect("count")
-        .get(0);
+    let kept: i64 = select_one(
+        &primary,
+        "SELECT count(*) FROM orders WHERE sku = 'committed'",
+        &[],
+    )
+    .await;
     assert_eq!(kept, 1, "the primary kept the commit whose answer was lost");
     cluster.start_standby().await;
     cluster.wait_for_standby(Replication::Sync).await;
-    let retry = send("committed").await;
+    let retry = send_order(addr, "committed").await;
     assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
     assert!(retry.replayed(), "it had committed: the retry replays it");
 
@@ -521,16 +525,12 @@ async fn a_commit_of_unknown_outcome_is_a_503_and_the_retry_settles_it() {
         "it had not committed: the retry runs afresh"
     );
     for key in ["warm", "committed"] {
-        let again = send(key).await;
+        let again = send_order(addr, key).await;
         assert_eq!(again.status, StatusCode::CREATED, "{key}: {again:?}");
         assert!(again.replayed(), "{key}");
     }
-    let primary = cluster.standby().await;
-    let orders: i64 = primary
-        .query_one("SELECT count(*) FROM orders", &[])
-        .await
-        .expect("count")
-        .get(0);
+    let promoted = cluster.standby().await;
+    let orders: i64 = select_one(&promoted, "SELECT count(*) FROM orders", &[]).await;
     assert_eq!(orders, 3, "one order per key");
     app.kill().await;
 }
@@ -624,11 +624,7 @@ async fn app_reading_from_the_standby(cluster: &Cluster) -> SocketAddr {
 async fn replays_from_a_hot_standby_fall_through_to_the_primary_on_a_miss() {
     let mut cluster = Cluster::start(Replication::Sync).await;
     let addr = app_reading_from_the_standby(&cluster).await;
-    let send = |key: &str| {
-        let post = Post::order(key, &body_of(key));
-        async move { post.send(addr).await }
-    };
-    let first = send("before-pause").await;
+    let first = send_order(addr, "before-pause").await;
     assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
 
     // The standby stops applying WAL: it does not see what the primary commits next.
@@ -637,18 +633,16 @@ async fn replays_from_a_hot_standby_fall_through_to_the_primary_on_a_miss() {
         .batch_execute("SELECT pg_wal_replay_pause()")
         .await
         .expect("pause replay");
-    let created = send("during-pause").await;
+    let created = send_order(addr, "during-pause").await;
     assert_eq!(created.status, StatusCode::CREATED, "{created:?}");
-    let seen: i64 = standby
-        .query_one(
-            "SELECT count(*) FROM idempotency_records WHERE idempotency_key = 'during-pause'",
-            &[],
-        )
-        .await
-        .expect("count")
-        .get(0);
+    let seen: i64 = select_one(
+        &standby,
+        "SELECT count(*) FROM idempotency_records WHERE idempotency_key = 'during-pause'",
+        &[],
+    )
+    .await;
     assert_eq!(seen, 0, "the paused standby misses the new record");
-    let retry = send("during-pause").await;
+    let retry = send_order(addr, "during-pause").await;
     assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
     assert!(
         retry.replayed(),
@@ -664,7 +658,7 @@ async fn replays_from_a_hot_standby_fall_through_to_the_primary_on_a_miss() {
     // A standby that is down: replays come from the primary.
     drop(standby);
     cluster.stop_standby().await;
-    let retry = send("before-pause").await;
+    let retry = send_order(addr, "before-pause").await;
     assert!(retry.replayed() && retry.body == first.body, "{retry:?}");
     cluster.start_standby().await;
     cluster.wait_for_standby(Replication::Sync).await;
@@ -672,20 +666,18 @@ async fn replays_from_a_hot_standby_fall_through_to_the_primary_on_a_miss() {
     // The primary is down: what the standby has still replays; a new key waits (503).
     cluster.kill_primary().await;
     for (key, original) in [("before-pause", &first), ("during-pause", &created)] {
-        let retry = send(key).await;
+        let retry = send_order(addr, key).await;
         assert_eq!(retry.status, StatusCode::CREATED, "{key}: {retry:?}");
         assert!(retry.replayed() && retry.body == original.body, "{key}");
     }
-    assert_unavailable(&send("new").await, "a new key without a primary");
+    assert_unavailable(
+        &send_order(addr, "new").await,
+        "a new key without a primary",
+    );
     cluster.promote_standby().await;
     let new = send_past_503s(addr, "new").await;
     assert_eq!(new.status, StatusCode::CREATED, "{new:?}");
-    let orders: i64 = cluster
-        .standby()
-        .await
-        .query_one("SELECT count(*) FROM orders", &[])
-        .await
-        .expect("count")
-        .get(0);
+    let promoted = cluster.standby().await;
+    let orders: i64 = select_one(&promoted, "SELECT count(*) FROM orders", &[]).await;
     assert_eq!(orders, 3, "one order per key");
 }

@@ -13,7 +13,7 @@ use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use common::{post, PATIENCE, SHOP_A};
+use common::{post, Reply, PATIENCE, SHOP_A};
 use http::{header, StatusCode};
 use pg_common::{hook, HookOutcome, PgServer, TestDb};
 use tokio::sync::{Barrier, Notify};
@@ -45,8 +45,27 @@ async fn reserve(client: &TransactionClient, sku: &str) -> Result<u64, Error> {
         .await
 }
 
-fn has_code(error: &Error, code: &SqlState) -> bool {
-    matches!(error, Error::Postgres(e) if e.code() == Some(code))
+/// The handler's answer to its stock statements, as the example's: `500` on a database
+/// error, noting in `hit` whether the error was `code`.
+fn answer(outcome: Result<u64, Error>, code: &SqlState, hit: &AtomicBool) -> HookOutcome {
+    match outcome {
+        Ok(_) => HookOutcome::default(),
+        Err(error) => {
+            if matches!(&error, Error::Postgres(e) if e.code() == Some(code)) {
+                hit.store(true, Ordering::SeqCst);
+            }
+            HookOutcome {
+                fail_with: Some(StatusCode::INTERNAL_SERVER_ERROR),
+            }
+        }
+    }
+}
+
+/// A fresh database with the `stock` table; `None` without PostgreSQL.
+async fn stock_db() -> Option<TestDb> {
+    let db = TestDb::create().await?;
+    db.execute(STOCK).await;
+    Some(db)
 }
 
 /// A REPEATABLE READ request whose row is updated by another transaction after its snapshot:
@@ -96,21 +115,23 @@ impl ConcurrentUpdate {
                         reserve(&client, "a").await
                     }
                     .await;
-                    match outcome {
-                        Ok(_) => HookOutcome::default(),
-                        Err(error) => {
-                            if has_code(&error, &SqlState::T_R_SERIALIZATION_FAILURE) {
-                                conflicted.store(true, Ordering::SeqCst);
-                            }
-                            HookOutcome {
-                                fail_with: Some(StatusCode::INTERNAL_SERVER_ERROR),
-                            }
-                        }
-                    }
+                    answer(outcome, &SqlState::T_R_SERIALIZATION_FAILURE, &conflicted)
                 }
             }))
             .spawn(db)
             .await
+    }
+
+    /// On a fresh stock database, the server with these conflict retries, sent `key-1` while
+    /// stock `a` is updated from outside; `None` without PostgreSQL.
+    async fn run(conflict_retries: u32) -> Option<(TestDb, ConcurrentUpdate, PgServer, Reply)> {
+        let db = stock_db().await?;
+        let scenario = ConcurrentUpdate::new();
+        let server = scenario.server(&db, conflict_retries).await;
+        let reply = scenario
+            .post_with_a_concurrent_update(&db, &server, "key-1")
+            .await;
+        Some((db, scenario, server, reply))
     }
 
     /// Sends `key`, and updates stock `a` from another connection while the first run is
@@ -120,7 +141,7 @@ impl ConcurrentUpdate {
         db: &TestDb,
         server: &PgServer,
         key: &str,
-    ) -> common::Reply {
+    ) -> Reply {
         let request = tokio::spawn({
             let (addr, key) = (server.addr, key.to_owned());
             async move { post(addr, Some(SHOP_A), Some(&key), BOOK, &[]).await }
@@ -138,16 +159,9 @@ impl ConcurrentUpdate {
 #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn serialization_failure_in_a_handler_statement_runs_the_request_again() {
-    let Some(db) = TestDb::create().await else {
+    let Some((db, scenario, server, reply)) = ConcurrentUpdate::run(3).await else {
         return;
     };
-    db.execute(STOCK).await;
-    let scenario = ConcurrentUpdate::new();
-    let server = scenario.server(&db, 3).await;
-
-    let reply = scenario
-        .post_with_a_concurrent_update(&db, &server, "key-1")
-        .await;
 
     assert!(
         scenario.conflicted.load(Ordering::SeqCst),
@@ -177,16 +191,9 @@ async fn serialization_failure_in_a_handler_statement_runs_the_request_again() {
 #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn serialization_failure_past_the_conflict_retries_answers_503_with_retry_after() {
-    let Some(db) = TestDb::create().await else {
+    let Some((db, scenario, server, reply)) = ConcurrentUpdate::run(0).await else {
         return;
     };
-    db.execute(STOCK).await;
-    let scenario = ConcurrentUpdate::new();
-    let server = scenario.server(&db, 0).await;
-
-    let reply = scenario
-        .post_with_a_concurrent_update(&db, &server, "key-1")
-        .await;
 
     assert!(scenario.conflicted.load(Ordering::SeqCst));
     assert_eq!(
@@ -220,10 +227,9 @@ async fn serialization_failure_past_the_conflict_retries_answers_503_with_retry_
 #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn deadlock_between_two_handlers_runs_the_loser_again() {
-    let Some(db) = TestDb::create().await else {
+    let Some(db) = stock_db().await else {
         return;
     };
-    db.execute(STOCK).await;
     let both_locked = Arc::new(Barrier::new(2));
     let first_runs: Arc<Mutex<HashSet<String>>> = Arc::default();
     let deadlocked = Arc::new(AtomicBool::new(false));
@@ -253,17 +259,7 @@ async fn deadlock_between_two_handlers_runs_the_loser_again() {
                         reserve(&client, other).await
                     }
                     .await;
-                    match outcome {
-                        Ok(_) => HookOutcome::default(),
-                        Err(error) => {
-                            if has_code(&error, &SqlState::T_R_DEADLOCK_DETECTED) {
-                                deadlocked.store(true, Ordering::SeqCst);
-                            }
-                            HookOutcome {
-                                fail_with: Some(StatusCode::INTERNAL_SERVER_ERROR),
-                            }
-                        }
-                    }
+                    answer(outcome, &SqlState::T_R_DEADLOCK_DETECTED, &deadlocked)
                 }
             })
         })

@@ -1,34 +1,16 @@
 //! SQLite-specific behaviour of the store when another process shares the database file.
 
 mod common;
+mod sqlite_faults;
 
 use std::time::{Duration, SystemTime};
 
 use common::{post, TestServer, PATIENCE, SHOP_A};
 use http::StatusCode;
+use sqlite_faults::OtherProcessLock;
 use tower_idempotency::store::IdempotencyStore;
 
 const BOOK: &str = r#"{"sku":"book","quantity":1}"#;
-
-/// Another process takes SQLite's write lock, signals, and holds it for `hold`.
-fn other_process_holding_the_lock(
-    path: std::path::PathBuf,
-    hold: Duration,
-) -> (
-    tokio::sync::oneshot::Receiver<()>,
-    std::thread::JoinHandle<()>,
-) {
-    let (locked_tx, locked_rx) = tokio::sync::oneshot::channel();
-    let thread = std::thread::spawn(move || {
-        let conn = rusqlite::Connection::open(path).expect("open");
-        conn.execute_batch("BEGIN IMMEDIATE")
-            .expect("take the write lock");
-        let _ = locked_tx.send(());
-        std::thread::sleep(hold);
-        conn.execute_batch("COMMIT").expect("commit");
-    });
-    (locked_rx, thread)
-}
 
 /// A request's short lock timeout must not leak into later work on the writer connection:
 /// `purge_expired` and `write` keep waiting for another process's lock as long as the
@@ -42,24 +24,22 @@ async fn short_request_lock_timeout_does_not_leak_into_purge_and_write() {
 
     // Held well past the request's 50 ms, well within the store's 5 s.
     let hold = Duration::from_millis(400);
-    let (locked, other) = other_process_holding_the_lock(server.db_path.clone(), hold);
-    locked.await.expect("the other process holds the lock");
+    let other = OtherProcessLock::take(&server.db_path, hold).await;
     let purged = tokio::time::timeout(PATIENCE, server.store.purge_expired(SystemTime::now(), 100))
         .await
         .expect("purge in time");
-    other.join().expect("other process");
+    other.join();
     assert_eq!(
         purged.expect("purge waits for the other process's lock, then succeeds"),
         0
     );
 
-    let (locked, other) = other_process_holding_the_lock(server.db_path.clone(), hold);
-    locked.await.expect("the other process holds the lock");
+    let other = OtherProcessLock::take(&server.db_path, hold).await;
     let written = server
         .store
         .write(|tx| tx.execute_batch("CREATE TABLE IF NOT EXISTS audit (line TEXT)"))
         .await;
-    other.join().expect("other process");
+    other.join();
     written.expect("write waits for the other process's lock, then succeeds");
 }
 

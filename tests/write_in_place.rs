@@ -10,9 +10,8 @@ use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
 
-use common::{hook, post, HookOutcome, TestServer, PATIENCE, SHOP_A};
+use common::{hook, post, HeldHandler, HookOutcome, TestServer, PATIENCE, SHOP_A};
 use http::StatusCode;
-use tokio::sync::Notify;
 use tower_idempotency::fingerprint::Fingerprint;
 use tower_idempotency::response::SavedResponse;
 use tower_idempotency::store::sqlite::SqliteStore;
@@ -94,35 +93,28 @@ async fn a_lone_request_runs_on_its_own_task_unless_turned_off() {
 /// of its key waits for it and gets its replay: the handler runs once per key.
 #[tokio::test]
 async fn requests_arriving_meanwhile_queue_and_the_duplicate_waits() {
-    let started = Arc::new(Notify::new());
-    let release = Arc::new(Notify::new());
+    let slow_handler = HeldHandler::default();
     let threads = Threads::default();
-    let server = TestServer::builder()
-        .hook({
-            let (started, release, threads) = (started.clone(), release.clone(), threads.clone());
-            let record = thread_recorder(threads);
-            hook(move |call| {
-                let (started, release, record) = (started.clone(), release.clone(), record.clone());
-                async move {
-                    if call.key.as_deref() == Some("slow") {
-                        started.notify_one();
-                        release.notified().await;
-                    }
-                    record(call).await
+    let server = TestServer::with_hook({
+        let (slow_handler, record) = (slow_handler.clone(), thread_recorder(threads.clone()));
+        hook(move |call| {
+            let (slow_handler, record) = (slow_handler.clone(), record.clone());
+            async move {
+                if call.key.as_deref() == Some("slow") {
+                    slow_handler.hold().await;
                 }
-            })
+                record(call).await
+            }
         })
-        .spawn()
-        .await;
+    })
+    .await;
     let addr = server.addr;
     let warm_up = post(addr, Some(SHOP_A), Some("warm-up"), BOOK, &[]).await;
     assert_eq!(warm_up.status, StatusCode::CREATED, "{warm_up:?}");
     threads.lock().map(|mut t| t.clear()).unwrap_or_default();
     until_the_writer_is_idle().await;
     let slow = tokio::spawn(async move { post(addr, Some(SHOP_A), Some("slow"), BOOK, &[]).await });
-    tokio::time::timeout(PATIENCE, started.notified())
-        .await
-        .expect("the slow request started");
+    slow_handler.started().await;
 
     let mut others = Vec::new();
     for key in ["slow", "a", "b", "c"] {
@@ -134,7 +126,7 @@ async fn requests_arriving_meanwhile_queue_and_the_duplicate_waits() {
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(server.order_count().await, 1);
     assert!(server.store.writers_waiting() >= 1);
-    release.notify_one();
+    slow_handler.release();
 
     let first = slow.await.expect("the slow request");
     assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
@@ -165,6 +157,15 @@ async fn requests_arriving_meanwhile_queue_and_the_duplicate_waits() {
     );
 }
 
+/// A store on a new file in a temp dir (kept while the returned directory lives).
+async fn store_in_a_temp_dir() -> (tempfile::TempDir, SqliteStore) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let store = SqliteStore::open(dir.path().join("in-place.db"))
+        .await
+        .expect("store");
+    (dir, store)
+}
+
 fn scope(key: &str) -> Scope {
     let key = IdempotencyKey::parse(key.as_bytes(), 128).expect("a valid key");
     Scope::new("shop-a", "create_order", key)
@@ -186,10 +187,7 @@ fn record() -> NewRecord {
 /// request on the same store.
 #[tokio::test]
 async fn calls_that_wait_for_the_writer_fail_at_once_inside_a_request_in_place() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let store = SqliteStore::open(dir.path().join("in-place.db"))
-        .await
-        .expect("store");
+    let (_dir, store) = store_in_a_temp_dir().await;
     let inner = store.clone();
     until_the_writer_is_idle().await;
     let ran = tokio::time::timeout(
@@ -243,10 +241,7 @@ async fn calls_that_wait_for_the_writer_fail_at_once_inside_a_request_in_place()
 /// its rows and gives the writer back: the next request runs and commits.
 #[tokio::test]
 async fn a_dropped_request_in_place_rolls_back_and_frees_the_writer() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let store = SqliteStore::open(dir.path().join("in-place.db"))
-        .await
-        .expect("store");
+    let (_dir, store) = store_in_a_temp_dir().await;
     store
         .write(|tx| tx.execute_batch("CREATE TABLE items (name TEXT NOT NULL)"))
         .await

@@ -5,12 +5,11 @@
 
 mod common;
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{hook, post, HookOutcome, TestServer, PATIENCE, SHOP_A};
+use common::{hook, post, HeldHandler, HookOutcome, Outcome, TestServer, PATIENCE, SHOP_A};
 use http::StatusCode;
-use tokio::sync::Notify;
+use tower_idempotency::store::sqlite::SqliteTransaction;
 use tower_idempotency::Error;
 
 const BOOK: &str = r#"{"sku":"book","quantity":1}"#;
@@ -18,28 +17,30 @@ const BOOK: &str = r#"{"sku":"book","quantity":1}"#;
 const INSERT_GIFT: &str =
     "INSERT INTO orders (tenant_id, sku, quantity) VALUES ('shop-a', 'gift', 1)";
 
+/// Inserts a gift row from a task of its own, through the request's transaction `tx`.
+async fn insert_a_gift_from_a_spawned_task(tx: &SqliteTransaction) {
+    let tx = tx.clone();
+    let spawned =
+        tokio::spawn(async move { tx.run(|conn| conn.execute(INSERT_GIFT, [])).await }).await;
+    assert!(
+        matches!(spawned, Ok(Ok(1))),
+        "the spawned task's insert: {spawned:?}"
+    );
+}
+
 /// Timers, `tokio::spawn` and `spawn_blocking` work in a handler, and a statement sent from
 /// another task joins the same transaction.
 #[tokio::test]
 async fn handlers_use_timers_spawned_tasks_and_the_blocking_pool() {
-    let server = TestServer::builder()
-        .hook(hook(|call| async move {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-            let blocking = tokio::task::spawn_blocking(|| 6 * 7).await;
-            assert_eq!(blocking.ok(), Some(42));
-            // Another task's statement joins the same transaction.
-            let tx = call.tx.clone();
-            let spawned =
-                tokio::spawn(async move { tx.run(|conn| conn.execute(INSERT_GIFT, [])).await })
-                    .await;
-            assert!(
-                matches!(spawned, Ok(Ok(1))),
-                "the spawned task's insert: {spawned:?}"
-            );
-            HookOutcome::default()
-        }))
-        .spawn()
-        .await;
+    let server = TestServer::with_hook(hook(|call| async move {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let blocking = tokio::task::spawn_blocking(|| 6 * 7).await;
+        assert_eq!(blocking.ok(), Some(42));
+        // Another task's statement joins the same transaction.
+        insert_a_gift_from_a_spawned_task(&call.tx).await;
+        HookOutcome::default()
+    }))
+    .await;
 
     let reply = post(server.addr, Some(SHOP_A), Some("k1"), BOOK, &[]).await;
 
@@ -54,49 +55,38 @@ async fn handlers_use_timers_spawned_tasks_and_the_blocking_pool() {
 /// A row written from a spawned task is rolled back with the rest when the handler fails.
 #[tokio::test]
 async fn a_spawned_tasks_rows_roll_back_with_the_request() {
-    let server = TestServer::builder()
-        .hook(hook(|call| async move {
-            let tx = call.tx.clone();
-            let spawned =
-                tokio::spawn(async move { tx.run(|conn| conn.execute(INSERT_GIFT, [])).await })
-                    .await;
-            assert!(matches!(spawned, Ok(Ok(1))), "{spawned:?}");
-            HookOutcome {
-                fail_with: Some(StatusCode::INTERNAL_SERVER_ERROR),
-                ..HookOutcome::default()
-            }
-        }))
-        .spawn()
-        .await;
+    let server = TestServer::with_hook(hook(|call| async move {
+        insert_a_gift_from_a_spawned_task(&call.tx).await;
+        HookOutcome::failing(Some(StatusCode::INTERNAL_SERVER_ERROR))
+    }))
+    .await;
 
     let reply = post(server.addr, Some(SHOP_A), Some("k1"), BOOK, &[]).await;
 
     assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR, "{reply:?}");
-    assert_eq!(server.order_count().await, 0);
-    assert_eq!(server.record_count().await, 0);
+    assert_eq!(
+        server.counts().await,
+        (1, 0, 0),
+        "(handler calls, orders, records)"
+    );
 }
 
 /// A statement closure that panics is an error for the handler (as on any other thread), not
 /// a panic through it; the request rolls back and the writer goes on serving.
 #[tokio::test]
 async fn a_panicking_statement_is_an_error_for_the_handler() {
-    let server = TestServer::builder()
-        .hook(hook(|call| async move {
-            if call.key.as_deref() != Some("boom") {
-                return HookOutcome::default();
-            }
-            let result = call
-                .tx
-                .run(|_conn| -> Result<(), _> { panic!("a statement closure panicked") })
-                .await;
-            assert!(matches!(result, Err(Error::Panicked)), "{result:?}");
-            HookOutcome {
-                fail_with: Some(StatusCode::INTERNAL_SERVER_ERROR),
-                ..HookOutcome::default()
-            }
-        }))
-        .spawn()
-        .await;
+    let server = TestServer::with_hook(hook(|call| async move {
+        if call.key.as_deref() != Some("boom") {
+            return HookOutcome::default();
+        }
+        let result = call
+            .tx
+            .run(|_conn| -> Result<(), _> { panic!("a statement closure panicked") })
+            .await;
+        assert!(matches!(result, Err(Error::Panicked)), "{result:?}");
+        HookOutcome::failing(Some(StatusCode::INTERNAL_SERVER_ERROR))
+    }))
+    .await;
 
     let failed = post(server.addr, Some(SHOP_A), Some("boom"), BOOK, &[]).await;
     assert_eq!(
@@ -107,8 +97,11 @@ async fn a_panicking_statement_is_an_error_for_the_handler() {
     let next = post(server.addr, Some(SHOP_A), Some("k2"), BOOK, &[]).await;
     assert_eq!(next.status, StatusCode::CREATED, "{next:?}");
 
-    assert_eq!(server.order_count().await, 1);
-    assert_eq!(server.record_count().await, 1);
+    assert_eq!(
+        server.counts().await,
+        (2, 1, 1),
+        "(handler calls, orders, records)"
+    );
 }
 
 /// Requests that give up on their lock timeout while a long handler holds the writer get their
@@ -116,19 +109,17 @@ async fn a_panicking_statement_is_an_error_for_the_handler() {
 /// request arrives, and never run.
 #[tokio::test]
 async fn requests_that_give_up_leave_the_writers_queue() {
-    let started = Arc::new(Notify::new());
-    let release = Arc::new(Notify::new());
+    let slow_handler = HeldHandler::default();
     let lock_timeout = Duration::from_millis(150);
     let server = TestServer::builder()
         .layer(move |layer| layer.with_lock_timeout(lock_timeout))
         .hook({
-            let (started, release) = (started.clone(), release.clone());
+            let slow_handler = slow_handler.clone();
             hook(move |call| {
-                let (started, release) = (started.clone(), release.clone());
+                let slow_handler = slow_handler.clone();
                 async move {
                     if call.key.as_deref() == Some("slow") {
-                        started.notify_one();
-                        release.notified().await;
+                        slow_handler.hold().await;
                     }
                     HookOutcome::default()
                 }
@@ -138,9 +129,7 @@ async fn requests_that_give_up_leave_the_writers_queue() {
         .await;
     let addr = server.addr;
     let slow = tokio::spawn(async move { post(addr, Some(SHOP_A), Some("slow"), BOOK, &[]).await });
-    tokio::time::timeout(PATIENCE, started.notified())
-        .await
-        .expect("the slow handler started");
+    slow_handler.started().await;
 
     let began = Instant::now();
     let waiters: Vec<_> = (0..5)
@@ -166,7 +155,7 @@ async fn requests_that_give_up_leave_the_writers_queue() {
     assert_eq!(late.status, StatusCode::SERVICE_UNAVAILABLE, "{late:?}");
     assert_eq!(server.store.writers_waiting(), 1);
 
-    release.notify_one();
+    slow_handler.release();
     let slow = slow.await.expect("slow request");
     assert_eq!(slow.status, StatusCode::CREATED, "{slow:?}");
     // Only the slow request ran; the abandoned begins were skipped.

@@ -16,8 +16,12 @@ use tower_idempotency::store::sqlite::rusqlite::OptionalExtension;
 use tower_idempotency::store::sqlite::{SqliteStore, SqliteTransaction};
 use tower_idempotency::{IdempotencyLayer, Tenant};
 
+#[path = "../sqlite_orders/mod.rs"]
+mod sqlite_orders;
+
 use pb::orders_server::{Orders, OrdersServer};
 use pb::{CreateOrderRequest, CreateOrderResponse, GetOrderRequest, ListOrdersRequest, Order};
+use sqlite_orders::{insert_order, ORDERS_SCHEMA};
 
 /// The code generated from `proto/orders.proto`, as the example uses it (checked in next to
 /// the example; `generated_code_is_current` keeps it current).
@@ -32,14 +36,7 @@ pub const CREATE_ORDER_PATH: &str = "/orders.Orders/CreateOrder";
 /// Opens the store and creates the `orders` table next to the idempotency records.
 pub async fn open_store(db: &Path) -> Result<SqliteStore, BoxError> {
     let store = SqliteStore::open(db).await?;
-    store
-        .write(|tx| {
-            tx.execute_batch(
-                "CREATE TABLE IF NOT EXISTS orders (id INTEGER PRIMARY KEY, \
-                 tenant_id TEXT NOT NULL, sku TEXT NOT NULL, quantity INTEGER NOT NULL)",
-            )
-        })
-        .await?;
+    store.write(|tx| tx.execute_batch(ORDERS_SCHEMA)).await?;
     Ok(store)
 }
 
@@ -125,14 +122,7 @@ impl Orders for OrderService {
         if !(1..=100).contains(&quantity) {
             return Err(Status::invalid_argument("invalid_quantity"));
         }
-        let order_id = tx
-            .run(move |conn| {
-                conn.execute(
-                    "INSERT INTO orders (tenant_id, sku, quantity) VALUES (?1, ?2, ?3)",
-                    (tenant_id, sku, quantity),
-                )?;
-                Ok(conn.last_insert_rowid())
-            })
+        let order_id = insert_order(&tx, &tenant_id, &sku, quantity)
             .await
             .map_err(internal)?;
         Ok(Response::new(CreateOrderResponse { order_id }))

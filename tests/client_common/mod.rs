@@ -50,12 +50,9 @@ pub const PATIENCE: Duration = Duration::from_secs(20);
 // The order app
 // ---------------------------------------------------------------------------------------------
 
-const ORDERS_SCHEMA: &str = "CREATE TABLE IF NOT EXISTS orders (
-    id        INTEGER PRIMARY KEY,
-    tenant_id TEXT    NOT NULL,
-    sku       TEXT    NOT NULL,
-    quantity  INTEGER NOT NULL
-)";
+#[path = "../sqlite_orders/mod.rs"]
+mod sqlite_orders;
+use sqlite_orders::{insert_order, orders_store_in_a_temp_dir};
 
 /// The order app on 127.0.0.1, over a SQLite file in a temp dir.
 pub struct OrdersServer {
@@ -74,14 +71,7 @@ impl OrdersServer {
     pub async fn spawn_with(
         customise: impl FnOnce(IdempotencyLayer<SqliteStore>) -> IdempotencyLayer<SqliteStore>,
     ) -> OrdersServer {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let store = SqliteStore::open(dir.path().join("orders.db"))
-            .await
-            .expect("open store");
-        store
-            .write(|tx| tx.execute_batch(ORDERS_SCHEMA))
-            .await
-            .expect("create orders table");
+        let (dir, store) = orders_store_in_a_temp_dir().await;
         let idempotency = customise(
             IdempotencyLayer::new(store.clone())
                 .with_operation("create_order")
@@ -167,17 +157,7 @@ async fn create_order(
             r#"{"error":"invalid_order"}"#.into(),
         );
     };
-    let tenant_id = tenant.as_str().to_owned();
-    let inserted = tx
-        .run(move |conn| {
-            conn.execute(
-                "INSERT INTO orders (tenant_id, sku, quantity) VALUES (?1, ?2, ?3)",
-                (tenant_id, sku, quantity),
-            )?;
-            Ok(conn.last_insert_rowid())
-        })
-        .await;
-    match inserted {
+    match insert_order(&tx, tenant.as_str(), &sku, quantity).await {
         Ok(id) => {
             let mut response = json(StatusCode::CREATED, format!(r#"{{"order_id":{id}}}"#));
             if let Ok(location) = HeaderValue::from_str(&format!("/orders/{id}")) {

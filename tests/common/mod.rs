@@ -47,12 +47,10 @@ pub const SHOP_B: &str = "shop-b-token";
 /// A generous bound for anything a test waits for: reached only when the test fails.
 pub const PATIENCE: Duration = Duration::from_secs(10);
 
-pub const ORDERS_SCHEMA: &str = "CREATE TABLE IF NOT EXISTS orders (
-    id INTEGER PRIMARY KEY,
-    tenant_id TEXT NOT NULL,
-    sku TEXT NOT NULL,
-    quantity INTEGER NOT NULL
-)";
+#[path = "../splitmix/mod.rs"]
+mod splitmix;
+#[path = "../sqlite_orders/mod.rs"]
+pub mod sqlite_orders;
 
 /// What the order handler knows when it calls the hook: its order row is already inserted,
 /// inside the open idempotency transaction `tx` (a [`SqliteTransaction`] here, a
@@ -125,6 +123,35 @@ where
     Fut: Future<Output = HookOutcome> + Send + 'static,
 {
     hook_for(f)
+}
+
+/// A handler the test holds inside its open transaction: the hook awaits
+/// [`HeldHandler::hold`]; the test waits for [`HeldHandler::started`] and ends the hold with
+/// [`HeldHandler::release`].
+#[derive(Clone, Debug, Default)]
+pub struct HeldHandler {
+    started: Arc<tokio::sync::Notify>,
+    release: Arc<tokio::sync::Notify>,
+}
+
+impl HeldHandler {
+    /// In the hook: signals that the handler runs, and waits until the test releases it.
+    pub async fn hold(&self) {
+        self.started.notify_one();
+        self.release.notified().await;
+    }
+
+    /// Waits (within [`PATIENCE`]) until the held handler runs.
+    pub async fn started(&self) {
+        tokio::time::timeout(PATIENCE, self.started.notified())
+            .await
+            .expect("the held handler started in time");
+    }
+
+    /// Lets the held handler go on.
+    pub fn release(&self) {
+        self.release.notify_one();
+    }
 }
 
 /// The state shared by an app's handlers and the test, for a transaction handle `T` and the
@@ -468,10 +495,7 @@ impl ServerBuilder {
             None => options,
         };
         let store = options.open().await.expect("open store");
-        store
-            .write(|tx| tx.execute_batch(ORDERS_SCHEMA))
-            .await
-            .expect("create orders table");
+        sqlite_orders::create_orders_table(&store).await;
 
         let app = App::new(self.hook.clone(), self.response_headers.clone());
         let mut router = self
@@ -517,6 +541,11 @@ impl TestServer {
         F: Fn(IdempotencyLayer<SqliteStore>) -> IdempotencyLayer<SqliteStore> + Send + 'static,
     {
         Self::builder().layer(f).spawn().await
+    }
+
+    /// The default app, its handler running `hook` after the insert.
+    pub async fn with_hook(hook: Hook) -> TestServer {
+        Self::builder().hook(hook).spawn().await
     }
 
     pub fn builder() -> ServerBuilder {
@@ -625,14 +654,7 @@ impl InsertOrder for SqliteTransaction {
         sku: &str,
         quantity: i64,
     ) -> impl Future<Output = Result<i64, tower_idempotency::Error>> + Send {
-        let row = (tenant.as_str().to_owned(), sku.to_owned(), quantity);
-        self.run(move |conn| {
-            conn.execute(
-                "INSERT INTO orders (tenant_id, sku, quantity) VALUES (?1, ?2, ?3)",
-                (&row.0, &row.1, row.2),
-            )?;
-            Ok(conn.last_insert_rowid())
-        })
+        sqlite_orders::insert_order(self, tenant.as_str(), sku, quantity)
     }
 }
 
@@ -880,7 +902,9 @@ impl Post {
     }
 }
 
-async fn send<B>(request: http::Request<B>) -> Reply
+/// Sends `request` with a fresh hyper-util client (its own connection) and reads the whole
+/// reply, within [`PATIENCE`].
+pub async fn send<B>(request: http::Request<B>) -> Reply
 where
     B: Body<Data = Bytes> + Send + Unpin + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
@@ -1356,11 +1380,7 @@ pub mod process {
         }
 
         pub fn next_u64(&mut self) -> u64 {
-            self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = self.0;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^ (z >> 31)
+            super::splitmix::next_u64(&mut self.0)
         }
 
         /// Uniform in `0..n` (n > 0).
