@@ -7,7 +7,7 @@
 use tokio::time::Instant;
 
 pub use super::reserve::Isolation;
-pub(crate) use super::reserve::{reserve, retry_conflicts, ReserveStatements, Reserved};
+pub(crate) use super::reserve::{reserve, ReserveStatements, Reserved};
 
 impl Isolation {
     /// `BEGIN` at this level, for transactions that set nothing else (the inbox's own).

@@ -2,17 +2,17 @@
 //! opens one, records an event id and applies the event through the same [`SqlxTransaction`]
 //! handle a request's handler gets, then commits or rolls back itself.
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 // The `Executor` methods keep these futures provably `Send` (see `reservation.rs`).
 use sqlx::Executor as _;
 use sqlx::Row as _;
 
-use super::reservation::{Slot, TxShared};
-use super::{pool_error, SqlxPostgresStore, SqlxTransaction, TxConnection};
+use super::{PgDialect, SqlxPostgresStore, SqlxTransaction, TxConnection};
 use crate::error::Error;
 use crate::store::pg_sql::{IS_OWN_TRANSACTION, OWN_TRANSACTION_SETTING};
+use crate::store::sqlx::{pool_error, Slot};
+use crate::store::tx_state::TxShared;
 
 impl SqlxPostgresStore {
     /// Opens a transaction of the store's own, outside any request (the inbox's), on a pooled
@@ -21,7 +21,7 @@ impl SqlxPostgresStore {
     pub(crate) async fn begin_owned(&self) -> Result<OwnedTransaction, Error> {
         let connection = self.pool().acquire().await.map_err(pool_error)?;
         let mut slot = Slot::new(TxConnection::new(connection));
-        let token = self.shared.reservations.fetch_add(1, Ordering::Relaxed);
+        let token = self.next_token();
         // Only an integer is formatted into it.
         let begin = format!(
             "{}; SET LOCAL {OWN_TRANSACTION_SETTING} = '{token}'",
@@ -42,7 +42,7 @@ impl SqlxPostgresStore {
 
     /// [`SqlxPostgresOptions::serialization_retries`](super::SqlxPostgresOptions::serialization_retries).
     pub(crate) fn serialization_retries(&self) -> u32 {
-        self.shared.serialization_retries
+        self.shared.conflict_retries
     }
 }
 
@@ -50,7 +50,7 @@ impl SqlxPostgresStore {
 /// owner (the inbox) rather than by the layer. Dropping it without either rolls back (by
 /// closing its connection, as for a request).
 pub(crate) struct OwnedTransaction {
-    tx: Arc<TxShared>,
+    tx: Arc<TxShared<Slot<PgDialect>>>,
 }
 
 impl OwnedTransaction {
