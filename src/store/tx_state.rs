@@ -105,6 +105,7 @@ impl<S: TxSlot> TxShared<S> {
             .map(Observed::into_error)
     }
 
+    #[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
     pub(crate) fn is_finished(&self) -> bool {
         self.finished.load(Ordering::Acquire)
     }
@@ -134,5 +135,83 @@ impl<S: TxSlot> TxShared<S> {
         if let Ok(mut slot) = self.connection.try_lock() {
             slot.discard();
         }
+    }
+}
+
+/// What a store's own transaction (the inbox's, outside any request) needs from its slot.
+#[cfg(feature = "outbox")]
+pub(crate) trait OwnedSlot: TxSlot + Send {
+    /// Ends the transaction with `ROLLBACK` and gives the connection back (or discards it).
+    fn roll_back_and_release(&mut self) -> impl std::future::Future<Output = ()> + Send;
+
+    /// Ends the transaction after `error` (a connection to a server that is gone is
+    /// discarded rather than rolled back).
+    fn roll_back_after(&mut self, error: &Error) -> impl std::future::Future<Output = ()> + Send;
+
+    /// Whether the transaction is still the one marked with `token` when it was opened.
+    fn is_own_transaction(
+        &mut self,
+        token: u64,
+    ) -> impl std::future::Future<Output = Result<bool, Error>> + Send;
+
+    /// Ends the transaction with `COMMIT` and gives the connection back.
+    fn commit_and_release(&mut self)
+        -> impl std::future::Future<Output = Result<(), Error>> + Send;
+}
+
+/// A transaction a store opened for itself, committed or rolled back by its owner (the
+/// inbox) rather than by the layer, through the same handles as a request's. Dropping it
+/// without either rolls back (by closing its connection, as for a request).
+#[cfg(feature = "outbox")]
+pub(crate) struct OwnedTransaction<S: TxSlot> {
+    pub(crate) tx: Arc<TxShared<S>>,
+}
+
+#[cfg(feature = "outbox")]
+impl<S: OwnedSlot> OwnedTransaction<S> {
+    pub(crate) fn new(token: u64, slot: S) -> Self {
+        OwnedTransaction {
+            tx: Arc::new(TxShared::new(token, slot)),
+        }
+    }
+
+    /// Commits, after checking that the transaction is still the one the store opened and
+    /// still able to commit: a `COMMIT` or `ROLLBACK` run through a handle would otherwise
+    /// let this `COMMIT` succeed with nothing in it, and so would a failed statement (`COMMIT`
+    /// of an aborted transaction answers `ROLLBACK` without an error).
+    pub(crate) async fn commit(self) -> Result<(), Error> {
+        let mut slot = self.tx.take_connection()?;
+        if let Some(conflict) = self.tx.conflict() {
+            slot.roll_back_after(&conflict).await;
+            return Err(conflict);
+        }
+        let checked = match slot.is_own_transaction(self.tx.token).await {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(Error::TransactionAborted(
+                "the transaction ended before commit (COMMIT or ROLLBACK through its handle?)",
+            )),
+            Err(error) => Err(error),
+        };
+        if let Err(error) = checked {
+            slot.roll_back_and_release().await;
+            return Err(error);
+        }
+        slot.commit_and_release().await
+    }
+
+    /// Rolls back and gives the connection back to the pool (or closes it if a handle still
+    /// borrows it).
+    pub(crate) async fn rollback(self) {
+        match self.tx.take_connection() {
+            Ok(mut slot) => slot.roll_back_and_release().await,
+            Err(error) => tracing::warn!(%error, "rollback deferred to the connection's release"),
+        }
+    }
+}
+
+#[cfg(feature = "outbox")]
+impl<S: TxSlot> Drop for OwnedTransaction<S> {
+    fn drop(&mut self) {
+        self.tx.abandon();
     }
 }

@@ -20,7 +20,7 @@ use crate::store::tx_state::{Observed, TxSlot};
 /// otherwise). The cost, a new connection, is paid only when a future is dropped mid-request;
 /// every path the layer drives to its end sends `ROLLBACK` or `COMMIT` and keeps the
 /// connection.
-pub(super) struct Slot {
+pub(crate) struct Slot {
     pub(super) object: Option<Object>,
 }
 

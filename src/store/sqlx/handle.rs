@@ -24,19 +24,18 @@ use crate::store::tx_state::{Observed, ObservedCell, TxShared};
 /// [`Tx<SqlxTransaction>`](crate::extract::Tx) in axum). Everything run on the connection it
 /// lends belongs to the same transaction as the idempotency record: it commits when the layer
 /// saves the response, and rolls back if the handler fails, panics or the client goes away.
-/// The layer commits: transaction control is refused (see [`TxConnection`]). Drop the
-/// [`SqlxConnection`] before the handler returns; after the request ends the handle refuses
-/// work ([`Error::TransactionFinished`]).
+///
+/// - The layer commits: transaction control is refused before it reaches the server (see
+///   [`TxConnection`]).
+/// - A serialization failure or deadlock of one of the handler's statements is noticed by the
+///   layer, whatever the handler answers: it runs the request again in a fresh transaction, up
+///   to [`with_conflict_retries`](crate::IdempotencyLayer::with_conflict_retries) times, then
+///   answers `503` with `Retry-After`.
+/// - Drop the [`SqlxConnection`] before the handler returns; after the request ends the
+///   handle refuses work ([`Error::TransactionFinished`]).
+#[derive(Clone)]
 pub struct SqlxTransaction<D: SqlxDialect> {
     tx: Arc<TxShared<Slot<D>>>,
-}
-
-impl<D: SqlxDialect> Clone for SqlxTransaction<D> {
-    fn clone(&self) -> Self {
-        SqlxTransaction {
-            tx: Arc::clone(&self.tx),
-        }
-    }
 }
 
 impl<D: SqlxDialect> fmt::Debug for SqlxTransaction<D> {

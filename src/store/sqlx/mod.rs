@@ -5,7 +5,7 @@
 //!
 //! - `options`: the store's options and building it.
 //! - `rows`: what the generic code needs from a [`sqlx::Database`].
-//! - `reservation`: a transaction's connection ([`Slot`]), its commit with the record, and
+//! - `reservation`: a transaction's connection (its slot), its commit with the record, and
 //!   its rollback.
 //! - `handle`: the handler's handle and the connection it lends, which refuses transaction
 //!   control.
@@ -36,7 +36,7 @@ pub use handle::{SqlxConnection, SqlxTransaction, TxConnection};
 pub use options::SqlxOptions;
 pub(crate) use reservation::Slot;
 pub use reservation::SqlxReservation;
-pub use rows::{RowsAffected, SqlxDatabase};
+pub use rows::{RowsAffected, SqlxDatabase, Statement};
 
 pub(crate) mod sealed {
     /// Only this crate's dialects are [`SqlxDialect`](super::SqlxDialect)s.
@@ -51,7 +51,7 @@ pub type Conn<D> = <<D as SqlxDialect>::Db as Database>::Connection;
 /// [`PgDialect`](super::sqlx_postgres::PgDialect) (feature `sqlx-postgres`) and
 /// [`MySqlDialect`](super::sqlx_mysql::MySqlDialect) (feature `sqlx-mysql`), and sealed: the
 /// store's guarantees rest on each dialect's SQL.
-pub trait SqlxDialect: sealed::Sealed + Send + Sync + Sized + 'static {
+pub trait SqlxDialect: sealed::Sealed + Clone + fmt::Debug + Send + Sync + Sized + 'static {
     /// The sqlx database.
     type Db: SqlxDatabase;
     /// What identifies the reserved row for the commit (a row address, or `()` where the
@@ -81,17 +81,10 @@ pub trait SqlxDialect: sealed::Sealed + Send + Sync + Sized + 'static {
     /// Opens a request's transaction at `isolation`, its lock waits bounded by `deadline`.
     fn begin_request(isolation: Isolation, deadline: Instant) -> String;
 
-    /// Inserts the reservation: the new row, or `None` when the key has a row.
-    fn insert<'a>(
+    /// Reserves `scope` at `now` by `step`: the reserved row, or `None` (see [`ReserveStep`]).
+    fn reserve<'a>(
         conn: &'a mut Conn<Self>,
-        scope: &'a Scope,
-        now: i64,
-    ) -> BoxFuture<'a, Result<Option<Self::RowId>, Error>>;
-
-    /// Takes an expired record (or a stray reservation) over: the row, or `None` if it
-    /// changed meanwhile.
-    fn take_over<'a>(
-        conn: &'a mut Conn<Self>,
+        step: ReserveStep,
         scope: &'a Scope,
         now: i64,
     ) -> BoxFuture<'a, Result<Option<Self::RowId>, Error>>;
@@ -118,6 +111,16 @@ pub trait SqlxDialect: sealed::Sealed + Send + Sync + Sized + 'static {
     fn split(sql: &str) -> Vec<&str>;
 }
 
+/// The two statements that reserve a key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ReserveStep {
+    /// Inserts the reservation: `None` when the key has a row.
+    Insert,
+    /// Takes an expired record (or a stray reservation) over: `None` if it changed meanwhile.
+    TakeOver,
+}
+
 /// What clones of a store share.
 pub(crate) struct Shared<D: SqlxDialect> {
     pub(crate) transactions: Pool<D::Db>,
@@ -132,16 +135,9 @@ pub(crate) struct Shared<D: SqlxDialect> {
 
 /// An [`IdempotencyStore`] on sqlx, on the database of `D`. Cheap to clone; clones share the
 /// pools.
+#[derive(Clone)]
 pub struct SqlxStore<D: SqlxDialect> {
     pub(crate) shared: Arc<Shared<D>>,
-}
-
-impl<D: SqlxDialect> Clone for SqlxStore<D> {
-    fn clone(&self) -> Self {
-        SqlxStore {
-            shared: Arc::clone(&self.shared),
-        }
-    }
 }
 
 impl<D: SqlxDialect> fmt::Debug for SqlxStore<D> {
@@ -229,7 +225,7 @@ impl<D: SqlxDialect> ReserveStatements for Statements<'_, D> {
     type Row = D::RowId;
 
     async fn insert(&mut self) -> Result<Option<D::RowId>, Error> {
-        D::insert(self.conn, self.scope, self.now).await
+        D::reserve(self.conn, ReserveStep::Insert, self.scope, self.now).await
     }
 
     async fn select(&mut self) -> Result<Option<Option<StoredRecord>>, Error> {
@@ -238,7 +234,7 @@ impl<D: SqlxDialect> ReserveStatements for Statements<'_, D> {
     }
 
     async fn take_over(&mut self) -> Result<Option<D::RowId>, Error> {
-        D::take_over(self.conn, self.scope, self.now).await
+        D::reserve(self.conn, ReserveStep::TakeOver, self.scope, self.now).await
     }
 }
 

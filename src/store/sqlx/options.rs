@@ -2,7 +2,6 @@
 //! transactions, and a read pool for replays (the caller's, or one made from the same connect
 //! options).
 
-use std::fmt;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,6 +13,7 @@ use super::{Shared, SqlxDialect, SqlxStore};
 use crate::store::reserve::Isolation;
 
 /// Options for a [`SqlxStore`]; see [`SqlxStore::builder`].
+#[derive(Clone, Debug)]
 pub struct SqlxOptions<D: SqlxDialect> {
     pool: Pool<D::Db>,
     reads: Option<Pool<D::Db>>,
@@ -21,29 +21,6 @@ pub struct SqlxOptions<D: SqlxDialect> {
     read_wait: Duration,
     isolation: Isolation,
     pub(crate) conflict_retries: u32,
-}
-
-impl<D: SqlxDialect> Clone for SqlxOptions<D> {
-    fn clone(&self) -> Self {
-        SqlxOptions {
-            pool: self.pool.clone(),
-            reads: self.reads.clone(),
-            ..*self
-        }
-    }
-}
-
-impl<D: SqlxDialect> fmt::Debug for SqlxOptions<D> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("SqlxOptions")
-            .field("pool", &self.pool)
-            .field("reads", &self.reads)
-            .field("max_read_connections", &self.max_read_connections)
-            .field("read_wait", &self.read_wait)
-            .field("isolation", &self.isolation)
-            .field("conflict_retries", &self.conflict_retries)
-            .finish()
-    }
 }
 
 impl<D: SqlxDialect> SqlxOptions<D> {

@@ -45,6 +45,17 @@ impl<D: SqlxDialect> Slot<D> {
         }
     }
 
+    /// Ends the transaction after `error`: a connection to a server that went away or cannot
+    /// take writes is closed rather than returned to the pool; otherwise as
+    /// [`roll_back_and_release`](Self::roll_back_and_release).
+    pub(crate) async fn roll_back_after(&mut self, error: &Error) {
+        if error.is_unavailable() {
+            self.discard();
+        } else {
+            self.roll_back_and_release().await;
+        }
+    }
+
     /// Sends `COMMIT` and gives the connection back; if the server refuses it (it rolled back:
     /// a serialization failure at commit makes the layer run the request again) or the
     /// connection broke, the connection is not reused.
@@ -202,11 +213,10 @@ impl<D: SqlxDialect> Reservation for SqlxReservation<D> {
     /// database had rolled back, and the layer runs the request again.
     async fn rollback(self) -> Result<(), Error> {
         match self.tx.take_connection() {
-            // A server that went away or cannot take writes: not a connection to reuse.
-            Ok(mut slot) if self.tx.conflict().is_some_and(|e| e.is_unavailable()) => {
-                slot.discard()
-            }
-            Ok(mut slot) => slot.roll_back_and_release().await,
+            Ok(mut slot) => match self.tx.conflict() {
+                Some(observed) => slot.roll_back_after(&observed).await,
+                None => slot.roll_back_and_release().await,
+            },
             // Nothing to roll back here: a borrower still holds it (the slot's `Drop` closes
             // it later), or it is already gone.
             Err(error) => tracing::warn!(%error, "rollback deferred to the connection's release"),

@@ -5,11 +5,16 @@
 
 use bytes::Bytes;
 use futures_util::future::BoxFuture;
+use sqlx::query::Query;
 use sqlx::{ColumnIndex, Database, Decode, Encode, Executor, IntoArguments, Pool, Row, Type};
 
 use super::pool_error;
 use crate::error::Error;
-use crate::store::{SavedColumns, Scope, StoredRecord};
+use crate::response::SavedResponse;
+use crate::store::{to_unix_millis, NewRecord, SavedColumns, Scope, StoredRecord};
+
+/// A statement of the store, its binds still to come.
+pub type Statement<'q, DB> = Query<'q, DB, <DB as Database>::Arguments<'q>>;
 
 /// A sqlx database the store runs on.
 pub trait SqlxDatabase: Database {
@@ -18,6 +23,13 @@ pub trait SqlxDatabase: Database {
 
     /// `pool` as an executor: each statement on a connection of its own, in autocommit.
     fn pool_executor<'p>(pool: &'p Pool<Self>) -> impl Executor<'p, Database = Self> + 'p;
+
+    /// Binds the scope: tenant, operation, key.
+    fn bind_scope<'q>(query: Statement<'q, Self>, scope: &'q Scope) -> Statement<'q, Self>;
+
+    /// Binds the completed record's columns: fingerprint, fingerprint version, status,
+    /// headers, body, trailers, created and expiry times.
+    fn bind_record<'q>(query: Statement<'q, Self>, record: &'q NewRecord) -> Statement<'q, Self>;
 
     /// Runs `sql`, whose binds are the scope and then, if `bind_now`, `now`, and reads its
     /// row (the columns of the record statements): `None` when there is none, `Some(None)`
@@ -49,6 +61,10 @@ where
     for<'r> &'r [u8]: Decode<'r, DB> + Type<DB>,
     i32: for<'r> Decode<'r, DB> + Type<DB>,
     i64: for<'q> Encode<'q, DB> + for<'r> Decode<'r, DB> + Type<DB>,
+    for<'q> &'q [u8]: Encode<'q, DB>,
+    i32: for<'q> Encode<'q, DB>,
+    String: for<'q> Encode<'q, DB> + Type<DB>,
+    Option<String>: for<'q> Encode<'q, DB>,
     usize: ColumnIndex<DB::Row>,
     DB::QueryResult: RowsAffected,
 {
@@ -60,6 +76,30 @@ where
         pool
     }
 
+    fn bind_scope<'q>(query: Statement<'q, DB>, scope: &'q Scope) -> Statement<'q, DB> {
+        query
+            .bind(&*scope.tenant)
+            .bind(&*scope.operation)
+            .bind(scope.key.as_str())
+    }
+
+    fn bind_record<'q>(query: Statement<'q, DB>, record: &'q NewRecord) -> Statement<'q, DB> {
+        let response = &record.response;
+        let trailers = response
+            .trailers
+            .as_ref()
+            .map(|t| SavedResponse::encode_headers(t));
+        query
+            .bind(&record.fingerprint.digest()[..])
+            .bind(i32::from(record.fingerprint.version()))
+            .bind(i32::from(response.status.as_u16()))
+            .bind(SavedResponse::encode_headers(&response.headers))
+            .bind(&response.body[..])
+            .bind(trailers)
+            .bind(to_unix_millis(record.created_at))
+            .bind(to_unix_millis(record.expires_at))
+    }
+
     fn fetch_record<'e>(
         executor: impl Executor<'e, Database = DB> + 'e,
         sql: &'e str,
@@ -67,10 +107,7 @@ where
         now: i64,
         bind_now: bool,
     ) -> BoxFuture<'e, Result<Option<Option<StoredRecord>>, Error>> {
-        let query = sqlx::query::<DB>(sql)
-            .bind(&*scope.tenant)
-            .bind(&*scope.operation)
-            .bind(scope.key.as_str());
+        let query = Self::bind_scope(sqlx::query(sql), scope);
         let query = if bind_now { query.bind(now) } else { query };
         let row = executor.fetch_optional(query);
         Box::pin(async move {

@@ -49,10 +49,9 @@ use sqlx::Executor as _;
 use tokio::time::Instant;
 
 use super::sql_guard::mysql as sql_guard;
-use super::sqlx::{RowsAffected, SqlxDialect, SqlxOptions, SqlxStore};
-use super::{to_unix_millis, NewRecord, Scope};
+use super::sqlx::{ReserveStep, RowsAffected, SqlxDatabase, SqlxDialect, SqlxOptions, SqlxStore};
+use super::{NewRecord, Scope};
 use crate::error::{mysql_number, sqlx_code, Error, MYSQL_DEADLOCK};
-use crate::response::SavedResponse;
 
 mod sql;
 
@@ -68,20 +67,15 @@ const DUPLICATE_KEY: u16 = 1062;
 /// The longest tenant, operation or key the table holds, in bytes.
 pub const MAX_SCOPE_BYTES: usize = 255;
 
-/// A MySQL- or MariaDB-backed [`IdempotencyStore`](crate::IdempotencyStore) on sqlx. Cheap to
+/// A MySQL- or MariaDB-backed [`IdempotencyStore`](crate::store::IdempotencyStore) on sqlx. Cheap to
 /// clone; clones share the pools.
 pub type SqlxMySqlStore = SqlxStore<MySqlDialect>;
 
 /// Options for a [`SqlxMySqlStore`]; see [`SqlxMySqlStore::builder`].
 pub type SqlxMySqlOptions = SqlxOptions<MySqlDialect>;
 
-/// The handle a handler uses to write its rows in the request's transaction.
-///
-/// The layer puts it in the request extensions (take it with
-/// [`Tx<SqlxTransaction>`](crate::extract::Tx) in axum). Everything run on the connection it
-/// lends belongs to the same InnoDB transaction as the idempotency record: it commits when
-/// the layer saves the response, and rolls back if the handler fails, panics or the client
-/// goes away.
+/// The handle a handler uses to write its rows in the request's InnoDB transaction (what every
+/// sqlx store's handle does: [`store::sqlx::SqlxTransaction`](super::sqlx::SqlxTransaction)).
 ///
 /// ```no_run
 /// # async fn handler(tx: tower_idempotency::store::sqlx_mysql::SqlxTransaction)
@@ -95,55 +89,36 @@ pub type SqlxMySqlOptions = SqlxOptions<MySqlDialect>;
 /// # Ok(done.last_insert_id()) }
 /// ```
 ///
-/// - The layer commits: `COMMIT`, `ROLLBACK`, `BEGIN`, and the statements after which MySQL
-///   commits on its own (DDL, `LOCK TABLES`, `SET autocommit`...) are refused before they
-///   reach the server (see [`TxConnection`]).
+/// - Refused besides `COMMIT`, `ROLLBACK` and `BEGIN`: the statements after which MySQL
+///   commits on its own (DDL, `LOCK TABLES`, `SET autocommit`...; see [`TxConnection`]).
 /// - A failed statement is rolled back on its own and the transaction goes on (InnoDB's way),
 ///   except a deadlock (`1213`), after which InnoDB has rolled the whole transaction back: the
-///   connection then refuses further statements, and the layer runs the request again in a
-///   fresh transaction, up to
-///   [`with_conflict_retries`](crate::IdempotencyLayer::with_conflict_retries) times, then
-///   answers `503` with `Retry-After`.
+///   connection then refuses further statements, and the layer runs the request again.
 /// - Lock waits are bounded by the layer's lock timeout (`innodb_lock_wait_timeout`, whole
 ///   seconds): past it a statement fails with `1205`.
-/// - Drop the [`SqlxConnection`] before the handler returns; after the request ends the
-///   handle refuses work ([`Error::TransactionFinished`]).
 pub type SqlxTransaction = super::sqlx::SqlxTransaction<MySqlDialect>;
 
 /// The transaction's connection, borrowed from a [`SqlxTransaction`]: dereferences to a
-/// [`TxConnection`], whose `&mut` is a [`sqlx::Executor`] (`.execute(&mut *conn)`).
+/// [`TxConnection`].
 pub type SqlxConnection = super::sqlx::SqlxConnection<MySqlDialect>;
 
-/// A pooled connection inside the request's transaction. `&mut TxConnection` is a
-/// [`sqlx::Executor`] for MySQL: `query`, `query_as`, `query_scalar`, `raw_sql` and the
-/// `query!` macros run on it as on a `&mut MySqlConnection`, with three checks:
+/// A pooled connection inside the request's transaction (see
+/// [`store::sqlx::TxConnection`](super::sqlx::TxConnection)): `&mut TxConnection` is a
+/// [`sqlx::Executor`] for MySQL, on which sqlx code runs as on a `&mut MySqlConnection`.
 ///
-/// - **No transaction control.** `BEGIN`, `START TRANSACTION`, `COMMIT`, `ROLLBACK`, `XA`,
-///   `LOCK`/`UNLOCK TABLES`, `SET autocommit`, SQL-level `PREPARE`/`EXECUTE`, and the
-///   statements that commit implicitly (`CREATE`, `ALTER`, `DROP`, `RENAME`, `TRUNCATE`,
-///   `GRANT`, table maintenance...) are refused before they reach the server, and nothing of
-///   the call runs (the error's message names the statement). `SAVEPOINT`, `RELEASE
-///   SAVEPOINT`, `ROLLBACK TO`, `CREATE TEMPORARY TABLE` and `DROP TEMPORARY TABLE` are
-///   allowed. Every statement goes with the binary protocol, which runs one statement per
-///   string: SQL without bind parameters (`raw_sql`, a `&str`), which sqlx would send as text
-///   with several statements allowed, is cut into statements, all are checked, and each is
-///   sent on its own. (Its rows come back once the last statement has run.) A stored
-///   procedure (`CALL`) runs unchecked: one that commits commits the request's transaction.
-/// - **Deadlocks are seen by the layer.** A deadlock that a statement gets is returned to the
-///   handler as usual, and also kept: the layer then runs the request again (see
-///   [`SqlxTransaction`]).
-/// - **Nothing runs after a deadlock.** InnoDB has rolled the transaction back by then; what
-///   followed would run in another transaction, so it is refused.
-///
-/// It does not hand out the `MySqlConnection` itself, so that nothing bypasses the checks.
+/// `BEGIN`, `START TRANSACTION`, `COMMIT`, `ROLLBACK`, `XA`, `LOCK`/`UNLOCK TABLES`, `SET
+/// autocommit`, SQL-level `PREPARE`/`EXECUTE`, and the statements that commit implicitly
+/// (`CREATE`, `ALTER`, `DROP`, `RENAME`, `TRUNCATE`, `GRANT`, table maintenance...) are
+/// refused. `SAVEPOINT`, `RELEASE SAVEPOINT`, `ROLLBACK TO`, `CREATE TEMPORARY TABLE` and `DROP
+/// TEMPORARY TABLE` are allowed. Every statement goes with the binary protocol, which runs one
+/// statement per string (SQL without bind parameters is cut into statements). A stored
+/// procedure (`CALL`) runs unchecked: one that commits commits the request's transaction.
+/// Nothing runs after a deadlock: InnoDB has rolled the transaction back by then, and what
+/// followed would run in another transaction.
 pub type TxConnection = super::sqlx::TxConnection<MySqlDialect>;
 
-/// The open transaction of one request: the owner side, which the layer holds and ends.
-///
-/// [`commit`](crate::store::Reservation::commit) and
-/// [`rollback`](crate::store::Reservation::rollback) consume it; dropping it without either
-/// rolls back (by closing its connection; see the module docs). The handler gets a
-/// [`SqlxTransaction`] on it, never the transaction itself.
+/// The open transaction of one request: the owner side, which the layer holds and ends (see
+/// [`store::sqlx::SqlxReservation`](super::sqlx::SqlxReservation)).
 pub type SqlxReservation = super::sqlx::SqlxReservation<MySqlDialect>;
 
 /// MySQL and MariaDB as the sqlx store's database: the SQL of this module, duplicate-key
@@ -234,41 +209,38 @@ impl SqlxDialect for MySqlDialect {
         sql::begin_request(isolation, lock_wait_secs)
     }
 
-    fn insert<'a>(
+    /// The insert fails with a duplicate key once a committed row has the key; the take-over
+    /// changes no row if the row changed meanwhile.
+    fn reserve<'a>(
         conn: &'a mut MySqlConnection,
+        step: ReserveStep,
         scope: &'a Scope,
         now: i64,
     ) -> BoxFuture<'a, Result<Option<()>, Error>> {
-        let insert = sqlx::query(sql::INSERT_RESERVATION)
-            .bind(&*scope.tenant)
-            .bind(&*scope.operation)
-            .bind(scope.key.as_str())
-            .bind(now)
-            .bind(now);
-        let inserted = conn.execute(insert);
+        let query = match step {
+            ReserveStep::Insert => MySql::bind_scope(sqlx::query(sql::INSERT_RESERVATION), scope)
+                .bind(now)
+                .bind(now),
+            ReserveStep::TakeOver => {
+                let query = sqlx::query(sql::TAKE_OVER).bind(now).bind(now);
+                MySql::bind_scope(query, scope).bind(now)
+            }
+        };
+        let done = conn.execute(query);
         Box::pin(async move {
-            match inserted.await {
-                Ok(_) => Ok(Some(())),
-                Err(error) if mysql_number(&error) == Some(DUPLICATE_KEY) => Ok(None),
+            match done.await {
+                Ok(done) => {
+                    Ok((step == ReserveStep::Insert || done.rows_affected() == 1).then_some(()))
+                }
+                Err(error)
+                    if step == ReserveStep::Insert
+                        && mysql_number(&error) == Some(DUPLICATE_KEY) =>
+                {
+                    Ok(None)
+                }
                 Err(error) => Err(error.into()),
             }
         })
-    }
-
-    fn take_over<'a>(
-        conn: &'a mut MySqlConnection,
-        scope: &'a Scope,
-        now: i64,
-    ) -> BoxFuture<'a, Result<Option<()>, Error>> {
-        let take_over = sqlx::query(sql::TAKE_OVER)
-            .bind(now)
-            .bind(now)
-            .bind(&*scope.tenant)
-            .bind(&*scope.operation)
-            .bind(scope.key.as_str())
-            .bind(now);
-        let done = conn.execute(take_over);
-        Box::pin(async move { Ok((done.await?.rows_affected() == 1).then_some(())) })
     }
 
     /// The `UPDATE` must change exactly the reservation row: if it is gone or completed, the
@@ -279,24 +251,8 @@ impl SqlxDialect for MySqlDialect {
         _row: &'a (),
         record: &'a NewRecord,
     ) -> BoxFuture<'a, Result<(), Error>> {
-        let response = &record.response;
-        let trailers = response
-            .trailers
-            .as_ref()
-            .map(|t| SavedResponse::encode_headers(t));
-        let complete = sqlx::query(sql::COMPLETE_RECORD)
-            .bind(&record.fingerprint.digest()[..])
-            .bind(i32::from(record.fingerprint.version()))
-            .bind(i32::from(response.status.as_u16()))
-            .bind(SavedResponse::encode_headers(&response.headers))
-            .bind(&response.body[..])
-            .bind(trailers)
-            .bind(to_unix_millis(record.created_at))
-            .bind(to_unix_millis(record.expires_at))
-            .bind(&*scope.tenant)
-            .bind(&*scope.operation)
-            .bind(scope.key.as_str());
-        let saved = conn.execute(complete);
+        let complete = MySql::bind_record(sqlx::query(sql::COMPLETE_RECORD), record);
+        let saved = conn.execute(MySql::bind_scope(complete, scope));
         Box::pin(async move {
             if saved.await?.rows_affected() == 1 {
                 Ok(())

@@ -76,10 +76,9 @@ use super::pg_sql::{
     TAKE_OVER,
 };
 use super::sql_guard;
-use super::sqlx::{RowsAffected, SqlxDialect, SqlxOptions, SqlxStore};
-use super::{to_unix_millis, NewRecord, Scope};
+use super::sqlx::{ReserveStep, RowsAffected, SqlxDatabase, SqlxDialect, SqlxOptions, SqlxStore};
+use super::{NewRecord, Scope};
 use crate::error::{sqlx_code, Error};
-use crate::response::SavedResponse;
 
 mod migrate;
 #[cfg(feature = "outbox")]
@@ -91,20 +90,15 @@ pub use sqlx;
 
 pub use super::pg_reserve::Isolation;
 
-/// A PostgreSQL-backed [`IdempotencyStore`](crate::IdempotencyStore) on sqlx. Cheap to clone;
+/// A PostgreSQL-backed [`IdempotencyStore`](crate::store::IdempotencyStore) on sqlx. Cheap to clone;
 /// clones share the pools.
 pub type SqlxPostgresStore = SqlxStore<PgDialect>;
 
 /// Options for a [`SqlxPostgresStore`]; see [`SqlxPostgresStore::builder`].
 pub type SqlxPostgresOptions = SqlxOptions<PgDialect>;
 
-/// The handle a handler uses to write its rows in the request's transaction.
-///
-/// The layer puts it in the request extensions (take it with
-/// [`Tx<SqlxTransaction>`](crate::extract::Tx) in axum). Everything run on the connection it
-/// lends belongs to the same PostgreSQL transaction as the idempotency record: it commits when
-/// the layer saves the response, and rolls back if the handler fails, panics or the client
-/// goes away.
+/// The handle a handler uses to write its rows in the request's PostgreSQL transaction (what
+/// every sqlx store's handle does: [`store::sqlx::SqlxTransaction`](super::sqlx::SqlxTransaction)).
 ///
 /// ```no_run
 /// # async fn handler(tx: tower_idempotency::store::sqlx_postgres::SqlxTransaction)
@@ -119,51 +113,31 @@ pub type SqlxPostgresOptions = SqlxOptions<PgDialect>;
 /// # Ok(order_id) }
 /// ```
 ///
-/// - The layer commits: `COMMIT`, `ROLLBACK`, `BEGIN` and the like are refused before they
-///   reach the server (see [`TxConnection`]).
 /// - A failed statement aborts the whole PostgreSQL transaction: answer an error status (the
 ///   layer then rolls back) rather than carrying on. Use a `SAVEPOINT` to recover from an
 ///   expected failure inside the transaction.
-/// - A serialization failure (`40001`) or deadlock (`40P01`) of one of the handler's
-///   statements is noticed by the layer, whatever the handler answers: it runs the request
-///   again in a fresh transaction, up to
-///   [`with_conflict_retries`](crate::IdempotencyLayer::with_conflict_retries) times, then
-///   answers `503` with `Retry-After`.
+/// - The conflicts the layer runs the request again after are serialization failures
+///   (`40001`) and deadlocks (`40P01`).
 /// - Statements run with the layer's `lock_timeout` (`SET LOCAL`): a lock wait past it fails
 ///   with SQLSTATE `55P03`.
-/// - Drop the [`SqlxConnection`] before the handler returns; after the request ends the
-///   handle refuses work ([`Error::TransactionFinished`]).
 pub type SqlxTransaction = super::sqlx::SqlxTransaction<PgDialect>;
 
 /// The transaction's connection, borrowed from a [`SqlxTransaction`]: dereferences to a
-/// [`TxConnection`], whose `&mut` is a [`sqlx::Executor`] (`.execute(&mut *conn)`).
+/// [`TxConnection`].
 pub type SqlxConnection = super::sqlx::SqlxConnection<PgDialect>;
 
-/// A pooled connection inside the request's transaction. `&mut TxConnection` is a
-/// [`sqlx::Executor`] for PostgreSQL: `query`, `query_as`, `query_scalar`, `raw_sql` and the
-/// `query!` macros run on it as on a `&mut PgConnection`, with two checks:
+/// A pooled connection inside the request's transaction (see
+/// [`store::sqlx::TxConnection`](super::sqlx::TxConnection)): `&mut TxConnection` is a
+/// [`sqlx::Executor`] for PostgreSQL, on which sqlx code runs as on a `&mut PgConnection`.
 ///
-/// - **No transaction control.** `BEGIN`, `START TRANSACTION`, `COMMIT`, `END`, `ROLLBACK`,
-///   `ABORT`, `PREPARE TRANSACTION` and `COMMIT`/`ROLLBACK PREPARED` are refused before they
-///   reach the server, and nothing of the call runs (the error's message names the
-///   statement). `SAVEPOINT`, `RELEASE` and `ROLLBACK TO` are allowed: they stay inside the
-///   transaction. Every statement goes with the extended protocol, which runs one command per
-///   string: SQL without bind parameters (`raw_sql`, a `&str`), which sqlx would send with the
-///   simple protocol, is cut into statements, all are checked, and each is sent on its own.
-///   (Its rows come back once the last statement has run.)
-/// - **Conflicts are seen by the layer.** A serialization failure or a deadlock that a
-///   statement gets is returned to the handler as usual, and also kept: the layer then runs
-///   the request again (see [`SqlxTransaction`]).
-///
-/// It does not hand out the `PgConnection` itself, so that nothing bypasses the checks.
+/// `BEGIN`, `START TRANSACTION`, `COMMIT`, `END`, `ROLLBACK`, `ABORT`, `PREPARE TRANSACTION`
+/// and `COMMIT`/`ROLLBACK PREPARED` are refused; `SAVEPOINT`, `RELEASE` and `ROLLBACK TO` are
+/// allowed: they stay inside the transaction. Every statement goes with the extended protocol,
+/// which runs one command per string (SQL without bind parameters is cut into statements).
 pub type TxConnection = super::sqlx::TxConnection<PgDialect>;
 
-/// The open transaction of one request: the owner side, which the layer holds and ends.
-///
-/// [`commit`](crate::store::Reservation::commit) and
-/// [`rollback`](crate::store::Reservation::rollback) consume it; dropping it without either
-/// rolls back (by closing its connection; see the module docs). The handler gets a
-/// [`SqlxTransaction`] on it, never the transaction itself.
+/// The open transaction of one request: the owner side, which the layer holds and ends (see
+/// [`store::sqlx::SqlxReservation`](super::sqlx::SqlxReservation)).
 pub type SqlxReservation = super::sqlx::SqlxReservation<PgDialect>;
 
 /// PostgreSQL as the sqlx store's database: the SQL of `store::pg_sql` (shared with the
@@ -184,22 +158,6 @@ impl RowsAffected for PgQueryResult {
     fn rows_affected(&self) -> u64 {
         PgQueryResult::rows_affected(self)
     }
-}
-
-/// Runs the reservation `sql` (binds: the scope, `now`), which returns the row's address.
-fn reserve_row<'a>(
-    conn: &'a mut PgConnection,
-    sql: &'a str,
-    scope: &'a Scope,
-    now: i64,
-) -> BoxFuture<'a, Result<Option<String>, Error>> {
-    let query = sqlx::query(sql)
-        .bind(&*scope.tenant)
-        .bind(&*scope.operation)
-        .bind(scope.key.as_str())
-        .bind(now);
-    let row = conn.fetch_optional(query);
-    Box::pin(async move { Ok(row.await?.map(|row| row.try_get(0)).transpose()?) })
 }
 
 impl super::sqlx::sealed::Sealed for PgDialect {}
@@ -225,48 +183,32 @@ impl SqlxDialect for PgDialect {
         isolation.begin_request(deadline)
     }
 
-    fn insert<'a>(
+    /// Both statements return the row's address.
+    fn reserve<'a>(
         conn: &'a mut PgConnection,
+        step: ReserveStep,
         scope: &'a Scope,
         now: i64,
     ) -> BoxFuture<'a, Result<Option<String>, Error>> {
-        reserve_row(conn, INSERT_RESERVATION, scope, now)
-    }
-
-    fn take_over<'a>(
-        conn: &'a mut PgConnection,
-        scope: &'a Scope,
-        now: i64,
-    ) -> BoxFuture<'a, Result<Option<String>, Error>> {
-        reserve_row(conn, TAKE_OVER, scope, now)
+        let sql = match step {
+            ReserveStep::Insert => INSERT_RESERVATION,
+            ReserveStep::TakeOver => TAKE_OVER,
+        };
+        let query = Postgres::bind_scope(sqlx::query(sql), scope).bind(now);
+        let row = conn.fetch_optional(query);
+        Box::pin(async move { Ok(row.await?.map(|row| row.try_get(0)).transpose()?) })
     }
 
     /// The `UPDATE` fails unless the reservation row was written by this very transaction
-    /// (`xmin`; see [`COMPLETE_RECORD`]).
+    /// (`xmin`).
     fn complete<'a>(
         conn: &'a mut PgConnection,
         scope: &'a Scope,
         row: &'a String,
         record: &'a NewRecord,
     ) -> BoxFuture<'a, Result<(), Error>> {
-        let response = &record.response;
-        let trailers = response
-            .trailers
-            .as_ref()
-            .map(|t| SavedResponse::encode_headers(t));
-        let complete = sqlx::query(COMPLETE_RECORD)
-            .bind(&*scope.tenant)
-            .bind(&*scope.operation)
-            .bind(scope.key.as_str())
-            .bind(&record.fingerprint.digest()[..])
-            .bind(i32::from(record.fingerprint.version()))
-            .bind(i32::from(response.status.as_u16()))
-            .bind(SavedResponse::encode_headers(&response.headers))
-            .bind(&response.body[..])
-            .bind(trailers)
-            .bind(to_unix_millis(record.created_at))
-            .bind(to_unix_millis(record.expires_at))
-            .bind(row.as_str());
+        let complete = Postgres::bind_scope(sqlx::query(COMPLETE_RECORD), scope);
+        let complete = Postgres::bind_record(complete, record).bind(row.as_str());
         let saved = conn.execute(complete);
         Box::pin(async move {
             match saved.await {
