@@ -1,7 +1,8 @@
 //! How a SQL store with row locks reserves a key, written once for every such driver
 //! (tokio-postgres, sqlx on PostgreSQL, sqlx on MySQL and MariaDB): the decision between
-//! reserving, replaying and taking over an expired record, and the bounded retry of a
-//! reservation that hit a serialization failure or a deadlock. Each driver runs its own three
+//! reserving, replaying and taking over an expired record, the bounded retry of a
+//! reservation that hit a serialization failure or a deadlock ([`begin_with_retries`]), and the
+//! bound on the replay fast path's read ([`within`]). Each driver runs its own three
 //! statements through [`ReserveStatements`].
 
 use std::future::Future;

@@ -169,10 +169,20 @@ pub(crate) struct OwnedTransaction<S: TxSlot> {
 
 #[cfg(feature = "outbox")]
 impl<S: OwnedSlot> OwnedTransaction<S> {
-    pub(crate) fn new(token: u64, slot: S) -> Self {
-        OwnedTransaction {
-            tx: Arc::new(TxShared::new(token, slot)),
+    /// The transaction on `slot`, marked with `token`, once its `BEGIN` has run (`begun`); if
+    /// that failed, the slot is rolled back and the error returned.
+    pub(crate) async fn opened(
+        token: u64,
+        mut slot: S,
+        begun: Result<(), Error>,
+    ) -> Result<Self, Error> {
+        if let Err(error) = begun {
+            slot.roll_back_and_release().await;
+            return Err(error);
         }
+        Ok(OwnedTransaction {
+            tx: Arc::new(TxShared::new(token, slot)),
+        })
     }
 
     /// Commits, after checking that the transaction is still the one the store opened and

@@ -16,7 +16,7 @@ impl PostgresStore {
     /// connection, with the store's isolation level. It is used through the same handle as a
     /// request's transaction and rolls back the same way if dropped.
     pub(crate) async fn begin_owned(&self) -> Result<OwnedTransaction<Slot>, Error> {
-        let mut slot = Slot {
+        let slot = Slot {
             object: Some(self.client().await?),
         };
         let token = self.shared.reservations.fetch_add(1, Ordering::Relaxed);
@@ -28,11 +28,7 @@ impl PostgresStore {
                 .map_err(Error::from),
             Err(error) => Err(error),
         };
-        if let Err(error) = begun {
-            slot.roll_back_and_release().await;
-            return Err(error);
-        }
-        Ok(OwnedTransaction::new(token, slot))
+        OwnedTransaction::opened(token, slot, begun).await
     }
 
     /// [`PostgresOptions::serialization_retries`](super::PostgresOptions::serialization_retries).

@@ -23,14 +23,14 @@ impl SqlxPostgresStore {
         let token = self.next_token();
         let begin = self.shared.isolation.begin_owned(token);
         let begun = match slot.raw() {
-            Ok(conn) => conn.execute(begin.as_str()).await.map_err(Error::from),
+            Ok(conn) => conn
+                .execute(begin.as_str())
+                .await
+                .map(drop)
+                .map_err(Error::from),
             Err(error) => Err(error),
         };
-        if let Err(error) = begun {
-            slot.roll_back_and_release().await;
-            return Err(error);
-        }
-        Ok(OwnedTransaction::new(token, slot))
+        OwnedTransaction::opened(token, slot, begun).await
     }
 
     /// [`SqlxPostgresOptions::serialization_retries`](super::SqlxPostgresOptions::serialization_retries).
