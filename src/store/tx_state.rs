@@ -139,7 +139,10 @@ impl<S: TxSlot> TxShared<S> {
 }
 
 /// What a store's own transaction (the inbox's, outside any request) needs from its slot.
-#[cfg(feature = "outbox")]
+#[cfg(all(
+    feature = "outbox",
+    any(feature = "postgres", feature = "sqlx-postgres")
+))]
 pub(crate) trait OwnedSlot: TxSlot + Send {
     /// Ends the transaction with `ROLLBACK` and gives the connection back (or discards it).
     fn roll_back_and_release(&mut self) -> impl std::future::Future<Output = ()> + Send;
@@ -162,12 +165,18 @@ pub(crate) trait OwnedSlot: TxSlot + Send {
 /// A transaction a store opened for itself, committed or rolled back by its owner (the
 /// inbox) rather than by the layer, through the same handles as a request's. Dropping it
 /// without either rolls back (by closing its connection, as for a request).
-#[cfg(feature = "outbox")]
+#[cfg(all(
+    feature = "outbox",
+    any(feature = "postgres", feature = "sqlx-postgres")
+))]
 pub(crate) struct OwnedTransaction<S: TxSlot> {
     pub(crate) tx: Arc<TxShared<S>>,
 }
 
-#[cfg(feature = "outbox")]
+#[cfg(all(
+    feature = "outbox",
+    any(feature = "postgres", feature = "sqlx-postgres")
+))]
 impl<S: OwnedSlot> OwnedTransaction<S> {
     /// The transaction on `slot`, marked with `token`, once its `BEGIN` has run (`begun`); if
     /// that failed, the slot is rolled back and the error returned.
@@ -219,7 +228,10 @@ impl<S: OwnedSlot> OwnedTransaction<S> {
     }
 }
 
-#[cfg(feature = "outbox")]
+#[cfg(all(
+    feature = "outbox",
+    any(feature = "postgres", feature = "sqlx-postgres")
+))]
 impl<S: TxSlot> Drop for OwnedTransaction<S> {
     fn drop(&mut self) {
         self.tx.abandon();
