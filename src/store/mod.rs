@@ -48,10 +48,18 @@ mod reserve;
 mod sql_guard;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
+#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
+pub mod sqlx;
 #[cfg(feature = "sqlx-mysql")]
 pub mod sqlx_mysql;
 #[cfg(feature = "sqlx-postgres")]
 pub mod sqlx_postgres;
+#[cfg(any(
+    feature = "postgres",
+    feature = "sqlx-postgres",
+    feature = "sqlx-mysql"
+))]
+mod tx_state;
 
 #[cfg(any(
     feature = "sqlite",

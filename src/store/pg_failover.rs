@@ -1,9 +1,7 @@
 //! What a PostgreSQL failover looks like to the stores (both drivers): the errors that mean
-//! the server went away, is shutting down or starting, or can no longer take writes, and what
-//! a transaction's handles saw go wrong ([`Observed`]), so that the layer answers `503` with
-//! `Retry-After` whatever the handler made of it.
-
-use crate::error::Error;
+//! the server went away, is shutting down or starting, or can no longer take writes, so that
+//! the layer answers `503` with `Retry-After` whatever the handler made of it (a handle's
+//! statement that got one is kept as [`Observed::Unavailable`](super::tx_state::Observed)).
 
 /// SQLSTATEs of a server that cannot serve the transaction: `25006` (read-only: a standby, or
 /// an old primary fenced with `default_transaction_read_only`), `57P01` (admin shutdown: a
@@ -38,48 +36,6 @@ pub(crate) fn sqlx_unavailable(error: &sqlx::Error) -> bool {
     match error {
         sqlx::Error::Io(_) | sqlx::Error::WorkerCrashed => true,
         other => crate::error::sqlx_code(other).is_some_and(|code| is_unavailable_code(&code)),
-    }
-}
-
-/// What a statement run through a transaction's handle got that ends the transaction
-/// whatever the handler answers: the store reports it at commit or rollback
-/// ([`into_error`](Self::into_error)).
-#[derive(Clone, Debug)]
-pub(crate) enum Observed {
-    /// A serialization failure or deadlock: the layer runs the request again.
-    Conflict(String),
-    /// The server went away or cannot take writes (see [`postgres_unavailable`]): the layer
-    /// answers `503`; the connection is not reused.
-    Unavailable(String),
-}
-
-impl Observed {
-    /// Keeps what a handle's statement got in `first`, unless `first` already holds something
-    /// (the first error is the cause; later ones follow from it): a serialization failure or
-    /// deadlock (`conflict`), a failover error (`unavailable`), or nothing at all.
-    pub(crate) fn keep_first(
-        first: &std::sync::Mutex<Option<Observed>>,
-        conflict: bool,
-        unavailable: bool,
-        message: impl FnOnce() -> String,
-    ) {
-        let observed = match (conflict, unavailable) {
-            (true, _) => Observed::Conflict(message()),
-            (false, true) => Observed::Unavailable(message()),
-            (false, false) => return,
-        };
-        let mut first = first
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        first.get_or_insert(observed);
-    }
-
-    /// The error a commit or rollback reports for it.
-    pub(crate) fn into_error(self) -> Error {
-        match self {
-            Observed::Conflict(message) => Error::StatementConflict(message),
-            Observed::Unavailable(message) => Error::Unavailable(message),
-        }
     }
 }
 

@@ -2,12 +2,14 @@
 //! (tokio-postgres in `postgres`, sqlx in `sqlx_postgres`): the `BEGIN` at the isolation level,
 //! with its lock waits bounded. The reservation itself (the decision between reserving,
 //! replaying and taking over) is driver-neutral: [`reserve`](super::reserve); each driver runs
-//! the three statements of [`pg_sql`](super::pg_sql) through [`ReserveStatements`].
+//! the three statements of [`pg_sql`](super::pg_sql) through [`ReserveStatements`](super::reserve::ReserveStatements).
 
 use tokio::time::Instant;
 
 pub use super::reserve::Isolation;
-pub(crate) use super::reserve::{reserve, retry_conflicts, ReserveStatements, Reserved};
+// What the tokio-postgres store reaches through this module.
+#[cfg(feature = "postgres")]
+pub(crate) use super::reserve::{reserve, ReserveStatements, Reserved};
 
 impl Isolation {
     /// `BEGIN` at this level, for transactions that set nothing else (the inbox's own).
@@ -17,6 +19,18 @@ impl Isolation {
             Isolation::RepeatableRead => "BEGIN ISOLATION LEVEL REPEATABLE READ",
             Isolation::Serializable => "BEGIN ISOLATION LEVEL SERIALIZABLE",
         }
+    }
+
+    /// `BEGIN` at this level of a transaction a store opens for itself (the inbox's), marked
+    /// with `token` (see `pg_sql::OWN_TRANSACTION_SETTING`). Only an integer is formatted into
+    /// it.
+    #[cfg(feature = "outbox")]
+    pub(crate) fn begin_owned(self, token: u64) -> String {
+        format!(
+            "{}; SET LOCAL {} = '{token}'",
+            self.begin_statement(),
+            super::pg_sql::OWN_TRANSACTION_SETTING
+        )
     }
 
     /// Opens a request's transaction at this level, with its lock waits bounded by `deadline`

@@ -1,14 +1,16 @@
 //! How a SQL store with row locks reserves a key, written once for every such driver
 //! (tokio-postgres, sqlx on PostgreSQL, sqlx on MySQL and MariaDB): the decision between
-//! reserving, replaying and taking over an expired record, and the bounded retry of a
-//! reservation that hit a serialization failure or a deadlock. Each driver runs its own three
+//! reserving, replaying and taking over an expired record, the bounded retry of a
+//! reservation that hit a serialization failure or a deadlock ([`begin_with_retries`]), and the
+//! bound on the replay fast path's read ([`within`]). Each driver runs its own three
 //! statements through [`ReserveStatements`].
 
 use std::future::Future;
+use std::time::{Duration, SystemTime};
 
 use tokio::time::Instant;
 
-use super::StoredRecord;
+use super::{to_unix_millis, StoredRecord};
 use crate::error::Error;
 
 /// The isolation level of the request transactions.
@@ -87,6 +89,35 @@ pub(crate) async fn reserve<S: ReserveStatements>(
         }
     }
     Err(Error::Busy)
+}
+
+/// A store's `begin`: `attempt` (open a transaction and reserve, by the deadline `lock_timeout`
+/// from now, at `now` in milliseconds), retried after a serialization failure or a deadlock
+/// as [`retry_conflicts`] does.
+pub(crate) async fn begin_with_retries<T, F, Fut>(
+    retries: u32,
+    lock_timeout: Duration,
+    now: SystemTime,
+    mut attempt: F,
+) -> Result<T, Error>
+where
+    F: FnMut(Instant, i64) -> Fut,
+    Fut: Future<Output = Result<T, Error>>,
+{
+    let deadline = Instant::now() + lock_timeout;
+    let now = to_unix_millis(now);
+    retry_conflicts(retries, deadline, || attempt(deadline, now)).await
+}
+
+/// The replay fast path's read, given up after `wait` ([`Error::Busy`]: the request then takes
+/// the authoritative write path).
+pub(crate) async fn within<T>(
+    wait: Duration,
+    read: impl Future<Output = Result<T, Error>>,
+) -> Result<T, Error> {
+    tokio::time::timeout(wait, read)
+        .await
+        .map_err(|_| Error::Busy)?
 }
 
 /// Runs `attempt` (open a transaction and reserve) again after a serialization failure or a

@@ -3,15 +3,12 @@
 //! ([`TxShared`]: whether it is finished, its connection, the first conflict a handle's
 //! statement got).
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, PoisonError};
-
 use deadpool_postgres::{ClientWrapper, Object};
-use tokio::sync::{Mutex, OwnedMutexGuard};
 
 use super::reservation::is_conflict_code;
 use crate::error::Error;
-use crate::store::pg_failover::{postgres_unavailable, Observed};
+use crate::store::pg_failover::postgres_unavailable;
+use crate::store::tx_state::{Observed, TxSlot};
 
 /// The connection of one transaction, while it may still be open.
 ///
@@ -23,7 +20,7 @@ use crate::store::pg_failover::{postgres_unavailable, Observed};
 /// otherwise). The cost, a new connection, is paid only when a future is dropped mid-request;
 /// every path the layer drives to its end sends `ROLLBACK` or `COMMIT` and keeps the
 /// connection.
-pub(super) struct Slot {
+pub(crate) struct Slot {
     pub(super) object: Option<Object>,
 }
 
@@ -102,29 +99,19 @@ impl Drop for Slot {
 /// One transaction, shared by its owner ([`PostgresReservation`](super::PostgresReservation)
 /// or the inbox's own transaction) and its [`PostgresTransaction`](super::PostgresTransaction)
 /// handles.
-pub(super) struct TxShared {
-    /// The transaction's number in this process (for `Debug` and the inbox's commit check).
-    pub(super) token: u64,
-    /// Set as soon as the layer starts to commit or roll back: handles refuse work from then on.
-    pub(super) finished: AtomicBool,
-    pub(super) connection: Arc<Mutex<Slot>>,
-    /// The first serialization failure, deadlock or failover error that a statement run
-    /// through a handle got (the database's message). PostgreSQL has rolled the transaction
-    /// back by then (or the server is gone), whatever the handler answers: commit and rollback
-    /// report it, so that the request runs again or is answered `503`.
-    observed: std::sync::Mutex<Option<Observed>>,
+pub(super) type TxShared = crate::store::tx_state::TxShared<Slot>;
+
+impl TxSlot for Slot {
+    fn is_open(&self) -> bool {
+        self.object.is_some()
+    }
+
+    fn discard(&mut self) {
+        Slot::discard(self);
+    }
 }
 
 impl TxShared {
-    pub(super) fn new(token: u64, slot: Slot) -> Self {
-        TxShared {
-            token,
-            finished: AtomicBool::new(false),
-            connection: Arc::new(Mutex::new(slot)),
-            observed: std::sync::Mutex::new(None),
-        }
-    }
-
     /// Keeps `error` if it is the transaction's first serialization failure, deadlock or
     /// failover error.
     pub(super) fn observe(&self, error: &tokio_postgres::Error) {
@@ -137,42 +124,5 @@ impl TxShared {
                 None => error.to_string(),
             },
         );
-    }
-
-    /// What a handle's statement got that ended the transaction, if anything, as the error
-    /// to report.
-    pub(super) fn conflict(&self) -> Option<Error> {
-        self.observed
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
-            .map(Observed::into_error)
-    }
-
-    /// Marks the transaction finished and takes its connection from the handles.
-    pub(super) fn take_connection(&self) -> Result<OwnedMutexGuard<Slot>, Error> {
-        self.finished.store(true, Ordering::Release);
-        // The handler has returned its response; a connection still borrowed now belongs to
-        // a task that outlived its request, still using the transaction: do not commit under it.
-        let slot = self.connection.clone().try_lock_owned().map_err(|_| {
-            Error::TransactionAborted("a handler still holds the transaction's connection")
-        })?;
-        if slot.object.is_none() {
-            return Err(Error::TransactionAborted(
-                "the transaction's connection is gone",
-            ));
-        }
-        Ok(slot)
-    }
-
-    /// The owner went away without committing: refuse further work and close the connection
-    /// (which rolls back).
-    pub(super) fn abandon(&self) {
-        self.finished.store(true, Ordering::Release);
-        // Discard at once if nobody borrows the connection; otherwise the slot's own `Drop`
-        // does it when the last borrower lets go.
-        if let Ok(mut slot) = self.connection.try_lock() {
-            slot.discard();
-        }
     }
 }

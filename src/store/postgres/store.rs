@@ -8,12 +8,11 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use deadpool_postgres::{Object, Pool, PoolError};
-use tokio::time::Instant;
 
 use super::reservation::decode_record;
 use super::{Isolation, PostgresReservation, PURGE_EXPIRED, SELECT_LIVE_RECORD};
 use crate::error::Error;
-use crate::store::pg_reserve;
+use crate::store::reserve;
 use crate::store::{to_unix_millis, Begin, IdempotencyStore, Scope, StoredRecord};
 
 /// What clones of a store share.
@@ -101,9 +100,7 @@ impl IdempotencyStore for PostgresStore {
                 .await?;
             row.as_ref().map(decode_record).transpose()
         };
-        tokio::time::timeout(self.shared.read_wait, read)
-            .await
-            .map_err(|_| Error::Busy)?
+        reserve::within(self.shared.read_wait, read).await
     }
 
     async fn begin(
@@ -112,11 +109,12 @@ impl IdempotencyStore for PostgresStore {
         lock_timeout: Duration,
         now: SystemTime,
     ) -> Result<Begin<PostgresReservation>, Error> {
-        let deadline = Instant::now() + lock_timeout;
-        let now = to_unix_millis(now);
-        pg_reserve::retry_conflicts(self.shared.serialization_retries, deadline, || {
-            self.try_begin(scope, deadline, now)
-        })
+        reserve::begin_with_retries(
+            self.shared.serialization_retries,
+            lock_timeout,
+            now,
+            |deadline, now| self.try_begin(scope, deadline, now),
+        )
         .await
     }
 

@@ -55,18 +55,18 @@ pub(super) const PURGE_EXPIRED: &str =
 /// What `COMMIT` and `ROLLBACK` are followed by: the session's own `autocommit` and lock wait
 /// timeout again (saved by [`begin_request`]), so that the connection goes back to the
 /// application's pool as it came.
-const RESTORE_SESSION: &str = "SET autocommit = @tower_idempotency_autocommit, \
-     innodb_lock_wait_timeout = @tower_idempotency_lock_wait";
+macro_rules! restore_session {
+    () => {
+        "SET autocommit = @tower_idempotency_autocommit, \
+         innodb_lock_wait_timeout = @tower_idempotency_lock_wait"
+    };
+}
 
 /// `COMMIT`, then the session restored (one round trip).
-pub(super) fn commit() -> String {
-    format!("COMMIT; {RESTORE_SESSION}")
-}
+pub(super) const COMMIT: &str = concat!("COMMIT; ", restore_session!());
 
 /// `ROLLBACK`, then the session restored (one round trip).
-pub(super) fn rollback() -> String {
-    format!("ROLLBACK; {RESTORE_SESSION}")
-}
+pub(super) const ROLLBACK: &str = concat!("ROLLBACK; ", restore_session!());
 
 /// Opens a request's transaction at `isolation`, its lock waits bounded by `lock_wait_secs`
 /// (`innodb_lock_wait_timeout` counts whole seconds). `autocommit` is off until the end, so

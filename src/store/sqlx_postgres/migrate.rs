@@ -6,9 +6,10 @@
 // The `Executor` methods keep these futures provably `Send` (see `reservation.rs`).
 use sqlx::{Executor as _, Row as _};
 
-use super::{pool_error, SqlxPostgresStore};
+use super::SqlxPostgresStore;
 use crate::error::Error;
 use crate::store::pg_sql::{Upgrade, ADD_STATE, HAS_COLUMN, MIGRATION_LOCK, SCHEMA};
+use crate::store::sqlx::pool_error;
 
 impl SqlxPostgresStore {
     /// Creates `idempotency_records` if it is missing (the crate's migration file, run under

@@ -62,355 +62,181 @@
 //! migrate run` or `sqlx::migrate!`. Tables are unqualified: they live in the first schema of
 //! the connection's `search_path`.
 
-use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
-use std::time::{Duration, SystemTime};
-
-use bytes::Bytes;
-use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions, PgRow};
+use futures_util::future::BoxFuture;
+use sqlx::postgres::{PgConnection, PgQueryResult, Postgres};
 // The `Executor` methods on a connection rather than the query builders' `execute(conn)`:
 // their boxed futures keep the store's futures provably `Send` (the builders' generic futures
 // hit a rustc limitation on higher-ranked lifetimes there).
 use sqlx::{Executor as _, Row};
 use tokio::time::Instant;
 
-use super::pg_reserve::{self, ReserveStatements, Reserved};
+use super::pg_failover::sqlx_unavailable;
 use super::pg_sql::{
-    INSERT_RESERVATION, PURGE_EXPIRED, SELECT_LIVE_RECORD, SELECT_RECORD, TAKE_OVER,
+    COMPLETE_RECORD, INSERT_RESERVATION, PURGE_EXPIRED, SELECT_LIVE_RECORD, SELECT_RECORD,
+    TAKE_OVER,
 };
-use super::{to_unix_millis, Begin, IdempotencyStore, SavedColumns, Scope, StoredRecord};
+use super::sql_guard;
+use super::sqlx::{ReserveStep, RowsAffected, SqlxDatabase, SqlxDialect, SqlxOptions, SqlxStore};
+use super::{NewRecord, Scope};
 use crate::error::{sqlx_code, Error};
 
-mod handle;
 mod migrate;
 #[cfg(feature = "outbox")]
 mod owned;
-mod reservation;
 
-pub use handle::{SqlxConnection, SqlxTransaction, TxConnection};
-use reservation::Slot;
-pub use reservation::SqlxReservation;
 /// The sqlx version of the pools and of the handle's connection: depend on it through this
 /// re-export (or keep yours on the same 0.8 release).
 pub use sqlx;
 
 pub use super::pg_reserve::Isolation;
 
+/// A PostgreSQL-backed [`IdempotencyStore`](crate::store::IdempotencyStore) on sqlx. Cheap to clone;
+/// clones share the pools.
+pub type SqlxPostgresStore = SqlxStore<PgDialect>;
+
 /// Options for a [`SqlxPostgresStore`]; see [`SqlxPostgresStore::builder`].
-#[derive(Clone, Debug)]
-pub struct SqlxPostgresOptions {
-    pool: PgPool,
-    reads: Option<PgPool>,
-    max_read_connections: u32,
-    read_wait: Duration,
-    isolation: Isolation,
-    serialization_retries: u32,
-}
+pub type SqlxPostgresOptions = SqlxOptions<PgDialect>;
 
-impl SqlxPostgresOptions {
-    /// The pool of the replay fast path. Default: a pool of its own, made (lazily) from the
-    /// write pool's connect options, with [`max_read_connections`](Self::max_read_connections)
-    /// connections. Give one to read from a replica: a record not yet replicated is then only
-    /// found by the (authoritative) write path.
-    pub fn read_pool(mut self, pool: PgPool) -> Self {
-        self.reads = Some(pool);
-        self
-    }
+/// The handle a handler uses to write its rows in the request's PostgreSQL transaction (what
+/// every sqlx store's handle does: [`store::sqlx::SqlxTransaction`](super::sqlx::SqlxTransaction)).
+///
+/// ```no_run
+/// # async fn handler(tx: tower_idempotency::store::sqlx_postgres::SqlxTransaction)
+/// #     -> Result<i64, Box<dyn std::error::Error>> {
+/// let mut conn = tx.acquire().await?;
+/// let (order_id,): (i64,) =
+///     sqlx::query_as("INSERT INTO orders (sku, quantity) VALUES ($1, $2) RETURNING id")
+///         .bind("book")
+///         .bind(1i64)
+///         .fetch_one(&mut *conn)
+///         .await?;
+/// # Ok(order_id) }
+/// ```
+///
+/// - A failed statement aborts the whole PostgreSQL transaction: answer an error status (the
+///   layer then rolls back) rather than carrying on. Use a `SAVEPOINT` to recover from an
+///   expected failure inside the transaction.
+/// - The conflicts the layer runs the request again after are serialization failures
+///   (`40001`) and deadlocks (`40P01`).
+/// - Statements run with the layer's `lock_timeout` (`SET LOCAL`): a lock wait past it fails
+///   with SQLSTATE `55P03`.
+pub type SqlxTransaction = super::sqlx::SqlxTransaction<PgDialect>;
 
-    /// The most connections of the read pool this store makes (not one given with
-    /// [`read_pool`](Self::read_pool)). Default: 8.
-    pub fn max_read_connections(mut self, connections: u32) -> Self {
-        self.max_read_connections = connections.max(1);
-        self
-    }
+/// The transaction's connection, borrowed from a [`SqlxTransaction`]: dereferences to a
+/// [`TxConnection`].
+pub type SqlxConnection = super::sqlx::SqlxConnection<PgDialect>;
 
-    /// How long the replay fast path waits for a read before it gives up and lets the request
-    /// take the (authoritative) write path. Default: 1 s.
-    pub fn read_wait(mut self, wait: Duration) -> Self {
-        self.read_wait = wait;
-        self
-    }
+/// A pooled connection inside the request's transaction (see
+/// [`store::sqlx::TxConnection`](super::sqlx::TxConnection)): `&mut TxConnection` is a
+/// [`sqlx::Executor`] for PostgreSQL, on which sqlx code runs as on a `&mut PgConnection`.
+///
+/// `BEGIN`, `START TRANSACTION`, `COMMIT`, `END`, `ROLLBACK`, `ABORT`, `PREPARE TRANSACTION`
+/// and `COMMIT`/`ROLLBACK PREPARED` are refused; `SAVEPOINT`, `RELEASE` and `ROLLBACK TO` are
+/// allowed: they stay inside the transaction. Every statement goes with the extended protocol,
+/// which runs one command per string (SQL without bind parameters is cut into statements).
+pub type TxConnection = super::sqlx::TxConnection<PgDialect>;
 
-    /// The isolation level of request transactions. Default: [`Isolation::ReadCommitted`].
-    pub fn isolation(mut self, isolation: Isolation) -> Self {
-        self.isolation = isolation;
-        self
-    }
+/// The open transaction of one request: the owner side, which the layer holds and ends (see
+/// [`store::sqlx::SqlxReservation`](super::sqlx::SqlxReservation)).
+pub type SqlxReservation = super::sqlx::SqlxReservation<PgDialect>;
 
+/// PostgreSQL as the sqlx store's database: the SQL of `store::pg_sql` (shared with the
+/// tokio-postgres store), SQLSTATE conflicts, and the PostgreSQL statement guard.
+#[derive(Clone, Copy, Debug)]
+pub struct PgDialect;
+
+impl SqlxOptions<PgDialect> {
     /// How many times reserving a key is retried after a serialization failure (`40001`) or a
     /// deadlock (`40P01`), within the lock timeout, before the request gets `503`. Default: 3.
     pub fn serialization_retries(mut self, retries: u32) -> Self {
-        self.serialization_retries = retries;
+        self.conflict_retries = retries;
         self
     }
+}
 
-    /// The store. Opens no connection: the read pool this makes connects on first use.
-    pub fn build(self) -> SqlxPostgresStore {
-        let reads = match self.reads {
-            Some(reads) => reads,
-            None => PgPoolOptions::new()
-                .max_connections(self.max_read_connections)
-                .acquire_timeout(self.read_wait.max(Duration::from_millis(1)))
-                // A broken connection only fails a lookup, which the write path then redoes.
-                .test_before_acquire(false)
-                .connect_lazy_with((*self.pool.connect_options()).clone()),
-        };
-        SqlxPostgresStore {
-            shared: Arc::new(Shared {
-                transactions: self.pool,
-                reads,
-                read_wait: self.read_wait,
-                isolation: self.isolation,
-                serialization_retries: self.serialization_retries,
-                reservations: AtomicU64::new(1),
-            }),
-        }
+impl RowsAffected for PgQueryResult {
+    fn rows_affected(&self) -> u64 {
+        PgQueryResult::rows_affected(self)
     }
 }
 
-struct Shared {
-    transactions: PgPool,
-    reads: PgPool,
-    read_wait: Duration,
-    isolation: Isolation,
-    serialization_retries: u32,
-    reservations: AtomicU64,
-}
+impl super::sqlx::sealed::Sealed for PgDialect {}
 
-/// A PostgreSQL-backed [`IdempotencyStore`] on sqlx. Cheap to clone; clones share the pools.
-#[derive(Clone)]
-pub struct SqlxPostgresStore {
-    shared: Arc<Shared>,
-}
+impl SqlxDialect for PgDialect {
+    type Db = Postgres;
+    /// The `ctid` of the reserved row.
+    type RowId = String;
 
-impl fmt::Debug for SqlxPostgresStore {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("SqlxPostgresStore")
-            .field("connections", &self.shared.transactions.size())
-            .field("read_connections", &self.shared.reads.size())
-            .field("isolation", &self.shared.isolation)
-            .finish_non_exhaustive()
-    }
-}
+    const STORE_NAME: &'static str = "SqlxPostgresStore";
+    const SELECT_RECORD: &'static str = SELECT_RECORD;
+    const SELECT_LIVE_RECORD: &'static str = SELECT_LIVE_RECORD;
+    const PURGE_EXPIRED: &'static str = PURGE_EXPIRED;
+    const COMMIT: &'static str = "COMMIT";
+    const ROLLBACK: &'static str = "ROLLBACK";
+    const REFUSED_AFTER_CONFLICT: Option<&'static str> = None;
 
-impl SqlxPostgresStore {
-    /// A store on `pool` with the default options. Opens no connection and creates nothing:
-    /// run [`migrate`](Self::migrate), or the crate's migration with your own.
-    ///
-    /// Request transactions take their connections from `pool`, the one the rest of the
-    /// application uses: size it for both.
-    pub fn new(pool: PgPool) -> Self {
-        Self::builder(pool).build()
+    fn check_scope(_scope: &Scope) -> Result<(), Error> {
+        Ok(())
     }
 
-    /// Options for a store on `pool`.
-    pub fn builder(pool: PgPool) -> SqlxPostgresOptions {
-        SqlxPostgresOptions {
-            pool,
-            reads: None,
-            max_read_connections: 8,
-            read_wait: Duration::from_secs(1),
-            isolation: Isolation::default(),
-            serialization_retries: 3,
-        }
+    fn begin_request(isolation: Isolation, deadline: Instant) -> String {
+        isolation.begin_request(deadline)
     }
 
-    /// The pool of request transactions (the application's).
-    pub fn pool(&self) -> &PgPool {
-        &self.shared.transactions
-    }
-
-    /// The pool of the replay fast path.
-    pub fn read_pool(&self) -> &PgPool {
-        &self.shared.reads
-    }
-
-    /// One attempt at opening the transaction and reserving the scope.
-    async fn try_begin(
-        &self,
-        scope: &Scope,
-        deadline: Instant,
+    /// Both statements return the row's address.
+    fn reserve<'a>(
+        conn: &'a mut PgConnection,
+        step: ReserveStep,
+        scope: &'a Scope,
         now: i64,
-    ) -> Result<Begin<SqlxReservation>, Error> {
-        let connection = tokio::time::timeout_at(deadline, self.shared.transactions.acquire())
-            .await
-            .map_err(|_| Error::Busy)?
-            .map_err(pool_error)?;
-        // From here on, dropping this future (the client went away) discards the connection,
-        // which rolls back whatever the server has done for it.
-        let mut slot = Slot::new(TxConnection::new(connection));
-        let token = self.shared.reservations.fetch_add(1, Ordering::Relaxed);
-        match reserve(&mut slot, scope, deadline, now, self.shared.isolation).await {
-            Ok(Reserved::Row(row_id)) => Ok(Begin::Reserved(SqlxReservation::new(
-                token,
-                slot,
-                scope.clone(),
-                row_id,
-            ))),
-            Ok(Reserved::Existing(record)) => {
-                slot.roll_back_and_release().await;
-                Ok(Begin::Existing(record))
-            }
-            Err(error) => {
-                slot.roll_back_and_release().await;
-                Err(error)
-            }
-        }
-    }
-}
-
-/// The reservation's statements on a sqlx connection.
-struct Statements<'a> {
-    conn: &'a mut PgConnection,
-    scope: &'a Scope,
-    now: i64,
-}
-
-impl ReserveStatements for Statements<'_> {
-    type Row = String;
-
-    async fn insert(&mut self) -> Result<Option<String>, Error> {
-        let s = self.scope;
-        let insert = sqlx::query(INSERT_RESERVATION)
-            .bind(&*s.tenant)
-            .bind(&*s.operation)
-            .bind(s.key.as_str())
-            .bind(self.now);
-        let row = (&mut *self.conn).fetch_optional(insert).await?;
-        Ok(row.map(|row| row.try_get(0)).transpose()?)
-    }
-
-    async fn select(&mut self) -> Result<Option<Option<StoredRecord>>, Error> {
-        let s = self.scope;
-        let select = sqlx::query(SELECT_RECORD)
-            .bind(&*s.tenant)
-            .bind(&*s.operation)
-            .bind(s.key.as_str());
-        let Some(row) = (&mut *self.conn).fetch_optional(select).await? else {
-            return Ok(None);
+    ) -> BoxFuture<'a, Result<Option<String>, Error>> {
+        let sql = match step {
+            ReserveStep::Insert => INSERT_RESERVATION,
+            ReserveStep::TakeOver => TAKE_OVER,
         };
-        let state: &str = row.try_get(0)?;
-        let expires_at: i64 = row.try_get(8)?;
-        if state == "completed" && expires_at > self.now {
-            decode_record(&row).map(|record| Some(Some(record)))
-        } else {
-            Ok(Some(None))
-        }
+        let query = Postgres::bind_scope(sqlx::query(sql), scope).bind(now);
+        let row = conn.fetch_optional(query);
+        Box::pin(async move { Ok(row.await?.map(|row| row.try_get(0)).transpose()?) })
     }
 
-    async fn take_over(&mut self) -> Result<Option<String>, Error> {
-        let s = self.scope;
-        let take_over = sqlx::query(TAKE_OVER)
-            .bind(&*s.tenant)
-            .bind(&*s.operation)
-            .bind(s.key.as_str())
-            .bind(self.now);
-        let row = (&mut *self.conn).fetch_optional(take_over).await?;
-        Ok(row.map(|row| row.try_get(0)).transpose()?)
-    }
-}
-
-/// Opens the transaction on `slot`'s connection and reserves `scope` (see
-/// [`pg_reserve::reserve`]). The transaction is left open either way.
-async fn reserve(
-    slot: &mut Slot,
-    scope: &Scope,
-    deadline: Instant,
-    now: i64,
-    isolation: Isolation,
-) -> Result<Reserved<String>, Error> {
-    let conn = slot.raw()?;
-    let begin = isolation.begin_request(deadline);
-    (&mut *conn).execute(begin.as_str()).await?;
-    pg_reserve::reserve(&mut Statements { conn, scope, now }, None).await
-}
-
-/// A serialization failure (`40001`) or a deadlock (`40P01`).
-fn is_conflict(error: &sqlx::Error) -> bool {
-    matches!(sqlx_code(error).as_deref(), Some("40001" | "40P01"))
-}
-
-/// A pool that had no connection in time is busy, as the layer's own timeout would be.
-fn pool_error(error: sqlx::Error) -> Error {
-    match error {
-        sqlx::Error::PoolTimedOut => Error::Busy,
-        sqlx::Error::PoolClosed => Error::Closed,
-        other => Error::Sqlx(other),
-    }
-}
-
-fn decode_record(row: &PgRow) -> Result<StoredRecord, Error> {
-    let corrupt = |what: &str| Error::Corrupt(what.to_owned());
-    let version: i32 = row
-        .try_get::<Option<i32>, _>(1)?
-        .ok_or_else(|| corrupt("fingerprint version missing"))?;
-    let digest: &[u8] = row
-        .try_get::<Option<&[u8]>, _>(2)?
-        .ok_or_else(|| corrupt("fingerprint missing"))?;
-    let status: i32 = row
-        .try_get::<Option<i32>, _>(3)?
-        .ok_or_else(|| corrupt("status"))?;
-    let headers: &str = row
-        .try_get::<Option<&str>, _>(4)?
-        .ok_or_else(|| corrupt("headers missing"))?;
-    let columns = SavedColumns::decode(i64::from(version), digest, i64::from(status), headers)?;
-    let body: &[u8] = row
-        .try_get::<Option<&[u8]>, _>(5)?
-        .ok_or_else(|| corrupt("body missing"))?;
-    columns.into_record(
-        Bytes::copy_from_slice(body),
-        row.try_get(6)?,
-        row.try_get(7)?,
-        row.try_get(8)?,
-    )
-}
-
-impl IdempotencyStore for SqlxPostgresStore {
-    type Reservation = SqlxReservation;
-
-    async fn lookup(&self, scope: &Scope, now: SystemTime) -> Result<Option<StoredRecord>, Error> {
-        // A plain snapshot read in autocommit on the read pool: it takes no row locks and
-        // never waits for the transaction that holds this scope (an uncommitted reservation is
-        // simply invisible).
-        let read = async {
-            let row = sqlx::query(SELECT_LIVE_RECORD)
-                .bind(&*scope.tenant)
-                .bind(&*scope.operation)
-                .bind(scope.key.as_str())
-                .bind(to_unix_millis(now))
-                .fetch_optional(&self.shared.reads)
-                .await
-                .map_err(pool_error)?;
-            row.as_ref().map(decode_record).transpose()
-        };
-        tokio::time::timeout(self.shared.read_wait, read)
-            .await
-            .map_err(|_| Error::Busy)?
-    }
-
-    async fn begin(
-        &self,
-        scope: &Scope,
-        lock_timeout: Duration,
-        now: SystemTime,
-    ) -> Result<Begin<SqlxReservation>, Error> {
-        let deadline = Instant::now() + lock_timeout;
-        let now = to_unix_millis(now);
-        pg_reserve::retry_conflicts(self.shared.serialization_retries, deadline, || {
-            self.try_begin(scope, deadline, now)
+    /// The `UPDATE` fails unless the reservation row was written by this very transaction
+    /// (`xmin`).
+    fn complete<'a>(
+        conn: &'a mut PgConnection,
+        scope: &'a Scope,
+        row: &'a String,
+        record: &'a NewRecord,
+    ) -> BoxFuture<'a, Result<(), Error>> {
+        let complete = Postgres::bind_scope(sqlx::query(COMPLETE_RECORD), scope);
+        let complete = Postgres::bind_record(complete, record).bind(row.as_str());
+        let saved = conn.execute(complete);
+        Box::pin(async move {
+            match saved.await {
+                Ok(_) => Ok(()),
+                Err(error) if sqlx_code(&error).as_deref() == Some("22012") => {
+                    Err(Error::TransactionAborted(
+                        "the transaction ended before commit (it is not the one the layer began)",
+                    ))
+                }
+                Err(error) => Err(error.into()),
+            }
         })
-        .await
     }
 
-    async fn purge_expired(&self, now: SystemTime, batch: usize) -> Result<u64, Error> {
-        let batch = i64::try_from(batch).unwrap_or(i64::MAX);
-        let done = sqlx::query(PURGE_EXPIRED)
-            .bind(to_unix_millis(now))
-            .bind(batch)
-            .execute(&self.shared.transactions)
-            .await
-            .map_err(pool_error)?;
-        Ok(done.rows_affected())
+    /// A serialization failure (`40001`) or a deadlock (`40P01`).
+    fn is_conflict(error: &sqlx::Error) -> bool {
+        matches!(sqlx_code(error).as_deref(), Some("40001" | "40P01"))
+    }
+
+    fn is_unavailable(error: &sqlx::Error) -> bool {
+        sqlx_unavailable(error)
+    }
+
+    fn check_command(sql: &str) -> Result<(), Error> {
+        sql_guard::check_command_remembered(sql)
+    }
+
+    fn split(sql: &str) -> Vec<&str> {
+        sql_guard::split(sql)
     }
 }

@@ -1,0 +1,300 @@
+//! The store on sqlx, written once for every database it runs on: [`SqlxStore`] over a
+//! [`SqlxDialect`] (what differs between databases: the SQL, the duplicate-key and conflict
+//! errors, opening and ending a request's transaction, the statements a handler may not run).
+//! `sqlx_postgres` and `sqlx_mysql` are the dialects, with the public names of their store.
+//!
+//! - `options`: the store's options and building it.
+//! - `rows`: what the generic code needs from a [`sqlx::Database`].
+//! - `reservation`: a transaction's connection (its slot), its commit with the record, and
+//!   its rollback.
+//! - `handle`: the handler's handle and the connection it lends, which refuses transaction
+//!   control.
+//!
+//! Every path the layer drives to its end sends `ROLLBACK` or `COMMIT` (with the dialect's
+//! session restore) and gives the connection back; a transaction dropped while still open
+//! takes its connection out of the pool and closes it, which makes the server roll back.
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use futures_util::future::BoxFuture;
+use sqlx::{Database, Executor as _, Pool};
+use tokio::time::Instant;
+
+use super::reserve::{self, Isolation, ReserveStatements, Reserved};
+use super::{to_unix_millis, Begin, IdempotencyStore, NewRecord, Scope, StoredRecord};
+use crate::error::Error;
+
+mod handle;
+mod options;
+mod reservation;
+mod rows;
+
+pub use handle::{SqlxConnection, SqlxTransaction, TxConnection};
+pub use options::SqlxOptions;
+pub(crate) use reservation::Slot;
+pub use reservation::SqlxReservation;
+pub use rows::{RowsAffected, SqlxDatabase, Statement};
+
+pub(crate) mod sealed {
+    /// Only this crate's dialects are [`SqlxDialect`](super::SqlxDialect)s.
+    #[allow(unreachable_pub)]
+    pub trait Sealed {}
+}
+
+/// The connection type of a dialect's database.
+pub type Conn<D> = <<D as SqlxDialect>::Db as Database>::Connection;
+
+/// What differs between the databases of the sqlx store: implemented by
+/// [`PgDialect`](super::sqlx_postgres::PgDialect) (feature `sqlx-postgres`) and
+/// [`MySqlDialect`](super::sqlx_mysql::MySqlDialect) (feature `sqlx-mysql`), and sealed: the
+/// store's guarantees rest on each dialect's SQL.
+pub trait SqlxDialect: sealed::Sealed + Clone + fmt::Debug + Send + Sync + Sized + 'static {
+    /// The sqlx database.
+    type Db: SqlxDatabase;
+    /// What identifies the reserved row for the commit (a row address, or `()` where the
+    /// commit finds the row by its key).
+    type RowId: Send + Sync + 'static;
+
+    /// The store's name in `Debug`.
+    const STORE_NAME: &'static str;
+    /// Reads a record inside the transaction (any state). Binds: the scope.
+    const SELECT_RECORD: &'static str;
+    /// Reads a live completed record, for the replay fast path. Binds: the scope, `now`.
+    const SELECT_LIVE_RECORD: &'static str;
+    /// Deletes a batch of expired records. Binds: `now`, the batch size.
+    const PURGE_EXPIRED: &'static str;
+    /// Ends a request's transaction with its rows (one result per statement; the first is
+    /// the `COMMIT`).
+    const COMMIT: &'static str;
+    /// Ends a request's transaction without them (the first statement is the `ROLLBACK`).
+    const ROLLBACK: &'static str;
+    /// Why a handler's statement is refused once a handle's statement conflicted, if the
+    /// database runs nothing more of the transaction then (`None`: statements still run).
+    const REFUSED_AFTER_CONFLICT: Option<&'static str>;
+
+    /// Checks that `scope` fits the table.
+    fn check_scope(scope: &Scope) -> Result<(), Error>;
+
+    /// Opens a request's transaction at `isolation`, its lock waits bounded by `deadline`.
+    fn begin_request(isolation: Isolation, deadline: Instant) -> String;
+
+    /// Reserves `scope` at `now` by `step`: the reserved row, or `None` (see [`ReserveStep`]).
+    fn reserve<'a>(
+        conn: &'a mut Conn<Self>,
+        step: ReserveStep,
+        scope: &'a Scope,
+        now: i64,
+    ) -> BoxFuture<'a, Result<Option<Self::RowId>, Error>>;
+
+    /// Turns this transaction's reservation into the completed record: an error unless the
+    /// row is still the one this transaction reserved (then nothing may commit).
+    fn complete<'a>(
+        conn: &'a mut Conn<Self>,
+        scope: &'a Scope,
+        row: &'a Self::RowId,
+        record: &'a NewRecord,
+    ) -> BoxFuture<'a, Result<(), Error>>;
+
+    /// A serialization failure or deadlock.
+    fn is_conflict(error: &sqlx::Error) -> bool;
+
+    /// A server that went away or cannot take writes (a failover).
+    fn is_unavailable(error: &sqlx::Error) -> bool;
+
+    /// Refuses transaction control anywhere in a handler's `sql`.
+    fn check_command(sql: &str) -> Result<(), Error>;
+
+    /// Cuts SQL sent without parameters into its statements.
+    fn split(sql: &str) -> Vec<&str>;
+}
+
+/// The two statements that reserve a key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ReserveStep {
+    /// Inserts the reservation: `None` when the key has a row.
+    Insert,
+    /// Takes an expired record (or a stray reservation) over: `None` if it changed meanwhile.
+    TakeOver,
+}
+
+/// What clones of a store share.
+pub(crate) struct Shared<D: SqlxDialect> {
+    pub(crate) transactions: Pool<D::Db>,
+    pub(crate) reads: Pool<D::Db>,
+    pub(crate) read_wait: Duration,
+    pub(crate) isolation: Isolation,
+    /// How many times reserving a key is retried after a conflict.
+    pub(crate) conflict_retries: u32,
+    /// The next transaction's token (its name in logs and `Debug`).
+    pub(crate) reservations: AtomicU64,
+}
+
+/// An [`IdempotencyStore`] on sqlx, on the database of `D`. Cheap to clone; clones share the
+/// pools.
+#[derive(Clone)]
+pub struct SqlxStore<D: SqlxDialect> {
+    pub(crate) shared: Arc<Shared<D>>,
+}
+
+impl<D: SqlxDialect> fmt::Debug for SqlxStore<D> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct(D::STORE_NAME)
+            .field("connections", &self.shared.transactions.size())
+            .field("read_connections", &self.shared.reads.size())
+            .field("isolation", &self.shared.isolation)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<D: SqlxDialect> SqlxStore<D> {
+    /// A store on `pool` with the default options. Opens no connection and creates nothing:
+    /// run `migrate`, or the crate's migration with your own.
+    ///
+    /// Request transactions take their connections from `pool`, the one the rest of the
+    /// application uses: size it for both.
+    pub fn new(pool: Pool<D::Db>) -> Self {
+        Self::builder(pool).build()
+    }
+
+    /// Options for a store on `pool`.
+    pub fn builder(pool: Pool<D::Db>) -> SqlxOptions<D> {
+        SqlxOptions::new(pool)
+    }
+
+    /// The pool of request transactions (the application's).
+    pub fn pool(&self) -> &Pool<D::Db> {
+        &self.shared.transactions
+    }
+
+    /// The pool of the replay fast path.
+    pub fn read_pool(&self) -> &Pool<D::Db> {
+        &self.shared.reads
+    }
+
+    /// The next transaction's token.
+    pub(crate) fn next_token(&self) -> u64 {
+        self.shared.reservations.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// One attempt at opening the transaction and reserving the scope.
+    async fn try_begin(
+        &self,
+        scope: &Scope,
+        deadline: Instant,
+        now: i64,
+    ) -> Result<Begin<SqlxReservation<D>>, Error> {
+        let connection = tokio::time::timeout_at(deadline, self.shared.transactions.acquire())
+            .await
+            .map_err(|_| Error::Busy)?
+            .map_err(pool_error)?;
+        // From here on, dropping this future (the client went away) discards the connection,
+        // which rolls back whatever the server has done for it.
+        let mut slot = Slot::new(TxConnection::new(connection));
+        let token = self.next_token();
+        match reserve_in(&mut slot, scope, deadline, now, self.shared.isolation).await {
+            Ok(Reserved::Row(row)) => Ok(Begin::Reserved(SqlxReservation::new(
+                token,
+                slot,
+                scope.clone(),
+                row,
+            ))),
+            Ok(Reserved::Existing(record)) => {
+                slot.roll_back_and_release().await;
+                Ok(Begin::Existing(record))
+            }
+            Err(error) => {
+                slot.roll_back_and_release().await;
+                Err(error)
+            }
+        }
+    }
+}
+
+/// The reservation's statements on a sqlx connection.
+struct Statements<'a, D: SqlxDialect> {
+    conn: &'a mut Conn<D>,
+    scope: &'a Scope,
+    now: i64,
+}
+
+impl<D: SqlxDialect> ReserveStatements for Statements<'_, D> {
+    type Row = D::RowId;
+
+    async fn insert(&mut self) -> Result<Option<D::RowId>, Error> {
+        D::reserve(self.conn, ReserveStep::Insert, self.scope, self.now).await
+    }
+
+    async fn select(&mut self) -> Result<Option<Option<StoredRecord>>, Error> {
+        let conn = D::Db::executor(self.conn);
+        D::Db::fetch_record(conn, D::SELECT_RECORD, self.scope, self.now, false).await
+    }
+
+    async fn take_over(&mut self) -> Result<Option<D::RowId>, Error> {
+        D::reserve(self.conn, ReserveStep::TakeOver, self.scope, self.now).await
+    }
+}
+
+/// Opens the transaction on `slot`'s connection and reserves `scope` (see
+/// [`reserve::reserve`]). The transaction is left open either way.
+async fn reserve_in<D: SqlxDialect>(
+    slot: &mut Slot<D>,
+    scope: &Scope,
+    deadline: Instant,
+    now: i64,
+    isolation: Isolation,
+) -> Result<Reserved<D::RowId>, Error> {
+    let conn = slot.raw()?;
+    let begin = D::begin_request(isolation, deadline);
+    D::Db::executor(conn).execute(begin.as_str()).await?;
+    reserve::reserve(&mut Statements::<D> { conn, scope, now }, None).await
+}
+
+/// A pool that had no connection in time is busy, as the layer's own timeout would be.
+pub(crate) fn pool_error(error: sqlx::Error) -> Error {
+    match error {
+        sqlx::Error::PoolTimedOut => Error::Busy,
+        sqlx::Error::PoolClosed => Error::Closed,
+        other => Error::Sqlx(other),
+    }
+}
+
+impl<D: SqlxDialect> IdempotencyStore for SqlxStore<D> {
+    type Reservation = SqlxReservation<D>;
+
+    async fn lookup(&self, scope: &Scope, now: SystemTime) -> Result<Option<StoredRecord>, Error> {
+        D::check_scope(scope)?;
+        // A plain consistent read in autocommit on the read pool: it takes no row locks and
+        // never waits for the transaction that holds this scope (an uncommitted reservation
+        // is simply invisible).
+        let now = to_unix_millis(now);
+        let reads = D::Db::pool_executor(&self.shared.reads);
+        let read = D::Db::fetch_record(reads, D::SELECT_LIVE_RECORD, scope, now, true);
+        let found = reserve::within(self.shared.read_wait, read).await?;
+        Ok(found.flatten())
+    }
+
+    async fn begin(
+        &self,
+        scope: &Scope,
+        lock_timeout: Duration,
+        now: SystemTime,
+    ) -> Result<Begin<SqlxReservation<D>>, Error> {
+        D::check_scope(scope)?;
+        reserve::begin_with_retries(
+            self.shared.conflict_retries,
+            lock_timeout,
+            now,
+            |deadline, now| self.try_begin(scope, deadline, now),
+        )
+        .await
+    }
+
+    async fn purge_expired(&self, now: SystemTime, batch: usize) -> Result<u64, Error> {
+        let now = to_unix_millis(now);
+        D::Db::purge(&self.shared.transactions, D::PURGE_EXPIRED, now, batch).await
+    }
+}

@@ -1,0 +1,178 @@
+//! What the generic store needs from a [`sqlx::Database`] ([`SqlxDatabase`]): its connection
+//! as an executor, reading a record row, and the statements whose binds are the same on every
+//! database. Implemented once, for every database whose types support it (PostgreSQL, MySQL),
+//! so that the store's generic code carries no sqlx trait bounds.
+
+use bytes::Bytes;
+use futures_util::future::BoxFuture;
+use sqlx::query::Query;
+use sqlx::{ColumnIndex, Database, Decode, Encode, Executor, IntoArguments, Pool, Row, Type};
+
+use super::pool_error;
+use crate::error::Error;
+use crate::response::SavedResponse;
+use crate::store::{to_unix_millis, NewRecord, SavedColumns, Scope, StoredRecord};
+
+/// A statement of the store, its binds still to come.
+pub type Statement<'q, DB> = Query<'q, DB, <DB as Database>::Arguments<'q>>;
+
+/// A sqlx database the store runs on.
+pub trait SqlxDatabase: Database {
+    /// `conn` as an executor, for the store's own statements (unchecked).
+    fn executor<'c>(conn: &'c mut Self::Connection) -> impl Executor<'c, Database = Self> + 'c;
+
+    /// `pool` as an executor: each statement on a connection of its own, in autocommit.
+    fn pool_executor<'p>(pool: &'p Pool<Self>) -> impl Executor<'p, Database = Self> + 'p;
+
+    /// Binds the scope: tenant, operation, key.
+    fn bind_scope<'q>(query: Statement<'q, Self>, scope: &'q Scope) -> Statement<'q, Self>;
+
+    /// Binds the completed record's columns: fingerprint, fingerprint version, status,
+    /// headers, body, trailers, created and expiry times.
+    fn bind_record<'q>(query: Statement<'q, Self>, record: &'q NewRecord) -> Statement<'q, Self>;
+
+    /// Runs `sql`, whose binds are the scope and then, if `bind_now`, `now`, and reads its
+    /// row (the columns of the record statements): `None` when there is none, `Some(None)`
+    /// when it is not a completed record live at `now` (expired, or a reservation), else the
+    /// record.
+    fn fetch_record<'e>(
+        executor: impl Executor<'e, Database = Self> + 'e,
+        sql: &'e str,
+        scope: &'e Scope,
+        now: i64,
+        bind_now: bool,
+    ) -> BoxFuture<'e, Result<Option<Option<StoredRecord>>, Error>>;
+
+    /// Runs the purge `sql` (binds: `now`, the batch size); the rows it deleted.
+    fn purge<'e>(
+        pool: &'e Pool<Self>,
+        sql: &'e str,
+        now: i64,
+        batch: usize,
+    ) -> BoxFuture<'e, Result<u64, Error>>;
+}
+
+impl<DB> SqlxDatabase for DB
+where
+    DB: Database,
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    for<'q> DB::Arguments<'q>: IntoArguments<'q, DB>,
+    for<'q> &'q str: Encode<'q, DB> + Decode<'q, DB> + Type<DB>,
+    for<'r> &'r [u8]: Decode<'r, DB> + Type<DB>,
+    i32: for<'r> Decode<'r, DB> + Type<DB>,
+    i64: for<'q> Encode<'q, DB> + for<'r> Decode<'r, DB> + Type<DB>,
+    for<'q> &'q [u8]: Encode<'q, DB>,
+    i32: for<'q> Encode<'q, DB>,
+    String: for<'q> Encode<'q, DB> + Type<DB>,
+    Option<String>: for<'q> Encode<'q, DB>,
+    usize: ColumnIndex<DB::Row>,
+    DB::QueryResult: RowsAffected,
+{
+    fn executor<'c>(conn: &'c mut DB::Connection) -> impl Executor<'c, Database = DB> + 'c {
+        conn
+    }
+
+    fn pool_executor<'p>(pool: &'p Pool<DB>) -> impl Executor<'p, Database = DB> + 'p {
+        pool
+    }
+
+    fn bind_scope<'q>(query: Statement<'q, DB>, scope: &'q Scope) -> Statement<'q, DB> {
+        query
+            .bind(&*scope.tenant)
+            .bind(&*scope.operation)
+            .bind(scope.key.as_str())
+    }
+
+    fn bind_record<'q>(query: Statement<'q, DB>, record: &'q NewRecord) -> Statement<'q, DB> {
+        let response = &record.response;
+        let trailers = response
+            .trailers
+            .as_ref()
+            .map(|t| SavedResponse::encode_headers(t));
+        query
+            .bind(&record.fingerprint.digest()[..])
+            .bind(i32::from(record.fingerprint.version()))
+            .bind(i32::from(response.status.as_u16()))
+            .bind(SavedResponse::encode_headers(&response.headers))
+            .bind(&response.body[..])
+            .bind(trailers)
+            .bind(to_unix_millis(record.created_at))
+            .bind(to_unix_millis(record.expires_at))
+    }
+
+    fn fetch_record<'e>(
+        executor: impl Executor<'e, Database = DB> + 'e,
+        sql: &'e str,
+        scope: &'e Scope,
+        now: i64,
+        bind_now: bool,
+    ) -> BoxFuture<'e, Result<Option<Option<StoredRecord>>, Error>> {
+        let query = Self::bind_scope(sqlx::query(sql), scope);
+        let query = if bind_now { query.bind(now) } else { query };
+        let row = executor.fetch_optional(query);
+        Box::pin(async move {
+            let Some(row) = row.await.map_err(pool_error)? else {
+                return Ok(None);
+            };
+            let state: &str = row.try_get(0)?;
+            let expires_at: i64 = row.try_get(8)?;
+            if state == "completed" && expires_at > now {
+                decode_record(&row).map(|record| Some(Some(record)))
+            } else {
+                Ok(Some(None))
+            }
+        })
+    }
+
+    fn purge<'e>(
+        pool: &'e Pool<DB>,
+        sql: &'e str,
+        now: i64,
+        batch: usize,
+    ) -> BoxFuture<'e, Result<u64, Error>> {
+        let batch = i64::try_from(batch).unwrap_or(i64::MAX);
+        let done = pool.execute(sqlx::query::<DB>(sql).bind(now).bind(batch));
+        Box::pin(async move { Ok(done.await.map_err(pool_error)?.rows_affected()) })
+    }
+}
+
+/// The rows a statement changed (each database's query result has its own method).
+pub trait RowsAffected {
+    /// The rows the statement changed.
+    fn rows_affected(&self) -> u64;
+}
+
+/// Reads a record row (state, fingerprint version, fingerprint, status, headers, body,
+/// trailers, created and expiry times) as a completed record, checked by [`SavedColumns`].
+fn decode_record<R: Row>(row: &R) -> Result<StoredRecord, Error>
+where
+    usize: ColumnIndex<R>,
+    for<'r> &'r str: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> &'r [u8]: Decode<'r, R::Database> + Type<R::Database>,
+    i32: for<'r> Decode<'r, R::Database> + Type<R::Database>,
+    i64: for<'r> Decode<'r, R::Database> + Type<R::Database>,
+{
+    let corrupt = |what: &str| Error::Corrupt(what.to_owned());
+    let version: i32 = row
+        .try_get::<Option<i32>, _>(1)?
+        .ok_or_else(|| corrupt("fingerprint version missing"))?;
+    let digest: &[u8] = row
+        .try_get::<Option<&[u8]>, _>(2)?
+        .ok_or_else(|| corrupt("fingerprint missing"))?;
+    let status: i32 = row
+        .try_get::<Option<i32>, _>(3)?
+        .ok_or_else(|| corrupt("status"))?;
+    let headers: &str = row
+        .try_get::<Option<&str>, _>(4)?
+        .ok_or_else(|| corrupt("headers missing"))?;
+    let columns = SavedColumns::decode(i64::from(version), digest, i64::from(status), headers)?;
+    let body: &[u8] = row
+        .try_get::<Option<&[u8]>, _>(5)?
+        .ok_or_else(|| corrupt("body missing"))?;
+    columns.into_record(
+        Bytes::copy_from_slice(body),
+        row.try_get(6)?,
+        row.try_get(7)?,
+        row.try_get(8)?,
+    )
+}

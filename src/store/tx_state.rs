@@ -1,0 +1,239 @@
+//! What the owner of a request's transaction and the handler's handles share, written once
+//! for the SQL stores with row locks (tokio-postgres, sqlx on PostgreSQL, sqlx on MySQL and
+//! MariaDB): whether the transaction is finished, the slot holding its connection, and the
+//! first error of a handle's statement that ended the transaction whatever the handler
+//! answers ([`Observed`]). Each driver has its own slot ([`TxSlot`]).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex as StdMutex, PoisonError};
+
+use tokio::sync::{Mutex, OwnedMutexGuard};
+
+use crate::error::Error;
+
+/// What a statement run through a transaction's handle got that ends the transaction
+/// whatever the handler answers: the store reports it at commit or rollback
+/// ([`into_error`](Self::into_error)).
+#[derive(Clone, Debug)]
+pub(crate) enum Observed {
+    /// A serialization failure or deadlock: the layer runs the request again.
+    Conflict(String),
+    /// The server went away or cannot take writes (a PostgreSQL failover): the layer answers
+    /// `503`; the connection is not reused.
+    Unavailable(String),
+}
+
+/// The first [`Observed`] error of a transaction, shared by the transaction and the
+/// connection its handles lend.
+pub(crate) type ObservedCell = Arc<StdMutex<Option<Observed>>>;
+
+impl Observed {
+    /// Keeps what a handle's statement got in `first`, unless `first` already holds something
+    /// (the first error is the cause; later ones follow from it): a serialization failure or
+    /// deadlock (`conflict`), a failover error (`unavailable`), or nothing at all.
+    pub(crate) fn keep_first(
+        first: &StdMutex<Option<Observed>>,
+        conflict: bool,
+        unavailable: bool,
+        message: impl FnOnce() -> String,
+    ) {
+        let observed = match (conflict, unavailable) {
+            (true, _) => Observed::Conflict(message()),
+            (false, true) => Observed::Unavailable(message()),
+            (false, false) => return,
+        };
+        let mut first = first.lock().unwrap_or_else(PoisonError::into_inner);
+        first.get_or_insert(observed);
+    }
+
+    /// The error a commit or rollback reports for it.
+    pub(crate) fn into_error(self) -> Error {
+        match self {
+            Observed::Conflict(message) => Error::StatementConflict(message),
+            Observed::Unavailable(message) => Error::Unavailable(message),
+        }
+    }
+}
+
+/// The connection of one transaction, while it may still be open: a driver's slot.
+pub(crate) trait TxSlot {
+    /// Whether the slot still holds its connection.
+    fn is_open(&self) -> bool;
+
+    /// Takes the connection out of the pool for good and closes it (which rolls back).
+    fn discard(&mut self);
+
+    /// Where the handles' statements keep their [`Observed`] error: a new cell unless the
+    /// connection already has one.
+    fn observed_cell(&self) -> ObservedCell {
+        ObservedCell::default()
+    }
+}
+
+/// One transaction, shared by its owner (a request's reservation or the inbox's own
+/// transaction) and the handler's handles.
+pub(crate) struct TxShared<S> {
+    /// The transaction's number in this process (for `Debug` and the inbox's commit check).
+    pub(crate) token: u64,
+    /// Set as soon as the layer starts to commit or roll back: handles refuse work from then on.
+    pub(crate) finished: AtomicBool,
+    pub(crate) connection: Arc<Mutex<S>>,
+    /// The first serialization failure, deadlock or failover error that a statement run
+    /// through a handle got (the database's message). The database has rolled the transaction
+    /// back by then (or the server is gone), whatever the handler answers: commit and rollback
+    /// report it, so that the request runs again or is answered `503`.
+    pub(crate) observed: ObservedCell,
+}
+
+impl<S: TxSlot> TxShared<S> {
+    pub(crate) fn new(token: u64, slot: S) -> Self {
+        TxShared {
+            token,
+            finished: AtomicBool::new(false),
+            observed: slot.observed_cell(),
+            connection: Arc::new(Mutex::new(slot)),
+        }
+    }
+
+    /// What a handle's statement got that ended the transaction, if anything, as the error
+    /// to report.
+    pub(crate) fn conflict(&self) -> Option<Error> {
+        self.observed
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+            .map(Observed::into_error)
+    }
+
+    #[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
+    pub(crate) fn is_finished(&self) -> bool {
+        self.finished.load(Ordering::Acquire)
+    }
+
+    /// Marks the transaction finished and takes its connection from the handles.
+    pub(crate) fn take_connection(&self) -> Result<OwnedMutexGuard<S>, Error> {
+        self.finished.store(true, Ordering::Release);
+        // The handler has returned its response; a connection still borrowed now belongs to
+        // a task that outlived its request, still using the transaction: do not commit under it.
+        let slot = self.connection.clone().try_lock_owned().map_err(|_| {
+            Error::TransactionAborted("a handler still holds the transaction's connection")
+        })?;
+        if !slot.is_open() {
+            return Err(Error::TransactionAborted(
+                "the transaction's connection is gone",
+            ));
+        }
+        Ok(slot)
+    }
+
+    /// The owner went away without committing: refuse further work and close the connection
+    /// (which rolls back).
+    pub(crate) fn abandon(&self) {
+        self.finished.store(true, Ordering::Release);
+        // Discard at once if nobody borrows the connection; otherwise the slot's own `Drop`
+        // does it when the last borrower lets go.
+        if let Ok(mut slot) = self.connection.try_lock() {
+            slot.discard();
+        }
+    }
+}
+
+/// What a store's own transaction (the inbox's, outside any request) needs from its slot.
+#[cfg(all(
+    feature = "outbox",
+    any(feature = "postgres", feature = "sqlx-postgres")
+))]
+pub(crate) trait OwnedSlot: TxSlot + Send {
+    /// Ends the transaction with `ROLLBACK` and gives the connection back (or discards it).
+    fn roll_back_and_release(&mut self) -> impl std::future::Future<Output = ()> + Send;
+
+    /// Ends the transaction after `error` (a connection to a server that is gone is
+    /// discarded rather than rolled back).
+    fn roll_back_after(&mut self, error: &Error) -> impl std::future::Future<Output = ()> + Send;
+
+    /// Whether the transaction is still the one marked with `token` when it was opened.
+    fn is_own_transaction(
+        &mut self,
+        token: u64,
+    ) -> impl std::future::Future<Output = Result<bool, Error>> + Send;
+
+    /// Ends the transaction with `COMMIT` and gives the connection back.
+    fn commit_and_release(&mut self)
+        -> impl std::future::Future<Output = Result<(), Error>> + Send;
+}
+
+/// A transaction a store opened for itself, committed or rolled back by its owner (the
+/// inbox) rather than by the layer, through the same handles as a request's. Dropping it
+/// without either rolls back (by closing its connection, as for a request).
+#[cfg(all(
+    feature = "outbox",
+    any(feature = "postgres", feature = "sqlx-postgres")
+))]
+pub(crate) struct OwnedTransaction<S: TxSlot> {
+    pub(crate) tx: Arc<TxShared<S>>,
+}
+
+#[cfg(all(
+    feature = "outbox",
+    any(feature = "postgres", feature = "sqlx-postgres")
+))]
+impl<S: OwnedSlot> OwnedTransaction<S> {
+    /// The transaction on `slot`, marked with `token`, once its `BEGIN` has run (`begun`); if
+    /// that failed, the slot is rolled back and the error returned.
+    pub(crate) async fn opened(
+        token: u64,
+        mut slot: S,
+        begun: Result<(), Error>,
+    ) -> Result<Self, Error> {
+        if let Err(error) = begun {
+            slot.roll_back_and_release().await;
+            return Err(error);
+        }
+        Ok(OwnedTransaction {
+            tx: Arc::new(TxShared::new(token, slot)),
+        })
+    }
+
+    /// Commits, after checking that the transaction is still the one the store opened and
+    /// still able to commit: a `COMMIT` or `ROLLBACK` run through a handle would otherwise
+    /// let this `COMMIT` succeed with nothing in it, and so would a failed statement (`COMMIT`
+    /// of an aborted transaction answers `ROLLBACK` without an error).
+    pub(crate) async fn commit(self) -> Result<(), Error> {
+        let mut slot = self.tx.take_connection()?;
+        if let Some(conflict) = self.tx.conflict() {
+            slot.roll_back_after(&conflict).await;
+            return Err(conflict);
+        }
+        let checked = match slot.is_own_transaction(self.tx.token).await {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(Error::TransactionAborted(
+                "the transaction ended before commit (COMMIT or ROLLBACK through its handle?)",
+            )),
+            Err(error) => Err(error),
+        };
+        if let Err(error) = checked {
+            slot.roll_back_and_release().await;
+            return Err(error);
+        }
+        slot.commit_and_release().await
+    }
+
+    /// Rolls back and gives the connection back to the pool (or closes it if a handle still
+    /// borrows it).
+    pub(crate) async fn rollback(self) {
+        match self.tx.take_connection() {
+            Ok(mut slot) => slot.roll_back_and_release().await,
+            Err(error) => tracing::warn!(%error, "rollback deferred to the connection's release"),
+        }
+    }
+}
+
+#[cfg(all(
+    feature = "outbox",
+    any(feature = "postgres", feature = "sqlx-postgres")
+))]
+impl<S: TxSlot> Drop for OwnedTransaction<S> {
+    fn drop(&mut self) {
+        self.tx.abandon();
+    }
+}
