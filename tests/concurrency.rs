@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use backend::{hook, Backend, Hook, Server};
+use backend::{hook, Database, Hook, Server};
 use common::{post, Reply, PATIENCE, SHOP_A};
 use http::StatusCode;
 use tokio::sync::{Barrier, Notify};
@@ -157,7 +157,7 @@ impl Holder {
     }
 
     /// The app with this hook, waits bounded by `lock_timeout` and `Retry-After: 3`.
-    async fn serve<B: Backend>(&self, db: &B, lock_timeout: Duration) -> Server<B> {
+    async fn serve<B: Database>(&self, db: &B, lock_timeout: Duration) -> Server<B> {
         db.server()
             .layer(move |layer| {
                 layer
@@ -190,7 +190,7 @@ async fn done_while_held(
     (first, held, replay, conflict)
 }
 
-async fn concurrent_duplicates_run_the_handler_once<B: Backend>(db: B) {
+async fn concurrent_duplicates_run_the_handler_once<B: Database>(db: B) {
     const DUPLICATES: usize = 32;
     // The first handler holds its transaction until every duplicate has reached the server,
     // so that they are all in flight together.
@@ -237,7 +237,7 @@ async fn concurrent_duplicates_run_the_handler_once<B: Backend>(db: B) {
     assert_eq!(db.record_count().await, 1);
 }
 
-async fn many_keys_with_many_duplicates_interleaved<B: Backend>(db: B) {
+async fn many_keys_with_many_duplicates_interleaved<B: Database>(db: B) {
     const KEYS: usize = 20;
     const DUPLICATES: usize = 8;
     let server = db
@@ -261,7 +261,7 @@ async fn many_keys_with_many_duplicates_interleaved<B: Backend>(db: B) {
     assert_eq!(server.app.handler_calls(), KEYS);
 }
 
-async fn replay_does_not_wait_for_a_writer_in_flight<B: Backend>(db: B) {
+async fn replay_does_not_wait_for_a_writer_in_flight<B: Database>(db: B) {
     let holder = Holder::new("holder");
     let server = holder.serve(&db, Duration::from_millis(200)).await;
     // A writer is in flight past the lock timeout; a completed key still replays, and a
@@ -276,7 +276,7 @@ async fn replay_does_not_wait_for_a_writer_in_flight<B: Backend>(db: B) {
     assert_eq!(held.await.expect("holder").status, StatusCode::CREATED);
 }
 
-async fn duplicate_waiting_past_the_lock_timeout_is_503_then_replays<B: Backend>(db: B) {
+async fn duplicate_waiting_past_the_lock_timeout_is_503_then_replays<B: Database>(db: B) {
     let holder = Holder::new("held");
     let server = holder.serve(&db, Duration::from_millis(300)).await;
     let held = holder.hold(server.addr).await;
@@ -310,7 +310,7 @@ async fn duplicate_waiting_past_the_lock_timeout_is_503_then_replays<B: Backend>
     assert_eq!(db.order_count().await, 1 + others as i64);
 }
 
-async fn when_the_original_fails_a_waiting_duplicate_runs_afresh<B: Backend>(db: B) {
+async fn when_the_original_fails_a_waiting_duplicate_runs_afresh<B: Database>(db: B) {
     let gate = Arc::new(Notify::new());
     let first = Arc::new(AtomicBool::new(true));
     let server = db
@@ -375,7 +375,7 @@ async fn duplicates_while_held(addr: SocketAddr, holder: &Holder, n: usize) -> V
 
 /// The app with this hook, the duplicates of a running request answered by `policy`; the lock
 /// timeout is far longer than the test, so that only the policy can answer early.
-async fn serve_with_policy<B: Backend>(db: &B, holder: &Holder, policy: InFlight) -> Server<B> {
+async fn serve_with_policy<B: Database>(db: &B, holder: &Holder, policy: InFlight) -> Server<B> {
     db.server()
         .layer(move |layer| {
             layer
@@ -388,7 +388,7 @@ async fn serve_with_policy<B: Backend>(db: &B, holder: &Holder, policy: InFlight
         .await
 }
 
-async fn in_flight_reject_answers_duplicates_409_with_retry_after_at_once<B: Backend>(db: B) {
+async fn in_flight_reject_answers_duplicates_409_with_retry_after_at_once<B: Database>(db: B) {
     const DUPLICATES: usize = 8;
     let holder = Holder::new("running");
     let server = serve_with_policy(&db, &holder, InFlight::Reject).await;
@@ -418,7 +418,7 @@ async fn in_flight_reject_answers_duplicates_409_with_retry_after_at_once<B: Bac
     assert_eq!(db.counts().await, (1, 1));
 }
 
-async fn in_flight_wait_up_to_a_bound_replays_when_the_first_ends_in_time<B: Backend>(db: B) {
+async fn in_flight_wait_up_to_a_bound_replays_when_the_first_ends_in_time<B: Database>(db: B) {
     const DUPLICATES: usize = 8;
     let holder = Holder::new("running");
     let policy = InFlight::WaitUpTo(Duration::from_secs(30));
@@ -447,7 +447,7 @@ async fn in_flight_wait_up_to_a_bound_replays_when_the_first_ends_in_time<B: Bac
     assert_eq!(db.counts().await, (1, 1));
 }
 
-async fn in_flight_wait_up_to_a_bound_then_409<B: Backend>(db: B) {
+async fn in_flight_wait_up_to_a_bound_then_409<B: Database>(db: B) {
     let holder = Holder::new("running");
     let policy = InFlight::WaitUpTo(Duration::from_millis(200));
     let server = serve_with_policy(&db, &holder, policy).await;
@@ -482,7 +482,7 @@ async fn in_flight_wait_up_to_a_bound_then_409<B: Backend>(db: B) {
 /// Two app instances (two servers, two stores of their own) on one database; every key is
 /// sent to both at once, several times: still one order per key, and both instances ran
 /// handlers (on SQLite one instance's writer may win every race: backends with parallel writers).
-async fn two_app_instances_sharing_the_database_create_one_order_per_key<B: Backend>(db: B) {
+async fn two_app_instances_sharing_the_database_create_one_order_per_key<B: Database>(db: B) {
     const KEYS: usize = 12;
     const DUPLICATES: usize = 6;
     let long_wait =
@@ -516,7 +516,7 @@ async fn two_app_instances_sharing_the_database_create_one_order_per_key<B: Back
 
 /// Different keys do not queue behind one writer: both handlers are inside their
 /// transactions at the same time.
-async fn different_keys_run_their_handlers_in_parallel<B: Backend>(db: B) {
+async fn different_keys_run_their_handlers_in_parallel<B: Database>(db: B) {
     let together = Arc::new(Barrier::new(2));
     let server = db
         .server()
@@ -864,4 +864,11 @@ mod sqlx_postgres {
 
     concurrency_tests!(SqlxPostgres);
     parallel_writer_tests!(SqlxPostgres);
+}
+
+mod mysql {
+    //! The sqlx store on MySQL or MariaDB: the suite, and two instances on one database.
+
+    concurrency_tests!(MySql);
+    parallel_writer_tests!(MySql);
 }

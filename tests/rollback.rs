@@ -14,7 +14,7 @@ mod pg_common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use backend::{first_call_only, hook, Backend};
+use backend::{first_call_only, hook, Database};
 use common::{post, Post, PATIENCE, SHOP_A};
 use http::StatusCode;
 use tokio::io::AsyncWriteExt;
@@ -23,7 +23,7 @@ use tokio::sync::Notify;
 const BOOK: &str = r#"{"sku":"book","quantity":1}"#;
 
 /// The article's lab: saving the record of `key-3` fails after the handler inserted its order.
-async fn injected_failure_saving_the_record_rolls_back_the_order<B: Backend>(db: B) {
+async fn injected_failure_saving_the_record_rolls_back_the_order<B: Database>(db: B) {
     let server = db.spawn().await;
     db.fail_saving_the_record_of("key-3").await;
     for key in ["key-1", "key-2"] {
@@ -61,7 +61,7 @@ async fn injected_failure_saving_the_record_rolls_back_the_order<B: Backend>(db:
 }
 
 /// The handler's own insert fails: it answers 500, which is not saved.
-async fn failing_order_insert_is_500_and_not_saved<B: Backend>(db: B) {
+async fn failing_order_insert_is_500_and_not_saved<B: Database>(db: B) {
     let server = db.spawn().await;
     db.fail_inserting_orders_of("book").await;
 
@@ -85,7 +85,7 @@ async fn failing_order_insert_is_500_and_not_saved<B: Backend>(db: B) {
     assert_eq!(server.app.handler_calls(), 2);
 }
 
-async fn handler_500_after_inserting_rolls_back_its_order<B: Backend>(db: B) {
+async fn handler_500_after_inserting_rolls_back_its_order<B: Database>(db: B) {
     let server = db
         .server()
         .hook(hook(first_call_only(|_| async {
@@ -116,7 +116,7 @@ async fn handler_500_after_inserting_rolls_back_its_order<B: Backend>(db: B) {
     assert_eq!(server.app.handler_calls(), 2);
 }
 
-async fn panicking_handler_rolls_back_and_the_server_keeps_serving<B: Backend>(db: B) {
+async fn panicking_handler_rolls_back_and_the_server_keeps_serving<B: Database>(db: B) {
     let server = db
         .server()
         .hook(hook(first_call_only(|_| async {
@@ -157,7 +157,7 @@ impl Drop for DropSignal {
     }
 }
 
-async fn client_disconnect_mid_handler_rolls_back<B: Backend>(db: B) {
+async fn client_disconnect_mid_handler_rolls_back<B: Database>(db: B) {
     let started = Arc::new(Notify::new());
     let dropped = Arc::new(Notify::new());
     let release = Arc::new(Notify::new());
@@ -558,4 +558,10 @@ mod sqlx_postgres {
     //! after the request, and a connection still borrowed when the handler returns.
 
     rollback_tests!(SqlxPostgres);
+}
+
+mod mysql {
+    //! The suite on a MySQL or MariaDB database of its own (the sqlx store).
+
+    rollback_tests!(MySql);
 }

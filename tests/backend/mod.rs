@@ -1,23 +1,31 @@
-//! One fixture over both stores, so that a suite is written once and run against SQLite and
-//! PostgreSQL: [`Backend`] is a fresh database of one kind (a SQLite file in a temp dir, or a
-//! PostgreSQL schema of its own) that serves the order app of the tests on 127.0.0.1:0, opens a
-//! store of its own on it (for the outbox, inbox and admin suites), reads its business rows,
-//! records and events, and injects the failures both stores can have.
+//! One fixture over every store, so that a suite is written once and run against each: a
+//! [`Database`] is a fresh database of one kind (a SQLite file in a temp dir, a PostgreSQL
+//! schema of its own, a MySQL/MariaDB database of its own) that serves the order app of the
+//! tests on 127.0.0.1:0, reads its business rows and records, and injects the failures every
+//! store can have. A [`Backend`] is a database whose store also has the outbox, the inbox and
+//! the admin verbs (all but MySQL): it opens a store of the test's own on it, enqueues events,
+//! reads them and the receiver's effects, and names the database to the admin tool.
 //!
-//! A suite writes each test as `async fn name<B: Backend>(db: B)` and instantiates it in its
-//! `sqlite`, `postgres` and `sqlx_postgres` modules with `backend_tests!(Sqlite; a, b)`,
-//! `backend_tests!(Postgres; a, b)` and `backend_tests!(SqlxPostgres; a, b)` (the PostgreSQL
-//! store on sqlx, on a schema of its own too); every PostgreSQL instance carries the attribute that
-//! reports it as ignored without `TEST_DATABASE_URL`. Tests that only make sense on one
-//! backend sit next to them in the same module.
+//! A suite writes each test as `async fn name<B: Database>(db: B)` (or `B: Backend` for the
+//! outbox, inbox and admin suites) and instantiates it in a module per backend with
+//! `backend_tests!(Sqlite; a, b)`, `backend_tests!(Postgres; a, b)`,
+//! `backend_tests!(SqlxPostgres; a, b)` (the PostgreSQL store on sqlx, on a schema of its own
+//! too) and `backend_tests!(MySql; a, b)`; every instance on a server carries the attribute that
+//! reports it as ignored without its server (`TEST_DATABASE_URL`, `TEST_MYSQL_URL`). Tests
+//! that only make sense on one backend sit next to them in the same module.
 //!
-//! The apps themselves are the ones of `tests/common` (SQLite) and `tests/pg_common`
-//! (PostgreSQL, and `pg_common::sqlx_app` on sqlx); this module only adapts them to one
-//! interface. Another backend is a struct implementing [`Backend`] and an arm of
-//! [`backend_tests!`] with the attribute that reports it ignored without its server.
+//! The apps themselves are the ones of `tests/common` (SQLite), `tests/pg_common` (PostgreSQL,
+//! and `pg_common::sqlx_app` on sqlx) and `tests/mysql_common`; this module only adapts them to
+//! one interface. Another backend is a struct implementing [`Database`] (and [`Backend`] once
+//! its store has the outbox) and an arm of [`backend_tests!`] with the attribute that reports it
+//! ignored without its server.
 
 // Every suite uses a different part of it.
 #![allow(dead_code)]
+
+// Here rather than in each suite's root: the outbox, inbox and admin suites need no MySQL.
+#[path = "../mysql_common/mod.rs"]
+pub mod mysql_common;
 
 use std::fmt;
 use std::future::Future;
@@ -37,14 +45,17 @@ use tower_idempotency::outbox::{
 };
 use tower_idempotency::store::postgres::{PostgresOptions, PostgresStore, PostgresTransaction};
 use tower_idempotency::store::sqlite::{SqliteStore, SqliteTransaction};
+use tower_idempotency::store::sqlx_mysql::SqlxMySqlStore;
 use tower_idempotency::store::sqlx_postgres::{SqlxPostgresStore, SqlxTransaction};
 use tower_idempotency::store::IdempotencyStore;
 
+use crate::common::order_server::OrderServer;
 use crate::common::{
     hook_for, AppBuilder, AppOf, HookFor, OrderCallOf, Outcome, SqliteApp, TestServer, PATIENCE,
 };
-use crate::pg_common::sqlx_app::{SqlxPgApp, SqlxServer};
-use crate::pg_common::{PgApp, PgServer, TestDb};
+use crate::pg_common::sqlx_app::SqlxPgApp;
+use crate::pg_common::{PgApp, TestDb};
+use mysql_common::MySqlAppOptions;
 
 /// What a backend's order handler tells the test's hook, its order row inserted inside the
 /// open idempotency transaction `tx`.
@@ -62,17 +73,22 @@ type EnqueueFn = dyn Fn(String, Value) -> BoxFuture<'static, Result<EventId, tow
     + Sync;
 
 /// The request's transaction, whichever the backend, for what the generic suites do in it:
-/// enqueue an outbox event.
+/// enqueue an outbox event (on a [`Backend`]; `None` on a store without the outbox).
 #[derive(Clone)]
-pub struct Tx(Arc<EnqueueFn>);
+pub struct Tx(Option<Arc<EnqueueFn>>);
 
 impl Tx {
     fn of<T: Enqueue + Send + Sync + 'static>(tx: T) -> Tx {
         let tx = Arc::new(tx);
-        Tx(Arc::new(move |topic, payload| {
+        Tx(Some(Arc::new(move |topic, payload| {
             let tx = tx.clone();
             Box::pin(async move { tx.enqueue(&topic, payload).await })
-        }))
+        })))
+    }
+
+    /// The transaction of a store without the outbox.
+    fn without_outbox<T>(_: T) -> Tx {
+        Tx(None)
     }
 
     /// Enqueues an event in the request's transaction.
@@ -81,7 +97,12 @@ impl Tx {
         topic: &str,
         payload: Value,
     ) -> Result<EventId, tower_idempotency::Error> {
-        (self.0)(topic.to_owned(), payload).await
+        match &self.0 {
+            Some(enqueue) => enqueue(topic.to_owned(), payload).await,
+            None => Err(tower_idempotency::Error::Corrupt(
+                "this backend's store has no outbox".into(),
+            )),
+        }
     }
 }
 
@@ -105,18 +126,27 @@ pub fn hook<Fut: Future<Output = FailWith> + Send + 'static>(
     hook_for(f)
 }
 
-/// The hook of a backend's app that runs `hook`.
-fn adapt<T: Enqueue + Send + Sync + 'static, O: Outcome>(hook: Hook) -> HookFor<OrderCallOf<T>, O> {
+/// The hook of a backend's app that runs `hook`, its transaction handle made a [`Tx`] by
+/// `tx`.
+fn adapt_with<T: Send + 'static, O: Outcome>(
+    hook: Hook,
+    tx: fn(T) -> Tx,
+) -> HookFor<OrderCallOf<T>, O> {
     hook_for(move |call: OrderCallOf<T>| {
         let outcome = hook(Call {
             tenant: call.tenant,
             key: call.key,
             sku: call.sku,
             order_id: call.order_id,
-            tx: Tx::of(call.tx),
+            tx: tx(call.tx),
         });
         async move { O::failing(outcome.await) }
     })
+}
+
+/// The hook of the app of a store with the outbox.
+fn adapt<T: Enqueue + Send + Sync + 'static, O: Outcome>(hook: Hook) -> HookFor<OrderCallOf<T>, O> {
+    adapt_with(hook, Tx::of)
 }
 
 /// Runs `behaviour` on the first call only; later calls get the default outcome (succeed).
@@ -199,40 +229,19 @@ pub async fn event_of<S: OutboxBackend>(outbox: &Outbox<S>, id: &EventId) -> Eve
         .expect("event")
 }
 
-/// A fresh database of one kind, with the `orders` table once an app served on it, and a
-/// store of its own on it, opened on first use.
-pub trait Backend: Sized + Send + Sync + 'static {
-    type Store: IdempotencyStore
-        + OutboxBackend
-        + InboxBackend
-        + AdminBackend
-        + Clone
-        + Send
-        + Sync
-        + 'static;
+/// A fresh database of one kind, with the `orders` table once an app served on it: what every
+/// backend has.
+pub trait Database: Sized + Send + Sync + 'static {
+    type Store: IdempotencyStore + Clone + Send + Sync + 'static;
     /// A fresh database; `None` (after saying so) where this backend is not available.
     fn create() -> impl Future<Output = Option<Self>>;
 
     /// Whether writers of different keys run at the same time (SQLite has one writer).
     const PARALLEL_WRITERS: bool;
 
-    /// What the error of an enqueue without the outbox table says.
-    const NO_OUTBOX_TABLE: &'static str;
-
     /// Serves the order app on this database (every server on one database is another app
     /// instance sharing it).
     fn serve(&self, setup: Setup<'_, Self>) -> impl Future<Output = Server<Self>>;
-
-    /// Where the test's own store is kept once opened.
-    fn store_cell(&self) -> &OnceCell<Self::Store>;
-
-    /// The test's own store on this database (opened on first use).
-    fn store(&self) -> impl Future<Output = &Self::Store> {
-        self.store_cell().get_or_init(|| self.another_store())
-    }
-
-    /// Another store on the same database (another app instance, with a pool of its own).
-    fn another_store(&self) -> impl Future<Output = Self::Store>;
 
     /// Runs SQL on the database, outside any request.
     fn execute(&self, sql: &str) -> impl Future<Output = ()>;
@@ -245,10 +254,6 @@ pub trait Backend: Sized + Send + Sync + 'static {
     /// Whether a record exists for `(tenant, operation, key)`, expired or not.
     fn record_exists(&self, tenant: &str, operation: &str, key: &str)
         -> impl Future<Output = bool>;
-    /// Rows in `outbox_events`.
-    fn event_count(&self) -> impl Future<Output = i64>;
-    /// Committed [`EFFECTS`] rows of `event_id`.
-    fn effects(&self, event_id: &str) -> impl Future<Output = i64>;
 
     /// From now on, saving the record of `key` fails (a trigger), after the handler's insert.
     fn fail_saving_the_record_of(&self, key: &'static str) -> impl Future<Output = ()>;
@@ -256,6 +261,44 @@ pub trait Backend: Sized + Send + Sync + 'static {
     fn fail_inserting_orders_of(&self, sku: &'static str) -> impl Future<Output = ()>;
     /// Removes the triggers of the two above.
     fn stop_failing(&self) -> impl Future<Output = ()>;
+
+    /// `(orders, completed records)`.
+    fn counts(&self) -> impl Future<Output = (i64, i64)> {
+        async { (self.order_count().await, self.record_count().await) }
+    }
+
+    /// A server with the default app.
+    fn spawn(&self) -> impl Future<Output = Server<Self>> {
+        self.server().spawn()
+    }
+
+    /// A server to customise.
+    fn server(&self) -> Setup<'_, Self> {
+        AppBuilder::new(self)
+    }
+}
+
+/// A [`Database`] whose store has the outbox, the inbox and the admin verbs, and a store of the
+/// test's own on it (opened on first use) for those suites.
+pub trait Backend: Database<Store: OutboxBackend + InboxBackend + AdminBackend> {
+    /// What the error of an enqueue without the outbox table says.
+    const NO_OUTBOX_TABLE: &'static str;
+
+    /// Where the test's own store is kept once opened.
+    fn store_cell(&self) -> &OnceCell<Self::Store>;
+
+    /// The test's own store on this database (opened on first use).
+    fn store(&self) -> impl Future<Output = &Self::Store> {
+        self.store_cell().get_or_init(|| self.another_store())
+    }
+
+    /// Another store on the same database (another app instance, with a pool of its own).
+    fn another_store(&self) -> impl Future<Output = Self::Store>;
+
+    /// Rows in `outbox_events`.
+    fn event_count(&self) -> impl Future<Output = i64>;
+    /// Committed [`EFFECTS`] rows of `event_id`.
+    fn effects(&self, event_id: &str) -> impl Future<Output = i64>;
 
     /// Enqueues an event outside any request (in a transaction of its own).
     fn enqueue_now(&self, topic: &str, payload: Value) -> impl Future<Output = EventId>;
@@ -289,28 +332,13 @@ pub trait Backend: Sized + Send + Sync + 'static {
         tx: &<Self::Store as InboxBackend>::Transaction,
         event_id: &str,
     ) -> impl Future<Output = ()>;
-
-    /// `(orders, completed records)`.
-    fn counts(&self) -> impl Future<Output = (i64, i64)> {
-        async { (self.order_count().await, self.record_count().await) }
-    }
-
-    /// A server with the default app.
-    fn spawn(&self) -> impl Future<Output = Server<Self>> {
-        self.server().spawn()
-    }
-
-    /// A server to customise.
-    fn server(&self) -> Setup<'_, Self> {
-        AppBuilder::new(self)
-    }
 }
 
 /// How to serve the app: the layer of each route, the hook, headers on every 201 (the
 /// builder of `tests/common`, on this database).
-pub type Setup<'db, B> = AppBuilder<<B as Backend>::Store, Hook, &'db B>;
+pub type Setup<'db, B> = AppBuilder<<B as Database>::Store, Hook, &'db B>;
 
-impl<B: Backend> AppBuilder<B::Store, Hook, &B> {
+impl<B: Database> AppBuilder<B::Store, Hook, &B> {
     pub async fn spawn(self) -> Server<B> {
         self.extra.serve(self).await
     }
@@ -328,21 +356,21 @@ impl Running for TestServer {
     }
 }
 
-impl Running for PgServer {
+impl<S: Send + 'static, T: Send + 'static, O: Send + 'static> Running for OrderServer<S, T, O> {
     fn stop(self: Box<Self>) -> BoxFuture<'static, ()> {
         Box::pin((*self).shutdown())
     }
 }
 
 /// A running order app on 127.0.0.1 and its store.
-pub struct Server<B: Backend> {
+pub struct Server<B: Database> {
     pub addr: SocketAddr,
     pub store: B::Store,
     pub app: Arc<dyn AppState>,
     running: Box<dyn Running>,
 }
 
-impl<B: Backend> Server<B> {
+impl<B: Database> Server<B> {
     fn new<A: AppState>(
         (addr, store, app): (SocketAddr, B::Store, Arc<A>),
         running: impl Running + 'static,
@@ -362,7 +390,7 @@ impl<B: Backend> Server<B> {
 }
 
 /// Runs a generic test on a fresh database of `B`, when there is one.
-pub async fn run<B: Backend, Fut: Future<Output = ()>>(test: impl FnOnce(B) -> Fut) {
+pub async fn run<B: Database, Fut: Future<Output = ()>>(test: impl FnOnce(B) -> Fut) {
     if let Some(db) = B::create().await {
         test(db).await;
     }
@@ -394,11 +422,10 @@ impl Sqlite {
     }
 }
 
-impl Backend for Sqlite {
+impl Database for Sqlite {
     type Store = SqliteStore;
 
     const PARALLEL_WRITERS: bool = false;
-    const NO_OUTBOX_TABLE: &'static str = "no such table: outbox_events";
 
     async fn create() -> Option<Self> {
         let dir = tempfile::tempdir().expect("temp dir");
@@ -417,14 +444,6 @@ impl Backend for Sqlite {
             .await;
         let parts = (running.addr, running.store.clone(), running.app.clone());
         Server::new(parts, running)
-    }
-
-    fn store_cell(&self) -> &OnceCell<SqliteStore> {
-        &self.store
-    }
-
-    async fn another_store(&self) -> SqliteStore {
-        SqliteStore::open(&self.path).await.expect("open")
     }
 
     async fn execute(&self, sql: &str) {
@@ -456,17 +475,6 @@ impl Backend for Sqlite {
         self.count(sql, (tenant, operation, key)) > 0
     }
 
-    async fn event_count(&self) -> i64 {
-        self.count("SELECT count(*) FROM outbox_events", [])
-    }
-
-    async fn effects(&self, event_id: &str) -> i64 {
-        self.count(
-            "SELECT count(*) FROM effects WHERE event_id = ?1",
-            [event_id],
-        )
-    }
-
     async fn fail_saving_the_record_of(&self, key: &'static str) {
         self.execute(&format!(
             "CREATE TRIGGER fail_record BEFORE INSERT ON idempotency_records \
@@ -487,6 +495,29 @@ impl Backend for Sqlite {
     async fn stop_failing(&self) {
         self.execute("DROP TRIGGER IF EXISTS fail_record; DROP TRIGGER IF EXISTS fail_order;")
             .await;
+    }
+}
+
+impl Backend for Sqlite {
+    const NO_OUTBOX_TABLE: &'static str = "no such table: outbox_events";
+
+    fn store_cell(&self) -> &OnceCell<SqliteStore> {
+        &self.store
+    }
+
+    async fn another_store(&self) -> SqliteStore {
+        SqliteStore::open(&self.path).await.expect("open")
+    }
+
+    async fn event_count(&self) -> i64 {
+        self.count("SELECT count(*) FROM outbox_events", [])
+    }
+
+    async fn effects(&self, event_id: &str) -> i64 {
+        self.count(
+            "SELECT count(*) FROM effects WHERE event_id = ?1",
+            [event_id],
+        )
     }
 
     async fn enqueue_now(&self, topic: &str, payload: Value) -> EventId {
@@ -552,7 +583,7 @@ async fn failing_trigger(db: &TestDb, name: &str, event: &str, when: &str) {
     .await;
 }
 
-/// The [`Backend`] methods of a PostgreSQL backend (a struct with `db: TestDb`) that read and
+/// The [`Database`] methods of a PostgreSQL backend (a struct with `db: TestDb`) that read and
 /// change the database itself, whichever driver its store uses: the test reads through a
 /// tokio-postgres connection of its own, as another process would.
 macro_rules! pg_database_reads {
@@ -575,17 +606,6 @@ macro_rules! pg_database_reads {
 
         async fn record_exists(&self, tenant: &str, operation: &str, key: &str) -> bool {
             self.db.record_exists(tenant, operation, key).await
-        }
-
-        async fn event_count(&self) -> i64 {
-            self.db
-                .value("SELECT count(*) FROM outbox_events", &[])
-                .await
-        }
-
-        async fn effects(&self, event_id: &str) -> i64 {
-            let sql = "SELECT count(*) FROM effects WHERE event_id = $1";
-            self.db.value(sql, &[&event_id]).await
         }
 
         async fn fail_saving_the_record_of(&self, key: &'static str) {
@@ -613,6 +633,23 @@ macro_rules! pg_database_reads {
                 )
                 .await;
         }
+    };
+}
+
+/// The [`Backend`] methods of a PostgreSQL backend that read the outbox's and the receiver's
+/// tables, whichever driver its store uses.
+macro_rules! pg_outbox_reads {
+    () => {
+        async fn event_count(&self) -> i64 {
+            self.db
+                .value("SELECT count(*) FROM outbox_events", &[])
+                .await
+        }
+
+        async fn effects(&self, event_id: &str) -> i64 {
+            let sql = "SELECT count(*) FROM effects WHERE event_id = $1";
+            self.db.value(sql, &[&event_id]).await
+        }
 
         async fn tool_args(&self) -> Vec<String> {
             vec!["--database-url".into(), self.db.url()]
@@ -628,23 +665,36 @@ pub struct Postgres {
     pub db: TestDb,
 }
 
-impl Backend for Postgres {
-    type Store = PostgresStore;
-
-    const PARALLEL_WRITERS: bool = true;
-    const NO_OUTBOX_TABLE: &'static str = "outbox_events";
-
-    async fn create() -> Option<Self> {
+impl Postgres {
+    /// [`Database::create`], callable where only [`Backend`] is in scope (the admin suite's
+    /// PostgreSQL-only tests).
+    pub async fn create() -> Option<Self> {
         let db = TestDb::create().await?;
         Some(Postgres {
             store: OnceCell::new(),
             db,
         })
     }
+}
+
+impl Database for Postgres {
+    type Store = PostgresStore;
+
+    const PARALLEL_WRITERS: bool = true;
+
+    async fn create() -> Option<Self> {
+        Postgres::create().await
+    }
 
     async fn serve(&self, setup: Setup<'_, Self>) -> Server<Self> {
         setup.spawn_with(|options| options).await
     }
+
+    pg_database_reads!();
+}
+
+impl Backend for Postgres {
+    const NO_OUTBOX_TABLE: &'static str = "outbox_events";
 
     fn store_cell(&self) -> &OnceCell<PostgresStore> {
         &self.store
@@ -656,7 +706,7 @@ impl Backend for Postgres {
             .await
     }
 
-    pg_database_reads!();
+    pg_outbox_reads!();
 
     /// Autocommit, on a pooled connection.
     async fn enqueue_now(&self, topic: &str, payload: Value) -> EventId {
@@ -730,17 +780,10 @@ pub struct SqlxPostgres {
     pub db: TestDb,
 }
 
-impl Running for SqlxServer {
-    fn stop(self: Box<Self>) -> BoxFuture<'static, ()> {
-        Box::pin((*self).shutdown())
-    }
-}
-
-impl Backend for SqlxPostgres {
+impl Database for SqlxPostgres {
     type Store = SqlxPostgresStore;
 
     const PARALLEL_WRITERS: bool = true;
-    const NO_OUTBOX_TABLE: &'static str = "outbox_events";
 
     async fn create() -> Option<Self> {
         let db = TestDb::create().await?;
@@ -756,6 +799,12 @@ impl Backend for SqlxPostgres {
         Server::new(parts, running)
     }
 
+    pg_database_reads!();
+}
+
+impl Backend for SqlxPostgres {
+    const NO_OUTBOX_TABLE: &'static str = "outbox_events";
+
     fn store_cell(&self) -> &OnceCell<SqlxPostgresStore> {
         &self.store
     }
@@ -764,7 +813,7 @@ impl Backend for SqlxPostgres {
         self.db.sqlx_store(4, 2).await
     }
 
-    pg_database_reads!();
+    pg_outbox_reads!();
 
     /// Autocommit, on the store's pool.
     async fn enqueue_now(&self, topic: &str, payload: Value) -> EventId {
@@ -816,12 +865,93 @@ impl Backend for SqlxPostgres {
     }
 }
 
-/// Instantiates generic tests (`async fn name<B: Backend>(db: B)` in the suite's root module)
-/// as `#[tokio::test]`s on a fresh database each, inside the suite's `sqlite` or `postgres`
-/// module (which also holds the suite's tests for that backend only):
+// ----- MySQL or MariaDB on sqlx: a database of its own -----
+
+/// A database of its own on the server of `TEST_MYSQL_URL`, dropped at the end, served by the
+/// app of `tests/mysql_common`. The store has no outbox yet: a [`Database`], not a [`Backend`].
+pub struct MySql {
+    pub db: mysql_common::TestDb,
+}
+
+impl MySql {
+    /// A trigger `name` that fails every row of `event` (`INSERT ON orders`) matching `when`.
+    async fn failing_trigger(&self, name: &str, event: &str, when: &str) {
+        self.db
+            .execute(&format!(
+                "CREATE TRIGGER {name} BEFORE {event} FOR EACH ROW BEGIN IF {when} THEN \
+                 SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'injected failure: {name}'; \
+                 END IF; END"
+            ))
+            .await;
+    }
+}
+
+impl Database for MySql {
+    type Store = SqlxMySqlStore;
+
+    const PARALLEL_WRITERS: bool = true;
+
+    async fn create() -> Option<Self> {
+        let db = mysql_common::TestDb::create().await?;
+        Some(MySql { db })
+    }
+
+    async fn serve(&self, setup: Setup<'_, Self>) -> Server<Self> {
+        let running = setup
+            .convert(|hook| adapt_with(hook, Tx::without_outbox), MySqlAppOptions)
+            .spawn(&self.db)
+            .await;
+        let parts = (running.addr, running.store.clone(), running.app.clone());
+        Server::new(parts, running)
+    }
+
+    async fn execute(&self, sql: &str) {
+        self.db.execute(sql).await;
+    }
+
+    async fn orders(&self) -> Vec<Order> {
+        self.db.orders().await
+    }
+
+    async fn order_count(&self) -> i64 {
+        self.db.order_count().await
+    }
+
+    async fn record_count(&self) -> i64 {
+        self.db.record_count().await
+    }
+
+    async fn record_exists(&self, tenant: &str, operation: &str, key: &str) -> bool {
+        self.db.record_exists(tenant, operation, key).await
+    }
+
+    async fn fail_saving_the_record_of(&self, key: &'static str) {
+        // The layer reserves the row first and completes it on commit: fail the completion.
+        let when = format!("NEW.idempotency_key = '{key}' AND NEW.state = 'completed'");
+        self.failing_trigger("fail_record", "UPDATE ON idempotency_records", &when)
+            .await;
+    }
+
+    async fn fail_inserting_orders_of(&self, sku: &'static str) {
+        let when = format!("NEW.sku = '{sku}'");
+        self.failing_trigger("fail_order", "INSERT ON orders", &when)
+            .await;
+    }
+
+    async fn stop_failing(&self) {
+        self.db
+            .execute("DROP TRIGGER IF EXISTS fail_record; DROP TRIGGER IF EXISTS fail_order")
+            .await;
+    }
+}
+
+/// Instantiates generic tests (`async fn name<B: Database>(db: B)` in the suite's root module)
+/// as `#[tokio::test]`s on a fresh database each, inside the suite's module of that backend
+/// (which also holds the suite's tests for that backend only):
 /// `backend_tests!(Sqlite; a, b(flavor = "multi_thread", worker_threads = 2), c = a)`, where
 /// `c = a` runs `a` under the name `c`. Every PostgreSQL instance carries the attribute that
-/// reports it as ignored without `TEST_DATABASE_URL`.
+/// reports it as ignored without `TEST_DATABASE_URL`, every MySQL one without
+/// `TEST_MYSQL_URL`.
 macro_rules! backend_tests {
     (Sqlite; $($tests:tt)*) => {
         backend_tests!(@each Sqlite []; $($tests)*);
@@ -834,6 +964,11 @@ macro_rules! backend_tests {
     (SqlxPostgres; $($tests:tt)*) => {
         backend_tests!(@each SqlxPostgres
             [#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]];
+            $($tests)*);
+    };
+    (MySql; $($tests:tt)*) => {
+        backend_tests!(@each MySql
+            [#[cfg_attr(not(mysql_tests), ignore = "needs MySQL or MariaDB: set TEST_MYSQL_URL")]];
             $($tests)*);
     };
     (@each $backend:ident [$($attr:tt)*]; $name:ident = $test:ident $(, $($rest:tt)*)?) => {

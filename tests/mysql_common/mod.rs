@@ -9,12 +9,14 @@
 #![allow(dead_code)]
 
 use std::str::FromStr;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
 use sqlx::{Connection as _, Executor as _, MySqlConnection, Row as _};
-use tower_idempotency::store::sqlx_mysql::SqlxMySqlStore;
+use tower_idempotency::store::sqlx_mysql::{SqlxMySqlStore, SqlxTransaction};
+use tower_idempotency::Tenant;
+
+use crate::common::order_server::{FreshName, OrderServer};
+use crate::common::{AppBuilder, AppOf, HookFor, HookOutcome, InsertOrder, OrderCallOf};
 
 /// The business table of the MySQL order app (the same as the example's).
 pub const ORDERS_SCHEMA: &str = "CREATE TABLE IF NOT EXISTS orders (
@@ -38,29 +40,16 @@ impl TestDb {
     /// A fresh database with the `orders` table, or `None` (after saying so) when
     /// `TEST_MYSQL_URL` is not set.
     pub async fn create() -> Option<TestDb> {
-        let Some(url) = std::env::var("TEST_MYSQL_URL")
-            .ok()
-            .filter(|url| !url.trim().is_empty())
-        else {
-            println!("skipped: TEST_MYSQL_URL is not set (MySQL tests need it)");
-            eprintln!("skipped: TEST_MYSQL_URL is not set (MySQL tests need it)");
-            return None;
-        };
-        static COUNTER: AtomicUsize = AtomicUsize::new(0);
-        static SWEPT: AtomicBool = AtomicBool::new(false);
-        let now = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .expect("clock after 1970")
-            .as_secs();
-        let name = format!(
-            "{DATABASE_PREFIX}{now}_{}_{}",
-            std::process::id(),
-            COUNTER.fetch_add(1, Ordering::SeqCst)
-        );
+        let FreshName {
+            url,
+            name,
+            now,
+            first,
+        } = FreshName::new("TEST_MYSQL_URL", "MySQL", DATABASE_PREFIX)?;
         let mut admin = MySqlConnection::connect_with(&server_options(&url))
             .await
             .expect("connect to the MySQL server");
-        if !SWEPT.swap(true, Ordering::SeqCst) {
+        if first {
             sweep_stale_databases(&mut admin, now).await;
         }
         admin
@@ -166,6 +155,14 @@ impl TestDb {
         found > 0
     }
 
+    /// The orders as `(id, tenant_id, sku, quantity)`, by id.
+    pub async fn orders(&self) -> Vec<(i64, String, String, i64)> {
+        sqlx::query_as("SELECT id, tenant_id, sku, quantity FROM orders ORDER BY id")
+            .fetch_all(&mut self.connection().await)
+            .await
+            .expect("orders")
+    }
+
     /// The skus of the orders, by id.
     pub async fn order_skus(&self) -> Vec<String> {
         sqlx::query_scalar("SELECT sku FROM orders ORDER BY id")
@@ -260,14 +257,52 @@ async fn sweep_stale_databases(admin: &mut MySqlConnection, now: u64) {
         return;
     };
     for name in names {
-        let made = name
-            .strip_prefix(DATABASE_PREFIX)
-            .and_then(|rest| rest.split('_').next())
-            .and_then(|secs| secs.parse::<u64>().ok());
-        if made.is_some_and(|made| made + 3600 < now) {
+        if FreshName::is_stale(&name, DATABASE_PREFIX, now) {
             let _ = admin
                 .execute(format!("DROP DATABASE IF EXISTS {name}").as_str())
                 .await;
         }
     }
 }
+
+impl InsertOrder for SqlxTransaction {
+    async fn insert_order(
+        &self,
+        tenant: &Tenant,
+        sku: &str,
+        quantity: i64,
+    ) -> Result<i64, tower_idempotency::Error> {
+        let mut conn = self.acquire().await?;
+        let inserted =
+            sqlx::query("INSERT INTO orders (tenant_id, sku, quantity) VALUES (?, ?, ?)")
+                .bind(tenant.as_str())
+                .bind(sku)
+                .bind(quantity)
+                .execute(&mut *conn)
+                .await?;
+        i64::try_from(inserted.last_insert_id())
+            .map_err(|_| tower_idempotency::Error::Corrupt("an order id past i64".into()))
+    }
+}
+
+/// What the MySQL app's handler tells its hook.
+pub type MySqlOrderCall = OrderCallOf<SqlxTransaction>;
+pub type MySqlHook = HookFor<MySqlOrderCall, HookOutcome>;
+pub type MySqlApp = AppOf<SqlxTransaction, HookOutcome>;
+
+/// What only the MySQL app takes: nothing yet (the tests' pool sizes are fixed).
+#[derive(Default)]
+pub struct MySqlAppOptions;
+
+pub type MySqlServerBuilder = AppBuilder<SqlxMySqlStore, MySqlHook, MySqlAppOptions>;
+
+impl MySqlServerBuilder {
+    /// Serves the order app on a store of its own (a pool of 8 connections) over `db`: several
+    /// servers on one database are several app instances sharing it.
+    pub async fn spawn(self, db: &TestDb) -> MySqlServer {
+        self.serve_on(db.store(8).await).await
+    }
+}
+
+/// A running MySQL order app on 127.0.0.1 and its store.
+pub type MySqlServer = OrderServer<SqlxMySqlStore, SqlxTransaction, HookOutcome>;

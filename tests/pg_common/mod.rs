@@ -11,10 +11,6 @@
 #![allow(dead_code)]
 
 use std::future::Future;
-use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use http::header::HeaderName;
 use http::{HeaderValue, StatusCode};
@@ -23,9 +19,8 @@ use tower_idempotency::store::postgres::tokio_postgres::{self, NoTls};
 use tower_idempotency::store::postgres::{PostgresOptions, PostgresStore, PostgresTransaction};
 use tower_idempotency::Tenant;
 
-use crate::common::{
-    hook_for, AppBuilder, AppOf, HookFor, InsertOrder, OrderCallOf, Outcome, Serving,
-};
+use crate::common::order_server::{FreshName, OrderServer};
+use crate::common::{hook_for, AppBuilder, AppOf, HookFor, InsertOrder, OrderCallOf, Outcome};
 
 pub mod sqlx_app;
 
@@ -50,28 +45,14 @@ impl TestDb {
     /// A fresh schema with the `orders` table, or `None` (after saying so) when
     /// `TEST_DATABASE_URL` is not set.
     pub async fn create() -> Option<TestDb> {
-        let Some(url) = std::env::var("TEST_DATABASE_URL")
-            .ok()
-            .filter(|url| !url.trim().is_empty())
-        else {
-            // Both streams: `--nocapture` shows stdout, a failing run shows both.
-            println!("skipped: TEST_DATABASE_URL is not set (PostgreSQL tests need it)");
-            eprintln!("skipped: TEST_DATABASE_URL is not set (PostgreSQL tests need it)");
-            return None;
-        };
-        static COUNTER: AtomicUsize = AtomicUsize::new(0);
-        static SWEPT: AtomicBool = AtomicBool::new(false);
-        let now = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .expect("clock after 1970")
-            .as_secs();
-        let schema = format!(
-            "{SCHEMA_PREFIX}{now}_{}_{}",
-            std::process::id(),
-            COUNTER.fetch_add(1, Ordering::SeqCst)
-        );
+        let FreshName {
+            url,
+            name: schema,
+            now,
+            first,
+        } = FreshName::new("TEST_DATABASE_URL", "PostgreSQL", SCHEMA_PREFIX)?;
         let admin = connect(&url.parse().expect("TEST_DATABASE_URL is a valid URL")).await;
-        if !SWEPT.swap(true, Ordering::SeqCst) {
+        if first {
             sweep_stale_schemas(&admin, now).await;
         }
         admin
@@ -260,11 +241,7 @@ async fn sweep_stale_schemas(admin: &tokio_postgres::Client, now: u64) {
     };
     for row in rows {
         let name: String = row.get(0);
-        let made = name
-            .strip_prefix(SCHEMA_PREFIX)
-            .and_then(|rest| rest.split('_').next())
-            .and_then(|secs| secs.parse::<u64>().ok());
-        if made.is_some_and(|made| made + 3600 < now) {
+        if FreshName::is_stale(&name, SCHEMA_PREFIX, now) {
             let _ = admin
                 .batch_execute(&format!("DROP SCHEMA IF EXISTS {name} CASCADE"))
                 .await;
@@ -355,23 +332,12 @@ impl ServerBuilder {
                 customise_store(options.max_connections(8).max_read_connections(4))
             })
             .await;
-        let (app, serving) = self.serve_orders(&store).await;
-        PgServer {
-            addr: serving.addr,
-            store,
-            app,
-            serving,
-        }
+        self.serve_on(store).await
     }
 }
 
 /// A running order app on 127.0.0.1 and its store.
-pub struct PgServer {
-    pub addr: SocketAddr,
-    pub store: PostgresStore,
-    pub app: Arc<App>,
-    serving: Serving,
-}
+pub type PgServer = OrderServer<PostgresStore, PostgresTransaction, HookOutcome>;
 
 impl PgServer {
     pub fn builder() -> ServerBuilder {
@@ -381,11 +347,6 @@ impl PgServer {
     /// The default app on `db`.
     pub async fn spawn(db: &TestDb) -> PgServer {
         Self::builder().spawn(db).await
-    }
-
-    /// Stops serving (gracefully, bounded).
-    pub async fn shutdown(self) {
-        self.serving.stop().await;
     }
 }
 
