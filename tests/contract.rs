@@ -96,7 +96,8 @@ async fn conflict_status_is_configurable<B: Database>(db: B) {
 
     assert_eq!(conflict.status, StatusCode::UNPROCESSABLE_ENTITY);
     assert_eq!(conflict.error_code(), "key_reused_with_different_payload");
-    assert_eq!(db.order_count().await, 1);
+    assert_eq!(server.app.handler_calls(), 1, "the handler did not run");
+    assert_eq!(db.counts().await, (1, 1));
 }
 
 async fn another_tenant_with_the_same_key_gets_its_own_order<B: Database>(db: B) {
@@ -223,6 +224,31 @@ async fn key_of_128_characters_is_accepted<B: Database>(db: B) {
     assert!(db.record_exists("shop-a", "create_order", &key).await);
     let again = post(server.addr, Some(SHOP_A), Some(&key), BOOK, &[]).await;
     assert!(again.replayed());
+}
+
+/// Keys as long as the layer allows (255 here) are stored whole: two that differ only in their
+/// last character are two keys.
+async fn keys_of_255_characters_are_kept_apart<B: Database>(db: B) {
+    let server = db
+        .server()
+        .layer(|layer| layer.with_max_key_len(255))
+        .spawn()
+        .await;
+    let long = "k".repeat(255);
+    let other = format!("{}x", "k".repeat(254));
+
+    let first = post(server.addr, Some(SHOP_A), Some(&long), BOOK, &[]).await;
+    let second = post(server.addr, Some(SHOP_A), Some(&other), BOOK, &[]).await;
+
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    assert_eq!(second.status, StatusCode::CREATED, "{second:?}");
+    assert!(!second.replayed());
+    assert_ne!(first.order_id(), second.order_id());
+    let again = post(server.addr, Some(SHOP_A), Some(&long), BOOK, &[]).await;
+    assert!(again.replayed());
+    assert_eq!(again.order_id(), first.order_id());
+    assert!(db.record_exists("shop-a", "create_order", &long).await);
+    assert_eq!(db.counts().await, (2, 2));
 }
 
 async fn key_header_sent_twice_is_400_even_when_both_are_equal<B: Database>(db: B) {
@@ -903,6 +929,7 @@ macro_rules! contract_tests {
             malformed_keys_are_400_and_nothing_is_stored,
             key_with_a_raw_control_byte_is_400_over_the_wire,
             key_of_128_characters_is_accepted,
+            keys_of_255_characters_are_kept_apart,
             key_header_sent_twice_is_400_even_when_both_are_equal,
             quoted_key_is_the_same_key_as_its_bare_form,
             equivalent_json_spellings_are_the_same_request,

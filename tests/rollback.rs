@@ -11,10 +11,10 @@ mod backend;
 mod common;
 mod pg_common;
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use backend::{first_call_only, hook, Database};
+use backend::{first_call_only, hook, Call, Database, HandleSql};
 use common::{post, Post, PATIENCE, SHOP_A};
 use http::StatusCode;
 use tokio::io::AsyncWriteExt;
@@ -108,6 +108,7 @@ async fn handler_500_after_inserting_rolls_back_its_order<B: Database>(db: B) {
         "the inserted order was rolled back"
     );
     assert_eq!(db.record_count().await, 0);
+    assert!(!db.record_exists("shop-a", "create_order", "key-1").await);
 
     let retry = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
     assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
@@ -139,6 +140,7 @@ async fn panicking_handler_rolls_back_and_the_server_keeps_serving<B: Database>(
         "the order inserted before the panic"
     );
     assert_eq!(db.record_count().await, 0);
+    assert!(!db.record_exists("shop-a", "create_order", "key-1").await);
 
     let other = post(server.addr, Some(SHOP_A), Some("key-2"), BOOK, &[]).await;
     assert_eq!(other.status, StatusCode::CREATED, "the server still serves");
@@ -209,6 +211,101 @@ async fn client_disconnect_mid_handler_rolls_back<B: Database>(db: B) {
     assert_eq!(rows.len(), 1, "only the retry's order exists: {rows:?}");
     assert_eq!(rows[0].0, retry.order_id());
     assert_eq!(db.record_count().await, 1);
+}
+
+/// The connection under the transaction is killed while the handler is inside it (its next
+/// statement fails): the request is answered as the backend says ([`HandleSql`]), nothing is
+/// kept, and the retry succeeds on a fresh connection.
+async fn killed_connection_rolls_back_and_the_retry_succeeds<B: HandleSql>(db: B) {
+    let (id_tx, id_rx) = tokio::sync::oneshot::channel::<i64>();
+    let id_tx = Arc::new(Mutex::new(Some(id_tx)));
+    let server = db
+        .server()
+        .hook(hook(first_call_only(move |call: Call| {
+            let id_tx = id_tx.clone();
+            async move {
+                let tx = call.tx.handle::<B::Handle>().expect("the backend's handle");
+                let id = B::connection_id(&tx).await.expect("the connection's id");
+                if let Some(sender) = id_tx.lock().expect("id slot").take() {
+                    let _ = sender.send(id);
+                }
+                // The test kills the connection meanwhile.
+                B::sleep_then_query(&tx)
+                    .await
+                    .err()
+                    .map(|_| StatusCode::INTERNAL_SERVER_ERROR)
+            }
+        })))
+        .spawn()
+        .await;
+
+    let addr = server.addr;
+    let first =
+        tokio::spawn(async move { post(addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await });
+    let id = tokio::time::timeout(PATIENCE, id_rx)
+        .await
+        .expect("the handler reported its connection")
+        .expect("connection id");
+    db.kill(id).await;
+    let failed = first.await.expect("first request");
+
+    let (status, code) = B::KILLED_CONNECTION;
+    assert_eq!(failed.status, status, "{failed:?}");
+    assert_eq!(failed.error_code(), code, "{failed:?}");
+    if status == StatusCode::SERVICE_UNAVAILABLE {
+        assert!(failed.header("retry-after").is_some(), "{failed:?}");
+    }
+    assert_eq!(
+        db.order_count().await,
+        0,
+        "the killed transaction rolled back"
+    );
+    assert!(!db.record_exists("shop-a", "create_order", "key-1").await);
+
+    let retry = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
+    assert!(!retry.replayed());
+    assert_eq!(server.app.handler_calls(), 2);
+    assert_eq!(db.counts().await, (1, 1));
+}
+
+/// Transaction control sent through the handle, whichever way the driver sends it, is refused
+/// (and nothing of a refused batch runs), savepoints stay allowed, and the layer commits the
+/// order with its record.
+async fn transaction_control_through_the_handle_is_refused<B: HandleSql>(db: B) {
+    let problems: Arc<Mutex<Vec<String>>> = Arc::default();
+    let server = db
+        .server()
+        .hook({
+            let problems = problems.clone();
+            hook(move |call| {
+                let problems = problems.clone();
+                async move {
+                    let tx = call.tx.handle::<B::Handle>().expect("the backend's handle");
+                    let found = B::transaction_control(&tx).await;
+                    problems.lock().expect("problems").extend(found);
+                    None
+                }
+            })
+        })
+        .spawn()
+        .await;
+    let commit = r#"{"sku":"commit","quantity":1}"#;
+
+    let reply = post(server.addr, Some(SHOP_A), Some("key-1"), commit, &[]).await;
+
+    assert_eq!(
+        *problems.lock().expect("problems"),
+        Vec::<String>::new(),
+        "every transaction-control statement is refused, and nothing else"
+    );
+    assert_eq!(reply.status, StatusCode::CREATED, "{reply:?}");
+    // Nothing of the refused statements ran: the one order, committed with its record.
+    let skus: Vec<String> = db.orders().await.into_iter().map(|o| o.2).collect();
+    assert_eq!(skus, ["commit"]);
+    assert_eq!(db.record_count().await, 1);
+    let again = post(server.addr, Some(SHOP_A), Some("key-1"), commit, &[]).await;
+    assert!(again.replayed());
 }
 
 /// The tests above, on one backend.
@@ -550,18 +647,72 @@ mod postgres {
 }
 
 mod sqlx_postgres {
-    //! The suite through the sqlx store. What `postgres` adds is covered for sqlx in
-    //! `tests/sqlx_postgres.rs`, on its own app whose handler runs sqlx code:
-    //! `a_terminated_backend_rolls_back_and_the_retry_succeeds` (`pg_terminate_backend` under
-    //! the transaction), `transaction_control_through_the_handle_is_refused` (every spelling
-    //! through `query`, `raw_sql` and the executor). Not yet on sqlx: the handle refusing work
-    //! after the request, and a connection still borrowed when the handler returns.
+    //! The suite through the sqlx store, and what its handle runs ([`HandleSql`]). Not yet on
+    //! sqlx: the handle refusing work after the request, and a connection still borrowed when
+    //! the handler returns.
 
     rollback_tests!(SqlxPostgres);
+    backend_tests!(SqlxPostgres;
+        a_terminated_backend_rolls_back_and_the_retry_succeeds =
+            killed_connection_rolls_back_and_the_retry_succeeds,
+        transaction_control_through_the_handle_is_refused,
+    );
 }
 
 mod mysql {
-    //! The suite on a MySQL or MariaDB database of its own (the sqlx store).
+    //! The suite on a MySQL or MariaDB database of its own (the sqlx store), what its handle
+    //! runs ([`HandleSql`]), and the session of the pooled connection, restored after a
+    //! request.
+
+    use backend::mysql_common::{MySqlAppOptions, MySqlOrderCall, MySqlServerBuilder};
+    use backend::MySql;
+    use common::{hook_for, HookOutcome, Outcome};
+
+    use super::*;
 
     rollback_tests!(MySql);
+    backend_tests!(MySql;
+        a_killed_connection_rolls_back_and_the_retry_succeeds =
+            killed_connection_rolls_back_and_the_retry_succeeds,
+        transaction_control_through_the_handle_is_refused,
+    );
+
+    /// The connection goes back to the application's pool as it came: `autocommit` on and the
+    /// server's lock wait timeout, whatever the request set.
+    #[cfg_attr(
+        not(mysql_tests),
+        ignore = "needs MySQL or MariaDB: set TEST_MYSQL_URL"
+    )]
+    #[tokio::test]
+    async fn the_session_is_restored_after_a_request() {
+        let Some(db) = MySql::create().await else {
+            return;
+        };
+        // One connection: the request's and the check's are the same.
+        let store = db.db.store(1).await;
+        let pool = store.pool().clone();
+        let server = MySqlServerBuilder::new(MySqlAppOptions)
+            .hook(hook_for(|call: MySqlOrderCall| async move {
+                HookOutcome::failing(
+                    (call.sku == "fail").then_some(StatusCode::INTERNAL_SERVER_ERROR),
+                )
+            }))
+            .serve_on(store)
+            .await;
+        let settings = || async {
+            sqlx::query_as::<_, (i64, i64)>(
+                "SELECT @@autocommit, CAST(@@innodb_lock_wait_timeout AS SIGNED)",
+            )
+            .fetch_one(&pool)
+            .await
+            .expect("session settings")
+        };
+        let before = settings().await;
+        for (key, sku) in [("order-1", "book"), ("order-2", "fail")] {
+            let body = format!(r#"{{"sku":"{sku}","quantity":1}}"#);
+            post(server.addr, Some(SHOP_A), Some(key), &body, &[]).await;
+            assert_eq!(settings().await, before, "after {sku}");
+        }
+        assert_eq!(db.counts().await, (1, 1));
+    }
 }

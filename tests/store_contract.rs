@@ -309,26 +309,8 @@ async fn sqlx_postgres_store() -> Option<(
     tower_idempotency::store::sqlx_postgres::SqlxPostgresStore,
     pg_common::TestDb,
 )> {
-    use std::str::FromStr;
-    use tower_idempotency::store::sqlx_postgres::sqlx::postgres::{
-        PgConnectOptions, PgPoolOptions,
-    };
-
     let db = pg_common::TestDb::create().await?;
-    let url = std::env::var("TEST_DATABASE_URL").expect("TEST_DATABASE_URL");
-    let options = PgConnectOptions::from_str(&url)
-        .expect("TEST_DATABASE_URL is a valid URL")
-        .options([("search_path", db.schema.as_str())])
-        .application_name(&db.schema);
-    let pool = PgPoolOptions::new()
-        .max_connections(4)
-        .connect_with(options)
-        .await
-        .expect("connect the sqlx pool");
-    let store = tower_idempotency::store::sqlx_postgres::SqlxPostgresStore::builder(pool)
-        .max_read_connections(2)
-        .build();
-    store.migrate().await.expect("create the table");
+    let store = db.sqlx_store(4, 2).await;
     Some((store, db))
 }
 

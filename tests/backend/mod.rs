@@ -27,6 +27,13 @@
 #[path = "../mysql_common/mod.rs"]
 pub mod mysql_common;
 
+mod handle_sql;
+
+// Only the suites with tests of the handles use it.
+#[allow(unused_imports)]
+pub use handle_sql::HandleSql;
+
+use std::any::Any;
 use std::fmt;
 use std::future::Future;
 use std::net::SocketAddr;
@@ -73,22 +80,34 @@ type EnqueueFn = dyn Fn(String, Value) -> BoxFuture<'static, Result<EventId, tow
     + Sync;
 
 /// The request's transaction, whichever the backend, for what the generic suites do in it:
-/// enqueue an outbox event (on a [`Backend`]; `None` on a store without the outbox).
+/// enqueue an outbox event (on a [`Backend`]), or reach the backend's own handle (the tests of
+/// [`HandleSql`]).
 #[derive(Clone)]
-pub struct Tx(Option<Arc<EnqueueFn>>);
+pub struct Tx {
+    /// `None` on a store without the outbox.
+    enqueue: Option<Arc<EnqueueFn>>,
+    handle: Arc<dyn Any + Send + Sync>,
+}
 
 impl Tx {
     fn of<T: Enqueue + Send + Sync + 'static>(tx: T) -> Tx {
         let tx = Arc::new(tx);
-        Tx(Some(Arc::new(move |topic, payload| {
-            let tx = tx.clone();
-            Box::pin(async move { tx.enqueue(&topic, payload).await })
-        })))
+        let handle = tx.clone();
+        Tx {
+            enqueue: Some(Arc::new(move |topic, payload| {
+                let tx = tx.clone();
+                Box::pin(async move { tx.enqueue(&topic, payload).await })
+            })),
+            handle,
+        }
     }
 
     /// The transaction of a store without the outbox.
-    fn without_outbox<T>(_: T) -> Tx {
-        Tx(None)
+    fn without_outbox<T: Send + Sync + 'static>(tx: T) -> Tx {
+        Tx {
+            enqueue: None,
+            handle: Arc::new(tx),
+        }
     }
 
     /// Enqueues an event in the request's transaction.
@@ -97,12 +116,17 @@ impl Tx {
         topic: &str,
         payload: Value,
     ) -> Result<EventId, tower_idempotency::Error> {
-        match &self.0 {
+        match &self.enqueue {
             Some(enqueue) => enqueue(topic.to_owned(), payload).await,
             None => Err(tower_idempotency::Error::Corrupt(
                 "this backend's store has no outbox".into(),
             )),
         }
+    }
+
+    /// The backend's own transaction handle, if it is a `T`.
+    pub fn handle<T: Send + Sync + 'static>(&self) -> Option<Arc<T>> {
+        self.handle.clone().downcast().ok()
     }
 }
 
@@ -949,7 +973,7 @@ impl Database for MySql {
 /// as `#[tokio::test]`s on a fresh database each, inside the suite's module of that backend
 /// (which also holds the suite's tests for that backend only):
 /// `backend_tests!(Sqlite; a, b(flavor = "multi_thread", worker_threads = 2), c = a)`, where
-/// `c = a` runs `a` under the name `c`. Every PostgreSQL instance carries the attribute that
+/// `c = a` runs `a` under the name `c` (`c(flavor = ...) = a` with a flavor). Every PostgreSQL instance carries the attribute that
 /// reports it as ignored without `TEST_DATABASE_URL`, every MySQL one without
 /// `TEST_MYSQL_URL`.
 macro_rules! backend_tests {
@@ -971,9 +995,10 @@ macro_rules! backend_tests {
             [#[cfg_attr(not(mysql_tests), ignore = "needs MySQL or MariaDB: set TEST_MYSQL_URL")]];
             $($tests)*);
     };
-    (@each $backend:ident [$($attr:tt)*]; $name:ident = $test:ident $(, $($rest:tt)*)?) => {
+    (@each $backend:ident [$($attr:tt)*];
+        $name:ident $(($($flavor:tt)*))? = $test:ident $(, $($rest:tt)*)?) => {
         $($attr)*
-        #[tokio::test]
+        #[tokio::test$(($($flavor)*))?]
         async fn $name() {
             $crate::backend::run(|db: $crate::backend::$backend| super::$test(db)).await;
         }

@@ -1,6 +1,6 @@
 //! Shared setup for the PostgreSQL tests: a fresh schema per test in the database named by
-//! `TEST_DATABASE_URL`, the order app of the example on a [`PostgresStore`] served on
-//! 127.0.0.1:0, and the example binary started as a child process.
+//! `TEST_DATABASE_URL`, and the order app of the example on a [`PostgresStore`] served on
+//! 127.0.0.1:0.
 //!
 //! Every test that uses it is marked `#[cfg_attr(not(pg_tests), ignore = ...)]` (the build
 //! script sets `pg_tests` when `TEST_DATABASE_URL` is set), so that `cargo test` on a machine
@@ -366,30 +366,4 @@ impl InsertOrder for PostgresTransaction {
             .await?;
         Ok(row.try_get(0)?)
     }
-}
-
-/// The example binary (`examples/orders.rs`) as a child process serving on this database.
-pub async fn start_example(db: &TestDb) -> super::common::process::OrdersProcess {
-    start_order_example(OrderExample::TokioPostgres, db).await
-}
-
-/// The order examples that serve on PostgreSQL (`--database-url`), one per store.
-#[derive(Clone, Copy, Debug)]
-pub enum OrderExample {
-    /// `examples/orders.rs`, on the tokio-postgres store.
-    TokioPostgres,
-    /// `examples/orders_sqlx.rs`, on the sqlx store.
-    Sqlx,
-}
-
-/// `example` as a child process serving on this database.
-pub async fn start_order_example(
-    example: OrderExample,
-    db: &TestDb,
-) -> super::common::process::OrdersProcess {
-    let name = match example {
-        OrderExample::TokioPostgres => "orders",
-        OrderExample::Sqlx => "orders_sqlx",
-    };
-    super::common::process::OrdersProcess::start_example(name, &["--database-url", &db.url()]).await
 }

@@ -1,0 +1,241 @@
+//! What a handler runs through its transaction handle on the sqlx stores, per driver: the SQL
+//! of the suite tests written once over both (a connection killed under the transaction,
+//! transaction control refused, a statement failing with a conflict).
+
+use std::future::Future;
+
+use http::StatusCode;
+use sqlx::Executor as _;
+use tower_idempotency::store::{sqlx_mysql, sqlx_postgres};
+
+use super::{BoxFuture, Database, MySql, SqlxPostgres};
+
+/// A [`Database`] whose handle runs the driver's own SQL in the request's transaction.
+pub trait HandleSql: Database {
+    /// The store's transaction handle, as the handler gets it.
+    type Handle: Send + Sync + 'static;
+
+    /// The status and error code of a request whose connection was killed under its handler:
+    /// the handler answers its own `500` when its next statement fails, unless the layer
+    /// knows better.
+    const KILLED_CONNECTION: (StatusCode, &'static str);
+
+    /// The server's id of the handle's connection.
+    fn connection_id(tx: &Self::Handle) -> BoxFuture<'_, Result<i64, String>>;
+
+    /// Sleeps 10 s in the transaction (the test kills the connection meanwhile), then runs one
+    /// more statement.
+    fn sleep_then_query(tx: &Self::Handle) -> BoxFuture<'_, Result<(), String>>;
+
+    /// Kills the connection `id` from a connection of the test's own.
+    fn kill(&self, id: i64) -> impl Future<Output = ()>;
+
+    /// Sends transaction control through the handle in every way the driver has, and runs
+    /// savepoints (allowed); what went otherwise than expected.
+    fn transaction_control(tx: &Self::Handle) -> BoxFuture<'_, Vec<String>>;
+
+    /// A statement that fails with the server's serialization or deadlock class; what went
+    /// otherwise than expected.
+    fn raise_conflict(tx: &Self::Handle) -> BoxFuture<'_, Vec<String>>;
+}
+
+/// `Some(what)` unless `outcome` is an error whose message says it was refused.
+fn refused<T, E: std::fmt::Display>(what: &str, outcome: Result<T, E>) -> Option<String> {
+    match outcome {
+        Err(error) if error.to_string().contains("refused") => None,
+        Err(error) => Some(format!("{what}: {error}")),
+        Ok(_) => Some(format!("{what}: not refused")),
+    }
+}
+
+/// A batch that ends with a `COMMIT`: refused on either driver, none of its statements run.
+const HIDDEN_COMMIT: &str =
+    "INSERT INTO orders (tenant_id, sku, quantity) VALUES ('x', 'hidden', 1); COMMIT";
+
+impl HandleSql for SqlxPostgres {
+    type Handle = sqlx_postgres::SqlxTransaction;
+
+    // The database went away under the handler, as in a failover: not a final failure.
+    const KILLED_CONNECTION: (StatusCode, &'static str) =
+        (StatusCode::SERVICE_UNAVAILABLE, "busy_retry_later");
+
+    fn connection_id(tx: &Self::Handle) -> BoxFuture<'_, Result<i64, String>> {
+        Box::pin(async move {
+            let mut conn = tx.acquire().await.map_err(|e| e.to_string())?;
+            let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+                .fetch_one(&mut *conn)
+                .await
+                .map_err(|e| e.to_string())?;
+            Ok(i64::from(pid))
+        })
+    }
+
+    fn sleep_then_query(tx: &Self::Handle) -> BoxFuture<'_, Result<(), String>> {
+        Box::pin(async move {
+            let mut conn = tx.acquire().await.map_err(|e| e.to_string())?;
+            for sql in ["SELECT pg_sleep(10)", "SELECT 1"] {
+                sqlx::query(sql)
+                    .execute(&mut *conn)
+                    .await
+                    .map_err(|e| e.to_string())?;
+            }
+            Ok(())
+        })
+    }
+
+    async fn kill(&self, id: i64) {
+        let pid = i32::try_from(id).expect("a backend pid");
+        let terminated: bool = self
+            .db
+            .value("SELECT pg_terminate_backend($1)", &[&pid])
+            .await;
+        assert!(terminated, "backend {pid} terminated");
+    }
+
+    fn transaction_control(tx: &Self::Handle) -> BoxFuture<'_, Vec<String>> {
+        Box::pin(async move {
+            let mut conn = match tx.acquire().await {
+                Ok(conn) => conn,
+                Err(error) => return vec![error.to_string()],
+            };
+            // `raw_sql` through the executor's method: `raw_sql(..).execute(&mut *conn)` is
+            // not `Send` in a handler, with any sqlx connection.
+            let mut problems: Vec<String> = [
+                refused("COMMIT", sqlx::query("COMMIT").execute(&mut *conn).await),
+                refused("ROLLBACK", (&mut *conn).execute("ROLLBACK").await),
+                refused(
+                    HIDDEN_COMMIT,
+                    (&mut *conn).execute(sqlx::raw_sql(HIDDEN_COMMIT)).await,
+                ),
+                refused("begin", sqlx::query("begin").execute(&mut *conn).await),
+            ]
+            .into_iter()
+            .flatten()
+            .collect();
+            // Savepoints stay inside the transaction: allowed.
+            let savepoints = (&mut *conn)
+                .execute(sqlx::raw_sql("SAVEPOINT s; RELEASE SAVEPOINT s"))
+                .await;
+            problems.extend(savepoints.err().map(|e| format!("savepoints: {e}")));
+            problems
+        })
+    }
+
+    fn raise_conflict(tx: &Self::Handle) -> BoxFuture<'_, Vec<String>> {
+        Box::pin(async move {
+            let mut conn = match tx.acquire().await {
+                Ok(conn) => conn,
+                Err(error) => return vec![error.to_string()],
+            };
+            let conflict = sqlx::query(
+                "DO $$ BEGIN RAISE EXCEPTION 'injected' USING ERRCODE = '40001'; END $$",
+            )
+            .execute(&mut *conn)
+            .await;
+            match conflict {
+                Err(_) => Vec::new(),
+                Ok(_) => vec!["the injected conflict did not fail".to_owned()],
+            }
+        })
+    }
+}
+
+impl HandleSql for MySql {
+    type Handle = sqlx_mysql::SqlxTransaction;
+
+    // MariaDB ends a killed `SLEEP` early without an error; the next statement fails, and the
+    // handler answers its 500.
+    const KILLED_CONNECTION: (StatusCode, &'static str) =
+        (StatusCode::INTERNAL_SERVER_ERROR, "injected_failure");
+
+    fn connection_id(tx: &Self::Handle) -> BoxFuture<'_, Result<i64, String>> {
+        Box::pin(async move {
+            let mut conn = tx.acquire().await.map_err(|e| e.to_string())?;
+            let id: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
+                .fetch_one(&mut *conn)
+                .await
+                .map_err(|e| e.to_string())?;
+            i64::try_from(id).map_err(|e| e.to_string())
+        })
+    }
+
+    fn sleep_then_query(tx: &Self::Handle) -> BoxFuture<'_, Result<(), String>> {
+        Box::pin(async move {
+            let mut conn = tx.acquire().await.map_err(|e| e.to_string())?;
+            for sql in ["DO SLEEP(10)", "DO 1"] {
+                sqlx::query(sql)
+                    .execute(&mut *conn)
+                    .await
+                    .map_err(|e| e.to_string())?;
+            }
+            Ok(())
+        })
+    }
+
+    async fn kill(&self, id: i64) {
+        self.db.execute(&format!("KILL {id}")).await;
+    }
+
+    fn transaction_control(tx: &Self::Handle) -> BoxFuture<'_, Vec<String>> {
+        Box::pin(async move {
+            let mut conn = match tx.acquire().await {
+                Ok(conn) => conn,
+                Err(error) => return vec![error.to_string()],
+            };
+            // Transaction control and implicit commits, whichever way they are sent.
+            let mut problems: Vec<String> = [
+                refused("COMMIT", sqlx::query("COMMIT").execute(&mut *conn).await),
+                refused("ROLLBACK", (&mut *conn).execute("ROLLBACK").await),
+                refused(
+                    HIDDEN_COMMIT,
+                    (&mut *conn).execute(sqlx::raw_sql(HIDDEN_COMMIT)).await,
+                ),
+                refused("begin", sqlx::query("begin").execute(&mut *conn).await),
+                refused(
+                    "SET autocommit = 1",
+                    sqlx::query("SET autocommit = 1").execute(&mut *conn).await,
+                ),
+                refused(
+                    "CREATE TABLE",
+                    (&mut *conn).execute("CREATE TABLE t (a INT)").await,
+                ),
+                refused("/*!COMMIT*/", (&mut *conn).execute("/*!COMMIT*/").await),
+            ]
+            .into_iter()
+            .flatten()
+            .collect();
+            // Savepoints and temporary tables stay inside the transaction: allowed.
+            let savepoints = (&mut *conn)
+                .execute(sqlx::raw_sql(
+                    "SAVEPOINT s; CREATE TEMPORARY TABLE scratch (a INT); \
+                     INSERT INTO scratch VALUES (1); ROLLBACK TO SAVEPOINT s; \
+                     RELEASE SAVEPOINT s",
+                ))
+                .await;
+            problems.extend(savepoints.err().map(|e| format!("savepoints: {e}")));
+            problems
+        })
+    }
+
+    fn raise_conflict(tx: &Self::Handle) -> BoxFuture<'_, Vec<String>> {
+        Box::pin(async move {
+            let mut conn = match tx.acquire().await {
+                Ok(conn) => conn,
+                Err(error) => return vec![error.to_string()],
+            };
+            let mut problems = Vec::new();
+            let conflict = sqlx::query("SIGNAL SQLSTATE '40001' SET MESSAGE_TEXT = 'injected'")
+                .execute(&mut *conn)
+                .await;
+            if conflict.is_ok() {
+                problems.push("the injected conflict did not fail".to_owned());
+            }
+            // Nothing more runs in the transaction that the deadlock ended.
+            problems.extend(refused(
+                "a statement after the conflict",
+                sqlx::query("DO 1").execute(&mut *conn).await,
+            ));
+            problems
+        })
+    }
+}
