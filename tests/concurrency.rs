@@ -14,10 +14,10 @@ mod pg_common;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use backend::{first_call_only, hook, Call, Database, HandleSql, Hook, Server};
+use backend::{checking, first_call_only, hook, Database, HandleSql, Hook, Problems, Server};
 use common::{post, Reply, PATIENCE, SHOP_A};
 use http::StatusCode;
 use tokio::sync::{Barrier, Notify};
@@ -597,27 +597,19 @@ async fn duplicates_behind_a_rollback_run_once<B: Database>(db: B) {
 /// handler answers as if nothing happened): the layer knows better, rolls back and runs the
 /// request again.
 async fn a_handler_statement_conflict_runs_the_request_again<B: HandleSql>(db: B) {
-    let problems: Arc<Mutex<Vec<String>>> = Arc::default();
+    let problems = Problems::default();
     let server = db
         .server()
-        .hook({
-            let problems = problems.clone();
-            hook(first_call_only(move |call: Call| {
-                let problems = problems.clone();
-                async move {
-                    let tx = call.tx.handle::<B::Handle>().expect("the backend's handle");
-                    let found = B::raise_conflict(&tx).await;
-                    problems.lock().expect("problems").extend(found);
-                    None
-                }
-            }))
-        })
+        .hook(hook(first_call_only(checking::<B>(
+            B::raise_conflict,
+            &problems,
+        ))))
         .spawn()
         .await;
 
     let reply = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
 
-    assert_eq!(*problems.lock().expect("problems"), Vec::<String>::new());
+    assert_eq!(problems.found(), Vec::<String>::new());
     assert_eq!(reply.status, StatusCode::CREATED, "{reply:?}");
     assert_eq!(
         server.app.handler_calls(),

@@ -58,14 +58,14 @@ struct SqlxPostgres(pg_common::TestDb);
 /// A MySQL or MariaDB database served by `examples/orders_mysql.rs`.
 struct MySql(mysql_common::TestDb);
 
-/// The reads of a PostgreSQL [`ExampleDatabase`], whichever example serves it.
-macro_rules! postgres_example {
-    ($database:ident, $example:literal) => {
+/// `$database` is a `$test_db` served by the example `$example`.
+macro_rules! example_database {
+    ($database:ident, $test_db:ty, $example:literal) => {
         impl ExampleDatabase for $database {
             const EXAMPLE: &'static str = $example;
 
             async fn create() -> Option<Self> {
-                pg_common::TestDb::create().await.map($database)
+                <$test_db>::create().await.map($database)
             }
 
             fn url(&self) -> String {
@@ -81,49 +81,19 @@ macro_rules! postgres_example {
             }
 
             async fn row_count(&self) -> i64 {
-                self.0
-                    .value("SELECT count(*) FROM idempotency_records", &[])
-                    .await
+                self.0.row_count().await
             }
 
             async fn recorded_order_ids(&self) -> Vec<i64> {
-                let records = self.0.recorded_order_ids().await;
-                records.into_iter().map(|(_, id)| id).collect()
+                self.0.recorded_order_ids().await
             }
         }
     };
 }
 
-postgres_example!(TokioPostgres, "orders");
-postgres_example!(SqlxPostgres, "orders_sqlx");
-
-impl ExampleDatabase for MySql {
-    const EXAMPLE: &'static str = "orders_mysql";
-
-    async fn create() -> Option<Self> {
-        mysql_common::TestDb::create().await.map(MySql)
-    }
-
-    fn url(&self) -> String {
-        self.0.url()
-    }
-
-    async fn orders(&self) -> Vec<(i64, String, String, i64)> {
-        self.0.orders().await
-    }
-
-    async fn record_count(&self) -> i64 {
-        self.0.record_count().await
-    }
-
-    async fn row_count(&self) -> i64 {
-        self.0.row_count().await
-    }
-
-    async fn recorded_order_ids(&self) -> Vec<i64> {
-        self.0.recorded_order_ids().await
-    }
-}
+example_database!(TokioPostgres, pg_common::TestDb, "orders");
+example_database!(SqlxPostgres, pg_common::TestDb, "orders_sqlx");
+example_database!(MySql, mysql_common::TestDb, "orders_mysql");
 
 /// Two instances of the example share one database; every key goes to both at the same
 /// moment, several times: one order per key, and every reply of a key is the same 201.

@@ -14,7 +14,7 @@ mod pg_common;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use backend::{first_call_only, hook, Call, Database, HandleSql};
+use backend::{checking, first_call_only, hook, Call, Database, HandleSql, Problems};
 use common::{post, Post, PATIENCE, SHOP_A};
 use http::StatusCode;
 use tokio::io::AsyncWriteExt;
@@ -273,21 +273,10 @@ async fn killed_connection_rolls_back_and_the_retry_succeeds<B: HandleSql>(db: B
 /// (and nothing of a refused batch runs), savepoints stay allowed, and the layer commits the
 /// order with its record.
 async fn transaction_control_through_the_handle_is_refused<B: HandleSql>(db: B) {
-    let problems: Arc<Mutex<Vec<String>>> = Arc::default();
+    let problems = Problems::default();
     let server = db
         .server()
-        .hook({
-            let problems = problems.clone();
-            hook(move |call| {
-                let problems = problems.clone();
-                async move {
-                    let tx = call.tx.handle::<B::Handle>().expect("the backend's handle");
-                    let found = B::transaction_control(&tx).await;
-                    problems.lock().expect("problems").extend(found);
-                    None
-                }
-            })
-        })
+        .hook(hook(checking::<B>(B::transaction_control, &problems)))
         .spawn()
         .await;
     let commit = r#"{"sku":"commit","quantity":1}"#;
@@ -295,7 +284,7 @@ async fn transaction_control_through_the_handle_is_refused<B: HandleSql>(db: B) 
     let reply = post(server.addr, Some(SHOP_A), Some("key-1"), commit, &[]).await;
 
     assert_eq!(
-        *problems.lock().expect("problems"),
+        problems.found(),
         Vec::<String>::new(),
         "every transaction-control statement is refused, and nothing else"
     );

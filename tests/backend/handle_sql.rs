@@ -3,12 +3,13 @@
 //! transaction control refused, a statement failing with a conflict).
 
 use std::future::Future;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use http::StatusCode;
 use sqlx::Executor as _;
 use tower_idempotency::store::{sqlx_mysql, sqlx_postgres};
 
-use super::{BoxFuture, Database, MySql, SqlxPostgres};
+use super::{BoxFuture, Call, Database, FailWith, MySql, SqlxPostgres};
 
 /// A [`Database`] whose handle runs the driver's own SQL in the request's transaction.
 pub trait HandleSql: Database {
@@ -37,6 +38,47 @@ pub trait HandleSql: Database {
     /// A statement that fails with the server's serialization or deadlock class; what went
     /// otherwise than expected.
     fn raise_conflict(tx: &Self::Handle) -> BoxFuture<'_, Vec<String>>;
+}
+
+/// What a handler runs on the handle of `B`: what went otherwise than expected.
+pub type HandleCheck<B> = for<'a> fn(&'a <B as HandleSql>::Handle) -> BoxFuture<'a, Vec<String>>;
+
+/// What the checks of a hook found, shared with the test.
+#[derive(Clone, Default)]
+pub struct Problems(Arc<Mutex<Vec<String>>>);
+
+impl Problems {
+    /// Everything found so far.
+    pub fn found(&self) -> Vec<String> {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+}
+
+/// A hook body that runs `check` on the request's handle and keeps what it found in
+/// `problems`; the handler then goes on (201).
+pub fn checking<B: HandleSql>(
+    check: HandleCheck<B>,
+    problems: &Problems,
+) -> impl Fn(Call) -> BoxFuture<'static, FailWith> + Send + Sync + 'static {
+    let problems = problems.clone();
+    move |call| {
+        let problems = problems.clone();
+        Box::pin(async move {
+            let found = match call.tx.handle::<B::Handle>() {
+                Some(tx) => check(&tx).await,
+                None => vec!["not the backend's handle".to_owned()],
+            };
+            problems
+                .0
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .extend(found);
+            None
+        })
+    }
 }
 
 /// `Some(what)` unless `outcome` is an error whose message says it was refused.

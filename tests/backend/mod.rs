@@ -31,7 +31,7 @@ mod handle_sql;
 
 // Only the suites with tests of the handles use it.
 #[allow(unused_imports)]
-pub use handle_sql::HandleSql;
+pub use handle_sql::{checking, HandleSql, Problems};
 
 use std::any::Any;
 use std::fmt;
@@ -56,7 +56,7 @@ use tower_idempotency::store::sqlx_mysql::SqlxMySqlStore;
 use tower_idempotency::store::sqlx_postgres::{SqlxPostgresStore, SqlxTransaction};
 use tower_idempotency::store::IdempotencyStore;
 
-use crate::common::order_server::OrderServer;
+use crate::common::server_backed::OrderServer;
 use crate::common::{
     hook_for, AppBuilder, AppOf, HookFor, OrderCallOf, Outcome, SqliteApp, TestServer, PATIENCE,
 };
@@ -595,22 +595,56 @@ impl Backend for Sqlite {
 
 // ----- PostgreSQL, either driver: a schema of its own -----
 
-/// A trigger `name` on `db` that fails every row of `event` (`INSERT ON orders`) matching
-/// `when`.
-async fn failing_trigger(db: &TestDb, name: &str, event: &str, when: &str) {
-    db.execute(&format!(
-        "CREATE FUNCTION {name}() RETURNS trigger LANGUAGE plpgsql AS $$ \
-         BEGIN RAISE EXCEPTION 'injected failure: {name}'; END $$; \
-         CREATE TRIGGER {name} BEFORE {event} FOR EACH ROW WHEN ({when}) \
-         EXECUTE FUNCTION {name}();"
-    ))
-    .await;
+/// The failure triggers of a database on a server, in its SQL dialect.
+trait FailureTriggers {
+    /// A trigger `name` that fails every row of `event` (`INSERT ON orders`) matching `when`.
+    fn failing_trigger(&self, name: &str, event: &str, when: &str) -> impl Future<Output = ()>;
+    /// Drops the triggers of [`Database::fail_saving_the_record_of`] and
+    /// [`Database::fail_inserting_orders_of`].
+    fn drop_failing_triggers(&self) -> impl Future<Output = ()>;
 }
 
-/// The [`Database`] methods of a PostgreSQL backend (a struct with `db: TestDb`) that read and
-/// change the database itself, whichever driver its store uses: the test reads through a
-/// tokio-postgres connection of its own, as another process would.
-macro_rules! pg_database_reads {
+impl FailureTriggers for TestDb {
+    async fn failing_trigger(&self, name: &str, event: &str, when: &str) {
+        self.execute(&format!(
+            "CREATE FUNCTION {name}() RETURNS trigger LANGUAGE plpgsql AS $$ \
+             BEGIN RAISE EXCEPTION 'injected failure: {name}'; END $$; \
+             CREATE TRIGGER {name} BEFORE {event} FOR EACH ROW WHEN ({when}) \
+             EXECUTE FUNCTION {name}();"
+        ))
+        .await;
+    }
+
+    async fn drop_failing_triggers(&self) {
+        self.execute(
+            "DROP TRIGGER IF EXISTS fail_record ON idempotency_records; \
+             DROP TRIGGER IF EXISTS fail_order ON orders;",
+        )
+        .await;
+    }
+}
+
+impl FailureTriggers for mysql_common::TestDb {
+    async fn failing_trigger(&self, name: &str, event: &str, when: &str) {
+        self.execute(&format!(
+            "CREATE TRIGGER {name} BEFORE {event} FOR EACH ROW BEGIN IF {when} THEN \
+             SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'injected failure: {name}'; \
+             END IF; END"
+        ))
+        .await;
+    }
+
+    async fn drop_failing_triggers(&self) {
+        self.execute("DROP TRIGGER IF EXISTS fail_record; DROP TRIGGER IF EXISTS fail_order")
+            .await;
+    }
+}
+
+/// The [`Database`] methods of a backend on a server (a struct with `db`, a `TestDb` of
+/// `tests/pg_common` or `tests/mysql_common`) that read and change the database itself,
+/// whichever driver its store uses: the test reads through a connection of its own, as another
+/// process would.
+macro_rules! server_database_reads {
     () => {
         async fn execute(&self, sql: &str) {
             self.db.execute(sql).await;
@@ -635,27 +669,20 @@ macro_rules! pg_database_reads {
         async fn fail_saving_the_record_of(&self, key: &'static str) {
             // The layer reserves the row first and completes it on commit: fail the completion.
             let when = format!("NEW.idempotency_key = '{key}' AND NEW.state = 'completed'");
-            failing_trigger(
-                &self.db,
-                "fail_record",
-                "UPDATE ON idempotency_records",
-                &when,
-            )
-            .await;
+            self.db
+                .failing_trigger("fail_record", "UPDATE ON idempotency_records", &when)
+                .await;
         }
 
         async fn fail_inserting_orders_of(&self, sku: &'static str) {
             let when = format!("NEW.sku = '{sku}'");
-            failing_trigger(&self.db, "fail_order", "INSERT ON orders", &when).await;
+            self.db
+                .failing_trigger("fail_order", "INSERT ON orders", &when)
+                .await;
         }
 
         async fn stop_failing(&self) {
-            self.db
-                .execute(
-                    "DROP TRIGGER IF EXISTS fail_record ON idempotency_records; \
-                 DROP TRIGGER IF EXISTS fail_order ON orders;",
-                )
-                .await;
+            self.db.drop_failing_triggers().await;
         }
     };
 }
@@ -714,7 +741,7 @@ impl Database for Postgres {
         setup.spawn_with(|options| options).await
     }
 
-    pg_database_reads!();
+    server_database_reads!();
 }
 
 impl Backend for Postgres {
@@ -823,7 +850,7 @@ impl Database for SqlxPostgres {
         Server::new(parts, running)
     }
 
-    pg_database_reads!();
+    server_database_reads!();
 }
 
 impl Backend for SqlxPostgres {
@@ -897,19 +924,6 @@ pub struct MySql {
     pub db: mysql_common::TestDb,
 }
 
-impl MySql {
-    /// A trigger `name` that fails every row of `event` (`INSERT ON orders`) matching `when`.
-    async fn failing_trigger(&self, name: &str, event: &str, when: &str) {
-        self.db
-            .execute(&format!(
-                "CREATE TRIGGER {name} BEFORE {event} FOR EACH ROW BEGIN IF {when} THEN \
-                 SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'injected failure: {name}'; \
-                 END IF; END"
-            ))
-            .await;
-    }
-}
-
 impl Database for MySql {
     type Store = SqlxMySqlStore;
 
@@ -929,44 +943,7 @@ impl Database for MySql {
         Server::new(parts, running)
     }
 
-    async fn execute(&self, sql: &str) {
-        self.db.execute(sql).await;
-    }
-
-    async fn orders(&self) -> Vec<Order> {
-        self.db.orders().await
-    }
-
-    async fn order_count(&self) -> i64 {
-        self.db.order_count().await
-    }
-
-    async fn record_count(&self) -> i64 {
-        self.db.record_count().await
-    }
-
-    async fn record_exists(&self, tenant: &str, operation: &str, key: &str) -> bool {
-        self.db.record_exists(tenant, operation, key).await
-    }
-
-    async fn fail_saving_the_record_of(&self, key: &'static str) {
-        // The layer reserves the row first and completes it on commit: fail the completion.
-        let when = format!("NEW.idempotency_key = '{key}' AND NEW.state = 'completed'");
-        self.failing_trigger("fail_record", "UPDATE ON idempotency_records", &when)
-            .await;
-    }
-
-    async fn fail_inserting_orders_of(&self, sku: &'static str) {
-        let when = format!("NEW.sku = '{sku}'");
-        self.failing_trigger("fail_order", "INSERT ON orders", &when)
-            .await;
-    }
-
-    async fn stop_failing(&self) {
-        self.db
-            .execute("DROP TRIGGER IF EXISTS fail_record; DROP TRIGGER IF EXISTS fail_order")
-            .await;
-    }
+    server_database_reads!();
 }
 
 /// Instantiates generic tests (`async fn name<B: Database>(db: B)` in the suite's root module)

@@ -8,7 +8,7 @@
 // Every test binary compiles this module and uses a different part of it.
 #![allow(dead_code)]
 
-pub mod order_server;
+pub mod server_backed;
 
 use std::convert::Infallible;
 use std::future::Future;

@@ -15,7 +15,7 @@ use sqlx::{Connection as _, Executor as _, MySqlConnection, Row as _};
 use tower_idempotency::store::sqlx_mysql::{SqlxMySqlStore, SqlxTransaction};
 use tower_idempotency::Tenant;
 
-use crate::common::order_server::{FreshName, OrderServer};
+use crate::common::server_backed::{run_on_a_thread_of_its_own, FreshName, OrderServer};
 use crate::common::{AppBuilder, AppOf, HookFor, HookOutcome, InsertOrder, OrderCallOf};
 
 /// The business table of the MySQL order app (the same as the example's).
@@ -208,40 +208,28 @@ impl Drop for TestDb {
     /// by a later run).
     fn drop(&mut self) {
         let (url, name) = (self.url.clone(), self.name.clone());
-        let cleanup = std::thread::spawn(move || {
-            let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            else {
+        run_on_a_thread_of_its_own(move || async move {
+            let Ok(mut admin) = MySqlConnection::connect_with(&server_options(&url)).await else {
                 return;
             };
-            runtime.block_on(async move {
-                let Ok(mut admin) = MySqlConnection::connect_with(&server_options(&url)).await
-                else {
-                    return;
-                };
-                let ids: Vec<u64> = sqlx::query_scalar(
-                    "SELECT id FROM information_schema.PROCESSLIST \
+            let ids: Vec<u64> = sqlx::query_scalar(
+                "SELECT id FROM information_schema.PROCESSLIST \
                      WHERE db = ? AND id <> CONNECTION_ID()",
-                )
-                .bind(&name)
-                .fetch_all(&mut admin)
-                .await
-                .unwrap_or_default();
-                for id in ids {
-                    let _ = admin.execute(format!("KILL {id}").as_str()).await;
-                }
-                let _ = admin
-                    .execute(
-                        format!(
-                            "SET SESSION lock_wait_timeout = 5; DROP DATABASE IF EXISTS {name}"
-                        )
+            )
+            .bind(&name)
+            .fetch_all(&mut admin)
+            .await
+            .unwrap_or_default();
+            for id in ids {
+                let _ = admin.execute(format!("KILL {id}").as_str()).await;
+            }
+            let _ = admin
+                .execute(
+                    format!("SET SESSION lock_wait_timeout = 5; DROP DATABASE IF EXISTS {name}")
                         .as_str(),
-                    )
-                    .await;
-            });
+                )
+                .await;
         });
-        let _ = cleanup.join();
     }
 }
 

@@ -19,7 +19,7 @@ use tower_idempotency::store::postgres::tokio_postgres::{self, NoTls};
 use tower_idempotency::store::postgres::{PostgresOptions, PostgresStore, PostgresTransaction};
 use tower_idempotency::Tenant;
 
-use crate::common::order_server::{FreshName, OrderServer};
+use crate::common::server_backed::{run_on_a_thread_of_its_own, FreshName, OrderServer};
 use crate::common::{hook_for, AppBuilder, AppOf, HookFor, InsertOrder, OrderCallOf, Outcome};
 
 pub mod sqlx_app;
@@ -170,20 +170,24 @@ impl TestDb {
             .collect()
     }
 
-    /// The `order_id` in each completed record's saved body, with the record's key.
-    pub async fn recorded_order_ids(&self) -> Vec<(String, i64)> {
+    /// Records in any state.
+    pub async fn row_count(&self) -> i64 {
+        self.count("SELECT count(*) FROM idempotency_records").await
+    }
+
+    /// The `order_id` in each completed record's saved body, sorted.
+    pub async fn recorded_order_ids(&self) -> Vec<i64> {
         self.client()
             .await
             .query(
-                "SELECT idempotency_key, \
-                 (convert_from(body, 'UTF8')::json ->> 'order_id')::bigint \
-                 FROM idempotency_records WHERE state = 'completed' ORDER BY 2",
+                "SELECT (convert_from(body, 'UTF8')::json ->> 'order_id')::bigint \
+                 FROM idempotency_records WHERE state = 'completed' ORDER BY 1",
                 &[],
             )
             .await
             .expect("records")
             .iter()
-            .map(|row| (row.get(0), row.get(1)))
+            .map(|row| row.get(0))
             .collect()
     }
 }
@@ -194,36 +198,27 @@ impl Drop for TestDb {
     /// by a later run).
     fn drop(&mut self) {
         let (url, schema) = (self.url.clone(), self.schema.clone());
-        let cleanup = std::thread::spawn(move || {
-            let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            else {
+        run_on_a_thread_of_its_own(move || async move {
+            let Ok(config) = url.parse::<tokio_postgres::Config>() else {
                 return;
             };
-            runtime.block_on(async move {
-                let Ok(config) = url.parse::<tokio_postgres::Config>() else {
-                    return;
-                };
-                let Ok((client, connection)) = config.connect(NoTls).await else {
-                    return;
-                };
-                tokio::spawn(connection);
-                let _ = client
-                    .execute(
-                        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+            let Ok((client, connection)) = config.connect(NoTls).await else {
+                return;
+            };
+            tokio::spawn(connection);
+            let _ = client
+                .execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
                          WHERE application_name = $1 AND pid <> pg_backend_pid()",
-                        &[&schema],
-                    )
-                    .await;
-                let _ = client
-                    .batch_execute(&format!(
-                        "SET lock_timeout = '5s'; DROP SCHEMA IF EXISTS {schema} CASCADE"
-                    ))
-                    .await;
-            });
+                    &[&schema],
+                )
+                .await;
+            let _ = client
+                .batch_execute(&format!(
+                    "SET lock_timeout = '5s'; DROP SCHEMA IF EXISTS {schema} CASCADE"
+                ))
+                .await;
         });
-        let _ = cleanup.join();
     }
 }
 

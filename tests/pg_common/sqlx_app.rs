@@ -11,7 +11,7 @@ use tower_idempotency::store::sqlx_postgres::{SqlxPostgresStore, SqlxTransaction
 use tower_idempotency::Tenant;
 
 use super::{HookOutcome, TestDb};
-use crate::common::order_server::OrderServer;
+use crate::common::server_backed::OrderServer;
 use crate::common::{AppBuilder, AppOf, HookFor, InsertOrder, OrderCallOf};
 
 impl TestDb {

@@ -1,9 +1,10 @@
-//! The order app served on a store the test opened (PostgreSQL on either driver, MySQL), and
-//! the fresh database of a server-backed suite: what `tests/pg_common` and
-//! `tests/mysql_common` share.
+//! What the test databases on a server (PostgreSQL on either driver, MySQL) share: the order
+//! app served on a store the test opened, the fresh name of a database or schema, and its
+//! removal when dropped (`tests/pg_common`, `tests/mysql_common`).
 
 use std::collections::BTreeSet;
 use std::convert::Infallible;
+use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -108,4 +109,21 @@ impl FreshName {
             .and_then(|secs| secs.parse::<u64>().ok())
             .is_some_and(|made| made + 3600 < now)
     }
+}
+
+/// Runs the future of `cleanup` to its end on a thread of its own, with a runtime of its own:
+/// how the `Drop` of a test database (which cannot await) removes it. Without a runtime it does
+/// nothing (the database is left behind, for a later run's sweep).
+pub fn run_on_a_thread_of_its_own<F: Future<Output = ()>>(
+    cleanup: impl FnOnce() -> F + Send + 'static,
+) {
+    let thread = std::thread::spawn(move || {
+        if let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        {
+            runtime.block_on(cleanup());
+        }
+    });
+    let _ = thread.join();
 }
