@@ -17,7 +17,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use backend::{checking, first_call_only, hook, Database, HandleSql, Hook, Problems, Server};
+use backend::{
+    checking, first_call_only, hook, hook_sharing, replays, runs_afresh, Database, HandleSql, Hook,
+    Problems, Server,
+};
 use common::{post, Reply, PATIENCE, SHOP_A};
 use http::StatusCode;
 use tokio::sync::{Barrier, Notify};
@@ -198,16 +201,10 @@ async fn concurrent_duplicates_run_the_handler_once<B: Database>(db: B) {
     let server = db
         .server()
         .layer(|layer| layer.with_lock_timeout(Duration::from_secs(30)))
-        .hook({
-            let gate = gate.clone();
-            hook(move |_| {
-                let gate = gate.clone();
-                async move {
-                    gate.notified().await;
-                    None
-                }
-            })
-        })
+        .hook(hook_sharing(&gate, |gate, _| async move {
+            gate.notified().await;
+            None
+        }))
         .spawn()
         .await;
     let all_arrived = Arc::new(AtomicBool::new(false));
@@ -309,9 +306,7 @@ async fn duplicate_waiting_past_the_lock_timeout_is_503_then_replays<B: Database
     holder.release();
     let original = held.await.expect("original");
     assert_eq!(original.status, StatusCode::CREATED, "{original:?}");
-    let retried = post(server.addr, Some(SHOP_A), Some("held"), BOOK, &[]).await;
-    assert!(retried.replayed(), "{retried:?}");
-    assert_eq!(retried.body, original.body);
+    replays(server.addr, "held", BOOK, &original).await;
     assert_eq!(server.app.handler_calls(), 1 + others);
     assert_eq!(db.counts().await, (1 + others as i64, 1 + others as i64));
 }
@@ -322,20 +317,16 @@ async fn when_the_original_fails_a_waiting_duplicate_runs_afresh<B: Database>(db
     let server = db
         .server()
         .layer(|layer| layer.with_lock_timeout(Duration::from_secs(30)))
-        .hook({
-            let gate = gate.clone();
-            hook(move |_| {
-                let gate = gate.clone();
-                let fail = first.swap(false, Ordering::SeqCst);
-                async move {
-                    if !fail {
-                        return None;
-                    }
-                    gate.notified().await;
-                    Some(StatusCode::INTERNAL_SERVER_ERROR)
+        .hook(hook_sharing(&gate, move |gate, _| {
+            let fail = first.swap(false, Ordering::SeqCst);
+            async move {
+                if !fail {
+                    return None;
                 }
-            })
-        })
+                gate.notified().await;
+                Some(StatusCode::INTERNAL_SERVER_ERROR)
+            }
+        }))
         .spawn()
         .await;
     let opener = {
@@ -527,17 +518,11 @@ async fn different_keys_run_their_handlers_in_parallel<B: Database>(db: B) {
     let server = db
         .server()
         .layer(|layer| layer.with_lock_timeout(Duration::from_millis(500)))
-        .hook({
-            let together = together.clone();
-            hook(move |_| {
-                let together = together.clone();
-                async move {
-                    // Passes only when the other handler is inside its transaction too.
-                    let met = tokio::time::timeout(PATIENCE, together.wait()).await;
-                    met.is_err().then_some(StatusCode::INTERNAL_SERVER_ERROR)
-                }
-            })
-        })
+        .hook(hook_sharing(&together, |together, _| async move {
+            // Passes only when the other handler is inside its transaction too.
+            let met = tokio::time::timeout(PATIENCE, together.wait()).await;
+            met.is_err().then_some(StatusCode::INTERNAL_SERVER_ERROR)
+        }))
         .spawn()
         .await;
 
@@ -696,9 +681,7 @@ mod sqlite {
         let held = held.await.expect("holder task");
         assert_eq!(held.status, StatusCode::CREATED, "{held:?}");
 
-        let retry = post(server.addr, Some(SHOP_A), Some("other"), BOOK, &[]).await;
-        assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
-        assert!(!retry.replayed());
+        runs_afresh(server.addr, "other", BOOK).await;
         assert_eq!(db.counts().await, (2, 2));
     }
 
@@ -708,9 +691,7 @@ mod sqlite {
             return;
         };
         let server = db
-            .server()
-            .layer(|layer| layer.with_lock_timeout(Duration::from_millis(300)))
-            .spawn()
+            .with_layer(|layer| layer.with_lock_timeout(Duration::from_millis(300)))
             .await;
         let first = post(server.addr, Some(SHOP_A), Some("done"), BOOK, &[]).await;
         assert_eq!(first.status, StatusCode::CREATED);
@@ -745,9 +726,7 @@ mod sqlite {
             "replays do not wait for the writer: {replay:?}"
         );
 
-        let retry = post(server.addr, Some(SHOP_A), Some("new-key"), BOOK, &[]).await;
-        assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
-        assert!(!retry.replayed());
+        runs_afresh(server.addr, "new-key", BOOK).await;
         assert_eq!(
             db.order_count().await,
             3,
@@ -795,9 +774,7 @@ mod postgres {
         assert!(busy.header("retry-after").is_some());
         assert_eq!(held.await.expect("holder").status, StatusCode::CREATED);
         assert!(!db.record_exists("shop-a", "create_order", "new-key").await);
-        let retry = post(server.addr, Some(SHOP_A), Some("new-key"), BOOK, &[]).await;
-        assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
-        assert!(!retry.replayed());
+        runs_afresh(server.addr, "new-key", BOOK).await;
     }
 
     /// A SERIALIZABLE app whose first two handlers both read the whole `orders` table, then
@@ -867,9 +844,7 @@ mod postgres {
         );
         assert!(!db.record_exists("shop-a", "create_order", key).await);
 
-        let retry = post(server.addr, Some(SHOP_A), Some(key), BOOK, &[]).await;
-        assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
-        assert!(!retry.replayed());
+        runs_afresh(server.addr, key, BOOK).await;
         assert_eq!(db.counts().await, (2, 2));
     }
 

@@ -13,7 +13,7 @@ mod pg_common;
 
 use std::time::{Duration, SystemTime};
 
-use backend::{hook, Database, Server};
+use backend::{hook, replays, runs_afresh, Database, Server};
 use common::{post, Post, PATIENCE, SHOP_A, SHOP_B};
 use http::header::{self, HeaderName};
 use http::{HeaderValue, StatusCode};
@@ -84,9 +84,7 @@ async fn same_key_with_another_payload_is_409_and_the_original_stays<B: Database
 
 async fn conflict_status_is_configurable<B: Database>(db: B) {
     let server = db
-        .server()
-        .layer(|layer| layer.with_conflict_status(StatusCode::UNPROCESSABLE_ENTITY))
-        .spawn()
+        .with_layer(|layer| layer.with_conflict_status(StatusCode::UNPROCESSABLE_ENTITY))
         .await;
     let first = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
     assert_eq!(first.status, StatusCode::CREATED);
@@ -229,11 +227,7 @@ async fn key_of_128_characters_is_accepted<B: Database>(db: B) {
 /// Keys as long as the layer allows (255 here) are stored whole: two that differ only in their
 /// last character are two keys.
 async fn keys_of_255_characters_are_kept_apart<B: Database>(db: B) {
-    let server = db
-        .server()
-        .layer(|layer| layer.with_max_key_len(255))
-        .spawn()
-        .await;
+    let server = db.with_layer(|layer| layer.with_max_key_len(255)).await;
     let long = "k".repeat(255);
     let other = format!("{}x", "k".repeat(254));
 
@@ -415,9 +409,7 @@ async fn validation_error_is_not_saved_and_a_corrected_payload_succeeds<B: Datab
     assert_eq!(db.record_count().await, 0);
     assert_eq!(db.order_count().await, 0);
 
-    let fixed = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
-    assert_eq!(fixed.status, StatusCode::CREATED, "{fixed:?}");
-    assert!(!fixed.replayed());
+    runs_afresh(server.addr, "key-1", BOOK).await;
     assert_eq!(db.order_count().await, 1);
     assert_eq!(server.app.handler_calls(), 3);
 }
@@ -443,11 +435,7 @@ async fn other_methods_pass_through<B: Database>(db: B) {
 
 async fn response_too_large_to_save_is_500_and_rolled_back<B: Database>(db: B) {
     // `{"order_id":1}` is 14 bytes: it cannot be saved, so it must not be committed either.
-    let server = db
-        .server()
-        .layer(|layer| layer.with_response_limit(8))
-        .spawn()
-        .await;
+    let server = db.with_layer(|layer| layer.with_response_limit(8)).await;
 
     let reply = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
 
@@ -505,11 +493,7 @@ async fn json_content_type_parameters_and_case_do_not_matter<B: Database>(db: B)
 }
 
 async fn http2_clients_get_the_same_contract<B: Database>(db: B) {
-    let server = db
-        .server()
-        .layer(|layer| layer.with_body_limit(1024))
-        .spawn()
-        .await;
+    let server = db.with_layer(|layer| layer.with_body_limit(1024)).await;
 
     let first = Post::order("key-1", BOOK).send_http2(server.addr).await;
     let replay = Post::order("key-1", BOOK).send_http2(server.addr).await;
@@ -684,9 +668,7 @@ async fn durations_past_their_maximum_cannot_panic_a_request<B: Database>(db: B)
 
     let first = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
     assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
-    let replay = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
-    assert!(replay.replayed(), "{replay:?}");
-    assert_eq!(replay.body, first.body);
+    replays(server.addr, "key-1", BOOK, &first).await;
     assert_eq!(server.app.handler_calls(), 1);
 
     // Kept for the longest retention, 100 years: there in 99, gone in 101.
@@ -755,9 +737,7 @@ async fn refused_requests_store_nothing<B: Database>(db: B) {
     assert!(!db.record_exists("shop-a", "create_order", "key-1").await);
 
     // The validation error was not saved: the corrected payload runs under the same key.
-    let corrected = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
-    assert_eq!(corrected.status, StatusCode::CREATED, "{corrected:?}");
-    assert!(!corrected.replayed());
+    runs_afresh(server.addr, "key-1", BOOK).await;
     assert_eq!(db.order_count().await, 1);
 }
 
@@ -770,11 +750,7 @@ async fn wait_until_past(instant: SystemTime) {
 
 async fn expired_record_counts_as_absent_and_is_taken_over<B: Database>(db: B) {
     const RETENTION: Duration = Duration::from_millis(100);
-    let server = db
-        .server()
-        .layer(|layer| layer.with_retention(RETENTION))
-        .spawn()
-        .await;
+    let server = db.with_layer(|layer| layer.with_retention(RETENTION)).await;
 
     let first = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
     let saved_by = SystemTime::now();
@@ -786,10 +762,7 @@ async fn expired_record_counts_as_absent_and_is_taken_over<B: Database>(db: B) {
     }
     wait_until_past(saved_by + RETENTION + Duration::from_millis(5)).await;
 
-    let fresh = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
-
-    assert_eq!(fresh.status, StatusCode::CREATED, "{fresh:?}");
-    assert!(!fresh.replayed(), "an expired record is not replayed");
+    let fresh = runs_afresh(server.addr, "key-1", BOOK).await;
     assert_ne!(fresh.order_id(), first.order_id(), "a new order");
     assert_eq!(db.order_count().await, 2);
     assert_eq!(
@@ -842,9 +815,7 @@ async fn purge_expired_deletes_in_batches_and_returns_counts<B: Database>(db: B)
         5,
         "purging never touches the orders"
     );
-    let again = post(server.addr, Some(SHOP_A), Some("key-0"), BOOK, &[]).await;
-    assert_eq!(again.status, StatusCode::CREATED);
-    assert!(!again.replayed(), "the key is free again");
+    runs_afresh(server.addr, "key-0", BOOK).await;
     assert_eq!(db.order_count().await, 6);
 }
 
@@ -1130,9 +1101,7 @@ mod postgres {
 
         // Opening again finds the column and leaves the table alone.
         let server = PgServer::spawn(&db).await;
-        let replay = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
-        assert!(replay.replayed(), "{replay:?}");
-        assert_eq!(replay.body, first.body);
+        replays(server.addr, "key-1", BOOK, &first).await;
         let sql = "SELECT count(*) FROM information_schema.columns WHERE table_schema = \
              current_schema() AND table_name = 'idempotency_records' AND column_name = 'state'";
         let state_columns: i64 = db.value(sql, &[]).await;

@@ -14,7 +14,9 @@ mod pg_common;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use backend::{checking, first_call_only, hook, Call, Database, HandleSql, Problems};
+use backend::{
+    checking, first_call_only, hook, replays, runs_afresh, Call, Database, HandleSql, Problems,
+};
 use common::{post, Post, PATIENCE, SHOP_A};
 use http::StatusCode;
 use tokio::io::AsyncWriteExt;
@@ -49,15 +51,10 @@ async fn injected_failure_saving_the_record_rolls_back_the_order<B: Database>(db
     assert_eq!(db.record_count().await, 2);
 
     db.stop_failing().await;
-    let recovered = post(server.addr, Some(SHOP_A), Some("key-3"), BOOK, &[]).await;
-
-    assert_eq!(recovered.status, StatusCode::CREATED, "{recovered:?}");
-    assert!(!recovered.replayed(), "the retry ran afresh");
+    let recovered = runs_afresh(server.addr, "key-3", BOOK).await;
     assert_eq!(db.order_count().await, 3);
     assert!(db.record_exists("shop-a", "create_order", "key-3").await);
-    let again = post(server.addr, Some(SHOP_A), Some("key-3"), BOOK, &[]).await;
-    assert!(again.replayed());
-    assert_eq!(again.body, recovered.body);
+    replays(server.addr, "key-3", BOOK, &recovered).await;
 }
 
 /// The handler's own insert fails: it answers 500, which is not saved.
@@ -77,10 +74,7 @@ async fn failing_order_insert_is_500_and_not_saved<B: Database>(db: B) {
     assert_eq!(db.record_count().await, 0, "a 500 is never saved");
 
     db.stop_failing().await;
-    let recovered = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
-
-    assert_eq!(recovered.status, StatusCode::CREATED, "{recovered:?}");
-    assert!(!recovered.replayed());
+    runs_afresh(server.addr, "key-1", BOOK).await;
     assert_eq!(db.order_count().await, 1);
     assert_eq!(server.app.handler_calls(), 2);
 }
@@ -110,9 +104,7 @@ async fn handler_500_after_inserting_rolls_back_its_order<B: Database>(db: B) {
     assert_eq!(db.record_count().await, 0);
     assert!(!db.record_exists("shop-a", "create_order", "key-1").await);
 
-    let retry = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
-    assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
-    assert!(!retry.replayed());
+    runs_afresh(server.addr, "key-1", BOOK).await;
     assert_eq!(db.order_count().await, 1);
     assert_eq!(server.app.handler_calls(), 2);
 }
@@ -144,9 +136,7 @@ async fn panicking_handler_rolls_back_and_the_server_keeps_serving<B: Database>(
 
     let other = post(server.addr, Some(SHOP_A), Some("key-2"), BOOK, &[]).await;
     assert_eq!(other.status, StatusCode::CREATED, "the server still serves");
-    let retry = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
-    assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
-    assert!(!retry.replayed());
+    runs_afresh(server.addr, "key-1", BOOK).await;
     assert_eq!(db.counts().await, (2, 2));
 }
 
@@ -202,10 +192,7 @@ async fn client_disconnect_mid_handler_rolls_back<B: Database>(db: B) {
     release.notify_one();
     assert_eq!(server.app.handler_calls(), 1);
 
-    let retry = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
-
-    assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
-    assert!(!retry.replayed(), "nothing was saved for the first attempt");
+    let retry = runs_afresh(server.addr, "key-1", BOOK).await;
     assert_eq!(server.app.handler_calls(), 2);
     let rows = db.orders().await;
     assert_eq!(rows.len(), 1, "only the retry's order exists: {rows:?}");
@@ -262,9 +249,7 @@ async fn killed_connection_rolls_back_and_the_retry_succeeds<B: HandleSql>(db: B
     );
     assert!(!db.record_exists("shop-a", "create_order", "key-1").await);
 
-    let retry = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
-    assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
-    assert!(!retry.replayed());
+    runs_afresh(server.addr, "key-1", BOOK).await;
     assert_eq!(server.app.handler_calls(), 2);
     assert_eq!(db.counts().await, (1, 1));
 }
@@ -389,9 +374,7 @@ mod postgres {
         );
         assert!(!db.record_exists("shop-a", "create_order", "key-1").await);
 
-        let retry = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
-        assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
-        assert!(!retry.replayed());
+        runs_afresh(server.addr, "key-1", BOOK).await;
         assert_eq!(db.counts().await, (1, 1));
     }
 
@@ -500,9 +483,7 @@ mod postgres {
         assert_eq!(orders[0].0, reply.order_id());
         assert_eq!(orders[0].2, "book");
         assert_eq!(db.record_count().await, 1);
-        let again = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
-        assert!(again.replayed());
-        assert_eq!(again.body, reply.body);
+        replays(server.addr, "key-1", BOOK, &reply).await;
         assert_eq!(db.order_count().await, 1);
     }
 
@@ -556,12 +537,8 @@ mod postgres {
         assert_eq!(db.order_count().await, 0, "no order without a record");
         assert!(!db.record_exists("shop-a", "create_order", "key-1").await);
 
-        let retry = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
-        assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
-        assert!(!retry.replayed());
-        let again = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
-        assert!(again.replayed());
-        assert_eq!(again.body, retry.body);
+        let retry = runs_afresh(server.addr, "key-1", BOOK).await;
+        replays(server.addr, "key-1", BOOK, &retry).await;
         let orders = db.orders().await;
         assert_eq!(orders.len(), 1, "exactly one order: {orders:?}");
         assert_eq!(orders[0].0, retry.order_id());
@@ -628,9 +605,7 @@ mod postgres {
             "{failed:?}"
         );
         // The retry waits on the key until the borrowed transaction is gone, then runs afresh.
-        let retry = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
-        assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
-        assert!(!retry.replayed());
+        runs_afresh(server.addr, "key-1", BOOK).await;
         assert_eq!(db.counts().await, (1, 1));
     }
 }

@@ -55,10 +55,12 @@ use tower_idempotency::store::sqlite::{SqliteStore, SqliteTransaction};
 use tower_idempotency::store::sqlx_mysql::SqlxMySqlStore;
 use tower_idempotency::store::sqlx_postgres::{SqlxPostgresStore, SqlxTransaction};
 use tower_idempotency::store::IdempotencyStore;
+use tower_idempotency::IdempotencyLayer;
 
 use crate::common::server_backed::OrderServer;
 use crate::common::{
-    hook_for, AppBuilder, AppOf, HookFor, OrderCallOf, Outcome, SqliteApp, TestServer, PATIENCE,
+    hook_for, post, AppBuilder, AppOf, HookFor, OrderCallOf, Outcome, Reply, SqliteApp, TestServer,
+    PATIENCE, SHOP_A,
 };
 use crate::pg_common::sqlx_app::SqlxPgApp;
 use crate::pg_common::{PgApp, TestDb};
@@ -171,6 +173,17 @@ fn adapt_with<T: Send + 'static, O: Outcome>(
 /// The hook of the app of a store with the outbox.
 fn adapt<T: Enqueue + Send + Sync + 'static, O: Outcome>(hook: Hook) -> HookFor<OrderCallOf<T>, O> {
     adapt_with(hook, Tx::of)
+}
+
+/// A [`Hook`] that runs `f` with its own clone of `shared` (a gate, a barrier...) on every call.
+pub fn hook_sharing<S, F, Fut>(shared: &S, f: F) -> Hook
+where
+    S: Clone + Send + Sync + 'static,
+    F: Fn(S, Call) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = FailWith> + Send + 'static,
+{
+    let shared = shared.clone();
+    hook(move |call| f(shared.clone(), call))
 }
 
 /// Runs `behaviour` on the first call only; later calls get the default outcome (succeed).
@@ -300,6 +313,14 @@ pub trait Database: Sized + Send + Sync + 'static {
     fn server(&self) -> Setup<'_, Self> {
         AppBuilder::new(self)
     }
+
+    /// A server with the default app, its layers customised by `f`.
+    fn with_layer<F>(&self, f: F) -> impl Future<Output = Server<Self>>
+    where
+        F: Fn(IdempotencyLayer<Self::Store>) -> IdempotencyLayer<Self::Store> + Send + 'static,
+    {
+        self.server().layer(f).spawn()
+    }
 }
 
 /// A [`Database`] whose store has the outbox, the inbox and the admin verbs, and a store of the
@@ -411,6 +432,23 @@ impl<B: Database> Server<B> {
     pub async fn shutdown(self) {
         self.running.stop().await;
     }
+}
+
+/// Sends `body` under `key` as shop-a: a `201` that ran the handler, not a replay.
+pub async fn runs_afresh(addr: SocketAddr, key: &str, body: &str) -> Reply {
+    let reply = post(addr, Some(SHOP_A), Some(key), body, &[]).await;
+    assert_eq!(reply.status, StatusCode::CREATED, "{key}: {reply:?}");
+    assert!(!reply.replayed(), "{key}: runs afresh: {reply:?}");
+    reply
+}
+
+/// Sends `body` under `key` as shop-a again: a replay of `original`, the same status and body.
+pub async fn replays(addr: SocketAddr, key: &str, body: &str, original: &Reply) -> Reply {
+    let reply = post(addr, Some(SHOP_A), Some(key), body, &[]).await;
+    assert!(reply.replayed(), "{key}: a replay: {reply:?}");
+    assert_eq!(reply.status, original.status, "{key}");
+    assert_eq!(reply.body, original.body, "{key}: the same body");
+    reply
 }
 
 /// Runs a generic test on a fresh database of `B`, when there is one.
