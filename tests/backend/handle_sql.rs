@@ -90,6 +90,35 @@ fn refused<T, E: std::fmt::Display>(what: &str, outcome: Result<T, E>) -> Option
     }
 }
 
+/// The connection of the handle `$tx`, or (from the enclosing check) its error as the one
+/// problem found.
+macro_rules! acquire_or_report {
+    ($tx:expr) => {
+        match $tx.acquire().await {
+            Ok(conn) => conn,
+            Err(error) => return vec![error.to_string()],
+        }
+    };
+}
+
+/// The transaction control that both drivers' handles refuse, sent through the connection
+/// `$conn` every way sqlx has: `query`, and the executor's own `execute` with a string and with
+/// `raw_sql` (`raw_sql(..).execute(&mut *conn)` is not `Send` in a handler, with any sqlx
+/// connection). What went otherwise, per attempt.
+macro_rules! refused_on_both {
+    ($conn:ident) => {
+        [
+            refused("COMMIT", sqlx::query("COMMIT").execute(&mut *$conn).await),
+            refused("ROLLBACK", (&mut *$conn).execute("ROLLBACK").await),
+            refused(
+                HIDDEN_COMMIT,
+                (&mut *$conn).execute(sqlx::raw_sql(HIDDEN_COMMIT)).await,
+            ),
+            refused("begin", sqlx::query("begin").execute(&mut *$conn).await),
+        ]
+    };
+}
+
 /// A batch that ends with a `COMMIT`: refused on either driver, none of its statements run.
 const HIDDEN_COMMIT: &str =
     "INSERT INTO orders (tenant_id, sku, quantity) VALUES ('x', 'hidden', 1); COMMIT";
@@ -136,24 +165,8 @@ impl HandleSql for SqlxPostgres {
 
     fn transaction_control(tx: &Self::Handle) -> BoxFuture<'_, Vec<String>> {
         Box::pin(async move {
-            let mut conn = match tx.acquire().await {
-                Ok(conn) => conn,
-                Err(error) => return vec![error.to_string()],
-            };
-            // `raw_sql` through the executor's method: `raw_sql(..).execute(&mut *conn)` is
-            // not `Send` in a handler, with any sqlx connection.
-            let mut problems: Vec<String> = [
-                refused("COMMIT", sqlx::query("COMMIT").execute(&mut *conn).await),
-                refused("ROLLBACK", (&mut *conn).execute("ROLLBACK").await),
-                refused(
-                    HIDDEN_COMMIT,
-                    (&mut *conn).execute(sqlx::raw_sql(HIDDEN_COMMIT)).await,
-                ),
-                refused("begin", sqlx::query("begin").execute(&mut *conn).await),
-            ]
-            .into_iter()
-            .flatten()
-            .collect();
+            let mut conn = acquire_or_report!(tx);
+            let mut problems: Vec<String> = refused_on_both!(conn).into_iter().flatten().collect();
             // Savepoints stay inside the transaction: allowed.
             let savepoints = (&mut *conn)
                 .execute(sqlx::raw_sql("SAVEPOINT s; RELEASE SAVEPOINT s"))
@@ -165,10 +178,7 @@ impl HandleSql for SqlxPostgres {
 
     fn raise_conflict(tx: &Self::Handle) -> BoxFuture<'_, Vec<String>> {
         Box::pin(async move {
-            let mut conn = match tx.acquire().await {
-                Ok(conn) => conn,
-                Err(error) => return vec![error.to_string()],
-            };
+            let mut conn = acquire_or_report!(tx);
             let conflict = sqlx::query(
                 "DO $$ BEGIN RAISE EXCEPTION 'injected' USING ERRCODE = '40001'; END $$",
             )
@@ -220,19 +230,10 @@ impl HandleSql for MySql {
 
     fn transaction_control(tx: &Self::Handle) -> BoxFuture<'_, Vec<String>> {
         Box::pin(async move {
-            let mut conn = match tx.acquire().await {
-                Ok(conn) => conn,
-                Err(error) => return vec![error.to_string()],
-            };
-            // Transaction control and implicit commits, whichever way they are sent.
-            let mut problems: Vec<String> = [
-                refused("COMMIT", sqlx::query("COMMIT").execute(&mut *conn).await),
-                refused("ROLLBACK", (&mut *conn).execute("ROLLBACK").await),
-                refused(
-                    HIDDEN_COMMIT,
-                    (&mut *conn).execute(sqlx::raw_sql(HIDDEN_COMMIT)).await,
-                ),
-                refused("begin", sqlx::query("begin").execute(&mut *conn).await),
+            let mut conn = acquire_or_report!(tx);
+            // And the implicit commits of MySQL, whichever way they are sent.
+            let mut problems: Vec<String> = refused_on_both!(conn).into_iter().flatten().collect();
+            let implicit_commits = [
                 refused(
                     "SET autocommit = 1",
                     sqlx::query("SET autocommit = 1").execute(&mut *conn).await,
@@ -242,10 +243,8 @@ impl HandleSql for MySql {
                     (&mut *conn).execute("CREATE TABLE t (a INT)").await,
                 ),
                 refused("/*!COMMIT*/", (&mut *conn).execute("/*!COMMIT*/").await),
-            ]
-            .into_iter()
-            .flatten()
-            .collect();
+            ];
+            problems.extend(implicit_commits.into_iter().flatten());
             // Savepoints and temporary tables stay inside the transaction: allowed.
             let savepoints = (&mut *conn)
                 .execute(sqlx::raw_sql(
@@ -261,10 +260,7 @@ impl HandleSql for MySql {
 
     fn raise_conflict(tx: &Self::Handle) -> BoxFuture<'_, Vec<String>> {
         Box::pin(async move {
-            let mut conn = match tx.acquire().await {
-                Ok(conn) => conn,
-                Err(error) => return vec![error.to_string()],
-            };
+            let mut conn = acquire_or_report!(tx);
             let mut problems = Vec::new();
             let conflict = sqlx::query("SIGNAL SQLSTATE '40001' SET MESSAGE_TEXT = 'injected'")
                 .execute(&mut *conn)

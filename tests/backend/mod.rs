@@ -407,6 +407,47 @@ impl<S: Send + 'static, T: Send + 'static, O: Send + 'static> Running for OrderS
     }
 }
 
+/// A backend's own running server on the store `S`: where it listens, its store and its
+/// app's state.
+trait Serves<S>: Running {
+    fn addr(&self) -> SocketAddr;
+    fn store(&self) -> &S;
+    fn app(&self) -> Arc<dyn AppState>;
+}
+
+impl Serves<SqliteStore> for TestServer {
+    fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    fn store(&self) -> &SqliteStore {
+        &self.store
+    }
+
+    fn app(&self) -> Arc<dyn AppState> {
+        self.app.clone()
+    }
+}
+
+impl<S, T, O> Serves<S> for OrderServer<S, T, O>
+where
+    S: Send + 'static,
+    T: Send + 'static,
+    O: Outcome,
+{
+    fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    fn store(&self) -> &S {
+        &self.store
+    }
+
+    fn app(&self) -> Arc<dyn AppState> {
+        self.app.clone()
+    }
+}
+
 /// A running order app on 127.0.0.1 and its store.
 pub struct Server<B: Database> {
     pub addr: SocketAddr,
@@ -416,14 +457,11 @@ pub struct Server<B: Database> {
 }
 
 impl<B: Database> Server<B> {
-    fn new<A: AppState>(
-        (addr, store, app): (SocketAddr, B::Store, Arc<A>),
-        running: impl Running + 'static,
-    ) -> Self {
+    fn new(running: impl Serves<B::Store> + 'static) -> Self {
         Server {
-            addr,
-            store,
-            app,
+            addr: running.addr(),
+            store: running.store().clone(),
+            app: running.app(),
             running: Box::new(running),
         }
     }
@@ -504,8 +542,7 @@ impl Database for Sqlite {
             .convert(adapt, SqliteApp::on(&self.path))
             .spawn()
             .await;
-        let parts = (running.addr, running.store.clone(), running.app.clone());
-        Server::new(parts, running)
+        Server::new(running)
     }
 
     async fn execute(&self, sql: &str) {
@@ -855,8 +892,7 @@ impl Setup<'_, Postgres> {
             .store(options)
             .spawn(&db.db)
             .await;
-        let parts = (running.addr, running.store.clone(), running.app.clone());
-        Server::new(parts, running)
+        Server::new(running)
     }
 }
 
@@ -884,8 +920,7 @@ impl Database for SqlxPostgres {
 
     async fn serve(&self, setup: Setup<'_, Self>) -> Server<Self> {
         let running = setup.convert(adapt, SqlxPgApp).spawn(&self.db).await;
-        let parts = (running.addr, running.store.clone(), running.app.clone());
-        Server::new(parts, running)
+        Server::new(running)
     }
 
     server_database_reads!();
@@ -977,8 +1012,7 @@ impl Database for MySql {
             .convert(|hook| adapt_with(hook, Tx::without_outbox), MySqlAppOptions)
             .spawn(&self.db)
             .await;
-        let parts = (running.addr, running.store.clone(), running.app.clone());
-        Server::new(parts, running)
+        Server::new(running)
     }
 
     server_database_reads!();

@@ -16,7 +16,7 @@ use tower_idempotency::store::sqlx_mysql::{SqlxMySqlStore, SqlxTransaction};
 use tower_idempotency::Tenant;
 
 use crate::common::server_backed::{run_on_a_thread_of_its_own, FreshName, OrderServer};
-use crate::common::{AppBuilder, AppOf, HookFor, HookOutcome, InsertOrder, OrderCallOf};
+use crate::common::{AppBuilder, HookFor, HookOutcome, InsertOrder, OrderCallOf};
 
 /// The business table of the MySQL order app (the same as the example's).
 pub const ORDERS_SCHEMA: &str = "CREATE TABLE IF NOT EXISTS orders (
@@ -276,7 +276,6 @@ impl InsertOrder for SqlxTransaction {
 /// What the MySQL app's handler tells its hook.
 pub type MySqlOrderCall = OrderCallOf<SqlxTransaction>;
 pub type MySqlHook = HookFor<MySqlOrderCall, HookOutcome>;
-pub type MySqlApp = AppOf<SqlxTransaction, HookOutcome>;
 
 /// What only the MySQL app takes: nothing yet (the tests' pool sizes are fixed).
 #[derive(Default)]
