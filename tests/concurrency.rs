@@ -1,10 +1,14 @@
 //! Duplicates in flight at the same time, and waits bounded by the lock timeout, written once
-//! and run against a SQLite file (`concurrency::sqlite::...`) and a PostgreSQL schema
-//! (`concurrency::postgres::...`, reported as ignored without `TEST_DATABASE_URL`):
-//! duplicates serialize on their key (within one app instance or across two), waits end in a
-//! `503` with `Retry-After`, replays never wait for writers. Each backend's module also holds
-//! what only it has: SQLite's single writer (another key, or another process, is busy);
-//! PostgreSQL's parallel writers, pool limits and serialization failures.
+//! and run against a SQLite file (`concurrency::sqlite::...`), a PostgreSQL schema through
+//! either store (`concurrency::postgres::...`, `concurrency::sqlx_postgres::...`, reported as
+//! ignored without `TEST_DATABASE_URL`) and a MySQL/MariaDB database
+//! (`concurrency::mysql::...`, ignored without `TEST_MYSQL_URL`): duplicates serialize on
+//! their key (within one app instance or across two, and behind a first request that rolls
+//! back), waits end in a `503` with `Retry-After`, replays never wait for writers. Each
+//! backend's module also holds what only it has: SQLite's single writer (another key, or
+//! another process, is busy); the parallel writers of the others (two instances on one
+//! database); PostgreSQL's pool limits and serialization failures; a handler's statement
+//! failing with a conflict on the sqlx stores.
 
 #[macro_use]
 mod backend;
@@ -900,11 +904,10 @@ mod postgres {
 }
 
 mod sqlx_postgres {
-    //! The sqlx store: the suite, and two instances on one database. Not here yet: the tests of
-    //! `postgres` that size the store's pools or set its isolation (`spawn_with`) need the
-    //! sqlx store's options in the fixture; a handler's serialization failure running the
-    //! request again is `tests/sqlx_postgres.rs`'s
-    //! `a_handler_statement_conflict_runs_the_request_again`.
+    //! The sqlx store: the suite, two instances on one database, and a handler's serialization
+    //! failure running the request again. Not here yet: the tests of `postgres` that size the
+    //! store's pools or set its isolation (`spawn_with`) need the sqlx store's options in the
+    //! fixture.
 
     concurrency_tests!(SqlxPostgres);
     parallel_writer_tests!(SqlxPostgres);
@@ -912,7 +915,8 @@ mod sqlx_postgres {
 }
 
 mod mysql {
-    //! The sqlx store on MySQL or MariaDB: the suite, and two instances on one database.
+    //! The sqlx store on MySQL or MariaDB: the suite, two instances on one database, and a
+    //! handler's statement failing as a deadlock victim running the request again.
 
     concurrency_tests!(MySql);
     parallel_writer_tests!(MySql);

@@ -1,10 +1,12 @@
 //! The contract table of DESIGN.md §1, row by row, over real HTTP, written once and run
-//! against a real SQLite file (`contract::sqlite::...`) and a real PostgreSQL schema
-//! (`contract::postgres::...`, reported as ignored without `TEST_DATABASE_URL`): new key,
-//! replay, changed payload, other tenant and operation, what is never stored, expiry and
-//! purging, durability across a restart. Each backend's module also holds the tests that only
-//! make sense there (the PostgreSQL schema created and migrated on open; the SQLite app's
-//! routes without a store).
+//! against a real SQLite file (`contract::sqlite::...`), a real PostgreSQL schema through
+//! either store (`contract::postgres::...`, `contract::sqlx_postgres::...`, reported as ignored
+//! without `TEST_DATABASE_URL`) and a real MySQL/MariaDB database (`contract::mysql::...`,
+//! ignored without `TEST_MYSQL_URL`): new key, replay, changed payload, other tenant and
+//! operation, what is never stored, keys as long as allowed, expiry and purging, durability
+//! across a restart. Each backend's module also holds the tests that only make sense there
+//! (the PostgreSQL schema created and migrated on open; the SQLite app's routes without a
+//! store).
 
 #[macro_use]
 mod backend;
@@ -1112,7 +1114,7 @@ mod postgres {
 mod sqlx_postgres {
     //! The contract on a PostgreSQL schema through the sqlx store. The schema tests of
     //! `postgres` are the tokio-postgres store's `connect`; the sqlx store's `migrate` runs the
-    //! same install (`tests/sqlx_postgres.rs` and `store_contract` use it).
+    //! same install (every sqlx app of the fixture and `store_contract` use it).
 
     contract_tests!(SqlxPostgres);
 }

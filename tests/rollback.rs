@@ -1,10 +1,13 @@
 //! Failures roll everything back: the handler's order and the record commit together or not
 //! at all, and a retry with the same key runs afresh (DESIGN.md §1, "the handler fails").
-//! Written once and run against a SQLite file (`rollback::sqlite::...`) and a PostgreSQL
-//! schema (`rollback::postgres::...`, reported as ignored without `TEST_DATABASE_URL`): the
-//! record or the order cannot be saved, the handler fails or panics, the client goes away.
-//! PostgreSQL also has its own: the connection killed mid-transaction, and transaction control
-//! through the handle (refused).
+//! Written once and run against a SQLite file (`rollback::sqlite::...`), a PostgreSQL schema
+//! through either store (`rollback::postgres::...`, `rollback::sqlx_postgres::...`, reported as
+//! ignored without `TEST_DATABASE_URL`) and a MySQL/MariaDB database (`rollback::mysql::...`,
+//! ignored without `TEST_MYSQL_URL`): the record or the order cannot be saved, the handler
+//! fails or panics, the client goes away. The stores on a server also have their own: the
+//! connection killed mid-transaction, and transaction control through the handle (refused),
+//! written once over the sqlx drivers (`backend::HandleSql`) and on tokio-postgres in
+//! `postgres`; MySQL's session restored after a request.
 
 #[macro_use]
 mod backend;
