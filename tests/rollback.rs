@@ -20,7 +20,7 @@ use std::time::Duration;
 use backend::{
     checking, first_call_only, hook, replays, runs_afresh, Call, Database, HandleSql, Problems,
 };
-use common::{post, Post, PATIENCE, SHOP_A};
+use common::{post, Post, Reply, PATIENCE, SHOP_A};
 use http::StatusCode;
 use tokio::io::AsyncWriteExt;
 use tokio::sync::Notify;
@@ -317,6 +317,17 @@ mod postgres {
 
     rollback_tests!(Postgres);
 
+    /// The only order is `reply`'s book, committed with its record, and `key-1` replays it.
+    async fn assert_the_one_order_is(db: &TestDb, addr: std::net::SocketAddr, reply: &Reply) {
+        let orders = db.orders().await;
+        assert_eq!(orders.len(), 1, "exactly one order: {orders:?}");
+        assert_eq!(orders[0].0, reply.order_id());
+        assert_eq!(orders[0].2, "book");
+        assert_eq!(db.record_count().await, 1);
+        replays(addr, "key-1", BOOK, reply).await;
+        assert_eq!(db.order_count().await, 1);
+    }
+
     /// The transaction's backend is killed (`pg_terminate_backend`) while the handler is inside
     /// it: the request is answered `503` with `Retry-After` (the database went away under it,
     /// as in a failover: not a final failure), nothing is kept, and the retry succeeds on a
@@ -481,13 +492,7 @@ mod postgres {
             "every transaction-control statement is refused, and nothing else"
         );
         assert_eq!(reply.status, StatusCode::CREATED, "{reply:?}");
-        let orders = db.orders().await;
-        assert_eq!(orders.len(), 1, "only the handler's order: {orders:?}");
-        assert_eq!(orders[0].0, reply.order_id());
-        assert_eq!(orders[0].2, "book");
-        assert_eq!(db.record_count().await, 1);
-        replays(server.addr, "key-1", BOOK, &reply).await;
-        assert_eq!(db.order_count().await, 1);
+        assert_the_one_order_is(&db, server.addr, &reply).await;
     }
 
     /// `COMMIT; BEGIN` through the handle would commit the order with no record behind the
@@ -541,11 +546,7 @@ mod postgres {
         assert!(!db.record_exists("shop-a", "create_order", "key-1").await);
 
         let retry = runs_afresh(server.addr, "key-1", BOOK).await;
-        replays(server.addr, "key-1", BOOK, &retry).await;
-        let orders = db.orders().await;
-        assert_eq!(orders.len(), 1, "exactly one order: {orders:?}");
-        assert_eq!(orders[0].0, retry.order_id());
-        assert_eq!(db.record_count().await, 1);
+        assert_the_one_order_is(&db, server.addr, &retry).await;
     }
 
     /// After the request, the handle refuses work: it cannot write outside the transaction.
@@ -631,9 +632,9 @@ mod mysql {
     //! runs ([`HandleSql`]), and the session of the pooled connection, restored after a
     //! request.
 
-    use backend::mysql_common::{MySqlAppOptions, MySqlOrderCall, MySqlServerBuilder};
     use backend::MySql;
-    use common::{hook_for, HookOutcome, Outcome};
+    use common::{hook_for, AppBuilder, HookOutcome, OrderCallOf, Outcome};
+    use tower_idempotency::store::sqlx_mysql::SqlxTransaction;
 
     use super::*;
 
@@ -658,8 +659,8 @@ mod mysql {
         // One connection: the request's and the check's are the same.
         let store = db.db.store(1).await;
         let pool = store.pool().clone();
-        let server = MySqlServerBuilder::new(MySqlAppOptions)
-            .hook(hook_for(|call: MySqlOrderCall| async move {
+        let server = AppBuilder::new(())
+            .hook(hook_for(|call: OrderCallOf<SqlxTransaction>| async move {
                 HookOutcome::failing(
                     (call.sku == "fail").then_some(StatusCode::INTERNAL_SERVER_ERROR),
                 )

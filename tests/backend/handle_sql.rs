@@ -119,6 +119,37 @@ macro_rules! refused_on_both {
     };
 }
 
+/// [`HandleSql::connection_id`] (the statement, and the type of the id it returns) and
+/// [`HandleSql::sleep_then_query`] (the sleep, then the statement after it) in the driver's
+/// SQL.
+macro_rules! session_statements {
+    ($connection_id:literal as $id:ty, [$($statement:literal),+]) => {
+        fn connection_id(tx: &Self::Handle) -> BoxFuture<'_, Result<i64, String>> {
+            Box::pin(async move {
+                let mut conn = tx.acquire().await.map_err(|e| e.to_string())?;
+                let id: $id = sqlx::query_scalar($connection_id)
+                    .fetch_one(&mut *conn)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                i64::try_from(id).map_err(|e| e.to_string())
+            })
+        }
+
+        fn sleep_then_query(tx: &Self::Handle) -> BoxFuture<'_, Result<(), String>> {
+            Box::pin(async move {
+                let mut conn = tx.acquire().await.map_err(|e| e.to_string())?;
+                for sql in [$($statement),+] {
+                    sqlx::query(sql)
+                        .execute(&mut *conn)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                }
+                Ok(())
+            })
+        }
+    };
+}
+
 /// A batch that ends with a `COMMIT`: refused on either driver, none of its statements run.
 const HIDDEN_COMMIT: &str =
     "INSERT INTO orders (tenant_id, sku, quantity) VALUES ('x', 'hidden', 1); COMMIT";
@@ -130,29 +161,10 @@ impl HandleSql for SqlxPostgres {
     const KILLED_CONNECTION: (StatusCode, &'static str) =
         (StatusCode::SERVICE_UNAVAILABLE, "busy_retry_later");
 
-    fn connection_id(tx: &Self::Handle) -> BoxFuture<'_, Result<i64, String>> {
-        Box::pin(async move {
-            let mut conn = tx.acquire().await.map_err(|e| e.to_string())?;
-            let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
-                .fetch_one(&mut *conn)
-                .await
-                .map_err(|e| e.to_string())?;
-            Ok(i64::from(pid))
-        })
-    }
-
-    fn sleep_then_query(tx: &Self::Handle) -> BoxFuture<'_, Result<(), String>> {
-        Box::pin(async move {
-            let mut conn = tx.acquire().await.map_err(|e| e.to_string())?;
-            for sql in ["SELECT pg_sleep(10)", "SELECT 1"] {
-                sqlx::query(sql)
-                    .execute(&mut *conn)
-                    .await
-                    .map_err(|e| e.to_string())?;
-            }
-            Ok(())
-        })
-    }
+    session_statements!(
+        "SELECT pg_backend_pid()" as i32,
+        ["SELECT pg_sleep(10)", "SELECT 1"]
+    );
 
     async fn kill(&self, id: i64) {
         let pid = i32::try_from(id).expect("a backend pid");
@@ -200,29 +212,7 @@ impl HandleSql for MySql {
     const KILLED_CONNECTION: (StatusCode, &'static str) =
         (StatusCode::INTERNAL_SERVER_ERROR, "injected_failure");
 
-    fn connection_id(tx: &Self::Handle) -> BoxFuture<'_, Result<i64, String>> {
-        Box::pin(async move {
-            let mut conn = tx.acquire().await.map_err(|e| e.to_string())?;
-            let id: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
-                .fetch_one(&mut *conn)
-                .await
-                .map_err(|e| e.to_string())?;
-            i64::try_from(id).map_err(|e| e.to_string())
-        })
-    }
-
-    fn sleep_then_query(tx: &Self::Handle) -> BoxFuture<'_, Result<(), String>> {
-        Box::pin(async move {
-            let mut conn = tx.acquire().await.map_err(|e| e.to_string())?;
-            for sql in ["DO SLEEP(10)", "DO 1"] {
-                sqlx::query(sql)
-                    .execute(&mut *conn)
-                    .await
-                    .map_err(|e| e.to_string())?;
-            }
-            Ok(())
-        })
-    }
+    session_statements!("SELECT CONNECTION_ID()" as u64, ["DO SLEEP(10)", "DO 1"]);
 
     async fn kill(&self, id: i64) {
         self.db.execute(&format!("KILL {id}")).await;

@@ -52,19 +52,18 @@ use tower_idempotency::outbox::{
 };
 use tower_idempotency::store::postgres::{PostgresOptions, PostgresStore, PostgresTransaction};
 use tower_idempotency::store::sqlite::{SqliteStore, SqliteTransaction};
-use tower_idempotency::store::sqlx_mysql::SqlxMySqlStore;
+use tower_idempotency::store::sqlx_mysql::{SqlxMySqlStore, SqlxTransaction as MySqlTransaction};
 use tower_idempotency::store::sqlx_postgres::{SqlxPostgresStore, SqlxTransaction};
 use tower_idempotency::store::IdempotencyStore;
 use tower_idempotency::IdempotencyLayer;
 
 use crate::common::server_backed::OrderServer;
 use crate::common::{
-    hook_for, post, AppBuilder, AppOf, HookFor, OrderCallOf, Outcome, Reply, SqliteApp, TestServer,
-    PATIENCE, SHOP_A,
+    hook_for, post, AppBuilder, AppOf, HookFor, HookOutcome, OrderCallOf, Outcome, Reply,
+    SqliteApp, TestServer, PATIENCE, SHOP_A,
 };
 use crate::pg_common::sqlx_app::SqlxPgApp;
 use crate::pg_common::{PgApp, TestDb};
-use mysql_common::MySqlAppOptions;
 
 /// What a backend's order handler tells the test's hook, its order row inserted inside the
 /// open idempotency transaction `tx`.
@@ -992,7 +991,8 @@ impl Backend for SqlxPostgres {
 // ----- MySQL or MariaDB on sqlx: a database of its own -----
 
 /// A database of its own on the server of `TEST_MYSQL_URL`, dropped at the end, served by the
-/// app of `tests/mysql_common`. The store has no outbox yet: a [`Database`], not a [`Backend`].
+/// order app of `tests/common` on the sqlx MySQL store (its handle's inserts are
+/// `tests/mysql_common`'s). The store has no outbox yet: a [`Database`], not a [`Backend`].
 pub struct MySql {
     pub db: mysql_common::TestDb,
 }
@@ -1009,8 +1009,12 @@ impl Database for MySql {
 
     async fn serve(&self, setup: Setup<'_, Self>) -> Server<Self> {
         let running = setup
-            .convert(|hook| adapt_with(hook, Tx::without_outbox), MySqlAppOptions)
-            .spawn(&self.db)
+            .convert(
+                |hook| adapt_with::<MySqlTransaction, HookOutcome>(hook, Tx::without_outbox),
+                (),
+            )
+            // A pool of 8 connections, as the PostgreSQL apps.
+            .serve_on(self.db.store(8).await)
             .await;
         Server::new(running)
     }

@@ -15,8 +15,8 @@ use sqlx::{Connection as _, Executor as _, MySqlConnection, Row as _};
 use tower_idempotency::store::sqlx_mysql::{SqlxMySqlStore, SqlxTransaction};
 use tower_idempotency::Tenant;
 
-use crate::common::server_backed::{run_on_a_thread_of_its_own, FreshName, OrderServer};
-use crate::common::{AppBuilder, HookFor, HookOutcome, InsertOrder, OrderCallOf};
+use crate::common::server_backed::{run_on_a_thread_of_its_own, FreshName};
+use crate::common::InsertOrder;
 
 /// The business table of the MySQL order app (the same as the example's).
 pub const ORDERS_SCHEMA: &str = "CREATE TABLE IF NOT EXISTS orders (
@@ -272,24 +272,3 @@ impl InsertOrder for SqlxTransaction {
             .map_err(|_| tower_idempotency::Error::Corrupt("an order id past i64".into()))
     }
 }
-
-/// What the MySQL app's handler tells its hook.
-pub type MySqlOrderCall = OrderCallOf<SqlxTransaction>;
-pub type MySqlHook = HookFor<MySqlOrderCall, HookOutcome>;
-
-/// What only the MySQL app takes: nothing yet (the tests' pool sizes are fixed).
-#[derive(Default)]
-pub struct MySqlAppOptions;
-
-pub type MySqlServerBuilder = AppBuilder<SqlxMySqlStore, MySqlHook, MySqlAppOptions>;
-
-impl MySqlServerBuilder {
-    /// Serves the order app on a store of its own (a pool of 8 connections) over `db`: several
-    /// servers on one database are several app instances sharing it.
-    pub async fn spawn(self, db: &TestDb) -> MySqlServer {
-        self.serve_on(db.store(8).await).await
-    }
-}
-
-/// A running MySQL order app on 127.0.0.1 and its store.
-pub type MySqlServer = OrderServer<SqlxMySqlStore, SqlxTransaction, HookOutcome>;
