@@ -5,9 +5,10 @@
 //! ignored without `TEST_DATABASE_URL`) and a MySQL/MariaDB database (`rollback::mysql::...`,
 //! ignored without `TEST_MYSQL_URL`): the record or the order cannot be saved, the handler
 //! fails or panics, the client goes away. The stores on a server also have their own: the
-//! connection killed mid-transaction, and transaction control through the handle (refused),
-//! written once over the sqlx drivers (`backend::HandleSql`) and on tokio-postgres in
-//! `postgres`; MySQL's session restored after a request.
+//! connection killed mid-transaction (written once over them, `backend::HandleSession`), and
+//! transaction control through the handle, refused (once over the sqlx drivers,
+//! `backend::HandleSql`, and on tokio-postgres in `postgres`); MySQL's session restored after a
+//! request.
 
 #[macro_use]
 mod backend;
@@ -18,7 +19,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use backend::{
-    checking, first_call_only, hook, replays, runs_afresh, Call, Database, HandleSql, Problems,
+    checking, first_call_only, hook, replays, runs_afresh, Call, Database, HandleSession,
+    HandleSql, Problems,
 };
 use common::{post, Post, Reply, PATIENCE, SHOP_A};
 use http::StatusCode;
@@ -204,9 +206,9 @@ async fn client_disconnect_mid_handler_rolls_back<B: Database>(db: B) {
 }
 
 /// The connection under the transaction is killed while the handler is inside it (its next
-/// statement fails): the request is answered as the backend says ([`HandleSql`]), nothing is
+/// statement fails): the request is answered as the backend says ([`HandleSession`]), nothing is
 /// kept, and the retry succeeds on a fresh connection.
-async fn killed_connection_rolls_back_and_the_retry_succeeds<B: HandleSql>(db: B) {
+async fn killed_connection_rolls_back_and_the_retry_succeeds<B: HandleSession>(db: B) {
     let (id_tx, id_rx) = tokio::sync::oneshot::channel::<i64>();
     let id_tx = Arc::new(Mutex::new(Some(id_tx)));
     let server = db
@@ -303,19 +305,26 @@ mod sqlite {
 }
 
 mod postgres {
-    //! What only PostgreSQL has: its connection killed under the transaction, and a handle
-    //! that refuses transaction control.
+    //! The tokio-postgres store: its connection killed under the transaction (the test written
+    //! once over the stores on a server, `HandleSession`), and what only its handle has here:
+    //! transaction control refused in every spelling, work refused after the request, a
+    //! connection still borrowed when the handler returns.
 
     use std::sync::Mutex;
 
     use pg_common::{hook as pg_hook, HookOutcome, OrderCall, PgServer, TestDb};
-    use tokio::sync::oneshot;
     use tower_idempotency::store::postgres::PostgresTransaction;
     use tower_idempotency::Error;
 
     use super::*;
 
     rollback_tests!(Postgres);
+    // The database went away under the handler (`pg_terminate_backend`), as in a failover: a
+    // `503` with `Retry-After`, not a final failure.
+    backend_tests!(Postgres;
+        connection_killed_mid_transaction_rolls_back_and_the_retry_succeeds =
+            killed_connection_rolls_back_and_the_retry_succeeds,
+    );
 
     /// The only order is `reply`'s book, committed with its record, and `key-1` replays it.
     async fn assert_the_one_order_is(db: &TestDb, addr: std::net::SocketAddr, reply: &Reply) {
@@ -326,70 +335,6 @@ mod postgres {
         assert_eq!(db.record_count().await, 1);
         replays(addr, "key-1", BOOK, reply).await;
         assert_eq!(db.order_count().await, 1);
-    }
-
-    /// The transaction's backend is killed (`pg_terminate_backend`) while the handler is inside
-    /// it: the request is answered `503` with `Retry-After` (the database went away under it,
-    /// as in a failover: not a final failure), nothing is kept, and the retry succeeds on a
-    /// fresh connection.
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    #[tokio::test]
-    async fn connection_killed_mid_transaction_rolls_back_and_the_retry_succeeds() {
-        let Some(db) = TestDb::create().await else {
-            return;
-        };
-        let (pid_tx, pid_rx) = oneshot::channel::<i32>();
-        let (killed_tx, killed_rx) = oneshot::channel::<()>();
-        let pid_tx = Arc::new(Mutex::new(Some(pid_tx)));
-        let killed_rx = Arc::new(tokio::sync::Mutex::new(Some(killed_rx)));
-        let server = PgServer::builder()
-            .hook(pg_hook(first_call_only(move |call: OrderCall| {
-                let (pid_tx, killed_rx) = (pid_tx.clone(), killed_rx.clone());
-                async move {
-                    let client = call.tx.client().await.expect("client");
-                    let pid: i32 = client
-                        .query_one("SELECT pg_backend_pid()", &[])
-                        .await
-                        .expect("backend pid")
-                        .get(0);
-                    drop(client);
-                    if let Some(sender) = pid_tx.lock().expect("pid slot").take() {
-                        let _ = sender.send(pid);
-                    }
-                    if let Some(killed) = killed_rx.lock().await.take() {
-                        let _ = tokio::time::timeout(PATIENCE, killed).await;
-                    }
-                    HookOutcome::default()
-                }
-            })))
-            .spawn(&db)
-            .await;
-
-        let first = tokio::spawn({
-            let addr = server.addr;
-            async move { post(addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await }
-        });
-        let pid = tokio::time::timeout(PATIENCE, pid_rx)
-            .await
-            .expect("the handler reported its backend")
-            .expect("pid");
-        let terminated: bool = db.value("SELECT pg_terminate_backend($1)", &[&pid]).await;
-        assert!(terminated);
-        let _ = killed_tx.send(());
-        let failed = first.await.expect("first request");
-
-        assert_eq!(failed.status, StatusCode::SERVICE_UNAVAILABLE, "{failed:?}");
-        assert_eq!(failed.error_code(), "busy_retry_later");
-        assert!(failed.header("retry-after").is_some(), "{failed:?}");
-        assert_eq!(
-            db.order_count().await,
-            0,
-            "the killed transaction rolled back"
-        );
-        assert!(!db.record_exists("shop-a", "create_order", "key-1").await);
-
-        runs_afresh(server.addr, "key-1", BOOK).await;
-        assert_eq!(db.counts().await, (1, 1));
     }
 
     /// Transaction control that a handler sends through its handle, in any spelling and through

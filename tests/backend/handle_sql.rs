@@ -1,18 +1,20 @@
-//! What a handler runs through its transaction handle on the sqlx stores, per driver: the SQL
-//! of the suite tests written once over both (a connection killed under the transaction,
-//! transaction control refused, a statement failing with a conflict).
+//! What a handler runs through its transaction handle, per driver: the SQL of the suite tests
+//! written once over the stores on a server (a connection killed under the transaction, on
+//! every one of them; transaction control refused and a statement failing with a conflict, on
+//! the sqlx stores).
 
 use std::future::Future;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use http::StatusCode;
 use sqlx::Executor as _;
+use tower_idempotency::store::postgres::PostgresTransaction;
 use tower_idempotency::store::{sqlx_mysql, sqlx_postgres};
 
-use super::{BoxFuture, Call, Database, FailWith, MySql, SqlxPostgres};
+use super::{BoxFuture, Call, Database, FailWith, MySql, Postgres, SqlxPostgres, TestDb};
 
-/// A [`Database`] whose handle runs the driver's own SQL in the request's transaction.
-pub trait HandleSql: Database {
+/// A [`Database`] on a server whose handle tells its connection's id, which the test kills.
+pub trait HandleSession: Database {
     /// The store's transaction handle, as the handler gets it.
     type Handle: Send + Sync + 'static;
 
@@ -30,7 +32,11 @@ pub trait HandleSql: Database {
 
     /// Kills the connection `id` from a connection of the test's own.
     fn kill(&self, id: i64) -> impl Future<Output = ()>;
+}
 
+/// A [`HandleSession`] whose handle runs the sqlx driver's own SQL in the request's
+/// transaction.
+pub trait HandleSql: HandleSession {
     /// Sends transaction control through the handle in every way the driver has, and runs
     /// savepoints (allowed); what went otherwise than expected.
     fn transaction_control(tx: &Self::Handle) -> BoxFuture<'_, Vec<String>>;
@@ -41,7 +47,8 @@ pub trait HandleSql: Database {
 }
 
 /// What a handler runs on the handle of `B`: what went otherwise than expected.
-pub type HandleCheck<B> = for<'a> fn(&'a <B as HandleSql>::Handle) -> BoxFuture<'a, Vec<String>>;
+pub type HandleCheck<B> =
+    for<'a> fn(&'a <B as HandleSession>::Handle) -> BoxFuture<'a, Vec<String>>;
 
 /// What the checks of a hook found, shared with the test.
 #[derive(Clone, Default)]
@@ -154,7 +161,48 @@ macro_rules! session_statements {
 const HIDDEN_COMMIT: &str =
     "INSERT INTO orders (tenant_id, sku, quantity) VALUES ('x', 'hidden', 1); COMMIT";
 
-impl HandleSql for SqlxPostgres {
+/// Terminates the PostgreSQL backend `id` (`pg_terminate_backend`) from a connection of its own.
+async fn terminate_backend(db: &TestDb, id: i64) {
+    let pid = i32::try_from(id).expect("a backend pid");
+    let terminated: bool = db.value("SELECT pg_terminate_backend($1)", &[&pid]).await;
+    assert!(terminated, "backend {pid} terminated");
+}
+
+impl HandleSession for Postgres {
+    type Handle = PostgresTransaction;
+
+    // The database went away under the handler, as in a failover: not a final failure.
+    const KILLED_CONNECTION: (StatusCode, &'static str) =
+        (StatusCode::SERVICE_UNAVAILABLE, "busy_retry_later");
+
+    fn connection_id(tx: &Self::Handle) -> BoxFuture<'_, Result<i64, String>> {
+        Box::pin(async move {
+            let client = tx.client().await.map_err(|e| e.to_string())?;
+            let row = client
+                .query_one("SELECT pg_backend_pid()", &[])
+                .await
+                .map_err(|e| e.to_string())?;
+            let pid: i32 = row.try_get(0).map_err(|e| e.to_string())?;
+            Ok(i64::from(pid))
+        })
+    }
+
+    fn sleep_then_query(tx: &Self::Handle) -> BoxFuture<'_, Result<(), String>> {
+        Box::pin(async move {
+            let client = tx.client().await.map_err(|e| e.to_string())?;
+            client
+                .batch_execute("SELECT pg_sleep(10); SELECT 1")
+                .await
+                .map_err(|e| e.to_string())
+        })
+    }
+
+    async fn kill(&self, id: i64) {
+        terminate_backend(&self.db, id).await;
+    }
+}
+
+impl HandleSession for SqlxPostgres {
     type Handle = sqlx_postgres::SqlxTransaction;
 
     // The database went away under the handler, as in a failover: not a final failure.
@@ -167,14 +215,11 @@ impl HandleSql for SqlxPostgres {
     );
 
     async fn kill(&self, id: i64) {
-        let pid = i32::try_from(id).expect("a backend pid");
-        let terminated: bool = self
-            .db
-            .value("SELECT pg_terminate_backend($1)", &[&pid])
-            .await;
-        assert!(terminated, "backend {pid} terminated");
+        terminate_backend(&self.db, id).await;
     }
+}
 
+impl HandleSql for SqlxPostgres {
     fn transaction_control(tx: &Self::Handle) -> BoxFuture<'_, Vec<String>> {
         Box::pin(async move {
             let mut conn = acquire_or_report!(tx);
@@ -204,7 +249,7 @@ impl HandleSql for SqlxPostgres {
     }
 }
 
-impl HandleSql for MySql {
+impl HandleSession for MySql {
     type Handle = sqlx_mysql::SqlxTransaction;
 
     // MariaDB ends a killed `SLEEP` early without an error; the next statement fails, and the
@@ -217,7 +262,9 @@ impl HandleSql for MySql {
     async fn kill(&self, id: i64) {
         self.db.execute(&format!("KILL {id}")).await;
     }
+}
 
+impl HandleSql for MySql {
     fn transaction_control(tx: &Self::Handle) -> BoxFuture<'_, Vec<String>> {
         Box::pin(async move {
             let mut conn = acquire_or_report!(tx);

@@ -31,7 +31,7 @@ mod handle_sql;
 
 // Only the suites with tests of the handles use it.
 #[allow(unused_imports)]
-pub use handle_sql::{checking, HandleSql, Problems};
+pub use handle_sql::{checking, HandleSession, HandleSql, Problems};
 
 use std::any::Any;
 use std::fmt;
