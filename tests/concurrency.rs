@@ -1,10 +1,14 @@
 //! Duplicates in flight at the same time, and waits bounded by the lock timeout, written once
-//! and run against a SQLite file (`concurrency::sqlite::...`) and a PostgreSQL schema
-//! (`concurrency::postgres::...`, reported as ignored without `TEST_DATABASE_URL`):
-//! duplicates serialize on their key (within one app instance or across two), waits end in a
-//! `503` with `Retry-After`, replays never wait for writers. Each backend's module also holds
-//! what only it has: SQLite's single writer (another key, or another process, is busy);
-//! PostgreSQL's parallel writers, pool limits and serialization failures.
+//! and run against a SQLite file (`concurrency::sqlite::...`), a PostgreSQL schema through
+//! either store (`concurrency::postgres::...`, `concurrency::sqlx_postgres::...`, reported as
+//! ignored without `TEST_DATABASE_URL`) and a MySQL/MariaDB database
+//! (`concurrency::mysql::...`, ignored without `TEST_MYSQL_URL`): duplicates serialize on
+//! their key (within one app instance or across two, and behind a first request that rolls
+//! back), waits end in a `503` with `Retry-After`, replays never wait for writers. Each
+//! backend's module also holds what only it has: SQLite's single writer (another key, or
+//! another process, is busy); the parallel writers of the others (two instances on one
+//! database); PostgreSQL's pool limits and serialization failures; a handler's statement
+//! failing with a conflict on the sqlx stores.
 
 #[macro_use]
 mod backend;
@@ -17,7 +21,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use backend::{hook, Backend, Hook, Server};
+use backend::{
+    checking, first_call_only, hook, hook_sharing, replays, runs_afresh, Database, HandleSql, Hook,
+    Problems, Server,
+};
 use common::{post, Reply, PATIENCE, SHOP_A};
 use http::StatusCode;
 use tokio::sync::{Barrier, Notify};
@@ -157,7 +164,7 @@ impl Holder {
     }
 
     /// The app with this hook, waits bounded by `lock_timeout` and `Retry-After: 3`.
-    async fn serve<B: Backend>(&self, db: &B, lock_timeout: Duration) -> Server<B> {
+    async fn serve<B: Database>(&self, db: &B, lock_timeout: Duration) -> Server<B> {
         db.server()
             .layer(move |layer| {
                 layer
@@ -190,7 +197,7 @@ async fn done_while_held(
     (first, held, replay, conflict)
 }
 
-async fn concurrent_duplicates_run_the_handler_once<B: Backend>(db: B) {
+async fn concurrent_duplicates_run_the_handler_once<B: Database>(db: B) {
     const DUPLICATES: usize = 32;
     // The first handler holds its transaction until every duplicate has reached the server,
     // so that they are all in flight together.
@@ -198,16 +205,10 @@ async fn concurrent_duplicates_run_the_handler_once<B: Backend>(db: B) {
     let server = db
         .server()
         .layer(|layer| layer.with_lock_timeout(Duration::from_secs(30)))
-        .hook({
-            let gate = gate.clone();
-            hook(move |_| {
-                let gate = gate.clone();
-                async move {
-                    gate.notified().await;
-                    None
-                }
-            })
-        })
+        .hook(hook_sharing(&gate, |gate, _| async move {
+            gate.notified().await;
+            None
+        }))
         .spawn()
         .await;
     let all_arrived = Arc::new(AtomicBool::new(false));
@@ -237,7 +238,7 @@ async fn concurrent_duplicates_run_the_handler_once<B: Backend>(db: B) {
     assert_eq!(db.record_count().await, 1);
 }
 
-async fn many_keys_with_many_duplicates_interleaved<B: Backend>(db: B) {
+async fn many_keys_with_many_duplicates_interleaved<B: Database>(db: B) {
     const KEYS: usize = 20;
     const DUPLICATES: usize = 8;
     let server = db
@@ -261,7 +262,7 @@ async fn many_keys_with_many_duplicates_interleaved<B: Backend>(db: B) {
     assert_eq!(server.app.handler_calls(), KEYS);
 }
 
-async fn replay_does_not_wait_for_a_writer_in_flight<B: Backend>(db: B) {
+async fn replay_does_not_wait_for_a_writer_in_flight<B: Database>(db: B) {
     let holder = Holder::new("holder");
     let server = holder.serve(&db, Duration::from_millis(200)).await;
     // A writer is in flight past the lock timeout; a completed key still replays, and a
@@ -276,12 +277,18 @@ async fn replay_does_not_wait_for_a_writer_in_flight<B: Backend>(db: B) {
     assert_eq!(held.await.expect("holder").status, StatusCode::CREATED);
 }
 
-async fn duplicate_waiting_past_the_lock_timeout_is_503_then_replays<B: Backend>(db: B) {
+async fn duplicate_waiting_past_the_lock_timeout_is_503_then_replays<B: Database>(db: B) {
     let holder = Holder::new("held");
     let server = holder.serve(&db, Duration::from_millis(300)).await;
     let held = holder.hold(server.addr).await;
 
+    let started = std::time::Instant::now();
     let waited = post(server.addr, Some(SHOP_A), Some("held"), BOOK, &[]).await;
+    // MySQL bounds lock waits in whole seconds: 300 ms is 1 s there.
+    assert!(
+        started.elapsed() < Duration::from_millis(2500),
+        "the wait was bounded"
+    );
     // Where writers run in parallel, only that key waits: another one goes through meanwhile.
     let others = if B::PARALLEL_WRITERS {
         let other = post(server.addr, Some(SHOP_A), Some("other"), BOOK, &[]).await;
@@ -303,33 +310,27 @@ async fn duplicate_waiting_past_the_lock_timeout_is_503_then_replays<B: Backend>
     holder.release();
     let original = held.await.expect("original");
     assert_eq!(original.status, StatusCode::CREATED, "{original:?}");
-    let retried = post(server.addr, Some(SHOP_A), Some("held"), BOOK, &[]).await;
-    assert!(retried.replayed(), "{retried:?}");
-    assert_eq!(retried.body, original.body);
+    replays(server.addr, "held", BOOK, &original).await;
     assert_eq!(server.app.handler_calls(), 1 + others);
-    assert_eq!(db.order_count().await, 1 + others as i64);
+    assert_eq!(db.counts().await, (1 + others as i64, 1 + others as i64));
 }
 
-async fn when_the_original_fails_a_waiting_duplicate_runs_afresh<B: Backend>(db: B) {
+async fn when_the_original_fails_a_waiting_duplicate_runs_afresh<B: Database>(db: B) {
     let gate = Arc::new(Notify::new());
     let first = Arc::new(AtomicBool::new(true));
     let server = db
         .server()
         .layer(|layer| layer.with_lock_timeout(Duration::from_secs(30)))
-        .hook({
-            let gate = gate.clone();
-            hook(move |_| {
-                let gate = gate.clone();
-                let fail = first.swap(false, Ordering::SeqCst);
-                async move {
-                    if !fail {
-                        return None;
-                    }
-                    gate.notified().await;
-                    Some(StatusCode::INTERNAL_SERVER_ERROR)
+        .hook(hook_sharing(&gate, move |gate, _| {
+            let fail = first.swap(false, Ordering::SeqCst);
+            async move {
+                if !fail {
+                    return None;
                 }
-            })
-        })
+                gate.notified().await;
+                Some(StatusCode::INTERNAL_SERVER_ERROR)
+            }
+        }))
         .spawn()
         .await;
     let opener = {
@@ -375,7 +376,7 @@ async fn duplicates_while_held(addr: SocketAddr, holder: &Holder, n: usize) -> V
 
 /// The app with this hook, the duplicates of a running request answered by `policy`; the lock
 /// timeout is far longer than the test, so that only the policy can answer early.
-async fn serve_with_policy<B: Backend>(db: &B, holder: &Holder, policy: InFlight) -> Server<B> {
+async fn serve_with_policy<B: Database>(db: &B, holder: &Holder, policy: InFlight) -> Server<B> {
     db.server()
         .layer(move |layer| {
             layer
@@ -388,7 +389,7 @@ async fn serve_with_policy<B: Backend>(db: &B, holder: &Holder, policy: InFlight
         .await
 }
 
-async fn in_flight_reject_answers_duplicates_409_with_retry_after_at_once<B: Backend>(db: B) {
+async fn in_flight_reject_answers_duplicates_409_with_retry_after_at_once<B: Database>(db: B) {
     const DUPLICATES: usize = 8;
     let holder = Holder::new("running");
     let server = serve_with_policy(&db, &holder, InFlight::Reject).await;
@@ -418,7 +419,7 @@ async fn in_flight_reject_answers_duplicates_409_with_retry_after_at_once<B: Bac
     assert_eq!(db.counts().await, (1, 1));
 }
 
-async fn in_flight_wait_up_to_a_bound_replays_when_the_first_ends_in_time<B: Backend>(db: B) {
+async fn in_flight_wait_up_to_a_bound_replays_when_the_first_ends_in_time<B: Database>(db: B) {
     const DUPLICATES: usize = 8;
     let holder = Holder::new("running");
     let policy = InFlight::WaitUpTo(Duration::from_secs(30));
@@ -447,7 +448,7 @@ async fn in_flight_wait_up_to_a_bound_replays_when_the_first_ends_in_time<B: Bac
     assert_eq!(db.counts().await, (1, 1));
 }
 
-async fn in_flight_wait_up_to_a_bound_then_409<B: Backend>(db: B) {
+async fn in_flight_wait_up_to_a_bound_then_409<B: Database>(db: B) {
     let holder = Holder::new("running");
     let policy = InFlight::WaitUpTo(Duration::from_millis(200));
     let server = serve_with_policy(&db, &holder, policy).await;
@@ -482,7 +483,7 @@ async fn in_flight_wait_up_to_a_bound_then_409<B: Backend>(db: B) {
 /// Two app instances (two servers, two stores of their own) on one database; every key is
 /// sent to both at once, several times: still one order per key, and both instances ran
 /// handlers (on SQLite one instance's writer may win every race: backends with parallel writers).
-async fn two_app_instances_sharing_the_database_create_one_order_per_key<B: Backend>(db: B) {
+async fn two_app_instances_sharing_the_database_create_one_order_per_key<B: Database>(db: B) {
     const KEYS: usize = 12;
     const DUPLICATES: usize = 6;
     let long_wait =
@@ -516,22 +517,16 @@ async fn two_app_instances_sharing_the_database_create_one_order_per_key<B: Back
 
 /// Different keys do not queue behind one writer: both handlers are inside their
 /// transactions at the same time.
-async fn different_keys_run_their_handlers_in_parallel<B: Backend>(db: B) {
+async fn different_keys_run_their_handlers_in_parallel<B: Database>(db: B) {
     let together = Arc::new(Barrier::new(2));
     let server = db
         .server()
         .layer(|layer| layer.with_lock_timeout(Duration::from_millis(500)))
-        .hook({
-            let together = together.clone();
-            hook(move |_| {
-                let together = together.clone();
-                async move {
-                    // Passes only when the other handler is inside its transaction too.
-                    let met = tokio::time::timeout(PATIENCE, together.wait()).await;
-                    met.is_err().then_some(StatusCode::INTERNAL_SERVER_ERROR)
-                }
-            })
-        })
+        .hook(hook_sharing(&together, |together, _| async move {
+            // Passes only when the other handler is inside its transaction too.
+            let met = tokio::time::timeout(PATIENCE, together.wait()).await;
+            met.is_err().then_some(StatusCode::INTERNAL_SERVER_ERROR)
+        }))
         .spawn()
         .await;
 
@@ -549,6 +544,68 @@ fn two_keys(addr: SocketAddr) -> Vec<(SocketAddr, String, String)> {
         .into_iter()
         .map(|key| (addr, key.to_owned(), BOOK.to_owned()))
         .collect()
+}
+
+/// Duplicates queued behind a key whose first request rolls back: one of them runs (on
+/// InnoDB some of the waiters may be picked as deadlock victims, which the store retries), the
+/// others replay it.
+async fn duplicates_behind_a_rollback_run_once<B: Database>(db: B) {
+    const DUPLICATES: usize = 6;
+    let server = db
+        .server()
+        .layer(|layer| layer.with_lock_timeout(Duration::from_secs(10)))
+        .hook(hook(first_call_only(|_| async {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            Some(StatusCode::INTERNAL_SERVER_ERROR)
+        })))
+        .spawn()
+        .await;
+    let addr = server.addr;
+    let first =
+        tokio::spawn(async move { post(addr, Some(SHOP_A), Some("key-rb"), BOOK, &[]).await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let replies = send_all_at_once(same_request(addr, "key-rb", DUPLICATES)).await;
+
+    let first = first.await.expect("first request");
+    assert_eq!(first.status, StatusCode::INTERNAL_SERVER_ERROR, "{first:?}");
+    let order_id = replies[0].order_id();
+    for reply in &replies {
+        assert_eq!(reply.status, StatusCode::CREATED, "{reply:?}");
+        assert_eq!(reply.order_id(), order_id);
+    }
+    assert_eq!(replies.iter().filter(|r| !r.replayed()).count(), 1);
+    assert_eq!(
+        server.app.handler_calls(),
+        2,
+        "the failed run and one duplicate"
+    );
+    assert_eq!(db.counts().await, (1, 1));
+}
+
+/// A statement of the handler fails with the server's serialization or deadlock class (the
+/// handler answers as if nothing happened): the layer knows better, rolls back and runs the
+/// request again.
+async fn a_handler_statement_conflict_runs_the_request_again<B: HandleSql>(db: B) {
+    let problems = Problems::default();
+    let server = db
+        .server()
+        .hook(hook(first_call_only(checking::<B>(
+            B::raise_conflict,
+            &problems,
+        ))))
+        .spawn()
+        .await;
+
+    let reply = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
+
+    assert_eq!(problems.found(), Vec::<String>::new());
+    assert_eq!(reply.status, StatusCode::CREATED, "{reply:?}");
+    assert_eq!(
+        server.app.handler_calls(),
+        2,
+        "the layer ran the request again"
+    );
+    assert_eq!(db.counts().await, (1, 1), "the first run rolled back");
 }
 
 /// The tests above, on one backend.
@@ -572,6 +629,7 @@ macro_rules! concurrency_tests {
                 worker_threads = 2
             ),
             in_flight_wait_up_to_a_bound_then_409(flavor = "multi_thread", worker_threads = 2),
+            duplicates_behind_a_rollback_run_once(flavor = "multi_thread", worker_threads = 2),
         );
     };
 }
@@ -627,9 +685,7 @@ mod sqlite {
         let held = held.await.expect("holder task");
         assert_eq!(held.status, StatusCode::CREATED, "{held:?}");
 
-        let retry = post(server.addr, Some(SHOP_A), Some("other"), BOOK, &[]).await;
-        assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
-        assert!(!retry.replayed());
+        runs_afresh(server.addr, "other", BOOK).await;
         assert_eq!(db.counts().await, (2, 2));
     }
 
@@ -639,9 +695,7 @@ mod sqlite {
             return;
         };
         let server = db
-            .server()
-            .layer(|layer| layer.with_lock_timeout(Duration::from_millis(300)))
-            .spawn()
+            .with_layer(|layer| layer.with_lock_timeout(Duration::from_millis(300)))
             .await;
         let first = post(server.addr, Some(SHOP_A), Some("done"), BOOK, &[]).await;
         assert_eq!(first.status, StatusCode::CREATED);
@@ -676,9 +730,7 @@ mod sqlite {
             "replays do not wait for the writer: {replay:?}"
         );
 
-        let retry = post(server.addr, Some(SHOP_A), Some("new-key"), BOOK, &[]).await;
-        assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
-        assert!(!retry.replayed());
+        runs_afresh(server.addr, "new-key", BOOK).await;
         assert_eq!(
             db.order_count().await,
             3,
@@ -726,9 +778,7 @@ mod postgres {
         assert!(busy.header("retry-after").is_some());
         assert_eq!(held.await.expect("holder").status, StatusCode::CREATED);
         assert!(!db.record_exists("shop-a", "create_order", "new-key").await);
-        let retry = post(server.addr, Some(SHOP_A), Some("new-key"), BOOK, &[]).await;
-        assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
-        assert!(!retry.replayed());
+        runs_afresh(server.addr, "new-key", BOOK).await;
     }
 
     /// A SERIALIZABLE app whose first two handlers both read the whole `orders` table, then
@@ -798,9 +848,7 @@ mod postgres {
         );
         assert!(!db.record_exists("shop-a", "create_order", key).await);
 
-        let retry = post(server.addr, Some(SHOP_A), Some(key), BOOK, &[]).await;
-        assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
-        assert!(!retry.replayed());
+        runs_afresh(server.addr, key, BOOK).await;
         assert_eq!(db.counts().await, (2, 2));
     }
 
@@ -856,12 +904,21 @@ mod postgres {
 }
 
 mod sqlx_postgres {
-    //! The sqlx store: the suite, and two instances on one database. Not here yet: the tests of
-    //! `postgres` that size the store's pools or set its isolation (`spawn_with`) need the
-    //! sqlx store's options in the fixture; a handler's serialization failure running the
-    //! request again is `tests/sqlx_postgres.rs`'s
-    //! `a_handler_statement_conflict_runs_the_request_again`.
+    //! The sqlx store: the suite, two instances on one database, and a handler's serialization
+    //! failure running the request again. Not here yet: the tests of `postgres` that size the
+    //! store's pools or set its isolation (`spawn_with`) need the sqlx store's options in the
+    //! fixture.
 
     concurrency_tests!(SqlxPostgres);
     parallel_writer_tests!(SqlxPostgres);
+    backend_tests!(SqlxPostgres; a_handler_statement_conflict_runs_the_request_again);
+}
+
+mod mysql {
+    //! The sqlx store on MySQL or MariaDB: the suite, two instances on one database, and a
+    //! handler's statement failing as a deadlock victim running the request again.
+
+    concurrency_tests!(MySql);
+    parallel_writer_tests!(MySql);
+    backend_tests!(MySql; a_handler_statement_conflict_runs_the_request_again);
 }

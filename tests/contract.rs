@@ -1,10 +1,12 @@
 //! The contract table of DESIGN.md §1, row by row, over real HTTP, written once and run
-//! against a real SQLite file (`contract::sqlite::...`) and a real PostgreSQL schema
-//! (`contract::postgres::...`, reported as ignored without `TEST_DATABASE_URL`): new key,
-//! replay, changed payload, other tenant and operation, what is never stored, expiry and
-//! purging, durability across a restart. Each backend's module also holds the tests that only
-//! make sense there (the PostgreSQL schema created and migrated on open; the SQLite app's
-//! routes without a store).
+//! against a real SQLite file (`contract::sqlite::...`), a real PostgreSQL schema through
+//! either store (`contract::postgres::...`, `contract::sqlx_postgres::...`, reported as ignored
+//! without `TEST_DATABASE_URL`) and a real MySQL/MariaDB database (`contract::mysql::...`,
+//! ignored without `TEST_MYSQL_URL`): new key, replay, changed payload, other tenant and
+//! operation, what is never stored, keys as long as allowed, expiry and purging, durability
+//! across a restart. Each backend's module also holds the tests that only make sense there
+//! (the PostgreSQL schema created and migrated on open; the SQLite app's routes without a
+//! store).
 
 #[macro_use]
 mod backend;
@@ -13,7 +15,7 @@ mod pg_common;
 
 use std::time::{Duration, SystemTime};
 
-use backend::{hook, Backend, Server};
+use backend::{hook, replays, runs_afresh, Database, Server};
 use common::{post, Post, PATIENCE, SHOP_A, SHOP_B};
 use http::header::{self, HeaderName};
 use http::{HeaderValue, StatusCode};
@@ -21,7 +23,7 @@ use tower_idempotency::store::{continuously_purge_expired, IdempotencyStore};
 
 const BOOK: &str = r#"{"sku":"book","quantity":1}"#;
 
-async fn new_key_runs_the_handler_once_and_answers_201_with_location<B: Backend>(db: B) {
+async fn new_key_runs_the_handler_once_and_answers_201_with_location<B: Database>(db: B) {
     let server = db.spawn().await;
 
     let reply = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
@@ -40,7 +42,7 @@ async fn new_key_runs_the_handler_once_and_answers_201_with_location<B: Backend>
     assert_eq!(db.record_count().await, 1);
 }
 
-async fn same_key_and_payload_replays_without_running_the_handler<B: Backend>(db: B) {
+async fn same_key_and_payload_replays_without_running_the_handler<B: Database>(db: B) {
     let server = db.spawn().await;
     let first = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
     assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
@@ -58,7 +60,7 @@ async fn same_key_and_payload_replays_without_running_the_handler<B: Backend>(db
     assert_eq!(db.counts().await, (1, 1));
 }
 
-async fn same_key_with_another_payload_is_409_and_the_original_stays<B: Backend>(db: B) {
+async fn same_key_with_another_payload_is_409_and_the_original_stays<B: Database>(db: B) {
     let server = db.spawn().await;
     let first = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
     assert_eq!(first.status, StatusCode::CREATED);
@@ -82,11 +84,9 @@ async fn same_key_with_another_payload_is_409_and_the_original_stays<B: Backend>
     assert_eq!(db.record_count().await, 1);
 }
 
-async fn conflict_status_is_configurable<B: Backend>(db: B) {
+async fn conflict_status_is_configurable<B: Database>(db: B) {
     let server = db
-        .server()
-        .layer(|layer| layer.with_conflict_status(StatusCode::UNPROCESSABLE_ENTITY))
-        .spawn()
+        .with_layer(|layer| layer.with_conflict_status(StatusCode::UNPROCESSABLE_ENTITY))
         .await;
     let first = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
     assert_eq!(first.status, StatusCode::CREATED);
@@ -96,10 +96,11 @@ async fn conflict_status_is_configurable<B: Backend>(db: B) {
 
     assert_eq!(conflict.status, StatusCode::UNPROCESSABLE_ENTITY);
     assert_eq!(conflict.error_code(), "key_reused_with_different_payload");
-    assert_eq!(db.order_count().await, 1);
+    assert_eq!(server.app.handler_calls(), 1, "the handler did not run");
+    assert_eq!(db.counts().await, (1, 1));
 }
 
-async fn another_tenant_with_the_same_key_gets_its_own_order<B: Backend>(db: B) {
+async fn another_tenant_with_the_same_key_gets_its_own_order<B: Database>(db: B) {
     let server = db.spawn().await;
 
     let a = post(server.addr, Some(SHOP_A), Some("shared-key"), BOOK, &[]).await;
@@ -124,7 +125,7 @@ async fn another_tenant_with_the_same_key_gets_its_own_order<B: Backend>(db: B) 
     assert_eq!(b_again.body, b.body);
 }
 
-async fn same_key_on_another_operation_is_independent<B: Backend>(db: B) {
+async fn same_key_on_another_operation_is_independent<B: Database>(db: B) {
     let server = db.spawn().await;
 
     let order = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
@@ -153,13 +154,13 @@ async fn same_key_on_another_operation_is_independent<B: Backend>(db: B) {
 }
 
 /// Asserts that a refused request left nothing behind and never reached the handler.
-async fn assert_nothing_happened<B: Backend>(db: &B, server: &Server<B>) {
+async fn assert_nothing_happened<B: Database>(db: &B, server: &Server<B>) {
     assert_eq!(server.app.handler_calls(), 0, "the handler must not run");
     assert_eq!(db.order_count().await, 0, "no order");
     assert_eq!(db.record_count().await, 0, "no record");
 }
 
-async fn missing_key_is_400_and_nothing_is_stored<B: Backend>(db: B) {
+async fn missing_key_is_400_and_nothing_is_stored<B: Database>(db: B) {
     let server = db.spawn().await;
 
     let reply = post(server.addr, Some(SHOP_A), None, BOOK, &[]).await;
@@ -169,7 +170,7 @@ async fn missing_key_is_400_and_nothing_is_stored<B: Backend>(db: B) {
     assert_nothing_happened(&db, &server).await;
 }
 
-async fn malformed_keys_are_400_and_nothing_is_stored<B: Backend>(db: B) {
+async fn malformed_keys_are_400_and_nothing_is_stored<B: Database>(db: B) {
     let server = db.spawn().await;
     let too_long = "k".repeat(129);
     let cases: [(&str, &[u8], &str); 7] = [
@@ -195,7 +196,7 @@ async fn malformed_keys_are_400_and_nothing_is_stored<B: Backend>(db: B) {
     assert_nothing_happened(&db, &server).await;
 }
 
-async fn key_with_a_raw_control_byte_is_400_over_the_wire<B: Backend>(db: B) {
+async fn key_with_a_raw_control_byte_is_400_over_the_wire<B: Database>(db: B) {
     // No HTTP client library sends \x01 in a header value: write the request by hand.
     let server = db.spawn().await;
     let request = format!(
@@ -213,7 +214,7 @@ async fn key_with_a_raw_control_byte_is_400_over_the_wire<B: Backend>(db: B) {
     assert_nothing_happened(&db, &server).await;
 }
 
-async fn key_of_128_characters_is_accepted<B: Backend>(db: B) {
+async fn key_of_128_characters_is_accepted<B: Database>(db: B) {
     let server = db.spawn().await;
     let key = "k".repeat(128);
 
@@ -225,7 +226,28 @@ async fn key_of_128_characters_is_accepted<B: Backend>(db: B) {
     assert!(again.replayed());
 }
 
-async fn key_header_sent_twice_is_400_even_when_both_are_equal<B: Backend>(db: B) {
+/// Keys as long as the layer allows (255 here) are stored whole: two that differ only in their
+/// last character are two keys.
+async fn keys_of_255_characters_are_kept_apart<B: Database>(db: B) {
+    let server = db.with_layer(|layer| layer.with_max_key_len(255)).await;
+    let long = "k".repeat(255);
+    let other = format!("{}x", "k".repeat(254));
+
+    let first = post(server.addr, Some(SHOP_A), Some(&long), BOOK, &[]).await;
+    let second = post(server.addr, Some(SHOP_A), Some(&other), BOOK, &[]).await;
+
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    assert_eq!(second.status, StatusCode::CREATED, "{second:?}");
+    assert!(!second.replayed());
+    assert_ne!(first.order_id(), second.order_id());
+    let again = post(server.addr, Some(SHOP_A), Some(&long), BOOK, &[]).await;
+    assert!(again.replayed());
+    assert_eq!(again.order_id(), first.order_id());
+    assert!(db.record_exists("shop-a", "create_order", &long).await);
+    assert_eq!(db.counts().await, (2, 2));
+}
+
+async fn key_header_sent_twice_is_400_even_when_both_are_equal<B: Database>(db: B) {
     let server = db.spawn().await;
     for keys in [[&b"key-1"[..], b"key-2"], [b"key-1", b"key-1"]] {
         let reply = Post::order("unused", BOOK)
@@ -238,7 +260,7 @@ async fn key_header_sent_twice_is_400_even_when_both_are_equal<B: Backend>(db: B
     assert_nothing_happened(&db, &server).await;
 }
 
-async fn quoted_key_is_the_same_key_as_its_bare_form<B: Backend>(db: B) {
+async fn quoted_key_is_the_same_key_as_its_bare_form<B: Database>(db: B) {
     let server = db.spawn().await;
 
     let quoted = post(server.addr, Some(SHOP_A), Some("\"abc\""), BOOK, &[]).await;
@@ -252,7 +274,7 @@ async fn quoted_key_is_the_same_key_as_its_bare_form<B: Backend>(db: B) {
     assert!(db.record_exists("shop-a", "create_order", "abc").await);
 }
 
-async fn equivalent_json_spellings_are_the_same_request<B: Backend>(db: B) {
+async fn equivalent_json_spellings_are_the_same_request<B: Database>(db: B) {
     let server = db.spawn().await;
 
     let first = Post::order("key-1", r#"{ "quantity":1,  "sku":"book"}"#)
@@ -275,7 +297,7 @@ async fn equivalent_json_spellings_are_the_same_request<B: Backend>(db: B) {
     assert_eq!(db.order_count().await, 1);
 }
 
-async fn invalid_json_or_utf8_is_400_and_nothing_is_stored<B: Backend>(db: B) {
+async fn invalid_json_or_utf8_is_400_and_nothing_is_stored<B: Database>(db: B) {
     let server = db.spawn().await;
     let cases: [(&str, &[u8], &str); 3] = [
         (
@@ -300,7 +322,7 @@ async fn invalid_json_or_utf8_is_400_and_nothing_is_stored<B: Backend>(db: B) {
     assert_nothing_happened(&db, &server).await;
 }
 
-async fn deeply_nested_json_is_refused_and_the_server_keeps_serving<B: Backend>(db: B) {
+async fn deeply_nested_json_is_refused_and_the_server_keeps_serving<B: Database>(db: B) {
     let server = db.spawn().await;
     let depth = 100_000;
     let body = format!("{}{}", "[".repeat(depth), "]".repeat(depth));
@@ -314,7 +336,7 @@ async fn deeply_nested_json_is_refused_and_the_server_keeps_serving<B: Backend>(
     assert_eq!(next.status, StatusCode::CREATED, "the server still serves");
 }
 
-async fn set_cookie_is_never_replayed_and_content_length_is_right<B: Backend>(db: B) {
+async fn set_cookie_is_never_replayed_and_content_length_is_right<B: Database>(db: B) {
     let server = db
         .server()
         .layer(|layer| layer.with_replayed_header(header::SET_COOKIE))
@@ -345,7 +367,7 @@ async fn set_cookie_is_never_replayed_and_content_length_is_right<B: Backend>(db
     assert_eq!(replay.body, first.body);
 }
 
-async fn allow_listed_header_is_replayed_and_others_are_not<B: Backend>(db: B) {
+async fn allow_listed_header_is_replayed_and_others_are_not<B: Database>(db: B) {
     let cost = HeaderName::from_static("x-order-cost");
     let server = db
         .server()
@@ -372,7 +394,7 @@ async fn allow_listed_header_is_replayed_and_others_are_not<B: Backend>(db: B) {
     assert_eq!(replay.header("location"), first.header("location"));
 }
 
-async fn validation_error_is_not_saved_and_a_corrected_payload_succeeds<B: Backend>(db: B) {
+async fn validation_error_is_not_saved_and_a_corrected_payload_succeeds<B: Database>(db: B) {
     let server = db.spawn().await;
 
     let bad_quantity = Post::order("key-1", r#"{"sku":"book","quantity":0}"#)
@@ -389,14 +411,12 @@ async fn validation_error_is_not_saved_and_a_corrected_payload_succeeds<B: Backe
     assert_eq!(db.record_count().await, 0);
     assert_eq!(db.order_count().await, 0);
 
-    let fixed = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
-    assert_eq!(fixed.status, StatusCode::CREATED, "{fixed:?}");
-    assert!(!fixed.replayed());
+    runs_afresh(server.addr, "key-1", BOOK).await;
     assert_eq!(db.order_count().await, 1);
     assert_eq!(server.app.handler_calls(), 3);
 }
 
-async fn other_methods_pass_through<B: Backend>(db: B) {
+async fn other_methods_pass_through<B: Database>(db: B) {
     // GET is idempotent by itself: the layer lets it through without asking for a key (a
     // handled request without a key would be 400; here axum's method fallback answers 405).
     let server = db.spawn().await;
@@ -415,13 +435,9 @@ async fn other_methods_pass_through<B: Backend>(db: B) {
     assert_eq!(db.record_count().await, 0);
 }
 
-async fn response_too_large_to_save_is_500_and_rolled_back<B: Backend>(db: B) {
+async fn response_too_large_to_save_is_500_and_rolled_back<B: Database>(db: B) {
     // `{"order_id":1}` is 14 bytes: it cannot be saved, so it must not be committed either.
-    let server = db
-        .server()
-        .layer(|layer| layer.with_response_limit(8))
-        .spawn()
-        .await;
+    let server = db.with_layer(|layer| layer.with_response_limit(8)).await;
 
     let reply = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
 
@@ -432,7 +448,7 @@ async fn response_too_large_to_save_is_500_and_rolled_back<B: Backend>(db: B) {
     assert_eq!(db.record_count().await, 0);
 }
 
-async fn widened_save_policy_commits_and_replays_a_422<B: Backend>(db: B) {
+async fn widened_save_policy_commits_and_replays_a_422<B: Database>(db: B) {
     let server = db
         .server()
         .layer(|layer| layer.with_save_policy(|status| status.is_success() || status == 422))
@@ -462,7 +478,7 @@ async fn widened_save_policy_commits_and_replays_a_422<B: Backend>(db: B) {
     assert!(!db.record_exists("shop-a", "create_order", "key-2").await);
 }
 
-async fn json_content_type_parameters_and_case_do_not_matter<B: Backend>(db: B) {
+async fn json_content_type_parameters_and_case_do_not_matter<B: Database>(db: B) {
     let server = db.spawn().await;
 
     let first = Post::order("key-1", r#"{"sku":"book","quantity":1}"#)
@@ -478,12 +494,8 @@ async fn json_content_type_parameters_and_case_do_not_matter<B: Backend>(db: B) 
     assert_eq!(db.order_count().await, 1);
 }
 
-async fn http2_clients_get_the_same_contract<B: Backend>(db: B) {
-    let server = db
-        .server()
-        .layer(|layer| layer.with_body_limit(1024))
-        .spawn()
-        .await;
+async fn http2_clients_get_the_same_contract<B: Database>(db: B) {
+    let server = db.with_layer(|layer| layer.with_body_limit(1024)).await;
 
     let first = Post::order("key-1", BOOK).send_http2(server.addr).await;
     let replay = Post::order("key-1", BOOK).send_http2(server.addr).await;
@@ -510,7 +522,7 @@ async fn http2_clients_get_the_same_contract<B: Backend>(db: B) {
     assert_eq!(db.counts().await, (1, 1));
 }
 
-async fn query_string_is_part_of_the_request<B: Backend>(db: B) {
+async fn query_string_is_part_of_the_request<B: Database>(db: B) {
     let server = db.spawn().await;
     let order = Post::order("key-1", BOOK).send(server.addr).await;
     assert_eq!(order.status, StatusCode::CREATED, "{order:?}");
@@ -546,7 +558,7 @@ async fn query_string_is_part_of_the_request<B: Backend>(db: B) {
     assert_eq!(db.order_count().await, 2);
 }
 
-async fn records_saved_before_the_query_counted_still_compare_as_they_did<B: Backend>(db: B) {
+async fn records_saved_before_the_query_counted_still_compare_as_they_did<B: Database>(db: B) {
     let server = db.spawn().await;
     // Saved by canonicalization version 1 for `POST /orders?source=app`: the path only.
     let fingerprint =
@@ -607,7 +619,7 @@ fn header_bytes<'a>(reply: &'a common::Reply, name: &str) -> Option<&'a [u8]> {
     reply.headers.get(name).map(HeaderValue::as_bytes)
 }
 
-async fn header_values_that_are_not_visible_ascii_are_replayed_byte_for_byte<B: Backend>(db: B) {
+async fn header_values_that_are_not_visible_ascii_are_replayed_byte_for_byte<B: Database>(db: B) {
     let latin1 = HeaderName::from_static("x-latin1");
     let server = db
         .server()
@@ -644,7 +656,7 @@ async fn header_values_that_are_not_visible_ascii_are_replayed_byte_for_byte<B: 
     assert_eq!(server.app.handler_calls(), 1);
 }
 
-async fn durations_past_their_maximum_cannot_panic_a_request<B: Backend>(db: B) {
+async fn durations_past_their_maximum_cannot_panic_a_request<B: Database>(db: B) {
     let server = db
         .server()
         .layer(|layer| {
@@ -658,9 +670,7 @@ async fn durations_past_their_maximum_cannot_panic_a_request<B: Backend>(db: B) 
 
     let first = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
     assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
-    let replay = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
-    assert!(replay.replayed(), "{replay:?}");
-    assert_eq!(replay.body, first.body);
+    replays(server.addr, "key-1", BOOK, &first).await;
     assert_eq!(server.app.handler_calls(), 1);
 
     // Kept for the longest retention, 100 years: there in 99, gone in 101.
@@ -672,7 +682,7 @@ async fn durations_past_their_maximum_cannot_panic_a_request<B: Backend>(db: B) 
     assert!(lookup(now + 101 * year).await.expect("lookup").is_none());
 }
 
-async fn another_tenant_or_operation_with_the_same_key_is_independent<B: Backend>(db: B) {
+async fn another_tenant_or_operation_with_the_same_key_is_independent<B: Database>(db: B) {
     let server = db.spawn().await;
 
     let a = post(server.addr, Some(SHOP_A), Some("shared-key"), BOOK, &[]).await;
@@ -705,7 +715,7 @@ async fn another_tenant_or_operation_with_the_same_key_is_independent<B: Backend
     assert_eq!(db.order_count().await, 3);
 }
 
-async fn refused_requests_store_nothing<B: Backend>(db: B) {
+async fn refused_requests_store_nothing<B: Database>(db: B) {
     let server = db.spawn().await;
 
     let no_key = post(server.addr, Some(SHOP_A), None, BOOK, &[]).await;
@@ -729,9 +739,7 @@ async fn refused_requests_store_nothing<B: Backend>(db: B) {
     assert!(!db.record_exists("shop-a", "create_order", "key-1").await);
 
     // The validation error was not saved: the corrected payload runs under the same key.
-    let corrected = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
-    assert_eq!(corrected.status, StatusCode::CREATED, "{corrected:?}");
-    assert!(!corrected.replayed());
+    runs_afresh(server.addr, "key-1", BOOK).await;
     assert_eq!(db.order_count().await, 1);
 }
 
@@ -742,13 +750,9 @@ async fn wait_until_past(instant: SystemTime) {
     }
 }
 
-async fn expired_record_counts_as_absent_and_is_taken_over<B: Backend>(db: B) {
+async fn expired_record_counts_as_absent_and_is_taken_over<B: Database>(db: B) {
     const RETENTION: Duration = Duration::from_millis(100);
-    let server = db
-        .server()
-        .layer(|layer| layer.with_retention(RETENTION))
-        .spawn()
-        .await;
+    let server = db.with_layer(|layer| layer.with_retention(RETENTION)).await;
 
     let first = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
     let saved_by = SystemTime::now();
@@ -760,10 +764,7 @@ async fn expired_record_counts_as_absent_and_is_taken_over<B: Backend>(db: B) {
     }
     wait_until_past(saved_by + RETENTION + Duration::from_millis(5)).await;
 
-    let fresh = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
-
-    assert_eq!(fresh.status, StatusCode::CREATED, "{fresh:?}");
-    assert!(!fresh.replayed(), "an expired record is not replayed");
+    let fresh = runs_afresh(server.addr, "key-1", BOOK).await;
     assert_ne!(fresh.order_id(), first.order_id(), "a new order");
     assert_eq!(db.order_count().await, 2);
     assert_eq!(
@@ -782,7 +783,7 @@ async fn expired_record_counts_as_absent_and_is_taken_over<B: Backend>(db: B) {
     assert_eq!(db.counts().await, (3, 1));
 }
 
-async fn purge_expired_deletes_in_batches_and_returns_counts<B: Backend>(db: B) {
+async fn purge_expired_deletes_in_batches_and_returns_counts<B: Database>(db: B) {
     let server = db.spawn().await; // default retention: 24 h
     for k in 0..5 {
         let key = format!("key-{k}");
@@ -816,13 +817,11 @@ async fn purge_expired_deletes_in_batches_and_returns_counts<B: Backend>(db: B) 
         5,
         "purging never touches the orders"
     );
-    let again = post(server.addr, Some(SHOP_A), Some("key-0"), BOOK, &[]).await;
-    assert_eq!(again.status, StatusCode::CREATED);
-    assert!(!again.replayed(), "the key is free again");
+    runs_afresh(server.addr, "key-0", BOOK).await;
     assert_eq!(db.order_count().await, 6);
 }
 
-async fn continuous_purge_removes_expired_records_only<B: Backend>(db: B) {
+async fn continuous_purge_removes_expired_records_only<B: Database>(db: B) {
     let server = db
         .server()
         .layer_per_operation(|layer, operation| match operation {
@@ -867,7 +866,7 @@ async fn continuous_purge_removes_expired_records_only<B: Backend>(db: B) {
     assert_eq!(db.order_count().await, 4);
 }
 
-async fn saved_response_survives_a_restart_of_the_app<B: Backend>(db: B) {
+async fn saved_response_survives_a_restart_of_the_app<B: Database>(db: B) {
     let server = db.spawn().await;
     let first = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
     assert_eq!(first.status, StatusCode::CREATED);
@@ -903,6 +902,7 @@ macro_rules! contract_tests {
             malformed_keys_are_400_and_nothing_is_stored,
             key_with_a_raw_control_byte_is_400_over_the_wire,
             key_of_128_characters_is_accepted,
+            keys_of_255_characters_are_kept_apart,
             key_header_sent_twice_is_400_even_when_both_are_equal,
             quoted_key_is_the_same_key_as_its_bare_form,
             equivalent_json_spellings_are_the_same_request,
@@ -1103,9 +1103,7 @@ mod postgres {
 
         // Opening again finds the column and leaves the table alone.
         let server = PgServer::spawn(&db).await;
-        let replay = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
-        assert!(replay.replayed(), "{replay:?}");
-        assert_eq!(replay.body, first.body);
+        replays(server.addr, "key-1", BOOK, &first).await;
         let sql = "SELECT count(*) FROM information_schema.columns WHERE table_schema = \
              current_schema() AND table_name = 'idempotency_records' AND column_name = 'state'";
         let state_columns: i64 = db.value(sql, &[]).await;
@@ -1116,7 +1114,13 @@ mod postgres {
 mod sqlx_postgres {
     //! The contract on a PostgreSQL schema through the sqlx store. The schema tests of
     //! `postgres` are the tokio-postgres store's `connect`; the sqlx store's `migrate` runs the
-    //! same install (`tests/sqlx_postgres.rs` and `store_contract` use it).
+    //! same install (every sqlx app of the fixture and `store_contract` use it).
 
     contract_tests!(SqlxPostgres);
+}
+
+mod mysql {
+    //! The contract on a MySQL or MariaDB database of its own (the sqlx store).
+
+    contract_tests!(MySql);
 }

@@ -1,21 +1,28 @@
 //! Failures roll everything back: the handler's order and the record commit together or not
 //! at all, and a retry with the same key runs afresh (DESIGN.md §1, "the handler fails").
-//! Written once and run against a SQLite file (`rollback::sqlite::...`) and a PostgreSQL
-//! schema (`rollback::postgres::...`, reported as ignored without `TEST_DATABASE_URL`): the
-//! record or the order cannot be saved, the handler fails or panics, the client goes away.
-//! PostgreSQL also has its own: the connection killed mid-transaction, and transaction control
-//! through the handle (refused).
+//! Written once and run against a SQLite file (`rollback::sqlite::...`), a PostgreSQL schema
+//! through either store (`rollback::postgres::...`, `rollback::sqlx_postgres::...`, reported as
+//! ignored without `TEST_DATABASE_URL`) and a MySQL/MariaDB database (`rollback::mysql::...`,
+//! ignored without `TEST_MYSQL_URL`): the record or the order cannot be saved, the handler
+//! fails or panics, the client goes away. The stores on a server also have their own: the
+//! connection killed mid-transaction (written once over them, `backend::HandleSession`), and
+//! transaction control through the handle, refused (once over the sqlx drivers,
+//! `backend::HandleSql`, and on tokio-postgres in `postgres`); MySQL's session restored after a
+//! request.
 
 #[macro_use]
 mod backend;
 mod common;
 mod pg_common;
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use backend::{first_call_only, hook, Backend};
-use common::{post, Post, PATIENCE, SHOP_A};
+use backend::{
+    checking, first_call_only, hook, replays, runs_afresh, Call, Database, HandleSession,
+    HandleSql, Problems,
+};
+use common::{post, Post, Reply, PATIENCE, SHOP_A};
 use http::StatusCode;
 use tokio::io::AsyncWriteExt;
 use tokio::sync::Notify;
@@ -23,7 +30,7 @@ use tokio::sync::Notify;
 const BOOK: &str = r#"{"sku":"book","quantity":1}"#;
 
 /// The article's lab: saving the record of `key-3` fails after the handler inserted its order.
-async fn injected_failure_saving_the_record_rolls_back_the_order<B: Backend>(db: B) {
+async fn injected_failure_saving_the_record_rolls_back_the_order<B: Database>(db: B) {
     let server = db.spawn().await;
     db.fail_saving_the_record_of("key-3").await;
     for key in ["key-1", "key-2"] {
@@ -49,19 +56,14 @@ async fn injected_failure_saving_the_record_rolls_back_the_order<B: Backend>(db:
     assert_eq!(db.record_count().await, 2);
 
     db.stop_failing().await;
-    let recovered = post(server.addr, Some(SHOP_A), Some("key-3"), BOOK, &[]).await;
-
-    assert_eq!(recovered.status, StatusCode::CREATED, "{recovered:?}");
-    assert!(!recovered.replayed(), "the retry ran afresh");
+    let recovered = runs_afresh(server.addr, "key-3", BOOK).await;
     assert_eq!(db.order_count().await, 3);
     assert!(db.record_exists("shop-a", "create_order", "key-3").await);
-    let again = post(server.addr, Some(SHOP_A), Some("key-3"), BOOK, &[]).await;
-    assert!(again.replayed());
-    assert_eq!(again.body, recovered.body);
+    replays(server.addr, "key-3", BOOK, &recovered).await;
 }
 
 /// The handler's own insert fails: it answers 500, which is not saved.
-async fn failing_order_insert_is_500_and_not_saved<B: Backend>(db: B) {
+async fn failing_order_insert_is_500_and_not_saved<B: Database>(db: B) {
     let server = db.spawn().await;
     db.fail_inserting_orders_of("book").await;
 
@@ -77,15 +79,12 @@ async fn failing_order_insert_is_500_and_not_saved<B: Backend>(db: B) {
     assert_eq!(db.record_count().await, 0, "a 500 is never saved");
 
     db.stop_failing().await;
-    let recovered = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
-
-    assert_eq!(recovered.status, StatusCode::CREATED, "{recovered:?}");
-    assert!(!recovered.replayed());
+    runs_afresh(server.addr, "key-1", BOOK).await;
     assert_eq!(db.order_count().await, 1);
     assert_eq!(server.app.handler_calls(), 2);
 }
 
-async fn handler_500_after_inserting_rolls_back_its_order<B: Backend>(db: B) {
+async fn handler_500_after_inserting_rolls_back_its_order<B: Database>(db: B) {
     let server = db
         .server()
         .hook(hook(first_call_only(|_| async {
@@ -108,15 +107,14 @@ async fn handler_500_after_inserting_rolls_back_its_order<B: Backend>(db: B) {
         "the inserted order was rolled back"
     );
     assert_eq!(db.record_count().await, 0);
+    assert!(!db.record_exists("shop-a", "create_order", "key-1").await);
 
-    let retry = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
-    assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
-    assert!(!retry.replayed());
+    runs_afresh(server.addr, "key-1", BOOK).await;
     assert_eq!(db.order_count().await, 1);
     assert_eq!(server.app.handler_calls(), 2);
 }
 
-async fn panicking_handler_rolls_back_and_the_server_keeps_serving<B: Backend>(db: B) {
+async fn panicking_handler_rolls_back_and_the_server_keeps_serving<B: Database>(db: B) {
     let server = db
         .server()
         .hook(hook(first_call_only(|_| async {
@@ -139,12 +137,11 @@ async fn panicking_handler_rolls_back_and_the_server_keeps_serving<B: Backend>(d
         "the order inserted before the panic"
     );
     assert_eq!(db.record_count().await, 0);
+    assert!(!db.record_exists("shop-a", "create_order", "key-1").await);
 
     let other = post(server.addr, Some(SHOP_A), Some("key-2"), BOOK, &[]).await;
     assert_eq!(other.status, StatusCode::CREATED, "the server still serves");
-    let retry = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
-    assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
-    assert!(!retry.replayed());
+    runs_afresh(server.addr, "key-1", BOOK).await;
     assert_eq!(db.counts().await, (2, 2));
 }
 
@@ -157,7 +154,7 @@ impl Drop for DropSignal {
     }
 }
 
-async fn client_disconnect_mid_handler_rolls_back<B: Backend>(db: B) {
+async fn client_disconnect_mid_handler_rolls_back<B: Database>(db: B) {
     let started = Arc::new(Notify::new());
     let dropped = Arc::new(Notify::new());
     let release = Arc::new(Notify::new());
@@ -200,15 +197,94 @@ async fn client_disconnect_mid_handler_rolls_back<B: Backend>(db: B) {
     release.notify_one();
     assert_eq!(server.app.handler_calls(), 1);
 
-    let retry = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
-
-    assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
-    assert!(!retry.replayed(), "nothing was saved for the first attempt");
+    let retry = runs_afresh(server.addr, "key-1", BOOK).await;
     assert_eq!(server.app.handler_calls(), 2);
     let rows = db.orders().await;
     assert_eq!(rows.len(), 1, "only the retry's order exists: {rows:?}");
     assert_eq!(rows[0].0, retry.order_id());
     assert_eq!(db.record_count().await, 1);
+}
+
+/// The connection under the transaction is killed while the handler is inside it (its next
+/// statement fails): the request is answered as the backend says ([`HandleSession`]), nothing is
+/// kept, and the retry succeeds on a fresh connection.
+async fn killed_connection_rolls_back_and_the_retry_succeeds<B: HandleSession>(db: B) {
+    let (id_tx, id_rx) = tokio::sync::oneshot::channel::<i64>();
+    let id_tx = Arc::new(Mutex::new(Some(id_tx)));
+    let server = db
+        .server()
+        .hook(hook(first_call_only(move |call: Call| {
+            let id_tx = id_tx.clone();
+            async move {
+                let tx = call.tx.handle::<B::Handle>().expect("the backend's handle");
+                let id = B::connection_id(&tx).await.expect("the connection's id");
+                if let Some(sender) = id_tx.lock().expect("id slot").take() {
+                    let _ = sender.send(id);
+                }
+                // The test kills the connection meanwhile.
+                B::sleep_then_query(&tx)
+                    .await
+                    .err()
+                    .map(|_| StatusCode::INTERNAL_SERVER_ERROR)
+            }
+        })))
+        .spawn()
+        .await;
+
+    let addr = server.addr;
+    let first =
+        tokio::spawn(async move { post(addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await });
+    let id = tokio::time::timeout(PATIENCE, id_rx)
+        .await
+        .expect("the handler reported its connection")
+        .expect("connection id");
+    db.kill(id).await;
+    let failed = first.await.expect("first request");
+
+    let (status, code) = B::KILLED_CONNECTION;
+    assert_eq!(failed.status, status, "{failed:?}");
+    assert_eq!(failed.error_code(), code, "{failed:?}");
+    if status == StatusCode::SERVICE_UNAVAILABLE {
+        assert!(failed.header("retry-after").is_some(), "{failed:?}");
+    }
+    assert_eq!(
+        db.order_count().await,
+        0,
+        "the killed transaction rolled back"
+    );
+    assert!(!db.record_exists("shop-a", "create_order", "key-1").await);
+
+    runs_afresh(server.addr, "key-1", BOOK).await;
+    assert_eq!(server.app.handler_calls(), 2);
+    assert_eq!(db.counts().await, (1, 1));
+}
+
+/// Transaction control sent through the handle, whichever way the driver sends it, is refused
+/// (and nothing of a refused batch runs), savepoints stay allowed, and the layer commits the
+/// order with its record.
+async fn transaction_control_through_the_handle_is_refused<B: HandleSql>(db: B) {
+    let problems = Problems::default();
+    let server = db
+        .server()
+        .hook(hook(checking::<B>(B::transaction_control, &problems)))
+        .spawn()
+        .await;
+    let commit = r#"{"sku":"commit","quantity":1}"#;
+
+    let reply = post(server.addr, Some(SHOP_A), Some("key-1"), commit, &[]).await;
+
+    assert_eq!(
+        problems.found(),
+        Vec::<String>::new(),
+        "every transaction-control statement is refused, and nothing else"
+    );
+    assert_eq!(reply.status, StatusCode::CREATED, "{reply:?}");
+    // Nothing of the refused statements ran: the one order, committed with its record.
+    let skus: Vec<String> = db.orders().await.into_iter().map(|o| o.2).collect();
+    assert_eq!(skus, ["commit"]);
+    assert_eq!(db.record_count().await, 1);
+    let again = post(server.addr, Some(SHOP_A), Some("key-1"), commit, &[]).await;
+    assert!(again.replayed());
 }
 
 /// The tests above, on one backend.
@@ -229,84 +305,36 @@ mod sqlite {
 }
 
 mod postgres {
-    //! What only PostgreSQL has: its connection killed under the transaction, and a handle
-    //! that refuses transaction control.
+    //! The tokio-postgres store: its connection killed under the transaction (the test written
+    //! once over the stores on a server, `HandleSession`), and what only its handle has here:
+    //! transaction control refused in every spelling, work refused after the request, a
+    //! connection still borrowed when the handler returns.
 
     use std::sync::Mutex;
 
     use pg_common::{hook as pg_hook, HookOutcome, OrderCall, PgServer, TestDb};
-    use tokio::sync::oneshot;
     use tower_idempotency::store::postgres::PostgresTransaction;
     use tower_idempotency::Error;
 
     use super::*;
 
     rollback_tests!(Postgres);
+    // The database went away under the handler (`pg_terminate_backend`), as in a failover: a
+    // `503` with `Retry-After`, not a final failure.
+    backend_tests!(Postgres;
+        connection_killed_mid_transaction_rolls_back_and_the_retry_succeeds =
+            killed_connection_rolls_back_and_the_retry_succeeds,
+    );
 
-    /// The transaction's backend is killed (`pg_terminate_backend`) while the handler is inside
-    /// it: the request is answered `503` with `Retry-After` (the database went away under it,
-    /// as in a failover: not a final failure), nothing is kept, and the retry succeeds on a
-    /// fresh connection.
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    #[tokio::test]
-    async fn connection_killed_mid_transaction_rolls_back_and_the_retry_succeeds() {
-        let Some(db) = TestDb::create().await else {
-            return;
-        };
-        let (pid_tx, pid_rx) = oneshot::channel::<i32>();
-        let (killed_tx, killed_rx) = oneshot::channel::<()>();
-        let pid_tx = Arc::new(Mutex::new(Some(pid_tx)));
-        let killed_rx = Arc::new(tokio::sync::Mutex::new(Some(killed_rx)));
-        let server = PgServer::builder()
-            .hook(pg_hook(first_call_only(move |call: OrderCall| {
-                let (pid_tx, killed_rx) = (pid_tx.clone(), killed_rx.clone());
-                async move {
-                    let client = call.tx.client().await.expect("client");
-                    let pid: i32 = client
-                        .query_one("SELECT pg_backend_pid()", &[])
-                        .await
-                        .expect("backend pid")
-                        .get(0);
-                    drop(client);
-                    if let Some(sender) = pid_tx.lock().expect("pid slot").take() {
-                        let _ = sender.send(pid);
-                    }
-                    if let Some(killed) = killed_rx.lock().await.take() {
-                        let _ = tokio::time::timeout(PATIENCE, killed).await;
-                    }
-                    HookOutcome::default()
-                }
-            })))
-            .spawn(&db)
-            .await;
-
-        let first = tokio::spawn({
-            let addr = server.addr;
-            async move { post(addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await }
-        });
-        let pid = tokio::time::timeout(PATIENCE, pid_rx)
-            .await
-            .expect("the handler reported its backend")
-            .expect("pid");
-        let terminated: bool = db.value("SELECT pg_terminate_backend($1)", &[&pid]).await;
-        assert!(terminated);
-        let _ = killed_tx.send(());
-        let failed = first.await.expect("first request");
-
-        assert_eq!(failed.status, StatusCode::SERVICE_UNAVAILABLE, "{failed:?}");
-        assert_eq!(failed.error_code(), "busy_retry_later");
-        assert!(failed.header("retry-after").is_some(), "{failed:?}");
-        assert_eq!(
-            db.order_count().await,
-            0,
-            "the killed transaction rolled back"
-        );
-        assert!(!db.record_exists("shop-a", "create_order", "key-1").await);
-
-        let retry = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
-        assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
-        assert!(!retry.replayed());
-        assert_eq!(db.counts().await, (1, 1));
+    /// The only order is `reply`'s book, committed with its record, and `key-1` replays it.
+    async fn assert_the_one_order_is(db: &TestDb, addr: std::net::SocketAddr, reply: &Reply) {
+        let orders = db.orders().await;
+        assert_eq!(orders.len(), 1, "exactly one order: {orders:?}");
+        assert_eq!(orders[0].0, reply.order_id());
+        assert_eq!(orders[0].2, "book");
+        assert_eq!(db.record_count().await, 1);
+        replays(addr, "key-1", BOOK, reply).await;
+        assert_eq!(db.order_count().await, 1);
     }
 
     /// Transaction control that a handler sends through its handle, in any spelling and through
@@ -409,15 +437,7 @@ mod postgres {
             "every transaction-control statement is refused, and nothing else"
         );
         assert_eq!(reply.status, StatusCode::CREATED, "{reply:?}");
-        let orders = db.orders().await;
-        assert_eq!(orders.len(), 1, "only the handler's order: {orders:?}");
-        assert_eq!(orders[0].0, reply.order_id());
-        assert_eq!(orders[0].2, "book");
-        assert_eq!(db.record_count().await, 1);
-        let again = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
-        assert!(again.replayed());
-        assert_eq!(again.body, reply.body);
-        assert_eq!(db.order_count().await, 1);
+        assert_the_one_order_is(&db, server.addr, &reply).await;
     }
 
     /// `COMMIT; BEGIN` through the handle would commit the order with no record behind the
@@ -470,16 +490,8 @@ mod postgres {
         assert_eq!(db.order_count().await, 0, "no order without a record");
         assert!(!db.record_exists("shop-a", "create_order", "key-1").await);
 
-        let retry = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
-        assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
-        assert!(!retry.replayed());
-        let again = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
-        assert!(again.replayed());
-        assert_eq!(again.body, retry.body);
-        let orders = db.orders().await;
-        assert_eq!(orders.len(), 1, "exactly one order: {orders:?}");
-        assert_eq!(orders[0].0, retry.order_id());
-        assert_eq!(db.record_count().await, 1);
+        let retry = runs_afresh(server.addr, "key-1", BOOK).await;
+        assert_the_one_order_is(&db, server.addr, &retry).await;
     }
 
     /// After the request, the handle refuses work: it cannot write outside the transaction.
@@ -542,20 +554,78 @@ mod postgres {
             "{failed:?}"
         );
         // The retry waits on the key until the borrowed transaction is gone, then runs afresh.
-        let retry = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
-        assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
-        assert!(!retry.replayed());
+        runs_afresh(server.addr, "key-1", BOOK).await;
         assert_eq!(db.counts().await, (1, 1));
     }
 }
 
 mod sqlx_postgres {
-    //! The suite through the sqlx store. What `postgres` adds is covered for sqlx in
-    //! `tests/sqlx_postgres.rs`, on its own app whose handler runs sqlx code:
-    //! `a_terminated_backend_rolls_back_and_the_retry_succeeds` (`pg_terminate_backend` under
-    //! the transaction), `transaction_control_through_the_handle_is_refused` (every spelling
-    //! through `query`, `raw_sql` and the executor). Not yet on sqlx: the handle refusing work
-    //! after the request, and a connection still borrowed when the handler returns.
+    //! The suite through the sqlx store, and what its handle runs ([`HandleSql`]). Not yet on
+    //! sqlx: the handle refusing work after the request, and a connection still borrowed when
+    //! the handler returns.
 
     rollback_tests!(SqlxPostgres);
+    backend_tests!(SqlxPostgres;
+        a_terminated_backend_rolls_back_and_the_retry_succeeds =
+            killed_connection_rolls_back_and_the_retry_succeeds,
+        transaction_control_through_the_handle_is_refused,
+    );
+}
+
+mod mysql {
+    //! The suite on a MySQL or MariaDB database of its own (the sqlx store), what its handle
+    //! runs ([`HandleSql`]), and the session of the pooled connection, restored after a
+    //! request.
+
+    use backend::MySql;
+    use common::{hook_for, AppBuilder, HookOutcome, OrderCallOf, Outcome};
+    use tower_idempotency::store::sqlx_mysql::SqlxTransaction;
+
+    use super::*;
+
+    rollback_tests!(MySql);
+    backend_tests!(MySql;
+        a_killed_connection_rolls_back_and_the_retry_succeeds =
+            killed_connection_rolls_back_and_the_retry_succeeds,
+        transaction_control_through_the_handle_is_refused,
+    );
+
+    /// The connection goes back to the application's pool as it came: `autocommit` on and the
+    /// server's lock wait timeout, whatever the request set.
+    #[cfg_attr(
+        not(mysql_tests),
+        ignore = "needs MySQL or MariaDB: set TEST_MYSQL_URL"
+    )]
+    #[tokio::test]
+    async fn the_session_is_restored_after_a_request() {
+        let Some(db) = MySql::create().await else {
+            return;
+        };
+        // One connection: the request's and the check's are the same.
+        let store = db.db.store(1).await;
+        let pool = store.pool().clone();
+        let server = AppBuilder::new(())
+            .hook(hook_for(|call: OrderCallOf<SqlxTransaction>| async move {
+                HookOutcome::failing(
+                    (call.sku == "fail").then_some(StatusCode::INTERNAL_SERVER_ERROR),
+                )
+            }))
+            .serve_on(store)
+            .await;
+        let settings = || async {
+            sqlx::query_as::<_, (i64, i64)>(
+                "SELECT @@autocommit, CAST(@@innodb_lock_wait_timeout AS SIGNED)",
+            )
+            .fetch_one(&pool)
+            .await
+            .expect("session settings")
+        };
+        let before = settings().await;
+        for (key, sku) in [("order-1", "book"), ("order-2", "fail")] {
+            let body = format!(r#"{{"sku":"{sku}","quantity":1}}"#);
+            post(server.addr, Some(SHOP_A), Some(key), &body, &[]).await;
+            assert_eq!(settings().await, before, "after {sku}");
+        }
+        assert_eq!(db.counts().await, (1, 1));
+    }
 }

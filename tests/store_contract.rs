@@ -276,6 +276,17 @@ macro_rules! store_contract_tests {
     (@tests $make:expr; [$($attr:tt)*];) => {};
 }
 
+mod common;
+mod mysql_common;
+mod pg_common;
+
+/// The store `open` opens on the fresh database `db` (when there is one), and the database,
+/// which lives as long as the test.
+async fn on<D, S>(db: Option<D>, open: impl AsyncFnOnce(&D) -> S) -> Option<(S, D)> {
+    let db = db?;
+    Some((open(&db).await, db))
+}
+
 async fn sqlite_store() -> Option<(
     tower_idempotency::store::sqlite::SqliteStore,
     tempfile::TempDir,
@@ -287,69 +298,25 @@ async fn sqlite_store() -> Option<(
     Some((store, dir))
 }
 
-mod common;
-mod pg_common;
-
-async fn postgres_store() -> Option<(
-    tower_idempotency::store::postgres::PostgresStore,
-    pg_common::TestDb,
-)> {
-    let db = pg_common::TestDb::create().await?;
-    Some((db.store().await, db))
-}
-
 store_contract_tests!(sqlite, sqlite_store());
 store_contract_tests!(
     postgres,
-    postgres_store(),
+    on(pg_common::TestDb::create().await, async |db| db
+        .store()
+        .await),
     #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 );
-
-async fn sqlx_postgres_store() -> Option<(
-    tower_idempotency::store::sqlx_postgres::SqlxPostgresStore,
-    pg_common::TestDb,
-)> {
-    use std::str::FromStr;
-    use tower_idempotency::store::sqlx_postgres::sqlx::postgres::{
-        PgConnectOptions, PgPoolOptions,
-    };
-
-    let db = pg_common::TestDb::create().await?;
-    let url = std::env::var("TEST_DATABASE_URL").expect("TEST_DATABASE_URL");
-    let options = PgConnectOptions::from_str(&url)
-        .expect("TEST_DATABASE_URL is a valid URL")
-        .options([("search_path", db.schema.as_str())])
-        .application_name(&db.schema);
-    let pool = PgPoolOptions::new()
-        .max_connections(4)
-        .connect_with(options)
-        .await
-        .expect("connect the sqlx pool");
-    let store = tower_idempotency::store::sqlx_postgres::SqlxPostgresStore::builder(pool)
-        .max_read_connections(2)
-        .build();
-    store.migrate().await.expect("create the table");
-    Some((store, db))
-}
-
 store_contract_tests!(
     sqlx_postgres,
-    sqlx_postgres_store(),
+    on(pg_common::TestDb::create().await, async |db| db
+        .sqlx_store(4, 2)
+        .await),
     #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 );
-
-mod mysql_common;
-
-async fn sqlx_mysql_store() -> Option<(
-    tower_idempotency::store::sqlx_mysql::SqlxMySqlStore,
-    mysql_common::TestDb,
-)> {
-    let db = mysql_common::TestDb::create().await?;
-    Some((db.store(4).await, db))
-}
-
 store_contract_tests!(
     sqlx_mysql,
-    sqlx_mysql_store(),
+    on(mysql_common::TestDb::create().await, async |db| db
+        .store(4)
+        .await),
     #[cfg_attr(not(mysql_tests), ignore = "needs MySQL or MariaDB: set TEST_MYSQL_URL")]
 );

@@ -108,6 +108,12 @@ impl ExampleProcess {
         }
     }
 
+    /// SIGKILL (nothing in flight gets to finish), and waits until it is gone.
+    pub async fn kill(mut self) {
+        let _ = self.child.start_kill();
+        let _ = tokio::time::timeout(PATIENCE, self.child.wait()).await;
+    }
+
     /// The next line the example printed after its first.
     pub async fn next_line(&mut self) -> String {
         tokio::time::timeout(PATIENCE, self.lines.recv())

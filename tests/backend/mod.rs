@@ -1,24 +1,39 @@
-//! One fixture over both stores, so that a suite is written once and run against SQLite and
-//! PostgreSQL: [`Backend`] is a fresh database of one kind (a SQLite file in a temp dir, or a
-//! PostgreSQL schema of its own) that serves the order app of the tests on 127.0.0.1:0, opens a
-//! store of its own on it (for the outbox, inbox and admin suites), reads its business rows,
-//! records and events, and injects the failures both stores can have.
+//! One fixture over every store, so that a suite is written once and run against each: a
+//! [`Database`] is a fresh database of one kind (a SQLite file in a temp dir, a PostgreSQL
+//! schema of its own, a MySQL/MariaDB database of its own) that serves the order app of the
+//! tests on 127.0.0.1:0, reads its business rows and records, and injects the failures every
+//! store can have. A [`Backend`] is a database whose store also has the outbox, the inbox and
+//! the admin verbs (all but MySQL): it opens a store of the test's own on it, enqueues events,
+//! reads them and the receiver's effects, and names the database to the admin tool.
 //!
-//! A suite writes each test as `async fn name<B: Backend>(db: B)` and instantiates it in its
-//! `sqlite`, `postgres` and `sqlx_postgres` modules with `backend_tests!(Sqlite; a, b)`,
-//! `backend_tests!(Postgres; a, b)` and `backend_tests!(SqlxPostgres; a, b)` (the PostgreSQL
-//! store on sqlx, on a schema of its own too); every PostgreSQL instance carries the attribute that
-//! reports it as ignored without `TEST_DATABASE_URL`. Tests that only make sense on one
-//! backend sit next to them in the same module.
+//! A suite writes each test as `async fn name<B: Database>(db: B)` (or `B: Backend` for the
+//! outbox, inbox and admin suites) and instantiates it in a module per backend with
+//! `backend_tests!(Sqlite; a, b)`, `backend_tests!(Postgres; a, b)`,
+//! `backend_tests!(SqlxPostgres; a, b)` (the PostgreSQL store on sqlx, on a schema of its own
+//! too) and `backend_tests!(MySql; a, b)`; every instance on a server carries the attribute that
+//! reports it as ignored without its server (`TEST_DATABASE_URL`, `TEST_MYSQL_URL`). Tests
+//! that only make sense on one backend sit next to them in the same module.
 //!
-//! The apps themselves are the ones of `tests/common` (SQLite) and `tests/pg_common`
-//! (PostgreSQL, and `pg_common::sqlx_app` on sqlx); this module only adapts them to one
-//! interface. Another backend is a struct implementing [`Backend`] and an arm of
-//! [`backend_tests!`] with the attribute that reports it ignored without its server.
+//! The apps themselves are the ones of `tests/common` (SQLite), `tests/pg_common` (PostgreSQL,
+//! and `pg_common::sqlx_app` on sqlx) and `tests/mysql_common`; this module only adapts them to
+//! one interface. Another backend is a struct implementing [`Database`] (and [`Backend`] once
+//! its store has the outbox) and an arm of [`backend_tests!`] with the attribute that reports it
+//! ignored without its server.
 
 // Every suite uses a different part of it.
 #![allow(dead_code)]
 
+// Here rather than in each suite's root: the outbox, inbox and admin suites need no MySQL.
+#[path = "../mysql_common/mod.rs"]
+pub mod mysql_common;
+
+mod handle_sql;
+
+// Only the suites with tests of the handles use it.
+#[allow(unused_imports)]
+pub use handle_sql::{checking, HandleSession, HandleSql, Problems};
+
+use std::any::Any;
 use std::fmt;
 use std::future::Future;
 use std::net::SocketAddr;
@@ -37,14 +52,18 @@ use tower_idempotency::outbox::{
 };
 use tower_idempotency::store::postgres::{PostgresOptions, PostgresStore, PostgresTransaction};
 use tower_idempotency::store::sqlite::{SqliteStore, SqliteTransaction};
+use tower_idempotency::store::sqlx_mysql::{SqlxMySqlStore, SqlxTransaction as MySqlTransaction};
 use tower_idempotency::store::sqlx_postgres::{SqlxPostgresStore, SqlxTransaction};
 use tower_idempotency::store::IdempotencyStore;
+use tower_idempotency::IdempotencyLayer;
 
+use crate::common::server_backed::OrderServer;
 use crate::common::{
-    hook_for, AppBuilder, AppOf, HookFor, OrderCallOf, Outcome, SqliteApp, TestServer, PATIENCE,
+    hook_for, post, AppBuilder, AppOf, HookFor, HookOutcome, OrderCallOf, Outcome, Reply,
+    SqliteApp, TestServer, PATIENCE, SHOP_A,
 };
-use crate::pg_common::sqlx_app::{SqlxPgApp, SqlxServer};
-use crate::pg_common::{PgApp, PgServer, TestDb};
+use crate::pg_common::sqlx_app::SqlxPgApp;
+use crate::pg_common::{PgApp, TestDb};
 
 /// What a backend's order handler tells the test's hook, its order row inserted inside the
 /// open idempotency transaction `tx`.
@@ -62,17 +81,34 @@ type EnqueueFn = dyn Fn(String, Value) -> BoxFuture<'static, Result<EventId, tow
     + Sync;
 
 /// The request's transaction, whichever the backend, for what the generic suites do in it:
-/// enqueue an outbox event.
+/// enqueue an outbox event (on a [`Backend`]), or reach the backend's own handle (the tests of
+/// [`HandleSql`]).
 #[derive(Clone)]
-pub struct Tx(Arc<EnqueueFn>);
+pub struct Tx {
+    /// `None` on a store without the outbox.
+    enqueue: Option<Arc<EnqueueFn>>,
+    handle: Arc<dyn Any + Send + Sync>,
+}
 
 impl Tx {
     fn of<T: Enqueue + Send + Sync + 'static>(tx: T) -> Tx {
         let tx = Arc::new(tx);
-        Tx(Arc::new(move |topic, payload| {
-            let tx = tx.clone();
-            Box::pin(async move { tx.enqueue(&topic, payload).await })
-        }))
+        let handle = tx.clone();
+        Tx {
+            enqueue: Some(Arc::new(move |topic, payload| {
+                let tx = tx.clone();
+                Box::pin(async move { tx.enqueue(&topic, payload).await })
+            })),
+            handle,
+        }
+    }
+
+    /// The transaction of a store without the outbox.
+    fn without_outbox<T: Send + Sync + 'static>(tx: T) -> Tx {
+        Tx {
+            enqueue: None,
+            handle: Arc::new(tx),
+        }
     }
 
     /// Enqueues an event in the request's transaction.
@@ -81,7 +117,17 @@ impl Tx {
         topic: &str,
         payload: Value,
     ) -> Result<EventId, tower_idempotency::Error> {
-        (self.0)(topic.to_owned(), payload).await
+        match &self.enqueue {
+            Some(enqueue) => enqueue(topic.to_owned(), payload).await,
+            None => Err(tower_idempotency::Error::Corrupt(
+                "this backend's store has no outbox".into(),
+            )),
+        }
+    }
+
+    /// The backend's own transaction handle, if it is a `T`.
+    pub fn handle<T: Send + Sync + 'static>(&self) -> Option<Arc<T>> {
+        self.handle.clone().downcast().ok()
     }
 }
 
@@ -105,18 +151,38 @@ pub fn hook<Fut: Future<Output = FailWith> + Send + 'static>(
     hook_for(f)
 }
 
-/// The hook of a backend's app that runs `hook`.
-fn adapt<T: Enqueue + Send + Sync + 'static, O: Outcome>(hook: Hook) -> HookFor<OrderCallOf<T>, O> {
+/// The hook of a backend's app that runs `hook`, its transaction handle made a [`Tx`] by
+/// `tx`.
+fn adapt_with<T: Send + 'static, O: Outcome>(
+    hook: Hook,
+    tx: fn(T) -> Tx,
+) -> HookFor<OrderCallOf<T>, O> {
     hook_for(move |call: OrderCallOf<T>| {
         let outcome = hook(Call {
             tenant: call.tenant,
             key: call.key,
             sku: call.sku,
             order_id: call.order_id,
-            tx: Tx::of(call.tx),
+            tx: tx(call.tx),
         });
         async move { O::failing(outcome.await) }
     })
+}
+
+/// The hook of the app of a store with the outbox.
+fn adapt<T: Enqueue + Send + Sync + 'static, O: Outcome>(hook: Hook) -> HookFor<OrderCallOf<T>, O> {
+    adapt_with(hook, Tx::of)
+}
+
+/// A [`Hook`] that runs `f` with its own clone of `shared` (a gate, a barrier...) on every call.
+pub fn hook_sharing<S, F, Fut>(shared: &S, f: F) -> Hook
+where
+    S: Clone + Send + Sync + 'static,
+    F: Fn(S, Call) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = FailWith> + Send + 'static,
+{
+    let shared = shared.clone();
+    hook(move |call| f(shared.clone(), call))
 }
 
 /// Runs `behaviour` on the first call only; later calls get the default outcome (succeed).
@@ -199,40 +265,19 @@ pub async fn event_of<S: OutboxBackend>(outbox: &Outbox<S>, id: &EventId) -> Eve
         .expect("event")
 }
 
-/// A fresh database of one kind, with the `orders` table once an app served on it, and a
-/// store of its own on it, opened on first use.
-pub trait Backend: Sized + Send + Sync + 'static {
-    type Store: IdempotencyStore
-        + OutboxBackend
-        + InboxBackend
-        + AdminBackend
-        + Clone
-        + Send
-        + Sync
-        + 'static;
+/// A fresh database of one kind, with the `orders` table once an app served on it: what every
+/// backend has.
+pub trait Database: Sized + Send + Sync + 'static {
+    type Store: IdempotencyStore + Clone + Send + Sync + 'static;
     /// A fresh database; `None` (after saying so) where this backend is not available.
     fn create() -> impl Future<Output = Option<Self>>;
 
     /// Whether writers of different keys run at the same time (SQLite has one writer).
     const PARALLEL_WRITERS: bool;
 
-    /// What the error of an enqueue without the outbox table says.
-    const NO_OUTBOX_TABLE: &'static str;
-
     /// Serves the order app on this database (every server on one database is another app
     /// instance sharing it).
     fn serve(&self, setup: Setup<'_, Self>) -> impl Future<Output = Server<Self>>;
-
-    /// Where the test's own store is kept once opened.
-    fn store_cell(&self) -> &OnceCell<Self::Store>;
-
-    /// The test's own store on this database (opened on first use).
-    fn store(&self) -> impl Future<Output = &Self::Store> {
-        self.store_cell().get_or_init(|| self.another_store())
-    }
-
-    /// Another store on the same database (another app instance, with a pool of its own).
-    fn another_store(&self) -> impl Future<Output = Self::Store>;
 
     /// Runs SQL on the database, outside any request.
     fn execute(&self, sql: &str) -> impl Future<Output = ()>;
@@ -245,10 +290,6 @@ pub trait Backend: Sized + Send + Sync + 'static {
     /// Whether a record exists for `(tenant, operation, key)`, expired or not.
     fn record_exists(&self, tenant: &str, operation: &str, key: &str)
         -> impl Future<Output = bool>;
-    /// Rows in `outbox_events`.
-    fn event_count(&self) -> impl Future<Output = i64>;
-    /// Committed [`EFFECTS`] rows of `event_id`.
-    fn effects(&self, event_id: &str) -> impl Future<Output = i64>;
 
     /// From now on, saving the record of `key` fails (a trigger), after the handler's insert.
     fn fail_saving_the_record_of(&self, key: &'static str) -> impl Future<Output = ()>;
@@ -256,6 +297,52 @@ pub trait Backend: Sized + Send + Sync + 'static {
     fn fail_inserting_orders_of(&self, sku: &'static str) -> impl Future<Output = ()>;
     /// Removes the triggers of the two above.
     fn stop_failing(&self) -> impl Future<Output = ()>;
+
+    /// `(orders, completed records)`.
+    fn counts(&self) -> impl Future<Output = (i64, i64)> {
+        async { (self.order_count().await, self.record_count().await) }
+    }
+
+    /// A server with the default app.
+    fn spawn(&self) -> impl Future<Output = Server<Self>> {
+        self.server().spawn()
+    }
+
+    /// A server to customise.
+    fn server(&self) -> Setup<'_, Self> {
+        AppBuilder::new(self)
+    }
+
+    /// A server with the default app, its layers customised by `f`.
+    fn with_layer<F>(&self, f: F) -> impl Future<Output = Server<Self>>
+    where
+        F: Fn(IdempotencyLayer<Self::Store>) -> IdempotencyLayer<Self::Store> + Send + 'static,
+    {
+        self.server().layer(f).spawn()
+    }
+}
+
+/// A [`Database`] whose store has the outbox, the inbox and the admin verbs, and a store of the
+/// test's own on it (opened on first use) for those suites.
+pub trait Backend: Database<Store: OutboxBackend + InboxBackend + AdminBackend> {
+    /// What the error of an enqueue without the outbox table says.
+    const NO_OUTBOX_TABLE: &'static str;
+
+    /// Where the test's own store is kept once opened.
+    fn store_cell(&self) -> &OnceCell<Self::Store>;
+
+    /// The test's own store on this database (opened on first use).
+    fn store(&self) -> impl Future<Output = &Self::Store> {
+        self.store_cell().get_or_init(|| self.another_store())
+    }
+
+    /// Another store on the same database (another app instance, with a pool of its own).
+    fn another_store(&self) -> impl Future<Output = Self::Store>;
+
+    /// Rows in `outbox_events`.
+    fn event_count(&self) -> impl Future<Output = i64>;
+    /// Committed [`EFFECTS`] rows of `event_id`.
+    fn effects(&self, event_id: &str) -> impl Future<Output = i64>;
 
     /// Enqueues an event outside any request (in a transaction of its own).
     fn enqueue_now(&self, topic: &str, payload: Value) -> impl Future<Output = EventId>;
@@ -289,28 +376,13 @@ pub trait Backend: Sized + Send + Sync + 'static {
         tx: &<Self::Store as InboxBackend>::Transaction,
         event_id: &str,
     ) -> impl Future<Output = ()>;
-
-    /// `(orders, completed records)`.
-    fn counts(&self) -> impl Future<Output = (i64, i64)> {
-        async { (self.order_count().await, self.record_count().await) }
-    }
-
-    /// A server with the default app.
-    fn spawn(&self) -> impl Future<Output = Server<Self>> {
-        self.server().spawn()
-    }
-
-    /// A server to customise.
-    fn server(&self) -> Setup<'_, Self> {
-        AppBuilder::new(self)
-    }
 }
 
 /// How to serve the app: the layer of each route, the hook, headers on every 201 (the
 /// builder of `tests/common`, on this database).
-pub type Setup<'db, B> = AppBuilder<<B as Backend>::Store, Hook, &'db B>;
+pub type Setup<'db, B> = AppBuilder<<B as Database>::Store, Hook, &'db B>;
 
-impl<B: Backend> AppBuilder<B::Store, Hook, &B> {
+impl<B: Database> AppBuilder<B::Store, Hook, &B> {
     pub async fn spawn(self) -> Server<B> {
         self.extra.serve(self).await
     }
@@ -328,29 +400,67 @@ impl Running for TestServer {
     }
 }
 
-impl Running for PgServer {
+impl<S: Send + 'static, T: Send + 'static, O: Send + 'static> Running for OrderServer<S, T, O> {
     fn stop(self: Box<Self>) -> BoxFuture<'static, ()> {
         Box::pin((*self).shutdown())
     }
 }
 
+/// A backend's own running server on the store `S`: where it listens, its store and its
+/// app's state.
+trait Serves<S>: Running {
+    fn addr(&self) -> SocketAddr;
+    fn store(&self) -> &S;
+    fn app(&self) -> Arc<dyn AppState>;
+}
+
+impl Serves<SqliteStore> for TestServer {
+    fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    fn store(&self) -> &SqliteStore {
+        &self.store
+    }
+
+    fn app(&self) -> Arc<dyn AppState> {
+        self.app.clone()
+    }
+}
+
+impl<S, T, O> Serves<S> for OrderServer<S, T, O>
+where
+    S: Send + 'static,
+    T: Send + 'static,
+    O: Outcome,
+{
+    fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    fn store(&self) -> &S {
+        &self.store
+    }
+
+    fn app(&self) -> Arc<dyn AppState> {
+        self.app.clone()
+    }
+}
+
 /// A running order app on 127.0.0.1 and its store.
-pub struct Server<B: Backend> {
+pub struct Server<B: Database> {
     pub addr: SocketAddr,
     pub store: B::Store,
     pub app: Arc<dyn AppState>,
     running: Box<dyn Running>,
 }
 
-impl<B: Backend> Server<B> {
-    fn new<A: AppState>(
-        (addr, store, app): (SocketAddr, B::Store, Arc<A>),
-        running: impl Running + 'static,
-    ) -> Self {
+impl<B: Database> Server<B> {
+    fn new(running: impl Serves<B::Store> + 'static) -> Self {
         Server {
-            addr,
-            store,
-            app,
+            addr: running.addr(),
+            store: running.store().clone(),
+            app: running.app(),
             running: Box::new(running),
         }
     }
@@ -361,8 +471,25 @@ impl<B: Backend> Server<B> {
     }
 }
 
+/// Sends `body` under `key` as shop-a: a `201` that ran the handler, not a replay.
+pub async fn runs_afresh(addr: SocketAddr, key: &str, body: &str) -> Reply {
+    let reply = post(addr, Some(SHOP_A), Some(key), body, &[]).await;
+    assert_eq!(reply.status, StatusCode::CREATED, "{key}: {reply:?}");
+    assert!(!reply.replayed(), "{key}: runs afresh: {reply:?}");
+    reply
+}
+
+/// Sends `body` under `key` as shop-a again: a replay of `original`, the same status and body.
+pub async fn replays(addr: SocketAddr, key: &str, body: &str, original: &Reply) -> Reply {
+    let reply = post(addr, Some(SHOP_A), Some(key), body, &[]).await;
+    assert!(reply.replayed(), "{key}: a replay: {reply:?}");
+    assert_eq!(reply.status, original.status, "{key}");
+    assert_eq!(reply.body, original.body, "{key}: the same body");
+    reply
+}
+
 /// Runs a generic test on a fresh database of `B`, when there is one.
-pub async fn run<B: Backend, Fut: Future<Output = ()>>(test: impl FnOnce(B) -> Fut) {
+pub async fn run<B: Database, Fut: Future<Output = ()>>(test: impl FnOnce(B) -> Fut) {
     if let Some(db) = B::create().await {
         test(db).await;
     }
@@ -394,11 +521,10 @@ impl Sqlite {
     }
 }
 
-impl Backend for Sqlite {
+impl Database for Sqlite {
     type Store = SqliteStore;
 
     const PARALLEL_WRITERS: bool = false;
-    const NO_OUTBOX_TABLE: &'static str = "no such table: outbox_events";
 
     async fn create() -> Option<Self> {
         let dir = tempfile::tempdir().expect("temp dir");
@@ -415,16 +541,7 @@ impl Backend for Sqlite {
             .convert(adapt, SqliteApp::on(&self.path))
             .spawn()
             .await;
-        let parts = (running.addr, running.store.clone(), running.app.clone());
-        Server::new(parts, running)
-    }
-
-    fn store_cell(&self) -> &OnceCell<SqliteStore> {
-        &self.store
-    }
-
-    async fn another_store(&self) -> SqliteStore {
-        SqliteStore::open(&self.path).await.expect("open")
+        Server::new(running)
     }
 
     async fn execute(&self, sql: &str) {
@@ -456,17 +573,6 @@ impl Backend for Sqlite {
         self.count(sql, (tenant, operation, key)) > 0
     }
 
-    async fn event_count(&self) -> i64 {
-        self.count("SELECT count(*) FROM outbox_events", [])
-    }
-
-    async fn effects(&self, event_id: &str) -> i64 {
-        self.count(
-            "SELECT count(*) FROM effects WHERE event_id = ?1",
-            [event_id],
-        )
-    }
-
     async fn fail_saving_the_record_of(&self, key: &'static str) {
         self.execute(&format!(
             "CREATE TRIGGER fail_record BEFORE INSERT ON idempotency_records \
@@ -487,6 +593,29 @@ impl Backend for Sqlite {
     async fn stop_failing(&self) {
         self.execute("DROP TRIGGER IF EXISTS fail_record; DROP TRIGGER IF EXISTS fail_order;")
             .await;
+    }
+}
+
+impl Backend for Sqlite {
+    const NO_OUTBOX_TABLE: &'static str = "no such table: outbox_events";
+
+    fn store_cell(&self) -> &OnceCell<SqliteStore> {
+        &self.store
+    }
+
+    async fn another_store(&self) -> SqliteStore {
+        SqliteStore::open(&self.path).await.expect("open")
+    }
+
+    async fn event_count(&self) -> i64 {
+        self.count("SELECT count(*) FROM outbox_events", [])
+    }
+
+    async fn effects(&self, event_id: &str) -> i64 {
+        self.count(
+            "SELECT count(*) FROM effects WHERE event_id = ?1",
+            [event_id],
+        )
     }
 
     async fn enqueue_now(&self, topic: &str, payload: Value) -> EventId {
@@ -540,22 +669,56 @@ impl Backend for Sqlite {
 
 // ----- PostgreSQL, either driver: a schema of its own -----
 
-/// A trigger `name` on `db` that fails every row of `event` (`INSERT ON orders`) matching
-/// `when`.
-async fn failing_trigger(db: &TestDb, name: &str, event: &str, when: &str) {
-    db.execute(&format!(
-        "CREATE FUNCTION {name}() RETURNS trigger LANGUAGE plpgsql AS $$ \
-         BEGIN RAISE EXCEPTION 'injected failure: {name}'; END $$; \
-         CREATE TRIGGER {name} BEFORE {event} FOR EACH ROW WHEN ({when}) \
-         EXECUTE FUNCTION {name}();"
-    ))
-    .await;
+/// The failure triggers of a database on a server, in its SQL dialect.
+trait FailureTriggers {
+    /// A trigger `name` that fails every row of `event` (`INSERT ON orders`) matching `when`.
+    fn failing_trigger(&self, name: &str, event: &str, when: &str) -> impl Future<Output = ()>;
+    /// Drops the triggers of [`Database::fail_saving_the_record_of`] and
+    /// [`Database::fail_inserting_orders_of`].
+    fn drop_failing_triggers(&self) -> impl Future<Output = ()>;
 }
 
-/// The [`Backend`] methods of a PostgreSQL backend (a struct with `db: TestDb`) that read and
-/// change the database itself, whichever driver its store uses: the test reads through a
-/// tokio-postgres connection of its own, as another process would.
-macro_rules! pg_database_reads {
+impl FailureTriggers for TestDb {
+    async fn failing_trigger(&self, name: &str, event: &str, when: &str) {
+        self.execute(&format!(
+            "CREATE FUNCTION {name}() RETURNS trigger LANGUAGE plpgsql AS $$ \
+             BEGIN RAISE EXCEPTION 'injected failure: {name}'; END $$; \
+             CREATE TRIGGER {name} BEFORE {event} FOR EACH ROW WHEN ({when}) \
+             EXECUTE FUNCTION {name}();"
+        ))
+        .await;
+    }
+
+    async fn drop_failing_triggers(&self) {
+        self.execute(
+            "DROP TRIGGER IF EXISTS fail_record ON idempotency_records; \
+             DROP TRIGGER IF EXISTS fail_order ON orders;",
+        )
+        .await;
+    }
+}
+
+impl FailureTriggers for mysql_common::TestDb {
+    async fn failing_trigger(&self, name: &str, event: &str, when: &str) {
+        self.execute(&format!(
+            "CREATE TRIGGER {name} BEFORE {event} FOR EACH ROW BEGIN IF {when} THEN \
+             SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'injected failure: {name}'; \
+             END IF; END"
+        ))
+        .await;
+    }
+
+    async fn drop_failing_triggers(&self) {
+        self.execute("DROP TRIGGER IF EXISTS fail_record; DROP TRIGGER IF EXISTS fail_order")
+            .await;
+    }
+}
+
+/// The [`Database`] methods of a backend on a server (a struct with `db`, a `TestDb` of
+/// `tests/pg_common` or `tests/mysql_common`) that read and change the database itself,
+/// whichever driver its store uses: the test reads through a connection of its own, as another
+/// process would.
+macro_rules! server_database_reads {
     () => {
         async fn execute(&self, sql: &str) {
             self.db.execute(sql).await;
@@ -577,6 +740,31 @@ macro_rules! pg_database_reads {
             self.db.record_exists(tenant, operation, key).await
         }
 
+        async fn fail_saving_the_record_of(&self, key: &'static str) {
+            // The layer reserves the row first and completes it on commit: fail the completion.
+            let when = format!("NEW.idempotency_key = '{key}' AND NEW.state = 'completed'");
+            self.db
+                .failing_trigger("fail_record", "UPDATE ON idempotency_records", &when)
+                .await;
+        }
+
+        async fn fail_inserting_orders_of(&self, sku: &'static str) {
+            let when = format!("NEW.sku = '{sku}'");
+            self.db
+                .failing_trigger("fail_order", "INSERT ON orders", &when)
+                .await;
+        }
+
+        async fn stop_failing(&self) {
+            self.db.drop_failing_triggers().await;
+        }
+    };
+}
+
+/// The [`Backend`] methods of a PostgreSQL backend that read the outbox's and the receiver's
+/// tables, whichever driver its store uses.
+macro_rules! pg_outbox_reads {
+    () => {
         async fn event_count(&self) -> i64 {
             self.db
                 .value("SELECT count(*) FROM outbox_events", &[])
@@ -586,32 +774,6 @@ macro_rules! pg_database_reads {
         async fn effects(&self, event_id: &str) -> i64 {
             let sql = "SELECT count(*) FROM effects WHERE event_id = $1";
             self.db.value(sql, &[&event_id]).await
-        }
-
-        async fn fail_saving_the_record_of(&self, key: &'static str) {
-            // The layer reserves the row first and completes it on commit: fail the completion.
-            let when = format!("NEW.idempotency_key = '{key}' AND NEW.state = 'completed'");
-            failing_trigger(
-                &self.db,
-                "fail_record",
-                "UPDATE ON idempotency_records",
-                &when,
-            )
-            .await;
-        }
-
-        async fn fail_inserting_orders_of(&self, sku: &'static str) {
-            let when = format!("NEW.sku = '{sku}'");
-            failing_trigger(&self.db, "fail_order", "INSERT ON orders", &when).await;
-        }
-
-        async fn stop_failing(&self) {
-            self.db
-                .execute(
-                    "DROP TRIGGER IF EXISTS fail_record ON idempotency_records; \
-                 DROP TRIGGER IF EXISTS fail_order ON orders;",
-                )
-                .await;
         }
 
         async fn tool_args(&self) -> Vec<String> {
@@ -628,23 +790,36 @@ pub struct Postgres {
     pub db: TestDb,
 }
 
-impl Backend for Postgres {
-    type Store = PostgresStore;
-
-    const PARALLEL_WRITERS: bool = true;
-    const NO_OUTBOX_TABLE: &'static str = "outbox_events";
-
-    async fn create() -> Option<Self> {
+impl Postgres {
+    /// [`Database::create`], callable where only [`Backend`] is in scope (the admin suite's
+    /// PostgreSQL-only tests).
+    pub async fn create() -> Option<Self> {
         let db = TestDb::create().await?;
         Some(Postgres {
             store: OnceCell::new(),
             db,
         })
     }
+}
+
+impl Database for Postgres {
+    type Store = PostgresStore;
+
+    const PARALLEL_WRITERS: bool = true;
+
+    async fn create() -> Option<Self> {
+        Postgres::create().await
+    }
 
     async fn serve(&self, setup: Setup<'_, Self>) -> Server<Self> {
         setup.spawn_with(|options| options).await
     }
+
+    server_database_reads!();
+}
+
+impl Backend for Postgres {
+    const NO_OUTBOX_TABLE: &'static str = "outbox_events";
 
     fn store_cell(&self) -> &OnceCell<PostgresStore> {
         &self.store
@@ -656,7 +831,7 @@ impl Backend for Postgres {
             .await
     }
 
-    pg_database_reads!();
+    pg_outbox_reads!();
 
     /// Autocommit, on a pooled connection.
     async fn enqueue_now(&self, topic: &str, payload: Value) -> EventId {
@@ -716,8 +891,7 @@ impl Setup<'_, Postgres> {
             .store(options)
             .spawn(&db.db)
             .await;
-        let parts = (running.addr, running.store.clone(), running.app.clone());
-        Server::new(parts, running)
+        Server::new(running)
     }
 }
 
@@ -730,17 +904,10 @@ pub struct SqlxPostgres {
     pub db: TestDb,
 }
 
-impl Running for SqlxServer {
-    fn stop(self: Box<Self>) -> BoxFuture<'static, ()> {
-        Box::pin((*self).shutdown())
-    }
-}
-
-impl Backend for SqlxPostgres {
+impl Database for SqlxPostgres {
     type Store = SqlxPostgresStore;
 
     const PARALLEL_WRITERS: bool = true;
-    const NO_OUTBOX_TABLE: &'static str = "outbox_events";
 
     async fn create() -> Option<Self> {
         let db = TestDb::create().await?;
@@ -752,9 +919,14 @@ impl Backend for SqlxPostgres {
 
     async fn serve(&self, setup: Setup<'_, Self>) -> Server<Self> {
         let running = setup.convert(adapt, SqlxPgApp).spawn(&self.db).await;
-        let parts = (running.addr, running.store.clone(), running.app.clone());
-        Server::new(parts, running)
+        Server::new(running)
     }
+
+    server_database_reads!();
+}
+
+impl Backend for SqlxPostgres {
+    const NO_OUTBOX_TABLE: &'static str = "outbox_events";
 
     fn store_cell(&self) -> &OnceCell<SqlxPostgresStore> {
         &self.store
@@ -764,7 +936,7 @@ impl Backend for SqlxPostgres {
         self.db.sqlx_store(4, 2).await
     }
 
-    pg_database_reads!();
+    pg_outbox_reads!();
 
     /// Autocommit, on the store's pool.
     async fn enqueue_now(&self, topic: &str, payload: Value) -> EventId {
@@ -816,12 +988,47 @@ impl Backend for SqlxPostgres {
     }
 }
 
-/// Instantiates generic tests (`async fn name<B: Backend>(db: B)` in the suite's root module)
-/// as `#[tokio::test]`s on a fresh database each, inside the suite's `sqlite` or `postgres`
-/// module (which also holds the suite's tests for that backend only):
+// ----- MySQL or MariaDB on sqlx: a database of its own -----
+
+/// A database of its own on the server of `TEST_MYSQL_URL`, dropped at the end, served by the
+/// order app of `tests/common` on the sqlx MySQL store (its handle's inserts are
+/// `tests/mysql_common`'s). The store has no outbox yet: a [`Database`], not a [`Backend`].
+pub struct MySql {
+    pub db: mysql_common::TestDb,
+}
+
+impl Database for MySql {
+    type Store = SqlxMySqlStore;
+
+    const PARALLEL_WRITERS: bool = true;
+
+    async fn create() -> Option<Self> {
+        let db = mysql_common::TestDb::create().await?;
+        Some(MySql { db })
+    }
+
+    async fn serve(&self, setup: Setup<'_, Self>) -> Server<Self> {
+        let running = setup
+            .convert(
+                |hook| adapt_with::<MySqlTransaction, HookOutcome>(hook, Tx::without_outbox),
+                (),
+            )
+            // A pool of 8 connections, as the PostgreSQL apps.
+            .serve_on(self.db.store(8).await)
+            .await;
+        Server::new(running)
+    }
+
+    server_database_reads!();
+}
+
+/// Instantiates generic tests (`async fn name<B: Database>(db: B)` in the suite's root module)
+/// as `#[tokio::test]`s on a fresh database each, inside the suite's module of that backend
+/// (which also holds the suite's tests for that backend only):
 /// `backend_tests!(Sqlite; a, b(flavor = "multi_thread", worker_threads = 2), c = a)`, where
-/// `c = a` runs `a` under the name `c`. Every PostgreSQL instance carries the attribute that
-/// reports it as ignored without `TEST_DATABASE_URL`.
+/// `c = a` runs `a` under the name `c` (`c(flavor = ...) = a` with a flavor). Every PostgreSQL instance carries the attribute that
+/// reports it as ignored without `TEST_DATABASE_URL`, every MySQL one without
+/// `TEST_MYSQL_URL`.
 macro_rules! backend_tests {
     (Sqlite; $($tests:tt)*) => {
         backend_tests!(@each Sqlite []; $($tests)*);
@@ -836,9 +1043,15 @@ macro_rules! backend_tests {
             [#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]];
             $($tests)*);
     };
-    (@each $backend:ident [$($attr:tt)*]; $name:ident = $test:ident $(, $($rest:tt)*)?) => {
+    (MySql; $($tests:tt)*) => {
+        backend_tests!(@each MySql
+            [#[cfg_attr(not(mysql_tests), ignore = "needs MySQL or MariaDB: set TEST_MYSQL_URL")]];
+            $($tests)*);
+    };
+    (@each $backend:ident [$($attr:tt)*];
+        $name:ident $(($($flavor:tt)*))? = $test:ident $(, $($rest:tt)*)?) => {
         $($attr)*
-        #[tokio::test]
+        #[tokio::test$(($($flavor)*))?]
         async fn $name() {
             $crate::backend::run(|db: $crate::backend::$backend| super::$test(db)).await;
         }

@@ -8,6 +8,8 @@
 // Every test binary compiles this module and uses a different part of it.
 #![allow(dead_code)]
 
+pub mod server_backed;
+
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;

@@ -9,12 +9,14 @@
 #![allow(dead_code)]
 
 use std::str::FromStr;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
 use sqlx::{Connection as _, Executor as _, MySqlConnection, Row as _};
-use tower_idempotency::store::sqlx_mysql::SqlxMySqlStore;
+use tower_idempotency::store::sqlx_mysql::{SqlxMySqlStore, SqlxTransaction};
+use tower_idempotency::Tenant;
+
+use crate::common::server_backed::{run_on_a_thread_of_its_own, FreshName};
+use crate::common::InsertOrder;
 
 /// The business table of the MySQL order app (the same as the example's).
 pub const ORDERS_SCHEMA: &str = "CREATE TABLE IF NOT EXISTS orders (
@@ -38,29 +40,16 @@ impl TestDb {
     /// A fresh database with the `orders` table, or `None` (after saying so) when
     /// `TEST_MYSQL_URL` is not set.
     pub async fn create() -> Option<TestDb> {
-        let Some(url) = std::env::var("TEST_MYSQL_URL")
-            .ok()
-            .filter(|url| !url.trim().is_empty())
-        else {
-            println!("skipped: TEST_MYSQL_URL is not set (MySQL tests need it)");
-            eprintln!("skipped: TEST_MYSQL_URL is not set (MySQL tests need it)");
-            return None;
-        };
-        static COUNTER: AtomicUsize = AtomicUsize::new(0);
-        static SWEPT: AtomicBool = AtomicBool::new(false);
-        let now = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .expect("clock after 1970")
-            .as_secs();
-        let name = format!(
-            "{DATABASE_PREFIX}{now}_{}_{}",
-            std::process::id(),
-            COUNTER.fetch_add(1, Ordering::SeqCst)
-        );
+        let FreshName {
+            url,
+            name,
+            now,
+            first,
+        } = FreshName::new("TEST_MYSQL_URL", "MySQL", DATABASE_PREFIX)?;
         let mut admin = MySqlConnection::connect_with(&server_options(&url))
             .await
             .expect("connect to the MySQL server");
-        if !SWEPT.swap(true, Ordering::SeqCst) {
+        if first {
             sweep_stale_databases(&mut admin, now).await;
         }
         admin
@@ -166,6 +155,14 @@ impl TestDb {
         found > 0
     }
 
+    /// The orders as `(id, tenant_id, sku, quantity)`, by id.
+    pub async fn orders(&self) -> Vec<(i64, String, String, i64)> {
+        sqlx::query_as("SELECT id, tenant_id, sku, quantity FROM orders ORDER BY id")
+            .fetch_all(&mut self.connection().await)
+            .await
+            .expect("orders")
+    }
+
     /// The skus of the orders, by id.
     pub async fn order_skus(&self) -> Vec<String> {
         sqlx::query_scalar("SELECT sku FROM orders ORDER BY id")
@@ -211,40 +208,28 @@ impl Drop for TestDb {
     /// by a later run).
     fn drop(&mut self) {
         let (url, name) = (self.url.clone(), self.name.clone());
-        let cleanup = std::thread::spawn(move || {
-            let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            else {
+        run_on_a_thread_of_its_own(move || async move {
+            let Ok(mut admin) = MySqlConnection::connect_with(&server_options(&url)).await else {
                 return;
             };
-            runtime.block_on(async move {
-                let Ok(mut admin) = MySqlConnection::connect_with(&server_options(&url)).await
-                else {
-                    return;
-                };
-                let ids: Vec<u64> = sqlx::query_scalar(
-                    "SELECT id FROM information_schema.PROCESSLIST \
+            let ids: Vec<u64> = sqlx::query_scalar(
+                "SELECT id FROM information_schema.PROCESSLIST \
                      WHERE db = ? AND id <> CONNECTION_ID()",
-                )
-                .bind(&name)
-                .fetch_all(&mut admin)
-                .await
-                .unwrap_or_default();
-                for id in ids {
-                    let _ = admin.execute(format!("KILL {id}").as_str()).await;
-                }
-                let _ = admin
-                    .execute(
-                        format!(
-                            "SET SESSION lock_wait_timeout = 5; DROP DATABASE IF EXISTS {name}"
-                        )
+            )
+            .bind(&name)
+            .fetch_all(&mut admin)
+            .await
+            .unwrap_or_default();
+            for id in ids {
+                let _ = admin.execute(format!("KILL {id}").as_str()).await;
+            }
+            let _ = admin
+                .execute(
+                    format!("SET SESSION lock_wait_timeout = 5; DROP DATABASE IF EXISTS {name}")
                         .as_str(),
-                    )
-                    .await;
-            });
+                )
+                .await;
         });
-        let _ = cleanup.join();
     }
 }
 
@@ -260,14 +245,30 @@ async fn sweep_stale_databases(admin: &mut MySqlConnection, now: u64) {
         return;
     };
     for name in names {
-        let made = name
-            .strip_prefix(DATABASE_PREFIX)
-            .and_then(|rest| rest.split('_').next())
-            .and_then(|secs| secs.parse::<u64>().ok());
-        if made.is_some_and(|made| made + 3600 < now) {
+        if FreshName::is_stale(&name, DATABASE_PREFIX, now) {
             let _ = admin
                 .execute(format!("DROP DATABASE IF EXISTS {name}").as_str())
                 .await;
         }
+    }
+}
+
+impl InsertOrder for SqlxTransaction {
+    async fn insert_order(
+        &self,
+        tenant: &Tenant,
+        sku: &str,
+        quantity: i64,
+    ) -> Result<i64, tower_idempotency::Error> {
+        let mut conn = self.acquire().await?;
+        let inserted =
+            sqlx::query("INSERT INTO orders (tenant_id, sku, quantity) VALUES (?, ?, ?)")
+                .bind(tenant.as_str())
+                .bind(sku)
+                .bind(quantity)
+                .execute(&mut *conn)
+                .await?;
+        i64::try_from(inserted.last_insert_id())
+            .map_err(|_| tower_idempotency::Error::Corrupt("an order id past i64".into()))
     }
 }

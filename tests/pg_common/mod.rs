@@ -1,6 +1,6 @@
 //! Shared setup for the PostgreSQL tests: a fresh schema per test in the database named by
-//! `TEST_DATABASE_URL`, the order app of the example on a [`PostgresStore`] served on
-//! 127.0.0.1:0, and the example binary started as a child process.
+//! `TEST_DATABASE_URL`, and the order app of the example on a [`PostgresStore`] served on
+//! 127.0.0.1:0.
 //!
 //! Every test that uses it is marked `#[cfg_attr(not(pg_tests), ignore = ...)]` (the build
 //! script sets `pg_tests` when `TEST_DATABASE_URL` is set), so that `cargo test` on a machine
@@ -11,10 +11,6 @@
 #![allow(dead_code)]
 
 use std::future::Future;
-use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use http::header::HeaderName;
 use http::{HeaderValue, StatusCode};
@@ -23,9 +19,8 @@ use tower_idempotency::store::postgres::tokio_postgres::{self, NoTls};
 use tower_idempotency::store::postgres::{PostgresOptions, PostgresStore, PostgresTransaction};
 use tower_idempotency::Tenant;
 
-use crate::common::{
-    hook_for, AppBuilder, AppOf, HookFor, InsertOrder, OrderCallOf, Outcome, Serving,
-};
+use crate::common::server_backed::{run_on_a_thread_of_its_own, FreshName, OrderServer};
+use crate::common::{hook_for, AppBuilder, AppOf, HookFor, InsertOrder, OrderCallOf, Outcome};
 
 pub mod sqlx_app;
 
@@ -50,28 +45,14 @@ impl TestDb {
     /// A fresh schema with the `orders` table, or `None` (after saying so) when
     /// `TEST_DATABASE_URL` is not set.
     pub async fn create() -> Option<TestDb> {
-        let Some(url) = std::env::var("TEST_DATABASE_URL")
-            .ok()
-            .filter(|url| !url.trim().is_empty())
-        else {
-            // Both streams: `--nocapture` shows stdout, a failing run shows both.
-            println!("skipped: TEST_DATABASE_URL is not set (PostgreSQL tests need it)");
-            eprintln!("skipped: TEST_DATABASE_URL is not set (PostgreSQL tests need it)");
-            return None;
-        };
-        static COUNTER: AtomicUsize = AtomicUsize::new(0);
-        static SWEPT: AtomicBool = AtomicBool::new(false);
-        let now = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .expect("clock after 1970")
-            .as_secs();
-        let schema = format!(
-            "{SCHEMA_PREFIX}{now}_{}_{}",
-            std::process::id(),
-            COUNTER.fetch_add(1, Ordering::SeqCst)
-        );
+        let FreshName {
+            url,
+            name: schema,
+            now,
+            first,
+        } = FreshName::new("TEST_DATABASE_URL", "PostgreSQL", SCHEMA_PREFIX)?;
         let admin = connect(&url.parse().expect("TEST_DATABASE_URL is a valid URL")).await;
-        if !SWEPT.swap(true, Ordering::SeqCst) {
+        if first {
             sweep_stale_schemas(&admin, now).await;
         }
         admin
@@ -189,20 +170,24 @@ impl TestDb {
             .collect()
     }
 
-    /// The `order_id` in each completed record's saved body, with the record's key.
-    pub async fn recorded_order_ids(&self) -> Vec<(String, i64)> {
+    /// Records in any state.
+    pub async fn row_count(&self) -> i64 {
+        self.count("SELECT count(*) FROM idempotency_records").await
+    }
+
+    /// The `order_id` in each completed record's saved body, sorted.
+    pub async fn recorded_order_ids(&self) -> Vec<i64> {
         self.client()
             .await
             .query(
-                "SELECT idempotency_key, \
-                 (convert_from(body, 'UTF8')::json ->> 'order_id')::bigint \
-                 FROM idempotency_records WHERE state = 'completed' ORDER BY 2",
+                "SELECT (convert_from(body, 'UTF8')::json ->> 'order_id')::bigint \
+                 FROM idempotency_records WHERE state = 'completed' ORDER BY 1",
                 &[],
             )
             .await
             .expect("records")
             .iter()
-            .map(|row| (row.get(0), row.get(1)))
+            .map(|row| row.get(0))
             .collect()
     }
 }
@@ -213,36 +198,27 @@ impl Drop for TestDb {
     /// by a later run).
     fn drop(&mut self) {
         let (url, schema) = (self.url.clone(), self.schema.clone());
-        let cleanup = std::thread::spawn(move || {
-            let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            else {
+        run_on_a_thread_of_its_own(move || async move {
+            let Ok(config) = url.parse::<tokio_postgres::Config>() else {
                 return;
             };
-            runtime.block_on(async move {
-                let Ok(config) = url.parse::<tokio_postgres::Config>() else {
-                    return;
-                };
-                let Ok((client, connection)) = config.connect(NoTls).await else {
-                    return;
-                };
-                tokio::spawn(connection);
-                let _ = client
-                    .execute(
-                        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+            let Ok((client, connection)) = config.connect(NoTls).await else {
+                return;
+            };
+            tokio::spawn(connection);
+            let _ = client
+                .execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
                          WHERE application_name = $1 AND pid <> pg_backend_pid()",
-                        &[&schema],
-                    )
-                    .await;
-                let _ = client
-                    .batch_execute(&format!(
-                        "SET lock_timeout = '5s'; DROP SCHEMA IF EXISTS {schema} CASCADE"
-                    ))
-                    .await;
-            });
+                    &[&schema],
+                )
+                .await;
+            let _ = client
+                .batch_execute(&format!(
+                    "SET lock_timeout = '5s'; DROP SCHEMA IF EXISTS {schema} CASCADE"
+                ))
+                .await;
         });
-        let _ = cleanup.join();
     }
 }
 
@@ -260,11 +236,7 @@ async fn sweep_stale_schemas(admin: &tokio_postgres::Client, now: u64) {
     };
     for row in rows {
         let name: String = row.get(0);
-        let made = name
-            .strip_prefix(SCHEMA_PREFIX)
-            .and_then(|rest| rest.split('_').next())
-            .and_then(|secs| secs.parse::<u64>().ok());
-        if made.is_some_and(|made| made + 3600 < now) {
+        if FreshName::is_stale(&name, SCHEMA_PREFIX, now) {
             let _ = admin
                 .batch_execute(&format!("DROP SCHEMA IF EXISTS {name} CASCADE"))
                 .await;
@@ -355,23 +327,12 @@ impl ServerBuilder {
                 customise_store(options.max_connections(8).max_read_connections(4))
             })
             .await;
-        let (app, serving) = self.serve_orders(&store).await;
-        PgServer {
-            addr: serving.addr,
-            store,
-            app,
-            serving,
-        }
+        self.serve_on(store).await
     }
 }
 
 /// A running order app on 127.0.0.1 and its store.
-pub struct PgServer {
-    pub addr: SocketAddr,
-    pub store: PostgresStore,
-    pub app: Arc<App>,
-    serving: Serving,
-}
+pub type PgServer = OrderServer<PostgresStore, PostgresTransaction, HookOutcome>;
 
 impl PgServer {
     pub fn builder() -> ServerBuilder {
@@ -381,11 +342,6 @@ impl PgServer {
     /// The default app on `db`.
     pub async fn spawn(db: &TestDb) -> PgServer {
         Self::builder().spawn(db).await
-    }
-
-    /// Stops serving (gracefully, bounded).
-    pub async fn shutdown(self) {
-        self.serving.stop().await;
     }
 }
 
@@ -405,30 +361,4 @@ impl InsertOrder for PostgresTransaction {
             .await?;
         Ok(row.try_get(0)?)
     }
-}
-
-/// The example binary (`examples/orders.rs`) as a child process serving on this database.
-pub async fn start_example(db: &TestDb) -> super::common::process::OrdersProcess {
-    start_order_example(OrderExample::TokioPostgres, db).await
-}
-
-/// The order examples that serve on PostgreSQL (`--database-url`), one per store.
-#[derive(Clone, Copy, Debug)]
-pub enum OrderExample {
-    /// `examples/orders.rs`, on the tokio-postgres store.
-    TokioPostgres,
-    /// `examples/orders_sqlx.rs`, on the sqlx store.
-    Sqlx,
-}
-
-/// `example` as a child process serving on this database.
-pub async fn start_order_example(
-    example: OrderExample,
-    db: &TestDb,
-) -> super::common::process::OrdersProcess {
-    let name = match example {
-        OrderExample::TokioPostgres => "orders",
-        OrderExample::Sqlx => "orders_sqlx",
-    };
-    super::common::process::OrdersProcess::start_example(name, &["--database-url", &db.url()]).await
 }

@@ -2,9 +2,7 @@
 //! a `PgPool` of the test's schema): the same routes, hooks and handler as the tokio-postgres
 //! app of this module's parent, only the store and the handle differ.
 
-use std::net::SocketAddr;
 use std::str::FromStr;
-use std::sync::Arc;
 
 use tower_idempotency::store::sqlx_postgres::sqlx::postgres::{
     PgConnectOptions, PgPool, PgPoolOptions,
@@ -13,7 +11,8 @@ use tower_idempotency::store::sqlx_postgres::{SqlxPostgresStore, SqlxTransaction
 use tower_idempotency::Tenant;
 
 use super::{HookOutcome, TestDb};
-use crate::common::{AppBuilder, AppOf, HookFor, InsertOrder, OrderCallOf, Serving};
+use crate::common::server_backed::OrderServer;
+use crate::common::{AppBuilder, AppOf, HookFor, InsertOrder, OrderCallOf};
 
 impl TestDb {
     /// A sqlx pool of at most `max` connections on this schema, marked with its name (the
@@ -74,28 +73,9 @@ impl SqlxServerBuilder {
     /// Serves the app on a store of its own (its own pools) over `db`'s schema: 8 transaction
     /// connections and 4 read connections, as the tokio-postgres app.
     pub async fn spawn(self, db: &TestDb) -> SqlxServer {
-        let store = db.sqlx_store(8, 4).await;
-        let (app, serving) = self.serve_orders(&store).await;
-        SqlxServer {
-            addr: serving.addr,
-            store,
-            app,
-            serving,
-        }
+        self.serve_on(db.sqlx_store(8, 4).await).await
     }
 }
 
 /// A running sqlx order app on 127.0.0.1 and its store.
-pub struct SqlxServer {
-    pub addr: SocketAddr,
-    pub store: SqlxPostgresStore,
-    pub app: Arc<SqlxApp>,
-    serving: Serving,
-}
-
-impl SqlxServer {
-    /// Stops serving (gracefully, bounded).
-    pub async fn shutdown(self) {
-        self.serving.stop().await;
-    }
-}
+pub type SqlxServer = OrderServer<SqlxPostgresStore, SqlxTransaction, HookOutcome>;
