@@ -1,7 +1,7 @@
 //! The `--demo` of the order examples: the article's retry lab, run over the network against
 //! the example's own app on a fresh SQLite file. Each example brings a client for its protocol
-//! ([`Shop`]); the six steps, their checks and the six lines printed are the same. Included
-//! with `#[path = "common/lab.rs"] mod lab;`.
+//! ([`Shop`]); the six steps, their checks and the six lines printed are the same. Each
+//! example's demo module includes it with `#[path]`, beside its client.
 
 use std::future::Future;
 use std::pin::Pin;

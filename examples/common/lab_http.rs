@@ -1,5 +1,5 @@
 //! The `--demo` client of `examples/orders.rs`: plain HTTP, through the network stack like
-//! any real client. Included with `#[path = "common/lab_http.rs"] mod lab_http;`.
+//! any real client. Included beside `lab.rs` by `orders/demo.rs`.
 
 use std::net::SocketAddr;
 
@@ -15,7 +15,7 @@ use tower_idempotency::body::BoxError;
 use tower_idempotency::response::IDEMPOTENT_REPLAYED;
 use tower_idempotency::IDEMPOTENCY_KEY;
 
-use crate::lab::{Outcome, Reply, Shop};
+use super::lab::{Outcome, Reply, Shop};
 
 /// `POST /orders` on the app at one address.
 #[derive(Clone)]
