@@ -14,13 +14,28 @@ use tower_idempotency::store::sqlite::SqliteStore;
 
 /// A client of the order API, as the lab drives it.
 pub trait Shop: Clone + Send + Sync + 'static {
-    /// Places an order as the tenant of `token`, with this `Idempotency-Key`.
+    /// Places the order of `attempt`.
     fn create_order(
         &self,
-        token: &'static str,
-        key: &'static str,
-        quantity: i64,
+        attempt: Attempt,
     ) -> impl Future<Output = Result<Reply, BoxError>> + Send;
+}
+
+/// An order the lab places: `quantity` books, as the tenant of `token`, with this
+/// `Idempotency-Key`.
+#[derive(Clone, Copy, Debug)]
+pub struct Attempt {
+    pub token: &'static str,
+    pub key: &'static str,
+    pub quantity: i64,
+}
+
+fn attempt(token: &'static str, key: &'static str, quantity: i64) -> Attempt {
+    Attempt {
+        token,
+        key,
+        quantity,
+    }
 }
 
 /// What the lab looks at in an answer.
@@ -98,8 +113,8 @@ async fn run_lab(client: &impl Shop, store: &SqliteStore) -> Result<(), BoxError
     const SHOP_B: &str = "shop-b-token";
 
     // 1. The first response is lost on the way; the client retries with the same key.
-    let first = client.create_order(SHOP_A, "key-1", 1).await?;
-    let retry = client.create_order(SHOP_A, "key-1", 1).await?;
+    let first = client.create_order(attempt(SHOP_A, "key-1", 1)).await?;
+    let retry = client.create_order(attempt(SHOP_A, "key-1", 1)).await?;
     ensure!(
         first.outcome == Outcome::Created && !first.replayed,
         "first request: expected a fresh order, got {first:?}"
@@ -112,7 +127,7 @@ async fn run_lab(client: &impl Shop, store: &SqliteStore) -> Result<(), BoxError
     println!("retry: {} orders={orders}", retry.summary);
 
     // 2. Same key, different payload: refused, nothing changes.
-    let conflict = client.create_order(SHOP_A, "key-1", 2).await?;
+    let conflict = client.create_order(attempt(SHOP_A, "key-1", 2)).await?;
     ensure!(
         conflict.outcome == Outcome::KeyReused,
         "changed payload: expected key_reused_with_different_payload, got {conflict:?}"
@@ -121,7 +136,7 @@ async fn run_lab(client: &impl Shop, store: &SqliteStore) -> Result<(), BoxError
     println!("changed payload: {} orders={orders}", conflict.summary);
 
     // 3. Another tenant may use the same key: it is a different scope.
-    let other = client.create_order(SHOP_B, "key-1", 1).await?;
+    let other = client.create_order(attempt(SHOP_B, "key-1", 1)).await?;
     ensure!(
         other.outcome == Outcome::Created && !other.replayed && other.answer != first.answer,
         "other tenant: expected a new order, got {other:?}"
@@ -136,7 +151,7 @@ async fn run_lab(client: &impl Shop, store: &SqliteStore) -> Result<(), BoxError
         let (client, barrier) = (client.clone(), barrier.clone());
         tokio::spawn(async move {
             barrier.wait().await;
-            client.create_order(SHOP_A, "key-2", 1).await
+            client.create_order(attempt(SHOP_A, "key-2", 1)).await
         })
     };
     let (a, b) = (spawn_copy(), spawn_copy());
@@ -162,7 +177,7 @@ async fn run_lab(client: &impl Shop, store: &SqliteStore) -> Result<(), BoxError
             )
         })
         .await?;
-    let failed = client.create_order(SHOP_A, "key-3", 1).await?;
+    let failed = client.create_order(attempt(SHOP_A, "key-3", 1)).await?;
     ensure!(
         failed.outcome == Outcome::Internal,
         "injected failure: expected internal_error, got {failed:?}"
@@ -187,7 +202,7 @@ async fn run_lab(client: &impl Shop, store: &SqliteStore) -> Result<(), BoxError
     store
         .write(|tx| tx.execute_batch("DROP TRIGGER fail_replay"))
         .await?;
-    let recovered = client.create_order(SHOP_A, "key-3", 1).await?;
+    let recovered = client.create_order(attempt(SHOP_A, "key-3", 1)).await?;
     ensure!(
         recovered.outcome == Outcome::Created && !recovered.replayed,
         "retry after rollback: expected a fresh order, got {recovered:?}"
