@@ -4,10 +4,13 @@
 //! example's demo module includes it with `#[path]`, beside its client.
 
 use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::net::TcpListener;
 use tokio::sync::{oneshot, Barrier};
 use tower_idempotency::body::BoxError;
 use tower_idempotency::store::sqlite::SqliteStore;
@@ -68,23 +71,31 @@ pub enum Outcome {
 /// Stops a server that [`demo`] started.
 pub type Shutdown = Pin<Box<dyn Future<Output = ()> + Send>>;
 
-/// Serves the app with `serve` (until the [`Shutdown`] it is given resolves), runs the lab with
-/// the client `connect` makes, and stops the server. A bug that makes a request hang fails
-/// the demo rather than hang it.
-pub async fn demo<C, S, E>(
-    store: SqliteStore,
-    serve: impl FnOnce(Shutdown) -> S,
-    connect: impl Future<Output = Result<C, BoxError>>,
+/// Opens the store with `open` on a fresh file in a temporary directory, serves the app on it
+/// with `serve` on an ephemeral loopback port (until the [`Shutdown`] it is given resolves),
+/// runs the lab with the client `connect` makes for that address, and stops the server. A bug
+/// that makes a request hang fails the demo rather than hang it.
+pub async fn demo<C, O, S, E, K>(
+    open: impl FnOnce(PathBuf) -> O,
+    serve: impl FnOnce(TcpListener, SqliteStore, Shutdown) -> S,
+    connect: impl FnOnce(SocketAddr) -> K,
 ) -> Result<(), BoxError>
 where
     C: Shop,
+    O: Future<Output = Result<SqliteStore, BoxError>>,
     S: Future<Output = Result<(), E>> + Send + 'static,
     E: Into<BoxError> + Send + 'static,
+    K: Future<Output = Result<C, BoxError>>,
 {
+    let dir = tempfile::tempdir()?;
+    let store = open(dir.path().join("orders.db")).await?;
+    let (listener, addr) = crate::cli::listen("127.0.0.1:0").await?;
+    let connect = connect(addr);
     let (stop, stopped) = oneshot::channel::<()>();
-    let server = tokio::spawn(serve(Box::pin(async {
+    let shutdown = Box::pin(async {
         let _ = stopped.await;
-    })));
+    });
+    let server = tokio::spawn(serve(listener, store.clone(), shutdown));
     let lab = tokio::time::timeout(Duration::from_secs(30), async {
         let client = connect.await?;
         run_lab(&client, &store).await

@@ -4,7 +4,7 @@
 use tower_idempotency::body::BoxError;
 
 use crate::order_table::open_store;
-use crate::{cli, serve_on};
+use crate::serve_on;
 
 /// The six steps, their checks and their lines, shared with the HTTP example.
 #[path = "../common/lab.rs"]
@@ -15,15 +15,10 @@ mod lab_client;
 
 /// Serves the app on an ephemeral loopback port, runs the lab against it and stops.
 pub(crate) async fn run() -> Result<(), BoxError> {
-    let dir = tempfile::tempdir()?;
-    let store = open_store(&dir.path().join("orders.db")).await?;
-    let (listener, addr) = cli::listen("127.0.0.1:0").await?;
-    let client = lab_client::GrpcShop::connect(addr);
-    let server = store.clone();
     lab::demo(
-        store,
-        |shutdown| serve_on(listener, server, shutdown),
-        client,
+        |db| async move { open_store(&db).await },
+        serve_on,
+        lab_client::GrpcShop::connect,
     )
     .await
 }
