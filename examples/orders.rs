@@ -111,8 +111,11 @@ trait OrderTransaction: Enqueue + Clone + Send + Sync + 'static {
     ) -> impl Future<Output = DbResult<i64>> + Send;
 }
 
+/// A query's value, or why it failed (logged by the handler, `500` to the client).
 type DbResult<T> = Result<T, BoxError>;
 
+/// The order API on `db`: `POST /orders` behind the idempotency layer, `GET /orders/{id}`,
+/// and the demo authentication in front of both.
 fn app<D: OrderDatabase>(db: D, ietf: bool) -> Router {
     Router::new()
         // Only the POST is wrapped: GET is idempotent by itself.
