@@ -16,6 +16,7 @@
 //! does not decide a figure on its own.
 
 use std::error::Error;
+use std::future::Future;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -29,12 +30,13 @@ use axum::{Extension, Router};
 use serde_json::{json, Value};
 use tower::ServiceExt;
 use tower_idempotency::extract::Tx;
-use tower_idempotency::outbox::postgres::{enqueue, PostgresOutbox};
+use tower_idempotency::outbox::postgres::PostgresOutbox;
 use tower_idempotency::outbox::sqlite::SqliteOutbox;
 use tower_idempotency::outbox::Enqueue;
 use tower_idempotency::store::postgres::tokio_postgres::{self, NoTls};
 use tower_idempotency::store::postgres::{PostgresStore, PostgresTransaction};
 use tower_idempotency::store::sqlite::{SqliteStore, SqliteTransaction};
+use tower_idempotency::store::IdempotencyStore;
 use tower_idempotency::{IdempotencyLayer, Tenant};
 
 type BoxError = Box<dyn Error + Send + Sync>;
@@ -70,7 +72,7 @@ async fn main() -> Result<(), BoxError> {
         })
         .await?;
     SqliteOutbox::install(&sqlite).await?;
-    let sqlite_app = Router::new().route("/orders", post(sqlite_order).layer(layer(sqlite)));
+    let sqlite_app = app::<SqliteTransaction>(sqlite);
 
     let schema = format!("bench_{}", std::process::id());
     let admin = connect(&url).await?;
@@ -93,7 +95,7 @@ async fn main() -> Result<(), BoxError> {
         )
         .await?;
     PostgresOutbox::install(&postgres).await?;
-    let postgres_app = Router::new().route("/orders", post(postgres_order).layer(layer(postgres)));
+    let postgres_app = app::<PostgresTransaction>(postgres);
 
     println!(
         "requests/s, median of {rounds} rounds of {seconds} s, {} cores",
@@ -133,12 +135,14 @@ async fn connect(url: &str) -> Result<tokio_postgres::Client, BoxError> {
     Ok(client)
 }
 
-/// The layer of both apps. A long lock timeout: a benchmark measures waits, it does not turn
-/// them into `503`s (a busy machine can stall a commit for seconds).
-fn layer<S: Clone>(store: S) -> IdempotencyLayer<S> {
-    IdempotencyLayer::new(store)
+/// `POST /orders` on `store`, whose request transactions are `T`s. A long lock timeout: a
+/// benchmark measures waits, it does not turn them into `503`s (a busy machine can stall a
+/// commit for seconds).
+fn app<T: InsertOrder>(store: impl IdempotencyStore) -> Router {
+    let layer = IdempotencyLayer::new(store)
         .with_operation("create_order")
-        .with_lock_timeout(Duration::from_secs(60))
+        .with_lock_timeout(Duration::from_secs(60));
+    Router::new().route("/orders", post(create_order::<T>).layer(layer))
 }
 
 /// Runs `concurrency` workers against `app` for `duration`; returns completed requests per
@@ -200,28 +204,18 @@ async fn call(app: &Router, key: &str) -> Result<(), BoxError> {
     Ok(())
 }
 
-/// `POST /orders` on SQLite: the order, then its `order_created` event, in the request's
-/// transaction (as `examples/orders.rs`).
-async fn sqlite_order(
+/// `POST /orders` on either store: the order, then its `order_created` event, in the request's
+/// transaction (as `examples/orders.rs` and `examples/orders/postgres.rs`).
+async fn create_order<T: InsertOrder>(
     Extension(tenant): Extension<Tenant>,
-    Tx(tx): Tx<SqliteTransaction>,
+    Tx(tx): Tx<T>,
     body: Bytes,
 ) -> Response {
     let Some((sku, quantity)) = parse_order(&body) else {
         return StatusCode::BAD_REQUEST.into_response();
     };
     let created = async {
-        let tenant_id = tenant.as_str().to_owned();
-        let order_sku = sku.clone();
-        let order_id = tx
-            .run(move |conn| {
-                conn.execute(
-                    "INSERT INTO orders (tenant_id, sku, quantity) VALUES (?1, ?2, ?3)",
-                    (tenant_id, order_sku, quantity),
-                )?;
-                Ok(conn.last_insert_rowid())
-            })
-            .await?;
+        let order_id = tx.insert_order(&tenant, &sku, quantity).await?;
         tx.enqueue("order_created", event(order_id, &tenant, &sku, quantity))
             .await?;
         Ok::<i64, tower_idempotency::Error>(order_id)
@@ -229,37 +223,46 @@ async fn sqlite_order(
     created_response(created.await.ok())
 }
 
-/// `POST /orders` on PostgreSQL: the same work (as `examples/orders/postgres.rs`).
-async fn postgres_order(
-    Extension(tenant): Extension<Tenant>,
-    Tx(tx): Tx<PostgresTransaction>,
-    body: Bytes,
-) -> Response {
-    let Some((sku, quantity)) = parse_order(&body) else {
-        return StatusCode::BAD_REQUEST.into_response();
-    };
-    let created = async {
-        let client = tx.client().await?;
-        let insert = client
-            .prepare_cached(
-                "INSERT INTO orders (tenant_id, sku, quantity) VALUES ($1, $2, $3) RETURNING id",
-            )
-            .await?;
+/// The order row, in the request's transaction on either store.
+trait InsertOrder: Enqueue + Clone + Send + Sync + 'static {
+    /// Inserts the order; returns its id.
+    fn insert_order(
+        &self,
+        tenant: &Tenant,
+        sku: &str,
+        quantity: i64,
+    ) -> impl Future<Output = DbResult<i64>> + Send;
+}
+
+impl InsertOrder for SqliteTransaction {
+    async fn insert_order(&self, tenant: &Tenant, sku: &str, quantity: i64) -> DbResult<i64> {
+        let (tenant_id, sku) = (tenant.as_str().to_owned(), sku.to_owned());
+        self.run(move |conn| {
+            conn.execute(
+                "INSERT INTO orders (tenant_id, sku, quantity) VALUES (?1, ?2, ?3)",
+                (tenant_id, sku, quantity),
+            )?;
+            Ok(conn.last_insert_rowid())
+        })
+        .await
+    }
+}
+
+impl InsertOrder for PostgresTransaction {
+    async fn insert_order(&self, tenant: &Tenant, sku: &str, quantity: i64) -> DbResult<i64> {
+        // Dropped before the event is enqueued: the handle lends one borrow at a time.
+        let client = self.client().await?;
+        let statement =
+            "INSERT INTO orders (tenant_id, sku, quantity) VALUES ($1, $2, $3) RETURNING id";
+        let insert = client.prepare_cached(statement).await?;
         let row = client
             .query_one(&insert, &[&tenant.as_str(), &sku, &quantity])
             .await?;
-        let order_id: i64 = row.try_get(0)?;
-        // On the borrowed connection: the handle lends one borrow at a time.
-        enqueue(
-            &client,
-            "order_created",
-            &event(order_id, &tenant, &sku, quantity),
-        )
-        .await?;
-        Ok::<i64, tower_idempotency::Error>(order_id)
-    };
-    created_response(created.await.ok())
+        Ok(row.try_get(0)?)
+    }
 }
+
+type DbResult<T> = Result<T, tower_idempotency::Error>;
 
 /// The order's SKU and quantity, if the body is an order.
 fn parse_order(body: &[u8]) -> Option<(String, i64)> {

@@ -30,7 +30,7 @@
 //! Logs go to stderr; set `RUST_LOG` (default `warn`) to see more.
 
 use std::future::Future;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::ExitCode;
 
 use tokio::net::TcpListener;
@@ -42,7 +42,8 @@ use tower_idempotency::body::BoxError;
 use tower_idempotency::store::sqlite::{SqliteStore, SqliteTransaction};
 use tower_idempotency::{IdempotencyLayer, Tenant};
 
-use cli::{ctrl_c, Flag, Flags};
+use cli::ctrl_c;
+use command::{Command, FLAGS, USAGE};
 use order_table::{open_store, NewOrder};
 use pb::orders_server::{Orders, OrdersServer};
 use pb::{CreateOrderRequest, CreateOrderResponse, GetOrderRequest, ListOrdersRequest, Order};
@@ -60,24 +61,15 @@ mod pb {
 /// Logging, flags and exit codes, as every example has them.
 #[path = "common/cli.rs"]
 mod cli;
-/// The `--demo`: the retry lab, and its tonic client.
-#[path = "common/lab.rs"]
-mod lab;
-#[path = "grpc/lab_client.rs"]
-mod lab_client;
+/// The command line: usage, flags, and what each command runs.
+#[path = "grpc/command.rs"]
+mod command;
+/// The `--demo`: the retry lab, with a tonic client.
+#[path = "grpc/demo.rs"]
+mod demo;
 /// The `orders` table and the rules of a valid order, shared with the other order examples.
 #[path = "common/order_table.rs"]
 mod order_table;
-
-const USAGE: &str = "\
-usage: grpc_orders [--addr ADDR] [--db PATH]
-       grpc_orders --demo
-
-  --addr ADDR   address to listen on (default 127.0.0.1:50051)
-  --db PATH     SQLite database for orders and idempotency records (default ./grpc_orders.db)
-  --demo        serve on an ephemeral loopback port with a fresh database, run the retry
-                lab against it with a tonic client, print its six lines and exit
-  -h, --help    show this help";
 
 /// The only RPC the idempotency layer handles. Every gRPC call is an HTTP/2 `POST`, so the
 /// layer, which wraps the whole server, is told which path is the one to make idempotent.
@@ -85,12 +77,7 @@ const CREATE_ORDER_PATH: &str = "/orders.Orders/CreateOrder";
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let flags = [
-        Flag::Value("--addr"),
-        Flag::Value("--db"),
-        Flag::Switch("--demo"),
-    ];
-    cli::main("grpc_orders", USAGE, &flags, Command::parse, Command::run).await
+    cli::main("grpc_orders", USAGE, FLAGS, Command::parse, Command::run).await
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -262,50 +249,4 @@ async fn serve(addr: &str, db: &Path) -> Result<(), BoxError> {
     );
     serve_on(listener, store, ctrl_c()).await?;
     Ok(())
-}
-
-/// The demo: the article's lab, with a tonic client over real HTTP/2 against the app above.
-async fn demo() -> Result<(), BoxError> {
-    let dir = tempfile::tempdir()?;
-    let store = open_store(&dir.path().join("orders.db")).await?;
-    let (listener, addr) = cli::listen("127.0.0.1:0").await?;
-    let client = lab_client::GrpcShop::connect(addr);
-    let server = store.clone();
-    lab::demo(
-        store,
-        |shutdown| serve_on(listener, server, shutdown),
-        client,
-    )
-    .await
-}
-
-// ---------------------------------------------------------------------------------------------
-// Command line
-// ---------------------------------------------------------------------------------------------
-
-enum Command {
-    Serve { addr: String, db: PathBuf },
-    Demo,
-}
-
-impl Command {
-    fn parse(mut flags: Flags) -> Result<Self, String> {
-        let addr = flags.value("--addr");
-        let db = flags.value("--db").map(PathBuf::from);
-        match (flags.switch("--demo"), addr.is_some() || db.is_some()) {
-            (true, true) => Err("--demo picks its own address and database".into()),
-            (true, false) => Ok(Command::Demo),
-            (false, _) => Ok(Command::Serve {
-                addr: addr.unwrap_or_else(|| "127.0.0.1:50051".into()),
-                db: db.unwrap_or_else(|| "grpc_orders.db".into()),
-            }),
-        }
-    }
-
-    async fn run(self) -> Result<(), BoxError> {
-        match self {
-            Command::Serve { addr, db } => serve(&addr, &db).await,
-            Command::Demo => demo().await,
-        }
-    }
 }

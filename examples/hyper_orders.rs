@@ -27,23 +27,16 @@
 //! Logs go to stderr; set `RUST_LOG` (default `warn`) to see more.
 
 use std::convert::Infallible;
-use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::time::Duration;
 
 use bytes::Bytes;
-use http::header::{ALLOW, AUTHORIZATION, CONTENT_TYPE, LOCATION};
+use http::header::{AUTHORIZATION, LOCATION};
 use http::{HeaderValue, Method, Request, Response, StatusCode};
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
-use hyper::server::conn::http1;
-use hyper::service::service_fn;
-use hyper_util::rt::TokioIo;
-use hyper_util::server::graceful::GracefulShutdown;
-use serde_json::{json, Value};
-use tokio::net::TcpListener;
+use serde_json::json;
 use tower::{Layer, ServiceExt};
 use tower_idempotency::body::{BoxError, RequestBody};
 use tower_idempotency::fingerprint::Fingerprinter;
@@ -51,14 +44,21 @@ use tower_idempotency::store::sqlite::{SqliteStore, SqliteTransaction};
 use tower_idempotency::{IdempotencyLayer, Tenant};
 
 use cli::{ctrl_c, Flag, Flags};
+use json::{full_json, full_json_error, internal_error, json_error, method_not_allowed};
 use order_table::{open_store, NewOrder};
 
 /// Logging, flags and exit codes, as every example has them.
 #[path = "common/cli.rs"]
 mod cli;
+/// JSON answers: the handler's and the router's.
+#[path = "hyper/json.rs"]
+mod json;
 /// The `orders` table and the rules of a valid order, shared with the other order examples.
 #[path = "common/order_table.rs"]
 mod order_table;
+/// HTTP/1.1 connections, served until a shutdown signal.
+#[path = "hyper/server.rs"]
+mod server;
 
 /// Every answer's body: the handler's own, or the layer's (a replay or an error it wrote).
 type Body = UnsyncBoxBody<Bytes, Infallible>;
@@ -164,17 +164,11 @@ async fn create_order(request: Request<RequestBody>) -> Result<Response<Full<Byt
     let tx = request.extensions().get::<SqliteTransaction>().cloned();
     let (Some(tenant), Some(tx)) = (tenant, tx) else {
         tracing::error!("POST /orders reached without a tenant or an idempotency transaction");
-        return Ok(full_json_error(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "internal_error",
-        ));
+        return Ok(internal_error());
     };
     // The layer already buffered the body (it fingerprinted it): this cannot fail or wait.
     let Ok(body) = request.into_body().collect().await.map(|b| b.to_bytes()) else {
-        return Ok(full_json_error(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "internal_error",
-        ));
+        return Ok(internal_error());
     };
     let order = match NewOrder::from_json(&body) {
         Ok(order) => order,
@@ -189,10 +183,7 @@ async fn create_order(request: Request<RequestBody>) -> Result<Response<Full<Byt
         Ok(order_id) => order_id,
         Err(error) => {
             tracing::error!(%error, "inserting the order failed");
-            return Ok(full_json_error(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "internal_error",
-            ));
+            return Ok(internal_error());
         }
     };
 
@@ -225,32 +216,6 @@ async fn get_order(store: &SqliteStore, tenant: &Tenant, id: &str) -> Response<B
     }
 }
 
-fn full_json(status: StatusCode, value: &Value) -> Response<Full<Bytes>> {
-    let mut response = Response::new(Full::new(Bytes::from(value.to_string())));
-    *response.status_mut() = status;
-    response
-        .headers_mut()
-        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-    response
-}
-
-/// `{"error":"<code>"}`, the app's error body (the layer writes its own the same way).
-fn full_json_error(status: StatusCode, code: &str) -> Response<Full<Bytes>> {
-    full_json(status, &json!({ "error": code }))
-}
-
-fn json_error(status: StatusCode, code: &str) -> Response<Body> {
-    full_json_error(status, code).map(BodyExt::boxed_unsync)
-}
-
-fn method_not_allowed(allow: &'static str) -> Response<Body> {
-    let mut response = json_error(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed");
-    response
-        .headers_mut()
-        .insert(ALLOW, HeaderValue::from_static(allow));
-    response
-}
-
 // ---------------------------------------------------------------------------------------------
 // Serving
 // ---------------------------------------------------------------------------------------------
@@ -261,44 +226,8 @@ async fn serve(addr: &str, db: &Path) -> Result<(), BoxError> {
     order_table::spawn_purge(&store);
     let (listener, local) = cli::listen(addr).await?;
     println!("{}", order_table::banner(local, db));
-    serve_on(listener, App::new(store), ctrl_c()).await;
+    let app = App::new(store);
+    let service = move |request| route(app.clone(), request);
+    server::serve_http1(listener, service, ctrl_c()).await;
     Ok(())
-}
-
-/// Serves HTTP/1.1 connections on `listener` until `shutdown` resolves, then lets the requests
-/// in flight finish (for at most 10 s): one committed and never answered would be replayed to
-/// the retry anyway, but there is no reason to make the client retry.
-async fn serve_on(listener: TcpListener, app: App, shutdown: impl Future<Output = ()>) {
-    let graceful = GracefulShutdown::new();
-    let mut shutdown = std::pin::pin!(shutdown);
-    loop {
-        let stream = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
-                Err(error) => {
-                    // Out of file descriptors, for instance: wait a little instead of spinning.
-                    tracing::warn!(%error, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-            () = &mut shutdown => break,
-        };
-        let app = app.clone();
-        let service = service_fn(move |request| route(app.clone(), request));
-        let connection = http1::Builder::new().serve_connection(TokioIo::new(stream), service);
-        let connection = graceful.watch(connection);
-        tokio::spawn(async move {
-            if let Err(error) = connection.await {
-                tracing::debug!(%error, "connection ended with an error");
-            }
-        });
-    }
-    drop(listener);
-    if tokio::time::timeout(Duration::from_secs(10), graceful.shutdown())
-        .await
-        .is_err()
-    {
-        tracing::warn!("connections still open after 10 s; closing them");
-    }
 }

@@ -29,8 +29,8 @@
 //!
 //! Logs go to stderr; set `RUST_LOG` (default `warn`) to see more.
 
-use std::future::IntoFuture;
-use std::path::{Path as FsPath, PathBuf};
+use std::future::Future;
+use std::path::Path as FsPath;
 use std::process::ExitCode;
 
 use axum::body::Bytes;
@@ -41,36 +41,28 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
 use serde_json::{json, Value};
-use tokio::net::TcpListener;
-use tower_idempotency::body::{BoxError, RequestBody};
+use tower_idempotency::body::BoxError;
 use tower_idempotency::extract::Tx;
 use tower_idempotency::fingerprint::Fingerprinter;
 use tower_idempotency::outbox::sqlite::SqliteOutbox;
-use tower_idempotency::outbox::{Enqueue, HttpSink, Relay};
+use tower_idempotency::outbox::Enqueue;
 use tower_idempotency::store::sqlite::{SqliteStore, SqliteTransaction};
+use tower_idempotency::store::IdempotencyStore;
 use tower_idempotency::{IdempotencyLayer, Tenant};
 
-use cli::{ctrl_c, Flag, Flags};
+use command::{Command, FLAGS, USAGE};
 use order_table::NewOrder;
 
 /// Logging, flags and exit codes, as every example has them.
 #[path = "common/cli.rs"]
 mod cli;
-/// The `--demo`: the retry lab, and its HTTP client.
-#[path = "common/lab.rs"]
-mod lab;
-#[path = "common/lab_http.rs"]
-mod lab_http;
-/// `GET /metrics` in the Prometheus text format.
-#[path = "orders/metrics.rs"]
-mod metrics;
-/// `GET /openapi.json`, the API's OpenAPI document.
-#[path = "orders/openapi.rs"]
-mod openapi;
+/// The command line: usage, flags, and what each command runs.
+#[path = "orders/command.rs"]
+mod command;
+/// The `--demo`: the retry lab, with an HTTP client.
+#[path = "orders/demo.rs"]
+mod demo;
 /// The `orders` table and the rules of a valid order, shared with the other order examples.
 #[path = "common/order_table.rs"]
 mod order_table;
@@ -78,61 +70,64 @@ mod order_table;
 #[cfg(feature = "postgres")]
 #[path = "orders/postgres.rs"]
 mod postgres;
-
-const USAGE: &str = "\
-usage: orders [--addr ADDR] [--db PATH | --database-url URL] [--webhook URL] [--ietf]
-       orders --demo
-
-  --addr ADDR   address to listen on (default 127.0.0.1:3000)
-  --db PATH     SQLite database for orders and idempotency records (default ./orders.db)
-  --database-url URL
-                PostgreSQL instead (postgres://user@host:5432/db): several instances may
-                share it
-  --webhook URL deliver the outbox's events (`order_created`) to this URL: a relay POSTs
-                each one with its event id as `Idempotency-Key` until it is accepted
-  --ietf        answer the IETF draft's way: problem+json bodies, 422 for a reused key,
-                409 with Retry-After at once for a duplicate still running
-  --demo        serve on an ephemeral loopback port with a fresh database, run the retry
-                lab against it over HTTP, print its six lines and exit
-  -h, --help    show this help";
+/// Serving the app on SQLite or PostgreSQL, with `GET /metrics` and `GET /openapi.json`.
+#[path = "orders/server.rs"]
+mod server;
+/// `--webhook URL`: the relay that delivers the outbox's events.
+#[path = "orders/webhook.rs"]
+mod webhook;
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let flags = [
-        Flag::Value("--addr"),
-        Flag::Value("--db"),
-        Flag::Value("--database-url"),
-        Flag::Value("--webhook"),
-        Flag::Switch("--ietf"),
-        Flag::Switch("--demo"),
-    ];
-    cli::main("orders", USAGE, &flags, Command::parse, Command::run).await
+    cli::main("orders", USAGE, FLAGS, Command::parse, Command::run).await
 }
 
 // ---------------------------------------------------------------------------------------------
 // The app
 // ---------------------------------------------------------------------------------------------
 
-/// Opens the store and creates the `orders` and `outbox_events` tables next to the
-/// idempotency records.
-async fn open_store(db: &FsPath) -> Result<SqliteStore, BoxError> {
-    let store = order_table::open_store(db).await?;
-    SqliteOutbox::install(&store).await?;
-    Ok(store)
+/// What the handlers need from the database the orders live in: it is the idempotency store
+/// too, so that an order and its saved `201` commit in one transaction. SQLite below,
+/// PostgreSQL in `orders/postgres.rs`.
+trait OrderDatabase: IdempotencyStore {
+    /// The request's transaction, which the layer hands the handler (`Tx<...>`).
+    type Transaction: OrderTransaction;
+
+    /// `(sku, quantity)` of the order `id`, if `tenant` placed it.
+    fn find(
+        &self,
+        tenant: &Tenant,
+        id: i64,
+    ) -> impl Future<Output = DbResult<Option<(String, i64)>>> + Send;
 }
 
-fn app(store: SqliteStore, ietf: bool) -> Router {
+/// The request's transaction: the order and its event go through it.
+trait OrderTransaction: Enqueue + Clone + Send + Sync + 'static {
+    /// Inserts `order` for `tenant`; returns its id.
+    fn insert_order(
+        &self,
+        tenant: &Tenant,
+        order: &NewOrder,
+    ) -> impl Future<Output = DbResult<i64>> + Send;
+}
+
+/// A query's value, or why it failed (logged by the handler, `500` to the client).
+type DbResult<T> = Result<T, BoxError>;
+
+/// The order API on `db`: `POST /orders` behind the idempotency layer, `GET /orders/{id}`,
+/// and the demo authentication in front of both.
+fn app<D: OrderDatabase>(db: D, ietf: bool) -> Router {
     Router::new()
         // Only the POST is wrapped: GET is idempotent by itself.
         .route(
             "/orders",
-            post(create_order).layer(idempotency(store.clone(), ietf)),
+            post(create_order::<D>).layer(idempotency(db.clone(), ietf)),
         )
-        .route("/orders/{id}", get(get_order))
+        .route("/orders/{id}", get(get_order::<D>))
         // Added last, so it is the outermost layer: it must run before the idempotency layer,
         // which scopes every record by the tenant it finds here.
         .layer(middleware::from_fn(authenticate))
-        .with_state(store)
+        .with_state(db)
 }
 
 /// The idempotency layer of `POST /orders` (on either database); with `ietf`, its own
@@ -167,29 +162,24 @@ async fn authenticate(mut request: Request, next: Next) -> Response {
 ///
 /// Every error answer here is a 4xx or 5xx, which the layer does not save: it rolls the
 /// transaction back, so the client may retry the same key (with a corrected payload).
-async fn create_order(
+async fn create_order<D: OrderDatabase>(
     Extension(tenant): Extension<Tenant>,
-    Tx(tx): Tx<SqliteTransaction>,
+    Tx(tx): Tx<D::Transaction>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let order = NewOrder::from_json(&body).map_err(ApiError::Invalid)?;
-    // Same connection, same transaction as the idempotency record the layer saves after us.
-    let (tenant_id, row) = (tenant.as_str().to_owned(), order.clone());
+    // Same transaction as the idempotency record the layer saves after us.
     let order_id = tx
-        .run(move |conn| order_table::insert(conn, &tenant_id, &row))
+        .insert_order(&tenant, &order)
         .await
-        .map_err(|error| {
-            tracing::error!(%error, "inserting the order failed");
-            ApiError::Internal
-        })?;
+        .map_err(|error| internal(error, "inserting the order"))?;
     // Reserving stock is another service's job. Calling it from here could not be undone by a
     // rollback; the event commits with the order instead (or not at all), and the relay
     // delivers it once the order is durable.
     let event = order_created(order_id, &tenant, &order);
-    tx.enqueue("order_created", event).await.map_err(|error| {
-        tracing::error!(%error, "enqueueing order_created failed");
-        ApiError::Internal
-    })?;
+    tx.enqueue("order_created", event)
+        .await
+        .map_err(|error| internal(error, "enqueueing order_created"))?;
     Ok(created(order_id))
 }
 
@@ -216,18 +206,16 @@ fn created(order_id: i64) -> Response {
 
 /// `GET /orders/{id}`: the caller's own order. Another tenant's order is answered exactly like
 /// a missing one, so ids reveal nothing across tenants.
-async fn get_order(
-    State(store): State<SqliteStore>,
+async fn get_order<D: OrderDatabase>(
+    State(db): State<D>,
     Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
     let order_id: i64 = id.parse().map_err(|_| ApiError::NotFound)?;
-    let order = order_table::find(&store, tenant.as_str(), order_id)
+    let order = db
+        .find(&tenant, order_id)
         .await
-        .map_err(|error| {
-            tracing::error!(%error, "reading the order failed");
-            ApiError::Internal
-        })?;
+        .map_err(|error| internal(error, "reading the order"))?;
     let (sku, quantity) = order.ok_or(ApiError::NotFound)?;
     Ok(Json(
         json!({ "order_id": order_id, "sku": sku, "quantity": quantity }),
@@ -245,6 +233,12 @@ enum ApiError {
     Internal,
 }
 
+/// Logs what failed (the client only learns `internal_error`).
+fn internal(error: impl std::fmt::Display, doing: &str) -> ApiError {
+    tracing::error!(%error, "{doing} failed");
+    ApiError::Internal
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let (status, code) = match self {
@@ -258,137 +252,32 @@ impl IntoResponse for ApiError {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Serving
+// On SQLite (the default)
 // ---------------------------------------------------------------------------------------------
 
-async fn serve(addr: &str, db: &FsPath, webhook: Option<&str>, ietf: bool) -> Result<(), BoxError> {
-    let store = open_store(db).await?;
-    if let Some(url) = webhook {
-        let relay = Relay::new(SqliteOutbox::existing(&store), webhook_sink(url)?);
-        // Like the purge below: the library never spawns its background work.
-        tokio::spawn(relay.run());
+/// Opens the store and creates the `orders` and `outbox_events` tables next to the
+/// idempotency records.
+async fn open_store(db: &FsPath) -> Result<SqliteStore, BoxError> {
+    let store = order_table::open_store(db).await?;
+    SqliteOutbox::install(&store).await?;
+    Ok(store)
+}
+
+/// The orders live in the store's own database file.
+impl OrderDatabase for SqliteStore {
+    type Transaction = SqliteTransaction;
+
+    async fn find(&self, tenant: &Tenant, id: i64) -> DbResult<Option<(String, i64)>> {
+        Ok(order_table::find(self, tenant.as_str(), id).await?)
     }
-    // The library never spawns background work; expired records are purged by this task.
-    order_table::spawn_purge(&store);
-    let (listener, local) = cli::listen(addr).await?;
-    println!("{}", order_table::banner(local, db));
-    serve_app(listener, app(store, ietf), webhook, ietf).await
 }
 
-/// Serves `app`, `GET /metrics` and `GET /openapi.json` on `listener` until Ctrl-C. Says where
-/// the relay delivers (`--webhook`) after the first line, which scripts and tests read for the
-/// address.
-async fn serve_app(
-    listener: TcpListener,
-    app: Router,
-    webhook: Option<&str>,
-    ietf: bool,
-) -> Result<(), BoxError> {
-    let app = app
-        .merge(metrics::routes(metrics::install()?))
-        // Documented from a layer configured as the route's (its store plays no part).
-        .merge(openapi::routes(&idempotency((), ietf))?);
-    if let Some(url) = webhook {
-        println!("relaying outbox events to {url}");
-    }
-    axum::serve(listener, app)
-        .with_graceful_shutdown(ctrl_c())
-        .await?;
-    Ok(())
-}
-
-/// The relay's sink for `--webhook URL`: POSTs each event there, its id as `Idempotency-Key`.
-type WebhookSink = HttpSink<Client<HttpConnector, RequestBody>, RequestBody>;
-
-fn webhook_sink(url: &str) -> Result<WebhookSink, BoxError> {
-    let uri: axum::http::Uri = url
-        .parse()
-        .map_err(|error| format!("--webhook {url}: {error}"))?;
-    let client = Client::builder(TokioExecutor::new()).build_http::<RequestBody>();
-    Ok(HttpSink::new(client, uri))
-}
-
-/// The demo: the article's retry lab, over real HTTP against the app above.
-async fn demo() -> Result<(), BoxError> {
-    let dir = tempfile::tempdir()?;
-    let store = open_store(&dir.path().join("orders.db")).await?;
-    let (listener, addr) = cli::listen("127.0.0.1:0").await?;
-    let client = lab_http::HttpShop::new(addr);
-    let router = app(store.clone(), false);
-    let serve = move |shutdown: lab::Shutdown| {
-        axum::serve(listener, router)
-            .with_graceful_shutdown(shutdown)
-            .into_future()
-    };
-    lab::demo(store, serve, async { Ok(client) }).await
-}
-
-// ---------------------------------------------------------------------------------------------
-// Command line
-// ---------------------------------------------------------------------------------------------
-
-enum Command {
-    Serve {
-        addr: String,
-        db: PathBuf,
-        database_url: Option<String>,
-        webhook: Option<String>,
-        ietf: bool,
-    },
-    Demo,
-}
-
-impl Command {
-    fn parse(mut flags: Flags) -> Result<Self, String> {
-        let addr = flags.value("--addr");
-        let db = flags.value("--db").map(PathBuf::from);
-        let database_url = flags.value("--database-url");
-        let webhook = flags.value("--webhook");
-        let ietf = flags.switch("--ietf");
-        if db.is_some() && database_url.is_some() {
-            return Err("--db and --database-url are two different stores: pick one".into());
-        }
-        match (
-            flags.switch("--demo"),
-            addr.is_some() || db.is_some() || database_url.is_some() || webhook.is_some() || ietf,
-        ) {
-            (true, true) => {
-                Err("--demo picks its own address and database, and has no options".into())
-            }
-            (true, false) => Ok(Command::Demo),
-            (false, _) => Ok(Command::Serve {
-                addr: addr.unwrap_or_else(|| "127.0.0.1:3000".into()),
-                db: db.unwrap_or_else(|| "orders.db".into()),
-                database_url,
-                webhook,
-                ietf,
-            }),
-        }
-    }
-
-    async fn run(self) -> Result<(), BoxError> {
-        match self {
-            #[cfg(feature = "postgres")]
-            Command::Serve {
-                addr,
-                database_url: Some(url),
-                webhook,
-                ietf,
-                ..
-            } => postgres::serve(&addr, &url, webhook.as_deref(), ietf).await,
-            #[cfg(not(feature = "postgres"))]
-            Command::Serve {
-                database_url: Some(_),
-                ..
-            } => Err("--database-url needs the `postgres` feature".into()),
-            Command::Serve {
-                addr,
-                db,
-                webhook,
-                ietf,
-                ..
-            } => serve(&addr, &db, webhook.as_deref(), ietf).await,
-            Command::Demo => demo().await,
-        }
+impl OrderTransaction for SqliteTransaction {
+    async fn insert_order(&self, tenant: &Tenant, order: &NewOrder) -> DbResult<i64> {
+        let (tenant_id, order) = (tenant.as_str().to_owned(), order.clone());
+        // On the transaction's own connection (the store's writer).
+        Ok(self
+            .run(move |conn| order_table::insert(conn, &tenant_id, &order))
+            .await?)
     }
 }

@@ -13,38 +13,30 @@
 //! so that building it needs neither a live database nor a checked-in `.sqlx` directory; the
 //! macros take the same `&mut *conn` executor.
 
-use axum::extract::Request;
-use axum::http::header::LOCATION;
-use axum::http::StatusCode;
-use axum::middleware::{self, Next};
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use axum::routing::post;
-use axum::{Extension, Json, Router};
-use serde_json::{json, Value};
+use axum::{Extension, Json};
+use serde_json::Value;
 use sqlx::postgres::PgPoolOptions;
 use tower_idempotency::extract::Tx;
 use tower_idempotency::store::sqlx_postgres::{SqlxPostgresStore, SqlxTransaction};
-use tower_idempotency::{Fingerprinter, IdempotencyLayer, Tenant};
+use tower_idempotency::Tenant;
 
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
+use sqlx_app::{created, idempotency, sku_and_quantity, ApiError, Args, BoxError};
+
+/// The command line, the layer's configuration, authentication, error answers and serving,
+/// shared with the other sqlx example.
+#[path = "common/sqlx_app.rs"]
+mod sqlx_app;
 
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
-    let mut args = std::env::args().skip(1);
-    let (mut url, mut addr) = (None, String::from("127.0.0.1:3000"));
-    while let Some(arg) = args.next() {
-        match arg.as_str() {
-            "--database-url" => url = args.next(),
-            "--addr" => addr = args.next().ok_or("--addr needs a value")?,
-            other => return Err(format!("unknown argument {other}").into()),
-        }
-    }
-    let url = url.ok_or("--database-url postgres://... is required")?;
+    let args = Args::parse("postgres")?;
 
     // The application's pool: its own queries and the idempotency transactions share it.
     let pool = PgPoolOptions::new()
         .max_connections(16)
-        .connect(&url)
+        .connect(&args.url)
         .await?;
     sqlx::raw_sql(
         "CREATE TABLE IF NOT EXISTS orders (
@@ -61,19 +53,8 @@ async fn main() -> Result<(), BoxError> {
     // your own migrations instead).
     store.migrate().await?;
 
-    let idempotency = IdempotencyLayer::new(store)
-        .with_operation("create_order")
-        .with_fingerprinter(Fingerprinter::json());
-    let app = Router::new()
-        .route("/orders", post(create_order).layer(idempotency))
-        .layer(middleware::from_fn(authenticate));
-    let listener = tokio::net::TcpListener::bind(&addr).await?;
-    println!(
-        "listening on http://{} (sqlx store)",
-        listener.local_addr()?
-    );
-    axum::serve(listener, app).await?;
-    Ok(())
+    let orders = post(create_order).layer(idempotency(store));
+    sqlx_app::serve(&args.addr, orders, "sqlx store").await
 }
 
 /// `POST /orders`: runs once per `(tenant, key)`; the layer replays its `201` to retries.
@@ -82,8 +63,7 @@ async fn create_order(
     Tx(tx): Tx<SqlxTransaction>,
     Json(order): Json<Value>,
 ) -> Result<Response, ApiError> {
-    let sku = order["sku"].as_str().ok_or(ApiError::BadRequest)?;
-    let quantity = order["quantity"].as_i64().ok_or(ApiError::BadRequest)?;
+    let (sku, quantity) = sku_and_quantity(&order)?;
     let mut conn = tx.acquire().await?;
     let (order_id,): (i64,) = sqlx::query_as(
         "INSERT INTO orders (tenant_id, sku, quantity) VALUES ($1, $2, $3) RETURNING id",
@@ -93,55 +73,5 @@ async fn create_order(
     .bind(quantity)
     .fetch_one(&mut *conn)
     .await?;
-    Ok((
-        StatusCode::CREATED,
-        [(LOCATION, format!("/orders/{order_id}"))],
-        Json(json!({ "order_id": order_id })),
-    )
-        .into_response())
-}
-
-/// Two demo tenants, by bearer token.
-async fn authenticate(mut request: Request, next: Next) -> Response {
-    let tenant = match request
-        .headers()
-        .get("authorization")
-        .and_then(|value| value.to_str().ok())
-    {
-        Some("Bearer shop-a-token") => Tenant::new("shop-a"),
-        Some("Bearer shop-b-token") => Tenant::new("shop-b"),
-        _ => return StatusCode::UNAUTHORIZED.into_response(),
-    };
-    request.extensions_mut().insert(tenant);
-    next.run(request).await
-}
-
-/// A 4xx or 5xx, which the layer does not save: it rolls the transaction back.
-enum ApiError {
-    BadRequest,
-    Internal,
-}
-
-impl From<sqlx::Error> for ApiError {
-    fn from(error: sqlx::Error) -> Self {
-        eprintln!("database error: {error}");
-        ApiError::Internal
-    }
-}
-
-impl From<tower_idempotency::Error> for ApiError {
-    fn from(error: tower_idempotency::Error) -> Self {
-        eprintln!("transaction error: {error}");
-        ApiError::Internal
-    }
-}
-
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let (status, code) = match self {
-            ApiError::BadRequest => (StatusCode::BAD_REQUEST, "invalid_order"),
-            ApiError::Internal => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
-        };
-        (status, Json(json!({ "error": code }))).into_response()
-    }
+    Ok(created(order_id))
 }

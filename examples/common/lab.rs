@@ -1,26 +1,44 @@
 //! The `--demo` of the order examples: the article's retry lab, run over the network against
 //! the example's own app on a fresh SQLite file. Each example brings a client for its protocol
-//! ([`Shop`]); the six steps, their checks and the six lines printed are the same. Included
-//! with `#[path = "common/lab.rs"] mod lab;`.
+//! ([`Shop`]); the six steps, their checks and the six lines printed are the same. Each
+//! example's demo module includes it with `#[path]`, beside its client.
 
 use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::net::TcpListener;
 use tokio::sync::{oneshot, Barrier};
 use tower_idempotency::body::BoxError;
 use tower_idempotency::store::sqlite::SqliteStore;
 
 /// A client of the order API, as the lab drives it.
 pub trait Shop: Clone + Send + Sync + 'static {
-    /// Places an order as the tenant of `token`, with this `Idempotency-Key`.
+    /// Places the order of `attempt`.
     fn create_order(
         &self,
-        token: &'static str,
-        key: &'static str,
-        quantity: i64,
+        attempt: Attempt,
     ) -> impl Future<Output = Result<Reply, BoxError>> + Send;
+}
+
+/// An order the lab places: `quantity` books, as the tenant of `token`, with this
+/// `Idempotency-Key`.
+#[derive(Clone, Copy, Debug)]
+pub struct Attempt {
+    pub token: &'static str,
+    pub key: &'static str,
+    pub quantity: i64,
+}
+
+fn attempt(token: &'static str, key: &'static str, quantity: i64) -> Attempt {
+    Attempt {
+        token,
+        key,
+        quantity,
+    }
 }
 
 /// What the lab looks at in an answer.
@@ -53,23 +71,31 @@ pub enum Outcome {
 /// Stops a server that [`demo`] started.
 pub type Shutdown = Pin<Box<dyn Future<Output = ()> + Send>>;
 
-/// Serves the app with `serve` (until the [`Shutdown`] it is given resolves), runs the lab with
-/// the client `connect` makes, and stops the server. A bug that makes a request hang fails
-/// the demo rather than hang it.
-pub async fn demo<C, S, E>(
-    store: SqliteStore,
-    serve: impl FnOnce(Shutdown) -> S,
-    connect: impl Future<Output = Result<C, BoxError>>,
+/// Opens the store with `open` on a fresh file in a temporary directory, serves the app on it
+/// with `serve` on an ephemeral loopback port (until the [`Shutdown`] it is given resolves),
+/// runs the lab with the client `connect` makes for that address, and stops the server. A bug
+/// that makes a request hang fails the demo rather than hang it.
+pub async fn demo<C, O, S, E, K>(
+    open: impl FnOnce(PathBuf) -> O,
+    serve: impl FnOnce(TcpListener, SqliteStore, Shutdown) -> S,
+    connect: impl FnOnce(SocketAddr) -> K,
 ) -> Result<(), BoxError>
 where
     C: Shop,
+    O: Future<Output = Result<SqliteStore, BoxError>>,
     S: Future<Output = Result<(), E>> + Send + 'static,
     E: Into<BoxError> + Send + 'static,
+    K: Future<Output = Result<C, BoxError>>,
 {
+    let dir = tempfile::tempdir()?;
+    let store = open(dir.path().join("orders.db")).await?;
+    let (listener, addr) = crate::cli::listen("127.0.0.1:0").await?;
+    let connect = connect(addr);
     let (stop, stopped) = oneshot::channel::<()>();
-    let server = tokio::spawn(serve(Box::pin(async {
+    let shutdown = Box::pin(async {
         let _ = stopped.await;
-    })));
+    });
+    let server = tokio::spawn(serve(listener, store.clone(), shutdown));
     let lab = tokio::time::timeout(Duration::from_secs(30), async {
         let client = connect.await?;
         run_lab(&client, &store).await
@@ -98,8 +124,8 @@ async fn run_lab(client: &impl Shop, store: &SqliteStore) -> Result<(), BoxError
     const SHOP_B: &str = "shop-b-token";
 
     // 1. The first response is lost on the way; the client retries with the same key.
-    let first = client.create_order(SHOP_A, "key-1", 1).await?;
-    let retry = client.create_order(SHOP_A, "key-1", 1).await?;
+    let first = client.create_order(attempt(SHOP_A, "key-1", 1)).await?;
+    let retry = client.create_order(attempt(SHOP_A, "key-1", 1)).await?;
     ensure!(
         first.outcome == Outcome::Created && !first.replayed,
         "first request: expected a fresh order, got {first:?}"
@@ -112,7 +138,7 @@ async fn run_lab(client: &impl Shop, store: &SqliteStore) -> Result<(), BoxError
     println!("retry: {} orders={orders}", retry.summary);
 
     // 2. Same key, different payload: refused, nothing changes.
-    let conflict = client.create_order(SHOP_A, "key-1", 2).await?;
+    let conflict = client.create_order(attempt(SHOP_A, "key-1", 2)).await?;
     ensure!(
         conflict.outcome == Outcome::KeyReused,
         "changed payload: expected key_reused_with_different_payload, got {conflict:?}"
@@ -121,7 +147,7 @@ async fn run_lab(client: &impl Shop, store: &SqliteStore) -> Result<(), BoxError
     println!("changed payload: {} orders={orders}", conflict.summary);
 
     // 3. Another tenant may use the same key: it is a different scope.
-    let other = client.create_order(SHOP_B, "key-1", 1).await?;
+    let other = client.create_order(attempt(SHOP_B, "key-1", 1)).await?;
     ensure!(
         other.outcome == Outcome::Created && !other.replayed && other.answer != first.answer,
         "other tenant: expected a new order, got {other:?}"
@@ -136,7 +162,7 @@ async fn run_lab(client: &impl Shop, store: &SqliteStore) -> Result<(), BoxError
         let (client, barrier) = (client.clone(), barrier.clone());
         tokio::spawn(async move {
             barrier.wait().await;
-            client.create_order(SHOP_A, "key-2", 1).await
+            client.create_order(attempt(SHOP_A, "key-2", 1)).await
         })
     };
     let (a, b) = (spawn_copy(), spawn_copy());
@@ -162,7 +188,7 @@ async fn run_lab(client: &impl Shop, store: &SqliteStore) -> Result<(), BoxError
             )
         })
         .await?;
-    let failed = client.create_order(SHOP_A, "key-3", 1).await?;
+    let failed = client.create_order(attempt(SHOP_A, "key-3", 1)).await?;
     ensure!(
         failed.outcome == Outcome::Internal,
         "injected failure: expected internal_error, got {failed:?}"
@@ -187,7 +213,7 @@ async fn run_lab(client: &impl Shop, store: &SqliteStore) -> Result<(), BoxError
     store
         .write(|tx| tx.execute_batch("DROP TRIGGER fail_replay"))
         .await?;
-    let recovered = client.create_order(SHOP_A, "key-3", 1).await?;
+    let recovered = client.create_order(attempt(SHOP_A, "key-3", 1)).await?;
     ensure!(
         recovered.outcome == Outcome::Created && !recovered.replayed,
         "retry after rollback: expected a fresh order, got {recovered:?}"

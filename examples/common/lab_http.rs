@@ -1,5 +1,5 @@
 //! The `--demo` client of `examples/orders.rs`: plain HTTP, through the network stack like
-//! any real client. Included with `#[path = "common/lab_http.rs"] mod lab_http;`.
+//! any real client. Included beside `lab.rs` by `orders/demo.rs`.
 
 use std::net::SocketAddr;
 
@@ -15,7 +15,7 @@ use tower_idempotency::body::BoxError;
 use tower_idempotency::response::IDEMPOTENT_REPLAYED;
 use tower_idempotency::IDEMPOTENCY_KEY;
 
-use crate::lab::{Outcome, Reply, Shop};
+use super::lab::{Attempt, Outcome, Reply, Shop};
 
 /// `POST /orders` on the app at one address.
 #[derive(Clone)]
@@ -34,16 +34,11 @@ impl HttpShop {
 }
 
 impl Shop for HttpShop {
-    async fn create_order(
-        &self,
-        token: &'static str,
-        key: &'static str,
-        quantity: i64,
-    ) -> Result<Reply, BoxError> {
-        let body = json!({ "sku": "book", "quantity": quantity }).to_string();
+    async fn create_order(&self, attempt: Attempt) -> Result<Reply, BoxError> {
+        let body = json!({ "sku": "book", "quantity": attempt.quantity }).to_string();
         let request = axum::http::Request::post(format!("{}/orders", self.base))
-            .header(AUTHORIZATION, format!("Bearer {token}"))
-            .header(IDEMPOTENCY_KEY, key)
+            .header(AUTHORIZATION, format!("Bearer {}", attempt.token))
+            .header(IDEMPOTENCY_KEY, attempt.key)
             .header(CONTENT_TYPE, "application/json")
             .body(Full::new(Bytes::from(body)))?;
         let response = self.http.request(request).await?;

@@ -9,7 +9,7 @@ use tonic::{Code, Request};
 use tower_idempotency::body::BoxError;
 use tower_idempotency::response::IDEMPOTENT_REPLAYED;
 
-use crate::lab::{Outcome, Reply, Shop};
+use super::lab::{Attempt, Outcome, Reply, Shop};
 use crate::pb::orders_client::OrdersClient;
 use crate::pb::CreateOrderRequest;
 
@@ -31,22 +31,17 @@ impl GrpcShop {
 }
 
 impl Shop for GrpcShop {
-    async fn create_order(
-        &self,
-        token: &'static str,
-        key: &'static str,
-        quantity: i64,
-    ) -> Result<Reply, BoxError> {
+    async fn create_order(&self, attempt: Attempt) -> Result<Reply, BoxError> {
         let mut request = Request::new(CreateOrderRequest {
             sku: "book".to_owned(),
-            quantity,
+            quantity: attempt.quantity,
         });
         let metadata = request.metadata_mut();
         metadata.insert(
             "authorization",
-            MetadataValue::try_from(format!("Bearer {token}"))?,
+            MetadataValue::try_from(format!("Bearer {}", attempt.token))?,
         );
-        metadata.insert("idempotency-key", MetadataValue::try_from(key)?);
+        metadata.insert("idempotency-key", MetadataValue::try_from(attempt.key)?);
         // The client is a cheap handle on one HTTP/2 connection; a clone per call lets calls
         // run concurrently.
         match self.orders.clone().create_order(request).await {
