@@ -10,8 +10,6 @@
 mod common;
 mod mysql_common;
 mod pg_common;
-#[path = "apps/process.rs"]
-mod process;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::future::Future;
@@ -21,9 +19,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::process::client;
+use common::process::ExampleProcess;
 use common::{post, Post, Reply, SHOP_A};
 use http::StatusCode;
-use process::ExampleProcess;
 use tokio::sync::Barrier;
 
 /// A fresh database that an order example serves on.

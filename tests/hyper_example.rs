@@ -3,17 +3,15 @@
 //! shared HTTP client of `tests/common` over loopback.
 
 mod common;
-#[path = "apps/process.rs"]
-mod process;
 mod sqlite_faults;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use common::process::{arg, ExampleProcess};
 use common::{assert_each_is_400, orders, record_exists, Post, Reply, PATIENCE, SHOP_A, SHOP_B};
 use http::StatusCode;
-use process::{arg, ExampleProcess};
 use sqlite_faults::{fail_saving_records, stop_failing_saves, OtherProcessLock};
 use tokio::sync::Barrier;
 use tower_idempotency::store::sqlite::SqliteStore;

@@ -2,17 +2,15 @@
 //! `/metrics` after some traffic, its `/openapi.json`, and its `--ietf` answers.
 
 mod common;
-#[path = "apps/process.rs"]
-mod process;
 
 use std::net::SocketAddr;
 
+use common::process::{arg, ExampleProcess};
 use common::{post, Post, Reply, PATIENCE, SHOP_A};
 use http::StatusCode;
 use http_body_util::Empty;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use process::{arg, ExampleProcess};
 
 const BOOK: &str = r#"{"sku":"book","quantity":1}"#;
 const PEN: &str = r#"{"sku":"pen","quantity":1}"#;

@@ -9,7 +9,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Output, Stdio};
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
@@ -19,44 +19,67 @@ use tokio::sync::mpsc;
 /// when the test fails.
 const PATIENCE: Duration = Duration::from_secs(10);
 
-/// The example `name`'s binary, up to date.
-///
-/// `cargo test` builds examples, but `cargo test --test NAME` does not, and a binary left in
-/// `target/` may be stale. So the first call for an example in a test binary runs
-/// `cargo build --example NAME` (the cargo that runs the tests, the same profile and target
-/// directory: a no-op when `cargo test` has just built it) and takes the path cargo reports.
+/// How long building an example may take (a cold build on a small machine).
+const BUILD_PATIENCE: Duration = Duration::from_secs(900);
+
+/// The example `name`'s binary, up to date: built once per test binary (see [`build_example`]).
 pub fn example_binary(name: &str) -> PathBuf {
     static BUILT: Mutex<Option<HashMap<String, PathBuf>>> = Mutex::new(None);
     let mut built = BUILT
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
-    let built = built.get_or_insert_with(HashMap::new);
-    if let Some(binary) = built.get(name) {
-        return binary.clone();
-    }
+    built
+        .get_or_insert_with(HashMap::new)
+        .entry(name.to_owned())
+        .or_insert_with(|| build_example(name))
+        .clone()
+}
+
+/// Runs `cargo build --example NAME` and returns the path cargo reports for the executable.
+///
+/// `cargo test` builds examples, but `cargo test --test NAME` does not, and a binary left in
+/// `target/` may be stale. So this runs the cargo that runs the tests, with the same profile and
+/// target directory (a no-op when `cargo test` has just built it); cargo holds no build lock
+/// while tests run. A build that takes longer than [`BUILD_PATIENCE`] is killed.
+pub fn build_example(name: &str) -> PathBuf {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let mut command = std::process::Command::new(cargo);
     command
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .args(["build", "--example", name, "--message-format=json"])
+        .stdout(Stdio::piped())
         .stderr(Stdio::inherit());
     if !cfg!(debug_assertions) {
         command.arg("--release");
     }
-    let output = command.output().expect("run cargo build");
-    assert!(
-        output.status.success(),
-        "`cargo build --example {name}` failed"
-    );
-    let binary = String::from_utf8_lossy(&output.stdout)
+    let mut child = command.spawn().expect("run cargo build");
+    let mut stdout = child.stdout.take().expect("piped stdout");
+    // Read on a thread so that the wait below can give up on a wedged build.
+    let reader = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = std::io::Read::read_to_string(&mut stdout, &mut text);
+        text
+    });
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait for cargo") {
+            break status;
+        }
+        if started.elapsed() > BUILD_PATIENCE {
+            let _ = child.kill();
+            panic!("`cargo build --example {name}` did not finish in {BUILD_PATIENCE:?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let messages = reader.join().expect("cargo output");
+    assert!(status.success(), "`cargo build --example {name}` failed");
+    messages
         .lines()
         .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
         .filter(|message| message["reason"] == "compiler-artifact")
         .filter(|message| message["target"]["name"] == name)
         .find_map(|message| message["executable"].as_str().map(PathBuf::from))
-        .unwrap_or_else(|| panic!("cargo reported no executable for example {name}"));
-    built.insert(name.to_owned(), binary.clone());
-    binary
+        .unwrap_or_else(|| panic!("cargo reported no executable for example {name}"))
 }
 
 /// `NAME --addr 127.0.0.1:0 ARGS...`, a child process killed when dropped.
@@ -110,7 +133,7 @@ impl ExampleProcess {
 
     /// SIGKILL (nothing in flight gets to finish), and waits until it is gone.
     pub async fn kill(mut self) {
-        let _ = self.child.start_kill();
+        self.child.start_kill().expect("kill the example");
         let _ = tokio::time::timeout(PATIENCE, self.child.wait()).await;
     }
 

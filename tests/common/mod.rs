@@ -49,6 +49,8 @@ pub const SHOP_B: &str = "shop-b-token";
 /// A generous bound for anything a test waits for: reached only when the test fails.
 pub const PATIENCE: Duration = Duration::from_secs(10);
 
+#[path = "../apps/process.rs"]
+mod example_process;
 #[path = "../splitmix/mod.rs"]
 mod splitmix;
 #[path = "../sqlite_orders/mod.rs"]
@@ -1143,113 +1145,38 @@ pub async fn execute(store: &SqliteStore, sql: &'static str) {
 /// The `orders` example as real processes on a SQLite file, and a client that tolerates a
 /// server that dies under it.
 pub mod process {
-    use std::collections::HashMap;
     use std::net::SocketAddr;
     use std::path::{Path, PathBuf};
-    use std::process::Stdio;
-    use std::sync::{Mutex, OnceLock, PoisonError};
-    use std::time::{Duration, Instant};
+    use std::time::Duration;
 
     use bytes::Bytes;
     use http_body_util::{BodyExt, Full};
     use hyper_util::client::legacy::connect::HttpConnector;
     use hyper_util::client::legacy::Client;
     use hyper_util::rt::TokioExecutor;
-    use tokio::io::{AsyncBufReadExt, BufReader};
-    use tokio::process::{Child, Command};
 
-    use super::{Post, Reply, PATIENCE};
+    pub use super::example_process::*;
+    use super::{Post, Reply};
 
     /// How long building the example may take (a cold build on a small machine).
     const BUILD_PATIENCE: Duration = Duration::from_secs(900);
 
-    /// The `orders` example binary, up to date.
-    ///
-    /// `cargo test` builds examples, but `cargo test --test NAME` does not, and a binary left
-    /// in `target/` may be stale. So the first call in a test binary runs
-    /// `cargo build --example orders` (the cargo that runs the tests, the same profile and
-    /// target directory: a no-op when `cargo test` has just built it) and takes the path
-    /// cargo reports for the artifact. Cargo holds no build lock while tests run.
+    /// The `orders` example binary, up to date (see [`build_example`]).
     pub fn orders_binary() -> PathBuf {
         example_binary("orders")
     }
 
-    /// The binary of the example `name`, up to date (see [`orders_binary`]): built once per
-    /// test binary.
-    pub fn example_binary(name: &str) -> PathBuf {
-        static BINARIES: OnceLock<Mutex<HashMap<String, PathBuf>>> = OnceLock::new();
-        let mut binaries = BINARIES
-            .get_or_init(Mutex::default)
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        binaries
-            .entry(name.to_owned())
-            .or_insert_with(|| build_example(name))
-            .clone()
-    }
-
-    /// Runs `cargo build --example <name>` (see [`orders_binary`]) and returns the path cargo
-    /// reports for the executable.
-    pub fn build_example(name: &str) -> PathBuf {
-        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-        let mut command = std::process::Command::new(cargo);
-        command
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .args(["build", "--example", name, "--message-format=json"])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit());
-        if !cfg!(debug_assertions) {
-            command.arg("--release");
-        }
-        let mut child = command.spawn().expect("run cargo build");
-        let mut stdout = child.stdout.take().expect("piped stdout");
-        // Read on a thread so that the wait below can give up on a wedged build.
-        let reader = std::thread::spawn(move || {
-            let mut text = String::new();
-            let _ = std::io::Read::read_to_string(&mut stdout, &mut text);
-            text
-        });
-        let started = Instant::now();
-        let status = loop {
-            if let Some(status) = child.try_wait().expect("wait for cargo") {
-                break status;
-            }
-            if started.elapsed() > BUILD_PATIENCE {
-                let _ = child.kill();
-                panic!("`cargo build --example {name}` did not finish in {BUILD_PATIENCE:?}");
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        };
-        let messages = reader.join().expect("cargo output");
-        assert!(status.success(), "`cargo build --example {name}` failed");
-        messages
-            .lines()
-            .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
-            .filter(|message| message["reason"] == "compiler-artifact")
-            .filter(|message| message["target"]["name"] == name)
-            .find_map(|message| message["executable"].as_str().map(PathBuf::from))
-            .unwrap_or_else(|| panic!("cargo reported no executable for example {name}"))
-    }
-
-    /// `orders --addr 127.0.0.1:0 --db <file>`, a child process killed when dropped.
+    /// `orders --addr 127.0.0.1:0 --db <file>` (or another order app), a child process killed
+    /// when dropped.
     pub struct OrdersProcess {
         pub addr: SocketAddr,
-        child: Child,
-    }
-
-    /// The address in the example's first line, `listening on http://ADDR ...`.
-    fn listening_on(line: &str) -> SocketAddr {
-        line.strip_prefix("listening on http://")
-            .and_then(|rest| rest.split_whitespace().next())
-            .and_then(|addr| addr.parse().ok())
-            .unwrap_or_else(|| panic!("unexpected first line: {line}"))
+        process: ExampleProcess,
     }
 
     impl OrdersProcess {
         /// Starts the example on the SQLite file `db` and waits until it listens.
         pub async fn start(db: &Path) -> OrdersProcess {
-            let db = db.to_str().expect("a UTF-8 database path");
-            Self::start_with(&["--db", db]).await
+            Self::start_with(&["--db", arg(db)]).await
         }
 
         /// Starts the example on `127.0.0.1:0` with these store arguments (`--db PATH` or
@@ -1261,33 +1188,16 @@ pub mod process {
         /// Starts the example `name` (an order app that takes `--addr` and prints its
         /// address first, as `orders` and `orders_sqlx` do) with these store arguments.
         pub async fn start_example(name: &str, store_args: &[&str]) -> OrdersProcess {
-            let mut child = Command::new(example_binary(name))
-                .args(["--addr", "127.0.0.1:0"])
-                .args(store_args)
-                .env("RUST_LOG", "error")
-                .stdin(Stdio::null())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::inherit())
-                .kill_on_drop(true)
-                .spawn()
-                .expect("start the example");
-            let stdout = child.stdout.take().expect("piped stdout");
-            let mut lines = BufReader::new(stdout).lines();
-            let first = tokio::time::timeout(PATIENCE, lines.next_line()).await;
-            let line = first
-                .expect("the example starts in time")
-                .expect("read the example's stdout")
-                .expect("the example printed its address");
-            let addr = listening_on(&line);
-            // Keep draining stdout so that the child never blocks on a full pipe.
-            tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-            OrdersProcess { addr, child }
+            let process = ExampleProcess::start(name, store_args).await;
+            OrdersProcess {
+                addr: process.addr,
+                process,
+            }
         }
 
         /// SIGKILL (`Child::start_kill` on Unix): nothing in flight gets to finish.
-        pub async fn kill(mut self) {
-            self.child.start_kill().expect("kill the example");
-            let _ = tokio::time::timeout(PATIENCE, self.child.wait()).await;
+        pub async fn kill(self) {
+            self.process.kill().await;
         }
     }
 
