@@ -7,7 +7,8 @@
 //! protocol, for which the server refuses a string of more than one statement: a string that
 //! holds one statement is checked by its first words ([`check_command`]).
 
-use super::{split_in, token, Dialect, Token, Words};
+use super::scanner::{Token, Tokens, Words};
+use super::{check_with, split_in, Dialect};
 use crate::error::Error;
 
 /// The statement the handle refuses that `command` starts with, if any.
@@ -83,42 +84,27 @@ pub(crate) fn refused(command: &str) -> Option<&'static str> {
 /// MariaDB's `SET STATEMENT ... FOR statement` when its statement is.
 fn refused_set(command: &str) -> Option<&'static str> {
     let bytes = command.as_bytes();
-    let mut at = 0;
-    let mut parens = 0usize;
     let mut words = 0usize;
-    while at < bytes.len() {
-        match token(Dialect::MySql, bytes, at) {
-            Token::Word(end) => {
-                let word = &command[at..end];
-                words += 1;
-                // `@name` is a user variable (`@@name` is the system variable).
-                let user_variable =
-                    at >= 1 && bytes[at - 1] == b'@' && (at < 2 || bytes[at - 2] != b'@');
-                if user_variable {
-                    at = end;
-                    continue;
-                }
-                if word.eq_ignore_ascii_case("autocommit") {
-                    return Some("SET autocommit");
-                }
-                if words == 2 && word.eq_ignore_ascii_case("PASSWORD") {
-                    return Some("SET PASSWORD (an implicit commit)");
-                }
-                if parens == 0 && words > 2 && word.eq_ignore_ascii_case("FOR") {
-                    return refused(&command[end..]);
-                }
-                at = end;
-            }
-            Token::Open => {
-                parens += 1;
-                at += 1;
-            }
-            Token::Close => {
-                parens = parens.saturating_sub(1);
-                at += 1;
-            }
-            Token::Semicolon => at += 1,
-            Token::Blank(end) | Token::Other(end) => at = end,
+    let mut tokens = Tokens::new(Dialect::MySql, command);
+    while let Some((at, token)) = tokens.next() {
+        let Token::Word(end) = token else {
+            continue;
+        };
+        let word = &command[at..end];
+        words += 1;
+        // `@name` is a user variable (`@@name` is the system variable).
+        let user_variable = at >= 1 && bytes[at - 1] == b'@' && (at < 2 || bytes[at - 2] != b'@');
+        if user_variable {
+            continue;
+        }
+        if word.eq_ignore_ascii_case("autocommit") {
+            return Some("SET autocommit");
+        }
+        if words == 2 && word.eq_ignore_ascii_case("PASSWORD") {
+            return Some("SET PASSWORD (an implicit commit)");
+        }
+        if tokens.depth() == 0 && words > 2 && word.eq_ignore_ascii_case("FOR") {
+            return refused(&command[end..]);
         }
     }
     None
@@ -127,11 +113,7 @@ fn refused_set(command: &str) -> Option<&'static str> {
 /// Checks a string the server will run as one statement (the binary protocol); the other
 /// statements [`split`] finds are checked too, for a clear error.
 pub(crate) fn check_command(command: &str) -> Result<(), Error> {
-    let refusal = refused(command).or_else(|| split(command).into_iter().find_map(refused));
-    match refusal {
-        Some(statement) => Err(Error::TransactionControl(statement)),
-        None => Ok(()),
-    }
+    check_with(Dialect::MySql, refused, command)
 }
 
 /// Cuts `sql` into its statements by MySQL's lexical rules (see [`super::split`]).
