@@ -326,6 +326,27 @@ mod postgres {
             killed_connection_rolls_back_and_the_retry_succeeds,
     );
 
+    /// A server on `db` whose order handler runs `hook` with a slot of the test's (what the hook
+    /// saw, for the test to read after the request), and that slot.
+    async fn spawn_keeping<T, Fut>(
+        db: &TestDb,
+        hook: impl Fn(Arc<Mutex<T>>, OrderCall) -> Fut + Send + Sync + 'static,
+    ) -> (PgServer, Arc<Mutex<T>>)
+    where
+        T: Default + Send + 'static,
+        Fut: std::future::Future<Output = HookOutcome> + Send + 'static,
+    {
+        let slot: Arc<Mutex<T>> = Arc::default();
+        let server = PgServer::builder()
+            .hook({
+                let slot = slot.clone();
+                pg_hook(move |call| hook(slot.clone(), call))
+            })
+            .spawn(db)
+            .await;
+        (server, slot)
+    }
+
     /// The only order is `reply`'s book, committed with its record, and `key-1` replays it.
     async fn assert_the_one_order_is(db: &TestDb, addr: std::net::SocketAddr, reply: &Reply) {
         let orders = db.orders().await;
@@ -347,87 +368,80 @@ mod postgres {
         let Some(db) = TestDb::create().await else {
             return;
         };
-        let problems: Arc<Mutex<Vec<String>>> = Arc::default();
-        let server = PgServer::builder()
-            .hook({
-                let problems = problems.clone();
-                pg_hook(move |call| {
-                    let problems = problems.clone();
-                    async move {
-                        let mut found = Vec::new();
-                        let client = call.tx.client().await.expect("client");
-                        let refused = |what: String, outcome: Result<(), Error>| match outcome {
-                            Err(Error::TransactionControl(_)) => None,
-                            other => Some(format!("{what}: not refused: {other:?}")),
-                        };
-                        for sql in [
-                            "COMMIT; BEGIN",
-                            "commit",
-                            "END",
-                            "ROLLBACK",
-                            "ROLLBACK AND CHAIN",
-                            "ABORT",
-                            "BEGIN",
-                            "START TRANSACTION",
-                            "/* the layer commits */ COMMIT",
-                            "-- a comment\nEND",
-                            "SELECT 1; COMMIT",
-                            "PREPARE TRANSACTION 'gid'",
-                            "COMMIT PREPARED 'gid'",
-                            "ROLLBACK PREPARED 'gid'",
-                        ] {
-                            found.extend(refused(
-                                format!("batch_execute({sql:?})"),
-                                client.batch_execute(sql).await,
-                            ));
-                            found.extend(refused(
-                                format!("simple_query({sql:?})"),
-                                client.simple_query(sql).await.map(drop),
-                            ));
-                            found.extend(refused(
-                                format!("execute({sql:?})"),
-                                client.execute(sql, &[]).await.map(drop),
-                            ));
-                            found.extend(refused(
-                                format!("query({sql:?})"),
-                                client.query(sql, &[]).await.map(drop),
-                            ));
-                            found.extend(refused(
-                                format!("prepare({sql:?})"),
-                                client.prepare(sql).await.map(drop),
-                            ));
-                        }
-                        // A refused batch runs none of its statements, not even the first.
-                        found.extend(refused(
-                            "an insert then COMMIT".to_owned(),
-                            client
-                                .batch_execute(
-                                    "INSERT INTO orders (tenant_id, sku, quantity) \
+        let (server, problems) = spawn_keeping(&db, |problems: Arc<Mutex<Vec<String>>>, call| {
+            async move {
+                let mut found = Vec::new();
+                let client = call.tx.client().await.expect("client");
+                let refused = |what: String, outcome: Result<(), Error>| match outcome {
+                    Err(Error::TransactionControl(_)) => None,
+                    other => Some(format!("{what}: not refused: {other:?}")),
+                };
+                for sql in [
+                    "COMMIT; BEGIN",
+                    "commit",
+                    "END",
+                    "ROLLBACK",
+                    "ROLLBACK AND CHAIN",
+                    "ABORT",
+                    "BEGIN",
+                    "START TRANSACTION",
+                    "/* the layer commits */ COMMIT",
+                    "-- a comment\nEND",
+                    "SELECT 1; COMMIT",
+                    "PREPARE TRANSACTION 'gid'",
+                    "COMMIT PREPARED 'gid'",
+                    "ROLLBACK PREPARED 'gid'",
+                ] {
+                    found.extend(refused(
+                        format!("batch_execute({sql:?})"),
+                        client.batch_execute(sql).await,
+                    ));
+                    found.extend(refused(
+                        format!("simple_query({sql:?})"),
+                        client.simple_query(sql).await.map(drop),
+                    ));
+                    found.extend(refused(
+                        format!("execute({sql:?})"),
+                        client.execute(sql, &[]).await.map(drop),
+                    ));
+                    found.extend(refused(
+                        format!("query({sql:?})"),
+                        client.query(sql, &[]).await.map(drop),
+                    ));
+                    found.extend(refused(
+                        format!("prepare({sql:?})"),
+                        client.prepare(sql).await.map(drop),
+                    ));
+                }
+                // A refused batch runs none of its statements, not even the first.
+                found.extend(refused(
+                    "an insert then COMMIT".to_owned(),
+                    client
+                        .batch_execute(
+                            "INSERT INTO orders (tenant_id, sku, quantity) \
                                      VALUES ('shop-a', 'before-commit', 1); COMMIT",
-                                )
-                                .await,
-                        ));
-                        // The transaction is still the layer's, and savepoints work inside it;
-                        // a COMMIT inside a string or a dollar quote is only text.
-                        if let Err(error) = client
-                            .batch_execute(
-                                "SAVEPOINT undo; \
+                        )
+                        .await,
+                ));
+                // The transaction is still the layer's, and savepoints work inside it;
+                // a COMMIT inside a string or a dollar quote is only text.
+                if let Err(error) = client
+                    .batch_execute(
+                        "SAVEPOINT undo; \
                                  INSERT INTO orders (tenant_id, sku, quantity) \
                                  VALUES ('shop-a', 'undone', 1); \
                                  ROLLBACK TO SAVEPOINT undo; RELEASE undo; \
                                  SELECT 'COMMIT; BEGIN', $$ROLLBACK$$",
-                            )
-                            .await
-                        {
-                            found.push(format!("savepoints: {error}"));
-                        }
-                        problems.lock().expect("problems").extend(found);
-                        HookOutcome::default()
-                    }
-                })
-            })
-            .spawn(&db)
-            .await;
+                    )
+                    .await
+                {
+                    found.push(format!("savepoints: {error}"));
+                }
+                problems.lock().expect("problems").extend(found);
+                HookOutcome::default()
+            }
+        })
+        .await;
 
         let reply = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
 
@@ -501,17 +515,14 @@ mod postgres {
         let Some(db) = TestDb::create().await else {
             return;
         };
-        let kept: Arc<Mutex<Option<PostgresTransaction>>> = Arc::default();
-        let server = PgServer::builder()
-            .hook({
-                let kept = kept.clone();
-                pg_hook(move |call| {
-                    *kept.lock().expect("slot") = Some(call.tx);
-                    async { HookOutcome::default() }
-                })
-            })
-            .spawn(&db)
-            .await;
+        let (server, kept) = spawn_keeping(
+            &db,
+            |kept: Arc<Mutex<Option<PostgresTransaction>>>, call| {
+                *kept.lock().expect("slot") = Some(call.tx);
+                async { HookOutcome::default() }
+            },
+        )
+        .await;
 
         let reply = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
         assert_eq!(reply.status, StatusCode::CREATED);
