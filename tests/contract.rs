@@ -13,15 +13,21 @@ mod backend;
 mod common;
 mod pg_common;
 
+use std::net::SocketAddr;
 use std::time::{Duration, SystemTime};
 
-use backend::{hook, replays, runs_afresh, Database, Server};
-use common::{post, Post, PATIENCE, SHOP_A, SHOP_B};
+use backend::{hook, replays, replays_as, runs_afresh, Database, Server};
+use common::{post, Post, Reply, PATIENCE, SHOP_A, SHOP_B};
 use http::header::{self, HeaderName};
 use http::{HeaderValue, StatusCode};
 use tower_idempotency::store::{continuously_purge_expired, IdempotencyStore};
 
 const BOOK: &str = r#"{"sku":"book","quantity":1}"#;
+
+/// The order [`BOOK`] under `key`, posted to `path` (which may carry a query).
+async fn order_at(addr: SocketAddr, key: &str, path: &str) -> Reply {
+    Post::order(key, BOOK).path(path).send(addr).await
+}
 
 async fn new_key_runs_the_handler_once_and_answers_201_with_location<B: Database>(db: B) {
     let server = db.spawn().await;
@@ -120,19 +126,14 @@ async fn another_tenant_with_the_same_key_gets_its_own_order<B: Database>(db: B)
     );
 
     // And each tenant's retry replays its own response.
-    let b_again = post(server.addr, Some(SHOP_B), Some("shared-key"), BOOK, &[]).await;
-    assert!(b_again.replayed());
-    assert_eq!(b_again.body, b.body);
+    replays_as(server.addr, SHOP_B, "shared-key", BOOK, &b).await;
 }
 
 async fn same_key_on_another_operation_is_independent<B: Database>(db: B) {
     let server = db.spawn().await;
 
     let order = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
-    let express = Post::order("key-1", BOOK)
-        .path("/express-orders")
-        .send(server.addr)
-        .await;
+    let express = order_at(server.addr, "key-1", "/express-orders").await;
 
     assert_eq!(order.status, StatusCode::CREATED);
     assert_eq!(express.status, StatusCode::CREATED, "{express:?}");
@@ -146,10 +147,7 @@ async fn same_key_on_another_operation_is_independent<B: Database>(db: B) {
     );
 
     // A different payload on the other operation is not a conflict with the first one.
-    let express_other = Post::order("key-2", BOOK)
-        .path("/express-orders")
-        .send(server.addr)
-        .await;
+    let express_other = order_at(server.addr, "key-2", "/express-orders").await;
     assert_eq!(express_other.status, StatusCode::CREATED);
 }
 
@@ -528,30 +526,18 @@ async fn query_string_is_part_of_the_request<B: Database>(db: B) {
     assert_eq!(order.status, StatusCode::CREATED, "{order:?}");
 
     // The same key and body with a query is another request: never a replay of the order.
-    let dry_run = Post::order("key-1", BOOK)
-        .path("/orders?dry_run=true")
-        .send(server.addr)
-        .await;
+    let dry_run = order_at(server.addr, "key-1", "/orders?dry_run=true").await;
     assert_eq!(dry_run.status, StatusCode::CONFLICT, "{dry_run:?}");
     assert_eq!(dry_run.error_code(), "key_reused_with_different_payload");
 
     // The query is compared decoded, its pairs in order.
-    let first = Post::order("key-2", BOOK)
-        .path("/orders?note=gift+wrap&a=1&b=2")
-        .send(server.addr)
-        .await;
+    let first = order_at(server.addr, "key-2", "/orders?note=gift+wrap&a=1&b=2").await;
     assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
-    let respelled = Post::order("key-2", BOOK)
-        .path("/orders?note=gift%20wrap&a=%31&&b=2&")
-        .send(server.addr)
-        .await;
+    let respelled = order_at(server.addr, "key-2", "/orders?note=gift%20wrap&a=%31&&b=2&").await;
     assert!(respelled.replayed(), "{respelled:?}");
     assert_eq!(respelled.body, first.body);
     for path in ["/orders?a=1&b=2&note=gift+wrap", "/orders"] {
-        let other = Post::order("key-2", BOOK)
-            .path(path)
-            .send(server.addr)
-            .await;
+        let other = order_at(server.addr, "key-2", path).await;
         assert_eq!(other.status, StatusCode::CONFLICT, "{path}: {other:?}");
     }
     assert_eq!(server.app.handler_calls(), 2);
@@ -591,20 +577,11 @@ async fn records_saved_before_the_query_counted_still_compare_as_they_did<B: Dat
     assert_eq!(db.order_count().await, 0);
 
     // A record saved now keeps its query.
-    let order = Post::order("new-key", BOOK)
-        .path("/orders?source=app")
-        .send(server.addr)
-        .await;
+    let order = order_at(server.addr, "new-key", "/orders?source=app").await;
     assert_eq!(order.status, StatusCode::CREATED, "{order:?}");
-    let dry_run = Post::order("new-key", BOOK)
-        .path("/orders?source=app&dry_run=true")
-        .send(server.addr)
-        .await;
+    let dry_run = order_at(server.addr, "new-key", "/orders?source=app&dry_run=true").await;
     assert_eq!(dry_run.status, StatusCode::CONFLICT, "{dry_run:?}");
-    let retry = Post::order("new-key", BOOK)
-        .path("/orders?source=app")
-        .send(server.addr)
-        .await;
+    let retry = order_at(server.addr, "new-key", "/orders?source=app").await;
     assert!(retry.replayed(), "{retry:?}");
     assert_eq!(server.app.handler_calls(), 1);
     assert_eq!(db.order_count().await, 1);
@@ -687,10 +664,7 @@ async fn another_tenant_or_operation_with_the_same_key_is_independent<B: Databas
 
     let a = post(server.addr, Some(SHOP_A), Some("shared-key"), BOOK, &[]).await;
     let b = post(server.addr, Some(SHOP_B), Some("shared-key"), BOOK, &[]).await;
-    let express = Post::order("shared-key", BOOK)
-        .path("/express-orders")
-        .send(server.addr)
-        .await;
+    let express = order_at(server.addr, "shared-key", "/express-orders").await;
 
     for reply in [&a, &b, &express] {
         assert_eq!(reply.status, StatusCode::CREATED, "{reply:?}");
@@ -709,9 +683,7 @@ async fn another_tenant_or_operation_with_the_same_key_is_independent<B: Databas
             .await
     );
 
-    let b_again = post(server.addr, Some(SHOP_B), Some("shared-key"), BOOK, &[]).await;
-    assert!(b_again.replayed());
-    assert_eq!(b_again.body, b.body);
+    replays_as(server.addr, SHOP_B, "shared-key", BOOK, &b).await;
     assert_eq!(db.order_count().await, 3);
 }
 
@@ -835,10 +807,7 @@ async fn continuous_purge_removes_expired_records_only<B: Database>(db: B) {
         let reply = post(server.addr, Some(SHOP_A), Some(&key), BOOK, &[]).await;
         assert_eq!(reply.status, StatusCode::CREATED);
     }
-    let live = Post::order("live-key", BOOK)
-        .path("/express-orders")
-        .send(server.addr)
-        .await;
+    let live = order_at(server.addr, "live-key", "/express-orders").await;
     assert_eq!(live.status, StatusCode::CREATED);
     assert_eq!(db.record_count().await, 4);
 
@@ -1016,10 +985,7 @@ mod sqlite {
     async fn tx_extractor_without_the_layer_is_500() {
         let server = TestServer::spawn().await;
 
-        let reply = Post::order("key-1", BOOK)
-            .path("/unguarded/orders")
-            .send(server.addr)
-            .await;
+        let reply = order_at(server.addr, "key-1", "/unguarded/orders").await;
 
         assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR);
         assert_eq!(reply.error_code(), "idempotency_layer_missing");

@@ -56,6 +56,15 @@ async fn reserve<S: IdempotencyStore>(store: &S, scope: &Scope, now: SystemTime)
     }
 }
 
+/// Reserves `scope` (it must be free) and rolls the reservation back.
+async fn reserve_and_roll_back<S: IdempotencyStore>(store: &S, scope: &Scope, now: SystemTime) {
+    reserve(store, scope, now)
+        .await
+        .rollback()
+        .await
+        .expect("rollback");
+}
+
 async fn existing<S: IdempotencyStore>(store: &S, scope: &Scope, now: SystemTime) -> StoredRecord {
     match store.begin(scope, LOCK_TIMEOUT, now).await.expect("begin") {
         Begin::Existing(record) => record,
@@ -96,11 +105,7 @@ async fn rollback_leaves_nothing<S: IdempotencyStore>(store: S) {
     let now = SystemTime::now();
     let scope = scope("shop-a", "create_order", "key-1");
 
-    reserve(&store, &scope, now)
-        .await
-        .rollback()
-        .await
-        .expect("rollback");
+    reserve_and_roll_back(&store, &scope, now).await;
 
     assert!(store.lookup(&scope, now).await.expect("lookup").is_none());
     // The scope is free again.
@@ -162,11 +167,7 @@ async fn begin_past_the_lock_timeout_is_busy<S: IdempotencyStore>(store: S) {
     }
     assert!(started.elapsed() < LOCK_TIMEOUT, "the wait was bounded");
     held.rollback().await.expect("rollback");
-    reserve(&store, &scope, now)
-        .await
-        .rollback()
-        .await
-        .expect("rollback");
+    reserve_and_roll_back(&store, &scope, now).await;
 }
 
 async fn scopes_are_independent<S: IdempotencyStore>(store: S) {
@@ -184,11 +185,7 @@ async fn scopes_are_independent<S: IdempotencyStore>(store: S) {
         scope("shop-a", "create_order", "key-2"),
     ] {
         assert!(store.lookup(&other, now).await.expect("lookup").is_none());
-        reserve(&store, &other, now)
-            .await
-            .rollback()
-            .await
-            .expect("rollback");
+        reserve_and_roll_back(&store, &other, now).await;
     }
 }
 

@@ -481,7 +481,18 @@ pub async fn runs_afresh(addr: SocketAddr, key: &str, body: &str) -> Reply {
 
 /// Sends `body` under `key` as shop-a again: a replay of `original`, the same status and body.
 pub async fn replays(addr: SocketAddr, key: &str, body: &str, original: &Reply) -> Reply {
-    let reply = post(addr, Some(SHOP_A), Some(key), body, &[]).await;
+    replays_as(addr, SHOP_A, key, body, original).await
+}
+
+/// [`replays`] as the tenant whose token is `tenant`.
+pub async fn replays_as(
+    addr: SocketAddr,
+    tenant: &str,
+    key: &str,
+    body: &str,
+    original: &Reply,
+) -> Reply {
+    let reply = post(addr, Some(tenant), Some(key), body, &[]).await;
     assert!(reply.replayed(), "{key}: a replay: {reply:?}");
     assert_eq!(reply.status, original.status, "{key}");
     assert_eq!(reply.body, original.body, "{key}: the same body");
