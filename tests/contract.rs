@@ -927,12 +927,15 @@ mod sqlite {
         // Not JSON at all: a request the layer handled would be refused (invalid_json); a
         // passed-through one reaches the handler with its exact bytes.
         let body = b"not json \xff\x00 at all".to_vec();
-        let reply = Post::order("unused", "")
-            .no_key()
-            .path("/notes")
-            .body(body.clone())
-            .send(server.addr)
-            .await;
+        let unkeyed_note = || async {
+            Post::order("unused", "")
+                .no_key()
+                .path("/notes")
+                .body(body.clone())
+                .send(server.addr)
+                .await
+        };
+        let reply = unkeyed_note().await;
 
         assert_eq!(reply.status, StatusCode::OK, "{reply:?}");
         assert_eq!(reply.body, body, "the body reached the handler untouched");
@@ -942,12 +945,7 @@ mod sqlite {
         assert_eq!(server.record_count().await, 0, "nothing stored");
 
         // Twice: not idempotent without a key, the handler runs again.
-        let again = Post::order("unused", "")
-            .no_key()
-            .path("/notes")
-            .body(body.clone())
-            .send(server.addr)
-            .await;
+        let again = unkeyed_note().await;
         assert_eq!(again.status, StatusCode::OK);
         assert!(!again.replayed());
         assert_eq!(server.app.note_calls(), 2);
