@@ -488,18 +488,9 @@ async fn two_app_instances_sharing_the_database_create_one_order_per_key<B: Data
     const DUPLICATES: usize = 6;
     let long_wait =
         |layer: IdempotencyLayer<B::Store>| layer.with_lock_timeout(Duration::from_secs(30));
-    let a = db
-        .server()
-        .layer(long_wait)
-        .hook(slow_handler(5))
-        .spawn()
-        .await;
-    let b = db
-        .server()
-        .layer(long_wait)
-        .hook(slow_handler(5))
-        .spawn()
-        .await;
+    let instance = || db.server().layer(long_wait).hook(slow_handler(5)).spawn();
+    let a = instance().await;
+    let b = instance().await;
     let requests = interleaved(&[a.addr, b.addr], KEYS, DUPLICATES);
 
     let replies = send_all_at_once(requests.clone()).await;

@@ -56,6 +56,20 @@ async fn reserve<S: IdempotencyStore>(store: &S, scope: &Scope, now: SystemTime)
     }
 }
 
+/// Reserves `scope` (it must be free) and commits `record` under it.
+async fn reserve_and_commit<S: IdempotencyStore>(
+    store: &S,
+    scope: &Scope,
+    now: SystemTime,
+    record: NewRecord,
+) {
+    reserve(store, scope, now)
+        .await
+        .commit(record)
+        .await
+        .expect("commit");
+}
+
 /// Reserves `scope` (it must be free) and rolls the reservation back.
 async fn reserve_and_roll_back<S: IdempotencyStore>(store: &S, scope: &Scope, now: SystemTime) {
     reserve(store, scope, now)
@@ -109,11 +123,7 @@ async fn rollback_leaves_nothing<S: IdempotencyStore>(store: S) {
 
     assert!(store.lookup(&scope, now).await.expect("lookup").is_none());
     // The scope is free again.
-    reserve(&store, &scope, now)
-        .await
-        .commit(record(now, 2))
-        .await
-        .expect("commit");
+    reserve_and_commit(&store, &scope, now, record(now, 2)).await;
 }
 
 async fn dropping_the_transaction_rolls_back<S: IdempotencyStore>(store: S) {
@@ -173,11 +183,7 @@ async fn begin_past_the_lock_timeout_is_busy<S: IdempotencyStore>(store: S) {
 async fn scopes_are_independent<S: IdempotencyStore>(store: S) {
     let now = SystemTime::now();
     let base = scope("shop-a", "create_order", "key-1");
-    reserve(&store, &base, now)
-        .await
-        .commit(record(now, 4))
-        .await
-        .expect("commit");
+    reserve_and_commit(&store, &base, now, record(now, 4)).await;
 
     for other in [
         scope("shop-b", "create_order", "key-1"),
@@ -193,11 +199,7 @@ async fn expired_record_is_absent_and_replaced<S: IdempotencyStore>(store: S) {
     let t0 = SystemTime::now();
     let later = t0 + 2 * HOUR;
     let scope = scope("shop-a", "create_order", "key-1");
-    reserve(&store, &scope, t0)
-        .await
-        .commit(record(t0, 5))
-        .await
-        .expect("commit");
+    reserve_and_commit(&store, &scope, t0, record(t0, 5)).await;
 
     assert!(store.lookup(&scope, later).await.expect("lookup").is_none());
     let replacement = record(later, 6);
@@ -215,21 +217,13 @@ async fn purge_deletes_expired_records_in_batches<S: IdempotencyStore>(store: S)
     let t0 = SystemTime::now();
     for k in 0..5 {
         let scope = scope("shop-a", "create_order", &format!("key-{k}"));
-        reserve(&store, &scope, t0)
-            .await
-            .commit(record(t0, k))
-            .await
-            .expect("commit");
+        reserve_and_commit(&store, &scope, t0, record(t0, k)).await;
     }
     // One record that lives longer.
     let long = scope("shop-a", "create_order", "long");
     let mut long_record = record(t0, 9);
     long_record.expires_at = t0 + 10 * HOUR;
-    reserve(&store, &long, t0)
-        .await
-        .commit(long_record)
-        .await
-        .expect("commit");
+    reserve_and_commit(&store, &long, t0, long_record).await;
 
     assert_eq!(store.purge_expired(t0, 2).await.expect("purge"), 0);
     let later = t0 + 2 * HOUR;
