@@ -133,6 +133,8 @@ pub mod metrics;
 mod openapi;
 #[cfg(feature = "outbox")]
 pub mod outbox;
+#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
+mod pg_driver;
 pub mod problem;
 pub mod response;
 mod service;

@@ -61,12 +61,10 @@ use crate::store::{from_unix_millis, IdempotencyStore, SavedColumns};
 
 #[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
 mod pg_sql;
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
 mod postgres;
 #[cfg(feature = "sqlite")]
 mod sqlite;
-#[cfg(feature = "sqlx-postgres")]
-mod sqlx_postgres;
 
 /// Administrative calls on a store; see the [module docs](self).
 #[derive(Clone)]

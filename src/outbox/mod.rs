@@ -93,6 +93,8 @@ mod columns;
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "sqlx-postgres"))]
 pub mod inbox;
 #[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
+mod pg;
+#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
 mod pg_sql;
 #[cfg(feature = "postgres")]
 pub mod postgres;
