@@ -15,8 +15,9 @@
 //!
 //! Each new order also enqueues an `order_created` event in the same transaction (the
 //! transactional outbox): the order, its saved `201` and its event commit together. With
-//! `--webhook URL` a relay runs beside the server and POSTs each event there, with the event id
-//! as `Idempotency-Key`, until the receiver accepts it (`examples/inventory.rs` is one).
+//! `--webhook URL` a relay runs beside the server and POSTs each event there as
+//! `{"id": event id, "topic": "order_created", "payload": {...}}` (the id also as
+//! `Idempotency-Key`), until the receiver accepts it (`examples/inventory.rs` is one).
 //!
 //! ```text
 //! curl -i http://127.0.0.1:3000/orders \
@@ -297,7 +298,8 @@ async fn serve_app(
     Ok(())
 }
 
-/// The relay's sink for `--webhook URL`: POSTs each event there, its id as `Idempotency-Key`.
+/// The relay's sink for `--webhook URL`: POSTs each event there, its id in the body (the
+/// envelope) and as `Idempotency-Key`.
 type WebhookSink = HttpSink<Client<HttpConnector, RequestBody>, RequestBody>;
 
 fn webhook_sink(url: &str) -> Result<WebhookSink, BoxError> {
@@ -305,7 +307,7 @@ fn webhook_sink(url: &str) -> Result<WebhookSink, BoxError> {
         .parse()
         .map_err(|error| format!("--webhook {url}: {error}"))?;
     let client = Client::builder(TokioExecutor::new()).build_http::<RequestBody>();
-    Ok(HttpSink::new(client, uri))
+    Ok(HttpSink::new(client, uri).with_event_envelope())
 }
 
 /// The demo: the article's retry lab, over real HTTP against the app above.

@@ -4,8 +4,10 @@
 //! inbox applies each event once.
 //!
 //! - A relay killed after the receiver accepted an event but before marking it delivered: the
-//!   next relay delivers it again with the same id, and the receiver acknowledges it without
-//!   reserving twice.
+//!   next relay delivers it again with the same id, and the receiver (keyed on the id in the
+//!   body) replays its first answer without reserving twice.
+//! - The same event body posted again without the header, or with another one, is applied
+//!   once; once the saved answer is gone, the inbox still acknowledges it as a duplicate.
 //! - Two relays on two connections to one file (as two processes would be) deliver every event
 //!   exactly once between them.
 
@@ -50,6 +52,8 @@ struct Delivery {
     event_id: String,
     status: StatusCode,
     answer: Value,
+    /// Answered by the layer from its record (`Idempotent-Replayed: true`).
+    replayed: bool,
 }
 
 /// The inventory example as a process on a fresh SQLite file, behind a loopback proxy that
@@ -179,12 +183,14 @@ async fn forward(State(proxy): State<Proxy>, request: Request) -> Response {
         event_id,
         status: parts.status,
         answer: serde_json::from_slice(&body).unwrap_or(Value::Null),
+        replayed: parts.headers.contains_key("idempotent-replayed"),
     });
     Response::from_parts(parts, axum::body::Body::from(body))
 }
 
+/// The orders example's sink: the event in an envelope, its id in the body.
 fn http_sink(url: http::Uri) -> Http {
-    HttpSink::new(Client::builder(TokioExecutor::new()).build_http(), url)
+    HttpSink::new(Client::builder(TokioExecutor::new()).build_http(), url).with_event_envelope()
 }
 
 /// The order app whose handler enqueues `order_created` as the orders example does.
@@ -304,7 +310,10 @@ async fn a_relay_killed_after_delivery_redelivers_the_same_id_and_the_receiver_a
         assert_eq!(delivery.status, StatusCode::OK);
     }
     assert_eq!(deliveries[0].answer["status"], "reserved");
-    assert_eq!(deliveries[1].answer["status"], "duplicate");
+    // The redelivery is the same body: the layer answers it from its record.
+    assert!(!deliveries[0].replayed);
+    assert!(deliveries[1].replayed, "{deliveries:?}");
+    assert_eq!(deliveries[1].answer, deliveries[0].answer);
     // Applied once: one reservation of 2 books, and the id is in the receiver's inbox.
     assert_eq!(inventory.reservations().await, 1);
     assert_eq!(inventory.stock().await["reserved"]["book"], json!(2));
@@ -404,4 +413,64 @@ async fn the_receiver_refusing_an_event_leaves_it_for_retry_and_reserves_nothing
         "the receiver's answer is kept for the operator: {error}"
     );
     assert_eq!(inventory.reservations().await, 0);
+}
+
+#[tokio::test]
+async fn the_same_event_body_without_the_header_is_applied_once() {
+    let inventory = InventoryServer::spawn(&[]).await;
+    let event_id = "0193a4b2-7c1d-7e2f-9a3b-4c5d6e7f8091";
+    let body = json!({
+        "id": event_id,
+        "topic": "order_created",
+        "payload": { "order_id": 1, "tenant": "shop-a", "sku": "book", "quantity": 2 },
+    })
+    .to_string();
+    let deliver = |key: Option<&'static str>| {
+        let body = body.clone();
+        let addr = inventory.addr;
+        async move {
+            let post = common::Post::order(key.unwrap_or("unused"), &body)
+                .path("/events")
+                .token(None);
+            let post = if key.is_some() { post } else { post.no_key() };
+            post.send(addr).await
+        }
+    };
+
+    let first = deliver(Some("header-1")).await;
+    assert_eq!(first.status, StatusCode::OK);
+    assert_eq!(first.json()["status"], "reserved");
+    assert!(!first.replayed());
+    // The same event: no header, then another header. The key is the body's `/id`.
+    for again in [deliver(None).await, deliver(Some("header-2")).await] {
+        assert_eq!(again.status, StatusCode::OK);
+        assert!(again.replayed(), "answered from the record");
+        assert_eq!(again.json(), first.json());
+    }
+    assert_eq!(inventory.reservations().await, 1);
+    assert_eq!(inventory.stock().await["reserved"]["book"], json!(2));
+
+    // Once the saved answer is gone (expired, or deleted as here), the inbox still has the
+    // id: acknowledged as a duplicate, nothing reserved again.
+    let admin = tower_idempotency::admin::Admin::new(inventory.store.clone());
+    assert!(admin
+        .delete("orders", "receive_event", event_id)
+        .await
+        .expect("delete the record"));
+    let late = deliver(None).await;
+    assert_eq!(late.status, StatusCode::OK);
+    assert_eq!(late.json(), json!({ "status": "duplicate" }));
+    assert_eq!(inventory.reservations().await, 1);
+    assert!(inventory.processed(event_id).await);
+
+    // An event without its id in the body is refused, whatever header it carries.
+    let payload = json!({ "order_id": 2, "tenant": "shop-a", "sku": "book", "quantity": 1 });
+    let no_id = common::Post::order("header-3", &payload.to_string())
+        .path("/events")
+        .token(None)
+        .send(inventory.addr)
+        .await;
+    assert_eq!(no_id.status, StatusCode::BAD_REQUEST);
+    assert_eq!(no_id.json(), json!({ "error": "missing_event_id" }));
+    assert_eq!(inventory.reservations().await, 1);
 }

@@ -13,8 +13,9 @@
 //! - Two relays of two instances deliver every event exactly once between them.
 //! - The inventory example itself (`inventory --database-url ...`, a child process) as the
 //!   receiver: of that killed relay's events, and of the orders example's relay (`orders --db
-//!   FILE --webhook URL`, a child process too: its relay reads the SQLite store's outbox), with a
-//!   redelivery by hand answered `duplicate`.
+//!   FILE --webhook URL`, a child process too: its relay reads the SQLite store's outbox). It
+//!   takes the event id from the body: a redelivery by hand, without the header, is replayed,
+//!   and answered `duplicate` by the inbox once the saved answer is gone.
 //!
 //! Needs `TEST_DATABASE_URL`; without it `cargo test` reports these tests as ignored.
 //! (except the command-line checks of the inventory example, which need no database).
@@ -44,8 +45,25 @@ use tower_idempotency::outbox::{sink_fn, EventId, EventStatus, HttpSink, OutboxE
 
 type Http = HttpSink<Client<HttpConnector, RequestBody>, RequestBody>;
 
+/// A sink as the tests' own receivers take it: the bare payload, the id in the header.
 fn http_sink(url: http::Uri) -> Http {
     HttpSink::new(Client::builder(TokioExecutor::new()).build_http(), url)
+}
+
+/// The orders example's sink, as the inventory example takes it: the id in the body.
+fn enveloped_sink(url: http::Uri) -> Http {
+    http_sink(url).with_event_envelope()
+}
+
+/// Forgets the inventory example's saved answers (as if they had expired): only its inbox
+/// still knows the events.
+async fn forget_saved_answers(inventory_db: &TestDb) {
+    inventory_db
+        .client()
+        .await
+        .execute("DELETE FROM idempotency_records", &[])
+        .await
+        .expect("delete the saved answers");
 }
 
 /// The PostgreSQL order app whose handler enqueues `order_created` (with the order's sku and
@@ -116,13 +134,13 @@ async fn wait_delivered(outbox: &PostgresOutbox, delivered: u64) {
 async fn deliver_then_kill_then_redeliver(
     orders: &PgServer,
     orders_db: &TestDb,
-    events_url: http::Uri,
+    (events_url, sink): (http::Uri, fn(http::Uri) -> Http),
     inventory_db: &TestDb,
 ) -> String {
     let outbox = PostgresOutbox::existing(&orders.store);
     // The first relay's sink: delivers for real, reports it, then never returns.
     let (accepted_tx, mut accepted) = mpsc::unbounded_channel::<EventId>();
-    let http = http_sink(events_url.clone());
+    let http = sink(events_url.clone());
     let accept_then_hang = sink_fn(move |event: OutboxEvent| {
         let (http, accepted_tx) = (http.clone(), accepted_tx.clone());
         async move {
@@ -163,7 +181,7 @@ async fn deliver_then_kill_then_redeliver(
     assert_eq!(reservations(inventory_db).await, 1);
 
     let second = tokio::spawn(
-        Relay::new(outbox.clone(), http_sink(events_url))
+        Relay::new(outbox.clone(), sink(events_url))
             .with_poll_interval(Duration::from_millis(10))
             .run(),
     );
@@ -184,9 +202,13 @@ async fn a_relay_killed_after_delivery_redelivers_the_same_id_and_the_inbox_appl
     let receiver = InventoryServer::spawn(&inventory_db, Mode::Inbox).await;
     let orders = order_app(&orders_db).await;
 
-    let event_id =
-        deliver_then_kill_then_redeliver(&orders, &orders_db, receiver.events_url(), &inventory_db)
-            .await;
+    let event_id = deliver_then_kill_then_redeliver(
+        &orders,
+        &orders_db,
+        (receiver.events_url(), http_sink),
+        &inventory_db,
+    )
+    .await;
 
     let deliveries = receiver.deliveries();
     assert_eq!(deliveries.len(), 2, "{deliveries:?}");
@@ -213,9 +235,13 @@ async fn behind_the_layer_the_redelivery_is_replayed_and_the_event_applied_once(
     let receiver = InventoryServer::spawn(&inventory_db, Mode::Layered).await;
     let orders = order_app(&orders_db).await;
 
-    let event_id =
-        deliver_then_kill_then_redeliver(&orders, &orders_db, receiver.events_url(), &inventory_db)
-            .await;
+    let event_id = deliver_then_kill_then_redeliver(
+        &orders,
+        &orders_db,
+        (receiver.events_url(), http_sink),
+        &inventory_db,
+    )
+    .await;
 
     let deliveries = receiver.deliveries();
     assert_eq!(deliveries.len(), 2, "{deliveries:?}");
@@ -378,7 +404,7 @@ async fn the_inventory_example_on_postgres_applies_a_redelivered_event_once() {
     let event_id = deliver_then_kill_then_redeliver(
         &orders,
         &orders_db,
-        inventory.events_url(),
+        (inventory.events_url(), enveloped_sink),
         &inventory_db,
     )
     .await;
@@ -387,6 +413,14 @@ async fn the_inventory_example_on_postgres_applies_a_redelivered_event_once() {
         inventory.next_line().await,
         format!("event {event_id}: order 1 reserved 2 x book (book reserved: 2)")
     );
+    // The redelivery was replayed by the layer (keyed on the body's id: the handler did not
+    // run). Once the saved answer is gone, the inbox acknowledges it.
+    forget_saved_answers(&inventory_db).await;
+    let payload = json!({ "order_id": 1, "tenant": "shop-a", "sku": "book", "quantity": 2 });
+    let late = inventory
+        .deliver(&event_id, "order_created", &payload)
+        .await;
+    assert_eq!(late.json(), json!({ "status": "duplicate" }));
     assert_eq!(
         inventory.next_line().await,
         format!("event {event_id}: duplicate, acknowledged without reserving again")
@@ -443,14 +477,25 @@ async fn the_orders_example_relays_to_the_inventory_example_on_postgres_once_in_
         format!("event {event_id}: order {order_id} reserved 2 x book (book reserved: 2)")
     );
 
-    // The same event again (an answer lost on the way, a relay that died): acknowledged,
-    // nothing reserved again.
+    // The same event again (an answer lost on the way, a relay that died), its id only in
+    // the body: the first answer replayed, nothing reserved again.
     let payload = json!({ "order_id": order_id, "tenant": "shop-a", "sku": "book", "quantity": 2 });
     let again = inventory
         .deliver(&event_id, "order_created", &payload)
         .await;
     assert_eq!(again.status, StatusCode::OK);
-    assert_eq!(again.json(), json!({ "status": "duplicate" }));
+    assert!(again.replayed());
+    assert_eq!(
+        again.json(),
+        json!({ "status": "reserved", "sku": "book", "reserved": 2 })
+    );
+    // And once the saved answer is gone, the inbox acknowledges it.
+    forget_saved_answers(&inventory_db).await;
+    let late = inventory
+        .deliver(&event_id, "order_created", &payload)
+        .await;
+    assert_eq!(late.status, StatusCode::OK);
+    assert_eq!(late.json(), json!({ "status": "duplicate" }));
     assert_eq!(
         inventory.next_line().await,
         format!("event {event_id}: duplicate, acknowledged without reserving again")

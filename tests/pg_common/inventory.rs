@@ -408,13 +408,14 @@ impl InventoryProcess {
         self.process.next_line().await
     }
 
-    /// `POST /events` by hand, as a relay would: the event id as `Idempotency-Key`, the topic
-    /// as `Event-Topic`.
+    /// `POST /events` by hand, as the orders example's relay does, but with no header: the
+    /// event id and the topic only in the body's envelope.
     pub async fn deliver(&self, event_id: &str, topic: &str, payload: &Value) -> Reply {
-        Post::order(event_id, &payload.to_string())
+        let envelope = json!({ "id": event_id, "topic": topic, "payload": payload });
+        Post::order("unused", &envelope.to_string())
             .path("/events")
             .token(None)
-            .header("event-topic", topic)
+            .no_key()
             .send(self.addr)
             .await
     }
