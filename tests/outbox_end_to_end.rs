@@ -14,37 +14,31 @@
 mod common;
 #[path = "apps/process.rs"]
 mod process;
+mod relay_scenarios;
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use axum::extract::{Request, State};
 use axum::response::Response;
 use axum::Router;
 use bytes::Bytes;
-use common::{hook, post, HookOutcome, TestServer, PATIENCE, SHOP_A};
+use common::{hook, post, HookOutcome, Serving, TestServer, PATIENCE, SHOP_A};
 use http::StatusCode;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use process::{arg, ExampleProcess};
+use relay_scenarios::{
+    assert_each_delivered_once, deliver_then_kill, enveloped_sink, redeliver, relays_deliver_all,
+};
 use serde_json::{json, Value};
-use tokio::sync::mpsc;
-use tokio::task::JoinHandle;
-use tower::ServiceExt;
-use tower_idempotency::body::{BoxError, RequestBody};
 use tower_idempotency::outbox::inbox::SqliteInbox;
 use tower_idempotency::outbox::sqlite::{enqueue, SqliteOutbox};
-use tower_idempotency::outbox::{
-    sink_fn, EventId, EventStatus, HttpSink, OutboxEvent, OutboxStore, Relay,
-};
+use tower_idempotency::outbox::{EventStatus, OutboxStore, Relay};
 use tower_idempotency::store::sqlite::SqliteStore;
 use tower_idempotency::IDEMPOTENCY_KEY;
-
-type Http = HttpSink<Client<HttpConnector, RequestBody>, RequestBody>;
 
 /// One delivery as the inventory saw it: the event id header and what it answered.
 #[derive(Clone, Debug)]
@@ -62,18 +56,13 @@ struct InventoryServer {
     /// The proxy's address: where the relays deliver.
     addr: SocketAddr,
     deliveries: Arc<Mutex<Vec<Delivery>>>,
-    proxy: JoinHandle<()>,
+    /// Serves the proxy until dropped.
+    _proxy: Serving,
     /// Killed first when dropped, before the directory of its file goes.
     process: ExampleProcess,
     /// The test's own connection to the inventory's file.
     store: SqliteStore,
     _dir: tempfile::TempDir,
-}
-
-impl Drop for InventoryServer {
-    fn drop(&mut self) {
-        self.proxy.abort();
-    }
 }
 
 impl InventoryServer {
@@ -92,18 +81,11 @@ impl InventoryServer {
             client: Client::builder(TokioExecutor::new()).build_http(),
             deliveries: deliveries.clone(),
         };
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let addr = listener.local_addr().expect("addr");
-        let app = Router::new().fallback(forward).with_state(proxy);
-        let proxy = tokio::spawn(async move {
-            axum::serve(listener, app).await.expect("serve the proxy");
-        });
+        let proxy = Serving::start(Router::new().fallback(forward).with_state(proxy)).await;
         InventoryServer {
-            addr,
+            addr: proxy.addr,
             deliveries,
-            proxy,
+            _proxy: proxy,
             process,
             store,
             _dir: dir,
@@ -188,11 +170,6 @@ async fn forward(State(proxy): State<Proxy>, request: Request) -> Response {
     Response::from_parts(parts, axum::body::Body::from(body))
 }
 
-/// The orders example's sink: the event in an envelope, its id in the body.
-fn http_sink(url: http::Uri) -> Http {
-    HttpSink::new(Client::builder(TokioExecutor::new()).build_http(), url).with_event_envelope()
-}
-
 /// The order app whose handler enqueues `order_created` as the orders example does.
 async fn order_app() -> TestServer {
     let server = TestServer::builder()
@@ -229,79 +206,20 @@ async fn only_event(store: &SqliteStore) -> String {
         .expect("the one event")
 }
 
-/// Waits until `outbox` has `delivered` delivered events.
-async fn wait_delivered(outbox: &SqliteOutbox, delivered: u64) {
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    loop {
-        let counts = outbox.counts().await.expect("counts");
-        if counts.delivered >= delivered {
-            return;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "not delivered in time: {counts:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 #[tokio::test]
 async fn a_relay_killed_after_delivery_redelivers_the_same_id_and_the_receiver_applies_it_once() {
     let inventory = InventoryServer::spawn(&[]).await;
     let orders = order_app().await;
     let outbox = SqliteOutbox::existing(&orders.store);
 
-    // The first relay's sink: delivers for real, reports it, then never returns, so the
-    // relay never gets to mark the event delivered.
-    let (accepted_tx, mut accepted) = mpsc::unbounded_channel::<EventId>();
-    let http = http_sink(inventory.events_url());
-    let accept_then_hang = sink_fn(move |event: OutboxEvent| {
-        let (http, accepted_tx) = (http.clone(), accepted_tx.clone());
-        async move {
-            let id = event.id().clone();
-            http.oneshot(event).await?;
-            let _ = accepted_tx.send(id);
-            std::future::pending::<Result<(), BoxError>>().await
-        }
-    });
-    let lease = Duration::from_millis(600);
-    let first = tokio::spawn(
-        Relay::new(outbox.clone(), accept_then_hang)
-            .with_lease(lease)
-            .with_poll_interval(Duration::from_millis(10))
-            .run(),
-    );
-
-    let order = post(
-        orders.addr,
-        Some(SHOP_A),
-        Some("k1"),
-        r#"{"sku":"book","quantity":2}"#,
-        &[],
-    )
-    .await;
-    assert_eq!(order.status, StatusCode::CREATED);
-    let event_id = only_event(&orders.store).await;
-
-    let accepted_id = tokio::time::timeout(PATIENCE, accepted.recv())
-        .await
-        .expect("the first relay delivered in time")
-        .expect("accepted");
-    assert_eq!(accepted_id.as_str(), event_id);
-    // Killed: the receiver applied the event, the sender never recorded it.
-    first.abort();
-    let _ = first.await;
-    let event = outbox.event(&event_id).await.expect("read").expect("event");
-    assert_eq!(event.status, EventStatus::InFlight, "{event:?}");
+    // A relay delivers the event and is killed before it records that; the next relay
+    // delivers it again with the same id.
+    let event_id =
+        deliver_then_kill(&outbox, orders.addr, enveloped_sink(inventory.events_url())).await;
+    assert_eq!(event_id.as_str(), only_event(&orders.store).await);
     assert_eq!(inventory.reservations().await, 1);
-
-    let second = tokio::spawn(
-        Relay::new(outbox.clone(), http_sink(inventory.events_url()))
-            .with_poll_interval(Duration::from_millis(10))
-            .run(),
-    );
-    wait_delivered(&outbox, 1).await;
-    second.abort();
+    redeliver(&outbox, &event_id, enveloped_sink(inventory.events_url())).await;
+    let event_id = event_id.to_string();
 
     let deliveries = inventory.deliveries();
     assert_eq!(deliveries.len(), 2, "{deliveries:?}");
@@ -318,8 +236,6 @@ async fn a_relay_killed_after_delivery_redelivers_the_same_id_and_the_receiver_a
     assert_eq!(inventory.reservations().await, 1);
     assert_eq!(inventory.stock().await["reserved"]["book"], json!(2));
     assert!(inventory.processed(&event_id).await);
-    let event = outbox.event(&event_id).await.expect("read").expect("event");
-    assert_eq!((event.status, event.attempts), (EventStatus::Delivered, 2));
 }
 
 #[tokio::test]
@@ -346,36 +262,18 @@ async fn two_relays_at_once_deliver_each_event_exactly_once() {
     let other_process = SqliteStore::open(&orders.db_path)
         .await
         .expect("open again");
-    let relays: Vec<_> = [
-        SqliteOutbox::existing(&orders.store),
-        SqliteOutbox::existing(&other_process),
-    ]
-    .into_iter()
-    .map(|outbox| {
-        tokio::spawn(
-            Relay::new(outbox, http_sink(inventory.events_url()))
-                .with_batch_size(4)
-                .with_poll_interval(Duration::from_millis(5))
-                .run(),
-        )
-    })
-    .collect();
     let outbox = SqliteOutbox::existing(&orders.store);
-    wait_delivered(&outbox, EVENTS as u64).await;
-    for relay in relays {
-        relay.abort();
-    }
+    relays_deliver_all(
+        [outbox.clone(), SqliteOutbox::existing(&other_process)],
+        || enveloped_sink(inventory.events_url()),
+        EVENTS as u64,
+    )
+    .await;
 
     let deliveries = inventory.deliveries();
-    let mut per_id: HashMap<&str, usize> = HashMap::new();
-    for delivery in &deliveries {
-        *per_id.entry(delivery.event_id.as_str()).or_default() += 1;
-        assert_eq!(delivery.answer["status"], "reserved", "{delivery:?}");
-    }
-    assert_eq!(per_id.len(), EVENTS as usize);
-    assert!(
-        per_id.values().all(|n| *n == 1),
-        "an event was delivered twice"
+    assert_each_delivered_once(
+        deliveries.iter().map(|d| (d.event_id.as_str(), &d.answer)),
+        EVENTS as usize,
     );
     assert_eq!(inventory.reservations().await, EVENTS);
     let backlog = outbox.backlog().await.expect("backlog");
@@ -398,7 +296,7 @@ async fn the_receiver_refusing_an_event_leaves_it_for_retry_and_reserves_nothing
     .await;
     assert_eq!(reply.status, StatusCode::CREATED);
     let outbox = SqliteOutbox::existing(&orders.store);
-    let mut relay = Relay::new(outbox.clone(), http_sink(url)).with_max_attempts(2);
+    let mut relay = Relay::new(outbox.clone(), enveloped_sink(url)).with_max_attempts(2);
     let report = relay.run_once().await.expect("round");
     assert_eq!((report.claimed, report.retried), (1, 1));
     let event = outbox

@@ -31,14 +31,13 @@ use axum::routing::post;
 use axum::{Json, Router};
 use http_body_util::BodyExt;
 use serde_json::{json, Value};
-use tokio::task::JoinHandle;
 use tower_idempotency::extract::Tx;
 use tower_idempotency::outbox::postgres::PostgresInbox;
 use tower_idempotency::outbox::{Processed, Receipt, EVENT_TOPIC};
 use tower_idempotency::store::postgres::{PostgresStore, PostgresTransaction};
 use tower_idempotency::{IdempotencyLayer, IDEMPOTENCY_KEY};
 
-use crate::common::{Post, Reply, PATIENCE};
+use crate::common::{Post, Reply, Serving, PATIENCE};
 use crate::pg_common::TestDb;
 
 /// The receiver's own tables, next to `inbox_events`.
@@ -93,13 +92,8 @@ pub struct InventoryServer {
     pub store: PostgresStore,
     pub inbox: PostgresInbox,
     deliveries: Arc<Mutex<Vec<Delivery>>>,
-    task: JoinHandle<()>,
-}
-
-impl Drop for InventoryServer {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
+    /// Serves the receiver until dropped.
+    _serving: Serving,
 }
 
 impl InventoryServer {
@@ -137,19 +131,13 @@ impl InventoryServer {
                 deliveries.clone(),
                 log_delivery,
             ));
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let addr = listener.local_addr().expect("addr");
-        let task = tokio::spawn(async move {
-            axum::serve(listener, app).await.expect("serve inventory");
-        });
+        let serving = Serving::start(app).await;
         InventoryServer {
-            addr,
+            addr: serving.addr,
             store,
             inbox,
             deliveries,
-            task,
+            _serving: serving,
         }
     }
 
