@@ -120,6 +120,8 @@ pub mod admin;
 pub mod body;
 #[cfg(feature = "client")]
 pub mod client;
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "sqlx-postgres"))]
+mod columns;
 mod error;
 #[cfg(feature = "axum")]
 pub mod extract;

@@ -13,23 +13,10 @@ use std::time::SystemTime;
 
 use super::pg_sql::{inspect_record, COUNT_RECORDS, DELETE_RECORD};
 use super::{AdminBackend, RawRecord, RecordCounts, RecordFilter, RecordInfo};
+use crate::columns::Columns;
 use crate::error::Error;
-use crate::pg_driver::{required, PgColumns, PgDriver, PgParam};
+use crate::pg_driver::{PgDriver, PgParam};
 use crate::store::to_unix_millis;
-
-/// A completed record's columns, in the order `inspect` selects them.
-fn raw_record(row: &impl PgColumns) -> Result<RawRecord, Error> {
-    Ok(RawRecord {
-        version: required(row.int(0)?, "fingerprint version")?.into(),
-        digest: required(row.bytes(1)?, "fingerprint")?,
-        status: required(row.int(2)?, "status")?.into(),
-        headers: required(row.text(3)?, "headers")?,
-        body_len: required(row.int(4)?, "body")?.into(),
-        body: row.bytes(5)?,
-        created_at: required(row.big_int(6)?, "created_at")?,
-        expires_at: required(row.big_int(7)?, "expires_at")?,
-    })
-}
 
 /// [`AdminBackend`] on a PostgreSQL store (written once; expanded for each driver below, as
 /// concrete impls, so that the driver trait stays private).
@@ -46,7 +33,7 @@ macro_rules! pg_admin {
                 let scope = [tenant.into(), operation.into(), key.into()];
                 let rows = self.fetch_rows(&inspect_record(with_body), &scope).await?;
                 rows.first()
-                    .map(|row| raw_record(row)?.into_info(tenant, operation, key))
+                    .map(|row| RawRecord::read(row)?.into_info(tenant, operation, key))
                     .transpose()
             }
 
@@ -71,8 +58,8 @@ macro_rules! pg_admin {
                     .first()
                     .ok_or_else(|| Error::Corrupt("record counts: no row".into()))?;
                 Ok(RecordCounts::from_columns(
-                    required(row.big_int(0)?, "live count")?,
-                    required(row.big_int(1)?, "expired count")?,
+                    row.required_big_int(0, "live count")?,
+                    row.required_big_int(1, "expired count")?,
                 ))
             }
         }

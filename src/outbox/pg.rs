@@ -11,7 +11,7 @@ use std::pin::Pin;
 use std::time::{Duration, SystemTime};
 
 use super::columns::{
-    attempts_from_column, claimed_oldest_first, count_from_column, event_status, RawEvent,
+    claimed_oldest_first, claimed_row, count_from_column, event_status, RawEvent,
 };
 use super::inbox::receipt;
 use super::pg_sql::{
@@ -22,11 +22,12 @@ use super::pg_sql::{
 };
 use super::{
     Backlog, ClaimRequest, Claimed, Enqueue, EventId, EventInfo, InboxBackend, InboxOutcome,
-    OutboxBackend, OutboxCounts, OutboxEvent, OutboxStore, Processed, Receipt, Settlement,
+    OutboxBackend, OutboxCounts, OutboxStore, Processed, Receipt, Settlement,
 };
+use crate::columns::Columns;
 use crate::error::Error;
-use crate::pg_driver::{required, Finish, PgColumns, PgDriver, PgHandle, PgParam, PgTransactions};
-use crate::store::{from_unix_millis, to_unix_millis};
+use crate::pg_driver::{Finish, PgDriver, PgHandle, PgParam, PgTransactions};
+use crate::store::to_unix_millis;
 
 /// A new event, as [`INSERT_EVENT`] writes it.
 pub(super) struct NewEvent {
@@ -63,44 +64,14 @@ fn big_int(value: usize) -> PgParam<'static> {
 }
 
 /// The `EXISTS (...)` of a statement's only row.
-fn exists(rows: &[impl PgColumns]) -> Result<bool, Error> {
-    required(one_row(rows, "exists")?.boolean(0)?, "exists")
+fn exists(rows: &[impl Columns<Error = Error>]) -> Result<bool, Error> {
+    one_row(rows, "exists")?.required_boolean(0, "exists")
 }
 
 /// The only row a statement returns.
 fn one_row<'a, R>(rows: &'a [R], what: &str) -> Result<&'a R, Error> {
     rows.first()
         .ok_or_else(|| Error::Corrupt(format!("{what}: no row")))
-}
-
-/// A row returned by a claim: `(seq, event)`.
-fn claimed_row(row: &impl PgColumns) -> Result<(i64, OutboxEvent), Error> {
-    Ok((
-        required(row.big_int(0)?, "seq")?,
-        OutboxEvent::new(
-            EventId::from(required(row.text(1)?, "event_id")?),
-            required(row.text(2)?, "topic")?,
-            required(row.text(3)?, "payload")?,
-            attempts_from_column(required(row.int(4)?, "attempts")?.into()),
-            from_unix_millis(required(row.big_int(5)?, "created_at")?),
-        ),
-    ))
-}
-
-/// An `outbox_events` row, in `EVENT_COLUMNS` order.
-fn raw_event(row: &impl PgColumns) -> Result<RawEvent, Error> {
-    Ok(RawEvent {
-        id: required(row.text(0)?, "event_id")?,
-        topic: required(row.text(1)?, "topic")?,
-        payload: required(row.text(2)?, "payload")?,
-        status: required(row.text(3)?, "status")?,
-        attempts: required(row.int(4)?, "attempts")?.into(),
-        created_at: required(row.big_int(5)?, "created_at")?,
-        available_at: required(row.big_int(6)?, "available_at")?,
-        delivered_at: row.big_int(7)?,
-        last_error: row.text(8)?,
-        leased: row.text(9)?.is_some(),
-    })
 }
 
 /// Records `event_id` for `consumer` in the transaction of `tx`.
@@ -222,8 +193,8 @@ macro_rules! pg_outbox_and_inbox {
                 let rows = self.fetch_rows(BACKLOG, &[]).await?;
                 let row = one_row(&rows, "backlog")?;
                 Ok(Backlog {
-                    pending: count_from_column(required(row.big_int(0)?, "pending count")?),
-                    dead: count_from_column(required(row.big_int(1)?, "dead count")?),
+                    pending: count_from_column(row.required_big_int(0, "pending count")?),
+                    dead: count_from_column(row.required_big_int(1, "dead count")?),
                 })
             }
         }
@@ -237,7 +208,7 @@ macro_rules! pg_outbox_and_inbox {
                 let now = to_unix_millis(SystemTime::now());
                 let rows = self.fetch_rows(SELECT_EVENT, &[id.into()]).await?;
                 rows.first()
-                    .map(|row| raw_event(row)?.into_info(now))
+                    .map(|row| RawEvent::read(row)?.into_info(now))
                     .transpose()
             }
 
@@ -246,9 +217,9 @@ macro_rules! pg_outbox_and_inbox {
                 let rows = self.fetch_rows(COUNT_BY_STATE, &[now.into()]).await?;
                 let mut counts = OutboxCounts::default();
                 for row in &rows {
-                    let status = required(row.text(0)?, "status")?;
-                    let leased = required(row.boolean(1)?, "leased")?;
-                    let count = required(row.big_int(2)?, "count")?;
+                    let status = row.required_text(0, "status")?;
+                    let leased = row.required_boolean(1, "leased")?;
+                    let count = row.required_big_int(2, "count")?;
                     counts.add(event_status(&status, leased)?, count_from_column(count));
                 }
                 Ok(counts)
@@ -258,7 +229,7 @@ macro_rules! pg_outbox_and_inbox {
                 let now = to_unix_millis(SystemTime::now());
                 let rows = self.fetch_rows(DEAD_LETTERS, &[big_int(limit)]).await?;
                 rows.iter()
-                    .map(|row| raw_event(row)?.into_info(now))
+                    .map(|row| RawEvent::read(row)?.into_info(now))
                     .collect()
             }
 

@@ -2,23 +2,27 @@
 //! between the tokio-postgres store and the sqlx store. The SQL and the logic over it are
 //! written once (`outbox/pg.rs`, `admin/postgres.rs`, with the statements in their `pg_sql.rs`);
 //! a driver only runs a statement with [`PgParam`]s and reads a row's columns
-//! ([`PgColumns`]).
+//! ([`Columns`]).
 
 use std::future::Future;
 
+use crate::columns::Columns;
 use crate::error::Error;
 
-/// Implements [`PgColumns`] for a driver's row type with its `try_get`, which both drivers
+/// Implements [`Columns`] for a driver's row type with its `try_get`, which both drivers
 /// spell the same way.
 macro_rules! columns_by_try_get {
     ($row:ty) => {
-        impl $crate::pg_driver::PgColumns for $row {
+        impl $crate::columns::Columns for $row {
+            type Error = Error;
+
             fn big_int(&self, index: usize) -> Result<Option<i64>, Error> {
                 Ok(self.try_get(index)?)
             }
 
-            fn int(&self, index: usize) -> Result<Option<i32>, Error> {
-                Ok(self.try_get(index)?)
+            fn int(&self, index: usize) -> Result<Option<i64>, Error> {
+                let value: Option<i32> = self.try_get(index)?;
+                Ok(value.map(i64::from))
             }
 
             fn text(&self, index: usize) -> Result<Option<String>, Error> {
@@ -31,6 +35,10 @@ macro_rules! columns_by_try_get {
 
             fn bytes(&self, index: usize) -> Result<Option<Vec<u8>>, Error> {
                 Ok(self.try_get(index)?)
+            }
+
+            fn null(_index: usize, what: &str) -> Error {
+                $crate::columns::missing(what)
             }
         }
     };
@@ -72,32 +80,11 @@ impl From<i64> for PgParam<'_> {
     }
 }
 
-/// A row's columns by position, each read as nullable: `None` for SQL `NULL`. A column of
-/// another type is an error, not a panic.
-pub(crate) trait PgColumns: Send {
-    /// A `BIGINT` (or `BIGSERIAL`, `count(*)`).
-    fn big_int(&self, index: usize) -> Result<Option<i64>, Error>;
-    /// An `INTEGER`.
-    fn int(&self, index: usize) -> Result<Option<i32>, Error>;
-    /// A `TEXT`.
-    fn text(&self, index: usize) -> Result<Option<String>, Error>;
-    /// A `BOOLEAN`.
-    #[cfg_attr(not(feature = "outbox"), allow(dead_code))]
-    fn boolean(&self, index: usize) -> Result<Option<bool>, Error>;
-    /// A `BYTEA`.
-    fn bytes(&self, index: usize) -> Result<Option<Vec<u8>>, Error>;
-}
-
-/// A column that must not be `NULL`: `what` names it in the error.
-pub(crate) fn required<T>(value: Option<T>, what: &str) -> Result<T, Error> {
-    value.ok_or_else(|| Error::Corrupt(format!("{what} missing")))
-}
-
 /// How a PostgreSQL store runs the shared statements. Statements run in autocommit on a
 /// pooled connection of the store, except where a method says otherwise.
 pub(crate) trait PgDriver: Clone + Send + Sync + 'static {
     /// A row the driver returns.
-    type Row: PgColumns;
+    type Row: Columns<Error = Error> + Send;
 
     /// Runs `sql` and returns its rows.
     fn fetch_rows(

@@ -106,6 +106,6 @@ impl PgHandle for PostgresTransaction {
     async fn execute_in(&self, sql: &'static str, params: &[PgParam<'_>]) -> Result<u64, Error> {
         let client = self.client().await?;
         let statement = client.prepare_cached(sql).await?;
-        Ok(client.execute(&statement, &as_sql(params)).await?)
+        client.execute(&statement, &as_sql(params)).await
     }
 }
