@@ -24,9 +24,9 @@
 //! curl -s http://127.0.0.1:3001/stock
 //! ```
 //!
-//! Every delivery the handler sees is printed on stdout (`reserved` or `duplicate`; a replayed
-//! one is answered by the layer and not printed); logs go to stderr (set `RUST_LOG`, default
-//! `warn`).
+//! Every delivery the handler applied or acknowledged is printed on stdout once its answer has
+//! committed (`reserved` or `duplicate`; a replayed one is answered by the layer and not
+//! printed); logs go to stderr (set `RUST_LOG`, default `warn`).
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -35,6 +35,7 @@ use std::sync::Arc;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{Extensions, StatusCode};
+use axum::middleware;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -364,7 +365,9 @@ fn app(inventory: Inventory) -> Router {
         Inbox::Sqlite { store, .. } => post(receive_event).layer(by_event_id(store.clone())),
         #[cfg(feature = "postgres")]
         Inbox::Postgres { store, .. } => post(receive_event).layer(by_event_id(store.clone())),
-    };
+    }
+    // Outside the layer: the answer has committed by then.
+    .layer(middleware::map_response(print_applied));
     Router::new()
         .route("/events", events)
         .route("/stock", get(stock))
@@ -415,6 +418,26 @@ impl OrderCreated {
             quantity: value.get("quantity")?.as_i64().filter(|q| *q > 0)?,
         })
     }
+}
+
+/// What the handler did with a delivery, printed once its answer has committed (a replay,
+/// answered by the layer, prints nothing).
+#[derive(Clone)]
+struct Applied(String);
+
+/// Prints the [`Applied`] line of an answer.
+async fn print_applied(response: Response) -> Response {
+    if let Some(Applied(line)) = response.extensions().get() {
+        println!("{line}");
+    }
+    response
+}
+
+/// `reply`, with the line to print once it has committed.
+fn reply_applied(status: StatusCode, body: Value, line: String) -> Response {
+    let mut response = reply(status, body);
+    response.extensions_mut().insert(Applied(line));
+    response
 }
 
 /// An event as the orders example's relay POSTs it: `{"id", "topic", "payload"}`.
@@ -476,20 +499,19 @@ async fn receive_event(
         ..
     } = order;
     match processed {
-        Ok(Processed::First(reserved)) => {
-            println!(
+        Ok(Processed::First(reserved)) => reply_applied(
+            StatusCode::OK,
+            json!({ "status": "reserved", "sku": sku, "reserved": reserved }),
+            format!(
                 "event {id}: order {order_id} reserved {quantity} x {sku} \
                  ({sku} reserved: {reserved})"
-            );
-            reply(
-                StatusCode::OK,
-                json!({ "status": "reserved", "sku": sku, "reserved": reserved }),
-            )
-        }
-        Ok(Processed::Duplicate) => {
-            println!("event {id}: duplicate, acknowledged without reserving again");
-            reply(StatusCode::OK, json!({ "status": "duplicate" }))
-        }
+            ),
+        ),
+        Ok(Processed::Duplicate) => reply_applied(
+            StatusCode::OK,
+            json!({ "status": "duplicate" }),
+            format!("event {id}: duplicate, acknowledged without reserving again"),
+        ),
         Err(error) => {
             // Nothing is kept (the layer rolls back): the sender retries, and the retry
             // applies it.

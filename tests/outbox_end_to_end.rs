@@ -30,6 +30,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use process::{arg, ExampleProcess};
+use relay_scenarios::delivery_log::{event_id_header, log_answer, Delivery, DeliveryLog};
 use relay_scenarios::{
     assert_each_delivered_once, deliver_then_kill, enveloped_sink, redeliver, relays_deliver_all,
 };
@@ -38,24 +39,13 @@ use tower_idempotency::outbox::inbox::SqliteInbox;
 use tower_idempotency::outbox::sqlite::{enqueue, SqliteOutbox};
 use tower_idempotency::outbox::{EventStatus, OutboxStore, Relay};
 use tower_idempotency::store::sqlite::SqliteStore;
-use tower_idempotency::IDEMPOTENCY_KEY;
-
-/// One delivery as the inventory saw it: the event id header and what it answered.
-#[derive(Clone, Debug)]
-struct Delivery {
-    event_id: String,
-    status: StatusCode,
-    answer: Value,
-    /// Answered by the layer from its record (`Idempotent-Replayed: true`).
-    replayed: bool,
-}
 
 /// The inventory example as a process on a fresh SQLite file, behind a loopback proxy that
 /// logs every delivery.
 struct InventoryServer {
     /// The proxy's address: where the relays deliver.
     addr: SocketAddr,
-    deliveries: Arc<Mutex<Vec<Delivery>>>,
+    deliveries: DeliveryLog,
     /// Serves the proxy until dropped.
     _proxy: Serving,
     /// Killed first when dropped, before the directory of its file goes.
@@ -138,17 +128,12 @@ impl InventoryServer {
 struct Proxy {
     upstream: SocketAddr,
     client: Client<HttpConnector, Full<Bytes>>,
-    deliveries: Arc<Mutex<Vec<Delivery>>>,
+    deliveries: DeliveryLog,
 }
 
 /// Forwards a request to the inventory, and logs the event id and the answer of each.
 async fn forward(State(proxy): State<Proxy>, request: Request) -> Response {
-    let event_id = request
-        .headers()
-        .get(IDEMPOTENCY_KEY)
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or_default()
-        .to_owned();
+    let event_id = event_id_header(request.headers());
     let (mut parts, body) = request.into_parts();
     let body = body.collect().await.expect("delivery").to_bytes();
     parts.uri = format!("http://{}{}", proxy.upstream, parts.uri.path())
@@ -159,15 +144,12 @@ async fn forward(State(proxy): State<Proxy>, request: Request) -> Response {
         .request(http::Request::from_parts(parts, Full::new(body)))
         .await
         .expect("the inventory answers");
-    let (parts, body) = response.into_parts();
-    let body = body.collect().await.expect("inventory answer").to_bytes();
-    proxy.deliveries.lock().expect("deliveries").push(Delivery {
+    log_answer(
+        &proxy.deliveries,
         event_id,
-        status: parts.status,
-        answer: serde_json::from_slice(&body).unwrap_or(Value::Null),
-        replayed: parts.headers.contains_key("idempotent-replayed"),
-    });
-    Response::from_parts(parts, axum::body::Body::from(body))
+        response.map(axum::body::Body::new),
+    )
+    .await
 }
 
 /// The order app whose handler enqueues `order_created` as the orders example does.

@@ -71,15 +71,11 @@ pub enum Mode {
     Layered,
 }
 
-/// One delivery as the receiver saw it: the event id header and what it answered.
-#[derive(Clone, Debug)]
-pub struct Delivery {
-    pub event_id: String,
-    pub status: StatusCode,
-    pub answer: Value,
-    /// Answered by the layer from a saved response (`Layered` only).
-    pub replayed: bool,
-}
+/// The deliveries' log, shared with the SQLite end-to-end tests.
+#[path = "../relay_scenarios/delivery_log.rs"]
+mod delivery_log;
+pub use delivery_log::Delivery;
+use delivery_log::{event_id_header, log_answer, DeliveryLog};
 
 #[derive(Clone)]
 struct Receiver {
@@ -91,7 +87,7 @@ pub struct InventoryServer {
     pub addr: SocketAddr,
     pub store: PostgresStore,
     pub inbox: PostgresInbox,
-    deliveries: Arc<Mutex<Vec<Delivery>>>,
+    deliveries: DeliveryLog,
     /// Serves the receiver until dropped.
     _serving: Serving,
 }
@@ -175,26 +171,12 @@ impl InventoryServer {
 
 /// Logs the event id and the answer of every `POST /events`.
 async fn log_delivery(
-    State(deliveries): State<Arc<Mutex<Vec<Delivery>>>>,
+    State(deliveries): State<DeliveryLog>,
     request: Request,
     next: Next,
 ) -> Response {
-    let event_id = request
-        .headers()
-        .get(IDEMPOTENCY_KEY)
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or_default()
-        .to_owned();
-    let response = next.run(request).await;
-    let (parts, body) = response.into_parts();
-    let body = body.collect().await.expect("inventory answer").to_bytes();
-    deliveries.lock().expect("deliveries").push(Delivery {
-        event_id,
-        status: parts.status,
-        answer: serde_json::from_slice(&body).unwrap_or(Value::Null),
-        replayed: parts.headers.contains_key("idempotent-replayed"),
-    });
-    Response::from_parts(parts, axum::body::Body::from(body))
+    let event_id = event_id_header(request.headers());
+    log_answer(&deliveries, event_id, next.run(request).await).await
 }
 
 /// An `order_created` payload.
