@@ -12,6 +12,8 @@
 //!   exactly once between them.
 
 mod common;
+#[path = "relay_scenarios/delivery_log.rs"]
+mod delivery_log;
 #[path = "apps/process.rs"]
 mod process;
 mod relay_scenarios;
@@ -24,13 +26,13 @@ use axum::response::Response;
 use axum::Router;
 use bytes::Bytes;
 use common::{hook, post, HookOutcome, Serving, TestServer, PATIENCE, SHOP_A};
+use delivery_log::{event_id_header, log_answer, Delivery, DeliveryLog};
 use http::StatusCode;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use process::{arg, ExampleProcess};
-use relay_scenarios::delivery_log::{event_id_header, log_answer, Delivery, DeliveryLog};
 use relay_scenarios::{
     assert_each_delivered_once, deliver_then_kill, enveloped_sink, redeliver, relays_deliver_all,
 };

@@ -5,8 +5,6 @@
 // Not every test that includes this file uses all of it.
 #![allow(dead_code)]
 
-pub mod delivery_log;
-
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::time::Duration;
