@@ -120,8 +120,6 @@ pub mod admin;
 pub mod body;
 #[cfg(feature = "client")]
 pub mod client;
-#[cfg(any(feature = "sqlite", feature = "postgres", feature = "sqlx-postgres"))]
-mod columns;
 mod error;
 #[cfg(feature = "axum")]
 pub mod extract;
@@ -139,6 +137,8 @@ pub mod outbox;
 mod pg_driver;
 pub mod problem;
 pub mod response;
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "sqlx-postgres"))]
+mod row;
 mod service;
 pub mod store;
 

@@ -54,11 +54,11 @@ use std::time::SystemTime;
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, StatusCode};
 
-use crate::columns::Columns;
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 #[cfg(feature = "outbox")]
 use crate::outbox::{EventInfo, Outbox, OutboxBackend, OutboxCounts};
+use crate::row::Columns;
 use crate::store::{from_unix_millis, IdempotencyStore, SavedColumns};
 
 #[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]

@@ -13,9 +13,9 @@ use std::time::SystemTime;
 
 use super::pg_sql::{inspect_record, COUNT_RECORDS, DELETE_RECORD};
 use super::{AdminBackend, RawRecord, RecordCounts, RecordFilter, RecordInfo};
-use crate::columns::Columns;
 use crate::error::Error;
 use crate::pg_driver::{PgDriver, PgParam};
+use crate::row::Columns;
 use crate::store::to_unix_millis;
 
 /// [`AdminBackend`] on a PostgreSQL store (written once; expanded for each driver below, as

@@ -2,8 +2,8 @@
 //! the columns, these turn them into events, states and counts.
 
 use super::{Claimed, EventId, EventInfo, EventStatus, OutboxCounts, OutboxEvent};
-use crate::columns::Columns;
 use crate::error::Error;
+use crate::row::Columns;
 use crate::store::from_unix_millis;
 
 /// A stored attempt count as a `u32`, the same on every backend: a negative count reads as 0

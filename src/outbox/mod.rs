@@ -71,8 +71,8 @@
 //! (tokio-postgres and sqlx run the same statements and logic, each driver only running a
 //! statement and reading a row); `postgres.rs` and `sqlx_postgres.rs` hold their names and the
 //! calls on a caller's own client. Rows are read by one reader on every backend
-//! (`columns.rs`), so a value out of range or a `NULL` where none belongs means the same
-//! everywhere.
+//! (`columns.rs`, over the crate's row trait), so a value out of range or a `NULL` where none
+//! belongs means the same everywhere.
 //!
 //! - the relay needs only [`OutboxStore`] (claim, settle, backlog); handlers need only
 //!   [`Enqueue`] on their transaction handle. The relay, the sinks and the backoff are shared.

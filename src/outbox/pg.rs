@@ -24,9 +24,9 @@ use super::{
     Backlog, ClaimRequest, Claimed, Enqueue, EventId, EventInfo, InboxBackend, InboxOutcome,
     OutboxBackend, OutboxCounts, OutboxStore, Processed, Receipt, Settlement,
 };
-use crate::columns::Columns;
 use crate::error::Error;
 use crate::pg_driver::{Finish, PgDriver, PgHandle, PgParam, PgTransactions};
+use crate::row::Columns;
 use crate::store::to_unix_millis;
 
 /// A new event, as [`INSERT_EVENT`] writes it.

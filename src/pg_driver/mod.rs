@@ -6,14 +6,14 @@
 
 use std::future::Future;
 
-use crate::columns::Columns;
 use crate::error::Error;
+use crate::row::Columns;
 
 /// Implements [`Columns`] for a driver's row type with its `try_get`, which both drivers
 /// spell the same way.
 macro_rules! columns_by_try_get {
     ($row:ty) => {
-        impl $crate::columns::Columns for $row {
+        impl $crate::row::Columns for $row {
             type Error = Error;
 
             fn big_int(&self, index: usize) -> Result<Option<i64>, Error> {
@@ -38,7 +38,7 @@ macro_rules! columns_by_try_get {
             }
 
             fn null(_index: usize, what: &str) -> Error {
-                $crate::columns::missing(what)
+                $crate::row::missing(what)
             }
         }
     };

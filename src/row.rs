@@ -1,4 +1,4 @@
-//! Reading a stored row's columns the same way on every backend: [`Columns`] is what the
+//! A stored row, read the same way on every backend: [`Columns`] is what the
 //! shared readers of `outbox_events` rows (`outbox/columns.rs`) and of idempotency records
 //! (`admin`) need from a row, implemented by rusqlite's, tokio-postgres' and sqlx' rows. So a
 //! `NULL` where none belongs, or an integer of the other width, reads the same everywhere.
