@@ -133,8 +133,12 @@ pub mod metrics;
 mod openapi;
 #[cfg(feature = "outbox")]
 pub mod outbox;
+#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
+mod pg_driver;
 pub mod problem;
 pub mod response;
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "sqlx-postgres"))]
+mod row;
 mod service;
 pub mod store;
 

@@ -67,7 +67,12 @@
 //! # Backends
 //!
 //! One implementation per concern, written once over a small trait that each backend
-//! implements with its own SQL (`sqlite.rs`, `postgres.rs`):
+//! implements with its own SQL: `sqlite.rs`, and `pg.rs` for both PostgreSQL stores
+//! (tokio-postgres and sqlx run the same statements and logic, each driver only running a
+//! statement and reading a row); `postgres.rs` and `sqlx_postgres.rs` hold their names and the
+//! calls on a caller's own client. Rows are read by one reader on every backend
+//! (`columns.rs`, over the crate's row trait), so a value out of range or a `NULL` where none
+//! belongs means the same everywhere.
 //!
 //! - the relay needs only [`OutboxStore`] (claim, settle, backlog); handlers need only
 //!   [`Enqueue`] on their transaction handle. The relay, the sinks and the backoff are shared.
@@ -92,6 +97,8 @@ use crate::error::Error;
 mod columns;
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "sqlx-postgres"))]
 pub mod inbox;
+#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
+mod pg;
 #[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
 mod pg_sql;
 #[cfg(feature = "postgres")]

@@ -1,0 +1,90 @@
+//! [`PgDriver`] on sqlx: [`SqlxPostgresStore`] and its [`SqlxTransaction`] handle. sqlx
+//! prepares and caches each statement on its connection.
+
+use sqlx::postgres::{PgArguments, PgRow, Postgres};
+use sqlx::query::Query;
+// The `Executor` methods keep these futures provably `Send` (see the store's `reservation.rs`).
+use sqlx::{Executor as _, Row as _};
+
+#[cfg(feature = "outbox")]
+use super::{finish, Finish, PgHandle, PgTransactions};
+use super::{PgDriver, PgParam};
+use crate::error::Error;
+use crate::store::sqlx_postgres::SqlxPostgresStore;
+#[cfg(feature = "outbox")]
+use crate::store::sqlx_postgres::SqlxTransaction;
+
+/// `sql` with `params` bound in order.
+pub(crate) fn bound<'q>(sql: &'q str, params: &[PgParam<'q>]) -> Query<'q, Postgres, PgArguments> {
+    params
+        .iter()
+        .fold(sqlx::query(sql), |query, param| match *param {
+            PgParam::Text(value) => query.bind(value),
+            PgParam::OptionalText(value) => query.bind(value),
+            PgParam::BigInt(value) => query.bind(value),
+            PgParam::Int(value) => query.bind(value),
+        })
+}
+
+columns_by_try_get!(PgRow);
+
+impl PgDriver for SqlxPostgresStore {
+    type Row = PgRow;
+
+    async fn fetch_rows(&self, sql: &str, params: &[PgParam<'_>]) -> Result<Vec<PgRow>, Error> {
+        Ok(self.pool().fetch_all(bound(sql, params)).await?)
+    }
+
+    async fn execute_counted(&self, sql: &str, params: &[PgParam<'_>]) -> Result<u64, Error> {
+        let done = self.pool().execute(bound(sql, params)).await?;
+        Ok(done.rows_affected())
+    }
+
+    #[cfg(feature = "outbox")]
+    async fn fetch_in_transaction(
+        &self,
+        statements: &[(&str, &[PgParam<'_>])],
+    ) -> Result<Vec<Vec<PgRow>>, Error> {
+        let mut tx = self.pool().begin().await?;
+        let mut results = Vec::with_capacity(statements.len());
+        for (sql, params) in statements {
+            results.push((&mut *tx).fetch_all(bound(sql, params)).await?);
+        }
+        tx.commit().await?;
+        Ok(results)
+    }
+
+    #[cfg(feature = "outbox")]
+    async fn install_tables(&self, lock: i64, schema: &str) -> Result<(), Error> {
+        self.install_schema(lock, schema, &[]).await
+    }
+}
+
+#[cfg(feature = "outbox")]
+impl PgTransactions for SqlxPostgresStore {
+    type Transaction = SqlxTransaction;
+
+    fn conflict_retries(&self) -> u32 {
+        self.serialization_retries()
+    }
+
+    async fn in_own_transaction<T, B, Fut>(&self, body: B) -> Result<T, Error>
+    where
+        T: Send,
+        B: FnOnce(SqlxTransaction) -> Fut + Send,
+        Fut: std::future::Future<Output = Result<(T, Finish), Error>> + Send,
+    {
+        let transaction = self.begin_owned().await?;
+        let outcome = body(transaction.handle()).await;
+        finish(transaction, outcome, |t| t.commit(), |t| t.rollback()).await
+    }
+}
+
+#[cfg(feature = "outbox")]
+impl PgHandle for SqlxTransaction {
+    async fn execute_in(&self, sql: &'static str, params: &[PgParam<'_>]) -> Result<u64, Error> {
+        let mut conn = self.acquire().await?;
+        let done = (&mut *conn).execute(bound(sql, params)).await?;
+        Ok(done.rows_affected())
+    }
+}
