@@ -453,7 +453,7 @@ mod postgres {
 
     use super::admin::{Exit, Failure};
     use super::{failure_message, field, BOOK, SHOP_A_K1};
-    use crate::backend::{Backend, Postgres};
+    use crate::backend::{Backend, Database, Postgres};
     use crate::common::{post, PATIENCE, SHOP_A};
     use crate::pg_common::{hook, HookOutcome, PgServer, TestDb};
 

@@ -790,25 +790,17 @@ pub struct Postgres {
     pub db: TestDb,
 }
 
-impl Postgres {
-    /// [`Database::create`], callable where only [`Backend`] is in scope (the admin suite's
-    /// PostgreSQL-only tests).
-    pub async fn create() -> Option<Self> {
-        let db = TestDb::create().await?;
-        Some(Postgres {
-            store: OnceCell::new(),
-            db,
-        })
-    }
-}
-
 impl Database for Postgres {
     type Store = PostgresStore;
 
     const PARALLEL_WRITERS: bool = true;
 
     async fn create() -> Option<Self> {
-        Postgres::create().await
+        let db = TestDb::create().await?;
+        Some(Postgres {
+            store: OnceCell::new(),
+            db,
+        })
     }
 
     async fn serve(&self, setup: Setup<'_, Self>) -> Server<Self> {
