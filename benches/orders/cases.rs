@@ -138,7 +138,8 @@ impl CaseRun {
         let workload = Arc::new(match case {
             Case::A => Workload::create("/orders", &prefix, &sku),
             Case::B => {
-                let (replays, created) = replay_workload(server.addr, concurrency, &prefix, &sku).await?;
+                let (replays, created) =
+                    replay_workload(server.addr, concurrency, &prefix, &sku).await?;
                 expected_orders += created;
                 replays
             }
