@@ -62,6 +62,8 @@
 //! migrate run` or `sqlx::migrate!`. Tables are unqualified: they live in the first schema of
 //! the connection's `search_path`.
 
+use std::time::Duration;
+
 use futures_util::future::BoxFuture;
 use sqlx::postgres::{PgConnection, PgQueryResult, Postgres};
 // The `Executor` methods on a connection rather than the query builders' `execute(conn)`:
@@ -179,8 +181,17 @@ impl SqlxDialect for PgDialect {
         Ok(())
     }
 
-    fn begin_request(isolation: Isolation, deadline: Instant) -> String {
-        isolation.begin_request(deadline)
+    /// `SET LOCAL lock_timeout`: a reservation past `key_row_wait` fails with `55P03`.
+    fn begin_request(
+        isolation: Isolation,
+        deadline: Instant,
+        key_row_wait: Option<Duration>,
+    ) -> String {
+        isolation.begin_request(deadline, key_row_wait)
+    }
+
+    fn restore_lock_wait(deadline: Instant) -> String {
+        crate::store::pg_reserve::restore_lock_timeout(deadline)
     }
 
     /// Both statements return the row's address.
