@@ -79,9 +79,10 @@ pub trait SqlxDialect: sealed::Sealed + Clone + fmt::Debug + Send + Sync + Sized
     fn check_scope(scope: &Scope) -> Result<(), Error>;
 
     /// Opens a request's transaction at `isolation`, its lock waits bounded by `deadline`, or,
-    /// while reserving the key, by `key_row_wait` (see
-    /// [`key_row_wait`](crate::store::reserve::key_row_wait); then
-    /// [`restore_lock_wait`](Self::restore_lock_wait) follows the reservation).
+    /// while reserving the key, by `key_row_wait`: the [in-flight policy](crate::InFlight)'s
+    /// bound on the wait for a key's row another transaction holds (zero under `Reject`: the
+    /// shortest wait the database allows). Then
+    /// [`restore_lock_wait`](Self::restore_lock_wait) follows the reservation.
     fn begin_request(
         isolation: Isolation,
         deadline: Instant,

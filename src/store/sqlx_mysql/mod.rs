@@ -15,7 +15,10 @@
 //! - **Waits are bounded**: taking a connection from the pool and every lock wait
 //!   (`innodb_lock_wait_timeout`, set for the request and restored after it) share the
 //!   layer's lock timeout, rounded up to whole seconds; past it the request gets `503` with
-//!   `Retry-After`. Deadlocks (`1213`) while reserving are retried a bounded number of times
+//!   `Retry-After`. Under the in-flight policies `Reject` and `WaitUpTo(d)`, the reservation's
+//!   wait on a key held by another instance's transaction is bounded by the policy instead (`d`
+//!   rounded up to whole seconds; `Reject`: no wait on MariaDB, one second on MySQL) and
+//!   answered `409` ([`InFlight`](crate::InFlight)). Deadlocks (`1213`) while reserving are retried a bounded number of times
 //!   ([`SqlxMySqlOptions::deadlock_retries`]); one that a handler's statement gets is reported
 //!   to the layer, which runs the request again.
 //! - **The layer commits**: the connection the handle lends refuses transaction control and

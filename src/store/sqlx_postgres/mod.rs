@@ -15,7 +15,9 @@
 //!   turns the reservation into the completed record and commits, before the response leaves.
 //! - **Waits are bounded**: taking a connection from the pool and every lock wait (`SET LOCAL
 //!   lock_timeout`) share the layer's lock timeout; past it the request gets `503` with
-//!   `Retry-After`. Serialization failures and deadlocks while reserving are retried a bounded
+//!   `Retry-After`. Under the in-flight policies `Reject` and `WaitUpTo(d)`, the reservation's
+//!   wait on a key held by another instance's transaction is bounded by the policy instead
+//!   (1 ms, or `d`) and answered `409` ([`InFlight`](crate::InFlight)). Serialization failures and deadlocks while reserving are retried a bounded
 //!   number of times ([`SqlxPostgresOptions::serialization_retries`]); one that a handler's
 //!   statement gets is reported to the layer, which runs the request again.
 //! - **The layer commits**: the connection the handle lends refuses transaction control
