@@ -242,45 +242,55 @@ const PG_BOUND: Duration = Duration::from_millis(600);
 /// MySQL's `innodb_lock_wait_timeout` counts whole seconds: a bound of one.
 const MYSQL_BOUND: Duration = Duration::from_secs(1);
 
+/// The three policies' tests for one driver, on the stores its `two_instances()` opens (`None`
+/// without the server), run only when `$server` (the build script's cfg) is set.
+macro_rules! across_instances {
+    ($server:ident, $why:literal, $bound:expr) => {
+        #[tokio::test]
+        #[cfg_attr(not($server), ignore = $why)]
+        async fn reject_answers_409_at_once_across_instances() {
+            let Some((_db, [first, second])) = two_instances().await else {
+                return;
+            };
+            reject_across_instances(first, second).await;
+        }
+
+        #[tokio::test]
+        #[cfg_attr(not($server), ignore = $why)]
+        async fn wait_up_to_answers_409_after_its_bound_across_instances() {
+            let Some((_db, [first, second])) = two_instances().await else {
+                return;
+            };
+            wait_up_to_across_instances(first, second, $bound).await;
+        }
+
+        #[tokio::test]
+        #[cfg_attr(not($server), ignore = $why)]
+        async fn wait_replays_across_instances() {
+            let Some((_db, [first, second])) = two_instances().await else {
+                return;
+            };
+            wait_across_instances(first, second).await;
+        }
+    };
+}
+
 mod tokio_postgres_store {
     use super::*;
     use pg_common::TestDb;
+    use tower_idempotency::store::postgres::PostgresStore;
 
-    async fn two_instances() -> Option<(
-        TestDb,
-        [tower_idempotency::store::postgres::PostgresStore; 2],
-    )> {
+    async fn two_instances() -> Option<(TestDb, [PostgresStore; 2])> {
         let db = TestDb::create().await?;
         let stores = [db.store().await, db.store().await];
         Some((db, stores))
     }
 
-    #[tokio::test]
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    async fn reject_answers_409_at_once_across_instances() {
-        let Some((_db, [first, second])) = two_instances().await else {
-            return;
-        };
-        reject_across_instances(first, second).await;
-    }
-
-    #[tokio::test]
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    async fn wait_up_to_answers_409_after_its_bound_across_instances() {
-        let Some((_db, [first, second])) = two_instances().await else {
-            return;
-        };
-        wait_up_to_across_instances(first, second, PG_BOUND).await;
-    }
-
-    #[tokio::test]
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    async fn wait_replays_across_instances() {
-        let Some((_db, [first, second])) = two_instances().await else {
-            return;
-        };
-        wait_across_instances(first, second).await;
-    }
+    across_instances!(
+        pg_tests,
+        "needs PostgreSQL: set TEST_DATABASE_URL",
+        PG_BOUND
+    );
 }
 
 mod sqlx_postgres_store {
@@ -294,32 +304,11 @@ mod sqlx_postgres_store {
         Some((db, stores))
     }
 
-    #[tokio::test]
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    async fn reject_answers_409_at_once_across_instances() {
-        let Some((_db, [first, second])) = two_instances().await else {
-            return;
-        };
-        reject_across_instances(first, second).await;
-    }
-
-    #[tokio::test]
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    async fn wait_up_to_answers_409_after_its_bound_across_instances() {
-        let Some((_db, [first, second])) = two_instances().await else {
-            return;
-        };
-        wait_up_to_across_instances(first, second, PG_BOUND).await;
-    }
-
-    #[tokio::test]
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    async fn wait_replays_across_instances() {
-        let Some((_db, [first, second])) = two_instances().await else {
-            return;
-        };
-        wait_across_instances(first, second).await;
-    }
+    across_instances!(
+        pg_tests,
+        "needs PostgreSQL: set TEST_DATABASE_URL",
+        PG_BOUND
+    );
 }
 
 mod sqlx_mysql_store {
@@ -333,39 +322,9 @@ mod sqlx_mysql_store {
         Some((db, stores))
     }
 
-    #[tokio::test]
-    #[cfg_attr(
-        not(mysql_tests),
-        ignore = "needs MySQL or MariaDB: set TEST_MYSQL_URL"
-    )]
-    async fn reject_answers_409_at_once_across_instances() {
-        let Some((_db, [first, second])) = two_instances().await else {
-            return;
-        };
-        reject_across_instances(first, second).await;
-    }
-
-    #[tokio::test]
-    #[cfg_attr(
-        not(mysql_tests),
-        ignore = "needs MySQL or MariaDB: set TEST_MYSQL_URL"
-    )]
-    async fn wait_up_to_answers_409_after_its_bound_across_instances() {
-        let Some((_db, [first, second])) = two_instances().await else {
-            return;
-        };
-        wait_up_to_across_instances(first, second, MYSQL_BOUND).await;
-    }
-
-    #[tokio::test]
-    #[cfg_attr(
-        not(mysql_tests),
-        ignore = "needs MySQL or MariaDB: set TEST_MYSQL_URL"
-    )]
-    async fn wait_replays_across_instances() {
-        let Some((_db, [first, second])) = two_instances().await else {
-            return;
-        };
-        wait_across_instances(first, second).await;
-    }
+    across_instances!(
+        mysql_tests,
+        "needs MySQL or MariaDB: set TEST_MYSQL_URL",
+        MYSQL_BOUND
+    );
 }
