@@ -168,6 +168,7 @@ impl PostgresOptions {
                 serialization_retries: self.serialization_retries,
                 reservations: AtomicU64::new(1),
             }),
+            key_row_wait: None,
         };
         if self.create_schema {
             store.migrate().await?;

@@ -7,6 +7,7 @@
 use std::fmt;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use tokio::time::Instant;
@@ -27,6 +28,7 @@ use crate::error::Error;
 use crate::response::SavedResponse;
 use crate::store::pg_failover::postgres_unavailable;
 use crate::store::pg_reserve::{self, ReserveStatements, Reserved};
+use crate::store::reserve;
 use crate::store::{
     to_unix_millis, Begin, NewRecord, Reservation, SavedColumns, Scope, StoredRecord,
 };
@@ -49,7 +51,8 @@ impl PostgresStore {
             object: Some(object),
         };
         let token = self.shared.reservations.fetch_add(1, Ordering::Relaxed);
-        match reserve(&slot, scope, deadline, now, self.shared.isolation).await {
+        let isolation = self.shared.isolation;
+        match reserve(&slot, scope, deadline, self.key_row_wait, now, isolation).await {
             Ok(Reserved::Row(row_id)) => Ok(Begin::Reserved(PostgresReservation {
                 tx: Arc::new(TxShared::new(token, slot)),
                 scope: scope.clone(),
@@ -130,11 +133,13 @@ impl ReserveStatements for Statements<'_> {
 }
 
 /// Opens the transaction on `slot`'s connection and reserves `scope` (see
-/// [`pg_reserve::reserve`]). The transaction is left open either way.
+/// [`pg_reserve::reserve`]), waiting on the key's row up to `key_row_wait` if set
+/// ([`Error::InFlight`] past it). The transaction is left open either way.
 async fn reserve(
     slot: &Slot,
     scope: &Scope,
     deadline: Instant,
+    key_row_wait: Option<Duration>,
     now: i64,
     isolation: Isolation,
 ) -> Result<Reserved<String>, Error> {
@@ -149,11 +154,21 @@ async fn reserve(
     // The begin and the first reservation go in one flight (tokio-postgres pipelines requests
     // polled together, in order): one round trip for both. Should the begin's `SET LOCAL`
     // fail, the transaction is aborted and the insert fails with it.
-    let begin = isolation.begin_request(deadline);
+    let begin = isolation.begin_request(deadline, key_row_wait);
     let (begun, first) =
         futures_util::future::join(client.batch_execute(&begin), statements.insert()).await;
     begun?;
-    pg_reserve::reserve(&mut statements, Some(first?)).await
+    let reserved = match first {
+        Ok(first) => pg_reserve::reserve(&mut statements, Some(first)).await,
+        Err(error) => Err(error),
+    }
+    .map_err(|error| reserve::in_flight_past_bound(key_row_wait, error))?;
+    if key_row_wait.is_some() && matches!(reserved, Reserved::Row(_)) {
+        // The handler's own lock waits keep the lock timeout.
+        let restore = pg_reserve::restore_lock_timeout(deadline);
+        client.batch_execute(&restore).await?;
+    }
+    Ok(reserved)
 }
 
 /// A serialization failure (`40001`) or a deadlock (`40P01`).

@@ -15,7 +15,10 @@
 //! - **Waits are bounded**: taking a connection from the pool and every lock wait
 //!   (`innodb_lock_wait_timeout`, set for the request and restored after it) share the
 //!   layer's lock timeout, rounded up to whole seconds; past it the request gets `503` with
-//!   `Retry-After`. Deadlocks (`1213`) while reserving are retried a bounded number of times
+//!   `Retry-After`. Under the in-flight policies `Reject` and `WaitUpTo(d)`, the reservation's
+//!   wait on a key held by another instance's transaction is bounded by the policy instead (`d`
+//!   rounded up to whole seconds; `Reject`: no wait on MariaDB, one second on MySQL) and
+//!   answered `409` ([`InFlight`](crate::InFlight)). Deadlocks (`1213`) while reserving are retried a bounded number of times
 //!   ([`SqlxMySqlOptions::deadlock_retries`]); one that a handler's statement gets is reported
 //!   to the layer, which runs the request again.
 //! - **The layer commits**: the connection the handle lends refuses transaction control and
@@ -40,6 +43,8 @@
 //! store.migrate().await?;
 //! # Ok(()) }
 //! ```
+
+use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 use sqlx::mysql::{MySql, MySqlConnection, MySqlQueryResult};
@@ -201,12 +206,24 @@ impl SqlxDialect for MySqlDialect {
         }
     }
 
-    fn begin_request(isolation: Isolation, deadline: Instant) -> String {
-        // `innodb_lock_wait_timeout` counts whole seconds, at least one: round up.
-        let remaining = deadline.saturating_duration_since(Instant::now());
-        let lock_wait_secs = remaining.as_millis().div_ceil(1000).max(1);
-        let lock_wait_secs = u64::try_from(lock_wait_secs).unwrap_or(u64::MAX);
+    /// `innodb_lock_wait_timeout` counts whole seconds: the lock timeout is rounded up, to one
+    /// second at least. A `key_row_wait` is rounded up too, and may be 0 (under
+    /// [`InFlight::Reject`](crate::InFlight::Reject)): MariaDB then does not wait at all,
+    /// MySQL (whose minimum is 1) waits one second. Past it the reservation fails with `1205`.
+    fn begin_request(
+        isolation: Isolation,
+        deadline: Instant,
+        key_row_wait: Option<Duration>,
+    ) -> String {
+        let lock_wait_secs = match key_row_wait {
+            Some(bound) => whole_seconds(bound),
+            None => lock_wait_secs(deadline),
+        };
         sql::begin_request(isolation, lock_wait_secs)
+    }
+
+    fn restore_lock_wait(deadline: Instant) -> String {
+        sql::set_lock_wait(lock_wait_secs(deadline))
     }
 
     /// The insert fails with a duplicate key once a committed row has the key; the take-over
@@ -280,4 +297,16 @@ impl SqlxDialect for MySqlDialect {
     fn split(sql: &str) -> Vec<&str> {
         sql_guard::split(sql)
     }
+}
+
+/// The lock timeout left until `deadline`, for `innodb_lock_wait_timeout`: whole seconds
+/// rounded up, at least one.
+fn lock_wait_secs(deadline: Instant) -> u64 {
+    whole_seconds(deadline.saturating_duration_since(Instant::now())).max(1)
+}
+
+/// `wait` in whole seconds, rounded up.
+fn whole_seconds(wait: Duration) -> u64 {
+    let secs = wait.as_millis().div_ceil(1000);
+    u64::try_from(secs).unwrap_or(u64::MAX)
 }
