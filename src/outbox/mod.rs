@@ -93,11 +93,27 @@ use std::time::{Duration, SystemTime};
 use crate::body::BoxError;
 use crate::error::Error;
 
-#[cfg(any(feature = "sqlite", feature = "postgres", feature = "sqlx-postgres"))]
+#[cfg(any(
+    feature = "sqlite",
+    feature = "postgres",
+    feature = "sqlx-postgres",
+    feature = "sqlx-mysql"
+))]
 mod columns;
-#[cfg(any(feature = "sqlite", feature = "postgres", feature = "sqlx-postgres"))]
+#[cfg(any(
+    feature = "sqlite",
+    feature = "postgres",
+    feature = "sqlx-postgres",
+    feature = "sqlx-mysql"
+))]
 pub mod inbox;
-#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
+#[cfg(feature = "sqlx-mysql")]
+pub(crate) mod mysql_sql;
+#[cfg(any(
+    feature = "postgres",
+    feature = "sqlx-postgres",
+    feature = "sqlx-mysql"
+))]
 mod pg;
 #[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
 mod pg_sql;
@@ -105,12 +121,25 @@ mod pg_sql;
 pub mod postgres;
 mod relay;
 mod sink;
+#[cfg(any(
+    feature = "postgres",
+    feature = "sqlx-postgres",
+    feature = "sqlx-mysql"
+))]
+mod sql;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
+#[cfg(feature = "sqlx-mysql")]
+pub mod sqlx_mysql;
 #[cfg(feature = "sqlx-postgres")]
 pub mod sqlx_postgres;
 
-#[cfg(any(feature = "sqlite", feature = "postgres", feature = "sqlx-postgres"))]
+#[cfg(any(
+    feature = "sqlite",
+    feature = "postgres",
+    feature = "sqlx-postgres",
+    feature = "sqlx-mysql"
+))]
 pub use inbox::{Inbox, InboxBackend, InboxOutcome};
 pub use relay::{Relay, RoundReport};
 pub use sink::{sink_fn, HttpSink, Permanent, SinkFn, EVENT_TOPIC};
