@@ -116,7 +116,7 @@ pub(crate) mod mysql_sql;
 ))]
 mod pg;
 #[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
-mod pg_sql;
+pub(crate) mod pg_sql;
 #[cfg(feature = "postgres")]
 pub mod postgres;
 mod relay;
@@ -129,6 +129,8 @@ mod sink;
 mod sql;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
+#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
+pub(crate) mod sqlx_executor;
 #[cfg(feature = "sqlx-mysql")]
 pub mod sqlx_mysql;
 #[cfg(feature = "sqlx-postgres")]
@@ -143,6 +145,8 @@ pub mod sqlx_postgres;
 pub use inbox::{Inbox, InboxBackend, InboxOutcome};
 pub use relay::{Relay, RoundReport};
 pub use sink::{sink_fn, HttpSink, Permanent, SinkFn, EVENT_TOPIC};
+#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
+pub use sqlx_executor::OutboxDatabase;
 
 /// The id of an outbox event: a UUID v7 (time-ordered), unique across processes and databases.
 ///

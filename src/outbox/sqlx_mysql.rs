@@ -40,22 +40,14 @@
 //! # Ok(()) }
 //! ```
 
-use sqlx::mysql::MySql;
-// The `Executor` methods rather than the query builders' `execute(conn)`: their boxed futures
-// keep these futures provably `Send`.
-use sqlx::Executor;
-
-use super::inbox::receipt;
-use super::mysql_sql::{check_inbox_ids, INSERT_EVENT, INSERT_ID};
-use super::pg::{record_params, NewEvent};
 #[cfg(doc)]
 use super::{Enqueue, InboxBackend, OutboxBackend};
-use super::{EventId, Inbox, Outbox, Receipt};
-use crate::error::Error;
-use crate::pg_driver::{positional, sqlx_bind};
+use super::{Inbox, Outbox};
 use crate::store::sqlx_mysql::SqlxMySqlStore;
 #[cfg(doc)]
 use crate::store::sqlx_mysql::SqlxTransaction;
+
+pub use super::sqlx_executor::enqueue;
 
 /// The outbox of a [`SqlxMySqlStore`] (see [`Outbox`]).
 pub type SqlxMySqlOutbox = Outbox<SqlxMySqlStore>;
@@ -64,59 +56,7 @@ pub type SqlxMySqlOutbox = Outbox<SqlxMySqlStore>;
 /// table `inbox_events`, next to the store's. [`Inbox::process`] hands its closure the same
 /// [`SqlxTransaction`] a request's handler gets (take its [`acquire`](SqlxTransaction::acquire)d
 /// connection, do not `COMMIT`), on a transaction of the inbox's own, and the closure returns a
-/// future. Consumer names and event ids are at most 255 bytes.
+/// future; [`Inbox::record`] records an id through an executor of yours (waiting within
+/// `innodb_lock_wait_timeout` on an id another open transaction holds). Consumer names and
+/// event ids are at most 255 bytes.
 pub type SqlxMySqlInbox = Inbox<SqlxMySqlStore>;
-
-/// Adds an event to the outbox through `executor`: the connection a [`SqlxTransaction`] lends
-/// (`&mut *conn`: the event then belongs to the request's transaction), or a transaction or
-/// pool of your own. Returns its id.
-///
-/// ```no_run
-/// # async fn handler(tx: tower_idempotency::store::sqlx_mysql::SqlxTransaction)
-/// #     -> Result<(), tower_idempotency::Error> {
-/// use serde_json::json;
-/// use tower_idempotency::outbox::sqlx_mysql::enqueue;
-///
-/// let mut conn = tx.acquire().await?;
-/// let done = sqlx::query("INSERT INTO orders (sku) VALUES ('book')")
-///     .execute(&mut *conn)
-///     .await?;
-/// enqueue(&mut *conn, "order_created", &json!({ "order_id": done.last_insert_id() })).await?;
-/// # Ok(()) }
-/// ```
-pub async fn enqueue<'c, E>(
-    executor: E,
-    topic: &str,
-    payload: &serde_json::Value,
-) -> Result<EventId, Error>
-where
-    E: Executor<'c, Database = MySql>,
-{
-    let event = NewEvent::new(payload);
-    let (sql, params) = positional(INSERT_EVENT, &event.params(topic))?;
-    executor
-        .execute(sqlx_bind(sqlx::query(&sql), &params))
-        .await?;
-    Ok(event.id)
-}
-
-impl SqlxMySqlInbox {
-    /// Records `event_id` through `executor`, which must be inside the transaction that applies
-    /// the event (a `sqlx::Transaction` of your own, or the connection a [`SqlxTransaction`]
-    /// lends): [`Receipt::First`] if it was new (apply the event in the same transaction),
-    /// [`Receipt::Duplicate`] if it was there already (do nothing).
-    ///
-    /// While another open transaction holds the same id, this waits for it to end (within
-    /// `innodb_lock_wait_timeout`).
-    pub async fn record<'c, E>(&self, executor: E, event_id: &str) -> Result<Receipt, Error>
-    where
-        E: Executor<'c, Database = MySql>,
-    {
-        check_inbox_ids(self.consumer(), event_id)?;
-        let (sql, params) = positional(INSERT_ID, &record_params(self.consumer(), event_id))?;
-        let inserted = executor
-            .execute(sqlx_bind(sqlx::query(&sql), &params))
-            .await?;
-        Ok(receipt(inserted.rows_affected()))
-    }
-}
