@@ -67,10 +67,12 @@
 //! # Backends
 //!
 //! One implementation per concern, written once over a small trait that each backend
-//! implements with its own SQL: `sqlite.rs`, and `pg.rs` for both PostgreSQL stores
-//! (tokio-postgres and sqlx run the same statements and logic, each driver only running a
-//! statement and reading a row); `postgres.rs` and `sqlx_postgres.rs` hold their names and the
-//! calls on a caller's own client. Rows are read by one reader on every backend
+//! implements with its own SQL: `sqlite.rs`, and `pg.rs` for the PostgreSQL stores and the
+//! MySQL one (tokio-postgres and sqlx run the same logic, each driver only running a statement
+//! and reading a row; the statements are `pg_sql.rs`'s and `mysql_sql.rs`'s, over the shared
+//! `sql.rs`); `postgres.rs`, `sqlx_postgres.rs` and `sqlx_mysql.rs` hold their names and the
+//! calls on a caller's own client (on sqlx, one function for both databases:
+//! `sqlx_executor.rs`). Rows are read by one reader on every backend
 //! (`columns.rs`, over the crate's row trait), so a value out of range or a `NULL` where none
 //! belongs means the same everywhere.
 //!
@@ -80,8 +82,11 @@
 //!   [`OutboxBackend`]: `sqlite::SqliteOutbox`, and on PostgreSQL (features `outbox` and
 //!   `postgres`) `postgres::PostgresOutbox`, which claims with `FOR UPDATE SKIP LOCKED` and a
 //!   lease, so relays in several instances share the work.
-//! - the receiver's [`Inbox`] over [`InboxBackend`]: `inbox::SqliteInbox` and
-//!   `postgres::PostgresInbox`, with the same calls, [`Receipt`] and [`Processed`].
+//! - the receiver's [`Inbox`] over [`InboxBackend`]: `inbox::SqliteInbox`,
+//!   `postgres::PostgresInbox`, `sqlx_postgres::SqlxPostgresInbox` and
+//!   `sqlx_mysql::SqlxMySqlInbox`, with the same calls, [`Receipt`] and [`Processed`].
+//! - on MySQL and MariaDB (features `outbox` and `sqlx-mysql`), `sqlx_mysql::SqlxMySqlOutbox`
+//!   claims with `FOR UPDATE SKIP LOCKED` and a lease too.
 //! - [`Admin`](crate::admin::Admin) over [`AdminBackend`](crate::admin::AdminBackend) and
 //!   [`OutboxBackend`].
 

@@ -10,7 +10,7 @@ use super::pg::{record_params, NewEvent};
 use super::sql::INSERT_EVENT;
 use super::{EventId, Inbox, InboxBackend, Receipt};
 use crate::error::Error;
-use crate::pg_driver::PgParam;
+use crate::pg_driver::{sqlx_bind, PgParam};
 use crate::store::sqlx::{SqlxDialect, SqlxStore};
 
 /// A sqlx database with the crate's outbox and inbox (PostgreSQL, MySQL): what [`enqueue`] and
@@ -42,6 +42,43 @@ pub(crate) mod sealed {
             E: Executor<'c, Database = Self> + 'e;
     }
 }
+
+/// [`sealed::Statements`] on a sqlx database, with the statements of its SQL module `$sql`,
+/// each prepared by `$prepare` (`$n` parameters as written, or as MySQL's `?`).
+macro_rules! outbox_database {
+    ($db:ty, $sql:ident, $prepare:path) => {
+        #[allow(private_interfaces)]
+        impl sealed::Statements for $db {
+            const INSERT_ID: &'static str = super::$sql::INSERT_ID;
+
+            fn check_inbox_ids(consumer: &str, event_id: &str) -> Result<(), Error> {
+                super::$sql::check_inbox_ids(consumer, event_id)
+            }
+
+            fn execute_shared<'e, 'c: 'e, E>(
+                executor: E,
+                sql: &'static str,
+                params: &'e [PgParam<'e>],
+            ) -> BoxFuture<'e, Result<u64, Error>>
+            where
+                E: Executor<'c, Database = Self> + 'e,
+            {
+                Box::pin(async move {
+                    let (sql, params) = $prepare(sql, params)?;
+                    let done = executor
+                        .execute(sqlx_bind(sqlx::query(&sql), &params))
+                        .await?;
+                    Ok(done.rows_affected())
+                })
+            }
+        }
+    };
+}
+
+#[cfg(feature = "sqlx-postgres")]
+outbox_database!(sqlx::Postgres, pg_sql, crate::pg_driver::numbered);
+#[cfg(feature = "sqlx-mysql")]
+outbox_database!(sqlx::MySql, mysql_sql, crate::pg_driver::positional);
 
 /// Adds an event to the outbox through `executor`: the connection a request's `SqlxTransaction`
 /// lends (`&mut *conn`: the event then belongs to the request's transaction), or a transaction

@@ -54,7 +54,9 @@ mod sqlx_postgres;
 mod tokio_postgres;
 
 #[cfg(all(feature = "outbox", feature = "sqlx-mysql"))]
-pub(crate) use self::sqlx_mysql::claim as mysql_claim;
+pub(crate) use self::sqlx_mysql::{claim as mysql_claim, positional};
+#[cfg(all(feature = "outbox", feature = "sqlx-postgres"))]
+pub(crate) use self::sqlx_postgres::numbered;
 #[cfg(all(feature = "outbox", feature = "postgres"))]
 pub(crate) use self::tokio_postgres::as_sql;
 

@@ -144,34 +144,6 @@ impl PgHandle for SqlxTransaction {
     }
 }
 
-#[cfg(feature = "outbox")]
-// The sealed trait takes the crate's own parameter type.
-#[allow(private_interfaces)]
-impl crate::outbox::sqlx_executor::sealed::Statements for sqlx::mysql::MySql {
-    const INSERT_ID: &'static str = crate::outbox::mysql_sql::INSERT_ID;
-
-    fn check_inbox_ids(consumer: &str, event_id: &str) -> Result<(), Error> {
-        crate::outbox::mysql_sql::check_inbox_ids(consumer, event_id)
-    }
-
-    fn execute_shared<'e, 'c: 'e, E>(
-        executor: E,
-        sql: &'static str,
-        params: &'e [PgParam<'e>],
-    ) -> futures_util::future::BoxFuture<'e, Result<u64, Error>>
-    where
-        E: sqlx::Executor<'c, Database = Self> + 'e,
-    {
-        Box::pin(async move {
-            let (sql, params) = positional(sql, params)?;
-            let done = executor
-                .execute(sqlx_bind(sqlx::query(&sql), &params))
-                .await?;
-            Ok(done.rows_affected())
-        })
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -62,25 +62,12 @@ impl PgHandle for SqlxTransaction {
     }
 }
 
+/// The statement and its parameters as PostgreSQL takes them: as written (for
+/// `sqlx_executor`, which sends MySQL's through `positional`).
 #[cfg(feature = "outbox")]
-// The sealed trait takes the crate's own parameter type.
-#[allow(private_interfaces)]
-impl crate::outbox::sqlx_executor::sealed::Statements for Postgres {
-    const INSERT_ID: &'static str = crate::outbox::pg_sql::INSERT_ID;
-
-    fn check_inbox_ids(consumer: &str, event_id: &str) -> Result<(), Error> {
-        crate::outbox::pg_sql::check_inbox_ids(consumer, event_id)
-    }
-
-    fn execute_shared<'e, 'c: 'e, E>(
-        executor: E,
-        sql: &'static str,
-        params: &'e [PgParam<'e>],
-    ) -> futures_util::future::BoxFuture<'e, Result<u64, Error>>
-    where
-        E: sqlx::Executor<'c, Database = Self> + 'e,
-    {
-        let done = executor.execute(bound(sql, params));
-        Box::pin(async move { Ok(done.await?.rows_affected()) })
-    }
+pub(crate) fn numbered<'p>(
+    sql: &str,
+    params: &[PgParam<'p>],
+) -> Result<(String, Vec<PgParam<'p>>), Error> {
+    Ok((sql.to_owned(), params.to_vec()))
 }
