@@ -22,7 +22,11 @@ pub(crate) trait Columns {
     #[cfg_attr(
         not(all(
             feature = "outbox",
-            any(feature = "postgres", feature = "sqlx-postgres")
+            any(
+                feature = "postgres",
+                feature = "sqlx-postgres",
+                feature = "sqlx-mysql"
+            )
         )),
         allow(dead_code)
     )]
@@ -53,7 +57,11 @@ pub(crate) trait Columns {
     #[cfg_attr(
         not(all(
             feature = "outbox",
-            any(feature = "postgres", feature = "sqlx-postgres")
+            any(
+                feature = "postgres",
+                feature = "sqlx-postgres",
+                feature = "sqlx-mysql"
+            )
         )),
         allow(dead_code)
     )]

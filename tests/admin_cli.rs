@@ -691,3 +691,11 @@ mod sqlx_postgres {
         the_library_calls_behind_the_tool,
     );
 }
+
+mod mysql {
+    //! Records and events written through the MySQL store, read and changed by `Admin` on that
+    //! store. The tests that run the admin tool leave MySQL out: the tool opens a SQLite file
+    //! or a PostgreSQL database (`--db`, `--database-url`), not MySQL.
+
+    backend_tests!(MySql; the_library_calls_behind_the_tool);
+}

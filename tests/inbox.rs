@@ -852,3 +852,16 @@ mod sqlx_postgres {
         purge_removes_only_old_ids_of_its_consumer,
     );
 }
+
+mod mysql {
+    //! On MySQL or MariaDB through the sqlx store: the suite. The tests of `postgres` that
+    //! block on a held id or change the isolation use the tokio-postgres store's own options
+    //! and inventory app.
+
+    backend_tests!(MySql;
+        an_event_is_applied_once_and_redeliveries_are_duplicates,
+        a_failed_application_rolls_back_the_id_and_the_effect,
+        process_in_records_the_id_with_the_request_transaction,
+        purge_removes_only_old_ids_of_its_consumer,
+    );
+}

@@ -61,9 +61,15 @@ use crate::outbox::{EventInfo, Outbox, OutboxBackend, OutboxCounts};
 use crate::row::Columns;
 use crate::store::{from_unix_millis, IdempotencyStore, SavedColumns};
 
+#[cfg(feature = "sqlx-mysql")]
+mod mysql_sql;
 #[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
 mod pg_sql;
-#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
+#[cfg(any(
+    feature = "postgres",
+    feature = "sqlx-postgres",
+    feature = "sqlx-mysql"
+))]
 mod postgres;
 #[cfg(feature = "sqlite")]
 mod sqlite;

@@ -1,6 +1,6 @@
-//! [`AdminBackend`] on a PostgreSQL database, for both drivers (tokio-postgres'
-//! `PostgresStore` and sqlx' `SqlxPostgresStore`, through [`PgDriver`]): the statements of
-//! `pg_sql.rs`.
+//! [`AdminBackend`] on the SQL servers, for every driver (tokio-postgres' `PostgresStore`,
+//! sqlx' `SqlxPostgresStore` and `SqlxMySqlStore`, through [`PgDriver`]): the statements of
+//! `pg_sql.rs` on PostgreSQL, of `mysql_sql.rs` on MySQL and MariaDB.
 //!
 //! Statements run in autocommit on pooled connections of the store. A request's reservation
 //! is never visible to them (it is committed only as a completed record); a reservation that
@@ -11,17 +11,21 @@
 
 use std::time::SystemTime;
 
-use super::pg_sql::{inspect_record, COUNT_RECORDS, DELETE_RECORD};
+#[cfg(feature = "sqlx-mysql")]
+use super::mysql_sql;
+#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
+use super::pg_sql;
 use super::{AdminBackend, RawRecord, RecordCounts, RecordFilter, RecordInfo};
 use crate::error::Error;
 use crate::pg_driver::{PgDriver, PgParam};
 use crate::row::Columns;
 use crate::store::to_unix_millis;
 
-/// [`AdminBackend`] on a PostgreSQL store (written once; expanded for each driver below, as
-/// concrete impls, so that the driver trait stays private).
-macro_rules! pg_admin {
-    ($store:ty) => {
+/// [`AdminBackend`] on a store, with the statements of the server's SQL module `$sql` (written
+/// once; expanded for each driver below, as concrete impls, so that the driver trait stays
+/// private).
+macro_rules! sql_admin {
+    ($store:ty, $sql:ident) => {
         impl AdminBackend for $store {
             async fn inspect_record(
                 &self,
@@ -31,7 +35,9 @@ macro_rules! pg_admin {
                 with_body: bool,
             ) -> Result<Option<RecordInfo>, Error> {
                 let scope = [tenant.into(), operation.into(), key.into()];
-                let rows = self.fetch_rows(&inspect_record(with_body), &scope).await?;
+                let rows = self
+                    .fetch_rows(&$sql::inspect_record(with_body), &scope)
+                    .await?;
                 rows.first()
                     .map(|row| RawRecord::read(row)?.into_info(tenant, operation, key))
                     .transpose()
@@ -44,7 +50,7 @@ macro_rules! pg_admin {
                 key: &str,
             ) -> Result<bool, Error> {
                 let scope = [tenant.into(), operation.into(), key.into()];
-                Ok(self.execute_counted(DELETE_RECORD, &scope).await? > 0)
+                Ok(self.execute_counted($sql::DELETE_RECORD, &scope).await? > 0)
             }
 
             async fn count_records(&self, filter: &RecordFilter) -> Result<RecordCounts, Error> {
@@ -53,7 +59,7 @@ macro_rules! pg_admin {
                     PgParam::OptionalText(filter.tenant.as_deref()),
                     PgParam::OptionalText(filter.operation.as_deref()),
                 ];
-                let rows = self.fetch_rows(COUNT_RECORDS, &params).await?;
+                let rows = self.fetch_rows($sql::COUNT_RECORDS, &params).await?;
                 let row = rows
                     .first()
                     .ok_or_else(|| Error::Corrupt("record counts: no row".into()))?;
@@ -67,6 +73,8 @@ macro_rules! pg_admin {
 }
 
 #[cfg(feature = "postgres")]
-pg_admin!(crate::store::postgres::PostgresStore);
+sql_admin!(crate::store::postgres::PostgresStore, pg_sql);
 #[cfg(feature = "sqlx-postgres")]
-pg_admin!(crate::store::sqlx_postgres::SqlxPostgresStore);
+sql_admin!(crate::store::sqlx_postgres::SqlxPostgresStore, pg_sql);
+#[cfg(feature = "sqlx-mysql")]
+sql_admin!(crate::store::sqlx_mysql::SqlxMySqlStore, mysql_sql);

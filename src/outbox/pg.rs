@@ -1,10 +1,14 @@
-//! The outbox and the inbox on PostgreSQL, written once for both drivers: the statements of
-//! `pg_sql.rs`, run through [`PgDriver`] (tokio-postgres' [`PostgresStore`] and sqlx'
-//! [`SqlxPostgresStore`] implement it), so both stores claim, settle, count, record and retry
-//! the same way on the same tables.
+//! The outbox and the inbox on the SQL servers, written once for every driver: the statements
+//! of the server's SQL module (`pg_sql.rs` on PostgreSQL, `mysql_sql.rs` on MySQL and MariaDB,
+//! both over the shared `sql.rs`), run through [`PgDriver`] (tokio-postgres'
+//! [`PostgresStore`], sqlx' [`SqlxPostgresStore`] and [`SqlxMySqlStore`] implement it), so every
+//! store claims, settles, counts, records and retries the same way. Only the claim differs:
+//! PostgreSQL's updates return their rows (`RETURNING`); MySQL selects the rows with a locking
+//! read first, then updates them (the MySQL driver's `mysql_claim`).
 //!
 //! [`PostgresStore`]: crate::store::postgres::PostgresStore
 //! [`SqlxPostgresStore`]: crate::store::sqlx_postgres::SqlxPostgresStore
+//! [`SqlxMySqlStore`]: crate::store::sqlx_mysql::SqlxMySqlStore
 
 use std::future::Future;
 use std::pin::Pin;
@@ -14,12 +18,10 @@ use super::columns::{
     claimed_oldest_first, claimed_row, count_from_column, event_status, RawEvent,
 };
 use super::inbox::receipt;
-use super::pg_sql::{
-    BACKLOG, CLAIM, COUNT_BY_STATE, DEAD_LETTERS, DEAD_LETTER_ABANDONED, INBOX_CONTAINS,
-    INBOX_INSTALL_LOCK, INBOX_SCHEMA, INSERT_EVENT, INSERT_ID, OUTBOX_INSTALL_LOCK,
-    PURGE_DELIVERED, PURGE_INBOX, REQUEUE, REQUEUE_ALL_DEAD, SCHEMA, SELECT_DUE, SELECT_EVENT,
-    SETTLE_DEAD, SETTLE_DELIVERED, SETTLE_RETRY,
-};
+#[cfg(feature = "sqlx-mysql")]
+use super::mysql_sql;
+#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
+use super::pg_sql;
 use super::{
     Backlog, ClaimRequest, Claimed, Enqueue, EventId, EventInfo, InboxBackend, InboxOutcome,
     OutboxBackend, OutboxCounts, OutboxStore, Processed, Receipt, Settlement,
@@ -74,26 +76,53 @@ fn one_row<'a, R>(rows: &'a [R], what: &str) -> Result<&'a R, Error> {
         .ok_or_else(|| Error::Corrupt(format!("{what}: no row")))
 }
 
-/// Records `event_id` for `consumer` in the transaction of `tx`.
-async fn record<H: PgHandle>(tx: &H, consumer: &str, event_id: &str) -> Result<Receipt, Error> {
+/// How a server records an inbox id: its `INSERT_ID`, and its `check_inbox_ids`.
+type Recording = (&'static str, fn(&str, &str) -> Result<(), Error>);
+
+/// Records `event_id` for `consumer` in the transaction of `tx`, as the server's `recording`
+/// says (a consumer or an id that does not fit its table is refused first).
+async fn record<H: PgHandle>(
+    tx: &H,
+    (insert_id, check): Recording,
+    consumer: &str,
+    event_id: &str,
+) -> Result<Receipt, Error> {
+    check(consumer, event_id)?;
     let inserted = tx
-        .execute_in(INSERT_ID, &record_params(consumer, event_id))
+        .execute_in(insert_id, &record_params(consumer, event_id))
         .await?;
     Ok(receipt(inserted))
 }
 
-/// The parameters of [`INSERT_ID`] recording `event_id` for `consumer` now (for the inboxes'
+/// The claim on PostgreSQL: both updates, each `RETURNING` its rows, in one transaction.
+#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
+async fn claim_returning<D: PgDriver>(
+    driver: &D,
+    dead_letter: &[PgParam<'_>],
+    claim: &[PgParam<'_>],
+) -> Result<[Vec<D::Row>; 2], Error> {
+    let statements = [
+        (pg_sql::DEAD_LETTER_ABANDONED, dead_letter),
+        (pg_sql::CLAIM, claim),
+    ];
+    let results = driver.fetch_in_transaction(&statements).await?;
+    <[Vec<D::Row>; 2]>::try_from(results)
+        .map_err(|_| Error::Corrupt("a claim returned no rows".into()))
+}
+
+/// The parameters of an `INSERT_ID` recording `event_id` for `consumer` now (for the inboxes'
 /// `record` on an executor of the caller's).
 pub(super) fn record_params<'a>(consumer: &'a str, event_id: &'a str) -> [PgParam<'a>; 3] {
     let now = to_unix_millis(SystemTime::now());
     [consumer.into(), event_id.into(), now.into()]
 }
 
-/// The outbox's, the inbox's and `Enqueue`'s traits on a PostgreSQL store and its
-/// transaction handle, through [`PgDriver`] (written once; expanded for each driver below, as
-/// concrete impls, so that the driver traits stay private).
-macro_rules! pg_outbox_and_inbox {
-    ($store:ty, $transaction:ty) => {
+/// The outbox's, the inbox's and `Enqueue`'s traits on a store and its transaction handle,
+/// through [`PgDriver`], with the statements of the server's SQL module `$sql` and its claim
+/// `$claim` (written once; expanded for each driver below, as concrete impls, so that the
+/// driver traits stay private).
+macro_rules! sql_outbox_and_inbox {
+    ($store:ty, $transaction:ty, $sql:ident, $claim:path) => {
         /// Enqueues in the request's transaction, on either driver.
         ///
         /// ```no_run
@@ -108,7 +137,7 @@ macro_rules! pg_outbox_and_inbox {
         impl Enqueue for $transaction {
             async fn enqueue(&self, topic: &str, payload: serde_json::Value) -> Result<EventId, Error> {
                 let event = NewEvent::new(&payload);
-                self.execute_in(INSERT_EVENT, &event.params(topic)).await?;
+                self.execute_in($sql::INSERT_EVENT, &event.params(topic)).await?;
                 Ok(event.id)
             }
         }
@@ -120,7 +149,7 @@ macro_rules! pg_outbox_and_inbox {
                 let max_attempts = PgParam::Int(i32::try_from(request.max_attempts).unwrap_or(i32::MAX));
                 // An idle relay polls often: a plain read first, so that polling opens no write
                 // transaction and locks nothing.
-                if !exists(&self.fetch_rows(SELECT_DUE, &[now.into()]).await?)? {
+                if !exists(&self.fetch_rows($sql::SELECT_DUE, &[now.into()]).await?)? {
                     return Ok(Claimed::default());
                 }
                 let token = request.token.as_str();
@@ -133,11 +162,7 @@ macro_rules! pg_outbox_and_inbox {
                     now.into(),
                     big_int(request.batch),
                 ];
-                let results = self
-                    .fetch_in_transaction(&[(DEAD_LETTER_ABANDONED, dead_letter), (CLAIM, claim)])
-                    .await?;
-                let [abandoned, claimed] = <[Vec<<$store as PgDriver>::Row>; 2]>::try_from(results)
-                    .map_err(|_| Error::Corrupt("a claim returned no rows".into()))?;
+                let [abandoned, claimed] = $claim(self, dead_letter, claim).await?;
                 let events = |rows: Vec<<$store as PgDriver>::Row>| rows.iter().map(claimed_row).collect::<Result<_, _>>();
                 Ok(claimed_oldest_first(events(claimed)?, events(abandoned)?))
             }
@@ -153,7 +178,7 @@ macro_rules! pg_outbox_and_inbox {
                         // Recorded whoever holds the claim now: the sink accepted the event, and that
                         // stays true.
                         Settlement::Delivered { id } => {
-                            (SETTLE_DELIVERED, vec![id.as_str().into(), now.into()])
+                            ($sql::SETTLE_DELIVERED, vec![id.as_str().into(), now.into()])
                         }
                         // Only under our own claim: if it ran out and another relay claimed the event,
                         // that relay decides what happens next.
@@ -163,7 +188,7 @@ macro_rules! pg_outbox_and_inbox {
                             at,
                             error,
                         } => (
-                            SETTLE_RETRY,
+                            $sql::SETTLE_RETRY,
                             vec![
                                 id.as_str().into(),
                                 token.as_str().into(),
@@ -172,7 +197,7 @@ macro_rules! pg_outbox_and_inbox {
                             ],
                         ),
                         Settlement::Dead { id, token, error } => (
-                            SETTLE_DEAD,
+                            $sql::SETTLE_DEAD,
                             vec![
                                 id.as_str().into(),
                                 token.as_str().into(),
@@ -190,7 +215,7 @@ macro_rules! pg_outbox_and_inbox {
             }
 
             async fn backlog(&self) -> Result<Backlog, Error> {
-                let rows = self.fetch_rows(BACKLOG, &[]).await?;
+                let rows = self.fetch_rows($sql::BACKLOG, &[]).await?;
                 let row = one_row(&rows, "backlog")?;
                 Ok(Backlog {
                     pending: count_from_column(row.required_big_int(0, "pending count")?),
@@ -201,12 +226,12 @@ macro_rules! pg_outbox_and_inbox {
 
         impl OutboxBackend for $store {
             async fn install_outbox(&self) -> Result<(), Error> {
-                self.install_tables(OUTBOX_INSTALL_LOCK, SCHEMA).await
+                self.install_tables($sql::OUTBOX_INSTALL_LOCK, $sql::SCHEMA).await
             }
 
             async fn event(&self, id: &str) -> Result<Option<EventInfo>, Error> {
                 let now = to_unix_millis(SystemTime::now());
-                let rows = self.fetch_rows(SELECT_EVENT, &[id.into()]).await?;
+                let rows = self.fetch_rows($sql::SELECT_EVENT, &[id.into()]).await?;
                 rows.first()
                     .map(|row| RawEvent::read(row)?.into_info(now))
                     .transpose()
@@ -214,7 +239,7 @@ macro_rules! pg_outbox_and_inbox {
 
             async fn outbox_counts(&self) -> Result<OutboxCounts, Error> {
                 let now = to_unix_millis(SystemTime::now());
-                let rows = self.fetch_rows(COUNT_BY_STATE, &[now.into()]).await?;
+                let rows = self.fetch_rows($sql::COUNT_BY_STATE, &[now.into()]).await?;
                 let mut counts = OutboxCounts::default();
                 for row in &rows {
                     let status = row.required_text(0, "status")?;
@@ -227,7 +252,7 @@ macro_rules! pg_outbox_and_inbox {
 
             async fn dead_letters(&self, limit: usize) -> Result<Vec<EventInfo>, Error> {
                 let now = to_unix_millis(SystemTime::now());
-                let rows = self.fetch_rows(DEAD_LETTERS, &[big_int(limit)]).await?;
+                let rows = self.fetch_rows($sql::DEAD_LETTERS, &[big_int(limit)]).await?;
                 rows.iter()
                     .map(|row| RawEvent::read(row)?.into_info(now))
                     .collect()
@@ -235,19 +260,19 @@ macro_rules! pg_outbox_and_inbox {
 
             async fn requeue(&self, id: &str) -> Result<bool, Error> {
                 let now = to_unix_millis(SystemTime::now());
-                let changed = self.execute_counted(REQUEUE, &[id.into(), now.into()]).await?;
+                let changed = self.execute_counted($sql::REQUEUE, &[id.into(), now.into()]).await?;
                 Ok(changed > 0)
             }
 
             async fn requeue_all_dead(&self) -> Result<u64, Error> {
                 let now = to_unix_millis(SystemTime::now());
-                self.execute_counted(REQUEUE_ALL_DEAD, &[now.into()]).await
+                self.execute_counted($sql::REQUEUE_ALL_DEAD, &[now.into()]).await
             }
 
             /// Several instances may purge at once (SKIP LOCKED).
             async fn purge_delivered(&self, before: SystemTime, batch: usize) -> Result<u64, Error> {
                 let before = to_unix_millis(before);
-                self.execute_counted(PURGE_DELIVERED, &[before.into(), big_int(batch)])
+                self.execute_counted($sql::PURGE_DELIVERED, &[before.into(), big_int(batch)])
                     .await
             }
         }
@@ -273,7 +298,7 @@ macro_rules! pg_outbox_and_inbox {
             type Resolved<T: Send + 'static> = Pin<Box<dyn Future<Output = Result<T, Error>> + Send>>;
 
             async fn install_inbox(&self) -> Result<(), Error> {
-                self.install_tables(INBOX_INSTALL_LOCK, INBOX_SCHEMA).await
+                self.install_tables($sql::INBOX_INSTALL_LOCK, $sql::INBOX_SCHEMA).await
             }
 
             async fn record_in(
@@ -282,7 +307,7 @@ macro_rules! pg_outbox_and_inbox {
                 consumer: &str,
                 event_id: &str,
             ) -> Result<Receipt, Error> {
-                record(tx, consumer, event_id).await
+                record(tx, ($sql::INSERT_ID, $sql::check_inbox_ids), consumer, event_id).await
             }
 
             /// On a transaction of the store's own, with its isolation level. A panic in `work` or
@@ -310,7 +335,7 @@ macro_rules! pg_outbox_and_inbox {
                     let pending = &mut work;
                     let attempt = self
                         .in_own_transaction(|tx| async move {
-                            match record(&tx, consumer, event_id).await? {
+                            match record(&tx, ($sql::INSERT_ID, $sql::check_inbox_ids), consumer, event_id).await? {
                                 Receipt::Duplicate => Ok((Processed::Duplicate, Finish::Rollback)),
                                 Receipt::First => match pending.take() {
                                     Some(work) => {
@@ -341,7 +366,7 @@ macro_rules! pg_outbox_and_inbox {
 
             async fn inbox_contains(&self, consumer: &str, event_id: &str) -> Result<bool, Error> {
                 let params = [consumer.into(), event_id.into()];
-                exists(&self.fetch_rows(INBOX_CONTAINS, &params).await?)
+                exists(&self.fetch_rows($sql::INBOX_CONTAINS, &params).await?)
             }
 
             /// Several instances may purge at once (SKIP LOCKED).
@@ -353,19 +378,30 @@ macro_rules! pg_outbox_and_inbox {
             ) -> Result<u64, Error> {
                 let before = to_unix_millis(before);
                 let params = [consumer.into(), before.into(), big_int(batch)];
-                self.execute_counted(PURGE_INBOX, &params).await
+                self.execute_counted($sql::PURGE_INBOX, &params).await
             }
         }
     };
 }
 
 #[cfg(feature = "postgres")]
-pg_outbox_and_inbox!(
+sql_outbox_and_inbox!(
     crate::store::postgres::PostgresStore,
-    crate::store::postgres::PostgresTransaction
+    crate::store::postgres::PostgresTransaction,
+    pg_sql,
+    claim_returning
 );
 #[cfg(feature = "sqlx-postgres")]
-pg_outbox_and_inbox!(
+sql_outbox_and_inbox!(
     crate::store::sqlx_postgres::SqlxPostgresStore,
-    crate::store::sqlx_postgres::SqlxTransaction
+    crate::store::sqlx_postgres::SqlxTransaction,
+    pg_sql,
+    claim_returning
+);
+#[cfg(feature = "sqlx-mysql")]
+sql_outbox_and_inbox!(
+    crate::store::sqlx_mysql::SqlxMySqlStore,
+    crate::store::sqlx_mysql::SqlxTransaction,
+    mysql_sql,
+    crate::pg_driver::mysql_claim
 );

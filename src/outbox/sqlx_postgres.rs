@@ -39,22 +39,14 @@
 //! # Ok(()) }
 //! ```
 
-use sqlx::postgres::Postgres;
-// The `Executor` methods rather than the query builders' `execute(conn)`: their boxed futures
-// keep these futures provably `Send` (see the store's `reservation.rs`).
-use sqlx::Executor;
-
-use super::inbox::receipt;
-use super::pg::{record_params, NewEvent};
-use super::pg_sql::{INSERT_EVENT, INSERT_ID};
 #[cfg(doc)]
 use super::{Enqueue, InboxBackend, OutboxBackend};
-use super::{EventId, Inbox, Outbox, Receipt};
-use crate::error::Error;
-use crate::pg_driver::sqlx_query;
+use super::{Inbox, Outbox};
 use crate::store::sqlx_postgres::SqlxPostgresStore;
 #[cfg(doc)]
 use crate::store::sqlx_postgres::SqlxTransaction;
+
+pub use super::sqlx_executor::enqueue;
 
 /// The outbox of a [`SqlxPostgresStore`] (see [`Outbox`]).
 pub type SqlxPostgresOutbox = Outbox<SqlxPostgresStore>;
@@ -63,56 +55,6 @@ pub type SqlxPostgresOutbox = Outbox<SqlxPostgresStore>;
 /// table `inbox_events`, in the same schema as the store's tables. [`Inbox::process`] hands
 /// its closure the same [`SqlxTransaction`] a request's handler gets (take its
 /// [`acquire`](SqlxTransaction::acquire)d connection, do not `COMMIT`), on a transaction of the
-/// inbox's own, and the closure returns a future.
+/// inbox's own, and the closure returns a future. [`Inbox::record`] records an id through an
+/// executor of yours.
 pub type SqlxPostgresInbox = Inbox<SqlxPostgresStore>;
-
-/// Adds an event to the outbox through `executor`: the connection a [`SqlxTransaction`] lends
-/// (`&mut *conn`: the event then belongs to the request's transaction), or a transaction or
-/// pool of your own. Returns its id.
-///
-/// Use it to write an order and its event with one borrow of the transaction's connection;
-/// [`Enqueue::enqueue`] on the handle does the same in a call of its own.
-///
-/// ```no_run
-/// # async fn handler(tx: tower_idempotency::store::sqlx_postgres::SqlxTransaction)
-/// #     -> Result<(), tower_idempotency::Error> {
-/// use serde_json::json;
-/// use tower_idempotency::outbox::sqlx_postgres::enqueue;
-///
-/// let mut conn = tx.acquire().await?;
-/// let order_id: i64 = sqlx::query_scalar("INSERT INTO orders (sku) VALUES ('book') RETURNING id")
-///     .fetch_one(&mut *conn)
-///     .await?;
-/// enqueue(&mut *conn, "order_created", &json!({ "order_id": order_id })).await?;
-/// # Ok(()) }
-/// ```
-pub async fn enqueue<'c, E>(
-    executor: E,
-    topic: &str,
-    payload: &serde_json::Value,
-) -> Result<EventId, Error>
-where
-    E: Executor<'c, Database = Postgres>,
-{
-    let event = NewEvent::new(payload);
-    let params = event.params(topic);
-    executor.execute(sqlx_query(INSERT_EVENT, &params)).await?;
-    Ok(event.id)
-}
-
-impl SqlxPostgresInbox {
-    /// Records `event_id` through `executor`, which must be inside the transaction that applies
-    /// the event (a `sqlx::Transaction` of your own, or the connection a [`SqlxTransaction`]
-    /// lends): [`Receipt::First`] if it was new (apply the event in the same transaction),
-    /// [`Receipt::Duplicate`] if it was there already (do nothing).
-    ///
-    /// While another open transaction holds the same id, this waits for it to end.
-    pub async fn record<'c, E>(&self, executor: E, event_id: &str) -> Result<Receipt, Error>
-    where
-        E: Executor<'c, Database = Postgres>,
-    {
-        let params = record_params(self.consumer(), event_id);
-        let inserted = executor.execute(sqlx_query(INSERT_ID, &params)).await?;
-        Ok(receipt(inserted.rows_affected()))
-    }
-}

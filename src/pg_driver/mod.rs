@@ -1,18 +1,20 @@
-//! What the PostgreSQL outbox, inbox and admin queries need from a driver: the one seam
-//! between the tokio-postgres store and the sqlx store. The SQL and the logic over it are
-//! written once (`outbox/pg.rs`, `admin/postgres.rs`, with the statements in their `pg_sql.rs`);
-//! a driver only runs a statement with [`PgParam`]s and reads a row's columns
-//! ([`Columns`]).
+//! What the outbox, inbox and admin queries need from a driver: the one seam between the
+//! tokio-postgres store, the sqlx PostgreSQL store and the sqlx MySQL store. The SQL and the
+//! logic over it are written once (`outbox/pg.rs`, `admin/postgres.rs`, with the statements in
+//! their `pg_sql.rs` and `mysql_sql.rs`); a driver only runs a statement with [`PgParam`]s and
+//! reads a row's columns ([`Columns`]). The statements number their parameters `$n` on every
+//! server; the MySQL driver sends each as a `?` bound to the n-th value.
 
 use std::future::Future;
 
 use crate::error::Error;
 use crate::row::Columns;
 
-/// Implements [`Columns`] for a driver's row type with its `try_get`, which both drivers
-/// spell the same way.
+/// Implements [`Columns`] for a driver's row type with its `try_get`, which every driver
+/// spells the same way; `$int` is the Rust type of an `INTEGER` column (`i32` on PostgreSQL,
+/// `i64` on MySQL, whose expressions widen to `BIGINT`).
 macro_rules! columns_by_try_get {
-    ($row:ty) => {
+    ($row:ty, $int:ty) => {
         impl $crate::row::Columns for $row {
             type Error = Error;
 
@@ -21,7 +23,7 @@ macro_rules! columns_by_try_get {
             }
 
             fn int(&self, index: usize) -> Result<Option<i64>, Error> {
-                let value: Option<i32> = self.try_get(index)?;
+                let value: Option<$int> = self.try_get(index)?;
                 Ok(value.map(i64::from))
             }
 
@@ -44,13 +46,17 @@ macro_rules! columns_by_try_get {
     };
 }
 
+#[cfg(feature = "sqlx-mysql")]
+mod sqlx_mysql;
 #[cfg(feature = "sqlx-postgres")]
 mod sqlx_postgres;
 #[cfg(feature = "postgres")]
 mod tokio_postgres;
 
+#[cfg(all(feature = "outbox", feature = "sqlx-mysql"))]
+pub(crate) use self::sqlx_mysql::{claim as mysql_claim, positional};
 #[cfg(all(feature = "outbox", feature = "sqlx-postgres"))]
-pub(crate) use self::sqlx_postgres::bound as sqlx_query;
+pub(crate) use self::sqlx_postgres::numbered;
 #[cfg(all(feature = "outbox", feature = "postgres"))]
 pub(crate) use self::tokio_postgres::as_sql;
 
@@ -80,7 +86,28 @@ impl From<i64> for PgParam<'_> {
     }
 }
 
-/// How a PostgreSQL store runs the shared statements. Statements run in autocommit on a
+/// `query` with `params` bound in order, on either sqlx database.
+#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
+pub(crate) fn sqlx_bind<'q, DB>(
+    query: sqlx::query::Query<'q, DB, <DB as sqlx::Database>::Arguments<'q>>,
+    params: &[PgParam<'q>],
+) -> sqlx::query::Query<'q, DB, <DB as sqlx::Database>::Arguments<'q>>
+where
+    DB: sqlx::Database,
+    &'q str: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    Option<&'q str>: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    i64: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    i32: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+{
+    params.iter().fold(query, |query, param| match *param {
+        PgParam::Text(value) => query.bind(value),
+        PgParam::OptionalText(value) => query.bind(value),
+        PgParam::BigInt(value) => query.bind(value),
+        PgParam::Int(value) => query.bind(value),
+    })
+}
+
+/// How a store runs the shared statements. Statements run in autocommit on a
 /// pooled connection of the store, except where a method says otherwise.
 pub(crate) trait PgDriver: Clone + Send + Sync + 'static {
     /// A row the driver returns.
@@ -107,7 +134,8 @@ pub(crate) trait PgDriver: Clone + Send + Sync + 'static {
         statements: &[(&str, &[PgParam<'_>])],
     ) -> impl Future<Output = Result<Vec<Vec<Self::Row>>, Error>> + Send;
 
-    /// Creates tables (`CREATE ... IF NOT EXISTS` statements) under the advisory lock `lock`.
+    /// Creates tables (`CREATE ... IF NOT EXISTS` statements) under the advisory lock `lock`
+    /// (on MySQL, `GET_LOCK` of a name formed from it).
     #[cfg(feature = "outbox")]
     fn install_tables(
         &self,
@@ -116,7 +144,7 @@ pub(crate) trait PgDriver: Clone + Send + Sync + 'static {
     ) -> impl Future<Output = Result<(), Error>> + Send;
 }
 
-/// A request's transaction handle on PostgreSQL, and what the inbox does with the store's own
+/// A request's transaction handle, and what the inbox does with the store's own
 /// transactions (the same handle type).
 #[cfg(feature = "outbox")]
 pub(crate) trait PgTransactions: PgDriver {
@@ -137,6 +165,35 @@ pub(crate) trait PgTransactions: PgDriver {
         T: Send,
         B: FnOnce(Self::Transaction) -> Fut + Send,
         Fut: Future<Output = Result<(T, Finish), Error>> + Send;
+}
+
+/// The store's own transactions on either sqlx database (`store::sqlx::owned`).
+#[cfg(all(
+    feature = "outbox",
+    any(feature = "sqlx-postgres", feature = "sqlx-mysql")
+))]
+impl<D> PgTransactions for crate::store::sqlx::SqlxStore<D>
+where
+    D: crate::store::sqlx::OwnedDialect,
+    Self: PgDriver,
+    crate::store::sqlx::SqlxTransaction<D>: PgHandle,
+{
+    type Transaction = crate::store::sqlx::SqlxTransaction<D>;
+
+    fn conflict_retries(&self) -> u32 {
+        self.shared.conflict_retries
+    }
+
+    async fn in_own_transaction<T, B, Fut>(&self, body: B) -> Result<T, Error>
+    where
+        T: Send,
+        B: FnOnce(Self::Transaction) -> Fut + Send,
+        Fut: Future<Output = Result<(T, Finish), Error>> + Send,
+    {
+        let transaction = self.begin_owned().await?;
+        let outcome = body(transaction.handle()).await;
+        finish(transaction, outcome, |t| t.commit(), |t| t.rollback()).await
+    }
 }
 
 /// How [`PgTransactions::in_own_transaction`] ends a transaction whose body succeeded.

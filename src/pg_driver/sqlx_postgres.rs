@@ -7,8 +7,8 @@ use sqlx::query::Query;
 use sqlx::{Executor as _, Row as _};
 
 #[cfg(feature = "outbox")]
-use super::{finish, Finish, PgHandle, PgTransactions};
-use super::{PgDriver, PgParam};
+use super::PgHandle;
+use super::{sqlx_bind, PgDriver, PgParam};
 use crate::error::Error;
 use crate::store::sqlx_postgres::SqlxPostgresStore;
 #[cfg(feature = "outbox")]
@@ -16,17 +16,10 @@ use crate::store::sqlx_postgres::SqlxTransaction;
 
 /// `sql` with `params` bound in order.
 pub(crate) fn bound<'q>(sql: &'q str, params: &[PgParam<'q>]) -> Query<'q, Postgres, PgArguments> {
-    params
-        .iter()
-        .fold(sqlx::query(sql), |query, param| match *param {
-            PgParam::Text(value) => query.bind(value),
-            PgParam::OptionalText(value) => query.bind(value),
-            PgParam::BigInt(value) => query.bind(value),
-            PgParam::Int(value) => query.bind(value),
-        })
+    sqlx_bind(sqlx::query(sql), params)
 }
 
-columns_by_try_get!(PgRow);
+columns_by_try_get!(PgRow, i32);
 
 impl PgDriver for SqlxPostgresStore {
     type Row = PgRow;
@@ -61,30 +54,20 @@ impl PgDriver for SqlxPostgresStore {
 }
 
 #[cfg(feature = "outbox")]
-impl PgTransactions for SqlxPostgresStore {
-    type Transaction = SqlxTransaction;
-
-    fn conflict_retries(&self) -> u32 {
-        self.serialization_retries()
-    }
-
-    async fn in_own_transaction<T, B, Fut>(&self, body: B) -> Result<T, Error>
-    where
-        T: Send,
-        B: FnOnce(SqlxTransaction) -> Fut + Send,
-        Fut: std::future::Future<Output = Result<(T, Finish), Error>> + Send,
-    {
-        let transaction = self.begin_owned().await?;
-        let outcome = body(transaction.handle()).await;
-        finish(transaction, outcome, |t| t.commit(), |t| t.rollback()).await
-    }
-}
-
-#[cfg(feature = "outbox")]
 impl PgHandle for SqlxTransaction {
     async fn execute_in(&self, sql: &'static str, params: &[PgParam<'_>]) -> Result<u64, Error> {
         let mut conn = self.acquire().await?;
         let done = (&mut *conn).execute(bound(sql, params)).await?;
         Ok(done.rows_affected())
     }
+}
+
+/// The statement and its parameters as PostgreSQL takes them: as written (for
+/// `sqlx_executor`, which sends MySQL's through `positional`).
+#[cfg(feature = "outbox")]
+pub(crate) fn numbered<'p>(
+    sql: &str,
+    params: &[PgParam<'p>],
+) -> Result<(String, Vec<PgParam<'p>>), Error> {
+    Ok((sql.to_owned(), params.to_vec()))
 }

@@ -45,7 +45,7 @@ pub(crate) fn as_sql<'a>(params: &'a [PgParam<'_>]) -> Vec<&'a (dyn ToSql + Sync
     params.iter().map(|param| param as _).collect()
 }
 
-columns_by_try_get!(Row);
+columns_by_try_get!(Row, i32);
 
 impl PgDriver for PostgresStore {
     type Row = Row;

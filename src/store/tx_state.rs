@@ -141,7 +141,11 @@ impl<S: TxSlot> TxShared<S> {
 /// What a store's own transaction (the inbox's, outside any request) needs from its slot.
 #[cfg(all(
     feature = "outbox",
-    any(feature = "postgres", feature = "sqlx-postgres")
+    any(
+        feature = "postgres",
+        feature = "sqlx-postgres",
+        feature = "sqlx-mysql"
+    )
 ))]
 pub(crate) trait OwnedSlot: TxSlot + Send {
     /// Ends the transaction with `ROLLBACK` and gives the connection back (or discards it).
@@ -167,7 +171,11 @@ pub(crate) trait OwnedSlot: TxSlot + Send {
 /// without either rolls back (by closing its connection, as for a request).
 #[cfg(all(
     feature = "outbox",
-    any(feature = "postgres", feature = "sqlx-postgres")
+    any(
+        feature = "postgres",
+        feature = "sqlx-postgres",
+        feature = "sqlx-mysql"
+    )
 ))]
 pub(crate) struct OwnedTransaction<S: TxSlot> {
     pub(crate) tx: Arc<TxShared<S>>,
@@ -175,7 +183,11 @@ pub(crate) struct OwnedTransaction<S: TxSlot> {
 
 #[cfg(all(
     feature = "outbox",
-    any(feature = "postgres", feature = "sqlx-postgres")
+    any(
+        feature = "postgres",
+        feature = "sqlx-postgres",
+        feature = "sqlx-mysql"
+    )
 ))]
 impl<S: OwnedSlot> OwnedTransaction<S> {
     /// The transaction on `slot`, marked with `token`, once its `BEGIN` has run (`begun`); if
@@ -230,7 +242,11 @@ impl<S: OwnedSlot> OwnedTransaction<S> {
 
 #[cfg(all(
     feature = "outbox",
-    any(feature = "postgres", feature = "sqlx-postgres")
+    any(
+        feature = "postgres",
+        feature = "sqlx-postgres",
+        feature = "sqlx-mysql"
+    )
 ))]
 impl<S: TxSlot> Drop for OwnedTransaction<S> {
     fn drop(&mut self) {

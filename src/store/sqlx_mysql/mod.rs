@@ -50,7 +50,7 @@ use futures_util::future::BoxFuture;
 use sqlx::mysql::{MySql, MySqlConnection, MySqlQueryResult};
 // The `Executor` methods on a connection rather than the query builders' `execute(conn)`:
 // their boxed futures keep the store's futures provably `Send`.
-use sqlx::Executor as _;
+use sqlx::{Executor as _, Row as _};
 use tokio::time::Instant;
 
 use super::sql_guard::mysql as sql_guard;
@@ -58,6 +58,8 @@ use super::sqlx::{ReserveStep, RowsAffected, SqlxDatabase, SqlxDialect, SqlxOpti
 use super::{NewRecord, Scope};
 use crate::error::{mysql_number, sqlx_code, Error, MYSQL_DEADLOCK};
 
+#[cfg(feature = "outbox")]
+mod owned;
 mod sql;
 
 /// The sqlx version of the pools and of the handle's connection: depend on it through this
@@ -147,18 +149,23 @@ impl SqlxMySqlStore {
     /// `GET_LOCK` so that instances starting together do not race). Safe to run at every start,
     /// and before or after `sqlx migrate run` of the same file.
     pub async fn migrate(&self) -> Result<(), Error> {
+        self.install_schema(sql::MIGRATION_LOCK, sql::SCHEMA).await
+    }
+
+    /// Creates tables (`schema`: `CREATE ... IF NOT EXISTS` statements) under `GET_LOCK(lock)`
+    /// (the same name in every instance).
+    pub(crate) async fn install_schema(&self, lock: &str, schema: &str) -> Result<(), Error> {
         let mut conn = self.pool().acquire().await?;
-        let locked: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK(?, 30)")
-            .bind(sql::MIGRATION_LOCK)
-            .fetch_one(&mut *conn)
+        let lock_row = conn
+            .fetch_one(sqlx::query("SELECT GET_LOCK(?, 30)").bind(lock))
             .await?;
+        let locked: Option<i64> = lock_row.try_get(0)?;
         if locked != Some(1) {
             return Err(Error::Busy);
         }
-        let created = sqlx::raw_sql(sql::SCHEMA).execute(&mut *conn).await;
-        let released = sqlx::query("DO RELEASE_LOCK(?)")
-            .bind(sql::MIGRATION_LOCK)
-            .execute(&mut *conn)
+        let created = conn.execute(sqlx::raw_sql(schema)).await;
+        let released = conn
+            .execute(sqlx::query("DO RELEASE_LOCK(?)").bind(lock))
             .await;
         created?;
         released?;
