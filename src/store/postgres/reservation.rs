@@ -28,6 +28,7 @@ use crate::store::columns::record_row::live_record;
 use crate::store::pg_failover::postgres_unavailable;
 use crate::store::pg_reserve::{self, ReserveStatements, Reserved};
 use crate::store::reserve;
+use crate::store::tx_state::TxSlot as _;
 use crate::store::{to_unix_millis, Begin, NewRecord, Reservation, Scope, StoredRecord};
 
 impl PostgresStore {
@@ -272,18 +273,6 @@ impl Reservation for PostgresReservation {
     /// got ([`Error::StatementConflict`]): the handler's answer came from a transaction the
     /// database had rolled back, and the layer runs the request again.
     async fn rollback(self) -> Result<(), Error> {
-        match self.tx.take_connection() {
-            Ok(mut slot) => match self.tx.conflict() {
-                Some(observed) => slot.roll_back_after(&observed).await,
-                None => slot.roll_back_and_release().await,
-            },
-            // Nothing to roll back here: a borrower still holds it (the slot's `Drop` closes
-            // it later), or it is already gone.
-            Err(error) => tracing::warn!(%error, "rollback deferred to the connection's release"),
-        }
-        match self.tx.conflict() {
-            Some(conflict) => Err(conflict),
-            None => Ok(()),
-        }
+        self.tx.rollback().await
     }
 }
