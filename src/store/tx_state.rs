@@ -2,7 +2,9 @@
 //! for the SQL stores with row locks (tokio-postgres, sqlx on PostgreSQL, sqlx on MySQL and
 //! MariaDB): whether the transaction is finished, the slot holding its connection, and the
 //! first error of a handle's statement that ended the transaction whatever the handler
-//! answers ([`Observed`]). Each driver has its own slot ([`TxSlot`]).
+//! answers ([`Observed`]); and what is done with them the same way on every driver: a
+//! handle's borrow of the connection, a request's rollback, the roll-back after an error.
+//! Each driver has its own slot ([`TxSlot`]).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex as StdMutex, PoisonError};
