@@ -5,7 +5,7 @@
 
 use futures_util::future::BoxFuture;
 use sqlx::query::Query;
-use sqlx::{ColumnIndex, Database, Decode, Encode, Executor, IntoArguments, Pool, Type};
+use sqlx::{Database, Encode, Executor, IntoArguments, Pool, Type};
 
 use super::pool_error;
 use crate::error::Error;
@@ -57,15 +57,12 @@ where
     DB: Database,
     for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
     for<'q> DB::Arguments<'q>: IntoArguments<'q, DB>,
-    for<'q> &'q str: Encode<'q, DB> + Decode<'q, DB> + Type<DB>,
-    for<'r> &'r [u8]: Decode<'r, DB> + Type<DB>,
-    i32: for<'r> Decode<'r, DB> + Type<DB>,
-    i64: for<'q> Encode<'q, DB> + for<'r> Decode<'r, DB> + Type<DB>,
-    for<'q> &'q [u8]: Encode<'q, DB>,
-    i32: for<'q> Encode<'q, DB>,
+    for<'q> &'q str: Encode<'q, DB> + Type<DB>,
+    for<'q> &'q [u8]: Encode<'q, DB> + Type<DB>,
+    i32: for<'q> Encode<'q, DB> + Type<DB>,
+    i64: for<'q> Encode<'q, DB> + Type<DB>,
     String: for<'q> Encode<'q, DB> + Type<DB>,
     Option<String>: for<'q> Encode<'q, DB>,
-    usize: ColumnIndex<DB::Row>,
     DB::QueryResult: RowsAffected,
     DB::Row: RecordColumns,
 {
