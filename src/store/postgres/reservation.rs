@@ -9,10 +9,8 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
 use tokio::time::Instant;
 use tokio_postgres::error::SqlState;
-use tokio_postgres::row::Row;
 use tokio_postgres::types::ToSql;
 
 use deadpool_postgres::ClientWrapper;
@@ -26,12 +24,12 @@ use super::{
 };
 use crate::error::Error;
 use crate::response::SavedResponse;
+use crate::store::columns::record_row::live_record;
 use crate::store::pg_failover::postgres_unavailable;
 use crate::store::pg_reserve::{self, ReserveStatements, Reserved};
 use crate::store::reserve;
-use crate::store::{
-    to_unix_millis, Begin, NewRecord, Reservation, SavedColumns, Scope, StoredRecord,
-};
+use crate::store::tx_state::TxSlot as _;
+use crate::store::{to_unix_millis, Begin, NewRecord, Reservation, Scope, StoredRecord};
 
 impl PostgresStore {
     /// One attempt at opening the transaction and reserving the scope.
@@ -109,13 +107,7 @@ impl ReserveStatements for Statements<'_> {
         else {
             return Ok(None);
         };
-        let state: &str = row.try_get(0)?;
-        let expires_at: i64 = row.try_get(8)?;
-        if state == "completed" && expires_at > self.now {
-            decode_record(&row).map(|record| Some(Some(record)))
-        } else {
-            Ok(Some(None))
-        }
+        live_record(&row, self.now).map(Some)
     }
 
     async fn take_over(&mut self) -> Result<Option<String>, Error> {
@@ -177,34 +169,6 @@ pub(super) fn is_conflict_code(error: &tokio_postgres::Error) -> bool {
         error.code(),
         Some(code) if *code == SqlState::T_R_SERIALIZATION_FAILURE
             || *code == SqlState::T_R_DEADLOCK_DETECTED
-    )
-}
-
-/// Reads a row of [`SELECT_RECORD`] or [`SELECT_LIVE_RECORD`](super::SELECT_LIVE_RECORD) as a
-/// completed record, checked by [`SavedColumns`].
-pub(super) fn decode_record(row: &Row) -> Result<StoredRecord, Error> {
-    let corrupt = |what: &str| Error::Corrupt(what.to_owned());
-    let version: i32 = row
-        .try_get::<_, Option<i32>>(1)?
-        .ok_or_else(|| corrupt("fingerprint version missing"))?;
-    let digest = row
-        .try_get::<_, Option<&[u8]>>(2)?
-        .ok_or_else(|| corrupt("fingerprint missing"))?;
-    let status: i32 = row
-        .try_get::<_, Option<i32>>(3)?
-        .ok_or_else(|| corrupt("status"))?;
-    let headers = row
-        .try_get::<_, Option<&str>>(4)?
-        .ok_or_else(|| corrupt("headers missing"))?;
-    let columns = SavedColumns::decode(version.into(), digest, status.into(), headers)?;
-    let body = row
-        .try_get::<_, Option<&[u8]>>(5)?
-        .ok_or_else(|| corrupt("body missing"))?;
-    columns.into_record(
-        Bytes::copy_from_slice(body),
-        row.try_get(6)?,
-        row.try_get(7)?,
-        row.try_get(8)?,
     )
 }
 
@@ -309,18 +273,6 @@ impl Reservation for PostgresReservation {
     /// got ([`Error::StatementConflict`]): the handler's answer came from a transaction the
     /// database had rolled back, and the layer runs the request again.
     async fn rollback(self) -> Result<(), Error> {
-        match self.tx.take_connection() {
-            Ok(mut slot) => match self.tx.conflict() {
-                Some(observed) => slot.roll_back_after(&observed).await,
-                None => slot.roll_back_and_release().await,
-            },
-            // Nothing to roll back here: a borrower still holds it (the slot's `Drop` closes
-            // it later), or it is already gone.
-            Err(error) => tracing::warn!(%error, "rollback deferred to the connection's release"),
-        }
-        match self.tx.conflict() {
-            Some(conflict) => Err(conflict),
-            None => Ok(()),
-        }
+        self.tx.rollback().await
     }
 }

@@ -9,10 +9,10 @@ use std::time::{Duration, SystemTime};
 
 use deadpool_postgres::{Object, Pool, PoolError};
 
-use super::reservation::decode_record;
 use super::{Isolation, PostgresReservation, PURGE_EXPIRED, SELECT_LIVE_RECORD};
 use crate::error::Error;
 use crate::in_flight::InFlight;
+use crate::store::columns::record_row::decode_record;
 use crate::store::reserve;
 use crate::store::{to_unix_millis, Begin, IdempotencyStore, Scope, StoredRecord};
 

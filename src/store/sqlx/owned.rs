@@ -56,14 +56,6 @@ impl<D: SqlxDialect> OwnedTransaction<Slot<D>> {
 }
 
 impl<D: OwnedDialect> OwnedSlot for Slot<D> {
-    async fn roll_back_and_release(&mut self) {
-        Slot::roll_back_and_release(self).await;
-    }
-
-    async fn roll_back_after(&mut self, error: &Error) {
-        Slot::roll_back_after(self, error).await;
-    }
-
     async fn is_own_transaction(&mut self, token: u64) -> Result<bool, Error> {
         D::is_own_transaction(self.raw()?, token).await
     }
