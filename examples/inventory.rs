@@ -3,11 +3,19 @@
 //!
 //! The orders example (`cargo run --example orders -- --webhook http://127.0.0.1:3001/events`)
 //! enqueues an `order_created` event in the same transaction as each order, and its relay
-//! POSTs the event here with the event id as `Idempotency-Key`. Delivery is at least once: a
-//! relay that dies after this service answered, or an answer lost on the way, means the same
-//! event arrives again. The inbox ([`SqliteInbox`], or [`PostgresInbox`] with
-//! `--database-url`) records each event id in the same transaction as the reservation, so a
-//! redelivery is acknowledged (`200`) and changes nothing.
+//! POSTs the event here as `{"id": "<event id>", "topic": "order_created", "payload": {...}}`
+//! ([`HttpSink::with_event_envelope`](tower_idempotency::outbox::HttpSink::with_event_envelope)).
+//! Delivery is at least once: a relay that dies after this service answered, or an answer lost
+//! on the way, means the same event arrives again.
+//!
+//! `POST /events` is behind [`IdempotencyLayer`] keyed on the event's own id, taken from the
+//! body ([`KeyExtractor::json_pointer("/id")`](KeyExtractor::json_pointer)), as a webhook
+//! receiver keys on a Stripe event's `id`: a redelivery (the same body, whatever its headers)
+//! gets the first answer replayed, and the handler does not run again. The handler also
+//! records the id in an inbox ([`SqliteInbox`], or [`PostgresInbox`] with `--database-url`)
+//! in the same transaction as the reservation and the saved answer, so a redelivery that comes
+//! after the saved answer expired (24 hours) is still acknowledged as a `duplicate` and
+//! changes nothing.
 //!
 //! ```text
 //! cargo run --example inventory                  # serves on 127.0.0.1:3001, database ./inventory.db
@@ -16,8 +24,9 @@
 //! curl -s http://127.0.0.1:3001/stock
 //! ```
 //!
-//! Every delivery is printed on stdout (`reserved` or `duplicate`); logs go to stderr (set
-//! `RUST_LOG`, default `warn`).
+//! Every delivery the handler applied or acknowledged is printed on stdout once its answer has
+//! committed (`reserved` or `duplicate`; a replayed one is answered by the layer and not
+//! printed); logs go to stderr (set `RUST_LOG`, default `warn`).
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -25,20 +34,22 @@ use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::{Extensions, StatusCode};
+use axum::middleware;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Map, Value};
 use tower_idempotency::body::BoxError;
+use tower_idempotency::key::KeyExtractor;
 use tower_idempotency::outbox::inbox::{Processed, SqliteInbox};
 #[cfg(feature = "postgres")]
 use tower_idempotency::outbox::postgres::PostgresInbox;
-use tower_idempotency::outbox::EVENT_TOPIC;
+use tower_idempotency::outbox::Receipt;
 #[cfg(feature = "postgres")]
-use tower_idempotency::store::postgres::{tokio_postgres, PostgresStore};
-use tower_idempotency::store::sqlite::SqliteStore;
-use tower_idempotency::IDEMPOTENCY_KEY;
+use tower_idempotency::store::postgres::{tokio_postgres, PostgresStore, PostgresTransaction};
+use tower_idempotency::store::sqlite::{SqliteStore, SqliteTransaction};
+use tower_idempotency::{IdempotencyLayer, Rejection};
 
 use cli::{Flag, Flags};
 
@@ -194,9 +205,8 @@ impl Inventory {
         let config: tokio_postgres::Config = url
             .parse()
             .map_err(|error| format!("--database-url: {error}"))?;
-        // The receiver keeps no idempotency records, so it does not create their table.
+        // Creates `idempotency_records` too: the layer keeps the answers it replays there.
         let store = PostgresStore::builder(config)
-            .create_schema(false)
             .connect()
             .await
             .map_err(|error| format!("cannot connect: {error}"))?;
@@ -239,24 +249,31 @@ enum Inbox {
 }
 
 impl Inbox {
-    /// Reserves the order's stock, unless `event_id` was processed before: the id and the
-    /// reservation commit in one transaction, or neither does. Returns the sku's new total.
-    async fn reserve(
+    /// Reserves the order's stock in the request's transaction (the one the layer opened),
+    /// unless `event_id` was processed before: the id, the reservation and the saved answer
+    /// commit together, or none does. Returns the sku's new total.
+    async fn reserve_in(
         &self,
+        request: &Extensions,
         event_id: &str,
         order: &OrderCreated,
     ) -> Result<Processed<i64>, BoxError> {
+        let missing = "no transaction: the route is not behind the layer";
         match self {
             Inbox::Sqlite { inbox, .. } => {
+                let tx = request.get::<SqliteTransaction>().ok_or(missing)?;
+                if inbox.process_in(tx, event_id).await? == Receipt::Duplicate {
+                    return Ok(Processed::Duplicate);
+                }
                 let (id, order) = (event_id.to_owned(), order.clone());
-                let processed = inbox
-                    .process(event_id, move |tx| {
-                        tx.execute(
+                let reserved = tx
+                    .run(move |conn| {
+                        conn.execute(
                             "INSERT INTO reservations (order_id, tenant, sku, quantity, event_id) \
                              VALUES (?1, ?2, ?3, ?4, ?5)",
                             (order.order_id, &order.tenant, &order.sku, order.quantity, &id),
                         )?;
-                        tx.query_row(
+                        conn.query_row(
                             "INSERT INTO reserved_stock (sku, reserved) VALUES (?1, ?2) \
                              ON CONFLICT (sku) DO UPDATE SET reserved = reserved + excluded.reserved \
                              RETURNING reserved",
@@ -265,35 +282,38 @@ impl Inbox {
                         )
                     })
                     .await?;
-                Ok(processed)
+                Ok(Processed::First(reserved))
             }
             #[cfg(feature = "postgres")]
             Inbox::Postgres { inbox, .. } => {
-                let (id, order) = (event_id.to_owned(), order.clone());
-                let processed = inbox
-                    .process(event_id, move |tx| async move {
-                        // The transaction the inbox recorded the id in.
-                        let client = tx.client().await?;
-                        client
-                            .execute(
-                                "INSERT INTO reservations (order_id, tenant, sku, quantity, event_id) \
-                                 VALUES ($1, $2, $3, $4, $5)",
-                                &[&order.order_id, &order.tenant, &order.sku, &order.quantity, &id],
-                            )
-                            .await?;
-                        let row = client
-                            .query_one(
-                                "INSERT INTO reserved_stock (sku, reserved) VALUES ($1, $2) \
-                                 ON CONFLICT (sku) DO UPDATE \
-                                 SET reserved = reserved_stock.reserved + excluded.reserved \
-                                 RETURNING reserved",
-                                &[&order.sku, &order.quantity],
-                            )
-                            .await?;
-                        Ok(row.try_get::<_, i64>(0)?)
-                    })
+                let tx = request.get::<PostgresTransaction>().ok_or(missing)?;
+                if inbox.process_in(tx, event_id).await? == Receipt::Duplicate {
+                    return Ok(Processed::Duplicate);
+                }
+                let client = tx.client().await?;
+                client
+                    .execute(
+                        "INSERT INTO reservations (order_id, tenant, sku, quantity, event_id) \
+                         VALUES ($1, $2, $3, $4, $5)",
+                        &[
+                            &order.order_id,
+                            &order.tenant,
+                            &order.sku,
+                            &order.quantity,
+                            &event_id,
+                        ],
+                    )
                     .await?;
-                Ok(processed)
+                let row = client
+                    .query_one(
+                        "INSERT INTO reserved_stock (sku, reserved) VALUES ($1, $2) \
+                         ON CONFLICT (sku) DO UPDATE \
+                         SET reserved = reserved_stock.reserved + excluded.reserved \
+                         RETURNING reserved",
+                        &[&order.sku, &order.quantity],
+                    )
+                    .await?;
+                Ok(Processed::First(row.try_get::<_, i64>(0)?))
             }
         }
     }
@@ -341,10 +361,43 @@ impl Inbox {
 }
 
 fn app(inventory: Inventory) -> Router {
+    let events = match &inventory.inbox {
+        Inbox::Sqlite { store, .. } => post(receive_event).layer(by_event_id(store.clone())),
+        #[cfg(feature = "postgres")]
+        Inbox::Postgres { store, .. } => post(receive_event).layer(by_event_id(store.clone())),
+    }
+    // Outside the layer: the answer has committed by then.
+    .layer(middleware::map_response(print_applied));
     Router::new()
-        .route("/events", post(receive_event))
+        .route("/events", events)
         .route("/stock", get(stock))
         .with_state(inventory)
+}
+
+/// The idempotency of `POST /events`, keyed on the event's own id in the body: a redelivery is
+/// the same body with the same id, whatever headers it came with.
+fn by_event_id<S>(store: S) -> IdempotencyLayer<S> {
+    IdempotencyLayer::new(store)
+        .with_operation("receive_event")
+        .with_key_extractor(KeyExtractor::json_pointer("/id"))
+        // One sender here. With several, the tenant would be the sender an authentication
+        // layer (a signature, mTLS) recognised, so that their ids cannot collide.
+        .with_tenant_extractor(|_| Some(Arc::from("orders")))
+        // Said in the receiver's terms: an event without its id in the body.
+        .with_error_responder(|rejection, status| {
+            let code = match rejection {
+                Rejection::MissingKey => "missing_event_id",
+                other => other.code(),
+            };
+            let body = Bytes::from(json!({ "error": code }).to_string());
+            let mut response = axum::http::Response::new(body);
+            *response.status_mut() = status;
+            response.headers_mut().insert(
+                axum::http::header::CONTENT_TYPE,
+                axum::http::HeaderValue::from_static("application/json"),
+            );
+            response
+        })
 }
 
 /// An `order_created` event's payload, as the orders example enqueues it.
@@ -357,8 +410,7 @@ struct OrderCreated {
 }
 
 impl OrderCreated {
-    fn parse(payload: &[u8]) -> Option<Self> {
-        let value: Value = serde_json::from_slice(payload).ok()?;
+    fn parse(value: &Value) -> Option<Self> {
         Some(OrderCreated {
             order_id: value.get("order_id")?.as_i64()?,
             tenant: value.get("tenant")?.as_str()?.to_owned(),
@@ -368,28 +420,59 @@ impl OrderCreated {
     }
 }
 
-/// `POST /events`: applies an event once; a redelivery is acknowledged with `200` too, so the
-/// sender's relay marks it delivered and stops.
+/// What the handler did with a delivery, printed once its answer has committed (a replay,
+/// answered by the layer, prints nothing).
+#[derive(Clone)]
+struct Applied(String);
+
+/// Prints the [`Applied`] line of an answer.
+async fn print_applied(response: Response) -> Response {
+    if let Some(Applied(line)) = response.extensions().get() {
+        println!("{line}");
+    }
+    response
+}
+
+/// `reply`, with the line to print once it has committed.
+fn reply_applied(status: StatusCode, body: Value, line: String) -> Response {
+    let mut response = reply(status, body);
+    response.extensions_mut().insert(Applied(line));
+    response
+}
+
+/// An event as the orders example's relay POSTs it: `{"id", "topic", "payload"}`.
+struct Delivery {
+    id: String,
+    topic: String,
+    payload: Value,
+}
+
+impl Delivery {
+    fn parse(body: &[u8]) -> Option<Self> {
+        let mut value: Value = serde_json::from_slice(body).ok()?;
+        Some(Delivery {
+            id: value.get("id")?.as_str()?.to_owned(),
+            topic: value.get("topic")?.as_str()?.to_owned(),
+            payload: value.get_mut("payload")?.take(),
+        })
+    }
+}
+
+/// `POST /events`: applies an event once; a redelivery is acknowledged with `200` too (the
+/// layer replays the first answer), so the sender's relay marks it delivered and stops.
 async fn receive_event(
     State(inventory): State<Inventory>,
-    headers: HeaderMap,
-    payload: Bytes,
+    request: Extensions,
+    body: Bytes,
 ) -> Response {
-    let Some(event_id) = headers
-        .get(IDEMPOTENCY_KEY)
-        .and_then(|value| value.to_str().ok())
-        .filter(|id| !id.is_empty())
-        .map(str::to_owned)
-    else {
+    // The layer has checked the id already (a body without one is answered `400`).
+    let Some(Delivery { id, topic, payload }) = Delivery::parse(&body) else {
         return reply(
-            StatusCode::BAD_REQUEST,
-            json!({ "error": "missing_event_id" }),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            json!({ "error": "invalid_event" }),
         );
     };
-    let topic = headers
-        .get(EVENT_TOPIC)
-        .and_then(|value| value.to_str().ok());
-    if topic != Some("order_created") {
+    if topic != "order_created" {
         // Not ours to act on: acknowledged, so the sender does not retry it forever.
         return reply(StatusCode::OK, json!({ "status": "ignored" }));
     }
@@ -408,13 +491,7 @@ async fn receive_event(
         );
     }
 
-    // In a task of its own: a sender that hangs up (its delivery timed out) does not cut the
-    // work short, and its retry finds the outcome.
-    let task = {
-        let (inbox, event_id, order) = (inventory.inbox.clone(), event_id.clone(), order.clone());
-        tokio::spawn(async move { inbox.reserve(&event_id, &order).await })
-    };
-    let processed = task.await.unwrap_or_else(|error| Err(error.into()));
+    let processed = inventory.inbox.reserve_in(&request, &id, &order).await;
     let OrderCreated {
         order_id,
         sku,
@@ -422,22 +499,22 @@ async fn receive_event(
         ..
     } = order;
     match processed {
-        Ok(Processed::First(reserved)) => {
-            println!(
-                "event {event_id}: order {order_id} reserved {quantity} x {sku} \
+        Ok(Processed::First(reserved)) => reply_applied(
+            StatusCode::OK,
+            json!({ "status": "reserved", "sku": sku, "reserved": reserved }),
+            format!(
+                "event {id}: order {order_id} reserved {quantity} x {sku} \
                  ({sku} reserved: {reserved})"
-            );
-            reply(
-                StatusCode::OK,
-                json!({ "status": "reserved", "sku": sku, "reserved": reserved }),
-            )
-        }
-        Ok(Processed::Duplicate) => {
-            println!("event {event_id}: duplicate, acknowledged without reserving again");
-            reply(StatusCode::OK, json!({ "status": "duplicate" }))
-        }
+            ),
+        ),
+        Ok(Processed::Duplicate) => reply_applied(
+            StatusCode::OK,
+            json!({ "status": "duplicate" }),
+            format!("event {id}: duplicate, acknowledged without reserving again"),
+        ),
         Err(error) => {
-            // Nothing was kept: the sender retries, and the retry applies it.
+            // Nothing is kept (the layer rolls back): the sender retries, and the retry
+            // applies it.
             tracing::error!(%error, "processing an event failed");
             reply(
                 StatusCode::INTERNAL_SERVER_ERROR,

@@ -15,8 +15,9 @@
 //!
 //! Each new order also enqueues an `order_created` event in the same transaction (the
 //! transactional outbox): the order, its saved `201` and its event commit together. With
-//! `--webhook URL` a relay runs beside the server and POSTs each event there, with the event id
-//! as `Idempotency-Key`, until the receiver accepts it (`examples/inventory.rs` is one).
+//! `--webhook URL` a relay runs beside the server and POSTs each event there as
+//! `{"id": event id, "topic": "order_created", "payload": {...}}` (the id also as
+//! `Idempotency-Key`), until the receiver accepts it (`examples/inventory.rs` is one).
 //!
 //! ```text
 //! curl -i http://127.0.0.1:3000/orders \

@@ -21,6 +21,12 @@ pub enum Error {
     /// another process holds it). Retryable with the same key.
     #[error("the store is busy: the write lock was not acquired in time")]
     Busy,
+    /// Another transaction (another instance's request with the same key) held the key's row
+    /// past the bound of the layer's [in-flight policy](crate::InFlight): the layer answers
+    /// `409` with `Retry-After`, as for a duplicate running in the same process. Retryable
+    /// with the same key.
+    #[error("the key is held by a request still running (another instance)")]
+    InFlight,
     /// The transaction was already committed or rolled back; the handle can no longer be used.
     #[error("the idempotency transaction has already finished")]
     TransactionFinished,
@@ -143,7 +149,7 @@ impl Error {
             return true;
         }
         match self {
-            Error::Busy | Error::StatementConflict(_) => true,
+            Error::Busy | Error::InFlight | Error::StatementConflict(_) => true,
             #[cfg(feature = "sqlite")]
             // A full disk passes once space is freed: the same key then runs afresh.
             Error::Sqlite(rusqlite::Error::SqliteFailure(e, _)) => matches!(
@@ -176,6 +182,29 @@ impl Error {
                     mysql_number(e),
                     Some(MYSQL_LOCK_WAIT_TIMEOUT | MYSQL_DEADLOCK | MYSQL_TOO_MANY_CONNECTIONS)
                 )
+            }
+            _ => false,
+        }
+    }
+}
+
+impl Error {
+    /// Whether a lock wait timed out (PostgreSQL `55P03`, MySQL and MariaDB `1205`).
+    #[cfg(any(
+        feature = "postgres",
+        feature = "sqlx-postgres",
+        feature = "sqlx-mysql"
+    ))]
+    pub(crate) fn is_lock_wait_timeout(&self) -> bool {
+        match self {
+            #[cfg(feature = "postgres")]
+            Error::Postgres(e) => e
+                .code()
+                .is_some_and(|code| *code == tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE),
+            #[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
+            Error::Sqlx(e) => {
+                sqlx_code(e).as_deref() == Some("55P03")
+                    || mysql_number(e) == Some(MYSQL_LOCK_WAIT_TIMEOUT)
             }
             _ => false,
         }

@@ -4,7 +4,10 @@
 //! (behind the write lock, up to the lock timeout) and then replays the saved response. The
 //! other policies need to know that a request of the same scope is running before they reach
 //! the store: the layer keeps the scopes its requests are running in a set of its own
-//! ([`Running`]), shared by every clone of the layer.
+//! ([`Running`]), shared by every clone of the layer. A request running on another instance is
+//! not in that set: the store learns the policy
+//! ([`IdempotencyStore::with_in_flight`](crate::store::IdempotencyStore::with_in_flight)) and
+//! bounds its wait on the key's row by it.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -21,9 +24,13 @@ use crate::store::Scope;
 /// [`IdempotencyLayer::with_in_flight`](crate::IdempotencyLayer::with_in_flight).
 ///
 /// [`Reject`](Self::Reject) and [`WaitUpTo`](Self::WaitUpTo) see the requests running through
-/// the same layer in this process. A duplicate sent to another process or instance sharing
-/// the store is not seen by them: it waits for the key in the store, as under
-/// [`Wait`](Self::Wait), and gets `503` with `Retry-After` past the lock timeout.
+/// the same layer in this process, on every store. A duplicate of a request running on another
+/// process or instance sharing the database meets it on the key's row: the PostgreSQL stores
+/// and the MySQL/MariaDB store bound that wait by the policy and answer `409` too (on MySQL
+/// and MariaDB the bound counts whole seconds, rounded up; under `Reject` MariaDB does not
+/// wait, MySQL waits one second). On SQLite the reservation is the file's write lock: such a
+/// duplicate waits as under [`Wait`](Self::Wait), and gets `503` with `Retry-After` past the
+/// lock timeout.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum InFlight {
     /// Wait for the first request to finish (up to the lock timeout, then `503`), then replay

@@ -503,7 +503,8 @@ impl<St> IdempotencyLayer<St> {
     /// `Retry-After`, see [`with_retry_after`](Self::with_retry_after)).
     ///
     /// Default: [`InFlight::Wait`] (up to the lock timeout). A bound of [`InFlight::WaitUpTo`]
-    /// is clamped to 24 hours.
+    /// is clamped to 24 hours. The policy also holds for a duplicate of a request running on
+    /// another instance on the PostgreSQL and MySQL stores (see [`InFlight`]).
     ///
     /// ```
     /// # fn example(layer: tower_idempotency::IdempotencyLayer<()>) {

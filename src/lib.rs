@@ -115,7 +115,12 @@
 #![deny(unreachable_pub)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
-#[cfg(any(feature = "sqlite", feature = "postgres", feature = "sqlx-postgres"))]
+#[cfg(any(
+    feature = "sqlite",
+    feature = "postgres",
+    feature = "sqlx-postgres",
+    feature = "sqlx-mysql"
+))]
 pub mod admin;
 pub mod body;
 #[cfg(feature = "client")]
@@ -133,8 +138,21 @@ pub mod metrics;
 mod openapi;
 #[cfg(feature = "outbox")]
 pub mod outbox;
+#[cfg(any(
+    feature = "postgres",
+    feature = "sqlx-postgres",
+    feature = "sqlx-mysql"
+))]
+mod pg_driver;
 pub mod problem;
 pub mod response;
+#[cfg(any(
+    feature = "sqlite",
+    feature = "postgres",
+    feature = "sqlx-postgres",
+    feature = "sqlx-mysql"
+))]
+mod row;
 mod service;
 pub mod store;
 

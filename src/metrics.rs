@@ -210,7 +210,12 @@ pub(crate) mod outbox {
     }
 
     /// An event offered to an inbox.
-    #[cfg(any(feature = "sqlite", feature = "postgres", feature = "sqlx-postgres"))]
+    #[cfg(any(
+        feature = "sqlite",
+        feature = "postgres",
+        feature = "sqlx-postgres",
+        feature = "sqlx-mysql"
+    ))]
     pub(crate) fn inbox(consumer: &str, first: bool) {
         #[cfg(feature = "metrics")]
         metrics::counter!(

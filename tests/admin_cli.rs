@@ -453,7 +453,7 @@ mod postgres {
 
     use super::admin::{Exit, Failure};
     use super::{failure_message, field, BOOK, SHOP_A_K1};
-    use crate::backend::{Backend, Postgres};
+    use crate::backend::{Backend, Database, Postgres};
     use crate::common::{post, PATIENCE, SHOP_A};
     use crate::pg_common::{hook, HookOutcome, PgServer, TestDb};
 
@@ -690,4 +690,12 @@ mod sqlx_postgres {
         dead_letters_are_listed_and_requeued,
         the_library_calls_behind_the_tool,
     );
+}
+
+mod mysql {
+    //! Records and events written through the MySQL store, read and changed by `Admin` on that
+    //! store. The tests that run the admin tool leave MySQL out: the tool opens a SQLite file
+    //! or a PostgreSQL database (`--db`, `--database-url`), not MySQL.
+
+    backend_tests!(MySql; the_library_calls_behind_the_tool);
 }

@@ -495,3 +495,12 @@ mod sqlx_postgres {
         two_relays_at_once_deliver_each_event_once(flavor = "multi_thread", worker_threads = 4),
     );
 }
+
+mod mysql {
+    //! On MySQL or MariaDB through the sqlx store: the suite, and two relays on separate pools.
+
+    outbox_tests!(MySql);
+    backend_tests!(MySql;
+        two_relays_at_once_deliver_each_event_once(flavor = "multi_thread", worker_threads = 4),
+    );
+}

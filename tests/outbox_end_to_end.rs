@@ -4,72 +4,57 @@
 //! inbox applies each event once.
 //!
 //! - A relay killed after the receiver accepted an event but before marking it delivered: the
-//!   next relay delivers it again with the same id, and the receiver acknowledges it without
-//!   reserving twice.
+//!   next relay delivers it again with the same id, and the receiver (keyed on the id in the
+//!   body) replays its first answer without reserving twice.
+//! - The same event body posted again without the header, or with another one, is applied
+//!   once; once the saved answer is gone, the inbox still acknowledges it as a duplicate.
 //! - Two relays on two connections to one file (as two processes would be) deliver every event
 //!   exactly once between them.
 
 mod common;
+#[path = "relay_scenarios/delivery_log.rs"]
+mod delivery_log;
 #[path = "apps/process.rs"]
 mod process;
+mod relay_scenarios;
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use axum::extract::{Request, State};
 use axum::response::Response;
 use axum::Router;
 use bytes::Bytes;
-use common::{hook, post, HookOutcome, TestServer, PATIENCE, SHOP_A};
+use common::{hook, post, HookOutcome, Serving, TestServer, PATIENCE, SHOP_A};
+use delivery_log::{event_id_header, log_answer, Delivery, DeliveryLog};
 use http::StatusCode;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use process::{arg, ExampleProcess};
+use relay_scenarios::{
+    assert_each_delivered_once, deliver_then_kill, enveloped_sink, redeliver, relays_deliver_all,
+};
 use serde_json::{json, Value};
-use tokio::sync::mpsc;
-use tokio::task::JoinHandle;
-use tower::ServiceExt;
-use tower_idempotency::body::{BoxError, RequestBody};
 use tower_idempotency::outbox::inbox::SqliteInbox;
 use tower_idempotency::outbox::sqlite::{enqueue, SqliteOutbox};
-use tower_idempotency::outbox::{
-    sink_fn, EventId, EventStatus, HttpSink, OutboxEvent, OutboxStore, Relay,
-};
+use tower_idempotency::outbox::{EventStatus, OutboxStore, Relay};
 use tower_idempotency::store::sqlite::SqliteStore;
-use tower_idempotency::IDEMPOTENCY_KEY;
-
-type Http = HttpSink<Client<HttpConnector, RequestBody>, RequestBody>;
-
-/// One delivery as the inventory saw it: the event id header and what it answered.
-#[derive(Clone, Debug)]
-struct Delivery {
-    event_id: String,
-    status: StatusCode,
-    answer: Value,
-}
 
 /// The inventory example as a process on a fresh SQLite file, behind a loopback proxy that
 /// logs every delivery.
 struct InventoryServer {
     /// The proxy's address: where the relays deliver.
     addr: SocketAddr,
-    deliveries: Arc<Mutex<Vec<Delivery>>>,
-    proxy: JoinHandle<()>,
+    deliveries: DeliveryLog,
+    /// Serves the proxy until dropped.
+    _proxy: Serving,
     /// Killed first when dropped, before the directory of its file goes.
     process: ExampleProcess,
     /// The test's own connection to the inventory's file.
     store: SqliteStore,
     _dir: tempfile::TempDir,
-}
-
-impl Drop for InventoryServer {
-    fn drop(&mut self) {
-        self.proxy.abort();
-    }
 }
 
 impl InventoryServer {
@@ -88,18 +73,11 @@ impl InventoryServer {
             client: Client::builder(TokioExecutor::new()).build_http(),
             deliveries: deliveries.clone(),
         };
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let addr = listener.local_addr().expect("addr");
-        let app = Router::new().fallback(forward).with_state(proxy);
-        let proxy = tokio::spawn(async move {
-            axum::serve(listener, app).await.expect("serve the proxy");
-        });
+        let proxy = Serving::start(Router::new().fallback(forward).with_state(proxy)).await;
         InventoryServer {
-            addr,
+            addr: proxy.addr,
             deliveries,
-            proxy,
+            _proxy: proxy,
             process,
             store,
             _dir: dir,
@@ -152,17 +130,12 @@ impl InventoryServer {
 struct Proxy {
     upstream: SocketAddr,
     client: Client<HttpConnector, Full<Bytes>>,
-    deliveries: Arc<Mutex<Vec<Delivery>>>,
+    deliveries: DeliveryLog,
 }
 
 /// Forwards a request to the inventory, and logs the event id and the answer of each.
 async fn forward(State(proxy): State<Proxy>, request: Request) -> Response {
-    let event_id = request
-        .headers()
-        .get(IDEMPOTENCY_KEY)
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or_default()
-        .to_owned();
+    let event_id = event_id_header(request.headers());
     let (mut parts, body) = request.into_parts();
     let body = body.collect().await.expect("delivery").to_bytes();
     parts.uri = format!("http://{}{}", proxy.upstream, parts.uri.path())
@@ -173,18 +146,12 @@ async fn forward(State(proxy): State<Proxy>, request: Request) -> Response {
         .request(http::Request::from_parts(parts, Full::new(body)))
         .await
         .expect("the inventory answers");
-    let (parts, body) = response.into_parts();
-    let body = body.collect().await.expect("inventory answer").to_bytes();
-    proxy.deliveries.lock().expect("deliveries").push(Delivery {
+    log_answer(
+        &proxy.deliveries,
         event_id,
-        status: parts.status,
-        answer: serde_json::from_slice(&body).unwrap_or(Value::Null),
-    });
-    Response::from_parts(parts, axum::body::Body::from(body))
-}
-
-fn http_sink(url: http::Uri) -> Http {
-    HttpSink::new(Client::builder(TokioExecutor::new()).build_http(), url)
+        response.map(axum::body::Body::new),
+    )
+    .await
 }
 
 /// The order app whose handler enqueues `order_created` as the orders example does.
@@ -223,79 +190,20 @@ async fn only_event(store: &SqliteStore) -> String {
         .expect("the one event")
 }
 
-/// Waits until `outbox` has `delivered` delivered events.
-async fn wait_delivered(outbox: &SqliteOutbox, delivered: u64) {
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    loop {
-        let counts = outbox.counts().await.expect("counts");
-        if counts.delivered >= delivered {
-            return;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "not delivered in time: {counts:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 #[tokio::test]
 async fn a_relay_killed_after_delivery_redelivers_the_same_id_and_the_receiver_applies_it_once() {
     let inventory = InventoryServer::spawn(&[]).await;
     let orders = order_app().await;
     let outbox = SqliteOutbox::existing(&orders.store);
 
-    // The first relay's sink: delivers for real, reports it, then never returns, so the
-    // relay never gets to mark the event delivered.
-    let (accepted_tx, mut accepted) = mpsc::unbounded_channel::<EventId>();
-    let http = http_sink(inventory.events_url());
-    let accept_then_hang = sink_fn(move |event: OutboxEvent| {
-        let (http, accepted_tx) = (http.clone(), accepted_tx.clone());
-        async move {
-            let id = event.id().clone();
-            http.oneshot(event).await?;
-            let _ = accepted_tx.send(id);
-            std::future::pending::<Result<(), BoxError>>().await
-        }
-    });
-    let lease = Duration::from_millis(600);
-    let first = tokio::spawn(
-        Relay::new(outbox.clone(), accept_then_hang)
-            .with_lease(lease)
-            .with_poll_interval(Duration::from_millis(10))
-            .run(),
-    );
-
-    let order = post(
-        orders.addr,
-        Some(SHOP_A),
-        Some("k1"),
-        r#"{"sku":"book","quantity":2}"#,
-        &[],
-    )
-    .await;
-    assert_eq!(order.status, StatusCode::CREATED);
-    let event_id = only_event(&orders.store).await;
-
-    let accepted_id = tokio::time::timeout(PATIENCE, accepted.recv())
-        .await
-        .expect("the first relay delivered in time")
-        .expect("accepted");
-    assert_eq!(accepted_id.as_str(), event_id);
-    // Killed: the receiver applied the event, the sender never recorded it.
-    first.abort();
-    let _ = first.await;
-    let event = outbox.event(&event_id).await.expect("read").expect("event");
-    assert_eq!(event.status, EventStatus::InFlight, "{event:?}");
+    // A relay delivers the event and is killed before it records that; the next relay
+    // delivers it again with the same id.
+    let event_id =
+        deliver_then_kill(&outbox, orders.addr, enveloped_sink(inventory.events_url())).await;
+    assert_eq!(event_id.as_str(), only_event(&orders.store).await);
     assert_eq!(inventory.reservations().await, 1);
-
-    let second = tokio::spawn(
-        Relay::new(outbox.clone(), http_sink(inventory.events_url()))
-            .with_poll_interval(Duration::from_millis(10))
-            .run(),
-    );
-    wait_delivered(&outbox, 1).await;
-    second.abort();
+    redeliver(&outbox, &event_id, enveloped_sink(inventory.events_url())).await;
+    let event_id = event_id.to_string();
 
     let deliveries = inventory.deliveries();
     assert_eq!(deliveries.len(), 2, "{deliveries:?}");
@@ -304,13 +212,14 @@ async fn a_relay_killed_after_delivery_redelivers_the_same_id_and_the_receiver_a
         assert_eq!(delivery.status, StatusCode::OK);
     }
     assert_eq!(deliveries[0].answer["status"], "reserved");
-    assert_eq!(deliveries[1].answer["status"], "duplicate");
+    // The redelivery is the same body: the layer answers it from its record.
+    assert!(!deliveries[0].replayed);
+    assert!(deliveries[1].replayed, "{deliveries:?}");
+    assert_eq!(deliveries[1].answer, deliveries[0].answer);
     // Applied once: one reservation of 2 books, and the id is in the receiver's inbox.
     assert_eq!(inventory.reservations().await, 1);
     assert_eq!(inventory.stock().await["reserved"]["book"], json!(2));
     assert!(inventory.processed(&event_id).await);
-    let event = outbox.event(&event_id).await.expect("read").expect("event");
-    assert_eq!((event.status, event.attempts), (EventStatus::Delivered, 2));
 }
 
 #[tokio::test]
@@ -337,36 +246,18 @@ async fn two_relays_at_once_deliver_each_event_exactly_once() {
     let other_process = SqliteStore::open(&orders.db_path)
         .await
         .expect("open again");
-    let relays: Vec<_> = [
-        SqliteOutbox::existing(&orders.store),
-        SqliteOutbox::existing(&other_process),
-    ]
-    .into_iter()
-    .map(|outbox| {
-        tokio::spawn(
-            Relay::new(outbox, http_sink(inventory.events_url()))
-                .with_batch_size(4)
-                .with_poll_interval(Duration::from_millis(5))
-                .run(),
-        )
-    })
-    .collect();
     let outbox = SqliteOutbox::existing(&orders.store);
-    wait_delivered(&outbox, EVENTS as u64).await;
-    for relay in relays {
-        relay.abort();
-    }
+    relays_deliver_all(
+        [outbox.clone(), SqliteOutbox::existing(&other_process)],
+        || enveloped_sink(inventory.events_url()),
+        EVENTS as u64,
+    )
+    .await;
 
     let deliveries = inventory.deliveries();
-    let mut per_id: HashMap<&str, usize> = HashMap::new();
-    for delivery in &deliveries {
-        *per_id.entry(delivery.event_id.as_str()).or_default() += 1;
-        assert_eq!(delivery.answer["status"], "reserved", "{delivery:?}");
-    }
-    assert_eq!(per_id.len(), EVENTS as usize);
-    assert!(
-        per_id.values().all(|n| *n == 1),
-        "an event was delivered twice"
+    assert_each_delivered_once(
+        deliveries.iter().map(|d| (d.event_id.as_str(), &d.answer)),
+        EVENTS as usize,
     );
     assert_eq!(inventory.reservations().await, EVENTS);
     let backlog = outbox.backlog().await.expect("backlog");
@@ -389,7 +280,7 @@ async fn the_receiver_refusing_an_event_leaves_it_for_retry_and_reserves_nothing
     .await;
     assert_eq!(reply.status, StatusCode::CREATED);
     let outbox = SqliteOutbox::existing(&orders.store);
-    let mut relay = Relay::new(outbox.clone(), http_sink(url)).with_max_attempts(2);
+    let mut relay = Relay::new(outbox.clone(), enveloped_sink(url)).with_max_attempts(2);
     let report = relay.run_once().await.expect("round");
     assert_eq!((report.claimed, report.retried), (1, 1));
     let event = outbox
@@ -404,4 +295,64 @@ async fn the_receiver_refusing_an_event_leaves_it_for_retry_and_reserves_nothing
         "the receiver's answer is kept for the operator: {error}"
     );
     assert_eq!(inventory.reservations().await, 0);
+}
+
+#[tokio::test]
+async fn the_same_event_body_without_the_header_is_applied_once() {
+    let inventory = InventoryServer::spawn(&[]).await;
+    let event_id = "0193a4b2-7c1d-7e2f-9a3b-4c5d6e7f8091";
+    let body = json!({
+        "id": event_id,
+        "topic": "order_created",
+        "payload": { "order_id": 1, "tenant": "shop-a", "sku": "book", "quantity": 2 },
+    })
+    .to_string();
+    let deliver = |key: Option<&'static str>| {
+        let body = body.clone();
+        let addr = inventory.addr;
+        async move {
+            let post = common::Post::order(key.unwrap_or("unused"), &body)
+                .path("/events")
+                .token(None);
+            let post = if key.is_some() { post } else { post.no_key() };
+            post.send(addr).await
+        }
+    };
+
+    let first = deliver(Some("header-1")).await;
+    assert_eq!(first.status, StatusCode::OK);
+    assert_eq!(first.json()["status"], "reserved");
+    assert!(!first.replayed());
+    // The same event: no header, then another header. The key is the body's `/id`.
+    for again in [deliver(None).await, deliver(Some("header-2")).await] {
+        assert_eq!(again.status, StatusCode::OK);
+        assert!(again.replayed(), "answered from the record");
+        assert_eq!(again.json(), first.json());
+    }
+    assert_eq!(inventory.reservations().await, 1);
+    assert_eq!(inventory.stock().await["reserved"]["book"], json!(2));
+
+    // Once the saved answer is gone (expired, or deleted as here), the inbox still has the
+    // id: acknowledged as a duplicate, nothing reserved again.
+    let admin = tower_idempotency::admin::Admin::new(inventory.store.clone());
+    assert!(admin
+        .delete("orders", "receive_event", event_id)
+        .await
+        .expect("delete the record"));
+    let late = deliver(None).await;
+    assert_eq!(late.status, StatusCode::OK);
+    assert_eq!(late.json(), json!({ "status": "duplicate" }));
+    assert_eq!(inventory.reservations().await, 1);
+    assert!(inventory.processed(event_id).await);
+
+    // An event without its id in the body is refused, whatever header it carries.
+    let payload = json!({ "order_id": 2, "tenant": "shop-a", "sku": "book", "quantity": 1 });
+    let no_id = common::Post::order("header-3", &payload.to_string())
+        .path("/events")
+        .token(None)
+        .send(inventory.addr)
+        .await;
+    assert_eq!(no_id.status, StatusCode::BAD_REQUEST);
+    assert_eq!(no_id.json(), json!({ "error": "missing_event_id" }));
+    assert_eq!(inventory.reservations().await, 1);
 }

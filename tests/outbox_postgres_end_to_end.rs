@@ -13,8 +13,9 @@
 //! - Two relays of two instances deliver every event exactly once between them.
 //! - The inventory example itself (`inventory --database-url ...`, a child process) as the
 //!   receiver: of that killed relay's events, and of the orders example's relay (`orders --db
-//!   FILE --webhook URL`, a child process too: its relay reads the SQLite store's outbox), with a
-//!   redelivery by hand answered `duplicate`.
+//!   FILE --webhook URL`, a child process too: its relay reads the SQLite store's outbox). It
+//!   takes the event id from the body: a redelivery by hand, without the header, is replayed,
+//!   and answered `duplicate` by the inbox once the saved answer is gone.
 //!
 //! Needs `TEST_DATABASE_URL`; without it `cargo test` reports these tests as ignored.
 //! (except the command-line checks of the inventory example, which need no database).
@@ -24,28 +25,31 @@ mod pg_common;
 
 #[path = "pg_common/inventory.rs"]
 mod inventory;
+mod relay_scenarios;
 
-use std::collections::HashMap;
 use std::time::Duration;
 
 use common::{post, Post, PATIENCE, SHOP_A};
 use http::StatusCode;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
 use inventory::{reservations, InventoryProcess, InventoryServer, Mode, SLOW, SLOW_FOR};
 use pg_common::{hook, HookOutcome, PgServer, TestDb};
+use relay_scenarios::{
+    assert_each_delivered_once, deliver_then_kill, enveloped_sink, http_sink, redeliver,
+    relays_deliver_all, wait_delivered, Http,
+};
 use serde_json::json;
-use tokio::sync::mpsc;
-use tower::ServiceExt;
-use tower_idempotency::body::{BoxError, RequestBody};
 use tower_idempotency::outbox::postgres::{enqueue, PostgresOutbox};
-use tower_idempotency::outbox::{sink_fn, EventId, EventStatus, HttpSink, OutboxEvent, Relay};
+use tower_idempotency::outbox::Relay;
 
-type Http = HttpSink<Client<HttpConnector, RequestBody>, RequestBody>;
-
-fn http_sink(url: http::Uri) -> Http {
-    HttpSink::new(Client::builder(TokioExecutor::new()).build_http(), url)
+/// Forgets the inventory example's saved answers (as if they had expired): only its inbox
+/// still knows the events.
+async fn forget_saved_answers(inventory_db: &TestDb) {
+    inventory_db
+        .client()
+        .await
+        .execute("DELETE FROM idempotency_records", &[])
+        .await
+        .expect("delete the saved answers");
 }
 
 /// The PostgreSQL order app whose handler enqueues `order_created` (with the order's sku and
@@ -94,106 +98,75 @@ async fn only_event(orders: &TestDb) -> String {
         .get(0)
 }
 
-/// Waits until `outbox` has `delivered` delivered events.
-async fn wait_delivered(outbox: &PostgresOutbox, delivered: u64) {
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    loop {
-        let counts = outbox.counts().await.expect("counts");
-        if counts.delivered >= delivered {
-            return;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "not delivered in time: {counts:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 /// Orders 2 books, lets a relay deliver the event to the receiver at `events_url` (its tables
-/// in `inventory_db`) and then hang (killed before it
-/// marks the event delivered), then lets a second relay deliver it again. Returns the event id.
+/// in `inventory_db`) through `sink` and then hang (killed before it marks the event
+/// delivered), then lets a second relay deliver it again. Returns the event id.
 async fn deliver_then_kill_then_redeliver(
     orders: &PgServer,
     orders_db: &TestDb,
-    events_url: http::Uri,
+    (events_url, sink): (http::Uri, fn(http::Uri) -> Http),
     inventory_db: &TestDb,
 ) -> String {
     let outbox = PostgresOutbox::existing(&orders.store);
-    // The first relay's sink: delivers for real, reports it, then never returns.
-    let (accepted_tx, mut accepted) = mpsc::unbounded_channel::<EventId>();
-    let http = http_sink(events_url.clone());
-    let accept_then_hang = sink_fn(move |event: OutboxEvent| {
-        let (http, accepted_tx) = (http.clone(), accepted_tx.clone());
-        async move {
-            let id = event.id().clone();
-            http.oneshot(event).await?;
-            let _ = accepted_tx.send(id);
-            std::future::pending::<Result<(), BoxError>>().await
-        }
-    });
-    let first = tokio::spawn(
-        Relay::new(outbox.clone(), accept_then_hang)
-            .with_lease(Duration::from_millis(600))
-            .with_poll_interval(Duration::from_millis(10))
-            .run(),
-    );
-
-    let order = post(
-        orders.addr,
-        Some(SHOP_A),
-        Some("k1"),
-        r#"{"sku":"book","quantity":2}"#,
-        &[],
-    )
-    .await;
-    assert_eq!(order.status, StatusCode::CREATED);
-    let event_id = only_event(orders_db).await;
-
-    let accepted_id = tokio::time::timeout(PATIENCE, accepted.recv())
-        .await
-        .expect("the first relay delivered in time")
-        .expect("accepted");
-    assert_eq!(accepted_id.as_str(), event_id);
-    // Killed: the receiver applied the event, the sender never recorded it.
-    first.abort();
-    let _ = first.await;
-    let event = outbox.event(&event_id).await.expect("read").expect("event");
-    assert_eq!(event.status, EventStatus::InFlight, "{event:?}");
+    let event_id = deliver_then_kill(&outbox, orders.addr, sink(events_url.clone())).await;
+    assert_eq!(event_id.as_str(), only_event(orders_db).await);
     assert_eq!(reservations(inventory_db).await, 1);
-
-    let second = tokio::spawn(
-        Relay::new(outbox.clone(), http_sink(events_url))
-            .with_poll_interval(Duration::from_millis(10))
-            .run(),
-    );
-    wait_delivered(&outbox, 1).await;
-    second.abort();
-    let event = outbox.event(&event_id).await.expect("read").expect("event");
-    assert_eq!((event.status, event.attempts), (EventStatus::Delivered, 2));
-    event_id
+    redeliver(&outbox, &event_id, sink(events_url)).await;
+    event_id.to_string()
 }
 
-#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-#[tokio::test]
-async fn a_relay_killed_after_delivery_redelivers_the_same_id_and_the_inbox_applies_it_once() {
-    let (Some(orders_db), Some(inventory_db)) = (TestDb::create().await, TestDb::create().await)
-    else {
-        return;
-    };
-    let receiver = InventoryServer::spawn(&inventory_db, Mode::Inbox).await;
+/// What [`killed_relay_redelivered`] leaves.
+struct Redelivered {
+    receiver: InventoryServer,
+    orders: PgServer,
+    event_id: String,
+    /// The receiver's log: both deliveries, answered `200`.
+    deliveries: Vec<inventory::Delivery>,
+    _dbs: [TestDb; 2],
+}
+
+/// [`deliver_then_kill_then_redeliver`] to the test receiver in `mode`, on fresh databases
+/// (orders, inventory; `None` without PostgreSQL): the receiver saw both deliveries, with the
+/// same id.
+async fn killed_relay_redelivered(mode: Mode) -> Option<Redelivered> {
+    let (orders_db, inventory_db) = (TestDb::create().await?, TestDb::create().await?);
+    let receiver = InventoryServer::spawn(&inventory_db, mode).await;
     let orders = order_app(&orders_db).await;
-
-    let event_id =
-        deliver_then_kill_then_redeliver(&orders, &orders_db, receiver.events_url(), &inventory_db)
-            .await;
-
+    let event_id = deliver_then_kill_then_redeliver(
+        &orders,
+        &orders_db,
+        (receiver.events_url(), http_sink),
+        &inventory_db,
+    )
+    .await;
     let deliveries = receiver.deliveries();
     assert_eq!(deliveries.len(), 2, "{deliveries:?}");
     for delivery in &deliveries {
         assert_eq!(delivery.event_id, event_id, "same id on every delivery");
         assert_eq!(delivery.status, StatusCode::OK);
     }
+    Some(Redelivered {
+        receiver,
+        orders,
+        event_id,
+        deliveries,
+        _dbs: [orders_db, inventory_db],
+    })
+}
+
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
+#[tokio::test]
+async fn a_relay_killed_after_delivery_redelivers_the_same_id_and_the_inbox_applies_it_once() {
+    let Some(Redelivered {
+        receiver,
+        orders,
+        event_id,
+        deliveries,
+        _dbs,
+    }) = killed_relay_redelivered(Mode::Inbox).await
+    else {
+        return;
+    };
     assert_eq!(deliveries[0].answer["status"], "reserved");
     assert_eq!(deliveries[1].answer["status"], "duplicate");
     // Applied once: one reservation of 2 books, and the id is in the receiver's inbox.
@@ -206,19 +179,16 @@ async fn a_relay_killed_after_delivery_redelivers_the_same_id_and_the_inbox_appl
 #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn behind_the_layer_the_redelivery_is_replayed_and_the_event_applied_once() {
-    let (Some(orders_db), Some(inventory_db)) = (TestDb::create().await, TestDb::create().await)
+    let Some(Redelivered {
+        receiver,
+        orders,
+        event_id,
+        deliveries,
+        _dbs,
+    }) = killed_relay_redelivered(Mode::Layered).await
     else {
         return;
     };
-    let receiver = InventoryServer::spawn(&inventory_db, Mode::Layered).await;
-    let orders = order_app(&orders_db).await;
-
-    let event_id =
-        deliver_then_kill_then_redeliver(&orders, &orders_db, receiver.events_url(), &inventory_db)
-            .await;
-
-    let deliveries = receiver.deliveries();
-    assert_eq!(deliveries.len(), 2, "{deliveries:?}");
     assert!(!deliveries[0].replayed);
     assert!(deliveries[1].replayed, "the layer answered from its record");
     assert_eq!(deliveries[0].answer, deliveries[1].answer);
@@ -310,36 +280,20 @@ async fn two_relays_of_two_instances_deliver_each_event_exactly_once() {
     let other_instance = orders_db
         .store_with(|o| o.max_connections(4).max_read_connections(1))
         .await;
-    let relays: Vec<_> = [
-        PostgresOutbox::existing(&orders.store),
-        PostgresOutbox::existing(&other_instance),
-    ]
-    .into_iter()
-    .map(|outbox| {
-        tokio::spawn(
-            Relay::new(outbox, http_sink(receiver.events_url()))
-                .with_batch_size(4)
-                .with_poll_interval(Duration::from_millis(5))
-                .run(),
-        )
-    })
-    .collect();
-    let outbox = PostgresOutbox::existing(&orders.store);
-    wait_delivered(&outbox, EVENTS as u64).await;
-    for relay in relays {
-        relay.abort();
-    }
+    relays_deliver_all(
+        [
+            PostgresOutbox::existing(&orders.store),
+            PostgresOutbox::existing(&other_instance),
+        ],
+        || http_sink(receiver.events_url()),
+        EVENTS as u64,
+    )
+    .await;
 
     let deliveries = receiver.deliveries();
-    let mut per_id: HashMap<&str, usize> = HashMap::new();
-    for delivery in &deliveries {
-        *per_id.entry(delivery.event_id.as_str()).or_default() += 1;
-        assert_eq!(delivery.answer["status"], "reserved", "{delivery:?}");
-    }
-    assert_eq!(per_id.len(), EVENTS as usize);
-    assert!(
-        per_id.values().all(|n| *n == 1),
-        "an event was delivered twice"
+    assert_each_delivered_once(
+        deliveries.iter().map(|d| (d.event_id.as_str(), &d.answer)),
+        EVENTS as usize,
     );
     assert_eq!(receiver.reservations().await, EVENTS);
     assert_eq!(receiver.reserved("book").await, EVENTS);
@@ -378,7 +332,7 @@ async fn the_inventory_example_on_postgres_applies_a_redelivered_event_once() {
     let event_id = deliver_then_kill_then_redeliver(
         &orders,
         &orders_db,
-        inventory.events_url(),
+        (inventory.events_url(), enveloped_sink),
         &inventory_db,
     )
     .await;
@@ -387,6 +341,14 @@ async fn the_inventory_example_on_postgres_applies_a_redelivered_event_once() {
         inventory.next_line().await,
         format!("event {event_id}: order 1 reserved 2 x book (book reserved: 2)")
     );
+    // The redelivery was replayed by the layer (keyed on the body's id: the handler did not
+    // run). Once the saved answer is gone, the inbox acknowledges it.
+    forget_saved_answers(&inventory_db).await;
+    let payload = json!({ "order_id": 1, "tenant": "shop-a", "sku": "book", "quantity": 2 });
+    let late = inventory
+        .deliver(&event_id, "order_created", &payload)
+        .await;
+    assert_eq!(late.json(), json!({ "status": "duplicate" }));
     assert_eq!(
         inventory.next_line().await,
         format!("event {event_id}: duplicate, acknowledged without reserving again")
@@ -443,14 +405,25 @@ async fn the_orders_example_relays_to_the_inventory_example_on_postgres_once_in_
         format!("event {event_id}: order {order_id} reserved 2 x book (book reserved: 2)")
     );
 
-    // The same event again (an answer lost on the way, a relay that died): acknowledged,
-    // nothing reserved again.
+    // The same event again (an answer lost on the way, a relay that died), its id only in
+    // the body: the first answer replayed, nothing reserved again.
     let payload = json!({ "order_id": order_id, "tenant": "shop-a", "sku": "book", "quantity": 2 });
     let again = inventory
         .deliver(&event_id, "order_created", &payload)
         .await;
     assert_eq!(again.status, StatusCode::OK);
-    assert_eq!(again.json(), json!({ "status": "duplicate" }));
+    assert!(again.replayed());
+    assert_eq!(
+        again.json(),
+        json!({ "status": "reserved", "sku": "book", "reserved": 2 })
+    );
+    // And once the saved answer is gone, the inbox acknowledges it.
+    forget_saved_answers(&inventory_db).await;
+    let late = inventory
+        .deliver(&event_id, "order_created", &payload)
+        .await;
+    assert_eq!(late.status, StatusCode::OK);
+    assert_eq!(late.json(), json!({ "status": "duplicate" }));
     assert_eq!(
         inventory.next_line().await,
         format!("event {event_id}: duplicate, acknowledged without reserving again")

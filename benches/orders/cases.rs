@@ -68,14 +68,23 @@ pub(crate) fn percentile_ms(sorted_micros: &[u32], percentile: f64) -> f64 {
 /// The keys case B replays, created (over HTTP, through the layer) before it starts.
 const REPLAY_KEYS: u64 = 1000;
 
-/// Creates [`REPLAY_KEYS`] orders under keys `prefix`0.. and returns the workload that replays
-/// them, with how many orders it created.
+/// The most connections [`replay_workload`] creates its keys over.
+const SETUP_CONNECTIONS: usize = 16;
+
+/// Creates [`REPLAY_KEYS`] orders under keys `prefix`0.. over `connections` connections and
+/// returns the workload that replays them, with how many orders it created.
+///
+/// Give it the concurrency of the case: the setup leaves the store's pools as large as the
+/// connections it used, and a PostgreSQL pool hands out its idle connections in turn, so a
+/// setup wider than the case would make case A (which shares the store) rotate over more
+/// backends than H's pool has, at c=1 over 16 instead of one.
 pub(crate) async fn replay_workload(
     addr: SocketAddr,
+    connections: usize,
     prefix: &str,
     sku: &str,
 ) -> Result<(Workload, i64), BoxError> {
-    let setup = connect_all(addr, 16).await?;
+    let setup = connect_all(addr, connections.clamp(1, SETUP_CONNECTIONS)).await?;
     let create = Arc::new(Workload::create("/orders", prefix, sku));
     let (setup, stats) = run_load(setup, &create, Limit::Requests(REPLAY_KEYS)).await;
     drop(setup);
@@ -129,7 +138,8 @@ impl CaseRun {
         let workload = Arc::new(match case {
             Case::A => Workload::create("/orders", &prefix, &sku),
             Case::B => {
-                let (replays, created) = replay_workload(server.addr, &prefix, &sku).await?;
+                let (replays, created) =
+                    replay_workload(server.addr, concurrency, &prefix, &sku).await?;
                 expected_orders += created;
                 replays
             }

@@ -25,7 +25,7 @@ pub(crate) async fn run_hold(options: &Options) -> Result<Vec<Extra>, BoxError> 
     const REPLAY_CONCURRENCY: usize = 16;
     let duration = (options.duration * options.rounds as u32).max(Duration::from_millis(800));
     let server = Server::start(Mode::Full).await?;
-    let (replays, _) = replay_workload(server.addr, "h-", "book").await?;
+    let (replays, _) = replay_workload(server.addr, REPLAY_CONCURRENCY, "h-", "book").await?;
     let replays = Arc::new(replays);
     let mut conns = connect_all(server.addr, REPLAY_CONCURRENCY).await?;
     (conns, _) = run_load(conns, &replays, Limit::For(options.warmup)).await;

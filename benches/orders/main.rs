@@ -31,7 +31,7 @@
 //! | case | what runs |
 //! |---|---|
 //! | A | `POST /orders` under the layer: the handler of `examples/orders.rs` (or `orders/postgres.rs`): the order and its `order_created` outbox event in the request's transaction; a new key each time |
-//! | B | the same route, replays of keys created beforehand |
+//! | B | the same route, replays of keys created beforehand (over as many connections as the case has, at most 16: on PostgreSQL the setup leaves the store's pools as wide as it was, and case A shares that store) |
 //! | C | the same route, 90% new keys and 10% retries of the connection's recent keys (SQLite) |
 //! | H | baseline: the same work written by hand, no layer (`hand.rs`). SQLite: rusqlite inline under a `tokio::sync::Mutex<Connection>`, cached statements: `BEGIN IMMEDIATE`, look up the key, insert the order, the event and the record, `COMMIT`. PostgreSQL: tokio-postgres and deadpool (pool 32): `BEGIN`, reserve the key `ON CONFLICT DO NOTHING` (on a conflict `SELECT` and compare), insert the order `RETURNING id`, the event, `UPDATE` the record, `COMMIT`. Both fingerprint the request as the layer does (`Fingerprinter::json()`) and save status, headers and body in `idempotency_records` |
 //! | D | the old baseline: H's transaction under `spawn_blocking` behind an async mutex (SQLite) |

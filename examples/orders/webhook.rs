@@ -1,5 +1,6 @@
-//! `--webhook URL`: a relay beside the server POSTs each outbox event to `URL`, with the event
-//! id as `Idempotency-Key`, until the receiver accepts it (`examples/inventory.rs` is one).
+//! `--webhook URL`: a relay beside the server POSTs each outbox event to `URL` as
+//! `{"id", "topic", "payload"}` (the event id in the body, and as `Idempotency-Key`), until the
+//! receiver accepts it (`examples/inventory.rs` is one).
 
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
@@ -7,7 +8,7 @@ use hyper_util::rt::TokioExecutor;
 use tower_idempotency::body::{BoxError, RequestBody};
 use tower_idempotency::outbox::{HttpSink, OutboxStore, Relay};
 
-/// The relay's sink: POSTs each event to one URL.
+/// The relay's sink: POSTs each event to one URL, in the envelope that carries its id.
 type WebhookSink = HttpSink<Client<HttpConnector, RequestBody>, RequestBody>;
 
 /// Starts a relay that delivers `outbox`'s events to `url`, in a task of its own: the library
@@ -23,5 +24,5 @@ fn webhook_sink(url: &str) -> Result<WebhookSink, BoxError> {
         .parse()
         .map_err(|error| format!("--webhook {url}: {error}"))?;
     let client = Client::builder(TokioExecutor::new()).build_http::<RequestBody>();
-    Ok(HttpSink::new(client, uri))
+    Ok(HttpSink::new(client, uri).with_event_envelope())
 }

@@ -3,7 +3,8 @@
 //! events. `cargo run --example admin -- --help` is a command-line tool over these calls.
 //!
 //! [`Admin`] is written once over [`AdminBackend`] (the queries on records, which each store
-//! implements with its own SQL) and, for the outbox, [`outbox::OutboxBackend`](crate::outbox::OutboxBackend):
+//! implements with its own SQL: SQLite in `sqlite.rs`, both PostgreSQL drivers with the same
+//! statements in `postgres.rs`) and, for the outbox, [`outbox::OutboxBackend`](crate::outbox::OutboxBackend):
 //! it has the same calls for each backend, `Admin<SqliteStore>` (feature `sqlite`) and
 //! `Admin<PostgresStore>` (feature `postgres`), so a tool can be written once over `Admin<S>`.
 //!
@@ -57,16 +58,21 @@ use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 #[cfg(feature = "outbox")]
 use crate::outbox::{EventInfo, Outbox, OutboxBackend, OutboxCounts};
+use crate::row::Columns;
 use crate::store::{from_unix_millis, IdempotencyStore, SavedColumns};
 
+#[cfg(feature = "sqlx-mysql")]
+mod mysql_sql;
 #[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
 mod pg_sql;
-#[cfg(feature = "postgres")]
+#[cfg(any(
+    feature = "postgres",
+    feature = "sqlx-postgres",
+    feature = "sqlx-mysql"
+))]
 mod postgres;
 #[cfg(feature = "sqlite")]
 mod sqlite;
-#[cfg(feature = "sqlx-postgres")]
-mod sqlx_postgres;
 
 /// Administrative calls on a store; see the [module docs](self).
 #[derive(Clone)]
@@ -313,6 +319,21 @@ struct RawRecord {
 }
 
 impl RawRecord {
+    /// A record's columns, in the order `inspect` selects them: `fingerprint_version,
+    /// fingerprint, status, headers, length(body), body (or NULL), created_at, expires_at`.
+    fn read<R: Columns + ?Sized>(row: &R) -> Result<RawRecord, R::Error> {
+        Ok(RawRecord {
+            version: row.required_int(0, "fingerprint version")?,
+            digest: row.required_bytes(1, "fingerprint")?,
+            status: row.required_int(2, "status")?,
+            headers: row.required_text(3, "headers")?,
+            body_len: row.required_int(4, "body")?,
+            body: row.bytes(5)?,
+            created_at: row.required_big_int(6, "created_at")?,
+            expires_at: row.required_big_int(7, "expires_at")?,
+        })
+    }
+
     /// The record as shown, checking what was read.
     fn into_info(self, tenant: &str, operation: &str, key: &str) -> Result<RecordInfo, Error> {
         let SavedColumns {

@@ -1,86 +1,80 @@
-//! [`AdminBackend`] on a PostgreSQL database: the SQL of the admin calls.
+//! [`AdminBackend`] on the SQL servers, for every driver (tokio-postgres' `PostgresStore`,
+//! sqlx' `SqlxPostgresStore` and `SqlxMySqlStore`, through [`PgDriver`]): the statements of
+//! `pg_sql.rs` on PostgreSQL, of `mysql_sql.rs` on MySQL and MariaDB.
 //!
 //! Statements run in autocommit on pooled connections of the store. A request's reservation
 //! is never visible to them (it is committed only as a completed record); a reservation that
 //! a handler committed itself (a stray `in_progress` row, written already expired) is not a
-//! record: [`Admin::inspect`](super::Admin::inspect) does not show it, [`Admin::counts`](super::Admin::counts) counts it as expired and
+//! record: [`Admin::inspect`](super::Admin::inspect) does not show it,
+//! [`Admin::counts`](super::Admin::counts) counts it as expired and
 //! [`Admin::purge_expired`](super::Admin::purge_expired) removes it.
 
 use std::time::SystemTime;
 
-use tokio_postgres::row::Row;
-
-use super::pg_sql::{inspect_record, COUNT_RECORDS, DELETE_RECORD};
+#[cfg(feature = "sqlx-mysql")]
+use super::mysql_sql;
+#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
+use super::pg_sql;
 use super::{AdminBackend, RawRecord, RecordCounts, RecordFilter, RecordInfo};
 use crate::error::Error;
-use crate::store::postgres::PostgresStore;
+use crate::pg_driver::{PgDriver, PgParam};
+use crate::row::Columns;
 use crate::store::to_unix_millis;
 
-impl AdminBackend for PostgresStore {
-    async fn inspect_record(
-        &self,
-        tenant: &str,
-        operation: &str,
-        key: &str,
-        with_body: bool,
-    ) -> Result<Option<RecordInfo>, Error> {
-        let client = self.client().await?;
-        let row = client
-            .query_opt(&inspect_record(with_body), &[&tenant, &operation, &key])
-            .await?;
-        row.map(|row| raw_record(&row)?.into_info(tenant, operation, key))
-            .transpose()
-    }
+/// [`AdminBackend`] on a store, with the statements of the server's SQL module `$sql` (written
+/// once; expanded for each driver below, as concrete impls, so that the driver trait stays
+/// private).
+macro_rules! sql_admin {
+    ($store:ty, $sql:ident) => {
+        impl AdminBackend for $store {
+            async fn inspect_record(
+                &self,
+                tenant: &str,
+                operation: &str,
+                key: &str,
+                with_body: bool,
+            ) -> Result<Option<RecordInfo>, Error> {
+                let scope = [tenant.into(), operation.into(), key.into()];
+                let rows = self
+                    .fetch_rows(&$sql::inspect_record(with_body), &scope)
+                    .await?;
+                rows.first()
+                    .map(|row| RawRecord::read(row)?.into_info(tenant, operation, key))
+                    .transpose()
+            }
 
-    async fn delete_record(&self, tenant: &str, operation: &str, key: &str) -> Result<bool, Error> {
-        let client = self.client().await?;
-        let deleted = client
-            .execute(DELETE_RECORD, &[&tenant, &operation, &key])
-            .await?;
-        Ok(deleted > 0)
-    }
+            async fn delete_record(
+                &self,
+                tenant: &str,
+                operation: &str,
+                key: &str,
+            ) -> Result<bool, Error> {
+                let scope = [tenant.into(), operation.into(), key.into()];
+                Ok(self.execute_counted($sql::DELETE_RECORD, &scope).await? > 0)
+            }
 
-    async fn count_records(&self, filter: &RecordFilter) -> Result<RecordCounts, Error> {
-        let now = to_unix_millis(SystemTime::now());
-        let client = self.client().await?;
-        let row = client
-            .query_one(
-                COUNT_RECORDS,
-                &[
-                    &now,
-                    &filter.tenant.as_deref(),
-                    &filter.operation.as_deref(),
-                ],
-            )
-            .await?;
-        Ok(RecordCounts::from_columns(row.try_get(0)?, row.try_get(1)?))
-    }
+            async fn count_records(&self, filter: &RecordFilter) -> Result<RecordCounts, Error> {
+                let params = [
+                    to_unix_millis(SystemTime::now()).into(),
+                    PgParam::OptionalText(filter.tenant.as_deref()),
+                    PgParam::OptionalText(filter.operation.as_deref()),
+                ];
+                let rows = self.fetch_rows($sql::COUNT_RECORDS, &params).await?;
+                let row = rows
+                    .first()
+                    .ok_or_else(|| Error::Corrupt("record counts: no row".into()))?;
+                Ok(RecordCounts::from_columns(
+                    row.required_big_int(0, "live count")?,
+                    row.required_big_int(1, "expired count")?,
+                ))
+            }
+        }
+    };
 }
 
-/// A completed record's columns, in the order `inspect` selects them.
-fn raw_record(row: &Row) -> Result<RawRecord, Error> {
-    let missing = |what: &str| Error::Corrupt(format!("{what} missing"));
-    Ok(RawRecord {
-        version: row
-            .try_get::<_, Option<i32>>(0)?
-            .ok_or_else(|| missing("fingerprint version"))?
-            .into(),
-        digest: row
-            .try_get::<_, Option<Vec<u8>>>(1)?
-            .ok_or_else(|| missing("fingerprint"))?,
-        status: row
-            .try_get::<_, Option<i32>>(2)?
-            .ok_or_else(|| missing("status"))?
-            .into(),
-        headers: row
-            .try_get::<_, Option<String>>(3)?
-            .ok_or_else(|| missing("headers"))?,
-        body_len: row
-            .try_get::<_, Option<i32>>(4)?
-            .ok_or_else(|| missing("body"))?
-            .into(),
-        body: row.try_get(5)?,
-        created_at: row.try_get(6)?,
-        expires_at: row.try_get(7)?,
-    })
-}
+#[cfg(feature = "postgres")]
+sql_admin!(crate::store::postgres::PostgresStore, pg_sql);
+#[cfg(feature = "sqlx-postgres")]
+sql_admin!(crate::store::sqlx_postgres::SqlxPostgresStore, pg_sql);
+#[cfg(feature = "sqlx-mysql")]
+sql_admin!(crate::store::sqlx_mysql::SqlxMySqlStore, mysql_sql);

@@ -30,18 +30,7 @@ impl AdminBackend for SqliteStore {
                          WHERE tenant = ?1 AND operation = ?2 AND idempotency_key = ?3"
                     ),
                     params![scope.0, scope.1, scope.2],
-                    |row| {
-                        Ok(RawRecord {
-                            version: row.get(0)?,
-                            digest: row.get(1)?,
-                            status: row.get(2)?,
-                            headers: row.get(3)?,
-                            body_len: row.get(4)?,
-                            body: row.get(5)?,
-                            created_at: row.get(6)?,
-                            expires_at: row.get(7)?,
-                        })
-                    },
+                    |row| RawRecord::read(row),
                 )
                 .optional()
             })

@@ -453,38 +453,45 @@ impl Fingerprinter {
                 return Ok(Fingerprint::new(*version, hasher.finalize().into()));
             }
         };
-        // The fields before the body are hashed first; the body then goes to both digests at once:
-        // the one version 1 gives the request (no query) and, with a query, the current one.
-        let query = canonical_query(parts.uri.query());
-        let mut hashers = [
-            fields(Sha256::new(), tag, PATH_ONLY_VERSION, parts, None),
-            fields(
-                Sha256::new(),
-                tag,
-                CANONICALIZATION_VERSION,
-                parts,
-                Some(&query),
-            ),
-        ];
-        let used = if query.is_empty() { 1 } else { 2 };
-        let (hashing, _) = hashers.split_at_mut(used);
-        if json {
-            streaming::hash_canonical_json(body, self.max_depth, hashing)?;
-        } else {
-            for hasher in hashing {
-                field(hasher, body);
+        // The fields before the body are hashed first; the body then goes to the digest version 1
+        // gives the request (no query) and, with a query only, to the current one as well.
+        let hash_body = |hashers: &mut [Sha256]| {
+            if json {
+                streaming::hash_canonical_json(body, self.max_depth, hashers)
+            } else {
+                for hasher in hashers {
+                    field(hasher, body);
+                }
+                Ok(())
             }
+        };
+        let path_only = fields(Sha256::new(), tag, PATH_ONLY_VERSION, parts, None);
+        let query = canonical_query(parts.uri.query());
+        if query.is_empty() {
+            let mut hashers = [path_only];
+            hash_body(&mut hashers)?;
+            let [path_only] = hashers;
+            let digest: [u8; 32] = path_only.finalize().into();
+            return Ok(Fingerprint {
+                version: CANONICALIZATION_VERSION,
+                digest,
+                path_only: Some(digest),
+            });
         }
+        let with_query = fields(
+            Sha256::new(),
+            tag,
+            CANONICALIZATION_VERSION,
+            parts,
+            Some(&query),
+        );
+        let mut hashers = [path_only, with_query];
+        hash_body(&mut hashers)?;
         let [path_only, with_query] = hashers;
-        let path_only: [u8; 32] = path_only.finalize().into();
         Ok(Fingerprint {
             version: CANONICALIZATION_VERSION,
-            digest: if used == 2 {
-                with_query.finalize().into()
-            } else {
-                path_only
-            },
-            path_only: Some(path_only),
+            digest: with_query.finalize().into(),
+            path_only: Some(path_only.finalize().into()),
         })
     }
 }

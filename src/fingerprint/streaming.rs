@@ -131,7 +131,9 @@ impl Sink for Counter {
     }
 }
 
-const HASH_BUFFER: usize = 4096;
+/// Large enough that a typical body is hashed in one or two calls per hasher, small enough that
+/// zeroing it costs little (it is set up for every fingerprint).
+const HASH_BUFFER: usize = 512;
 
 /// Gathers the many small writes into blocks for the hashers.
 struct HashSink<'h> {

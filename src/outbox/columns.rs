@@ -3,6 +3,7 @@
 
 use super::{Claimed, EventId, EventInfo, EventStatus, OutboxCounts, OutboxEvent};
 use crate::error::Error;
+use crate::row::Columns;
 use crate::store::from_unix_millis;
 
 /// A stored attempt count as a `u32`, the same on every backend: a negative count reads as 0
@@ -54,13 +55,29 @@ pub(crate) struct RawEvent {
     pub(crate) leased: bool,
 }
 
-/// The columns [`RawEvent`] is read from, in order (the PostgreSQL statements spell them out,
+/// The columns [`RawEvent::read`] reads, in order (the PostgreSQL statements spell them out,
 /// checked by a test of `pg_sql`).
 #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
 pub(crate) const EVENT_COLUMNS: &str = "event_id, topic, payload, status, attempts, created_at, \
      available_at, delivered_at, last_error, lease_owner";
 
 impl RawEvent {
+    /// An `outbox_events` row, in [`EVENT_COLUMNS`] order.
+    pub(crate) fn read<R: Columns + ?Sized>(row: &R) -> Result<RawEvent, R::Error> {
+        Ok(RawEvent {
+            id: row.required_text(0, "event_id")?,
+            topic: row.required_text(1, "topic")?,
+            payload: row.required_text(2, "payload")?,
+            status: row.required_text(3, "status")?,
+            attempts: row.required_int(4, "attempts")?,
+            created_at: row.required_big_int(5, "created_at")?,
+            available_at: row.required_big_int(6, "available_at")?,
+            delivered_at: row.big_int(7)?,
+            last_error: row.text(8)?,
+            leased: row.text(9)?.is_some(),
+        })
+    }
+
     /// The event as shown, at `now` (Unix milliseconds: in flight while its lease runs).
     pub(crate) fn into_info(self, now: i64) -> Result<EventInfo, Error> {
         let status = event_status(&self.status, self.leased && self.available_at > now)?;
@@ -76,6 +93,21 @@ impl RawEvent {
             last_error: self.last_error,
         })
     }
+}
+
+/// A row returned by a claim (`RETURNING seq, event_id, topic, payload, attempts,
+/// created_at`): `(seq, event)`.
+pub(crate) fn claimed_row<R: Columns + ?Sized>(row: &R) -> Result<(i64, OutboxEvent), R::Error> {
+    Ok((
+        row.required_big_int(0, "seq")?,
+        OutboxEvent::new(
+            EventId::from(row.required_text(1, "event_id")?),
+            row.required_text(2, "topic")?,
+            row.required_text(3, "payload")?,
+            attempts_from_column(row.required_int(4, "attempts")?),
+            from_unix_millis(row.required_big_int(5, "created_at")?),
+        ),
+    ))
 }
 
 /// What a claim returns, from the rows its two updates returned as `(seq, event)`: RETURNING

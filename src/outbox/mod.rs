@@ -67,7 +67,14 @@
 //! # Backends
 //!
 //! One implementation per concern, written once over a small trait that each backend
-//! implements with its own SQL (`sqlite.rs`, `postgres.rs`):
+//! implements with its own SQL: `sqlite.rs`, and `pg.rs` for the PostgreSQL stores and the
+//! MySQL one (tokio-postgres and sqlx run the same logic, each driver only running a statement
+//! and reading a row; the statements are `pg_sql.rs`'s and `mysql_sql.rs`'s, over the shared
+//! `sql.rs`); `postgres.rs`, `sqlx_postgres.rs` and `sqlx_mysql.rs` hold their names and the
+//! calls on a caller's own client (on sqlx, one function for both databases:
+//! `sqlx_executor.rs`). Rows are read by one reader on every backend
+//! (`columns.rs`, over the crate's row trait), so a value out of range or a `NULL` where none
+//! belongs means the same everywhere.
 //!
 //! - the relay needs only [`OutboxStore`] (claim, settle, backlog); handlers need only
 //!   [`Enqueue`] on their transaction handle. The relay, the sinks and the backoff are shared.
@@ -75,8 +82,11 @@
 //!   [`OutboxBackend`]: `sqlite::SqliteOutbox`, and on PostgreSQL (features `outbox` and
 //!   `postgres`) `postgres::PostgresOutbox`, which claims with `FOR UPDATE SKIP LOCKED` and a
 //!   lease, so relays in several instances share the work.
-//! - the receiver's [`Inbox`] over [`InboxBackend`]: `inbox::SqliteInbox` and
-//!   `postgres::PostgresInbox`, with the same calls, [`Receipt`] and [`Processed`].
+//! - the receiver's [`Inbox`] over [`InboxBackend`]: `inbox::SqliteInbox`,
+//!   `postgres::PostgresInbox`, `sqlx_postgres::SqlxPostgresInbox` and
+//!   `sqlx_mysql::SqlxMySqlInbox`, with the same calls, [`Receipt`] and [`Processed`].
+//! - on MySQL and MariaDB (features `outbox` and `sqlx-mysql`), `sqlx_mysql::SqlxMySqlOutbox`
+//!   claims with `FOR UPDATE SKIP LOCKED` and a lease too.
 //! - [`Admin`](crate::admin::Admin) over [`AdminBackend`](crate::admin::AdminBackend) and
 //!   [`OutboxBackend`].
 
@@ -88,25 +98,60 @@ use std::time::{Duration, SystemTime};
 use crate::body::BoxError;
 use crate::error::Error;
 
-#[cfg(any(feature = "sqlite", feature = "postgres", feature = "sqlx-postgres"))]
+#[cfg(any(
+    feature = "sqlite",
+    feature = "postgres",
+    feature = "sqlx-postgres",
+    feature = "sqlx-mysql"
+))]
 mod columns;
-#[cfg(any(feature = "sqlite", feature = "postgres", feature = "sqlx-postgres"))]
+#[cfg(any(
+    feature = "sqlite",
+    feature = "postgres",
+    feature = "sqlx-postgres",
+    feature = "sqlx-mysql"
+))]
 pub mod inbox;
+#[cfg(feature = "sqlx-mysql")]
+pub(crate) mod mysql_sql;
+#[cfg(any(
+    feature = "postgres",
+    feature = "sqlx-postgres",
+    feature = "sqlx-mysql"
+))]
+mod pg;
 #[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
-mod pg_sql;
+pub(crate) mod pg_sql;
 #[cfg(feature = "postgres")]
 pub mod postgres;
 mod relay;
 mod sink;
+#[cfg(any(
+    feature = "postgres",
+    feature = "sqlx-postgres",
+    feature = "sqlx-mysql"
+))]
+mod sql;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
+#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
+pub(crate) mod sqlx_executor;
+#[cfg(feature = "sqlx-mysql")]
+pub mod sqlx_mysql;
 #[cfg(feature = "sqlx-postgres")]
 pub mod sqlx_postgres;
 
-#[cfg(any(feature = "sqlite", feature = "postgres", feature = "sqlx-postgres"))]
+#[cfg(any(
+    feature = "sqlite",
+    feature = "postgres",
+    feature = "sqlx-postgres",
+    feature = "sqlx-mysql"
+))]
 pub use inbox::{Inbox, InboxBackend, InboxOutcome};
 pub use relay::{Relay, RoundReport};
 pub use sink::{sink_fn, HttpSink, Permanent, SinkFn, EVENT_TOPIC};
+#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
+pub use sqlx_executor::OutboxDatabase;
 
 /// The id of an outbox event: a UUID v7 (time-ordered), unique across processes and databases.
 ///

@@ -117,8 +117,10 @@ const RESPONSE_READ_LIMIT: usize = 64 * 1024;
 ///
 /// The request carries the payload as `application/json`, the event id as `Idempotency-Key`
 /// (so a receiver behind [`IdempotencyLayer`](crate::IdempotencyLayer), or an inbox, drops
-/// redeliveries) and the topic as `Event-Topic`. Any `2xx` is an acceptance; anything else, or
-/// a client error, is a failure to retry.
+/// redeliveries) and the topic as `Event-Topic`. With
+/// [`with_event_envelope`](Self::with_event_envelope) the body also carries the id and the
+/// topic, as webhook events commonly do. Any `2xx` is an acceptance; anything else, or a client
+/// error, is a failure to retry.
 ///
 /// `B` is the client's request body type (any body made `From<Bytes>`), inferred from the
 /// client.
@@ -136,6 +138,7 @@ const RESPONSE_READ_LIMIT: usize = 64 * 1024;
 pub struct HttpSink<C, B> {
     client: C,
     uri: Uri,
+    envelope: bool,
     /// The request body type: `fn() -> B` keeps the sink `Send`/`Sync` whatever `B` is.
     body: PhantomData<fn() -> B>,
 }
@@ -145,6 +148,7 @@ impl<C: Clone, B> Clone for HttpSink<C, B> {
         HttpSink {
             client: self.client.clone(),
             uri: self.uri.clone(),
+            envelope: self.envelope,
             body: PhantomData,
         }
     }
@@ -155,6 +159,7 @@ impl<C: fmt::Debug, B> fmt::Debug for HttpSink<C, B> {
         f.debug_struct("HttpSink")
             .field("client", &self.client)
             .field("uri", &self.uri)
+            .field("envelope", &self.envelope)
             .finish()
     }
 }
@@ -168,8 +173,31 @@ impl<C, B> HttpSink<C, B> {
         HttpSink {
             client,
             uri,
+            envelope: false,
             body: PhantomData,
         }
+    }
+
+    /// POSTs each event as `{"id": "<event id>", "topic": "<topic>", "payload": <payload>}`
+    /// instead of the bare payload (the headers stay). The id then travels with the event's
+    /// content, the way Stripe's events carry their `id`: a receiver keys its idempotency on it
+    /// with [`KeyExtractor::json_pointer("/id")`](crate::key::KeyExtractor::json_pointer), and a
+    /// redelivery is recognised whatever headers a proxy on the way kept or dropped. Default:
+    /// the bare payload.
+    ///
+    /// ```no_run
+    /// # use hyper_util::client::legacy::Client;
+    /// # use hyper_util::rt::TokioExecutor;
+    /// # use tower_idempotency::body::RequestBody;
+    /// # use tower_idempotency::outbox::HttpSink;
+    /// # let client = Client::builder(TokioExecutor::new()).build_http::<RequestBody>();
+    /// let sink = HttpSink::new(client, "http://127.0.0.1:3001/events".parse().unwrap())
+    ///     .with_event_envelope();
+    /// # let _ = sink;
+    /// ```
+    pub fn with_event_envelope(mut self) -> Self {
+        self.envelope = true;
+        self
     }
 
     /// The URL events are POSTed to.
@@ -201,7 +229,7 @@ where
         // clone behind, so the ready one is the one we call.
         let clone = self.client.clone();
         let mut client = std::mem::replace(&mut self.client, clone);
-        let call = match webhook_request(&self.uri, &event) {
+        let call = match webhook_request(&self.uri, &event, self.envelope) {
             Ok(request) => client.call(request),
             Err(error) => return Box::pin(std::future::ready(Err(error))),
         };
@@ -225,8 +253,18 @@ where
     }
 }
 
-/// The POST that carries `event` to `uri`.
-fn webhook_request<B: From<Bytes>>(uri: &Uri, event: &OutboxEvent) -> Result<Request<B>, BoxError> {
+/// The POST that carries `event` to `uri`: its payload, or the payload in an envelope with
+/// the id and the topic.
+fn webhook_request<B: From<Bytes>>(
+    uri: &Uri,
+    event: &OutboxEvent,
+    envelope: bool,
+) -> Result<Request<B>, BoxError> {
+    let body = if envelope {
+        Bytes::from(event_envelope(event)?)
+    } else {
+        Bytes::copy_from_slice(event.payload().as_bytes())
+    };
     let request = Request::builder()
         .method(Method::POST)
         .uri(uri.clone())
@@ -236,8 +274,21 @@ fn webhook_request<B: From<Bytes>>(uri: &Uri, event: &OutboxEvent) -> Result<Req
         )
         .header(IDEMPOTENCY_KEY, HeaderValue::from_str(event.id().as_str())?)
         .header(EVENT_TOPIC, HeaderValue::from_str(event.topic())?)
-        .body(B::from(Bytes::copy_from_slice(event.payload().as_bytes())))?;
+        .body(B::from(body))?;
     Ok(request)
+}
+
+/// `{"id":…,"topic":…,"payload":…}`, the payload as it was stored (its numbers keep every
+/// digit). A stored payload that is not JSON is refused for good: no retry will make it JSON.
+fn event_envelope(event: &OutboxEvent) -> Result<String, BoxError> {
+    let payload: &serde_json::value::RawValue = serde_json::from_str(event.payload())
+        .map_err(|error| Permanent::new(format!("the payload is not JSON: {error}")))?;
+    Ok(format!(
+        r#"{{"id":{},"topic":{},"payload":{}}}"#,
+        serde_json::Value::from(event.id().as_str()),
+        serde_json::Value::from(event.topic()),
+        payload.get()
+    ))
 }
 
 #[cfg(test)]
@@ -257,12 +308,41 @@ mod tests {
             SystemTime::now(),
         );
         let uri: Uri = "http://127.0.0.1:9/events".parse().expect("uri");
-        let request: Request<Bytes> = webhook_request(&uri, &event).expect("request");
+        let request: Request<Bytes> = webhook_request(&uri, &event, false).expect("request");
         assert_eq!(request.method(), Method::POST);
         assert_eq!(request.uri(), &uri);
         assert_eq!(request.headers()["idempotency-key"], "0190-abc");
         assert_eq!(request.headers()["event-topic"], "order_created");
         assert_eq!(request.headers()["content-type"], "application/json");
         assert_eq!(request.body().as_ref(), br#"{"order_id":1}"#);
+    }
+
+    #[test]
+    fn an_enveloped_request_carries_the_id_and_topic_in_the_body_too() {
+        let event = OutboxEvent::new(
+            EventId::from("0190-abc".to_owned()),
+            "order_created",
+            r#"{"order_id":1,"amount":12.50}"#,
+            1,
+            SystemTime::now(),
+        );
+        let uri: Uri = "http://127.0.0.1:9/events".parse().expect("uri");
+        let request: Request<Bytes> = webhook_request(&uri, &event, true).expect("request");
+        assert_eq!(request.headers()["idempotency-key"], "0190-abc");
+        assert_eq!(request.headers()["event-topic"], "order_created");
+        assert_eq!(
+            request.body().as_ref(),
+            br#"{"id":"0190-abc","topic":"order_created","payload":{"order_id":1,"amount":12.50}}"#
+        );
+
+        let not_json = OutboxEvent::new(
+            EventId::from("0190-abd".to_owned()),
+            "order_created",
+            "{not json",
+            1,
+            SystemTime::now(),
+        );
+        let error = webhook_request::<Bytes>(&uri, &not_json, true).expect_err("refused");
+        assert!(crate::outbox::is_permanent(&error), "{error}");
     }
 }

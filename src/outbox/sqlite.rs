@@ -33,20 +33,19 @@
 
 use std::time::{Duration, SystemTime};
 
-use rusqlite::{params, Connection, OptionalExtension, Row};
+use rusqlite::{params, Connection, OptionalExtension};
 
 use super::columns::{
-    attempts_from_column, claimed_oldest_first, count_from_column, event_status, RawEvent,
-    EVENT_COLUMNS,
+    claimed_oldest_first, claimed_row, count_from_column, event_status, RawEvent, EVENT_COLUMNS,
 };
 use super::inbox::receipt;
 use super::{
     Backlog, ClaimRequest, Claimed, Enqueue, EventId, EventInfo, Inbox, InboxBackend, InboxOutcome,
-    Outbox, OutboxBackend, OutboxCounts, OutboxEvent, OutboxStore, Processed, Receipt, Settlement,
+    Outbox, OutboxBackend, OutboxCounts, OutboxStore, Processed, Receipt, Settlement,
 };
 use crate::error::Error;
 use crate::store::sqlite::{SqliteStore, SqliteTransaction};
-use crate::store::{from_unix_millis, to_unix_millis};
+use crate::store::to_unix_millis;
 
 /// `available_at` is when the event is next due. A claim moves it to the end of the lease, so
 /// "due" covers both new events and claims whose relay died: one index serves the claim.
@@ -124,7 +123,7 @@ impl OutboxStore for SqliteStore {
     async fn claim(&self, request: ClaimRequest) -> Result<Claimed, Error> {
         let now = to_unix_millis(request.now);
         let lease_until = to_unix_millis(request.now + request.lease.max(Duration::from_millis(1)));
-        let batch = i64::try_from(request.batch).unwrap_or(i64::MAX);
+        let batch = limit(request.batch);
         let token = request.token.as_str().to_owned();
         let max_attempts = i64::from(request.max_attempts);
         // An idle relay polls often: look on a reader first (WAL: no lock), so that polling
@@ -155,7 +154,7 @@ impl OutboxStore for SqliteStore {
                          AND available_at <= ?1 AND attempts >= ?2 \
                          RETURNING seq, event_id, topic, payload, attempts, created_at",
                     )?
-                    .query_map(params![now, max_attempts], claimed_row)?
+                    .query_map(params![now, max_attempts], |row| claimed_row(row))?
                     .collect::<rusqlite::Result<Vec<_>>>()?;
                 let claimed = tx
                     .prepare_cached(
@@ -166,7 +165,9 @@ impl OutboxStore for SqliteStore {
                              ORDER BY available_at, seq LIMIT ?4) \
                          RETURNING seq, event_id, topic, payload, attempts, created_at",
                     )?
-                    .query_map(params![token, lease_until, now, batch], claimed_row)?
+                    .query_map(params![token, lease_until, now, batch], |row| {
+                        claimed_row(row)
+                    })?
                     .collect::<rusqlite::Result<Vec<_>>>()?;
                 Ok((abandoned, claimed))
             })
@@ -244,36 +245,6 @@ impl OutboxStore for SqliteStore {
     }
 }
 
-/// A row returned by a claim: `(seq, event)`.
-fn claimed_row(row: &Row<'_>) -> rusqlite::Result<(i64, OutboxEvent)> {
-    Ok((
-        row.get(0)?,
-        OutboxEvent::new(
-            EventId::from(row.get::<_, String>(1)?),
-            row.get::<_, String>(2)?,
-            row.get::<_, String>(3)?,
-            attempts_from_column(row.get(4)?),
-            from_unix_millis(row.get(5)?),
-        ),
-    ))
-}
-
-/// An `outbox_events` row, in [`EVENT_COLUMNS`] order.
-fn raw_event(row: &Row<'_>) -> rusqlite::Result<RawEvent> {
-    Ok(RawEvent {
-        id: row.get(0)?,
-        topic: row.get(1)?,
-        payload: row.get(2)?,
-        status: row.get(3)?,
-        attempts: row.get(4)?,
-        created_at: row.get(5)?,
-        available_at: row.get(6)?,
-        delivered_at: row.get(7)?,
-        last_error: row.get(8)?,
-        leased: row.get::<_, Option<String>>(9)?.is_some(),
-    })
-}
-
 impl OutboxBackend for SqliteStore {
     async fn install_outbox(&self) -> Result<(), Error> {
         self.write(|tx| tx.execute_batch(SCHEMA)).await
@@ -287,7 +258,7 @@ impl OutboxBackend for SqliteStore {
                 conn.query_row(
                     &format!("SELECT {EVENT_COLUMNS} FROM outbox_events WHERE event_id = ?1"),
                     [id],
-                    raw_event,
+                    |row| RawEvent::read(row),
                 )
                 .optional()
             })
@@ -323,7 +294,7 @@ impl OutboxBackend for SqliteStore {
     }
 
     async fn dead_letters(&self, limit: usize) -> Result<Vec<EventInfo>, Error> {
-        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let limit = self::limit(limit);
         let now = to_unix_millis(SystemTime::now());
         let raws = self
             .read(move |conn| {
@@ -332,7 +303,7 @@ impl OutboxBackend for SqliteStore {
                      ORDER BY seq LIMIT ?1"
                 ))?;
                 let rows = statement
-                    .query_map([limit], raw_event)?
+                    .query_map([limit], |row| RawEvent::read(row))?
                     .collect::<rusqlite::Result<Vec<_>>>()?;
                 Ok(rows)
             })
@@ -341,48 +312,37 @@ impl OutboxBackend for SqliteStore {
     }
 
     async fn requeue(&self, id: &str) -> Result<bool, Error> {
-        let id = id.to_owned();
         let now = to_unix_millis(SystemTime::now());
-        let changed = self
-            .write(move |tx| {
-                tx.execute(
-                    "UPDATE outbox_events SET status = 'pending', attempts = 0, \
-                     available_at = ?2, lease_owner = NULL \
-                     WHERE event_id = ?1 AND status = 'dead'",
-                    params![id, now],
-                )
-            })
-            .await?;
+        let changed = write_counted(
+            self,
+            "UPDATE outbox_events SET status = 'pending', attempts = 0, \
+             available_at = ?2, lease_owner = NULL \
+             WHERE event_id = ?1 AND status = 'dead'",
+            (id.to_owned(), now),
+        )
+        .await?;
         Ok(changed > 0)
     }
 
     async fn requeue_all_dead(&self) -> Result<u64, Error> {
         let now = to_unix_millis(SystemTime::now());
-        let changed = self
-            .write(move |tx| {
-                tx.execute(
-                    "UPDATE outbox_events SET status = 'pending', attempts = 0, \
-                     available_at = ?1, lease_owner = NULL WHERE status = 'dead'",
-                    [now],
-                )
-            })
-            .await?;
-        Ok(changed as u64)
+        write_counted(
+            self,
+            "UPDATE outbox_events SET status = 'pending', attempts = 0, \
+             available_at = ?1, lease_owner = NULL WHERE status = 'dead'",
+            (now,),
+        )
+        .await
     }
 
     async fn purge_delivered(&self, before: SystemTime, batch: usize) -> Result<u64, Error> {
-        let before = to_unix_millis(before);
-        let batch = i64::try_from(batch).unwrap_or(i64::MAX);
-        let deleted = self
-            .write(move |tx| {
-                tx.execute(
-                    "DELETE FROM outbox_events WHERE seq IN (SELECT seq FROM outbox_events \
-                     WHERE status = 'delivered' AND delivered_at <= ?1 LIMIT ?2)",
-                    params![before, batch],
-                )
-            })
-            .await?;
-        Ok(deleted as u64)
+        write_counted(
+            self,
+            "DELETE FROM outbox_events WHERE seq IN (SELECT seq FROM outbox_events \
+             WHERE status = 'delivered' AND delivered_at <= ?1 LIMIT ?2)",
+            (to_unix_millis(before), limit(batch)),
+        )
+        .await
     }
 }
 
@@ -463,20 +423,28 @@ impl InboxBackend for SqliteStore {
         before: SystemTime,
         batch: usize,
     ) -> Result<u64, Error> {
-        let consumer = consumer.to_owned();
-        let before = to_unix_millis(before);
-        let batch = i64::try_from(batch).unwrap_or(i64::MAX);
-        let deleted = self
-            .write(move |tx| {
-                tx.execute(
-                    "DELETE FROM inbox_events WHERE rowid IN (SELECT rowid FROM inbox_events \
-                     WHERE consumer = ?1 AND processed_at <= ?2 LIMIT ?3)",
-                    params![consumer, before, batch],
-                )
-            })
-            .await?;
-        Ok(deleted as u64)
+        write_counted(
+            self,
+            "DELETE FROM inbox_events WHERE rowid IN (SELECT rowid FROM inbox_events \
+             WHERE consumer = ?1 AND processed_at <= ?2 LIMIT ?3)",
+            (consumer.to_owned(), to_unix_millis(before), limit(batch)),
+        )
+        .await
     }
+}
+
+/// A count or a limit as SQLite's integer (saturating).
+fn limit(value: usize) -> i64 {
+    i64::try_from(value).unwrap_or(i64::MAX)
+}
+
+/// Runs `sql` on the writer, in a transaction of its own; how many rows it changed.
+async fn write_counted<P>(store: &SqliteStore, sql: &'static str, params: P) -> Result<u64, Error>
+where
+    P: rusqlite::Params + Send + 'static,
+{
+    let changed = store.write(move |tx| tx.execute(sql, params)).await?;
+    Ok(changed as u64)
 }
 
 fn record_id(conn: &Connection, consumer: &str, event_id: &str) -> rusqlite::Result<Receipt> {

@@ -274,6 +274,11 @@ where
                 return Ok(self.reject(&rejection, wire));
             }
         };
+        if self.config.in_flight != crate::InFlight::Wait {
+            // A duplicate on another instance holds the key in the database: the store bounds
+            // that wait too.
+            self.store = self.store.clone().with_in_flight(self.config.in_flight);
+        }
         let now = SystemTime::now();
 
         let mut reruns = Reruns::default();
@@ -427,7 +432,13 @@ where
         error: Error,
         wire: Wire,
     ) -> Response<ResponseBody<ResB>> {
-        if error.is_busy() {
+        if matches!(error, Error::InFlight) {
+            tracing::info!(
+                "the key is held by a request running on another instance; answered 409"
+            );
+            metrics::request(&scope.operation, Outcome::InFlight);
+            self.reject(&Rejection::InFlight, wire)
+        } else if error.is_busy() {
             tracing::warn!(%error, "idempotency store busy; answered 503");
             metrics::request(&scope.operation, Outcome::Busy);
             self.reject(&Rejection::Busy, wire)

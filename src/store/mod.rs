@@ -273,6 +273,22 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
         })
     }
 
+    /// This store, for a request under the layer's in-flight `policy`: a store whose
+    /// reservation waits on the key's row (held by a duplicate running on another instance)
+    /// bounds that wait by the policy's bound and reports its end as [`Error::InFlight`]; every
+    /// other wait keeps the lock timeout. The layer calls it for each request under
+    /// [`InFlight::Reject`](crate::InFlight::Reject) and
+    /// [`InFlight::WaitUpTo`](crate::InFlight::WaitUpTo), never under the default
+    /// [`InFlight::Wait`](crate::InFlight::Wait).
+    ///
+    /// The default returns the store unchanged (the duplicate then waits up to the lock
+    /// timeout). The PostgreSQL and MySQL stores override it; the SQLite store keeps the
+    /// default: its reservation is the file's single write lock, not a row lock.
+    fn with_in_flight(self, policy: crate::InFlight) -> Self {
+        let _ = policy;
+        self
+    }
+
     /// Deletes up to `batch` records that expired before `now`; returns how many it deleted.
     fn purge_expired(
         &self,

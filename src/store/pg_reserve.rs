@@ -4,6 +4,8 @@
 //! replaying and taking over) is driver-neutral: [`reserve`](super::reserve); each driver runs
 //! the three statements of [`pg_sql`](super::pg_sql) through [`ReserveStatements`](super::reserve::ReserveStatements).
 
+use std::time::Duration;
+
 use tokio::time::Instant;
 
 pub use super::reserve::Isolation;
@@ -33,17 +35,30 @@ impl Isolation {
         )
     }
 
-    /// Opens a request's transaction at this level, with its lock waits bounded by `deadline`
-    /// (`SET LOCAL lock_timeout`, never 0, which would mean "wait forever"). Only an integer is
-    /// formatted into it.
-    pub(crate) fn begin_request(self, deadline: Instant) -> String {
-        let lock_ms = deadline
-            .saturating_duration_since(Instant::now())
-            .as_millis()
-            .max(1);
+    /// Opens a request's transaction at this level, with its lock waits bounded by `deadline`,
+    /// or, while reserving the key, by `key_row_wait` (see
+    /// [`key_row_wait`](super::reserve::key_row_wait); then [`restore_lock_timeout`] follows the
+    /// reservation). `SET LOCAL lock_timeout`, never 0, which would mean "wait forever": 1 ms
+    /// is the shortest wait. Only an integer is formatted into it.
+    pub(crate) fn begin_request(self, deadline: Instant, key_row_wait: Option<Duration>) -> String {
+        let wait =
+            key_row_wait.unwrap_or_else(|| deadline.saturating_duration_since(Instant::now()));
         format!(
-            "{}; SET LOCAL lock_timeout = {lock_ms}",
-            self.begin_statement()
+            "{}; SET LOCAL lock_timeout = {}",
+            self.begin_statement(),
+            lock_timeout_ms(wait)
         )
     }
+}
+
+/// What follows a reservation made under a `key_row_wait`: the transaction's lock waits bounded
+/// by `deadline` again, for the handler's own statements.
+pub(crate) fn restore_lock_timeout(deadline: Instant) -> String {
+    let wait = deadline.saturating_duration_since(Instant::now());
+    format!("SET LOCAL lock_timeout = {}", lock_timeout_ms(wait))
+}
+
+/// `wait` in milliseconds for `lock_timeout`: at least 1 (0 disables the timeout).
+fn lock_timeout_ms(wait: Duration) -> u128 {
+    wait.as_millis().max(1)
 }

@@ -2,8 +2,10 @@
 //! (tokio-postgres, sqlx on PostgreSQL, sqlx on MySQL and MariaDB): the decision between
 //! reserving, replaying and taking over an expired record, the bounded retry of a
 //! reservation that hit a serialization failure or a deadlock ([`begin_with_retries`]), and the
-//! bound on the replay fast path's read ([`within`]). Each driver runs its own three
-//! statements through [`ReserveStatements`].
+//! bound on the replay fast path's read ([`within`]), and the bound the in-flight policy puts
+//! on the wait for a key's row another transaction holds ([`key_row_wait`],
+//! [`in_flight_past_bound`]). Each driver runs its own three statements through
+//! [`ReserveStatements`].
 
 use std::future::Future;
 use std::time::{Duration, SystemTime};
@@ -12,6 +14,7 @@ use tokio::time::Instant;
 
 use super::{to_unix_millis, StoredRecord};
 use crate::error::Error;
+use crate::in_flight::InFlight;
 
 /// The isolation level of the request transactions.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -89,6 +92,30 @@ pub(crate) async fn reserve<S: ReserveStatements>(
         }
     }
     Err(Error::Busy)
+}
+
+/// How long the reservation waits on the key's row while another transaction holds it (a
+/// duplicate running on another instance), under the layer's in-flight `policy`: `None` under
+/// [`InFlight::Wait`] (up to the lock timeout, as every other wait), zero under
+/// [`InFlight::Reject`] (each driver turns it into the shortest wait its database allows), the
+/// bound under [`InFlight::WaitUpTo`].
+pub(crate) fn key_row_wait(policy: InFlight) -> Option<Duration> {
+    match policy {
+        InFlight::Wait => None,
+        InFlight::Reject => Some(Duration::ZERO),
+        InFlight::WaitUpTo(bound) => Some(bound),
+    }
+}
+
+/// A reservation's `error`, as [`Error::InFlight`] when it is the end of a wait on the key's
+/// row bounded by [`key_row_wait`] (a lock wait that timed out: the reservation's statements
+/// wait on nothing else).
+pub(crate) fn in_flight_past_bound(key_row_wait: Option<Duration>, error: Error) -> Error {
+    if key_row_wait.is_some() && error.is_lock_wait_timeout() {
+        Error::InFlight
+    } else {
+        error
+    }
 }
 
 /// A store's `begin`: `attempt` (open a transaction and reserve, by the deadline `lock_timeout`

@@ -2,12 +2,14 @@
 //! for the SQL stores with row locks (tokio-postgres, sqlx on PostgreSQL, sqlx on MySQL and
 //! MariaDB): whether the transaction is finished, the slot holding its connection, and the
 //! first error of a handle's statement that ended the transaction whatever the handler
-//! answers ([`Observed`]). Each driver has its own slot ([`TxSlot`]).
+//! answers ([`Observed`]); and what is done with them the same way on every driver: a
+//! handle's borrow of the connection, a request's rollback, the roll-back after an error.
+//! Each driver has its own slot ([`TxSlot`]).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex as StdMutex, PoisonError};
 
-use tokio::sync::{Mutex, OwnedMutexGuard};
+use tokio::sync::{Mutex, OwnedMappedMutexGuard, OwnedMutexGuard};
 
 use crate::error::Error;
 
@@ -56,12 +58,29 @@ impl Observed {
 }
 
 /// The connection of one transaction, while it may still be open: a driver's slot.
-pub(crate) trait TxSlot {
+pub(crate) trait TxSlot: Send {
     /// Whether the slot still holds its connection.
     fn is_open(&self) -> bool;
 
     /// Takes the connection out of the pool for good and closes it (which rolls back).
     fn discard(&mut self);
+
+    /// Ends the transaction with `ROLLBACK` and gives the connection back (or discards it).
+    fn roll_back_and_release(&mut self) -> impl std::future::Future<Output = ()> + Send;
+
+    /// Ends the transaction after `error`: a connection to a server that went away or cannot
+    /// take writes is closed rather than returned to the pool, so that the pool connects
+    /// afresh (to the new primary, on PostgreSQL with `target_session_attrs=read-write`);
+    /// otherwise as [`roll_back_and_release`](Self::roll_back_and_release).
+    fn roll_back_after(&mut self, error: &Error) -> impl std::future::Future<Output = ()> + Send {
+        async move {
+            if error.is_unavailable() {
+                self.discard();
+            } else {
+                self.roll_back_and_release().await;
+            }
+        }
+    }
 
     /// Where the handles' statements keep their [`Observed`] error: a new cell unless the
     /// connection already has one.
@@ -105,9 +124,28 @@ impl<S: TxSlot> TxShared<S> {
             .map(Observed::into_error)
     }
 
-    #[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
+    /// Whether the layer has begun to commit or roll back (or the owner went away).
     pub(crate) fn is_finished(&self) -> bool {
         self.finished.load(Ordering::Acquire)
+    }
+
+    /// A handle's borrow of the connection, which `connection` picks out of the slot. Waits
+    /// while another borrow is alive (one connection runs one statement at a time); refused
+    /// with [`Error::TransactionFinished`] once the transaction is finished (before or while
+    /// this waited) or its connection is gone.
+    pub(crate) async fn borrow<C>(
+        &self,
+        connection: impl FnOnce(&mut S) -> Option<&mut C>,
+    ) -> Result<OwnedMappedMutexGuard<S, C>, Error> {
+        if self.is_finished() {
+            return Err(Error::TransactionFinished);
+        }
+        let slot = self.connection.clone().lock_owned().await;
+        // The layer may have finished the transaction while this waited.
+        if self.is_finished() {
+            return Err(Error::TransactionFinished);
+        }
+        OwnedMutexGuard::try_map(slot, connection).map_err(|_| Error::TransactionFinished)
     }
 
     /// Marks the transaction finished and takes its connection from the handles.
@@ -126,6 +164,26 @@ impl<S: TxSlot> TxShared<S> {
         Ok(slot)
     }
 
+    /// A request's rollback: ends the transaction if its connection is free (after the error
+    /// a handle's statement got, if any), and reports a serialization failure or deadlock
+    /// that a handle's statement got ([`Error::StatementConflict`]): the handler's answer came
+    /// from a transaction the database had rolled back, and the layer runs the request again.
+    pub(crate) async fn rollback(&self) -> Result<(), Error> {
+        match self.take_connection() {
+            Ok(mut slot) => match self.conflict() {
+                Some(observed) => slot.roll_back_after(&observed).await,
+                None => slot.roll_back_and_release().await,
+            },
+            // Nothing to roll back here: a borrower still holds it (the slot's `Drop` closes
+            // it later), or it is already gone.
+            Err(error) => tracing::warn!(%error, "rollback deferred to the connection's release"),
+        }
+        match self.conflict() {
+            Some(conflict) => Err(conflict),
+            None => Ok(()),
+        }
+    }
+
     /// The owner went away without committing: refuse further work and close the connection
     /// (which rolls back).
     pub(crate) fn abandon(&self) {
@@ -141,16 +199,13 @@ impl<S: TxSlot> TxShared<S> {
 /// What a store's own transaction (the inbox's, outside any request) needs from its slot.
 #[cfg(all(
     feature = "outbox",
-    any(feature = "postgres", feature = "sqlx-postgres")
+    any(
+        feature = "postgres",
+        feature = "sqlx-postgres",
+        feature = "sqlx-mysql"
+    )
 ))]
 pub(crate) trait OwnedSlot: TxSlot + Send {
-    /// Ends the transaction with `ROLLBACK` and gives the connection back (or discards it).
-    fn roll_back_and_release(&mut self) -> impl std::future::Future<Output = ()> + Send;
-
-    /// Ends the transaction after `error` (a connection to a server that is gone is
-    /// discarded rather than rolled back).
-    fn roll_back_after(&mut self, error: &Error) -> impl std::future::Future<Output = ()> + Send;
-
     /// Whether the transaction is still the one marked with `token` when it was opened.
     fn is_own_transaction(
         &mut self,
@@ -167,7 +222,11 @@ pub(crate) trait OwnedSlot: TxSlot + Send {
 /// without either rolls back (by closing its connection, as for a request).
 #[cfg(all(
     feature = "outbox",
-    any(feature = "postgres", feature = "sqlx-postgres")
+    any(
+        feature = "postgres",
+        feature = "sqlx-postgres",
+        feature = "sqlx-mysql"
+    )
 ))]
 pub(crate) struct OwnedTransaction<S: TxSlot> {
     pub(crate) tx: Arc<TxShared<S>>,
@@ -175,7 +234,11 @@ pub(crate) struct OwnedTransaction<S: TxSlot> {
 
 #[cfg(all(
     feature = "outbox",
-    any(feature = "postgres", feature = "sqlx-postgres")
+    any(
+        feature = "postgres",
+        feature = "sqlx-postgres",
+        feature = "sqlx-mysql"
+    )
 ))]
 impl<S: OwnedSlot> OwnedTransaction<S> {
     /// The transaction on `slot`, marked with `token`, once its `BEGIN` has run (`begun`); if
@@ -230,7 +293,11 @@ impl<S: OwnedSlot> OwnedTransaction<S> {
 
 #[cfg(all(
     feature = "outbox",
-    any(feature = "postgres", feature = "sqlx-postgres")
+    any(
+        feature = "postgres",
+        feature = "sqlx-postgres",
+        feature = "sqlx-mysql"
+    )
 ))]
 impl<S: TxSlot> Drop for OwnedTransaction<S> {
     fn drop(&mut self) {

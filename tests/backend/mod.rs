@@ -801,25 +801,17 @@ pub struct Postgres {
     pub db: TestDb,
 }
 
-impl Postgres {
-    /// [`Database::create`], callable where only [`Backend`] is in scope (the admin suite's
-    /// PostgreSQL-only tests).
-    pub async fn create() -> Option<Self> {
-        let db = TestDb::create().await?;
-        Some(Postgres {
-            store: OnceCell::new(),
-            db,
-        })
-    }
-}
-
 impl Database for Postgres {
     type Store = PostgresStore;
 
     const PARALLEL_WRITERS: bool = true;
 
     async fn create() -> Option<Self> {
-        Postgres::create().await
+        let db = TestDb::create().await?;
+        Some(Postgres {
+            store: OnceCell::new(),
+            db,
+        })
     }
 
     async fn serve(&self, setup: Setup<'_, Self>) -> Server<Self> {
@@ -1003,8 +995,9 @@ impl Backend for SqlxPostgres {
 
 /// A database of its own on the server of `TEST_MYSQL_URL`, dropped at the end, served by the
 /// order app of `tests/common` on the sqlx MySQL store (its handle's inserts are
-/// `tests/mysql_common`'s). The store has no outbox yet: a [`Database`], not a [`Backend`].
+/// `tests/mysql_common`'s).
 pub struct MySql {
+    store: OnceCell<SqlxMySqlStore>,
     pub db: mysql_common::TestDb,
 }
 
@@ -1015,15 +1008,15 @@ impl Database for MySql {
 
     async fn create() -> Option<Self> {
         let db = mysql_common::TestDb::create().await?;
-        Some(MySql { db })
+        Some(MySql {
+            store: OnceCell::new(),
+            db,
+        })
     }
 
     async fn serve(&self, setup: Setup<'_, Self>) -> Server<Self> {
         let running = setup
-            .convert(
-                |hook| adapt_with::<MySqlTransaction, HookOutcome>(hook, Tx::without_outbox),
-                (),
-            )
+            .convert(adapt::<MySqlTransaction, HookOutcome>, ())
             // A pool of 8 connections, as the PostgreSQL apps.
             .serve_on(self.db.store(8).await)
             .await;
@@ -1031,6 +1024,79 @@ impl Database for MySql {
     }
 
     server_database_reads!();
+}
+
+impl Backend for MySql {
+    const NO_OUTBOX_TABLE: &'static str = "outbox_events";
+
+    fn store_cell(&self) -> &OnceCell<SqlxMySqlStore> {
+        &self.store
+    }
+
+    async fn another_store(&self) -> SqlxMySqlStore {
+        self.db.store(4).await
+    }
+
+    async fn event_count(&self) -> i64 {
+        self.db.count("SELECT count(*) FROM outbox_events").await
+    }
+
+    async fn effects(&self, event_id: &str) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM effects WHERE event_id = ?")
+            .bind(event_id)
+            .fetch_one(&mut self.db.connection().await)
+            .await
+            .expect("count the effects")
+    }
+
+    /// Autocommit, on the store's pool.
+    async fn enqueue_now(&self, topic: &str, payload: Value) -> EventId {
+        let pool = self.store().await.pool();
+        tower_idempotency::outbox::sqlx_mysql::enqueue(pool, topic, &payload)
+            .await
+            .expect("enqueue")
+    }
+
+    /// The admin tool has no MySQL store: the suites that run it leave MySQL out.
+    async fn tool_args(&self) -> Vec<String> {
+        vec!["--database-url".into(), self.db.url()]
+    }
+
+    async fn process(inbox: &Inbox<SqlxMySqlStore>, event_id: &str, apply: Apply) -> Processing {
+        let id = event_id.to_owned();
+        inbox
+            .process(event_id, move |tx| async move {
+                let mut conn = tx.acquire().await?;
+                let insert = INSERT_EFFECT.replace("$1", "?");
+                match apply {
+                    Apply::Nothing => return Ok(0),
+                    Apply::BrokenStatement => {
+                        let broken = sqlx::query("INSERT INTO no_such_table VALUES (1)");
+                        broken.execute(&mut *conn).await?;
+                        return Ok(0);
+                    }
+                    Apply::Effect | Apply::EffectThenFail => {
+                        sqlx::query(&insert).bind(&id).execute(&mut *conn).await?
+                    }
+                };
+                if let Apply::EffectThenFail = apply {
+                    return Err(tower_idempotency::Error::Corrupt(FAILURE.into()));
+                }
+                let count = "SELECT count(*) FROM effects WHERE event_id = ?";
+                Ok(sqlx::query_scalar(count)
+                    .bind(&id)
+                    .fetch_one(&mut *conn)
+                    .await?)
+            })
+            .await
+    }
+
+    async fn apply_in(tx: &MySqlTransaction, event_id: &str) {
+        let mut conn = tx.acquire().await.expect("connection");
+        let insert = INSERT_EFFECT.replace("$1", "?");
+        let applied = sqlx::query(&insert).bind(event_id).execute(&mut *conn);
+        applied.await.expect("apply");
+    }
 }
 
 /// Instantiates generic tests (`async fn name<B: Database>(db: B)` in the suite's root module)

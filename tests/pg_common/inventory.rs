@@ -31,14 +31,13 @@ use axum::routing::post;
 use axum::{Json, Router};
 use http_body_util::BodyExt;
 use serde_json::{json, Value};
-use tokio::task::JoinHandle;
 use tower_idempotency::extract::Tx;
 use tower_idempotency::outbox::postgres::PostgresInbox;
 use tower_idempotency::outbox::{Processed, Receipt, EVENT_TOPIC};
 use tower_idempotency::store::postgres::{PostgresStore, PostgresTransaction};
 use tower_idempotency::{IdempotencyLayer, IDEMPOTENCY_KEY};
 
-use crate::common::{Post, Reply, PATIENCE};
+use crate::common::{Post, Reply, Serving, PATIENCE};
 use crate::pg_common::TestDb;
 
 /// The receiver's own tables, next to `inbox_events`.
@@ -72,15 +71,11 @@ pub enum Mode {
     Layered,
 }
 
-/// One delivery as the receiver saw it: the event id header and what it answered.
-#[derive(Clone, Debug)]
-pub struct Delivery {
-    pub event_id: String,
-    pub status: StatusCode,
-    pub answer: Value,
-    /// Answered by the layer from a saved response (`Layered` only).
-    pub replayed: bool,
-}
+/// The deliveries' log, shared with the SQLite end-to-end tests.
+#[path = "../relay_scenarios/delivery_log.rs"]
+mod delivery_log;
+pub use delivery_log::Delivery;
+use delivery_log::{event_id_header, log_answer, DeliveryLog};
 
 #[derive(Clone)]
 struct Receiver {
@@ -92,14 +87,9 @@ pub struct InventoryServer {
     pub addr: SocketAddr,
     pub store: PostgresStore,
     pub inbox: PostgresInbox,
-    deliveries: Arc<Mutex<Vec<Delivery>>>,
-    task: JoinHandle<()>,
-}
-
-impl Drop for InventoryServer {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
+    deliveries: DeliveryLog,
+    /// Serves the receiver until dropped.
+    _serving: Serving,
 }
 
 impl InventoryServer {
@@ -137,19 +127,13 @@ impl InventoryServer {
                 deliveries.clone(),
                 log_delivery,
             ));
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let addr = listener.local_addr().expect("addr");
-        let task = tokio::spawn(async move {
-            axum::serve(listener, app).await.expect("serve inventory");
-        });
+        let serving = Serving::start(app).await;
         InventoryServer {
-            addr,
+            addr: serving.addr,
             store,
             inbox,
             deliveries,
-            task,
+            _serving: serving,
         }
     }
 
@@ -187,26 +171,12 @@ impl InventoryServer {
 
 /// Logs the event id and the answer of every `POST /events`.
 async fn log_delivery(
-    State(deliveries): State<Arc<Mutex<Vec<Delivery>>>>,
+    State(deliveries): State<DeliveryLog>,
     request: Request,
     next: Next,
 ) -> Response {
-    let event_id = request
-        .headers()
-        .get(IDEMPOTENCY_KEY)
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or_default()
-        .to_owned();
-    let response = next.run(request).await;
-    let (parts, body) = response.into_parts();
-    let body = body.collect().await.expect("inventory answer").to_bytes();
-    deliveries.lock().expect("deliveries").push(Delivery {
-        event_id,
-        status: parts.status,
-        answer: serde_json::from_slice(&body).unwrap_or(Value::Null),
-        replayed: parts.headers.contains_key("idempotent-replayed"),
-    });
-    Response::from_parts(parts, axum::body::Body::from(body))
+    let event_id = event_id_header(request.headers());
+    log_answer(&deliveries, event_id, next.run(request).await).await
 }
 
 /// An `order_created` payload.
@@ -408,13 +378,14 @@ impl InventoryProcess {
         self.process.next_line().await
     }
 
-    /// `POST /events` by hand, as a relay would: the event id as `Idempotency-Key`, the topic
-    /// as `Event-Topic`.
+    /// `POST /events` by hand, as the orders example's relay does, but with no header: the
+    /// event id and the topic only in the body's envelope.
     pub async fn deliver(&self, event_id: &str, topic: &str, payload: &Value) -> Reply {
-        Post::order(event_id, &payload.to_string())
+        let envelope = json!({ "id": event_id, "topic": topic, "payload": payload });
+        Post::order("unused", &envelope.to_string())
             .path("/events")
             .token(None)
-            .header("event-topic", topic)
+            .no_key()
             .send(self.addr)
             .await
     }

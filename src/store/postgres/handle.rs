@@ -5,11 +5,10 @@
 
 use std::fmt;
 use std::future::Future;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use deadpool_postgres::Object;
-use tokio::sync::{OwnedMappedMutexGuard, OwnedMutexGuard};
+use tokio::sync::OwnedMappedMutexGuard;
 use tokio_postgres::row::Row;
 use tokio_postgres::types::{BorrowToSql, ToSql, Type};
 use tokio_postgres::{GenericClient, SimpleQueryMessage, Statement, ToStatement};
@@ -75,16 +74,7 @@ impl PostgresTransaction {
     /// Borrows the transaction's connection. Waits while another borrow of the same
     /// transaction is alive (one connection runs one statement at a time).
     pub async fn client(&self) -> Result<TransactionClient, Error> {
-        if self.is_finished() {
-            return Err(Error::TransactionFinished);
-        }
-        let slot = self.tx.connection.clone().lock_owned().await;
-        // The layer may have finished the transaction while this waited.
-        if self.is_finished() {
-            return Err(Error::TransactionFinished);
-        }
-        let connection = OwnedMutexGuard::try_map(slot, |slot| slot.object.as_mut())
-            .map_err(|_| Error::TransactionFinished)?;
+        let connection = self.tx.borrow(|slot| slot.object.as_mut()).await?;
         Ok(TransactionClient {
             connection,
             tx: self.tx.clone(),
@@ -93,7 +83,7 @@ impl PostgresTransaction {
 
     /// Whether the transaction has been committed or rolled back (or is being).
     pub fn is_finished(&self) -> bool {
-        self.tx.finished.load(Ordering::Acquire)
+        self.tx.is_finished()
     }
 }
 

@@ -32,7 +32,9 @@
 //!
 //! - **Waits are bounded**: taking a pooled connection and every lock wait (`SET LOCAL
 //!   lock_timeout`) share the layer's lock timeout; past it the request gets `503` with
-//!   `Retry-After`.
+//!   `Retry-After`. Under the in-flight policies `Reject` and `WaitUpTo(d)`, the reservation's
+//!   wait on a key held by another instance's transaction is bounded by the policy instead
+//!   (1 ms, or `d`) and answered `409` ([`InFlight`](crate::InFlight)).
 //! - **Rollback on drop**: `Drop` cannot await a `ROLLBACK`, so a transaction dropped while still
 //!   open (the client went away, the request future was dropped) takes its connection out of
 //!   the pool and closes it; PostgreSQL rolls back a transaction whose connection is gone. The

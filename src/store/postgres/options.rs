@@ -6,7 +6,7 @@ use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Duration;
 
-use deadpool_postgres::{Manager, Pool};
+use deadpool_postgres::{Manager, Pool, QueueMode};
 use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
 use tokio_postgres::{NoTls, Socket};
 
@@ -133,9 +133,13 @@ impl PostgresOptions {
         T::TlsConnect: Sync + Send,
         <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
     {
+        // Last in, first out: the connection used last is the one taken next, so that a pool
+        // that grew in a burst does not rotate every request over all its backends once the
+        // load is light again (each idle one a cold process and cold caches).
         let pool = |config: &tokio_postgres::Config, size: usize| {
             Pool::builder(Manager::new(config.clone(), tls.clone()))
                 .max_size(size)
+                .queue_mode(QueueMode::Lifo)
                 .build()
                 .map_err(|error| Error::Io(std::io::Error::other(error)))
         };
@@ -164,6 +168,7 @@ impl PostgresOptions {
                 serialization_retries: self.serialization_retries,
                 reservations: AtomicU64::new(1),
             }),
+            key_row_wait: None,
         };
         if self.create_schema {
             store.migrate().await?;

@@ -47,14 +47,6 @@ impl OwnedTransaction<Slot> {
 }
 
 impl OwnedSlot for Slot {
-    async fn roll_back_and_release(&mut self) {
-        Slot::roll_back_and_release(self).await;
-    }
-
-    async fn roll_back_after(&mut self, error: &Error) {
-        Slot::roll_back_after(self, error).await;
-    }
-
     async fn is_own_transaction(&mut self, token: u64) -> Result<bool, Error> {
         let client = self.client()?;
         let check = client.prepare_cached(IS_OWN_TRANSACTION).await?;

@@ -7,11 +7,10 @@
 use std::fmt;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Duration;
 
-use bytes::Bytes;
 use tokio::time::Instant;
 use tokio_postgres::error::SqlState;
-use tokio_postgres::row::Row;
 use tokio_postgres::types::ToSql;
 
 use deadpool_postgres::ClientWrapper;
@@ -25,11 +24,12 @@ use super::{
 };
 use crate::error::Error;
 use crate::response::SavedResponse;
+use crate::store::columns::record_row::live_record;
 use crate::store::pg_failover::postgres_unavailable;
 use crate::store::pg_reserve::{self, ReserveStatements, Reserved};
-use crate::store::{
-    to_unix_millis, Begin, NewRecord, Reservation, SavedColumns, Scope, StoredRecord,
-};
+use crate::store::reserve;
+use crate::store::tx_state::TxSlot as _;
+use crate::store::{to_unix_millis, Begin, NewRecord, Reservation, Scope, StoredRecord};
 
 impl PostgresStore {
     /// One attempt at opening the transaction and reserving the scope.
@@ -49,7 +49,8 @@ impl PostgresStore {
             object: Some(object),
         };
         let token = self.shared.reservations.fetch_add(1, Ordering::Relaxed);
-        match reserve(&slot, scope, deadline, now, self.shared.isolation).await {
+        let isolation = self.shared.isolation;
+        match reserve(&slot, scope, deadline, self.key_row_wait, now, isolation).await {
             Ok(Reserved::Row(row_id)) => Ok(Begin::Reserved(PostgresReservation {
                 tx: Arc::new(TxShared::new(token, slot)),
                 scope: scope.clone(),
@@ -106,13 +107,7 @@ impl ReserveStatements for Statements<'_> {
         else {
             return Ok(None);
         };
-        let state: &str = row.try_get(0)?;
-        let expires_at: i64 = row.try_get(8)?;
-        if state == "completed" && expires_at > self.now {
-            decode_record(&row).map(|record| Some(Some(record)))
-        } else {
-            Ok(Some(None))
-        }
+        live_record(&row, self.now).map(Some)
     }
 
     async fn take_over(&mut self) -> Result<Option<String>, Error> {
@@ -130,11 +125,13 @@ impl ReserveStatements for Statements<'_> {
 }
 
 /// Opens the transaction on `slot`'s connection and reserves `scope` (see
-/// [`pg_reserve::reserve`]). The transaction is left open either way.
+/// [`pg_reserve::reserve`]), waiting on the key's row up to `key_row_wait` if set
+/// ([`Error::InFlight`] past it). The transaction is left open either way.
 async fn reserve(
     slot: &Slot,
     scope: &Scope,
     deadline: Instant,
+    key_row_wait: Option<Duration>,
     now: i64,
     isolation: Isolation,
 ) -> Result<Reserved<String>, Error> {
@@ -149,11 +146,21 @@ async fn reserve(
     // The begin and the first reservation go in one flight (tokio-postgres pipelines requests
     // polled together, in order): one round trip for both. Should the begin's `SET LOCAL`
     // fail, the transaction is aborted and the insert fails with it.
-    let begin = isolation.begin_request(deadline);
+    let begin = isolation.begin_request(deadline, key_row_wait);
     let (begun, first) =
         futures_util::future::join(client.batch_execute(&begin), statements.insert()).await;
     begun?;
-    pg_reserve::reserve(&mut statements, Some(first?)).await
+    let reserved = match first {
+        Ok(first) => pg_reserve::reserve(&mut statements, Some(first)).await,
+        Err(error) => Err(error),
+    }
+    .map_err(|error| reserve::in_flight_past_bound(key_row_wait, error))?;
+    if key_row_wait.is_some() && matches!(reserved, Reserved::Row(_)) {
+        // The handler's own lock waits keep the lock timeout.
+        let restore = pg_reserve::restore_lock_timeout(deadline);
+        client.batch_execute(&restore).await?;
+    }
+    Ok(reserved)
 }
 
 /// A serialization failure (`40001`) or a deadlock (`40P01`).
@@ -162,34 +169,6 @@ pub(super) fn is_conflict_code(error: &tokio_postgres::Error) -> bool {
         error.code(),
         Some(code) if *code == SqlState::T_R_SERIALIZATION_FAILURE
             || *code == SqlState::T_R_DEADLOCK_DETECTED
-    )
-}
-
-/// Reads a row of [`SELECT_RECORD`] or [`SELECT_LIVE_RECORD`](super::SELECT_LIVE_RECORD) as a
-/// completed record, checked by [`SavedColumns`].
-pub(super) fn decode_record(row: &Row) -> Result<StoredRecord, Error> {
-    let corrupt = |what: &str| Error::Corrupt(what.to_owned());
-    let version: i32 = row
-        .try_get::<_, Option<i32>>(1)?
-        .ok_or_else(|| corrupt("fingerprint version missing"))?;
-    let digest = row
-        .try_get::<_, Option<&[u8]>>(2)?
-        .ok_or_else(|| corrupt("fingerprint missing"))?;
-    let status: i32 = row
-        .try_get::<_, Option<i32>>(3)?
-        .ok_or_else(|| corrupt("status"))?;
-    let headers = row
-        .try_get::<_, Option<&str>>(4)?
-        .ok_or_else(|| corrupt("headers missing"))?;
-    let columns = SavedColumns::decode(version.into(), digest, status.into(), headers)?;
-    let body = row
-        .try_get::<_, Option<&[u8]>>(5)?
-        .ok_or_else(|| corrupt("body missing"))?;
-    columns.into_record(
-        Bytes::copy_from_slice(body),
-        row.try_get(6)?,
-        row.try_get(7)?,
-        row.try_get(8)?,
     )
 }
 
@@ -294,18 +273,6 @@ impl Reservation for PostgresReservation {
     /// got ([`Error::StatementConflict`]): the handler's answer came from a transaction the
     /// database had rolled back, and the layer runs the request again.
     async fn rollback(self) -> Result<(), Error> {
-        match self.tx.take_connection() {
-            Ok(mut slot) => match self.tx.conflict() {
-                Some(observed) => slot.roll_back_after(&observed).await,
-                None => slot.roll_back_and_release().await,
-            },
-            // Nothing to roll back here: a borrower still holds it (the slot's `Drop` closes
-            // it later), or it is already gone.
-            Err(error) => tracing::warn!(%error, "rollback deferred to the connection's release"),
-        }
-        match self.tx.conflict() {
-            Some(conflict) => Err(conflict),
-            None => Ok(()),
-        }
+        self.tx.rollback().await
     }
 }

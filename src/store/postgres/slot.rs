@@ -67,18 +67,6 @@ impl Slot {
         drop(self.object.take());
     }
 
-    /// Ends the transaction after `error`: a connection to a server that went away or cannot
-    /// take writes is closed rather than returned to the pool, so that the pool connects
-    /// afresh (to the new primary, with `target_session_attrs=read-write`); otherwise as
-    /// [`roll_back_and_release`](Self::roll_back_and_release).
-    pub(super) async fn roll_back_after(&mut self, error: &Error) {
-        if error.is_unavailable() {
-            self.discard();
-        } else {
-            self.roll_back_and_release().await;
-        }
-    }
-
     pub(super) fn discard(&mut self) {
         if let Some(object) = self.object.take() {
             // Out of the pool for good; dropping the client closes its connection.
@@ -108,6 +96,10 @@ impl TxSlot for Slot {
 
     fn discard(&mut self) {
         Slot::discard(self);
+    }
+
+    async fn roll_back_and_release(&mut self) {
+        Slot::roll_back_and_release(self).await;
     }
 }
 

@@ -9,9 +9,10 @@ use std::time::{Duration, SystemTime};
 
 use deadpool_postgres::{Object, Pool, PoolError};
 
-use super::reservation::decode_record;
 use super::{Isolation, PostgresReservation, PURGE_EXPIRED, SELECT_LIVE_RECORD};
 use crate::error::Error;
+use crate::in_flight::InFlight;
+use crate::store::columns::record_row::decode_record;
 use crate::store::reserve;
 use crate::store::{to_unix_millis, Begin, IdempotencyStore, Scope, StoredRecord};
 
@@ -32,6 +33,9 @@ pub(super) struct Shared {
 #[derive(Clone)]
 pub struct PostgresStore {
     pub(super) shared: Arc<Shared>,
+    /// The in-flight policy's bound on the wait for a key's row
+    /// ([`IdempotencyStore::with_in_flight`]); `None`: the lock timeout.
+    pub(super) key_row_wait: Option<Duration>,
 }
 
 impl fmt::Debug for PostgresStore {
@@ -116,6 +120,13 @@ impl IdempotencyStore for PostgresStore {
             |deadline, now| self.try_begin(scope, deadline, now),
         )
         .await
+    }
+
+    /// Bounds the reservation's wait on the key's row (`lock_timeout` while it runs, SQLSTATE
+    /// `55P03` past it), under [`InFlight::Reject`] by 1 ms.
+    fn with_in_flight(mut self, policy: InFlight) -> Self {
+        self.key_row_wait = reserve::key_row_wait(policy);
+        self
     }
 
     async fn purge_expired(&self, now: SystemTime, batch: usize) -> Result<u64, Error> {

@@ -6,7 +6,8 @@
 //! the fast path run `read_record`.
 
 use bytes::Bytes;
-use rusqlite::{params, Connection, OptionalExtension};
+use rusqlite::types::ValueRef;
+use rusqlite::{params, Connection};
 
 use crate::error::Error;
 use crate::response::SavedResponse;
@@ -37,35 +38,31 @@ const SELECT_RECORD: &str = "SELECT fingerprint_version, fingerprint, status, he
      WHERE tenant = ?1 AND operation = ?2 AND idempotency_key = ?3";
 
 /// The record of `scope`, live or expired.
+///
+/// Decoded from the row in place: the digest, the headers and the trailers are read as borrowed
+/// slices of SQLite's row, and only the body is copied out (into the record's `Bytes`).
 pub(super) fn read_record(conn: &Connection, scope: &Scope) -> Result<Option<StoredRecord>, Error> {
     let mut statement = conn.prepare_cached(SELECT_RECORD)?;
-    let row = statement
-        .query_row(
-            params![&*scope.tenant, &*scope.operation, scope.key.as_str()],
-            |row| {
-                Ok((
-                    row.get::<_, i64>(0)?,
-                    row.get::<_, Vec<u8>>(1)?,
-                    row.get::<_, i64>(2)?,
-                    row.get::<_, String>(3)?,
-                    row.get::<_, Vec<u8>>(4)?,
-                    row.get::<_, Option<String>>(5)?,
-                    row.get::<_, i64>(6)?,
-                    row.get::<_, i64>(7)?,
-                ))
-            },
-        )
-        .optional()?;
-    let Some((version, digest, status, headers, body, trailers, created_at, expires_at)) = row
-    else {
+    let mut rows = statement.query(params![
+        &*scope.tenant,
+        &*scope.operation,
+        scope.key.as_str()
+    ])?;
+    let Some(row) = rows.next()? else {
         return Ok(None);
     };
-    SavedColumns::decode(version, &digest, status, &headers)?
+    let blob = |index: usize| -> rusqlite::Result<&[u8]> { Ok(row.get_ref(index)?.as_blob()?) };
+    let text = |index: usize| -> rusqlite::Result<&str> { Ok(row.get_ref(index)?.as_str()?) };
+    let trailers = match row.get_ref(5)? {
+        ValueRef::Null => None,
+        _ => Some(text(5)?),
+    };
+    SavedColumns::decode(row.get(0)?, blob(1)?, row.get(2)?, text(3)?)?
         .into_record(
-            Bytes::from(body),
-            trailers.as_deref(),
-            created_at,
-            expires_at,
+            Bytes::copy_from_slice(blob(4)?),
+            trailers,
+            row.get(6)?,
+            row.get(7)?,
         )
         .map(Some)
 }

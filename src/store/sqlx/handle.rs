@@ -12,7 +12,7 @@ use futures_util::StreamExt;
 use sqlx::error::BoxDynError;
 use sqlx::pool::PoolConnection;
 use sqlx::{Database, Describe, Either, Execute, Executor};
-use tokio::sync::{OwnedMappedMutexGuard, OwnedMutexGuard};
+use tokio::sync::OwnedMappedMutexGuard;
 
 use super::{Conn, Slot, SqlxDatabase, SqlxDialect};
 use crate::error::Error;
@@ -57,16 +57,7 @@ impl<D: SqlxDialect> SqlxTransaction<D> {
     ///
     /// Run statements on it with `&mut *conn` as the executor.
     pub async fn acquire(&self) -> Result<SqlxConnection<D>, Error> {
-        if self.is_finished() {
-            return Err(Error::TransactionFinished);
-        }
-        let slot = self.tx.connection.clone().lock_owned().await;
-        // The layer may have finished the transaction while this waited.
-        if self.is_finished() {
-            return Err(Error::TransactionFinished);
-        }
-        let connection = OwnedMutexGuard::try_map(slot, |slot| slot.connection.as_mut())
-            .map_err(|_| Error::TransactionFinished)?;
+        let connection = self.tx.borrow(|slot| slot.connection.as_mut()).await?;
         Ok(SqlxConnection { connection })
     }
 

@@ -29,11 +29,15 @@ use crate::error::Error;
 
 mod handle;
 mod options;
+#[cfg(feature = "outbox")]
+mod owned;
 mod reservation;
 mod rows;
 
 pub use handle::{SqlxConnection, SqlxTransaction, TxConnection};
 pub use options::SqlxOptions;
+#[cfg(feature = "outbox")]
+pub(crate) use owned::OwnedDialect;
 pub(crate) use reservation::Slot;
 pub use reservation::SqlxReservation;
 pub use rows::{RowsAffected, SqlxDatabase, Statement};
@@ -78,8 +82,20 @@ pub trait SqlxDialect: sealed::Sealed + Clone + fmt::Debug + Send + Sync + Sized
     /// Checks that `scope` fits the table.
     fn check_scope(scope: &Scope) -> Result<(), Error>;
 
-    /// Opens a request's transaction at `isolation`, its lock waits bounded by `deadline`.
-    fn begin_request(isolation: Isolation, deadline: Instant) -> String;
+    /// Opens a request's transaction at `isolation`, its lock waits bounded by `deadline`, or,
+    /// while reserving the key, by `key_row_wait`: the [in-flight policy](crate::InFlight)'s
+    /// bound on the wait for a key's row another transaction holds (zero under `Reject`: the
+    /// shortest wait the database allows). Then
+    /// [`restore_lock_wait`](Self::restore_lock_wait) follows the reservation.
+    fn begin_request(
+        isolation: Isolation,
+        deadline: Instant,
+        key_row_wait: Option<Duration>,
+    ) -> String;
+
+    /// What follows a reservation made under a `key_row_wait`: the lock waits bounded by
+    /// `deadline` again, for the handler's own statements.
+    fn restore_lock_wait(deadline: Instant) -> String;
 
     /// Reserves `scope` at `now` by `step`: the reserved row, or `None` (see [`ReserveStep`]).
     fn reserve<'a>(
@@ -138,6 +154,9 @@ pub(crate) struct Shared<D: SqlxDialect> {
 #[derive(Clone)]
 pub struct SqlxStore<D: SqlxDialect> {
     pub(crate) shared: Arc<Shared<D>>,
+    /// The in-flight policy's bound on the wait for a key's row
+    /// ([`IdempotencyStore::with_in_flight`]); `None`: the lock timeout.
+    pub(crate) key_row_wait: Option<Duration>,
 }
 
 impl<D: SqlxDialect> fmt::Debug for SqlxStore<D> {
@@ -195,7 +214,8 @@ impl<D: SqlxDialect> SqlxStore<D> {
         // which rolls back whatever the server has done for it.
         let mut slot = Slot::new(TxConnection::new(connection));
         let token = self.next_token();
-        match reserve_in(&mut slot, scope, deadline, now, self.shared.isolation).await {
+        let waits = (deadline, self.key_row_wait);
+        match reserve_in(&mut slot, scope, waits, now, self.shared.isolation).await {
             Ok(Reserved::Row(row)) => Ok(Begin::Reserved(SqlxReservation::new(
                 token,
                 slot,
@@ -239,18 +259,30 @@ impl<D: SqlxDialect> ReserveStatements for Statements<'_, D> {
 }
 
 /// Opens the transaction on `slot`'s connection and reserves `scope` (see
-/// [`reserve::reserve`]). The transaction is left open either way.
+/// [`reserve::reserve`]); `waits` are the lock timeout's deadline and the in-flight policy's
+/// bound on the wait for the key's row, if any ([`Error::InFlight`] past it). The transaction
+/// is left open either way.
 async fn reserve_in<D: SqlxDialect>(
     slot: &mut Slot<D>,
     scope: &Scope,
-    deadline: Instant,
+    (deadline, key_row_wait): (Instant, Option<Duration>),
     now: i64,
     isolation: Isolation,
 ) -> Result<Reserved<D::RowId>, Error> {
     let conn = slot.raw()?;
-    let begin = D::begin_request(isolation, deadline);
-    D::Db::executor(conn).execute(begin.as_str()).await?;
-    reserve::reserve(&mut Statements::<D> { conn, scope, now }, None).await
+    let begin = D::begin_request(isolation, deadline, key_row_wait);
+    D::Db::executor(&mut *conn).execute(begin.as_str()).await?;
+    let reserved = reserve::reserve(&mut Statements::<D> { conn, scope, now }, None)
+        .await
+        .map_err(|error| reserve::in_flight_past_bound(key_row_wait, error))?;
+    if key_row_wait.is_some() && matches!(reserved, Reserved::Row(_)) {
+        // The handler's own lock waits keep the lock timeout.
+        let restore = D::restore_lock_wait(deadline);
+        D::Db::executor(slot.raw()?)
+            .execute(restore.as_str())
+            .await?;
+    }
+    Ok(reserved)
 }
 
 /// A pool that had no connection in time is busy, as the layer's own timeout would be.
@@ -291,6 +323,12 @@ impl<D: SqlxDialect> IdempotencyStore for SqlxStore<D> {
             |deadline, now| self.try_begin(scope, deadline, now),
         )
         .await
+    }
+
+    /// Bounds the reservation's wait on the key's row (see each dialect for how).
+    fn with_in_flight(mut self, policy: crate::InFlight) -> Self {
+        self.key_row_wait = reserve::key_row_wait(policy);
+        self
     }
 
     async fn purge_expired(&self, now: SystemTime, batch: usize) -> Result<u64, Error> {

@@ -86,6 +86,7 @@ impl<D: SqlxDialect> SqlxOptions<D> {
                 conflict_retries: self.conflict_retries,
                 reservations: AtomicU64::new(1),
             }),
+            key_row_wait: None,
         }
     }
 }

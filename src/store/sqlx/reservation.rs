@@ -45,17 +45,6 @@ impl<D: SqlxDialect> Slot<D> {
         }
     }
 
-    /// Ends the transaction after `error`: a connection to a server that went away or cannot
-    /// take writes is closed rather than returned to the pool; otherwise as
-    /// [`roll_back_and_release`](Self::roll_back_and_release).
-    pub(crate) async fn roll_back_after(&mut self, error: &Error) {
-        if error.is_unavailable() {
-            self.discard();
-        } else {
-            self.roll_back_and_release().await;
-        }
-    }
-
     /// Sends `COMMIT` and gives the connection back; if the server refuses it (it rolled back:
     /// a serialization failure at commit makes the layer run the request again) or the
     /// connection broke, the connection is not reused.
@@ -128,6 +117,10 @@ impl<D: SqlxDialect> TxSlot for Slot<D> {
 
     fn discard(&mut self) {
         Slot::discard(self);
+    }
+
+    async fn roll_back_and_release(&mut self) {
+        Slot::roll_back_and_release(self).await;
     }
 
     fn observed_cell(&self) -> ObservedCell {
@@ -212,18 +205,6 @@ impl<D: SqlxDialect> Reservation for SqlxReservation<D> {
     /// got ([`Error::StatementConflict`]): the handler's answer came from a transaction the
     /// database had rolled back, and the layer runs the request again.
     async fn rollback(self) -> Result<(), Error> {
-        match self.tx.take_connection() {
-            Ok(mut slot) => match self.tx.conflict() {
-                Some(observed) => slot.roll_back_after(&observed).await,
-                None => slot.roll_back_and_release().await,
-            },
-            // Nothing to roll back here: a borrower still holds it (the slot's `Drop` closes
-            // it later), or it is already gone.
-            Err(error) => tracing::warn!(%error, "rollback deferred to the connection's release"),
-        }
-        match self.tx.conflict() {
-            Some(conflict) => Err(conflict),
-            None => Ok(()),
-        }
+        self.tx.rollback().await
     }
 }

@@ -3,15 +3,15 @@
 //! database. Implemented once, for every database whose types support it (PostgreSQL, MySQL),
 //! so that the store's generic code carries no sqlx trait bounds.
 
-use bytes::Bytes;
 use futures_util::future::BoxFuture;
 use sqlx::query::Query;
-use sqlx::{ColumnIndex, Database, Decode, Encode, Executor, IntoArguments, Pool, Row, Type};
+use sqlx::{Database, Encode, Executor, IntoArguments, Pool, Type};
 
 use super::pool_error;
 use crate::error::Error;
 use crate::response::SavedResponse;
-use crate::store::{to_unix_millis, NewRecord, SavedColumns, Scope, StoredRecord};
+use crate::store::columns::record_row::{live_record, RecordColumns};
+use crate::store::{to_unix_millis, NewRecord, Scope, StoredRecord};
 
 /// A statement of the store, its binds still to come.
 pub type Statement<'q, DB> = Query<'q, DB, <DB as Database>::Arguments<'q>>;
@@ -57,16 +57,14 @@ where
     DB: Database,
     for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
     for<'q> DB::Arguments<'q>: IntoArguments<'q, DB>,
-    for<'q> &'q str: Encode<'q, DB> + Decode<'q, DB> + Type<DB>,
-    for<'r> &'r [u8]: Decode<'r, DB> + Type<DB>,
-    i32: for<'r> Decode<'r, DB> + Type<DB>,
-    i64: for<'q> Encode<'q, DB> + for<'r> Decode<'r, DB> + Type<DB>,
-    for<'q> &'q [u8]: Encode<'q, DB>,
-    i32: for<'q> Encode<'q, DB>,
+    for<'q> &'q str: Encode<'q, DB> + Type<DB>,
+    for<'q> &'q [u8]: Encode<'q, DB> + Type<DB>,
+    i32: for<'q> Encode<'q, DB> + Type<DB>,
+    i64: for<'q> Encode<'q, DB> + Type<DB>,
     String: for<'q> Encode<'q, DB> + Type<DB>,
     Option<String>: for<'q> Encode<'q, DB>,
-    usize: ColumnIndex<DB::Row>,
     DB::QueryResult: RowsAffected,
+    DB::Row: RecordColumns,
 {
     fn executor<'c>(conn: &'c mut DB::Connection) -> impl Executor<'c, Database = DB> + 'c {
         conn
@@ -114,13 +112,7 @@ where
             let Some(row) = row.await.map_err(pool_error)? else {
                 return Ok(None);
             };
-            let state: &str = row.try_get(0)?;
-            let expires_at: i64 = row.try_get(8)?;
-            if state == "completed" && expires_at > now {
-                decode_record(&row).map(|record| Some(Some(record)))
-            } else {
-                Ok(Some(None))
-            }
+            live_record(&row, now).map(Some)
         })
     }
 
@@ -140,39 +132,4 @@ where
 pub trait RowsAffected {
     /// The rows the statement changed.
     fn rows_affected(&self) -> u64;
-}
-
-/// Reads a record row (state, fingerprint version, fingerprint, status, headers, body,
-/// trailers, created and expiry times) as a completed record, checked by [`SavedColumns`].
-fn decode_record<R: Row>(row: &R) -> Result<StoredRecord, Error>
-where
-    usize: ColumnIndex<R>,
-    for<'r> &'r str: Decode<'r, R::Database> + Type<R::Database>,
-    for<'r> &'r [u8]: Decode<'r, R::Database> + Type<R::Database>,
-    i32: for<'r> Decode<'r, R::Database> + Type<R::Database>,
-    i64: for<'r> Decode<'r, R::Database> + Type<R::Database>,
-{
-    let corrupt = |what: &str| Error::Corrupt(what.to_owned());
-    let version: i32 = row
-        .try_get::<Option<i32>, _>(1)?
-        .ok_or_else(|| corrupt("fingerprint version missing"))?;
-    let digest: &[u8] = row
-        .try_get::<Option<&[u8]>, _>(2)?
-        .ok_or_else(|| corrupt("fingerprint missing"))?;
-    let status: i32 = row
-        .try_get::<Option<i32>, _>(3)?
-        .ok_or_else(|| corrupt("status"))?;
-    let headers: &str = row
-        .try_get::<Option<&str>, _>(4)?
-        .ok_or_else(|| corrupt("headers missing"))?;
-    let columns = SavedColumns::decode(i64::from(version), digest, i64::from(status), headers)?;
-    let body: &[u8] = row
-        .try_get::<Option<&[u8]>, _>(5)?
-        .ok_or_else(|| corrupt("body missing"))?;
-    columns.into_record(
-        Bytes::copy_from_slice(body),
-        row.try_get(6)?,
-        row.try_get(7)?,
-        row.try_get(8)?,
-    )
 }

@@ -15,7 +15,10 @@
 //! - **Waits are bounded**: taking a connection from the pool and every lock wait
 //!   (`innodb_lock_wait_timeout`, set for the request and restored after it) share the
 //!   layer's lock timeout, rounded up to whole seconds; past it the request gets `503` with
-//!   `Retry-After`. Deadlocks (`1213`) while reserving are retried a bounded number of times
+//!   `Retry-After`. Under the in-flight policies `Reject` and `WaitUpTo(d)`, the reservation's
+//!   wait on a key held by another instance's transaction is bounded by the policy instead (`d`
+//!   rounded up to whole seconds; `Reject`: no wait on MariaDB, one second on MySQL) and
+//!   answered `409` ([`InFlight`](crate::InFlight)). Deadlocks (`1213`) while reserving are retried a bounded number of times
 //!   ([`SqlxMySqlOptions::deadlock_retries`]); one that a handler's statement gets is reported
 //!   to the layer, which runs the request again.
 //! - **The layer commits**: the connection the handle lends refuses transaction control and
@@ -41,11 +44,13 @@
 //! # Ok(()) }
 //! ```
 
+use std::time::Duration;
+
 use futures_util::future::BoxFuture;
 use sqlx::mysql::{MySql, MySqlConnection, MySqlQueryResult};
 // The `Executor` methods on a connection rather than the query builders' `execute(conn)`:
 // their boxed futures keep the store's futures provably `Send`.
-use sqlx::Executor as _;
+use sqlx::{Executor as _, Row as _};
 use tokio::time::Instant;
 
 use super::sql_guard::mysql as sql_guard;
@@ -53,6 +58,8 @@ use super::sqlx::{ReserveStep, RowsAffected, SqlxDatabase, SqlxDialect, SqlxOpti
 use super::{NewRecord, Scope};
 use crate::error::{mysql_number, sqlx_code, Error, MYSQL_DEADLOCK};
 
+#[cfg(feature = "outbox")]
+mod owned;
 mod sql;
 
 /// The sqlx version of the pools and of the handle's connection: depend on it through this
@@ -142,18 +149,23 @@ impl SqlxMySqlStore {
     /// `GET_LOCK` so that instances starting together do not race). Safe to run at every start,
     /// and before or after `sqlx migrate run` of the same file.
     pub async fn migrate(&self) -> Result<(), Error> {
+        self.install_schema(sql::MIGRATION_LOCK, sql::SCHEMA).await
+    }
+
+    /// Creates tables (`schema`: `CREATE ... IF NOT EXISTS` statements) under `GET_LOCK(lock)`
+    /// (the same name in every instance).
+    pub(crate) async fn install_schema(&self, lock: &str, schema: &str) -> Result<(), Error> {
         let mut conn = self.pool().acquire().await?;
-        let locked: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK(?, 30)")
-            .bind(sql::MIGRATION_LOCK)
-            .fetch_one(&mut *conn)
+        let lock_row = conn
+            .fetch_one(sqlx::query("SELECT GET_LOCK(?, 30)").bind(lock))
             .await?;
+        let locked: Option<i64> = lock_row.try_get(0)?;
         if locked != Some(1) {
             return Err(Error::Busy);
         }
-        let created = sqlx::raw_sql(sql::SCHEMA).execute(&mut *conn).await;
-        let released = sqlx::query("DO RELEASE_LOCK(?)")
-            .bind(sql::MIGRATION_LOCK)
-            .execute(&mut *conn)
+        let created = conn.execute(sqlx::raw_sql(schema)).await;
+        let released = conn
+            .execute(sqlx::query("DO RELEASE_LOCK(?)").bind(lock))
             .await;
         created?;
         released?;
@@ -201,12 +213,24 @@ impl SqlxDialect for MySqlDialect {
         }
     }
 
-    fn begin_request(isolation: Isolation, deadline: Instant) -> String {
-        // `innodb_lock_wait_timeout` counts whole seconds, at least one: round up.
-        let remaining = deadline.saturating_duration_since(Instant::now());
-        let lock_wait_secs = remaining.as_millis().div_ceil(1000).max(1);
-        let lock_wait_secs = u64::try_from(lock_wait_secs).unwrap_or(u64::MAX);
+    /// `innodb_lock_wait_timeout` counts whole seconds: the lock timeout is rounded up, to one
+    /// second at least. A `key_row_wait` is rounded up too, and may be 0 (under
+    /// [`InFlight::Reject`](crate::InFlight::Reject)): MariaDB then does not wait at all,
+    /// MySQL (whose minimum is 1) waits one second. Past it the reservation fails with `1205`.
+    fn begin_request(
+        isolation: Isolation,
+        deadline: Instant,
+        key_row_wait: Option<Duration>,
+    ) -> String {
+        let lock_wait_secs = match key_row_wait {
+            Some(bound) => whole_seconds(bound),
+            None => lock_wait_secs(deadline),
+        };
         sql::begin_request(isolation, lock_wait_secs)
+    }
+
+    fn restore_lock_wait(deadline: Instant) -> String {
+        sql::set_lock_wait(lock_wait_secs(deadline))
     }
 
     /// The insert fails with a duplicate key once a committed row has the key; the take-over
@@ -280,4 +304,16 @@ impl SqlxDialect for MySqlDialect {
     fn split(sql: &str) -> Vec<&str> {
         sql_guard::split(sql)
     }
+}
+
+/// The lock timeout left until `deadline`, for `innodb_lock_wait_timeout`: whole seconds
+/// rounded up, at least one.
+fn lock_wait_secs(deadline: Instant) -> u64 {
+    whole_seconds(deadline.saturating_duration_since(Instant::now())).max(1)
+}
+
+/// `wait` in whole seconds, rounded up.
+fn whole_seconds(wait: Duration) -> u64 {
+    let secs = wait.as_millis().div_ceil(1000);
+    u64::try_from(secs).unwrap_or(u64::MAX)
 }

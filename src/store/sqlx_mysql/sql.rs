@@ -86,3 +86,10 @@ pub(super) fn begin_request(isolation: Isolation, lock_wait_secs: u64) -> String
          SET TRANSACTION ISOLATION LEVEL {level}; START TRANSACTION"
     )
 }
+
+/// The lock waits of the open transaction bounded by `lock_wait_secs` again (after a
+/// reservation whose wait on the key's row had a bound of its own). Only an integer is
+/// formatted into it.
+pub(super) fn set_lock_wait(lock_wait_secs: u64) -> String {
+    format!("SET innodb_lock_wait_timeout = {lock_wait_secs}")
+}

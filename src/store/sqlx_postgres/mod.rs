@@ -15,7 +15,9 @@
 //!   turns the reservation into the completed record and commits, before the response leaves.
 //! - **Waits are bounded**: taking a connection from the pool and every lock wait (`SET LOCAL
 //!   lock_timeout`) share the layer's lock timeout; past it the request gets `503` with
-//!   `Retry-After`. Serialization failures and deadlocks while reserving are retried a bounded
+//!   `Retry-After`. Under the in-flight policies `Reject` and `WaitUpTo(d)`, the reservation's
+//!   wait on a key held by another instance's transaction is bounded by the policy instead
+//!   (1 ms, or `d`) and answered `409` ([`InFlight`](crate::InFlight)). Serialization failures and deadlocks while reserving are retried a bounded
 //!   number of times ([`SqlxPostgresOptions::serialization_retries`]); one that a handler's
 //!   statement gets is reported to the layer, which runs the request again.
 //! - **The layer commits**: the connection the handle lends refuses transaction control
@@ -61,6 +63,8 @@
 //! The schema is also shipped as a sqlx migration (`migrations/` in this crate) for `sqlx
 //! migrate run` or `sqlx::migrate!`. Tables are unqualified: they live in the first schema of
 //! the connection's `search_path`.
+
+use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 use sqlx::postgres::{PgConnection, PgQueryResult, Postgres};
@@ -179,8 +183,17 @@ impl SqlxDialect for PgDialect {
         Ok(())
     }
 
-    fn begin_request(isolation: Isolation, deadline: Instant) -> String {
-        isolation.begin_request(deadline)
+    /// `SET LOCAL lock_timeout`: a reservation past `key_row_wait` fails with `55P03`.
+    fn begin_request(
+        isolation: Isolation,
+        deadline: Instant,
+        key_row_wait: Option<Duration>,
+    ) -> String {
+        isolation.begin_request(deadline, key_row_wait)
+    }
+
+    fn restore_lock_wait(deadline: Instant) -> String {
+        crate::store::pg_reserve::restore_lock_timeout(deadline)
     }
 
     /// Both statements return the row's address.
