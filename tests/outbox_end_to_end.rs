@@ -14,8 +14,6 @@
 mod common;
 #[path = "relay_scenarios/delivery_log.rs"]
 mod delivery_log;
-#[path = "apps/process.rs"]
-mod process;
 mod relay_scenarios;
 
 use std::net::SocketAddr;
@@ -32,7 +30,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use process::{arg, ExampleProcess};
+use common::process::{arg, ExampleProcess};
 use relay_scenarios::{
     assert_each_delivered_once, deliver_then_kill, enveloped_sink, redeliver, relays_deliver_all,
 };

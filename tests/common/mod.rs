@@ -49,8 +49,6 @@ pub const SHOP_B: &str = "shop-b-token";
 /// A generous bound for anything a test waits for: reached only when the test fails.
 pub const PATIENCE: Duration = Duration::from_secs(10);
 
-// Some test files still load this file as a module of their own too (next to `common`).
-#[allow(clippy::duplicate_mod)]
 #[path = "../apps/process.rs"]
 mod example_process;
 #[path = "../splitmix/mod.rs"]

@@ -338,9 +338,7 @@ fn reply(status: StatusCode, body: Value) -> Response {
     (status, Json(body)).into_response()
 }
 
-/// The example as a child process.
-#[path = "../apps/process.rs"]
-mod process;
+use crate::common::process;
 
 /// `inventory --addr 127.0.0.1:0 ARGS...` (the example), a child process killed when dropped,
 /// with its stdout lines (one per delivery) readable by the test.
