@@ -231,6 +231,9 @@ async fn failover_round(round: usize, replication: Replication) -> Round {
     let url = cluster.url();
     let a = OrdersProcess::start_with(&["--database-url", &url]).await;
     let b = OrdersProcess::start_with(&["--database-url", &url]).await;
+    // The examples created their tables at start: on an asynchronous standby they may not be
+    // there yet, and a standby promoted without them could never answer `201`.
+    cluster.wait_for_standby(replication).await;
     let load = Arc::new(Load {
         apps: [a.addr, b.addr],
         keys: Mutex::new(BTreeMap::new()),
