@@ -23,6 +23,7 @@ use axum::extract::{Request, State};
 use axum::response::Response;
 use axum::Router;
 use bytes::Bytes;
+use common::process::{arg, ExampleProcess};
 use common::{hook, post, HookOutcome, Serving, TestServer, PATIENCE, SHOP_A};
 use delivery_log::{event_id_header, log_answer, Delivery, DeliveryLog};
 use http::StatusCode;
@@ -30,7 +31,6 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use common::process::{arg, ExampleProcess};
 use relay_scenarios::{
     assert_each_delivered_once, deliver_then_kill, enveloped_sink, redeliver, relays_deliver_all,
 };
