@@ -261,6 +261,7 @@ where
         } = checked;
         let wire = Wire::of(parts.version, &parts.headers);
         // Held until the request ends: duplicates meanwhile follow the in-flight policy.
+        let claim_started = Instant::now();
         let _running = match self
             .config
             .running
@@ -276,8 +277,14 @@ where
         };
         if self.config.in_flight != crate::InFlight::Wait {
             // A duplicate on another instance holds the key in the database: the store bounds
-            // that wait too.
-            self.store = self.store.clone().with_in_flight(self.config.in_flight);
+            // that wait too, by what is left of the bound after the wait in this process.
+            let policy = match self.config.in_flight {
+                crate::InFlight::WaitUpTo(bound) => {
+                    crate::InFlight::WaitUpTo(bound.saturating_sub(claim_started.elapsed()))
+                }
+                policy => policy,
+            };
+            self.store = self.store.clone().with_in_flight(policy);
         }
         let now = SystemTime::now();
 
