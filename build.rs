@@ -7,6 +7,12 @@
 //! `pg_basebackup`) are installed: in `PG_BINDIR`, or in `/usr/lib/postgresql/<version>/bin`.
 //! The failover tests build a primary and a standby from them; without them they are reported
 //! as ignored.
+//!
+//! Sets two names for sets of the crate's own features, so that the code says once what a
+//! feature list means: `cfg(row_lock_store)` with any store whose reservation is a row lock
+//! (`postgres`, `sqlx-postgres`, `sqlx-mysql`), and `cfg(sql_store)` with any store at all
+//! (those and `sqlite`). Public items keep the feature lists themselves, so that their docs
+//! name the features.
 
 use std::path::{Path, PathBuf};
 
@@ -14,6 +20,18 @@ fn main() {
     println!("cargo::rustc-check-cfg=cfg(pg_tests)");
     println!("cargo::rustc-check-cfg=cfg(mysql_tests)");
     println!("cargo::rustc-check-cfg=cfg(pg_cluster_tests)");
+    println!("cargo::rustc-check-cfg=cfg(row_lock_store)");
+    println!("cargo::rustc-check-cfg=cfg(sql_store)");
+    let feature = |name: &str| std::env::var_os(format!("CARGO_FEATURE_{name}")).is_some();
+    let row_lock_store = ["POSTGRES", "SQLX_POSTGRES", "SQLX_MYSQL"]
+        .iter()
+        .any(|name| feature(name));
+    if row_lock_store {
+        println!("cargo::rustc-cfg=row_lock_store");
+    }
+    if row_lock_store || feature("SQLITE") {
+        println!("cargo::rustc-cfg=sql_store");
+    }
     for (variable, cfg) in [
         ("TEST_DATABASE_URL", "pg_tests"),
         ("TEST_MYSQL_URL", "mysql_tests"),

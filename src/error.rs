@@ -190,11 +190,7 @@ impl Error {
 
 impl Error {
     /// Whether a lock wait timed out (PostgreSQL `55P03`, MySQL and MariaDB `1205`).
-    #[cfg(any(
-        feature = "postgres",
-        feature = "sqlx-postgres",
-        feature = "sqlx-mysql"
-    ))]
+    #[cfg(row_lock_store)]
     pub(crate) fn is_lock_wait_timeout(&self) -> bool {
         match self {
             #[cfg(feature = "postgres")]

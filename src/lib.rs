@@ -138,20 +138,11 @@ pub mod metrics;
 mod openapi;
 #[cfg(feature = "outbox")]
 pub mod outbox;
-#[cfg(any(
-    feature = "postgres",
-    feature = "sqlx-postgres",
-    feature = "sqlx-mysql"
-))]
+#[cfg(row_lock_store)]
 mod pg_driver;
 pub mod problem;
 pub mod response;
-#[cfg(any(
-    feature = "sqlite",
-    feature = "postgres",
-    feature = "sqlx-postgres",
-    feature = "sqlx-mysql"
-))]
+#[cfg(sql_store)]
 mod row;
 mod service;
 pub mod store;

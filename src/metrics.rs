@@ -210,12 +210,7 @@ pub(crate) mod outbox {
     }
 
     /// An event offered to an inbox.
-    #[cfg(any(
-        feature = "sqlite",
-        feature = "postgres",
-        feature = "sqlx-postgres",
-        feature = "sqlx-mysql"
-    ))]
+    #[cfg(sql_store)]
     pub(crate) fn inbox(consumer: &str, first: bool) {
         #[cfg(feature = "metrics")]
         metrics::counter!(

@@ -65,11 +65,7 @@ use crate::store::{from_unix_millis, IdempotencyStore, SavedColumns};
 mod mysql_sql;
 #[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
 mod pg_sql;
-#[cfg(any(
-    feature = "postgres",
-    feature = "sqlx-postgres",
-    feature = "sqlx-mysql"
-))]
+#[cfg(row_lock_store)]
 mod postgres;
 #[cfg(feature = "sqlite")]
 mod sqlite;

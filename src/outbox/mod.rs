@@ -98,12 +98,7 @@ use std::time::{Duration, SystemTime};
 use crate::body::BoxError;
 use crate::error::Error;
 
-#[cfg(any(
-    feature = "sqlite",
-    feature = "postgres",
-    feature = "sqlx-postgres",
-    feature = "sqlx-mysql"
-))]
+#[cfg(sql_store)]
 mod columns;
 #[cfg(any(
     feature = "sqlite",
@@ -114,11 +109,7 @@ mod columns;
 pub mod inbox;
 #[cfg(feature = "sqlx-mysql")]
 pub(crate) mod mysql_sql;
-#[cfg(any(
-    feature = "postgres",
-    feature = "sqlx-postgres",
-    feature = "sqlx-mysql"
-))]
+#[cfg(row_lock_store)]
 mod pg;
 #[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
 pub(crate) mod pg_sql;
@@ -126,11 +117,7 @@ pub(crate) mod pg_sql;
 pub mod postgres;
 mod relay;
 mod sink;
-#[cfg(any(
-    feature = "postgres",
-    feature = "sqlx-postgres",
-    feature = "sqlx-mysql"
-))]
+#[cfg(row_lock_store)]
 mod sql;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;

@@ -73,11 +73,7 @@ impl SavedColumns {
 }
 
 /// A whole record row as the SQL stores with row locks read it.
-#[cfg(any(
-    feature = "postgres",
-    feature = "sqlx-postgres",
-    feature = "sqlx-mysql"
-))]
+#[cfg(row_lock_store)]
 pub(crate) mod record_row {
     use bytes::Bytes;
     #[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]

@@ -19,12 +19,7 @@ use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
 use crate::response::SavedResponse;
 
-#[cfg(any(
-    feature = "sqlite",
-    feature = "postgres",
-    feature = "sqlx-postgres",
-    feature = "sqlx-mysql"
-))]
+#[cfg(sql_store)]
 mod columns;
 #[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
 pub(crate) mod pg_failover;
@@ -34,17 +29,9 @@ mod pg_reserve;
 mod pg_sql;
 #[cfg(feature = "postgres")]
 pub mod postgres;
-#[cfg(any(
-    feature = "postgres",
-    feature = "sqlx-postgres",
-    feature = "sqlx-mysql"
-))]
+#[cfg(row_lock_store)]
 mod reserve;
-#[cfg(any(
-    feature = "postgres",
-    feature = "sqlx-postgres",
-    feature = "sqlx-mysql"
-))]
+#[cfg(row_lock_store)]
 mod sql_guard;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
@@ -54,19 +41,10 @@ pub mod sqlx;
 pub mod sqlx_mysql;
 #[cfg(feature = "sqlx-postgres")]
 pub mod sqlx_postgres;
-#[cfg(any(
-    feature = "postgres",
-    feature = "sqlx-postgres",
-    feature = "sqlx-mysql"
-))]
+#[cfg(row_lock_store)]
 mod tx_state;
 
-#[cfg(any(
-    feature = "sqlite",
-    feature = "postgres",
-    feature = "sqlx-postgres",
-    feature = "sqlx-mysql"
-))]
+#[cfg(sql_store)]
 pub(crate) use columns::SavedColumns;
 
 /// The unique scope of a record: `(tenant, operation, key)`.
@@ -413,15 +391,7 @@ pub async fn continuously_purge_expired<S: IdempotencyStore>(
 }
 
 /// Milliseconds since the Unix epoch, saturating (the representation stores use).
-#[cfg_attr(
-    not(any(
-        feature = "sqlite",
-        feature = "postgres",
-        feature = "sqlx-postgres",
-        feature = "sqlx-mysql"
-    )),
-    allow(dead_code)
-)]
+#[cfg_attr(not(sql_store), allow(dead_code))]
 pub(crate) fn to_unix_millis(time: SystemTime) -> i64 {
     match time.duration_since(UNIX_EPOCH) {
         Ok(d) => i64::try_from(d.as_millis()).unwrap_or(i64::MAX),
@@ -430,15 +400,7 @@ pub(crate) fn to_unix_millis(time: SystemTime) -> i64 {
 }
 
 /// The inverse of [`to_unix_millis`].
-#[cfg_attr(
-    not(any(
-        feature = "sqlite",
-        feature = "postgres",
-        feature = "sqlx-postgres",
-        feature = "sqlx-mysql"
-    )),
-    allow(dead_code)
-)]
+#[cfg_attr(not(sql_store), allow(dead_code))]
 pub(crate) fn from_unix_millis(millis: i64) -> SystemTime {
     UNIX_EPOCH + Duration::from_millis(u64::try_from(millis).unwrap_or(0))
 }
