@@ -30,6 +30,8 @@ mod pg_sql;
 #[cfg(feature = "postgres")]
 pub mod postgres;
 #[cfg(row_lock_store)]
+mod read_bound;
+#[cfg(row_lock_store)]
 mod reserve;
 #[cfg(row_lock_store)]
 mod sql_guard;

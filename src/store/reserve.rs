@@ -137,14 +137,14 @@ where
 }
 
 /// The replay fast path's read, given up after `wait` ([`Error::Busy`]: the request then takes
-/// the authoritative write path).
+/// the authoritative write path). The bound is kept by a watchdog, not a runtime timer per
+/// read (see [`read_bound`](super::read_bound)): it ends a stuck read up to
+/// [`TICK`](super::read_bound::TICK) late.
 pub(crate) async fn within<T>(
     wait: Duration,
     read: impl Future<Output = Result<T, Error>>,
 ) -> Result<T, Error> {
-    tokio::time::timeout(wait, read)
-        .await
-        .map_err(|_| Error::Busy)?
+    super::read_bound::bounded(wait, read).await
 }
 
 /// Runs `attempt` (open a transaction and reserve) again after a serialization failure or a
