@@ -71,6 +71,20 @@ pub(crate) const SELECT_LIVE_RECORD: &str =
      WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 \
      AND state = 'completed' AND expires_at > $4";
 
+/// Reads the live completed records of several scopes at once, for the replay checks that
+/// queued while others were in flight (the same columns as [`SELECT_LIVE_RECORD`], then the
+/// 1-based position of the scope in the arrays). Binds: tenants, operations, keys and each
+/// check's `now`, as arrays of one length; a scope with no live record has no row.
+#[cfg(feature = "postgres")]
+pub(crate) const SELECT_LIVE_RECORDS: &str =
+    "SELECT r.state, r.fingerprint_version, r.fingerprint, r.status, r.headers, r.body, \
+     r.trailers, r.created_at, r.expires_at, k.position \
+     FROM unnest($1::text[], $2::text[], $3::text[], $4::int8[]) WITH ORDINALITY \
+     AS k(tenant, operation, idempotency_key, now, position) \
+     JOIN idempotency_records AS r ON r.tenant = k.tenant AND r.operation = k.operation \
+     AND r.idempotency_key = k.idempotency_key \
+     WHERE r.state = 'completed' AND r.expires_at > k.now";
+
 /// Reserves a scope: blocks on the primary key while another transaction holds it. Returns
 /// the row's physical address, which `commit` updates it by (see [`COMPLETE_RECORD`]).
 pub(crate) const INSERT_RESERVATION: &str = "INSERT INTO idempotency_records \

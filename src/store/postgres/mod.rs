@@ -94,11 +94,12 @@ pub use reservation::PostgresReservation;
 pub use store::PostgresStore;
 
 // What runs where: `options` (settings, connecting), `migrate` (installing tables), `store`
-// (the store and its calls), `reservation` (reserving a key, commit and rollback), `slot`
+// (the store and its calls), `lookups` (the replay checks, batched under load), `reservation` (reserving a key, commit and rollback), `slot`
 // (a transaction's connection and shared state), `handle` (the handler's handle and its
 // guarded client), `sql_guard` (refusing transaction control), `owned` (the inbox's own
 // transactions). The SQL the store runs is in `store::pg_sql`.
 mod handle;
+mod lookups;
 pub(crate) mod migrate;
 mod options;
 mod reservation;

@@ -163,6 +163,7 @@ impl PostgresOptions {
             shared: Arc::new(Shared {
                 transactions,
                 reads,
+                lookups: Arc::default(),
                 read_wait: self.read_wait,
                 isolation: self.isolation,
                 serialization_retries: self.serialization_retries,

@@ -9,10 +9,10 @@ use std::time::{Duration, SystemTime};
 
 use deadpool_postgres::{Object, Pool, PoolError};
 
-use super::{Isolation, PostgresReservation, PURGE_EXPIRED, SELECT_LIVE_RECORD};
+use super::lookups::Lookups;
+use super::{Isolation, PostgresReservation, PURGE_EXPIRED};
 use crate::error::Error;
 use crate::in_flight::InFlight;
-use crate::store::columns::record_row::decode_record;
 use crate::store::reserve;
 use crate::store::{to_unix_millis, Begin, IdempotencyStore, Scope, StoredRecord};
 
@@ -22,6 +22,8 @@ pub(super) struct Shared {
     pub(super) transactions: Pool,
     /// The replay fast path.
     pub(super) reads: Pool,
+    /// The replay checks in flight and queued.
+    pub(super) lookups: Arc<Lookups>,
     pub(super) read_wait: Duration,
     pub(super) isolation: Isolation,
     pub(super) serialization_retries: u32,
@@ -88,22 +90,11 @@ impl IdempotencyStore for PostgresStore {
     async fn lookup(&self, scope: &Scope, now: SystemTime) -> Result<Option<StoredRecord>, Error> {
         // A plain snapshot read in autocommit: it takes no row locks and never waits for the
         // transaction that holds this scope (an uncommitted reservation is simply invisible).
-        let read = async {
-            let client = self.shared.reads.get().await.map_err(pool_error)?;
-            let select = client.prepare_cached(SELECT_LIVE_RECORD).await?;
-            let row = client
-                .query_opt(
-                    &select,
-                    &[
-                        &&*scope.tenant,
-                        &&*scope.operation,
-                        &scope.key.as_str(),
-                        &to_unix_millis(now),
-                    ],
-                )
-                .await?;
-            row.as_ref().map(decode_record).transpose()
-        };
+        // Batched with the checks of other requests under load (`lookups`).
+        let read = self
+            .shared
+            .lookups
+            .check(&self.shared.reads, scope, to_unix_millis(now));
         reserve::within(self.shared.read_wait, read).await
     }
 

@@ -256,3 +256,70 @@ async fn a_store_on_the_apps_own_pool_installs_reserves_and_replays_through_it()
         .await
         .expect("drop");
 }
+
+/// A completed record of `key` whose body names the key.
+async fn complete(store: &PostgresStore, key: &str) {
+    let reservation = reserve(store, &scope(key)).await;
+    let mut record = record();
+    record.response.body = Bytes::from(format!("{{\"key\":\"{key}\"}}"));
+    reservation.commit(record).await.expect("commit");
+}
+
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_checks_queued_under_load_each_get_their_own_record() {
+    let (store, admin, schema) = store().await;
+    for i in 0..40 {
+        complete(&store, &format!("done-{i}")).await;
+    }
+    // Expired records are not live: their checks find nothing, batched or not.
+    admin
+        .batch_execute(&format!(
+            "UPDATE {schema}.idempotency_records SET expires_at = 0 \
+             WHERE idempotency_key IN ('done-0', 'done-1')"
+        ))
+        .await
+        .expect("expire");
+    // Many more checks at once than run in flight: most queue and go in batches, duplicates
+    // of one key included.
+    let checks = (0..400).map(|i| {
+        let store = store.clone();
+        tokio::spawn(async move {
+            let key = match i % 4 {
+                0 => format!("new-{i}"),
+                _ => format!("done-{}", i % 40),
+            };
+            let found = store
+                .lookup(&scope(&key), SystemTime::now())
+                .await
+                .expect("lookup");
+            (key, found)
+        })
+    });
+    let live = (0..400).filter(|i| i % 4 != 0 && i % 40 > 1).count();
+    let mut replays = 0;
+    for check in checks.collect::<Vec<_>>() {
+        let (key, found) = check.await.expect("task");
+        let expired = key == "done-0" || key == "done-1";
+        match found {
+            Some(record) => {
+                assert!(
+                    key.starts_with("done-") && !expired,
+                    "{key} has no live record"
+                );
+                assert_eq!(
+                    record.response.body,
+                    format!("{{\"key\":\"{key}\"}}"),
+                    "{key}"
+                );
+                replays += 1;
+            }
+            None => assert!(key.starts_with("new-") || expired, "{key} was not found"),
+        }
+    }
+    assert_eq!(replays, live, "every live record found once per check");
+    admin
+        .batch_execute(&format!("DROP SCHEMA {schema} CASCADE"))
+        .await
+        .expect("drop");
+}
