@@ -89,8 +89,10 @@ impl PostgresOptions {
         self
     }
 
-    /// How long the replay fast path waits for a read connection before it gives up and lets
-    /// the request take the (authoritative) write path. Default: 1 s.
+    /// How long the replay fast path may take (the wait for a read connection included)
+    /// before it gives up and lets the request take the (authoritative) write path. The bound
+    /// is kept by a watchdog that looks every 20 ms, so a stuck check ends up to 20 ms late.
+    /// Default: 1 s.
     pub fn read_wait(mut self, wait: Duration) -> Self {
         self.read_wait = wait;
         self
