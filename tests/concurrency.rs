@@ -736,7 +736,7 @@ mod postgres {
 
     use backend::Postgres;
     use pg_common::{hook as pg_hook, HookOutcome, PgServer};
-    use tower_idempotency::store::postgres::{Isolation, PostgresStore};
+    use tower_idempotency::store::postgres::{Isolation, PostgresStore, ReplayCheck};
 
     use super::*;
 
@@ -770,6 +770,60 @@ mod postgres {
         assert_eq!(held.await.expect("holder").status, StatusCode::CREATED);
         assert!(!db.record_exists("shop-a", "create_order", "new-key").await);
         runs_afresh(server.addr, "new-key", BOOK).await;
+    }
+
+    /// With the replay check in the reservation (no read before the transaction), the key's
+    /// contract holds: a retry replays, another payload is `409`, and duplicates in flight
+    /// together wait on the key's row and create one order.
+    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
+    #[tokio::test]
+    async fn replay_check_in_the_reservation_keeps_the_contract() {
+        const DUPLICATES: usize = 16;
+        let Some(db) = Postgres::create().await else {
+            return;
+        };
+        let gate = Arc::new(Notify::new());
+        let held = gate.clone();
+        let server = db
+            .server()
+            .layer(|layer| layer.with_lock_timeout(Duration::from_secs(30)))
+            // The first handler holds its transaction until every duplicate has arrived.
+            .hook(hook(first_call_only(move |_| {
+                let gate = held.clone();
+                async move {
+                    gate.notified().await;
+                    None
+                }
+            })))
+            .spawn_with(|options| options.replay_check(ReplayCheck::Reservation))
+            .await;
+        let opener = {
+            let (app, gate) = (server.app.clone(), gate.clone());
+            tokio::spawn(async move {
+                let arrived = app.wait_for_arrivals(DUPLICATES, PATIENCE).await;
+                gate.notify_one();
+                arrived
+            })
+        };
+        let requests = same_request(server.addr, "dup-key", DUPLICATES);
+        let replies = send_all_at_once(requests.clone()).await;
+        assert!(
+            opener.await.expect("opener"),
+            "all duplicates were in flight together"
+        );
+        one_order_per_key(&requests, &replies);
+        assert_eq!(server.app.handler_calls(), 1, "exactly one ran the handler");
+
+        let first = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
+        assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+        let replay = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
+        assert!(replay.replayed(), "{replay:?}");
+        assert_eq!(replay.body, first.body);
+        let pen = r#"{"sku":"pen","quantity":1}"#;
+        let other = post(server.addr, Some(SHOP_A), Some("key-1"), pen, &[]).await;
+        assert_eq!(other.status, StatusCode::CONFLICT, "{other:?}");
+        assert_eq!(server.app.handler_calls(), 2);
+        assert_eq!(db.order_count().await, 2, "one order per key");
     }
 
     /// A SERIALIZABLE app whose first two handlers both read the whole `orders` table, then

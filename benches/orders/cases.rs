@@ -151,6 +151,7 @@ impl CaseRun {
             },
             Case::D => Workload::create("/baseline/orders", &prefix, &sku),
             Case::H => Workload::create("/hand/orders", &prefix, &sku),
+            Case::ReservationA => Workload::create("/reservation/orders", &prefix, &sku),
             Case::SqlxA => Workload::create("/sqlx/orders", &prefix, &sku),
             Case::SqlxH => Workload::create("/sqlx/hand/orders", &prefix, &sku),
             Case::R => {

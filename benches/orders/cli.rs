@@ -17,15 +17,17 @@ usage: cargo bench --bench orders -- [--quick] [--duration SECS] [--rounds N]
   --duration SECS      length of one round (default 2; --quick 0.4)
   --rounds N           rounds per case, interleaved with the other cases' rounds;
                        throughput is their median (default 3; --quick 2)
-  --cases LIST         what to run (default all but SA and SH): A B C D H R SA SH E, hold
-                       (replays while a handler holds the write transaction), alloc (bytes
-                       allocated per request). SA and SH (sqlx) run in a pass of their own,
-                       `--modes pg --cases sa,sh`: four pools of 32 beside the tokio-postgres
-                       ones exceed PostgreSQL's default max_connections (100)
+  --cases LIST         what to run (default all but AR, SA and SH): A B C D H R AR SA SH E,
+                       hold (replays while a handler holds the write transaction), alloc
+                       (bytes allocated per request). AR (PostgreSQL, ReplayCheck::Reservation)
+                       and SA, SH (sqlx) run in passes of their own, `--modes pg --cases ar,h`
+                       and `--modes pg --cases sa,sh`: more pools of 32 beside A's and H's
+                       would exceed PostgreSQL's default max_connections (100)
   --concurrency LIST   connections, one request in flight each (default 1,16,64)
   --modes LIST         full, normal (SQLite's durability), pg (default all three, pg
                        only with a URL)
-  --database-url URL   run A, B, H, R, SA and SH on PostgreSQL too (tables in a fresh schema)
+  --database-url URL   run A, B, H, R, AR, SA and SH on PostgreSQL too (tables in a fresh
+                       schema)
   --client-threads N   threads of the load generator's runtime (default 1)
   --out DIR            where results.csv, goals.csv, extras.csv and throughput.svg go
                        (default bench)
@@ -41,6 +43,8 @@ pub(crate) enum Case {
     D,
     H,
     R,
+    /// Case A on the tokio-postgres store with `ReplayCheck::Reservation`.
+    ReservationA,
     /// Case A on the sqlx store.
     SqlxA,
     /// Case H written with sqlx.
@@ -49,20 +53,29 @@ pub(crate) enum Case {
 }
 
 impl Case {
-    pub(crate) const HTTP: [Case; 8] = [
+    pub(crate) const HTTP: [Case; 9] = [
         Case::A,
         Case::B,
         Case::C,
         Case::D,
         Case::H,
         Case::R,
+        Case::ReservationA,
         Case::SqlxA,
         Case::SqlxH,
     ];
     /// The cases that run on PostgreSQL (C and D are SQLite-only).
-    const POSTGRES: [Case; 6] = [Case::A, Case::B, Case::H, Case::R, Case::SqlxA, Case::SqlxH];
-    /// The cases that run only on PostgreSQL (the sqlx store).
-    const POSTGRES_ONLY: [Case; 2] = [Case::SqlxA, Case::SqlxH];
+    const POSTGRES: [Case; 7] = [
+        Case::A,
+        Case::B,
+        Case::H,
+        Case::R,
+        Case::ReservationA,
+        Case::SqlxA,
+        Case::SqlxH,
+    ];
+    /// The cases that run only on PostgreSQL (the reservation's replay check, the sqlx store).
+    const POSTGRES_ONLY: [Case; 3] = [Case::ReservationA, Case::SqlxA, Case::SqlxH];
 
     pub(crate) fn name(self) -> &'static str {
         match self {
@@ -72,6 +85,7 @@ impl Case {
             Case::D => "D",
             Case::H => "H",
             Case::R => "R",
+            Case::ReservationA => "AR",
             Case::SqlxA => "SA",
             Case::SqlxH => "SH",
             Case::E => "E",
@@ -86,6 +100,7 @@ impl Case {
             Case::D => "hand-written, spawn_blocking (old)",
             Case::H => "hand-written (baseline)",
             Case::R => "GET /orders/{id} (baseline)",
+            Case::ReservationA => "layer, new keys, ReplayCheck::Reservation",
             Case::SqlxA => "sqlx store, layer, new keys",
             Case::SqlxH => "hand-written on sqlx (baseline)",
             Case::E => "rusqlite loop, no HTTP (ceiling)",
@@ -95,7 +110,7 @@ impl Case {
     /// The baseline a case is compared with in the table's ratio column.
     pub(crate) fn baseline(self) -> Option<Case> {
         match self {
-            Case::A | Case::C | Case::D => Some(Case::H),
+            Case::A | Case::C | Case::D | Case::ReservationA => Some(Case::H),
             Case::B => Some(Case::R),
             Case::SqlxA => Some(Case::SqlxH),
             Case::H | Case::R | Case::SqlxH | Case::E => None,
@@ -274,6 +289,7 @@ impl Command {
                         "d" => cases.push(Case::D),
                         "h" => cases.push(Case::H),
                         "r" => cases.push(Case::R),
+                        "ar" => cases.push(Case::ReservationA),
                         "sa" => cases.push(Case::SqlxA),
                         "sh" => cases.push(Case::SqlxH),
                         "e" => cases.push(Case::E),

@@ -22,7 +22,7 @@ use tower_idempotency::store::postgres::deadpool_postgres::{
     Manager, ManagerConfig, Pool, RecyclingMethod,
 };
 use tower_idempotency::store::postgres::tokio_postgres::{self, NoTls};
-use tower_idempotency::store::postgres::{PostgresStore, PostgresTransaction};
+use tower_idempotency::store::postgres::{PostgresStore, PostgresTransaction, ReplayCheck};
 use tower_idempotency::store::sqlx_postgres::sqlx::postgres::{
     PgConnectOptions, PgPool, PgPoolOptions,
 };
@@ -52,6 +52,9 @@ CREATE TABLE IF NOT EXISTS orders (
 #[derive(Clone)]
 pub(crate) struct PgState {
     pub(crate) store: PostgresStore,
+    /// Case AR: the same, with the replay check in the reservation (its pools are made
+    /// lazily, so they open connections only when AR runs).
+    pub(crate) reservation_store: PostgresStore,
     /// The hand-written handler's own pool (deadpool, as a user would set it up).
     pub(crate) hand: Pool,
     /// The sqlx store (case SA), on a `PgPool` of its own.
@@ -85,6 +88,13 @@ impl PgDatabase {
             .connect()
             .await?;
         store.client().await?.batch_execute(ORDERS_SCHEMA).await?;
+        let reservation_store = PostgresStore::builder(config.clone())
+            .max_connections(POOL_SIZE)
+            .max_read_connections(1)
+            .replay_check(ReplayCheck::Reservation)
+            .create_schema(false)
+            .connect()
+            .await?;
         PostgresOutbox::install(&store).await?;
         let manager = Manager::from_config(
             config,
@@ -107,6 +117,7 @@ impl PgDatabase {
         Ok(PgDatabase {
             state: PgState {
                 store,
+                reservation_store,
                 hand,
                 sqlx_store,
                 sqlx_hand,
@@ -183,12 +194,19 @@ pub(crate) fn app(state: PgState) -> Router {
     let idempotency = IdempotencyLayer::new(state.store.clone())
         .with_operation(OPERATION)
         .with_fingerprinter(Fingerprinter::json());
+    let reservation_idempotency = IdempotencyLayer::new(state.reservation_store.clone())
+        .with_operation(OPERATION)
+        .with_fingerprinter(Fingerprinter::json());
     let sqlx_idempotency = IdempotencyLayer::new(state.sqlx_store.clone())
         .with_operation(OPERATION)
         .with_fingerprinter(Fingerprinter::json());
     Router::new()
         .route("/orders", post(create_order).layer(idempotency))
         .route("/orders/{id}", get(get_order))
+        .route(
+            "/reservation/orders",
+            post(create_order).layer(reservation_idempotency),
+        )
         .route("/hand/orders", post(create_order_hand))
         .route(
             "/sqlx/orders",

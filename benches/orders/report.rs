@@ -169,6 +169,14 @@ pub(crate) fn goals(rows: &[Row]) -> Vec<Goal> {
     }
     for c in [1, 64] {
         throughput(
+            format!("PostgreSQL c{c}, ReplayCheck::Reservation: layer / hand-written"),
+            find(rows, Case::ReservationA, pg, c),
+            find(rows, Case::H, pg, c),
+            1.0,
+        );
+    }
+    for c in [1, 64] {
+        throughput(
             format!("PostgreSQL on sqlx c{c}: layer / hand-written"),
             find(rows, Case::SqlxA, pg, c),
             find(rows, Case::SqlxH, pg, c),

@@ -384,7 +384,7 @@ pub(crate) fn prime_wal(conn: &Connection, mode: Mode) -> Result<(), BoxError> {
 enum Backend {
     /// A fresh SQLite database; the temp dir is dropped after the store.
     Sqlite(AppState, tempfile::TempDir),
-    Postgres(PgDatabase),
+    Postgres(Box<PgDatabase>),
 }
 
 pub(crate) struct Server {
@@ -419,7 +419,7 @@ impl Server {
     pub(crate) async fn start_postgres(url: &str, schema: &str) -> Result<Self, BoxError> {
         let database = PgDatabase::create(url, schema).await?;
         let router = postgres::app(database.state.clone());
-        Self::serve(router, Backend::Postgres(database)).await
+        Self::serve(router, Backend::Postgres(Box::new(database))).await
     }
 
     async fn serve(router: Router, backend: Backend) -> Result<Self, BoxError> {
@@ -530,7 +530,7 @@ impl Server {
                 drop(state);
                 drop(dir);
             }
-            Backend::Postgres(database) => database.drop_schema().await?,
+            Backend::Postgres(database) => (*database).drop_schema().await?,
         }
         Ok(())
     }

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-pub use super::reserve::Isolation;
+pub use super::reserve::{Isolation, ReplayCheck};
 // What the tokio-postgres store reaches through this module.
 #[cfg(feature = "postgres")]
 pub(crate) use super::reserve::{reserve, ReserveStatements, Reserved};

@@ -89,7 +89,7 @@ pub use deadpool_postgres;
 pub use tokio_postgres;
 
 pub use handle::{Command, Executor, PostgresTransaction, TransactionClient};
-pub use options::{Isolation, PostgresOptions};
+pub use options::{Isolation, PostgresOptions, ReplayCheck};
 pub use reservation::PostgresReservation;
 pub use store::PostgresStore;
 

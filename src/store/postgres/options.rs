@@ -14,7 +14,7 @@ use super::store::Shared;
 use super::PostgresStore;
 use crate::error::Error;
 
-pub use crate::store::pg_reserve::Isolation;
+pub use crate::store::pg_reserve::{Isolation, ReplayCheck};
 
 /// Options for opening a [`PostgresStore`]; see [`PostgresStore::builder`] and
 /// [`PostgresStore::from_pool`].
@@ -26,6 +26,7 @@ pub struct PostgresOptions {
     max_connections: usize,
     max_read_connections: usize,
     read_wait: Duration,
+    replay_check: ReplayCheck,
     isolation: Isolation,
     serialization_retries: u32,
     create_schema: bool,
@@ -98,6 +99,28 @@ impl PostgresOptions {
         self
     }
 
+    /// Where a request learns that its key has a completed record to replay: with a read on
+    /// the read pool before its transaction (the default), or in the transaction, by the
+    /// reservation ([`ReplayCheck::Reservation`]: one query less per new key, and replays
+    /// then take connections of the request transactions). Default: [`ReplayCheck::ReadPool`].
+    ///
+    /// ```no_run
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// use tower_idempotency::store::postgres::{PostgresStore, ReplayCheck};
+    ///
+    /// // Retries are rare here: new orders should cost what a hand-written transaction does.
+    /// let store = PostgresStore::builder("postgres://app@127.0.0.1/shop".parse()?)
+    ///     .replay_check(ReplayCheck::Reservation)
+    ///     .connect()
+    ///     .await?;
+    /// # let _ = store;
+    /// # Ok(()) }
+    /// ```
+    pub fn replay_check(mut self, check: ReplayCheck) -> Self {
+        self.replay_check = check;
+        self
+    }
+
     /// The isolation level of request transactions. Default: [`Isolation::ReadCommitted`].
     pub fn isolation(mut self, isolation: Isolation) -> Self {
         self.isolation = isolation;
@@ -167,6 +190,7 @@ impl PostgresOptions {
                 reads,
                 lookups: Arc::default(),
                 read_wait: self.read_wait,
+                replay_check: self.replay_check,
                 isolation: self.isolation,
                 serialization_retries: self.serialization_retries,
                 reservations: AtomicU64::new(1),
@@ -236,6 +260,7 @@ impl PostgresStore {
             max_connections: 16,
             max_read_connections: 8,
             read_wait: Duration::from_secs(1),
+            replay_check: ReplayCheck::default(),
             isolation: Isolation::default(),
             serialization_retries: 3,
             create_schema: true,

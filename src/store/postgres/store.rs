@@ -3,6 +3,7 @@
 //! reservation that conflicted) and the purge of expired records.
 
 use std::fmt;
+use std::future::Future;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -10,11 +11,14 @@ use std::time::{Duration, SystemTime};
 use deadpool_postgres::{Object, Pool, PoolError};
 
 use super::lookups::Lookups;
-use super::{Isolation, PostgresReservation, PURGE_EXPIRED};
+use super::{Isolation, PostgresReservation, ReplayCheck, PURGE_EXPIRED};
 use crate::error::Error;
 use crate::in_flight::InFlight;
 use crate::store::reserve;
-use crate::store::{to_unix_millis, Begin, IdempotencyStore, Scope, StoredRecord};
+use crate::store::{
+    begin_and_run_in_place, lookup_then, to_unix_millis, Begin, IdempotencyStore, RunOutcome,
+    Scope, StoredRecord,
+};
 
 /// What clones of a store share.
 pub(super) struct Shared {
@@ -25,6 +29,7 @@ pub(super) struct Shared {
     /// The replay checks in flight and queued.
     pub(super) lookups: Arc<Lookups>,
     pub(super) read_wait: Duration,
+    pub(super) replay_check: ReplayCheck,
     pub(super) isolation: Isolation,
     pub(super) serialization_retries: u32,
     /// The next transaction's token (its name in logs and `Debug`).
@@ -45,6 +50,7 @@ impl fmt::Debug for PostgresStore {
         f.debug_struct("PostgresStore")
             .field("transactions", &self.shared.transactions.status())
             .field("reads", &self.shared.reads.status())
+            .field("replay_check", &self.shared.replay_check)
             .field("isolation", &self.shared.isolation)
             .finish_non_exhaustive()
     }
@@ -96,6 +102,27 @@ impl IdempotencyStore for PostgresStore {
             .lookups
             .check(&self.shared.reads, scope, to_unix_millis(now));
         reserve::within(self.shared.read_wait, read).await
+    }
+
+    /// Under [`ReplayCheck::Reservation`], `begin_and_run` alone: the reservation finds a
+    /// completed record itself.
+    async fn lookup_then_begin_and_run<W, F>(
+        &self,
+        scope: &Scope,
+        lock_timeout: Duration,
+        now: SystemTime,
+        work: W,
+    ) -> Result<RunOutcome<F::Output>, Error>
+    where
+        W: FnOnce(PostgresReservation) -> F + Send + 'static,
+        F: Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        let run = move || begin_and_run_in_place(self, scope, lock_timeout, now, work);
+        match self.shared.replay_check {
+            ReplayCheck::Reservation => run().await,
+            ReplayCheck::ReadPool => lookup_then(self, scope, now, run).await,
+        }
     }
 
     async fn begin(
