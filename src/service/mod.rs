@@ -215,13 +215,19 @@ where
             return self.pass_through(request).await;
         }
         let wire = Wire::of(request.version(), request.headers());
-        // `check` consumes the request; a rejection's metric label still needs its path.
-        let uri = request.uri().clone();
+        // `check` consumes the request; a rejection's metric label still needs its path when
+        // the layer has no operation name.
+        let path = match &self.config.operation {
+            Some(_) => None,
+            None => Some(request.uri().clone()),
+        };
         let checked = match check(&self.config, request, key_headers).await {
             Ok(checked) => checked,
             Err(rejection) => {
-                let operation = self.config.operation.as_deref().unwrap_or(uri.path());
-                metrics::request(operation, Outcome::Rejected);
+                let operation = self.config.operation.clone().unwrap_or_else(|| {
+                    Arc::from(path.as_ref().map_or("", |uri: &http::Uri| uri.path()))
+                });
+                metrics::request(&operation, Outcome::Rejected);
                 return Ok(self.reject(&rejection, wire));
             }
         };
@@ -231,7 +237,13 @@ where
             tenant = %checked.scope.tenant,
             key = %checked.scope.key.redacted_lazily(),
         );
-        self.execute(checked).instrument(span).await
+        // Without a subscriber that wants it, the span is disabled: entering and leaving it on
+        // every poll would do nothing but cost.
+        if span.is_disabled() {
+            self.execute(checked, wire).await
+        } else {
+            self.execute(checked, wire).instrument(span).await
+        }
     }
 
     async fn pass_through<ReqB>(
@@ -252,16 +264,24 @@ where
         Ok(response.map(ResponseBody::inner))
     }
 
-    async fn execute(mut self, checked: Checked) -> Result<Response<ResponseBody<ResB>>, S::Error> {
+    /// The checked request's trip through the store and the handler; `wire` is the request's
+    /// (its head is the one checked).
+    async fn execute(
+        mut self,
+        checked: Checked,
+        wire: Wire,
+    ) -> Result<Response<ResponseBody<ResB>>, S::Error> {
         let Checked {
             parts,
             body,
             scope,
             fingerprint,
         } = checked;
-        let wire = Wire::of(parts.version, &parts.headers);
+        // One clock read for both the in-flight bound and the first attempt's lock wait (the
+        // claim does not wait under the default policy; under the others the attempt reads
+        // the clock again after it).
+        let started = Instant::now();
         // Held until the request ends: duplicates meanwhile follow the in-flight policy.
-        let claim_started = Instant::now();
         let _running = match self
             .config
             .running
@@ -280,13 +300,14 @@ where
             // that wait too, by what is left of the bound after the wait in this process.
             let policy = match self.config.in_flight {
                 crate::InFlight::WaitUpTo(bound) => {
-                    crate::InFlight::WaitUpTo(bound.saturating_sub(claim_started.elapsed()))
+                    crate::InFlight::WaitUpTo(bound.saturating_sub(started.elapsed()))
                 }
                 policy => policy,
             };
             self.store = self.store.clone().with_in_flight(policy);
         }
         let now = SystemTime::now();
+        let mut first_started = (self.config.in_flight == crate::InFlight::Wait).then_some(started);
 
         let mut reruns = Reruns::default();
         let mut parts = Some(parts);
@@ -314,7 +335,7 @@ where
             let lent_to_work = lent.clone();
             // Everything done while the transaction is open: the store may run it where the
             // transaction lives (the SQLite store, on its writer thread).
-            let lock_started = Instant::now();
+            let lock_started = first_started.take().unwrap_or_else(Instant::now);
             let work = move |transaction| attempt.run(lent_to_work, transaction);
             let lock_timeout = self.config.lock_timeout;
             let began = if reruns.attempts() == 0 {
@@ -330,11 +351,11 @@ where
             };
             let (inner, spare_parts, finished) = match began {
                 Ok(RunOutcome::Found { record }) => {
-                    return Ok(self.answer_existing(&scope, &record, &fingerprint, wire));
+                    return Ok(self.answer_existing(&scope, record, &fingerprint, wire));
                 }
                 Ok(RunOutcome::Existing { record, waited }) => {
                     metrics::lock_wait(&scope.operation, waited);
-                    return Ok(self.answer_existing(&scope, &record, &fingerprint, wire));
+                    return Ok(self.answer_existing(&scope, record, &fingerprint, wire));
                 }
                 Ok(RunOutcome::Ran { output, waited }) => {
                     metrics::lock_wait(&scope.operation, waited);
@@ -418,14 +439,14 @@ where
     fn answer_existing(
         &self,
         scope: &Scope,
-        record: &StoredRecord,
+        record: StoredRecord,
         fingerprint: &crate::fingerprint::Fingerprint,
         wire: Wire,
     ) -> Response<ResponseBody<ResB>> {
         if record.fingerprint.matches(fingerprint) {
             tracing::debug!(status = %record.response.status, "replayed saved response");
             metrics::request(&scope.operation, Outcome::Replayed);
-            record.response.replay()
+            record.response.into_replay()
         } else {
             tracing::info!("idempotency key reused with a different payload");
             metrics::request(&scope.operation, Outcome::Conflict);
