@@ -25,6 +25,7 @@
 //! [RFC 8941]: https://www.rfc-editor.org/rfc/rfc8941#name-strings
 
 use std::fmt;
+use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
 
@@ -38,8 +39,11 @@ pub use crate::key_source::KeyExtractor;
 /// `Debug` never prints the key itself (it is a capability to replay a response):
 /// they print its [redacted](IdempotencyKey::redacted) tag. Use [`as_str`](IdempotencyKey::as_str)
 /// to get the key.
+///
+/// Shared, not copied, by its clones: a request's scope is cloned a few times on its way
+/// through the layer and the store.
 #[derive(Clone, PartialEq, Eq, Hash)]
-pub struct IdempotencyKey(String);
+pub struct IdempotencyKey(Arc<str>);
 
 /// Why an `Idempotency-Key` header value was rejected.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -70,20 +74,21 @@ impl IdempotencyKey {
     /// ASCII (`0x21..=0x7E`).
     pub fn parse(value: &[u8], max_len: usize) -> Result<Self, KeyError> {
         let value = trim_ows(value);
-        let key = match value.split_first() {
+        let unquoted;
+        let key: &[u8] = match value.split_first() {
             None => return Err(KeyError::Empty),
-            Some((b'"', quoted)) => unquote_sf_string(quoted)?,
-            Some(_) => {
-                if !value.iter().all(|&b| is_visible_ascii(b)) {
-                    return Err(KeyError::Malformed);
-                }
-                value.to_vec()
+            Some((b'"', quoted)) => {
+                unquoted = unquote_sf_string(quoted)?;
+                &unquoted
             }
+            // A raw token is the key as it is: no copy before the key's own.
+            Some(_) => value,
         };
         if key.is_empty() {
             return Err(KeyError::Empty);
         }
-        // A quoted string may hold spaces; a key may not.
+        // A quoted string may hold spaces; a key may not (nor may a raw token hold anything
+        // but visible ASCII).
         if !key.iter().all(|&b| is_visible_ascii(b)) {
             return Err(KeyError::Malformed);
         }
@@ -91,8 +96,8 @@ impl IdempotencyKey {
             return Err(KeyError::TooLong { max: max_len });
         }
         // Every byte was checked to be ASCII above, so this cannot fail.
-        String::from_utf8(key)
-            .map(IdempotencyKey)
+        std::str::from_utf8(key)
+            .map(|key| IdempotencyKey(Arc::from(key)))
             .map_err(|_| KeyError::Malformed)
     }
 

@@ -28,6 +28,7 @@
 //! assert_eq!(tower_idempotency::metrics::REQUESTS_TOTAL, "idempotency_requests_total");
 //! ```
 
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Counter: requests the layer handled, labelled `operation` and `outcome` ([`Outcome`]).
@@ -123,14 +124,16 @@ impl RollbackReason {
 }
 
 // The recording functions below are the only places that touch the `metrics` crate, so that
-// the rest of the crate calls them unconditionally and the feature switch lives here.
+// the rest of the crate calls them unconditionally and the feature switch lives here. The
+// operation label is the layer's shared name: a label made from it shares it (no copy per
+// request, with or without a recorder).
 
 /// Counts one request the layer handled.
-pub(crate) fn request(operation: &str, outcome: Outcome) {
+pub(crate) fn request(operation: &Arc<str>, outcome: Outcome) {
     #[cfg(feature = "metrics")]
     metrics::counter!(
         REQUESTS_TOTAL,
-        "operation" => operation.to_owned(),
+        "operation" => operation.clone(),
         "outcome" => outcome.as_str()
     )
     .increment(1);
@@ -139,11 +142,11 @@ pub(crate) fn request(operation: &str, outcome: Outcome) {
 }
 
 /// Counts one rollback after the handler was called.
-pub(crate) fn rollback(operation: &str, reason: RollbackReason) {
+pub(crate) fn rollback(operation: &Arc<str>, reason: RollbackReason) {
     #[cfg(feature = "metrics")]
     metrics::counter!(
         HANDLER_ROLLBACKS_TOTAL,
-        "operation" => operation.to_owned(),
+        "operation" => operation.clone(),
         "reason" => reason.as_str()
     )
     .increment(1);
@@ -152,15 +155,15 @@ pub(crate) fn rollback(operation: &str, reason: RollbackReason) {
 }
 
 /// Counts a request whose handler ran but whose transaction was rolled back.
-pub(crate) fn rolled_back(operation: &str, reason: RollbackReason) {
+pub(crate) fn rolled_back(operation: &Arc<str>, reason: RollbackReason) {
     rollback(operation, reason);
     request(operation, Outcome::RolledBack);
 }
 
 /// Records how long opening the write transaction took.
-pub(crate) fn lock_wait(operation: &str, waited: Duration) {
+pub(crate) fn lock_wait(operation: &Arc<str>, waited: Duration) {
     #[cfg(feature = "metrics")]
-    metrics::histogram!(LOCK_WAIT_SECONDS, "operation" => operation.to_owned())
+    metrics::histogram!(LOCK_WAIT_SECONDS, "operation" => operation.clone())
         .record(waited.as_secs_f64());
     #[cfg(not(feature = "metrics"))]
     let _ = (operation, waited);

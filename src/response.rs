@@ -48,15 +48,24 @@ impl SavedResponse {
 #[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
 impl SavedResponse {
     /// Builds the replayed response, marked with `Idempotent-Replayed: true`.
+    #[cfg(test)]
     pub(crate) fn replay<B>(&self) -> Response<ResponseBody<B>> {
-        let trailers = self.trailers.as_ref().map(|t| to_header_map(t));
-        let mut response = Response::new(ResponseBody::full(self.body.clone(), trailers));
+        self.clone().into_replay()
+    }
+
+    /// [`replay`](Self::replay), consuming the saved response: its headers and body move into
+    /// the response rather than being copied (a record read back is replayed once).
+    pub(crate) fn into_replay<B>(self) -> Response<ResponseBody<B>> {
+        let trailers = self.trailers.map(to_header_map);
+        let mut response = Response::new(ResponseBody::full(self.body, trailers));
         *response.status_mut() = self.status;
-        let headers = response.headers_mut();
-        for (name, value) in &self.headers {
-            headers.append(name.clone(), value.clone());
+        // Sized once: the saved headers and the mark.
+        let mut headers = HeaderMap::with_capacity(self.headers.len() + 1);
+        for (name, value) in self.headers {
+            headers.append(name, value);
         }
         headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+        *response.headers_mut() = headers;
         response
     }
 
@@ -190,10 +199,10 @@ fn ascii_json(json: &str) -> String {
     out
 }
 
-fn to_header_map(pairs: &[(HeaderName, HeaderValue)]) -> HeaderMap {
+fn to_header_map(pairs: Vec<(HeaderName, HeaderValue)>) -> HeaderMap {
     let mut map = HeaderMap::with_capacity(pairs.len());
     for (name, value) in pairs {
-        map.append(name.clone(), value.clone());
+        map.append(name, value);
     }
     map
 }

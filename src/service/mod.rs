@@ -150,8 +150,29 @@ where
     }
 
     fn call(&mut self, request: Request<ReqB>) -> Self::Future {
-        // `self.inner` is the instance that was driven to readiness; take it and leave the
-        // clone behind, so the ready one is the one we call.
+        let (parts, body) = request.into_parts();
+        let handled = self.config.methods.contains(&parts.method)
+            && self
+                .config
+                .filter
+                .as_ref()
+                .is_none_or(|filter| filter(&parts));
+        // A key in a header is known before the body; one in the body only after it.
+        let key_headers = (self.config.key_extractor.header_name())
+            .map(|name| parts.headers.get_all(name).iter().count());
+        let request = Request::from_parts(parts, body);
+        if !handled || (key_headers == Some(0) && !self.config.key_required) {
+            // Passed through: the ready instance is called at once, as without the layer.
+            let call = self.inner.call(request.map(RequestBody::streaming));
+            return ResponseFuture {
+                inner: Box::pin(async move { Ok(call.await?.map(ResponseBody::inner)) }),
+            };
+        }
+        // The flow owns the service it calls (lent to the store's work, perhaps on another
+        // thread, once the transaction is open), so it needs an instance of its own: the one
+        // driven to readiness, `self.inner`, goes with it and a clone stays behind (which
+        // `poll_ready` drives before the next call). A service whose readiness is held by its
+        // instance (a concurrency permit, a buffer slot) is thus called ready.
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
         let flow = Flow {
@@ -160,7 +181,7 @@ where
             config: self.config.clone(),
         };
         ResponseFuture {
-            inner: Box::pin(flow.run(request)),
+            inner: Box::pin(flow.run(request, key_headers)),
         }
     }
 }
@@ -189,39 +210,31 @@ where
     St: IdempotencyStore,
     ResB: Body<Data = Bytes> + Send + 'static,
 {
+    /// A request the layer handles (the method and filter say so, and a key is sent or
+    /// required), with `key_headers` key headers if the key is read from a header.
     async fn run<ReqB>(
         self,
         request: Request<ReqB>,
+        key_headers: Option<usize>,
     ) -> Result<Response<ResponseBody<ResB>>, S::Error>
     where
         ReqB: Body<Data = Bytes> + Send + 'static,
         ReqB::Error: Into<BoxError>,
     {
-        let (parts, body) = request.into_parts();
-        let handled = self.config.methods.contains(&parts.method)
-            && self
-                .config
-                .filter
-                .as_ref()
-                .is_none_or(|filter| filter(&parts));
-        let request = Request::from_parts(parts, body);
-        if !handled {
-            return self.pass_through(request).await;
-        }
-        // A key in a header is known before the body; one in the body only after it.
-        let key_headers = (self.config.key_extractor.header_name())
-            .map(|name| request.headers().get_all(name).iter().count());
-        if key_headers == Some(0) && !self.config.key_required {
-            return self.pass_through(request).await;
-        }
         let wire = Wire::of(request.version(), request.headers());
-        // `check` consumes the request; a rejection's metric label still needs its path.
-        let uri = request.uri().clone();
+        // `check` consumes the request; a rejection's metric label still needs its path when
+        // the layer has no operation name.
+        let path = match &self.config.operation {
+            Some(_) => None,
+            None => Some(request.uri().clone()),
+        };
         let checked = match check(&self.config, request, key_headers).await {
             Ok(checked) => checked,
             Err(rejection) => {
-                let operation = self.config.operation.as_deref().unwrap_or(uri.path());
-                metrics::request(operation, Outcome::Rejected);
+                let operation = self.config.operation.clone().unwrap_or_else(|| {
+                    Arc::from(path.as_ref().map_or("", |uri: &http::Uri| uri.path()))
+                });
+                metrics::request(&operation, Outcome::Rejected);
                 return Ok(self.reject(&rejection, wire));
             }
         };
@@ -231,37 +244,33 @@ where
             tenant = %checked.scope.tenant,
             key = %checked.scope.key.redacted_lazily(),
         );
-        self.execute(checked).instrument(span).await
+        // Without a subscriber that wants it, the span is disabled: entering and leaving it on
+        // every poll would do nothing but cost.
+        if span.is_disabled() {
+            self.execute(checked, wire).await
+        } else {
+            self.execute(checked, wire).instrument(span).await
+        }
     }
 
-    async fn pass_through<ReqB>(
+    /// The checked request's trip through the store and the handler; `wire` is the request's
+    /// (its head is the one checked).
+    async fn execute(
         mut self,
-        request: Request<ReqB>,
-    ) -> Result<Response<ResponseBody<ResB>>, S::Error>
-    where
-        ReqB: Body<Data = Bytes> + Send + 'static,
-        ReqB::Error: Into<BoxError>,
-    {
-        let wire = Wire::of(request.version(), request.headers());
-        let request = request.map(RequestBody::streaming);
-        // Lent out only while a transaction is open, never before a pass-through.
-        let Some(inner) = self.inner.as_mut() else {
-            return Ok(self.reject(&Rejection::HandlerPanicked, wire));
-        };
-        let response = inner.call(request).await?;
-        Ok(response.map(ResponseBody::inner))
-    }
-
-    async fn execute(mut self, checked: Checked) -> Result<Response<ResponseBody<ResB>>, S::Error> {
+        checked: Checked,
+        wire: Wire,
+    ) -> Result<Response<ResponseBody<ResB>>, S::Error> {
         let Checked {
             parts,
             body,
             scope,
             fingerprint,
         } = checked;
-        let wire = Wire::of(parts.version, &parts.headers);
+        // One clock read for both the in-flight bound and the first attempt's lock wait (the
+        // claim does not wait under the default policy; under the others the attempt reads
+        // the clock again after it).
+        let started = Instant::now();
         // Held until the request ends: duplicates meanwhile follow the in-flight policy.
-        let claim_started = Instant::now();
         let _running = match self
             .config
             .running
@@ -280,13 +289,14 @@ where
             // that wait too, by what is left of the bound after the wait in this process.
             let policy = match self.config.in_flight {
                 crate::InFlight::WaitUpTo(bound) => {
-                    crate::InFlight::WaitUpTo(bound.saturating_sub(claim_started.elapsed()))
+                    crate::InFlight::WaitUpTo(bound.saturating_sub(started.elapsed()))
                 }
                 policy => policy,
             };
             self.store = self.store.clone().with_in_flight(policy);
         }
         let now = SystemTime::now();
+        let mut first_started = (self.config.in_flight == crate::InFlight::Wait).then_some(started);
 
         let mut reruns = Reruns::default();
         let mut parts = Some(parts);
@@ -314,7 +324,7 @@ where
             let lent_to_work = lent.clone();
             // Everything done while the transaction is open: the store may run it where the
             // transaction lives (the SQLite store, on its writer thread).
-            let lock_started = Instant::now();
+            let lock_started = first_started.take().unwrap_or_else(Instant::now);
             let work = move |transaction| attempt.run(lent_to_work, transaction);
             let lock_timeout = self.config.lock_timeout;
             let began = if reruns.attempts() == 0 {
@@ -330,11 +340,11 @@ where
             };
             let (inner, spare_parts, finished) = match began {
                 Ok(RunOutcome::Found { record }) => {
-                    return Ok(self.answer_existing(&scope, &record, &fingerprint, wire));
+                    return Ok(self.answer_existing(&scope, record, &fingerprint, wire));
                 }
                 Ok(RunOutcome::Existing { record, waited }) => {
                     metrics::lock_wait(&scope.operation, waited);
-                    return Ok(self.answer_existing(&scope, &record, &fingerprint, wire));
+                    return Ok(self.answer_existing(&scope, record, &fingerprint, wire));
                 }
                 Ok(RunOutcome::Ran { output, waited }) => {
                     metrics::lock_wait(&scope.operation, waited);
@@ -418,14 +428,14 @@ where
     fn answer_existing(
         &self,
         scope: &Scope,
-        record: &StoredRecord,
+        record: StoredRecord,
         fingerprint: &crate::fingerprint::Fingerprint,
         wire: Wire,
     ) -> Response<ResponseBody<ResB>> {
         if record.fingerprint.matches(fingerprint) {
             tracing::debug!(status = %record.response.status, "replayed saved response");
             metrics::request(&scope.operation, Outcome::Replayed);
-            record.response.replay()
+            record.response.into_replay()
         } else {
             tracing::info!("idempotency key reused with a different payload");
             metrics::request(&scope.operation, Outcome::Conflict);
@@ -572,4 +582,168 @@ fn copy_parts(parts: &request::Parts) -> request::Parts {
     *request.headers_mut() = parts.headers.clone();
     *request.extensions_mut() = parts.extensions.clone();
     request.into_parts().0
+}
+
+#[cfg(all(test, feature = "sqlite"))]
+mod tests {
+    use std::convert::Infallible;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Mutex;
+
+    use http::{Method, StatusCode};
+    use http_body_util::Full;
+    use tower_layer::Layer;
+
+    use super::*;
+    use crate::store::sqlite::SqliteStore;
+    use crate::Tenant;
+
+    /// A handler that counts its clones and answers `201`.
+    struct Counted {
+        clones: Arc<AtomicUsize>,
+    }
+
+    impl Clone for Counted {
+        fn clone(&self) -> Self {
+            self.clones.fetch_add(1, Ordering::SeqCst);
+            Counted {
+                clones: self.clones.clone(),
+            }
+        }
+    }
+
+    impl Service<Request<RequestBody>> for Counted {
+        type Response = Response<Full<Bytes>>;
+        type Error = Infallible;
+        type Future = std::future::Ready<Result<Self::Response, Infallible>>;
+
+        fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+            Poll::Ready(Ok(()))
+        }
+
+        fn call(&mut self, _: Request<RequestBody>) -> Self::Future {
+            let mut response = Response::new(Full::new(Bytes::from_static(b"{}")));
+            *response.status_mut() = StatusCode::CREATED;
+            std::future::ready(Ok(response))
+        }
+    }
+
+    fn request(method: Method, key: Option<&str>) -> Request<Full<Bytes>> {
+        let mut request = Request::new(Full::new(Bytes::from_static(b"{\"a\":1}")));
+        *request.method_mut() = method;
+        *request.uri_mut() = http::Uri::from_static("/orders");
+        if let Some(key) = key {
+            request
+                .headers_mut()
+                .insert(IDEMPOTENCY_KEY, HeaderValue::from_str(key).unwrap());
+        }
+        request.extensions_mut().insert(Tenant::new("t"));
+        request
+    }
+
+    async fn send<S>(service: &mut S, request: Request<Full<Bytes>>) -> StatusCode
+    where
+        S: Service<Request<Full<Bytes>>, Response = Response<ResponseBody<Full<Bytes>>>>,
+        S::Error: fmt::Debug,
+    {
+        std::future::poll_fn(|cx| service.poll_ready(cx))
+            .await
+            .unwrap();
+        service.call(request).await.unwrap().status()
+    }
+
+    /// A subscriber for this thread: the tests in this module run in parallel, and tracing
+    /// caches a callsite's interest from whichever thread registers it first, so one test
+    /// without a subscriber could disable the span for the other.
+    fn subscriber(writer: Capture) -> tracing::subscriber::DefaultGuard {
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::DEBUG)
+            .with_ansi(false)
+            .with_writer(move || writer.clone())
+            .finish();
+        tracing::subscriber::set_default(subscriber)
+    }
+
+    #[tokio::test]
+    async fn only_a_request_the_layer_handles_takes_an_instance_of_its_own() {
+        let _default = subscriber(Capture::default());
+        let dir = tempfile::tempdir().unwrap();
+        let store = SqliteStore::open(dir.path().join("records.db"))
+            .await
+            .unwrap();
+        let clones = Arc::new(AtomicUsize::new(0));
+        let inner = Counted {
+            clones: clones.clone(),
+        };
+        let mut service = IdempotencyLayer::new(store)
+            .with_operation("op")
+            .with_key_required(false)
+            .layer(inner);
+        let before = clones.load(Ordering::SeqCst);
+        // Passed through (another method; no key where none is required): called as it is.
+        assert_eq!(
+            send(&mut service, request(Method::GET, None)).await,
+            StatusCode::CREATED
+        );
+        assert_eq!(
+            send(&mut service, request(Method::POST, None)).await,
+            StatusCode::CREATED
+        );
+        assert_eq!(clones.load(Ordering::SeqCst), before);
+        // Handled: the ready instance goes with the request, one clone stays behind.
+        assert_eq!(
+            send(&mut service, request(Method::POST, Some("k1"))).await,
+            StatusCode::CREATED
+        );
+        assert_eq!(clones.load(Ordering::SeqCst), before + 1);
+    }
+
+    /// Collects what a `fmt` subscriber writes.
+    #[derive(Clone, Default)]
+    struct Capture(Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Capture {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[tokio::test]
+    async fn with_a_subscriber_the_flow_runs_in_its_span() {
+        let capture = Capture::default();
+        // The current-thread runtime polls the request here, where the subscriber is set.
+        let _default = subscriber(capture.clone());
+        let dir = tempfile::tempdir().unwrap();
+        let store = SqliteStore::open(dir.path().join("records.db"))
+            .await
+            .unwrap();
+        let inner = Counted {
+            clones: Arc::new(AtomicUsize::new(0)),
+        };
+        let mut service = IdempotencyLayer::new(store)
+            .with_operation("create_order")
+            .layer(inner);
+        for _ in 0..2 {
+            let status = send(&mut service, request(Method::POST, Some("k1"))).await;
+            assert_eq!(status, StatusCode::CREATED);
+        }
+        let logged = String::from_utf8(capture.0.lock().unwrap().clone()).unwrap();
+        let replayed = logged
+            .lines()
+            .find(|line| line.contains("replayed saved response"))
+            .unwrap_or_else(|| panic!("no replay logged in {logged}"));
+        assert!(
+            replayed.contains("idempotency{operation=create_order tenant=t key=k:"),
+            "{replayed}"
+        );
+        assert!(
+            !logged.contains("k1"),
+            "the key itself is never logged: {logged}"
+        );
+    }
 }
