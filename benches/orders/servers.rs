@@ -110,7 +110,8 @@ pub(crate) async fn authenticate(mut request: Request, next: Next) -> Response {
 }
 
 /// `POST /orders` under the layer: the handler of `examples/orders.rs` (the order, then its
-/// `order_created` event, in the request's transaction).
+/// `order_created` event, in the request's transaction; the statement prepared once per
+/// connection, as H's are).
 async fn create_order(
     Extension(tenant): Extension<Tenant>,
     Tx(tx): Tx<SqliteTransaction>,
@@ -121,7 +122,8 @@ async fn create_order(
     let (sku, quantity) = (order.sku.clone(), order.quantity);
     let order_id = tx
         .run(move |conn| {
-            conn.execute(INSERT_ORDER, (tenant_id, order.sku, order.quantity))?;
+            conn.prepare_cached(INSERT_ORDER)?
+                .execute((tenant_id, order.sku, order.quantity))?;
             Ok(conn.last_insert_rowid())
         })
         .await
@@ -176,7 +178,8 @@ async fn slow_async(
     let tenant_id = tenant.as_str().to_owned();
     let order_id = tx
         .run(move |conn| {
-            conn.execute(INSERT_ORDER, (tenant_id, order.sku, order.quantity))?;
+            conn.prepare_cached(INSERT_ORDER)?
+                .execute((tenant_id, order.sku, order.quantity))?;
             Ok(conn.last_insert_rowid())
         })
         .await
@@ -196,7 +199,8 @@ async fn slow_blocking(
     let tenant_id = tenant.as_str().to_owned();
     let order_id = tx
         .run(move |conn| {
-            conn.execute(INSERT_ORDER, (tenant_id, order.sku, order.quantity))?;
+            conn.prepare_cached(INSERT_ORDER)?
+                .execute((tenant_id, order.sku, order.quantity))?;
             std::thread::sleep(HOLD);
             Ok(conn.last_insert_rowid())
         })

@@ -98,10 +98,8 @@ impl NewOrder {
 /// Inserts the order for `tenant` on `conn` (in the examples, the request's idempotency
 /// transaction) and returns its id.
 pub fn insert(conn: &Connection, tenant: &str, order: &NewOrder) -> rusqlite::Result<i64> {
-    conn.execute(
-        "INSERT INTO orders (tenant_id, sku, quantity) VALUES (?1, ?2, ?3)",
-        (tenant, &order.sku, order.quantity),
-    )?;
+    conn.prepare_cached("INSERT INTO orders (tenant_id, sku, quantity) VALUES (?1, ?2, ?3)")?
+        .execute((tenant, &order.sku, order.quantity))?;
     Ok(conn.last_insert_rowid())
 }
 
