@@ -214,10 +214,10 @@ impl SqlxDialect for PgDialect {
         crate::store::pg_reserve::restore_lock_timeout(deadline)
     }
 
-    /// One round trip: `BEGIN`, `SET LOCAL lock_timeout` and the reservation's `INSERT` (see
-    /// [`one_flight`]) in one simple query; the key's values are written into its text as
-    /// literals when they are plain ASCII (else the `BEGIN` goes alone and the `INSERT`
-    /// follows with bind parameters). If a statement fails, those after it do not run and the
+    /// One round trip: `BEGIN`, `SET LOCAL lock_timeout` and the reservation's `INSERT` (an
+    /// `EXECUTE` of it, prepared once per connection) in one simple query; the key's values
+    /// are written into its text as literals when they are plain ASCII (else the `BEGIN` goes
+    /// alone and the `INSERT` follows with bind parameters). If a statement fails, those after it do not run and the
     /// transaction stays open, aborted, for the caller's `ROLLBACK`.
     fn open_request<'a>(
         conn: &'a mut PgConnection,
@@ -301,8 +301,8 @@ impl SqlxDialect for PgDialect {
         Box::pin(async move { saved.await.map(drop).map_err(complete_failed) })
     }
 
-    /// With plain ASCII text values and a body of at most [`MAX_TEXT_BODY`] bytes: see
-    /// [`complete_as_text`].
+    /// An `EXECUTE` of the statement, prepared once per connection, with plain ASCII text
+    /// values and a body of at most 16 KiB (see `docs/sqlx.md`).
     fn complete_as_text(scope: &Scope, row: &String, record: &NewRecord) -> Option<String> {
         complete_as_text(scope, row, record)
     }
