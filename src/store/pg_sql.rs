@@ -92,6 +92,32 @@ pub(crate) const INSERT_RESERVATION: &str = "INSERT INTO idempotency_records \
      VALUES ($1, $2, $3, 'in_progress', $4, $4) \
      ON CONFLICT (tenant, operation, idempotency_key) DO NOTHING RETURNING ctid::text";
 
+/// The names under which the sqlx store prepares its one-flight statements on each connection
+/// (SQL-level `PREPARE`, run once per connection, then `EXECUTE` in a simple query with the
+/// values as literals): [`INSERT_RESERVATION`], [`INSERT_RESERVATION_RESTORING`] and
+/// [`COMPLETE_RECORD`].
+#[cfg(feature = "sqlx-postgres")]
+pub(crate) const PREPARED_NAMES: [&str; 3] = [
+    "tower_idempotency_reserve",
+    "tower_idempotency_reserve_restoring",
+    "tower_idempotency_complete",
+];
+
+/// [`INSERT_RESERVATION`], and, if it reserved the key, `lock_timeout` set (for the transaction)
+/// to `$5` milliseconds less the time since the query reached the server
+/// (`clock_timestamp() - statement_timestamp()`, which counts the insert's wait), at least 1:
+/// the reservation under an in-flight policy's bound, then the handler's lock waits bounded by
+/// the deadline again. If the key had a row, no row comes back and the bound stays for the
+/// re-check and the take-over.
+#[cfg(feature = "sqlx-postgres")]
+pub(crate) const INSERT_RESERVATION_RESTORING: &str = "WITH reserved AS ( \
+     INSERT INTO idempotency_records \
+     (tenant, operation, idempotency_key, state, created_at, expires_at) \
+     VALUES ($1, $2, $3, 'in_progress', $4, $4) \
+     ON CONFLICT (tenant, operation, idempotency_key) DO NOTHING RETURNING ctid::text AS address) \
+     SELECT address, set_config('lock_timeout', greatest(1, $5::bigint - (extract(epoch FROM \
+     clock_timestamp() - statement_timestamp()) * 1000)::bigint)::text, true) FROM reserved";
+
 /// Takes over an expired record (or a stray reservation) as this transaction's reservation.
 pub(crate) const TAKE_OVER: &str = "UPDATE idempotency_records SET state = 'in_progress', \
      fingerprint = NULL, fingerprint_version = NULL, status = NULL, headers = NULL, body = NULL, \
@@ -103,7 +129,9 @@ pub(crate) const TAKE_OVER: &str = "UPDATE idempotency_records SET state = 'in_p
 /// zero, which aborts the transaction) unless exactly that row was completed. The tokio-postgres
 /// store's `commit` sends it and `COMMIT` in one flight: PostgreSQL answers the `COMMIT` of an
 /// aborted transaction with a `ROLLBACK`, so a record that is not this transaction's own is never
-/// committed. (The sqlx store, which cannot pipeline, sends `COMMIT` only once this succeeded.)
+/// committed. (The sqlx store, which cannot pipeline, sends both as one simple query with the
+/// values written in, which runs nothing after a failed statement; or `COMMIT` only once this
+/// succeeded.)
 ///
 /// The last condition checks that the transaction is still the one `begin` opened: the
 /// reservation row was written by it (`xmin`). After a `COMMIT` or `ROLLBACK` behind the layer's

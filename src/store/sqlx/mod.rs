@@ -20,6 +20,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use futures_util::future::BoxFuture;
+use sqlx::pool::PoolConnection;
 use sqlx::{Database, Executor as _, Pool};
 use tokio::time::Instant;
 
@@ -97,6 +98,35 @@ pub trait SqlxDialect: sealed::Sealed + Clone + fmt::Debug + Send + Sync + Sized
     /// `deadline` again, for the handler's own statements.
     fn restore_lock_wait(deadline: Instant) -> String;
 
+    /// Opens a request's transaction as [`begin_request`](Self::begin_request) says (`waits`:
+    /// its `deadline` and `key_row_wait`) and, where the dialect sends it in the same round
+    /// trip, inserts the reservation of `scope` at `now` too (see [`Opened`]). The default
+    /// only opens the transaction.
+    fn open_request<'a>(
+        conn: &'a mut Conn<Self>,
+        isolation: Isolation,
+        waits: (Instant, Option<Duration>),
+        scope: &'a Scope,
+        now: i64,
+    ) -> BoxFuture<'a, Result<Opened<Self::RowId>, sqlx::Error>> {
+        let _ = (scope, now);
+        let begin = Self::begin_request(isolation, waits.0, waits.1);
+        Box::pin(async move {
+            Self::Db::executor(conn).execute(begin.as_str()).await?;
+            Ok(Opened {
+                inserted: None,
+                lock_wait_restored: false,
+            })
+        })
+    }
+
+    /// Whether `error` means that the connection is gone (closed, broken, or ended by the
+    /// server): then nothing of its transaction can commit, and a fresh connection may
+    /// try again.
+    fn is_connection_lost(error: &sqlx::Error) -> bool {
+        matches!(error, sqlx::Error::Io(_) | sqlx::Error::WorkerCrashed)
+    }
+
     /// Reserves `scope` at `now` by `step`: the reserved row, or `None` (see [`ReserveStep`]).
     fn reserve<'a>(
         conn: &'a mut Conn<Self>,
@@ -114,6 +144,21 @@ pub trait SqlxDialect: sealed::Sealed + Clone + fmt::Debug + Send + Sync + Sized
         record: &'a NewRecord,
     ) -> BoxFuture<'a, Result<(), Error>>;
 
+    /// The completed record's statement of [`complete`](Self::complete) as text, with its
+    /// values written into it, for the commit to send it and [`COMMIT`](Self::COMMIT) in one
+    /// round trip; `None` where the dialect does not (the default), or not for these values:
+    /// then the statement goes with bind parameters, and `COMMIT` after it.
+    fn complete_as_text(scope: &Scope, row: &Self::RowId, record: &NewRecord) -> Option<String> {
+        let _ = (scope, row, record);
+        None
+    }
+
+    /// The error of a failed completed record's statement, sent as text (see
+    /// [`complete_as_text`](Self::complete_as_text)).
+    fn complete_failed(error: sqlx::Error) -> Error {
+        error.into()
+    }
+
     /// A serialization failure or deadlock.
     fn is_conflict(error: &sqlx::Error) -> bool;
 
@@ -125,6 +170,19 @@ pub trait SqlxDialect: sealed::Sealed + Clone + fmt::Debug + Send + Sync + Sized
 
     /// Cuts SQL sent without parameters into its statements.
     fn split(sql: &str) -> Vec<&str>;
+}
+
+/// What [`SqlxDialect::open_request`] did besides opening the transaction.
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct Opened<R> {
+    /// The answer of the reservation's insert if it was sent too (as [`ReserveStep::Insert`]
+    /// gives it), `None` if not.
+    pub inserted: Option<Option<R>>,
+    /// Whether, the insert having reserved the key under a `key_row_wait`, the lock waits are
+    /// bounded by the deadline again already (what
+    /// [`restore_lock_wait`](SqlxDialect::restore_lock_wait) does).
+    pub lock_wait_restored: bool,
 }
 
 /// The two statements that reserve a key.
@@ -199,23 +257,70 @@ impl<D: SqlxDialect> SqlxStore<D> {
         self.shared.reservations.fetch_add(1, Ordering::Relaxed)
     }
 
+    /// A connection of `pool` for a request: an idle one if there is one (taken without the
+    /// pool's checks: `test_before_acquire`'s ping and a `before_acquire` hook), else one
+    /// waited for by `deadline` (with them). `true` with a connection that was checked.
+    async fn connection(
+        pool: &Pool<D::Db>,
+        deadline: Instant,
+    ) -> Result<(PoolConnection<D::Db>, bool), Error> {
+        if let Some(idle) = pool.try_acquire() {
+            return Ok((idle, false));
+        }
+        Ok((Self::checked_connection(pool, deadline).await?, true))
+    }
+
+    /// A connection of `pool` through its `acquire` (with the pool's checks), by `deadline`.
+    async fn checked_connection(
+        pool: &Pool<D::Db>,
+        deadline: Instant,
+    ) -> Result<PoolConnection<D::Db>, Error> {
+        tokio::time::timeout_at(deadline, pool.acquire())
+            .await
+            .map_err(|_| Error::Busy)?
+            .map_err(pool_error)
+    }
+
     /// One attempt at opening the transaction and reserving the scope.
+    ///
+    /// The transaction's first round trip also tells whether an idle connection taken
+    /// unchecked still works: if it is gone, nothing of the transaction can commit (the
+    /// server rolls back a transaction whose connection is gone), so the connection is
+    /// discarded and the transaction opened once more on a connection of `acquire`.
     async fn try_begin(
         &self,
         scope: &Scope,
         deadline: Instant,
         now: i64,
     ) -> Result<Begin<SqlxReservation<D>>, Error> {
-        let connection = tokio::time::timeout_at(deadline, self.shared.transactions.acquire())
-            .await
-            .map_err(|_| Error::Busy)?
-            .map_err(pool_error)?;
+        let pool = &self.shared.transactions;
+        let (connection, mut checked) = Self::connection(pool, deadline).await?;
         // From here on, dropping this future (the client went away) discards the connection,
         // which rolls back whatever the server has done for it.
         let mut slot = Slot::new(TxConnection::new(connection));
-        let token = self.next_token();
         let waits = (deadline, self.key_row_wait);
-        match reserve_in(&mut slot, scope, waits, now, self.shared.isolation).await {
+        let isolation = self.shared.isolation;
+        let opened = loop {
+            match D::open_request(slot.raw()?, isolation, waits, scope, now).await {
+                Ok(opened) => break opened,
+                Err(error) if !checked && D::is_connection_lost(&error) => {
+                    tracing::debug!(%error, "idle connection lost; opening the transaction on another");
+                    slot.discard();
+                    let connection = Self::checked_connection(pool, deadline).await?;
+                    slot = Slot::new(TxConnection::new(connection));
+                    checked = true;
+                }
+                Err(error) => {
+                    slot.roll_back_and_release().await;
+                    return Err(reserve::in_flight_past_bound(
+                        self.key_row_wait,
+                        error.into(),
+                    ));
+                }
+            }
+        };
+        let token = self.next_token();
+        match reserve_in(&mut slot, scope, waits, now, opened).await {
             Ok(Reserved::Row(row)) => Ok(Begin::Reserved(SqlxReservation::new(
                 token,
                 slot,
@@ -231,6 +336,27 @@ impl<D: SqlxDialect> SqlxStore<D> {
                 Err(error)
             }
         }
+    }
+}
+
+impl<D: SqlxDialect> SqlxStore<D> {
+    /// The fast path's read of `scope`'s live record at `now`, on the read pool: on an idle
+    /// connection taken without the pool's checks if there is one, once more through the
+    /// pool's `acquire` if that connection turns out to be gone.
+    async fn read(&self, scope: &Scope, now: i64) -> Result<Option<Option<StoredRecord>>, Error> {
+        let reads = &self.shared.reads;
+        if let Some(mut idle) = reads.try_acquire() {
+            let conn = D::Db::executor(&mut idle);
+            match D::Db::fetch_record(conn, D::SELECT_LIVE_RECORD, scope, now, true).await {
+                Err(Error::Sqlx(error)) if D::is_connection_lost(&error) => {
+                    tracing::debug!(%error, "idle read connection lost; reading on another");
+                    drop(idle.detach());
+                }
+                found => return found,
+            }
+        }
+        let conn = D::Db::pool_executor(reads);
+        D::Db::fetch_record(conn, D::SELECT_LIVE_RECORD, scope, now, true).await
     }
 }
 
@@ -258,24 +384,24 @@ impl<D: SqlxDialect> ReserveStatements for Statements<'_, D> {
     }
 }
 
-/// Opens the transaction on `slot`'s connection and reserves `scope` (see
-/// [`reserve::reserve`]); `waits` are the lock timeout's deadline and the in-flight policy's
-/// bound on the wait for the key's row, if any ([`Error::InFlight`] past it). The transaction
-/// is left open either way.
+/// Reserves `scope` in the transaction open on `slot`'s connection (see [`reserve::reserve`]);
+/// `opened` says what [`SqlxDialect::open_request`] did besides; `waits` are the lock
+/// timeout's deadline and the in-flight policy's bound on the wait for the key's row, if any
+/// ([`Error::InFlight`] past it). The transaction is left open either way.
 async fn reserve_in<D: SqlxDialect>(
     slot: &mut Slot<D>,
     scope: &Scope,
     (deadline, key_row_wait): (Instant, Option<Duration>),
     now: i64,
-    isolation: Isolation,
+    opened: Opened<D::RowId>,
 ) -> Result<Reserved<D::RowId>, Error> {
+    // Restored only if that insert reserved the key (then `reserve` returns its row).
+    let restored = opened.lock_wait_restored && matches!(opened.inserted, Some(Some(_)));
     let conn = slot.raw()?;
-    let begin = D::begin_request(isolation, deadline, key_row_wait);
-    D::Db::executor(&mut *conn).execute(begin.as_str()).await?;
-    let reserved = reserve::reserve(&mut Statements::<D> { conn, scope, now }, None)
+    let reserved = reserve::reserve(&mut Statements::<D> { conn, scope, now }, opened.inserted)
         .await
         .map_err(|error| reserve::in_flight_past_bound(key_row_wait, error))?;
-    if key_row_wait.is_some() && matches!(reserved, Reserved::Row(_)) {
+    if key_row_wait.is_some() && !restored && matches!(reserved, Reserved::Row(_)) {
         // The handler's own lock waits keep the lock timeout.
         let restore = D::restore_lock_wait(deadline);
         D::Db::executor(slot.raw()?)
@@ -303,9 +429,7 @@ impl<D: SqlxDialect> IdempotencyStore for SqlxStore<D> {
         // never waits for the transaction that holds this scope (an uncommitted reservation
         // is simply invisible).
         let now = to_unix_millis(now);
-        let reads = D::Db::pool_executor(&self.shared.reads);
-        let read = D::Db::fetch_record(reads, D::SELECT_LIVE_RECORD, scope, now, true);
-        let found = reserve::within(self.shared.read_wait, read).await?;
+        let found = reserve::within(self.shared.read_wait, self.read(scope, now)).await?;
         Ok(found.flatten())
     }
 

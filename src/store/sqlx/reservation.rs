@@ -5,7 +5,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use futures_util::StreamExt;
-use sqlx::Executor as _;
+use sqlx::{Either, Executor as _};
 
 use super::{Conn, SqlxDatabase, SqlxDialect, SqlxTransaction, TxConnection};
 use crate::error::Error;
@@ -59,6 +59,74 @@ impl<D: SqlxDialect> Slot<D> {
                 error.into()
             }
         })
+    }
+
+    /// Sends `complete` (the completed record's statement as text, see
+    /// [`SqlxDialect::complete_as_text`]) and `COMMIT` (with what restores the session) in one
+    /// round trip, and gives the connection back. The server runs nothing of a simple query
+    /// after a statement that failed: if the record's statement fails, `COMMIT` does not run
+    /// and the transaction stays open, aborted; it is rolled back as when
+    /// [`SqlxDialect::complete`] fails. Once `COMMIT` was sent, an answer lost with the
+    /// connection leaves the outcome unknown ([`Error::CommitOutcomeUnknown`]).
+    pub(crate) async fn complete_and_commit(&mut self, complete: &str) -> Result<(), Error> {
+        let sql = format!("{complete}; {}", D::COMMIT);
+        let conn = self.raw()?;
+        // The connection stays in the slot while this awaits: if this future is dropped, the
+        // slot's `Drop` discards it.
+        let mut results = D::Db::executor(conn).fetch_many(sql.as_str());
+        // The statements that ran to their end: the record's, then `COMMIT`, then the
+        // session's restore.
+        let mut done = 0;
+        let mut failed = None;
+        while let Some(result) = results.next().await {
+            match result {
+                Ok(Either::Left(_)) => done += 1,
+                Ok(Either::Right(_)) => {}
+                Err(error) => {
+                    failed = Some(error);
+                    break;
+                }
+            }
+        }
+        drop(results);
+        let Some(error) = failed else {
+            if done >= 2 {
+                self.release();
+                return Ok(());
+            }
+            self.discard();
+            return Err(Error::CommitOutcomeUnknown(
+                "no result for COMMIT".to_owned(),
+            ));
+        };
+        let answered = matches!(error, sqlx::Error::Database(_));
+        match done {
+            // The record's statement failed on the server: nothing after it ran.
+            0 if answered => {
+                self.roll_back_and_release().await;
+                Err(D::complete_failed(error))
+            }
+            // `COMMIT` was sent with it, and its answer is lost.
+            0 => {
+                self.discard();
+                Err(Error::CommitOutcomeUnknown(error.to_string()))
+            }
+            // `COMMIT` failed: the server rolled back, or the connection broke.
+            1 => {
+                self.discard();
+                if D::is_unavailable(&error) || !answered {
+                    Err(Error::CommitOutcomeUnknown(error.to_string()))
+                } else {
+                    Err(error.into())
+                }
+            }
+            // Committed; restoring the session failed.
+            _ => {
+                tracing::warn!(%error, "restoring the session failed; closing the connection");
+                self.discard();
+                Ok(())
+            }
+        }
     }
 
     /// Sends `statements` (`COMMIT` or `ROLLBACK`, then what restores the session) and gives
@@ -189,6 +257,9 @@ impl<D: SqlxDialect> Reservation for SqlxReservation<D> {
         if let Some(conflict) = self.tx.conflict() {
             slot.roll_back_and_release().await;
             return Err(conflict);
+        }
+        if let Some(complete) = D::complete_as_text(&self.scope, &self.row, &record) {
+            return slot.complete_and_commit(&complete).await;
         }
         let saved = D::complete(slot.raw()?, &self.scope, &self.row, &record).await;
         if let Err(error) = saved {

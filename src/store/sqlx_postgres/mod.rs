@@ -31,9 +31,14 @@
 //!   back a transaction whose connection is gone. The explicit paths (`commit`, `rollback`,
 //!   failures) send `ROLLBACK` or `COMMIT` and give the connection back.
 //! - **The commit check**: the completed record's `UPDATE` fails unless the reservation row was
-//!   written by this very transaction (`xmin`); only then is `COMMIT` sent. (sqlx does not
-//!   pipeline, so the two go one after the other: one round trip more than the tokio-postgres
-//!   store, the same outcome.)
+//!   written by this very transaction (`xmin`); only then does `COMMIT` run. (sqlx does not
+//!   pipeline: the two go as one simple query with the values written in as literals, which
+//!   runs nothing after a failed statement; see `docs/sqlx.md` for when they go with bind
+//!   parameters, one after the other, instead.)
+//! - **Round trips**: three for a new key besides the handler's statements (the replay check;
+//!   `BEGIN` with the reservation; the completed record with `COMMIT`), with no ping: idle
+//!   connections are taken without the pool's checks, and one found gone at the first
+//!   statement is replaced once.
 //!
 //! Needs PostgreSQL 13 or later (`pg_current_xact_id`).
 //!
@@ -71,22 +76,29 @@ use sqlx::postgres::{PgConnection, PgQueryResult, Postgres};
 // The `Executor` methods on a connection rather than the query builders' `execute(conn)`:
 // their boxed futures keep the store's futures provably `Send` (the builders' generic futures
 // hit a rustc limitation on higher-ranked lifetimes there).
-use sqlx::{Executor as _, Row};
+use futures_util::StreamExt as _;
+use sqlx::{Either, Executor as _, Row};
 use tokio::time::Instant;
 
 use super::pg_failover::sqlx_unavailable;
 use super::pg_sql::{
-    COMPLETE_RECORD, INSERT_RESERVATION, PURGE_EXPIRED, SELECT_LIVE_RECORD, SELECT_RECORD,
-    TAKE_OVER,
+    COMPLETE_RECORD, INSERT_RESERVATION, INSERT_RESERVATION_RESTORING, PREPARED_NAMES,
+    PURGE_EXPIRED, SELECT_LIVE_RECORD, SELECT_RECORD, TAKE_OVER,
 };
 use super::sql_guard;
-use super::sqlx::{ReserveStep, RowsAffected, SqlxDatabase, SqlxDialect, SqlxOptions, SqlxStore};
-use super::{NewRecord, Scope};
+use super::sqlx::{
+    Opened, ReserveStep, RowsAffected, SqlxDatabase, SqlxDialect, SqlxOptions, SqlxStore,
+};
+use super::{to_unix_millis, NewRecord, Scope};
 use crate::error::{sqlx_code, Error};
+use crate::response::SavedResponse;
 
+mod literal;
 mod migrate;
 #[cfg(feature = "outbox")]
 mod owned;
+#[cfg(test)]
+mod tests;
 
 /// The sqlx version of the pools and of the handle's connection: depend on it through this
 /// re-export (or keep yours on the same 0.8 release).
@@ -179,7 +191,13 @@ impl SqlxDialect for PgDialect {
     const ROLLBACK: &'static str = "ROLLBACK";
     const REFUSED_AFTER_CONFLICT: Option<&'static str> = None;
 
-    fn check_scope(_scope: &Scope) -> Result<(), Error> {
+    /// PostgreSQL text cannot hold NUL: a tenant, operation or key with one is refused (the
+    /// server would refuse it as a parameter too).
+    fn check_scope(scope: &Scope) -> Result<(), Error> {
+        let parts = [&*scope.tenant, &*scope.operation, scope.key.as_str()];
+        if parts.iter().any(|part| part.contains('\0')) {
+            return Err(literal::nul_refused());
+        }
         Ok(())
     }
 
@@ -194,6 +212,63 @@ impl SqlxDialect for PgDialect {
 
     fn restore_lock_wait(deadline: Instant) -> String {
         crate::store::pg_reserve::restore_lock_timeout(deadline)
+    }
+
+    /// One round trip: `BEGIN`, `SET LOCAL lock_timeout` and the reservation's `INSERT` (an
+    /// `EXECUTE` of it, prepared once per connection) in one simple query; the key's values
+    /// are written into its text as literals when they are plain ASCII (else the `BEGIN` goes
+    /// alone and the `INSERT` follows with bind parameters). If a statement fails, those after it do not run and the
+    /// transaction stays open, aborted, for the caller's `ROLLBACK`.
+    fn open_request<'a>(
+        conn: &'a mut PgConnection,
+        isolation: Isolation,
+        (deadline, key_row_wait): (Instant, Option<Duration>),
+        scope: &'a Scope,
+        now: i64,
+    ) -> BoxFuture<'a, Result<Opened<String>, sqlx::Error>> {
+        // Under an in-flight policy, the insert that reserved the key bounds the lock waits by
+        // the deadline again.
+        let restore = key_row_wait.map(|_| deadline);
+        let flight = move || {
+            let begin = isolation.begin_request(deadline, key_row_wait);
+            one_flight(&begin, scope, now, restore).ok_or(begin)
+        };
+        Box::pin(async move {
+            let sql = match flight() {
+                Ok(sql) => sql,
+                Err(begin) => {
+                    conn.execute(begin.as_str()).await?;
+                    return Ok(Opened {
+                        inserted: None,
+                        lock_wait_restored: false,
+                    });
+                }
+            };
+            let row = match run_flight(conn, &sql).await {
+                // The connection has not prepared the store's statements (a new connection):
+                // the transaction is open, aborted.
+                Err(error) if sqlx_code(&error).as_deref() == Some(NO_SUCH_STATEMENT) => {
+                    prepare_statements(conn).await?;
+                    let sql = flight().map_err(|_| sqlx::Error::Protocol("no flight".into()))?;
+                    run_flight(conn, &sql).await?
+                }
+                row => row?,
+            };
+            Ok(Opened {
+                inserted: Some(row),
+                lock_wait_restored: restore.is_some(),
+            })
+        })
+    }
+
+    /// An I/O error, a crashed connection task, or the server ending the session
+    /// (`57P01`, `57P02`, class `08`).
+    fn is_connection_lost(error: &sqlx::Error) -> bool {
+        match error {
+            sqlx::Error::Io(_) | sqlx::Error::WorkerCrashed => true,
+            other => sqlx_code(other)
+                .is_some_and(|code| matches!(&*code, "57P01" | "57P02") || code.starts_with("08")),
+        }
     }
 
     /// Both statements return the row's address.
@@ -223,17 +298,17 @@ impl SqlxDialect for PgDialect {
         let complete = Postgres::bind_scope(sqlx::query(COMPLETE_RECORD), scope);
         let complete = Postgres::bind_record(complete, record).bind(row.as_str());
         let saved = conn.execute(complete);
-        Box::pin(async move {
-            match saved.await {
-                Ok(_) => Ok(()),
-                Err(error) if sqlx_code(&error).as_deref() == Some("22012") => {
-                    Err(Error::TransactionAborted(
-                        "the transaction ended before commit (it is not the one the layer began)",
-                    ))
-                }
-                Err(error) => Err(error.into()),
-            }
-        })
+        Box::pin(async move { saved.await.map(drop).map_err(complete_failed) })
+    }
+
+    /// An `EXECUTE` of the statement, prepared once per connection, with plain ASCII text
+    /// values and a body of at most 16 KiB (see `docs/sqlx.md`).
+    fn complete_as_text(scope: &Scope, row: &String, record: &NewRecord) -> Option<String> {
+        complete_as_text(scope, row, record)
+    }
+
+    fn complete_failed(error: sqlx::Error) -> Error {
+        complete_failed(error)
     }
 
     /// A serialization failure (`40001`) or a deadlock (`40P01`).
@@ -252,4 +327,143 @@ impl SqlxDialect for PgDialect {
     fn split(sql: &str) -> Vec<&str> {
         sql_guard::split(sql)
     }
+}
+
+/// `invalid_sql_statement_name`: `EXECUTE` of a statement the connection has not prepared.
+const NO_SUCH_STATEMENT: &str = "26000";
+
+/// `begin` (the `BEGIN` and `SET LOCAL lock_timeout` of `Isolation::begin_request`) followed by
+/// the reservation, as one simple query: `EXECUTE` of the prepared [`INSERT_RESERVATION`] with
+/// the scope's values as literals and `now` as an integer (or, with `restore`, a deadline under
+/// an in-flight policy, of [`INSERT_RESERVATION_RESTORING`] with the milliseconds left until
+/// it). `None` unless every value is plain ASCII ([`literal::is_plain`]; see `literal` for
+/// why the quoting is safe): then the `INSERT` goes with bind parameters.
+fn one_flight(begin: &str, scope: &Scope, now: i64, restore: Option<Instant>) -> Option<String> {
+    let parts = [&*scope.tenant, &*scope.operation, scope.key.as_str()];
+    if !parts.iter().all(|part| literal::is_plain(part)) {
+        return None;
+    }
+    let [tenant, operation, key] = parts.map(literal::quote);
+    let (tenant, operation, key) = (tenant.ok()?, operation.ok()?, key.ok()?);
+    Some(match restore {
+        None => format!(
+            "{begin}; EXECUTE {}({tenant}, {operation}, {key}, {now})",
+            PREPARED_NAMES[0]
+        ),
+        Some(deadline) => {
+            let left = deadline
+                .saturating_duration_since(Instant::now())
+                .as_millis()
+                .max(1);
+            format!(
+                "{begin}; EXECUTE {}({tenant}, {operation}, {key}, {now}, {left})",
+                PREPARED_NAMES[1]
+            )
+        }
+    })
+}
+
+/// Sends `sql` (see [`one_flight`]): the reserved row's address, or `None` if the key has a
+/// row.
+async fn run_flight(conn: &mut PgConnection, sql: &str) -> Result<Option<String>, sqlx::Error> {
+    let mut results = conn.fetch_many(sql);
+    let mut row = None;
+    while let Some(result) = results.next().await {
+        if let Either::Right(inserted) = result? {
+            row.get_or_insert(inserted.try_get::<String, _>(0)?);
+        }
+    }
+    Ok(row)
+}
+
+/// Ends the aborted transaction on `conn` and prepares the store's statements that the
+/// connection does not have ([`PREPARED_NAMES`]): once per connection.
+async fn prepare_statements(conn: &mut PgConnection) -> Result<(), sqlx::Error> {
+    let names = PREPARED_NAMES.map(|name| format!("'{name}'")).join(", ");
+    let check =
+        format!("ROLLBACK; SELECT name FROM pg_prepared_statements WHERE name IN ({names})");
+    let mut present = Vec::new();
+    {
+        let mut results = conn.fetch_many(check.as_str());
+        while let Some(result) = results.next().await {
+            if let Either::Right(row) = result? {
+                present.push(row.try_get::<String, _>(0)?);
+            }
+        }
+    }
+    let statements = [
+        INSERT_RESERVATION,
+        INSERT_RESERVATION_RESTORING,
+        COMPLETE_RECORD,
+    ];
+    let prepare: Vec<String> = PREPARED_NAMES
+        .iter()
+        .zip(statements)
+        .filter(|(name, _)| !present.iter().any(|have| have == *name))
+        .map(|(name, statement)| format!("PREPARE {name} AS {statement}"))
+        .collect();
+    if !prepare.is_empty() {
+        conn.execute(prepare.join("; ").as_str()).await?;
+    }
+    Ok(())
+}
+
+/// The completed record's `error`: the division by zero of [`COMPLETE_RECORD`] says that the
+/// row is not this transaction's reservation.
+fn complete_failed(error: sqlx::Error) -> Error {
+    if sqlx_code(&error).as_deref() == Some("22012") {
+        Error::TransactionAborted(
+            "the transaction ended before commit (it is not the one the layer began)",
+        )
+    } else {
+        error.into()
+    }
+}
+
+/// The most body bytes the completed record's statement carries as text (as hex, twice as
+/// many characters); a larger body goes as a bind parameter.
+const MAX_TEXT_BODY: usize = 16 * 1024;
+
+/// `EXECUTE` of the prepared [`COMPLETE_RECORD`] (prepared with the reservation's, see
+/// [`prepare_statements`]) with its values as literals (see `literal`): the text values quoted,
+/// the bytes in hex through `decode`, the numbers as integers. `None` unless every text value
+/// (the scope, the headers, the trailers, the row's address) is plain ASCII and the body is at
+/// most [`MAX_TEXT_BODY`] bytes. (A handler that runs `DEALLOCATE` makes the commit fail:
+/// nothing is committed.)
+fn complete_as_text(scope: &Scope, row: &str, record: &NewRecord) -> Option<String> {
+    let response = &record.response;
+    if response.body.len() > MAX_TEXT_BODY {
+        return None;
+    }
+    let text = |value: &str| {
+        if literal::is_plain(value) {
+            literal::quote(value).ok()
+        } else {
+            None
+        }
+    };
+    let headers = SavedResponse::encode_headers(&response.headers);
+    let trailers = match &response.trailers {
+        Some(trailers) => text(&SavedResponse::encode_headers(trailers))?,
+        None => "NULL".to_owned(),
+    };
+    let values = [
+        text(&scope.tenant)?,
+        text(&scope.operation)?,
+        text(scope.key.as_str())?,
+        literal::bytes(&record.fingerprint.digest()[..]),
+        record.fingerprint.version().to_string(),
+        response.status.as_u16().to_string(),
+        text(&headers)?,
+        literal::bytes(&response.body),
+        trailers,
+        to_unix_millis(record.created_at).to_string(),
+        to_unix_millis(record.expires_at).to_string(),
+        text(row)?,
+    ];
+    Some(format!(
+        "EXECUTE {}({})",
+        PREPARED_NAMES[2],
+        values.join(", ")
+    ))
 }

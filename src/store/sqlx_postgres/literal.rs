@@ -1,0 +1,148 @@
+//! SQL literals, for the statements the store sends as text with their values written into
+//! them, so that they share a round trip with another statement (sqlx does not pipeline): the
+//! reservation with the `BEGIN` (`one_flight`), the completed record with the `COMMIT`
+//! (`complete_as_text`), each an `EXECUTE` of a statement prepared once per connection with
+//! its arguments as literals.
+//!
+//! Why the quoting is safe: [`quote`] writes `E'`, the value with every `\` doubled and every
+//! `'` doubled, then `'`. In an escape string constant the lexer ends the constant only at a
+//! `'` that is neither doubled nor escaped by a `\`; every `\` of the output stands in a pair
+//! (read as one `\`), and every `'` of the value in a pair (read as one `'`), so the constant
+//! ends exactly at the closing quote and reads back as the value. Escape sequences (`\n`,
+//! `\x41`, `\u0041`, octal) need a lone `\`, which never occurs. PostgreSQL text cannot hold
+//! NUL: a value with one is refused. The value's other characters go as they are, as UTF-8,
+//! which is what sqlx connections speak (they send `client_encoding = UTF8` at startup, and
+//! sqlx decodes text as UTF-8). The store goes further and writes only ASCII values into SQL
+//! ([`is_plain`]): their bytes read as the same characters in every client encoding
+//! PostgreSQL has, so a connection set to another encoding cannot change where the constant
+//! ends (in SJIS, for example, a lead byte could swallow a following `\`).
+
+use crate::error::Error;
+
+/// `value` as an escape string constant (`E'...'`), or an error if it holds a NUL character.
+pub(crate) fn quote(value: &str) -> Result<String, Error> {
+    if value.contains('\0') {
+        return Err(nul_refused());
+    }
+    let mut quoted = String::with_capacity(value.len() + 3);
+    quoted.push_str("E'");
+    for c in value.chars() {
+        match c {
+            '\\' => quoted.push_str("\\\\"),
+            '\'' => quoted.push_str("''"),
+            other => quoted.push(other),
+        }
+    }
+    quoted.push('\'');
+    Ok(quoted)
+}
+
+/// `bytes` as a `bytea` expression: `decode('<hex>', 'hex')` (only hex digits inside the
+/// quotes).
+pub(crate) fn bytes(bytes: &[u8]) -> String {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut expression = String::with_capacity(bytes.len() * 2 + 17);
+    expression.push_str("decode('");
+    for byte in bytes {
+        expression.push(char::from(HEX[usize::from(byte >> 4)]));
+        expression.push(char::from(HEX[usize::from(byte & 0x0f)]));
+    }
+    expression.push_str("', 'hex')");
+    expression
+}
+
+/// Whether the store writes `value` into SQL text: ASCII without NUL (else the value goes as a
+/// bind parameter).
+pub(crate) fn is_plain(value: &str) -> bool {
+    value.is_ascii() && !value.contains('\0')
+}
+
+/// The error of a tenant, operation or key with a NUL character.
+pub(crate) fn nul_refused() -> Error {
+    Error::Sqlx(sqlx::Error::InvalidArgument(
+        "a tenant, operation or idempotency key with a NUL character cannot be stored in \
+         PostgreSQL text"
+            .into(),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+    use proptest::test_runner::{TestCaseError, TestRunner};
+    use sqlx::{Connection as _, Executor as _, Row as _};
+
+    use super::{bytes, is_plain, quote};
+
+    #[test]
+    fn quotes_and_backslashes_are_doubled() {
+        assert_eq!(quote("").unwrap(), "E''");
+        assert_eq!(quote("abc").unwrap(), "E'abc'");
+        assert_eq!(quote("it's").unwrap(), "E'it''s'");
+        assert_eq!(quote("a\\b").unwrap(), "E'a\\\\b'");
+        assert_eq!(quote("\\'").unwrap(), "E'\\\\'''");
+        assert_eq!(
+            quote("'; DROP TABLE x; --").unwrap(),
+            "E'''; DROP TABLE x; --'"
+        );
+        assert_eq!(quote("é\n").unwrap(), "E'é\n'");
+    }
+
+    #[test]
+    fn bytes_are_hex() {
+        assert_eq!(bytes(b""), "decode('', 'hex')");
+        assert_eq!(
+            bytes(&[0, 0x7f, 0xff, b'\\', b'\'']),
+            "decode('007fff5c27', 'hex')"
+        );
+    }
+
+    #[test]
+    fn nul_is_refused() {
+        let refused = quote("a\0b").unwrap_err();
+        assert!(refused.to_string().contains("NUL"), "{refused}");
+        assert!(!is_plain("a\0b"));
+    }
+
+    #[test]
+    fn only_ascii_is_plain() {
+        assert!(is_plain("order-1 'x' \\ \u{7f}"));
+        assert!(!is_plain("café"));
+    }
+
+    /// What the server reads from the literal is the value, for any value without NUL: sent as
+    /// text with the simple protocol, as the store sends it.
+    #[test]
+    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
+    fn the_server_reads_back_the_value() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let url = std::env::var("TEST_DATABASE_URL").expect("TEST_DATABASE_URL");
+        let conn = runtime
+            .block_on(sqlx::PgConnection::connect(&url))
+            .expect("connect");
+        let conn = std::cell::RefCell::new(conn);
+        let values = prop_oneof![
+            any::<String>(),
+            "[\\\\'\"a-zA-Z0-9 ;$\\-\\x01-\\x1f\\x7f]{0,40}",
+            "(\\\\|'|E'|\\$\\$|\\\\x41|\\\\u0041|\\\\0|\\n)*",
+        ];
+        let mut runner = TestRunner::new(ProptestConfig::with_cases(512));
+        runner
+            .run(&values, |value| {
+                let value = value.replace('\0', "");
+                let sql = format!("SELECT {}", quote(&value).expect("no NUL"));
+                let mut conn = conn.borrow_mut();
+                let row = runtime
+                    .block_on((&mut *conn).fetch_one(sql.as_str()))
+                    .map_err(|error| TestCaseError::fail(format!("{sql}: {error}")))?;
+                let read: String = row.try_get(0).expect("text");
+                prop_assert_eq!(read, value);
+                Ok(())
+            })
+            .unwrap();
+        runtime.block_on(conn.into_inner().close()).expect("close");
+    }
+}
