@@ -75,15 +75,20 @@ pub(crate) const SELECT_LIVE_RECORD: &str =
 /// queued while others were in flight (the same columns as [`SELECT_LIVE_RECORD`], then the
 /// 1-based position of the scope in the arrays). Binds: tenants, operations, keys and each
 /// check's `now`, as arrays of one length; a scope with no live record has no row.
+///
+/// Each scope is looked up on its own, by the primary key: the `LATERAL` subquery with
+/// `OFFSET 0` is not flattened into a join, whose plan, cached on the connection while the
+/// table was still small, would read the whole table for every batch once it has grown.
 #[cfg(feature = "postgres")]
 pub(crate) const SELECT_LIVE_RECORDS: &str =
     "SELECT r.state, r.fingerprint_version, r.fingerprint, r.status, r.headers, r.body, \
      r.trailers, r.created_at, r.expires_at, k.position \
      FROM unnest($1::text[], $2::text[], $3::text[], $4::int8[]) WITH ORDINALITY \
      AS k(tenant, operation, idempotency_key, now, position) \
-     JOIN idempotency_records AS r ON r.tenant = k.tenant AND r.operation = k.operation \
-     AND r.idempotency_key = k.idempotency_key \
-     WHERE r.state = 'completed' AND r.expires_at > k.now";
+     CROSS JOIN LATERAL (SELECT * FROM idempotency_records AS i \
+         WHERE i.tenant = k.tenant AND i.operation = k.operation \
+         AND i.idempotency_key = k.idempotency_key \
+         AND i.state = 'completed' AND i.expires_at > k.now OFFSET 0) AS r";
 
 /// Reserves a scope: blocks on the primary key while another transaction holds it. Returns
 /// the row's physical address, which `commit` updates it by (see [`COMPLETE_RECORD`]).
