@@ -33,6 +33,7 @@ pub enum Isolation {
 }
 
 /// Where a request learns that its key already has a completed record (a retry to replay).
+#[cfg(feature = "postgres")]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum ReplayCheck {
