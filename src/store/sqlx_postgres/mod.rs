@@ -25,6 +25,11 @@
 //! - **Replays** are a plain `SELECT` of completed records on a separate pool of read
 //!   connections (made from the same connect options, or one you give): no locks, and no
 //!   waiting for the connections that writers hold.
+//! - **Connections without the pool's checks**: the store takes an idle connection with
+//!   [`Pool::try_acquire`](sqlx::Pool::try_acquire), which skips the pool's
+//!   `test_before_acquire` ping and any `before_acquire` hook (they run only when it has to wait
+//!   for a connection). A connection found gone by the transaction's first round trip is
+//!   discarded and the transaction opened once more on a checked one.
 //! - **Rollback on drop**: `Drop` cannot await a `ROLLBACK`, so a transaction dropped while still
 //!   open (the client went away, the request future was dropped) takes its connection out of
 //!   the pool ([`detach`](sqlx::pool::PoolConnection::detach)) and closes it; PostgreSQL rolls
