@@ -32,6 +32,8 @@ pub mod postgres;
 #[cfg(row_lock_store)]
 mod read_bound;
 #[cfg(row_lock_store)]
+mod replay_check;
+#[cfg(row_lock_store)]
 mod reserve;
 #[cfg(row_lock_store)]
 mod sql_guard;

@@ -8,9 +8,8 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+pub use super::replay_check::ReplayCheck;
 pub use super::reserve::Isolation;
-#[cfg(feature = "postgres")]
-pub use super::reserve::ReplayCheck;
 // What the tokio-postgres store reaches through this module.
 #[cfg(feature = "postgres")]
 pub(crate) use super::reserve::{reserve, ReserveStatements, Reserved};

@@ -32,25 +32,6 @@ pub enum Isolation {
     Serializable,
 }
 
-/// Where a request learns that its key already has a completed record (a retry to replay).
-#[cfg(feature = "postgres")]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum ReplayCheck {
-    /// Before the transaction, with a plain read on the read pool: replays never take a
-    /// connection of the request transactions, and under load the checks of concurrent
-    /// requests share statements. A new key pays for one read more than a hand-written
-    /// transaction would.
-    #[default]
-    ReadPool,
-    /// In the transaction, by the reservation itself, as a hand-written handler does it (an
-    /// `INSERT ... ON CONFLICT DO NOTHING` of the key, then a read of the record it ran into):
-    /// a new key costs no read more than that, but a replay takes a connection of the
-    /// request transactions for the reservation, the read and a `ROLLBACK`. For services
-    /// whose retries are rare next to their new requests.
-    Reservation,
-}
-
 /// What [`reserve`] found.
 pub(crate) enum Reserved<R> {
     /// The scope is reserved by this transaction, in this row (the driver's row address, or

@@ -2,12 +2,15 @@
 //!
 //! Every instance of a service talks to the same database, and the primary key of
 //! `idempotency_records` decides which request runs the handler. A request for a new key goes
-//! through four steps, each one round trip apart from the handler's own statements:
+//! through four steps (three while retries are rare), each one round trip apart from the
+//! handler's own statements:
 //!
 //! 1. **The replay check**: a plain `SELECT` of a live completed record, in autocommit, on a
 //!    separate pool of read connections: no locks, and no waiting for the connections that
 //!    writers hold (past [`PostgresOptions::read_wait`] the request takes the write path). A
-//!    reservation that is not committed is invisible to it.
+//!    reservation that is not committed is invisible to it. It is skipped while retries are
+//!    rare among recent requests and a transaction connection is free: the reservation then
+//!    finds a completed record itself ([`ReplayCheck::Adaptive`], the default).
 //! 2. **The reservation**: a connection from the pool of request transactions, then `BEGIN`
 //!    (at the [`Isolation`] level, with `SET LOCAL lock_timeout`) and an `INSERT ... ON
 //!    CONFLICT DO NOTHING` of an `in_progress` row, sent together in one flight. A duplicate

@@ -13,6 +13,7 @@ use tokio_postgres::{NoTls, Socket};
 use super::store::Shared;
 use super::PostgresStore;
 use crate::error::Error;
+use crate::store::replay_check::ReplayChecks;
 
 pub use crate::store::pg_reserve::{Isolation, ReplayCheck};
 
@@ -100,17 +101,17 @@ impl PostgresOptions {
     }
 
     /// Where a request learns that its key has a completed record to replay: with a read on
-    /// the read pool before its transaction (the default), or in the transaction, by the
-    /// reservation ([`ReplayCheck::Reservation`]: one query less per new key, and replays
-    /// then take connections of the request transactions). Default: [`ReplayCheck::ReadPool`].
+    /// the read pool before its transaction, or in the transaction, by the reservation.
+    /// Default: [`ReplayCheck::Adaptive`], which reads first only while retries are frequent
+    /// among recent requests or every transaction connection is taken; see [`ReplayCheck`].
     ///
     /// ```no_run
     /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
     /// use tower_idempotency::store::postgres::{PostgresStore, ReplayCheck};
     ///
-    /// // Retries are rare here: new orders should cost what a hand-written transaction does.
+    /// // Replays must never take a connection of the request transactions.
     /// let store = PostgresStore::builder("postgres://app@127.0.0.1/shop".parse()?)
-    ///     .replay_check(ReplayCheck::Reservation)
+    ///     .replay_check(ReplayCheck::ReadPool)
     ///     .connect()
     ///     .await?;
     /// # let _ = store;
@@ -190,7 +191,7 @@ impl PostgresOptions {
                 reads,
                 lookups: Arc::default(),
                 read_wait: self.read_wait,
-                replay_check: self.replay_check,
+                replay_checks: ReplayChecks::new(self.replay_check),
                 isolation: self.isolation,
                 serialization_retries: self.serialization_retries,
                 reservations: AtomicU64::new(1),

@@ -11,13 +11,14 @@ use std::time::{Duration, SystemTime};
 use deadpool_postgres::{Object, Pool, PoolError};
 
 use super::lookups::Lookups;
-use super::{Isolation, PostgresReservation, ReplayCheck, PURGE_EXPIRED};
+use super::{Isolation, PostgresReservation, PURGE_EXPIRED};
 use crate::error::Error;
 use crate::in_flight::InFlight;
+use crate::store::replay_check::{lookup_then_begin, ReplayChecks};
 use crate::store::reserve;
 use crate::store::{
-    begin_and_run_in_place, lookup_then, to_unix_millis, Begin, IdempotencyStore, RunOutcome,
-    Scope, StoredRecord,
+    begin_and_run_in_place, to_unix_millis, Begin, IdempotencyStore, RunOutcome, Scope,
+    StoredRecord,
 };
 
 /// What clones of a store share.
@@ -29,7 +30,8 @@ pub(super) struct Shared {
     /// The replay checks in flight and queued.
     pub(super) lookups: Arc<Lookups>,
     pub(super) read_wait: Duration,
-    pub(super) replay_check: ReplayCheck,
+    /// Where first attempts check for a record (and what they have found lately).
+    pub(super) replay_checks: ReplayChecks,
     pub(super) isolation: Isolation,
     pub(super) serialization_retries: u32,
     /// The next transaction's token (its name in logs and `Debug`).
@@ -50,7 +52,7 @@ impl fmt::Debug for PostgresStore {
         f.debug_struct("PostgresStore")
             .field("transactions", &self.shared.transactions.status())
             .field("reads", &self.shared.reads.status())
-            .field("replay_check", &self.shared.replay_check)
+            .field("replay_check", &self.shared.replay_checks.check())
             .field("isolation", &self.shared.isolation)
             .finish_non_exhaustive()
     }
@@ -104,8 +106,8 @@ impl IdempotencyStore for PostgresStore {
         reserve::within(self.shared.read_wait, read).await
     }
 
-    /// Under [`ReplayCheck::Reservation`], `begin_and_run` alone: the reservation finds a
-    /// completed record itself.
+    /// The replay check on the read pool first, or `begin_and_run` alone (the reservation
+    /// finds a completed record itself), as the store's `ReplayCheck` decides.
     async fn lookup_then_begin_and_run<W, F>(
         &self,
         scope: &Scope,
@@ -119,10 +121,20 @@ impl IdempotencyStore for PostgresStore {
         F::Output: Send + 'static,
     {
         let run = move || begin_and_run_in_place(self, scope, lock_timeout, now, work);
-        match self.shared.replay_check {
-            ReplayCheck::Reservation => run().await,
-            ReplayCheck::ReadPool => lookup_then(self, scope, now, run).await,
-        }
+        // A connection is idle, or the pool may open one: a reservation would not wait.
+        let write_idle = || {
+            let status = self.shared.transactions.status();
+            status.available > 0 || status.size < status.max_size
+        };
+        lookup_then_begin(
+            self,
+            &self.shared.replay_checks,
+            write_idle,
+            scope,
+            now,
+            run,
+        )
+        .await
     }
 
     async fn begin(

@@ -15,7 +15,7 @@ use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
 use crate::response::SavedResponse;
-use crate::store::{Begin, IdempotencyStore, NewRecord, Reservation, Scope};
+use crate::store::{Begin, IdempotencyStore, NewRecord, Reservation, RunOutcome, Scope};
 
 /// A schema of its own: the admin client that drops it, its name, and settings whose
 /// connections use it.
@@ -318,6 +318,60 @@ async fn replay_checks_queued_under_load_each_get_their_own_record() {
         }
     }
     assert_eq!(replays, live, "every live record found once per check");
+    admin
+        .batch_execute(&format!("DROP SCHEMA {schema} CASCADE"))
+        .await
+        .expect("drop");
+}
+
+/// A first attempt under `ReplayCheck::Adaptive`: `Found` when it read before the transaction,
+/// `Existing` when the reservation found the record.
+async fn first_attempt(store: &PostgresStore, key: &str) -> &'static str {
+    let outcome = store
+        .lookup_then_begin_and_run(
+            &scope(key),
+            Duration::from_secs(5),
+            SystemTime::now(),
+            |reservation: PostgresReservation| async move {
+                reservation.commit(record()).await.expect("commit");
+            },
+        )
+        .await
+        .expect("first attempt");
+    match outcome {
+        RunOutcome::Found { .. } => "read first",
+        RunOutcome::Existing { .. } => "found by the reservation",
+        RunOutcome::Ran { .. } => "ran",
+    }
+}
+
+#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adaptive_replay_checks_read_first_only_while_retries_are_frequent() {
+    let (store, admin, schema) = store().await;
+    for i in 0..20 {
+        assert_eq!(first_attempt(&store, &format!("new-{i}")).await, "ran");
+    }
+    // Retries are rare so far: the reservation finds the record (one query less per new key).
+    assert_eq!(
+        first_attempt(&store, "new-0").await,
+        "found by the reservation"
+    );
+    // A few more retries and they are checked on the read pool first.
+    let mut paths = Vec::new();
+    for _ in 0..5 {
+        paths.push(first_attempt(&store, "new-1").await);
+    }
+    assert_eq!(paths.last(), Some(&"read first"), "{paths:?}");
+    // A stretch of new keys, and the read before the transaction stops again.
+    for i in 20..80 {
+        assert_eq!(first_attempt(&store, &format!("new-{i}")).await, "ran");
+    }
+    assert_eq!(
+        first_attempt(&store, "new-2").await,
+        "found by the reservation"
+    );
+
     admin
         .batch_execute(&format!("DROP SCHEMA {schema} CASCADE"))
         .await

@@ -15,6 +15,7 @@
 //! takes its connection out of the pool and closes it, which makes the server roll back.
 
 use std::fmt;
+use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -24,8 +25,12 @@ use sqlx::pool::PoolConnection;
 use sqlx::{Database, Executor as _, Pool};
 use tokio::time::Instant;
 
+use super::replay_check::{lookup_then_begin, ReplayChecks};
 use super::reserve::{self, Isolation, ReserveStatements, Reserved};
-use super::{to_unix_millis, Begin, IdempotencyStore, NewRecord, Scope, StoredRecord};
+use super::{
+    begin_and_run_in_place, to_unix_millis, Begin, IdempotencyStore, NewRecord, RunOutcome, Scope,
+    StoredRecord,
+};
 use crate::error::Error;
 
 mod handle;
@@ -200,6 +205,8 @@ pub(crate) struct Shared<D: SqlxDialect> {
     pub(crate) transactions: Pool<D::Db>,
     pub(crate) reads: Pool<D::Db>,
     pub(crate) read_wait: Duration,
+    /// Where first attempts check for a record (and what they have found lately).
+    pub(crate) replay_checks: ReplayChecks,
     pub(crate) isolation: Isolation,
     /// How many times reserving a key is retried after a conflict.
     pub(crate) conflict_retries: u32,
@@ -222,6 +229,7 @@ impl<D: SqlxDialect> fmt::Debug for SqlxStore<D> {
         f.debug_struct(D::STORE_NAME)
             .field("connections", &self.shared.transactions.size())
             .field("read_connections", &self.shared.reads.size())
+            .field("replay_check", &self.shared.replay_checks.check())
             .field("isolation", &self.shared.isolation)
             .finish_non_exhaustive()
     }
@@ -431,6 +439,38 @@ impl<D: SqlxDialect> IdempotencyStore for SqlxStore<D> {
         let now = to_unix_millis(now);
         let found = reserve::within(self.shared.read_wait, self.read(scope, now)).await?;
         Ok(found.flatten())
+    }
+
+    /// The replay check on the read pool first, or `begin_and_run` alone (the reservation
+    /// finds a completed record itself), as the store's
+    /// [`ReplayCheck`](super::replay_check::ReplayCheck) decides.
+    async fn lookup_then_begin_and_run<W, F>(
+        &self,
+        scope: &Scope,
+        lock_timeout: Duration,
+        now: SystemTime,
+        work: W,
+    ) -> Result<RunOutcome<F::Output>, Error>
+    where
+        W: FnOnce(SqlxReservation<D>) -> F + Send + 'static,
+        F: Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        let run = move || begin_and_run_in_place(self, scope, lock_timeout, now, work);
+        // A connection is idle, or the pool may open one: a reservation would not wait.
+        let write_idle = || {
+            let pool = &self.shared.transactions;
+            pool.num_idle() > 0 || pool.size() < pool.options().get_max_connections()
+        };
+        lookup_then_begin(
+            self,
+            &self.shared.replay_checks,
+            write_idle,
+            scope,
+            now,
+            run,
+        )
+        .await
     }
 
     async fn begin(

@@ -10,6 +10,7 @@ use sqlx::pool::PoolOptions;
 use sqlx::Pool;
 
 use super::{Shared, SqlxDialect, SqlxStore};
+use crate::store::replay_check::{ReplayCheck, ReplayChecks};
 use crate::store::reserve::Isolation;
 
 /// Options for a [`SqlxStore`]; see [`SqlxStore::builder`].
@@ -19,6 +20,7 @@ pub struct SqlxOptions<D: SqlxDialect> {
     reads: Option<Pool<D::Db>>,
     max_read_connections: u32,
     read_wait: Duration,
+    replay_check: ReplayCheck,
     isolation: Isolation,
     pub(crate) conflict_retries: u32,
 }
@@ -30,6 +32,7 @@ impl<D: SqlxDialect> SqlxOptions<D> {
             reads: None,
             max_read_connections: 8,
             read_wait: Duration::from_secs(1),
+            replay_check: ReplayCheck::default(),
             isolation: Isolation::default(),
             conflict_retries: 3,
         }
@@ -59,6 +62,16 @@ impl<D: SqlxDialect> SqlxOptions<D> {
         self
     }
 
+    /// Where a request learns that its key has a completed record to replay: with a read on
+    /// the read pool before its transaction, or in the transaction, by the reservation.
+    /// Default: [`ReplayCheck::Adaptive`], which reads first only while retries are frequent
+    /// among recent requests or no connection of the pool is idle; see [`ReplayCheck`].
+    /// [`ReplayCheck::ReadPool`] keeps every replay off the pool of request transactions.
+    pub fn replay_check(mut self, check: ReplayCheck) -> Self {
+        self.replay_check = check;
+        self
+    }
+
     /// The isolation level of request transactions. Default: [`Isolation::ReadCommitted`]
     /// (on MySQL and MariaDB too: InnoDB's own default is `REPEATABLE READ`, whose gap locks
     /// make deadlocks between handlers likelier).
@@ -83,6 +96,7 @@ impl<D: SqlxDialect> SqlxOptions<D> {
                 transactions: self.pool,
                 reads,
                 read_wait: self.read_wait,
+                replay_checks: ReplayChecks::new(self.replay_check),
                 isolation: self.isolation,
                 conflict_retries: self.conflict_retries,
                 reservations: AtomicU64::new(1),

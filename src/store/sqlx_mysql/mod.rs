@@ -66,6 +66,7 @@ mod sql;
 /// re-export (or keep yours on the same 0.8 release).
 pub use sqlx;
 
+pub use super::replay_check::ReplayCheck;
 pub use super::reserve::Isolation;
 
 /// MySQL's `ER_DUP_ENTRY`: the key has a committed row.

@@ -24,7 +24,10 @@
 //!   (`COMMIT`, `ROLLBACK`, `BEGIN`...), so a handler cannot commit its rows without the record.
 //! - **Replays** are a plain `SELECT` of completed records on a separate pool of read
 //!   connections (made from the same connect options, or one you give): no locks, and no
-//!   waiting for the connections that writers hold.
+//!   waiting for the connections that writers hold. While retries are rare among recent
+//!   requests and a write connection is free, the read is skipped and the reservation finds a
+//!   completed record itself ([`ReplayCheck::Adaptive`], the default; see
+//!   [`SqlxOptions::replay_check`](crate::store::sqlx::SqlxOptions::replay_check)).
 //! - **Connections without the pool's checks**: the store takes an idle connection with
 //!   [`Pool::try_acquire`](sqlx::Pool::try_acquire), which skips the pool's
 //!   `test_before_acquire` ping and any `before_acquire` hook (they run only when it has to wait
@@ -40,8 +43,9 @@
 //!   pipeline: the two go as one simple query with the values written in as literals, which
 //!   runs nothing after a failed statement; see `docs/sqlx.md` for when they go with bind
 //!   parameters, one after the other, instead.)
-//! - **Round trips**: three for a new key besides the handler's statements (the replay check;
-//!   `BEGIN` with the reservation; the completed record with `COMMIT`), with no ping: idle
+//! - **Round trips**: two for a new key besides the handler's statements (`BEGIN` with the
+//!   reservation; the completed record with `COMMIT`), three while the replay check comes
+//!   first, with no ping: idle
 //!   connections are taken without the pool's checks, and one found gone at the first
 //!   statement is replaced once.
 //!
@@ -109,7 +113,7 @@ mod tests;
 /// re-export (or keep yours on the same 0.8 release).
 pub use sqlx;
 
-pub use super::pg_reserve::Isolation;
+pub use super::pg_reserve::{Isolation, ReplayCheck};
 
 /// A PostgreSQL-backed [`IdempotencyStore`](crate::store::IdempotencyStore) on sqlx. Cheap to clone;
 /// clones share the pools.

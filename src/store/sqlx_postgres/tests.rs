@@ -15,11 +15,12 @@ use sqlx::{Connection as _, Executor as _, PgConnection};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{TcpListener, TcpStream};
 
-use super::SqlxPostgresStore;
+use super::{PgDialect, ReplayCheck, SqlxPostgresStore};
 use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
 use crate::response::SavedResponse;
-use crate::store::{Begin, IdempotencyStore, NewRecord, Reservation, Scope};
+use crate::store::sqlx::SqlxReservation;
+use crate::store::{Begin, IdempotencyStore, NewRecord, Reservation, RunOutcome, Scope};
 
 fn url() -> String {
     std::env::var("TEST_DATABASE_URL").expect("TEST_DATABASE_URL")
@@ -53,18 +54,20 @@ async fn drop_schema(schema: &str) {
 }
 
 /// A store on pools of one connection each (so that each request reuses the same two
-/// connections, their statements already prepared), with sqlx's default pool checks.
+/// connections, their statements already prepared), with sqlx's default pool checks, whose
+/// first attempts always check the read pool first (`ReplayCheck::ReadPool`).
 fn store(options: PgConnectOptions) -> SqlxPostgresStore {
-    store_of(options, 1)
+    store_of(options, 1, ReplayCheck::ReadPool)
 }
 
-/// The same with a write pool of up to `connections` (opened as needed).
-fn store_of(options: PgConnectOptions, connections: u32) -> SqlxPostgresStore {
+/// The same with a write pool of up to `connections` (opened as needed) and `check`.
+fn store_of(options: PgConnectOptions, connections: u32, check: ReplayCheck) -> SqlxPostgresStore {
     let pool = PgPoolOptions::new()
         .max_connections(connections)
         .connect_lazy_with(options);
     SqlxPostgresStore::builder(pool)
         .max_read_connections(1)
+        .replay_check(check)
         .build()
 }
 
@@ -98,19 +101,21 @@ fn record() -> NewRecord {
 /// A new key through the store as the layer drives it: the fast-path lookup, `begin`, and
 /// `commit` of the record.
 async fn new_key(store: &SqlxPostgresStore, scope: &Scope) {
-    let found = store
-        .lookup(scope, SystemTime::now())
+    let outcome = store
+        .lookup_then_begin_and_run(
+            scope,
+            Duration::from_secs(5),
+            SystemTime::now(),
+            |reservation: SqlxReservation<PgDialect>| async move {
+                reservation.commit(record()).await.expect("commit");
+            },
+        )
         .await
-        .expect("lookup");
-    assert!(found.is_none(), "a fresh key has no record");
-    let begun = store
-        .begin(scope, Duration::from_secs(5), SystemTime::now())
-        .await
-        .expect("begin");
-    let Begin::Reserved(reservation) = begun else {
-        panic!("a fresh key has no record");
-    };
-    reservation.commit(record()).await.expect("commit");
+        .expect("first attempt");
+    assert!(
+        matches!(outcome, RunOutcome::Ran { .. }),
+        "a fresh key has no record"
+    );
 }
 
 /// What a proxy saw its clients send.
@@ -197,11 +202,12 @@ async fn relay_counting(
     }
 }
 
-/// Waits until both pools have their connection back (sqlx pings each connection given back,
-/// in a task of its own, before it is idle again).
+/// Waits until both pools have every connection they opened back (sqlx pings each connection
+/// given back, in a task of its own, before it is idle again).
 async fn settled(store: &SqlxPostgresStore) {
+    let all_idle = |pool: &sqlx::PgPool| pool.num_idle() == pool.size() as usize;
     for _ in 0..500 {
-        if store.pool().num_idle() == 1 && store.read_pool().num_idle() == 1 {
+        if all_idle(store.pool()) && all_idle(store.read_pool()) {
             return;
         }
         tokio::time::sleep(Duration::from_millis(2)).await;
@@ -232,14 +238,15 @@ async fn upstream(options: &PgConnectOptions) -> SocketAddr {
 /// `test_before_acquire` is on (sqlx's ping when each connection goes back to its pool
 /// remains: two). A scope that is not plain ASCII (a tenant: keys are ASCII) takes two more:
 /// its `INSERT` and its completed record go with bind parameters, each in a round trip of its
-/// own.
+/// own. Under `ReplayCheck::Adaptive` (the default), with no retry seen, the lookup is skipped:
+/// one round trip and one ping less.
 #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
 #[tokio::test]
 async fn a_new_key_costs_three_round_trips() {
     let (schema, options) = schema().await;
     let (proxy, seen) = counting_proxy(upstream(&options).await).await;
     let proxied = options.clone().host("127.0.0.1").port(proxy.port());
-    let store = store(proxied);
+    let store = store(proxied.clone());
     assert!(store.pool().options().get_test_before_acquire());
     store.migrate().await.expect("migrate");
     // Both connections open, and their statements prepared (the first `INSERT` with
@@ -249,9 +256,16 @@ async fn a_new_key_costs_three_round_trips() {
 
     let ascii = counted(&store, &seen, &scope("counted")).await;
     let not_ascii = counted(&store, &seen, &tenant_scope("café", "counted")).await;
-
     store.pool().close().await;
     store.read_pool().close().await;
+
+    let adaptive = store_of(proxied, 1, ReplayCheck::Adaptive);
+    new_key(&adaptive, &scope("warm-up-adaptive")).await;
+    new_key(&adaptive, &tenant_scope("café", "warm-up-adaptive")).await;
+    let adaptive_ascii = counted(&adaptive, &seen, &scope("adaptive")).await;
+    let adaptive_not_ascii = counted(&adaptive, &seen, &tenant_scope("café", "adaptive")).await;
+    adaptive.pool().close().await;
+    adaptive.read_pool().close().await;
     drop_schema(&schema).await;
     assert_eq!(
         ascii,
@@ -262,6 +276,12 @@ async fn a_new_key_costs_three_round_trips() {
         not_ascii,
         (5, 2),
         "the same with a tenant that is not ASCII"
+    );
+    assert_eq!(adaptive_ascii, (2, 1), "the same without the lookup");
+    assert_eq!(
+        adaptive_not_ascii,
+        (4, 1),
+        "the same without the lookup, with a tenant that is not ASCII"
     );
 }
 
@@ -322,7 +342,7 @@ async fn an_in_flight_bound_is_lifted_for_the_handler_in_the_same_round_trip() {
     let (proxy, seen) = counting_proxy(upstream(&options).await).await;
     let proxied = options.clone().host("127.0.0.1").port(proxy.port());
     // Two connections: the duplicate below needs its own.
-    let store = store_of(proxied, 2).with_in_flight(crate::InFlight::Reject);
+    let store = store_of(proxied, 2, ReplayCheck::ReadPool).with_in_flight(crate::InFlight::Reject);
     store.migrate().await.expect("migrate");
     new_key(&store, &scope("warm-up")).await;
     let counted = counted(&store, &seen, &scope("counted")).await;
