@@ -1,7 +1,7 @@
 //! Where a request of a store with row locks (PostgreSQL on either driver, MySQL and MariaDB)
 //! learns that its key already has a completed record: in a plain read before the transaction,
 //! or from the reservation itself. [`ReplayChecks`] makes the choice for each request, written
-//! once for every such store, and [`lookup_then_begin`] runs it.
+//! once for every such store, and [`first_attempt`] runs it.
 //!
 //! The read costs a new key one query more than a hand-written transaction makes; skipping it
 //! costs a replay a transaction (the reservation's `INSERT`, the read of the record it ran
@@ -11,9 +11,9 @@
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
-use super::{lookup_then, IdempotencyStore, RunOutcome, Scope};
+use super::{begin_and_run_in_place, lookup_then, IdempotencyStore, RunOutcome, Scope};
 use crate::error::Error;
 
 /// Where a request learns that its key already has a completed record (a retry to replay).
@@ -110,26 +110,29 @@ impl ReplayChecks {
     }
 }
 
-/// A request's first attempt under `checks`: [`IdempotencyStore::lookup`], then `begin` when it
-/// finds no live record, or `begin` alone, which finds a completed record itself; then the
-/// outcome teaches `checks`.
+/// A request's first attempt under `checks`: [`IdempotencyStore::lookup`], then
+/// [`begin`](IdempotencyStore::begin) and `work` in place when it finds no live record, or the
+/// begin alone, which finds a completed record itself; then the outcome teaches `checks`.
+/// `write_idle` tells whether a reservation would find a connection without waiting.
 ///
-/// A `begin` that ran alone and failed (the primary is down, or every transaction connection
+/// A begin that ran alone and failed (the primary is down, or every transaction connection
 /// stayed taken past the lock timeout) is followed by the lookup after all: a record it finds
 /// (on a standby that serves the read pool, say) is replayed rather than the error answered.
-pub(crate) async fn lookup_then_begin<St, T, B, Fut>(
+pub(crate) async fn first_attempt<St, W, F>(
     store: &St,
     checks: &ReplayChecks,
     write_idle: impl FnOnce() -> bool,
     scope: &Scope,
+    lock_timeout: Duration,
     now: SystemTime,
-    begin: B,
-) -> Result<RunOutcome<T>, Error>
+    work: W,
+) -> Result<RunOutcome<F::Output>, Error>
 where
     St: IdempotencyStore,
-    B: FnOnce() -> Fut,
-    Fut: Future<Output = Result<RunOutcome<T>, Error>>,
+    W: FnOnce(St::Reservation) -> F,
+    F: Future,
 {
+    let begin = move || begin_and_run_in_place(store, scope, lock_timeout, now, work);
     let outcome = if checks.read_first(write_idle) {
         lookup_then(store, scope, now, begin).await
     } else {
@@ -147,8 +150,6 @@ where
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
     use super::*;
 
     fn ran() -> Result<RunOutcome<()>, Error> {

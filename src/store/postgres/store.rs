@@ -14,12 +14,9 @@ use super::lookups::Lookups;
 use super::{Isolation, PostgresReservation, PURGE_EXPIRED};
 use crate::error::Error;
 use crate::in_flight::InFlight;
-use crate::store::replay_check::{lookup_then_begin, ReplayChecks};
+use crate::store::replay_check::{first_attempt, ReplayChecks};
 use crate::store::reserve;
-use crate::store::{
-    begin_and_run_in_place, to_unix_millis, Begin, IdempotencyStore, RunOutcome, Scope,
-    StoredRecord,
-};
+use crate::store::{to_unix_millis, Begin, IdempotencyStore, RunOutcome, Scope, StoredRecord};
 
 /// What clones of a store share.
 pub(super) struct Shared {
@@ -120,21 +117,13 @@ impl IdempotencyStore for PostgresStore {
         F: Future + Send + 'static,
         F::Output: Send + 'static,
     {
-        let run = move || begin_and_run_in_place(self, scope, lock_timeout, now, work);
         // A connection is idle, or the pool may open one: a reservation would not wait.
         let write_idle = || {
             let status = self.shared.transactions.status();
             status.available > 0 || status.size < status.max_size
         };
-        lookup_then_begin(
-            self,
-            &self.shared.replay_checks,
-            write_idle,
-            scope,
-            now,
-            run,
-        )
-        .await
+        let checks = &self.shared.replay_checks;
+        first_attempt(self, checks, write_idle, scope, lock_timeout, now, work).await
     }
 
     async fn begin(

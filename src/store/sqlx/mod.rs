@@ -25,12 +25,9 @@ use sqlx::pool::PoolConnection;
 use sqlx::{Database, Executor as _, Pool};
 use tokio::time::Instant;
 
-use super::replay_check::{lookup_then_begin, ReplayChecks};
+use super::replay_check::{first_attempt, ReplayChecks};
 use super::reserve::{self, Isolation, ReserveStatements, Reserved};
-use super::{
-    begin_and_run_in_place, to_unix_millis, Begin, IdempotencyStore, NewRecord, RunOutcome, Scope,
-    StoredRecord,
-};
+use super::{to_unix_millis, Begin, IdempotencyStore, NewRecord, RunOutcome, Scope, StoredRecord};
 use crate::error::Error;
 
 mod handle;
@@ -456,21 +453,13 @@ impl<D: SqlxDialect> IdempotencyStore for SqlxStore<D> {
         F: Future + Send + 'static,
         F::Output: Send + 'static,
     {
-        let run = move || begin_and_run_in_place(self, scope, lock_timeout, now, work);
         // A connection is idle, or the pool may open one: a reservation would not wait.
         let write_idle = || {
             let pool = &self.shared.transactions;
             pool.num_idle() > 0 || pool.size() < pool.options().get_max_connections()
         };
-        lookup_then_begin(
-            self,
-            &self.shared.replay_checks,
-            write_idle,
-            scope,
-            now,
-            run,
-        )
-        .await
+        let checks = &self.shared.replay_checks;
+        first_attempt(self, checks, write_idle, scope, lock_timeout, now, work).await
     }
 
     async fn begin(
