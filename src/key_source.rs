@@ -105,7 +105,9 @@ impl KeyExtractor {
                 if values.next().is_some() {
                     return Err(Rejection::DuplicateKeyHeader);
                 }
-                value.as_bytes().to_vec()
+                // Parsed where it lies: the key's own copy is the only one.
+                return IdempotencyKey::parse(value.as_bytes(), max_len)
+                    .map_err(Rejection::InvalidKey);
             }
             Source::JsonPointer(pointer) => {
                 let document: serde_json::Value = serde_json::from_slice(body).map_err(|e| {

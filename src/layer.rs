@@ -100,6 +100,8 @@ pub(crate) struct Config {
     pub(crate) error_format: ErrorFormat,
     /// The scopes this layer's requests are running (for the in-flight policy).
     pub(crate) running: Arc<Running>,
+    /// The keys of the operation's metrics, made at its first request.
+    pub(crate) metric_keys: crate::metrics::Keys,
 }
 
 impl Config {
@@ -216,6 +218,7 @@ impl<St> IdempotencyLayer<St> {
                 in_flight: InFlight::Wait,
                 error_format: ErrorFormat::Json,
                 running: Arc::default(),
+                metric_keys: Default::default(),
             }),
         }
     }

@@ -79,6 +79,34 @@ pub enum Outcome {
 }
 
 impl Outcome {
+    /// Every outcome, in [`index`](Self::index) order.
+    #[cfg(feature = "metrics")]
+    const ALL: [Outcome; 8] = [
+        Outcome::Executed,
+        Outcome::Replayed,
+        Outcome::Conflict,
+        Outcome::Busy,
+        Outcome::InFlight,
+        Outcome::Rejected,
+        Outcome::RolledBack,
+        Outcome::Error,
+    ];
+
+    /// Where this outcome is in [`ALL`](Self::ALL).
+    #[cfg(feature = "metrics")]
+    fn index(self) -> usize {
+        match self {
+            Outcome::Executed => 0,
+            Outcome::Replayed => 1,
+            Outcome::Conflict => 2,
+            Outcome::Busy => 3,
+            Outcome::InFlight => 4,
+            Outcome::Rejected => 5,
+            Outcome::RolledBack => 6,
+            Outcome::Error => 7,
+        }
+    }
+
     /// The label value.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -128,17 +156,85 @@ impl RollbackReason {
 // operation label is the layer's shared name: a label made from it shares it (no copy per
 // request, with or without a recorder).
 
-/// Counts one request the layer handled.
-pub(crate) fn request(operation: &Arc<str>, outcome: Outcome) {
+/// The keys of a layer's per-request metrics ([`REQUESTS_TOTAL`] by outcome and
+/// [`LOCK_WAIT_SECONDS`]), made for its operation once rather than on every request: a key's
+/// labels and hash are built when it is made. Requests of another operation (a layer without
+/// an operation name labels requests by path) make theirs as they are recorded.
+#[derive(Default)]
+pub(crate) struct Keys {
     #[cfg(feature = "metrics")]
-    metrics::counter!(
-        REQUESTS_TOTAL,
-        "operation" => operation.clone(),
-        "outcome" => outcome.as_str()
-    )
-    .increment(1);
+    made: std::sync::OnceLock<Made>,
+}
+
+#[cfg(feature = "metrics")]
+struct Made {
+    operation: Arc<str>,
+    /// By [`Outcome::index`].
+    requests: [metrics::Key; Outcome::ALL.len()],
+    lock_wait: metrics::Key,
+}
+
+#[cfg(feature = "metrics")]
+impl Keys {
+    /// The keys of `operation`: made for the first operation recorded, `None` for others.
+    fn of(&self, operation: &Arc<str>) -> Option<&Made> {
+        let made = self.made.get_or_init(|| Made {
+            operation: operation.clone(),
+            requests: Outcome::ALL.map(|outcome| request_key(operation, outcome)),
+            lock_wait: lock_wait_key(operation),
+        });
+        (Arc::ptr_eq(&made.operation, operation) || made.operation == *operation).then_some(made)
+    }
+}
+
+/// A changed configuration makes its keys afresh (its operation may be another).
+impl Clone for Keys {
+    fn clone(&self) -> Self {
+        Keys::default()
+    }
+}
+
+impl std::fmt::Debug for Keys {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Keys").finish_non_exhaustive()
+    }
+}
+
+/// What `metrics::counter!` and `metrics::histogram!` register a metric with here.
+#[cfg(feature = "metrics")]
+static METADATA: metrics::Metadata<'static> =
+    metrics::Metadata::new(module_path!(), metrics::Level::INFO, Some(module_path!()));
+
+#[cfg(feature = "metrics")]
+fn request_key(operation: &Arc<str>, outcome: Outcome) -> metrics::Key {
+    let labels = [
+        metrics::Label::new("operation", operation.clone()),
+        metrics::Label::new("outcome", outcome.as_str()),
+    ];
+    metrics::Key::from_parts(REQUESTS_TOTAL, labels.to_vec())
+}
+
+#[cfg(feature = "metrics")]
+fn lock_wait_key(operation: &Arc<str>) -> metrics::Key {
+    let labels = [metrics::Label::new("operation", operation.clone())];
+    metrics::Key::from_parts(LOCK_WAIT_SECONDS, labels.to_vec())
+}
+
+/// Counts one request the layer handled.
+pub(crate) fn request(keys: &Keys, operation: &Arc<str>, outcome: Outcome) {
+    #[cfg(feature = "metrics")]
+    {
+        let counter = |key: &metrics::Key| {
+            metrics::with_recorder(|recorder| recorder.register_counter(key, &METADATA))
+                .increment(1)
+        };
+        match keys.of(operation) {
+            Some(made) => counter(&made.requests[outcome.index()]),
+            None => counter(&request_key(operation, outcome)),
+        }
+    }
     #[cfg(not(feature = "metrics"))]
-    let _ = (operation, outcome);
+    let _ = (keys, operation, outcome);
 }
 
 /// Counts one rollback after the handler was called.
@@ -155,18 +251,26 @@ pub(crate) fn rollback(operation: &Arc<str>, reason: RollbackReason) {
 }
 
 /// Counts a request whose handler ran but whose transaction was rolled back.
-pub(crate) fn rolled_back(operation: &Arc<str>, reason: RollbackReason) {
+pub(crate) fn rolled_back(keys: &Keys, operation: &Arc<str>, reason: RollbackReason) {
     rollback(operation, reason);
-    request(operation, Outcome::RolledBack);
+    request(keys, operation, Outcome::RolledBack);
 }
 
 /// Records how long opening the write transaction took.
-pub(crate) fn lock_wait(operation: &Arc<str>, waited: Duration) {
+pub(crate) fn lock_wait(keys: &Keys, operation: &Arc<str>, waited: Duration) {
     #[cfg(feature = "metrics")]
-    metrics::histogram!(LOCK_WAIT_SECONDS, "operation" => operation.clone())
-        .record(waited.as_secs_f64());
+    {
+        let histogram = |key: &metrics::Key| {
+            metrics::with_recorder(|recorder| recorder.register_histogram(key, &METADATA))
+                .record(waited.as_secs_f64())
+        };
+        match keys.of(operation) {
+            Some(made) => histogram(&made.lock_wait),
+            None => histogram(&lock_wait_key(operation)),
+        }
+    }
     #[cfg(not(feature = "metrics"))]
-    let _ = (operation, waited);
+    let _ = (keys, operation, waited);
 }
 
 /// The outbox relay's events (feature `outbox`).
@@ -224,5 +328,78 @@ pub(crate) mod outbox {
         .increment(1);
         #[cfg(not(feature = "metrics"))]
         let _ = (consumer, first);
+    }
+}
+
+#[cfg(all(test, feature = "metrics"))]
+mod tests {
+    use std::collections::HashMap;
+
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+
+    use super::*;
+
+    #[test]
+    fn each_operation_is_recorded_under_its_own_labels() {
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        // One layer's keys: made for the first operation, and then used for any `Arc` of the
+        // same name; another operation (a layer labelling by path) makes its own.
+        let keys = Keys::default();
+        metrics::with_local_recorder(&recorder, || {
+            request(&keys, &Arc::from("/a"), Outcome::Executed);
+            request(&keys, &Arc::from("/a"), Outcome::Executed);
+            request(&keys, &Arc::from("/b"), Outcome::Executed);
+            request(&keys, &Arc::from("/b"), Outcome::Replayed);
+            lock_wait(&keys, &Arc::from("/a"), Duration::from_millis(5));
+            lock_wait(&keys, &Arc::from("/b"), Duration::from_millis(7));
+        });
+        let recorded: HashMap<String, DebugValue> = snapshotter
+            .snapshot()
+            .into_vec()
+            .into_iter()
+            .map(|(key, _, _, value)| {
+                let labels: Vec<String> = key
+                    .key()
+                    .labels()
+                    .map(|label| format!("{}={}", label.key(), label.value()))
+                    .collect();
+                (
+                    format!("{}{{{}}}", key.key().name(), labels.join(",")),
+                    value,
+                )
+            })
+            .collect();
+        let counter = |key: &str| match recorded.get(key) {
+            Some(DebugValue::Counter(n)) => *n,
+            other => panic!("{key}: {other:?} in {recorded:?}"),
+        };
+        assert_eq!(
+            counter(&format!(
+                "{REQUESTS_TOTAL}{{operation=/a,outcome=executed}}"
+            )),
+            2
+        );
+        assert_eq!(
+            counter(&format!(
+                "{REQUESTS_TOTAL}{{operation=/b,outcome=executed}}"
+            )),
+            1
+        );
+        assert_eq!(
+            counter(&format!(
+                "{REQUESTS_TOTAL}{{operation=/b,outcome=replayed}}"
+            )),
+            1
+        );
+        for (operation, seconds) in [("/a", 0.005), ("/b", 0.007)] {
+            let key = format!("{LOCK_WAIT_SECONDS}{{operation={operation}}}");
+            match recorded.get(&key) {
+                Some(DebugValue::Histogram(values)) => {
+                    assert_eq!(values.iter().map(|v| v.0).collect::<Vec<_>>(), [seconds])
+                }
+                other => panic!("{key}: {other:?}"),
+            }
+        }
     }
 }

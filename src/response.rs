@@ -285,6 +285,28 @@ mod tests {
     }
 
     #[test]
+    fn plain_values_are_encoded_as_serde_json_writes_them() {
+        for value in [
+            "/orders/7",
+            "application/json",
+            "a b",
+            "say \"hi\"",
+            "back\\slash",
+            "tab\there",
+            "",
+        ] {
+            let headers = vec![(header::LOCATION, HeaderValue::from_str(value).unwrap())];
+            let expected = serde_json::to_string(&[["location", value]]).unwrap();
+            assert_eq!(
+                SavedResponse::encode_headers(&headers),
+                expected,
+                "{value:?}"
+            );
+            assert_eq!(SavedResponse::decode_headers(&expected).unwrap(), headers);
+        }
+    }
+
+    #[test]
     fn headers_saved_by_earlier_versions_still_decode() {
         // What version 1 wrote: strings only (it dropped the values that were not visible ASCII).
         let text = r#"[["content-type","application/json"],["location","/orders/1"]]"#;

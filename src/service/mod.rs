@@ -234,7 +234,7 @@ where
                 let operation = self.config.operation.clone().unwrap_or_else(|| {
                     Arc::from(path.as_ref().map_or("", |uri: &http::Uri| uri.path()))
                 });
-                metrics::request(&operation, Outcome::Rejected);
+                metrics::request(&self.config.metric_keys, &operation, Outcome::Rejected);
                 return Ok(self.reject(&rejection, wire));
             }
         };
@@ -280,7 +280,11 @@ where
             Ok(claim) => claim,
             Err(rejection) => {
                 tracing::info!("a request with the same key is running; answered 409");
-                metrics::request(&scope.operation, Outcome::InFlight);
+                metrics::request(
+                    &self.config.metric_keys,
+                    &scope.operation,
+                    Outcome::InFlight,
+                );
                 return Ok(self.reject(&rejection, wire));
             }
         };
@@ -343,16 +347,20 @@ where
                     return Ok(self.answer_existing(&scope, record, &fingerprint, wire));
                 }
                 Ok(RunOutcome::Existing { record, waited }) => {
-                    metrics::lock_wait(&scope.operation, waited);
+                    metrics::lock_wait(&self.config.metric_keys, &scope.operation, waited);
                     return Ok(self.answer_existing(&scope, record, &fingerprint, wire));
                 }
                 Ok(RunOutcome::Ran { output, waited }) => {
-                    metrics::lock_wait(&scope.operation, waited);
+                    metrics::lock_wait(&self.config.metric_keys, &scope.operation, waited);
                     output
                 }
                 Err(error) => {
                     // Mostly a lock wait that timed out.
-                    metrics::lock_wait(&scope.operation, lock_started.elapsed());
+                    metrics::lock_wait(
+                        &self.config.metric_keys,
+                        &scope.operation,
+                        lock_started.elapsed(),
+                    );
                     // A duplicate that found its original's record in a commit group which
                     // was then rolled back: the key is free again.
                     if reruns.take(&error, &self.config) {
@@ -372,7 +380,11 @@ where
             return match finished {
                 Finished::Committed(parts, body, trailers) => {
                     tracing::debug!(status = %parts.status, "response saved and committed");
-                    metrics::request(&scope.operation, Outcome::Executed);
+                    metrics::request(
+                        &self.config.metric_keys,
+                        &scope.operation,
+                        Outcome::Executed,
+                    );
                     Ok(Response::from_parts(
                         parts,
                         ResponseBody::full(body, trailers),
@@ -390,7 +402,7 @@ where
                     Ok(self.store_failure(&scope, error, wire))
                 }
                 Finished::RolledBack(reason, answer) => {
-                    metrics::rolled_back(&scope.operation, reason);
+                    metrics::rolled_back(&self.config.metric_keys, &scope.operation, reason);
                     match answer {
                         Answer::ServiceError(error) => {
                             tracing::warn!(
@@ -434,11 +446,19 @@ where
     ) -> Response<ResponseBody<ResB>> {
         if record.fingerprint.matches(fingerprint) {
             tracing::debug!(status = %record.response.status, "replayed saved response");
-            metrics::request(&scope.operation, Outcome::Replayed);
+            metrics::request(
+                &self.config.metric_keys,
+                &scope.operation,
+                Outcome::Replayed,
+            );
             record.response.into_replay()
         } else {
             tracing::info!("idempotency key reused with a different payload");
-            metrics::request(&scope.operation, Outcome::Conflict);
+            metrics::request(
+                &self.config.metric_keys,
+                &scope.operation,
+                Outcome::Conflict,
+            );
             self.reject(&Rejection::KeyReused, wire)
         }
     }
@@ -453,15 +473,19 @@ where
             tracing::info!(
                 "the key is held by a request running on another instance; answered 409"
             );
-            metrics::request(&scope.operation, Outcome::InFlight);
+            metrics::request(
+                &self.config.metric_keys,
+                &scope.operation,
+                Outcome::InFlight,
+            );
             self.reject(&Rejection::InFlight, wire)
         } else if error.is_busy() {
             tracing::warn!(%error, "idempotency store busy; answered 503");
-            metrics::request(&scope.operation, Outcome::Busy);
+            metrics::request(&self.config.metric_keys, &scope.operation, Outcome::Busy);
             self.reject(&Rejection::Busy, wire)
         } else {
             tracing::error!(%error, "idempotency store failed; rolled back");
-            metrics::request(&scope.operation, Outcome::Error);
+            metrics::request(&self.config.metric_keys, &scope.operation, Outcome::Error);
             self.reject(&Rejection::Store(Arc::new(error)), wire)
         }
     }

@@ -31,12 +31,8 @@ where
         }
     }
 
-    // The first chunk is kept as it came (the common case: the whole body); later ones are
-    // copied into one buffer as they arrive. Keeping every chunk would let a client that
-    // sends one-byte chunks make the server hold a `Bytes` (and the read buffer behind it)
-    // per byte: about 30 times the body limit.
-    let mut first: Option<Bytes> = None;
-    let mut joined = BytesMut::new();
+    let expected = declared.map_or(0, |length| length as usize);
+    let mut joined = Joined::default();
     let mut total = 0usize;
     loop {
         let frame = match tokio::time::timeout_at(deadline, body.as_mut().frame()).await {
@@ -53,36 +49,44 @@ where
             drain(body.as_mut(), total, config.drain_limit, deadline).await;
             return Err(Rejection::BodyTooLarge);
         }
+        joined.push(data, expected);
+    }
+    Ok(joined.into_bytes())
+}
+
+/// A body's chunks joined as they arrive. The first is kept as it came (the common case: the
+/// whole body, without a copy or an allocation); later ones are copied into one buffer.
+/// Keeping every chunk would let a client that sends one-byte chunks make the server hold a
+/// `Bytes` (and the read buffer behind it) per byte: about 30 times the body limit.
+#[derive(Default)]
+pub(super) struct Joined {
+    first: Option<Bytes>,
+    joined: BytesMut,
+}
+
+impl Joined {
+    /// Adds `data`; `expected` is the whole body's length if known (0 if not), reserved at
+    /// the first copy.
+    pub(super) fn push(&mut self, data: Bytes, expected: usize) {
         if data.is_empty() {
-            continue;
+            return;
         }
-        match first.take() {
-            None if joined.is_empty() => first = Some(data),
+        match self.first.take() {
+            None if self.joined.is_empty() => self.first = Some(data),
             earlier => {
                 if let Some(earlier) = earlier {
-                    let expected = declared.map_or(0, |length| length as usize);
-                    joined.reserve(expected.max(earlier.len() + data.len()));
-                    joined.extend_from_slice(&earlier);
+                    self.joined
+                        .reserve(expected.max(earlier.len() + data.len()));
+                    self.joined.extend_from_slice(&earlier);
                 }
-                joined.extend_from_slice(&data);
+                self.joined.extend_from_slice(&data);
             }
         }
     }
-    Ok(first.unwrap_or_else(|| joined.freeze()))
-}
 
-/// One chunk (the common case) is used as it came; several are joined with one copy.
-pub(super) fn join(mut chunks: Vec<Bytes>, total: usize) -> Bytes {
-    match chunks.len() {
-        0 => Bytes::new(),
-        1 => chunks.swap_remove(0),
-        _ => {
-            let mut joined = BytesMut::with_capacity(total);
-            for chunk in &chunks {
-                joined.extend_from_slice(chunk);
-            }
-            joined.freeze()
-        }
+    /// The joined body.
+    pub(super) fn into_bytes(self) -> Bytes {
+        self.first.unwrap_or_else(|| self.joined.freeze())
     }
 }
 
@@ -117,8 +121,10 @@ pub(super) async fn collect_response<B>(
 where
     B: Body<Data = Bytes>,
 {
+    // What the body says it holds, reserved if it comes in several chunks.
+    let expected = usize::try_from(body.size_hint().lower()).map_or(limit, |n| n.min(limit));
     let mut body = std::pin::pin!(body);
-    let mut chunks: Vec<Bytes> = Vec::new();
+    let mut joined = Joined::default();
     let mut total = 0usize;
     let mut trailers: Option<HeaderMap> = None;
     while let Some(frame) = body.as_mut().frame().await {
@@ -129,7 +135,7 @@ where
                 if total > limit {
                     return Err(Rejection::ResponseTooLarge);
                 }
-                chunks.push(data);
+                joined.push(data, expected);
             }
             Err(frame) => {
                 if let Ok(t) = frame.into_trailers() {
@@ -138,5 +144,5 @@ where
             }
         }
     }
-    Ok((join(chunks, total), trailers))
+    Ok((joined.into_bytes(), trailers))
 }

@@ -245,16 +245,22 @@ impl Reservation for PostgresReservation {
         ];
         // The record and `COMMIT` in one flight (tokio-postgres sends requests polled together
         // in order): when the record fails, the transaction is aborted and PostgreSQL answers
-        // the `COMMIT` with a `ROLLBACK`.
+        // the `COMMIT` with a `ROLLBACK`. The statement answers one row (`1`) or fails: its
+        // row count says so without decoding the row.
         let (saved, committed) = futures_util::future::join(
-            client.query_one(&complete, &params),
+            client.execute(&complete, &params),
             client.batch_execute("COMMIT"),
         )
         .await;
         // Committed, rolled back, or the connection is gone: no transaction is left open on it.
         slot.release();
         match (saved, committed) {
-            (Ok(_), Ok(())) => Ok(()),
+            (Ok(1), Ok(())) => Ok(()),
+            // Never: an aggregate without `GROUP BY` answers one row. Reported as `query_one`
+            // reported it, as a failure, but without claiming that nothing was committed.
+            (Ok(rows), Ok(())) => Err(Error::CommitOutcomeUnknown(format!(
+                "the record's completion answered {rows} rows instead of one"
+            ))),
             (Err(error), _) if error.code() == Some(&SqlState::DIVISION_BY_ZERO) => {
                 Err(Error::TransactionAborted(
                     "the transaction ended before commit (it is not the one the layer began)",
