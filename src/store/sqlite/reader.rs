@@ -11,6 +11,7 @@
 //! record queues the request's begin for the writer itself ([`Shared::look_up_then_queue`]),
 //! so that the request is woken once, by its answer. Rows are decoded by `records`.
 
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -25,7 +26,8 @@ use crate::error::Error;
 use crate::store::{Scope, StoredRecord};
 
 impl Shared {
-    /// Runs `f` on an idle reader connection (a new one if none is idle).
+    /// Runs `f` on an idle reader connection (a new one if none is idle), with a busy wait of
+    /// [`READER_BUSY_TIMEOUT`]: off the executor only.
     pub(super) fn with_reader<T>(
         &self,
         f: impl FnOnce(&Connection) -> Result<T, Error>,
@@ -33,21 +35,19 @@ impl Shared {
         let idle = self.readers.lock().ok().and_then(|mut pool| pool.pop());
         let conn = match idle {
             Some(conn) => conn,
-            None => {
-                let conn = Connection::open_with_flags(
-                    &self.path,
-                    OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
-                )?;
-                conn.busy_timeout(READER_BUSY_TIMEOUT)?;
-                conn
-            }
+            None => open_reader(&self.path)?,
         };
+        conn.busy_timeout(READER_BUSY_TIMEOUT)?;
         let result = f(&conn);
-        self.return_reader(conn);
+        // Idle connections wait for no lock (the in-place reads take them as they are); one
+        // whose busy timeout cannot be cleared is not kept.
+        if conn.busy_timeout(Duration::ZERO).is_ok() {
+            self.return_reader(conn);
+        }
         result
     }
 
-    /// Keeps `conn` for the next read, unless enough are idle.
+    /// Keeps `conn` (with no busy wait) for the next read, unless enough are idle.
     fn return_reader(&self, conn: Connection) {
         if let Ok(mut pool) = self.readers.lock() {
             if pool.len() < self.max_idle_readers {
@@ -57,8 +57,9 @@ impl Shared {
     }
 
     /// The live record of `scope`, read on the calling thread if that cannot wait: on an idle
-    /// reader connection, with no busy wait. `None` when it would have to wait (the option is
-    /// off, no connection is idle, or SQLite answered busy): read under `spawn_blocking` then.
+    /// reader connection, with no busy wait (idle connections have none). `None` when it would
+    /// have to wait (the option is off, no connection is idle, or SQLite answered busy): read
+    /// under `spawn_blocking` then.
     pub(super) fn try_read_live_record_in_place(
         &self,
         scope: &Scope,
@@ -68,14 +69,8 @@ impl Shared {
             return None;
         }
         let conn = self.readers.lock().ok()?.pop()?;
-        let read = conn
-            .busy_timeout(Duration::ZERO)
-            .map_err(Error::from)
-            .and_then(|()| read_record(&conn, scope));
-        // A connection whose busy timeout cannot be restored is not kept.
-        if conn.busy_timeout(READER_BUSY_TIMEOUT).is_ok() {
-            self.return_reader(conn);
-        }
+        let read = read_record(&conn, scope);
+        self.return_reader(conn);
         match read {
             Err(error) if error.is_busy() => None,
             read => Some(read.map(|record| record.filter(|record| record.expires_at > now))),
@@ -125,5 +120,64 @@ impl Shared {
             let found = shared.read_live_record(&scope, now);
             answer(&shared, found);
         }));
+    }
+}
+
+/// A new read-only connection to the database at `path`, with no busy wait (as idle
+/// connections are kept).
+fn open_reader(path: &Path) -> Result<Connection, Error> {
+    let conn = Connection::open_with_flags(
+        path,
+        OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+    )?;
+    conn.busy_timeout(Duration::ZERO)?;
+    Ok(conn)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::key::IdempotencyKey;
+    use crate::store::sqlite::SqliteStore;
+
+    fn busy_timeout_ms(conn: &Connection) -> rusqlite::Result<i64> {
+        conn.query_row("PRAGMA busy_timeout", [], |row| row.get(0))
+    }
+
+    #[tokio::test]
+    async fn idle_readers_wait_for_no_lock_and_reads_off_the_executor_do() {
+        let dir = tempfile::tempdir().expect("dir");
+        let store = SqliteStore::open(dir.path().join("store.db"))
+            .await
+            .expect("open");
+        // Off the executor, a read waits for locks up to the readers' busy timeout.
+        let during = store.read(busy_timeout_ms).await.expect("read");
+        assert_eq!(during, READER_BUSY_TIMEOUT.as_millis() as i64);
+        // The connection it used is idle now, with no busy wait, and the in-place read uses it.
+        let idle = store.shared.with_reader_unchanged(busy_timeout_ms);
+        assert_eq!(idle, Some(0));
+        let key = IdempotencyKey::parse(b"k1", 255).expect("key");
+        let scope = Scope::new("shop-a", "create_order", key);
+        assert!(matches!(
+            store
+                .shared
+                .try_read_live_record_in_place(&scope, SystemTime::now()),
+            Some(Ok(None))
+        ));
+        assert_eq!(store.shared.readers.lock().expect("pool").len(), 1);
+        assert_eq!(store.shared.with_reader_unchanged(busy_timeout_ms), Some(0));
+    }
+
+    impl Shared {
+        /// `f` on the idle reader connection as it is, if one is idle.
+        fn with_reader_unchanged<T>(
+            &self,
+            f: impl FnOnce(&Connection) -> rusqlite::Result<T>,
+        ) -> Option<T> {
+            let conn = self.readers.lock().ok()?.pop()?;
+            let value = f(&conn).ok();
+            self.return_reader(conn);
+            value
+        }
     }
 }
