@@ -200,39 +200,6 @@ mod sealed {
     impl<C: GenericClient> Executor for C {}
 }
 
-/// How many accepted texts each thread keeps in front of the process-wide set (see
-/// [`check_text`]).
-const RECENT_TEXTS: usize = 16;
-
-/// The longest text kept there.
-const RECENT_TEXT_LEN: usize = 1024;
-
-/// [`sql_guard::check_command_remembered`], with the first [`RECENT_TEXTS`] texts that this
-/// thread saw accepted kept in front of it: a handler sends the same few statements on every
-/// request, and comparing a text with a handful of others (their lengths first) costs a
-/// fraction of hashing it for the shared set behind its lock. Only accepted texts are kept,
-/// and whether a text is accepted depends on the text alone: the answer is the same.
-fn check_text(sql: &str) -> Result<(), Error> {
-    use std::cell::RefCell;
-
-    thread_local! {
-        static ACCEPTED: RefCell<Vec<Box<str>>> = const { RefCell::new(Vec::new()) };
-    }
-    let known = ACCEPTED.with_borrow(|accepted| accepted.iter().any(|text| **text == *sql));
-    if known {
-        return Ok(());
-    }
-    sql_guard::check_command_remembered(sql)?;
-    if sql.len() <= RECENT_TEXT_LEN {
-        ACCEPTED.with_borrow_mut(|accepted| {
-            if accepted.len() < RECENT_TEXTS {
-                accepted.push(sql.into());
-            }
-        });
-    }
-    Ok(())
-}
-
 impl TransactionClient {
     fn client(&self) -> &tokio_postgres::Client {
         &self.connection
@@ -241,7 +208,7 @@ impl TransactionClient {
     /// Refuses transaction control in `command`'s text.
     fn check<T: Command + ?Sized>(command: &T) -> Result<(), Error> {
         match command.sql_text() {
-            Some(sql) => check_text(sql),
+            Some(sql) => sql_guard::check_command_remembered(sql),
             None => Ok(()),
         }
     }
@@ -256,7 +223,7 @@ impl TransactionClient {
 
     /// Prepares `query` ([`tokio_postgres::Client::prepare`]).
     pub async fn prepare(&self, query: &str) -> Result<Statement, Error> {
-        check_text(query)?;
+        sql_guard::check_command_remembered(query)?;
         self.observe(self.client().prepare(query).await)
     }
 
@@ -267,13 +234,13 @@ impl TransactionClient {
         query: &str,
         parameter_types: &[Type],
     ) -> Result<Statement, Error> {
-        check_text(query)?;
+        sql_guard::check_command_remembered(query)?;
         self.observe(self.client().prepare_typed(query, parameter_types).await)
     }
 
     /// Prepares `query` once per connection and reuses the statement afterwards.
     pub async fn prepare_cached(&self, query: &str) -> Result<Statement, Error> {
-        check_text(query)?;
+        sql_guard::check_command_remembered(query)?;
         self.observe(self.connection.prepare_cached(query).await)
     }
 
@@ -324,7 +291,7 @@ impl TransactionClient {
         query: &str,
         params: &[(&(dyn ToSql + Sync), Type)],
     ) -> Result<Vec<Row>, Error> {
-        check_text(query)?;
+        sql_guard::check_command_remembered(query)?;
         self.observe(self.client().query_typed(query, params).await)
     }
 
@@ -392,31 +359,5 @@ impl TransactionClient {
     /// Whether the connection is closed (the server went away).
     pub fn is_closed(&self) -> bool {
         self.client().is_closed()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{check_text, RECENT_TEXTS};
-    use crate::error::Error;
-
-    #[test]
-    fn remembered_texts_answer_as_the_check_does() {
-        // More texts than the thread keeps: the ones past it go to the shared check.
-        let accepted: Vec<String> = (0..RECENT_TEXTS + 4)
-            .map(|i| format!("INSERT INTO t VALUES ({i})"))
-            .collect();
-        for _ in 0..2 {
-            for text in &accepted {
-                assert!(check_text(text).is_ok(), "{text}");
-            }
-            for refused in ["COMMIT", "commit", "SELECT 1; ROLLBACK", "BEGIN"] {
-                assert!(
-                    matches!(check_text(refused), Err(Error::TransactionControl(_))),
-                    "{refused}"
-                );
-            }
-            assert!(check_text("ROLLBACK TO SAVEPOINT a").is_ok());
-        }
     }
 }
