@@ -45,6 +45,8 @@ pub mod sqlx;
 pub mod sqlx_mysql;
 #[cfg(feature = "sqlx-postgres")]
 pub mod sqlx_postgres;
+#[cfg(all(test, row_lock_store))]
+mod test_records;
 #[cfg(row_lock_store)]
 mod tx_state;
 

@@ -161,16 +161,7 @@ mod tests {
 
     fn replayed() -> Result<RunOutcome<()>, Error> {
         Ok(RunOutcome::Existing {
-            record: crate::store::StoredRecord::new(
-                crate::fingerprint::Fingerprint::new(1, [0; 32]),
-                crate::response::SavedResponse::new(
-                    http::StatusCode::CREATED,
-                    Vec::new(),
-                    bytes::Bytes::new(),
-                ),
-                SystemTime::UNIX_EPOCH,
-                SystemTime::UNIX_EPOCH,
-            ),
+            record: crate::store::test_records::stored_record(),
             waited: Duration::ZERO,
         })
     }

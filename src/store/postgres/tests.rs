@@ -12,10 +12,8 @@ use tokio_postgres::NoTls;
 
 use super::*;
 use crate::error::Error;
-use crate::fingerprint::Fingerprint;
-use crate::key::IdempotencyKey;
-use crate::response::SavedResponse;
-use crate::store::{Begin, IdempotencyStore, NewRecord, Reservation, RunOutcome, Scope};
+use crate::store::test_records::{record, scope};
+use crate::store::{Begin, IdempotencyStore, Reservation, RunOutcome, Scope};
 
 /// A schema of its own: the admin client that drops it, its name, and settings whose
 /// connections use it.
@@ -45,29 +43,6 @@ async fn store() -> (PostgresStore, tokio_postgres::Client, String) {
         .await
         .expect("store");
     (store, admin, schema)
-}
-
-fn scope(key: &str) -> Scope {
-    Scope {
-        tenant: "shop".into(),
-        operation: "create_order".into(),
-        key: IdempotencyKey::parse(key.as_bytes(), 128).expect("key"),
-    }
-}
-
-fn record() -> NewRecord {
-    let now = SystemTime::now();
-    NewRecord {
-        fingerprint: Fingerprint::new(2, [7; 32]),
-        response: SavedResponse {
-            status: StatusCode::CREATED,
-            headers: Vec::new(),
-            body: Bytes::from_static(b"{}"),
-            trailers: None,
-        },
-        created_at: now,
-        expires_at: now + Duration::from_secs(3600),
-    }
 }
 
 async fn reserve(store: &PostgresStore, scope: &Scope) -> PostgresReservation {

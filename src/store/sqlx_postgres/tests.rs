@@ -8,19 +8,15 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use bytes::Bytes;
-use http::StatusCode;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgSslMode};
 use sqlx::{Connection as _, Executor as _, PgConnection};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{TcpListener, TcpStream};
 
 use super::{PgDialect, ReplayCheck, SqlxPostgresStore};
-use crate::fingerprint::Fingerprint;
-use crate::key::IdempotencyKey;
-use crate::response::SavedResponse;
 use crate::store::sqlx::SqlxReservation;
-use crate::store::{Begin, IdempotencyStore, NewRecord, Reservation, RunOutcome, Scope};
+use crate::store::test_records::{record, scope, tenant_scope};
+use crate::store::{Begin, IdempotencyStore, Reservation, RunOutcome, Scope};
 
 fn url() -> String {
     std::env::var("TEST_DATABASE_URL").expect("TEST_DATABASE_URL")
@@ -69,33 +65,6 @@ fn store_of(options: PgConnectOptions, connections: u32, check: ReplayCheck) -> 
         .max_read_connections(1)
         .replay_check(check)
         .build()
-}
-
-fn scope(key: &str) -> Scope {
-    tenant_scope("shop", key)
-}
-
-fn tenant_scope(tenant: &str, key: &str) -> Scope {
-    Scope {
-        tenant: tenant.into(),
-        operation: "create_order".into(),
-        key: IdempotencyKey::parse(key.as_bytes(), 128).expect("key"),
-    }
-}
-
-fn record() -> NewRecord {
-    let now = SystemTime::now();
-    NewRecord {
-        fingerprint: Fingerprint::new(2, [7; 32]),
-        response: SavedResponse {
-            status: StatusCode::CREATED,
-            headers: Vec::new(),
-            body: Bytes::from_static(b"{}"),
-            trailers: None,
-        },
-        created_at: now,
-        expires_at: now + Duration::from_secs(3600),
-    }
 }
 
 /// A new key through the store as the layer drives it: the fast-path lookup, `begin`, and
