@@ -772,6 +772,38 @@ mod postgres {
         runs_afresh(server.addr, "new-key", BOOK).await;
     }
 
+    /// Under the default replay check, retries rare so far: with every transaction connection
+    /// held by a slow handler, a replay waits for one only briefly, then is answered from the
+    /// read pool, long before the lock timeout (30 s) would end its wait; so is another
+    /// payload's `409`.
+    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
+    #[tokio::test]
+    async fn a_replay_waits_only_briefly_for_connections_that_writers_hold() {
+        let Some(db) = Postgres::create().await else {
+            return;
+        };
+        let holder = Holder::new("holder");
+        let server = db
+            .server()
+            .layer(|layer| layer.with_lock_timeout(Duration::from_secs(30)))
+            .hook(holder.hook())
+            .spawn_with(|options| options.max_connections(1))
+            .await;
+        let started = std::time::Instant::now();
+        let (done, held, replay, conflict) = done_while_held(server.addr, &holder).await;
+        let answered = started.elapsed();
+        holder.release();
+
+        assert!(replay.replayed(), "{replay:?}");
+        assert_eq!(replay.body, done.body);
+        assert_eq!(conflict.status, StatusCode::CONFLICT, "{conflict:?}");
+        assert!(
+            answered < Duration::from_secs(10),
+            "answered after {answered:?}, not after the lock timeout"
+        );
+        assert_eq!(held.await.expect("holder").status, StatusCode::CREATED);
+    }
+
     /// With the replay check in the reservation (no read before the transaction), the key's
     /// contract holds: a retry replays, another payload is `409`, and duplicates in flight
     /// together wait on the key's row and create one order.

@@ -9,8 +9,9 @@
 //!    separate pool of read connections: no locks, and no waiting for the connections that
 //!    writers hold (past [`PostgresOptions::read_wait`] the request takes the write path). A
 //!    reservation that is not committed is invisible to it. It is skipped while retries are
-//!    rare among recent requests and a transaction connection is free: the reservation then
-//!    finds a completed record itself ([`ReplayCheck::Adaptive`], the default).
+//!    rare among recent requests: the reservation then finds a completed record itself, and
+//!    one that waits for a transaction connection twice as long as they have lately waited
+//!    reads meanwhile ([`ReplayCheck::Adaptive`], the default).
 //! 2. **The reservation**: a connection from the pool of request transactions, then `BEGIN`
 //!    (at the [`Isolation`] level, with `SET LOCAL lock_timeout`) and an `INSERT ... ON
 //!    CONFLICT DO NOTHING` of an `in_progress` row, sent together in one flight. A duplicate

@@ -103,7 +103,8 @@ impl PostgresOptions {
     /// Where a request learns that its key has a completed record to replay: with a read on
     /// the read pool before its transaction, or in the transaction, by the reservation.
     /// Default: [`ReplayCheck::Adaptive`], which reads first only while retries are frequent
-    /// among recent requests or every transaction connection is taken; see [`ReplayCheck`].
+    /// among recent requests, or meanwhile when a reservation waits unusually long for a
+    /// connection; see [`ReplayCheck`].
     ///
     /// ```no_run
     /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {

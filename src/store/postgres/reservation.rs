@@ -27,6 +27,7 @@ use crate::response::SavedResponse;
 use crate::store::columns::record_row::live_record;
 use crate::store::pg_failover::postgres_unavailable;
 use crate::store::pg_reserve::{self, ReserveStatements, Reserved};
+use crate::store::replay_check::Acquired;
 use crate::store::reserve;
 use crate::store::tx_state::TxSlot as _;
 use crate::store::{to_unix_millis, Begin, NewRecord, Reservation, Scope, StoredRecord};
@@ -39,10 +40,17 @@ impl PostgresStore {
         deadline: Instant,
         now: i64,
     ) -> Result<Begin<PostgresReservation>, Error> {
-        let object = tokio::time::timeout_at(deadline, self.shared.transactions.get())
-            .await
-            .map_err(|_| Error::Busy)?
-            .map_err(pool_error)?;
+        let acquire = async {
+            tokio::time::timeout_at(deadline, self.shared.transactions.get())
+                .await
+                .map_err(|_| Error::Busy)?
+                .map_err(pool_error)
+        };
+        let read = self.read(scope, now);
+        let object = match self.shared.replay_checks.acquire(acquire, read).await? {
+            Acquired::Connection(object) => object,
+            Acquired::Found(record) => return Ok(Begin::Existing(record)),
+        };
         // From here on, dropping this future (the client went away) discards the connection,
         // which rolls back whatever the server has done for it.
         let mut slot = Slot {

@@ -80,6 +80,22 @@ impl PostgresStore {
     }
 }
 
+impl PostgresStore {
+    /// The live completed record of `scope` at `now` (in milliseconds) on the read pool: a
+    /// plain snapshot read in autocommit, which takes no row locks and never waits for the
+    /// transaction that holds this scope (an uncommitted reservation is simply invisible).
+    /// Batched with the checks of other requests under load (`lookups`); given up after
+    /// `read_wait`.
+    pub(super) async fn read(
+        &self,
+        scope: &Scope,
+        now: i64,
+    ) -> Result<Option<StoredRecord>, Error> {
+        let read = self.shared.lookups.check(&self.shared.reads, scope, now);
+        reserve::within(self.shared.read_wait, read).await
+    }
+}
+
 pub(super) fn pool_error(error: PoolError) -> Error {
     match error {
         PoolError::Timeout(_) => Error::Busy,
@@ -93,14 +109,7 @@ impl IdempotencyStore for PostgresStore {
     type Reservation = PostgresReservation;
 
     async fn lookup(&self, scope: &Scope, now: SystemTime) -> Result<Option<StoredRecord>, Error> {
-        // A plain snapshot read in autocommit: it takes no row locks and never waits for the
-        // transaction that holds this scope (an uncommitted reservation is simply invisible).
-        // Batched with the checks of other requests under load (`lookups`).
-        let read = self
-            .shared
-            .lookups
-            .check(&self.shared.reads, scope, to_unix_millis(now));
-        reserve::within(self.shared.read_wait, read).await
+        self.read(scope, to_unix_millis(now)).await
     }
 
     /// The replay check on the read pool first, or `begin_and_run` alone (the reservation
@@ -117,13 +126,8 @@ impl IdempotencyStore for PostgresStore {
         F: Future + Send + 'static,
         F::Output: Send + 'static,
     {
-        // A connection is idle, or the pool may open one: a reservation would not wait.
-        let write_idle = || {
-            let status = self.shared.transactions.status();
-            status.available > 0 || status.size < status.max_size
-        };
         let checks = &self.shared.replay_checks;
-        first_attempt(self, checks, write_idle, scope, lock_timeout, now, work).await
+        first_attempt(self, checks, scope, lock_timeout, now, work).await
     }
 
     async fn begin(

@@ -25,7 +25,7 @@ use sqlx::pool::PoolConnection;
 use sqlx::{Database, Executor as _, Pool};
 use tokio::time::Instant;
 
-use super::replay_check::{first_attempt, ReplayChecks};
+use super::replay_check::{first_attempt, Acquired, ReplayChecks};
 use super::reserve::{self, Isolation, ReserveStatements, Reserved};
 use super::{to_unix_millis, Begin, IdempotencyStore, NewRecord, RunOutcome, Scope, StoredRecord};
 use crate::error::Error;
@@ -299,7 +299,13 @@ impl<D: SqlxDialect> SqlxStore<D> {
         now: i64,
     ) -> Result<Begin<SqlxReservation<D>>, Error> {
         let pool = &self.shared.transactions;
-        let (connection, mut checked) = Self::connection(pool, deadline).await?;
+        let acquire = Self::connection(pool, deadline);
+        let read = async { Ok(self.lookup_at(scope, now).await?.flatten()) };
+        let (connection, mut checked) =
+            match self.shared.replay_checks.acquire(acquire, read).await? {
+                Acquired::Connection(connection) => connection,
+                Acquired::Found(record) => return Ok(Begin::Existing(record)),
+            };
         // From here on, dropping this future (the client went away) discards the connection,
         // which rolls back whatever the server has done for it.
         let mut slot = Slot::new(TxConnection::new(connection));
@@ -345,6 +351,18 @@ impl<D: SqlxDialect> SqlxStore<D> {
 }
 
 impl<D: SqlxDialect> SqlxStore<D> {
+    /// The fast path's read of `scope`'s live record at `now`, given up after `read_wait`: a
+    /// plain consistent read in autocommit on the read pool, which takes no row locks and
+    /// never waits for the transaction that holds this scope (an uncommitted reservation is
+    /// simply invisible).
+    async fn lookup_at(
+        &self,
+        scope: &Scope,
+        now: i64,
+    ) -> Result<Option<Option<StoredRecord>>, Error> {
+        reserve::within(self.shared.read_wait, self.read(scope, now)).await
+    }
+
     /// The fast path's read of `scope`'s live record at `now`, on the read pool: on an idle
     /// connection taken without the pool's checks if there is one, once more through the
     /// pool's `acquire` if that connection turns out to be gone.
@@ -430,12 +448,7 @@ impl<D: SqlxDialect> IdempotencyStore for SqlxStore<D> {
 
     async fn lookup(&self, scope: &Scope, now: SystemTime) -> Result<Option<StoredRecord>, Error> {
         D::check_scope(scope)?;
-        // A plain consistent read in autocommit on the read pool: it takes no row locks and
-        // never waits for the transaction that holds this scope (an uncommitted reservation
-        // is simply invisible).
-        let now = to_unix_millis(now);
-        let found = reserve::within(self.shared.read_wait, self.read(scope, now)).await?;
-        Ok(found.flatten())
+        Ok(self.lookup_at(scope, to_unix_millis(now)).await?.flatten())
     }
 
     /// The replay check on the read pool first, or `begin_and_run` alone (the reservation
@@ -453,13 +466,8 @@ impl<D: SqlxDialect> IdempotencyStore for SqlxStore<D> {
         F: Future + Send + 'static,
         F::Output: Send + 'static,
     {
-        // A connection is idle, or the pool may open one: a reservation would not wait.
-        let write_idle = || {
-            let pool = &self.shared.transactions;
-            pool.num_idle() > 0 || pool.size() < pool.options().get_max_connections()
-        };
         let checks = &self.shared.replay_checks;
-        first_attempt(self, checks, write_idle, scope, lock_timeout, now, work).await
+        first_attempt(self, checks, scope, lock_timeout, now, work).await
     }
 
     async fn begin(

@@ -65,7 +65,8 @@ impl<D: SqlxDialect> SqlxOptions<D> {
     /// Where a request learns that its key has a completed record to replay: with a read on
     /// the read pool before its transaction, or in the transaction, by the reservation.
     /// Default: [`ReplayCheck::Adaptive`], which reads first only while retries are frequent
-    /// among recent requests or no connection of the pool is idle; see [`ReplayCheck`].
+    /// among recent requests, or meanwhile when a reservation waits unusually long for a
+    /// connection; see [`ReplayCheck`].
     /// [`ReplayCheck::ReadPool`] keeps every replay off the pool of request transactions.
     pub fn replay_check(mut self, check: ReplayCheck) -> Self {
         self.replay_check = check;

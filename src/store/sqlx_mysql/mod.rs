@@ -25,9 +25,9 @@
 //!   the statements that make MySQL commit on its own (DDL, `LOCK TABLES`, `SET autocommit`).
 //! - **Replays** are a plain consistent read of completed records on a separate pool of read
 //!   connections: no locks, and no waiting for the connections that writers hold. While
-//!   retries are rare among recent requests and a write connection is free, the read is
-//!   skipped and the reservation finds a completed record itself ([`ReplayCheck::Adaptive`],
-//!   the default; see [`SqlxOptions::replay_check`](crate::store::sqlx::SqlxOptions::replay_check)).
+//!   retries are rare among recent requests, the read is skipped and the reservation finds a
+//!   completed record itself, or reads meanwhile if it waits for a connection twice as long
+//!   as they have lately waited ([`ReplayCheck::Adaptive`], the default; see [`SqlxOptions::replay_check`](crate::store::sqlx::SqlxOptions::replay_check)).
 //! - **Rollback on drop**: a transaction dropped while still open takes its connection out of
 //!   the pool and closes it; the server rolls back a transaction whose connection is gone.
 //!

@@ -25,8 +25,9 @@
 //! - **Replays** are a plain `SELECT` of completed records on a separate pool of read
 //!   connections (made from the same connect options, or one you give): no locks, and no
 //!   waiting for the connections that writers hold. While retries are rare among recent
-//!   requests and a write connection is free, the read is skipped and the reservation finds a
-//!   completed record itself ([`ReplayCheck::Adaptive`], the default; see
+//!   requests, the read is skipped and the reservation finds a completed record itself, or
+//!   reads meanwhile if it waits for a connection twice as long as they have lately waited
+//!   ([`ReplayCheck::Adaptive`], the default; see
 //!   [`SqlxOptions::replay_check`](crate::store::sqlx::SqlxOptions::replay_check)).
 //! - **Connections without the pool's checks**: the store takes an idle connection with
 //!   [`Pool::try_acquire`](sqlx::Pool::try_acquire), which skips the pool's
