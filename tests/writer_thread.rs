@@ -106,12 +106,14 @@ async fn a_panicking_statement_is_an_error_for_the_handler() {
 
 /// Requests that give up on their lock timeout while a long handler holds the writer get their
 /// `503` on time, leave the writer's queue (with the bodies they hold) as soon as another
-/// request arrives, and never run.
+/// request arrives, and never run. (The slow request runs on the writer thread here: one that
+/// holds the writer in place keeps them queued until it gives the writer back.)
 #[tokio::test]
 async fn requests_that_give_up_leave_the_writers_queue() {
     let slow_handler = HeldHandler::default();
     let lock_timeout = Duration::from_millis(150);
     let server = TestServer::builder()
+        .store_options(|options| options.write_in_place(false))
         .layer(move |layer| layer.with_lock_timeout(lock_timeout))
         .hook({
             let slow_handler = slow_handler.clone();

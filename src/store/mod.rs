@@ -35,6 +35,8 @@ mod read_bound;
 mod replay_check;
 #[cfg(row_lock_store)]
 mod reserve;
+#[cfg(sql_store)]
+mod retry_share;
 #[cfg(row_lock_store)]
 mod sql_guard;
 #[cfg(feature = "sqlite")]

@@ -17,6 +17,7 @@ use std::time::{Duration, SystemTime};
 
 use tokio::time::Instant;
 
+use super::retry_share::RetryShare;
 use super::{
     begin_and_run_in_place, lookup_then, IdempotencyStore, RunOutcome, Scope, StoredRecord,
 };
@@ -52,16 +53,6 @@ pub enum ReplayCheck {
     Reservation,
 }
 
-/// How much one outcome moves the estimate: an exponential moving average over about the
-/// last 16 first attempts.
-const SHIFT: u32 = 4;
-/// The estimate's scale: `ONE` is "every first attempt was a retry".
-const ONE: u32 = 1 << 16;
-/// From this share of retries on (one in eight), read before the transaction. The read saves
-/// a retry two round trips on a write connection and costs a new key one, so it pays from one
-/// in three; from one in eight, retries stay off the write connections unless they are rare.
-const READ_FROM: u32 = ONE / 8;
-
 /// The least and the most a reservation waits for a connection before it reads meanwhile
 /// ([`ReplayChecks::acquire`]).
 const PATIENCE: (Duration, Duration) = (Duration::from_millis(1), Duration::from_millis(100));
@@ -79,8 +70,8 @@ pub(crate) enum Acquired<C> {
 #[derive(Debug)]
 pub(crate) struct ReplayChecks {
     check: ReplayCheck,
-    /// The share of recent first attempts whose key had a record, in `1 / ONE`.
-    found: AtomicU32,
+    /// How often recent first attempts were retries.
+    retries: RetryShare,
     /// How long reservations have lately waited for a connection, in microseconds (a moving
     /// average over about the last 8).
     waited_us: AtomicU32,
@@ -90,7 +81,7 @@ impl ReplayChecks {
     pub(crate) fn new(check: ReplayCheck) -> Self {
         ReplayChecks {
             check,
-            found: AtomicU32::new(0),
+            retries: RetryShare::default(),
             waited_us: AtomicU32::new(0),
         }
     }
@@ -105,7 +96,7 @@ impl ReplayChecks {
         match self.check {
             ReplayCheck::ReadPool => true,
             ReplayCheck::Reservation => false,
-            ReplayCheck::Adaptive => self.found.load(Ordering::Relaxed) >= READ_FROM,
+            ReplayCheck::Adaptive => self.retries.frequent(),
         }
     }
 
@@ -182,26 +173,11 @@ impl ReplayChecks {
         self.waited_us.store(next, Ordering::Relaxed);
     }
 
-    /// Learns from a first attempt's outcome whether its key had a record. Concurrent
-    /// updates may lose one another's step: the estimate only needs to follow the trend.
+    /// Learns from a first attempt's outcome whether its key had a record.
     pub(crate) fn observe<T>(&self, outcome: &Result<RunOutcome<T>, Error>) {
-        if self.check != ReplayCheck::Adaptive {
-            return;
+        if self.check == ReplayCheck::Adaptive {
+            self.retries.observe(outcome);
         }
-        let had_record = match outcome {
-            Ok(RunOutcome::Found { .. } | RunOutcome::Existing { .. }) => true,
-            Ok(RunOutcome::Ran { .. }) => false,
-            Err(_) => return,
-        };
-        let found = self.found.load(Ordering::Relaxed);
-        let target = if had_record { ONE } else { 0 };
-        // found + (target - found) / 2^SHIFT, rounded towards the target so that it reaches it.
-        let next = if target > found {
-            found + (target - found).div_ceil(1 << SHIFT)
-        } else {
-            found - (found - target).div_ceil(1 << SHIFT)
-        };
-        self.found.store(next, Ordering::Relaxed);
     }
 }
 
@@ -298,7 +274,7 @@ mod tests {
         for _ in 0..1000 {
             checks.observe(&ran());
         }
-        assert_eq!(checks.found.load(Ordering::Relaxed), 0, "reaches zero");
+        assert_eq!(checks.retries.get(), 0, "reaches zero");
     }
 
     fn record() -> StoredRecord {
@@ -390,9 +366,9 @@ mod tests {
         for _ in 0..10 {
             checks.observe(&replayed());
         }
-        let before = checks.found.load(Ordering::Relaxed);
+        let before = checks.retries.get();
         checks.observe::<()>(&Err(Error::Busy));
-        assert_eq!(checks.found.load(Ordering::Relaxed), before);
+        assert_eq!(checks.retries.get(), before);
     }
 
     #[test]

@@ -53,7 +53,7 @@ impl SqliteStore {
         let store = self.clone();
         let scope = scope.clone();
         async move {
-            match (runtime, look_up_first) {
+            let outcome = match (runtime, look_up_first) {
                 (Some(runtime), _) => {
                     // In place if the writer is idle; else queued, without reading again.
                     let (work, look_up_first) = if store.shared.write_in_place {
@@ -61,7 +61,12 @@ impl SqliteStore {
                             .try_run_in_place(&scope, now, work, look_up_first)
                             .await
                         {
-                            InPlace::Done(outcome) => return outcome,
+                            InPlace::Done(outcome) => {
+                                if look_up_first {
+                                    store.shared.retries.observe(&outcome);
+                                }
+                                return outcome;
+                            }
                             InPlace::Queue { work, looked_up } => {
                                 (work, look_up_first && !looked_up)
                             }
@@ -82,7 +87,11 @@ impl SqliteStore {
                     })
                     .await
                 }
+            };
+            if look_up_first {
+                store.shared.retries.observe(&outcome);
             }
+            outcome
         }
     }
 
@@ -91,7 +100,7 @@ impl SqliteStore {
     /// runs on a reader thread, which queues the begin itself when it finds no record, so that
     /// the request is woken once, by the answer, rather than once more between the two.
     async fn begin_on_writer<W, F>(
-        self,
+        &self,
         scope: Scope,
         lock_timeout: Duration,
         now: SystemTime,

@@ -179,7 +179,13 @@ impl SqliteStore {
             return InPlace::Done(Err(Error::InsideRequest(NESTED_REQUEST)));
         }
         let mut looked_up = false;
-        if look_up_first {
+        // While retries are rare, a request that finds the writer idle skips the read: the
+        // reservation finds a completed record itself (and answers it without a commit).
+        let mut writer = None;
+        if look_up_first && !shared.retries.frequent() {
+            writer = shared.take_idle_writer();
+        }
+        if look_up_first && writer.is_none() {
             match shared.try_read_live_record_in_place(scope, now) {
                 Some(Ok(Some(record))) => return InPlace::Done(Ok(RunOutcome::Found { record })),
                 Some(Ok(None)) => looked_up = true,
@@ -193,7 +199,7 @@ impl SqliteStore {
                 None => return InPlace::Queue { work, looked_up },
             }
         }
-        let Some(mut writer) = shared.take_idle_writer() else {
+        let Some(mut writer) = writer.or_else(|| shared.take_idle_writer()) else {
             return InPlace::Queue { work, looked_up };
         };
         let generation = shared.generations.fetch_add(1, Ordering::Relaxed);
@@ -211,6 +217,18 @@ impl SqliteStore {
             Err(error) => {
                 writer.after_job();
                 shared.return_writer(writer);
+                if look_up_first && !looked_up {
+                    // The read was skipped: a record it finds (the file cannot take writes,
+                    // say) is replayed rather than the error answered.
+                    match shared.try_read_live_record_in_place(scope, now) {
+                        Some(Ok(Some(record))) => {
+                            return InPlace::Done(Ok(RunOutcome::Found { record }))
+                        }
+                        Some(_) => {}
+                        // No idle reader: the queued begin reads first, on a reader thread.
+                        None => return InPlace::Queue { work, looked_up },
+                    }
+                }
                 return InPlace::Done(Err(error));
             }
             // The group was opened here, for this request alone: the record is committed.

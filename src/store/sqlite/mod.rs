@@ -165,6 +165,7 @@ pub use handle::SqliteTransaction;
 pub use options::{SqliteOptions, Synchronous};
 pub use reservation::SqliteReservation;
 
+use super::retry_share::RetryShare;
 use super::{to_unix_millis, Begin, IdempotencyStore, RunOutcome, Scope, StoredRecord};
 use crate::error::Error;
 use authorizer::{refuse_foreign_transaction_control, ControlAllowed, ControlGuard, ControlSql};
@@ -194,6 +195,9 @@ struct Shared {
     /// How many exclusive jobs wait for the writer (read by the writer thread to decide
     /// whether a group should wait for more).
     queued: Arc<AtomicUsize>,
+    /// How often recent first attempts were retries: while rare, a request that finds the
+    /// writer idle skips the read before its transaction (see `in_place`).
+    retries: RetryShare,
 }
 
 /// A SQLite-backed [`IdempotencyStore`]. Cheap to clone.
@@ -274,18 +278,25 @@ impl SqliteStore {
             .name("tower-idempotency-sqlite-writer".into())
             .spawn(move || writer_thread(writer, &receiver, &thread_idle))?;
 
+        // One reader from the start: a replay is read even if the first requests, all new
+        // keys, never needed one, and the file is deleted or becomes unreadable later.
+        let readers = match options.max_idle_readers {
+            0 => Vec::new(),
+            _ => vec![reader::open_warm_reader(&options.path)?],
+        };
         Ok(SqliteStore {
             shared: Arc::new(Shared {
                 id: store_id,
                 path: options.path,
                 jobs,
-                readers: Mutex::new(Vec::new()),
+                readers: Mutex::new(readers),
                 max_idle_readers: options.max_idle_readers,
                 read_in_place: options.read_in_place,
                 write_in_place: options.write_in_place,
                 idle,
                 generations: AtomicU64::new(1),
                 queued,
+                retries: RetryShare::default(),
             }),
         })
     }

@@ -103,6 +103,12 @@ impl SqliteOptions {
     /// hand-written handler's do. Requests that arrive meanwhile queue for the writer thread
     /// and join a group commit, as always. With `false`, every request's transaction runs on
     /// the writer thread.
+    ///
+    /// While retries are rare among recent requests (fewer than one in eight had a record), a
+    /// request that finds the writer idle also skips the record lookup before its
+    /// transaction: the reservation finds a completed record itself, and the request is
+    /// answered with it without a commit. Should the reservation fail (the file cannot take
+    /// writes), the lookup is made after all, so a completed key still replays.
     pub fn write_in_place(mut self, in_place: bool) -> Self {
         self.write_in_place = in_place;
         self

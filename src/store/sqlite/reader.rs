@@ -125,12 +125,21 @@ impl Shared {
 
 /// A new read-only connection to the database at `path`, with no busy wait (as idle
 /// connections are kept).
-fn open_reader(path: &Path) -> Result<Connection, Error> {
+pub(super) fn open_reader(path: &Path) -> Result<Connection, Error> {
     let conn = Connection::open_with_flags(
         path,
         OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
     )?;
     conn.busy_timeout(Duration::ZERO)?;
+    Ok(conn)
+}
+
+/// [`open_reader`], having read the records' table once: its view of the file (the schema,
+/// the WAL index) is then set up, and it goes on reading should the file be deleted or become
+/// unreadable later.
+pub(super) fn open_warm_reader(path: &Path) -> Result<Connection, Error> {
+    let conn = open_reader(path)?;
+    conn.execute_batch("SELECT 1 FROM idempotency_records LIMIT 0")?;
     Ok(conn)
 }
 
