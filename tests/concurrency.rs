@@ -743,6 +743,20 @@ mod postgres {
     concurrency_tests!(Postgres);
     parallel_writer_tests!(Postgres);
 
+    /// A server whose store has one transaction connection, with `holder`'s hook and
+    /// `lock_timeout`.
+    async fn one_connection(
+        db: &Postgres,
+        holder: &Holder,
+        lock_timeout: Duration,
+    ) -> Server<Postgres> {
+        db.server()
+            .layer(move |layer| layer.with_lock_timeout(lock_timeout))
+            .hook(holder.hook())
+            .spawn_with(|options| options.max_connections(1))
+            .await
+    }
+
     /// With one transaction connection, held by a slow handler: a new key waits for the pool
     /// past the lock timeout (`503`), while completed keys still replay from the read pool.
     #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
@@ -752,12 +766,7 @@ mod postgres {
             return;
         };
         let holder = Holder::new("holder");
-        let server = db
-            .server()
-            .layer(|layer| layer.with_lock_timeout(Duration::from_millis(300)))
-            .hook(holder.hook())
-            .spawn_with(|options| options.max_connections(1))
-            .await;
+        let server = one_connection(&db, &holder, Duration::from_millis(300)).await;
         let (done, held, replay, conflict) = done_while_held(server.addr, &holder).await;
         let busy = post(server.addr, Some(SHOP_A), Some("new-key"), BOOK, &[]).await;
         holder.release();
@@ -783,12 +792,7 @@ mod postgres {
             return;
         };
         let holder = Holder::new("holder");
-        let server = db
-            .server()
-            .layer(|layer| layer.with_lock_timeout(Duration::from_secs(30)))
-            .hook(holder.hook())
-            .spawn_with(|options| options.max_connections(1))
-            .await;
+        let server = one_connection(&db, &holder, Duration::from_secs(30)).await;
         let started = std::time::Instant::now();
         let (done, held, replay, conflict) = done_while_held(server.addr, &holder).await;
         let answered = started.elapsed();
