@@ -29,7 +29,13 @@ use super::{
 use crate::error::Error;
 use crate::pg_driver::{Finish, PgDriver, PgHandle, PgParam, PgTransactions};
 use crate::row::Columns;
+use crate::store::reserve::retry_conflicts;
 use crate::store::to_unix_millis;
+
+/// How many times a claim that met a deadlock or a serialization failure runs again, and
+/// within how long.
+const CLAIM_CONFLICT_RETRIES: u32 = 3;
+const CLAIM_RETRY_WINDOW: Duration = Duration::from_secs(1);
 
 /// A new event, as [`INSERT_EVENT`] writes it.
 pub(super) struct NewEvent {
@@ -162,7 +168,13 @@ macro_rules! sql_outbox_and_inbox {
                     now.into(),
                     big_int(request.batch),
                 ];
-                let [abandoned, claimed] = $claim(self, dead_letter, claim).await?;
+                // Two relays claiming at once can deadlock (InnoDB's gap locks): the claim's
+                // transaction rolled back whole, so it runs again, a few times at most.
+                let deadline = tokio::time::Instant::now() + CLAIM_RETRY_WINDOW;
+                let [abandoned, claimed] = retry_conflicts(CLAIM_CONFLICT_RETRIES, deadline, || {
+                    $claim(self, dead_letter, claim)
+                })
+                .await?;
                 let events = |rows: Vec<<$store as PgDriver>::Row>| rows.iter().map(claimed_row).collect::<Result<_, _>>();
                 Ok(claimed_oldest_first(events(claimed)?, events(abandoned)?))
             }

@@ -34,7 +34,7 @@ mod read_bound;
 #[cfg(row_lock_store)]
 mod replay_check;
 #[cfg(row_lock_store)]
-mod reserve;
+pub(crate) mod reserve;
 #[cfg(sql_store)]
 mod retry_share;
 #[cfg(row_lock_store)]
