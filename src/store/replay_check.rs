@@ -281,8 +281,14 @@ mod tests {
         crate::store::test_records::stored_record()
     }
 
+    /// A connection that comes after `wait`.
+    async fn connection_after(wait: Duration) -> Result<(), Error> {
+        tokio::time::sleep(wait).await;
+        Ok(())
+    }
+
     #[tokio::test(start_paused = true)]
-    async fn a_connection_ready_at_once_reads_nothing_and_sets_no_timer() {
+    async fn a_connection_ready_at_once_reads_nothing() {
         let checks = ReplayChecks::new(ReplayCheck::Adaptive);
         let acquired = checks
             .acquire(async { Ok(7) }, async {
@@ -309,10 +315,7 @@ mod tests {
     async fn a_read_that_finds_nothing_or_fails_leaves_the_wait_to_end() {
         let checks = ReplayChecks::new(ReplayCheck::Adaptive);
         for read in [Ok(None), Err(Error::Busy)] {
-            let acquire = async {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                Ok(())
-            };
+            let acquire = connection_after(Duration::from_millis(50));
             let acquired = checks.acquire(acquire, async { read }).await;
             assert!(matches!(acquired, Ok(Acquired::Connection(()))));
         }
@@ -327,10 +330,7 @@ mod tests {
         }
         assert_eq!(checks.patience(), Duration::from_millis(24));
         // A wait shorter than the patience ends without a read.
-        let acquire = async {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-            Ok(())
-        };
+        let acquire = connection_after(Duration::from_millis(20));
         let acquired = checks
             .acquire(acquire, async { panic!("no read within the patience") })
             .await;
@@ -349,10 +349,7 @@ mod tests {
     async fn fixed_choices_wait_for_the_connection_without_a_read() {
         for check in [ReplayCheck::ReadPool, ReplayCheck::Reservation] {
             let checks = ReplayChecks::new(check);
-            let acquire = async {
-                tokio::time::sleep(Duration::from_secs(1)).await;
-                Ok(())
-            };
+            let acquire = connection_after(Duration::from_secs(1));
             let acquired = checks
                 .acquire(acquire, async { panic!("no read under {check:?}") })
                 .await;

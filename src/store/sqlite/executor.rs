@@ -54,19 +54,14 @@ impl SqliteStore {
         let scope = scope.clone();
         async move {
             let outcome = match (runtime, look_up_first) {
-                (Some(runtime), _) => {
+                (Some(runtime), _) => 'run: {
                     // In place if the writer is idle; else queued, without reading again.
                     let (work, look_up_first) = if store.shared.write_in_place {
                         match store
                             .try_run_in_place(&scope, now, work, look_up_first)
                             .await
                         {
-                            InPlace::Done(outcome) => {
-                                if look_up_first {
-                                    store.shared.retries.observe(&outcome);
-                                }
-                                return outcome;
-                            }
+                            InPlace::Done(outcome) => break 'run outcome,
                             InPlace::Queue { work, looked_up } => {
                                 (work, look_up_first && !looked_up)
                             }

@@ -279,10 +279,17 @@ impl SqliteStore {
             .spawn(move || writer_thread(writer, &receiver, &thread_idle))?;
 
         // One reader from the start: a replay is read even if the first requests, all new
-        // keys, never needed one, and the file is deleted or becomes unreadable later.
+        // keys, never needed one, and the file is deleted or becomes unreadable later. Without
+        // it (it could not be opened), readers are opened when needed, as always.
         let readers = match options.max_idle_readers {
             0 => Vec::new(),
-            _ => vec![reader::open_warm_reader(&options.path)?],
+            _ => match reader::open_warm_reader(&options.path, STANDALONE_BUSY_TIMEOUT) {
+                Ok(conn) => vec![conn],
+                Err(error) => {
+                    tracing::debug!(%error, "no reader connection opened with the store");
+                    Vec::new()
+                }
+            },
         };
         Ok(SqliteStore {
             shared: Arc::new(Shared {

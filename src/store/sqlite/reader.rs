@@ -134,12 +134,14 @@ pub(super) fn open_reader(path: &Path) -> Result<Connection, Error> {
     Ok(conn)
 }
 
-/// [`open_reader`], having read the records' table once: its view of the file (the schema,
-/// the WAL index) is then set up, and it goes on reading should the file be deleted or become
-/// unreadable later.
-pub(super) fn open_warm_reader(path: &Path) -> Result<Connection, Error> {
+/// [`open_reader`], having read the records' table once (waiting up to `busy_wait` for a
+/// process that is setting the file up): its view of the file (the schema, the WAL index) is
+/// then set up, and it goes on reading should the file be deleted or become unreadable later.
+pub(super) fn open_warm_reader(path: &Path, busy_wait: Duration) -> Result<Connection, Error> {
     let conn = open_reader(path)?;
+    conn.busy_timeout(busy_wait)?;
     conn.execute_batch("SELECT 1 FROM idempotency_records LIMIT 0")?;
+    conn.busy_timeout(Duration::ZERO)?;
     Ok(conn)
 }
 
