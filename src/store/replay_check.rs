@@ -10,7 +10,7 @@
 //! first attempt tells, whichever way it went, whether its key had a record.
 
 use std::future::{poll_fn, Future};
-use std::pin::pin;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::task::Poll;
 use std::time::{Duration, SystemTime};
@@ -106,16 +106,20 @@ impl ReplayChecks {
     /// wait goes on: a record it finds ends the wait. A read that finds nothing, or fails,
     /// leaves the wait to end as it would have.
     ///
-    /// An `acquire` that is ready at once sets no timer.
-    pub(crate) async fn acquire<C>(
+    /// An `acquire` that is ready at once sets no timer. `acquire` is pinned by the caller and
+    /// the read is made (and boxed) only when it runs, so that the request's future carries
+    /// neither twice nor the read at all on the common path, where nothing waits that long.
+    pub(crate) async fn acquire<C, R>(
         &self,
-        acquire: impl Future<Output = Result<C, Error>>,
-        read: impl Future<Output = Result<Option<StoredRecord>, Error>>,
-    ) -> Result<Acquired<C>, Error> {
+        mut acquire: Pin<&mut impl Future<Output = Result<C, Error>>>,
+        read: impl FnOnce() -> R,
+    ) -> Result<Acquired<C>, Error>
+    where
+        R: Future<Output = Result<Option<StoredRecord>, Error>>,
+    {
         if self.check != ReplayCheck::Adaptive {
             return acquire.await.map(Acquired::Connection);
         }
-        let mut acquire = pin!(acquire);
         if let Poll::Ready(connection) = poll_fn(|cx| Poll::Ready(acquire.as_mut().poll(cx))).await
         {
             self.learn_wait(Duration::ZERO);
@@ -127,7 +131,7 @@ impl ReplayChecks {
             self.learn_wait(started.elapsed());
             return connection.map(Acquired::Connection);
         }
-        let mut read = pin!(read);
+        let mut read = Box::pin(read());
         let mut reading = true;
         poll_fn(|cx| {
             if reading {
@@ -221,6 +225,7 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::pin::pin;
 
     fn ran() -> Result<RunOutcome<()>, Error> {
         Ok(RunOutcome::Ran {
@@ -291,7 +296,7 @@ mod tests {
     async fn a_connection_ready_at_once_reads_nothing() {
         let checks = ReplayChecks::new(ReplayCheck::Adaptive);
         let acquired = checks
-            .acquire(async { Ok(7) }, async {
+            .acquire(pin!(async { Ok(7) }), || async {
                 panic!("no read for a ready connection")
             })
             .await;
@@ -303,9 +308,10 @@ mod tests {
         let checks = ReplayChecks::new(ReplayCheck::Adaptive);
         let started = Instant::now();
         let acquired = checks
-            .acquire(std::future::pending::<Result<(), Error>>(), async {
-                Ok(Some(record()))
-            })
+            .acquire(
+                pin!(std::future::pending::<Result<(), Error>>()),
+                || async { Ok(Some(record())) },
+            )
             .await;
         assert!(matches!(acquired, Ok(Acquired::Found(_))));
         assert_eq!(started.elapsed(), PATIENCE.0, "after the least patience");
@@ -315,8 +321,8 @@ mod tests {
     async fn a_read_that_finds_nothing_or_fails_leaves_the_wait_to_end() {
         let checks = ReplayChecks::new(ReplayCheck::Adaptive);
         for read in [Ok(None), Err(Error::Busy)] {
-            let acquire = connection_after(Duration::from_millis(50));
-            let acquired = checks.acquire(acquire, async { read }).await;
+            let acquire = pin!(connection_after(Duration::from_millis(50)));
+            let acquired = checks.acquire(acquire, || async { read }).await;
             assert!(matches!(acquired, Ok(Acquired::Connection(()))));
         }
     }
@@ -330,9 +336,9 @@ mod tests {
         }
         assert_eq!(checks.patience(), Duration::from_millis(24));
         // A wait shorter than the patience ends without a read.
-        let acquire = connection_after(Duration::from_millis(20));
+        let acquire = pin!(connection_after(Duration::from_millis(20)));
         let acquired = checks
-            .acquire(acquire, async { panic!("no read within the patience") })
+            .acquire(acquire, || async { panic!("no read within the patience") })
             .await;
         assert!(matches!(acquired, Ok(Acquired::Connection(()))));
         for _ in 0..100 {
@@ -349,9 +355,9 @@ mod tests {
     async fn fixed_choices_wait_for_the_connection_without_a_read() {
         for check in [ReplayCheck::ReadPool, ReplayCheck::Reservation] {
             let checks = ReplayChecks::new(check);
-            let acquire = connection_after(Duration::from_secs(1));
+            let acquire = pin!(connection_after(Duration::from_secs(1)));
             let acquired = checks
-                .acquire(acquire, async { panic!("no read under {check:?}") })
+                .acquire(acquire, || async { panic!("no read under {check:?}") })
                 .await;
             assert!(matches!(acquired, Ok(Acquired::Connection(()))));
         }

@@ -40,13 +40,13 @@ impl PostgresStore {
         deadline: Instant,
         now: i64,
     ) -> Result<Begin<PostgresReservation>, Error> {
-        let acquire = async {
+        let acquire = std::pin::pin!(async {
             tokio::time::timeout_at(deadline, self.shared.transactions.get())
                 .await
                 .map_err(|_| Error::Busy)?
                 .map_err(pool_error)
-        };
-        let read = self.read(scope, now);
+        });
+        let read = || self.read(scope, now);
         let object = match self.shared.replay_checks.acquire(acquire, read).await? {
             Acquired::Connection(object) => object,
             Acquired::Found(record) => return Ok(Begin::Existing(record)),

@@ -299,8 +299,8 @@ impl<D: SqlxDialect> SqlxStore<D> {
         now: i64,
     ) -> Result<Begin<SqlxReservation<D>>, Error> {
         let pool = &self.shared.transactions;
-        let acquire = Self::connection(pool, deadline);
-        let read = async { Ok(self.lookup_at(scope, now).await?.flatten()) };
+        let acquire = std::pin::pin!(Self::connection(pool, deadline));
+        let read = || async { Ok(self.lookup_at(scope, now).await?.flatten()) };
         let (connection, mut checked) =
             match self.shared.replay_checks.acquire(acquire, read).await? {
                 Acquired::Connection(connection) => connection,
