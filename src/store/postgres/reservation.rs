@@ -40,16 +40,19 @@ impl PostgresStore {
         deadline: Instant,
         now: i64,
     ) -> Result<Begin<PostgresReservation>, Error> {
-        let acquire = std::pin::pin!(async {
-            tokio::time::timeout_at(deadline, self.shared.transactions.get())
-                .await
-                .map_err(|_| Error::Busy)?
-                .map_err(pool_error)
-        });
-        let read = || self.read(scope, now);
-        let object = match self.shared.replay_checks.acquire(acquire, read).await? {
-            Acquired::Connection(object) => object,
-            Acquired::Found(record) => return Ok(Begin::Existing(record)),
+        // The wait ends in this block: its future takes no room beside the reservation's.
+        let object = {
+            let acquire = std::pin::pin!(async {
+                tokio::time::timeout_at(deadline, self.shared.transactions.get())
+                    .await
+                    .map_err(|_| Error::Busy)?
+                    .map_err(pool_error)
+            });
+            let read = || self.read(scope, now);
+            match self.shared.replay_checks.acquire(acquire, read).await? {
+                Acquired::Connection(object) => object,
+                Acquired::Found(record) => return Ok(Begin::Existing(record)),
+            }
         };
         // From here on, dropping this future (the client went away) discards the connection,
         // which rolls back whatever the server has done for it.

@@ -299,13 +299,15 @@ impl<D: SqlxDialect> SqlxStore<D> {
         now: i64,
     ) -> Result<Begin<SqlxReservation<D>>, Error> {
         let pool = &self.shared.transactions;
-        let acquire = std::pin::pin!(Self::connection(pool, deadline));
-        let read = || async { Ok(self.lookup_at(scope, now).await?.flatten()) };
-        let (connection, mut checked) =
+        // The wait ends in this block: its future takes no room beside the reservation's.
+        let (connection, mut checked) = {
+            let acquire = std::pin::pin!(Self::connection(pool, deadline));
+            let read = || async { Ok(self.lookup_at(scope, now).await?.flatten()) };
             match self.shared.replay_checks.acquire(acquire, read).await? {
                 Acquired::Connection(connection) => connection,
                 Acquired::Found(record) => return Ok(Begin::Existing(record)),
-            };
+            }
+        };
         // From here on, dropping this future (the client went away) discards the connection,
         // which rolls back whatever the server has done for it.
         let mut slot = Slot::new(TxConnection::new(connection));
