@@ -37,18 +37,19 @@ pub(crate) fn quote(value: &str) -> Result<String, Error> {
     Ok(quoted)
 }
 
-/// `bytes` as a `bytea` expression: `decode('<hex>', 'hex')` (only hex digits inside the
-/// quotes).
+/// `bytes` as a `bytea` constant: `E'\\x<hex>'` (the escape string of `\x` and hex digits,
+/// which `bytea` reads in its hex format whatever `standard_conforming_strings` says): one
+/// token for the server's parser, where `decode(..)` is a function call to parse and run.
 pub(crate) fn bytes(bytes: &[u8]) -> String {
     const HEX: &[u8; 16] = b"0123456789abcdef";
-    let mut expression = String::with_capacity(bytes.len() * 2 + 17);
-    expression.push_str("decode('");
+    let mut constant = String::with_capacity(bytes.len() * 2 + 6);
+    constant.push_str("E'\\\\x");
     for byte in bytes {
-        expression.push(char::from(HEX[usize::from(byte >> 4)]));
-        expression.push(char::from(HEX[usize::from(byte & 0x0f)]));
+        constant.push(char::from(HEX[usize::from(byte >> 4)]));
+        constant.push(char::from(HEX[usize::from(byte & 0x0f)]));
     }
-    expression.push_str("', 'hex')");
-    expression
+    constant.push('\'');
+    constant
 }
 
 /// Whether the store writes `value` into SQL text: ASCII without NUL (else the value goes as a
@@ -90,11 +91,8 @@ mod tests {
 
     #[test]
     fn bytes_are_hex() {
-        assert_eq!(bytes(b""), "decode('', 'hex')");
-        assert_eq!(
-            bytes(&[0, 0x7f, 0xff, b'\\', b'\'']),
-            "decode('007fff5c27', 'hex')"
-        );
+        assert_eq!(bytes(b""), "E'\\\\x'");
+        assert_eq!(bytes(&[0, 0x7f, 0xff, b'\\', b'\'']), "E'\\\\x007fff5c27'");
     }
 
     #[test]
@@ -143,6 +141,25 @@ mod tests {
                 Ok(())
             })
             .unwrap();
+        // Bytes, under either setting of `standard_conforming_strings`.
+        for setting in ["on", "off"] {
+            let set = format!("SET standard_conforming_strings = {setting}");
+            runtime
+                .block_on((&mut *conn.borrow_mut()).execute(set.as_str()))
+                .expect("set");
+            TestRunner::new(ProptestConfig::with_cases(64))
+                .run(&proptest::collection::vec(any::<u8>(), 0..64), |value| {
+                    let sql = format!("SELECT {}::bytea", bytes(&value));
+                    let mut conn = conn.borrow_mut();
+                    let row = runtime
+                        .block_on((&mut *conn).fetch_one(sql.as_str()))
+                        .map_err(|error| TestCaseError::fail(format!("{sql}: {error}")))?;
+                    let read: Vec<u8> = row.try_get(0).expect("bytea");
+                    prop_assert_eq!(read, value);
+                    Ok(())
+                })
+                .unwrap();
+        }
         runtime.block_on(conn.into_inner().close()).expect("close");
     }
 }
