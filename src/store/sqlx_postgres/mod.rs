@@ -436,7 +436,7 @@ const MAX_TEXT_BODY: usize = 16 * 1024;
 
 /// `EXECUTE` of the prepared [`COMPLETE_RECORD`] (prepared with the reservation's, see
 /// [`prepare_statements`]) with its values as literals (see `literal`): the text values quoted,
-/// the bytes in hex through `decode`, the numbers as integers. `None` unless every text value
+/// the bytes as hex `bytea` constants, the numbers as integers. `None` unless every text value
 /// (the scope, the headers, the trailers, the row's address) is plain ASCII and the body is at
 /// most [`MAX_TEXT_BODY`] bytes. (A handler that runs `DEALLOCATE` makes the commit fail:
 /// nothing is committed.)
