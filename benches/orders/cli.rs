@@ -10,6 +10,7 @@ pub(crate) const USAGE: &str = "\
 usage: cargo bench --bench orders -- [--quick] [--duration SECS] [--rounds N]
              [--cases A,B,C,D,H,R,E,hold,alloc] [--concurrency 1,16,64]
              [--modes full,normal] [--database-url URL] [--client-threads N] [--out DIR]
+       cargo bench --bench orders -- --serve [--modes full|normal|pg] [--database-url URL]
 
   (no flags)           the full run: every case, both SQLite modes, 3 rounds of 2 s
 
@@ -31,6 +32,9 @@ usage: cargo bench --bench orders -- [--quick] [--duration SECS] [--rounds N]
   --client-threads N   threads of the load generator's runtime (default 1)
   --out DIR            where results.csv, goals.csv, extras.csv and throughput.svg go
                        (default bench)
+  --serve              measure nothing: start the server of one mode (default full) with
+                       its routes and the rows case R reads, print how to call it, and run
+                       until Ctrl-C (for a profiler: perf, strace, valgrind)
   -h, --help           show this help
 
 Temp databases go to the system temp dir (TMPDIR): keep it on a real disk.";
@@ -183,6 +187,11 @@ pub(crate) struct Options {
 pub(crate) enum Command {
     Help,
     Run(Options),
+    /// `--serve`: one mode's server, left running (`serve.rs`).
+    Serve {
+        mode: Mode,
+        database_url: Option<String>,
+    },
 }
 
 impl Command {
@@ -197,6 +206,7 @@ impl Command {
         let mut out = PathBuf::from("bench");
         let mut database_url = None;
         let mut client_threads = 1;
+        let mut serve = false;
         while let Some(arg) = args.next() {
             let (flag, inline) = match arg.split_once('=') {
                 Some((flag, value)) if flag.starts_with("--") => (flag, Some(value.to_owned())),
@@ -211,6 +221,7 @@ impl Command {
             match flag {
                 "-h" | "--help" => return Ok(Command::Help),
                 "--quick" if inline.is_none() => quick = true,
+                "--serve" if inline.is_none() => serve = true,
                 "--duration" => {
                     let secs: f64 = value()?
                         .parse()
@@ -301,6 +312,17 @@ impl Command {
                 cases.sort_unstable();
                 cases.dedup();
             }
+        }
+        if serve {
+            let mode = match modes.as_deref() {
+                None => Mode::Full,
+                Some([mode]) => *mode,
+                Some(_) => return Err("--serve starts one mode: --modes full, normal or pg".into()),
+            };
+            if mode == Mode::Postgres && database_url.is_none() {
+                return Err("--serve --modes pg needs --database-url".into());
+            }
+            return Ok(Command::Serve { mode, database_url });
         }
         // PostgreSQL runs by default when there is a URL to run it on.
         let modes = modes.unwrap_or_else(|| {

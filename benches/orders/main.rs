@@ -19,7 +19,8 @@
 //! server each case gets, `postgres.rs` the same on PostgreSQL, `hand.rs` the hand-written
 //! baselines' transactions, `load.rs` the load generator, `cases.rs` the table's measurements,
 //! `extras.rs` the hold and disk measurements, `alloc.rs` the allocation count, `cpu.rs` the CPU
-//! accounting, `report.rs` the printed tables, the goals and the CSV files, `chart.rs` the chart.
+//! accounting, `report.rs` the printed tables, the goals and the CSV files, `chart.rs` the chart,
+//! `serve.rs` a server left running for a profiler (`--serve`).
 //!
 //! Every SQLite case gets a fresh database (WAL) in a temp dir (`TMPDIR` picks where: keep it
 //! on a real disk, or `synchronous=FULL` measures no fsync at all) and its own server on
@@ -78,6 +79,7 @@ mod hand;
 mod load;
 mod postgres;
 mod report;
+mod serve;
 mod servers;
 
 type BoxError = Box<dyn Error + Send + Sync>;
@@ -98,6 +100,15 @@ async fn main() -> ExitCode {
             return ExitCode::SUCCESS;
         }
         Ok(Command::Run(options)) => options,
+        Ok(Command::Serve { mode, database_url }) => {
+            return match serve::run(mode, database_url.as_deref()).await {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(error) => {
+                    eprintln!("bench: {error}");
+                    ExitCode::FAILURE
+                }
+            };
+        }
         Err(message) => {
             eprintln!("bench: {message}\n\n{USAGE}");
             return ExitCode::from(2);
