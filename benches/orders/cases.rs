@@ -103,7 +103,7 @@ pub(crate) async fn replay_workload(
     Ok((replays, stats.fresh as i64))
 }
 /// The orders case R reads, inserted before it starts.
-const READ_ORDERS: u64 = 1000;
+pub(crate) const READ_ORDERS: u64 = 1000;
 
 /// A case being measured at one concurrency, its rounds interleaved with other cases'.
 struct CaseRun {

@@ -319,9 +319,7 @@ impl Command {
                 Some([mode]) => *mode,
                 Some(_) => return Err("--serve starts one mode: --modes full, normal or pg".into()),
             };
-            if mode == Mode::Postgres && database_url.is_none() {
-                return Err("--serve --modes pg needs --database-url".into());
-            }
+            // `serve::run` refuses pg without a URL.
             return Ok(Command::Serve { mode, database_url });
         }
         // PostgreSQL runs by default when there is a URL to run it on.

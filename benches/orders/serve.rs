@@ -5,12 +5,10 @@
 //! `/hand/orders`, `GET /orders/{id}`, ...), the same store settings, and the orders case R
 //! reads.
 
+use crate::cases::READ_ORDERS;
 use crate::cli::Mode;
 use crate::servers::Server;
 use crate::BoxError;
-
-/// The orders `GET /orders/{id}` can read (as case R inserts them).
-const READ_ORDERS: u64 = 1000;
 
 /// Starts `mode`'s server, prints how to call it, and runs until Ctrl-C; on PostgreSQL its
 /// schema is dropped then.
