@@ -4,58 +4,90 @@
 //! (`complete_as_text`), each an `EXECUTE` of a statement prepared once per connection with
 //! its arguments as literals.
 //!
-//! Why the quoting is safe: [`quote`] writes `E'`, the value with every `\` doubled and every
-//! `'` doubled, then `'`. In an escape string constant the lexer ends the constant only at a
-//! `'` that is neither doubled nor escaped by a `\`; every `\` of the output stands in a pair
-//! (read as one `\`), and every `'` of the value in a pair (read as one `'`), so the constant
-//! ends exactly at the closing quote and reads back as the value. Escape sequences (`\n`,
-//! `\x41`, `\u0041`, octal) need a lone `\`, which never occurs. PostgreSQL text cannot hold
-//! NUL: a value with one is refused. The value's other characters go as they are, as UTF-8,
-//! which is what sqlx connections speak (they send `client_encoding = UTF8` at startup, and
-//! sqlx decodes text as UTF-8). The store goes further and writes only ASCII values into SQL
-//! ([`is_plain`]): their bytes read as the same characters in every client encoding
-//! PostgreSQL has, so a connection set to another encoding cannot change where the constant
-//! ends (in SJIS, for example, a lead byte could swallow a following `\`).
+//! Why the quoting is safe: [`push_escaped`] writes `E'`, the value with every `\` doubled and
+//! every `'` doubled, then `'`. In an escape string constant the lexer ends the constant only at a
+//! `'` that is neither doubled nor escaped by a `\`; every `\` of the output stands in a pair (read
+//! as one `\`), and every `'` of the value in a pair (read as one `'`), so the constant ends
+//! exactly at the closing quote and reads back as the value. Escape sequences (`\n`, `\x41`,
+//! `\u0041`, octal) need a lone `\`, which never occurs. PostgreSQL text cannot hold NUL: a value
+//! with one is refused. The value's other characters go as they are, as UTF-8, which is what sqlx
+//! connections speak (they send `client_encoding = UTF8` at startup, and sqlx decodes text as
+//! UTF-8). The store goes further and writes only ASCII values into SQL ([`is_plain`]): their bytes
+//! read as the same characters in every client encoding PostgreSQL has, so a connection set to
+//! another encoding cannot change where the constant ends (in SJIS, for example, a lead byte could
+//! swallow a following `\`).
 
 use crate::error::Error;
 
-/// `value` as an escape string constant (`E'...'`), or an error if it holds a NUL character.
-pub(crate) fn quote(value: &str) -> Result<String, Error> {
+/// Appends `value` to `sql` as an escape string constant (`E'...'`, see [`push_escaped`]), if
+/// the store writes it into SQL text at all ([`is_plain`]); `None` if not.
+pub(crate) fn push_plain(sql: &mut String, value: &str) -> Option<()> {
+    is_plain(value).then(|| push_escaped(sql, value))
+}
+
+/// `E'`, `value` with every `\` and `'` doubled, `'` (see the module docs): the runs between
+/// them are copied whole. Both are ASCII, so every slice starts and ends on a character.
+fn push_escaped(sql: &mut String, value: &str) {
+    sql.reserve(value.len() + 3);
+    sql.push_str("E'");
+    let mut rest = value;
+    while let Some(at) = rest.bytes().position(|byte| byte == b'\\' || byte == b'\'') {
+        // Up to and with the character, then the character again.
+        let (head, tail) = rest.split_at(at + 1);
+        sql.push_str(head);
+        sql.push_str(&head[at..]);
+        rest = tail;
+    }
+    sql.push_str(rest);
+    sql.push('\'');
+}
+
+/// Appends `bytes` to `sql` as a `bytea` constant: `E'\\x<hex>'` (the escape string of `\x` and
+/// hex digits, which `bytea` reads in its hex format whatever `standard_conforming_strings`
+/// says): one token for the server's parser, where `decode(..)` is a function call to parse
+/// and run.
+pub(crate) fn push_bytes(sql: &mut String, bytes: &[u8]) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    sql.reserve(bytes.len() * 2 + 6);
+    sql.push_str("E'\\\\x");
+    // Written through a small buffer of ASCII digits, a chunk at a time.
+    let mut digits = [0u8; 128];
+    for chunk in bytes.chunks(digits.len() / 2) {
+        for (pair, byte) in digits.chunks_exact_mut(2).zip(chunk) {
+            pair[0] = HEX[usize::from(byte >> 4)];
+            pair[1] = HEX[usize::from(byte & 0x0f)];
+        }
+        if let Ok(hex) = std::str::from_utf8(&digits[..chunk.len() * 2]) {
+            sql.push_str(hex);
+        }
+    }
+    sql.push('\'');
+}
+
+/// `value` as an escape string constant (see [`push_escaped`]), or an error if it holds a NUL
+/// character: any other value, ASCII or not, for the tests of the quoting itself.
+#[cfg(test)]
+fn quote(value: &str) -> Result<String, Error> {
     if value.contains('\0') {
         return Err(nul_refused());
     }
-    let mut quoted = String::with_capacity(value.len() + 3);
-    quoted.push_str("E'");
-    for c in value.chars() {
-        match c {
-            '\\' => quoted.push_str("\\\\"),
-            '\'' => quoted.push_str("''"),
-            other => quoted.push(other),
-        }
-    }
-    quoted.push('\'');
+    let mut quoted = String::new();
+    push_escaped(&mut quoted, value);
     Ok(quoted)
 }
 
-/// `bytes` as a `bytea` constant: `E'\\x<hex>'` (the escape string of `\x` and hex digits,
-/// which `bytea` reads in its hex format whatever `standard_conforming_strings` says): one
-/// token for the server's parser, where `decode(..)` is a function call to parse and run.
-pub(crate) fn bytes(bytes: &[u8]) -> String {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    let mut constant = String::with_capacity(bytes.len() * 2 + 6);
-    constant.push_str("E'\\\\x");
-    for byte in bytes {
-        constant.push(char::from(HEX[usize::from(byte >> 4)]));
-        constant.push(char::from(HEX[usize::from(byte & 0x0f)]));
-    }
-    constant.push('\'');
+/// `bytes` as a `bytea` constant (see [`push_bytes`]).
+#[cfg(test)]
+fn bytes(bytes: &[u8]) -> String {
+    let mut constant = String::new();
+    push_bytes(&mut constant, bytes);
     constant
 }
 
 /// Whether the store writes `value` into SQL text: ASCII without NUL (else the value goes as a
 /// bind parameter).
 pub(crate) fn is_plain(value: &str) -> bool {
-    value.is_ascii() && !value.contains('\0')
+    value.is_ascii() && !value.as_bytes().contains(&0)
 }
 
 /// The error of a tenant, operation or key with a NUL character.
@@ -93,6 +125,10 @@ mod tests {
     fn bytes_are_hex() {
         assert_eq!(bytes(b""), "E'\\\\x'");
         assert_eq!(bytes(&[0, 0x7f, 0xff, b'\\', b'\'']), "E'\\\\x007fff5c27'");
+        // Longer than the digit buffer: every chunk in order.
+        let long: Vec<u8> = (0..=255).cycle().take(300).collect();
+        let hex: String = long.iter().map(|byte| format!("{byte:02x}")).collect();
+        assert_eq!(bytes(&long), format!("E'\\\\x{hex}'"));
     }
 
     #[test]
@@ -148,7 +184,7 @@ mod tests {
                 .block_on((&mut *conn.borrow_mut()).execute(set.as_str()))
                 .expect("set");
             TestRunner::new(ProptestConfig::with_cases(64))
-                .run(&proptest::collection::vec(any::<u8>(), 0..64), |value| {
+                .run(&proptest::collection::vec(any::<u8>(), 0..300), |value| {
                     let sql = format!("SELECT {}::bytea", bytes(&value));
                     let mut conn = conn.borrow_mut();
                     let row = runtime

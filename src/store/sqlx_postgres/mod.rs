@@ -79,6 +79,7 @@
 //! migrate run` or `sqlx::migrate!`. Tables are unqualified: they live in the first schema of
 //! the connection's `search_path`.
 
+use std::fmt::Write as _;
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
@@ -350,27 +351,28 @@ const NO_SUCH_STATEMENT: &str = "26000";
 /// why the quoting is safe): then the `INSERT` goes with bind parameters.
 fn one_flight(begin: &str, scope: &Scope, now: i64, restore: Option<Instant>) -> Option<String> {
     let parts = [&*scope.tenant, &*scope.operation, scope.key.as_str()];
-    if !parts.iter().all(|part| literal::is_plain(part)) {
-        return None;
+    let name = PREPARED_NAMES[usize::from(restore.is_some())];
+    let values: usize = parts.iter().map(|part| part.len() + 5).sum();
+    let mut sql = String::with_capacity(begin.len() + name.len() + values + 64);
+    sql.push_str(begin);
+    sql.push_str("; EXECUTE ");
+    sql.push_str(name);
+    sql.push('(');
+    for part in parts {
+        literal::push_plain(&mut sql, part)?;
+        sql.push_str(", ");
     }
-    let [tenant, operation, key] = parts.map(literal::quote);
-    let (tenant, operation, key) = (tenant.ok()?, operation.ok()?, key.ok()?);
-    Some(match restore {
-        None => format!(
-            "{begin}; EXECUTE {}({tenant}, {operation}, {key}, {now})",
-            PREPARED_NAMES[0]
-        ),
-        Some(deadline) => {
-            let left = deadline
-                .saturating_duration_since(Instant::now())
-                .as_millis()
-                .max(1);
-            format!(
-                "{begin}; EXECUTE {}({tenant}, {operation}, {key}, {now}, {left})",
-                PREPARED_NAMES[1]
-            )
-        }
-    })
+    // Writing into a `String` cannot fail.
+    let _ = write!(sql, "{now}");
+    if let Some(deadline) = restore {
+        let left = deadline
+            .saturating_duration_since(Instant::now())
+            .as_millis()
+            .max(1);
+        let _ = write!(sql, ", {left}");
+    }
+    sql.push(')');
+    Some(sql)
 }
 
 /// Sends `sql` (see [`one_flight`]): the reserved row's address, or `None` if the key has a
@@ -445,35 +447,48 @@ fn complete_as_text(scope: &Scope, row: &str, record: &NewRecord) -> Option<Stri
     if response.body.len() > MAX_TEXT_BODY {
         return None;
     }
-    let text = |value: &str| {
-        if literal::is_plain(value) {
-            literal::quote(value).ok()
-        } else {
-            None
-        }
-    };
     let headers = SavedResponse::encode_headers(&response.headers);
-    let trailers = match &response.trailers {
-        Some(trailers) => text(&SavedResponse::encode_headers(trailers))?,
-        None => "NULL".to_owned(),
-    };
-    let values = [
-        text(&scope.tenant)?,
-        text(&scope.operation)?,
-        text(scope.key.as_str())?,
-        literal::bytes(&record.fingerprint.digest()[..]),
-        record.fingerprint.version().to_string(),
-        response.status.as_u16().to_string(),
-        text(&headers)?,
-        literal::bytes(&response.body),
-        trailers,
-        to_unix_millis(record.created_at).to_string(),
-        to_unix_millis(record.expires_at).to_string(),
-        text(row)?,
-    ];
-    Some(format!(
-        "EXECUTE {}({})",
-        PREPARED_NAMES[2],
-        values.join(", ")
-    ))
+    let trailers = (response.trailers.as_ref()).map(|t| SavedResponse::encode_headers(t));
+    let digest = &record.fingerprint.digest()[..];
+    // Written once into one buffer, sized for the values (quoted text, hex bytes) and the rest.
+    let scope_texts = [&*scope.tenant, &*scope.operation, scope.key.as_str()];
+    let capacity = (scope_texts.iter().chain([&&*headers, &row]))
+        .map(|text| text.len() + 5)
+        .sum::<usize>()
+        + trailers.as_ref().map_or(4, |t| t.len() + 5)
+        + 2 * (digest.len() + response.body.len())
+        + 160;
+    let mut sql = String::with_capacity(capacity);
+    sql.push_str("EXECUTE ");
+    sql.push_str(PREPARED_NAMES[2]);
+    sql.push('(');
+    for text in scope_texts {
+        literal::push_plain(&mut sql, text)?;
+        sql.push_str(", ");
+    }
+    literal::push_bytes(&mut sql, digest);
+    // Writing into a `String` cannot fail.
+    let _ = write!(
+        sql,
+        ", {}, {}, ",
+        record.fingerprint.version(),
+        response.status.as_u16()
+    );
+    literal::push_plain(&mut sql, &headers)?;
+    sql.push_str(", ");
+    literal::push_bytes(&mut sql, &response.body);
+    sql.push_str(", ");
+    match &trailers {
+        Some(trailers) => literal::push_plain(&mut sql, trailers)?,
+        None => sql.push_str("NULL"),
+    }
+    let _ = write!(
+        sql,
+        ", {}, {}, ",
+        to_unix_millis(record.created_at),
+        to_unix_millis(record.expires_at)
+    );
+    literal::push_plain(&mut sql, row)?;
+    sql.push(')');
+    Some(sql)
 }
