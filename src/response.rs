@@ -59,8 +59,9 @@ impl SavedResponse {
         let trailers = self.trailers.map(to_header_map);
         let mut response = Response::new(ResponseBody::full(self.body, trailers));
         *response.status_mut() = self.status;
-        // Sized once: the saved headers and the mark.
-        let mut headers = HeaderMap::with_capacity(self.headers.len() + 1);
+        // Sized once: the saved headers, the mark, and the `Content-Length` that the server (or
+        // axum's router) adds for a body of known size, which would otherwise grow the map.
+        let mut headers = HeaderMap::with_capacity(self.headers.len() + 2);
         for (name, value) in self.headers {
             headers.append(name, value);
         }
@@ -385,5 +386,26 @@ mod tests {
         assert_eq!(response.status(), StatusCode::CREATED);
         assert_eq!(response.headers()[header::LOCATION], "/orders/1");
         assert_eq!(response.headers()[IDEMPOTENT_REPLAYED], "true");
+    }
+
+    /// A replay's header map has room for the `Content-Length` added after it (by the server,
+    /// or by axum's router), for any number of saved headers: adding it does not grow the map.
+    #[test]
+    fn a_replay_has_room_for_its_content_length() {
+        for count in 0..12 {
+            let headers = (0..count)
+                .map(|i| {
+                    let name = HeaderName::try_from(format!("x-saved-{i}")).unwrap();
+                    (name, HeaderValue::from_static("v"))
+                })
+                .collect();
+            let saved = SavedResponse::new(StatusCode::CREATED, headers, Bytes::from_static(b"{}"));
+            let mut response = saved.into_replay::<http_body_util::Empty<Bytes>>();
+            let room = response.headers().capacity();
+            response
+                .headers_mut()
+                .insert(header::CONTENT_LENGTH, HeaderValue::from(2));
+            assert_eq!(response.headers().capacity(), room, "{count} saved headers");
+        }
     }
 }
