@@ -11,7 +11,8 @@
 //!
 //! The handler uses the function forms (`query_as`, `bind`) rather than the `query!` macros,
 //! so that building it needs neither a live database nor a checked-in `.sqlx` directory; the
-//! macros take the same `&mut *conn` executor.
+//! macros take the same `&mut *conn` executor (the tests' sqlx order app writes its order with
+//! `query_scalar!`, built offline from the crate's `.sqlx/`: docs/sqlx.md, "Query macros").
 
 use axum::response::Response;
 use axum::routing::post;

@@ -48,12 +48,14 @@ impl InsertOrder for SqlxTransaction {
         quantity: i64,
     ) -> Result<i64, tower_idempotency::Error> {
         let mut conn = self.acquire().await?;
-        let insert = sqlx::query_scalar(
+        // The `query!` family on the layer's connection, as an application writes it: checked
+        // at build time against `.sqlx/` (see `docs/sqlx.md`, "Query macros").
+        let insert = sqlx::query_scalar!(
             "INSERT INTO orders (tenant_id, sku, quantity) VALUES ($1, $2, $3) RETURNING id",
-        )
-        .bind(tenant.as_str())
-        .bind(sku)
-        .bind(quantity);
+            tenant.as_str(),
+            sku,
+            quantity
+        );
         Ok(insert.fetch_one(&mut *conn).await?)
     }
 }
