@@ -352,8 +352,8 @@ const NO_SUCH_STATEMENT: &str = "26000";
 fn one_flight(begin: &str, scope: &Scope, now: i64, restore: Option<Instant>) -> Option<String> {
     let parts = [&*scope.tenant, &*scope.operation, scope.key.as_str()];
     let name = PREPARED_NAMES[usize::from(restore.is_some())];
-    let values: usize = parts.iter().map(|part| part.len() + 5).sum();
-    let mut sql = String::with_capacity(begin.len() + name.len() + values + 64);
+    let values = parts.iter().map(|part| part.len()).sum::<usize>();
+    let mut sql = String::with_capacity(begin.len() + name.len() + values + 80);
     sql.push_str(begin);
     sql.push_str("; EXECUTE ");
     sql.push_str(name);
@@ -450,15 +450,13 @@ fn complete_as_text(scope: &Scope, row: &str, record: &NewRecord) -> Option<Stri
     let headers = SavedResponse::encode_headers(&response.headers);
     let trailers = (response.trailers.as_ref()).map(|t| SavedResponse::encode_headers(t));
     let digest = &record.fingerprint.digest()[..];
-    // Written once into one buffer, sized for the values (quoted text, hex bytes) and the rest.
     let scope_texts = [&*scope.tenant, &*scope.operation, scope.key.as_str()];
-    let capacity = (scope_texts.iter().chain([&&*headers, &row]))
-        .map(|text| text.len() + 5)
-        .sum::<usize>()
-        + trailers.as_ref().map_or(4, |t| t.len() + 5)
-        + 2 * (digest.len() + response.body.len())
-        + 160;
-    let mut sql = String::with_capacity(capacity);
+    // One buffer: the text values (quoting adds a few bytes each), the bytes as hex, the rest.
+    let texts = scope_texts.iter().map(|text| text.len()).sum::<usize>()
+        + headers.len()
+        + trailers.as_ref().map_or(0, String::len)
+        + row.len();
+    let mut sql = String::with_capacity(texts + 2 * (digest.len() + response.body.len()) + 200);
     sql.push_str("EXECUTE ");
     sql.push_str(PREPARED_NAMES[2]);
     sql.push('(');
