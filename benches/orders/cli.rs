@@ -11,6 +11,7 @@ usage: cargo bench --bench orders -- [--quick] [--duration SECS] [--rounds N]
              [--cases A,B,C,D,H,R,E,hold,alloc] [--concurrency 1,16,64]
              [--modes full,normal] [--database-url URL] [--client-threads N] [--out DIR]
        cargo bench --bench orders -- --serve [--modes full|normal|pg] [--database-url URL]
+       cargo bench --bench orders -- --table [DIR]
 
   (no flags)           the full run: every case, both SQLite modes, 3 rounds of 2 s
 
@@ -31,10 +32,12 @@ usage: cargo bench --bench orders -- [--quick] [--duration SECS] [--rounds N]
                        schema)
   --client-threads N   threads of the load generator's runtime (default 1)
   --out DIR            where results.csv, goals.csv, extras.csv and throughput.svg go
-                       (default bench)
+                       (default benches/orders/results: the run the docs quote)
   --serve              measure nothing: start the server of one mode (default full) with
                        its routes and the rows case R reads, print how to call it, and run
                        until Ctrl-C (for a profiler: perf, strace, valgrind)
+  --table [DIR]        measure nothing: print a run's results.csv and goals.csv (in DIR,
+                       default benches/orders/results) as the Markdown tables the docs quote
   -h, --help           show this help
 
 Temp databases go to the system temp dir (TMPDIR): keep it on a real disk.";
@@ -192,7 +195,12 @@ pub(crate) enum Command {
         mode: Mode,
         database_url: Option<String>,
     },
+    /// `--table`: a run's CSV files printed as the docs' tables (`table.rs`).
+    Table(PathBuf),
 }
+
+/// Where a run's files go, and where `--table` reads them, unless told otherwise.
+const RESULTS: &str = "benches/orders/results";
 
 impl Command {
     /// Hand-parsed, like the orders example: a few flags do not justify a dependency.
@@ -203,7 +211,7 @@ impl Command {
         let mut selected: Option<Vec<String>> = None;
         let mut concurrency = vec![1, 16, 64];
         let mut modes = None;
-        let mut out = PathBuf::from("bench");
+        let mut out = PathBuf::from(RESULTS);
         let mut database_url = None;
         let mut client_threads = 1;
         let mut serve = false;
@@ -222,6 +230,12 @@ impl Command {
                 "-h" | "--help" => return Ok(Command::Help),
                 "--quick" if inline.is_none() => quick = true,
                 "--serve" if inline.is_none() => serve = true,
+                "--table" => {
+                    let dir = inline.clone().or_else(|| args.next());
+                    return Ok(Command::Table(PathBuf::from(
+                        dir.as_deref().unwrap_or(RESULTS),
+                    )));
+                }
                 "--duration" => {
                     let secs: f64 = value()?
                         .parse()

@@ -11,7 +11,7 @@ use crate::load::{connect_all, run_load, Limit, Workload};
 use crate::servers::{Server, HOLD};
 use crate::BoxError;
 
-/// One line of the extra measurements (`bench/extras.csv`).
+/// One line of the extra measurements (`extras.csv`).
 pub(crate) struct Extra {
     pub(crate) measure: &'static str,
     pub(crate) variant: String,

@@ -20,7 +20,8 @@
 //! baselines' transactions, `load.rs` the load generator, `cases.rs` the table's measurements,
 //! `extras.rs` the hold and disk measurements, `alloc.rs` the allocation count, `cpu.rs` the CPU
 //! accounting, `report.rs` the printed tables, the goals and the CSV files, `chart.rs` the chart,
-//! `serve.rs` a server left running for a profiler (`--serve`).
+//! `serve.rs` a server left running for a profiler (`--serve`), `table.rs` the docs' tables
+//! read back from a run's CSV files (`--table`).
 //!
 //! Every SQLite case gets a fresh database (WAL) in a temp dir (`TMPDIR` picks where: keep it
 //! on a real disk, or `synchronous=FULL` measures no fsync at all) and its own server on
@@ -81,6 +82,7 @@ mod postgres;
 mod report;
 mod serve;
 mod servers;
+mod table;
 
 type BoxError = Box<dyn Error + Send + Sync>;
 
@@ -102,6 +104,15 @@ async fn main() -> ExitCode {
         Ok(Command::Run(options)) => options,
         Ok(Command::Serve { mode, database_url }) => {
             return match serve::run(mode, database_url.as_deref()).await {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(error) => {
+                    eprintln!("bench: {error}");
+                    ExitCode::FAILURE
+                }
+            };
+        }
+        Ok(Command::Table(dir)) => {
+            return match table::print(&dir) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(error) => {
                     eprintln!("bench: {error}");
