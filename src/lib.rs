@@ -106,9 +106,9 @@
 //! Without `sqlite`, `postgres`, `sqlx-postgres` or `sqlx-mysql` the layer is there with no store of this
 //! crate's; bring an [`store::IdempotencyStore`] of your own.
 //!
-//! Operations on a store, SQLite or PostgreSQL (inspect or delete a record, counts, purge,
-//! dead letters), are library calls in [`admin`] and a command-line tool,
-//! `cargo run --example admin`.
+//! Operations on a store, any of the four (inspect or delete a record, counts, purge, dead
+//! letters), are library calls in [`admin`]; the command-line tool `cargo run --example admin`
+//! runs them on a SQLite file or a PostgreSQL database.
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations)]
