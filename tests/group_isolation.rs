@@ -549,7 +549,8 @@ fn arb_kinds() -> impl proptest::strategy::Strategy<Value = Vec<Kind>> {
 /// Random mixes of good requests, duplicates, poisons, panics and disconnects, 48 at a time:
 /// every good request (and its duplicates) gets the same `201` with one order and record,
 /// nothing else keeps anything, and every `201` replays exactly afterwards.
-async fn mixed_load(kinds: Vec<Kind>) {
+/// A server whose handler poisons by sku (see [`Kind::sku`]), with the tables that needs.
+async fn mixed_server() -> TestServer {
     let server = TestServer::builder()
         .layer(|layer| layer.with_lock_timeout(PATIENCE))
         .hook(hook(|call| async move {
@@ -594,6 +595,11 @@ async fn mixed_load(kinds: Vec<Kind>) {
         })
         .await
         .expect("setup");
+    server
+}
+
+async fn mixed_load(kinds: Vec<Kind>) {
+    let server = mixed_server().await;
 
     // A duplicate resends an earlier good request's key; one that names anything else is a
     // good request of its own.
@@ -690,4 +696,82 @@ proptest::proptest! {
             .expect("runtime")
             .block_on(mixed_load(kinds));
     }
+}
+
+/// Poisoned members keep ending their groups (a trigger's `RAISE(ROLLBACK)` and a deferred
+/// foreign key that fails the group's `COMMIT`, each sent over 4 connections with fresh keys)
+/// while 60 rounds of 8 simultaneous requests share one key and payload each: every request of
+/// a round gets the same `201`, never a `5xx` of another member's failure (a rolled-back request
+/// runs again in a group of its own, and a request that finds a committed record waits for no
+/// group), and each round's key has one order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn same_key_rounds_in_a_flood_of_poisoned_groups_never_fail() {
+    const ROUNDS: usize = 60;
+    const DUPLICATES: usize = 8;
+    let server = mixed_server().await;
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flood: Vec<_> = ["poison-trigger", "poison-fk"]
+        .into_iter()
+        .flat_map(|sku| std::iter::repeat_n(sku, 4))
+        .enumerate()
+        .map(|(connection, sku)| {
+            let (stop, addr) = (stop.clone(), server.addr);
+            tokio::spawn(async move {
+                let body = format!(r#"{{"sku":"{sku}","quantity":1}}"#);
+                let mut sent = 0usize;
+                while !stop.load(Ordering::Acquire) {
+                    let key = format!("flood-{connection}-{sent}");
+                    let reply = post(addr, Some(SHOP_A), Some(&key), &body, &[]).await;
+                    assert_ne!(reply.status, StatusCode::CREATED, "{key}: {reply:?}");
+                    sent += 1;
+                }
+                sent
+            })
+        })
+        .collect();
+    let mut innocent_failures = Vec::new();
+    for round in 0..ROUNDS {
+        let key = format!("round-{round}");
+        let sends: Vec<_> = (0..DUPLICATES)
+            .map(|_| {
+                let (addr, key) = (server.addr, key.clone());
+                tokio::spawn(async move { post(addr, Some(SHOP_A), Some(&key), GOOD, &[]).await })
+            })
+            .collect();
+        let mut bodies = Vec::new();
+        for send in sends {
+            let reply = send.await.expect("request");
+            if reply.status != StatusCode::CREATED {
+                innocent_failures.push(format!("{key}: {reply:?}"));
+            } else {
+                bodies.push(reply.body);
+            }
+        }
+        assert!(
+            bodies.windows(2).all(|pair| pair[0] == pair[1]),
+            "{key}: every duplicate gets the same answer"
+        );
+    }
+    stop.store(true, Ordering::Release);
+    let mut poisoned = 0;
+    for task in flood {
+        poisoned += task.await.expect("flood");
+    }
+    assert!(
+        innocent_failures.is_empty(),
+        "{} innocent requests failed among {poisoned} poisoned ones: {innocent_failures:#?}",
+        innocent_failures.len()
+    );
+    assert_eq!(
+        server.order_count().await,
+        ROUNDS as i64,
+        "one order per round"
+    );
+    assert_eq!(
+        server.record_count().await,
+        ROUNDS as i64,
+        "one record per round"
+    );
+    eprintln!("{ROUNDS} rounds of {DUPLICATES} among {poisoned} poisoned requests");
+    server.shutdown().await;
 }

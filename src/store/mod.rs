@@ -296,8 +296,21 @@ where
     W: FnOnce(St::Reservation) -> F,
     F: Future,
 {
+    run_after_begin(store.begin(scope, lock_timeout, now), work).await
+}
+
+/// `begin`, then `work` awaited by the caller: [`begin_and_run_in_place`] with the begin given.
+pub(crate) async fn run_after_begin<R, B, W, F>(
+    begin: B,
+    work: W,
+) -> Result<RunOutcome<F::Output>, Error>
+where
+    B: Future<Output = Result<Begin<R>, Error>>,
+    W: FnOnce(R) -> F,
+    F: Future,
+{
     let started = std::time::Instant::now();
-    match store.begin(scope, lock_timeout, now).await? {
+    match begin.await? {
         Begin::Existing(record) => Ok(RunOutcome::Existing {
             record,
             waited: started.elapsed(),

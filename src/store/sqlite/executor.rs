@@ -29,8 +29,18 @@ use crate::error::Error;
 #[cfg(doc)]
 use crate::store::IdempotencyStore;
 use crate::store::{
-    begin_and_run_in_place, lookup_then, to_unix_millis, RunOutcome, Scope, StoredRecord,
+    begin_and_run_in_place, lookup_then, run_after_begin, to_unix_millis, RunOutcome, Scope,
+    StoredRecord,
 };
+
+/// How a begin queued for the writer thread runs.
+#[derive(Clone, Copy)]
+struct QueuedBegin {
+    /// Read the record on a reader thread first.
+    look_up_first: bool,
+    /// In a group of its own (see `group`).
+    alone: bool,
+}
 
 impl SqliteStore {
     /// [`IdempotencyStore::begin_and_run`] (with `look_up_first`,
@@ -52,13 +62,16 @@ impl SqliteStore {
         let runtime = tokio::runtime::Handle::try_current().ok();
         let store = self.clone();
         let scope = scope.clone();
+        // `begin_and_run` is the layer's rerun of a request another member's failure rolled
+        // back: it runs in a group of its own, so that no other request can roll it back again.
+        let alone = !look_up_first;
         async move {
             let outcome = match (runtime, look_up_first) {
                 (Some(runtime), _) => 'run: {
                     // In place if the writer is idle; else queued, without reading again.
                     let (work, look_up_first) = if store.shared.write_in_place {
                         match store
-                            .try_run_in_place(&scope, now, work, look_up_first)
+                            .try_run_in_place(&scope, now, work, look_up_first, alone)
                             .await
                         {
                             InPlace::Done(outcome) => break 'run outcome,
@@ -70,11 +83,21 @@ impl SqliteStore {
                         (work, look_up_first)
                     };
                     store
-                        .begin_on_writer(scope, lock_timeout, now, work, runtime, look_up_first)
+                        .begin_on_writer(
+                            scope,
+                            lock_timeout,
+                            now,
+                            work,
+                            runtime,
+                            QueuedBegin {
+                                look_up_first,
+                                alone,
+                            },
+                        )
                         .await
                 }
                 (None, false) => {
-                    begin_and_run_in_place(&store, &scope, lock_timeout, now, work).await
+                    run_after_begin(store.begin_with(&scope, lock_timeout, now, alone), work).await
                 }
                 (None, true) => {
                     lookup_then(&store, &scope, now, || {
@@ -101,7 +124,10 @@ impl SqliteStore {
         now: SystemTime,
         work: W,
         runtime: tokio::runtime::Handle,
-        look_up_first: bool,
+        QueuedBegin {
+            look_up_first,
+            alone,
+        }: QueuedBegin,
     ) -> Result<RunOutcome<F::Output>, Error>
     where
         W: FnOnce(SqliteReservation) -> F + Send + 'static,
@@ -147,7 +173,7 @@ impl SqliteStore {
                     return;
                 }
                 let waited = queued_at.elapsed();
-                match writer.reserve_scope(generation, deadline, &scope, now_millis) {
+                match writer.reserve_scope(generation, deadline, &scope, now_millis, alone) {
                     Ok(Some(record)) => writer.on_commit(Member {
                         scope,
                         saved: false,

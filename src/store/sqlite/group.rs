@@ -5,8 +5,11 @@
 //! undoes only them (`rollback_request`), and waits as a [`Member`] for the group's `COMMIT`
 //! (`flush`), which the writer thread (`writer`) runs when the group is due. A failure that
 //! ends the whole transaction tells each member how it ended (`tell_members`, `abort_group`):
-//! the culprit gets its error, the others [`Error::GroupRolledBack`] and run again alone
-//! (`rerun_alone`). The statements of transaction control come from `authorizer`; the checks
+//! the culprit gets its error, the others [`Error::GroupRolledBack`]. The layer runs each of
+//! those again through [`IdempotencyStore::begin_and_run`](crate::store::IdempotencyStore),
+//! which the store turns into a group of its own (`alone`): committed alone, so nothing another
+//! request does can undo it a second time. A request that finds a committed record joins no
+//! group at all (`on_commit`). The statements of transaction control come from `authorizer`; the checks
 //! against other processes from `file`.
 
 use std::sync::atomic::Ordering;
@@ -39,23 +42,18 @@ pub(super) struct Group {
     solo: bool,
 }
 
-/// How long a request is remembered as one to run alone (see [`Writer::rerun_alone`]):
-/// the layer runs it again at once, so this only bounds what a client that went away
-/// leaves behind.
-const RERUN_ALONE_FOR: Duration = Duration::from_secs(60);
-
 impl Writer {
-    /// Opens the group transaction if needed and the request's savepoint in it.
+    /// Opens the group transaction if needed and the request's savepoint in it; `alone` in a
+    /// group of its own (the open one commits first).
     fn open_request_savepoint(
         &mut self,
         generation: u64,
-        scope: &Scope,
         busy_wait: Duration,
+        alone: bool,
     ) -> Result<(), Error> {
         if self.active.is_some() {
             self.rollback_request();
         }
-        let alone = self.rerun_alone.remove(scope).is_some();
         if self.group.as_ref().is_some_and(|group| alone || group.solo) {
             self.flush();
         }
@@ -93,13 +91,15 @@ impl Writer {
     }
 
     /// Opens the request's savepoint and checks for a live record: `Some` (with the savepoint
-    /// rolled back already) if there is one. Refuses once `deadline` has passed.
+    /// rolled back already) if there is one. Refuses once `deadline` has passed. `alone`: in a
+    /// group of its own (a request another member's failure rolled back once already).
     pub(super) fn reserve_scope(
         &mut self,
         generation: u64,
         deadline: Instant,
         scope: &Scope,
         now_millis: i64,
+        alone: bool,
     ) -> Result<Option<StoredRecord>, Error> {
         // Other processes may hold SQLite's own write lock: wait for it as long as the lock
         // timeout allows, no longer.
@@ -107,7 +107,13 @@ impl Writer {
             .checked_duration_since(Instant::now())
             .filter(|left| !left.is_zero())
             .ok_or(Error::Busy)?;
-        self.reserve_with_busy_wait(generation, busy_wait.max(MIN_BUSY_WAIT), scope, now_millis)
+        self.reserve_with_busy_wait(
+            generation,
+            busy_wait.max(MIN_BUSY_WAIT),
+            scope,
+            now_millis,
+            alone,
+        )
     }
 
     /// [`reserve_scope`](Self::reserve_scope) for a request that runs in place (see
@@ -118,11 +124,12 @@ impl Writer {
         generation: u64,
         scope: &Scope,
         now_millis: i64,
+        alone: bool,
     ) -> Result<Option<StoredRecord>, Error> {
         if self.other_writers_seen() {
             return Err(Error::Busy);
         }
-        self.reserve_with_busy_wait(generation, Duration::ZERO, scope, now_millis)
+        self.reserve_with_busy_wait(generation, Duration::ZERO, scope, now_millis, alone)
     }
 
     fn reserve_with_busy_wait(
@@ -131,8 +138,9 @@ impl Writer {
         busy_wait: Duration,
         scope: &Scope,
         now_millis: i64,
+        alone: bool,
     ) -> Result<Option<StoredRecord>, Error> {
-        self.open_request_savepoint(generation, scope, busy_wait)?;
+        self.open_request_savepoint(generation, busy_wait, alone)?;
         match check_existing(&self.conn, scope, now_millis) {
             Ok(None) => Ok(None),
             Ok(Some(record)) => {
@@ -177,30 +185,31 @@ impl Writer {
         Ok(())
     }
 
-    /// Tells `member` when the open group commits (at once if there is none).
+    /// Tells `member` when the open group commits (at once if there is none). A request that
+    /// found a record (`saved: false`) waits only if a member of the open group saved that
+    /// record: otherwise the record is committed already, and the open group's fate is not
+    /// its own.
     pub(super) fn on_commit(&mut self, member: Member) {
         match &mut self.group {
-            Some(group) => group.members.push(member),
-            None => (member.notify)(Ok(())),
+            Some(group)
+                if member.saved
+                    || group
+                        .members
+                        .iter()
+                        .any(|other| other.saved && other.scope == member.scope) =>
+            {
+                group.members.push(member);
+            }
+            _ => (member.notify)(Ok(())),
         }
-    }
-
-    /// Remembers that the request of `scope` runs again alone (its group was rolled back
-    /// through no fault of its own).
-    fn rerun_alone(&mut self, scope: Scope) {
-        if self.rerun_alone.len() >= 1024 {
-            self.rerun_alone
-                .retain(|_, since| since.elapsed() < RERUN_ALONE_FOR);
-        }
-        self.rerun_alone.insert(scope, Instant::now());
     }
 
     /// Tells a group's members how it ended.
     ///
     /// When it failed, a member whose failure it was (the group's only saved record, or a
     /// request that ran alone) gets the error; every other member gets
-    /// [`Error::GroupRolledBack`] and is remembered to run again alone: the layer then runs it
-    /// again at once, and the client never sees the difference.
+    /// [`Error::GroupRolledBack`]: the layer runs it again at once, alone, and the client
+    /// never sees the difference.
     fn tell_members(&mut self, group: Group, outcome: Result<(), Error>) {
         let error = match outcome {
             Ok(()) => {
@@ -222,7 +231,6 @@ impl Writer {
                     .unwrap_or_else(|| Error::CommitFailed(reason.clone()));
                 (member.notify)(Err(error));
             } else {
-                self.rerun_alone(member.scope);
                 (member.notify)(Err(Error::GroupRolledBack(reason.clone())));
             }
         }
@@ -285,7 +293,6 @@ impl Writer {
                 );
             }
             for member in group.members {
-                self.rerun_alone(member.scope);
                 (member.notify)(Err(Error::GroupRolledBack(reason.to_owned())));
             }
         }

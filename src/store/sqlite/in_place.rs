@@ -168,6 +168,7 @@ impl SqliteStore {
         now: SystemTime,
         work: W,
         look_up_first: bool,
+        alone: bool,
     ) -> InPlace<W, F::Output>
     where
         W: FnOnce(SqliteReservation) -> F + Send + 'static,
@@ -204,7 +205,7 @@ impl SqliteStore {
         };
         let generation = shared.generations.fetch_add(1, Ordering::Relaxed);
         let reserved = std::panic::catch_unwind(AssertUnwindSafe(|| {
-            writer.reserve_scope_in_place(generation, scope, to_unix_millis(now))
+            writer.reserve_scope_in_place(generation, scope, to_unix_millis(now), alone)
         }))
         .unwrap_or(Err(Error::Panicked));
         match reserved {

@@ -86,7 +86,8 @@
 //! the layer runs it again at once, alone in a transaction of its own (so nothing another
 //! request does can undo it twice). Its client sees only the answer of that second run.
 //! (Where the failure surfaces at `COMMIT`, the culprit is found the same way: every member
-//! runs again alone, and only the culprit fails again.)
+//! runs again alone, and only the culprit fails again.) A request that finds its key's
+//! record already committed joins no group: its replay does not depend on the others.
 //!
 //! # Transaction control is the store's
 //!
@@ -270,7 +271,6 @@ impl SqliteStore {
             started: Vec::new(),
             control,
             sql: ControlSql::new(),
-            rerun_alone: std::collections::HashMap::new(),
         };
         let idle = Arc::new(Mutex::new(IdleWriter::default()));
         let thread_idle = idle.clone();
@@ -417,55 +417,8 @@ impl IdempotencyStore for SqliteStore {
         lock_timeout: Duration,
         now: SystemTime,
     ) -> Result<Begin<SqliteReservation>, Error> {
-        let deadline = Instant::now() + lock_timeout;
-        // Built before the begin is queued, so that dropping this future at any await point
-        // (or the begin failing in any way) queues the rollback of whatever it began.
-        let mut reservation = SqliteReservation::new(&self.shared, scope);
-        let generation = reservation.tx.generation;
-        let tx = reservation.tx.clone();
-        let scope = scope.clone();
-        let now_millis = to_unix_millis(now);
-        let (reply, answer) = oneshot::channel::<Result<Option<StoredRecord>, Error>>();
-        let begin: Step = Box::new(move |writer| {
-            // Its caller gave up (timed out, or went away) while it waited: skip it.
-            if tx.finished.load(Ordering::Acquire) {
-                return;
-            }
-            match writer.reserve_scope(generation, deadline, &scope, now_millis) {
-                // The record may belong to the open group: answer only once that group is
-                // durable.
-                Ok(Some(record)) => writer.on_commit(Member {
-                    scope,
-                    saved: false,
-                    notify: Box::new(move |outcome| {
-                        let _ = reply.send(outcome.map(|()| Some(record)));
-                    }),
-                }),
-                Ok(None) => {
-                    let _ = reply.send(Ok(None));
-                }
-                Err(error) => {
-                    let _ = reply.send(Err(error));
-                }
-            }
-        });
-        self.shared
-            .send_exclusive(begin, Some(reservation.tx.clone()), NESTED_REQUEST)?;
-        let answer = tokio::time::timeout(lock_timeout, answer)
-            .await
-            .map_err(|_| Error::Busy)?
-            .map_err(|_| Error::Panicked)?;
-        match answer {
-            Ok(None) => Ok(Begin::Reserved(reservation)),
-            Ok(Some(record)) => {
-                // Rolled back on the writer already.
-                reservation.close();
-                Ok(Begin::Existing(record))
-            }
-            Err(error) => Err(error),
-        }
+        self.begin_with(scope, lock_timeout, now, false).await
     }
-
     /// Runs `work` on the writer thread, right after the begin: the handler's statements and
     /// the commit run there at once, and the writer never waits for the request's task to be
     /// scheduled between them. Its timers, I/O and spawned tasks are served by the calling
@@ -513,5 +466,65 @@ impl IdempotencyStore for SqliteStore {
                 Ok(deleted as u64)
             })
             .await
+    }
+}
+
+impl SqliteStore {
+    /// [`IdempotencyStore::begin`]; `alone`: the request runs in a group of its own (see
+    /// `group`), as a request another member's failure rolled back runs again.
+    pub(super) async fn begin_with(
+        &self,
+        scope: &Scope,
+        lock_timeout: Duration,
+        now: SystemTime,
+        alone: bool,
+    ) -> Result<Begin<SqliteReservation>, Error> {
+        let deadline = Instant::now() + lock_timeout;
+        // Built before the begin is queued, so that dropping this future at any await point
+        // (or the begin failing in any way) queues the rollback of whatever it began.
+        let mut reservation = SqliteReservation::new(&self.shared, scope);
+        let generation = reservation.tx.generation;
+        let tx = reservation.tx.clone();
+        let scope = scope.clone();
+        let now_millis = to_unix_millis(now);
+        let (reply, answer) = oneshot::channel::<Result<Option<StoredRecord>, Error>>();
+        let begin: Step = Box::new(move |writer| {
+            // Its caller gave up (timed out, or went away) while it waited: skip it.
+            if tx.finished.load(Ordering::Acquire) {
+                return;
+            }
+            match writer.reserve_scope(generation, deadline, &scope, now_millis, alone) {
+                // The record may belong to the open group: answer only once that group is
+                // durable.
+                Ok(Some(record)) => writer.on_commit(Member {
+                    scope,
+                    saved: false,
+                    notify: Box::new(move |outcome| {
+                        let _ = reply.send(outcome.map(|()| Some(record)));
+                    }),
+                }),
+                Ok(None) => {
+                    let _ = reply.send(Ok(None));
+                }
+                Err(error) => {
+                    let _ = reply.send(Err(error));
+                }
+            }
+        });
+        self.shared
+            .send_exclusive(begin, Some(reservation.tx.clone()), NESTED_REQUEST)?;
+        let answer = tokio::time::timeout(lock_timeout, answer)
+            .await
+            .map_err(|_| Error::Busy)?
+            .map_err(|_| Error::Panicked)?;
+        match answer {
+            Ok(None) => Ok(Begin::Reserved(reservation)),
+            Ok(Some(record)) => {
+                // Rolled back on the writer already.
+                reservation.close();
+                Ok(Begin::Existing(record))
+            }
+            Err(error) => Err(error),
+        }
     }
 }

@@ -29,7 +29,6 @@ use super::options::GroupLimits;
 use super::reservation::TxShared;
 use super::Shared;
 use crate::error::Error;
-use crate::store::Scope;
 
 /// Work for the writer thread.
 pub(super) enum Job {
@@ -107,8 +106,6 @@ pub(super) struct Writer {
     /// What the authorizer reads: whether the store runs its own transaction control.
     pub(super) control: Arc<ControlGuard>,
     pub(super) sql: ControlSql,
-    /// Requests whose group another member rolled back: each runs again alone.
-    pub(super) rerun_alone: std::collections::HashMap<Scope, Instant>,
 }
 
 impl Writer {
