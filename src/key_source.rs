@@ -1,10 +1,12 @@
 //! Where the layer finds a request's key: [`KeyExtractor`].
 
+use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 
 use http::header::HeaderName;
 use http::request;
+use serde_json::value::RawValue;
 
 use crate::error::Rejection;
 use crate::fingerprint::FingerprintError;
@@ -70,6 +72,12 @@ impl KeyExtractor {
 
     /// The string (or number) at this JSON pointer (RFC 6901, such as `/id` or
     /// `/data/object/id`) in the request's JSON body.
+    ///
+    /// A number is taken as written, digit for digit, never through a floating-point value:
+    /// `18446744073709551616` and `18446744073709551617` are two keys, and so are `100`,
+    /// `100.0` and `1e2`. A string is taken with its escapes decoded. Either must then be a
+    /// valid key (its length and characters); `null` or no member is a missing key, any other
+    /// value a malformed one (`400`).
     pub fn json_pointer(pointer: impl Into<Arc<str>>) -> Self {
         KeyExtractor(Source::JsonPointer(pointer.into()))
     }
@@ -110,15 +118,26 @@ impl KeyExtractor {
                     .map_err(Rejection::InvalidKey);
             }
             Source::JsonPointer(pointer) => {
-                let document: serde_json::Value = serde_json::from_slice(body).map_err(|e| {
+                let not_json = |e: serde_json::Error| {
+                    Rejection::InvalidPayload(FingerprintError::Custom(format!(
+                        "the body is not JSON: {e}"
+                    )))
+                };
+                let text = std::str::from_utf8(body).map_err(|e| {
                     Rejection::InvalidPayload(FingerprintError::Custom(format!(
                         "the body is not JSON: {e}"
                     )))
                 })?;
-                match document.pointer(pointer) {
-                    None | Some(serde_json::Value::Null) => return Err(Rejection::MissingKey),
-                    Some(serde_json::Value::String(key)) => key.clone().into_bytes(),
-                    Some(serde_json::Value::Number(key)) => key.to_string().into_bytes(),
+                let root: &RawValue = serde_json::from_str(text).map_err(not_json)?;
+                let value = raw_at(root, pointer).map_err(not_json)?;
+                let written = value.map(|value| value.get().trim());
+                match written.and_then(|written| written.bytes().next()) {
+                    None | Some(b'n') => return Err(Rejection::MissingKey),
+                    Some(b'"') => serde_json::from_str::<String>(written.unwrap_or_default())
+                        .map_err(not_json)?
+                        .into_bytes(),
+                    // As written: a float would make distinct large numbers one key.
+                    Some(b'-' | b'0'..=b'9') => written.unwrap_or_default().as_bytes().to_vec(),
                     Some(_) => return Err(Rejection::InvalidKey(KeyError::Malformed)),
                 }
             }
@@ -126,6 +145,46 @@ impl KeyExtractor {
         };
         IdempotencyKey::parse(&raw, max_len).map_err(Rejection::InvalidKey)
     }
+}
+
+/// The value at an RFC 6901 pointer, as written in the document; `None` if there is none.
+fn raw_at<'a>(
+    root: &'a RawValue,
+    pointer: &str,
+) -> Result<Option<&'a RawValue>, serde_json::Error> {
+    if pointer.is_empty() {
+        return Ok(Some(root));
+    }
+    let Some(tokens) = pointer.strip_prefix('/') else {
+        return Ok(None);
+    };
+    let mut value = root;
+    for token in tokens.split('/') {
+        let token = token.replace("~1", "/").replace("~0", "~");
+        let text = value.get().trim_start();
+        let next = match text.bytes().next() {
+            Some(b'{') => {
+                let members: HashMap<String, &'a RawValue> = serde_json::from_str(value.get())?;
+                members.get(&token).copied()
+            }
+            Some(b'[') => {
+                let items: Vec<&'a RawValue> = serde_json::from_str(value.get())?;
+                // RFC 6901: digits without a leading zero (but `0` itself).
+                let index = (!token.is_empty()
+                    && token.bytes().all(|b| b.is_ascii_digit())
+                    && (token == "0" || !token.starts_with('0')))
+                .then(|| token.parse::<usize>().ok())
+                .flatten();
+                index.and_then(|index| items.get(index).copied())
+            }
+            _ => None,
+        };
+        match next {
+            Some(next) => value = next,
+            None => return Ok(None),
+        }
+    }
+    Ok(Some(value))
 }
 
 #[cfg(test)]
@@ -160,5 +219,50 @@ mod tests {
             Err(Rejection::InvalidKey(KeyError::Malformed))
         ));
         assert!(matches!(key("not json"), Err(Rejection::InvalidPayload(_))));
+    }
+
+    #[test]
+    fn a_number_key_is_taken_as_written() {
+        let id = KeyExtractor::json_pointer("/id");
+        let key = |body: &str| {
+            id.extract(&parts(), body.as_bytes(), 128)
+                .map(|k| k.as_str().to_owned())
+        };
+        assert_eq!(
+            key(r#"{"id":18446744073709551616}"#).unwrap(),
+            "18446744073709551616"
+        );
+        assert_eq!(
+            key(r#"{"id":18446744073709551617}"#).unwrap(),
+            "18446744073709551617"
+        );
+        assert_eq!(key(r#"{"id": 100 }"#).unwrap(), "100");
+        assert_ne!(key(r#"{"id":1e2}"#).unwrap(), key(r#"{"id":100}"#).unwrap());
+        assert_eq!(key(r#"{"id":"a\u0062c"}"#).unwrap(), "abc");
+        assert!(matches!(
+            key(r#"{"id":true}"#),
+            Err(Rejection::InvalidKey(KeyError::Malformed))
+        ));
+        assert!(matches!(
+            key(r#"{"id":{"x":1}}"#),
+            Err(Rejection::InvalidKey(KeyError::Malformed))
+        ));
+    }
+
+    #[test]
+    fn a_pointer_walks_objects_and_arrays_as_rfc_6901_says() {
+        let body = r#"{"a/b":{"m~n":[10,{"id":"deep"}]},"list":["x","y"]}"#;
+        let key = |pointer: &str| {
+            KeyExtractor::json_pointer(pointer)
+                .extract(&parts(), body.as_bytes(), 128)
+                .map(|k| k.as_str().to_owned())
+        };
+        assert_eq!(key("/a~1b/m~0n/1/id").unwrap(), "deep");
+        assert_eq!(key("/a~1b/m~0n/0").unwrap(), "10");
+        assert_eq!(key("/list/1").unwrap(), "y");
+        assert!(matches!(key("/list/01"), Err(Rejection::MissingKey)));
+        assert!(matches!(key("/list/2"), Err(Rejection::MissingKey)));
+        assert!(matches!(key("/list/-"), Err(Rejection::MissingKey)));
+        assert!(matches!(key("no-slash"), Err(Rejection::MissingKey)));
     }
 }

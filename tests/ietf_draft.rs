@@ -260,6 +260,42 @@ async fn the_key_from_the_json_body<B: Backend>(db: B) {
     assert_only_orders_were_stored(&db, &server, 2).await;
 }
 
+/// Numeric event ids past what a float holds exactly are distinct keys: taken as written, two
+/// events one apart are two orders, with the default fingerprint and with one that leaves the
+/// id out (where a shared key would replay the second event as the first: a lost event).
+async fn the_key_from_a_large_json_number_keeps_every_digit<B: Backend>(db: B) {
+    let server = db
+        .server()
+        .layer(|layer| {
+            layer
+                .with_key_extractor(KeyExtractor::json_pointer("/id"))
+                .with_fingerprinter(Fingerprinter::json_except(["/id"]))
+        })
+        .spawn()
+        .await;
+    let event = |id: &str| format!(r#"{{"id":{id},"sku":"book","quantity":1}}"#);
+    let send =
+        |body: String| async move { Post::order("x", &body).no_key().send(server.addr).await };
+
+    let first = send(event("18446744073709551616")).await;
+    let second = send(event("18446744073709551617")).await;
+    let redelivery = send(event("18446744073709551617")).await;
+
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    assert_eq!(second.status, StatusCode::CREATED, "{second:?}");
+    assert!(
+        !second.replayed(),
+        "a distinct event is not a replay: {second:?}"
+    );
+    assert_ne!(second.body, first.body);
+    assert!(redelivery.replayed(), "{redelivery:?}");
+    assert!(
+        db.record_exists("shop-a", "create_order", "18446744073709551617")
+            .await
+    );
+    assert_only_orders_were_stored(&db, &server, 2).await;
+}
+
 async fn a_fingerprint_over_chosen_members_ignores_the_others<B: Backend>(db: B) {
     let server = db
         .server()
@@ -307,6 +343,7 @@ macro_rules! ietf_tests {
             the_default_stays_128_characters,
             the_key_from_another_header,
             the_key_from_the_json_body,
+            the_key_from_a_large_json_number_keeps_every_digit,
             a_fingerprint_over_chosen_members_ignores_the_others,
         );
     };
