@@ -89,11 +89,11 @@ pub(crate) fn check_command(command: &str) -> Result<(), Error> {
 /// command, then every statement [`split_in`] finds.
 pub(crate) fn check_with(
     dialect: Dialect,
-    refused: fn(&str) -> Option<&'static str>,
+    refused: impl Fn(&str) -> Option<&'static str>,
     command: &str,
 ) -> Result<(), Error> {
     let refusal =
-        refused(command).or_else(|| split_in(dialect, command).into_iter().find_map(refused));
+        refused(command).or_else(|| split_in(dialect, command).into_iter().find_map(&refused));
     match refusal {
         Some(statement) => Err(Error::TransactionControl(statement)),
         None => Ok(()),

@@ -6,8 +6,16 @@
 //! As on PostgreSQL, the handle sends every piece with the binary (prepared-statement)
 //! protocol, for which the server refuses a string of more than one statement: a string that
 //! holds one statement is checked by its first words ([`check_command`]).
+//!
+//! Where a string or a quoted name ends depends on the session's `sql_mode`
+//! (`NO_BACKSLASH_ESCAPES`, `ANSI_QUOTES`), which a handler can change. So a text is checked
+//! under every reading ([`MySqlQuoting`]) and refused if any of them finds a refused
+//! statement: `SET @x = 'C:\', autocommit = 1` sets `autocommit` when backslashes do not
+//! escape, and is refused whatever the session's mode. The price: a string literal with a
+//! backslash before a quote and a refused statement after it (`'it\'s; COMMIT'`) is refused
+//! too; bind such values as parameters.
 
-use super::scanner::{Token, Tokens, Words};
+use super::scanner::{MySqlQuoting, Token, Tokens, Words};
 use super::{check_with, split_in, Dialect};
 use crate::error::Error;
 
@@ -17,8 +25,16 @@ use crate::error::Error;
 /// TABLE` and `DROP TEMPORARY TABLE` (none of them ends the transaction), and everything
 /// else not listed below. `CALL` is allowed although a procedure may commit: the handle cannot
 /// see inside it.
+#[cfg(test)]
 pub(crate) fn refused(command: &str) -> Option<&'static str> {
-    let mut words = Words::new(Dialect::MySql, command);
+    MySqlQuoting::ALL
+        .into_iter()
+        .find_map(|quoting| refused_in(quoting, command))
+}
+
+/// [`refused`] under one reading of the quotes.
+fn refused_in(quoting: MySqlQuoting, command: &str) -> Option<&'static str> {
+    let mut words = Words::new(Dialect::MySql(quoting), command);
     let first = words.next()?;
     let is = |word: &str, keyword: &str| word.eq_ignore_ascii_case(keyword);
     let second = words.next();
@@ -45,7 +61,7 @@ pub(crate) fn refused(command: &str) -> Option<&'static str> {
         // `PREPARE s FROM '...'` and `EXECUTE IMMEDIATE '...'` run text the handle cannot see.
         "PREPARE" => "PREPARE",
         "EXECUTE" => "EXECUTE",
-        "SET" => return refused_set(command),
+        "SET" => return refused_set(quoting, command),
         "CREATE" => {
             // `CREATE [OR REPLACE] TEMPORARY TABLE` commits nothing.
             let temporary = second_is("TEMPORARY")
@@ -82,10 +98,10 @@ pub(crate) fn refused(command: &str) -> Option<&'static str> {
 
 /// A `SET` is refused when it sets `autocommit` (turning it on commits) or a password, and
 /// MariaDB's `SET STATEMENT ... FOR statement` when its statement is.
-fn refused_set(command: &str) -> Option<&'static str> {
+fn refused_set(quoting: MySqlQuoting, command: &str) -> Option<&'static str> {
     let bytes = command.as_bytes();
     let mut words = 0usize;
-    let mut tokens = Tokens::new(Dialect::MySql, command);
+    let mut tokens = Tokens::new(Dialect::MySql(quoting), command);
     while let Some((at, token)) = tokens.next() {
         let Token::Word(end) = token else {
             continue;
@@ -104,7 +120,7 @@ fn refused_set(command: &str) -> Option<&'static str> {
             return Some("SET PASSWORD (an implicit commit)");
         }
         if tokens.depth() == 0 && words > 2 && word.eq_ignore_ascii_case("FOR") {
-            return refused(&command[end..]);
+            return refused_in(quoting, &command[end..]);
         }
     }
     None
@@ -112,13 +128,21 @@ fn refused_set(command: &str) -> Option<&'static str> {
 
 /// Checks a string the server will run as one statement (the binary protocol); the other
 /// statements [`split`] finds are checked too, for a clear error.
+/// Every reading of the quotes must pass.
 pub(crate) fn check_command(command: &str) -> Result<(), Error> {
-    check_with(Dialect::MySql, refused, command)
+    MySqlQuoting::ALL.into_iter().try_for_each(|quoting| {
+        check_with(
+            Dialect::MySql(quoting),
+            |piece| refused_in(quoting, piece),
+            command,
+        )
+    })
 }
 
-/// Cuts `sql` into its statements by MySQL's lexical rules (see [`super::split`]).
+/// Cuts `sql` into its statements by MySQL's lexical rules under the default `sql_mode` (see
+/// [`super::split`]); each piece is then checked under every reading ([`check_command`]).
 pub(crate) fn split(sql: &str) -> Vec<&str> {
-    split_in(Dialect::MySql, sql)
+    split_in(Dialect::MySql(MySqlQuoting::Backslash), sql)
 }
 
 #[cfg(test)]
@@ -194,7 +218,10 @@ mod tests {
             "CREATE OR REPLACE TEMPORARY TABLE t (a INT)",
             "DROP TEMPORARY TABLE t",
             "INSERT INTO orders (sku) VALUES ('COMMIT')",
+            "INSERT INTO orders (sku) VALUES ('it\\'s')",
+            "INSERT INTO orders (sku) VALUES (\"it\\\"s\")",
             "INSERT INTO orders (sku) VALUES (\"it\\\"s; COMMIT\")",
+            "INSERT INTO orders (sku) VALUES ('C:\\\\temp')",
             "SELECT `commit` FROM t",
             "SELECT 1 # ; COMMIT",
             "SELECT 1 /* ; COMMIT */",
@@ -209,6 +236,20 @@ mod tests {
         ] {
             assert_eq!(refused(sql), None, "{sql:?}");
             assert!(check_command(sql).is_ok(), "{sql:?}");
+        }
+    }
+
+    #[test]
+    fn no_sql_mode_hides_a_statement() {
+        for sql in [
+            // `NO_BACKSLASH_ESCAPES`: the string is `'C:\'`, and `autocommit` is set.
+            "SET @x = 'C:\\', autocommit = 1",
+            // `ANSI_QUOTES`: `@"x\"` is a name, and `autocommit` is set.
+            "SET @\"x\\\" = 1, autocommit = 1",
+            "SELECT 'a\\'; COMMIT; -- '",
+            "SELECT \"a\\\"; COMMIT; -- \"",
+        ] {
+            assert!(check_command(sql).is_err(), "{sql:?}");
         }
     }
 

@@ -8,10 +8,35 @@ pub(crate) enum Dialect {
     /// PostgreSQL: nested `/* */` comments, `E'...'` strings, dollar quotes.
     Postgres,
     /// MySQL and MariaDB: `#` comments, `-- ` only before a blank, executable `/*! */`
-    /// comments (their text runs), backslash escapes in `'` and `"` strings, backquoted
-    /// identifiers, no dollar quotes.
+    /// comments (their text runs), backquoted identifiers, no dollar quotes; `'` and `"`
+    /// quote as the session's `sql_mode` says ([`MySqlQuoting`]).
     #[cfg_attr(not(feature = "sqlx-mysql"), allow(dead_code))]
-    MySql,
+    MySql(MySqlQuoting),
+}
+
+/// How MySQL reads `'` and `"`, which the session's `sql_mode` decides: a handler's statement
+/// is checked under every reading, so that no mode can hide a statement from the check.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(not(feature = "sqlx-mysql"), allow(dead_code))]
+pub(crate) enum MySqlQuoting {
+    /// The default: `'` and `"` strings, a backslash escapes the next character.
+    Backslash,
+    /// `ANSI_QUOTES`: `"` quotes an identifier, where a backslash is an ordinary character;
+    /// `'` strings as by default.
+    AnsiQuotes,
+    /// `NO_BACKSLASH_ESCAPES` (with or without `ANSI_QUOTES`): a backslash is an ordinary
+    /// character everywhere.
+    NoBackslash,
+}
+
+#[cfg_attr(not(feature = "sqlx-mysql"), allow(dead_code))]
+impl MySqlQuoting {
+    /// Every reading a session's `sql_mode` can give.
+    pub(crate) const ALL: [MySqlQuoting; 3] = [
+        MySqlQuoting::Backslash,
+        MySqlQuoting::AnsiQuotes,
+        MySqlQuoting::NoBackslash,
+    ];
 }
 
 /// Cuts `sql` into its statements by the rules of `dialect` (see [`super::split`]; the
@@ -236,8 +261,8 @@ fn end_of_run(bytes: &[u8], from: usize, in_run: impl Fn(u8) -> bool) -> usize {
 /// The token that starts at `at` (not past the end).
 pub(crate) fn token(dialect: Dialect, bytes: &[u8], at: usize) -> Token {
     let next = |offset: usize| bytes.get(at + offset).copied();
-    if dialect == Dialect::MySql {
-        if let Some(token) = mysql_token(bytes, at) {
+    if let Dialect::MySql(quoting) = dialect {
+        if let Some(token) = mysql_token(bytes, at, quoting) {
             return token;
         }
     }
@@ -279,7 +304,7 @@ pub(crate) fn token(dialect: Dialect, bytes: &[u8], at: usize) -> Token {
 }
 
 /// The tokens MySQL lexes otherwise than PostgreSQL (`None`: lexed alike).
-fn mysql_token(bytes: &[u8], at: usize) -> Option<Token> {
+fn mysql_token(bytes: &[u8], at: usize, quoting: MySqlQuoting) -> Option<Token> {
     let next = |offset: usize| bytes.get(at + offset).copied();
     let to_line_end = || end_of_run(bytes, at, |b| b != b'\n' && b != b'\r');
     Some(match bytes[at] {
@@ -312,8 +337,18 @@ fn mysql_token(bytes: &[u8], at: usize) -> Option<Token> {
                 .map_or(bytes.len(), |n| at + 2 + n + 2);
             Token::Blank(end)
         }
-        b'\'' => Token::Other(quoted_end(bytes, at + 1, b'\'', true)),
-        b'"' => Token::Other(quoted_end(bytes, at + 1, b'"', true)),
+        b'\'' => Token::Other(quoted_end(
+            bytes,
+            at + 1,
+            b'\'',
+            quoting != MySqlQuoting::NoBackslash,
+        )),
+        b'"' => Token::Other(quoted_end(
+            bytes,
+            at + 1,
+            b'"',
+            quoting == MySqlQuoting::Backslash,
+        )),
         b'`' => Token::Other(quoted_end(bytes, at + 1, b'`', false)),
         // No `E'...'` strings (`e` is a word there) and no dollar quotes.
         b'E' | b'e' if next(1) == Some(b'\'') => Token::Word(at + 1),
