@@ -221,6 +221,8 @@ impl SqlxDialect for MySqlDialect {
     /// second at least. A `key_row_wait` is rounded up too, and may be 0 (under
     /// [`InFlight::Reject`](crate::InFlight::Reject)): MariaDB then does not wait at all,
     /// MySQL (whose minimum is 1) waits one second. Past it the reservation fails with `1205`.
+    /// Waits for metadata locks (`lock_wait_timeout`) are bounded by the lock timeout alone,
+    /// rounded up the same way: past it a statement fails with `1205` too.
     fn begin_request(
         isolation: Isolation,
         deadline: Instant,
@@ -230,7 +232,7 @@ impl SqlxDialect for MySqlDialect {
             Some(bound) => whole_seconds(bound),
             None => lock_wait_secs(deadline),
         };
-        sql::begin_request(isolation, lock_wait_secs)
+        sql::begin_request(isolation, lock_wait_secs, self::lock_wait_secs(deadline))
     }
 
     fn restore_lock_wait(deadline: Instant) -> String {

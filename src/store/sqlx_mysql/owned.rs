@@ -8,8 +8,8 @@ use crate::error::Error;
 use crate::store::reserve::Isolation;
 use crate::store::sqlx::OwnedDialect;
 
-/// How long a statement of the store's own transaction waits for a row lock
-/// (`innodb_lock_wait_timeout`, whole seconds: InnoDB's default).
+/// How long a statement of the store's own transaction waits for a row lock or a metadata lock
+/// (`innodb_lock_wait_timeout` and `lock_wait_timeout`, whole seconds: InnoDB's default).
 const OWN_LOCK_WAIT_SECS: u64 = 50;
 
 impl OwnedDialect for MySqlDialect {
@@ -17,7 +17,7 @@ impl OwnedDialect for MySqlDialect {
     /// it), with InnoDB's default lock wait. The token is not needed: see
     /// [`is_own_transaction`](Self::is_own_transaction).
     fn begin_owned(isolation: Isolation, _token: u64) -> String {
-        sql::begin_request(isolation, OWN_LOCK_WAIT_SECS)
+        sql::begin_request(isolation, OWN_LOCK_WAIT_SECS, OWN_LOCK_WAIT_SECS)
     }
 
     /// Always: the handle's connection refuses `COMMIT`, `ROLLBACK` and the statements that

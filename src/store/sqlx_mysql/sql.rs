@@ -53,12 +53,13 @@ pub(super) const PURGE_EXPIRED: &str =
     "DELETE FROM idempotency_records WHERE expires_at <= ? LIMIT ?";
 
 /// What `COMMIT` and `ROLLBACK` are followed by: the session's own `autocommit` and lock wait
-/// timeout again (saved by [`begin_request`]), so that the connection goes back to the
+/// timeouts again (saved by [`begin_request`]), so that the connection goes back to the
 /// application's pool as it came.
 macro_rules! restore_session {
     () => {
         "SET autocommit = @tower_idempotency_autocommit, \
-         innodb_lock_wait_timeout = @tower_idempotency_lock_wait"
+         innodb_lock_wait_timeout = @tower_idempotency_lock_wait, \
+         lock_wait_timeout = @tower_idempotency_mdl_wait"
     };
 }
 
@@ -68,12 +69,18 @@ pub(super) const COMMIT: &str = concat!("COMMIT; ", restore_session!());
 /// `ROLLBACK`, then the session restored (one round trip).
 pub(super) const ROLLBACK: &str = concat!("ROLLBACK; ", restore_session!());
 
-/// Opens a request's transaction at `isolation`, its lock waits bounded by `lock_wait_secs`
-/// (`innodb_lock_wait_timeout` counts whole seconds). `autocommit` is off until the end, so
+/// Opens a request's transaction at `isolation`, its row lock waits bounded by
+/// `lock_wait_secs` (`innodb_lock_wait_timeout` counts whole seconds) and its waits for
+/// metadata locks (`LOCK TABLES`, `FLUSH TABLES WITH READ LOCK`, DDL of another session) by
+/// `mdl_wait_secs` (`lock_wait_timeout`, whole seconds too, a year by default). `autocommit` is off until the end, so
 /// that should the server end the transaction under the handler (a deadlock rolls it back),
 /// what the handler runs next still waits for the layer's `COMMIT` or `ROLLBACK` instead of
 /// committing on its own. Only an integer is formatted into it.
-pub(super) fn begin_request(isolation: Isolation, lock_wait_secs: u64) -> String {
+pub(super) fn begin_request(
+    isolation: Isolation,
+    lock_wait_secs: u64,
+    mdl_wait_secs: u64,
+) -> String {
     let level = match isolation {
         Isolation::ReadCommitted => "READ COMMITTED",
         Isolation::RepeatableRead => "REPEATABLE READ",
@@ -82,7 +89,9 @@ pub(super) fn begin_request(isolation: Isolation, lock_wait_secs: u64) -> String
     format!(
         "SET @tower_idempotency_autocommit = @@autocommit, \
          @tower_idempotency_lock_wait = @@innodb_lock_wait_timeout, \
-         autocommit = 0, innodb_lock_wait_timeout = {lock_wait_secs}; \
+         @tower_idempotency_mdl_wait = @@lock_wait_timeout, \
+         autocommit = 0, innodb_lock_wait_timeout = {lock_wait_secs}, \
+         lock_wait_timeout = {mdl_wait_secs}; \
          SET TRANSACTION ISOLATION LEVEL {level}; START TRANSACTION"
     )
 }
