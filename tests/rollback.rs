@@ -639,4 +639,63 @@ mod mysql {
         }
         assert_eq!(db.counts().await, (1, 1));
     }
+
+    /// Another session's `LOCK TABLES ... WRITE` on the records table holds a metadata lock,
+    /// whose wait follows `lock_wait_timeout` (a year by default), not the row-lock timeout: a
+    /// new key gets `503` + `Retry-After` soon after the lock timeout (MySQL counts whole
+    /// seconds), nothing stored, and runs once the lock goes.
+    #[cfg_attr(
+        not(mysql_tests),
+        ignore = "needs MySQL or MariaDB: set TEST_MYSQL_URL"
+    )]
+    #[tokio::test]
+    async fn a_table_locked_by_another_session_is_503_within_the_lock_timeout() {
+        let Some(db) = MySql::create().await else {
+            return;
+        };
+        let lock_timeout = Duration::from_secs(1);
+        let store = db.db.store(4).await;
+        let server = AppBuilder::new(())
+            .layer(move |layer| layer.with_lock_timeout(lock_timeout))
+            .hook(hook_for(|_: OrderCallOf<SqlxTransaction>| async {
+                HookOutcome::default()
+            }))
+            .serve_on(store)
+            .await;
+        for (i, table) in ["idempotency_records"].into_iter().enumerate() {
+            let mut holder = db.db.connection().await;
+            sqlx::query(&format!("LOCK TABLES {table} WRITE"))
+                .execute(&mut holder)
+                .await
+                .expect("lock");
+            let key = format!("locked-{i}");
+            let started = std::time::Instant::now();
+            let reply = post(server.addr, Some(SHOP_A), Some(&key), BOOK, &[]).await;
+            let waited = started.elapsed();
+            assert_eq!(
+                reply.status,
+                StatusCode::SERVICE_UNAVAILABLE,
+                "{table}: {reply:?}"
+            );
+            assert!(reply.header("retry-after").is_some(), "{table}: {reply:?}");
+            // MySQL counts the wait in whole seconds; measured on MariaDB 10.11: the lock
+            // timeout plus about one second (2.01 s for 1 s).
+            assert!(
+                waited < lock_timeout + Duration::from_millis(1500),
+                "{table}: answered after {waited:?}"
+            );
+            sqlx::query("UNLOCK TABLES")
+                .execute(&mut holder)
+                .await
+                .expect("unlock");
+            drop(holder);
+            assert_eq!(
+                db.counts().await,
+                (i as i64, i as i64),
+                "{table}: nothing stored"
+            );
+            let retry = post(server.addr, Some(SHOP_A), Some(&key), BOOK, &[]).await;
+            assert_eq!(retry.status, StatusCode::CREATED, "{table}: {retry:?}");
+        }
+    }
 }

@@ -308,6 +308,12 @@ impl<D: SqlxDialect> SqlxStore<D> {
                 Acquired::Found(record) => return Ok(Begin::Existing(record)),
             }
         };
+        // The wait for a connection and the replay check may have used the whole lock
+        // timeout (a table another session locked blocks the read too): the transaction's
+        // statements would each wait once more, on MySQL a whole second at least.
+        if Instant::now() >= deadline {
+            return Err(Error::Busy);
+        }
         // From here on, dropping this future (the client went away) discards the connection,
         // which rolls back whatever the server has done for it.
         let mut slot = Slot::new(TxConnection::new(connection));
