@@ -218,38 +218,55 @@ async fn a_dropped_answer_is_the_saved_charge_on_a_repeat() {
 }
 
 #[tokio::test]
-async fn sigkill_and_restart_keep_every_charge_once() {
+async fn sigkill_with_charges_in_flight_and_restart_keep_every_charge_once() {
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("payments.db");
-    let server = start(&db, &[]).await;
-    let keys: Vec<String> = (0..20).map(|i| format!("key-{i}")).collect();
-    let mut ids = Vec::new();
-    for key in &keys {
-        let answer = charge(server.addr, key, r#"{"amount_cents":250}"#)
-            .await
-            .unwrap();
-        assert_eq!(answer.status, 201);
-        ids.push(answer.body["charge_id"].as_str().unwrap().to_owned());
-    }
+    // The delay keeps charges in flight when the kill lands.
+    let server = start(&db, &["--delay-ms", "30"]).await;
+    let keys: Vec<String> = (0..40).map(|i| format!("key-{i}")).collect();
+    let addr = server.addr;
+    let tasks: Vec<_> = keys
+        .iter()
+        .cloned()
+        .map(|key| tokio::spawn(async move { charge(addr, &key, r#"{"amount_cents":250}"#).await }))
+        .collect();
+    tokio::time::sleep(std::time::Duration::from_millis(45)).await;
     server.kill().await;
+    // What each key answered before the kill, if anything.
+    let mut before = Vec::new();
+    for task in tasks {
+        let answer = task.await.unwrap();
+        before.push(answer.and_then(|answer| {
+            assert_eq!(answer.status, 201, "{answer:?}");
+            answer.body["charge_id"].as_str().map(str::to_owned)
+        }));
+    }
     let server = start(&db, &[]).await;
-    for (key, id) in keys.iter().zip(&ids) {
-        let answer = charge(server.addr, key, r#"{"amount_cents":250}"#)
-            .await
-            .unwrap();
-        assert_eq!(
-            answer.body["charge_id"].as_str(),
-            Some(id.as_str()),
-            "{key}"
+    let taken = stats(server.addr).await;
+    for key in &keys {
+        assert!(
+            taken["charges_by_key"][key].as_i64().unwrap_or(0) <= 1,
+            "{key}: {taken}"
         );
     }
+    for (key, id) in keys.iter().zip(&before) {
+        let answer = charge(server.addr, key, r#"{"amount_cents":250}"#)
+            .await
+            .unwrap();
+        assert_eq!(answer.status, 201, "{key}: {answer:?}");
+        if let Some(id) = id {
+            assert_eq!(
+                answer.body["charge_id"].as_str(),
+                Some(id.as_str()),
+                "{key}"
+            );
+        }
+    }
     let stats = stats(server.addr).await;
-    assert_eq!(stats["charges"], 20);
-    assert_eq!(
-        stats["requests"], 40,
-        "requests are counted across restarts"
-    );
+    assert_eq!(stats["charges"], 40, "{stats}");
     for key in &keys {
         assert_eq!(stats["charges_by_key"][key], 1, "{key}");
     }
+    // Durable: at least every retry and every request that reached the first process.
+    assert!(stats["requests"].as_i64().unwrap() >= 40, "{stats}");
 }
