@@ -16,6 +16,13 @@
 //! curl http://127.0.0.1:3002/stats
 //! ```
 //!
+//! Faults, each drawn per request (see `--help`): `--fail-rate P` answers `503` with
+//! `Retry-After: 1` before charging; `--drop-after-charge-rate P` lets the charge commit, then
+//! closes the connection without an answer (a repeat of the key gets the saved charge);
+//! `--delay-ms N` waits before each charge. A repeat that arrives while the first request with
+//! its key is still being handled is answered `409 {"error":"request_in_flight"}` by the layer:
+//! a caller retries it later.
+//!
 //! `GET /stats` counts `requests` (every `POST /charges` received since the database file was
 //! created: durable across restarts), `charges` (money taken) and `charges_by_key`.
 //!

@@ -270,3 +270,34 @@ async fn sigkill_with_charges_in_flight_and_restart_keep_every_charge_once() {
     // Durable: at least every retry and every request that reached the first process.
     assert!(stats["requests"].as_i64().unwrap() >= 40, "{stats}");
 }
+
+#[tokio::test]
+async fn concurrent_repeats_of_a_key_charge_once_and_delay_ms_waits() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = start(&dir.path().join("payments.db"), &["--delay-ms", "200"]).await;
+    let addr = server.addr;
+    let started = std::time::Instant::now();
+    let tasks: Vec<_> = (0..8)
+        .map(|_| tokio::spawn(async move { charge(addr, "same", r#"{"amount_cents":900}"#).await }))
+        .collect();
+    let mut ids = Vec::new();
+    for task in tasks {
+        let answer = task.await.unwrap().expect("an answer");
+        match answer.status {
+            201 => ids.push(answer.body["charge_id"].as_str().unwrap().to_owned()),
+            // The layer's answer to a duplicate while the first is still being handled.
+            409 => assert_eq!(answer.body["error"], "request_in_flight", "{answer:?}"),
+            _ => panic!("unexpected answer {answer:?}"),
+        }
+    }
+    assert!(
+        started.elapsed() >= std::time::Duration::from_millis(200),
+        "--delay-ms waits"
+    );
+    ids.dedup();
+    assert_eq!(ids.len(), 1, "one charge id: {ids:?}");
+    assert_eq!(
+        stats(addr).await["charges_by_key"],
+        serde_json::json!({ "same": 1 })
+    );
+}
