@@ -162,7 +162,83 @@ async fn openapi_json_documents_what_the_layer_adds_to_post_orders() {
     let conflict = responses["409"]["description"].as_str().expect("409");
     assert!(!conflict.contains("still being processed"), "{conflict}");
     assert!(responses.get("422").is_none());
-    // GET is not wrapped: nothing added.
+    // GET is not wrapped: no key parameter added (its only parameter is the path's `id`).
     let get_order = &api["paths"]["/orders/{id}"]["get"];
-    assert!(get_order.get("parameters").is_none(), "{get_order}");
+    let get_parameters = get_order["parameters"]
+        .as_array()
+        .expect("the id parameter");
+    assert!(
+        get_parameters.iter().all(|p| p["in"] == "path"),
+        "{get_order}"
+    );
+}
+
+/// The document describes what the server sends: every `{name}` of a path is a declared path
+/// parameter, and each error code the app answers is in its status's documented enum.
+#[tokio::test]
+async fn openapi_json_declares_path_parameters_and_every_code_sent() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let db = dir.path().join("orders.db");
+    let app = ExampleProcess::start("orders", &["--db", arg(&db)]).await;
+    let api = get(app.addr, "/openapi.json").await.json();
+
+    let paths = api["paths"].as_object().expect("paths");
+    for (path, item) in paths {
+        let names: Vec<&str> = path
+            .split('/')
+            .filter_map(|s| s.strip_prefix('{')?.strip_suffix('}'))
+            .collect();
+        for (method, operation) in item.as_object().expect("path item") {
+            let declared = operation["parameters"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default();
+            for name in &names {
+                assert!(
+                    declared
+                        .iter()
+                        .any(|p| p["in"] == "path" && p["name"] == *name && p["required"] == true),
+                    "{method} {path}: no required path parameter {name}"
+                );
+            }
+        }
+    }
+
+    let documented = |path: &str, method: &str, status: &str| -> Vec<serde_json::Value> {
+        api["paths"][path][method]["responses"][status]["content"]["application/json"]["schema"]
+            ["properties"]["error"]["enum"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+    };
+    let bad = [
+        ("not JSON", "{", "invalid_json"),
+        (
+            "quantity 0",
+            r#"{"sku":"book","quantity":0}"#,
+            "invalid_quantity",
+        ),
+        (
+            "empty sku",
+            r#"{"sku":"","quantity":1}"#,
+            "invalid_key_or_sku",
+        ),
+    ];
+    for (i, (what, body, code)) in bad.into_iter().enumerate() {
+        let key = format!("openapi-bad-{i}");
+        let reply = post(app.addr, Some(SHOP_A), Some(&key), body, &[]).await;
+        assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{what}: {reply:?}");
+        assert_eq!(reply.error_code(), code, "{what}");
+        assert!(
+            documented("/orders", "post", "400").contains(&serde_json::json!(code)),
+            "{what}: {code} not in the 400 enum"
+        );
+    }
+
+    let reply = get(app.addr, "/orders/1").await;
+    assert_eq!(reply.status, StatusCode::UNAUTHORIZED, "{reply:?}");
+    assert!(
+        documented("/orders/{id}", "get", "401").contains(&serde_json::json!(reply.error_code()))
+    );
+    assert!(!documented("/orders/{id}", "get", "404").is_empty());
 }

@@ -12,7 +12,9 @@ use serde_json::json;
 use tower_idempotency::IdempotencyLayer;
 use utoipa::openapi::content::Content;
 use utoipa::openapi::header::Header;
-use utoipa::openapi::path::{HttpMethod, Operation, OperationBuilder, PathItem};
+use utoipa::openapi::path::{
+    HttpMethod, Operation, OperationBuilder, ParameterBuilder, ParameterIn, PathItem,
+};
 use utoipa::openapi::request_body::RequestBodyBuilder;
 use utoipa::openapi::response::ResponseBuilder;
 use utoipa::openapi::schema::{ObjectBuilder, Type};
@@ -65,9 +67,15 @@ fn create_order() -> Operation {
     let created = ObjectBuilder::new()
         .property("order_id", integer())
         .required("order_id");
+    // Every code the handler sends; `invalid_json` is the body the layer's JSON fingerprinter
+    // refuses before the handler runs.
     let invalid = ObjectBuilder::new().property(
         "error",
-        string().enum_values(Some(["invalid_key_or_sku", "invalid_quantity"])),
+        string().enum_values(Some([
+            "invalid_key_or_sku",
+            "invalid_quantity",
+            "invalid_json",
+        ])),
     );
     OperationBuilder::new()
         .operation_id(Some("create_order"))
@@ -103,8 +111,22 @@ fn get_order() -> Operation {
         .property("sku", string())
         .property("quantity", integer())
         .examples([json!({"order_id": 1, "sku": "book", "quantity": 1})]);
+    let not_found = ObjectBuilder::new()
+        .property("error", string().enum_values(Some(["not_found"])))
+        .required("error");
+    let unauthenticated = ObjectBuilder::new()
+        .property("error", string().enum_values(Some(["unauthenticated"])))
+        .required("error");
     OperationBuilder::new()
         .operation_id(Some("get_order"))
+        .parameter(
+            ParameterBuilder::new()
+                .name("id")
+                .parameter_in(ParameterIn::Path)
+                .required(Required::True)
+                .description(Some("The order_id of a 201; anything else is answered 404"))
+                .schema(Some(string())),
+        )
         .response(
             "200",
             ResponseBuilder::new()
@@ -113,7 +135,15 @@ fn get_order() -> Operation {
         )
         .response(
             "404",
-            ResponseBuilder::new().description("No such order of the caller's"),
+            ResponseBuilder::new()
+                .description("No such order of the caller's")
+                .content("application/json", Content::new(Some(not_found))),
+        )
+        .response(
+            "401",
+            ResponseBuilder::new()
+                .description("No tenant: the request is not authenticated")
+                .content("application/json", Content::new(Some(unauthenticated))),
         )
         .build()
 }
