@@ -136,8 +136,8 @@ impl Error {
             Error::Unavailable(_) | Error::CommitOutcomeUnknown(_) => true,
             #[cfg(feature = "postgres")]
             Error::Postgres(e) => crate::store::pg_failover::postgres_unavailable(e),
-            #[cfg(feature = "sqlx-postgres")]
-            Error::Sqlx(e) => crate::store::pg_failover::sqlx_unavailable(e),
+            #[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
+            Error::Sqlx(e) => sqlx_unavailable(e),
             _ => false,
         }
     }
@@ -223,6 +223,36 @@ pub(crate) const MYSQL_DEADLOCK: u16 = 1213;
 /// MySQL's `ER_CON_COUNT_ERROR`.
 #[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
 const MYSQL_TOO_MANY_CONNECTIONS: u16 = 1040;
+
+/// MySQL's `ER_SERVER_SHUTDOWN`: the server is shutting down.
+#[cfg(feature = "sqlx-mysql")]
+const MYSQL_SERVER_SHUTDOWN: u16 = 1053;
+/// MariaDB's `ER_CONNECTION_KILLED`: another session ran `KILL` on this connection.
+#[cfg(feature = "sqlx-mysql")]
+const MYSQL_CONNECTION_KILLED: u16 = 1927;
+
+/// Whether a sqlx error means that the database went away or cannot serve the transaction,
+/// on either database: the connection broke, or the server ended it (on PostgreSQL the codes
+/// of [`pg_failover`](crate::store::pg_failover)). The answer does not depend on which
+/// drivers the build has: a MySQL error is never read as a PostgreSQL one.
+#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
+pub(crate) fn sqlx_unavailable(error: &sqlx::Error) -> bool {
+    if matches!(error, sqlx::Error::Io(_) | sqlx::Error::WorkerCrashed) {
+        return true;
+    }
+    #[cfg(feature = "sqlx-postgres")]
+    if crate::store::pg_failover::sqlx_unavailable(error) {
+        return true;
+    }
+    #[cfg(feature = "sqlx-mysql")]
+    if matches!(
+        mysql_number(error),
+        Some(MYSQL_SERVER_SHUTDOWN | MYSQL_CONNECTION_KILLED)
+    ) {
+        return true;
+    }
+    false
+}
 
 /// The error number of a MySQL or MariaDB error reported through sqlx (its SQLSTATE is often
 /// only the general `HY000`).
@@ -397,4 +427,23 @@ pub(crate) fn default_error_response(rejection: &Rejection, status: StatusCode) 
         HeaderValue::from_static("application/json"),
     );
     response
+}
+
+#[cfg(all(test, any(feature = "sqlx-postgres", feature = "sqlx-mysql")))]
+mod tests {
+    use super::Error;
+
+    /// A connection that broke (before or after `COMMIT`) is unavailable, a `503`. The check
+    /// is outside any one driver's cfg, so a build with only `sqlx-mysql` has it too (tests
+    /// cannot build that set alone: the crate's own dev-dependency enables every store).
+    #[test]
+    fn a_lost_sqlx_connection_is_unavailable() {
+        let lost = Error::Sqlx(sqlx::Error::Io(std::io::Error::from(
+            std::io::ErrorKind::ConnectionReset,
+        )));
+        assert!(lost.is_unavailable());
+        assert!(lost.is_busy());
+        assert!(Error::Sqlx(sqlx::Error::WorkerCrashed).is_unavailable());
+        assert!(!Error::Sqlx(sqlx::Error::RowNotFound).is_unavailable());
+    }
 }

@@ -30,13 +30,14 @@ pub(crate) fn postgres_unavailable(error: &tokio_postgres::Error) -> bool {
     }
 }
 
-/// The same through sqlx.
+/// The same through sqlx: a PostgreSQL server's unavailable code (a broken connection, on
+/// either database, is [`crate::error::sqlx_unavailable`]'s).
 #[cfg(feature = "sqlx-postgres")]
 pub(crate) fn sqlx_unavailable(error: &sqlx::Error) -> bool {
-    match error {
-        sqlx::Error::Io(_) | sqlx::Error::WorkerCrashed => true,
-        other => crate::error::sqlx_code(other).is_some_and(|code| is_unavailable_code(&code)),
-    }
+    error
+        .as_database_error()
+        .and_then(|e| e.try_downcast_ref::<sqlx::postgres::PgDatabaseError>())
+        .is_some_and(|e| is_unavailable_code(e.code()))
 }
 
 #[cfg(test)]

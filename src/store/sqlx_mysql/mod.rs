@@ -299,8 +299,8 @@ impl SqlxDialect for MySqlDialect {
         mysql_number(error) == Some(MYSQL_DEADLOCK) || sqlx_code(error).as_deref() == Some("40001")
     }
 
-    fn is_unavailable(_error: &sqlx::Error) -> bool {
-        false
+    fn is_unavailable(error: &sqlx::Error) -> bool {
+        crate::error::sqlx_unavailable(error)
     }
 
     fn check_command(sql: &str) -> Result<(), Error> {

@@ -91,7 +91,6 @@ use futures_util::StreamExt as _;
 use sqlx::{Either, Executor as _, Row};
 use tokio::time::Instant;
 
-use super::pg_failover::sqlx_unavailable;
 use super::pg_sql::{
     COMPLETE_RECORD, INSERT_RESERVATION, INSERT_RESERVATION_RESTORING, PREPARED_NAMES,
     PURGE_EXPIRED, SELECT_LIVE_RECORD, SELECT_RECORD, TAKE_OVER,
@@ -328,7 +327,7 @@ impl SqlxDialect for PgDialect {
     }
 
     fn is_unavailable(error: &sqlx::Error) -> bool {
-        sqlx_unavailable(error)
+        crate::error::sqlx_unavailable(error)
     }
 
     fn check_command(sql: &str) -> Result<(), Error> {
