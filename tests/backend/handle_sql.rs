@@ -252,10 +252,10 @@ impl HandleSql for SqlxPostgres {
 impl HandleSession for MySql {
     type Handle = sqlx_mysql::SqlxTransaction;
 
-    // MariaDB ends a killed `SLEEP` early without an error; the next statement fails, and the
-    // handler answers its 500.
+    // MariaDB ends a killed `SLEEP` early without an error; the next statement fails on the
+    // lost connection, and the layer answers that as unavailable, as on PostgreSQL.
     const KILLED_CONNECTION: (StatusCode, &'static str) =
-        (StatusCode::INTERNAL_SERVER_ERROR, "injected_failure");
+        (StatusCode::SERVICE_UNAVAILABLE, "busy_retry_later");
 
     session_statements!("SELECT CONNECTION_ID()" as u64, ["DO SLEEP(10)", "DO 1"]);
 
