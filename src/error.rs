@@ -85,6 +85,14 @@ pub enum Error {
     /// The store's background connection is gone (the store was shut down).
     #[error("the store is closed")]
     Closed,
+    /// A step-by-step request's commit was refused: its lease passed and another request
+    /// (or the completer) took the key over. Nothing was written; the layer answers `503` with
+    /// `Retry-After`.
+    #[error("the key's lease was lost: another request took it over")]
+    LeaseLost,
+    /// A step's result could not be written as JSON (or read back into the handler's type).
+    #[error("a step's result could not be encoded or decoded: {0}")]
+    StepResult(String),
     /// A saved record could not be decoded.
     #[error("corrupt idempotency record: {0}")]
     Corrupt(String),
@@ -149,7 +157,7 @@ impl Error {
             return true;
         }
         match self {
-            Error::Busy | Error::InFlight | Error::StatementConflict(_) => true,
+            Error::Busy | Error::InFlight | Error::StatementConflict(_) | Error::LeaseLost => true,
             #[cfg(feature = "sqlite")]
             // A full disk passes once space is freed: the same key then runs afresh.
             Error::Sqlite(rusqlite::Error::SqliteFailure(e, _)) => matches!(
@@ -312,6 +320,9 @@ pub enum Rejection {
     InFlight,
     /// The store is busy; retry later with the same key. `503` with `Retry-After`.
     Busy,
+    /// A step-by-step request's call to another service has an unknown outcome that its
+    /// policy leaves to an operator: the key is in doubt until resolved. `409`.
+    InDoubt,
     /// The handler panicked; everything was rolled back. `500`.
     HandlerPanicked,
     /// The handler's response was too large to save; everything was rolled back. `500`.
@@ -334,7 +345,7 @@ impl Rejection {
             Rejection::MissingTenant => StatusCode::UNAUTHORIZED,
             Rejection::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Rejection::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
-            Rejection::KeyReused | Rejection::InFlight => StatusCode::CONFLICT,
+            Rejection::KeyReused | Rejection::InFlight | Rejection::InDoubt => StatusCode::CONFLICT,
             Rejection::Busy => StatusCode::SERVICE_UNAVAILABLE,
             Rejection::HandlerPanicked
             | Rejection::ResponseTooLarge
@@ -357,6 +368,7 @@ impl Rejection {
             Rejection::InvalidPayload(e) => e.code(),
             Rejection::KeyReused => "key_reused_with_different_payload",
             Rejection::InFlight => "request_in_flight",
+            Rejection::InDoubt => "outcome_in_doubt",
             Rejection::Busy => "busy_retry_later",
             Rejection::HandlerPanicked => "internal_error",
             Rejection::ResponseTooLarge => "response_too_large_to_save",
@@ -386,7 +398,7 @@ impl Rejection {
             Rejection::MissingTenant => UNAUTHENTICATED,
             Rejection::BodyTooLarge => RESOURCE_EXHAUSTED,
             Rejection::BodyTimeout => DEADLINE_EXCEEDED,
-            Rejection::KeyReused => FAILED_PRECONDITION,
+            Rejection::KeyReused | Rejection::InDoubt => FAILED_PRECONDITION,
             Rejection::InFlight => ABORTED,
             Rejection::Busy => UNAVAILABLE,
             Rejection::HandlerPanicked

@@ -100,6 +100,8 @@ pub(crate) struct Config {
     pub(crate) error_format: ErrorFormat,
     /// The scopes this layer's requests are running (for the in-flight policy).
     pub(crate) running: Arc<Running>,
+    /// The steps mode ([`IdempotencyLayer::with_steps`]), if on.
+    pub(crate) steps: Option<crate::steps::mode::StepsMode>,
     /// The keys of the operation's metrics, made at its first request.
     pub(crate) metric_keys: crate::metrics::Keys,
 }
@@ -218,6 +220,7 @@ impl<St> IdempotencyLayer<St> {
                 in_flight: InFlight::Wait,
                 error_format: ErrorFormat::Json,
                 running: Arc::default(),
+                steps: None,
                 metric_keys: Default::default(),
             }),
         }
@@ -525,6 +528,49 @@ impl<St> IdempotencyLayer<St> {
         self.map_config(|c| c.in_flight = policy)
     }
 }
+
+impl<St: crate::steps::StepStore> IdempotencyLayer<St> {
+    /// Runs the route step by step ([`steps`](crate::steps)): the handler gets a
+    /// [`Steps`](crate::steps::Steps) handle instead of one transaction, each step commits on
+    /// its own, and a retry (or the [`Completer`](crate::steps::Completer)) resumes after the
+    /// last step that finished. For a handler that calls another service between its writes.
+    ///
+    /// The store's step tables must exist ([`StepStore::install_steps`](crate::steps::StepStore::install_steps)).
+    /// The lease is [`with_step_lease`](Self::with_step_lease)'s (default 30 s).
+    pub fn with_steps(self) -> Self {
+        let lease = self
+            .config
+            .steps
+            .as_ref()
+            .map_or(DEFAULT_STEP_LEASE, |mode| mode.lease);
+        let claimer = Arc::new(crate::steps::mode::StoreClaimer(self.store.clone()));
+        self.map_config(|c| {
+            c.steps = Some(crate::steps::mode::StepsMode { lease, claimer });
+        })
+    }
+
+    /// How long a step-by-step request holds its key without committing a step: past it, a
+    /// retry or the completer may take the key over, and this request's later commits are
+    /// refused. A foreign call is cut off before the lease ends. Default 30 s; it only matters
+    /// with [`with_steps`](Self::with_steps) (it turns the mode on).
+    pub fn with_step_lease(self, lease: Duration) -> Self {
+        let lease = lease.clamp(Duration::from_secs(1), MAX_TIMEOUT);
+        let claimer = Arc::new(crate::steps::mode::StoreClaimer(self.store.clone()));
+        self.map_config(|c| {
+            c.steps = Some(crate::steps::mode::StepsMode { lease, claimer });
+        })
+    }
+
+    /// The completer of this route: resumes keys that were left part-way (see
+    /// [`Completer`](crate::steps::Completer)) by calling `handler`, the route's service
+    /// without this layer, as the layer would.
+    pub fn completer<S>(&self, handler: S) -> crate::steps::Completer<St, S> {
+        crate::steps::Completer::new(self.store.clone(), self.config.clone(), handler)
+    }
+}
+
+/// [`IdempotencyLayer::with_step_lease`]'s default.
+const DEFAULT_STEP_LEASE: Duration = Duration::from_secs(30);
 
 impl<S, St: Clone> Layer<S> for IdempotencyLayer<St> {
     type Service = Idempotency<S, St>;

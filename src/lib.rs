@@ -145,6 +145,7 @@ pub mod response;
 #[cfg(sql_store)]
 mod row;
 mod service;
+pub mod steps;
 pub mod store;
 
 pub use crate::error::{Error, Rejection};

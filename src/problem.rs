@@ -115,6 +115,7 @@ fn title(rejection: &Rejection) -> &'static str {
         Rejection::InvalidKey(_) => "Idempotency-Key is malformed",
         Rejection::KeyReused => "Idempotency-Key is already used",
         Rejection::InFlight => "A request is outstanding for this Idempotency-Key",
+        Rejection::InDoubt => "The outcome of this Idempotency-Key is in doubt",
         Rejection::MissingTenant => "Authentication required",
         Rejection::BodyTooLarge => "Request body too large",
         Rejection::BodyTimeout => "Request body too slow",
@@ -145,6 +146,9 @@ fn detail(rejection: &Rejection) -> String {
              is being processed or is outstanding. Retry later with the same key."
             .to_owned(),
         Rejection::InvalidPayload(error) => format!("The request body is not accepted: {error}."),
+        Rejection::InDoubt => "A call this request made to another service has an unknown \
+             outcome; an operator resolves it. Do not retry with another key."
+            .to_owned(),
         Rejection::Busy => "Retry later with the same Idempotency-Key.".to_owned(),
         Rejection::BodyTimeout | Rejection::BodyRead => {
             "Retry with the same Idempotency-Key.".to_owned()

@@ -20,7 +20,7 @@ pub(super) enum Finished<B, E> {
 }
 
 /// The answer to a rolled-back attempt.
-pub(super) enum Answer<B, E> {
+pub(crate) enum Answer<B, E> {
     /// The inner service failed.
     ServiceError(E),
     /// The layer's own error response.
@@ -171,9 +171,9 @@ pub(super) async fn roll_back<T: Reservation>(transaction: T) -> Result<(), Erro
 
 pin_project! {
     /// Polls a future, turning a panic into an `Err`.
-    struct CatchUnwind<F> {
+    pub(super) struct CatchUnwind<F> {
         #[pin]
-        inner: F,
+        pub(super) inner: F,
     }
 }
 

@@ -31,6 +31,7 @@ use crate::store::{IdempotencyStore, NewRecord, Reservation, RunOutcome, Scope, 
 mod attempt;
 mod grpc;
 mod read;
+pub(crate) mod steps;
 
 use attempt::*;
 use grpc::*;
@@ -288,6 +289,15 @@ where
                 return Ok(self.reject(&rejection, wire));
             }
         };
+        if let Some(mode) = self.config.steps.clone() {
+            let checked = Checked {
+                parts,
+                body,
+                scope,
+                fingerprint,
+            };
+            return self.execute_steps(mode, checked, wire, started).await;
+        }
         if self.config.in_flight != crate::InFlight::Wait {
             // A duplicate on another instance holds the key in the database: the store bounds
             // that wait too, by what is left of the bound after the wait in this process.

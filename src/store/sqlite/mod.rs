@@ -146,6 +146,7 @@ mod options;
 mod reader;
 mod records;
 mod reservation;
+mod steps;
 mod writer;
 
 use std::fmt;

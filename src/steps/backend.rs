@@ -1,0 +1,388 @@
+//! What a database implements to hold step-by-step requests: [`StepStore`], and the rows it
+//! reads and writes. [`Steps`](super::Steps), the layer and the [`Completer`](super::Completer)
+//! are written once over it.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use bytes::Bytes;
+
+use crate::error::Error;
+use crate::fingerprint::Fingerprint;
+use crate::store::{IdempotencyStore, NewRecord, Scope, StoredRecord};
+
+/// The request a key was first sent with, kept while the key is in progress so that the
+/// [`Completer`](super::Completer) can run it again without the client. Deleted with the key's
+/// progress when it finishes.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct SavedRequest {
+    /// `POST`, `PATCH`...
+    pub method: String,
+    /// The path and query.
+    pub uri: String,
+    /// The headers the handler may read (see [`SavedRequest::KEPT_HEADERS`]), encoded as the
+    /// store keeps a response's headers.
+    pub headers: String,
+    /// The body as received.
+    pub body: Bytes,
+}
+
+impl SavedRequest {
+    /// A request as read back.
+    pub fn new(method: String, uri: String, headers: String, body: Bytes) -> Self {
+        SavedRequest {
+            method,
+            uri,
+            headers,
+            body,
+        }
+    }
+
+    /// The request headers kept for the completer: what describes the body. Credentials are
+    /// never kept (the tenant is part of the key's scope).
+    pub const KEPT_HEADERS: [http::HeaderName; 2] =
+        [http::header::CONTENT_TYPE, http::header::ACCEPT];
+}
+
+/// What [`StepStore::acquire`] is asked to do.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct Claim {
+    /// The key.
+    pub scope: Scope,
+    /// The fingerprint of the request that claims it.
+    pub fingerprint: Fingerprint,
+    /// The request, to keep for the completer; `None` when the completer claims (it only
+    /// resumes keys that exist).
+    pub request: Option<SavedRequest>,
+    /// Who claims (unique per claim).
+    pub owner: Arc<str>,
+    /// Until when the claim holds, if it is granted.
+    pub lease_until: SystemTime,
+    /// Now.
+    pub now: SystemTime,
+    /// The completer's bound on its attempts: a claim by the completer counts one, and a key
+    /// past it becomes a dead letter ([`Acquired::Dead`]). `None` for a client's request.
+    pub max_attempts: Option<u32>,
+}
+
+/// The outcome of [`StepStore::acquire`].
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Acquired {
+    /// The key is this claim's, under `generation`: new (no steps) or resumed (the steps
+    /// done or begun before, in order).
+    Owned {
+        /// The lease's generation: every commit of this claim checks it.
+        generation: i64,
+        /// The steps saved before, ordered by their position.
+        steps: Vec<SavedStep>,
+    },
+    /// The key has finished: its record (replay it, or answer `409` on another payload).
+    Completed(StoredRecord),
+    /// The key is in progress with another payload.
+    Mismatch,
+    /// Another claim holds the key until `until` (a request still running).
+    Held {
+        /// When that lease ends.
+        until: SystemTime,
+    },
+    /// A step's outcome is unknown and its policy leaves it to an operator.
+    InDoubt,
+    /// The completer gave up on the key (dead letter).
+    Dead,
+    /// There is nothing to resume (the completer's claim of a key that finished meanwhile).
+    Gone,
+}
+
+/// A step as saved.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SavedStep {
+    /// Its position among the key's steps, from 0.
+    pub seq: u32,
+    /// The name the handler gave it.
+    pub name: String,
+    /// Local or foreign.
+    pub kind: StepKind,
+    /// Its result as JSON (see `steps::Outcome`); `None` for a foreign step's intent.
+    pub result: Option<String>,
+}
+
+impl SavedStep {
+    /// A step as read back.
+    pub fn new(seq: u32, name: String, kind: StepKind, result: Option<String>) -> Self {
+        SavedStep {
+            seq,
+            name,
+            kind,
+            result,
+        }
+    }
+}
+
+/// Whether a step ran in a transaction of its own or called another service.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StepKind {
+    /// Ran a closure in a transaction of its own.
+    Local,
+    /// Called another service.
+    Foreign,
+}
+
+impl StepKind {
+    /// As stored.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StepKind::Local => "local",
+            StepKind::Foreign => "foreign",
+        }
+    }
+
+    /// From its stored form.
+    pub fn parse(text: &str) -> Result<Self, Error> {
+        match text {
+            "local" => Ok(StepKind::Local),
+            "foreign" => Ok(StepKind::Foreign),
+            other => Err(Error::Corrupt(format!("step kind {other:?}"))),
+        }
+    }
+}
+
+/// The state of a key in progress.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProgressStatus {
+    /// Running, or waiting for a retry or the completer.
+    Running,
+    /// A step's outcome is unknown and its policy leaves it to an operator
+    /// ([`StepStore::resolve`]).
+    InDoubt,
+    /// The completer gave up after its bounded attempts (a dead letter).
+    Dead,
+}
+
+impl ProgressStatus {
+    /// As stored.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ProgressStatus::Running => "running",
+            ProgressStatus::InDoubt => "in_doubt",
+            ProgressStatus::Dead => "dead",
+        }
+    }
+
+    /// From its stored form.
+    pub fn parse(text: &str) -> Result<Self, Error> {
+        match text {
+            "running" => Ok(ProgressStatus::Running),
+            "in_doubt" => Ok(ProgressStatus::InDoubt),
+            "dead" => Ok(ProgressStatus::Dead),
+            other => Err(Error::Corrupt(format!("progress status {other:?}"))),
+        }
+    }
+}
+
+/// A claim granted by [`StepStore::acquire`]: every commit under it checks that the key is
+/// still under this generation (and extends the lease), and is refused with
+/// [`Error::LeaseLost`] once another claim took the key over.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct Lease {
+    /// The key.
+    pub scope: Scope,
+    /// The generation the claim was granted.
+    pub generation: i64,
+    /// The new end of the lease, set by each commit.
+    pub until: SystemTime,
+    /// Now.
+    pub now: SystemTime,
+}
+
+/// A step to write under a [`Lease`].
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct StepRow {
+    /// Its position.
+    pub seq: u32,
+    /// Its name.
+    pub name: String,
+    /// Local or foreign.
+    pub kind: StepKind,
+    /// Its result as JSON; `None` writes a foreign step's intent.
+    pub result: Option<String>,
+}
+
+/// A key in progress, as listed for the completer and for operators.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct Progress {
+    /// The key.
+    pub scope: Scope,
+    /// The fingerprint of its request.
+    pub fingerprint: Fingerprint,
+    /// Running, in doubt or dead.
+    pub status: ProgressStatus,
+    /// How many claims it has had.
+    pub generation: i64,
+    /// The completer's attempts.
+    pub attempts: u32,
+    /// When the current lease ends (or ended).
+    pub lease_until: SystemTime,
+    /// Why it is in doubt or dead, if it is.
+    pub last_error: Option<String>,
+    /// The request it was first sent with.
+    pub request: SavedRequest,
+    /// When the key was first claimed.
+    pub created_at: SystemTime,
+    /// When the key last changed.
+    pub updated_at: SystemTime,
+    /// How many steps it has saved.
+    pub steps: u32,
+}
+
+impl Progress {
+    /// A key in progress as read back, with the other fields at their zero values: set them
+    /// (a store of your own reads them from its row).
+    pub fn new(
+        scope: Scope,
+        fingerprint: Fingerprint,
+        status: ProgressStatus,
+        request: SavedRequest,
+    ) -> Self {
+        Progress {
+            scope,
+            fingerprint,
+            status,
+            generation: 0,
+            attempts: 0,
+            lease_until: SystemTime::UNIX_EPOCH,
+            last_error: None,
+            request,
+            created_at: SystemTime::UNIX_EPOCH,
+            updated_at: SystemTime::UNIX_EPOCH,
+            steps: 0,
+        }
+    }
+}
+
+/// How an operator resolves a key in doubt ([`StepStore::resolve`]).
+#[derive(Clone, Debug)]
+pub enum Resolution {
+    /// The call did not happen (or may be made again): the step is called again on the next
+    /// attempt.
+    CallAgain,
+    /// The call happened, with this result (the step's JSON, as the handler's type
+    /// serializes it): the next attempt goes on from there.
+    Done(serde_json::Value),
+}
+
+/// What a database implements to run step-by-step requests (tables `idempotency_progress`
+/// and `idempotency_steps`, beside `idempotency_records`). Implemented by every store of the
+/// crate; [`Steps`](super::Steps), the layer's steps mode and the
+/// [`Completer`](super::Completer) are written once over it.
+///
+/// Every method that writes under a [`Lease`] runs in a transaction of its own that first
+/// checks the lease's generation (and moves the lease's end to [`Lease::until`]); when another
+/// claim has taken the key over, nothing is written and the method fails with
+/// [`Error::LeaseLost`].
+pub trait StepStore: IdempotencyStore {
+    /// What a local step's closure gets: on SQLite a `&rusqlite::Transaction` (the closure runs
+    /// on the writer thread and returns a `rusqlite::Result`), on the SQL servers the same
+    /// transaction handle a request's handler gets (the closure returns a future).
+    type Work<'a>;
+
+    /// What [`StepOutcome::into_resolved`] turns a local step's closure's return into.
+    type Resolved<T: Send + 'static>;
+
+    /// Creates the two tables if needed. Idempotent, and safe for instances starting at the
+    /// same time.
+    fn install_steps(&self) -> impl Future<Output = Result<(), Error>> + Send;
+
+    /// In one transaction: takes the key for `claim` if it is free (new, released, or its
+    /// lease has passed), bumping its generation; or says why not. A new key is only taken if
+    /// it has no live record ([`Acquired::Completed`] otherwise) and the claim carries its
+    /// request.
+    fn acquire(&self, claim: &Claim) -> impl Future<Output = Result<Acquired, Error>> + Send;
+
+    /// Writes a foreign step's intent ([`StepRow::result`] `None`) or result under `lease`.
+    fn save_step(
+        &self,
+        lease: &Lease,
+        step: &StepRow,
+    ) -> impl Future<Output = Result<(), Error>> + Send;
+
+    /// Deletes the intent of the foreign step at `seq` under `lease` (the call is known not
+    /// to have happened).
+    fn forget_intent(
+        &self,
+        lease: &Lease,
+        seq: u32,
+    ) -> impl Future<Output = Result<(), Error>> + Send;
+
+    /// In one transaction under `lease`: runs `work`, then saves `step` with the JSON of what
+    /// it returned (`encode`), and commits both. An error from `work` or `encode` rolls back.
+    fn run_local<F, R>(
+        &self,
+        lease: &Lease,
+        step: &StepRow,
+        work: F,
+        encode: fn(&R::Value) -> Result<String, Error>,
+    ) -> impl Future<Output = Result<R::Value, Error>> + Send
+    where
+        F: for<'a> FnOnce(Self::Work<'a>) -> R + Send + 'static,
+        R: StepOutcome<Self>;
+
+    /// Lets the key go under `lease`: it is deleted if it has no step saved (a retry starts
+    /// afresh, with any payload), else its lease ends now (a retry resumes it).
+    fn release(&self, lease: &Lease) -> impl Future<Output = Result<(), Error>> + Send;
+
+    /// Marks the key in doubt or dead under `lease`, with the reason.
+    fn set_status(
+        &self,
+        lease: &Lease,
+        status: ProgressStatus,
+        reason: &str,
+    ) -> impl Future<Output = Result<(), Error>> + Send;
+
+    /// In one transaction under `lease`: saves the key's final `record` (replayed from then on
+    /// like any other) and deletes its progress and steps.
+    fn finish(
+        &self,
+        lease: &Lease,
+        record: &NewRecord,
+    ) -> impl Future<Output = Result<(), Error>> + Send;
+
+    /// Keys in progress, oldest change first, at most `limit`: with `status`, and, when
+    /// `idle_since` is given, only running keys whose lease has passed and that have not
+    /// changed since then (what the completer resumes).
+    fn progress(
+        &self,
+        status: ProgressStatus,
+        idle_since: Option<SystemTime>,
+        now: SystemTime,
+        limit: usize,
+    ) -> impl Future<Output = Result<Vec<Progress>, Error>> + Send;
+
+    /// An operator's decision on a key in doubt (or dead): settles the step at `seq` as
+    /// `resolution` says (for a step in doubt) and makes the key running again, free to be
+    /// resumed, with its completer attempts reset. Returns whether the key was there.
+    fn resolve(
+        &self,
+        scope: &Scope,
+        seq: Option<u32>,
+        resolution: &Resolution,
+        now: SystemTime,
+    ) -> impl Future<Output = Result<bool, Error>> + Send;
+}
+
+/// What a local step's closure may return on store `S`: on SQLite a `rusqlite::Result<T>`,
+/// on the SQL servers a future of `Result<T, Error>`.
+pub trait StepOutcome<S: StepStore> {
+    /// The value the closure produced (`T`).
+    type Value: Send + 'static;
+
+    /// The outcome as the store consumes it.
+    fn into_resolved(self) -> S::Resolved<Self::Value>;
+}

@@ -1,0 +1,394 @@
+//! [`Steps`]: the handle a step-by-step request's handler gets, and what it keeps of the
+//! request's progress for the layer.
+
+use std::fmt;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+
+use super::backend::{Lease, ProgressStatus, SavedStep, StepKind, StepOutcome, StepRow, StepStore};
+use super::outcome::{Answer, Foreign, OnUnknown, Recovery, StepError, Stored};
+use crate::error::Error;
+use crate::store::Scope;
+
+/// The handle of a step-by-step request (the layer's [`with_steps`] mode): runs the request's
+/// steps, each committed on its own, so that a retry (or the [`Completer`](super::Completer))
+/// resumes after the last one that finished. Put in the request extensions by the layer;
+/// with the `axum` feature it is an extractor.
+///
+/// Steps are identified by their position and name: a retry must call the same steps in the
+/// same order (it may stop earlier). A step that finished returns its saved result without
+/// running. Call them one after the other, not concurrently.
+///
+/// [`with_steps`]: crate::IdempotencyLayer::with_steps
+pub struct Steps<St: StepStore> {
+    shared: Arc<Shared<St>>,
+}
+
+impl<St: StepStore> Clone for Steps<St> {
+    fn clone(&self) -> Self {
+        Steps {
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+impl<St: StepStore> fmt::Debug for Steps<St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Steps")
+            .field("operation", &self.shared.scope.operation)
+            .field("generation", &self.shared.generation)
+            .field("saved", &self.shared.saved.len())
+            .finish_non_exhaustive()
+    }
+}
+
+pub(crate) struct Shared<St> {
+    pub(crate) store: St,
+    pub(crate) scope: Scope,
+    pub(crate) generation: i64,
+    pub(crate) lease: Duration,
+    pub(crate) saved: Vec<SavedStep>,
+    pub(crate) state: Mutex<State>,
+}
+
+/// What the request's steps did, for the layer to act on when the handler returns.
+#[derive(Debug, Default)]
+pub(crate) struct State {
+    /// The next step's position.
+    pub(crate) next: u32,
+    /// The lease's end as last extended.
+    pub(crate) lease_until: Option<SystemTime>,
+    /// A foreign service failed transiently: release the key and answer `503`.
+    pub(crate) transient: bool,
+    /// Another claim took the key over: this request's writes are refused.
+    pub(crate) lease_lost: bool,
+    /// A step's outcome is unknown and left to an operator (the key is marked in doubt).
+    pub(crate) in_doubt: bool,
+    /// A step gave a terminal answer: the handler's response is final.
+    pub(crate) terminal: bool,
+    /// The steps no longer match the saved ones.
+    pub(crate) changed: bool,
+}
+
+impl<St: StepStore> Steps<St> {
+    pub(crate) fn new(
+        store: St,
+        scope: Scope,
+        generation: i64,
+        saved: Vec<SavedStep>,
+        lease: Duration,
+        lease_until: SystemTime,
+    ) -> Self {
+        Steps {
+            shared: Arc::new(Shared {
+                store,
+                scope,
+                generation,
+                lease,
+                saved,
+                state: Mutex::new(State {
+                    lease_until: Some(lease_until),
+                    ..State::default()
+                }),
+            }),
+        }
+    }
+
+    /// The key's scope: tenant, operation and client key.
+    pub fn scope(&self) -> &Scope {
+        &self.shared.scope
+    }
+
+    /// Whether this request resumes a key that earlier attempts began (some step was saved).
+    pub fn is_resumed(&self) -> bool {
+        !self.shared.saved.is_empty()
+    }
+
+    /// The key to send as the other service's own idempotency key for the step `name`:
+    /// derived from the tenant, the operation, the client's key and the step's name, so it is
+    /// the same on every retry, in every process, and differs between keys and steps. 32
+    /// hexadecimal digits.
+    pub fn step_key(&self, name: &str) -> String {
+        step_key(&self.shared.scope, name)
+    }
+
+    /// Runs the local step `name`: `work` in a transaction of its own, committed together
+    /// with its result and the key's progress. On a retry after it committed, returns the
+    /// saved result without running `work`. Exactly once.
+    ///
+    /// `work` is the store's: on SQLite it gets a `&rusqlite::Transaction` and returns a
+    /// `rusqlite::Result` (it runs on the writer thread); on PostgreSQL and MySQL it gets the
+    /// store's transaction handle and returns a future of `Result<T, Error>`. An error from it
+    /// rolls the step back and is returned as [`StepError::Store`].
+    pub async fn local<F, R>(&self, name: &str, work: F) -> Result<R::Value, StepError>
+    where
+        F: for<'a> FnOnce(St::Work<'a>) -> R + Send + 'static,
+        R: StepOutcome<St>,
+        R::Value: Serialize + DeserializeOwned,
+    {
+        let (seq, saved) = self.next(name, StepKind::Local)?;
+        match saved {
+            Some(Some(result)) => return self.saved_result(Stored::decode(&result)?),
+            Some(None) => {
+                return Err(StepError::Store(Error::Corrupt(format!(
+                    "local step {name:?} saved without a result"
+                ))))
+            }
+            None => {}
+        }
+        let lease = self.lease()?;
+        let row = StepRow {
+            seq,
+            name: name.to_owned(),
+            kind: StepKind::Local,
+            result: None,
+        };
+        let outcome = self
+            .shared
+            .store
+            .run_local(&lease, &row, work, Stored::encode_value::<R::Value>)
+            .await;
+        self.committed(&lease, outcome)
+    }
+
+    /// Runs the foreign step `name`: `call` sends a request to another service with
+    /// [`step_key`](Self::step_key) as that service's idempotency key. Its intent commits
+    /// before the call and its result after it; on a retry after the result committed, returns
+    /// the saved result without calling.
+    ///
+    /// When a retry finds the intent without a result (the process died during the call, or
+    /// the call's outcome was [unknown](Foreign::unknown)), `on_unknown` decides what it may
+    /// do: [`CallAgain`](super::CallAgain) with the same key (the service deduplicates),
+    /// [`Ask`](super::Ask) the service what happened, or [`LeaveInDoubt`](super::LeaveInDoubt)
+    /// for an operator. There is no default.
+    ///
+    /// `call` is cut off when the lease would run out (less a margin); that counts as an
+    /// unknown outcome.
+    pub async fn foreign<T, C, Fut, U>(
+        &self,
+        name: &str,
+        on_unknown: U,
+        call: C,
+    ) -> Result<T, StepError>
+    where
+        T: Serialize + DeserializeOwned + Send + 'static,
+        C: FnOnce(String) -> Fut,
+        Fut: Future<Output = Result<T, Foreign>>,
+        U: OnUnknown<T>,
+    {
+        let (seq, saved) = self.next(name, StepKind::Foreign)?;
+        let key = self.step_key(name);
+        match saved {
+            Some(Some(result)) => return self.saved_result(Stored::decode(&result)?),
+            Some(None) => match on_unknown.recover(key.clone()).await {
+                Ok(Recovery::CallAgain) => {}
+                Ok(Recovery::Done(value)) => {
+                    return self.save_foreign(seq, name, Ok(value)).await;
+                }
+                Ok(Recovery::InDoubt) => return self.in_doubt(name).await,
+                Err(failure) => return self.failed_call(seq, name, failure).await,
+            },
+            None => {
+                let lease = self.lease()?;
+                let intent = StepRow {
+                    seq,
+                    name: name.to_owned(),
+                    kind: StepKind::Foreign,
+                    result: None,
+                };
+                let saved = self.shared.store.save_step(&lease, &intent).await;
+                self.committed(&lease, saved)?;
+            }
+        }
+        let budget = self.call_budget();
+        match tokio::time::timeout(budget, call(key)).await {
+            Ok(Ok(value)) => self.save_foreign(seq, name, Ok(value)).await,
+            Ok(Err(failure)) => self.failed_call(seq, name, failure).await,
+            Err(_elapsed) => {
+                tracing::warn!(step = name, ?budget, "foreign call cut off at its lease");
+                self.failed_call(seq, name, Foreign::unknown("the call outlived its lease"))
+                    .await
+            }
+        }
+    }
+
+    /// The position of the next step, checked against the saved steps: the saved step there,
+    /// if any (with its result, `None` for a foreign step's intent).
+    #[allow(clippy::type_complexity)]
+    fn next(&self, name: &str, kind: StepKind) -> Result<(u32, Option<Option<String>>), StepError> {
+        let mut state = self.state();
+        if state.lease_lost || state.in_doubt || state.changed {
+            return Err(StepError::Stopped);
+        }
+        let seq = state.next;
+        state.next += 1;
+        let Some(saved) = self.shared.saved.get(seq as usize) else {
+            return Ok((seq, None));
+        };
+        if saved.name != name || saved.kind != kind {
+            state.changed = true;
+            return Err(StepError::Changed {
+                position: seq,
+                saved: format!("{} {}", saved.kind.as_str(), saved.name),
+                called: format!("{} {name}", kind.as_str()),
+            });
+        }
+        Ok((seq, Some(saved.result.clone())))
+    }
+
+    fn saved_result<T: DeserializeOwned>(&self, stored: Stored) -> Result<T, StepError> {
+        match stored {
+            Stored::Value(value) => serde_json::from_value(value)
+                .map_err(|e| StepError::Store(Error::StepResult(e.to_string()))),
+            Stored::Terminal(answer) => {
+                self.state().terminal = true;
+                Err(StepError::Terminal(answer))
+            }
+        }
+    }
+
+    async fn save_foreign<T: Serialize>(
+        &self,
+        seq: u32,
+        name: &str,
+        result: Result<T, Answer>,
+    ) -> Result<T, StepError> {
+        let (stored, outcome) = match result {
+            Ok(value) => {
+                let json = Stored::encode_value(&value)?;
+                (json, Ok(value))
+            }
+            Err(answer) => (
+                Stored::Terminal(answer.clone()).encode()?,
+                Err(StepError::Terminal(answer)),
+            ),
+        };
+        let lease = self.lease()?;
+        let row = StepRow {
+            seq,
+            name: name.to_owned(),
+            kind: StepKind::Foreign,
+            result: Some(stored),
+        };
+        let saved = self.shared.store.save_step(&lease, &row).await;
+        self.committed(&lease, saved)?;
+        if outcome.is_err() {
+            self.state().terminal = true;
+        }
+        outcome
+    }
+
+    async fn failed_call<T: Serialize>(
+        &self,
+        seq: u32,
+        name: &str,
+        failure: Foreign,
+    ) -> Result<T, StepError> {
+        match failure {
+            Foreign::Terminal(answer) => self.save_foreign(seq, name, Err(answer)).await,
+            Foreign::Unavailable(error) => {
+                tracing::info!(step = name, %error, "the foreign service refused the call");
+                let lease = self.lease()?;
+                let forgotten = self.shared.store.forget_intent(&lease, seq).await;
+                self.committed(&lease, forgotten)?;
+                self.state().transient = true;
+                Err(StepError::Transient(error))
+            }
+            Foreign::Unknown(error) => {
+                tracing::warn!(step = name, %error, "the foreign call's outcome is unknown");
+                self.state().transient = true;
+                Err(StepError::Transient(error))
+            }
+        }
+    }
+
+    async fn in_doubt<T>(&self, name: &str) -> Result<T, StepError> {
+        let lease = self.lease()?;
+        let reason = format!("the outcome of step {name:?} is unknown");
+        let marked = (self.shared.store)
+            .set_status(&lease, ProgressStatus::InDoubt, &reason)
+            .await;
+        self.committed(&lease, marked)?;
+        self.state().in_doubt = true;
+        tracing::warn!(step = name, "key left in doubt for an operator");
+        Err(StepError::InDoubt {
+            step: name.to_owned(),
+        })
+    }
+
+    /// The lease a commit made now extends to.
+    fn lease(&self) -> Result<Lease, StepError> {
+        let now = SystemTime::now();
+        Ok(Lease {
+            scope: self.shared.scope.clone(),
+            generation: self.shared.generation,
+            until: now + self.shared.lease,
+            now,
+        })
+    }
+
+    /// Notes a commit's outcome under `lease`.
+    fn committed<T>(&self, lease: &Lease, outcome: Result<T, Error>) -> Result<T, StepError> {
+        match outcome {
+            Ok(value) => {
+                self.state().lease_until = Some(lease.until);
+                Ok(value)
+            }
+            Err(Error::LeaseLost) => {
+                self.state().lease_lost = true;
+                Err(StepError::LeaseLost)
+            }
+            Err(error) => Err(StepError::Store(error)),
+        }
+    }
+
+    /// How long a foreign call may take: until the lease ends, less a margin for the commit
+    /// of its result.
+    fn call_budget(&self) -> Duration {
+        let until = self.state().lease_until;
+        let left = until
+            .and_then(|until| until.duration_since(SystemTime::now()).ok())
+            .unwrap_or_default();
+        let margin = (self.shared.lease / 5).max(Duration::from_millis(200));
+        left.saturating_sub(margin).max(Duration::from_millis(100))
+    }
+
+    pub(crate) fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        // A panic while holding this lock leaves plain flags: still good to read.
+        self.shared
+            .state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    pub(crate) fn lease_now(&self) -> Lease {
+        let now = SystemTime::now();
+        Lease {
+            scope: self.shared.scope.clone(),
+            generation: self.shared.generation,
+            until: now + self.shared.lease,
+            now,
+        }
+    }
+
+    pub(crate) fn store(&self) -> &St {
+        &self.shared.store
+    }
+}
+
+/// See [`Steps::step_key`].
+pub(crate) fn step_key(scope: &Scope, name: &str) -> String {
+    let mut hash = Sha256::new();
+    hash.update(b"tower-idempotency/step-key\0");
+    for part in [&*scope.tenant, &*scope.operation, scope.key.as_str(), name] {
+        hash.update((part.len() as u64).to_be_bytes());
+        hash.update(part.as_bytes());
+    }
+    let digest = hash.finalize();
+    digest[..16].iter().map(|b| format!("{b:02x}")).collect()
+}
