@@ -381,8 +381,9 @@ impl<St: StepStore> Steps<St> {
     }
 }
 
-/// See [`Steps::step_key`].
-pub(crate) fn step_key(scope: &Scope, name: &str) -> String {
+/// The key [`Steps::step_key`] gives the step `name` of `scope`'s request: for an operator
+/// who looks up a step's call at the other service.
+pub fn step_key(scope: &Scope, name: &str) -> String {
     let mut hash = Sha256::new();
     hash.update(b"tower-idempotency/step-key\0");
     for part in [&*scope.tenant, &*scope.operation, scope.key.as_str(), name] {

@@ -62,7 +62,7 @@
 //!         .local("mark_paid", move |tx| {
 //!             tx.execute(
 //!                 "UPDATE orders SET status = 'paid', charge_id = ?1 WHERE id = ?2",
-//!                 rusqlite::params![charge, order_id],
+//!                 tower_idempotency::store::sqlite::rusqlite::params![charge, order_id],
 //!             )
 //!         })
 //!         .await?;
@@ -94,9 +94,11 @@ pub use backend::{
     StepKind, StepOutcome, StepRow, StepStore,
 };
 pub use completer::{Completer, CompleterReport};
-pub use handle::Steps;
+pub use handle::{step_key, Steps};
 pub use outcome::{Answer, Ask, CallAgain, Foreign, LeaveInDoubt, OnUnknown, Recovery, StepError};
 
+#[cfg(sql_store)]
+#[cfg_attr(not(feature = "sqlite"), allow(unused_imports))]
 pub(crate) use outcome::Stored;
 
 #[cfg(feature = "axum")]
