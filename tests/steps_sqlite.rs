@@ -512,26 +512,23 @@ async fn a_step_left_in_doubt_waits_for_an_operator() {
     );
     assert_eq!(app.calls(), 1, "never called again");
     // The operator looks the charge up and settles the step with it.
-    let now = SystemTime::now();
-    let listed = served
-        .store
-        .progress(ProgressStatus::InDoubt, None, now, 10)
+    let admin = tower_idempotency::admin::Admin::new(served.store.clone());
+    let listed = admin
+        .keys_in_progress(ProgressStatus::InDoubt, 10)
         .await
         .unwrap();
     assert_eq!(listed.len(), 1);
-    let charge = app
-        .charge_for(&tower_idempotency::steps::step_key(
-            &listed[0].scope,
-            "charge",
-        ))
-        .unwrap();
-    let resolved = served
-        .store
-        .resolve(
-            &listed[0].scope,
+    let reason = listed[0].last_error.as_deref().unwrap_or_default();
+    assert!(reason.contains("step 1 (\"charge\")"), "{reason}");
+    let step_key = tower_idempotency::steps::step_key(&listed[0].scope, "charge");
+    let charge = app.charge_for(&step_key).unwrap();
+    let resolved = admin
+        .resolve_steps(
+            "shop-a",
+            "checkout",
+            "k1",
             Some(1),
             &Resolution::Done(json!(charge)),
-            now,
         )
         .await
         .unwrap();

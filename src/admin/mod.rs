@@ -203,6 +203,42 @@ impl<S: OutboxBackend> Admin<S> {
     }
 }
 
+impl<S: crate::steps::StepStore> Admin<S> {
+    /// Step-by-step keys in progress with `status`, oldest change first, at most `limit`:
+    /// [`InDoubt`](crate::steps::ProgressStatus::InDoubt) keys wait for [`resolve_steps`](Self::resolve_steps),
+    /// [`Dead`](crate::steps::ProgressStatus::Dead) ones are the completer's dead letters.
+    pub async fn keys_in_progress(
+        &self,
+        status: crate::steps::ProgressStatus,
+        limit: usize,
+    ) -> Result<Vec<crate::steps::Progress>, Error> {
+        self.store
+            .progress(status, None, SystemTime::now(), limit)
+            .await
+    }
+
+    /// Settles a key in doubt (or a dead letter) of `(tenant, operation, key)`: the step at
+    /// `seq` (its position, as [`keys_in_progress`](Self::keys_in_progress) and the logs show;
+    /// `None` for a dead letter) is called again or taken as done with the given result, and
+    /// the key is free to be resumed by the next retry or the completer. Returns `false` if
+    /// the key is not in progress.
+    pub async fn resolve_steps(
+        &self,
+        tenant: &str,
+        operation: &str,
+        key: &str,
+        seq: Option<u32>,
+        resolution: &crate::steps::Resolution,
+    ) -> Result<bool, Error> {
+        let key = crate::key::IdempotencyKey::parse(key.as_bytes(), usize::MAX)
+            .map_err(|e| Error::Corrupt(format!("idempotency key: {e}")))?;
+        let scope = crate::store::Scope::new(tenant, operation, key);
+        self.store
+            .resolve(&scope, seq, resolution, SystemTime::now())
+            .await
+    }
+}
+
 /// Whether a record still counts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]

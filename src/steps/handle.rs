@@ -190,7 +190,7 @@ impl<St: StepStore> Steps<St> {
                 Ok(Recovery::Done(value)) => {
                     return self.save_foreign(seq, name, Ok(value)).await;
                 }
-                Ok(Recovery::InDoubt) => return self.in_doubt(name).await,
+                Ok(Recovery::InDoubt) => return self.in_doubt(seq, name).await,
                 Err(failure) => return self.failed_call(seq, name, failure).await,
             },
             None => {
@@ -307,9 +307,9 @@ impl<St: StepStore> Steps<St> {
         }
     }
 
-    async fn in_doubt<T>(&self, name: &str) -> Result<T, StepError> {
+    async fn in_doubt<T>(&self, seq: u32, name: &str) -> Result<T, StepError> {
         let lease = self.lease()?;
-        let reason = format!("the outcome of step {name:?} is unknown");
+        let reason = format!("the outcome of step {seq} ({name:?}) is unknown");
         let marked = (self.shared.store)
             .set_status(&lease, ProgressStatus::InDoubt, &reason)
             .await;
