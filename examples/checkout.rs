@@ -41,8 +41,9 @@
 //! `after_intent` (the charge's intent committed, the call not sent), `after_call` (the
 //! provider's answer, or the failure, is in; its result not committed), `after_paid` (step 3
 //! committed, the final response not saved), `before_response` (the response saved, not sent).
-//! `--lease-ms` shortens the lease so that a test's retry takes over a killed or stalled
-//! request quickly.
+//! A request holds its key under a lease of 10 s between commits (`--lease-ms`): a retry, or
+//! the completer, takes a killed or stalled request's key over once it has passed, and the
+//! stalled request's next commit is refused (it answers `503`).
 //!
 //! Logs go to stderr; set `RUST_LOG` (default `warn`) to see more.
 
@@ -95,8 +96,8 @@ usage: checkout --payments URL [--addr ADDR] [--db FILE | --database-url URL] [-
   --db FILE           the SQLite file of orders, keys and steps (default checkout.db)
   --database-url URL  PostgreSQL (not supported yet by this example)
   --completer         finish keys left part-way (untouched for 5 s) without the client
-  --lease-ms N        how long a request holds its key between commits (default 30000,
-                      at least 1000)
+  --lease-ms N        how long a request holds its key between commits: a killed request's
+                      key is taken over after it (default 10000, at least 1000)
 
 POST /checkouts (Idempotency-Key, Authorization: Bearer shop-a-token,
 {\"sku\", \"quantity\", \"amount_cents\"}): 201 {\"order_id\", \"charge_id\"} with Location; 402
@@ -125,10 +126,13 @@ CREATE TABLE IF NOT EXISTS checkout_orders (
     charge_id    TEXT
 );";
 
+/// How long a request holds its key between commits unless `--lease-ms` says otherwise: short
+/// enough that a demo sees a killed request's key taken over soon, long enough for a charge.
+const LEASE: Duration = Duration::from_secs(10);
 /// How long a key must have been left untouched before the completer finishes it.
 const COMPLETER_IDLE: Duration = Duration::from_secs(5);
 /// How long the provider may take to answer a charge (the step's lease may cut it sooner).
-const CHARGE_TIMEOUT: Duration = Duration::from_secs(10);
+const CHARGE_TIMEOUT: Duration = Duration::from_secs(5);
 /// How much of the provider's answer is read.
 const ANSWER_LIMIT: usize = 64 * 1024;
 
@@ -138,7 +142,7 @@ struct Options {
     db: PathBuf,
     payments: String,
     completer: bool,
-    lease: Option<Duration>,
+    lease: Duration,
 }
 
 #[derive(Clone)]
@@ -164,9 +168,9 @@ fn parse(mut flags: Flags) -> Result<Options, String> {
         );
     }
     let lease = match flags.value("--lease-ms") {
-        None => None,
+        None => LEASE,
         Some(value) => match value.parse::<u64>() {
-            Ok(ms) if ms >= 1000 => Some(Duration::from_millis(ms)),
+            Ok(ms) if ms >= 1000 => Duration::from_millis(ms),
             _ => {
                 return Err(format!(
                     "--lease-ms needs a number of milliseconds of at least 1000, not `{value}`"
@@ -199,13 +203,11 @@ async fn run(options: Options) -> Result<(), BoxError> {
     SqliteOutbox::install(&store).await?;
     let app = App { store, payments };
 
-    let mut layer = IdempotencyLayer::new(app.store.clone())
+    let layer = IdempotencyLayer::new(app.store.clone())
         .with_operation("checkout")
         .with_fingerprinter(Fingerprinter::json())
-        .with_steps();
-    if let Some(lease) = options.lease {
-        layer = layer.with_step_lease(lease);
-    }
+        .with_steps()
+        .with_step_lease(options.lease);
     if options.completer {
         // The completer calls the handler as the layer would, with the request as first sent
         // and the key's tenant in its extensions: no authentication in front of it.

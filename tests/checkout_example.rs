@@ -370,6 +370,43 @@ async fn the_completer_finishes_a_key_whose_charge_answer_was_lost() {
     .await;
 }
 
+#[tokio::test]
+async fn the_completer_racing_a_client_retry_charges_once() {
+    let files = files();
+    let payments = start_payments(&files.payments, &["--delay-ms", "1000"]).await;
+    let mut first = start_checkout(
+        &files.checkout,
+        payments.addr,
+        &[],
+        &[("CHECKOUT_PAUSE_AT", "after_insert")],
+    )
+    .await;
+    let addr = first.addr;
+    let pending = tokio::spawn(async move { checkout(addr, "k1", ORDER).await });
+    paused_at(&mut first, "after_insert").await;
+    first.kill().await;
+    assert!(pending.await.unwrap().is_none());
+    let killed_at = Instant::now();
+    let second = start_checkout(&files.checkout, payments.addr, &["--completer"], &[]).await;
+    // The completer takes the key 5 to 5.5 s after it was left and holds it for the charge (1 s
+    // at the provider): the client retries before, during and after.
+    tokio::time::sleep(Duration::from_millis(4900).saturating_sub(killed_at.elapsed())).await;
+    let addr = second.addr;
+    let tasks: Vec<_> = (0..4)
+        .map(|i| {
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(400 * i)).await;
+                retry_until_final(addr, "k1", ORDER).await
+            })
+        })
+        .collect();
+    let mut answers = Vec::new();
+    for task in tasks {
+        answers.push(task.await.unwrap());
+    }
+    assert_paid_once(second.addr, payments.addr, &answers).await;
+}
+
 /// A process stopped at `point` (SIGSTOP) past its lease; a retry on a second process takes
 /// the key over and finishes it; then the stopped one resumes (SIGCONT), and its next commit
 /// is refused: it answers `503`. Returns the provider's stats.
