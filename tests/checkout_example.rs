@@ -622,3 +622,25 @@ async fn bad_requests_are_answered_like_the_orders_example() {
     .unwrap();
     assert_eq!(other.status, 404);
 }
+
+#[tokio::test]
+async fn database_url_is_refused_with_a_clear_message_and_payments_is_required() {
+    let refused = process::run_example(
+        "checkout",
+        &[
+            "--payments",
+            "http://127.0.0.1:9",
+            "--database-url",
+            "postgres://x/y",
+        ],
+        Duration::from_secs(60),
+    )
+    .await;
+    assert_eq!(refused.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(stderr.contains("--database-url"), "{stderr}");
+    assert!(stderr.contains("SQLite only"), "{stderr}");
+    let missing = process::run_example("checkout", &[], Duration::from_secs(60)).await;
+    assert_eq!(missing.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("--payments URL is required"));
+}
