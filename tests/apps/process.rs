@@ -95,10 +95,16 @@ pub struct ExampleProcess {
 impl ExampleProcess {
     /// Starts the example with these arguments and waits until it listens.
     pub async fn start(name: &str, args: &[&str]) -> ExampleProcess {
+        Self::start_with_env(name, args, &[]).await
+    }
+
+    /// [`start`](Self::start), with these environment variables set too.
+    pub async fn start_with_env(name: &str, args: &[&str], env: &[(&str, &str)]) -> ExampleProcess {
         let mut child = Command::new(example_binary(name))
             .args(["--addr", "127.0.0.1:0"])
             .args(args)
             .env("RUST_LOG", "error")
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -129,6 +135,17 @@ impl ExampleProcess {
             lines,
             child,
         }
+    }
+
+    /// Sends `signal` (`STOP`, `CONT`...) with `kill(1)`.
+    pub fn signal(&self, signal: &str) {
+        let pid = self.child.id().expect("the example is running");
+        let status = std::process::Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(pid.to_string())
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -{signal} {pid}");
     }
 
     /// SIGKILL (nothing in flight gets to finish), and waits until it is gone.
