@@ -20,12 +20,13 @@ pub(crate) const STEPS_INSTALL_LOCK: i64 = 0x7469_6465_6d70_0004;
 pub(crate) const BOUND_LOCK_WAIT: &str = "SET innodb_lock_wait_timeout = 5";
 
 /// Adds a new key's progress (see `pg_sql::INSERT_PROGRESS`), or, if the key has one, changes
-/// nothing. Not `INSERT IGNORE`, which would also cut a too long value short.
-pub(crate) const INSERT_PROGRESS: &str = "INSERT INTO idempotency_progress (tenant, operation, \
-     idempotency_key, fingerprint, fingerprint_version, status, generation, lease_owner, \
-     lease_until, attempts, method, uri, headers, body, created_at, updated_at) \
-     VALUES ($1, $2, $3, $4, $5, 'running', 1, $6, $7, 0, $8, $9, $10, $11, $12, $12) \
-     ON DUPLICATE KEY UPDATE tenant = tenant";
+/// nothing (0 rows). `IGNORE` rather than `ON DUPLICATE KEY UPDATE`, whose count the driver's
+/// found-rows mode makes 1 either way; the values it could cut short fit their columns (the
+/// scope is checked first, the others are `TEXT` or wider, and the owner is generated).
+pub(crate) const INSERT_PROGRESS: &str = "INSERT IGNORE INTO idempotency_progress (tenant, \
+     operation, idempotency_key, fingerprint, fingerprint_version, status, generation, \
+     lease_owner, lease_until, attempts, method, uri, headers, body, created_at, updated_at) \
+     VALUES ($1, $2, $3, $4, $5, 'running', 1, $6, $7, 0, $8, $9, $10, $11, $12, $12)";
 
 /// Saves the step `$4` (see `pg_sql::UPSERT_STEP`): a saved result is never overwritten, an
 /// intent is settled. `updated_at` is assigned first: MySQL assigns left to right, and the

@@ -18,7 +18,7 @@ pub(crate) const STEPS_INSTALL_LOCK: i64 = 0x7469_6465_6d70_0004;
 pub(crate) const BOUND_LOCK_WAIT: &str = "SELECT set_config('lock_timeout', '5000', true)";
 
 /// Adds a new key's progress for the owner `$6` until `$7`, generation 1, if the key has none
-/// (else nothing: a concurrent claim added it; the claim reads it again). `$4`, `$5`: the
+/// (else nothing, 0 rows: a concurrent claim added it; the claim reads it again). `$4`, `$5`: the
 /// fingerprint and its version; `$8`..`$11`: the request's method, uri, headers and body;
 /// `$12`: now.
 pub(crate) const INSERT_PROGRESS: &str = "INSERT INTO idempotency_progress (tenant, operation, \

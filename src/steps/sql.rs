@@ -192,8 +192,8 @@ where
                 bound_lock_wait(&tx, dialect).await?;
                 let scope = &claim.scope;
                 let now = to_unix_millis(claim.now);
-                // Twice at most: once to add a new key's row, once to read it back (ours, or a
-                // concurrent claim's that came first).
+                // A new key's row is added, unless a concurrent claim added it first: then it
+                // is read again (a few times, should it come and go meanwhile).
                 for _ in 0..3 {
                     let rows = tx.fetch_in(SELECT_PROGRESS, &key(scope)).await?;
                     let Some(row) = rows.first() else {
@@ -218,13 +218,12 @@ where
                                 now.into(),
                             ],
                         );
-                        tx.execute_in(dialect.insert_progress, &params).await?;
-                        continue;
-                    };
-                    let owner = row.text(3)?;
-                    if owner.as_deref() == Some(&*claim.owner) {
-                        // The row this claim added just now (owners are unique per claim). Checked
-                        // after the row is locked: a record committed before is seen here.
+                        if tx.execute_in(dialect.insert_progress, &params).await? == 0 {
+                            // A concurrent claim added it first: read it.
+                            continue;
+                        }
+                        // Checked once the key's row is this transaction's: a record committed
+                        // before is seen here, and a `finish` cannot commit one meanwhile.
                         if let Some(record) = live(&tx, scope, now).await? {
                             return Ok((Acquired::Completed(record), Finish::Rollback));
                         }
@@ -233,7 +232,8 @@ where
                             steps: Vec::new(),
                         };
                         return Ok((owned, Finish::Commit));
-                    }
+                    };
+                    let owner = row.text(3)?;
                     let saved = fingerprint(
                         row.required_int(0, "fingerprint version")?,
                         &row.required_bytes(1, "fingerprint")?,
