@@ -644,6 +644,58 @@ async fn progress_lists_idle_keys<H: Harness>(h: H) {
     assert_eq!(names(&idle), ["c"]);
 }
 
+/// Two claims of a new key at the same time: exactly one owns it, the other finds it held.
+async fn concurrent_claims_of_a_new_key<H: Harness>(h: H) {
+    let now = SystemTime::now();
+    let (a, b) = (claim("k", 1, "a", now), claim("k", 1, "b", now));
+    let (first, second) = tokio::join!(h.store().acquire(&a), h.store().acquire(&b));
+    let outcomes = [first.expect("acquire a"), second.expect("acquire b")];
+    let owned = outcomes
+        .iter()
+        .filter(|o| matches!(o, Acquired::Owned { generation: 1, .. }))
+        .count();
+    let held = outcomes
+        .iter()
+        .filter(|o| matches!(o, Acquired::Held { .. }))
+        .count();
+    assert_eq!((owned, held), (1, 1), "{outcomes:?}");
+}
+
+/// A step's statement that waits for a lock another transaction holds gives up (bounded)
+/// with a busy error: here `finish` waits for a request's uncommitted reservation of the same
+/// key in `idempotency_records`. (Not on SQLite, where the reservation holds the writer and
+/// `finish` queues behind it.)
+async fn lock_waits_are_bounded<H: Harness>(h: H) {
+    let now = SystemTime::now();
+    owned(acquire(&h, &claim("k", 1, "a", now)).await);
+    let Begin::Reserved(reservation) = h
+        .store()
+        .begin(&scope("k"), LOCK_TIMEOUT, now)
+        .await
+        .expect("begin")
+    else {
+        panic!("expected a reservation");
+    };
+    let started = std::time::Instant::now();
+    let error = h
+        .store()
+        .finish(&lease("k", 1, now), &record(now, 1))
+        .await
+        .expect_err("finish waits for the reservation, then gives up");
+    assert!(error.is_busy(), "{error:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        started.elapsed()
+    );
+    reservation.rollback().await.expect("rollback");
+    // Nothing was written: the key is still in progress, and finishes now.
+    h.store()
+        .finish(&lease("k", 1, now), &record(now, 1))
+        .await
+        .expect("finish");
+}
+
 macro_rules! steps_store_tests {
     ($backend:ident, $make:expr $(, #[$attr:meta])?) => {
         mod $backend {
@@ -661,7 +713,10 @@ macro_rules! steps_store_tests {
                 in_doubt_until_resolved,
                 completer_attempts_end_dead,
                 progress_lists_idle_keys,
+                concurrent_claims_of_a_new_key,
             );
+            // Only on the servers (the backends that come with an `ignore` attribute).
+            $(steps_store_tests!(@tests $make; [#[$attr]]; lock_waits_are_bounded,);)?
         }
     };
     (@tests $make:expr; [$($attr:tt)*]; $name:ident, $($rest:ident,)*) => {
