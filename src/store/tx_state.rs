@@ -196,7 +196,8 @@ impl<S: TxSlot> TxShared<S> {
     }
 }
 
-/// What a store's own transaction (the inbox's, outside any request) needs from its slot.
+/// What a store's own transaction (the inbox's or a step's, outside any request) needs from
+/// its slot.
 #[cfg(row_lock_store)]
 pub(crate) trait OwnedSlot: TxSlot + Send {
     /// Whether the transaction is still the one marked with `token` when it was opened.
