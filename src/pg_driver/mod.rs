@@ -1,7 +1,7 @@
-//! What the outbox, inbox and admin queries need from a driver: the one seam between the
+//! What the outbox, inbox, steps and admin queries need from a driver: the one seam between the
 //! tokio-postgres store, the sqlx PostgreSQL store and the sqlx MySQL store. The SQL and the
-//! logic over it are written once (`outbox/pg.rs`, `admin/postgres.rs`, with the statements in
-//! their `pg_sql.rs` and `mysql_sql.rs`); a driver only runs a statement with [`PgParam`]s and
+//! logic over it are written once (`outbox/pg.rs`, `steps/sql.rs`, `admin/postgres.rs`, with
+//! the statements in their `pg_sql.rs` and `mysql_sql.rs`); a driver only runs a statement with [`PgParam`]s and
 //! reads a row's columns ([`Columns`]). The statements number their parameters `$n` on every
 //! server; the MySQL driver sends each as a `?` bound to the n-th value.
 
@@ -9,6 +9,7 @@ use std::future::Future;
 
 use crate::error::Error;
 use crate::row::Columns;
+use crate::store::record_row::RecordColumns;
 
 /// Implements [`Columns`] for a driver's row type with its `try_get`, which every driver
 /// spells the same way; `$int` is the Rust type of an `INTEGER` column (`i32` on PostgreSQL,
@@ -69,9 +70,10 @@ pub(crate) enum PgParam<'a> {
     OptionalText(Option<&'a str>),
     /// `BIGINT` (times in Unix milliseconds, counts, limits).
     BigInt(i64),
-    /// `INTEGER` (attempts).
-    #[cfg_attr(not(feature = "outbox"), allow(dead_code))]
+    /// `INTEGER` (attempts, fingerprint versions, status codes, step positions).
     Int(i32),
+    /// `BYTEA` (`VARBINARY` or `LONGBLOB` on MySQL: fingerprints, bodies).
+    Bytes(&'a [u8]),
 }
 
 impl<'a> From<&'a str> for PgParam<'a> {
@@ -98,12 +100,14 @@ where
     Option<&'q str>: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
     i64: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
     i32: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    &'q [u8]: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
 {
     params.iter().fold(query, |query, param| match *param {
         PgParam::Text(value) => query.bind(value),
         PgParam::OptionalText(value) => query.bind(value),
         PgParam::BigInt(value) => query.bind(value),
         PgParam::Int(value) => query.bind(value),
+        PgParam::Bytes(value) => query.bind(value),
     })
 }
 
@@ -136,7 +140,6 @@ pub(crate) trait PgDriver: Clone + Send + Sync + 'static {
 
     /// Creates tables (`CREATE ... IF NOT EXISTS` statements) under the advisory lock `lock`
     /// (on MySQL, `GET_LOCK` of a name formed from it).
-    #[cfg(feature = "outbox")]
     fn install_tables(
         &self,
         lock: i64,
@@ -144,14 +147,14 @@ pub(crate) trait PgDriver: Clone + Send + Sync + 'static {
     ) -> impl Future<Output = Result<(), Error>> + Send;
 }
 
-/// A request's transaction handle, and what the inbox does with the store's own
+/// A request's transaction handle, and what the inbox and the steps do with the store's own
 /// transactions (the same handle type).
-#[cfg(feature = "outbox")]
 pub(crate) trait PgTransactions: PgDriver {
     /// The handle a request's handler gets.
-    type Transaction: PgHandle;
+    type Transaction: PgHandle<Row = Self::Row>;
 
     /// How often a serialization failure while recording an inbox id is retried.
+    #[cfg_attr(not(feature = "outbox"), allow(dead_code))]
     fn conflict_retries(&self) -> u32;
 
     /// Opens a transaction of the store's own (with its isolation level), runs `body` with its
@@ -168,15 +171,12 @@ pub(crate) trait PgTransactions: PgDriver {
 }
 
 /// The store's own transactions on either sqlx database (`store::sqlx::owned`).
-#[cfg(all(
-    feature = "outbox",
-    any(feature = "sqlx-postgres", feature = "sqlx-mysql")
-))]
+#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
 impl<D> PgTransactions for crate::store::sqlx::SqlxStore<D>
 where
     D: crate::store::sqlx::OwnedDialect,
     Self: PgDriver,
-    crate::store::sqlx::SqlxTransaction<D>: PgHandle,
+    crate::store::sqlx::SqlxTransaction<D>: PgHandle<Row = <Self as PgDriver>::Row>,
 {
     type Transaction = crate::store::sqlx::SqlxTransaction<D>;
 
@@ -197,7 +197,6 @@ where
 }
 
 /// How [`PgTransactions::in_own_transaction`] ends a transaction whose body succeeded.
-#[cfg(feature = "outbox")]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Finish {
     /// Commit it.
@@ -207,8 +206,18 @@ pub(crate) enum Finish {
 }
 
 /// Runs a statement inside a transaction through its handle.
-#[cfg(feature = "outbox")]
 pub(crate) trait PgHandle: Send + Sync + 'static {
+    /// A row the driver returns.
+    type Row: Columns<Error = Error> + RecordColumns + Send;
+
+    /// Runs `sql` (prepared and cached on the connection) in the handle's transaction and
+    /// returns its rows.
+    fn fetch_in(
+        &self,
+        sql: &'static str,
+        params: &[PgParam<'_>],
+    ) -> impl Future<Output = Result<Vec<Self::Row>, Error>> + Send;
+
     /// Runs `sql` (prepared and cached on the connection) in the handle's transaction and
     /// returns how many rows it changed.
     fn execute_in(
@@ -220,7 +229,6 @@ pub(crate) trait PgHandle: Send + Sync + 'static {
 
 /// Ends `transaction` as `outcome` says (see [`PgTransactions::in_own_transaction`]), with the
 /// driver's `commit` and `rollback`.
-#[cfg(feature = "outbox")]
 pub(crate) async fn finish<T, O, C, CommitFut, R, RollbackFut>(
     transaction: O,
     outcome: Result<(T, Finish), Error>,

@@ -6,7 +6,6 @@ use sqlx::mysql::MySqlRow;
 // The `Executor` methods keep these futures provably `Send` (see the store's `reservation.rs`).
 use sqlx::{Executor as _, Row as _};
 
-#[cfg(feature = "outbox")]
 use super::PgHandle;
 use super::{sqlx_bind, PgDriver, PgParam};
 use crate::error::Error;
@@ -15,7 +14,6 @@ use crate::outbox::mysql_sql::{CLAIM, DEAD_LETTER_ABANDONED, SELECT_ABANDONED, S
 #[cfg(feature = "outbox")]
 use crate::row::Columns;
 use crate::store::sqlx_mysql::SqlxMySqlStore;
-#[cfg(feature = "outbox")]
 use crate::store::sqlx_mysql::SqlxTransaction;
 
 /// `sql` with each `$n` replaced by `?`, and the values to bind in that order: `params[n - 1]`
@@ -87,7 +85,6 @@ impl PgDriver for SqlxMySqlStore {
         Ok(results)
     }
 
-    #[cfg(feature = "outbox")]
     async fn install_tables(&self, lock: i64, schema: &str) -> Result<(), Error> {
         self.install_schema(&format!("tower_idempotency_{lock:x}"), schema)
             .await
@@ -132,8 +129,21 @@ pub(crate) async fn claim(
         .map_err(|_| Error::Corrupt("a claim returned no rows".into()))
 }
 
-#[cfg(feature = "outbox")]
 impl PgHandle for SqlxTransaction {
+    type Row = MySqlRow;
+
+    async fn fetch_in(
+        &self,
+        sql: &'static str,
+        params: &[PgParam<'_>],
+    ) -> Result<Vec<MySqlRow>, Error> {
+        let (sql, params) = positional(sql, params)?;
+        let mut conn = self.acquire().await?;
+        Ok((&mut *conn)
+            .fetch_all(sqlx_bind(sqlx::query(&sql), &params))
+            .await?)
+    }
+
     async fn execute_in(&self, sql: &'static str, params: &[PgParam<'_>]) -> Result<u64, Error> {
         let (sql, params) = positional(sql, params)?;
         let mut conn = self.acquire().await?;

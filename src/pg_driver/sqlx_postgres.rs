@@ -6,12 +6,10 @@ use sqlx::query::Query;
 // The `Executor` methods keep these futures provably `Send` (see the store's `reservation.rs`).
 use sqlx::{Executor as _, Row as _};
 
-#[cfg(feature = "outbox")]
 use super::PgHandle;
 use super::{sqlx_bind, PgDriver, PgParam};
 use crate::error::Error;
 use crate::store::sqlx_postgres::SqlxPostgresStore;
-#[cfg(feature = "outbox")]
 use crate::store::sqlx_postgres::SqlxTransaction;
 
 /// `sql` with `params` bound in order.
@@ -47,14 +45,23 @@ impl PgDriver for SqlxPostgresStore {
         Ok(results)
     }
 
-    #[cfg(feature = "outbox")]
     async fn install_tables(&self, lock: i64, schema: &str) -> Result<(), Error> {
         self.install_schema(lock, schema, &[]).await
     }
 }
 
-#[cfg(feature = "outbox")]
 impl PgHandle for SqlxTransaction {
+    type Row = PgRow;
+
+    async fn fetch_in(
+        &self,
+        sql: &'static str,
+        params: &[PgParam<'_>],
+    ) -> Result<Vec<PgRow>, Error> {
+        let mut conn = self.acquire().await?;
+        Ok((&mut *conn).fetch_all(bound(sql, params)).await?)
+    }
+
     async fn execute_in(&self, sql: &'static str, params: &[PgParam<'_>]) -> Result<u64, Error> {
         let mut conn = self.acquire().await?;
         let done = (&mut *conn).execute(bound(sql, params)).await?;

@@ -4,12 +4,10 @@ use bytes::BytesMut;
 use tokio_postgres::row::Row;
 use tokio_postgres::types::{IsNull, ToSql, Type};
 
-#[cfg(feature = "outbox")]
 use super::{finish, Finish, PgHandle, PgTransactions};
 use super::{PgDriver, PgParam};
 use crate::error::Error;
 use crate::store::postgres::PostgresStore;
-#[cfg(feature = "outbox")]
 use crate::store::postgres::{migrate::install_schema, PostgresTransaction};
 
 type BoxedError = Box<dyn std::error::Error + Sync + Send>;
@@ -22,6 +20,7 @@ impl ToSql for PgParam<'_> {
             PgParam::OptionalText(value) => value.to_sql(ty, out),
             PgParam::BigInt(value) => value.to_sql(ty, out),
             PgParam::Int(value) => value.to_sql(ty, out),
+            PgParam::Bytes(value) => value.to_sql(ty, out),
         }
     }
 
@@ -36,6 +35,7 @@ impl ToSql for PgParam<'_> {
             PgParam::OptionalText(value) => value.to_sql_checked(ty, out),
             PgParam::BigInt(value) => value.to_sql_checked(ty, out),
             PgParam::Int(value) => value.to_sql_checked(ty, out),
+            PgParam::Bytes(value) => value.to_sql_checked(ty, out),
         }
     }
 }
@@ -75,13 +75,11 @@ impl PgDriver for PostgresStore {
         Ok(results)
     }
 
-    #[cfg(feature = "outbox")]
     async fn install_tables(&self, lock: i64, schema: &str) -> Result<(), Error> {
         install_schema(self, lock, schema, &[]).await
     }
 }
 
-#[cfg(feature = "outbox")]
 impl PgTransactions for PostgresStore {
     type Transaction = PostgresTransaction;
 
@@ -101,8 +99,15 @@ impl PgTransactions for PostgresStore {
     }
 }
 
-#[cfg(feature = "outbox")]
 impl PgHandle for PostgresTransaction {
+    type Row = Row;
+
+    async fn fetch_in(&self, sql: &'static str, params: &[PgParam<'_>]) -> Result<Vec<Row>, Error> {
+        let client = self.client().await?;
+        let statement = client.prepare_cached(sql).await?;
+        client.query(&statement, &as_sql(params)).await
+    }
+
     async fn execute_in(&self, sql: &'static str, params: &[PgParam<'_>]) -> Result<u64, Error> {
         let client = self.client().await?;
         let statement = client.prepare_cached(sql).await?;

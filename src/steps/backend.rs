@@ -68,6 +68,29 @@ pub struct Claim {
     pub max_attempts: Option<u32>,
 }
 
+impl Claim {
+    /// A client's claim of `scope` without its request, and no bound on attempts: set
+    /// [`request`](Self::request) (a new key is only taken with it) and, for the completer,
+    /// [`max_attempts`](Self::max_attempts).
+    pub fn new(
+        scope: Scope,
+        fingerprint: Fingerprint,
+        owner: Arc<str>,
+        lease_until: SystemTime,
+        now: SystemTime,
+    ) -> Self {
+        Claim {
+            scope,
+            fingerprint,
+            request: None,
+            owner,
+            lease_until,
+            now,
+            max_attempts: None,
+        }
+    }
+}
+
 /// The outcome of [`StepStore::acquire`].
 #[derive(Debug)]
 #[non_exhaustive]
@@ -200,6 +223,18 @@ pub struct Lease {
     pub now: SystemTime,
 }
 
+impl Lease {
+    /// The lease of `generation` on `scope`, to be moved to `until` by the next commit.
+    pub fn new(scope: Scope, generation: i64, until: SystemTime, now: SystemTime) -> Self {
+        Lease {
+            scope,
+            generation,
+            until,
+            now,
+        }
+    }
+}
+
 /// A step to write under a [`Lease`].
 #[derive(Clone, Debug)]
 #[non_exhaustive]
@@ -212,6 +247,18 @@ pub struct StepRow {
     pub kind: StepKind,
     /// Its result as JSON; `None` writes a foreign step's intent.
     pub result: Option<String>,
+}
+
+impl StepRow {
+    /// A step to write: its intent (`result` `None`) or its result.
+    pub fn new(seq: u32, name: String, kind: StepKind, result: Option<String>) -> Self {
+        StepRow {
+            seq,
+            name,
+            kind,
+            result,
+        }
+    }
 }
 
 /// A key in progress, as listed for the completer and for operators.

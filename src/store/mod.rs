@@ -52,6 +52,8 @@ mod test_records;
 #[cfg(row_lock_store)]
 mod tx_state;
 
+#[cfg(row_lock_store)]
+pub(crate) use columns::record_row;
 #[cfg(sql_store)]
 pub(crate) use columns::SavedColumns;
 

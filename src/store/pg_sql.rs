@@ -168,11 +168,9 @@ pub(crate) const PURGE_EXPIRED: &str = "DELETE FROM idempotency_records AS r USI
 /// detect a transaction that the owner's code ended behind its back (or that a failed
 /// statement aborted: the check then fails too). A request's transaction is recognized by its
 /// reservation row instead (see [`COMPLETE_RECORD`]).
-#[cfg(feature = "outbox")]
 pub(crate) const OWN_TRANSACTION_SETTING: &str = "tower_idempotency.reservation";
 
 /// Whether the transaction is still the one marked with the token `$1` (see
 /// [`OWN_TRANSACTION_SETTING`]).
-#[cfg(feature = "outbox")]
 pub(crate) const IS_OWN_TRANSACTION: &str =
     "SELECT current_setting('tower_idempotency.reservation', true) IS NOT DISTINCT FROM $1";

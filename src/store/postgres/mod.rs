@@ -110,7 +110,6 @@ mod reservation;
 mod slot;
 mod store;
 
-#[cfg(feature = "outbox")]
 mod owned;
 use super::sql_guard;
 

@@ -1,7 +1,8 @@
 //! The store's own transactions, outside any request: the receiver's inbox (feature `outbox`)
 //! opens one, records an event id and applies the event through the same
 //! [`PostgresTransaction`] handle a request's handler gets, then commits or rolls back itself
-//! ([`OwnedTransaction`], the same for both PostgreSQL drivers).
+//! ([`OwnedTransaction`], the same for both PostgreSQL drivers). Each call of a step-by-step
+//! request runs in one too (a local step's closure gets its handle).
 
 use std::sync::atomic::Ordering;
 

@@ -49,7 +49,6 @@ impl Slot {
 
     /// Ends the transaction with `COMMIT` and gives the connection back to the pool (for the
     /// inbox's own transactions: a request's commit sends `COMMIT` with its record).
-    #[cfg(feature = "outbox")]
     pub(super) async fn commit_and_release(&mut self) -> Result<(), Error> {
         let committed = match &self.object {
             // As in `roll_back_and_release`, a drop while this awaits discards the connection.

@@ -415,17 +415,22 @@ impl StepStore for SqliteStore {
                     lease.generation
                 ])?;
             if deleted == 0 {
-                tx.prepare_cached(&format!(
-                    "UPDATE idempotency_progress SET lease_owner = NULL, lease_until = ?5, \
-                     updated_at = ?5 WHERE {KEY} AND generation = ?4"
-                ))?
-                .execute(params![
-                    &*scope.tenant,
-                    &*scope.operation,
-                    scope.key.as_str(),
-                    lease.generation,
-                    to_unix_millis(lease.now),
-                ])?;
+                let ended = tx
+                    .prepare_cached(&format!(
+                        "UPDATE idempotency_progress SET lease_owner = NULL, lease_until = ?5, \
+                         updated_at = ?5 WHERE {KEY} AND generation = ?4"
+                    ))?
+                    .execute(params![
+                        &*scope.tenant,
+                        &*scope.operation,
+                        scope.key.as_str(),
+                        lease.generation,
+                        to_unix_millis(lease.now),
+                    ])?;
+                // Another claim took the key over (or it finished): not ours to let go.
+                if ended == 0 {
+                    return Err(Error::LeaseLost);
+                }
             }
             Ok(())
         })

@@ -32,14 +32,12 @@ use crate::error::Error;
 
 mod handle;
 mod options;
-#[cfg(feature = "outbox")]
 mod owned;
 mod reservation;
 mod rows;
 
 pub use handle::{SqlxConnection, SqlxTransaction, TxConnection};
 pub use options::SqlxOptions;
-#[cfg(feature = "outbox")]
 pub(crate) use owned::OwnedDialect;
 pub(crate) use reservation::Slot;
 pub use reservation::SqlxReservation;

@@ -1,7 +1,8 @@
 //! The store's own transactions, outside any request: the receiver's inbox (feature `outbox`)
 //! opens one, records an event id and applies the event through the same [`SqlxTransaction`]
 //! handle a request's handler gets, then commits or rolls back itself ([`OwnedTransaction`],
-//! the same for every store). What differs per database is [`OwnedDialect`]'s.
+//! the same for every store). Each call of a step-by-step request runs in one too (a local
+//! step's closure gets its handle). What differs per database is [`OwnedDialect`]'s.
 
 use futures_util::future::BoxFuture;
 // The `Executor` methods keep these futures provably `Send` (see `reservation.rs`).

@@ -61,7 +61,6 @@ use super::sqlx::{ReserveStep, RowsAffected, SqlxDatabase, SqlxDialect, SqlxOpti
 use super::{NewRecord, Scope};
 use crate::error::{mysql_number, sqlx_code, Error, MYSQL_DEADLOCK};
 
-#[cfg(feature = "outbox")]
 mod owned;
 mod sql;
 

@@ -105,7 +105,6 @@ use crate::response::SavedResponse;
 
 mod literal;
 mod migrate;
-#[cfg(feature = "outbox")]
 mod owned;
 #[cfg(test)]
 mod tests;
