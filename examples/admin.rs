@@ -16,6 +16,9 @@
 //! cargo run --example admin -- --db orders.db dead-letters [--limit 50]
 //! cargo run --example admin -- --db orders.db requeue --id EVENT_ID
 //! cargo run --example admin -- --db orders.db requeue --all
+//! cargo run --example admin -- --db checkout.db steps --status in_doubt
+//! cargo run --example admin -- --db checkout.db resolve --tenant shop-a --operation checkout --key k1 --step 1 --done '"ch_1"'
+//! cargo run --example admin -- --db checkout.db resolve --tenant shop-a --operation checkout --key k1 --step 1 --call-again
 //! cargo run --example admin -- --database-url postgres://postgres@127.0.0.1:5432/shop count
 //! cargo run --example admin -- --database-url postgres://postgres@127.0.0.1:5432/shop dead-letters
 //! ```
@@ -34,6 +37,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use tower_idempotency::admin::{Admin, AdminBackend, RecordFilter, RecordInfo};
 use tower_idempotency::outbox::{EventInfo, OutboxBackend};
+use tower_idempotency::steps::{Progress, ProgressStatus, Resolution, StepStore};
 #[cfg(feature = "postgres")]
 use tower_idempotency::store::postgres::PostgresStore;
 use tower_idempotency::store::sqlite::SqliteStore;
@@ -61,6 +65,16 @@ outbox:
   dead-letters [--limit N] list dead-lettered events, oldest first (default 50)
   requeue --id ID          make a dead-lettered event due again, attempts reset
   requeue --all            requeue every dead-lettered event
+
+step-by-step keys (the layer's steps mode):
+  steps [--status S] [--limit N]
+                           keys in progress with status S: running, in_doubt (default:
+                           waiting for an operator) or dead (the completer gave up)
+  resolve SCOPE [--step N] (--call-again | --done JSON)
+                           settle a key in doubt: its step N (as `steps` shows) was not done
+                           and may be called again, or was done with result JSON; the key
+                           is then resumed by the next retry or the completer. Without
+                           --step (a dead letter), makes the key running again
 
 exit status: 0 done, 1 not found or failed, 2 usage error";
 
@@ -126,6 +140,10 @@ struct Args {
     body: bool,
     all: bool,
     help: bool,
+    status: Option<String>,
+    step: Option<u32>,
+    done: Option<String>,
+    call_again: bool,
 }
 
 impl Args {
@@ -161,6 +179,16 @@ impl Args {
                 "--id" => parsed.id = Some(value()?),
                 "--batch" => parsed.batch = Some(number(value()?)?),
                 "--limit" => parsed.limit = Some(number(value()?)?),
+                "--status" => parsed.status = Some(value()?),
+                "--step" => {
+                    let text = value()?;
+                    let step = text
+                        .parse()
+                        .map_err(|_| format!("--step needs a step position, not `{text}`"))?;
+                    parsed.step = Some(step);
+                }
+                "--done" => parsed.done = Some(value()?),
+                "--call-again" if inline.is_none() => parsed.call_again = true,
                 "--body" if inline.is_none() => parsed.body = true,
                 "--all" if inline.is_none() => parsed.all = true,
                 _ if !flag.starts_with('-') && parsed.command.is_none() => {
@@ -262,7 +290,7 @@ async fn run(
 }
 
 /// Runs `command` on any store: the same calls on each.
-async fn execute<S: AdminBackend + OutboxBackend>(
+async fn execute<S: AdminBackend + OutboxBackend + StepStore>(
     admin: &Admin<S>,
     command: &str,
     args: &Args,
@@ -356,9 +384,92 @@ async fn execute<S: AdminBackend + OutboxBackend>(
                 return Ok(Exit::NotFound);
             }
         }
+        "steps" => {
+            let status = match args.status.as_deref().unwrap_or("in_doubt") {
+                "running" => ProgressStatus::Running,
+                "in_doubt" => ProgressStatus::InDoubt,
+                "dead" => ProgressStatus::Dead,
+                other => {
+                    return Err(Failure::Usage(format!(
+                        "--status is running, in_doubt or dead, not `{other}`"
+                    )))
+                }
+            };
+            let keys = admin
+                .keys_in_progress(status, args.limit.unwrap_or(50))
+                .await
+                .map_err(no_steps)?;
+            if keys.is_empty() {
+                writeln!(out, "no keys {}", status.as_str())?;
+            }
+            for (index, progress) in keys.iter().enumerate() {
+                if index > 0 {
+                    writeln!(out)?;
+                }
+                print_progress(out, progress)?;
+            }
+        }
+        "resolve" => {
+            let (tenant, operation, key) = args.scope()?;
+            let resolution = match (&args.done, args.call_again) {
+                (Some(json), false) => {
+                    Resolution::Done(serde_json::from_str(json).map_err(|e| {
+                        Failure::Usage(format!("--done needs the step's result as JSON: {e}"))
+                    })?)
+                }
+                (None, true) => Resolution::CallAgain,
+                (None, false) if args.step.is_none() => Resolution::CallAgain,
+                _ => {
+                    return Err(Failure::Usage(
+                        "resolve needs exactly one of --call-again and --done JSON".into(),
+                    ))
+                }
+            };
+            if admin
+                .resolve_steps(tenant, operation, key, args.step, &resolution)
+                .await
+                .map_err(no_steps)?
+            {
+                writeln!(out, "resolved ({tenant}, {operation}, {key}): it resumes on the next retry or completer round")?;
+            } else {
+                writeln!(out, "no key in progress for ({tenant}, {operation}, {key})")?;
+                return Ok(Exit::NotFound);
+            }
+        }
         other => return Err(Failure::Usage(format!("unknown command `{other}`"))),
     }
     Ok(Exit::Done)
+}
+
+/// Says plainly when the database has no step-by-step keys at all.
+fn no_steps(error: tower_idempotency::Error) -> Failure {
+    if is_missing_table(&error) {
+        Failure::Failed(
+            "this database has no step-by-step keys (no idempotency_progress table)".into(),
+        )
+    } else {
+        Failure::Failed(error.into())
+    }
+}
+
+fn print_progress(out: &mut impl Write, progress: &Progress) -> std::io::Result<()> {
+    writeln!(out, "tenant:      {}", progress.scope.tenant)?;
+    writeln!(out, "operation:   {}", progress.scope.operation)?;
+    writeln!(out, "key:         {}", progress.scope.key.as_str())?;
+    writeln!(out, "status:      {}", progress.status.as_str())?;
+    writeln!(out, "steps saved: {}", progress.steps)?;
+    writeln!(out, "attempts:    {}", progress.attempts)?;
+    writeln!(
+        out,
+        "request:     {} {}",
+        progress.request.method, progress.request.uri
+    )?;
+    writeln!(out, "created_at:  {}", rfc3339(progress.created_at))?;
+    writeln!(out, "updated_at:  {}", rfc3339(progress.updated_at))?;
+    if let Some(reason) = &progress.last_error {
+        writeln!(out, "reason:      {reason}")?;
+    }
+    Ok(())
 }
 
 /// Whether the store said that a table does not exist (SQLite: "no such table"; PostgreSQL:

@@ -439,6 +439,151 @@ mod sqlite {
         assert!(matches!(result, Ok(Exit::Done)));
         assert!(output.starts_with("usage: admin"));
     }
+
+    #[tokio::test]
+    async fn keys_in_doubt_are_listed_and_resolved() {
+        use std::time::{Duration, SystemTime};
+
+        use tower_idempotency::fingerprint::Fingerprint;
+        use tower_idempotency::steps::{
+            Acquired, Claim, Lease, ProgressStatus, SavedRequest, StepKind, StepRow, StepStore,
+        };
+        use tower_idempotency::store::sqlite::SqliteStore;
+        use tower_idempotency::store::Scope;
+        use tower_idempotency::IdempotencyKey;
+
+        use super::{failure_message, field};
+
+        let dir = tempfile::tempdir().expect("temp dir");
+        let db = dir.path().join("checkout.db");
+        let store = SqliteStore::open(&db).await.expect("open");
+        // Before the tables exist, the tool says so.
+        let (result, _) = admin(&db, &["steps"]).await;
+        assert!(failure_message(result).contains("no step-by-step keys"));
+        store.install_steps().await.expect("install");
+        let (result, output) = admin(&db, &["steps"]).await;
+        assert!(matches!(result, Ok(Exit::Done)));
+        assert_eq!(output.trim(), "no keys in_doubt");
+
+        // A key whose charge was left in doubt (intent saved, the outcome unknown).
+        let scope = Scope::new(
+            "shop-a",
+            "checkout",
+            IdempotencyKey::parse(b"k1", 128).unwrap(),
+        );
+        let now = SystemTime::now();
+        let request = SavedRequest::new(
+            "POST".into(),
+            "/checkouts".into(),
+            String::new(),
+            bytes::Bytes::from_static(b"{}"),
+        );
+        let mut claim = Claim::new(
+            scope.clone(),
+            Fingerprint::new(1, [7; 32]),
+            "owner".into(),
+            now + Duration::from_secs(30),
+            now,
+        );
+        claim.request = Some(request);
+        let Acquired::Owned { generation, .. } = store.acquire(&claim).await.expect("acquire")
+        else {
+            panic!("not owned");
+        };
+        let lease = Lease::new(
+            scope.clone(),
+            generation,
+            now + Duration::from_secs(30),
+            now,
+        );
+        let intent = StepRow::new(0, "charge".into(), StepKind::Foreign, None);
+        store.save_step(&lease, &intent).await.expect("intent");
+        store
+            .set_status(
+                &lease,
+                ProgressStatus::InDoubt,
+                "the outcome of step 0 (\"charge\") is unknown",
+            )
+            .await
+            .expect("in doubt");
+
+        let (result, output) = admin(&db, &["steps", "--status", "in_doubt"]).await;
+        assert!(matches!(result, Ok(Exit::Done)), "{output}");
+        assert_eq!(field(&output, "key:"), "k1");
+        assert_eq!(field(&output, "status:"), "in_doubt");
+        assert_eq!(field(&output, "steps saved:"), "1");
+        assert!(field(&output, "reason:").contains("step 0"));
+
+        let scope_args = [
+            "--tenant",
+            "shop-a",
+            "--operation",
+            "checkout",
+            "--key",
+            "k1",
+        ];
+        for bad in [
+            &["--step", "0"][..],
+            &["--step", "0", "--done", "{"][..],
+            &["--step", "0", "--call-again", "--done", "1"][..],
+        ] {
+            let (result, _) = admin(&db, &[&["resolve"][..], &scope_args, bad].concat()).await;
+            assert!(
+                matches!(result, Err(Failure::Usage(_))),
+                "{bad:?}: {result:?}"
+            );
+        }
+        let (result, output) = admin(
+            &db,
+            &[
+                &["resolve"][..],
+                &scope_args,
+                &["--step", "0", "--done", "\"ch_9\""],
+            ]
+            .concat(),
+        )
+        .await;
+        assert!(matches!(result, Ok(Exit::Done)), "{output}");
+        let (_, output) = admin(&db, &["steps"]).await;
+        assert_eq!(output.trim(), "no keys in_doubt");
+        let (_, output) = admin(&db, &["steps", "--status", "running"]).await;
+        assert_eq!(field(&output, "key:"), "k1");
+        // The step now has its result: the next claim resumes after it.
+        let later = SystemTime::now();
+        let claim = Claim::new(
+            scope,
+            Fingerprint::new(1, [7; 32]),
+            "next".into(),
+            later + Duration::from_secs(30),
+            later,
+        );
+        match store.acquire(&claim).await.expect("acquire") {
+            Acquired::Owned { steps, .. } => {
+                assert_eq!(steps.len(), 1);
+                assert!(steps[0]
+                    .result
+                    .as_deref()
+                    .unwrap_or_default()
+                    .contains("ch_9"));
+            }
+            other => panic!("{other:?}"),
+        }
+        let (result, _) = admin(
+            &db,
+            &[
+                "resolve",
+                "--tenant",
+                "shop-a",
+                "--operation",
+                "checkout",
+                "--key",
+                "nope",
+                "--call-again",
+            ],
+        )
+        .await;
+        assert!(matches!(result, Ok(Exit::NotFound)));
+    }
 }
 
 mod postgres {
