@@ -61,14 +61,8 @@ use crate::outbox::{EventInfo, Outbox, OutboxBackend, OutboxCounts};
 use crate::row::Columns;
 use crate::store::{from_unix_millis, IdempotencyStore, SavedColumns};
 
-#[cfg(feature = "sqlx-mysql")]
-mod mysql_sql;
-#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
-mod pg_sql;
-#[cfg(row_lock_store)]
-mod postgres;
-#[cfg(feature = "sqlite")]
-mod sqlite;
+// The backends' `AdminBackend`s live in their folders: `src/sqlite/admin.rs`, and
+// `src/row_lock/admin.rs` over each SQL server's `admin_sql.rs`.
 
 /// Administrative calls on a store; see the [module docs](self).
 #[derive(Clone)]
@@ -294,7 +288,7 @@ pub struct RecordCounts {
 
 impl RecordCounts {
     /// The counts as a backend's `count(*)` columns give them.
-    fn from_columns(live: i64, expired: i64) -> Self {
+    pub(crate) fn from_columns(live: i64, expired: i64) -> Self {
         RecordCounts {
             live: u64::try_from(live).unwrap_or(0),
             expired: u64::try_from(expired).unwrap_or(0),
@@ -303,7 +297,7 @@ impl RecordCounts {
 }
 
 /// The columns [`Admin::inspect`] reads, without the body unless asked.
-struct RawRecord {
+pub(crate) struct RawRecord {
     version: i64,
     digest: Vec<u8>,
     status: i64,
@@ -317,7 +311,7 @@ struct RawRecord {
 impl RawRecord {
     /// A record's columns, in the order `inspect` selects them: `fingerprint_version,
     /// fingerprint, status, headers, length(body), body (or NULL), created_at, expires_at`.
-    fn read<R: Columns + ?Sized>(row: &R) -> Result<RawRecord, R::Error> {
+    pub(crate) fn read<R: Columns + ?Sized>(row: &R) -> Result<RawRecord, R::Error> {
         Ok(RawRecord {
             version: row.required_int(0, "fingerprint version")?,
             digest: row.required_bytes(1, "fingerprint")?,
@@ -331,7 +325,12 @@ impl RawRecord {
     }
 
     /// The record as shown, checking what was read.
-    fn into_info(self, tenant: &str, operation: &str, key: &str) -> Result<RecordInfo, Error> {
+    pub(crate) fn into_info(
+        self,
+        tenant: &str,
+        operation: &str,
+        key: &str,
+    ) -> Result<RecordInfo, Error> {
         let SavedColumns {
             fingerprint,
             status,

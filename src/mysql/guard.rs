@@ -15,9 +15,9 @@
 //! backslash before a quote and a refused statement after it (`'it\'s; COMMIT'`) is refused
 //! too; bind such values as parameters.
 
-use super::scanner::{MySqlQuoting, Token, Tokens, Words};
-use super::{check_with, split_in, Dialect};
 use crate::error::Error;
+use crate::row_lock::guard::scanner::{MySqlQuoting, Token, Tokens, Words};
+use crate::row_lock::guard::{check_with, split_in, Dialect};
 
 /// The statement the handle refuses that `command` starts with, if any.
 ///
@@ -140,7 +140,7 @@ pub(crate) fn check_command(command: &str) -> Result<(), Error> {
 }
 
 /// Cuts `sql` into its statements by MySQL's lexical rules under the default `sql_mode` (see
-/// [`super::split`]); each piece is then checked under every reading ([`check_command`]).
+/// [`postgres::guard::split`](crate::postgres::guard::split)); each piece is then checked under every reading ([`check_command`]).
 pub(crate) fn split(sql: &str) -> Vec<&str> {
     split_in(Dialect::MySql(MySqlQuoting::Backslash), sql)
 }

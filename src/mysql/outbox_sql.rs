@@ -4,7 +4,7 @@
 //! the n-th value. Times are Unix milliseconds. The statements that PostgreSQL runs as written
 //! too are in `sql.rs`.
 
-pub(crate) use super::sql::*;
+pub(crate) use crate::row_lock::outbox_sql::*;
 
 /// The migration shipped in `migrations/mysql/`.
 pub(crate) const SCHEMA: &str =

@@ -1,27 +1,27 @@
 //! The SQL of the MySQL and MariaDB store: the schema and every statement, on the same table
 //! layout as the PostgreSQL stores.
 
-use crate::store::reserve::Isolation;
+use crate::row_lock::reserve::Isolation;
 
 /// The migration shipped in `migrations/mysql/` (for `sqlx migrate run` or `sqlx::migrate!`):
 /// one copy for the store and for applications that run migrations themselves.
-pub(super) const SCHEMA: &str =
-    include_str!("../../../migrations/mysql/20261201000000_idempotency_records.sql");
+pub(crate) const SCHEMA: &str =
+    include_str!("../../migrations/mysql/20261201000000_idempotency_records.sql");
 
 /// Serializes schema creation between instances starting at the same time (`GET_LOCK`).
-pub(super) const MIGRATION_LOCK: &str = "tower_idempotency_migrate";
+pub(crate) const MIGRATION_LOCK: &str = "tower_idempotency_migrate";
 
 /// Reads a record, for the re-check inside the transaction (any state). A locking read: it
 /// sees the latest committed row whatever the isolation level (the duplicate-key check of the
 /// insert before it already holds the shared lock).
-pub(super) const SELECT_RECORD: &str =
+pub(crate) const SELECT_RECORD: &str =
     "SELECT state, fingerprint_version, fingerprint, status, headers, \
      body, trailers, created_at, expires_at FROM idempotency_records \
      WHERE tenant = ? AND operation = ? AND idempotency_key = ? LOCK IN SHARE MODE";
 
 /// Reads a live completed record, for the fast path: a consistent (non-locking) read, which
 /// never waits for a transaction holding the key.
-pub(super) const SELECT_LIVE_RECORD: &str =
+pub(crate) const SELECT_LIVE_RECORD: &str =
     "SELECT state, fingerprint_version, fingerprint, status, \
      headers, body, trailers, created_at, expires_at FROM idempotency_records \
      WHERE tenant = ? AND operation = ? AND idempotency_key = ? \
@@ -29,13 +29,13 @@ pub(super) const SELECT_LIVE_RECORD: &str =
 
 /// Reserves a scope: blocks on the primary key while another transaction holds it, and fails
 /// with a duplicate key (1062) once a committed row has it. Binds: the scope, then `now` twice.
-pub(super) const INSERT_RESERVATION: &str = "INSERT INTO idempotency_records \
+pub(crate) const INSERT_RESERVATION: &str = "INSERT INTO idempotency_records \
      (tenant, operation, idempotency_key, state, created_at, expires_at) \
      VALUES (?, ?, ?, 'in_progress', ?, ?)";
 
 /// Takes over an expired record (or a stray reservation) as this transaction's reservation.
 /// Binds: `now` twice, the scope, `now`.
-pub(super) const TAKE_OVER: &str = "UPDATE idempotency_records SET state = 'in_progress', \
+pub(crate) const TAKE_OVER: &str = "UPDATE idempotency_records SET state = 'in_progress', \
      fingerprint = NULL, fingerprint_version = NULL, status = NULL, headers = NULL, body = NULL, \
      trailers = NULL, created_at = ?, expires_at = ? \
      WHERE tenant = ? AND operation = ? AND idempotency_key = ? \
@@ -43,13 +43,13 @@ pub(super) const TAKE_OVER: &str = "UPDATE idempotency_records SET state = 'in_p
 
 /// Turns this transaction's reservation into the completed record; `commit` sends `COMMIT`
 /// only if it changed exactly one row. Binds: the response columns and times, then the scope.
-pub(super) const COMPLETE_RECORD: &str = "UPDATE idempotency_records SET \
+pub(crate) const COMPLETE_RECORD: &str = "UPDATE idempotency_records SET \
      state = 'completed', fingerprint = ?, fingerprint_version = ?, status = ?, headers = ?, \
      body = ?, trailers = ?, created_at = ?, expires_at = ? \
      WHERE tenant = ? AND operation = ? AND idempotency_key = ? AND state = 'in_progress'";
 
 /// Deletes a batch of expired records. Binds: `now`, the batch size.
-pub(super) const PURGE_EXPIRED: &str =
+pub(crate) const PURGE_EXPIRED: &str =
     "DELETE FROM idempotency_records WHERE expires_at <= ? LIMIT ?";
 
 /// What `COMMIT` and `ROLLBACK` are followed by: the session's own `autocommit` and lock wait
@@ -64,10 +64,10 @@ macro_rules! restore_session {
 }
 
 /// `COMMIT`, then the session restored (one round trip).
-pub(super) const COMMIT: &str = concat!("COMMIT; ", restore_session!());
+pub(crate) const COMMIT: &str = concat!("COMMIT; ", restore_session!());
 
 /// `ROLLBACK`, then the session restored (one round trip).
-pub(super) const ROLLBACK: &str = concat!("ROLLBACK; ", restore_session!());
+pub(crate) const ROLLBACK: &str = concat!("ROLLBACK; ", restore_session!());
 
 /// Opens a request's transaction at `isolation`, its row lock waits bounded by
 /// `lock_wait_secs` (`innodb_lock_wait_timeout` counts whole seconds) and its waits for
@@ -76,7 +76,7 @@ pub(super) const ROLLBACK: &str = concat!("ROLLBACK; ", restore_session!());
 /// that should the server end the transaction under the handler (a deadlock rolls it back),
 /// what the handler runs next still waits for the layer's `COMMIT` or `ROLLBACK` instead of
 /// committing on its own. Only an integer is formatted into it.
-pub(super) fn begin_request(
+pub(crate) fn begin_request(
     isolation: Isolation,
     lock_wait_secs: u64,
     mdl_wait_secs: u64,
@@ -99,6 +99,6 @@ pub(super) fn begin_request(
 /// The lock waits of the open transaction bounded by `lock_wait_secs` again (after a
 /// reservation whose wait on the key's row had a bound of its own). Only an integer is
 /// formatted into it.
-pub(super) fn set_lock_wait(lock_wait_secs: u64) -> String {
+pub(crate) fn set_lock_wait(lock_wait_secs: u64) -> String {
     format!("SET innodb_lock_wait_timeout = {lock_wait_secs}")
 }

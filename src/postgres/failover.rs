@@ -31,7 +31,7 @@ pub(crate) fn postgres_unavailable(error: &tokio_postgres::Error) -> bool {
 }
 
 /// The same through sqlx: a PostgreSQL server's unavailable code (a broken connection, on
-/// either database, is [`crate::error::sqlx_unavailable`]'s).
+/// either database, is [`crate::sqlx::error::sqlx_unavailable`]'s).
 #[cfg(feature = "sqlx-postgres")]
 pub(crate) fn sqlx_unavailable(error: &sqlx::Error) -> bool {
     error

@@ -12,18 +12,14 @@
 //! checked and sent on its own: a cut missed here makes the server refuse the piece, a cut made
 //! wrongly makes the piece a syntax error; neither runs a hidden statement.
 //!
-//! The lexer, one for both dialects ([`Dialect`]), is in [`scanner`]; this file holds
-//! PostgreSQL's refused statements, and MySQL's list, longer because of its implicit commits,
-//! is in [`mysql`]. Both check a command the same way ([`check_with`]).
+//! The lexer, one for both dialects ([`Dialect`]), is in
+//! [`scanner`](crate::row_lock::guard::scanner); this file holds PostgreSQL's refused
+//! statements, and MySQL's list, longer because of its implicit commits, is in
+//! [`mysql::guard`](crate::mysql::guard). Both check a command the same way ([`check_with`]).
 
 use crate::error::Error;
-
-#[cfg(feature = "sqlx-mysql")]
-pub(crate) mod mysql;
-mod scanner;
-
-use scanner::Words;
-pub(crate) use scanner::{split_in, Dialect};
+use crate::row_lock::guard::scanner::Words;
+use crate::row_lock::guard::{check_with, split_in, Dialect};
 
 /// The transaction-control statement that `command` starts with, if any: what the handle
 /// refuses. `command` holds one command, possibly after empty statements and comments.
@@ -83,21 +79,6 @@ pub(crate) fn refused(command: &str) -> Option<&'static str> {
 )]
 pub(crate) fn check_command(command: &str) -> Result<(), Error> {
     check_with(Dialect::Postgres, refused, command)
-}
-
-/// [`check_command`] for `dialect`, whose refused statements `refused` names: the first
-/// command, then every statement [`split_in`] finds.
-pub(crate) fn check_with(
-    dialect: Dialect,
-    refused: impl Fn(&str) -> Option<&'static str>,
-    command: &str,
-) -> Result<(), Error> {
-    let refusal =
-        refused(command).or_else(|| split_in(dialect, command).into_iter().find_map(&refused));
-    match refusal {
-        Some(statement) => Err(Error::TransactionControl(statement)),
-        None => Ok(()),
-    }
 }
 
 /// [`check_command`], remembering the texts it accepted: a handler sends the same few

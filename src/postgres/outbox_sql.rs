@@ -3,7 +3,7 @@
 //! statement, so that both drivers read and write them the same way. Times are Unix
 //! milliseconds. The statements that MySQL runs as written too are in `sql.rs`.
 
-pub(crate) use super::sql::*;
+pub(crate) use crate::row_lock::outbox_sql::*;
 
 /// The same columns and meaning as the SQLite outbox (times are Unix milliseconds).
 /// `available_at` is when the event is next due; a claim moves it to the end of the lease, so

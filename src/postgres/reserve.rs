@@ -8,11 +8,11 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-pub use super::replay_check::ReplayCheck;
-pub use super::reserve::Isolation;
+pub use crate::row_lock::replay_check::ReplayCheck;
+pub use crate::row_lock::reserve::Isolation;
 // What the tokio-postgres store reaches through this module.
 #[cfg(feature = "postgres")]
-pub(crate) use super::reserve::{reserve, ReserveStatements, Reserved};
+pub(crate) use crate::row_lock::reserve::{reserve, ReserveStatements, Reserved};
 
 impl Isolation {
     /// `BEGIN` at this level, for transactions that set nothing else (the inbox's own).
@@ -32,7 +32,7 @@ impl Isolation {
         format!(
             "{}; SET LOCAL {} = '{token}'",
             self.begin_statement(),
-            super::pg_sql::OWN_TRANSACTION_SETTING
+            super::store_sql::OWN_TRANSACTION_SETTING
         )
     }
 

@@ -11,14 +11,14 @@
 
 use std::time::SystemTime;
 
-#[cfg(feature = "sqlx-mysql")]
-use super::mysql_sql;
-#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
-use super::pg_sql;
-use super::{AdminBackend, RawRecord, RecordCounts, RecordFilter, RecordInfo};
+use crate::admin::{AdminBackend, RawRecord, RecordCounts, RecordFilter, RecordInfo};
 use crate::error::Error;
-use crate::pg_driver::{PgDriver, PgParam};
+#[cfg(feature = "sqlx-mysql")]
+use crate::mysql::admin_sql as mysql_sql;
+#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
+use crate::postgres::admin_sql as pg_sql;
 use crate::row::Columns;
+use crate::row_lock::driver::{PgDriver, PgParam};
 use crate::store::to_unix_millis;
 
 /// [`AdminBackend`] on a store, with the statements of the server's SQL module `$sql` (written

@@ -46,19 +46,16 @@ macro_rules! columns_by_try_get {
     };
 }
 
-#[cfg(feature = "sqlx-mysql")]
-mod sqlx_mysql;
-#[cfg(feature = "sqlx-postgres")]
-mod sqlx_postgres;
-#[cfg(feature = "postgres")]
-mod tokio_postgres;
+pub(crate) use columns_by_try_get;
 
+// The drivers: `src/tokio_postgres/driver.rs`, `src/sqlx/postgres/driver.rs` and
+// `src/sqlx/mysql/driver.rs` (with what both sqlx databases share in `src/sqlx/driver.rs`).
 #[cfg(all(feature = "outbox", feature = "sqlx-mysql"))]
-pub(crate) use self::sqlx_mysql::{claim as mysql_claim, positional};
+pub(crate) use crate::sqlx::mysql::driver::{claim as mysql_claim, positional};
 #[cfg(all(feature = "outbox", feature = "sqlx-postgres"))]
-pub(crate) use self::sqlx_postgres::numbered;
+pub(crate) use crate::sqlx::postgres::driver::numbered;
 #[cfg(all(feature = "outbox", feature = "postgres"))]
-pub(crate) use self::tokio_postgres::as_sql;
+pub(crate) use crate::tokio_postgres::driver::as_sql;
 
 /// A statement parameter: the few types the shared statements bind.
 #[derive(Clone, Copy, Debug)]
@@ -84,27 +81,6 @@ impl From<i64> for PgParam<'_> {
     fn from(value: i64) -> Self {
         PgParam::BigInt(value)
     }
-}
-
-/// `query` with `params` bound in order, on either sqlx database.
-#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
-pub(crate) fn sqlx_bind<'q, DB>(
-    query: sqlx::query::Query<'q, DB, <DB as sqlx::Database>::Arguments<'q>>,
-    params: &[PgParam<'q>],
-) -> sqlx::query::Query<'q, DB, <DB as sqlx::Database>::Arguments<'q>>
-where
-    DB: sqlx::Database,
-    &'q str: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
-    Option<&'q str>: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
-    i64: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
-    i32: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
-{
-    params.iter().fold(query, |query, param| match *param {
-        PgParam::Text(value) => query.bind(value),
-        PgParam::OptionalText(value) => query.bind(value),
-        PgParam::BigInt(value) => query.bind(value),
-        PgParam::Int(value) => query.bind(value),
-    })
 }
 
 /// How a store runs the shared statements. Statements run in autocommit on a
@@ -165,35 +141,6 @@ pub(crate) trait PgTransactions: PgDriver {
         T: Send,
         B: FnOnce(Self::Transaction) -> Fut + Send,
         Fut: Future<Output = Result<(T, Finish), Error>> + Send;
-}
-
-/// The store's own transactions on either sqlx database (`store::sqlx::owned`).
-#[cfg(all(
-    feature = "outbox",
-    any(feature = "sqlx-postgres", feature = "sqlx-mysql")
-))]
-impl<D> PgTransactions for crate::store::sqlx::SqlxStore<D>
-where
-    D: crate::store::sqlx::OwnedDialect,
-    Self: PgDriver,
-    crate::store::sqlx::SqlxTransaction<D>: PgHandle,
-{
-    type Transaction = crate::store::sqlx::SqlxTransaction<D>;
-
-    fn conflict_retries(&self) -> u32 {
-        self.shared.conflict_retries
-    }
-
-    async fn in_own_transaction<T, B, Fut>(&self, body: B) -> Result<T, Error>
-    where
-        T: Send,
-        B: FnOnce(Self::Transaction) -> Fut + Send,
-        Fut: Future<Output = Result<(T, Finish), Error>> + Send,
-    {
-        let transaction = self.begin_owned().await?;
-        let outcome = body(transaction.handle()).await;
-        finish(transaction, outcome, |t| t.commit(), |t| t.rollback()).await
-    }
 }
 
 /// How [`PgTransactions::in_own_transaction`] ends a transaction whose body succeeded.

@@ -14,22 +14,22 @@ use std::future::Future;
 use std::pin::Pin;
 use std::time::{Duration, SystemTime};
 
-use super::columns::{
+use crate::error::Error;
+#[cfg(feature = "sqlx-mysql")]
+use crate::mysql::outbox_sql as mysql_sql;
+use crate::outbox::columns::{
     claimed_oldest_first, claimed_row, count_from_column, event_status, RawEvent,
 };
-use super::inbox::receipt;
-#[cfg(feature = "sqlx-mysql")]
-use super::mysql_sql;
-#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
-use super::pg_sql;
-use super::{
+use crate::outbox::inbox::receipt;
+use crate::outbox::{
     Backlog, ClaimRequest, Claimed, Enqueue, EventId, EventInfo, InboxBackend, InboxOutcome,
     OutboxBackend, OutboxCounts, OutboxStore, Processed, Receipt, Settlement,
 };
-use crate::error::Error;
-use crate::pg_driver::{Finish, PgDriver, PgHandle, PgParam, PgTransactions};
+#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
+use crate::postgres::outbox_sql as pg_sql;
 use crate::row::Columns;
-use crate::store::reserve::retry_conflicts;
+use crate::row_lock::driver::{Finish, PgDriver, PgHandle, PgParam, PgTransactions};
+use crate::row_lock::reserve::retry_conflicts;
 use crate::store::to_unix_millis;
 
 /// How many times a claim that met a deadlock or a serialization failure runs again, and
@@ -38,16 +38,16 @@ const CLAIM_CONFLICT_RETRIES: u32 = 3;
 const CLAIM_RETRY_WINDOW: Duration = Duration::from_secs(1);
 
 /// A new event, as [`INSERT_EVENT`] writes it.
-pub(super) struct NewEvent {
+pub(crate) struct NewEvent {
     /// Its id, generated here.
-    pub(super) id: EventId,
+    pub(crate) id: EventId,
     payload: String,
     now: i64,
 }
 
 impl NewEvent {
     /// An event with this payload, enqueued now.
-    pub(super) fn new(payload: &serde_json::Value) -> Self {
+    pub(crate) fn new(payload: &serde_json::Value) -> Self {
         NewEvent {
             id: EventId::generate(),
             payload: payload.to_string(),
@@ -56,7 +56,7 @@ impl NewEvent {
     }
 
     /// The parameters of [`INSERT_EVENT`].
-    pub(super) fn params<'a>(&'a self, topic: &'a str) -> [PgParam<'a>; 4] {
+    pub(crate) fn params<'a>(&'a self, topic: &'a str) -> [PgParam<'a>; 4] {
         [
             self.id.as_str().into(),
             topic.into(),
@@ -118,7 +118,7 @@ async fn claim_returning<D: PgDriver>(
 
 /// The parameters of an `INSERT_ID` recording `event_id` for `consumer` now (for the inboxes'
 /// `record` on an executor of the caller's).
-pub(super) fn record_params<'a>(consumer: &'a str, event_id: &'a str) -> [PgParam<'a>; 3] {
+pub(crate) fn record_params<'a>(consumer: &'a str, event_id: &'a str) -> [PgParam<'a>; 3] {
     let now = to_unix_millis(SystemTime::now());
     [consumer.into(), event_id.into(), now.into()]
 }
@@ -415,5 +415,5 @@ sql_outbox_and_inbox!(
     crate::store::sqlx_mysql::SqlxMySqlStore,
     crate::store::sqlx_mysql::SqlxTransaction,
     mysql_sql,
-    crate::pg_driver::mysql_claim
+    crate::row_lock::driver::mysql_claim
 );

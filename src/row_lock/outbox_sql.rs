@@ -63,8 +63,8 @@ pub(crate) const DEAD_LETTERS: &str = "SELECT event_id, topic, payload, status, 
 
 #[cfg(test)]
 mod tests {
-    use super::super::columns::EVENT_COLUMNS;
     use super::*;
+    use crate::outbox::columns::EVENT_COLUMNS;
 
     #[test]
     fn event_reads_select_the_columns_raw_event_expects() {

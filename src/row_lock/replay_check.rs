@@ -17,11 +17,11 @@ use std::time::{Duration, SystemTime};
 
 use tokio::time::Instant;
 
-use super::retry_share::RetryShare;
-use super::{
+use crate::error::Error;
+use crate::store::retry_share::RetryShare;
+use crate::store::{
     begin_and_run_in_place, lookup_then, IdempotencyStore, RunOutcome, Scope, StoredRecord,
 };
-use crate::error::Error;
 
 /// Where a request learns that its key already has a completed record (a retry to replay).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -236,7 +236,7 @@ mod tests {
 
     fn replayed() -> Result<RunOutcome<()>, Error> {
         Ok(RunOutcome::Existing {
-            record: crate::store::test_records::stored_record(),
+            record: crate::row_lock::test_records::stored_record(),
             waited: Duration::ZERO,
         })
     }
@@ -283,7 +283,7 @@ mod tests {
     }
 
     fn record() -> StoredRecord {
-        crate::store::test_records::stored_record()
+        crate::row_lock::test_records::stored_record()
     }
 
     /// A connection that comes after `wait`.

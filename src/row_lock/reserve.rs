@@ -12,9 +12,9 @@ use std::time::{Duration, SystemTime};
 
 use tokio::time::Instant;
 
-use super::{to_unix_millis, StoredRecord};
 use crate::error::Error;
 use crate::in_flight::InFlight;
+use crate::store::{to_unix_millis, StoredRecord};
 
 /// The isolation level of the request transactions.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -5,13 +5,13 @@ use std::time::{Duration, SystemTime};
 use bytes::Bytes;
 use http::StatusCode;
 
-#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
-use super::Scope;
-use super::{NewRecord, StoredRecord};
 use crate::fingerprint::Fingerprint;
 #[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
 use crate::key::IdempotencyKey;
 use crate::response::SavedResponse;
+#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
+use crate::store::Scope;
+use crate::store::{NewRecord, StoredRecord};
 
 /// `key` of `tenant` on the operation `create_order`.
 #[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]

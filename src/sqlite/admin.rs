@@ -4,7 +4,7 @@ use std::time::SystemTime;
 
 use rusqlite::{params, OptionalExtension};
 
-use super::{AdminBackend, RawRecord, RecordCounts, RecordFilter, RecordInfo};
+use crate::admin::{AdminBackend, RawRecord, RecordCounts, RecordFilter, RecordInfo};
 use crate::error::Error;
 use crate::store::sqlite::SqliteStore;
 use crate::store::to_unix_millis;

@@ -35,15 +35,15 @@ use std::time::{Duration, SystemTime};
 
 use rusqlite::{params, Connection, OptionalExtension};
 
-use super::columns::{
+use crate::error::Error;
+use crate::outbox::columns::{
     claimed_oldest_first, claimed_row, count_from_column, event_status, RawEvent, EVENT_COLUMNS,
 };
-use super::inbox::receipt;
-use super::{
+use crate::outbox::inbox::receipt;
+use crate::outbox::{
     Backlog, ClaimRequest, Claimed, Enqueue, EventId, EventInfo, Inbox, InboxBackend, InboxOutcome,
     Outbox, OutboxBackend, OutboxCounts, OutboxStore, Processed, Receipt, Settlement,
 };
-use crate::error::Error;
 use crate::store::sqlite::{SqliteStore, SqliteTransaction};
 use crate::store::to_unix_millis;
 

@@ -5,12 +5,17 @@
 use futures_util::future::BoxFuture;
 use sqlx::Executor;
 
-use super::inbox::receipt;
-use super::pg::{record_params, NewEvent};
-use super::sql::INSERT_EVENT;
-use super::{EventId, Inbox, InboxBackend, Receipt};
 use crate::error::Error;
-use crate::pg_driver::{sqlx_bind, PgParam};
+#[cfg(feature = "sqlx-mysql")]
+use crate::mysql::outbox_sql as mysql_sql;
+use crate::outbox::inbox::receipt;
+use crate::outbox::{EventId, Inbox, InboxBackend, Receipt};
+#[cfg(feature = "sqlx-postgres")]
+use crate::postgres::outbox_sql as pg_sql;
+use crate::row_lock::driver::PgParam;
+use crate::row_lock::outbox::{record_params, NewEvent};
+use crate::row_lock::outbox_sql::INSERT_EVENT;
+use crate::sqlx::driver::sqlx_bind;
 use crate::store::sqlx::{SqlxDialect, SqlxStore};
 
 /// A sqlx database with the crate's outbox and inbox (PostgreSQL, MySQL): what [`enqueue`] and
@@ -49,10 +54,10 @@ macro_rules! outbox_database {
     ($db:ty, $sql:ident, $prepare:path) => {
         #[allow(private_interfaces)]
         impl sealed::Statements for $db {
-            const INSERT_ID: &'static str = super::$sql::INSERT_ID;
+            const INSERT_ID: &'static str = $sql::INSERT_ID;
 
             fn check_inbox_ids(consumer: &str, event_id: &str) -> Result<(), Error> {
-                super::$sql::check_inbox_ids(consumer, event_id)
+                $sql::check_inbox_ids(consumer, event_id)
             }
 
             fn execute_shared<'e, 'c: 'e, E>(
@@ -76,9 +81,9 @@ macro_rules! outbox_database {
 }
 
 #[cfg(feature = "sqlx-postgres")]
-outbox_database!(sqlx::Postgres, pg_sql, crate::pg_driver::numbered);
+outbox_database!(sqlx::Postgres, pg_sql, crate::row_lock::driver::numbered);
 #[cfg(feature = "sqlx-mysql")]
-outbox_database!(sqlx::MySql, mysql_sql, crate::pg_driver::positional);
+outbox_database!(sqlx::MySql, mysql_sql, crate::row_lock::driver::positional);
 
 /// Adds an event to the outbox through `executor`: the connection a request's `SqlxTransaction`
 /// lends (`&mut *conn`: the event then belongs to the request's transaction), or a transaction

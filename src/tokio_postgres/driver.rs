@@ -4,10 +4,10 @@ use bytes::BytesMut;
 use tokio_postgres::row::Row;
 use tokio_postgres::types::{IsNull, ToSql, Type};
 
-#[cfg(feature = "outbox")]
-use super::{finish, Finish, PgHandle, PgTransactions};
-use super::{PgDriver, PgParam};
 use crate::error::Error;
+use crate::row_lock::driver::{columns_by_try_get, PgDriver, PgParam};
+#[cfg(feature = "outbox")]
+use crate::row_lock::driver::{finish, Finish, PgHandle, PgTransactions};
 use crate::store::postgres::PostgresStore;
 #[cfg(feature = "outbox")]
 use crate::store::postgres::{migrate::install_schema, PostgresTransaction};

@@ -48,14 +48,14 @@
 //! `inbox_events`, in the same transaction as the event's effect, so a redelivery is
 //! acknowledged without being applied twice.
 
-use super::inbox::receipt;
-use super::pg::{record_params, NewEvent};
-use super::pg_sql::{INSERT_EVENT, INSERT_ID};
-#[cfg(doc)]
-use super::{Enqueue, InboxBackend, OutboxBackend};
-use super::{EventId, Inbox, Outbox, Receipt};
 use crate::error::Error;
-use crate::pg_driver::as_sql;
+use crate::outbox::inbox::receipt;
+#[cfg(doc)]
+use crate::outbox::{Enqueue, InboxBackend, OutboxBackend};
+use crate::outbox::{EventId, Inbox, Outbox, Receipt};
+use crate::postgres::outbox_sql::{INSERT_EVENT, INSERT_ID};
+use crate::row_lock::driver::as_sql;
+use crate::row_lock::outbox::{record_params, NewEvent};
 use crate::store::postgres::{Executor, PostgresStore};
 #[cfg(doc)]
 use crate::store::postgres::{PostgresTransaction, TransactionClient};

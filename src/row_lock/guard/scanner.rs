@@ -39,7 +39,7 @@ impl MySqlQuoting {
     ];
 }
 
-/// Cuts `sql` into its statements by the rules of `dialect` (see [`super::split`]; the
+/// Cuts `sql` into its statements by the rules of `dialect` (see [`postgres::guard::split`](crate::postgres::guard::split); the
 /// routine-body heuristic is PostgreSQL's only).
 pub(crate) fn split_in(dialect: Dialect, sql: &str) -> Vec<&str> {
     let mut statements = Vec::new();

@@ -167,9 +167,9 @@ pub use handle::SqliteTransaction;
 pub use options::{SqliteOptions, Synchronous};
 pub use reservation::SqliteReservation;
 
-use super::retry_share::RetryShare;
-use super::{to_unix_millis, Begin, IdempotencyStore, RunOutcome, Scope, StoredRecord};
 use crate::error::Error;
+use crate::store::retry_share::RetryShare;
+use crate::store::{to_unix_millis, Begin, IdempotencyStore, RunOutcome, Scope, StoredRecord};
 use authorizer::{refuse_foreign_transaction_control, ControlAllowed, ControlGuard, ControlSql};
 use file::{is_busy, BusyWait, DatabaseFile, OtherWriters, STANDALONE_BUSY_TIMEOUT};
 use group::Member;

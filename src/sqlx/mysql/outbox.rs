@@ -41,13 +41,13 @@
 //! ```
 
 #[cfg(doc)]
-use super::{Enqueue, InboxBackend, OutboxBackend};
-use super::{Inbox, Outbox};
+use crate::outbox::{Enqueue, InboxBackend, OutboxBackend};
+use crate::outbox::{Inbox, Outbox};
 use crate::store::sqlx_mysql::SqlxMySqlStore;
 #[cfg(doc)]
 use crate::store::sqlx_mysql::SqlxTransaction;
 
-pub use super::sqlx_executor::enqueue;
+pub use crate::sqlx::outbox::enqueue;
 
 /// The outbox of a [`SqlxMySqlStore`] (see [`Outbox`]).
 pub type SqlxMySqlOutbox = Outbox<SqlxMySqlStore>;

@@ -6,10 +6,11 @@ use sqlx::query::Query;
 // The `Executor` methods keep these futures provably `Send` (see the store's `reservation.rs`).
 use sqlx::{Executor as _, Row as _};
 
-#[cfg(feature = "outbox")]
-use super::PgHandle;
-use super::{sqlx_bind, PgDriver, PgParam};
 use crate::error::Error;
+#[cfg(feature = "outbox")]
+use crate::row_lock::driver::PgHandle;
+use crate::row_lock::driver::{columns_by_try_get, PgDriver, PgParam};
+use crate::sqlx::driver::sqlx_bind;
 use crate::store::sqlx_postgres::SqlxPostgresStore;
 #[cfg(feature = "outbox")]
 use crate::store::sqlx_postgres::SqlxTransaction;

@@ -40,13 +40,13 @@
 //! ```
 
 #[cfg(doc)]
-use super::{Enqueue, InboxBackend, OutboxBackend};
-use super::{Inbox, Outbox};
+use crate::outbox::{Enqueue, InboxBackend, OutboxBackend};
+use crate::outbox::{Inbox, Outbox};
 use crate::store::sqlx_postgres::SqlxPostgresStore;
 #[cfg(doc)]
 use crate::store::sqlx_postgres::SqlxTransaction;
 
-pub use super::sqlx_executor::enqueue;
+pub use crate::sqlx::outbox::enqueue;
 
 /// The outbox of a [`SqlxPostgresStore`] (see [`Outbox`]).
 pub type SqlxPostgresOutbox = Outbox<SqlxPostgresStore>;

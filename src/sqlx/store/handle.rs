@@ -16,7 +16,7 @@ use tokio::sync::OwnedMappedMutexGuard;
 
 use super::{Conn, Slot, SqlxDatabase, SqlxDialect};
 use crate::error::Error;
-use crate::store::tx_state::{Observed, ObservedCell, TxShared};
+use crate::row_lock::tx_state::{Observed, ObservedCell, TxShared};
 
 /// The handle a handler uses to write its rows in the request's transaction.
 ///

@@ -25,10 +25,12 @@ use sqlx::pool::PoolConnection;
 use sqlx::{Database, Executor as _, Pool};
 use tokio::time::Instant;
 
-use super::replay_check::{first_attempt, Acquired, ReplayChecks};
-use super::reserve::{self, Isolation, ReserveStatements, Reserved};
-use super::{to_unix_millis, Begin, IdempotencyStore, NewRecord, RunOutcome, Scope, StoredRecord};
 use crate::error::Error;
+use crate::row_lock::replay_check::{first_attempt, Acquired, ReplayChecks};
+use crate::row_lock::reserve::{self, Isolation, ReserveStatements, Reserved};
+use crate::store::{
+    to_unix_millis, Begin, IdempotencyStore, NewRecord, RunOutcome, Scope, StoredRecord,
+};
 
 mod handle;
 mod options;

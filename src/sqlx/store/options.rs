@@ -10,8 +10,8 @@ use sqlx::pool::PoolOptions;
 use sqlx::Pool;
 
 use super::{Shared, SqlxDialect, SqlxStore};
-use crate::store::replay_check::{ReplayCheck, ReplayChecks};
-use crate::store::reserve::Isolation;
+use crate::row_lock::replay_check::{ReplayCheck, ReplayChecks};
+use crate::row_lock::reserve::Isolation;
 
 /// Options for a [`SqlxStore`]; see [`SqlxStore::builder`].
 #[derive(Clone, Debug)]

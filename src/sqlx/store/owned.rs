@@ -10,8 +10,8 @@ use sqlx::Executor as _;
 use super::TxConnection;
 use super::{pool_error, Conn, Slot, SqlxDatabase, SqlxDialect, SqlxStore, SqlxTransaction};
 use crate::error::Error;
-use crate::store::reserve::Isolation;
-use crate::store::tx_state::{OwnedSlot, OwnedTransaction};
+use crate::row_lock::reserve::Isolation;
+use crate::row_lock::tx_state::{OwnedSlot, OwnedTransaction};
 
 /// How a database opens and checks a transaction of the store's own.
 pub(crate) trait OwnedDialect: SqlxDialect {

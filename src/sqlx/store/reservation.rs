@@ -9,7 +9,7 @@ use sqlx::{Either, Executor as _};
 
 use super::{Conn, SqlxDatabase, SqlxDialect, SqlxTransaction, TxConnection};
 use crate::error::Error;
-use crate::store::tx_state::{ObservedCell, TxShared, TxSlot};
+use crate::row_lock::tx_state::{ObservedCell, TxShared, TxSlot};
 use crate::store::{NewRecord, Reservation, Scope};
 
 /// The connection of one transaction, while it may still be open.

@@ -14,8 +14,8 @@ use tokio_postgres::types::{BorrowToSql, ToSql, Type};
 use tokio_postgres::{GenericClient, SimpleQueryMessage, Statement, ToStatement};
 
 use super::slot::{Slot, TxShared};
-use super::sql_guard;
 use crate::error::Error;
+use crate::postgres::guard as sql_guard;
 
 /// The handle a handler uses to write its rows in the request's transaction.
 ///

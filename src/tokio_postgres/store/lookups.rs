@@ -24,8 +24,8 @@ use tokio_postgres::types::ToSql;
 use super::store::pool_error;
 use super::SELECT_LIVE_RECORD;
 use crate::error::Error;
+use crate::postgres::store_sql::SELECT_LIVE_RECORDS;
 use crate::store::columns::record_row::decode_record;
-use crate::store::pg_sql::SELECT_LIVE_RECORDS;
 use crate::store::{Scope, StoredRecord};
 
 /// How many checks run at once (single or batched), each on a read connection of its own.

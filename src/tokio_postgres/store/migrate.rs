@@ -4,7 +4,7 @@
 
 use super::{PostgresStore, MIGRATION_LOCK, SCHEMA};
 use crate::error::Error;
-use crate::store::pg_sql::{Upgrade, ADD_STATE, HAS_COLUMN};
+use crate::postgres::store_sql::{Upgrade, ADD_STATE, HAS_COLUMN};
 
 /// Creates tables (`schema`: `CREATE ... IF NOT EXISTS` statements) in one transaction under a
 /// transaction-level advisory lock (`lock`, the same in every instance), so that instances

@@ -101,21 +101,22 @@ pub use store::PostgresStore;
 // (the store and its calls), `lookups` (the replay checks, batched under load), `reservation` (reserving a key, commit and rollback), `slot`
 // (a transaction's connection and shared state), `handle` (the handler's handle and its
 // guarded client), `sql_guard` (refusing transaction control), `owned` (the inbox's own
-// transactions). The SQL the store runs is in `store::pg_sql`.
+// transactions). The SQL the store runs is in `src/postgres/store_sql.rs`.
 mod handle;
 mod lookups;
 pub(crate) mod migrate;
 mod options;
 mod reservation;
 mod slot;
+// `store.rs` holds `PostgresStore` itself; the folder is the driver's store module.
+#[allow(clippy::module_inception)]
 mod store;
 
 #[cfg(feature = "outbox")]
 mod owned;
-use super::sql_guard;
 
 // The SQL the store runs, shared with the sqlx store.
-use super::pg_sql::{
+use crate::postgres::store_sql::{
     COMPLETE_RECORD, INSERT_RESERVATION, MIGRATION_LOCK, PURGE_EXPIRED, SCHEMA, SELECT_LIVE_RECORD,
     SELECT_RECORD, TAKE_OVER,
 };

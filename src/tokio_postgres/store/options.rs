@@ -13,9 +13,9 @@ use tokio_postgres::{NoTls, Socket};
 use super::store::Shared;
 use super::PostgresStore;
 use crate::error::Error;
-use crate::store::replay_check::ReplayChecks;
+use crate::row_lock::replay_check::ReplayChecks;
 
-pub use crate::store::pg_reserve::{Isolation, ReplayCheck};
+pub use crate::postgres::reserve::{Isolation, ReplayCheck};
 
 /// Options for opening a [`PostgresStore`]; see [`PostgresStore::builder`] and
 /// [`PostgresStore::from_pool`].

@@ -8,8 +8,8 @@ use std::sync::atomic::Ordering;
 use super::slot::Slot;
 use super::{PostgresStore, PostgresTransaction};
 use crate::error::Error;
-use crate::store::pg_sql::IS_OWN_TRANSACTION;
-use crate::store::tx_state::{OwnedSlot, OwnedTransaction};
+use crate::postgres::store_sql::IS_OWN_TRANSACTION;
+use crate::row_lock::tx_state::{OwnedSlot, OwnedTransaction};
 
 impl PostgresStore {
     /// Opens a transaction of the store's own, outside any request (the inbox's), on a pooled

@@ -23,13 +23,13 @@ use super::{
     SELECT_RECORD, TAKE_OVER,
 };
 use crate::error::Error;
+use crate::postgres::failover::postgres_unavailable;
+use crate::postgres::reserve::{self as pg_reserve, ReserveStatements, Reserved};
 use crate::response::SavedResponse;
+use crate::row_lock::replay_check::Acquired;
+use crate::row_lock::reserve;
+use crate::row_lock::tx_state::TxSlot as _;
 use crate::store::columns::record_row::live_record;
-use crate::store::pg_failover::postgres_unavailable;
-use crate::store::pg_reserve::{self, ReserveStatements, Reserved};
-use crate::store::replay_check::Acquired;
-use crate::store::reserve;
-use crate::store::tx_state::TxSlot as _;
 use crate::store::{to_unix_millis, Begin, NewRecord, Reservation, Scope, StoredRecord};
 
 impl PostgresStore {

@@ -7,8 +7,8 @@ use deadpool_postgres::{ClientWrapper, Object};
 
 use super::reservation::is_conflict_code;
 use crate::error::Error;
-use crate::store::pg_failover::postgres_unavailable;
-use crate::store::tx_state::{Observed, TxSlot};
+use crate::postgres::failover::postgres_unavailable;
+use crate::row_lock::tx_state::{Observed, TxSlot};
 
 /// The connection of one transaction, while it may still be open.
 ///
@@ -87,7 +87,7 @@ impl Drop for Slot {
 /// One transaction, shared by its owner ([`PostgresReservation`](super::PostgresReservation)
 /// or the inbox's own transaction) and its [`PostgresTransaction`](super::PostgresTransaction)
 /// handles.
-pub(super) type TxShared = crate::store::tx_state::TxShared<Slot>;
+pub(super) type TxShared = crate::row_lock::tx_state::TxShared<Slot>;
 
 impl TxSlot for Slot {
     fn is_open(&self) -> bool {

@@ -14,8 +14,8 @@ use super::lookups::Lookups;
 use super::{Isolation, PostgresReservation, PURGE_EXPIRED};
 use crate::error::Error;
 use crate::in_flight::InFlight;
-use crate::store::replay_check::{first_attempt, ReplayChecks};
-use crate::store::reserve;
+use crate::row_lock::replay_check::{first_attempt, ReplayChecks};
+use crate::row_lock::reserve;
 use crate::store::{to_unix_millis, Begin, IdempotencyStore, RunOutcome, Scope, StoredRecord};
 
 /// What clones of a store share.

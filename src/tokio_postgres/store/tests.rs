@@ -12,7 +12,7 @@ use tokio_postgres::NoTls;
 
 use super::*;
 use crate::error::Error;
-use crate::store::test_records::{record, scope};
+use crate::row_lock::test_records::{record, scope};
 use crate::store::{Begin, IdempotencyStore, Reservation, RunOutcome, Scope};
 
 /// A schema of its own: the admin client that drops it, its name, and settings whose

@@ -56,21 +56,25 @@ use sqlx::mysql::{MySql, MySqlConnection, MySqlQueryResult};
 use sqlx::{Executor as _, Row as _};
 use tokio::time::Instant;
 
-use super::sql_guard::mysql as sql_guard;
-use super::sqlx::{ReserveStep, RowsAffected, SqlxDatabase, SqlxDialect, SqlxOptions, SqlxStore};
-use super::{NewRecord, Scope};
-use crate::error::{mysql_number, sqlx_code, Error, MYSQL_DEADLOCK};
+use crate::error::Error;
+use crate::mysql::guard as sql_guard;
+use crate::mysql::store_sql as sql;
+use crate::sqlx::error::sqlx_code;
+use crate::sqlx::mysql::error::{mysql_number, MYSQL_DEADLOCK};
+use crate::store::sqlx::{
+    ReserveStep, RowsAffected, SqlxDatabase, SqlxDialect, SqlxOptions, SqlxStore,
+};
+use crate::store::{NewRecord, Scope};
 
 #[cfg(feature = "outbox")]
 mod owned;
-mod sql;
 
 /// The sqlx version of the pools and of the handle's connection: depend on it through this
 /// re-export (or keep yours on the same 0.8 release).
 pub use sqlx;
 
-pub use super::replay_check::ReplayCheck;
-pub use super::reserve::Isolation;
+pub use crate::row_lock::replay_check::ReplayCheck;
+pub use crate::row_lock::reserve::Isolation;
 
 /// MySQL's `ER_DUP_ENTRY`: the key has a committed row.
 const DUPLICATE_KEY: u16 = 1062;
@@ -86,7 +90,7 @@ pub type SqlxMySqlStore = SqlxStore<MySqlDialect>;
 pub type SqlxMySqlOptions = SqlxOptions<MySqlDialect>;
 
 /// The handle a handler uses to write its rows in the request's InnoDB transaction (what every
-/// sqlx store's handle does: [`store::sqlx::SqlxTransaction`](super::sqlx::SqlxTransaction)).
+/// sqlx store's handle does: [`store::sqlx::SqlxTransaction`](crate::store::sqlx::SqlxTransaction)).
 ///
 /// ```no_run
 /// # async fn handler(tx: tower_idempotency::store::sqlx_mysql::SqlxTransaction)
@@ -107,14 +111,14 @@ pub type SqlxMySqlOptions = SqlxOptions<MySqlDialect>;
 ///   connection then refuses further statements, and the layer runs the request again.
 /// - Lock waits are bounded by the layer's lock timeout (`innodb_lock_wait_timeout`, whole
 ///   seconds): past it a statement fails with `1205`.
-pub type SqlxTransaction = super::sqlx::SqlxTransaction<MySqlDialect>;
+pub type SqlxTransaction = crate::store::sqlx::SqlxTransaction<MySqlDialect>;
 
 /// The transaction's connection, borrowed from a [`SqlxTransaction`]: dereferences to a
 /// [`TxConnection`].
-pub type SqlxConnection = super::sqlx::SqlxConnection<MySqlDialect>;
+pub type SqlxConnection = crate::store::sqlx::SqlxConnection<MySqlDialect>;
 
 /// A pooled connection inside the request's transaction (see
-/// [`store::sqlx::TxConnection`](super::sqlx::TxConnection)): `&mut TxConnection` is a
+/// [`store::sqlx::TxConnection`](crate::store::sqlx::TxConnection)): `&mut TxConnection` is a
 /// [`sqlx::Executor`] for MySQL, on which sqlx code runs as on a `&mut MySqlConnection`.
 ///
 /// `BEGIN`, `START TRANSACTION`, `COMMIT`, `ROLLBACK`, `XA`, `LOCK`/`UNLOCK TABLES`, `SET
@@ -126,11 +130,11 @@ pub type SqlxConnection = super::sqlx::SqlxConnection<MySqlDialect>;
 /// procedure (`CALL`) runs unchecked: one that commits commits the request's transaction.
 /// Nothing runs after a deadlock: InnoDB has rolled the transaction back by then, and what
 /// followed would run in another transaction.
-pub type TxConnection = super::sqlx::TxConnection<MySqlDialect>;
+pub type TxConnection = crate::store::sqlx::TxConnection<MySqlDialect>;
 
 /// The open transaction of one request: the owner side, which the layer holds and ends (see
-/// [`store::sqlx::SqlxReservation`](super::sqlx::SqlxReservation)).
-pub type SqlxReservation = super::sqlx::SqlxReservation<MySqlDialect>;
+/// [`store::sqlx::SqlxReservation`](crate::store::sqlx::SqlxReservation)).
+pub type SqlxReservation = crate::store::sqlx::SqlxReservation<MySqlDialect>;
 
 /// MySQL and MariaDB as the sqlx store's database: the SQL of this module, duplicate-key
 /// reservations, InnoDB deadlocks, the session's settings saved and restored around a
@@ -183,7 +187,7 @@ impl RowsAffected for MySqlQueryResult {
     }
 }
 
-impl super::sqlx::sealed::Sealed for MySqlDialect {}
+impl crate::store::sqlx::sealed::Sealed for MySqlDialect {}
 
 impl SqlxDialect for MySqlDialect {
     type Db = MySql;
@@ -300,7 +304,7 @@ impl SqlxDialect for MySqlDialect {
     }
 
     fn is_unavailable(error: &sqlx::Error) -> bool {
-        crate::error::sqlx_unavailable(error)
+        crate::sqlx::error::sqlx_unavailable(error)
     }
 
     fn check_command(sql: &str) -> Result<(), Error> {

@@ -5,7 +5,7 @@ use sqlx::mysql::MySqlConnection;
 
 use super::{sql, MySqlDialect};
 use crate::error::Error;
-use crate::store::reserve::Isolation;
+use crate::row_lock::reserve::Isolation;
 use crate::store::sqlx::OwnedDialect;
 
 /// How long a statement of the store's own transaction waits for a row lock or a metadata lock

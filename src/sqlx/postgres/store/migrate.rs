@@ -8,7 +8,7 @@ use sqlx::{Executor as _, Row as _};
 
 use super::SqlxPostgresStore;
 use crate::error::Error;
-use crate::store::pg_sql::{Upgrade, ADD_STATE, HAS_COLUMN, MIGRATION_LOCK, SCHEMA};
+use crate::postgres::store_sql::{Upgrade, ADD_STATE, HAS_COLUMN, MIGRATION_LOCK, SCHEMA};
 use crate::store::sqlx::pool_error;
 
 impl SqlxPostgresStore {

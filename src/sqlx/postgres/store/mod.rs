@@ -91,17 +91,18 @@ use futures_util::StreamExt as _;
 use sqlx::{Either, Executor as _, Row};
 use tokio::time::Instant;
 
-use super::pg_sql::{
+use crate::error::Error;
+use crate::postgres::guard as sql_guard;
+use crate::postgres::store_sql::{
     COMPLETE_RECORD, INSERT_RESERVATION, INSERT_RESERVATION_RESTORING, PREPARED_NAMES,
     PURGE_EXPIRED, SELECT_LIVE_RECORD, SELECT_RECORD, TAKE_OVER,
 };
-use super::sql_guard;
-use super::sqlx::{
+use crate::response::SavedResponse;
+use crate::sqlx::error::sqlx_code;
+use crate::store::sqlx::{
     Opened, ReserveStep, RowsAffected, SqlxDatabase, SqlxDialect, SqlxOptions, SqlxStore,
 };
-use super::{to_unix_millis, NewRecord, Scope};
-use crate::error::{sqlx_code, Error};
-use crate::response::SavedResponse;
+use crate::store::{to_unix_millis, NewRecord, Scope};
 
 mod literal;
 mod migrate;
@@ -114,7 +115,7 @@ mod tests;
 /// re-export (or keep yours on the same 0.8 release).
 pub use sqlx;
 
-pub use super::pg_reserve::{Isolation, ReplayCheck};
+pub use crate::postgres::reserve::{Isolation, ReplayCheck};
 
 /// A PostgreSQL-backed [`IdempotencyStore`](crate::store::IdempotencyStore) on sqlx. Cheap to clone;
 /// clones share the pools.
@@ -124,7 +125,7 @@ pub type SqlxPostgresStore = SqlxStore<PgDialect>;
 pub type SqlxPostgresOptions = SqlxOptions<PgDialect>;
 
 /// The handle a handler uses to write its rows in the request's PostgreSQL transaction (what
-/// every sqlx store's handle does: [`store::sqlx::SqlxTransaction`](super::sqlx::SqlxTransaction)).
+/// every sqlx store's handle does: [`store::sqlx::SqlxTransaction`](crate::store::sqlx::SqlxTransaction)).
 ///
 /// ```no_run
 /// # async fn handler(tx: tower_idempotency::store::sqlx_postgres::SqlxTransaction)
@@ -146,25 +147,25 @@ pub type SqlxPostgresOptions = SqlxOptions<PgDialect>;
 ///   (`40001`) and deadlocks (`40P01`).
 /// - Statements run with the layer's `lock_timeout` (`SET LOCAL`): a lock wait past it fails
 ///   with SQLSTATE `55P03`.
-pub type SqlxTransaction = super::sqlx::SqlxTransaction<PgDialect>;
+pub type SqlxTransaction = crate::store::sqlx::SqlxTransaction<PgDialect>;
 
 /// The transaction's connection, borrowed from a [`SqlxTransaction`]: dereferences to a
 /// [`TxConnection`].
-pub type SqlxConnection = super::sqlx::SqlxConnection<PgDialect>;
+pub type SqlxConnection = crate::store::sqlx::SqlxConnection<PgDialect>;
 
 /// A pooled connection inside the request's transaction (see
-/// [`store::sqlx::TxConnection`](super::sqlx::TxConnection)): `&mut TxConnection` is a
+/// [`store::sqlx::TxConnection`](crate::store::sqlx::TxConnection)): `&mut TxConnection` is a
 /// [`sqlx::Executor`] for PostgreSQL, on which sqlx code runs as on a `&mut PgConnection`.
 ///
 /// `BEGIN`, `START TRANSACTION`, `COMMIT`, `END`, `ROLLBACK`, `ABORT`, `PREPARE TRANSACTION`
 /// and `COMMIT`/`ROLLBACK PREPARED` are refused; `SAVEPOINT`, `RELEASE` and `ROLLBACK TO` are
 /// allowed: they stay inside the transaction. Every statement goes with the extended protocol,
 /// which runs one command per string (SQL without bind parameters is cut into statements).
-pub type TxConnection = super::sqlx::TxConnection<PgDialect>;
+pub type TxConnection = crate::store::sqlx::TxConnection<PgDialect>;
 
 /// The open transaction of one request: the owner side, which the layer holds and ends (see
-/// [`store::sqlx::SqlxReservation`](super::sqlx::SqlxReservation)).
-pub type SqlxReservation = super::sqlx::SqlxReservation<PgDialect>;
+/// [`store::sqlx::SqlxReservation`](crate::store::sqlx::SqlxReservation)).
+pub type SqlxReservation = crate::store::sqlx::SqlxReservation<PgDialect>;
 
 /// PostgreSQL as the sqlx store's database: the SQL of `store::pg_sql` (shared with the
 /// tokio-postgres store), SQLSTATE conflicts, and the PostgreSQL statement guard.
@@ -186,7 +187,7 @@ impl RowsAffected for PgQueryResult {
     }
 }
 
-impl super::sqlx::sealed::Sealed for PgDialect {}
+impl crate::store::sqlx::sealed::Sealed for PgDialect {}
 
 impl SqlxDialect for PgDialect {
     type Db = Postgres;
@@ -221,7 +222,7 @@ impl SqlxDialect for PgDialect {
     }
 
     fn restore_lock_wait(deadline: Instant) -> String {
-        crate::store::pg_reserve::restore_lock_timeout(deadline)
+        crate::postgres::reserve::restore_lock_timeout(deadline)
     }
 
     /// One round trip: `BEGIN`, `SET LOCAL lock_timeout` and the reservation's `INSERT` (an
@@ -327,7 +328,7 @@ impl SqlxDialect for PgDialect {
     }
 
     fn is_unavailable(error: &sqlx::Error) -> bool {
-        crate::error::sqlx_unavailable(error)
+        crate::sqlx::error::sqlx_unavailable(error)
     }
 
     fn check_command(sql: &str) -> Result<(), Error> {

@@ -9,8 +9,8 @@ use sqlx::Row as _;
 
 use super::PgDialect;
 use crate::error::Error;
-use crate::store::pg_sql::IS_OWN_TRANSACTION;
-use crate::store::reserve::Isolation;
+use crate::postgres::store_sql::IS_OWN_TRANSACTION;
+use crate::row_lock::reserve::Isolation;
 use crate::store::sqlx::OwnedDialect;
 
 impl OwnedDialect for PgDialect {

@@ -14,8 +14,8 @@ use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{TcpListener, TcpStream};
 
 use super::{PgDialect, ReplayCheck, SqlxPostgresStore};
+use crate::row_lock::test_records::{record, scope, tenant_scope};
 use crate::store::sqlx::SqlxReservation;
-use crate::store::test_records::{record, scope, tenant_scope};
 use crate::store::{Begin, IdempotencyStore, Reservation, RunOutcome, Scope};
 
 fn url() -> String {
