@@ -1,7 +1,7 @@
 //! The SQL of the admin calls on PostgreSQL, shared by the tokio-postgres store
 //! (`postgres.rs`) and the sqlx store (`sqlx_postgres.rs`).
 
-/// A completed record of `($1, $2, $3)`, expired or not, in [`RawRecord`](super::RawRecord)
+/// A completed record of `($1, $2, $3)`, expired or not, in [`RawRecord`](crate::admin::RawRecord)
 /// order; its body only `with_body` (it is not even read otherwise).
 pub(crate) fn inspect_record(with_body: bool) -> String {
     let body_column = if with_body { "body" } else { "NULL::bytea" };

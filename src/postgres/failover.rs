@@ -1,7 +1,7 @@
 //! What a PostgreSQL failover looks like to the stores (both drivers): the errors that mean
 //! the server went away, is shutting down or starting, or can no longer take writes, so that
 //! the layer answers `503` with `Retry-After` whatever the handler made of it (a handle's
-//! statement that got one is kept as [`Observed::Unavailable`](super::tx_state::Observed)).
+//! statement that got one is kept as [`Observed::Unavailable`](crate::row_lock::tx_state::Observed)).
 
 /// SQLSTATEs of a server that cannot serve the transaction: `25006` (read-only: a standby, or
 /// an old primary fenced with `default_transaction_read_only`), `57P01` (admin shutdown: a

@@ -1,8 +1,8 @@
 //! How a PostgreSQL store opens a request's transaction, written once for both drivers
 //! (tokio-postgres in `postgres`, sqlx in `sqlx_postgres`): the `BEGIN` at the isolation level,
 //! with its lock waits bounded. The reservation itself (the decision between reserving,
-//! replaying and taking over) is driver-neutral: [`reserve`](super::reserve); each driver runs
-//! the three statements of [`pg_sql`](super::pg_sql) through [`ReserveStatements`](super::reserve::ReserveStatements).
+//! replaying and taking over) is driver-neutral: [`reserve`](crate::row_lock::reserve); each driver runs
+//! the three statements of [`store_sql`](super::store_sql) through [`ReserveStatements`](crate::row_lock::reserve::ReserveStatements).
 
 use std::time::Duration;
 
@@ -38,7 +38,7 @@ impl Isolation {
 
     /// Opens a request's transaction at this level, with its lock waits bounded by `deadline`,
     /// or, while reserving the key, by `key_row_wait` (see
-    /// [`key_row_wait`](super::reserve::key_row_wait); then [`restore_lock_timeout`] follows the
+    /// [`key_row_wait`](crate::row_lock::reserve::key_row_wait); then [`restore_lock_timeout`] follows the
     /// reservation). `SET LOCAL lock_timeout`, never 0, which would mean "wait forever": 1 ms
     /// is the shortest wait. Only an integer is formatted into it.
     pub(crate) fn begin_request(self, deadline: Instant, key_row_wait: Option<Duration>) -> String {

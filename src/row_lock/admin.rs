@@ -5,9 +5,9 @@
 //! Statements run in autocommit on pooled connections of the store. A request's reservation
 //! is never visible to them (it is committed only as a completed record); a reservation that
 //! a handler committed itself (a stray `in_progress` row, written already expired) is not a
-//! record: [`Admin::inspect`](super::Admin::inspect) does not show it,
-//! [`Admin::counts`](super::Admin::counts) counts it as expired and
-//! [`Admin::purge_expired`](super::Admin::purge_expired) removes it.
+//! record: [`Admin::inspect`](crate::admin::Admin::inspect) does not show it,
+//! [`Admin::counts`](crate::admin::Admin::counts) counts it as expired and
+//! [`Admin::purge_expired`](crate::admin::Admin::purge_expired) removes it.
 
 use std::time::SystemTime;
 

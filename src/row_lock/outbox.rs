@@ -289,7 +289,7 @@ macro_rules! sql_outbox_and_inbox {
             }
         }
 
-        /// A PostgreSQL [`Inbox::process`](super::Inbox::process) closure returns a future of
+        /// A PostgreSQL [`Inbox::process`](crate::outbox::Inbox::process) closure returns a future of
         /// `Result<T, Error>`, as an `async move` block or an `async fn(PostgresTransaction) ->
         /// Result<T, Error>` does.
         impl<T, Fut> InboxOutcome<$store> for Fut

@@ -51,7 +51,7 @@ pub(crate) const REQUEUE_ALL_DEAD: &str = "UPDATE outbox_events SET status = 'pe
 pub(crate) const INBOX_CONTAINS: &str = "SELECT EXISTS (SELECT 1 FROM inbox_events \
      WHERE consumer = $1 AND event_id = $2)";
 
-/// One event by id, in [`EVENT_COLUMNS`](super::columns::EVENT_COLUMNS) order.
+/// One event by id, in [`EVENT_COLUMNS`](crate::outbox::columns::EVENT_COLUMNS) order.
 pub(crate) const SELECT_EVENT: &str = "SELECT event_id, topic, payload, status, attempts, \
      created_at, available_at, delivered_at, last_error, lease_owner \
      FROM outbox_events WHERE event_id = $1";

@@ -90,7 +90,7 @@ outbox_database!(sqlx::MySql, mysql_sql, crate::row_lock::driver::positional);
 /// or pool of your own. Returns its id.
 ///
 /// Use it to write an order and its event with one borrow of the transaction's connection;
-/// [`Enqueue::enqueue`](super::Enqueue::enqueue) on the handle does the same in a call of its
+/// [`Enqueue::enqueue`](crate::outbox::Enqueue::enqueue) on the handle does the same in a call of its
 /// own.
 ///
 /// ```no_run

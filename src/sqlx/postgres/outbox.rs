@@ -5,7 +5,7 @@
 //! PostgreSQL stores implement with the same statements and logic (`pg.rs`, with the SQL in
 //! `pg_sql.rs`), each driver only running a statement and reading a row. The tables, the claims with
 //! `FOR UPDATE SKIP LOCKED` and a lease, and the inbox's blocking on a held id are those of
-//! [`postgres`](super::postgres) (feature `postgres`); a database may be served by both stores
+//! [`postgres`](crate::outbox::postgres) (feature `postgres`); a database may be served by both stores
 //! at once.
 //!
 //! ```no_run

@@ -57,8 +57,8 @@ pub(crate) mod sealed {
 pub type Conn<D> = <<D as SqlxDialect>::Db as Database>::Connection;
 
 /// What differs between the databases of the sqlx store: implemented by
-/// [`PgDialect`](super::sqlx_postgres::PgDialect) (feature `sqlx-postgres`) and
-/// [`MySqlDialect`](super::sqlx_mysql::MySqlDialect) (feature `sqlx-mysql`), and sealed: the
+/// [`PgDialect`](crate::store::sqlx_postgres::PgDialect) (feature `sqlx-postgres`) and
+/// [`MySqlDialect`](crate::store::sqlx_mysql::MySqlDialect) (feature `sqlx-mysql`), and sealed: the
 /// store's guarantees rest on each dialect's SQL.
 pub trait SqlxDialect: sealed::Sealed + Clone + fmt::Debug + Send + Sync + Sized + 'static {
     /// The sqlx database.
@@ -463,7 +463,7 @@ impl<D: SqlxDialect> IdempotencyStore for SqlxStore<D> {
 
     /// The replay check on the read pool first, or `begin_and_run` alone (the reservation
     /// finds a completed record itself), as the store's
-    /// [`ReplayCheck`](super::replay_check::ReplayCheck) decides.
+    /// [`ReplayCheck`](crate::row_lock::replay_check::ReplayCheck) decides.
     async fn lookup_then_begin_and_run<W, F>(
         &self,
         scope: &Scope,
