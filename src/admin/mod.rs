@@ -3,8 +3,8 @@
 //! events. `cargo run --example admin -- --help` is a command-line tool over these calls.
 //!
 //! [`Admin`] is written once over [`AdminBackend`] (the queries on records, which each store
-//! implements with its own SQL: SQLite in `sqlite.rs`, both PostgreSQL drivers with the same
-//! statements in `postgres.rs`) and, for the outbox, [`outbox::OutboxBackend`](crate::outbox::OutboxBackend):
+//! implements with its own SQL: SQLite in `src/sqlite/admin.rs`, the SQL servers with the same logic
+//! in `src/row_lock/admin.rs`) and, for the outbox, [`outbox::OutboxBackend`](crate::outbox::OutboxBackend):
 //! it has the same calls for each backend, `Admin<SqliteStore>` (feature `sqlite`) and
 //! `Admin<PostgresStore>` (feature `postgres`), so a tool can be written once over `Admin<S>`.
 //!

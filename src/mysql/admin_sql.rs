@@ -1,5 +1,5 @@
 //! The SQL of the admin calls on MySQL and MariaDB (the sqlx MySQL store), with the parameters
-//! of `pg_sql.rs` in the same `$n` numbering (the MySQL driver sends each as a `?`).
+//! of `postgres/admin_sql.rs` in the same `$n` numbering (the MySQL driver sends each as a `?`).
 
 /// A completed record of `($1, $2, $3)`, expired or not, in [`RawRecord`](crate::admin::RawRecord)
 /// order; its body only `with_body` (it is not even read otherwise).

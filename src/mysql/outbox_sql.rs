@@ -1,8 +1,8 @@
 //! The SQL of the MySQL and MariaDB outbox (the sqlx MySQL store). The statements take the
-//! same parameters, in the same `$n` numbering, as those of `pg_sql.rs`, so that the logic of
-//! `pg.rs` binds one list on every server; the MySQL driver sends each `$n` as a `?` bound to
+//! same parameters, in the same `$n` numbering, as those of `postgres/outbox_sql.rs`, so that the logic of
+//! `row_lock/outbox.rs` binds one list on every server; the MySQL driver sends each `$n` as a `?` bound to
 //! the n-th value. Times are Unix milliseconds. The statements that PostgreSQL runs as written
-//! too are in `sql.rs`.
+//! too are in `row_lock/outbox_sql.rs`.
 
 pub(crate) use crate::row_lock::outbox_sql::*;
 

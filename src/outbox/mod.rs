@@ -67,12 +67,12 @@
 //! # Backends
 //!
 //! One implementation per concern, written once over a small trait that each backend
-//! implements with its own SQL: `sqlite.rs`, and `pg.rs` for the PostgreSQL stores and the
-//! MySQL one (tokio-postgres and sqlx run the same logic, each driver only running a statement
-//! and reading a row; the statements are `pg_sql.rs`'s and `mysql_sql.rs`'s, over the shared
-//! `sql.rs`); `postgres.rs`, `sqlx_postgres.rs` and `sqlx_mysql.rs` hold their names and the
-//! calls on a caller's own client (on sqlx, one function for both databases:
-//! `sqlx_executor.rs`). Rows are read by one reader on every backend
+//! implements with its own SQL: `src/sqlite/outbox.rs`, and `src/row_lock/outbox.rs` for the
+//! PostgreSQL stores and the MySQL one (tokio-postgres and sqlx run the same logic, each driver
+//! only running a statement and reading a row; the statements are `src/postgres/outbox_sql.rs`'s
+//! and `src/mysql/outbox_sql.rs`'s, over the shared `src/row_lock/outbox_sql.rs`); each driver's
+//! `outbox.rs` holds their names and the calls on a caller's own client (on sqlx, one function
+//! for both databases: `src/sqlx/outbox.rs`). Rows are read by one reader on every backend
 //! (`columns.rs`, over the crate's row trait), so a value out of range or a `NULL` where none
 //! belongs means the same everywhere.
 //!

@@ -1,5 +1,5 @@
 //! The SQL of the admin calls on PostgreSQL, shared by the tokio-postgres store
-//! (`postgres.rs`) and the sqlx store (`sqlx_postgres.rs`).
+//! (`src/tokio_postgres/`) and the sqlx store (`src/sqlx/postgres/`).
 
 /// A completed record of `($1, $2, $3)`, expired or not, in [`RawRecord`](crate::admin::RawRecord)
 /// order; its body only `with_body` (it is not even read otherwise).

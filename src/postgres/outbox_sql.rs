@@ -1,7 +1,7 @@
 //! The SQL of the PostgreSQL outbox and inbox, shared by the tokio-postgres store
-//! (`postgres.rs`) and the sqlx store (`sqlx_postgres.rs`): one copy of the tables and of every
+//! (`src/tokio_postgres/`) and the sqlx store (`src/sqlx/postgres/`): one copy of the tables and of every
 //! statement, so that both drivers read and write them the same way. Times are Unix
-//! milliseconds. The statements that MySQL runs as written too are in `sql.rs`.
+//! milliseconds. The statements that MySQL runs as written too are in `row_lock/outbox_sql.rs`.
 
 pub(crate) use crate::row_lock::outbox_sql::*;
 

@@ -1,6 +1,6 @@
 //! [`AdminBackend`] on the SQL servers, for every driver (tokio-postgres' `PostgresStore`,
 //! sqlx' `SqlxPostgresStore` and `SqlxMySqlStore`, through [`PgDriver`]): the statements of
-//! `pg_sql.rs` on PostgreSQL, of `mysql_sql.rs` on MySQL and MariaDB.
+//! `postgres/admin_sql.rs` on PostgreSQL, of `mysql/admin_sql.rs` on MySQL and MariaDB.
 //!
 //! Statements run in autocommit on pooled connections of the store. A request's reservation
 //! is never visible to them (it is committed only as a completed record); a reservation that

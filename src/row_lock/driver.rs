@@ -1,7 +1,7 @@
 //! What the outbox, inbox and admin queries need from a driver: the one seam between the
 //! tokio-postgres store, the sqlx PostgreSQL store and the sqlx MySQL store. The SQL and the
-//! logic over it are written once (`outbox/pg.rs`, `admin/postgres.rs`, with the statements in
-//! their `pg_sql.rs` and `mysql_sql.rs`); a driver only runs a statement with [`PgParam`]s and
+//! logic over it are written once (`row_lock/outbox.rs`, `row_lock/admin.rs`, with the
+//! statements in each dialect's folder, `postgres/` and `mysql/`); a driver only runs a statement with [`PgParam`]s and
 //! reads a row's columns ([`Columns`]). The statements number their parameters `$n` on every
 //! server; the MySQL driver sends each as a `?` bound to the n-th value.
 

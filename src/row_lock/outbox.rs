@@ -1,6 +1,6 @@
 //! The outbox and the inbox on the SQL servers, written once for every driver: the statements
-//! of the server's SQL module (`pg_sql.rs` on PostgreSQL, `mysql_sql.rs` on MySQL and MariaDB,
-//! both over the shared `sql.rs`), run through [`PgDriver`] (tokio-postgres'
+//! of the server's SQL module (`postgres/outbox_sql.rs` on PostgreSQL, `mysql/outbox_sql.rs` on MySQL and MariaDB,
+//! both over the shared `outbox_sql.rs`), run through [`PgDriver`] (tokio-postgres'
 //! [`PostgresStore`], sqlx' [`SqlxPostgresStore`] and [`SqlxMySqlStore`] implement it), so every
 //! store claims, settles, counts, records and retries the same way. Only the claim differs:
 //! PostgreSQL's updates return their rows (`RETURNING`); MySQL selects the rows with a locking

@@ -1,6 +1,6 @@
 //! The outbox's and the inbox's statements that every SQL server of the crate runs as
 //! written (PostgreSQL on both drivers, MySQL and MariaDB), re-exported by each server's SQL
-//! module (`pg_sql.rs`, `mysql_sql.rs`) next to its own. Parameters are numbered `$n`, as
+//! module (`postgres/outbox_sql.rs`, `mysql/outbox_sql.rs`) next to its own. Parameters are numbered `$n`, as
 //! PostgreSQL takes them; the MySQL driver sends each as a `?` bound to the n-th value.
 
 /// Adds a pending event, due at once: `(event_id, topic, payload, now)`.

@@ -2,7 +2,7 @@
 //! [`PostgresInbox`]) and the calls that take a tokio-postgres client of the caller's
 //! ([`enqueue`], [`PostgresInbox::record`]). [`Outbox`] and [`Inbox`] are written once over
 //! [`OutboxBackend`] and [`InboxBackend`], which both PostgreSQL stores implement with the same
-//! statements and logic (`pg.rs`, with the SQL in `pg_sql.rs`). `outbox_events` lives in the
+//! statements and logic (`row_lock/outbox.rs`, with the SQL in `postgres/outbox_sql.rs`). `outbox_events` lives in the
 //! same database (and schema) as the handler's rows and the idempotency records, so an event
 //! commits in their transaction; `inbox_events` holds the receiver's processed event ids.
 //!

@@ -2,7 +2,7 @@
 //! [`SqlxMySqlInbox`]) and the calls that take a sqlx executor of the caller's ([`enqueue`],
 //! [`SqlxMySqlInbox::record`]). Everything else is written once for every SQL store:
 //! [`Outbox`] and [`Inbox`] over [`OutboxBackend`] and [`InboxBackend`], with MySQL's
-//! statements (`mysql_sql.rs`). MySQL 8.0 or MariaDB 10.6 or later (`FOR UPDATE SKIP
+//! statements (`mysql/outbox_sql.rs`). MySQL 8.0 or MariaDB 10.6 or later (`FOR UPDATE SKIP
 //! LOCKED`): relays in several instances share the work, each claim taking due events with a
 //! lease, and the inbox's insert waits on an id that another open transaction holds.
 //!

@@ -64,7 +64,7 @@ impl PgHandle for SqlxTransaction {
 }
 
 /// The statement and its parameters as PostgreSQL takes them: as written (for
-/// `sqlx_executor`, which sends MySQL's through `positional`).
+/// `src/sqlx/outbox.rs`, which sends MySQL's through `positional`).
 #[cfg(feature = "outbox")]
 pub(crate) fn numbered<'p>(
     sql: &str,

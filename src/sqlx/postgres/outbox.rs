@@ -2,8 +2,8 @@
 //! [`SqlxPostgresInbox`]) and the calls that take a sqlx executor of the caller's
 //! ([`enqueue`], [`SqlxPostgresInbox::record`]). Everything else is the tokio-postgres store's
 //! code: [`Outbox`] and [`Inbox`] over [`OutboxBackend`] and [`InboxBackend`], which both
-//! PostgreSQL stores implement with the same statements and logic (`pg.rs`, with the SQL in
-//! `pg_sql.rs`), each driver only running a statement and reading a row. The tables, the claims with
+//! PostgreSQL stores implement with the same statements and logic (`row_lock/outbox.rs`, with the SQL in
+//! `postgres/outbox_sql.rs`), each driver only running a statement and reading a row. The tables, the claims with
 //! `FOR UPDATE SKIP LOCKED` and a lease, and the inbox's blocking on a held id are those of
 //! [`postgres`](crate::outbox::postgres) (feature `postgres`); a database may be served by both stores
 //! at once.

@@ -100,7 +100,7 @@ pub use store::PostgresStore;
 // What runs where: `options` (settings, connecting), `migrate` (installing tables), `store`
 // (the store and its calls), `lookups` (the replay checks, batched under load), `reservation` (reserving a key, commit and rollback), `slot`
 // (a transaction's connection and shared state), `handle` (the handler's handle and its
-// guarded client), `sql_guard` (refusing transaction control), `owned` (the inbox's own
+// guarded client), `src/postgres/guard.rs` (refusing transaction control), `owned` (the inbox's own
 // transactions). The SQL the store runs is in `src/postgres/store_sql.rs`.
 mod handle;
 mod lookups;

@@ -167,7 +167,7 @@ pub type TxConnection = crate::store::sqlx::TxConnection<PgDialect>;
 /// [`store::sqlx::SqlxReservation`](crate::store::sqlx::SqlxReservation)).
 pub type SqlxReservation = crate::store::sqlx::SqlxReservation<PgDialect>;
 
-/// PostgreSQL as the sqlx store's database: the SQL of `store::pg_sql` (shared with the
+/// PostgreSQL as the sqlx store's database: the SQL of `src/postgres/store_sql.rs` (shared with the
 /// tokio-postgres store), SQLSTATE conflicts, and the PostgreSQL statement guard.
 #[derive(Clone, Copy, Debug)]
 pub struct PgDialect;
