@@ -102,7 +102,7 @@ pub enum Error {
     Sqlite(#[from] rusqlite::Error),
     /// An error from PostgreSQL (or its connection).
     #[cfg(feature = "postgres")]
-    #[error("PostgreSQL: {}", postgres_detail(.0))]
+    #[error("PostgreSQL: {}", crate::tokio_postgres::error::detail(.0))]
     Postgres(#[from] tokio_postgres::Error),
     /// An error from sqlx (the `sqlx-postgres` or `sqlx-mysql` store, or its pool).
     #[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
@@ -113,26 +113,46 @@ pub enum Error {
     Io(#[from] std::io::Error),
 }
 
+/// The few kinds of database failure the layer acts on. Each driver sorts its own errors into
+/// them (`src/sqlite/error.rs`, `src/tokio_postgres/error.rs`, `src/sqlx/error.rs`); the
+/// `is_*` methods of [`Error`] read them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ErrorKind {
+    /// Retry later: a lock not taken in time, no free connection, a full disk.
+    Busy,
+    /// The database rolled the transaction back because it conflicted with a concurrent one
+    /// (a serialization failure or a deadlock).
+    Conflict,
+    /// The database went away or cannot take writes (a failover, a restart).
+    Unavailable,
+    /// A lock wait timed out (PostgreSQL `55P03`, MySQL and MariaDB `1205`).
+    #[cfg_attr(not(row_lock_store), allow(dead_code))]
+    LockTimeout,
+    /// Anything else: not retryable as such.
+    Other,
+}
+
 impl Error {
+    /// The kind of failure this is, as its driver classifies it.
+    fn kind(&self) -> ErrorKind {
+        match self {
+            Error::Unavailable(_) | Error::CommitOutcomeUnknown(_) => ErrorKind::Unavailable,
+            Error::StatementConflict(_) => ErrorKind::Conflict,
+            Error::Busy | Error::InFlight | Error::LeaseLost => ErrorKind::Busy,
+            #[cfg(feature = "sqlite")]
+            Error::Sqlite(e) => crate::sqlite::error::kind(e),
+            #[cfg(feature = "postgres")]
+            Error::Postgres(e) => crate::tokio_postgres::error::kind(e),
+            #[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
+            Error::Sqlx(e) => crate::sqlx::error::kind(e),
+            _ => ErrorKind::Other,
+        }
+    }
+
     /// Whether the database rolled the transaction back because it conflicted with a
     /// concurrent one (a serialization failure or a deadlock): running it again may commit.
     pub fn is_serialization_conflict(&self) -> bool {
-        match self {
-            #[cfg(feature = "postgres")]
-            Error::Postgres(e) => e.code().is_some_and(|code| {
-                use tokio_postgres::error::SqlState;
-                *code == SqlState::T_R_SERIALIZATION_FAILURE
-                    || *code == SqlState::T_R_DEADLOCK_DETECTED
-            }),
-            // PostgreSQL's SQLSTATEs; MySQL reports a deadlock (1213) as `40001` too.
-            #[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
-            Error::Sqlx(e) => {
-                matches!(sqlx_code(e).as_deref(), Some("40001" | "40P01"))
-                    || mysql_number(e) == Some(MYSQL_DEADLOCK)
-            }
-            Error::StatementConflict(_) => true,
-            _ => false,
-        }
+        self.kind() == ErrorKind::Conflict
     }
 
     /// Whether the database went away or cannot take writes (a failover, a restart): the
@@ -140,151 +160,19 @@ impl Error {
     /// shutting down or starting (`57P01`, `57P02`, `57P03`, class `08`), or it is read-only
     /// (`25006`). Retryable with the same key; [`is_busy`](Self::is_busy) is true for these too.
     pub fn is_unavailable(&self) -> bool {
-        match self {
-            Error::Unavailable(_) | Error::CommitOutcomeUnknown(_) => true,
-            #[cfg(feature = "postgres")]
-            Error::Postgres(e) => crate::store::pg_failover::postgres_unavailable(e),
-            #[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
-            Error::Sqlx(e) => sqlx_unavailable(e),
-            _ => false,
-        }
+        self.kind() == ErrorKind::Unavailable
     }
 
     /// Whether the request may simply be retried later with the same key: the store was busy,
     /// or [unavailable](Self::is_unavailable).
     pub fn is_busy(&self) -> bool {
-        if self.is_unavailable() {
-            return true;
-        }
-        match self {
-            Error::Busy | Error::InFlight | Error::StatementConflict(_) | Error::LeaseLost => true,
-            #[cfg(feature = "sqlite")]
-            // A full disk passes once space is freed: the same key then runs afresh.
-            Error::Sqlite(rusqlite::Error::SqliteFailure(e, _)) => matches!(
-                e.code,
-                rusqlite::ErrorCode::DatabaseBusy
-                    | rusqlite::ErrorCode::DatabaseLocked
-                    | rusqlite::ErrorCode::DiskFull
-            ),
-            // A lock wait past `lock_timeout`, a serialization failure or a deadlock (the
-            // transaction was rolled back: a retry may well succeed), or no free connection.
-            #[cfg(feature = "postgres")]
-            Error::Postgres(e) => e.code().is_some_and(|code| {
-                use tokio_postgres::error::SqlState;
-                *code == SqlState::LOCK_NOT_AVAILABLE
-                    || *code == SqlState::T_R_SERIALIZATION_FAILURE
-                    || *code == SqlState::T_R_DEADLOCK_DETECTED
-                    || *code == SqlState::TOO_MANY_CONNECTIONS
-            }),
-            // The same codes through sqlx, and a pool that had no free connection in time; on
-            // MySQL and MariaDB a lock wait timeout (1205), a deadlock (1213) and too many
-            // connections (1040).
-            #[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
-            Error::Sqlx(sqlx::Error::PoolTimedOut) => true,
-            #[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
-            Error::Sqlx(e) => {
-                matches!(
-                    sqlx_code(e).as_deref(),
-                    Some("55P03" | "40001" | "40P01" | "53300")
-                ) || matches!(
-                    mysql_number(e),
-                    Some(MYSQL_LOCK_WAIT_TIMEOUT | MYSQL_DEADLOCK | MYSQL_TOO_MANY_CONNECTIONS)
-                )
-            }
-            _ => false,
-        }
+        self.kind() != ErrorKind::Other
     }
-}
 
-impl Error {
     /// Whether a lock wait timed out (PostgreSQL `55P03`, MySQL and MariaDB `1205`).
     #[cfg(row_lock_store)]
     pub(crate) fn is_lock_wait_timeout(&self) -> bool {
-        match self {
-            #[cfg(feature = "postgres")]
-            Error::Postgres(e) => e
-                .code()
-                .is_some_and(|code| *code == tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE),
-            #[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
-            Error::Sqlx(e) => {
-                sqlx_code(e).as_deref() == Some("55P03")
-                    || mysql_number(e) == Some(MYSQL_LOCK_WAIT_TIMEOUT)
-            }
-            _ => false,
-        }
-    }
-}
-
-/// The SQLSTATE of a database error reported through sqlx.
-#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
-pub(crate) fn sqlx_code(error: &sqlx::Error) -> Option<std::borrow::Cow<'_, str>> {
-    error.as_database_error().and_then(|e| e.code())
-}
-
-/// MySQL's `ER_LOCK_WAIT_TIMEOUT`: a lock wait past `innodb_lock_wait_timeout` (only the
-/// statement is rolled back).
-#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
-pub(crate) const MYSQL_LOCK_WAIT_TIMEOUT: u16 = 1205;
-/// MySQL's `ER_LOCK_DEADLOCK`: InnoDB rolled the whole transaction back.
-#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
-pub(crate) const MYSQL_DEADLOCK: u16 = 1213;
-/// MySQL's `ER_CON_COUNT_ERROR`.
-#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
-const MYSQL_TOO_MANY_CONNECTIONS: u16 = 1040;
-
-/// MySQL's `ER_SERVER_SHUTDOWN`: the server is shutting down.
-#[cfg(feature = "sqlx-mysql")]
-const MYSQL_SERVER_SHUTDOWN: u16 = 1053;
-/// MariaDB's `ER_CONNECTION_KILLED`: another session ran `KILL` on this connection.
-#[cfg(feature = "sqlx-mysql")]
-const MYSQL_CONNECTION_KILLED: u16 = 1927;
-
-/// Whether a sqlx error means that the database went away or cannot serve the transaction,
-/// on either database: the connection broke, or the server ended it (on PostgreSQL the codes
-/// of [`pg_failover`](crate::store::pg_failover)). The answer does not depend on which
-/// drivers the build has: a MySQL error is never read as a PostgreSQL one.
-#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
-pub(crate) fn sqlx_unavailable(error: &sqlx::Error) -> bool {
-    if matches!(error, sqlx::Error::Io(_) | sqlx::Error::WorkerCrashed) {
-        return true;
-    }
-    #[cfg(feature = "sqlx-postgres")]
-    if crate::store::pg_failover::sqlx_unavailable(error) {
-        return true;
-    }
-    #[cfg(feature = "sqlx-mysql")]
-    if matches!(
-        mysql_number(error),
-        Some(MYSQL_SERVER_SHUTDOWN | MYSQL_CONNECTION_KILLED)
-    ) {
-        return true;
-    }
-    false
-}
-
-/// The error number of a MySQL or MariaDB error reported through sqlx (its SQLSTATE is often
-/// only the general `HY000`).
-#[cfg(feature = "sqlx-mysql")]
-pub(crate) fn mysql_number(error: &sqlx::Error) -> Option<u16> {
-    error
-        .as_database_error()
-        .and_then(|e| e.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>())
-        .map(sqlx::mysql::MySqlDatabaseError::number)
-}
-
-/// Without the MySQL driver, no error has a MySQL number.
-#[cfg(all(feature = "sqlx-postgres", not(feature = "sqlx-mysql")))]
-pub(crate) fn mysql_number(_error: &sqlx::Error) -> Option<u16> {
-    None
-}
-
-/// tokio-postgres displays only the kind ("db error"); the server's message is its source.
-/// Logs print an error's `Display`, so it carries both.
-#[cfg(feature = "postgres")]
-fn postgres_detail(error: &tokio_postgres::Error) -> String {
-    match std::error::Error::source(error) {
-        Some(cause) => format!("{error}: {cause}"),
-        None => error.to_string(),
+        self.kind() == ErrorKind::LockTimeout
     }
 }
 

@@ -134,19 +134,29 @@ pub mod key;
 mod key_source;
 mod layer;
 pub mod metrics;
+#[cfg(feature = "sqlx-mysql")]
+mod mysql;
 #[cfg(feature = "utoipa")]
 mod openapi;
 #[cfg(feature = "outbox")]
 pub mod outbox;
-#[cfg(row_lock_store)]
-mod pg_driver;
+#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
+mod postgres;
 pub mod problem;
 pub mod response;
 #[cfg(sql_store)]
 mod row;
+#[cfg(row_lock_store)]
+mod row_lock;
 mod service;
+#[cfg(feature = "sqlite")]
+mod sqlite;
+#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
+mod sqlx;
 pub mod steps;
 pub mod store;
+#[cfg(feature = "postgres")]
+mod tokio_postgres;
 
 pub use crate::error::{Error, Rejection};
 pub use crate::fingerprint::Fingerprinter;

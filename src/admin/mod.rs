@@ -3,8 +3,8 @@
 //! events. `cargo run --example admin -- --help` is a command-line tool over these calls.
 //!
 //! [`Admin`] is written once over [`AdminBackend`] (the queries on records, which each store
-//! implements with its own SQL: SQLite in `sqlite.rs`, both PostgreSQL drivers with the same
-//! statements in `postgres.rs`) and, for the outbox, [`outbox::OutboxBackend`](crate::outbox::OutboxBackend):
+//! implements with its own SQL: SQLite in `src/sqlite/admin.rs`, the SQL servers with the same logic
+//! in `src/row_lock/admin.rs`) and, for the outbox, [`outbox::OutboxBackend`](crate::outbox::OutboxBackend):
 //! it has the same calls for each backend, `Admin<SqliteStore>` (feature `sqlite`) and
 //! `Admin<PostgresStore>` (feature `postgres`), so a tool can be written once over `Admin<S>`.
 //!
@@ -61,14 +61,8 @@ use crate::outbox::{EventInfo, Outbox, OutboxBackend, OutboxCounts};
 use crate::row::Columns;
 use crate::store::{from_unix_millis, IdempotencyStore, SavedColumns};
 
-#[cfg(feature = "sqlx-mysql")]
-mod mysql_sql;
-#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
-mod pg_sql;
-#[cfg(row_lock_store)]
-mod postgres;
-#[cfg(feature = "sqlite")]
-mod sqlite;
+// The backends' `AdminBackend`s live in their folders: `src/sqlite/admin.rs`, and
+// `src/row_lock/admin.rs` over each SQL server's `admin_sql.rs`.
 
 /// Administrative calls on a store; see the [module docs](self).
 #[derive(Clone)]
@@ -330,7 +324,7 @@ pub struct RecordCounts {
 
 impl RecordCounts {
     /// The counts as a backend's `count(*)` columns give them.
-    fn from_columns(live: i64, expired: i64) -> Self {
+    pub(crate) fn from_columns(live: i64, expired: i64) -> Self {
         RecordCounts {
             live: u64::try_from(live).unwrap_or(0),
             expired: u64::try_from(expired).unwrap_or(0),
@@ -339,7 +333,7 @@ impl RecordCounts {
 }
 
 /// The columns [`Admin::inspect`] reads, without the body unless asked.
-struct RawRecord {
+pub(crate) struct RawRecord {
     version: i64,
     digest: Vec<u8>,
     status: i64,
@@ -353,7 +347,7 @@ struct RawRecord {
 impl RawRecord {
     /// A record's columns, in the order `inspect` selects them: `fingerprint_version,
     /// fingerprint, status, headers, length(body), body (or NULL), created_at, expires_at`.
-    fn read<R: Columns + ?Sized>(row: &R) -> Result<RawRecord, R::Error> {
+    pub(crate) fn read<R: Columns + ?Sized>(row: &R) -> Result<RawRecord, R::Error> {
         Ok(RawRecord {
             version: row.required_int(0, "fingerprint version")?,
             digest: row.required_bytes(1, "fingerprint")?,
@@ -367,7 +361,12 @@ impl RawRecord {
     }
 
     /// The record as shown, checking what was read.
-    fn into_info(self, tenant: &str, operation: &str, key: &str) -> Result<RecordInfo, Error> {
+    pub(crate) fn into_info(
+        self,
+        tenant: &str,
+        operation: &str,
+        key: &str,
+    ) -> Result<RecordInfo, Error> {
         let SavedColumns {
             fingerprint,
             status,

@@ -67,12 +67,12 @@
 //! # Backends
 //!
 //! One implementation per concern, written once over a small trait that each backend
-//! implements with its own SQL: `sqlite.rs`, and `pg.rs` for the PostgreSQL stores and the
-//! MySQL one (tokio-postgres and sqlx run the same logic, each driver only running a statement
-//! and reading a row; the statements are `pg_sql.rs`'s and `mysql_sql.rs`'s, over the shared
-//! `sql.rs`); `postgres.rs`, `sqlx_postgres.rs` and `sqlx_mysql.rs` hold their names and the
-//! calls on a caller's own client (on sqlx, one function for both databases:
-//! `sqlx_executor.rs`). Rows are read by one reader on every backend
+//! implements with its own SQL: `src/sqlite/outbox.rs`, and `src/row_lock/outbox.rs` for the
+//! PostgreSQL stores and the MySQL one (tokio-postgres and sqlx run the same logic, each driver
+//! only running a statement and reading a row; the statements are `src/postgres/outbox_sql.rs`'s
+//! and `src/mysql/outbox_sql.rs`'s, over the shared `src/row_lock/outbox_sql.rs`); each driver's
+//! `outbox.rs` holds their names and the calls on a caller's own client (on sqlx, one function
+//! for both databases: `src/sqlx/outbox.rs`). Rows are read by one reader on every backend
 //! (`columns.rs`, over the crate's row trait), so a value out of range or a `NULL` where none
 //! belongs means the same everywhere.
 //!
@@ -99,7 +99,7 @@ use crate::body::BoxError;
 use crate::error::Error;
 
 #[cfg(sql_store)]
-mod columns;
+pub(crate) mod columns;
 #[cfg(any(
     feature = "sqlite",
     feature = "postgres",
@@ -107,27 +107,22 @@ mod columns;
     feature = "sqlx-mysql"
 ))]
 pub mod inbox;
-#[cfg(feature = "sqlx-mysql")]
-pub(crate) mod mysql_sql;
-#[cfg(row_lock_store)]
-mod pg;
-#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
-pub(crate) mod pg_sql;
-#[cfg(feature = "postgres")]
-pub mod postgres;
 mod relay;
 mod sink;
-#[cfg(row_lock_store)]
-mod sql;
-#[cfg(feature = "sqlite")]
-pub mod sqlite;
-#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
-pub(crate) mod sqlx_executor;
-#[cfg(feature = "sqlx-mysql")]
-pub mod sqlx_mysql;
-#[cfg(feature = "sqlx-postgres")]
-pub mod sqlx_postgres;
 
+// Each backend's outbox lives in its folder (`src/sqlite/`, `src/tokio_postgres/`,
+// `src/sqlx/`, over `src/row_lock/outbox.rs` on the SQL servers); its one public path is here.
+#[cfg(feature = "sqlite")]
+pub use crate::sqlite::outbox as sqlite;
+#[cfg(feature = "sqlx-mysql")]
+pub use crate::sqlx::mysql::outbox as sqlx_mysql;
+#[cfg(feature = "sqlx-postgres")]
+pub use crate::sqlx::postgres::outbox as sqlx_postgres;
+#[cfg(feature = "postgres")]
+pub use crate::tokio_postgres::outbox as postgres;
+
+#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
+pub use crate::sqlx::outbox::OutboxDatabase;
 #[cfg(any(
     feature = "sqlite",
     feature = "postgres",
@@ -137,8 +132,6 @@ pub mod sqlx_postgres;
 pub use inbox::{Inbox, InboxBackend, InboxOutcome};
 pub use relay::{Relay, RoundReport};
 pub use sink::{sink_fn, HttpSink, Permanent, SinkFn, EVENT_TOPIC};
-#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
-pub use sqlx_executor::OutboxDatabase;
 
 /// The id of an outbox event: a UUID v7 (time-ordered), unique across processes and databases.
 ///

@@ -86,18 +86,8 @@
 mod backend;
 mod completer;
 mod handle;
-// Step-by-step requests on the SQL servers: the logic once (`sql.rs`), the statements per
-// server (`pg_sql.rs`, `mysql_sql.rs`, over `shared_sql.rs`).
 pub(crate) mod mode;
-#[cfg(feature = "sqlx-mysql")]
-mod mysql_sql;
 mod outcome;
-#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
-mod pg_sql;
-#[cfg(row_lock_store)]
-mod shared_sql;
-#[cfg(row_lock_store)]
-mod sql;
 
 pub use backend::{
     Acquired, Claim, Lease, Progress, ProgressStatus, Resolution, SavedRequest, SavedStep,

@@ -20,37 +20,22 @@ use crate::key::IdempotencyKey;
 use crate::response::SavedResponse;
 
 #[cfg(sql_store)]
-mod columns;
-#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
-pub(crate) mod pg_failover;
-#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
-mod pg_reserve;
-#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
-mod pg_sql;
-#[cfg(feature = "postgres")]
-pub mod postgres;
-#[cfg(row_lock_store)]
-mod read_bound;
-#[cfg(row_lock_store)]
-mod replay_check;
-#[cfg(row_lock_store)]
-pub(crate) mod reserve;
+pub(crate) mod columns;
 #[cfg(sql_store)]
-mod retry_share;
-#[cfg(row_lock_store)]
-mod sql_guard;
+pub(crate) mod retry_share;
+
+// Each store lives in its backend's folder (`src/sqlite/`, `src/tokio_postgres/`, `src/sqlx/`);
+// its one public path is here.
 #[cfg(feature = "sqlite")]
-pub mod sqlite;
-#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
-pub mod sqlx;
+pub use crate::sqlite::store as sqlite;
 #[cfg(feature = "sqlx-mysql")]
-pub mod sqlx_mysql;
+pub use crate::sqlx::mysql::store as sqlx_mysql;
 #[cfg(feature = "sqlx-postgres")]
-pub mod sqlx_postgres;
-#[cfg(all(test, row_lock_store))]
-mod test_records;
-#[cfg(row_lock_store)]
-mod tx_state;
+pub use crate::sqlx::postgres::store as sqlx_postgres;
+#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
+pub use crate::sqlx::store as sqlx;
+#[cfg(feature = "postgres")]
+pub use crate::tokio_postgres::store as postgres;
 
 #[cfg(row_lock_store)]
 pub(crate) use columns::record_row;

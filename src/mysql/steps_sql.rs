@@ -1,0 +1,65 @@
+//! The SQL of step-by-step requests on MySQL and MariaDB (the sqlx MySQL store), with the
+//! parameters of `pg_sql.rs` in the same `$n` numbering (the MySQL driver sends each as a
+//! `?`). The statements that PostgreSQL runs as written too are in `shared_sql.rs`.
+
+use crate::error::Error;
+pub(crate) use crate::row_lock::steps_sql::*;
+use crate::store::Scope;
+
+/// The migration shipped in `migrations/mysql/`.
+pub(crate) const SCHEMA: &str =
+    include_str!("../../migrations/mysql/20261201000003_idempotency_steps.sql");
+
+/// Serializes `install_steps` between instances starting at the same time (the `GET_LOCK`
+/// name is formed from it).
+pub(crate) const STEPS_INSTALL_LOCK: i64 = 0x7469_6465_6d70_0004;
+
+/// Bounds the row lock waits of a transaction of the steps (and of a local step's work in it)
+/// to 5 seconds: past it a statement fails with `1205`, which the layer answers `503` +
+/// `Retry-After`. The store's own transaction restores the session's value when it ends.
+pub(crate) const BOUND_LOCK_WAIT: &str = "SET innodb_lock_wait_timeout = 5";
+
+/// Adds a new key's progress (see `pg_sql::INSERT_PROGRESS`), or, if the key has one, changes
+/// nothing (0 rows). `IGNORE` rather than `ON DUPLICATE KEY UPDATE`, whose count the driver's
+/// found-rows mode makes 1 either way; the values it could cut short fit their columns (the
+/// scope is checked first, the others are `TEXT` or wider, and the owner is generated).
+pub(crate) const INSERT_PROGRESS: &str = "INSERT IGNORE INTO idempotency_progress (tenant, \
+     operation, idempotency_key, fingerprint, fingerprint_version, status, generation, \
+     lease_owner, lease_until, attempts, method, uri, headers, body, created_at, updated_at) \
+     VALUES ($1, $2, $3, $4, $5, 'running', 1, $6, $7, 0, $8, $9, $10, $11, $12, $12)";
+
+/// Saves the step `$4` (see `pg_sql::UPSERT_STEP`): a saved result is never overwritten, an
+/// intent is settled. `updated_at` is assigned first: MySQL assigns left to right, and the
+/// test on `result` must see the old one.
+pub(crate) const UPSERT_STEP: &str = "INSERT INTO idempotency_steps (tenant, operation, \
+     idempotency_key, seq, name, kind, result, created_at, updated_at) \
+     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $8) \
+     ON DUPLICATE KEY UPDATE \
+     updated_at = IF(result IS NULL, VALUES(updated_at), updated_at), \
+     result = IF(result IS NULL, VALUES(result), result)";
+
+/// The scope columns as text (they are byte strings).
+macro_rules! scope_as_text {
+    () => {
+        "SELECT CONVERT(p.tenant USING utf8mb4), CONVERT(p.operation USING utf8mb4), \
+         CONVERT(p.idempotency_key USING utf8mb4), "
+    };
+}
+
+/// Keys in progress with status `$1`, oldest change first, at most `$2` (see
+/// `progress_filter!`).
+pub(crate) const LIST_PROGRESS: &str =
+    concat!(scope_as_text!(), progress_columns!(), progress_filter!(all));
+
+/// [`LIST_PROGRESS`] of the idle running keys only.
+pub(crate) const LIST_IDLE_PROGRESS: &str = concat!(
+    scope_as_text!(),
+    progress_columns!(),
+    progress_filter!(idle)
+);
+
+/// Checks that the scope fits the tables' columns, as the store's reservation does.
+pub(crate) fn check_scope(scope: &Scope) -> Result<(), Error> {
+    use crate::store::sqlx::SqlxDialect as _;
+    crate::store::sqlx_mysql::MySqlDialect::check_scope(scope)
+}

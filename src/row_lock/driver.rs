@@ -1,0 +1,206 @@
+//! What the outbox, inbox, steps and admin queries need from a driver: the one seam between the
+//! tokio-postgres store, the sqlx PostgreSQL store and the sqlx MySQL store. The SQL and the
+//! logic over it are written once (`row_lock/outbox.rs`, `row_lock/admin.rs`, `steps/sql.rs`,
+//! with the statements in each dialect's folder, `postgres/` and `mysql/`, and `steps/`); a driver only runs a statement with [`PgParam`]s and
+//! reads a row's columns ([`Columns`]). The statements number their parameters `$n` on every
+//! server; the MySQL driver sends each as a `?` bound to the n-th value.
+
+use std::future::Future;
+
+use crate::error::Error;
+use crate::row::Columns;
+use crate::store::record_row::RecordColumns;
+
+/// Implements [`Columns`] for a driver's row type with its `try_get`, which every driver
+/// spells the same way; `$int` is the Rust type of an `INTEGER` column (`i32` on PostgreSQL,
+/// `i64` on MySQL, whose expressions widen to `BIGINT`).
+macro_rules! columns_by_try_get {
+    ($row:ty, $int:ty) => {
+        impl $crate::row::Columns for $row {
+            type Error = Error;
+
+            fn big_int(&self, index: usize) -> Result<Option<i64>, Error> {
+                Ok(self.try_get(index)?)
+            }
+
+            fn int(&self, index: usize) -> Result<Option<i64>, Error> {
+                let value: Option<$int> = self.try_get(index)?;
+                Ok(value.map(i64::from))
+            }
+
+            fn text(&self, index: usize) -> Result<Option<String>, Error> {
+                Ok(self.try_get(index)?)
+            }
+
+            fn boolean(&self, index: usize) -> Result<Option<bool>, Error> {
+                Ok(self.try_get(index)?)
+            }
+
+            fn bytes(&self, index: usize) -> Result<Option<Vec<u8>>, Error> {
+                Ok(self.try_get(index)?)
+            }
+
+            fn null(_index: usize, what: &str) -> Error {
+                $crate::row::missing(what)
+            }
+        }
+    };
+}
+
+pub(crate) use columns_by_try_get;
+
+// The drivers: `src/tokio_postgres/driver.rs`, `src/sqlx/postgres/driver.rs` and
+// `src/sqlx/mysql/driver.rs` (with what both sqlx databases share in `src/sqlx/driver.rs`).
+#[cfg(all(feature = "outbox", feature = "sqlx-mysql"))]
+pub(crate) use crate::sqlx::mysql::driver::{claim as mysql_claim, positional};
+#[cfg(all(feature = "outbox", feature = "sqlx-postgres"))]
+pub(crate) use crate::sqlx::postgres::driver::numbered;
+#[cfg(all(feature = "outbox", feature = "postgres"))]
+pub(crate) use crate::tokio_postgres::driver::as_sql;
+
+/// A statement parameter: the few types the shared statements bind.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum PgParam<'a> {
+    /// `TEXT`.
+    Text(&'a str),
+    /// `TEXT` or `NULL`.
+    OptionalText(Option<&'a str>),
+    /// `BIGINT` (times in Unix milliseconds, counts, limits).
+    BigInt(i64),
+    /// `INTEGER` (attempts, fingerprint versions, status codes, step positions).
+    Int(i32),
+    /// `BYTEA` (`VARBINARY` or `LONGBLOB` on MySQL: fingerprints, bodies).
+    Bytes(&'a [u8]),
+}
+
+impl<'a> From<&'a str> for PgParam<'a> {
+    fn from(text: &'a str) -> Self {
+        PgParam::Text(text)
+    }
+}
+
+impl From<i64> for PgParam<'_> {
+    fn from(value: i64) -> Self {
+        PgParam::BigInt(value)
+    }
+}
+
+/// How a store runs the shared statements. Statements run in autocommit on a
+/// pooled connection of the store, except where a method says otherwise.
+pub(crate) trait PgDriver: Clone + Send + Sync + 'static {
+    /// A row the driver returns.
+    type Row: Columns<Error = Error> + Send;
+
+    /// Runs `sql` and returns its rows.
+    fn fetch_rows(
+        &self,
+        sql: &str,
+        params: &[PgParam<'_>],
+    ) -> impl Future<Output = Result<Vec<Self::Row>, Error>> + Send;
+
+    /// Runs `sql` and returns how many rows it changed.
+    fn execute_counted(
+        &self,
+        sql: &str,
+        params: &[PgParam<'_>],
+    ) -> impl Future<Output = Result<u64, Error>> + Send;
+
+    /// Runs `statements` in order in one transaction, commits, and returns each one's rows.
+    #[cfg(feature = "outbox")]
+    fn fetch_in_transaction(
+        &self,
+        statements: &[(&str, &[PgParam<'_>])],
+    ) -> impl Future<Output = Result<Vec<Vec<Self::Row>>, Error>> + Send;
+
+    /// Creates tables (`CREATE ... IF NOT EXISTS` statements) under the advisory lock `lock`
+    /// (on MySQL, `GET_LOCK` of a name formed from it).
+    fn install_tables(
+        &self,
+        lock: i64,
+        schema: &str,
+    ) -> impl Future<Output = Result<(), Error>> + Send;
+}
+
+/// A request's transaction handle, and what the inbox and the steps do with the store's own
+/// transactions (the same handle type).
+pub(crate) trait PgTransactions: PgDriver {
+    /// The handle a request's handler gets.
+    type Transaction: PgHandle<Row = Self::Row>;
+
+    /// How often a serialization failure while recording an inbox id is retried.
+    #[cfg_attr(not(feature = "outbox"), allow(dead_code))]
+    fn conflict_retries(&self) -> u32;
+
+    /// Opens a transaction of the store's own (with its isolation level), runs `body` with its
+    /// handle, and commits if `body` returns `Ok((value, Finish::Commit))`; rolls back on
+    /// `Finish::Rollback`, on an error, on a panic or if this future is dropped.
+    fn in_own_transaction<T, B, Fut>(
+        &self,
+        body: B,
+    ) -> impl Future<Output = Result<T, Error>> + Send
+    where
+        T: Send,
+        B: FnOnce(Self::Transaction) -> Fut + Send,
+        Fut: Future<Output = Result<(T, Finish), Error>> + Send;
+}
+
+/// How [`PgTransactions::in_own_transaction`] ends a transaction whose body succeeded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Finish {
+    /// Commit it.
+    Commit,
+    /// Roll it back: nothing it did is wanted.
+    Rollback,
+}
+
+/// Runs a statement inside a transaction through its handle.
+pub(crate) trait PgHandle: Send + Sync + 'static {
+    /// A row the driver returns.
+    type Row: Columns<Error = Error> + RecordColumns + Send;
+
+    /// Runs `sql` (prepared and cached on the connection) in the handle's transaction and
+    /// returns its rows.
+    fn fetch_in(
+        &self,
+        sql: &'static str,
+        params: &[PgParam<'_>],
+    ) -> impl Future<Output = Result<Vec<Self::Row>, Error>> + Send;
+
+    /// Runs `sql` (prepared and cached on the connection) in the handle's transaction and
+    /// returns how many rows it changed.
+    fn execute_in(
+        &self,
+        sql: &'static str,
+        params: &[PgParam<'_>],
+    ) -> impl Future<Output = Result<u64, Error>> + Send;
+}
+
+/// Ends `transaction` as `outcome` says (see [`PgTransactions::in_own_transaction`]), with the
+/// driver's `commit` and `rollback`.
+pub(crate) async fn finish<T, O, C, CommitFut, R, RollbackFut>(
+    transaction: O,
+    outcome: Result<(T, Finish), Error>,
+    commit: C,
+    rollback: R,
+) -> Result<T, Error>
+where
+    C: FnOnce(O) -> CommitFut,
+    CommitFut: Future<Output = Result<(), Error>>,
+    R: FnOnce(O) -> RollbackFut,
+    RollbackFut: Future<Output = ()>,
+{
+    match outcome {
+        Ok((value, Finish::Commit)) => {
+            commit(transaction).await?;
+            Ok(value)
+        }
+        Ok((value, Finish::Rollback)) => {
+            rollback(transaction).await;
+            Ok(value)
+        }
+        Err(error) => {
+            rollback(transaction).await;
+            Err(error)
+        }
+    }
+}

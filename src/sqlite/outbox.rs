@@ -1,0 +1,462 @@
+//! The outbox and the inbox on the SQLite store (the SQL only: [`Outbox`] and [`Inbox`] are
+//! written once over [`OutboxBackend`] and [`InboxBackend`]). `outbox_events` lives in the same
+//! database file as the handler's rows and the idempotency records, so an event commits in
+//! their transaction; `inbox_events` holds the receiver's processed event ids.
+//!
+//! Everything goes through the store's public API: events are enqueued with
+//! [`SqliteTransaction::run`], relays claim and settle with [`SqliteStore::write`] (one
+//! `BEGIN IMMEDIATE` transaction each, queued behind requests on the single writer), and counts
+//! and listings read with [`SqliteStore::read`]. Relays in other processes on the same file are
+//! serialized by SQLite's own write lock, so a claim is atomic across processes too.
+//!
+//! ```no_run
+//! # async fn run() -> Result<(), tower_idempotency::Error> {
+//! use serde_json::json;
+//! use tower_idempotency::outbox::sqlite::{enqueue, SqliteOutbox};
+//! use tower_idempotency::store::sqlite::{SqliteStore, SqliteTransaction};
+//!
+//! let store = SqliteStore::open("orders.db").await?;
+//! SqliteOutbox::install(&store).await?;
+//!
+//! // In a handler: the order row and its event in one hop to the writer thread.
+//! async fn create_order(tx: SqliteTransaction) -> Result<i64, tower_idempotency::Error> {
+//!     tx.run(|conn| {
+//!         conn.execute("INSERT INTO orders (sku) VALUES ('book')", [])?;
+//!         let order_id = conn.last_insert_rowid();
+//!         enqueue(conn, "order_created", &json!({ "order_id": order_id }))?;
+//!         Ok(order_id)
+//!     })
+//!     .await
+//! }
+//! # Ok(()) }
+//! ```
+
+use std::time::{Duration, SystemTime};
+
+use rusqlite::{params, Connection, OptionalExtension};
+
+use crate::error::Error;
+use crate::outbox::columns::{
+    claimed_oldest_first, claimed_row, count_from_column, event_status, RawEvent, EVENT_COLUMNS,
+};
+use crate::outbox::inbox::receipt;
+use crate::outbox::{
+    Backlog, ClaimRequest, Claimed, Enqueue, EventId, EventInfo, Inbox, InboxBackend, InboxOutcome,
+    Outbox, OutboxBackend, OutboxCounts, OutboxStore, Processed, Receipt, Settlement,
+};
+use crate::store::sqlite::{SqliteStore, SqliteTransaction};
+use crate::store::to_unix_millis;
+
+/// `available_at` is when the event is next due. A claim moves it to the end of the lease, so
+/// "due" covers both new events and claims whose relay died: one index serves the claim.
+const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS outbox_events (
+    seq          INTEGER PRIMARY KEY AUTOINCREMENT,
+    event_id     TEXT    NOT NULL UNIQUE,
+    topic        TEXT    NOT NULL,
+    payload      TEXT    NOT NULL,
+    status       TEXT    NOT NULL DEFAULT 'pending'
+                         CHECK (status IN ('pending', 'delivered', 'dead')),
+    attempts     INTEGER NOT NULL DEFAULT 0,
+    available_at INTEGER NOT NULL,
+    lease_owner  TEXT,
+    last_error   TEXT,
+    created_at   INTEGER NOT NULL,
+    delivered_at INTEGER
+);
+CREATE INDEX IF NOT EXISTS outbox_events_due ON outbox_events (status, available_at);
+";
+
+const INBOX_SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS inbox_events (
+    consumer     TEXT    NOT NULL,
+    event_id     TEXT    NOT NULL,
+    processed_at INTEGER NOT NULL,
+    PRIMARY KEY (consumer, event_id)
+);
+CREATE INDEX IF NOT EXISTS inbox_events_processed_at ON inbox_events (processed_at);
+";
+
+/// The outbox of a [`SqliteStore`] (see [`Outbox`]).
+pub type SqliteOutbox = Outbox<SqliteStore>;
+
+/// The inbox of a [`SqliteStore`] (see [`Inbox`]).
+pub type SqliteInbox = Inbox<SqliteStore>;
+
+/// Adds an event to the outbox on `conn`: inside [`SqliteTransaction::run`], it belongs to the
+/// request's transaction. Returns its id.
+///
+/// Use it to write an order and its event in one closure; [`Enqueue::enqueue`] on the handle
+/// does the same in a call of its own.
+pub fn enqueue(
+    conn: &Connection,
+    topic: &str,
+    payload: &serde_json::Value,
+) -> rusqlite::Result<EventId> {
+    let id = EventId::generate();
+    let now = to_unix_millis(SystemTime::now());
+    conn.prepare_cached(
+        "INSERT INTO outbox_events (event_id, topic, payload, status, attempts, available_at, \
+         created_at) VALUES (?1, ?2, ?3, 'pending', 0, ?4, ?4)",
+    )?
+    .execute(params![id.as_str(), topic, payload.to_string(), now])?;
+    Ok(id)
+}
+
+impl Enqueue for SqliteTransaction {
+    /// ```no_run
+    /// # async fn handler(tx: tower_idempotency::store::sqlite::SqliteTransaction)
+    /// #     -> Result<(), tower_idempotency::Error> {
+    /// use serde_json::json;
+    /// use tower_idempotency::outbox::Enqueue;
+    ///
+    /// let event_id = tx.enqueue("order_created", json!({ "order_id": 7 })).await?;
+    /// # let _ = event_id; Ok(()) }
+    /// ```
+    async fn enqueue(&self, topic: &str, payload: serde_json::Value) -> Result<EventId, Error> {
+        let topic = topic.to_owned();
+        self.run(move |conn| enqueue(conn, &topic, &payload)).await
+    }
+}
+
+impl OutboxStore for SqliteStore {
+    async fn claim(&self, request: ClaimRequest) -> Result<Claimed, Error> {
+        let now = to_unix_millis(request.now);
+        let lease_until = to_unix_millis(request.now + request.lease.max(Duration::from_millis(1)));
+        let batch = limit(request.batch);
+        let token = request.token.as_str().to_owned();
+        let max_attempts = i64::from(request.max_attempts);
+        // An idle relay polls often: look on a reader first (WAL: no lock), so that polling
+        // never takes the write lock away from requests, in this process or another.
+        let due = self
+            .read(move |conn| {
+                conn.query_row(
+                    "SELECT EXISTS (SELECT 1 FROM outbox_events \
+                     WHERE status = 'pending' AND available_at <= ?1)",
+                    [now],
+                    |row| row.get::<_, bool>(0),
+                )
+            })
+            .await?;
+        if !due {
+            return Ok(Claimed::default());
+        }
+        let (abandoned, claimed) = self
+            .write(move |tx| {
+                // First, the events whose last allowed attempt was abandoned: retrying them
+                // would exceed the attempts (and an event that crashes its relay would be
+                // retried forever).
+                let abandoned = tx
+                    .prepare_cached(
+                        "UPDATE outbox_events SET status = 'dead', lease_owner = NULL, \
+                         last_error = 'abandoned: the lease of its last attempt ran out' \
+                         WHERE status = 'pending' AND lease_owner IS NOT NULL \
+                         AND available_at <= ?1 AND attempts >= ?2 \
+                         RETURNING seq, event_id, topic, payload, attempts, created_at",
+                    )?
+                    .query_map(params![now, max_attempts], |row| claimed_row(row))?
+                    .collect::<rusqlite::Result<Vec<_>>>()?;
+                let claimed = tx
+                    .prepare_cached(
+                        "UPDATE outbox_events SET lease_owner = ?1, available_at = ?2, \
+                         attempts = attempts + 1 \
+                         WHERE seq IN (SELECT seq FROM outbox_events \
+                             WHERE status = 'pending' AND available_at <= ?3 \
+                             ORDER BY available_at, seq LIMIT ?4) \
+                         RETURNING seq, event_id, topic, payload, attempts, created_at",
+                    )?
+                    .query_map(params![token, lease_until, now, batch], |row| {
+                        claimed_row(row)
+                    })?
+                    .collect::<rusqlite::Result<Vec<_>>>()?;
+                Ok((abandoned, claimed))
+            })
+            .await?;
+        Ok(claimed_oldest_first(claimed, abandoned))
+    }
+
+    async fn settle(&self, settlements: Vec<Settlement>) -> Result<(), Error> {
+        if settlements.is_empty() {
+            return Ok(());
+        }
+        let now = to_unix_millis(SystemTime::now());
+        self.write(move |tx| {
+            for settlement in &settlements {
+                match settlement {
+                    // Recorded whoever holds the claim now: the sink accepted the event,
+                    // and that stays true.
+                    Settlement::Delivered { id } => tx
+                        .prepare_cached(
+                            "UPDATE outbox_events SET status = 'delivered', \
+                                 delivered_at = ?2, lease_owner = NULL, last_error = NULL \
+                                 WHERE event_id = ?1 AND status = 'pending'",
+                        )?
+                        .execute(params![id.as_str(), now])?,
+                    // Only under our own claim: if it ran out and another relay claimed
+                    // the event, that relay decides what happens next.
+                    Settlement::Retry {
+                        id,
+                        token,
+                        at,
+                        error,
+                    } => tx
+                        .prepare_cached(
+                            "UPDATE outbox_events SET available_at = ?3, \
+                                 lease_owner = NULL, last_error = ?4 \
+                                 WHERE event_id = ?1 AND lease_owner = ?2 \
+                                 AND status = 'pending'",
+                        )?
+                        .execute(params![
+                            id.as_str(),
+                            token.as_str(),
+                            to_unix_millis(*at),
+                            error
+                        ])?,
+                    Settlement::Dead { id, token, error } => tx
+                        .prepare_cached(
+                            "UPDATE outbox_events SET status = 'dead', \
+                                 lease_owner = NULL, last_error = ?3 \
+                                 WHERE event_id = ?1 AND lease_owner = ?2 \
+                                 AND status = 'pending'",
+                        )?
+                        .execute(params![id.as_str(), token.as_str(), error])?,
+                };
+            }
+            Ok(())
+        })
+        .await
+    }
+
+    async fn backlog(&self) -> Result<Backlog, Error> {
+        let (pending, dead) = self
+            .read(|conn| {
+                conn.query_row(
+                    "SELECT (SELECT count(*) FROM outbox_events WHERE status = 'pending'), \
+                     (SELECT count(*) FROM outbox_events WHERE status = 'dead')",
+                    [],
+                    |row| Ok((row.get::<_, i64>(0)?, row.get::<_, i64>(1)?)),
+                )
+            })
+            .await?;
+        Ok(Backlog {
+            pending: count_from_column(pending),
+            dead: count_from_column(dead),
+        })
+    }
+}
+
+impl OutboxBackend for SqliteStore {
+    async fn install_outbox(&self) -> Result<(), Error> {
+        self.write(|tx| tx.execute_batch(SCHEMA)).await
+    }
+
+    async fn event(&self, id: &str) -> Result<Option<EventInfo>, Error> {
+        let id = id.to_owned();
+        let now = to_unix_millis(SystemTime::now());
+        let raw = self
+            .read(move |conn| {
+                conn.query_row(
+                    &format!("SELECT {EVENT_COLUMNS} FROM outbox_events WHERE event_id = ?1"),
+                    [id],
+                    |row| RawEvent::read(row),
+                )
+                .optional()
+            })
+            .await?;
+        raw.map(|raw| raw.into_info(now)).transpose()
+    }
+
+    async fn outbox_counts(&self) -> Result<OutboxCounts, Error> {
+        let now = to_unix_millis(SystemTime::now());
+        let rows = self
+            .read(move |conn| {
+                let mut statement = conn.prepare(
+                    "SELECT status, lease_owner IS NOT NULL AND available_at > ?1, count(*) \
+                     FROM outbox_events GROUP BY 1, 2",
+                )?;
+                let rows = statement
+                    .query_map([now], |row| {
+                        Ok((
+                            row.get::<_, String>(0)?,
+                            row.get::<_, bool>(1)?,
+                            row.get::<_, i64>(2)?,
+                        ))
+                    })?
+                    .collect::<rusqlite::Result<Vec<_>>>()?;
+                Ok(rows)
+            })
+            .await?;
+        let mut counts = OutboxCounts::default();
+        for (status, leased, count) in rows {
+            counts.add(event_status(&status, leased)?, count_from_column(count));
+        }
+        Ok(counts)
+    }
+
+    async fn dead_letters(&self, limit: usize) -> Result<Vec<EventInfo>, Error> {
+        let limit = self::limit(limit);
+        let now = to_unix_millis(SystemTime::now());
+        let raws = self
+            .read(move |conn| {
+                let mut statement = conn.prepare(&format!(
+                    "SELECT {EVENT_COLUMNS} FROM outbox_events WHERE status = 'dead' \
+                     ORDER BY seq LIMIT ?1"
+                ))?;
+                let rows = statement
+                    .query_map([limit], |row| RawEvent::read(row))?
+                    .collect::<rusqlite::Result<Vec<_>>>()?;
+                Ok(rows)
+            })
+            .await?;
+        raws.into_iter().map(|raw| raw.into_info(now)).collect()
+    }
+
+    async fn requeue(&self, id: &str) -> Result<bool, Error> {
+        let now = to_unix_millis(SystemTime::now());
+        let changed = write_counted(
+            self,
+            "UPDATE outbox_events SET status = 'pending', attempts = 0, \
+             available_at = ?2, lease_owner = NULL \
+             WHERE event_id = ?1 AND status = 'dead'",
+            (id.to_owned(), now),
+        )
+        .await?;
+        Ok(changed > 0)
+    }
+
+    async fn requeue_all_dead(&self) -> Result<u64, Error> {
+        let now = to_unix_millis(SystemTime::now());
+        write_counted(
+            self,
+            "UPDATE outbox_events SET status = 'pending', attempts = 0, \
+             available_at = ?1, lease_owner = NULL WHERE status = 'dead'",
+            (now,),
+        )
+        .await
+    }
+
+    async fn purge_delivered(&self, before: SystemTime, batch: usize) -> Result<u64, Error> {
+        write_counted(
+            self,
+            "DELETE FROM outbox_events WHERE seq IN (SELECT seq FROM outbox_events \
+             WHERE status = 'delivered' AND delivered_at <= ?1 LIMIT ?2)",
+            (to_unix_millis(before), limit(batch)),
+        )
+        .await
+    }
+}
+
+impl SqliteInbox {
+    /// Records `event_id` on `conn`, which must be inside the transaction that applies the
+    /// event (a [`SqliteTransaction::run`] or [`SqliteStore::write`] closure):
+    /// [`Receipt::First`] if it was new (apply the event in the same transaction),
+    /// [`Receipt::Duplicate`] if it was there already (do nothing).
+    pub fn record(&self, conn: &Connection, event_id: &str) -> rusqlite::Result<Receipt> {
+        record_id(conn, self.consumer(), event_id)
+    }
+}
+
+/// A SQLite [`Inbox::process`] closure returns a `rusqlite::Result`.
+impl<T: Send + 'static> InboxOutcome<SqliteStore> for rusqlite::Result<T> {
+    type Value = T;
+
+    fn into_resolved(self) -> rusqlite::Result<T> {
+        self
+    }
+}
+
+impl InboxBackend for SqliteStore {
+    type Transaction = SqliteTransaction;
+    type Work<'a> = &'a rusqlite::Transaction<'a>;
+    type Resolved<T: Send + 'static> = rusqlite::Result<T>;
+
+    async fn install_inbox(&self) -> Result<(), Error> {
+        self.write(|tx| tx.execute_batch(INBOX_SCHEMA)).await
+    }
+
+    async fn record_in(
+        &self,
+        tx: &SqliteTransaction,
+        consumer: &str,
+        event_id: &str,
+    ) -> Result<Receipt, Error> {
+        let (consumer, event_id) = (consumer.to_owned(), event_id.to_owned());
+        tx.run(move |conn| record_id(conn, &consumer, &event_id))
+            .await
+    }
+
+    /// One write transaction on the writer thread: `work` runs there, synchronously.
+    async fn process_once<F, R>(
+        &self,
+        consumer: &str,
+        event_id: &str,
+        work: F,
+    ) -> Result<Processed<R::Value>, Error>
+    where
+        F: for<'a> FnOnce(&'a rusqlite::Transaction<'a>) -> R + Send + 'static,
+        R: InboxOutcome<Self>,
+    {
+        let (consumer, event_id) = (consumer.to_owned(), event_id.to_owned());
+        self.write(move |tx| match record_id(tx, &consumer, &event_id)? {
+            Receipt::First => work(tx).into_resolved().map(Processed::First),
+            Receipt::Duplicate => Ok(Processed::Duplicate),
+        })
+        .await
+    }
+
+    async fn inbox_contains(&self, consumer: &str, event_id: &str) -> Result<bool, Error> {
+        let (consumer, event_id) = (consumer.to_owned(), event_id.to_owned());
+        self.read(move |conn| {
+            conn.query_row(
+                "SELECT EXISTS (SELECT 1 FROM inbox_events \
+                 WHERE consumer = ?1 AND event_id = ?2)",
+                params![consumer, event_id],
+                |row| row.get(0),
+            )
+        })
+        .await
+    }
+
+    async fn purge_inbox(
+        &self,
+        consumer: &str,
+        before: SystemTime,
+        batch: usize,
+    ) -> Result<u64, Error> {
+        write_counted(
+            self,
+            "DELETE FROM inbox_events WHERE rowid IN (SELECT rowid FROM inbox_events \
+             WHERE consumer = ?1 AND processed_at <= ?2 LIMIT ?3)",
+            (consumer.to_owned(), to_unix_millis(before), limit(batch)),
+        )
+        .await
+    }
+}
+
+/// A count or a limit as SQLite's integer (saturating).
+fn limit(value: usize) -> i64 {
+    i64::try_from(value).unwrap_or(i64::MAX)
+}
+
+/// Runs `sql` on the writer, in a transaction of its own; how many rows it changed.
+async fn write_counted<P>(store: &SqliteStore, sql: &'static str, params: P) -> Result<u64, Error>
+where
+    P: rusqlite::Params + Send + 'static,
+{
+    let changed = store.write(move |tx| tx.execute(sql, params)).await?;
+    Ok(changed as u64)
+}
+
+fn record_id(conn: &Connection, consumer: &str, event_id: &str) -> rusqlite::Result<Receipt> {
+    let inserted = conn
+        .prepare_cached(
+            "INSERT INTO inbox_events (consumer, event_id, processed_at) VALUES (?1, ?2, ?3) \
+             ON CONFLICT (consumer, event_id) DO NOTHING",
+        )?
+        .execute(params![
+            consumer,
+            event_id,
+            to_unix_millis(SystemTime::now())
+        ])?;
+    Ok(receipt(inserted as u64))
+}

@@ -1,0 +1,531 @@
+//! The SQLite store: one writer connection on a dedicated thread, WAL readers for the
+//! replay fast path.
+//!
+//! SQLite allows one writer at a time, so the store queues writers in-process instead of
+//! letting them collide on `SQLITE_BUSY`. The writer connection lives on its own thread and
+//! every statement on it runs there: a write may wait for the disk, and must never run on the
+//! async executor's threads. Reads of completed records (the fast path) run on reader
+//! connections, which in WAL mode never wait for the writer: in place, on the request's own
+//! thread, when they cannot wait at all (an idle connection, no busy wait; see
+//! [`SqliteOptions::read_in_place`]), else under `spawn_blocking`.
+//!
+//! # How a request runs
+//!
+//! The layer calls [`IdempotencyStore::lookup_then_begin_and_run`] for a request's first
+//! attempt and [`IdempotencyStore::begin_and_run`] when it runs the request again (after a
+//! serialization conflict or [`Error::GroupRolledBack`]). Called on a tokio runtime:
+//!
+//! 1. **Fast path** (first attempt only). A reader connection reads the record, in place or
+//!    under `spawn_blocking` (above). A live one is the answer ([`RunOutcome::Found`]): nothing is
+//!    queued for the writer. Otherwise (no record, an expired one, or a failed read, which is
+//!    only logged) the reader queues the request's begin for the writer itself, so that the
+//!    request is woken once, by its answer.
+//! 2. **Begin.** The begin waits in the writer's queue, at most the lock timeout
+//!    ([`Error::Busy`] past it). On the writer it opens the group transaction if none is open
+//!    (`BEGIN IMMEDIATE`) and the request's savepoint in it, and reads the record again: a
+//!    live one (a duplicate committed first, perhaps in the open group) is the answer once
+//!    that group is durable ([`RunOutcome::Existing`]); an expired one is deleted.
+//! 3. **Work.** Otherwise the layer's work for the request (calling the handler, capturing
+//!    its response, committing) is polled on the writer thread, and the handler's
+//!    [`SqliteTransaction::run`] runs its statements there at once (see below).
+//! 4. **Commit.** [`Reservation::commit`](crate::store::Reservation::commit) inserts
+//!    the record and releases the savepoint, keeping the request's rows in the group; the
+//!    request gets its answer ([`RunOutcome::Ran`]) once the group's `COMMIT` has returned. A
+//!    rollback, an error or a dropped [`SqliteReservation`] undoes the savepoint alone.
+//!
+//! **In place.** When the writer is idle (nothing open, nobody queued) and SQLite's write
+//! lock is free without a busy wait, steps 2 to 4 run on the request's own task instead, with
+//! the writer the writer thread left idle ([`SqliteOptions::write_in_place`], on by default):
+//! the begin, the handler's statements and the commit run inline, as in a hand-written
+//! handler, without the two hand-overs to the writer thread and back. Requests that arrive
+//! meanwhile queue for the writer thread (step 2), which takes the writer back when the
+//! request ends; if any queued, the request's savepoint stays in an open group that they join,
+//! and it is answered when that group commits.
+//!
+//! Without a tokio runtime the same steps run one after the other in the caller's task
+//! ([`IdempotencyStore::lookup`], [`IdempotencyStore::begin`], then the work awaited in
+//! place).
+//!
+//! # The handler runs on the writer thread (or in place)
+//!
+//! A request that runs in place (above) runs its handler on its own task, as without the
+//! layer, and its statements on the calling thread. One that queued runs as follows.
+//! Requests queue on the writer thread itself, and while one holds the transaction, the
+//! layer's work for it (calling the handler, capturing its response, committing) is polled on
+//! that thread too, with the server's tokio runtime entered (step 3 above). A
+//! [`SqliteTransaction::run`] from the handler then runs its statement at once, and the
+//! writer never waits for the request's task to be scheduled between statements: that wait,
+//! twice per request, was most of the time a request held the writer. What it means for a
+//! handler:
+//!
+//! - Timers, I/O, `tokio::spawn` and `spawn_blocking` work as usual (the runtime serves them).
+//!   A statement run from another task goes through the writer's queue and joins the same
+//!   transaction.
+//! - Its CPU time is spent on the writer thread. The writer was reserved for the request
+//!   anyway, so no other request's statements are delayed by it; replays never wait for it.
+//! - Task-local values set by outer layers (`tokio::task_local!`) are not visible, and
+//!   `tokio::task::block_in_place` is not available (not a runtime worker thread).
+//! - If the client goes away, the work is dropped on the writer thread a moment later (when it
+//!   next wakes), and the transaction rolls back.
+//!
+//! # Group commit
+//!
+//! With `synchronous=FULL` every commit waits for an fsync, which would cap durable throughput
+//! at one request per fsync. So requests that queue for the writer share one SQLite
+//! transaction: each request runs inside its own `SAVEPOINT` (a failure rolls back only its
+//! own rows), and the group commits with one fsync when the queue drains, the group is full,
+//! or it has been open for the group delay. A request's response is released only after the
+//! group's `COMMIT` has returned, so no client ever sees a `201` that is not on disk; a
+//! duplicate that finds a record of the open group waits for the same commit. A lone request
+//! commits at once, exactly as without grouping.
+//!
+//! Some failures end the whole shared transaction, not just a savepoint: a trigger's
+//! `RAISE(ROLLBACK)`, `INSERT OR ROLLBACK` / `ON CONFLICT ROLLBACK`, a deferred foreign key
+//! that only fails at `COMMIT`, a full disk or an I/O error. The request whose failure it was
+//! gets its own error; every other member of the group gets [`Error::GroupRolledBack`], and
+//! the layer runs it again at once, alone in a transaction of its own (so nothing another
+//! request does can undo it twice). Its client sees only the answer of that second run.
+//! (Where the failure surfaces at `COMMIT`, the culprit is found the same way: every member
+//! runs again alone, and only the culprit fails again.) A request that finds its key's
+//! record already committed joins no group: its replay does not depend on the others.
+//!
+//! # Transaction control is the store's
+//!
+//! The writer connection's authorizer refuses `BEGIN`, `COMMIT`, `ROLLBACK`, `END` and any
+//! statement on the request's savepoint to everything but the store itself: a handler (or a
+//! [`SqliteStore::write`] closure) that tries gets [`Error::TransactionControl`], and its rows
+//! stay in the request's transaction. Savepoints of a handler's own (other names) are allowed.
+//! Calls that need the writer to themselves ([`SqliteStore::write`], `purge_expired`, and
+//! the outbox and inbox calls built on them) fail at once with [`Error::InsideRequest`] when
+//! made from a handler inside its own request: use the request's [`SqliteTransaction::run`].
+//!
+//! # Several processes on one file
+//!
+//! Processes sharing the file take turns for SQLite's write lock: a writer waiting for it
+//! tries again every millisecond (up to the lock timeout, then `503`), and a writer that has
+//! seen another process write leaves the lock free for a moment after each commit, so that a
+//! busy process cannot starve a quiet one. The store also refuses to write (a `500`) once
+//! the path no longer names the file it opened (deleted or replaced): SQLite would go on
+//! committing to a file that no restart reads.
+//!
+//! ```no_run
+//! # async fn run() -> Result<(), tower_idempotency::Error> {
+//! use tower_idempotency::store::sqlite::{SqliteStore, Synchronous};
+//!
+//! // Durable by default: WAL + synchronous=FULL.
+//! let store = SqliteStore::open("orders.db").await?;
+//!
+//! // Faster commits that may lose the last transactions on power loss (not on a crash):
+//! let fast = SqliteStore::builder("cache.db")
+//!     .synchronous(Synchronous::Normal)
+//!     .open()
+//!     .await?;
+//! # Ok(()) }
+//! ```
+
+// The store's parts, one concern a file:
+// - `options`: `SqliteOptions`, durability (`Synchronous`) and the group limits.
+// - `writer`: the writer thread, its job queue and the `Writer` that lives on it.
+// - `group`: group commit on the `Writer`: requests' savepoints, commits, isolation.
+// - `executor`: `begin_and_run` on the writer thread, polling the requests' work there.
+// - `in_place`: `begin_and_run` on the request's own task, with the idle writer.
+// - `reader`: the reader connections of the fast path.
+// - `records`: the schema, the record SQL and row decoding.
+// - `authorizer`: the writer's authorizer, refusing transaction control to handlers.
+// - `file`: the database file: its identity, other processes' locks, giving way to them.
+// - `reservation`: `SqliteReservation`, the layer's side of a request's transaction.
+// - `handle`: `SqliteTransaction`, the handler's side.
+// This file holds the store itself: opening it, its own calls and the trait impl.
+mod authorizer;
+mod executor;
+mod file;
+mod group;
+mod handle;
+mod in_place;
+mod options;
+mod reader;
+mod records;
+mod reservation;
+mod steps;
+mod writer;
+
+use std::fmt;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+/// The rusqlite version the store's closures use: depend on it through this re-export.
+pub use rusqlite;
+use rusqlite::Connection;
+use tokio::sync::oneshot;
+
+pub use handle::SqliteTransaction;
+pub use options::{SqliteOptions, Synchronous};
+pub use reservation::SqliteReservation;
+
+use crate::error::Error;
+use crate::store::retry_share::RetryShare;
+use crate::store::{to_unix_millis, Begin, IdempotencyStore, RunOutcome, Scope, StoredRecord};
+use authorizer::{refuse_foreign_transaction_control, ControlAllowed, ControlGuard, ControlSql};
+use file::{is_busy, BusyWait, DatabaseFile, OtherWriters, STANDALONE_BUSY_TIMEOUT};
+use group::Member;
+use records::SCHEMA;
+use writer::{writer_thread, IdleWriter, Job, Step, Writer, NESTED_REQUEST};
+
+/// How long a reader connection waits for a lock before it reports busy (off the executor).
+const READER_BUSY_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// What the store's clones, its requests' transactions and the writer's wakers share.
+struct Shared {
+    /// Tells this store's writer thread from another store's.
+    id: u64,
+    path: PathBuf,
+    jobs: mpsc::Sender<Job>,
+    readers: Mutex<Vec<Connection>>,
+    max_idle_readers: usize,
+    /// [`SqliteOptions::read_in_place`].
+    read_in_place: bool,
+    /// [`SqliteOptions::write_in_place`].
+    write_in_place: bool,
+    /// Where the writer thread leaves the writer while idle (see `in_place`).
+    idle: Arc<Mutex<IdleWriter>>,
+    generations: AtomicU64,
+    /// How many exclusive jobs wait for the writer (read by the writer thread to decide
+    /// whether a group should wait for more).
+    queued: Arc<AtomicUsize>,
+    /// How often recent first attempts were retries: while rare, a request that finds the
+    /// writer idle skips the read before its transaction (see `in_place`).
+    retries: RetryShare,
+}
+
+/// A SQLite-backed [`IdempotencyStore`]. Cheap to clone.
+#[derive(Clone)]
+pub struct SqliteStore {
+    shared: Arc<Shared>,
+}
+
+impl fmt::Debug for SqliteStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SqliteStore")
+            .field("path", &self.shared.path)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SqliteStore {
+    /// Opens the database at `path` with the default options (WAL, `synchronous=FULL`).
+    pub async fn open(path: impl AsRef<Path>) -> Result<Self, Error> {
+        Self::builder(path).open().await
+    }
+
+    /// Options for opening the database at `path`.
+    pub fn builder(path: impl AsRef<Path>) -> SqliteOptions {
+        SqliteOptions::new(path.as_ref())
+    }
+
+    fn open_blocking(options: SqliteOptions) -> Result<Self, Error> {
+        let mut conn = Connection::open(&options.path)?;
+        conn.busy_timeout(STANDALONE_BUSY_TIMEOUT)?;
+        // Another process setting up the same new file at the same moment can make SQLite
+        // answer busy without waiting (switching to WAL, recovering the WAL): try again until
+        // the busy timeout has passed.
+        let deadline = Instant::now() + STANDALONE_BUSY_TIMEOUT;
+        loop {
+            match set_up_file(&conn, options.synchronous) {
+                Err(error) if is_busy(&error) && Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                set_up => break set_up?,
+            }
+        }
+
+        let file = DatabaseFile::opened(&options.path);
+        // From now on the writer connection waits for other processes' locks through this
+        // handler (`set_busy_wait` sets how long).
+        let busy = Arc::new(Mutex::new(BusyWait::new(STANDALONE_BUSY_TIMEOUT)));
+        let handler_state = busy.clone();
+        conn.busy_handler(Some(move |attempt| {
+            BusyWait::on_busy(&handler_state, attempt)
+        }))?;
+        let control = Arc::new(ControlGuard::default());
+        refuse_foreign_transaction_control(&mut conn, control.clone())?;
+
+        let (jobs, receiver) = mpsc::channel::<Job>();
+        let store_id = NEXT_STORE_ID.fetch_add(1, Ordering::Relaxed);
+        let queued = Arc::new(AtomicUsize::new(0));
+        let writer = Writer {
+            conn,
+            active: None,
+            group: None,
+            limits: options.group,
+            queued: queued.clone(),
+            request_started: None,
+            typical_hold: Duration::ZERO,
+            file,
+            busy,
+            other_writers: OtherWriters::default(),
+            store_id,
+            started: Vec::new(),
+            control,
+            sql: ControlSql::new(),
+        };
+        let idle = Arc::new(Mutex::new(IdleWriter::default()));
+        let thread_idle = idle.clone();
+        std::thread::Builder::new()
+            .name("tower-idempotency-sqlite-writer".into())
+            .spawn(move || writer_thread(writer, &receiver, &thread_idle))?;
+
+        // One reader from the start: a replay is read even if the first requests, all new
+        // keys, never needed one, and the file is deleted or becomes unreadable later. Without
+        // it (it could not be opened), readers are opened when needed, as always.
+        let readers = match options.max_idle_readers {
+            0 => Vec::new(),
+            _ => match reader::open_warm_reader(&options.path, STANDALONE_BUSY_TIMEOUT) {
+                Ok(conn) => vec![conn],
+                Err(error) => {
+                    tracing::debug!(%error, "no reader connection opened with the store");
+                    Vec::new()
+                }
+            },
+        };
+        Ok(SqliteStore {
+            shared: Arc::new(Shared {
+                id: store_id,
+                path: options.path,
+                jobs,
+                readers: Mutex::new(readers),
+                max_idle_readers: options.max_idle_readers,
+                read_in_place: options.read_in_place,
+                write_in_place: options.write_in_place,
+                idle,
+                generations: AtomicU64::new(1),
+                queued,
+                retries: RetryShare::default(),
+            }),
+        })
+    }
+
+    /// The database file.
+    pub fn path(&self) -> &Path {
+        &self.shared.path
+    }
+
+    /// How many requests are waiting for the writer right now (a gauge for metrics).
+    pub fn writers_waiting(&self) -> usize {
+        self.shared.queued.load(Ordering::Acquire)
+    }
+
+    /// Runs `f` on a read-only connection, off the async executor. Use it for reads of your
+    /// own tables (in WAL mode they do not wait for the writer).
+    pub async fn read<T, F>(&self, f: F) -> Result<T, Error>
+    where
+        F: FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
+        T: Send + 'static,
+    {
+        let shared = self.shared.clone();
+        tokio::task::spawn_blocking(move || shared.with_reader(|conn| f(conn).map_err(Error::from)))
+            .await
+            .map_err(|_| Error::Panicked)?
+    }
+
+    /// Runs `f` in its own write transaction (`BEGIN IMMEDIATE` ... `COMMIT`) on the writer
+    /// connection, queued behind the requests that hold it. Use it for migrations and writes
+    /// that are not part of an idempotent request. `f` returning an error rolls back.
+    ///
+    /// Called from a handler inside its own request, it fails at once with
+    /// [`Error::InsideRequest`]: it would wait for the request to end. Use the request's
+    /// [`SqliteTransaction::run`] there.
+    pub async fn write<T, F>(&self, f: F) -> Result<T, Error>
+    where
+        F: FnOnce(&rusqlite::Transaction<'_>) -> rusqlite::Result<T> + Send + 'static,
+        T: Send + 'static,
+    {
+        self.shared
+            .call_exclusive("SqliteStore::write", move |writer| {
+                writer.settle();
+                writer.file.check()?;
+                writer.set_busy_wait(STANDALONE_BUSY_TIMEOUT);
+                let allowed = &*writer.control;
+                let tx = {
+                    let _allowed = ControlAllowed::new(allowed);
+                    rusqlite::Transaction::new_unchecked(
+                        &writer.conn,
+                        rusqlite::TransactionBehavior::Immediate,
+                    )?
+                };
+                // `f` runs as a handler's statements do: its transaction control is refused.
+                let value = std::panic::catch_unwind(AssertUnwindSafe(|| f(&tx)));
+                let _allowed = ControlAllowed::new(allowed);
+                match value {
+                    Ok(Ok(value)) => {
+                        tx.commit()?;
+                        Ok(value)
+                    }
+                    Ok(Err(error)) => {
+                        drop(tx);
+                        Err(allowed.error(error))
+                    }
+                    Err(panic) => {
+                        drop(tx);
+                        std::panic::resume_unwind(panic)
+                    }
+                }
+            })
+            .await
+    }
+}
+
+/// Switches the database to WAL, sets the connection's pragmas and creates the schema.
+fn set_up_file(conn: &Connection, synchronous: Synchronous) -> rusqlite::Result<()> {
+    let mode: String = conn.query_row("PRAGMA journal_mode = WAL", [], |row| row.get(0))?;
+    if !mode.eq_ignore_ascii_case("wal") {
+        tracing::warn!(%mode, "SQLite did not switch to WAL; replays may wait for writers");
+    }
+    conn.pragma_update(None, "synchronous", synchronous.pragma())?;
+    conn.pragma_update(None, "foreign_keys", "ON")?;
+    conn.execute_batch(SCHEMA)
+}
+
+/// Numbers the stores of the process.
+static NEXT_STORE_ID: AtomicU64 = AtomicU64::new(1);
+
+impl IdempotencyStore for SqliteStore {
+    type Reservation = SqliteReservation;
+
+    /// In place when that cannot wait (see [`SqliteOptions::read_in_place`]), else under
+    /// `spawn_blocking` (or in place, without a tokio runtime).
+    async fn lookup(&self, scope: &Scope, now: SystemTime) -> Result<Option<StoredRecord>, Error> {
+        if let Some(found) = self.shared.try_read_live_record_in_place(scope, now) {
+            return found;
+        }
+        if tokio::runtime::Handle::try_current().is_err() {
+            return self.shared.read_live_record(scope, now);
+        }
+        let shared = self.shared.clone();
+        let scope = scope.clone();
+        tokio::task::spawn_blocking(move || shared.read_live_record(&scope, now))
+            .await
+            .map_err(|_| Error::Panicked)?
+    }
+
+    async fn begin(
+        &self,
+        scope: &Scope,
+        lock_timeout: Duration,
+        now: SystemTime,
+    ) -> Result<Begin<SqliteReservation>, Error> {
+        self.begin_with(scope, lock_timeout, now, false).await
+    }
+    /// Runs `work` on the writer thread, right after the begin: the handler's statements and
+    /// the commit run there at once, and the writer never waits for the request's task to be
+    /// scheduled between them. Its timers, I/O and spawned tasks are served by the calling
+    /// tokio runtime; without one, `work` runs in place.
+    fn begin_and_run<W, F>(
+        &self,
+        scope: &Scope,
+        lock_timeout: Duration,
+        now: SystemTime,
+        work: W,
+    ) -> impl Future<Output = Result<RunOutcome<F::Output>, Error>> + Send
+    where
+        W: FnOnce(SqliteReservation) -> F + Send + 'static,
+        F: Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        self.run_on_writer(scope, lock_timeout, now, work, false)
+    }
+
+    /// The fast-path read runs on a reader thread (as [`lookup`](Self::lookup)), which queues
+    /// the begin itself when it finds no record: the request is woken once, by its answer.
+    fn lookup_then_begin_and_run<W, F>(
+        &self,
+        scope: &Scope,
+        lock_timeout: Duration,
+        now: SystemTime,
+        work: W,
+    ) -> impl Future<Output = Result<RunOutcome<F::Output>, Error>> + Send
+    where
+        W: FnOnce(SqliteReservation) -> F + Send + 'static,
+        F: Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        self.run_on_writer(scope, lock_timeout, now, work, true)
+    }
+
+    async fn purge_expired(&self, now: SystemTime, batch: usize) -> Result<u64, Error> {
+        let now = to_unix_millis(now);
+        let batch = i64::try_from(batch).unwrap_or(i64::MAX);
+        self.shared
+            .call_exclusive("IdempotencyStore::purge_expired", move |writer| {
+                writer.settle();
+                writer.set_busy_wait(STANDALONE_BUSY_TIMEOUT);
+                let deleted = records::purge_expired(&writer.conn, now, batch)?;
+                Ok(deleted as u64)
+            })
+            .await
+    }
+}
+
+impl SqliteStore {
+    /// [`IdempotencyStore::begin`]; `alone`: the request runs in a group of its own (see
+    /// `group`), as a request another member's failure rolled back runs again.
+    pub(super) async fn begin_with(
+        &self,
+        scope: &Scope,
+        lock_timeout: Duration,
+        now: SystemTime,
+        alone: bool,
+    ) -> Result<Begin<SqliteReservation>, Error> {
+        let deadline = Instant::now() + lock_timeout;
+        // Built before the begin is queued, so that dropping this future at any await point
+        // (or the begin failing in any way) queues the rollback of whatever it began.
+        let mut reservation = SqliteReservation::new(&self.shared, scope);
+        let generation = reservation.tx.generation;
+        let tx = reservation.tx.clone();
+        let scope = scope.clone();
+        let now_millis = to_unix_millis(now);
+        let (reply, answer) = oneshot::channel::<Result<Option<StoredRecord>, Error>>();
+        let begin: Step = Box::new(move |writer| {
+            // Its caller gave up (timed out, or went away) while it waited: skip it.
+            if tx.finished.load(Ordering::Acquire) {
+                return;
+            }
+            match writer.reserve_scope(generation, deadline, &scope, now_millis, alone) {
+                // The record may belong to the open group: answer only once that group is
+                // durable.
+                Ok(Some(record)) => writer.on_commit(Member {
+                    scope,
+                    saved: false,
+                    notify: Box::new(move |outcome| {
+                        let _ = reply.send(outcome.map(|()| Some(record)));
+                    }),
+                }),
+                Ok(None) => {
+                    let _ = reply.send(Ok(None));
+                }
+                Err(error) => {
+                    let _ = reply.send(Err(error));
+                }
+            }
+        });
+        self.shared
+            .send_exclusive(begin, Some(reservation.tx.clone()), NESTED_REQUEST)?;
+        let answer = tokio::time::timeout(lock_timeout, answer)
+            .await
+            .map_err(|_| Error::Busy)?
+            .map_err(|_| Error::Panicked)?;
+        match answer {
+            Ok(None) => Ok(Begin::Reserved(reservation)),
+            Ok(Some(record)) => {
+                // Rolled back on the writer already.
+                reservation.close();
+                Ok(Begin::Existing(record))
+            }
+            Err(error) => Err(error),
+        }
+    }
+}

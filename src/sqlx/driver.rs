@@ -1,0 +1,55 @@
+//! What both sqlx databases share of the driver seam ([`crate::row_lock::driver`]): binding
+//! the shared statements' parameters, and the store's own transactions.
+
+use std::future::Future;
+
+use crate::error::Error;
+use crate::row_lock::driver::PgParam;
+use crate::row_lock::driver::{finish, Finish, PgDriver, PgHandle, PgTransactions};
+
+/// `query` with `params` bound in order, on either sqlx database.
+pub(crate) fn sqlx_bind<'q, DB>(
+    query: sqlx::query::Query<'q, DB, <DB as sqlx::Database>::Arguments<'q>>,
+    params: &[PgParam<'q>],
+) -> sqlx::query::Query<'q, DB, <DB as sqlx::Database>::Arguments<'q>>
+where
+    DB: sqlx::Database,
+    &'q str: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    Option<&'q str>: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    i64: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    i32: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    &'q [u8]: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+{
+    params.iter().fold(query, |query, param| match *param {
+        PgParam::Text(value) => query.bind(value),
+        PgParam::OptionalText(value) => query.bind(value),
+        PgParam::BigInt(value) => query.bind(value),
+        PgParam::Int(value) => query.bind(value),
+        PgParam::Bytes(value) => query.bind(value),
+    })
+}
+
+/// The store's own transactions on either sqlx database (`store::sqlx::owned`).
+impl<D> PgTransactions for crate::store::sqlx::SqlxStore<D>
+where
+    D: crate::store::sqlx::OwnedDialect,
+    Self: PgDriver,
+    crate::store::sqlx::SqlxTransaction<D>: PgHandle<Row = <Self as PgDriver>::Row>,
+{
+    type Transaction = crate::store::sqlx::SqlxTransaction<D>;
+
+    fn conflict_retries(&self) -> u32 {
+        self.shared.conflict_retries
+    }
+
+    async fn in_own_transaction<T, B, Fut>(&self, body: B) -> Result<T, Error>
+    where
+        T: Send,
+        B: FnOnce(Self::Transaction) -> Fut + Send,
+        Fut: Future<Output = Result<(T, Finish), Error>> + Send,
+    {
+        let transaction = self.begin_owned().await?;
+        let outcome = body(transaction.handle()).await;
+        finish(transaction, outcome, |t| t.commit(), |t| t.rollback()).await
+    }
+}

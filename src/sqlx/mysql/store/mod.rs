@@ -1,0 +1,328 @@
+//! The MySQL and MariaDB store on sqlx: built from the application's own [`sqlx::MySqlPool`].
+//!
+//! The same table layout, contract and guarantees as the PostgreSQL stores, on InnoDB:
+//!
+//! - **Reserving a key** is an `INSERT` of an `in_progress` row on the primary key
+//!   `(tenant, operation, idempotency_key)`, inside the request's transaction. A duplicate
+//!   (from this instance or another) blocks on that uncommitted row until the first
+//!   transaction ends: after a commit its insert fails with a duplicate key and it replays the
+//!   completed record, after a rollback its insert goes through and it runs the handler.
+//!   Requests with different keys never wait for each other.
+//! - **The handler's rows** go through [`SqlxTransaction`]: [`SqlxTransaction::acquire`] lends
+//!   the transaction's connection, on which ordinary sqlx code runs
+//!   (`sqlx::query(..).execute(&mut *conn)`, `query_as`, the `query!` macros). The layer then
+//!   turns the reservation into the completed record and commits, before the response leaves.
+//! - **Waits are bounded**: taking a connection from the pool and every lock wait
+//!   (`innodb_lock_wait_timeout`, set for the request and restored after it) share the
+//!   layer's lock timeout, rounded up to whole seconds; past it the request gets `503` with
+//!   `Retry-After`. Under the in-flight policies `Reject` and `WaitUpTo(d)`, the reservation's
+//!   wait on a key held by another instance's transaction is bounded by the policy instead (`d`
+//!   rounded up to whole seconds; `Reject`: no wait on MariaDB, one second on MySQL) and
+//!   answered `409` ([`InFlight`](crate::InFlight)). Deadlocks (`1213`) while reserving are retried a bounded number of times
+//!   ([`SqlxMySqlOptions::deadlock_retries`]); one that a handler's statement gets is reported
+//!   to the layer, which runs the request again.
+//! - **The layer commits**: the connection the handle lends refuses transaction control and
+//!   the statements that make MySQL commit on its own (DDL, `LOCK TABLES`, `SET autocommit`).
+//! - **Replays** are a plain consistent read of completed records on a separate pool of read
+//!   connections: no locks, and no waiting for the connections that writers hold. While
+//!   retries are rare among recent requests, the read is skipped and the reservation finds a
+//!   completed record itself, or reads meanwhile if it waits for a connection twice as long
+//!   as they have lately waited ([`ReplayCheck::Adaptive`], the default; see [`SqlxOptions::replay_check`](crate::store::sqlx::SqlxOptions::replay_check)).
+//! - **Rollback on drop**: a transaction dropped while still open takes its connection out of
+//!   the pool and closes it; the server rolls back a transaction whose connection is gone.
+//!
+//! ```no_run
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! use tower_idempotency::store::sqlx_mysql::sqlx::mysql::MySqlPoolOptions;
+//! use tower_idempotency::store::sqlx_mysql::SqlxMySqlStore;
+//!
+//! let pool = MySqlPoolOptions::new()
+//!     .max_connections(16)
+//!     .connect("mysql://app@127.0.0.1/shop")
+//!     .await?;
+//! let store = SqlxMySqlStore::new(pool);
+//! // Creates `idempotency_records` if it is missing (skip it when your own migrations run the
+//! // crate's migration file).
+//! store.migrate().await?;
+//! # Ok(()) }
+//! ```
+
+use std::time::Duration;
+
+use futures_util::future::BoxFuture;
+use sqlx::mysql::{MySql, MySqlConnection, MySqlQueryResult};
+// The `Executor` methods on a connection rather than the query builders' `execute(conn)`:
+// their boxed futures keep the store's futures provably `Send`.
+use sqlx::{Executor as _, Row as _};
+use tokio::time::Instant;
+
+use crate::error::Error;
+use crate::mysql::guard as sql_guard;
+use crate::mysql::store_sql as sql;
+use crate::sqlx::error::sqlx_code;
+use crate::sqlx::mysql::error::{mysql_number, MYSQL_DEADLOCK};
+use crate::store::sqlx::{
+    ReserveStep, RowsAffected, SqlxDatabase, SqlxDialect, SqlxOptions, SqlxStore,
+};
+use crate::store::{NewRecord, Scope};
+
+mod owned;
+
+/// The sqlx version of the pools and of the handle's connection: depend on it through this
+/// re-export (or keep yours on the same 0.8 release).
+pub use sqlx;
+
+pub use crate::row_lock::replay_check::ReplayCheck;
+pub use crate::row_lock::reserve::Isolation;
+
+/// MySQL's `ER_DUP_ENTRY`: the key has a committed row.
+const DUPLICATE_KEY: u16 = 1062;
+
+/// The longest tenant, operation or key the table holds, in bytes.
+pub const MAX_SCOPE_BYTES: usize = 255;
+
+/// A MySQL- or MariaDB-backed [`IdempotencyStore`](crate::store::IdempotencyStore) on sqlx. Cheap to
+/// clone; clones share the pools.
+pub type SqlxMySqlStore = SqlxStore<MySqlDialect>;
+
+/// Options for a [`SqlxMySqlStore`]; see [`SqlxMySqlStore::builder`].
+pub type SqlxMySqlOptions = SqlxOptions<MySqlDialect>;
+
+/// The handle a handler uses to write its rows in the request's InnoDB transaction (what every
+/// sqlx store's handle does: [`store::sqlx::SqlxTransaction`](crate::store::sqlx::SqlxTransaction)).
+///
+/// ```no_run
+/// # async fn handler(tx: tower_idempotency::store::sqlx_mysql::SqlxTransaction)
+/// #     -> Result<u64, Box<dyn std::error::Error>> {
+/// let mut conn = tx.acquire().await?;
+/// let done = sqlx::query("INSERT INTO orders (sku, quantity) VALUES (?, ?)")
+///     .bind("book")
+///     .bind(1i64)
+///     .execute(&mut *conn)
+///     .await?;
+/// # Ok(done.last_insert_id()) }
+/// ```
+///
+/// - Refused besides `COMMIT`, `ROLLBACK` and `BEGIN`: the statements after which MySQL
+///   commits on its own (DDL, `LOCK TABLES`, `SET autocommit`...; see [`TxConnection`]).
+/// - A failed statement is rolled back on its own and the transaction goes on (InnoDB's way),
+///   except a deadlock (`1213`), after which InnoDB has rolled the whole transaction back: the
+///   connection then refuses further statements, and the layer runs the request again.
+/// - Lock waits are bounded by the layer's lock timeout (`innodb_lock_wait_timeout`, whole
+///   seconds): past it a statement fails with `1205`.
+pub type SqlxTransaction = crate::store::sqlx::SqlxTransaction<MySqlDialect>;
+
+/// The transaction's connection, borrowed from a [`SqlxTransaction`]: dereferences to a
+/// [`TxConnection`].
+pub type SqlxConnection = crate::store::sqlx::SqlxConnection<MySqlDialect>;
+
+/// A pooled connection inside the request's transaction (see
+/// [`store::sqlx::TxConnection`](crate::store::sqlx::TxConnection)): `&mut TxConnection` is a
+/// [`sqlx::Executor`] for MySQL, on which sqlx code runs as on a `&mut MySqlConnection`.
+///
+/// `BEGIN`, `START TRANSACTION`, `COMMIT`, `ROLLBACK`, `XA`, `LOCK`/`UNLOCK TABLES`, `SET
+/// autocommit`, SQL-level `PREPARE`/`EXECUTE`, and the statements that commit implicitly
+/// (`CREATE`, `ALTER`, `DROP`, `RENAME`, `TRUNCATE`, `GRANT`, table maintenance...) are
+/// refused. `SAVEPOINT`, `RELEASE SAVEPOINT`, `ROLLBACK TO`, `CREATE TEMPORARY TABLE` and `DROP
+/// TEMPORARY TABLE` are allowed. Every statement goes with the binary protocol, which runs one
+/// statement per string (SQL without bind parameters is cut into statements). A stored
+/// procedure (`CALL`) runs unchecked: one that commits commits the request's transaction.
+/// Nothing runs after a deadlock: InnoDB has rolled the transaction back by then, and what
+/// followed would run in another transaction.
+pub type TxConnection = crate::store::sqlx::TxConnection<MySqlDialect>;
+
+/// The open transaction of one request: the owner side, which the layer holds and ends (see
+/// [`store::sqlx::SqlxReservation`](crate::store::sqlx::SqlxReservation)).
+pub type SqlxReservation = crate::store::sqlx::SqlxReservation<MySqlDialect>;
+
+/// MySQL and MariaDB as the sqlx store's database: the SQL of this module, duplicate-key
+/// reservations, InnoDB deadlocks, the session's settings saved and restored around a
+/// request, and the MySQL statement guard.
+#[derive(Clone, Copy, Debug)]
+pub struct MySqlDialect;
+
+impl SqlxOptions<MySqlDialect> {
+    /// How many times reserving a key is retried after a deadlock (`1213`: InnoDB rolled the
+    /// transaction back, as happens when several requests waited on a key whose holder rolled
+    /// back), within the lock timeout, before the request gets `503`. Default: 3.
+    pub fn deadlock_retries(mut self, retries: u32) -> Self {
+        self.conflict_retries = retries;
+        self
+    }
+}
+
+impl SqlxMySqlStore {
+    /// Creates `idempotency_records` if it is missing (the crate's migration file, run under
+    /// `GET_LOCK` so that instances starting together do not race). Safe to run at every start,
+    /// and before or after `sqlx migrate run` of the same file.
+    pub async fn migrate(&self) -> Result<(), Error> {
+        self.install_schema(sql::MIGRATION_LOCK, sql::SCHEMA).await
+    }
+
+    /// Creates tables (`schema`: `CREATE ... IF NOT EXISTS` statements) under `GET_LOCK(lock)`
+    /// (the same name in every instance).
+    pub(crate) async fn install_schema(&self, lock: &str, schema: &str) -> Result<(), Error> {
+        let mut conn = self.pool().acquire().await?;
+        let lock_row = conn
+            .fetch_one(sqlx::query("SELECT GET_LOCK(?, 30)").bind(lock))
+            .await?;
+        let locked: Option<i64> = lock_row.try_get(0)?;
+        if locked != Some(1) {
+            return Err(Error::Busy);
+        }
+        let created = conn.execute(sqlx::raw_sql(schema)).await;
+        let released = conn
+            .execute(sqlx::query("DO RELEASE_LOCK(?)").bind(lock))
+            .await;
+        created?;
+        released?;
+        Ok(())
+    }
+}
+
+impl RowsAffected for MySqlQueryResult {
+    fn rows_affected(&self) -> u64 {
+        MySqlQueryResult::rows_affected(self)
+    }
+}
+
+impl crate::store::sqlx::sealed::Sealed for MySqlDialect {}
+
+impl SqlxDialect for MySqlDialect {
+    type Db = MySql;
+    /// The commit finds the reserved row by its key.
+    type RowId = ();
+
+    const STORE_NAME: &'static str = "SqlxMySqlStore";
+    const SELECT_RECORD: &'static str = sql::SELECT_RECORD;
+    const SELECT_LIVE_RECORD: &'static str = sql::SELECT_LIVE_RECORD;
+    const PURGE_EXPIRED: &'static str = sql::PURGE_EXPIRED;
+    const COMMIT: &'static str = sql::COMMIT;
+    const ROLLBACK: &'static str = sql::ROLLBACK;
+    const REFUSED_AFTER_CONFLICT: Option<&'static str> = Some(
+        "refused: a deadlock rolled the request's transaction back; the layer runs the \
+         request again",
+    );
+
+    /// Checks that the scope fits the table's columns: a longer value would be refused by a
+    /// strict server and cut short by a lenient one (two keys would then share a record).
+    fn check_scope(scope: &Scope) -> Result<(), Error> {
+        let fits = [&*scope.tenant, &*scope.operation, scope.key.as_str()]
+            .iter()
+            .all(|part| part.len() <= MAX_SCOPE_BYTES);
+        if fits {
+            Ok(())
+        } else {
+            Err(Error::Sqlx(sqlx::Error::InvalidArgument(format!(
+                "a tenant, operation or idempotency key longer than {MAX_SCOPE_BYTES} bytes \
+                 does not fit the MySQL table"
+            ))))
+        }
+    }
+
+    /// `innodb_lock_wait_timeout` counts whole seconds: the lock timeout is rounded up, to one
+    /// second at least. A `key_row_wait` is rounded up too, and may be 0 (under
+    /// [`InFlight::Reject`](crate::InFlight::Reject)): MariaDB then does not wait at all,
+    /// MySQL (whose minimum is 1) waits one second. Past it the reservation fails with `1205`.
+    /// Waits for metadata locks (`lock_wait_timeout`) are bounded by the lock timeout alone,
+    /// rounded up the same way: past it a statement fails with `1205` too.
+    fn begin_request(
+        isolation: Isolation,
+        deadline: Instant,
+        key_row_wait: Option<Duration>,
+    ) -> String {
+        let lock_wait_secs = match key_row_wait {
+            Some(bound) => whole_seconds(bound),
+            None => lock_wait_secs(deadline),
+        };
+        sql::begin_request(isolation, lock_wait_secs, self::lock_wait_secs(deadline))
+    }
+
+    fn restore_lock_wait(deadline: Instant) -> String {
+        sql::set_lock_wait(lock_wait_secs(deadline))
+    }
+
+    /// The insert fails with a duplicate key once a committed row has the key; the take-over
+    /// changes no row if the row changed meanwhile.
+    fn reserve<'a>(
+        conn: &'a mut MySqlConnection,
+        step: ReserveStep,
+        scope: &'a Scope,
+        now: i64,
+    ) -> BoxFuture<'a, Result<Option<()>, Error>> {
+        let query = match step {
+            ReserveStep::Insert => MySql::bind_scope(sqlx::query(sql::INSERT_RESERVATION), scope)
+                .bind(now)
+                .bind(now),
+            ReserveStep::TakeOver => {
+                let query = sqlx::query(sql::TAKE_OVER).bind(now).bind(now);
+                MySql::bind_scope(query, scope).bind(now)
+            }
+        };
+        let done = conn.execute(query);
+        Box::pin(async move {
+            match done.await {
+                Ok(done) => {
+                    Ok((step == ReserveStep::Insert || done.rows_affected() == 1).then_some(()))
+                }
+                Err(error)
+                    if step == ReserveStep::Insert
+                        && mysql_number(&error) == Some(DUPLICATE_KEY) =>
+                {
+                    Ok(None)
+                }
+                Err(error) => Err(error.into()),
+            }
+        })
+    }
+
+    /// The `UPDATE` must change exactly the reservation row: if it is gone or completed, the
+    /// server ended the transaction under the handler (a deadlock rolled it back).
+    fn complete<'a>(
+        conn: &'a mut MySqlConnection,
+        scope: &'a Scope,
+        _row: &'a (),
+        record: &'a NewRecord,
+    ) -> BoxFuture<'a, Result<(), Error>> {
+        let complete = MySql::bind_record(sqlx::query(sql::COMPLETE_RECORD), record);
+        let saved = conn.execute(MySql::bind_scope(complete, scope));
+        Box::pin(async move {
+            if saved.await?.rows_affected() == 1 {
+                Ok(())
+            } else {
+                Err(Error::TransactionAborted(
+                    "the transaction ended before commit (it is not the one the layer began)",
+                ))
+            }
+        })
+    }
+
+    /// A deadlock (`1213`), or any other serialization failure (`40001`).
+    fn is_conflict(error: &sqlx::Error) -> bool {
+        mysql_number(error) == Some(MYSQL_DEADLOCK) || sqlx_code(error).as_deref() == Some("40001")
+    }
+
+    fn is_unavailable(error: &sqlx::Error) -> bool {
+        crate::sqlx::error::sqlx_unavailable(error)
+    }
+
+    fn check_command(sql: &str) -> Result<(), Error> {
+        sql_guard::check_command(sql)
+    }
+
+    fn split(sql: &str) -> Vec<&str> {
+        sql_guard::split(sql)
+    }
+}
+
+/// The lock timeout left until `deadline`, for `innodb_lock_wait_timeout`: whole seconds
+/// rounded up, at least one.
+fn lock_wait_secs(deadline: Instant) -> u64 {
+    whole_seconds(deadline.saturating_duration_since(Instant::now())).max(1)
+}
+
+/// `wait` in whole seconds, rounded up.
+fn whole_seconds(wait: Duration) -> u64 {
+    let secs = wait.as_millis().div_ceil(1000);
+    u64::try_from(secs).unwrap_or(u64::MAX)
+}

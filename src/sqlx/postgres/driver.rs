@@ -1,0 +1,81 @@
+//! [`PgDriver`] on sqlx: [`SqlxPostgresStore`] and its [`SqlxTransaction`] handle. sqlx
+//! prepares and caches each statement on its connection.
+
+use sqlx::postgres::{PgArguments, PgRow, Postgres};
+use sqlx::query::Query;
+// The `Executor` methods keep these futures provably `Send` (see the store's `reservation.rs`).
+use sqlx::{Executor as _, Row as _};
+
+use crate::error::Error;
+use crate::row_lock::driver::PgHandle;
+use crate::row_lock::driver::{columns_by_try_get, PgDriver, PgParam};
+use crate::sqlx::driver::sqlx_bind;
+use crate::store::sqlx_postgres::SqlxPostgresStore;
+use crate::store::sqlx_postgres::SqlxTransaction;
+
+/// `sql` with `params` bound in order.
+pub(crate) fn bound<'q>(sql: &'q str, params: &[PgParam<'q>]) -> Query<'q, Postgres, PgArguments> {
+    sqlx_bind(sqlx::query(sql), params)
+}
+
+columns_by_try_get!(PgRow, i32);
+
+impl PgDriver for SqlxPostgresStore {
+    type Row = PgRow;
+
+    async fn fetch_rows(&self, sql: &str, params: &[PgParam<'_>]) -> Result<Vec<PgRow>, Error> {
+        Ok(self.pool().fetch_all(bound(sql, params)).await?)
+    }
+
+    async fn execute_counted(&self, sql: &str, params: &[PgParam<'_>]) -> Result<u64, Error> {
+        let done = self.pool().execute(bound(sql, params)).await?;
+        Ok(done.rows_affected())
+    }
+
+    #[cfg(feature = "outbox")]
+    async fn fetch_in_transaction(
+        &self,
+        statements: &[(&str, &[PgParam<'_>])],
+    ) -> Result<Vec<Vec<PgRow>>, Error> {
+        let mut tx = self.pool().begin().await?;
+        let mut results = Vec::with_capacity(statements.len());
+        for (sql, params) in statements {
+            results.push((&mut *tx).fetch_all(bound(sql, params)).await?);
+        }
+        tx.commit().await?;
+        Ok(results)
+    }
+
+    async fn install_tables(&self, lock: i64, schema: &str) -> Result<(), Error> {
+        self.install_schema(lock, schema, &[]).await
+    }
+}
+
+impl PgHandle for SqlxTransaction {
+    type Row = PgRow;
+
+    async fn fetch_in(
+        &self,
+        sql: &'static str,
+        params: &[PgParam<'_>],
+    ) -> Result<Vec<PgRow>, Error> {
+        let mut conn = self.acquire().await?;
+        Ok((&mut *conn).fetch_all(bound(sql, params)).await?)
+    }
+
+    async fn execute_in(&self, sql: &'static str, params: &[PgParam<'_>]) -> Result<u64, Error> {
+        let mut conn = self.acquire().await?;
+        let done = (&mut *conn).execute(bound(sql, params)).await?;
+        Ok(done.rows_affected())
+    }
+}
+
+/// The statement and its parameters as PostgreSQL takes them: as written (for
+/// `src/sqlx/outbox.rs`, which sends MySQL's through `positional`).
+#[cfg(feature = "outbox")]
+pub(crate) fn numbered<'p>(
+    sql: &str,
+    params: &[PgParam<'p>],
+) -> Result<(String, Vec<PgParam<'p>>), Error> {
+    Ok((sql.to_owned(), params.to_vec()))
+}

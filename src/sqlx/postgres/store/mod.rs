@@ -1,0 +1,491 @@
+//! The PostgreSQL store on sqlx: built from the application's own [`sqlx::PgPool`].
+//!
+//! The same table, statements and guarantees as the tokio-postgres store (`postgres`
+//! feature); only the driver differs, so that a service already on sqlx keeps one database
+//! library and one pool:
+//!
+//! - **Reserving a key** is an `INSERT ... ON CONFLICT DO NOTHING` of an `in_progress` row,
+//!   inside the request's transaction. A duplicate (from this instance or another) blocks on
+//!   that index entry until the first transaction ends: after a commit it reads the completed
+//!   record and replays it, after a rollback its own insert goes through and it runs the
+//!   handler. Requests with different keys never wait for each other.
+//! - **The handler's rows** go through [`SqlxTransaction`]: [`SqlxTransaction::acquire`] lends
+//!   the transaction's connection, on which ordinary sqlx code runs
+//!   (`sqlx::query(..).execute(&mut *conn)`, `query_as`, the `query!` macros). The layer then
+//!   turns the reservation into the completed record and commits, before the response leaves.
+//! - **Waits are bounded**: taking a connection from the pool and every lock wait (`SET LOCAL
+//!   lock_timeout`) share the layer's lock timeout; past it the request gets `503` with
+//!   `Retry-After`. Under the in-flight policies `Reject` and `WaitUpTo(d)`, the reservation's
+//!   wait on a key held by another instance's transaction is bounded by the policy instead
+//!   (1 ms, or `d`) and answered `409` ([`InFlight`](crate::InFlight)). Serialization failures and deadlocks while reserving are retried a bounded
+//!   number of times ([`SqlxPostgresOptions::serialization_retries`]); one that a handler's
+//!   statement gets is reported to the layer, which runs the request again.
+//! - **The layer commits**: the connection the handle lends refuses transaction control
+//!   (`COMMIT`, `ROLLBACK`, `BEGIN`...), so a handler cannot commit its rows without the record.
+//! - **Replays** are a plain `SELECT` of completed records on a separate pool of read
+//!   connections (made from the same connect options, or one you give): no locks, and no
+//!   waiting for the connections that writers hold. While retries are rare among recent
+//!   requests, the read is skipped and the reservation finds a completed record itself, or
+//!   reads meanwhile if it waits for a connection twice as long as they have lately waited
+//!   ([`ReplayCheck::Adaptive`], the default; see
+//!   [`SqlxOptions::replay_check`](crate::store::sqlx::SqlxOptions::replay_check)).
+//! - **Connections without the pool's checks**: the store takes an idle connection with
+//!   [`Pool::try_acquire`](sqlx::Pool::try_acquire), which skips the pool's
+//!   `test_before_acquire` ping and any `before_acquire` hook (they run only when it has to wait
+//!   for a connection). A connection found gone by the transaction's first round trip is
+//!   discarded and the transaction opened once more on a checked one.
+//! - **Rollback on drop**: `Drop` cannot await a `ROLLBACK`, so a transaction dropped while still
+//!   open (the client went away, the request future was dropped) takes its connection out of
+//!   the pool ([`detach`](sqlx::pool::PoolConnection::detach)) and closes it; PostgreSQL rolls
+//!   back a transaction whose connection is gone. The explicit paths (`commit`, `rollback`,
+//!   failures) send `ROLLBACK` or `COMMIT` and give the connection back.
+//! - **The commit check**: the completed record's `UPDATE` fails unless the reservation row was
+//!   written by this very transaction (`xmin`); only then does `COMMIT` run. (sqlx does not
+//!   pipeline: the two go as one simple query with the values written in as literals, which
+//!   runs nothing after a failed statement; see `docs/sqlx.md` for when they go with bind
+//!   parameters, one after the other, instead.)
+//! - **Round trips**: two for a new key besides the handler's statements (`BEGIN` with the
+//!   reservation; the completed record with `COMMIT`), three while the replay check comes
+//!   first, with no ping: idle
+//!   connections are taken without the pool's checks, and one found gone at the first
+//!   statement is replaced once.
+//!
+//! Needs PostgreSQL 13 or later (`pg_current_xact_id`).
+//!
+//! ```no_run
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! use tower_idempotency::store::sqlx_postgres::sqlx::postgres::PgPoolOptions;
+//! use tower_idempotency::store::sqlx_postgres::{Isolation, SqlxPostgresStore};
+//!
+//! let pool = PgPoolOptions::new()
+//!     .max_connections(16)
+//!     .connect("postgres://app@127.0.0.1/shop")
+//!     .await?;
+//! let store = SqlxPostgresStore::new(pool);
+//! // Creates `idempotency_records` if it is missing (skip it when your own migrations run the
+//! // crate's migration file).
+//! store.migrate().await?;
+//!
+//! // SERIALIZABLE request transactions, replays from a replica:
+//! # let (pool, replica) = (store.pool().clone(), store.pool().clone());
+//! let store = SqlxPostgresStore::builder(pool)
+//!     .isolation(Isolation::Serializable)
+//!     .read_pool(replica)
+//!     .build();
+//! # Ok(()) }
+//! ```
+//!
+//! The schema is also shipped as a sqlx migration (`migrations/` in this crate) for `sqlx
+//! migrate run` or `sqlx::migrate!`. Tables are unqualified: they live in the first schema of
+//! the connection's `search_path`.
+
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use futures_util::future::BoxFuture;
+use sqlx::postgres::{PgConnection, PgQueryResult, Postgres};
+// The `Executor` methods on a connection rather than the query builders' `execute(conn)`:
+// their boxed futures keep the store's futures provably `Send` (the builders' generic futures
+// hit a rustc limitation on higher-ranked lifetimes there).
+use futures_util::StreamExt as _;
+use sqlx::{Either, Executor as _, Row};
+use tokio::time::Instant;
+
+use crate::error::Error;
+use crate::postgres::guard as sql_guard;
+use crate::postgres::store_sql::{
+    COMPLETE_RECORD, INSERT_RESERVATION, INSERT_RESERVATION_RESTORING, PREPARED_NAMES,
+    PURGE_EXPIRED, SELECT_LIVE_RECORD, SELECT_RECORD, TAKE_OVER,
+};
+use crate::response::SavedResponse;
+use crate::sqlx::error::sqlx_code;
+use crate::store::sqlx::{
+    Opened, ReserveStep, RowsAffected, SqlxDatabase, SqlxDialect, SqlxOptions, SqlxStore,
+};
+use crate::store::{to_unix_millis, NewRecord, Scope};
+
+mod literal;
+mod migrate;
+mod owned;
+#[cfg(test)]
+mod tests;
+
+/// The sqlx version of the pools and of the handle's connection: depend on it through this
+/// re-export (or keep yours on the same 0.8 release).
+pub use sqlx;
+
+pub use crate::postgres::reserve::{Isolation, ReplayCheck};
+
+/// A PostgreSQL-backed [`IdempotencyStore`](crate::store::IdempotencyStore) on sqlx. Cheap to clone;
+/// clones share the pools.
+pub type SqlxPostgresStore = SqlxStore<PgDialect>;
+
+/// Options for a [`SqlxPostgresStore`]; see [`SqlxPostgresStore::builder`].
+pub type SqlxPostgresOptions = SqlxOptions<PgDialect>;
+
+/// The handle a handler uses to write its rows in the request's PostgreSQL transaction (what
+/// every sqlx store's handle does: [`store::sqlx::SqlxTransaction`](crate::store::sqlx::SqlxTransaction)).
+///
+/// ```no_run
+/// # async fn handler(tx: tower_idempotency::store::sqlx_postgres::SqlxTransaction)
+/// #     -> Result<i64, Box<dyn std::error::Error>> {
+/// let mut conn = tx.acquire().await?;
+/// let (order_id,): (i64,) =
+///     sqlx::query_as("INSERT INTO orders (sku, quantity) VALUES ($1, $2) RETURNING id")
+///         .bind("book")
+///         .bind(1i64)
+///         .fetch_one(&mut *conn)
+///         .await?;
+/// # Ok(order_id) }
+/// ```
+///
+/// - A failed statement aborts the whole PostgreSQL transaction: answer an error status (the
+///   layer then rolls back) rather than carrying on. Use a `SAVEPOINT` to recover from an
+///   expected failure inside the transaction.
+/// - The conflicts the layer runs the request again after are serialization failures
+///   (`40001`) and deadlocks (`40P01`).
+/// - Statements run with the layer's `lock_timeout` (`SET LOCAL`): a lock wait past it fails
+///   with SQLSTATE `55P03`.
+pub type SqlxTransaction = crate::store::sqlx::SqlxTransaction<PgDialect>;
+
+/// The transaction's connection, borrowed from a [`SqlxTransaction`]: dereferences to a
+/// [`TxConnection`].
+pub type SqlxConnection = crate::store::sqlx::SqlxConnection<PgDialect>;
+
+/// A pooled connection inside the request's transaction (see
+/// [`store::sqlx::TxConnection`](crate::store::sqlx::TxConnection)): `&mut TxConnection` is a
+/// [`sqlx::Executor`] for PostgreSQL, on which sqlx code runs as on a `&mut PgConnection`.
+///
+/// `BEGIN`, `START TRANSACTION`, `COMMIT`, `END`, `ROLLBACK`, `ABORT`, `PREPARE TRANSACTION`
+/// and `COMMIT`/`ROLLBACK PREPARED` are refused; `SAVEPOINT`, `RELEASE` and `ROLLBACK TO` are
+/// allowed: they stay inside the transaction. Every statement goes with the extended protocol,
+/// which runs one command per string (SQL without bind parameters is cut into statements).
+pub type TxConnection = crate::store::sqlx::TxConnection<PgDialect>;
+
+/// The open transaction of one request: the owner side, which the layer holds and ends (see
+/// [`store::sqlx::SqlxReservation`](crate::store::sqlx::SqlxReservation)).
+pub type SqlxReservation = crate::store::sqlx::SqlxReservation<PgDialect>;
+
+/// PostgreSQL as the sqlx store's database: the SQL of `src/postgres/store_sql.rs` (shared with the
+/// tokio-postgres store), SQLSTATE conflicts, and the PostgreSQL statement guard.
+#[derive(Clone, Copy, Debug)]
+pub struct PgDialect;
+
+impl SqlxOptions<PgDialect> {
+    /// How many times reserving a key is retried after a serialization failure (`40001`) or a
+    /// deadlock (`40P01`), within the lock timeout, before the request gets `503`. Default: 3.
+    pub fn serialization_retries(mut self, retries: u32) -> Self {
+        self.conflict_retries = retries;
+        self
+    }
+}
+
+impl RowsAffected for PgQueryResult {
+    fn rows_affected(&self) -> u64 {
+        PgQueryResult::rows_affected(self)
+    }
+}
+
+impl crate::store::sqlx::sealed::Sealed for PgDialect {}
+
+impl SqlxDialect for PgDialect {
+    type Db = Postgres;
+    /// The `ctid` of the reserved row.
+    type RowId = String;
+
+    const STORE_NAME: &'static str = "SqlxPostgresStore";
+    const SELECT_RECORD: &'static str = SELECT_RECORD;
+    const SELECT_LIVE_RECORD: &'static str = SELECT_LIVE_RECORD;
+    const PURGE_EXPIRED: &'static str = PURGE_EXPIRED;
+    const COMMIT: &'static str = "COMMIT";
+    const ROLLBACK: &'static str = "ROLLBACK";
+    const REFUSED_AFTER_CONFLICT: Option<&'static str> = None;
+
+    /// PostgreSQL text cannot hold NUL: a tenant, operation or key with one is refused (the
+    /// server would refuse it as a parameter too).
+    fn check_scope(scope: &Scope) -> Result<(), Error> {
+        let parts = [&*scope.tenant, &*scope.operation, scope.key.as_str()];
+        if parts.iter().any(|part| part.contains('\0')) {
+            return Err(literal::nul_refused());
+        }
+        Ok(())
+    }
+
+    /// `SET LOCAL lock_timeout`: a reservation past `key_row_wait` fails with `55P03`.
+    fn begin_request(
+        isolation: Isolation,
+        deadline: Instant,
+        key_row_wait: Option<Duration>,
+    ) -> String {
+        isolation.begin_request(deadline, key_row_wait)
+    }
+
+    fn restore_lock_wait(deadline: Instant) -> String {
+        crate::postgres::reserve::restore_lock_timeout(deadline)
+    }
+
+    /// One round trip: `BEGIN`, `SET LOCAL lock_timeout` and the reservation's `INSERT` (an
+    /// `EXECUTE` of it, prepared once per connection) in one simple query; the key's values
+    /// are written into its text as literals when they are plain ASCII (else the `BEGIN` goes
+    /// alone and the `INSERT` follows with bind parameters). If a statement fails, those after it do not run and the
+    /// transaction stays open, aborted, for the caller's `ROLLBACK`.
+    fn open_request<'a>(
+        conn: &'a mut PgConnection,
+        isolation: Isolation,
+        (deadline, key_row_wait): (Instant, Option<Duration>),
+        scope: &'a Scope,
+        now: i64,
+    ) -> BoxFuture<'a, Result<Opened<String>, sqlx::Error>> {
+        // Under an in-flight policy, the insert that reserved the key bounds the lock waits by
+        // the deadline again.
+        let restore = key_row_wait.map(|_| deadline);
+        let flight = move || {
+            let begin = isolation.begin_request(deadline, key_row_wait);
+            one_flight(&begin, scope, now, restore).ok_or(begin)
+        };
+        Box::pin(async move {
+            let sql = match flight() {
+                Ok(sql) => sql,
+                Err(begin) => {
+                    conn.execute(begin.as_str()).await?;
+                    return Ok(Opened {
+                        inserted: None,
+                        lock_wait_restored: false,
+                    });
+                }
+            };
+            let row = match run_flight(conn, &sql).await {
+                // The connection has not prepared the store's statements (a new connection):
+                // the transaction is open, aborted.
+                Err(error) if sqlx_code(&error).as_deref() == Some(NO_SUCH_STATEMENT) => {
+                    prepare_statements(conn).await?;
+                    let sql = flight().map_err(|_| sqlx::Error::Protocol("no flight".into()))?;
+                    run_flight(conn, &sql).await?
+                }
+                row => row?,
+            };
+            Ok(Opened {
+                inserted: Some(row),
+                lock_wait_restored: restore.is_some(),
+            })
+        })
+    }
+
+    /// An I/O error, a crashed connection task, or the server ending the session
+    /// (`57P01`, `57P02`, class `08`).
+    fn is_connection_lost(error: &sqlx::Error) -> bool {
+        match error {
+            sqlx::Error::Io(_) | sqlx::Error::WorkerCrashed => true,
+            other => sqlx_code(other)
+                .is_some_and(|code| matches!(&*code, "57P01" | "57P02") || code.starts_with("08")),
+        }
+    }
+
+    /// Both statements return the row's address.
+    fn reserve<'a>(
+        conn: &'a mut PgConnection,
+        step: ReserveStep,
+        scope: &'a Scope,
+        now: i64,
+    ) -> BoxFuture<'a, Result<Option<String>, Error>> {
+        let sql = match step {
+            ReserveStep::Insert => INSERT_RESERVATION,
+            ReserveStep::TakeOver => TAKE_OVER,
+        };
+        let query = Postgres::bind_scope(sqlx::query(sql), scope).bind(now);
+        let row = conn.fetch_optional(query);
+        Box::pin(async move { Ok(row.await?.map(|row| row.try_get(0)).transpose()?) })
+    }
+
+    /// The `UPDATE` fails unless the reservation row was written by this very transaction
+    /// (`xmin`).
+    fn complete<'a>(
+        conn: &'a mut PgConnection,
+        scope: &'a Scope,
+        row: &'a String,
+        record: &'a NewRecord,
+    ) -> BoxFuture<'a, Result<(), Error>> {
+        let complete = Postgres::bind_scope(sqlx::query(COMPLETE_RECORD), scope);
+        let complete = Postgres::bind_record(complete, record).bind(row.as_str());
+        let saved = conn.execute(complete);
+        Box::pin(async move { saved.await.map(drop).map_err(complete_failed) })
+    }
+
+    /// An `EXECUTE` of the statement, prepared once per connection, with plain ASCII text
+    /// values and a body of at most 16 KiB (see `docs/sqlx.md`).
+    fn complete_as_text(scope: &Scope, row: &String, record: &NewRecord) -> Option<String> {
+        complete_as_text(scope, row, record)
+    }
+
+    fn complete_failed(error: sqlx::Error) -> Error {
+        complete_failed(error)
+    }
+
+    /// A serialization failure (`40001`) or a deadlock (`40P01`).
+    fn is_conflict(error: &sqlx::Error) -> bool {
+        matches!(sqlx_code(error).as_deref(), Some("40001" | "40P01"))
+    }
+
+    fn is_unavailable(error: &sqlx::Error) -> bool {
+        crate::sqlx::error::sqlx_unavailable(error)
+    }
+
+    fn check_command(sql: &str) -> Result<(), Error> {
+        sql_guard::check_command_remembered(sql)
+    }
+
+    fn split(sql: &str) -> Vec<&str> {
+        sql_guard::split(sql)
+    }
+}
+
+/// `invalid_sql_statement_name`: `EXECUTE` of a statement the connection has not prepared.
+const NO_SUCH_STATEMENT: &str = "26000";
+
+/// `begin` (the `BEGIN` and `SET LOCAL lock_timeout` of `Isolation::begin_request`) followed by
+/// the reservation, as one simple query: `EXECUTE` of the prepared [`INSERT_RESERVATION`] with
+/// the scope's values as literals and `now` as an integer (or, with `restore`, a deadline under
+/// an in-flight policy, of [`INSERT_RESERVATION_RESTORING`] with the milliseconds left until
+/// it). `None` unless every value is plain ASCII ([`literal::is_plain`]; see `literal` for
+/// why the quoting is safe): then the `INSERT` goes with bind parameters.
+fn one_flight(begin: &str, scope: &Scope, now: i64, restore: Option<Instant>) -> Option<String> {
+    let parts = [&*scope.tenant, &*scope.operation, scope.key.as_str()];
+    let name = PREPARED_NAMES[usize::from(restore.is_some())];
+    let values = parts.iter().map(|part| part.len()).sum::<usize>();
+    let mut sql = String::with_capacity(begin.len() + name.len() + values + 80);
+    sql.push_str(begin);
+    sql.push_str("; EXECUTE ");
+    sql.push_str(name);
+    sql.push('(');
+    for part in parts {
+        literal::push_plain(&mut sql, part)?;
+        sql.push_str(", ");
+    }
+    // Writing into a `String` cannot fail.
+    let _ = write!(sql, "{now}");
+    if let Some(deadline) = restore {
+        let left = deadline
+            .saturating_duration_since(Instant::now())
+            .as_millis()
+            .max(1);
+        let _ = write!(sql, ", {left}");
+    }
+    sql.push(')');
+    Some(sql)
+}
+
+/// Sends `sql` (see [`one_flight`]): the reserved row's address, or `None` if the key has a
+/// row.
+async fn run_flight(conn: &mut PgConnection, sql: &str) -> Result<Option<String>, sqlx::Error> {
+    let mut results = conn.fetch_many(sql);
+    let mut row = None;
+    while let Some(result) = results.next().await {
+        if let Either::Right(inserted) = result? {
+            row.get_or_insert(inserted.try_get::<String, _>(0)?);
+        }
+    }
+    Ok(row)
+}
+
+/// Ends the aborted transaction on `conn` and prepares the store's statements that the
+/// connection does not have ([`PREPARED_NAMES`]): once per connection.
+async fn prepare_statements(conn: &mut PgConnection) -> Result<(), sqlx::Error> {
+    let names = PREPARED_NAMES.map(|name| format!("'{name}'")).join(", ");
+    let check =
+        format!("ROLLBACK; SELECT name FROM pg_prepared_statements WHERE name IN ({names})");
+    let mut present = Vec::new();
+    {
+        let mut results = conn.fetch_many(check.as_str());
+        while let Some(result) = results.next().await {
+            if let Either::Right(row) = result? {
+                present.push(row.try_get::<String, _>(0)?);
+            }
+        }
+    }
+    let statements = [
+        INSERT_RESERVATION,
+        INSERT_RESERVATION_RESTORING,
+        COMPLETE_RECORD,
+    ];
+    let prepare: Vec<String> = PREPARED_NAMES
+        .iter()
+        .zip(statements)
+        .filter(|(name, _)| !present.iter().any(|have| have == *name))
+        .map(|(name, statement)| format!("PREPARE {name} AS {statement}"))
+        .collect();
+    if !prepare.is_empty() {
+        conn.execute(prepare.join("; ").as_str()).await?;
+    }
+    Ok(())
+}
+
+/// The completed record's `error`: the division by zero of [`COMPLETE_RECORD`] says that the
+/// row is not this transaction's reservation.
+fn complete_failed(error: sqlx::Error) -> Error {
+    if sqlx_code(&error).as_deref() == Some("22012") {
+        Error::TransactionAborted(
+            "the transaction ended before commit (it is not the one the layer began)",
+        )
+    } else {
+        error.into()
+    }
+}
+
+/// The most body bytes the completed record's statement carries as text (as hex, twice as
+/// many characters); a larger body goes as a bind parameter.
+const MAX_TEXT_BODY: usize = 16 * 1024;
+
+/// `EXECUTE` of the prepared [`COMPLETE_RECORD`] (prepared with the reservation's, see
+/// [`prepare_statements`]) with its values as literals (see `literal`): the text values quoted,
+/// the bytes as hex `bytea` constants, the numbers as integers. `None` unless every text value
+/// (the scope, the headers, the trailers, the row's address) is plain ASCII and the body is at
+/// most [`MAX_TEXT_BODY`] bytes. (A handler that runs `DEALLOCATE` makes the commit fail:
+/// nothing is committed.)
+fn complete_as_text(scope: &Scope, row: &str, record: &NewRecord) -> Option<String> {
+    let response = &record.response;
+    if response.body.len() > MAX_TEXT_BODY {
+        return None;
+    }
+    let headers = SavedResponse::encode_headers(&response.headers);
+    let trailers = (response.trailers.as_ref()).map(|t| SavedResponse::encode_headers(t));
+    let digest = &record.fingerprint.digest()[..];
+    let scope_texts = [&*scope.tenant, &*scope.operation, scope.key.as_str()];
+    // One buffer: the text values (quoting adds a few bytes each), the bytes as hex, the rest.
+    let texts = scope_texts.iter().map(|text| text.len()).sum::<usize>()
+        + headers.len()
+        + trailers.as_ref().map_or(0, String::len)
+        + row.len();
+    let mut sql = String::with_capacity(texts + 2 * (digest.len() + response.body.len()) + 200);
+    sql.push_str("EXECUTE ");
+    sql.push_str(PREPARED_NAMES[2]);
+    sql.push('(');
+    for text in scope_texts {
+        literal::push_plain(&mut sql, text)?;
+        sql.push_str(", ");
+    }
+    literal::push_bytes(&mut sql, digest);
+    // Writing into a `String` cannot fail.
+    let _ = write!(
+        sql,
+        ", {}, {}, ",
+        record.fingerprint.version(),
+        response.status.as_u16()
+    );
+    literal::push_plain(&mut sql, &headers)?;
+    sql.push_str(", ");
+    literal::push_bytes(&mut sql, &response.body);
+    sql.push_str(", ");
+    match &trailers {
+        Some(trailers) => literal::push_plain(&mut sql, trailers)?,
+        None => sql.push_str("NULL"),
+    }
+    let _ = write!(
+        sql,
+        ", {}, {}, ",
+        to_unix_millis(record.created_at),
+        to_unix_millis(record.expires_at)
+    );
+    literal::push_plain(&mut sql, row)?;
+    sql.push(')');
+    Some(sql)
+}

@@ -1,0 +1,366 @@
+//! The handler's side: the handle in the request extensions, and the connection it lends,
+//! which runs ordinary sqlx code inside the request's transaction and refuses transaction
+//! control.
+
+use std::fmt;
+use std::ops::{Deref, DerefMut};
+use std::sync::Arc;
+
+use futures_util::future::{self, BoxFuture};
+use futures_util::stream::{self, BoxStream};
+use futures_util::StreamExt;
+use sqlx::error::BoxDynError;
+use sqlx::pool::PoolConnection;
+use sqlx::{Database, Describe, Either, Execute, Executor};
+use tokio::sync::OwnedMappedMutexGuard;
+
+use super::{Conn, Slot, SqlxDatabase, SqlxDialect};
+use crate::error::Error;
+use crate::row_lock::tx_state::{Observed, ObservedCell, TxShared};
+
+/// The handle a handler uses to write its rows in the request's transaction.
+///
+/// The layer puts it in the request extensions (take it with
+/// [`Tx<SqlxTransaction>`](crate::extract::Tx) in axum). Everything run on the connection it
+/// lends belongs to the same transaction as the idempotency record: it commits when the layer
+/// saves the response, and rolls back if the handler fails, panics or the client goes away.
+///
+/// - The layer commits: transaction control is refused before it reaches the server (see
+///   [`TxConnection`]).
+/// - A serialization failure or deadlock of one of the handler's statements is noticed by the
+///   layer, whatever the handler answers: it runs the request again in a fresh transaction, up
+///   to [`with_conflict_retries`](crate::IdempotencyLayer::with_conflict_retries) times, then
+///   answers `503` with `Retry-After`.
+/// - Drop the [`SqlxConnection`] before the handler returns; after the request ends the
+///   handle refuses work ([`Error::TransactionFinished`]).
+#[derive(Clone)]
+pub struct SqlxTransaction<D: SqlxDialect> {
+    tx: Arc<TxShared<Slot<D>>>,
+}
+
+impl<D: SqlxDialect> fmt::Debug for SqlxTransaction<D> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SqlxTransaction")
+            .field("reservation", &self.tx.token)
+            .field("finished", &self.is_finished())
+            .finish()
+    }
+}
+
+impl<D: SqlxDialect> SqlxTransaction<D> {
+    pub(crate) fn new(tx: Arc<TxShared<Slot<D>>>) -> Self {
+        SqlxTransaction { tx }
+    }
+
+    /// Borrows the transaction's connection. Waits while another borrow of the same
+    /// transaction is alive (one connection runs one statement at a time).
+    ///
+    /// Run statements on it with `&mut *conn` as the executor.
+    pub async fn acquire(&self) -> Result<SqlxConnection<D>, Error> {
+        let connection = self.tx.borrow(|slot| slot.connection.as_mut()).await?;
+        Ok(SqlxConnection { connection })
+    }
+
+    /// Whether the transaction has been committed or rolled back (or is being).
+    pub fn is_finished(&self) -> bool {
+        self.tx.is_finished()
+    }
+}
+
+/// The transaction's connection, borrowed from a [`SqlxTransaction`]: dereferences to a
+/// [`TxConnection`], whose `&mut` is a [`sqlx::Executor`] (`.execute(&mut *conn)`).
+pub struct SqlxConnection<D: SqlxDialect> {
+    connection: OwnedMappedMutexGuard<Slot<D>, TxConnection<D>>,
+}
+
+impl<D: SqlxDialect> fmt::Debug for SqlxConnection<D> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SqlxConnection").finish_non_exhaustive()
+    }
+}
+
+impl<D: SqlxDialect> Deref for SqlxConnection<D> {
+    type Target = TxConnection<D>;
+
+    fn deref(&self) -> &TxConnection<D> {
+        &self.connection
+    }
+}
+
+impl<D: SqlxDialect> DerefMut for SqlxConnection<D> {
+    fn deref_mut(&mut self) -> &mut TxConnection<D> {
+        &mut self.connection
+    }
+}
+
+/// A pooled connection inside the request's transaction. `&mut TxConnection` is a
+/// [`sqlx::Executor`] for the store's database: `query`, `query_as`, `query_scalar`,
+/// `raw_sql` and the `query!` macros run on it as on the database's own connection, with two
+/// checks:
+///
+/// - **No transaction control.** The statements that would end the transaction (or, on
+///   MySQL, commit it implicitly) are refused before they reach the server, and nothing of
+///   the call runs (the error's message names the statement). Every statement goes with the
+///   prepared-statement protocol, which runs one statement per string: SQL without bind
+///   parameters (`raw_sql`, a `&str`), which sqlx would send as text, is cut into
+///   statements, all are checked, and each is sent on its own. (Its rows come back once the
+///   last statement has run.)
+/// - **Conflicts are seen by the layer.** A serialization failure or a deadlock that a
+///   statement gets is returned to the handler as usual, and also kept: the layer then runs
+///   the request again (see [`SqlxTransaction`]). Where the database has then rolled the
+///   whole transaction back and would run what follows in another one (MySQL), further
+///   statements are refused.
+///
+/// It does not hand out the database's connection itself, so that nothing bypasses the checks.
+pub struct TxConnection<D: SqlxDialect> {
+    raw: PoolConnection<D::Db>,
+    conflict: ObservedCell,
+}
+
+impl<D: SqlxDialect> fmt::Debug for TxConnection<D> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TxConnection").finish_non_exhaustive()
+    }
+}
+
+impl<D: SqlxDialect> TxConnection<D> {
+    pub(crate) fn new(raw: PoolConnection<D::Db>) -> Self {
+        TxConnection {
+            raw,
+            conflict: ObservedCell::default(),
+        }
+    }
+
+    /// The connection, for the store's own statements (unchecked).
+    pub(crate) fn raw_mut(&mut self) -> &mut Conn<D> {
+        &mut self.raw
+    }
+
+    pub(super) fn observed_cell(&self) -> ObservedCell {
+        Arc::clone(&self.conflict)
+    }
+
+    pub(super) fn into_pooled(self) -> PoolConnection<D::Db> {
+        self.raw
+    }
+}
+
+/// Keeps `error` if it is the transaction's first serialization failure, deadlock or
+/// failover error.
+fn observe<D: SqlxDialect>(conflict: &ObservedCell, error: &sqlx::Error) {
+    Observed::keep_first(
+        conflict,
+        D::is_conflict(error),
+        D::is_unavailable(error),
+        || match error.as_database_error() {
+            Some(db_error) => db_error.message().to_owned(),
+            None => error.to_string(),
+        },
+    );
+}
+
+/// Refuses transaction control anywhere in `sql`, and, where the dialect says so, everything
+/// once a conflict has rolled the transaction back.
+fn check<D: SqlxDialect>(sql: &str, conflict: &ObservedCell) -> Result<(), sqlx::Error> {
+    if let Some(refused) = D::REFUSED_AFTER_CONFLICT {
+        let conflicted = conflict
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .is_some();
+        if conflicted {
+            return Err(sqlx::Error::InvalidArgument(refused.into()));
+        }
+    }
+    D::check_command(sql).map_err(refusal)
+}
+
+/// The error a refused statement gets: sqlx's own type, so that a handler's `?` carries it.
+fn refusal(error: Error) -> sqlx::Error {
+    sqlx::Error::InvalidArgument(error.to_string())
+}
+
+/// One statement of a string sent without parameters, sent with the prepared-statement
+/// protocol (empty arguments, not prepared for reuse): the server refuses it if it still holds
+/// two statements.
+struct Piece<'q>(&'q str);
+
+impl<'q, DB: Database> Execute<'q, DB> for Piece<'q> {
+    fn sql(&self) -> &'q str {
+        self.0
+    }
+
+    fn statement(&self) -> Option<&DB::Statement<'q>> {
+        None
+    }
+
+    fn take_arguments(&mut self) -> Result<Option<DB::Arguments<'q>>, BoxDynError> {
+        Ok(Some(DB::Arguments::default()))
+    }
+
+    fn persistent(&self) -> bool {
+        false
+    }
+}
+
+/// A query whose arguments were already taken (to see which protocol it needs).
+struct Checked<'q, DB: Database, E> {
+    query: E,
+    arguments: Option<DB::Arguments<'q>>,
+}
+
+impl<'q, DB: Database, E: Execute<'q, DB>> Execute<'q, DB> for Checked<'q, DB, E> {
+    fn sql(&self) -> &'q str {
+        self.query.sql()
+    }
+
+    fn statement(&self) -> Option<&DB::Statement<'q>> {
+        self.query.statement()
+    }
+
+    fn take_arguments(&mut self) -> Result<Option<DB::Arguments<'q>>, BoxDynError> {
+        Ok(self.arguments.take())
+    }
+
+    fn persistent(&self) -> bool {
+        self.query.persistent()
+    }
+}
+
+type Step<DB> = Either<<DB as Database>::QueryResult, <DB as Database>::Row>;
+
+/// Runs the statements of `sql` one by one (each checked already), stopping at the first
+/// error; returns every result in order.
+async fn run_pieces<D: SqlxDialect>(
+    raw: &mut Conn<D>,
+    sql: &str,
+    conflict: &ObservedCell,
+) -> Vec<Result<Step<D::Db>, sqlx::Error>> {
+    let mut results = Vec::new();
+    for piece in D::split(sql) {
+        let mut steps = D::Db::executor(&mut *raw).fetch_many(Piece(piece));
+        while let Some(step) = steps.next().await {
+            match step {
+                Ok(step) => results.push(Ok(step)),
+                Err(error) => {
+                    observe::<D>(conflict, &error);
+                    results.push(Err(error));
+                    return results;
+                }
+            }
+        }
+    }
+    results
+}
+
+impl<'c, D: SqlxDialect> Executor<'c> for &'c mut TxConnection<D> {
+    type Database = D::Db;
+
+    fn fetch_many<'e, 'q: 'e, E>(
+        self,
+        mut query: E,
+    ) -> BoxStream<'e, Result<Step<D::Db>, sqlx::Error>>
+    where
+        'c: 'e,
+        E: 'q + Execute<'q, D::Db>,
+    {
+        let sql = query.sql();
+        if let Err(refused) = check::<D>(sql, &self.conflict) {
+            return stream::once(future::ready(Err(refused))).boxed();
+        }
+        let conflict = Arc::clone(&self.conflict);
+        let raw: &'c mut Conn<D> = &mut self.raw;
+        match query.take_arguments() {
+            Err(error) => stream::once(future::ready(Err(sqlx::Error::Encode(error)))).boxed(),
+            Ok(Some(arguments)) => D::Db::executor(raw)
+                .fetch_many(Checked {
+                    query,
+                    arguments: Some(arguments),
+                })
+                .inspect(move |step| {
+                    if let Err(error) = step {
+                        observe::<D>(&conflict, error);
+                    }
+                })
+                .boxed(),
+            Ok(None) => stream::once(async move { run_pieces::<D>(raw, sql, &conflict).await })
+                .flat_map(stream::iter)
+                .boxed(),
+        }
+    }
+
+    fn fetch_optional<'e, 'q: 'e, E>(
+        self,
+        mut query: E,
+    ) -> BoxFuture<'e, Result<Option<<D::Db as Database>::Row>, sqlx::Error>>
+    where
+        'c: 'e,
+        E: 'q + Execute<'q, D::Db>,
+    {
+        let sql = query.sql();
+        let checked = check::<D>(sql, &self.conflict);
+        let conflict = Arc::clone(&self.conflict);
+        let raw: &'c mut Conn<D> = &mut self.raw;
+        Box::pin(async move {
+            checked?;
+            match query.take_arguments().map_err(sqlx::Error::Encode)? {
+                Some(arguments) => {
+                    let row = D::Db::executor(raw)
+                        .fetch_optional(Checked {
+                            query,
+                            arguments: Some(arguments),
+                        })
+                        .await;
+                    if let Err(error) = &row {
+                        observe::<D>(&conflict, error);
+                    }
+                    row
+                }
+                None => {
+                    let mut first = None;
+                    for step in run_pieces::<D>(raw, sql, &conflict).await {
+                        if let Either::Right(row) = step? {
+                            first.get_or_insert(row);
+                        }
+                    }
+                    Ok(first)
+                }
+            }
+        })
+    }
+
+    fn prepare_with<'e, 'q: 'e>(
+        self,
+        sql: &'q str,
+        parameters: &'e [<D::Db as Database>::TypeInfo],
+    ) -> BoxFuture<'e, Result<<D::Db as Database>::Statement<'q>, sqlx::Error>>
+    where
+        'c: 'e,
+    {
+        let checked = check::<D>(sql, &self.conflict);
+        let conflict = Arc::clone(&self.conflict);
+        let raw: &'c mut Conn<D> = &mut self.raw;
+        Box::pin(async move {
+            checked?;
+            let statement = D::Db::executor(raw).prepare_with(sql, parameters).await;
+            if let Err(error) = &statement {
+                observe::<D>(&conflict, error);
+            }
+            statement
+        })
+    }
+
+    fn describe<'e, 'q: 'e>(
+        self,
+        sql: &'q str,
+    ) -> BoxFuture<'e, Result<Describe<D::Db>, sqlx::Error>>
+    where
+        'c: 'e,
+    {
+        let checked = check::<D>(sql, &self.conflict);
+        let raw: &'c mut Conn<D> = &mut self.raw;
+        Box::pin(async move {
+            checked?;
+            D::Db::executor(raw).describe(sql).await
+        })
+    }
+}

@@ -1,0 +1,116 @@
+//! [`PgDriver`] on tokio-postgres: [`PostgresStore`] and its [`PostgresTransaction`] handle.
+
+use bytes::BytesMut;
+use tokio_postgres::row::Row;
+use tokio_postgres::types::{IsNull, ToSql, Type};
+
+use crate::error::Error;
+use crate::row_lock::driver::{columns_by_try_get, PgDriver, PgParam};
+use crate::row_lock::driver::{finish, Finish, PgHandle, PgTransactions};
+use crate::store::postgres::PostgresStore;
+use crate::store::postgres::{migrate::install_schema, PostgresTransaction};
+
+type BoxedError = Box<dyn std::error::Error + Sync + Send>;
+
+/// Each parameter is sent as the value it holds (its type checked against the statement's).
+impl ToSql for PgParam<'_> {
+    fn to_sql(&self, ty: &Type, out: &mut BytesMut) -> Result<IsNull, BoxedError> {
+        match self {
+            PgParam::Text(value) => value.to_sql(ty, out),
+            PgParam::OptionalText(value) => value.to_sql(ty, out),
+            PgParam::BigInt(value) => value.to_sql(ty, out),
+            PgParam::Int(value) => value.to_sql(ty, out),
+            PgParam::Bytes(value) => value.to_sql(ty, out),
+        }
+    }
+
+    fn accepts(_: &Type) -> bool {
+        // Checked per value in `to_sql_checked`, which is what the driver calls.
+        true
+    }
+
+    fn to_sql_checked(&self, ty: &Type, out: &mut BytesMut) -> Result<IsNull, BoxedError> {
+        match self {
+            PgParam::Text(value) => value.to_sql_checked(ty, out),
+            PgParam::OptionalText(value) => value.to_sql_checked(ty, out),
+            PgParam::BigInt(value) => value.to_sql_checked(ty, out),
+            PgParam::Int(value) => value.to_sql_checked(ty, out),
+            PgParam::Bytes(value) => value.to_sql_checked(ty, out),
+        }
+    }
+}
+
+/// The parameters as tokio-postgres takes them.
+pub(crate) fn as_sql<'a>(params: &'a [PgParam<'_>]) -> Vec<&'a (dyn ToSql + Sync)> {
+    params.iter().map(|param| param as _).collect()
+}
+
+columns_by_try_get!(Row, i32);
+
+impl PgDriver for PostgresStore {
+    type Row = Row;
+
+    async fn fetch_rows(&self, sql: &str, params: &[PgParam<'_>]) -> Result<Vec<Row>, Error> {
+        let client = self.client().await?;
+        Ok(client.query(sql, &as_sql(params)).await?)
+    }
+
+    async fn execute_counted(&self, sql: &str, params: &[PgParam<'_>]) -> Result<u64, Error> {
+        let client = self.client().await?;
+        Ok(client.execute(sql, &as_sql(params)).await?)
+    }
+
+    #[cfg(feature = "outbox")]
+    async fn fetch_in_transaction(
+        &self,
+        statements: &[(&str, &[PgParam<'_>])],
+    ) -> Result<Vec<Vec<Row>>, Error> {
+        let mut client = self.client().await?;
+        let tx = client.transaction().await?;
+        let mut results = Vec::with_capacity(statements.len());
+        for (sql, params) in statements {
+            results.push(tx.query(*sql, &as_sql(params)).await?);
+        }
+        tx.commit().await?;
+        Ok(results)
+    }
+
+    async fn install_tables(&self, lock: i64, schema: &str) -> Result<(), Error> {
+        install_schema(self, lock, schema, &[]).await
+    }
+}
+
+impl PgTransactions for PostgresStore {
+    type Transaction = PostgresTransaction;
+
+    fn conflict_retries(&self) -> u32 {
+        self.serialization_retries()
+    }
+
+    async fn in_own_transaction<T, B, Fut>(&self, body: B) -> Result<T, Error>
+    where
+        T: Send,
+        B: FnOnce(PostgresTransaction) -> Fut + Send,
+        Fut: std::future::Future<Output = Result<(T, Finish), Error>> + Send,
+    {
+        let transaction = self.begin_owned().await?;
+        let outcome = body(transaction.handle()).await;
+        finish(transaction, outcome, |t| t.commit(), |t| t.rollback()).await
+    }
+}
+
+impl PgHandle for PostgresTransaction {
+    type Row = Row;
+
+    async fn fetch_in(&self, sql: &'static str, params: &[PgParam<'_>]) -> Result<Vec<Row>, Error> {
+        let client = self.client().await?;
+        let statement = client.prepare_cached(sql).await?;
+        client.query(&statement, &as_sql(params)).await
+    }
+
+    async fn execute_in(&self, sql: &'static str, params: &[PgParam<'_>]) -> Result<u64, Error> {
+        let client = self.client().await?;
+        let statement = client.prepare_cached(sql).await?;
+        client.execute(&statement, &as_sql(params)).await
+    }
+}

@@ -1,0 +1,363 @@
+//! The handler's side of the request's transaction: [`PostgresTransaction`] (the handle in the
+//! request extensions) and [`TransactionClient`] (its connection, borrowed, behind the guard
+//! that refuses transaction control and notes conflicts for the layer), with the [`Command`]
+//! and [`Executor`] traits that say what a borrowed connection runs.
+
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+
+use deadpool_postgres::Object;
+use tokio::sync::OwnedMappedMutexGuard;
+use tokio_postgres::row::Row;
+use tokio_postgres::types::{BorrowToSql, ToSql, Type};
+use tokio_postgres::{GenericClient, SimpleQueryMessage, Statement, ToStatement};
+
+use super::slot::{Slot, TxShared};
+use crate::error::Error;
+use crate::postgres::guard as sql_guard;
+
+/// The handle a handler uses to write its rows in the request's transaction.
+///
+/// The layer puts it in the request extensions. Everything run through
+/// [`client`](Self::client) belongs to the same PostgreSQL transaction as the idempotency
+/// record: it commits when the layer saves the response, and rolls back if the handler fails,
+/// panics or the client goes away. (The receiver's inbox, `PostgresInbox::process` with the
+/// `outbox` feature, hands its closure the same handle on a transaction of its own.)
+///
+/// ```no_run
+/// # async fn handler(tx: tower_idempotency::store::postgres::PostgresTransaction)
+/// #     -> Result<i64, tower_idempotency::Error> {
+/// let client = tx.client().await?;
+/// let row = client
+///     .query_one(
+///         "INSERT INTO orders (sku, quantity) VALUES ($1, $2) RETURNING id",
+///         &[&"book", &1i32],
+///     )
+///     .await?;
+/// let order_id: i64 = row.try_get(0)?;
+/// # Ok(order_id) }
+/// ```
+///
+/// - The layer commits: `COMMIT`, `ROLLBACK`, `BEGIN` and the like are refused
+///   ([`Error::TransactionControl`]; see [`TransactionClient`]).
+/// - A failed statement aborts the whole PostgreSQL transaction: answer an error status (the
+///   layer then rolls back) rather than carrying on. Use a `SAVEPOINT` to recover from an
+///   expected failure inside the transaction.
+/// - A serialization failure (`40001`) or deadlock (`40P01`) of one of the handler's
+///   statements is noticed by the layer, whatever the handler answers: it runs the request
+///   again in a fresh transaction, up to
+///   [`with_conflict_retries`](crate::IdempotencyLayer::with_conflict_retries) times, then
+///   answers `503` with `Retry-After`.
+/// - A statement that finds the database gone or read-only (a lost connection, `25006`,
+///   `57P01`, `57P02`, `57P03`: a failover) is noticed too: the layer answers `503` with
+///   `Retry-After` whatever the handler answers, and the connection is not reused.
+/// - Statements run with the layer's `lock_timeout` (`SET LOCAL`): a lock wait past it fails
+///   with SQLSTATE `55P03`, for which [`Error::is_busy`] is true.
+/// - Drop the [`TransactionClient`] before the handler returns; after the request ends the
+///   handle refuses work ([`Error::TransactionFinished`]).
+#[derive(Clone)]
+pub struct PostgresTransaction {
+    pub(super) tx: Arc<TxShared>,
+}
+
+impl fmt::Debug for PostgresTransaction {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PostgresTransaction")
+            .field("reservation", &self.tx.token)
+            .field("finished", &self.is_finished())
+            .finish()
+    }
+}
+
+impl PostgresTransaction {
+    /// Borrows the transaction's connection. Waits while another borrow of the same
+    /// transaction is alive (one connection runs one statement at a time).
+    pub async fn client(&self) -> Result<TransactionClient, Error> {
+        let connection = self.tx.borrow(|slot| slot.object.as_mut()).await?;
+        Ok(TransactionClient {
+            connection,
+            tx: self.tx.clone(),
+        })
+    }
+
+    /// Whether the transaction has been committed or rolled back (or is being).
+    pub fn is_finished(&self) -> bool {
+        self.tx.is_finished()
+    }
+}
+
+/// The transaction's connection, borrowed from a [`PostgresTransaction`]: runs statements
+/// inside the request's transaction, with the methods of a [`tokio_postgres::Client`].
+///
+/// It does not hand out the client itself, so that every statement goes through two checks:
+///
+/// - **No transaction control.** `BEGIN`, `START TRANSACTION`, `COMMIT`, `END`, `ROLLBACK`,
+///   `ABORT`, `PREPARE TRANSACTION` and `COMMIT`/`ROLLBACK PREPARED` are refused with
+///   [`Error::TransactionControl`] before they reach the server, and nothing of the call runs.
+///   `SAVEPOINT`, `RELEASE` and `ROLLBACK TO` are allowed: they stay inside the transaction.
+///   Every statement is sent with the extended protocol, which runs one command per string;
+///   [`batch_execute`](Self::batch_execute) and [`simple_query`](Self::simple_query) cut
+///   their input into statements and send them one by one. (A `CREATE FUNCTION` or `CREATE
+///   PROCEDURE` with a `BEGIN ATOMIC` body stays whole.)
+/// - **Conflicts are seen by the layer.** A serialization failure or a deadlock that a
+///   statement gets is returned to the handler as usual, and also kept: the layer then runs
+///   the request again (see [`PostgresTransaction`]).
+///
+/// COPY is not offered: a COPY in progress would hold the connection past the borrow.
+pub struct TransactionClient {
+    connection: OwnedMappedMutexGuard<Slot, Object>,
+    tx: Arc<TxShared>,
+}
+
+impl fmt::Debug for TransactionClient {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TransactionClient")
+            .field("reservation", &self.tx.token)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What a [`TransactionClient`] runs: SQL text (`&str`, `String`), checked before it is sent,
+/// or a [`Statement`] prepared through a `TransactionClient` (checked when prepared).
+pub trait Command: ToStatement + sealed::Command {
+    /// The SQL text to check, if this is text.
+    #[doc(hidden)]
+    fn sql_text(&self) -> Option<&str>;
+}
+
+impl Command for str {
+    fn sql_text(&self) -> Option<&str> {
+        Some(self)
+    }
+}
+
+impl Command for String {
+    fn sql_text(&self) -> Option<&str> {
+        Some(self)
+    }
+}
+
+impl Command for Statement {
+    fn sql_text(&self) -> Option<&str> {
+        None
+    }
+}
+
+/// Where a statement of [`enqueue`](crate::outbox::postgres::enqueue) or
+/// `PostgresInbox::record` (with the `outbox` feature) runs: a [`TransactionClient`] (inside
+/// the request's transaction), or a client or transaction of your own (any
+/// [`tokio_postgres::GenericClient`]: a [`tokio_postgres::Client`], a pooled connection, a
+/// [`tokio_postgres::Transaction`]).
+pub trait Executor: Sync + sealed::Executor {
+    /// Runs `statement` with `params`; returns how many rows it changed.
+    fn execute_statement(
+        &self,
+        statement: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> impl Future<Output = Result<u64, Error>> + Send;
+}
+
+impl<C: GenericClient + Sync> Executor for C {
+    async fn execute_statement(
+        &self,
+        statement: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<u64, Error> {
+        Ok(GenericClient::execute(self, statement, params).await?)
+    }
+}
+
+impl Executor for TransactionClient {
+    /// Prepared once per pooled connection: a statement sent as text costs a round trip of
+    /// its own (parse and describe) before it runs.
+    async fn execute_statement(
+        &self,
+        statement: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<u64, Error> {
+        let statement = self.prepare_cached(statement).await?;
+        self.execute(&statement, params).await
+    }
+}
+
+mod sealed {
+    use tokio_postgres::{GenericClient, Statement};
+
+    /// Keeps [`Command`](super::Command) to the types this crate knows how to check.
+    #[allow(unreachable_pub)]
+    pub trait Command {}
+
+    impl Command for str {}
+    impl Command for String {}
+    impl Command for Statement {}
+
+    /// Keeps [`Executor`](super::Executor) to the types this crate knows how to run on.
+    #[allow(unreachable_pub)]
+    pub trait Executor {}
+
+    impl Executor for super::TransactionClient {}
+    impl<C: GenericClient> Executor for C {}
+}
+
+impl TransactionClient {
+    fn client(&self) -> &tokio_postgres::Client {
+        &self.connection
+    }
+
+    /// Refuses transaction control in `command`'s text.
+    fn check<T: Command + ?Sized>(command: &T) -> Result<(), Error> {
+        match command.sql_text() {
+            Some(sql) => sql_guard::check_command_remembered(sql),
+            None => Ok(()),
+        }
+    }
+
+    /// Converts a database error, keeping a conflict for the layer to see.
+    fn observe<T>(&self, result: Result<T, tokio_postgres::Error>) -> Result<T, Error> {
+        result.map_err(|error| {
+            self.tx.observe(&error);
+            Error::Postgres(error)
+        })
+    }
+
+    /// Prepares `query` ([`tokio_postgres::Client::prepare`]).
+    pub async fn prepare(&self, query: &str) -> Result<Statement, Error> {
+        sql_guard::check_command_remembered(query)?;
+        self.observe(self.client().prepare(query).await)
+    }
+
+    /// Prepares `query` with the given parameter types
+    /// ([`tokio_postgres::Client::prepare_typed`]).
+    pub async fn prepare_typed(
+        &self,
+        query: &str,
+        parameter_types: &[Type],
+    ) -> Result<Statement, Error> {
+        sql_guard::check_command_remembered(query)?;
+        self.observe(self.client().prepare_typed(query, parameter_types).await)
+    }
+
+    /// Prepares `query` once per connection and reuses the statement afterwards.
+    pub async fn prepare_cached(&self, query: &str) -> Result<Statement, Error> {
+        sql_guard::check_command_remembered(query)?;
+        self.observe(self.connection.prepare_cached(query).await)
+    }
+
+    /// Runs a statement and returns its rows ([`tokio_postgres::Client::query`]).
+    pub async fn query<T>(
+        &self,
+        statement: &T,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Vec<Row>, Error>
+    where
+        T: ?Sized + Command,
+    {
+        Self::check(statement)?;
+        self.observe(self.client().query(statement, params).await)
+    }
+
+    /// Runs a statement that returns exactly one row ([`tokio_postgres::Client::query_one`]).
+    pub async fn query_one<T>(
+        &self,
+        statement: &T,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Row, Error>
+    where
+        T: ?Sized + Command,
+    {
+        Self::check(statement)?;
+        self.observe(self.client().query_one(statement, params).await)
+    }
+
+    /// Runs a statement that returns at most one row
+    /// ([`tokio_postgres::Client::query_opt`]).
+    pub async fn query_opt<T>(
+        &self,
+        statement: &T,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Option<Row>, Error>
+    where
+        T: ?Sized + Command,
+    {
+        Self::check(statement)?;
+        self.observe(self.client().query_opt(statement, params).await)
+    }
+
+    /// Runs `query` with parameters of the given types, without preparing it first
+    /// ([`tokio_postgres::Client::query_typed`]).
+    pub async fn query_typed(
+        &self,
+        query: &str,
+        params: &[(&(dyn ToSql + Sync), Type)],
+    ) -> Result<Vec<Row>, Error> {
+        sql_guard::check_command_remembered(query)?;
+        self.observe(self.client().query_typed(query, params).await)
+    }
+
+    /// Runs a statement; returns how many rows it changed
+    /// ([`tokio_postgres::Client::execute`]).
+    pub async fn execute<T>(
+        &self,
+        statement: &T,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<u64, Error>
+    where
+        T: ?Sized + Command,
+    {
+        Self::check(statement)?;
+        self.observe(self.client().execute(statement, params).await)
+    }
+
+    /// [`execute`](Self::execute) with the parameters as an iterator
+    /// ([`tokio_postgres::Client::execute_raw`]).
+    pub async fn execute_raw<T, P, I>(&self, statement: &T, params: I) -> Result<u64, Error>
+    where
+        T: ?Sized + Command,
+        P: BorrowToSql,
+        I: IntoIterator<Item = P>,
+        I::IntoIter: ExactSizeIterator,
+    {
+        Self::check(statement)?;
+        self.observe(self.client().execute_raw(statement, params).await)
+    }
+
+    /// Runs the statements of `query` (separated by `;`, no parameters) one after the other.
+    ///
+    /// All of them are checked before the first runs: one refused statement and none runs.
+    pub async fn batch_execute(&self, query: &str) -> Result<(), Error> {
+        let statements = sql_guard::split(query);
+        for statement in &statements {
+            sql_guard::check_command(statement)?;
+        }
+        for statement in statements {
+            // The extended protocol: a piece that still held two commands would be refused
+            // by the server, so nothing this did not check can run.
+            self.observe(self.client().execute(statement, &[]).await)?;
+        }
+        Ok(())
+    }
+
+    /// Runs the statements of `query` with the simple query protocol (rows as text)
+    /// ([`tokio_postgres::Client::simple_query`]), one after the other; checked like
+    /// [`batch_execute`](Self::batch_execute).
+    pub async fn simple_query(&self, query: &str) -> Result<Vec<SimpleQueryMessage>, Error> {
+        let statements = sql_guard::split(query);
+        for statement in &statements {
+            sql_guard::check_command(statement)?;
+        }
+        let mut messages = Vec::new();
+        for statement in statements {
+            // Parsed first with the extended protocol, which takes one command only: the
+            // simple protocol then runs text the server has read as exactly that command.
+            drop(self.observe(self.client().prepare(statement).await)?);
+            messages.extend(self.observe(self.client().simple_query(statement).await)?);
+        }
+        Ok(messages)
+    }
+
+    /// Whether the connection is closed (the server went away).
+    pub fn is_closed(&self) -> bool {
+        self.client().is_closed()
+    }
+}

@@ -1,0 +1,63 @@
+//! The store's own transactions, outside any request: the receiver's inbox (feature `outbox`)
+//! opens one, records an event id and applies the event through the same
+//! [`PostgresTransaction`] handle a request's handler gets, then commits or rolls back itself
+//! ([`OwnedTransaction`], the same for both PostgreSQL drivers). Each call of a step-by-step
+//! request runs in one too (a local step's closure gets its handle).
+
+use std::sync::atomic::Ordering;
+
+use super::slot::Slot;
+use super::{PostgresStore, PostgresTransaction};
+use crate::error::Error;
+use crate::postgres::store_sql::IS_OWN_TRANSACTION;
+use crate::row_lock::tx_state::{OwnedSlot, OwnedTransaction};
+
+impl PostgresStore {
+    /// Opens a transaction of the store's own, outside any request (the inbox's), on a pooled
+    /// connection, with the store's isolation level. It is used through the same handle as a
+    /// request's transaction and rolls back the same way if dropped.
+    pub(crate) async fn begin_owned(&self) -> Result<OwnedTransaction<Slot>, Error> {
+        let slot = Slot {
+            object: Some(self.client().await?),
+        };
+        let token = self.shared.reservations.fetch_add(1, Ordering::Relaxed);
+        // One round trip.
+        let begun = match slot.client() {
+            Ok(client) => client
+                .batch_execute(&self.shared.isolation.begin_owned(token))
+                .await
+                .map_err(Error::from),
+            Err(error) => Err(error),
+        };
+        OwnedTransaction::opened(token, slot, begun).await
+    }
+
+    /// [`PostgresOptions::serialization_retries`](super::PostgresOptions::serialization_retries).
+    pub(crate) fn serialization_retries(&self) -> u32 {
+        self.shared.serialization_retries
+    }
+}
+
+impl OwnedTransaction<Slot> {
+    /// A handle on this transaction: the same type a request's handler gets.
+    pub(crate) fn handle(&self) -> PostgresTransaction {
+        PostgresTransaction {
+            tx: self.tx.clone(),
+        }
+    }
+}
+
+impl OwnedSlot for Slot {
+    async fn is_own_transaction(&mut self, token: u64) -> Result<bool, Error> {
+        let client = self.client()?;
+        let check = client.prepare_cached(IS_OWN_TRANSACTION).await?;
+        Ok(client
+            .query_one(&check, &[&token.to_string()])
+            .await?
+            .try_get(0)?)
+    }
+
+    async fn commit_and_release(&mut self) -> Result<(), Error> {
+        Slot::commit_and_release(self).await
+    }
+}
