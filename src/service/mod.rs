@@ -279,6 +279,12 @@ where
         {
             Ok(claim) => claim,
             Err(rejection) => {
+                // The request that holds the key may be one more retry of a key completed
+                // long ago: a completed key is replayed, never answered "in flight". One read,
+                // without the write lock (the store bounds its wait); failing it, the 409.
+                if let Ok(Some(record)) = self.store.lookup(&scope, SystemTime::now()).await {
+                    return Ok(self.answer_existing(&scope, record, &fingerprint, wire));
+                }
                 tracing::info!("a request with the same key is running; answered 409");
                 metrics::request(
                     &self.config.metric_keys,
