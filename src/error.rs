@@ -56,6 +56,13 @@ pub enum Error {
     /// retryable with the same key (a failover usually ends within seconds).
     #[error("the database is unavailable (a failover?): {0}")]
     Unavailable(String),
+    /// A statement run through a transaction handle waited for a lock past the layer's lock
+    /// timeout (MySQL and MariaDB `1205`: a row lock, or a metadata lock such as another
+    /// session's `LOCK TABLES`), and the handler then failed: what the store reports at
+    /// rollback, so that the layer answers `503` with `Retry-After` rather than the handler's
+    /// own error. Nothing of the request was kept; retryable with the same key.
+    #[error("a statement in the transaction waited for a lock past the lock timeout: {0}")]
+    LockTimeout(String),
     /// The connection was lost after `COMMIT` was sent: the transaction may or may not have
     /// committed. Retryable with the same key, and only that way: the next attempt replays
     /// the saved response if it committed and runs afresh if it did not, so the layer answers
@@ -149,7 +156,9 @@ impl Error {
             return true;
         }
         match self {
-            Error::Busy | Error::InFlight | Error::StatementConflict(_) => true,
+            Error::Busy | Error::InFlight | Error::StatementConflict(_) | Error::LockTimeout(_) => {
+                true
+            }
             #[cfg(feature = "sqlite")]
             // A full disk passes once space is freed: the same key then runs afresh.
             Error::Sqlite(rusqlite::Error::SqliteFailure(e, _)) => matches!(
