@@ -307,6 +307,11 @@ pub enum Rejection {
     MissingTenant,
     /// The request body is larger than the limit. `413`.
     BodyTooLarge,
+    /// The layer has no [operation name](crate::IdempotencyLayer::with_operation), and the
+    /// request's path, which names the operation then, is longer than
+    /// [`MAX_OPERATION_LEN`](crate::MAX_OPERATION_LEN) bytes: no store's records could hold it.
+    /// `414`; nothing stored, handler not run.
+    OperationTooLong,
     /// The request body did not arrive within the body timeout. `408`.
     BodyTimeout,
     /// The request body could not be read (the client went away or sent a broken stream). `400`.
@@ -342,6 +347,7 @@ impl Rejection {
             | Rejection::InvalidPayload(_) => StatusCode::BAD_REQUEST,
             Rejection::MissingTenant => StatusCode::UNAUTHORIZED,
             Rejection::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            Rejection::OperationTooLong => StatusCode::URI_TOO_LONG,
             Rejection::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             Rejection::KeyReused | Rejection::InFlight => StatusCode::CONFLICT,
             Rejection::Busy => StatusCode::SERVICE_UNAVAILABLE,
@@ -361,6 +367,7 @@ impl Rejection {
             Rejection::InvalidKey(_) => "invalid_idempotency_key",
             Rejection::MissingTenant => "unauthenticated",
             Rejection::BodyTooLarge => "payload_too_large",
+            Rejection::OperationTooLong => "operation_too_long",
             Rejection::BodyTimeout => "request_body_timeout",
             Rejection::BodyRead => "request_body_unreadable",
             Rejection::InvalidPayload(e) => e.code(),
@@ -391,7 +398,8 @@ impl Rejection {
             | Rejection::DuplicateKeyHeader
             | Rejection::InvalidKey(_)
             | Rejection::BodyRead
-            | Rejection::InvalidPayload(_) => INVALID_ARGUMENT,
+            | Rejection::InvalidPayload(_)
+            | Rejection::OperationTooLong => INVALID_ARGUMENT,
             Rejection::MissingTenant => UNAUTHENTICATED,
             Rejection::BodyTooLarge => RESOURCE_EXHAUSTED,
             Rejection::BodyTimeout => DEADLINE_EXCEEDED,
