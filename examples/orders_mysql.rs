@@ -59,7 +59,11 @@ impl OrderSql for Orders {
     type Transaction = SqlxTransaction;
 
     /// Ordinary sqlx code on the connection the transaction lends.
-    async fn insert(tx: &SqlxTransaction, tenant: &Tenant, order: &NewOrder) -> Result<i64, BoxError> {
+    async fn insert(
+        tx: &SqlxTransaction,
+        tenant: &Tenant,
+        order: &NewOrder,
+    ) -> Result<i64, BoxError> {
         let mut conn = tx.acquire().await?;
         let inserted =
             sqlx::query("INSERT INTO orders (tenant_id, sku, quantity) VALUES (?, ?, ?)")

@@ -64,7 +64,11 @@ impl OrderSql for Orders {
     type Transaction = SqlxTransaction;
 
     /// Ordinary sqlx code on the connection the transaction lends.
-    async fn insert(tx: &SqlxTransaction, tenant: &Tenant, order: &NewOrder) -> Result<i64, BoxError> {
+    async fn insert(
+        tx: &SqlxTransaction,
+        tenant: &Tenant,
+        order: &NewOrder,
+    ) -> Result<i64, BoxError> {
         let mut conn = tx.acquire().await?;
         let (order_id,): (i64,) = sqlx::query_as(
             "INSERT INTO orders (tenant_id, sku, quantity) VALUES ($1, $2, $3) RETURNING id",
@@ -78,13 +82,12 @@ impl OrderSql for Orders {
     }
 
     async fn find(&self, tenant: &Tenant, id: i64) -> Result<Option<(String, i64)>, BoxError> {
-        let found = sqlx::query_as(
-            "SELECT sku, quantity FROM orders WHERE id = $1 AND tenant_id = $2",
-        )
-        .bind(id)
-        .bind(tenant.as_str())
-        .fetch_optional(&self.0)
-        .await?;
+        let found =
+            sqlx::query_as("SELECT sku, quantity FROM orders WHERE id = $1 AND tenant_id = $2")
+                .bind(id)
+                .bind(tenant.as_str())
+                .fetch_optional(&self.0)
+                .await?;
         Ok(found)
     }
 }

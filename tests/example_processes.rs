@@ -121,10 +121,22 @@ async fn serves_the_order_api<D: ExampleDatabase>() {
     let app = db.start().await;
     let bad = [
         ("not JSON", "{", "invalid_json"),
-        ("quantity 0", r#"{"sku":"book","quantity":0}"#, "invalid_quantity"),
-        ("quantity 101", r#"{"sku":"book","quantity":101}"#, "invalid_quantity"),
+        (
+            "quantity 0",
+            r#"{"sku":"book","quantity":0}"#,
+            "invalid_quantity",
+        ),
+        (
+            "quantity 101",
+            r#"{"sku":"book","quantity":101}"#,
+            "invalid_quantity",
+        ),
         ("no quantity", r#"{"sku":"book"}"#, "invalid_quantity"),
-        ("empty sku", r#"{"sku":"","quantity":1}"#, "invalid_key_or_sku"),
+        (
+            "empty sku",
+            r#"{"sku":"","quantity":1}"#,
+            "invalid_key_or_sku",
+        ),
         ("no sku", r#"{"quantity":1}"#, "invalid_key_or_sku"),
     ];
     for (i, (what, body, code)) in bad.into_iter().enumerate() {
@@ -158,7 +170,11 @@ async fn serves_the_order_api<D: ExampleDatabase>() {
         (Some(SHOP_A), "/orders/not-a-number"),
     ] {
         let reply = get_as(app.addr, token, path).await;
-        assert_eq!(reply.status, StatusCode::NOT_FOUND, "{token:?} {path}: {reply:?}");
+        assert_eq!(
+            reply.status,
+            StatusCode::NOT_FOUND,
+            "{token:?} {path}: {reply:?}"
+        );
         assert_eq!(reply.error_code(), "not_found");
     }
     let anonymous = get_as(app.addr, None, &location).await;

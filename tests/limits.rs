@@ -223,9 +223,15 @@ where
 {
     use axum::routing::post;
     async fn created() -> (StatusCode, axum::Json<serde_json::Value>) {
-        (StatusCode::CREATED, axum::Json(serde_json::json!({"ok": true})))
+        (
+            StatusCode::CREATED,
+            axum::Json(serde_json::json!({"ok": true})),
+        )
     }
-    async fn tenant(mut request: axum::extract::Request, next: axum::middleware::Next) -> axum::response::Response {
+    async fn tenant(
+        mut request: axum::extract::Request,
+        next: axum::middleware::Next,
+    ) -> axum::response::Response {
         request
             .extensions_mut()
             .insert(tower_idempotency::Tenant::new("shop-a"));
@@ -249,7 +255,10 @@ fn path_of_len(len: usize) -> String {
 async fn a_path_longer_than_an_operation_is_414(addr: std::net::SocketAddr) -> [Reply; 2] {
     let max = tower_idempotency::MAX_OPERATION_LEN;
     let body = r#"{"sku":"book","quantity":1}"#;
-    let at_max = Post::order("key-1", body).path(&path_of_len(max)).send(addr).await;
+    let at_max = Post::order("key-1", body)
+        .path(&path_of_len(max))
+        .send(addr)
+        .await;
     assert_eq!(at_max.status, StatusCode::CREATED, "{at_max:?}");
     let over = Post::order("key-1", body)
         .path(&path_of_len(max + 1))
@@ -268,7 +277,11 @@ async fn sqlite_a_path_longer_than_an_operation_is_414_and_not_stored() {
         .expect("open");
     let serving = serve_any_path(store.clone()).await;
     a_path_longer_than_an_operation_is_414(serving.addr).await;
-    assert_eq!(common::record_count(&store).await, 1, "only the first is kept");
+    assert_eq!(
+        common::record_count(&store).await,
+        1,
+        "only the first is kept"
+    );
     serving.stop().await;
 }
 

@@ -715,9 +715,7 @@ mod mysql {
             return;
         };
         db.db
-            .execute(
-                "CREATE TABLE handler_ledger (id BIGINT NOT NULL PRIMARY KEY) ENGINE = InnoDB",
-            )
+            .execute("CREATE TABLE handler_ledger (id BIGINT NOT NULL PRIMARY KEY) ENGINE = InnoDB")
             .await;
         let lock_timeout = Duration::from_secs(1);
         let store = db.db.store(4).await;
@@ -809,11 +807,7 @@ mod mysql {
         {
             let store = db.db.store(4).await;
             let server = AppBuilder::new(())
-                .layer(move |layer| {
-                    layer
-                        .with_lock_timeout(lock_timeout)
-                        .with_in_flight(policy)
-                })
+                .layer(move |layer| layer.with_lock_timeout(lock_timeout).with_in_flight(policy))
                 .hook(hook_for(|_: OrderCallOf<SqlxTransaction>| async {
                     HookOutcome::default()
                 }))

@@ -81,10 +81,7 @@ pub trait OrderSql: Clone + Send + Sync + 'static {
 pub fn app<D: OrderSql>(db: D, store: D::Store) -> Router {
     Router::new()
         // Only the POST is wrapped: GET is idempotent by itself.
-        .route(
-            "/orders",
-            post(create_order::<D>).layer(idempotency(store)),
-        )
+        .route("/orders", post(create_order::<D>).layer(idempotency(store)))
         .route("/orders/{id}", get(get_order::<D>))
         // Outermost: the idempotency layer scopes every record by the tenant found here.
         .layer(middleware::from_fn(authenticate))

@@ -248,9 +248,7 @@ impl SqlxDialect for MySqlDialect {
     /// timeout), and takes no row lock. Both are then held to the end of the transaction, so
     /// the `INSERT`'s `1205` (after the in-flight policy's `innodb_lock_wait_timeout`) can
     /// only be the key's row: this one's is [`Error::Busy`].
-    fn lock_table_for_reservation(
-        conn: &mut MySqlConnection,
-    ) -> BoxFuture<'_, Result<(), Error>> {
+    fn lock_table_for_reservation(conn: &mut MySqlConnection) -> BoxFuture<'_, Result<(), Error>> {
         Box::pin(async move {
             match conn.execute(sql::LOCK_TABLE_FOR_RESERVATION).await {
                 Ok(_) => Ok(()),
