@@ -117,6 +117,7 @@ fn title(rejection: &Rejection) -> &'static str {
         Rejection::InFlight => "A request is outstanding for this Idempotency-Key",
         Rejection::MissingTenant => "Authentication required",
         Rejection::BodyTooLarge => "Request body too large",
+        Rejection::OperationTooLong => "Request path too long",
         Rejection::BodyTimeout => "Request body too slow",
         Rejection::BodyRead => "Request body unreadable",
         Rejection::InvalidPayload(_) => "Request body malformed",
@@ -151,6 +152,10 @@ fn detail(rejection: &Rejection) -> String {
         }
         Rejection::MissingTenant => "Authenticate, then retry.".to_owned(),
         Rejection::BodyTooLarge => "Send a smaller body.".to_owned(),
+        Rejection::OperationTooLong => format!(
+            "The request path names the operation and is longer than {} bytes.",
+            crate::MAX_OPERATION_LEN
+        ),
         Rejection::HandlerPanicked
         | Rejection::ResponseTooLarge
         | Rejection::ResponseBody

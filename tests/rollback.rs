@@ -827,6 +827,7 @@ mod mysql {
     use backend::MySql;
     use common::{hook_for, AppBuilder, HookOutcome, OrderCallOf, Outcome};
     use tower_idempotency::store::sqlx_mysql::SqlxTransaction;
+    use tower_idempotency::InFlight;
 
     use super::*;
 
@@ -932,6 +933,151 @@ mod mysql {
             );
             let retry = post(server.addr, Some(SHOP_A), Some(&key), BOOK, &[]).await;
             assert_eq!(retry.status, StatusCode::CREATED, "{table}: {retry:?}");
+        }
+    }
+    /// The handler's own statements wait no longer than the store's: while another session
+    /// holds a lock the handler's insert (through the request's handle) needs, a metadata
+    /// lock (`LOCK TABLES ... WRITE`) or a row lock (an uncommitted row with the same primary
+    /// key), the insert fails with `1205` after the lock timeout, and although the handler
+    /// answers its own `500`, the layer answers `503` + `Retry-After` and rolls back: no
+    /// order, no record; once the lock goes, the same key runs.
+    #[cfg_attr(
+        not(mysql_tests),
+        ignore = "needs MySQL or MariaDB: set TEST_MYSQL_URL"
+    )]
+    #[tokio::test]
+    async fn a_lock_held_on_the_handlers_table_is_503_within_the_lock_timeout() {
+        let Some(db) = MySql::create().await else {
+            return;
+        };
+        db.db
+            .execute("CREATE TABLE handler_ledger (id BIGINT NOT NULL PRIMARY KEY) ENGINE = InnoDB")
+            .await;
+        let lock_timeout = Duration::from_secs(1);
+        let store = db.db.store(4).await;
+        let server = AppBuilder::new(())
+            .layer(move |layer| layer.with_lock_timeout(lock_timeout))
+            .hook(hook_for(|call: OrderCallOf<SqlxTransaction>| async move {
+                let written = match call.tx.acquire().await {
+                    Ok(mut conn) => sqlx::query("INSERT INTO handler_ledger (id) VALUES (1)")
+                        .execute(&mut *conn)
+                        .await
+                        .map(drop)
+                        .map_err(|error| error.to_string()),
+                    Err(error) => Err(error.to_string()),
+                };
+                HookOutcome::failing(written.err().map(|_| StatusCode::INTERNAL_SERVER_ERROR))
+            }))
+            .serve_on(store)
+            .await;
+        let ledger = || db.db.count("SELECT count(*) FROM handler_ledger");
+        for (i, (lock, unlock)) in [
+            ("LOCK TABLES handler_ledger WRITE", "UNLOCK TABLES"),
+            (
+                "BEGIN; INSERT INTO handler_ledger (id) VALUES (1)",
+                "ROLLBACK",
+            ),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let mut holder = db.db.connection().await;
+            sqlx::raw_sql(lock)
+                .execute(&mut holder)
+                .await
+                .expect("lock");
+            let key = format!("held-{i}");
+            let started = std::time::Instant::now();
+            let reply = post(server.addr, Some(SHOP_A), Some(&key), BOOK, &[]).await;
+            let waited = started.elapsed();
+            assert_eq!(
+                reply.status,
+                StatusCode::SERVICE_UNAVAILABLE,
+                "{lock}: {reply:?}"
+            );
+            assert_eq!(reply.error_code(), "busy_retry_later", "{lock}");
+            assert!(reply.header("retry-after").is_some(), "{lock}: {reply:?}");
+            // MySQL counts the wait in whole seconds: the lock timeout plus about one second.
+            assert!(
+                waited < lock_timeout + Duration::from_millis(1500),
+                "{lock}: answered after {waited:?}"
+            );
+            sqlx::raw_sql(unlock)
+                .execute(&mut holder)
+                .await
+                .expect("unlock");
+            drop(holder);
+            assert_eq!(db.counts().await, (0, 0), "{lock}: nothing stored");
+            let retry = post(server.addr, Some(SHOP_A), Some(&key), BOOK, &[]).await;
+            assert_eq!(retry.status, StatusCode::CREATED, "{lock}: {retry:?}");
+            assert_eq!(db.counts().await, (1, 1), "{lock}");
+            assert_eq!(ledger().await, 1, "{lock}");
+            // The next round's insert of the same id must wait on the holder alone.
+            db.db.execute("DELETE FROM handler_ledger").await;
+            db.db.execute("DELETE FROM orders").await;
+            db.db.execute("DELETE FROM idempotency_records").await;
+        }
+    }
+
+    /// Under the in-flight policies that answer `409` (`Reject`, `WaitUpTo`), a brand-new key
+    /// while another session holds `LOCK TABLES idempotency_records WRITE` is not "in flight":
+    /// nothing of its key is held by a request. It gets `503` + `Retry-After` once the lock
+    /// timeout has passed (not `409` at once, as when every `1205` of the reservation was read
+    /// as the key's row), nothing stored, and runs once the lock goes.
+    #[cfg_attr(
+        not(mysql_tests),
+        ignore = "needs MySQL or MariaDB: set TEST_MYSQL_URL"
+    )]
+    #[tokio::test]
+    async fn a_locked_records_table_is_503_not_in_flight_under_reject() {
+        let Some(db) = MySql::create().await else {
+            return;
+        };
+        let lock_timeout = Duration::from_secs(1);
+        for (i, policy) in [
+            InFlight::Reject,
+            InFlight::WaitUpTo(Duration::from_millis(200)),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let store = db.db.store(4).await;
+            let server = AppBuilder::new(())
+                .layer(move |layer| layer.with_lock_timeout(lock_timeout).with_in_flight(policy))
+                .hook(hook_for(|_: OrderCallOf<SqlxTransaction>| async {
+                    HookOutcome::default()
+                }))
+                .serve_on(store)
+                .await;
+            let mut holder = db.db.connection().await;
+            sqlx::query("LOCK TABLES idempotency_records WRITE")
+                .execute(&mut holder)
+                .await
+                .expect("lock");
+            let key = format!("new-{i}");
+            let started = std::time::Instant::now();
+            let reply = post(server.addr, Some(SHOP_A), Some(&key), BOOK, &[]).await;
+            let waited = started.elapsed();
+            assert_eq!(
+                reply.status,
+                StatusCode::SERVICE_UNAVAILABLE,
+                "{policy:?}: {reply:?}"
+            );
+            assert_eq!(reply.error_code(), "busy_retry_later", "{policy:?}");
+            assert!(reply.header("retry-after").is_some(), "{policy:?}");
+            assert!(
+                waited >= lock_timeout - Duration::from_millis(50)
+                    && waited < lock_timeout + Duration::from_millis(1500),
+                "{policy:?}: answered after {waited:?}"
+            );
+            sqlx::query("UNLOCK TABLES")
+                .execute(&mut holder)
+                .await
+                .expect("unlock");
+            drop(holder);
+            assert_eq!(db.counts().await, (i as i64, i as i64), "{policy:?}");
+            let retry = post(server.addr, Some(SHOP_A), Some(&key), BOOK, &[]).await;
+            assert_eq!(retry.status, StatusCode::CREATED, "{policy:?}: {retry:?}");
         }
     }
 }

@@ -232,7 +232,13 @@ where
             Ok(checked) => checked,
             Err(rejection) => {
                 let operation = self.config.operation.clone().unwrap_or_else(|| {
-                    Arc::from(path.as_ref().map_or("", |uri: &http::Uri| uri.path()))
+                    // A path too long to be an operation is not a metric label either.
+                    let path = path.as_ref().map_or("", |uri: &http::Uri| uri.path());
+                    Arc::from(if path.len() <= crate::MAX_OPERATION_LEN {
+                        path
+                    } else {
+                        ""
+                    })
                 });
                 metrics::request(&self.config.metric_keys, &operation, Outcome::Rejected);
                 return Ok(self.reject(&rejection, wire));
@@ -541,6 +547,14 @@ where
         Some(_) => return Err(Rejection::DuplicateKeyHeader),
         None => None,
     };
+    // Before the body is read: no store could keep the record.
+    let operation = match &config.operation {
+        Some(operation) => operation.clone(),
+        None if parts.uri.path().len() > crate::MAX_OPERATION_LEN => {
+            return Err(Rejection::OperationTooLong)
+        }
+        None => Arc::from(parts.uri.path()),
+    };
     let body = read_body(body, &parts.headers, config).await?;
     let key = match key {
         Some(key) => key,
@@ -550,10 +564,6 @@ where
         .fingerprinter
         .fingerprint(&parts, &body)
         .map_err(Rejection::InvalidPayload)?;
-    let operation = match &config.operation {
-        Some(operation) => operation.clone(),
-        None => Arc::from(parts.uri.path()),
-    };
     Ok(Checked {
         parts,
         body,

@@ -135,6 +135,18 @@ pub trait SqlxDialect: sealed::Sealed + Clone + fmt::Debug + Send + Sync + Sized
         matches!(error, sqlx::Error::Io(_) | sqlx::Error::WorkerCrashed)
     }
 
+    /// Takes, before a reservation whose wait on the key's row is bounded by the in-flight
+    /// policy, every lock the reservation's statements need besides the key's row (on the
+    /// table: another session's `LOCK TABLES`, a backup's global read lock), waiting up to
+    /// the lock timeout: past it [`Error::Busy`], not [`Error::InFlight`]. The reservation's
+    /// own lock wait timeout can then only be the key's row, held by a request of the same
+    /// key. The default takes nothing (the dialect's lock wait error tells the two apart, or
+    /// its reservation waits on nothing else).
+    fn lock_table_for_reservation(conn: &mut Conn<Self>) -> BoxFuture<'_, Result<(), Error>> {
+        let _ = conn;
+        Box::pin(std::future::ready(Ok(())))
+    }
+
     /// Reserves `scope` at `now` by `step`: the reserved row, or `None` (see [`ReserveStep`]).
     fn reserve<'a>(
         conn: &'a mut Conn<Self>,
@@ -172,6 +184,13 @@ pub trait SqlxDialect: sealed::Sealed + Clone + fmt::Debug + Send + Sync + Sized
 
     /// A server that went away or cannot take writes (a failover).
     fn is_unavailable(error: &sqlx::Error) -> bool;
+
+    /// A lock wait past the lock timeout that rolled back only its statement, which the
+    /// handle reports at rollback (see [`SqlxTransaction`]). The default: none.
+    fn is_lock_timeout(error: &sqlx::Error) -> bool {
+        let _ = error;
+        false
+    }
 
     /// Refuses transaction control anywhere in a handler's `sql`.
     fn check_command(sql: &str) -> Result<(), Error>;
@@ -459,6 +478,9 @@ async fn reserve_in<D: SqlxDialect>(
     // Restored only if that insert reserved the key (then `reserve` returns its row).
     let restored = opened.lock_wait_restored && matches!(opened.inserted, Some(Some(_)));
     let conn = slot.raw()?;
+    if key_row_wait.is_some() && opened.inserted.is_none() {
+        D::lock_table_for_reservation(conn).await?;
+    }
     let reserved = reserve::reserve(&mut Statements::<D> { conn, scope, now }, opened.inserted)
         .await
         .map_err(|error| reserve::in_flight_past_bound(key_row_wait, error))?;
