@@ -1,5 +1,5 @@
-//! The order route on MySQL or MariaDB: the application's own `MySqlPool`, and a handler of
-//! ordinary sqlx code whose order row commits together with the saved response.
+//! The order API of `orders.rs` on MySQL or MariaDB: the application's own `MySqlPool`, and a
+//! handler of ordinary sqlx code whose order row commits together with the saved response.
 //!
 //! ```text
 //! cargo run --example orders_mysql --features sqlx-mysql,axum -- \
@@ -7,21 +7,18 @@
 //! curl -i -X POST http://127.0.0.1:3000/orders -H 'authorization: Bearer shop-a-token' \
 //!     -H 'idempotency-key: order-1' -H 'content-type: application/json' \
 //!     -d '{"sku":"book","quantity":1}'
+//! curl -i http://127.0.0.1:3000/orders/1 -H 'authorization: Bearer shop-a-token'
 //! ```
 
-use axum::response::Response;
-use axum::routing::post;
-use axum::{Extension, Json};
-use serde_json::Value;
-use sqlx::mysql::MySqlPoolOptions;
-use tower_idempotency::extract::Tx;
+use sqlx::mysql::{MySqlPool, MySqlPoolOptions};
+use sqlx::Row;
 use tower_idempotency::store::sqlx_mysql::{SqlxMySqlStore, SqlxTransaction};
 use tower_idempotency::Tenant;
 
-use sqlx_app::{created, idempotency, sku_and_quantity, ApiError, Args, BoxError};
+use sqlx_app::{Args, BoxError, NewOrder, OrderSql};
 
-/// The command line, the layer's configuration, authentication, error answers and serving,
-/// shared with the other sqlx example.
+/// The order API (`POST /orders`, `GET /orders/{id}`, rules, error codes), the command line
+/// and serving, shared with the other sqlx example: this file brings the SQL.
 #[path = "common/sqlx_app.rs"]
 mod sqlx_app;
 
@@ -44,28 +41,49 @@ async fn main() -> Result<(), BoxError> {
     )
     .execute(&pool)
     .await?;
-    let store = SqlxMySqlStore::new(pool);
+    let store = SqlxMySqlStore::new(pool.clone());
     // Creates `idempotency_records` if it is missing (or run the crate's migration file,
     // `migrations/mysql/`, with your own migrations instead).
     store.migrate().await?;
 
-    let orders = post(create_order).layer(idempotency(store));
-    sqlx_app::serve(&args.addr, orders, "MySQL store").await
+    let app = sqlx_app::app(Orders(pool), store);
+    sqlx_app::serve(&args.addr, app, "MySQL store").await
 }
 
-/// `POST /orders`: runs once per `(tenant, key)`; the layer replays its `201` to retries.
-async fn create_order(
-    Extension(tenant): Extension<Tenant>,
-    Tx(tx): Tx<SqlxTransaction>,
-    Json(order): Json<Value>,
-) -> Result<Response, ApiError> {
-    let (sku, quantity) = sku_and_quantity(&order)?;
-    let mut conn = tx.acquire().await?;
-    let inserted = sqlx::query("INSERT INTO orders (tenant_id, sku, quantity) VALUES (?, ?, ?)")
-        .bind(tenant.as_str())
-        .bind(sku)
-        .bind(quantity)
-        .execute(&mut *conn)
-        .await?;
-    Ok(created(inserted.last_insert_id()))
+/// The orders table, on the application's pool.
+#[derive(Clone)]
+struct Orders(MySqlPool);
+
+impl OrderSql for Orders {
+    type Store = SqlxMySqlStore;
+    type Transaction = SqlxTransaction;
+
+    /// Ordinary sqlx code on the connection the transaction lends.
+    async fn insert(
+        tx: &SqlxTransaction,
+        tenant: &Tenant,
+        order: &NewOrder,
+    ) -> Result<i64, BoxError> {
+        let mut conn = tx.acquire().await?;
+        let inserted =
+            sqlx::query("INSERT INTO orders (tenant_id, sku, quantity) VALUES (?, ?, ?)")
+                .bind(tenant.as_str())
+                .bind(&order.sku)
+                .bind(order.quantity)
+                .execute(&mut *conn)
+                .await?;
+        Ok(i64::try_from(inserted.last_insert_id())?)
+    }
+
+    async fn find(&self, tenant: &Tenant, id: i64) -> Result<Option<(String, i64)>, BoxError> {
+        let row = sqlx::query("SELECT sku, quantity FROM orders WHERE id = ? AND tenant_id = ?")
+            .bind(id)
+            .bind(tenant.as_str())
+            .fetch_optional(&self.0)
+            .await?;
+        match row {
+            Some(row) => Ok(Some((row.try_get(0)?, row.try_get(1)?))),
+            None => Ok(None),
+        }
+    }
 }

@@ -1,5 +1,6 @@
-//! The order route on the sqlx store: the application's own `PgPool`, and a handler of
-//! ordinary sqlx code whose order row commits together with the saved response.
+//! The order API of `orders.rs` on the sqlx PostgreSQL store: the application's own `PgPool`,
+//! and a handler of ordinary sqlx code whose order row commits together with the saved
+//! response.
 //!
 //! ```text
 //! cargo run --example orders_sqlx --features sqlx-postgres,axum -- \
@@ -7,6 +8,7 @@
 //! curl -i -X POST http://127.0.0.1:3000/orders -H 'authorization: Bearer shop-a-token' \
 //!     -H 'idempotency-key: order-1' -H 'content-type: application/json' \
 //!     -d '{"sku":"book","quantity":1}'
+//! curl -i http://127.0.0.1:3000/orders/1 -H 'authorization: Bearer shop-a-token'
 //! ```
 //!
 //! The handler uses the function forms (`query_as`, `bind`) rather than the `query!` macros,
@@ -14,19 +16,14 @@
 //! macros take the same `&mut *conn` executor (the tests' sqlx order app writes its order with
 //! `query_scalar!`, built offline from the crate's `.sqlx/`: docs/sqlx.md, "Query macros").
 
-use axum::response::Response;
-use axum::routing::post;
-use axum::{Extension, Json};
-use serde_json::Value;
-use sqlx::postgres::PgPoolOptions;
-use tower_idempotency::extract::Tx;
+use sqlx::postgres::{PgPool, PgPoolOptions};
 use tower_idempotency::store::sqlx_postgres::{SqlxPostgresStore, SqlxTransaction};
 use tower_idempotency::Tenant;
 
-use sqlx_app::{created, idempotency, sku_and_quantity, ApiError, Args, BoxError};
+use sqlx_app::{Args, BoxError, NewOrder, OrderSql};
 
-/// The command line, the layer's configuration, authentication, error answers and serving,
-/// shared with the other sqlx example.
+/// The order API (`POST /orders`, `GET /orders/{id}`, rules, error codes), the command line
+/// and serving, shared with the other sqlx example: this file brings the SQL.
 #[path = "common/sqlx_app.rs"]
 mod sqlx_app;
 
@@ -49,30 +46,48 @@ async fn main() -> Result<(), BoxError> {
     )
     .execute(&pool)
     .await?;
-    let store = SqlxPostgresStore::new(pool);
+    let store = SqlxPostgresStore::new(pool.clone());
     // Creates `idempotency_records` if it is missing (or run the crate's migration file with
     // your own migrations instead).
     store.migrate().await?;
 
-    let orders = post(create_order).layer(idempotency(store));
-    sqlx_app::serve(&args.addr, orders, "sqlx store").await
+    let app = sqlx_app::app(Orders(pool), store);
+    sqlx_app::serve(&args.addr, app, "sqlx store").await
 }
 
-/// `POST /orders`: runs once per `(tenant, key)`; the layer replays its `201` to retries.
-async fn create_order(
-    Extension(tenant): Extension<Tenant>,
-    Tx(tx): Tx<SqlxTransaction>,
-    Json(order): Json<Value>,
-) -> Result<Response, ApiError> {
-    let (sku, quantity) = sku_and_quantity(&order)?;
-    let mut conn = tx.acquire().await?;
-    let (order_id,): (i64,) = sqlx::query_as(
-        "INSERT INTO orders (tenant_id, sku, quantity) VALUES ($1, $2, $3) RETURNING id",
-    )
-    .bind(tenant.as_str())
-    .bind(sku)
-    .bind(quantity)
-    .fetch_one(&mut *conn)
-    .await?;
-    Ok(created(order_id))
+/// The orders table, on the application's pool.
+#[derive(Clone)]
+struct Orders(PgPool);
+
+impl OrderSql for Orders {
+    type Store = SqlxPostgresStore;
+    type Transaction = SqlxTransaction;
+
+    /// Ordinary sqlx code on the connection the transaction lends.
+    async fn insert(
+        tx: &SqlxTransaction,
+        tenant: &Tenant,
+        order: &NewOrder,
+    ) -> Result<i64, BoxError> {
+        let mut conn = tx.acquire().await?;
+        let (order_id,): (i64,) = sqlx::query_as(
+            "INSERT INTO orders (tenant_id, sku, quantity) VALUES ($1, $2, $3) RETURNING id",
+        )
+        .bind(tenant.as_str())
+        .bind(&order.sku)
+        .bind(order.quantity)
+        .fetch_one(&mut *conn)
+        .await?;
+        Ok(order_id)
+    }
+
+    async fn find(&self, tenant: &Tenant, id: i64) -> Result<Option<(String, i64)>, BoxError> {
+        let found =
+            sqlx::query_as("SELECT sku, quantity FROM orders WHERE id = $1 AND tenant_id = $2")
+                .bind(id)
+                .bind(tenant.as_str())
+                .fetch_optional(&self.0)
+                .await?;
+        Ok(found)
+    }
 }

@@ -56,6 +56,13 @@ pub enum Error {
     /// retryable with the same key (a failover usually ends within seconds).
     #[error("the database is unavailable (a failover?): {0}")]
     Unavailable(String),
+    /// A statement run through a transaction handle waited for a lock past the layer's lock
+    /// timeout (MySQL and MariaDB `1205`: a row lock, or a metadata lock such as another
+    /// session's `LOCK TABLES`), and the handler then failed: what the store reports at
+    /// rollback, so that the layer answers `503` with `Retry-After` rather than the handler's
+    /// own error. Nothing of the request was kept; retryable with the same key.
+    #[error("a statement in the transaction waited for a lock past the lock timeout: {0}")]
+    LockTimeout(String),
     /// The connection was lost after `COMMIT` was sent: the transaction may or may not have
     /// committed. Retryable with the same key, and only that way: the next attempt replays
     /// the saved response if it committed and runs afresh if it did not, so the layer answers
@@ -139,6 +146,7 @@ impl Error {
             Error::Unavailable(_) | Error::CommitOutcomeUnknown(_) => ErrorKind::Unavailable,
             Error::StatementConflict(_) => ErrorKind::Conflict,
             Error::Busy | Error::InFlight | Error::LeaseLost => ErrorKind::Busy,
+            Error::LockTimeout(_) => ErrorKind::LockTimeout,
             #[cfg(feature = "sqlite")]
             Error::Sqlite(e) => crate::sqlite::error::kind(e),
             #[cfg(feature = "postgres")]
@@ -194,6 +202,11 @@ pub enum Rejection {
     MissingTenant,
     /// The request body is larger than the limit. `413`.
     BodyTooLarge,
+    /// The layer has no [operation name](crate::IdempotencyLayer::with_operation), and the
+    /// request's path, which names the operation then, is longer than
+    /// [`MAX_OPERATION_LEN`](crate::MAX_OPERATION_LEN) bytes: no store's records could hold it.
+    /// `414`; nothing stored, handler not run.
+    OperationTooLong,
     /// The request body did not arrive within the body timeout. `408`.
     BodyTimeout,
     /// The request body could not be read (the client went away or sent a broken stream). `400`.
@@ -232,6 +245,7 @@ impl Rejection {
             | Rejection::InvalidPayload(_) => StatusCode::BAD_REQUEST,
             Rejection::MissingTenant => StatusCode::UNAUTHORIZED,
             Rejection::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            Rejection::OperationTooLong => StatusCode::URI_TOO_LONG,
             Rejection::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             Rejection::KeyReused | Rejection::InFlight | Rejection::InDoubt => StatusCode::CONFLICT,
             Rejection::Busy => StatusCode::SERVICE_UNAVAILABLE,
@@ -251,6 +265,7 @@ impl Rejection {
             Rejection::InvalidKey(_) => "invalid_idempotency_key",
             Rejection::MissingTenant => "unauthenticated",
             Rejection::BodyTooLarge => "payload_too_large",
+            Rejection::OperationTooLong => "operation_too_long",
             Rejection::BodyTimeout => "request_body_timeout",
             Rejection::BodyRead => "request_body_unreadable",
             Rejection::InvalidPayload(e) => e.code(),
@@ -282,7 +297,8 @@ impl Rejection {
             | Rejection::DuplicateKeyHeader
             | Rejection::InvalidKey(_)
             | Rejection::BodyRead
-            | Rejection::InvalidPayload(_) => INVALID_ARGUMENT,
+            | Rejection::InvalidPayload(_)
+            | Rejection::OperationTooLong => INVALID_ARGUMENT,
             Rejection::MissingTenant => UNAUTHENTICATED,
             Rejection::BodyTooLarge => RESOURCE_EXHAUSTED,
             Rejection::BodyTimeout => DEADLINE_EXCEEDED,

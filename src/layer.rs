@@ -106,6 +106,13 @@ pub(crate) struct Config {
     pub(crate) metric_keys: crate::metrics::Keys,
 }
 
+/// The longest operation name, in bytes: the MySQL and MariaDB table's `VARBINARY(255)`
+/// column (SQLite's and PostgreSQL's `TEXT` hold more, PostgreSQL's primary key index up to
+/// about 2700 bytes of tenant, operation and key together). One bound on every store, so that
+/// a route that works on one works on all. See
+/// [`IdempotencyLayer::with_operation`].
+pub const MAX_OPERATION_LEN: usize = 255;
+
 impl Config {
     /// The status the layer answers a rejection with.
     pub(crate) fn status_of(&self, rejection: &Rejection) -> StatusCode {
@@ -268,8 +275,31 @@ impl<St> IdempotencyLayer<St> {
     ///
     /// Default: the request's path. Name it explicitly (`"create_order"`) so that records
     /// survive a change of route.
+    ///
+    /// An operation is at most [`MAX_OPERATION_LEN`] bytes (255), what every store's table
+    /// holds. Without a name, a request whose path is longer is answered `414`
+    /// `{"error":"operation_too_long"}` ([`Rejection::OperationTooLong`]): nothing stored,
+    /// handler not run.
+    ///
+    /// # Panics
+    ///
+    /// If `operation` is longer than [`MAX_OPERATION_LEN`] bytes: no request could be stored
+    /// under it.
+    ///
+    /// ```
+    /// # let store = ();
+    /// use tower_idempotency::IdempotencyLayer;
+    ///
+    /// let layer = IdempotencyLayer::new(store).with_operation("create_order");
+    /// ```
     pub fn with_operation(self, operation: impl Into<Arc<str>>) -> Self {
         let operation = operation.into();
+        assert!(
+            operation.len() <= MAX_OPERATION_LEN,
+            "the operation name is {} bytes long; at most {MAX_OPERATION_LEN} fit the stores' \
+             tables",
+            operation.len()
+        );
         self.map_config(|c| c.operation = Some(operation))
     }
 

@@ -118,6 +118,7 @@ fn title(rejection: &Rejection) -> &'static str {
         Rejection::InDoubt => "The outcome of this Idempotency-Key is in doubt",
         Rejection::MissingTenant => "Authentication required",
         Rejection::BodyTooLarge => "Request body too large",
+        Rejection::OperationTooLong => "Request path too long",
         Rejection::BodyTimeout => "Request body too slow",
         Rejection::BodyRead => "Request body unreadable",
         Rejection::InvalidPayload(_) => "Request body malformed",
@@ -155,6 +156,10 @@ fn detail(rejection: &Rejection) -> String {
         }
         Rejection::MissingTenant => "Authenticate, then retry.".to_owned(),
         Rejection::BodyTooLarge => "Send a smaller body.".to_owned(),
+        Rejection::OperationTooLong => format!(
+            "The request path names the operation and is longer than {} bytes.",
+            crate::MAX_OPERATION_LEN
+        ),
         Rejection::HandlerPanicked
         | Rejection::ResponseTooLarge
         | Rejection::ResponseBody

@@ -419,6 +419,35 @@ async fn in_flight_reject_answers_duplicates_409_with_retry_after_at_once<B: Dat
     assert_eq!(db.counts().await, (1, 1));
 }
 
+/// Under `Reject`, retries of a key already completed all replay, however many arrive at once:
+/// the key is not in flight, even while one of them holds it in this process to look it up.
+async fn in_flight_reject_replays_every_retry_of_a_completed_key<B: Database>(db: B) {
+    const RETRIES: usize = 16;
+    let server = db
+        .with_layer(|layer| {
+            layer
+                .with_in_flight(InFlight::Reject)
+                .with_retry_after(Duration::from_secs(3))
+        })
+        .await;
+    let first = post(server.addr, Some(SHOP_A), Some("completed"), BOOK, &[]).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+
+    let retries = send_all_at_once(same_request(server.addr, "completed", RETRIES)).await;
+
+    let refused = retries
+        .iter()
+        .filter(|reply| reply.status != StatusCode::CREATED)
+        .count();
+    assert_eq!(refused, 0, "retries not replayed: {retries:?}");
+    for reply in &retries {
+        assert!(reply.replayed(), "{reply:?}");
+        assert_eq!(reply.body, first.body);
+    }
+    assert_eq!(server.app.handler_calls(), 1);
+    assert_eq!(db.counts().await, (1, 1));
+}
+
 async fn in_flight_wait_up_to_a_bound_replays_when_the_first_ends_in_time<B: Database>(db: B) {
     const DUPLICATES: usize = 8;
     let holder = Holder::new("running");
@@ -612,6 +641,10 @@ macro_rules! concurrency_tests {
                 worker_threads = 2
             ),
             in_flight_reject_answers_duplicates_409_with_retry_after_at_once(
+                flavor = "multi_thread",
+                worker_threads = 2
+            ),
+            in_flight_reject_replays_every_retry_of_a_completed_key(
                 flavor = "multi_thread",
                 worker_threads = 2
             ),

@@ -1,8 +1,9 @@
 //! The order examples as real processes on one database, each on its store:
 //! `examples/orders.rs --database-url ...` (tokio-postgres), `examples/orders_sqlx.rs` (sqlx
 //! PostgreSQL) and `examples/orders_mysql.rs` (sqlx MySQL/MariaDB). Two instances answer
-//! duplicates at once, and an instance killed with SIGKILL under load is started again: one
-//! suite, run against each example.
+//! duplicates at once, and an instance killed with SIGKILL under load is started again; each
+//! serves the same order API (rules, error codes, `Location`, `GET /orders/{id}`): one suite,
+//! run against each example.
 //!
 //! Needs the database's server (`TEST_DATABASE_URL`, `TEST_MYSQL_URL`) and the example binary
 //! (built on first use); without the variable `cargo test` reports these tests as ignored.
@@ -23,6 +24,8 @@ use common::process::ExampleProcess;
 use common::{post, Post, Reply, SHOP_A};
 use http::StatusCode;
 use tokio::sync::Barrier;
+
+const BOOK: &str = r#"{"sku":"book","quantity":1}"#;
 
 /// A fresh database that an order example serves on.
 trait ExampleDatabase: Sized + Send + Sync + 'static {
@@ -92,6 +95,93 @@ macro_rules! example_database {
 example_database!(TokioPostgres, pg_common::TestDb, "orders");
 example_database!(SqlxPostgres, pg_common::TestDb, "orders_sqlx");
 example_database!(MySql, mysql_common::TestDb, "orders_mysql");
+
+/// `GET path` as `token` (or without `Authorization`).
+async fn get_as(addr: std::net::SocketAddr, token: Option<&str>, path: &str) -> Reply {
+    let mut request = http::Request::get(format!("http://{addr}{path}"));
+    if let Some(token) = token {
+        request = request.header("authorization", format!("Bearer {token}"));
+    }
+    common::send(
+        request
+            .body(http_body_util::Empty::<Bytes>::new())
+            .expect("request"),
+    )
+    .await
+}
+
+/// The example serves the API of `examples/orders.rs`: invalid orders are `400` with the
+/// field's code and create nothing, a missing or unknown token is `401 unauthenticated`, a
+/// new order is `201` with its `Location`, which `GET` answers to its tenant alone (`404
+/// not_found` to another, and for an id that is none).
+async fn serves_the_order_api<D: ExampleDatabase>() {
+    let Some(db) = D::create().await else {
+        return;
+    };
+    let app = db.start().await;
+    let bad = [
+        ("not JSON", "{", "invalid_json"),
+        (
+            "quantity 0",
+            r#"{"sku":"book","quantity":0}"#,
+            "invalid_quantity",
+        ),
+        (
+            "quantity 101",
+            r#"{"sku":"book","quantity":101}"#,
+            "invalid_quantity",
+        ),
+        ("no quantity", r#"{"sku":"book"}"#, "invalid_quantity"),
+        (
+            "empty sku",
+            r#"{"sku":"","quantity":1}"#,
+            "invalid_key_or_sku",
+        ),
+        ("no sku", r#"{"quantity":1}"#, "invalid_key_or_sku"),
+    ];
+    for (i, (what, body, code)) in bad.into_iter().enumerate() {
+        let reply = post(app.addr, Some(SHOP_A), Some(&format!("bad-{i}")), body, &[]).await;
+        assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{what}: {reply:?}");
+        assert_eq!(reply.error_code(), code, "{what}");
+    }
+    let unauthenticated = post(app.addr, Some("nobody"), Some("k"), BOOK, &[]).await;
+    assert_eq!(unauthenticated.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(unauthenticated.error_code(), "unauthenticated");
+    assert!(db.orders().await.is_empty(), "nothing created");
+
+    let created = post(app.addr, Some(SHOP_A), Some("good"), BOOK, &[]).await;
+    assert_eq!(created.status, StatusCode::CREATED, "{created:?}");
+    let id = created.order_id();
+    let location = format!("/orders/{id}");
+    assert_eq!(created.header("location"), Some(location.as_str()));
+    let replay = post(app.addr, Some(SHOP_A), Some("good"), BOOK, &[]).await;
+    assert!(replay.replayed(), "{replay:?}");
+    assert_eq!(replay.header("location"), Some(location.as_str()));
+
+    let own = get_as(app.addr, Some(SHOP_A), &location).await;
+    assert_eq!(own.status, StatusCode::OK, "{own:?}");
+    assert_eq!(
+        own.json(),
+        serde_json::json!({"order_id": id, "sku": "book", "quantity": 1})
+    );
+    for (token, path) in [
+        (Some("shop-b-token"), location.as_str()),
+        (Some(SHOP_A), "/orders/999999"),
+        (Some(SHOP_A), "/orders/not-a-number"),
+    ] {
+        let reply = get_as(app.addr, token, path).await;
+        assert_eq!(
+            reply.status,
+            StatusCode::NOT_FOUND,
+            "{token:?} {path}: {reply:?}"
+        );
+        assert_eq!(reply.error_code(), "not_found");
+    }
+    let anonymous = get_as(app.addr, None, &location).await;
+    assert_eq!(anonymous.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(anonymous.error_code(), "unauthenticated");
+    assert_eq!(db.orders().await.len(), 1);
+}
 
 /// Two instances of the example share one database; every key goes to both at the same
 /// moment, several times: one order per key, and every reply of a key is the same 201.
@@ -283,6 +373,13 @@ mod postgres {
     async fn example_killed_under_load_keeps_one_order_per_key() {
         killed_under_load_keeps_one_order_per_key::<TokioPostgres>().await;
     }
+
+    /// The reference the sqlx examples are held to: `examples/orders.rs` on PostgreSQL.
+    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn example_serves_the_order_api() {
+        serves_the_order_api::<TokioPostgres>().await;
+    }
 }
 
 mod sqlx_postgres {
@@ -294,6 +391,12 @@ mod sqlx_postgres {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn sqlx_two_example_instances_create_one_order_per_key() {
         two_instances_create_one_order_per_key::<SqlxPostgres>().await;
+    }
+
+    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sqlx_example_serves_the_order_api() {
+        serves_the_order_api::<SqlxPostgres>().await;
     }
 
     #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
@@ -315,6 +418,15 @@ mod mysql {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn two_example_instances_create_one_order_per_key() {
         two_instances_create_one_order_per_key::<MySql>().await;
+    }
+
+    #[cfg_attr(
+        not(mysql_tests),
+        ignore = "needs MySQL or MariaDB: set TEST_MYSQL_URL"
+    )]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn example_serves_the_order_api() {
+        serves_the_order_api::<MySql>().await;
     }
 
     #[cfg_attr(

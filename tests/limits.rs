@@ -1,6 +1,9 @@
-//! Body size and body time limits: 413 and 408, with nothing stored and the handler not run.
+//! Body size and body time limits: 413 and 408, with nothing stored and the handler not run;
+//! an operation name longer than the stores hold: refused when the layer is built, `414` when
+//! the request's path names it (on SQLite and, with `TEST_MYSQL_URL`, MySQL or MariaDB).
 
 mod common;
+mod mysql_common;
 
 use std::time::{Duration, Instant};
 
@@ -210,4 +213,103 @@ async fn body_trickling_past_the_body_timeout_is_408() {
         .await;
     assert_eq!(reply.status, StatusCode::CREATED, "{reply:?}");
     assert!(!reply.replayed());
+}
+
+/// A route that answers every `POST` under `/` (so any path names its operation) behind a
+/// layer on `store` without an operation name, for tenant `shop-a`.
+async fn serve_any_path<S>(store: S) -> common::Serving
+where
+    S: tower_idempotency::store::IdempotencyStore + Clone + Send + Sync + 'static,
+{
+    use axum::routing::post;
+    async fn created() -> (StatusCode, axum::Json<serde_json::Value>) {
+        (
+            StatusCode::CREATED,
+            axum::Json(serde_json::json!({"ok": true})),
+        )
+    }
+    async fn tenant(
+        mut request: axum::extract::Request,
+        next: axum::middleware::Next,
+    ) -> axum::response::Response {
+        request
+            .extensions_mut()
+            .insert(tower_idempotency::Tenant::new("shop-a"));
+        next.run(request).await
+    }
+    let router = axum::Router::new()
+        .route("/{*path}", post(created))
+        .layer(tower_idempotency::IdempotencyLayer::new(store))
+        .layer(axum::middleware::from_fn(tenant));
+    common::Serving::start(router).await
+}
+
+/// A path of `len` bytes.
+fn path_of_len(len: usize) -> String {
+    format!("/{}", "p".repeat(len - 1))
+}
+
+/// Without `with_operation` the path is the operation: one of `MAX_OPERATION_LEN` bytes is
+/// kept, one byte more is `414 operation_too_long` with nothing stored (it was stored on
+/// SQLite, and a `500` on MySQL, whose column holds 255 bytes). Returns the replies.
+async fn a_path_longer_than_an_operation_is_414(addr: std::net::SocketAddr) -> [Reply; 2] {
+    let max = tower_idempotency::MAX_OPERATION_LEN;
+    let body = r#"{"sku":"book","quantity":1}"#;
+    let at_max = Post::order("key-1", body)
+        .path(&path_of_len(max))
+        .send(addr)
+        .await;
+    assert_eq!(at_max.status, StatusCode::CREATED, "{at_max:?}");
+    let over = Post::order("key-1", body)
+        .path(&path_of_len(max + 1))
+        .send(addr)
+        .await;
+    assert_eq!(over.status, StatusCode::URI_TOO_LONG, "{over:?}");
+    assert_eq!(over.error_code(), "operation_too_long");
+    [at_max, over]
+}
+
+#[tokio::test]
+async fn sqlite_a_path_longer_than_an_operation_is_414_and_not_stored() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let store = tower_idempotency::store::sqlite::SqliteStore::open(dir.path().join("ops.db"))
+        .await
+        .expect("open");
+    let serving = serve_any_path(store.clone()).await;
+    a_path_longer_than_an_operation_is_414(serving.addr).await;
+    assert_eq!(
+        common::record_count(&store).await,
+        1,
+        "only the first is kept"
+    );
+    serving.stop().await;
+}
+
+#[cfg_attr(
+    not(mysql_tests),
+    ignore = "needs MySQL or MariaDB: set TEST_MYSQL_URL"
+)]
+#[tokio::test]
+async fn mysql_a_path_longer_than_an_operation_is_414_and_not_stored() {
+    let Some(db) = mysql_common::TestDb::create().await else {
+        return;
+    };
+    let serving = serve_any_path(db.store(2).await).await;
+    a_path_longer_than_an_operation_is_414(serving.addr).await;
+    assert_eq!(db.row_count().await, 1, "only the first is kept");
+    serving.stop().await;
+}
+
+/// An operation name the stores cannot hold is refused when the layer is built.
+#[test]
+#[should_panic(expected = "at most 255 fit")]
+fn an_operation_name_longer_than_the_stores_hold_is_refused() {
+    let _ = tower_idempotency::IdempotencyLayer::new(())
+        .with_operation("o".repeat(tower_idempotency::MAX_OPERATION_LEN + 1));
+}
+
+#[test]
+fn an_operation_name_the_stores_hold_is_taken() {
+    let _ = tower_idempotency::IdempotencyLayer::new(())
+        .with_operation("o".repeat(tower_idempotency::MAX_OPERATION_LEN));
 }

@@ -26,6 +26,7 @@ use common::{post, Post, Reply, PATIENCE, SHOP_A};
 use http::StatusCode;
 use tokio::io::AsyncWriteExt;
 use tokio::sync::Notify;
+use tower_idempotency::InFlight;
 
 const BOOK: &str = r#"{"sku":"book","quantity":1}"#;
 
@@ -300,6 +301,110 @@ macro_rules! rollback_tests {
     };
 }
 
+/// A backend on a PostgreSQL schema of its own (either driver), for what another session
+/// does to its tables.
+trait OnPostgres: Database {
+    fn test_db(&self) -> &pg_common::TestDb;
+}
+
+impl OnPostgres for backend::Postgres {
+    fn test_db(&self) -> &pg_common::TestDb {
+        &self.db
+    }
+}
+
+impl OnPostgres for backend::SqlxPostgres {
+    fn test_db(&self) -> &pg_common::TestDb {
+        &self.db
+    }
+}
+
+/// Another session's `LOCK TABLE idempotency_records IN SHARE MODE` (what a backup or a
+/// migration may take), held until the sender is used or dropped, or `at_most` has passed;
+/// the task ends once the lock is released.
+async fn lock_the_records_table(
+    db: &pg_common::TestDb,
+    at_most: Duration,
+) -> (
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<()>,
+) {
+    let holder = db.client().await;
+    holder
+        .batch_execute("BEGIN; LOCK TABLE idempotency_records IN SHARE MODE")
+        .await
+        .expect("lock the table");
+    let (release, released) = tokio::sync::oneshot::channel();
+    let task = tokio::spawn(async move {
+        let _ = tokio::time::timeout(at_most, released).await;
+        holder.batch_execute("ROLLBACK").await.expect("unlock");
+    });
+    (release, task)
+}
+
+/// While another session holds a lock on the records table, a new key gets `503` with
+/// `Retry-After` by the lock timeout (+1 s), under `policy`: first on the store's new
+/// connections (none has prepared the reservation yet: preparing it waits for the table's lock
+/// too), then on a pooled one that has. Nothing is stored; the key runs once the lock goes.
+async fn a_locked_table_is_503_within_the_lock_timeout<B: OnPostgres>(db: B, policy: InFlight) {
+    let lock_timeout = Duration::from_secs(1);
+    // A server of its own: a new store, whose pools open new connections.
+    let server = db
+        .with_layer(move |layer| {
+            layer
+                .with_lock_timeout(lock_timeout)
+                .with_in_flight(policy)
+                .with_retry_after(Duration::from_secs(2))
+        })
+        .await;
+    for (round, key) in ["on-a-new-connection", "on-a-pooled-connection"]
+        .into_iter()
+        .enumerate()
+    {
+        // Held far longer than the bound: a request that waits for it is seen waiting.
+        let (release, holder) = lock_the_records_table(db.test_db(), Duration::from_secs(6)).await;
+        let started = std::time::Instant::now();
+        let reply = post(server.addr, Some(SHOP_A), Some(key), BOOK, &[]).await;
+        let waited = started.elapsed();
+        let _ = release.send(());
+        holder.await.expect("the lock's holder");
+
+        assert_eq!(
+            reply.status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "{key}: {reply:?}"
+        );
+        assert_eq!(reply.error_code(), "busy_retry_later", "{key}");
+        assert_eq!(reply.header("retry-after"), Some("2"), "{key}: {reply:?}");
+        assert!(
+            waited < lock_timeout + Duration::from_secs(1),
+            "{key}: answered after {waited:?}"
+        );
+        // Nobody else held the key: the wait was the lock timeout's, not answered at once as
+        // a request of the same key in flight.
+        assert!(
+            waited >= lock_timeout - Duration::from_millis(100),
+            "{key}: answered after {waited:?}"
+        );
+        let stored = round as i64;
+        assert_eq!(db.counts().await, (stored, stored), "{key}: nothing stored");
+        let retry = post(server.addr, Some(SHOP_A), Some(key), BOOK, &[]).await;
+        assert_eq!(retry.status, StatusCode::CREATED, "{key}: {retry:?}");
+    }
+    assert_eq!(server.app.handler_calls(), 2);
+    assert_eq!(db.counts().await, (2, 2));
+}
+
+async fn a_table_locked_by_another_session_is_503_within_the_lock_timeout<B: OnPostgres>(db: B) {
+    a_locked_table_is_503_within_the_lock_timeout(db, InFlight::Wait).await;
+}
+
+/// Under `InFlight::Reject` only a lock held by a request of the same key is "in flight":
+/// another session's lock on the whole table is waited for up to the lock timeout, then `503`.
+async fn under_reject_a_locked_table_is_503_not_a_request_in_flight<B: OnPostgres>(db: B) {
+    a_locked_table_is_503_within_the_lock_timeout(db, InFlight::Reject).await;
+}
+
 mod sqlite {
     rollback_tests!(Sqlite);
 }
@@ -319,6 +424,10 @@ mod postgres {
     use super::*;
 
     rollback_tests!(Postgres);
+    backend_tests!(Postgres;
+        a_table_locked_by_another_session_is_503_within_the_lock_timeout,
+        under_reject_a_locked_table_is_503_not_a_request_in_flight,
+    );
     // The database went away under the handler (`pg_terminate_backend`), as in a failover: a
     // `503` with `Retry-After`, not a final failure.
     backend_tests!(Postgres;
@@ -568,6 +677,94 @@ mod postgres {
         runs_afresh(server.addr, "key-1", BOOK).await;
         assert_eq!(db.counts().await, (1, 1));
     }
+
+    /// A primary that stops answering without a reset (a proxy between the store and the
+    /// server that stops forwarding): no request is held; the store's own statements are
+    /// bounded by the lock timeout and a margin, then `503` with `Retry-After`.
+    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
+    #[tokio::test]
+    async fn a_server_that_stops_answering_is_503_within_the_lock_timeout() {
+        let Some(db) = TestDb::create().await else {
+            return;
+        };
+        let proxy = Arc::new(pg_common::FreezingProxy::to(&db).await);
+        let store = tower_idempotency::store::postgres::PostgresStore::builder(proxy.config(&db))
+            .max_connections(4)
+            .max_read_connections(2)
+            // A failed begin is followed by a replay check on the read pool (it may be a
+            // standby that still answers), bounded by `read_wait`: short here, so that the
+            // whole answer comes within the lock timeout and 1 s.
+            .read_wait(Duration::from_millis(300))
+            .connect()
+            .await
+            .expect("open the store through the proxy");
+        let freezer = proxy.clone();
+        let server = PgServer::builder()
+            .layer(one_second_lock_timeout)
+            .hook(pg_hook(move |call: OrderCall| {
+                let freezer = freezer.clone();
+                async move {
+                    if call.sku == "freeze" {
+                        freezer.freeze();
+                    }
+                    HookOutcome::default()
+                }
+            }))
+            .serve_on(store)
+            .await;
+        check_a_server_that_stops_answering(server.addr).await;
+    }
+}
+
+/// Sends one request, failing the test if it is not answered within `at_most`.
+async fn answered_within(
+    addr: std::net::SocketAddr,
+    key: &str,
+    body: &str,
+    at_most: Duration,
+) -> Reply {
+    tokio::time::timeout(at_most, post(addr, Some(SHOP_A), Some(key), body, &[]))
+        .await
+        .unwrap_or_else(|_| panic!("{key}: held for {at_most:?} without an answer"))
+}
+
+/// Checks, on a server whose store reaches the database through `proxy` with a lock timeout of
+/// 1 s, that once the server stops answering (frozen under the handler of the sku `freeze`) a
+/// commit and then a new key are each answered `503` with `Retry-After` within the lock
+/// timeout and 1 s, and that neither request is held.
+async fn check_a_server_that_stops_answering(addr: std::net::SocketAddr) {
+    let lock_timeout = Duration::from_secs(1);
+    let warm_up = post(addr, Some(SHOP_A), Some("before"), BOOK, &[]).await;
+    assert_eq!(warm_up.status, StatusCode::CREATED, "{warm_up:?}");
+    for (key, body) in [
+        // The handler freezes the proxy: its commit gets no answer.
+        ("frozen-at-commit", r#"{"sku":"freeze","quantity":1}"#),
+        // A new key while nothing answers: the reservation on a pooled connection.
+        ("while-frozen", BOOK),
+    ] {
+        let started = std::time::Instant::now();
+        let reply = answered_within(addr, key, body, Duration::from_secs(10)).await;
+        let waited = started.elapsed();
+        assert_eq!(
+            reply.status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "{key}: {reply:?}"
+        );
+        assert_eq!(reply.header("retry-after"), Some("2"), "{key}: {reply:?}");
+        assert!(
+            waited < lock_timeout + Duration::from_secs(1),
+            "{key}: answered after {waited:?}"
+        );
+    }
+}
+
+/// The layer of [`check_a_server_that_stops_answering`].
+fn one_second_lock_timeout<S: tower_idempotency::store::IdempotencyStore>(
+    layer: tower_idempotency::IdempotencyLayer<S>,
+) -> tower_idempotency::IdempotencyLayer<S> {
+    layer
+        .with_lock_timeout(Duration::from_secs(1))
+        .with_retry_after(Duration::from_secs(2))
 }
 
 mod sqlx_postgres {
@@ -577,10 +774,49 @@ mod sqlx_postgres {
 
     rollback_tests!(SqlxPostgres);
     backend_tests!(SqlxPostgres;
+        a_table_locked_by_another_session_is_503_within_the_lock_timeout,
+        under_reject_a_locked_table_is_503_not_a_request_in_flight,
         a_terminated_backend_rolls_back_and_the_retry_succeeds =
             killed_connection_rolls_back_and_the_retry_succeeds,
         transaction_control_through_the_handle_is_refused,
     );
+
+    /// A primary that stops answering without a reset, as in `postgres`, on the sqlx store.
+    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
+    #[tokio::test]
+    async fn a_server_that_stops_answering_is_503_within_the_lock_timeout() {
+        use super::*;
+        use common::{hook_for, AppBuilder};
+        use pg_common::sqlx_app::{SqlxOrderCall, SqlxPgApp};
+        use pg_common::{FreezingProxy, HookOutcome, TestDb};
+        use tower_idempotency::store::sqlx_postgres::SqlxPostgresStore;
+
+        let Some(db) = TestDb::create().await else {
+            return;
+        };
+        let proxy = Arc::new(FreezingProxy::to(&db).await);
+        let pool = db.sqlx_pool_via(4, proxy.addr.port()).await;
+        let store = SqlxPostgresStore::builder(pool)
+            .max_read_connections(2)
+            .read_wait(Duration::from_millis(300))
+            .build();
+        store.migrate().await.expect("create the table");
+        let freezer = proxy.clone();
+        let server = AppBuilder::new(SqlxPgApp)
+            .layer(one_second_lock_timeout)
+            .hook(hook_for(move |call: SqlxOrderCall| {
+                let freezer = freezer.clone();
+                async move {
+                    if call.sku == "freeze" {
+                        freezer.freeze();
+                    }
+                    HookOutcome::default()
+                }
+            }))
+            .serve_on(store)
+            .await;
+        check_a_server_that_stops_answering(server.addr).await;
+    }
 }
 
 mod mysql {
@@ -591,6 +827,7 @@ mod mysql {
     use backend::MySql;
     use common::{hook_for, AppBuilder, HookOutcome, OrderCallOf, Outcome};
     use tower_idempotency::store::sqlx_mysql::SqlxTransaction;
+    use tower_idempotency::InFlight;
 
     use super::*;
 
@@ -696,6 +933,151 @@ mod mysql {
             );
             let retry = post(server.addr, Some(SHOP_A), Some(&key), BOOK, &[]).await;
             assert_eq!(retry.status, StatusCode::CREATED, "{table}: {retry:?}");
+        }
+    }
+    /// The handler's own statements wait no longer than the store's: while another session
+    /// holds a lock the handler's insert (through the request's handle) needs, a metadata
+    /// lock (`LOCK TABLES ... WRITE`) or a row lock (an uncommitted row with the same primary
+    /// key), the insert fails with `1205` after the lock timeout, and although the handler
+    /// answers its own `500`, the layer answers `503` + `Retry-After` and rolls back: no
+    /// order, no record; once the lock goes, the same key runs.
+    #[cfg_attr(
+        not(mysql_tests),
+        ignore = "needs MySQL or MariaDB: set TEST_MYSQL_URL"
+    )]
+    #[tokio::test]
+    async fn a_lock_held_on_the_handlers_table_is_503_within_the_lock_timeout() {
+        let Some(db) = MySql::create().await else {
+            return;
+        };
+        db.db
+            .execute("CREATE TABLE handler_ledger (id BIGINT NOT NULL PRIMARY KEY) ENGINE = InnoDB")
+            .await;
+        let lock_timeout = Duration::from_secs(1);
+        let store = db.db.store(4).await;
+        let server = AppBuilder::new(())
+            .layer(move |layer| layer.with_lock_timeout(lock_timeout))
+            .hook(hook_for(|call: OrderCallOf<SqlxTransaction>| async move {
+                let written = match call.tx.acquire().await {
+                    Ok(mut conn) => sqlx::query("INSERT INTO handler_ledger (id) VALUES (1)")
+                        .execute(&mut *conn)
+                        .await
+                        .map(drop)
+                        .map_err(|error| error.to_string()),
+                    Err(error) => Err(error.to_string()),
+                };
+                HookOutcome::failing(written.err().map(|_| StatusCode::INTERNAL_SERVER_ERROR))
+            }))
+            .serve_on(store)
+            .await;
+        let ledger = || db.db.count("SELECT count(*) FROM handler_ledger");
+        for (i, (lock, unlock)) in [
+            ("LOCK TABLES handler_ledger WRITE", "UNLOCK TABLES"),
+            (
+                "BEGIN; INSERT INTO handler_ledger (id) VALUES (1)",
+                "ROLLBACK",
+            ),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let mut holder = db.db.connection().await;
+            sqlx::raw_sql(lock)
+                .execute(&mut holder)
+                .await
+                .expect("lock");
+            let key = format!("held-{i}");
+            let started = std::time::Instant::now();
+            let reply = post(server.addr, Some(SHOP_A), Some(&key), BOOK, &[]).await;
+            let waited = started.elapsed();
+            assert_eq!(
+                reply.status,
+                StatusCode::SERVICE_UNAVAILABLE,
+                "{lock}: {reply:?}"
+            );
+            assert_eq!(reply.error_code(), "busy_retry_later", "{lock}");
+            assert!(reply.header("retry-after").is_some(), "{lock}: {reply:?}");
+            // MySQL counts the wait in whole seconds: the lock timeout plus about one second.
+            assert!(
+                waited < lock_timeout + Duration::from_millis(1500),
+                "{lock}: answered after {waited:?}"
+            );
+            sqlx::raw_sql(unlock)
+                .execute(&mut holder)
+                .await
+                .expect("unlock");
+            drop(holder);
+            assert_eq!(db.counts().await, (0, 0), "{lock}: nothing stored");
+            let retry = post(server.addr, Some(SHOP_A), Some(&key), BOOK, &[]).await;
+            assert_eq!(retry.status, StatusCode::CREATED, "{lock}: {retry:?}");
+            assert_eq!(db.counts().await, (1, 1), "{lock}");
+            assert_eq!(ledger().await, 1, "{lock}");
+            // The next round's insert of the same id must wait on the holder alone.
+            db.db.execute("DELETE FROM handler_ledger").await;
+            db.db.execute("DELETE FROM orders").await;
+            db.db.execute("DELETE FROM idempotency_records").await;
+        }
+    }
+
+    /// Under the in-flight policies that answer `409` (`Reject`, `WaitUpTo`), a brand-new key
+    /// while another session holds `LOCK TABLES idempotency_records WRITE` is not "in flight":
+    /// nothing of its key is held by a request. It gets `503` + `Retry-After` once the lock
+    /// timeout has passed (not `409` at once, as when every `1205` of the reservation was read
+    /// as the key's row), nothing stored, and runs once the lock goes.
+    #[cfg_attr(
+        not(mysql_tests),
+        ignore = "needs MySQL or MariaDB: set TEST_MYSQL_URL"
+    )]
+    #[tokio::test]
+    async fn a_locked_records_table_is_503_not_in_flight_under_reject() {
+        let Some(db) = MySql::create().await else {
+            return;
+        };
+        let lock_timeout = Duration::from_secs(1);
+        for (i, policy) in [
+            InFlight::Reject,
+            InFlight::WaitUpTo(Duration::from_millis(200)),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let store = db.db.store(4).await;
+            let server = AppBuilder::new(())
+                .layer(move |layer| layer.with_lock_timeout(lock_timeout).with_in_flight(policy))
+                .hook(hook_for(|_: OrderCallOf<SqlxTransaction>| async {
+                    HookOutcome::default()
+                }))
+                .serve_on(store)
+                .await;
+            let mut holder = db.db.connection().await;
+            sqlx::query("LOCK TABLES idempotency_records WRITE")
+                .execute(&mut holder)
+                .await
+                .expect("lock");
+            let key = format!("new-{i}");
+            let started = std::time::Instant::now();
+            let reply = post(server.addr, Some(SHOP_A), Some(&key), BOOK, &[]).await;
+            let waited = started.elapsed();
+            assert_eq!(
+                reply.status,
+                StatusCode::SERVICE_UNAVAILABLE,
+                "{policy:?}: {reply:?}"
+            );
+            assert_eq!(reply.error_code(), "busy_retry_later", "{policy:?}");
+            assert!(reply.header("retry-after").is_some(), "{policy:?}");
+            assert!(
+                waited >= lock_timeout - Duration::from_millis(50)
+                    && waited < lock_timeout + Duration::from_millis(1500),
+                "{policy:?}: answered after {waited:?}"
+            );
+            sqlx::query("UNLOCK TABLES")
+                .execute(&mut holder)
+                .await
+                .expect("unlock");
+            drop(holder);
+            assert_eq!(db.counts().await, (i as i64, i as i64), "{policy:?}");
+            let retry = post(server.addr, Some(SHOP_A), Some(&key), BOOK, &[]).await;
+            assert_eq!(retry.status, StatusCode::CREATED, "{policy:?}: {retry:?}");
         }
     }
 }

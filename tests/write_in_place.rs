@@ -52,7 +52,7 @@ fn thread_recorder(threads: Threads) -> common::Hook {
 
 /// A lone request runs its handler and statements on its own task, not on the writer
 /// thread; with `write_in_place(false)` on the writer thread, as before.
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lone_request_runs_on_its_own_task_unless_turned_off() {
     for in_place in [true, false] {
         let threads = Threads::default();
@@ -91,7 +91,7 @@ async fn a_lone_request_runs_on_its_own_task_unless_turned_off() {
 /// While a request holds the writer in place (awaiting inside its transaction), requests
 /// with other keys queue for the writer thread and commit once it is done, and a duplicate
 /// of its key waits for it and gets its replay: the handler runs once per key.
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_arriving_meanwhile_queue_and_the_duplicate_waits() {
     let slow_handler = HeldHandler::default();
     let threads = Threads::default();
@@ -185,7 +185,7 @@ fn record() -> NewRecord {
 /// A store call that would wait for the writer, made from inside a request that holds it in
 /// place, fails at once instead of waiting for the request's own end; so does a nested
 /// request on the same store.
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calls_that_wait_for_the_writer_fail_at_once_inside_a_request_in_place() {
     let (_dir, store) = store_in_a_temp_dir().await;
     let inner = store.clone();
@@ -239,7 +239,7 @@ async fn calls_that_wait_for_the_writer_fail_at_once_inside_a_request_in_place()
 
 /// A request in place that is dropped mid-transaction (its client went away) rolls back
 /// its rows and gives the writer back: the next request runs and commits.
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dropped_request_in_place_rolls_back_and_frees_the_writer() {
     let (_dir, store) = store_in_a_temp_dir().await;
     store
@@ -303,4 +303,71 @@ async fn a_dropped_request_in_place_rolls_back_and_frees_the_writer() {
         .await
         .expect("read");
     assert_eq!(names, ["kept"]);
+}
+
+/// Under `InFlight::Reject`, a duplicate of a request running in place gets `409` at once,
+/// as on a cold server (where the request runs on the writer thread), however the first
+/// request's handler spends its time: awaiting, or in a slow statement of its own (which
+/// blocks the thread it runs on). On a runtime of one worker the duplicate waited for the
+/// whole first request (its connection was not even accepted) and then got the replay; with
+/// more workers, when the accept loop sat in the blocked worker's LIFO slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+async fn a_duplicate_of_a_request_running_in_place_is_409_at_once_under_reject() {
+    duplicate_of_a_slow_request_is_409_at_once().await;
+}
+
+/// The same on a current-thread runtime, which has no other thread to take over while a
+/// statement blocks: requests there run on the writer thread, not in place.
+#[tokio::test]
+async fn a_duplicate_of_a_slow_request_on_a_current_thread_runtime_is_409_at_once() {
+    duplicate_of_a_slow_request_is_409_at_once().await;
+}
+
+async fn duplicate_of_a_slow_request_is_409_at_once() {
+    for slow_statement in [false, true] {
+        let server = TestServer::builder()
+            .layer(|layer| layer.with_in_flight(tower_idempotency::InFlight::Reject))
+            .hook(hook(move |call| async move {
+                if call.key.as_deref() == Some("slow") {
+                    if slow_statement {
+                        let slept = call
+                            .tx
+                            .run(|_conn| {
+                                std::thread::sleep(Duration::from_secs(3));
+                                Ok(())
+                            })
+                            .await;
+                        assert!(slept.is_ok(), "{slept:?}");
+                    } else {
+                        tokio::time::sleep(Duration::from_secs(3)).await;
+                    }
+                }
+                HookOutcome::default()
+            }))
+            .spawn()
+            .await;
+        let addr = server.addr;
+        let warm_up = post(addr, Some(SHOP_A), Some("warm-up"), BOOK, &[]).await;
+        assert_eq!(warm_up.status, StatusCode::CREATED, "{warm_up:?}");
+        until_the_writer_is_idle().await;
+        let first =
+            tokio::spawn(async move { post(addr, Some(SHOP_A), Some("slow"), BOOK, &[]).await });
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        let started = std::time::Instant::now();
+        let duplicate = post(addr, Some(SHOP_A), Some("slow"), BOOK, &[]).await;
+        let waited = started.elapsed();
+        assert_eq!(
+            duplicate.status,
+            StatusCode::CONFLICT,
+            "slow_statement={slow_statement}: {duplicate:?}"
+        );
+        assert_eq!(duplicate.error_code(), "request_in_flight");
+        assert!(
+            waited < Duration::from_millis(1000),
+            "slow_statement={slow_statement}: answered after {waited:?}"
+        );
+        let first = first.await.expect("the first request");
+        assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+        assert_eq!(server.app.handler_calls(), 2);
+    }
 }

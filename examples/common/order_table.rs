@@ -1,5 +1,5 @@
-//! The `orders` table the SQLite order examples share, and what makes an order valid: the
-//! same rules and error codes over HTTP and gRPC. Included with
+//! The `orders` table the SQLite order examples share, and what makes an order valid (the
+//! rules of `order_rules.rs`): the same rules and error codes over HTTP and gRPC. Included with
 //! `#[path = "common/order_table.rs"] mod order_table;`.
 
 // Not every example uses every item.
@@ -9,12 +9,16 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Duration;
 
-use serde_json::Value;
 use tower_idempotency::body::BoxError;
 use tower_idempotency::store::continuously_purge_expired;
 use tower_idempotency::store::sqlite::rusqlite::{self, Connection, OptionalExtension};
 use tower_idempotency::store::sqlite::SqliteStore;
-use tower_idempotency::Tenant;
+
+pub use order_rules::{tenant_of, NewOrder};
+
+/// What makes an order valid, without a database (the sqlx examples share it too).
+#[path = "order_rules.rs"]
+mod order_rules;
 
 /// The business table. It lives in the same database file as `idempotency_records`, which is
 /// what lets an order and its saved response commit in one transaction.
@@ -55,46 +59,6 @@ pub fn spawn_purge(store: &SqliteStore) {
     ));
 }
 
-/// A validated order request.
-#[derive(Clone, Debug)]
-pub struct NewOrder {
-    pub sku: String,
-    pub quantity: i64,
-}
-
-/// The code of an invalid sku (the name predates the rules: a bad key is the layer's answer).
-pub const INVALID_SKU: &str = "invalid_key_or_sku";
-/// The code of an invalid quantity.
-pub const INVALID_QUANTITY: &str = "invalid_quantity";
-
-impl NewOrder {
-    /// An sku of 1 to 100 characters (not bytes: "書" is one), and 1 to 100 of it.
-    pub fn new(sku: String, quantity: i64) -> Result<Self, &'static str> {
-        if !(1..=100).contains(&sku.chars().count()) {
-            return Err(INVALID_SKU);
-        }
-        if !(1..=100).contains(&quantity) {
-            return Err(INVALID_QUANTITY);
-        }
-        Ok(NewOrder { sku, quantity })
-    }
-
-    /// From a JSON body, by hand (rather than with a typed `Json<T>` extractor) so that every
-    /// invalid field gets one of the two documented error codes. A body that is not JSON at
-    /// all does not get here: the layer's JSON fingerprinter answers it `400 invalid_json`.
-    pub fn from_json(body: &[u8]) -> Result<Self, &'static str> {
-        let value: Value = serde_json::from_slice(body).map_err(|_| INVALID_SKU)?;
-        let sku = value
-            .get("sku")
-            .and_then(Value::as_str)
-            .ok_or(INVALID_SKU)?;
-        // `as_i64` is `None` for `1.5`, `1.0`, `"1"` and `true`: only JSON integers pass (0 is
-        // out of range, so a missing quantity is `invalid_quantity`).
-        let quantity = value.get("quantity").and_then(Value::as_i64).unwrap_or(0);
-        NewOrder::new(sku.to_owned(), quantity)
-    }
-}
-
 /// Inserts the order for `tenant` on `conn` (in the examples, the request's idempotency
 /// transaction) and returns its id.
 pub fn insert(conn: &Connection, tenant: &str, order: &NewOrder) -> rusqlite::Result<i64> {
@@ -121,15 +85,4 @@ pub async fn find(
             .optional()
         })
         .await
-}
-
-/// Demo authentication: a fixed bearer token per tenant. A real app verifies a session or a
-/// signed token; what matters is that the tenant comes from the server, never from a header
-/// the client picks freely.
-pub fn tenant_of(authorization: Option<&str>) -> Option<Tenant> {
-    match authorization?.strip_prefix("Bearer ")? {
-        "shop-a-token" => Some(Tenant::new("shop-a")),
-        "shop-b-token" => Some(Tenant::new("shop-b")),
-        _ => None,
-    }
 }

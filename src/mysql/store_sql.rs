@@ -33,6 +33,11 @@ pub(crate) const INSERT_RESERVATION: &str = "INSERT INTO idempotency_records \
      (tenant, operation, idempotency_key, state, created_at, expires_at) \
      VALUES (?, ?, ?, 'in_progress', ?, ?)";
 
+/// Takes the locks the reservation needs on the table (its metadata lock, and the global
+/// read lock's intention), and no row lock: it matches no row.
+pub(crate) const LOCK_TABLE_FOR_RESERVATION: &str =
+    "UPDATE idempotency_records SET state = state WHERE FALSE";
+
 /// Takes over an expired record (or a stray reservation) as this transaction's reservation.
 /// Binds: `now` twice, the scope, `now`.
 pub(crate) const TAKE_OVER: &str = "UPDATE idempotency_records SET state = 'in_progress', \

@@ -23,6 +23,13 @@ pub(crate) enum Observed {
     /// The server went away or cannot take writes (a PostgreSQL failover): the layer answers
     /// `503`; the connection is not reused.
     Unavailable(String),
+    /// A lock wait past the lock timeout (PostgreSQL `55P03`; MySQL and MariaDB `1205`, a row
+    /// lock or a metadata lock another session holds). A handler that failed after it is
+    /// answered `503` with `Retry-After` (reported at rollback only), as for a wait on the
+    /// store's own statements. MySQL rolled back only the statement and the transaction goes
+    /// on, so a handler that recovered from it commits as usual; PostgreSQL aborted the
+    /// transaction, whose commit then fails.
+    LockTimeout(String),
 }
 
 /// The first [`Observed`] error of a transaction, shared by the transaction and the
@@ -45,7 +52,22 @@ impl Observed {
             (false, false) => return,
         };
         let mut first = first.lock().unwrap_or_else(PoisonError::into_inner);
-        first.get_or_insert(observed);
+        // A lock timeout did not end the transaction: what ends it later is the cause.
+        if matches!(*first, None | Some(Observed::LockTimeout(_))) {
+            *first = Some(observed);
+        }
+    }
+
+    /// Keeps a lock wait timeout a handle's statement got in `first`, unless `first` already
+    /// holds something.
+    pub(crate) fn keep_lock_timeout(first: &StdMutex<Option<Observed>>, message: String) {
+        let mut first = first.lock().unwrap_or_else(PoisonError::into_inner);
+        first.get_or_insert(Observed::LockTimeout(message));
+    }
+
+    /// Whether the database ended (or lost) the transaction: nothing of it can commit.
+    pub(crate) fn ended_the_transaction(&self) -> bool {
+        !matches!(self, Observed::LockTimeout(_))
     }
 
     /// The error a commit or rollback reports for it.
@@ -53,6 +75,7 @@ impl Observed {
         match self {
             Observed::Conflict(message) => Error::StatementConflict(message),
             Observed::Unavailable(message) => Error::Unavailable(message),
+            Observed::LockTimeout(message) => Error::LockTimeout(message),
         }
     }
 }
@@ -115,8 +138,19 @@ impl<S: TxSlot> TxShared<S> {
     }
 
     /// What a handle's statement got that ended the transaction, if anything, as the error
-    /// to report.
+    /// to report (at commit: a lock timeout alone lets the transaction commit).
     pub(crate) fn conflict(&self) -> Option<Error> {
+        self.observed
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+            .filter(Observed::ended_the_transaction)
+            .map(Observed::into_error)
+    }
+
+    /// What a handle's statement got that the request's rollback reports: what ended the
+    /// transaction, or a lock wait past the lock timeout.
+    fn observed_at_rollback(&self) -> Option<Error> {
         self.observed
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -168,6 +202,8 @@ impl<S: TxSlot> TxShared<S> {
     /// a handle's statement got, if any), and reports a serialization failure or deadlock
     /// that a handle's statement got ([`Error::StatementConflict`]): the handler's answer came
     /// from a transaction the database had rolled back, and the layer runs the request again.
+    /// So it reports a lost database ([`Error::Unavailable`]) and a lock wait past the lock
+    /// timeout ([`Error::LockTimeout`]): the layer answers `503` for both.
     pub(crate) async fn rollback(&self) -> Result<(), Error> {
         match self.take_connection() {
             Ok(mut slot) => match self.conflict() {
@@ -178,8 +214,8 @@ impl<S: TxSlot> TxShared<S> {
             // it later), or it is already gone.
             Err(error) => tracing::warn!(%error, "rollback deferred to the connection's release"),
         }
-        match self.conflict() {
-            Some(conflict) => Err(conflict),
+        match self.observed_at_rollback() {
+            Some(observed) => Err(observed),
             None => Ok(()),
         }
     }

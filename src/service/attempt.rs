@@ -157,10 +157,18 @@ impl Attempt {
 /// Rolls back. A serialization conflict that one of the handler's statements hit (a store
 /// reports it from `rollback`) is returned, so that the request runs again; so is a database
 /// that went away or became read-only under the handler (a failover), so that the request is
-/// answered `503` with `Retry-After` rather than with the handler's own error.
+/// answered `503` with `Retry-After` rather than with the handler's own error, and so is a
+/// statement of the handler's that waited for a lock past the lock timeout
+/// ([`Error::LockTimeout`]): the handler's failure is the store's being busy.
 pub(super) async fn roll_back<T: Reservation>(transaction: T) -> Result<(), Error> {
     match transaction.rollback().await {
-        Err(error) if error.is_serialization_conflict() || error.is_unavailable() => Err(error),
+        Err(error)
+            if error.is_serialization_conflict()
+                || error.is_unavailable()
+                || matches!(error, Error::LockTimeout(_)) =>
+        {
+            Err(error)
+        }
         Err(error) => {
             tracing::error!(%error, "idempotency rollback failed");
             Ok(())

@@ -233,7 +233,13 @@ where
             Ok(checked) => checked,
             Err(rejection) => {
                 let operation = self.config.operation.clone().unwrap_or_else(|| {
-                    Arc::from(path.as_ref().map_or("", |uri: &http::Uri| uri.path()))
+                    // A path too long to be an operation is not a metric label either.
+                    let path = path.as_ref().map_or("", |uri: &http::Uri| uri.path());
+                    Arc::from(if path.len() <= crate::MAX_OPERATION_LEN {
+                        path
+                    } else {
+                        ""
+                    })
                 });
                 metrics::request(&self.config.metric_keys, &operation, Outcome::Rejected);
                 return Ok(self.reject(&rejection, wire));
@@ -280,6 +286,12 @@ where
         {
             Ok(claim) => claim,
             Err(rejection) => {
+                // The request that holds the key may be one more retry of a key completed
+                // long ago: a completed key is replayed, never answered "in flight". One read,
+                // without the write lock (the store bounds its wait); failing it, the 409.
+                if let Ok(Some(record)) = self.store.lookup(&scope, SystemTime::now()).await {
+                    return Ok(self.answer_existing(&scope, record, &fingerprint, wire));
+                }
                 tracing::info!("a request with the same key is running; answered 409");
                 metrics::request(
                     &self.config.metric_keys,
@@ -545,6 +557,14 @@ where
         Some(_) => return Err(Rejection::DuplicateKeyHeader),
         None => None,
     };
+    // Before the body is read: no store could keep the record.
+    let operation = match &config.operation {
+        Some(operation) => operation.clone(),
+        None if parts.uri.path().len() > crate::MAX_OPERATION_LEN => {
+            return Err(Rejection::OperationTooLong)
+        }
+        None => Arc::from(parts.uri.path()),
+    };
     let body = read_body(body, &parts.headers, config).await?;
     let key = match key {
         Some(key) => key,
@@ -554,10 +574,6 @@ where
         .fingerprinter
         .fingerprint(&parts, &body)
         .map_err(Rejection::InvalidPayload)?;
-    let operation = match &config.operation {
-        Some(operation) => operation.clone(),
-        None => Arc::from(parts.uri.path()),
-    };
     Ok(Checked {
         parts,
         body,

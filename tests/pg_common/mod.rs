@@ -362,3 +362,95 @@ impl InsertOrder for PostgresTransaction {
         Ok(row.try_get(0)?)
     }
 }
+
+/// A TCP proxy on loopback to the test database's server that forwards both ways until
+/// [`freeze`](Self::freeze): from then on it forwards nothing and closes nothing, as a server
+/// (or a network) that stopped answering without a reset.
+pub struct FreezingProxy {
+    pub addr: std::net::SocketAddr,
+    frozen: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl FreezingProxy {
+    /// A proxy to the server of `db`'s configuration (its first host and port).
+    pub async fn to(db: &TestDb) -> FreezingProxy {
+        let config = db.config();
+        let host = match config.get_hosts().first() {
+            Some(tokio_postgres::config::Host::Tcp(host)) => host.clone(),
+            _ => "127.0.0.1".to_owned(),
+        };
+        let port = config.get_ports().first().copied().unwrap_or(5432);
+        let upstream = tokio::net::lookup_host((host.as_str(), port))
+            .await
+            .expect("resolve the database's host")
+            .next()
+            .expect("an address of the database's host");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind the proxy");
+        let addr = listener.local_addr().expect("the proxy's address");
+        let frozen = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let relay_frozen = frozen.clone();
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = tokio::net::TcpStream::connect(upstream).await else {
+                    continue;
+                };
+                let (from_client, to_client) = client.into_split();
+                let (from_server, to_server) = server.into_split();
+                tokio::spawn(Self::relay(from_client, to_server, relay_frozen.clone()));
+                tokio::spawn(Self::relay(from_server, to_client, relay_frozen.clone()));
+            }
+        });
+        FreezingProxy { addr, frozen }
+    }
+
+    /// From now on nothing is forwarded on any connection, old or new.
+    pub fn freeze(&self) {
+        self.frozen.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// `db`'s configuration, through this proxy.
+    pub fn config(&self, db: &TestDb) -> tokio_postgres::Config {
+        // A new configuration: `host` and `port` add to a configuration's list of hosts.
+        let to_db = db.config();
+        let mut config = tokio_postgres::Config::new();
+        config
+            .host("127.0.0.1")
+            .port(self.addr.port())
+            .options(to_db.get_options().unwrap_or_default())
+            .application_name(to_db.get_application_name().unwrap_or_default());
+        if let Some(user) = to_db.get_user() {
+            config.user(user);
+        }
+        if let Some(dbname) = to_db.get_dbname() {
+            config.dbname(dbname);
+        }
+        if let Some(password) = to_db.get_password() {
+            config.password(password);
+        }
+        config
+    }
+
+    async fn relay(
+        mut from: tokio::net::tcp::OwnedReadHalf,
+        mut to: tokio::net::tcp::OwnedWriteHalf,
+        frozen: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    ) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut buffer = vec![0; 16 * 1024];
+        loop {
+            let read = match from.read(&mut buffer).await {
+                Ok(0) | Err(_) => return,
+                Ok(read) => read,
+            };
+            if frozen.load(std::sync::atomic::Ordering::SeqCst) {
+                // Holds both sockets open, forwarding nothing, until the test ends.
+                std::future::pending::<()>().await;
+            }
+            if to.write_all(&buffer[..read]).await.is_err() {
+                return;
+            }
+        }
+    }
+}

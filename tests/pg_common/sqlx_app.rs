@@ -29,6 +29,22 @@ impl TestDb {
             .expect("connect the sqlx pool")
     }
 
+    /// A sqlx pool of at most `max` connections on this schema through the proxy listening
+    /// on 127.0.0.1:`port`.
+    pub async fn sqlx_pool_via(&self, max: u32, port: u16) -> PgPool {
+        let options = PgConnectOptions::from_str(&self.url)
+            .expect("TEST_DATABASE_URL is a valid URL")
+            .host("127.0.0.1")
+            .port(port)
+            .options([("search_path", self.schema.as_str())])
+            .application_name(&self.schema);
+        PgPoolOptions::new()
+            .max_connections(max)
+            .connect_with(options)
+            .await
+            .expect("connect the sqlx pool")
+    }
+
     /// A sqlx store on this schema (a pool of `max` connections, a read pool of `reads`),
     /// with its table created.
     pub async fn sqlx_store(&self, max: u32, reads: u32) -> SqlxPostgresStore {

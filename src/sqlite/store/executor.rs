@@ -68,8 +68,13 @@ impl SqliteStore {
         async move {
             let outcome = match (runtime, look_up_first) {
                 (Some(runtime), _) => 'run: {
-                    // In place if the writer is idle; else queued, without reading again.
-                    let (work, look_up_first) = if store.shared.write_in_place {
+                    // In place if the writer is idle; else queued, without reading again. Only
+                    // on a multi-thread runtime: there a statement in place hands the thread's
+                    // other tasks to another thread while it runs (see `in_place`); a
+                    // current-thread runtime has no other thread to serve them.
+                    let in_place = store.shared.write_in_place
+                        && runtime.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread;
+                    let (work, look_up_first) = if in_place {
                         match store
                             .try_run_in_place(&scope, now, work, look_up_first, alone)
                             .await

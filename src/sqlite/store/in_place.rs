@@ -89,6 +89,21 @@ impl Shared {
     }
 }
 
+/// Runs `f`, which blocks (SQLite's statements, a commit's fsync), on the calling thread
+/// without holding up the runtime's other tasks: on a worker of a multi-thread runtime under
+/// `block_in_place`, which hands the worker's queued tasks to another thread meanwhile (the
+/// task in its LIFO slot included, which no other worker may steal: the server's accept loop,
+/// say, whose new connections would otherwise wait for the whole statement, however long the
+/// handler makes it). Elsewhere (a blocking thread, no runtime) at once.
+fn blocking<T>(f: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) if runtime.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(f)
+        }
+        _ => f(),
+    }
+}
+
 impl TxShared {
     /// Runs `f` with the slot of the writer this request holds in place: at once, unless
     /// another task of the request is using it (a handler's spawned task), then on the
@@ -102,8 +117,10 @@ impl TxShared {
             return Err(Error::TransactionFinished);
         };
         match lent.try_lock() {
-            Ok(mut writer) => return f(&mut writer),
-            Err(TryLockError::Poisoned(poisoned)) => return f(&mut poisoned.into_inner()),
+            Ok(mut writer) => return blocking(|| f(&mut writer)),
+            Err(TryLockError::Poisoned(poisoned)) => {
+                return blocking(|| f(&mut poisoned.into_inner()))
+            }
             Err(TryLockError::WouldBlock) => {}
         }
         let tx = self.clone();

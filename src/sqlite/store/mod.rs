@@ -37,10 +37,11 @@
 //! lock is free without a busy wait, steps 2 to 4 run on the request's own task instead, with
 //! the writer the writer thread left idle ([`SqliteOptions::write_in_place`], on by default):
 //! the begin, the handler's statements and the commit run inline, as in a hand-written
-//! handler, without the two hand-overs to the writer thread and back. Requests that arrive
-//! meanwhile queue for the writer thread (step 2), which takes the writer back when the
-//! request ends; if any queued, the request's savepoint stays in an open group that they join,
-//! and it is answered when that group commits.
+//! handler, without the two hand-overs to the writer thread and back (on a multi-thread
+//! runtime only, and each under `block_in_place`, so that the worker's other tasks go on
+//! meanwhile). Requests that arrive meanwhile queue for the writer thread (step 2), which
+//! takes the writer back when the request ends; if any queued, the request's savepoint stays
+//! in an open group that they join, and it is answered when that group commits.
 //!
 //! Without a tokio runtime the same steps run one after the other in the caller's task
 //! ([`IdempotencyStore::lookup`], [`IdempotencyStore::begin`], then the work awaited in

@@ -99,8 +99,12 @@ impl SqliteOptions {
     /// [`SqliteTransaction::run`](super::SqliteTransaction::run) statements run inline, as in
     /// a hand-written handler) and commits on its own task, saving the two hand-overs to the
     /// writer thread and back: a lone request's latency and CPU time. Its statements and its
-    /// commit (with `synchronous=FULL`, an fsync) then run on a runtime worker thread, as a
-    /// hand-written handler's do. Requests that arrive meanwhile queue for the writer thread
+    /// commit (with `synchronous=FULL`, an fsync) then run on the runtime worker thread, under
+    /// `tokio::task::block_in_place`, so that the worker's other tasks (new connections, a
+    /// duplicate's `409`) go on on another thread however long a statement takes. Only on a
+    /// multi-thread runtime: on a current-thread runtime every request's transaction runs on
+    /// the writer thread, which keeps the runtime's one thread free. Requests that arrive
+    /// meanwhile queue for the writer thread
     /// and join a group commit, as always. With `false`, every request's transaction runs on
     /// the writer thread.
     ///

@@ -5,7 +5,7 @@ use crate::error::ErrorKind;
 
 /// MySQL's `ER_LOCK_WAIT_TIMEOUT`: a lock wait past `innodb_lock_wait_timeout` (only the
 /// statement is rolled back).
-const MYSQL_LOCK_WAIT_TIMEOUT: u16 = 1205;
+pub(crate) const MYSQL_LOCK_WAIT_TIMEOUT: u16 = 1205;
 /// MySQL's `ER_LOCK_DEADLOCK`: InnoDB rolled the whole transaction back.
 pub(crate) const MYSQL_DEADLOCK: u16 = 1213;
 /// MySQL's `ER_CON_COUNT_ERROR`.

@@ -31,6 +31,11 @@ use crate::row_lock::tx_state::{Observed, ObservedCell, TxShared};
 ///   layer, whatever the handler answers: it runs the request again in a fresh transaction, up
 ///   to [`with_conflict_retries`](crate::IdempotencyLayer::with_conflict_retries) times, then
 ///   answers `503` with `Retry-After`.
+/// - Where the dialect reports them (MySQL and MariaDB), a lock wait past the lock timeout
+///   (`1205`) is noticed too: if the handler then fails (any answer the layer does not save,
+///   an error, a panic), the layer rolls back and answers `503` with `Retry-After`, as for a
+///   wait on its own statements. A handler that recovered from it commits as usual: the
+///   server rolled back only that statement.
 /// - Drop the [`SqlxConnection`] before the handler returns; after the request ends the
 ///   handle refuses work ([`Error::TransactionFinished`]).
 #[derive(Clone)]
@@ -146,16 +151,21 @@ impl<D: SqlxDialect> TxConnection<D> {
 }
 
 /// Keeps `error` if it is the transaction's first serialization failure, deadlock or
-/// failover error.
+/// failover error, or (where the dialect reports them) its first lock wait timeout.
 fn observe<D: SqlxDialect>(conflict: &ObservedCell, error: &sqlx::Error) {
+    let message = || match error.as_database_error() {
+        Some(db_error) => db_error.message().to_owned(),
+        None => error.to_string(),
+    };
+    if D::is_lock_timeout(error) {
+        Observed::keep_lock_timeout(conflict, message());
+        return;
+    }
     Observed::keep_first(
         conflict,
         D::is_conflict(error),
         D::is_unavailable(error),
-        || match error.as_database_error() {
-            Some(db_error) => db_error.message().to_owned(),
-            None => error.to_string(),
-        },
+        message,
     );
 }
 
@@ -163,10 +173,12 @@ fn observe<D: SqlxDialect>(conflict: &ObservedCell, error: &sqlx::Error) {
 /// once a conflict has rolled the transaction back.
 fn check<D: SqlxDialect>(sql: &str, conflict: &ObservedCell) -> Result<(), sqlx::Error> {
     if let Some(refused) = D::REFUSED_AFTER_CONFLICT {
+        // A lock timeout rolled back only its statement: the transaction goes on.
         let conflicted = conflict
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .is_some();
+            .as_ref()
+            .is_some_and(Observed::ended_the_transaction);
         if conflicted {
             return Err(sqlx::Error::InvalidArgument(refused.into()));
         }

@@ -81,6 +81,11 @@ pub trait SqlxDialect: sealed::Sealed + Clone + fmt::Debug + Send + Sync + Sized
     /// Why a handler's statement is refused once a handle's statement conflicted, if the
     /// database runs nothing more of the transaction then (`None`: statements still run).
     const REFUSED_AFTER_CONFLICT: Option<&'static str>;
+    /// How long past a request's deadline the store waits for the server's answers to its own
+    /// statements (the reservation, the commit) before it takes the server for gone and closes
+    /// the connection (`503`): where the server itself ends every lock wait by the deadline.
+    /// `None` (the default): no bound of the store's own.
+    const ANSWER_MARGIN: Option<Duration> = None;
 
     /// Checks that `scope` fits the table.
     fn check_scope(scope: &Scope) -> Result<(), Error>;
@@ -103,14 +108,15 @@ pub trait SqlxDialect: sealed::Sealed + Clone + fmt::Debug + Send + Sync + Sized
     /// Opens a request's transaction as [`begin_request`](Self::begin_request) says (`waits`:
     /// its `deadline` and `key_row_wait`) and, where the dialect sends it in the same round
     /// trip, inserts the reservation of `scope` at `now` too (see [`Opened`]). The default
-    /// only opens the transaction.
+    /// only opens the transaction. A failed insert's lock wait past `key_row_wait` is reported
+    /// as [`Error::InFlight`] here, by the dialect that knows which statement failed.
     fn open_request<'a>(
         conn: &'a mut Conn<Self>,
         isolation: Isolation,
         waits: (Instant, Option<Duration>),
         scope: &'a Scope,
         now: i64,
-    ) -> BoxFuture<'a, Result<Opened<Self::RowId>, sqlx::Error>> {
+    ) -> BoxFuture<'a, Result<Opened<Self::RowId>, Error>> {
         let _ = (scope, now);
         let begin = Self::begin_request(isolation, waits.0, waits.1);
         Box::pin(async move {
@@ -127,6 +133,18 @@ pub trait SqlxDialect: sealed::Sealed + Clone + fmt::Debug + Send + Sync + Sized
     /// try again.
     fn is_connection_lost(error: &sqlx::Error) -> bool {
         matches!(error, sqlx::Error::Io(_) | sqlx::Error::WorkerCrashed)
+    }
+
+    /// Takes, before a reservation whose wait on the key's row is bounded by the in-flight
+    /// policy, every lock the reservation's statements need besides the key's row (on the
+    /// table: another session's `LOCK TABLES`, a backup's global read lock), waiting up to
+    /// the lock timeout: past it [`Error::Busy`], not [`Error::InFlight`]. The reservation's
+    /// own lock wait timeout can then only be the key's row, held by a request of the same
+    /// key. The default takes nothing (the dialect's lock wait error tells the two apart, or
+    /// its reservation waits on nothing else).
+    fn lock_table_for_reservation(conn: &mut Conn<Self>) -> BoxFuture<'_, Result<(), Error>> {
+        let _ = conn;
+        Box::pin(std::future::ready(Ok(())))
     }
 
     /// Reserves `scope` at `now` by `step`: the reserved row, or `None` (see [`ReserveStep`]).
@@ -166,6 +184,13 @@ pub trait SqlxDialect: sealed::Sealed + Clone + fmt::Debug + Send + Sync + Sized
 
     /// A server that went away or cannot take writes (a failover).
     fn is_unavailable(error: &sqlx::Error) -> bool;
+
+    /// A lock wait past the lock timeout that rolled back only its statement, which the
+    /// handle reports at rollback (see [`SqlxTransaction`]). The default: none.
+    fn is_lock_timeout(error: &sqlx::Error) -> bool {
+        let _ = error;
+        false
+    }
 
     /// Refuses transaction control anywhere in a handler's `sql`.
     fn check_command(sql: &str) -> Result<(), Error>;
@@ -296,6 +321,7 @@ impl<D: SqlxDialect> SqlxStore<D> {
         &self,
         scope: &Scope,
         deadline: Instant,
+        lock_timeout: Duration,
         now: i64,
     ) -> Result<Begin<SqlxReservation<D>>, Error> {
         let pool = &self.shared.transactions;
@@ -314,48 +340,71 @@ impl<D: SqlxDialect> SqlxStore<D> {
         if Instant::now() >= deadline {
             return Err(Error::Busy);
         }
-        // From here on, dropping this future (the client went away) discards the connection,
-        // which rolls back whatever the server has done for it.
-        let mut slot = Slot::new(TxConnection::new(connection));
-        let waits = (deadline, self.key_row_wait);
-        let isolation = self.shared.isolation;
-        let opened = loop {
-            match D::open_request(slot.raw()?, isolation, waits, scope, now).await {
-                Ok(opened) => break opened,
-                Err(error) if !checked && D::is_connection_lost(&error) => {
-                    tracing::debug!(%error, "idle connection lost; opening the transaction on another");
-                    slot.discard();
-                    let connection = Self::checked_connection(pool, deadline).await?;
-                    slot = Slot::new(TxConnection::new(connection));
-                    checked = true;
+        let reserving = async {
+            // From here on, dropping this future (the client went away) discards the connection,
+            // which rolls back whatever the server has done for it.
+            let mut slot = Slot::new(TxConnection::new(connection));
+            let waits = (deadline, self.key_row_wait);
+            let isolation = self.shared.isolation;
+            let opened = loop {
+                match D::open_request(slot.raw()?, isolation, waits, scope, now).await {
+                    Ok(opened) => break opened,
+                    Err(Error::Sqlx(error)) if !checked && D::is_connection_lost(&error) => {
+                        tracing::debug!(%error, "idle connection lost; opening the transaction on another");
+                        slot.discard();
+                        let connection = Self::checked_connection(pool, deadline).await?;
+                        slot = Slot::new(TxConnection::new(connection));
+                        checked = true;
+                    }
+                    Err(error) => {
+                        slot.roll_back_and_release().await;
+                        return Err(error);
+                    }
+                }
+            };
+            let token = self.next_token();
+            match reserve_in(&mut slot, scope, waits, now, opened).await {
+                Ok(Reserved::Row(row)) => Ok(Begin::Reserved(SqlxReservation::new(
+                    token,
+                    slot,
+                    scope.clone(),
+                    row,
+                    lock_timeout,
+                ))),
+                Ok(Reserved::Existing(record)) => {
+                    slot.roll_back_and_release().await;
+                    Ok(Begin::Existing(record))
                 }
                 Err(error) => {
                     slot.roll_back_and_release().await;
-                    return Err(reserve::in_flight_past_bound(
-                        self.key_row_wait,
-                        error.into(),
-                    ));
+                    Err(error)
                 }
             }
         };
-        let token = self.next_token();
-        match reserve_in(&mut slot, scope, waits, now, opened).await {
-            Ok(Reserved::Row(row)) => Ok(Begin::Reserved(SqlxReservation::new(
-                token,
-                slot,
-                scope.clone(),
-                row,
-            ))),
-            Ok(Reserved::Existing(record)) => {
-                slot.roll_back_and_release().await;
-                Ok(Begin::Existing(record))
+        match D::ANSWER_MARGIN {
+            // The server ends its lock waits by the deadline; one that has not answered soon
+            // after has stopped answering: dropping the work closes the connection.
+            // (Under an in-flight policy whose bound outlasts the deadline, once that is over.)
+            Some(margin) => {
+                let due = match self.key_row_wait {
+                    Some(wait) => deadline.max(Instant::now() + wait),
+                    None => deadline,
+                };
+                tokio::time::timeout_at(due + margin, reserving)
+                    .await
+                    .unwrap_or_else(|_| Err(no_answer(margin)))
             }
-            Err(error) => {
-                slot.roll_back_and_release().await;
-                Err(error)
-            }
+            None => reserving.await,
         }
     }
+}
+
+/// What a store reports when the server did not answer within the lock timeout and `margin`.
+fn no_answer(margin: Duration) -> Error {
+    Error::Unavailable(format!(
+        "the database did not answer within the lock timeout and {} ms",
+        margin.as_millis()
+    ))
 }
 
 impl<D: SqlxDialect> SqlxStore<D> {
@@ -429,6 +478,9 @@ async fn reserve_in<D: SqlxDialect>(
     // Restored only if that insert reserved the key (then `reserve` returns its row).
     let restored = opened.lock_wait_restored && matches!(opened.inserted, Some(Some(_)));
     let conn = slot.raw()?;
+    if key_row_wait.is_some() && opened.inserted.is_none() {
+        D::lock_table_for_reservation(conn).await?;
+    }
     let reserved = reserve::reserve(&mut Statements::<D> { conn, scope, now }, opened.inserted)
         .await
         .map_err(|error| reserve::in_flight_past_bound(key_row_wait, error))?;
@@ -489,7 +541,7 @@ impl<D: SqlxDialect> IdempotencyStore for SqlxStore<D> {
             self.shared.conflict_retries,
             lock_timeout,
             now,
-            |deadline, now| self.try_begin(scope, deadline, now),
+            |deadline, now| self.try_begin(scope, deadline, lock_timeout, now),
         )
         .await
     }

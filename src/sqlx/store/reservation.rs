@@ -3,6 +3,7 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures_util::StreamExt;
 use sqlx::{Either, Executor as _};
@@ -218,14 +219,24 @@ pub struct SqlxReservation<D: SqlxDialect> {
     scope: Scope,
     /// The reserved row.
     row: D::RowId,
+    /// How long the commit waits for the server's answers, plus the dialect's
+    /// [`ANSWER_MARGIN`](SqlxDialect::ANSWER_MARGIN) if it has one: the layer's lock timeout.
+    commit_wait: Duration,
 }
 
 impl<D: SqlxDialect> SqlxReservation<D> {
-    pub(super) fn new(token: u64, slot: Slot<D>, scope: Scope, row: D::RowId) -> Self {
+    pub(super) fn new(
+        token: u64,
+        slot: Slot<D>,
+        scope: Scope,
+        row: D::RowId,
+        commit_wait: Duration,
+    ) -> Self {
         SqlxReservation {
             tx: Arc::new(TxShared::new(token, slot)),
             scope,
             row,
+            commit_wait,
         }
     }
 }
@@ -258,18 +269,35 @@ impl<D: SqlxDialect> Reservation for SqlxReservation<D> {
             slot.roll_back_and_release().await;
             return Err(conflict);
         }
-        if let Some(complete) = D::complete_as_text(&self.scope, &self.row, &record) {
-            return slot.complete_and_commit(&complete).await;
+        let committing = async {
+            if let Some(complete) = D::complete_as_text(&self.scope, &self.row, &record) {
+                return slot.complete_and_commit(&complete).await;
+            }
+            let saved = D::complete(slot.raw()?, &self.scope, &self.row, &record).await;
+            if let Err(error) = saved {
+                // The transaction is aborted, the row is not this transaction's reservation
+                // any more, or the connection broke: nothing may commit.
+                slot.roll_back_and_release().await;
+                return Err(error);
+            }
+            // The record is this transaction's own: commit it with the handler's rows.
+            slot.commit_and_release().await
+        };
+        let Some(margin) = D::ANSWER_MARGIN else {
+            return committing.await;
+        };
+        // A server that stops answering holds the commit no longer than a lock wait and the
+        // margin: the connection is then closed, and `COMMIT` may have been sent (the same
+        // key replays if it committed).
+        match tokio::time::timeout(self.commit_wait + margin, committing).await {
+            Ok(outcome) => outcome,
+            Err(_) => {
+                slot.discard();
+                Err(Error::CommitOutcomeUnknown(
+                    "the database did not answer COMMIT within the lock timeout".to_owned(),
+                ))
+            }
         }
-        let saved = D::complete(slot.raw()?, &self.scope, &self.row, &record).await;
-        if let Err(error) = saved {
-            // The transaction is aborted, the row is not this transaction's reservation any
-            // more, or the connection broke: nothing may commit.
-            slot.roll_back_and_release().await;
-            return Err(error);
-        }
-        // The record is this transaction's own: commit it with the handler's rows.
-        slot.commit_and_release().await
     }
 
     /// Rolls back. Reports a serialization failure or deadlock that a handler's statement

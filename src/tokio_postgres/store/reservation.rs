@@ -14,7 +14,6 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::types::ToSql;
 
 use deadpool_postgres::ClientWrapper;
-use tokio_postgres::Statement;
 
 use super::slot::{Slot, TxShared};
 use super::store::pool_error;
@@ -38,6 +37,7 @@ impl PostgresStore {
         &self,
         scope: &Scope,
         deadline: Instant,
+        lock_timeout: Duration,
         now: i64,
     ) -> Result<Begin<PostgresReservation>, Error> {
         // The wait ends in this block: its future takes no room beside the reservation's.
@@ -61,11 +61,16 @@ impl PostgresStore {
         };
         let token = self.shared.reservations.fetch_add(1, Ordering::Relaxed);
         let isolation = self.shared.isolation;
-        match reserve(&slot, scope, deadline, self.key_row_wait, now, isolation).await {
+        // The server ends its lock waits by the deadline; one that has not answered soon
+        // after has stopped answering (the connection is then closed).
+        let reserving = reserve(&slot, scope, deadline, self.key_row_wait, now, isolation);
+        let due = pg_reserve::answers_due(deadline, self.key_row_wait);
+        match pg_reserve::answered_by(due, reserving).await {
             Ok(Reserved::Row(row_id)) => Ok(Begin::Reserved(PostgresReservation {
                 tx: Arc::new(TxShared::new(token, slot)),
                 scope: scope.clone(),
                 row_id,
+                commit_wait: lock_timeout,
             })),
             Ok(Reserved::Existing(record)) => {
                 slot.roll_back_and_release().await;
@@ -83,12 +88,13 @@ impl PostgresStore {
     }
 }
 
-/// The reservation's statements on a tokio-postgres connection. The re-check and the take-over
-/// are prepared (from the connection's cache) only when a conflict needs them: a new key runs
-/// the insert alone.
+/// The reservation's statements on a tokio-postgres connection. Each is prepared (from the
+/// connection's cache) inside the transaction, where `lock_timeout` bounds the wait: parsing a
+/// statement that writes the table takes the table's lock, which another session may hold (a
+/// `LOCK TABLE`). The re-check and the take-over are prepared only when a conflict needs them:
+/// a new key runs the insert alone.
 struct Statements<'a> {
     client: &'a ClientWrapper,
-    insert: Statement,
     scope: &'a Scope,
     now: i64,
 }
@@ -98,10 +104,13 @@ impl ReserveStatements for Statements<'_> {
 
     async fn insert(&mut self) -> Result<Option<String>, Error> {
         let s = self.scope;
+        // Ready at once when the connection has it (no round trip of its own): the insert is
+        // then sent in the same flight as whatever was polled before it.
+        let insert = self.client.prepare_cached(INSERT_RESERVATION).await?;
         let row = self
             .client
             .query_opt(
-                &self.insert,
+                &insert,
                 &[&&*s.tenant, &&*s.operation, &s.key.as_str(), &self.now],
             )
             .await?;
@@ -147,16 +156,13 @@ async fn reserve(
     isolation: Isolation,
 ) -> Result<Reserved<String>, Error> {
     let client = slot.client()?;
-    // Prepared once per connection, before the transaction.
-    let mut statements = Statements {
-        client,
-        insert: client.prepare_cached(INSERT_RESERVATION).await?,
-        scope,
-        now,
-    };
+    let mut statements = Statements { client, scope, now };
     // The begin and the first reservation go in one flight (tokio-postgres pipelines requests
-    // polled together, in order): one round trip for both. Should the begin's `SET LOCAL`
-    // fail, the transaction is aborted and the insert fails with it.
+    // polled together, in order): one round trip for both. On a connection that has not
+    // prepared the insert yet, its preparation follows the begin (and the insert follows it),
+    // bounded by the `lock_timeout` the begin set. Should the begin fail (its `SET LOCAL`, or
+    // under an in-flight policy the wait for the table's lock), the transaction is aborted
+    // and the insert fails with it; the begin's error is the one reported, never as in flight.
     let begin = isolation.begin_request(deadline, key_row_wait);
     let (begun, first) =
         futures_util::future::join(client.batch_execute(&begin), statements.insert()).await;
@@ -191,6 +197,9 @@ pub struct PostgresReservation {
     scope: Scope,
     /// The `ctid` of the reserved row.
     row_id: String,
+    /// How long the commit waits for the server's answers before it takes the server for gone
+    /// (plus [`pg_reserve::ANSWER_MARGIN`]): the layer's lock timeout.
+    commit_wait: Duration,
 }
 
 impl fmt::Debug for PostgresReservation {
@@ -228,11 +237,17 @@ impl Reservation for PostgresReservation {
             Ok(client) => client,
             Err(error) => return Err(error),
         };
-        let complete = match client.prepare_cached(COMPLETE_RECORD).await {
+        // A server that stops answering holds the commit no longer than a lock wait (and the
+        // margin): the connection is then closed.
+        let answer_by = Instant::now() + self.commit_wait;
+        let prepared = pg_reserve::answered_by(answer_by, async {
+            Ok(client.prepare_cached(COMPLETE_RECORD).await?)
+        });
+        let complete = match prepared.await {
             Ok(statement) => statement,
             Err(error) => {
-                slot.roll_back_and_release().await;
-                return Err(error.into());
+                slot.roll_back_after(&error).await;
+                return Err(error);
             }
         };
         let response = &record.response;
@@ -258,11 +273,19 @@ impl Reservation for PostgresReservation {
         // in order): when the record fails, the transaction is aborted and PostgreSQL answers
         // the `COMMIT` with a `ROLLBACK`. The statement answers one row (`1`) or fails: its
         // row count says so without decoding the row.
-        let (saved, committed) = futures_util::future::join(
+        let flight = futures_util::future::join(
             client.execute(&complete, &params),
             client.batch_execute("COMMIT"),
-        )
-        .await;
+        );
+        let Ok((saved, committed)) =
+            tokio::time::timeout_at(answer_by + pg_reserve::ANSWER_MARGIN, flight).await
+        else {
+            // `COMMIT` was sent: it may have committed. The same key replays if it did.
+            slot.discard();
+            return Err(Error::CommitOutcomeUnknown(
+                "the database did not answer COMMIT within the lock timeout".to_owned(),
+            ));
+        };
         // Committed, rolled back, or the connection is gone: no transaction is left open on it.
         slot.release();
         match (saved, committed) {

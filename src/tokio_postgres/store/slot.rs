@@ -106,6 +106,15 @@ impl TxShared {
     /// Keeps `error` if it is the transaction's first serialization failure, deadlock or
     /// failover error.
     pub(super) fn observe(&self, error: &tokio_postgres::Error) {
+        // A lock wait past the lock timeout (`55P03`): answered `503` if the handler then fails.
+        if error.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) {
+            let message = match error.as_db_error() {
+                Some(db_error) => db_error.to_string(),
+                None => error.to_string(),
+            };
+            Observed::keep_lock_timeout(&self.observed, message);
+            return;
+        }
         Observed::keep_first(
             &self.observed,
             is_conflict_code(error),

@@ -140,7 +140,7 @@ impl IdempotencyStore for PostgresStore {
             self.shared.serialization_retries,
             lock_timeout,
             now,
-            |deadline, now| self.try_begin(scope, deadline, now),
+            |deadline, now| self.try_begin(scope, deadline, lock_timeout, now),
         )
         .await
     }

@@ -18,7 +18,9 @@
 //!   `Retry-After`. Under the in-flight policies `Reject` and `WaitUpTo(d)`, the reservation's
 //!   wait on a key held by another instance's transaction is bounded by the policy instead (`d`
 //!   rounded up to whole seconds; `Reject`: no wait on MariaDB, one second on MySQL) and
-//!   answered `409` ([`InFlight`](crate::InFlight)). Deadlocks (`1213`) while reserving are retried a bounded number of times
+//!   answered `409` ([`InFlight`](crate::InFlight)); a table another session locked
+//!   (`LOCK TABLES`, `FLUSH TABLES WITH READ LOCK`) is waited for up to the lock timeout and
+//!   answered `503`, not `409`, under every policy. Deadlocks (`1213`) while reserving are retried a bounded number of times
 //!   ([`SqlxMySqlOptions::deadlock_retries`]); one that a handler's statement gets is reported
 //!   to the layer, which runs the request again.
 //! - **The layer commits**: the connection the handle lends refuses transaction control and
@@ -60,7 +62,7 @@ use crate::error::Error;
 use crate::mysql::guard as sql_guard;
 use crate::mysql::store_sql as sql;
 use crate::sqlx::error::sqlx_code;
-use crate::sqlx::mysql::error::{mysql_number, MYSQL_DEADLOCK};
+use crate::sqlx::mysql::error::{mysql_number, MYSQL_DEADLOCK, MYSQL_LOCK_WAIT_TIMEOUT};
 use crate::store::sqlx::{
     ReserveStep, RowsAffected, SqlxDatabase, SqlxDialect, SqlxOptions, SqlxStore,
 };
@@ -108,8 +110,10 @@ pub type SqlxMySqlOptions = SqlxOptions<MySqlDialect>;
 /// - A failed statement is rolled back on its own and the transaction goes on (InnoDB's way),
 ///   except a deadlock (`1213`), after which InnoDB has rolled the whole transaction back: the
 ///   connection then refuses further statements, and the layer runs the request again.
-/// - Lock waits are bounded by the layer's lock timeout (`innodb_lock_wait_timeout`, whole
-///   seconds): past it a statement fails with `1205`.
+/// - Lock waits are bounded by the layer's lock timeout (`innodb_lock_wait_timeout` for row
+///   locks, `lock_wait_timeout` for metadata locks such as another session's `LOCK TABLES`;
+///   whole seconds): past it a statement fails with `1205`. If the handler then fails, the
+///   layer answers `503` with `Retry-After` (whatever the handler answered) and rolls back.
 pub type SqlxTransaction = crate::store::sqlx::SqlxTransaction<MySqlDialect>;
 
 /// The transaction's connection, borrowed from a [`SqlxTransaction`]: dereferences to a
@@ -242,6 +246,24 @@ impl SqlxDialect for MySqlDialect {
         sql::set_lock_wait(lock_wait_secs(deadline))
     }
 
+    /// An `UPDATE` that matches no row: it waits for the table's metadata lock and the global
+    /// read lock as the reservation's `INSERT` would (up to `lock_wait_timeout`, the lock
+    /// timeout), and takes no row lock. Both are then held to the end of the transaction, so
+    /// the `INSERT`'s `1205` (after the in-flight policy's `innodb_lock_wait_timeout`) can
+    /// only be the key's row: this one's is [`Error::Busy`].
+    fn lock_table_for_reservation(conn: &mut MySqlConnection) -> BoxFuture<'_, Result<(), Error>> {
+        Box::pin(async move {
+            match conn.execute(sql::LOCK_TABLE_FOR_RESERVATION).await {
+                Ok(_) => Ok(()),
+                Err(error) if mysql_number(&error) == Some(MYSQL_LOCK_WAIT_TIMEOUT) => {
+                    tracing::debug!(%error, "the records table is locked by another session");
+                    Err(Error::Busy)
+                }
+                Err(error) => Err(error.into()),
+            }
+        })
+    }
+
     /// The insert fails with a duplicate key once a committed row has the key; the take-over
     /// changes no row if the row changed meanwhile.
     fn reserve<'a>(
@@ -304,6 +326,12 @@ impl SqlxDialect for MySqlDialect {
 
     fn is_unavailable(error: &sqlx::Error) -> bool {
         crate::sqlx::error::sqlx_unavailable(error)
+    }
+
+    /// `1205`: a row lock wait past `innodb_lock_wait_timeout`, or a metadata lock wait past
+    /// `lock_wait_timeout` (both the layer's lock timeout); InnoDB rolls back the statement.
+    fn is_lock_timeout(error: &sqlx::Error) -> bool {
+        mysql_number(error) == Some(MYSQL_LOCK_WAIT_TIMEOUT)
     }
 
     fn check_command(sql: &str) -> Result<(), Error> {

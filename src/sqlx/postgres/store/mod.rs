@@ -98,6 +98,7 @@ use crate::postgres::store_sql::{
     PURGE_EXPIRED, SELECT_LIVE_RECORD, SELECT_RECORD, TAKE_OVER,
 };
 use crate::response::SavedResponse;
+use crate::row_lock::reserve;
 use crate::sqlx::error::sqlx_code;
 use crate::store::sqlx::{
     Opened, ReserveStep, RowsAffected, SqlxDatabase, SqlxDialect, SqlxOptions, SqlxStore,
@@ -200,6 +201,8 @@ impl SqlxDialect for PgDialect {
     const COMMIT: &'static str = "COMMIT";
     const ROLLBACK: &'static str = "ROLLBACK";
     const REFUSED_AFTER_CONFLICT: Option<&'static str> = None;
+    /// PostgreSQL ends every lock wait by the deadline itself (`lock_timeout`).
+    const ANSWER_MARGIN: Option<Duration> = Some(crate::postgres::reserve::ANSWER_MARGIN);
 
     /// PostgreSQL text cannot hold NUL: a tenant, operation or key with one is refused (the
     /// server would refuse it as a parameter too).
@@ -227,21 +230,31 @@ impl SqlxDialect for PgDialect {
     /// One round trip: `BEGIN`, `SET LOCAL lock_timeout` and the reservation's `INSERT` (an
     /// `EXECUTE` of it, prepared once per connection) in one simple query; the key's values
     /// are written into its text as literals when they are plain ASCII (else the `BEGIN` goes
-    /// alone and the `INSERT` follows with bind parameters). If a statement fails, those after it do not run and the
-    /// transaction stays open, aborted, for the caller's `ROLLBACK`.
+    /// alone and the `INSERT` follows with bind parameters). If a statement fails, those after
+    /// it do not run and the transaction stays open, aborted, for the caller's `ROLLBACK`.
+    ///
+    /// Only a lock wait of the `INSERT` past `key_row_wait` is [`Error::InFlight`]: a wait of
+    /// the `BEGIN`'s statements (under an in-flight policy, for the table's lock) or of the
+    /// statements' preparation ends by the deadline and is reported as it is (`503`).
     fn open_request<'a>(
         conn: &'a mut PgConnection,
         isolation: Isolation,
         (deadline, key_row_wait): (Instant, Option<Duration>),
         scope: &'a Scope,
         now: i64,
-    ) -> BoxFuture<'a, Result<Opened<String>, sqlx::Error>> {
+    ) -> BoxFuture<'a, Result<Opened<String>, Error>> {
         // Under an in-flight policy, the insert that reserved the key bounds the lock waits by
         // the deadline again.
         let restore = key_row_wait.map(|_| deadline);
+        let begin = move || isolation.begin_request(deadline, key_row_wait);
+        let begin_statements = Isolation::begin_request_statements(key_row_wait);
         let flight = move || {
-            let begin = isolation.begin_request(deadline, key_row_wait);
+            let begin = begin();
             one_flight(&begin, scope, now, restore).ok_or(begin)
+        };
+        let failed = move |flight: Failed| match flight {
+            Failed::Begin(error) => Error::from(error),
+            Failed::Insert(error) => reserve::in_flight_past_bound(key_row_wait, error.into()),
         };
         Box::pin(async move {
             let sql = match flight() {
@@ -254,15 +267,19 @@ impl SqlxDialect for PgDialect {
                     });
                 }
             };
-            let row = match run_flight(conn, &sql).await {
+            let row = match run_flight(conn, &sql, begin_statements).await {
                 // The connection has not prepared the store's statements (a new connection):
                 // the transaction is open, aborted.
-                Err(error) if sqlx_code(&error).as_deref() == Some(NO_SUCH_STATEMENT) => {
-                    prepare_statements(conn).await?;
+                Err(Failed::Insert(error))
+                    if sqlx_code(&error).as_deref() == Some(NO_SUCH_STATEMENT) =>
+                {
+                    prepare_statements(conn, &begin()).await?;
                     let sql = flight().map_err(|_| sqlx::Error::Protocol("no flight".into()))?;
-                    run_flight(conn, &sql).await?
+                    run_flight(conn, &sql, begin_statements)
+                        .await
+                        .map_err(failed)?
                 }
-                row => row?,
+                row => row.map_err(failed)?,
             };
             Ok(Opened {
                 inserted: Some(row),
@@ -330,6 +347,12 @@ impl SqlxDialect for PgDialect {
         crate::sqlx::error::sqlx_unavailable(error)
     }
 
+    /// `55P03`: a lock wait past `lock_timeout` (the layer's lock timeout). PostgreSQL aborts
+    /// the whole transaction with it; a handler that then fails is answered `503`.
+    fn is_lock_timeout(error: &sqlx::Error) -> bool {
+        sqlx_code(error).as_deref() == Some("55P03")
+    }
+
     fn check_command(sql: &str) -> Result<(), Error> {
         sql_guard::check_command_remembered(sql)
     }
@@ -374,25 +397,48 @@ fn one_flight(begin: &str, scope: &Scope, now: i64, restore: Option<Instant>) ->
     Some(sql)
 }
 
-/// Sends `sql` (see [`one_flight`]): the reserved row's address, or `None` if the key has a
-/// row.
-async fn run_flight(conn: &mut PgConnection, sql: &str) -> Result<Option<String>, sqlx::Error> {
+/// A statement of a flight ([`one_flight`]) that failed: one of the `BEGIN`'s, or the
+/// reservation's `INSERT`.
+enum Failed {
+    Begin(sqlx::Error),
+    Insert(sqlx::Error),
+}
+
+/// Sends `sql` (see [`one_flight`], whose `BEGIN` has `begin_statements` statements): the
+/// reserved row's address, or `None` if the key has a row.
+async fn run_flight(
+    conn: &mut PgConnection,
+    sql: &str,
+    begin_statements: usize,
+) -> Result<Option<String>, Failed> {
     let mut results = conn.fetch_many(sql);
     let mut row = None;
+    // The statements that ran to their end: an error before the `BEGIN`'s all did is theirs.
+    let mut done = 0;
     while let Some(result) = results.next().await {
-        if let Either::Right(inserted) = result? {
-            row.get_or_insert(inserted.try_get::<String, _>(0)?);
+        match result {
+            Ok(Either::Left(_)) => done += 1,
+            Ok(Either::Right(inserted)) => {
+                let address = inserted.try_get::<String, _>(0).map_err(Failed::Insert)?;
+                row.get_or_insert(address);
+            }
+            Err(error) if done < begin_statements => return Err(Failed::Begin(error)),
+            Err(error) => return Err(Failed::Insert(error)),
         }
     }
     Ok(row)
 }
 
 /// Ends the aborted transaction on `conn` and prepares the store's statements that the
-/// connection does not have ([`PREPARED_NAMES`]): once per connection.
-async fn prepare_statements(conn: &mut PgConnection) -> Result<(), sqlx::Error> {
+/// connection does not have ([`PREPARED_NAMES`]): once per connection. They are prepared in a
+/// transaction opened with `begin` (then rolled back: prepared statements outlive it), whose
+/// `lock_timeout` bounds the wait: preparing a statement that writes the table takes the
+/// table's lock, which another session may hold (a `LOCK TABLE`).
+async fn prepare_statements(conn: &mut PgConnection, begin: &str) -> Result<(), sqlx::Error> {
     let names = PREPARED_NAMES.map(|name| format!("'{name}'")).join(", ");
-    let check =
-        format!("ROLLBACK; SELECT name FROM pg_prepared_statements WHERE name IN ({names})");
+    let check = format!(
+        "ROLLBACK; {begin}; SELECT name FROM pg_prepared_statements WHERE name IN ({names})"
+    );
     let mut present = Vec::new();
     {
         let mut results = conn.fetch_many(check.as_str());
@@ -407,15 +453,14 @@ async fn prepare_statements(conn: &mut PgConnection) -> Result<(), sqlx::Error> 
         INSERT_RESERVATION_RESTORING,
         COMPLETE_RECORD,
     ];
-    let prepare: Vec<String> = PREPARED_NAMES
+    let mut prepare: Vec<String> = PREPARED_NAMES
         .iter()
         .zip(statements)
         .filter(|(name, _)| !present.iter().any(|have| have == *name))
         .map(|(name, statement)| format!("PREPARE {name} AS {statement}"))
         .collect();
-    if !prepare.is_empty() {
-        conn.execute(prepare.join("; ").as_str()).await?;
-    }
+    prepare.push("ROLLBACK".to_owned());
+    conn.execute(prepare.join("; ").as_str()).await?;
     Ok(())
 }
 
