@@ -22,6 +22,9 @@
 //! ```text
 //! cargo run --example payments -- --addr 127.0.0.1:3002 --db payments.db
 //! cargo run --example checkout -- --payments http://127.0.0.1:3002 --db checkout.db --completer
+//! # or on PostgreSQL, where several instances may serve the same shop:
+//! cargo run --example checkout -- --payments http://127.0.0.1:3002 \
+//!     --database-url postgres://postgres@127.0.0.1/shop --completer
 //! curl -i http://127.0.0.1:3003/checkouts \
 //!     -H 'Authorization: Bearer shop-a-token' -H 'Idempotency-Key: order-1' \
 //!     -H 'Content-Type: application/json' \
@@ -30,9 +33,17 @@
 //! curl http://127.0.0.1:3002/stats
 //! ```
 //!
+//! The orders, the keys' progress, the steps and the outbox's events live in one database:
+//! the SQLite file of `--db` (default `checkout.db`), or PostgreSQL with `--database-url`
+//! (the tokio-postgres store). Everything but the store is written once; the store's part
+//! (its tables, the local steps' SQL, reading an order back) is `CheckoutStore`, in
+//! `checkout/sqlite.rs` and `checkout/postgres.rs`. The orders table is `checkout_orders` on
+//! both.
+//!
 //! The tenants and tokens are the `orders` example's (`Bearer shop-a-token`, `shop-b-token`).
 //! `GET /orders/{id}` answers `{"order_id", "status": "pending" | "paid" | "declined",
-//! "charge_id"}` for the caller's own orders.
+//! "charge_id"}` for the caller's own orders. Order ids count up from 1 (on PostgreSQL a
+//! sequence: a step rolled back after its insert leaves a gap).
 //!
 //! For tests that kill the process at a chosen point: `CHECKOUT_PAUSE_AT=POINT` makes a
 //! request stop there, print `paused at POINT` on stdout and wait (an hour, or
@@ -43,10 +54,12 @@
 //! committed, the final response not saved), `before_response` (the response saved, not sent).
 //! A request holds its key under a lease of 10 s between commits (`--lease-ms`): a retry, or
 //! the completer, takes a killed or stalled request's key over once it has passed, and the
-//! stalled request's next commit is refused (it answers `503`).
+//! stalled request's next commit is refused (it answers `503`). On PostgreSQL the
+//! lease holds across processes: instances on one database never both advance a key.
 //!
 //! Logs go to stderr; set `RUST_LOG` (default `warn`) to see more.
 
+use std::future::Future;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -69,10 +82,7 @@ use serde_json::{json, Value};
 use tower::ServiceExt;
 use tower_idempotency::body::BoxError;
 use tower_idempotency::fingerprint::Fingerprinter;
-use tower_idempotency::outbox::sqlite::{self as outbox, SqliteOutbox};
 use tower_idempotency::steps::{CallAgain, Foreign, StepError, StepStore, Steps};
-use tower_idempotency::store::sqlite::rusqlite::{self, OptionalExtension};
-use tower_idempotency::store::sqlite::SqliteStore;
 use tower_idempotency::{IdempotencyLayer, Tenant};
 
 use cli::{Flag, Flags};
@@ -84,6 +94,13 @@ mod cli;
 /// The rules of a valid order and the demo tenants, shared with the other order examples.
 #[path = "common/order_table.rs"]
 mod order_table;
+/// The checkout's tables and steps on PostgreSQL (`--database-url`).
+#[cfg(feature = "postgres")]
+#[path = "checkout/postgres.rs"]
+mod postgres;
+/// The checkout's tables and steps on SQLite (`--db`).
+#[path = "checkout/sqlite.rs"]
+mod sqlite;
 
 const USAGE: &str = "\
 A checkout that charges a card at the payments example, safe to retry and to kill.
@@ -94,7 +111,8 @@ usage: checkout --payments URL [--addr ADDR] [--db FILE | --database-url URL] [-
   --payments URL      the payment provider (the payments example), e.g. http://127.0.0.1:3002
   --addr ADDR         listen on ADDR (default 127.0.0.1:3003)
   --db FILE           the SQLite file of orders, keys and steps (default checkout.db)
-  --database-url URL  PostgreSQL (not supported yet by this example)
+  --database-url URL  PostgreSQL instead (postgres://user@host:5432/db): several instances
+                      may serve the same shop
   --completer         finish keys left part-way (untouched for 5 s) without the client
   --lease-ms N        how long a request holds its key between commits: a killed request's
                       key is taken over after it (default 10000, at least 1000)
@@ -113,19 +131,6 @@ const FLAGS: &[Flag] = &[
     Flag::Value("--lease-ms"),
 ];
 
-/// The orders, in the store's own database file: step 1 and step 3 write them in the steps'
-/// transactions.
-const SCHEMA: &str = "
-CREATE TABLE IF NOT EXISTS checkout_orders (
-    id           INTEGER PRIMARY KEY,
-    tenant_id    TEXT    NOT NULL,
-    sku          TEXT    NOT NULL,
-    quantity     INTEGER NOT NULL,
-    amount_cents INTEGER NOT NULL,
-    status       TEXT    NOT NULL CHECK (status IN ('pending', 'paid', 'declined')),
-    charge_id    TEXT
-);";
-
 /// How long a request holds its key between commits unless `--lease-ms` says otherwise: short
 /// enough that a demo sees a killed request's key taken over soon, long enough for a charge.
 const LEASE: Duration = Duration::from_secs(10);
@@ -139,15 +144,61 @@ const ANSWER_LIMIT: usize = 64 * 1024;
 /// The command line.
 struct Options {
     addr: String,
-    db: PathBuf,
+    database: Database,
     payments: String,
     completer: bool,
     lease: Duration,
 }
 
+/// Where the orders, keys and steps live.
+enum Database {
+    /// `--db FILE`.
+    Sqlite(PathBuf),
+    /// `--database-url URL`.
+    Postgres(String),
+}
+
+/// The part of the checkout that depends on the store: its tables, the local steps (their
+/// SQL, in the step's own transaction) and reading an order back. The step names are the same
+/// on every store.
+trait CheckoutStore: StepStore + Clone + Send + Sync + 'static {
+    /// Creates the orders table, the steps' tables and the outbox, if needed.
+    fn install(&self) -> impl Future<Output = Result<(), BoxError>> + Send;
+
+    /// Step `insert_order`: `order` for `tenant`, `pending`; returns its id.
+    fn insert_order(
+        steps: &Steps<Self>,
+        tenant: &Tenant,
+        order: NewOrder,
+        amount_cents: i64,
+    ) -> impl Future<Output = Result<i64, StepError>> + Send;
+
+    /// Step `mark_declined`: the order is `declined`.
+    fn mark_declined(
+        steps: &Steps<Self>,
+        order_id: i64,
+    ) -> impl Future<Output = Result<(), StepError>> + Send;
+
+    /// Step `mark_paid`: the order is `paid` with `charge_id`, and `event` is enqueued as
+    /// `order_paid` in the same transaction.
+    fn mark_paid(
+        steps: &Steps<Self>,
+        order_id: i64,
+        charge_id: String,
+        event: Value,
+    ) -> impl Future<Output = Result<(), StepError>> + Send;
+
+    /// `(status, charge_id)` of the order `order_id`, if `tenant` placed it.
+    fn find_order(
+        &self,
+        tenant: &Tenant,
+        order_id: i64,
+    ) -> impl Future<Output = Result<Option<(String, Option<String>)>, BoxError>> + Send;
+}
+
 #[derive(Clone)]
-struct App {
-    store: SqliteStore,
+struct App<S> {
+    store: S,
     payments: Payments,
 }
 
@@ -160,13 +211,13 @@ fn parse(mut flags: Flags) -> Result<Options, String> {
     let payments = flags
         .value("--payments")
         .ok_or("--payments URL is required (the payments example's address)")?;
-    if flags.value("--database-url").is_some() {
-        return Err(
-            "--database-url: this example runs on SQLite only for now (--db FILE); \
-                    the PostgreSQL stores do not run step-by-step requests yet"
-                .to_owned(),
-        );
-    }
+    let database = match (flags.value("--db"), flags.value("--database-url")) {
+        (Some(_), Some(_)) => return Err("--db and --database-url: give one of them".to_owned()),
+        (_, Some(url)) => Database::Postgres(url),
+        (db, None) => Database::Sqlite(PathBuf::from(
+            db.unwrap_or_else(|| "checkout.db".to_owned()),
+        )),
+    };
     let lease = match flags.value("--lease-ms") {
         None => LEASE,
         Some(value) => match value.parse::<u64>() {
@@ -182,11 +233,7 @@ fn parse(mut flags: Flags) -> Result<Options, String> {
         addr: flags
             .value("--addr")
             .unwrap_or_else(|| "127.0.0.1:3003".to_owned()),
-        db: PathBuf::from(
-            flags
-                .value("--db")
-                .unwrap_or_else(|| "checkout.db".to_owned()),
-        ),
+        database,
         payments,
         completer: flags.switch("--completer"),
         lease,
@@ -195,12 +242,30 @@ fn parse(mut flags: Flags) -> Result<Options, String> {
 
 async fn run(options: Options) -> Result<(), BoxError> {
     let payments = Payments::new(&options.payments)?;
-    let store = SqliteStore::open(&options.db)
-        .await
-        .map_err(|error| format!("cannot open {}: {error}", options.db.display()))?;
-    store.write(|tx| tx.execute_batch(SCHEMA)).await?;
-    store.install_steps().await?;
-    SqliteOutbox::install(&store).await?;
+    match &options.database {
+        Database::Sqlite(path) => {
+            let store = sqlite::open(path).await?;
+            serve(store, payments, &options, &path.display().to_string()).await
+        }
+        #[cfg(feature = "postgres")]
+        Database::Postgres(url) => {
+            let store = postgres::connect(url).await?;
+            // The URL is not printed: it may carry a password.
+            serve(store, payments, &options, "PostgreSQL").await
+        }
+        #[cfg(not(feature = "postgres"))]
+        Database::Postgres(_) => Err("--database-url needs the `postgres` feature".into()),
+    }
+}
+
+/// Serves the checkout on `store` until Ctrl-C.
+async fn serve<S: CheckoutStore>(
+    store: S,
+    payments: Payments,
+    options: &Options,
+    database: &str,
+) -> Result<(), BoxError> {
+    store.install().await?;
     let app = App { store, payments };
 
     let layer = IdempotencyLayer::new(app.store.clone())
@@ -212,7 +277,7 @@ async fn run(options: Options) -> Result<(), BoxError> {
         // The completer calls the handler as the layer would, with the request as first sent
         // and the key's tenant in its extensions: no authentication in front of it.
         let handler = Router::new()
-            .route("/checkouts", post(checkout))
+            .route("/checkouts", post(checkout::<S>))
             .with_state(app.clone());
         let completer = layer
             .completer(handler)
@@ -223,11 +288,11 @@ async fn run(options: Options) -> Result<(), BoxError> {
     let router = Router::new()
         .route(
             "/checkouts",
-            post(checkout)
+            post(checkout::<S>)
                 .layer(layer)
                 .layer(middleware::from_fn(pause_before_response)),
         )
-        .route("/orders/{id}", get(get_order))
+        .route("/orders/{id}", get(get_order::<S>))
         // Outermost: the layer scopes every key by the tenant it finds here.
         .layer(middleware::from_fn(authenticate))
         .with_state(app);
@@ -238,8 +303,7 @@ async fn run(options: Options) -> Result<(), BoxError> {
          http://{local}/checkouts -H 'Authorization: Bearer shop-a-token' \
          -H 'Idempotency-Key: order-1' -H 'Content-Type: application/json' \
          -d '{{\"sku\":\"book\",\"quantity\":1,\"amount_cents\":1200}}'",
-        options.db.display(),
-        options.payments
+        database, options.payments
     );
     let builder = Arc::new(auto::Builder::new(TokioExecutor::new()));
     loop {
@@ -296,10 +360,10 @@ impl Checkout {
 
 /// `POST /checkouts`: the three steps. A retry (or the completer) runs it again: the steps
 /// that finished return their saved results without running.
-async fn checkout(
-    State(app): State<App>,
+async fn checkout<S: CheckoutStore>(
+    State(app): State<App<S>>,
     Extension(tenant): Extension<Tenant>,
-    steps: Steps<SqliteStore>,
+    steps: Steps<S>,
     body: Bytes,
 ) -> Response {
     pause("after_claim").await;
@@ -316,10 +380,10 @@ async fn checkout(
     }
 }
 
-async fn run_steps(
-    app: &App,
+async fn run_steps<S: CheckoutStore>(
+    app: &App<S>,
     tenant: &Tenant,
-    steps: &Steps<SqliteStore>,
+    steps: &Steps<S>,
     checkout: Checkout,
 ) -> Result<Response, StepError> {
     let Checkout {
@@ -327,17 +391,7 @@ async fn run_steps(
         amount_cents,
     } = checkout;
     // 1. The order, pending.
-    let tenant_id = tenant.as_str().to_owned();
-    let order_id: i64 = steps
-        .local("insert_order", move |tx| {
-            tx.execute(
-                "INSERT INTO checkout_orders (tenant_id, sku, quantity, amount_cents, status) \
-                 VALUES (?1, ?2, ?3, ?4, 'pending')",
-                rusqlite::params![tenant_id, order.sku, order.quantity, amount_cents],
-            )?;
-            Ok(tx.last_insert_rowid())
-        })
-        .await?;
+    let order_id = S::insert_order(steps, tenant, order, amount_cents).await?;
     pause("after_insert").await;
 
     // 2. The charge: the provider deduplicates by the step key, so after a crash during the
@@ -355,32 +409,15 @@ async fn run_steps(
         Ok(charge_id) => charge_id,
         Err(StepError::Terminal(declined)) => {
             // The decline is saved as the step's result; the order says so too.
-            steps
-                .local("mark_declined", move |tx| {
-                    tx.execute(
-                        "UPDATE checkout_orders SET status = 'declined' WHERE id = ?1",
-                        [order_id],
-                    )
-                    .map(drop)
-                })
-                .await?;
+            S::mark_declined(steps, order_id).await?;
             return Ok(declined.into_response());
         }
         Err(error) => return Err(error),
     };
 
     // 3. Paid, and the event for whoever ships it, in one transaction.
-    let (charge, tenant_id) = (charge_id.clone(), tenant.as_str().to_owned());
-    steps
-        .local("mark_paid", move |tx| {
-            tx.execute(
-                "UPDATE checkout_orders SET status = 'paid', charge_id = ?1 WHERE id = ?2",
-                rusqlite::params![charge, order_id],
-            )?;
-            let event = json!({ "order_id": order_id, "tenant": tenant_id, "charge_id": charge });
-            outbox::enqueue(tx, "order_paid", &event).map(drop)
-        })
-        .await?;
+    let event = json!({ "order_id": order_id, "tenant": tenant.as_str(), "charge_id": charge_id });
+    S::mark_paid(steps, order_id, charge_id.clone(), event).await?;
     pause("after_paid").await;
 
     Ok((
@@ -392,26 +429,15 @@ async fn run_steps(
 }
 
 /// `GET /orders/{id}`: the caller's own order; another tenant's is answered like a missing one.
-async fn get_order(
-    State(app): State<App>,
+async fn get_order<S: CheckoutStore>(
+    State(app): State<App<S>>,
     Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
 ) -> Response {
     let Ok(order_id) = id.parse::<i64>() else {
         return error(StatusCode::NOT_FOUND, "not_found");
     };
-    let tenant_id = tenant.as_str().to_owned();
-    let found = app
-        .store
-        .read(move |conn| {
-            conn.query_row(
-                "SELECT status, charge_id FROM checkout_orders WHERE id = ?1 AND tenant_id = ?2",
-                rusqlite::params![order_id, tenant_id],
-                |row| Ok((row.get::<_, String>(0)?, row.get::<_, Option<String>>(1)?)),
-            )
-            .optional()
-        })
-        .await;
+    let found = app.store.find_order(&tenant, order_id).await;
     match found {
         Ok(Some((status, charge_id))) => {
             Json(json!({ "order_id": order_id, "status": status, "charge_id": charge_id }))

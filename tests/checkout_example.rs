@@ -1,18 +1,22 @@
 //! The steps mode proven on real processes: the `checkout` example (`examples/checkout.rs`)
-//! charging at the `payments` example, each with its SQLite file, killed with SIGKILL at every
+//! charging at the `payments` example (with its SQLite file), killed with SIGKILL at every
 //! boundary of a request (the example's `CHECKOUT_PAUSE_AT` stops it there first), stalled with
 //! SIGSTOP past its lease, raced by concurrent retries, finished by its completer, declined and
 //! refused by the provider. After each, every key ends with exactly one charge at the provider,
 //! one order, paid with that charge, and every answer to the key is the same bytes.
+//!
+//! The suite is written once and run by `checkout_tests!` on each of the example's stores:
+//! SQLite (`--db`, a file in a temp dir) and PostgreSQL (`--database-url`, a schema of its own
+//! per test in the database of `TEST_DATABASE_URL`; reported as ignored without it).
 
-#[path = "apps/process.rs"]
-mod process;
+mod common;
+mod pg_common;
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use process::{arg, ExampleProcess};
+use common::process::{self, arg, ExampleProcess};
 use serde_json::Value;
 use tempfile::TempDir;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -156,37 +160,77 @@ async fn retry_until_final(addr: SocketAddr, key: &str, body: &str) -> Answer {
     }
 }
 
-/// The two programs' files.
-struct Files {
-    _dir: TempDir,
-    checkout: PathBuf,
-    payments: PathBuf,
+/// The store the checkout processes run on.
+#[derive(Clone, Copy, Debug)]
+enum Store {
+    /// `--db FILE`.
+    Sqlite,
+    /// `--database-url URL`.
+    Postgres,
 }
 
-fn files() -> Files {
+/// The checkout's database: shared by every checkout process of a test.
+enum CheckoutDb {
+    Sqlite(PathBuf),
+    Postgres(pg_common::TestDb),
+}
+
+/// The two programs' databases: the provider's file and the checkout's store.
+struct Files {
+    checkout: CheckoutDb,
+    payments: PathBuf,
+    // Last: removed after the checkout's database is dropped.
+    _dir: TempDir,
+}
+
+/// Fresh databases for a test on `store`; `None` (after saying so) when its server is not
+/// configured.
+async fn files(store: Store) -> Option<Files> {
     let dir = tempfile::tempdir().unwrap();
-    Files {
-        checkout: dir.path().join("checkout.db"),
+    let checkout = match store {
+        Store::Sqlite => CheckoutDb::Sqlite(dir.path().join("checkout.db")),
+        Store::Postgres => CheckoutDb::Postgres(pg_common::TestDb::create().await?),
+    };
+    Some(Files {
+        checkout,
         payments: dir.path().join("payments.db"),
         _dir: dir,
+    })
+}
+
+impl Files {
+    /// The checkout's flags for its database.
+    fn checkout_args(&self) -> [String; 2] {
+        match &self.checkout {
+            CheckoutDb::Sqlite(path) => ["--db".to_owned(), arg(path).to_owned()],
+            CheckoutDb::Postgres(db) => ["--database-url".to_owned(), db.url()],
+        }
     }
 }
 
-async fn start_payments(db: &Path, flags: &[&str]) -> ExampleProcess {
-    let mut args = vec!["--db", arg(db)];
+async fn start_payments(files: &Files, flags: &[&str]) -> ExampleProcess {
+    let mut args = vec!["--db", arg(&files.payments)];
     args.extend_from_slice(flags);
     ExampleProcess::start("payments", &args).await
 }
 
-/// A checkout process on `db` charging at `payments`, with `flags` and `env`.
+/// A checkout process on the test's database charging at `payments`, with `flags` and `env`.
 async fn start_checkout(
-    db: &Path,
+    files: &Files,
     payments: SocketAddr,
     flags: &[&str],
     env: &[(&str, &str)],
 ) -> ExampleProcess {
     let url = format!("http://{payments}");
-    let mut args = vec!["--db", arg(db), "--payments", &url, "--lease-ms", LEASE_MS];
+    let database = files.checkout_args();
+    let mut args = vec![
+        database[0].as_str(),
+        database[1].as_str(),
+        "--payments",
+        &url,
+        "--lease-ms",
+        LEASE_MS,
+    ];
     args.extend_from_slice(flags);
     ExampleProcess::start_with_env("checkout", &args, env).await
 }
@@ -254,6 +298,32 @@ async fn order_count(checkout: SocketAddr) -> i64 {
     id - 1
 }
 
+async fn a_checkout_is_paid_once_and_every_retry_replays_it(store: Store) {
+    let Some(files) = files(store).await else {
+        return;
+    };
+    let payments = start_payments(&files, &[]).await;
+    let shop = start_checkout(&files, payments.addr, &[], &[]).await;
+    let first = checkout(shop.addr, "k1", ORDER).await.expect("answered");
+    assert_eq!(first.header("idempotent-replayed"), None, "{first:?}");
+    let mut answers = vec![first];
+    for _ in 0..2 {
+        let replay = checkout(shop.addr, "k1", ORDER).await.expect("answered");
+        assert_eq!(
+            replay.header("idempotent-replayed"),
+            Some("true"),
+            "{replay:?}"
+        );
+        answers.push(replay);
+    }
+    assert_paid_once(shop.addr, payments.addr, &answers).await;
+    // The next key is the next order.
+    let second = checkout(shop.addr, "k2", ORDER).await.expect("answered");
+    assert_eq!(second.status, 201, "{second:?}");
+    assert_eq!(second.json()["order_id"], 2, "{second:?}");
+    assert_eq!(stats(payments.addr).await["charges"], 2);
+}
+
 /// How the key is finished after the kill.
 #[derive(Clone, Copy, PartialEq)]
 enum Finish {
@@ -265,16 +335,13 @@ enum Finish {
 
 /// SIGKILLs a checkout process stopped at `point` in a request, restarts it (and the provider,
 /// if it ran with `provider_flags`) and finishes the key as `finish` says.
-async fn crash_at(point: &str, provider_flags: &[&str], finish: Finish) {
-    let files = files();
-    let payments = start_payments(&files.payments, provider_flags).await;
-    let mut first = start_checkout(
-        &files.checkout,
-        payments.addr,
-        &[],
-        &[("CHECKOUT_PAUSE_AT", point)],
-    )
-    .await;
+async fn crash_at(store: Store, point: &str, provider_flags: &[&str], finish: Finish) {
+    let Some(files) = files(store).await else {
+        return;
+    };
+    let payments = start_payments(&files, provider_flags).await;
+    let mut first =
+        start_checkout(&files, payments.addr, &[], &[("CHECKOUT_PAUSE_AT", point)]).await;
     let addr = first.addr;
     let pending = tokio::spawn(async move { checkout(addr, "k1", ORDER).await });
     paused_at(&mut first, point).await;
@@ -290,13 +357,13 @@ async fn crash_at(point: &str, provider_flags: &[&str], finish: Finish) {
     } else {
         // The provider charged and dropped the answer: it runs without faults from now on.
         payments.kill().await;
-        start_payments(&files.payments, &[]).await
+        start_payments(&files, &[]).await
     };
     let flags: &[&str] = match finish {
         Finish::Retry => &[],
         Finish::Completer => &["--completer"],
     };
-    let second = start_checkout(&files.checkout, payments.addr, flags, &[]).await;
+    let second = start_checkout(&files, payments.addr, flags, &[]).await;
     if finish == Finish::Completer {
         // Nobody retries: the completer finishes the key once it has been left 5 s.
         wait_for_order(second.addr, "paid").await;
@@ -307,7 +374,7 @@ async fn crash_at(point: &str, provider_flags: &[&str], finish: Finish) {
     }
     // And after another restart.
     second.kill().await;
-    let third = start_checkout(&files.checkout, payments.addr, &[], &[]).await;
+    let third = start_checkout(&files, payments.addr, &[], &[]).await;
     answers.push(checkout(third.addr, "k1", ORDER).await.expect("answered"));
     if point == "before_response" {
         assert_eq!(answers[0].header("idempotent-replayed"), Some("true"));
@@ -315,24 +382,23 @@ async fn crash_at(point: &str, provider_flags: &[&str], finish: Finish) {
     assert_paid_once(third.addr, payments.addr, &answers).await;
 }
 
-#[tokio::test]
-async fn killed_after_taking_the_key_a_retry_finishes_it_once() {
-    crash_at("after_claim", &[], Finish::Retry).await;
+async fn killed_after_taking_the_key_a_retry_finishes_it_once(store: Store) {
+    crash_at(store, "after_claim", &[], Finish::Retry).await;
 }
 
-#[tokio::test]
-async fn killed_after_the_order_committed_a_retry_finishes_it_once() {
-    crash_at("after_insert", &[], Finish::Retry).await;
+async fn killed_after_the_order_committed_a_retry_finishes_it_once(store: Store) {
+    crash_at(store, "after_insert", &[], Finish::Retry).await;
 }
 
-#[tokio::test]
-async fn killed_after_the_intent_before_the_call_a_retry_finishes_it_once() {
-    crash_at("after_intent", &[], Finish::Retry).await;
+async fn killed_after_the_intent_before_the_call_a_retry_finishes_it_once(store: Store) {
+    crash_at(store, "after_intent", &[], Finish::Retry).await;
 }
 
-#[tokio::test]
-async fn killed_after_the_provider_charged_before_its_answer_arrived_a_retry_charges_once() {
+async fn killed_after_the_provider_charged_before_its_answer_arrived_a_retry_charges_once(
+    store: Store,
+) {
     crash_at(
+        store,
         "after_call",
         &["--drop-after-charge-rate", "1"],
         Finish::Retry,
@@ -340,29 +406,25 @@ async fn killed_after_the_provider_charged_before_its_answer_arrived_a_retry_cha
     .await;
 }
 
-#[tokio::test]
-async fn killed_after_the_answer_before_its_commit_a_retry_charges_once() {
-    crash_at("after_call", &[], Finish::Retry).await;
+async fn killed_after_the_answer_before_its_commit_a_retry_charges_once(store: Store) {
+    crash_at(store, "after_call", &[], Finish::Retry).await;
 }
 
-#[tokio::test]
-async fn killed_after_the_last_step_a_retry_finishes_it_once() {
-    crash_at("after_paid", &[], Finish::Retry).await;
+async fn killed_after_the_last_step_a_retry_finishes_it_once(store: Store) {
+    crash_at(store, "after_paid", &[], Finish::Retry).await;
 }
 
-#[tokio::test]
-async fn killed_after_saving_before_answering_a_retry_replays() {
-    crash_at("before_response", &[], Finish::Retry).await;
+async fn killed_after_saving_before_answering_a_retry_replays(store: Store) {
+    crash_at(store, "before_response", &[], Finish::Retry).await;
 }
 
-#[tokio::test]
-async fn the_completer_finishes_a_key_abandoned_after_the_order_committed() {
-    crash_at("after_insert", &[], Finish::Completer).await;
+async fn the_completer_finishes_a_key_abandoned_after_the_order_committed(store: Store) {
+    crash_at(store, "after_insert", &[], Finish::Completer).await;
 }
 
-#[tokio::test]
-async fn the_completer_finishes_a_key_whose_charge_answer_was_lost() {
+async fn the_completer_finishes_a_key_whose_charge_answer_was_lost(store: Store) {
     crash_at(
+        store,
         "after_call",
         &["--drop-after-charge-rate", "1"],
         Finish::Completer,
@@ -370,12 +432,13 @@ async fn the_completer_finishes_a_key_whose_charge_answer_was_lost() {
     .await;
 }
 
-#[tokio::test]
-async fn the_completer_racing_a_client_retry_charges_once() {
-    let files = files();
-    let payments = start_payments(&files.payments, &["--delay-ms", "1000"]).await;
+async fn the_completer_racing_a_client_retry_charges_once(store: Store) {
+    let Some(files) = files(store).await else {
+        return;
+    };
+    let payments = start_payments(&files, &["--delay-ms", "1000"]).await;
     let mut first = start_checkout(
-        &files.checkout,
+        &files,
         payments.addr,
         &[],
         &[("CHECKOUT_PAUSE_AT", "after_insert")],
@@ -387,7 +450,7 @@ async fn the_completer_racing_a_client_retry_charges_once() {
     first.kill().await;
     assert!(pending.await.unwrap().is_none());
     let killed_at = Instant::now();
-    let second = start_checkout(&files.checkout, payments.addr, &["--completer"], &[]).await;
+    let second = start_checkout(&files, payments.addr, &["--completer"], &[]).await;
     // The completer takes the key 5 to 5.5 s after it was left and holds it for the charge (1 s
     // at the provider): the client retries before, during and after.
     tokio::time::sleep(Duration::from_millis(4900).saturating_sub(killed_at.elapsed())).await;
@@ -409,19 +472,19 @@ async fn the_completer_racing_a_client_retry_charges_once() {
 
 /// A process stopped at `point` (SIGSTOP) past its lease; a retry on a second process takes
 /// the key over and finishes it; then the stopped one resumes (SIGCONT), and its next commit
-/// is refused: it answers `503`. Returns the provider's stats.
-async fn stalled_at(point: &str) -> Value {
-    let files = files();
-    let payments = start_payments(&files.payments, &[]).await;
+/// is refused: it answers `503`. Returns the provider's stats (`None`: skipped).
+async fn stalled_at(store: Store, point: &str) -> Option<Value> {
+    let files = files(store).await?;
+    let payments = start_payments(&files, &[]).await;
     // It stops for a second at the point: long enough for the test to SIGSTOP it there.
     let mut stalled = start_checkout(
-        &files.checkout,
+        &files,
         payments.addr,
         &[],
         &[("CHECKOUT_PAUSE_AT", point), ("CHECKOUT_PAUSE_MS", "1000")],
     )
     .await;
-    let other = start_checkout(&files.checkout, payments.addr, &[], &[]).await;
+    let other = start_checkout(&files, payments.addr, &[], &[]).await;
     let addr = stalled.addr;
     let pending = tokio::spawn(async move { checkout(addr, "k1", ORDER).await });
     paused_at(&mut stalled, point).await;
@@ -443,29 +506,32 @@ async fn stalled_at(point: &str) -> Value {
         checkout(other.addr, "k1", ORDER).await.unwrap(),
     ];
     assert_paid_once(other.addr, payments.addr, &answers).await;
-    stats(payments.addr).await
+    Some(stats(payments.addr).await)
 }
 
-#[tokio::test]
-async fn a_stalled_owner_past_its_lease_cannot_commit_the_charge_it_got() {
-    let stats = stalled_at("after_call").await;
+async fn a_stalled_owner_past_its_lease_cannot_commit_the_charge_it_got(store: Store) {
+    let Some(stats) = stalled_at(store, "after_call").await else {
+        return;
+    };
     // Both processes called (the same provider key): one charge.
     assert_eq!(stats["requests"], 2, "{stats}");
 }
 
-#[tokio::test]
-async fn a_stalled_owner_past_its_lease_cannot_commit_its_intent_nor_call() {
-    let stats = stalled_at("after_insert").await;
+async fn a_stalled_owner_past_its_lease_cannot_commit_its_intent_nor_call(store: Store) {
+    let Some(stats) = stalled_at(store, "after_insert").await else {
+        return;
+    };
     // Only the process that took over called the provider.
     assert_eq!(stats["requests"], 1, "{stats}");
 }
 
-#[tokio::test]
-async fn concurrent_retries_on_two_processes_after_a_kill_charge_once() {
-    let files = files();
-    let payments = start_payments(&files.payments, &["--delay-ms", "300"]).await;
+async fn concurrent_retries_on_two_processes_after_a_kill_charge_once(store: Store) {
+    let Some(files) = files(store).await else {
+        return;
+    };
+    let payments = start_payments(&files, &["--delay-ms", "300"]).await;
     let mut first = start_checkout(
-        &files.checkout,
+        &files,
         payments.addr,
         &[],
         &[("CHECKOUT_PAUSE_AT", "after_intent")],
@@ -476,8 +542,8 @@ async fn concurrent_retries_on_two_processes_after_a_kill_charge_once() {
     paused_at(&mut first, "after_intent").await;
     first.kill().await;
     assert!(pending.await.unwrap().is_none());
-    let a = start_checkout(&files.checkout, payments.addr, &[], &[]).await;
-    let b = start_checkout(&files.checkout, payments.addr, &[], &[]).await;
+    let a = start_checkout(&files, payments.addr, &[], &[]).await;
+    let b = start_checkout(&files, payments.addr, &[], &[]).await;
     let tasks: Vec<_> = (0..8)
         .map(|i| {
             let addr = if i % 2 == 0 { a.addr } else { b.addr };
@@ -491,11 +557,12 @@ async fn concurrent_retries_on_two_processes_after_a_kill_charge_once() {
     assert_paid_once(a.addr, payments.addr, &answers).await;
 }
 
-#[tokio::test]
-async fn concurrent_first_requests_of_one_key_charge_once() {
-    let files = files();
-    let payments = start_payments(&files.payments, &["--delay-ms", "300"]).await;
-    let shop = start_checkout(&files.checkout, payments.addr, &[], &[]).await;
+async fn concurrent_first_requests_of_one_key_charge_once(store: Store) {
+    let Some(files) = files(store).await else {
+        return;
+    };
+    let payments = start_payments(&files, &["--delay-ms", "300"]).await;
+    let shop = start_checkout(&files, payments.addr, &[], &[]).await;
     let addr = shop.addr;
     let tasks: Vec<_> = (0..8)
         .map(|_| tokio::spawn(async move { retry_until_final(addr, "k1", ORDER).await }))
@@ -507,12 +574,13 @@ async fn concurrent_first_requests_of_one_key_charge_once() {
     assert_paid_once(addr, payments.addr, &answers).await;
 }
 
-#[tokio::test]
-async fn a_declined_card_is_402_on_every_retry_never_charged_and_the_order_declined() {
-    let files = files();
-    let payments = start_payments(&files.payments, &[]).await;
+async fn a_declined_card_is_402_on_every_retry_never_charged_and_the_order_declined(store: Store) {
+    let Some(files) = files(store).await else {
+        return;
+    };
+    let payments = start_payments(&files, &[]).await;
     let mut first = start_checkout(
-        &files.checkout,
+        &files,
         payments.addr,
         &[],
         &[("CHECKOUT_PAUSE_AT", "after_call")],
@@ -524,7 +592,7 @@ async fn a_declined_card_is_402_on_every_retry_never_charged_and_the_order_decli
     paused_at(&mut first, "after_call").await;
     first.kill().await;
     assert!(pending.await.unwrap().is_none());
-    let shop = start_checkout(&files.checkout, payments.addr, &[], &[]).await;
+    let shop = start_checkout(&files, payments.addr, &[], &[]).await;
     let mut answers = vec![retry_until_final(shop.addr, "k402", DECLINED).await];
     for _ in 0..2 {
         answers.push(checkout(shop.addr, "k402", DECLINED).await.unwrap());
@@ -543,11 +611,12 @@ async fn a_declined_card_is_402_on_every_retry_never_charged_and_the_order_decli
     assert_eq!(order_count(shop.addr).await, 1);
 }
 
-#[tokio::test]
-async fn an_unavailable_provider_is_503_and_a_later_retry_completes_the_same_order() {
-    let files = files();
-    let payments = start_payments(&files.payments, &["--fail-rate", "1"]).await;
-    let shop = start_checkout(&files.checkout, payments.addr, &[], &[]).await;
+async fn an_unavailable_provider_is_503_and_a_later_retry_completes_the_same_order(store: Store) {
+    let Some(files) = files(store).await else {
+        return;
+    };
+    let payments = start_payments(&files, &["--fail-rate", "1"]).await;
+    let shop = start_checkout(&files, payments.addr, &[], &[]).await;
     for _ in 0..2 {
         let refused = checkout(shop.addr, "k1", ORDER).await.unwrap();
         assert_eq!(refused.status, 503, "{refused:?}");
@@ -559,9 +628,9 @@ async fn an_unavailable_provider_is_503_and_a_later_retry_completes_the_same_ord
     assert_eq!(stats(payments.addr).await["charges"], 0);
     // The provider is healthy again (a new process on its file, so a new address).
     payments.kill().await;
-    let payments = start_payments(&files.payments, &[]).await;
+    let payments = start_payments(&files, &[]).await;
     shop.kill().await;
-    let shop = start_checkout(&files.checkout, payments.addr, &[], &[]).await;
+    let shop = start_checkout(&files, payments.addr, &[], &[]).await;
     let answers = vec![
         retry_until_final(shop.addr, "k1", ORDER).await,
         checkout(shop.addr, "k1", ORDER).await.unwrap(),
@@ -569,11 +638,12 @@ async fn an_unavailable_provider_is_503_and_a_later_retry_completes_the_same_ord
     assert_paid_once(shop.addr, payments.addr, &answers).await;
 }
 
-#[tokio::test]
-async fn bad_requests_are_answered_like_the_orders_example() {
-    let files = files();
-    let payments = start_payments(&files.payments, &[]).await;
-    let shop = start_checkout(&files.checkout, payments.addr, &[], &[]).await;
+async fn bad_requests_are_answered_like_the_orders_example(store: Store) {
+    let Some(files) = files(store).await else {
+        return;
+    };
+    let payments = start_payments(&files, &[]).await;
+    let shop = start_checkout(&files, payments.addr, &[], &[]).await;
     for (body, code) in [
         (
             r#"{"sku":"","quantity":1,"amount_cents":5}"#,
@@ -624,23 +694,89 @@ async fn bad_requests_are_answered_like_the_orders_example() {
 }
 
 #[tokio::test]
-async fn database_url_is_refused_with_a_clear_message_and_payments_is_required() {
-    let refused = process::run_example(
+async fn bad_command_lines_are_refused_with_a_clear_message() {
+    let both = process::run_example(
         "checkout",
         &[
             "--payments",
             "http://127.0.0.1:9",
+            "--db",
+            "x.db",
             "--database-url",
             "postgres://x/y",
         ],
         Duration::from_secs(60),
     )
     .await;
-    assert_eq!(refused.status.code(), Some(2));
-    let stderr = String::from_utf8_lossy(&refused.stderr);
-    assert!(stderr.contains("--database-url"), "{stderr}");
-    assert!(stderr.contains("SQLite only"), "{stderr}");
+    assert_eq!(both.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&both.stderr);
+    assert!(
+        stderr.contains("--db and --database-url: give one of them"),
+        "{stderr}"
+    );
+    // Nothing listens on port 9: the store cannot connect, and says so.
+    let unreachable = process::run_example(
+        "checkout",
+        &[
+            "--payments",
+            "http://127.0.0.1:9",
+            "--database-url",
+            "postgres://postgres@127.0.0.1:9/none",
+        ],
+        Duration::from_secs(60),
+    )
+    .await;
+    assert_eq!(unreachable.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&unreachable.stderr);
+    assert!(stderr.contains("cannot open the store"), "{stderr}");
     let missing = process::run_example("checkout", &[], Duration::from_secs(60)).await;
     assert_eq!(missing.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&missing.stderr).contains("--payments URL is required"));
 }
+
+/// The scenarios above, each a `#[tokio::test]` on the store `$store`, in the module
+/// `$backend`.
+macro_rules! checkout_tests {
+    ($backend:ident, $store:expr $(, #[$attr:meta])?) => {
+        mod $backend {
+            use super::*;
+
+            checkout_tests!(@tests $store; [$(#[$attr])?];
+                a_checkout_is_paid_once_and_every_retry_replays_it,
+                killed_after_taking_the_key_a_retry_finishes_it_once,
+                killed_after_the_order_committed_a_retry_finishes_it_once,
+                killed_after_the_intent_before_the_call_a_retry_finishes_it_once,
+                killed_after_the_provider_charged_before_its_answer_arrived_a_retry_charges_once,
+                killed_after_the_answer_before_its_commit_a_retry_charges_once,
+                killed_after_the_last_step_a_retry_finishes_it_once,
+                killed_after_saving_before_answering_a_retry_replays,
+                the_completer_finishes_a_key_abandoned_after_the_order_committed,
+                the_completer_finishes_a_key_whose_charge_answer_was_lost,
+                the_completer_racing_a_client_retry_charges_once,
+                a_stalled_owner_past_its_lease_cannot_commit_the_charge_it_got,
+                a_stalled_owner_past_its_lease_cannot_commit_its_intent_nor_call,
+                concurrent_retries_on_two_processes_after_a_kill_charge_once,
+                concurrent_first_requests_of_one_key_charge_once,
+                a_declined_card_is_402_on_every_retry_never_charged_and_the_order_declined,
+                an_unavailable_provider_is_503_and_a_later_retry_completes_the_same_order,
+                bad_requests_are_answered_like_the_orders_example,
+            );
+        }
+    };
+    (@tests $store:expr; [$($attr:tt)*]; $name:ident, $($rest:ident,)*) => {
+        $($attr)*
+        #[tokio::test]
+        async fn $name() {
+            super::$name($store).await;
+        }
+        checkout_tests!(@tests $store; [$($attr)*]; $($rest,)*);
+    };
+    (@tests $store:expr; [$($attr:tt)*];) => {};
+}
+
+checkout_tests!(sqlite, Store::Sqlite);
+checkout_tests!(
+    postgres,
+    Store::Postgres,
+    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
+);

@@ -18,7 +18,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
 use futures_util::future::BoxFuture;
@@ -43,6 +43,7 @@ use crate::steps::{
     StepKind, StepOutcome, StepRow, StepStore, Stored,
 };
 use crate::store::record_row::live_record;
+use crate::store::reserve::retry_conflicts;
 use crate::store::{from_unix_millis, to_unix_millis, NewRecord, Scope, StoredRecord};
 
 /// The statements that differ between the servers (from the server's SQL module).
@@ -177,6 +178,11 @@ pub(crate) async fn install<S: PgDriver>(store: &S, dialect: &Dialect) -> Result
         .await
 }
 
+/// How many times a claim runs again after a deadlock or a serialization failure.
+const CLAIM_RETRIES: u32 = 8;
+/// How long a claim may spend on those retries before it answers busy.
+const CLAIM_RETRY_WINDOW: Duration = Duration::from_secs(3);
+
 pub(crate) fn acquire<'a, S>(
     store: &'a S,
     dialect: &'a Dialect,
@@ -187,8 +193,12 @@ where
 {
     Box::pin(async move {
         (dialect.check_scope)(&claim.scope)?;
-        store
-            .in_own_transaction(|tx| async move {
+        // Concurrent first claims of a key may deadlock on MySQL (each one's read locks the
+        // gap the key's row goes into, then each inserts there): the database rolls one back,
+        // and it claims again, as a reservation does.
+        let deadline = tokio::time::Instant::now() + CLAIM_RETRY_WINDOW;
+        retry_conflicts(CLAIM_RETRIES, deadline, || {
+            store.in_own_transaction(|tx| async move {
                 bound_lock_wait(&tx, dialect).await?;
                 let scope = &claim.scope;
                 let now = to_unix_millis(claim.now);
@@ -285,7 +295,8 @@ where
                 // The key's row came and went between reads: another claim is busy with it.
                 Err(Error::Busy)
             })
-            .await
+        })
+        .await
     })
 }
 
