@@ -38,12 +38,12 @@ use crate::postgres::steps_sql as pg_sql;
 use crate::response::SavedResponse;
 use crate::row::Columns;
 use crate::row_lock::driver::{Finish, PgDriver, PgHandle, PgParam, PgTransactions};
+use crate::row_lock::reserve::retry_conflicts;
 use crate::steps::{
     Acquired, Claim, Lease, Progress, ProgressStatus, Resolution, SavedRequest, SavedStep,
     StepKind, StepOutcome, StepRow, StepStore, Stored,
 };
 use crate::store::record_row::live_record;
-use crate::store::reserve::retry_conflicts;
 use crate::store::{from_unix_millis, to_unix_millis, NewRecord, Scope, StoredRecord};
 
 /// The statements that differ between the servers (from the server's SQL module).
