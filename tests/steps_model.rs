@@ -1433,3 +1433,53 @@ fn random_programs_and_stops_match_the_model_on_sqlx_postgres() {
 fn random_programs_and_stops_match_the_model_on_mysql() {
     run_cases(sqlx_mysql::backend(), CASES);
 }
+
+/// Runs one given case on SQLite.
+fn run_one(case: Case) {
+    quiet_planned_panics();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    runtime.block_on(async {
+        let backend = Arc::new(sqlite::backend().await.expect("SQLite"));
+        Run::new(backend, &case, true).case(&case).await;
+    });
+}
+
+fn call_again(name: &str) -> Step {
+    Step {
+        name: name.to_owned(),
+        foreign: Some(ForeignStep {
+            ask: false,
+            declines: false,
+        }),
+    }
+}
+
+fn client(stop: Stop) -> Attempt {
+    Attempt {
+        completer: false,
+        stop,
+    }
+}
+
+/// A request resumes a key whose foreign step has its intent saved (the outcome was unknown)
+/// and stalls past its lease before the call; a retry takes the key over and goes away before
+/// the call. The stalled request then goes on: it must not call the provider (its lease is
+/// gone), as a fresh intent's commit would have stopped it.
+#[test]
+fn a_stalled_owner_does_not_call_again_after_a_take_over() {
+    run_one(Case {
+        program: vec![call_again("call0")],
+        attempts: vec![
+            client(Stop::Unknown {
+                step: 0,
+                charged: false,
+            }),
+            client(Stop::Stall(0)),
+            client(Stop::Gone(0)),
+        ],
+    });
+}
