@@ -1074,31 +1074,29 @@ mod sqlite {
             &self.store
         }
 
-        fn local(
+        async fn local(
             steps: Steps<SqliteStore>,
             name: String,
             key: String,
             reached: Option<Arc<Notify>>,
-        ) -> impl Future<Output = Result<i64, StepError>> + Send {
-            async move {
-                let step = name.clone();
-                steps
-                    .local(&step, move |tx: &rusqlite::Transaction<'_>| {
-                        tx.execute(
-                            "INSERT INTO model_rows (k, step) VALUES (?1, ?2)",
-                            [&key, &name],
-                        )?;
-                        if let Some(reached) = reached {
-                            reached.notify_one();
-                        }
-                        tx.query_row(
-                            "SELECT count(*) FROM model_rows WHERE k = ?1",
-                            [&key],
-                            |row| row.get(0),
-                        )
-                    })
-                    .await
-            }
+        ) -> Result<i64, StepError> {
+            let step = name.clone();
+            steps
+                .local(&step, move |tx: &rusqlite::Transaction<'_>| {
+                    tx.execute(
+                        "INSERT INTO model_rows (k, step) VALUES (?1, ?2)",
+                        [&key, &name],
+                    )?;
+                    if let Some(reached) = reached {
+                        reached.notify_one();
+                    }
+                    tx.query_row(
+                        "SELECT count(*) FROM model_rows WHERE k = ?1",
+                        [&key],
+                        |row| row.get(0),
+                    )
+                })
+                .await
         }
 
         async fn rows(&self, key: &str) -> BTreeMap<String, i64> {
@@ -1208,34 +1206,32 @@ mod postgres {
             &self.store
         }
 
-        fn local(
+        async fn local(
             steps: Steps<PostgresStore>,
             name: String,
             key: String,
             reached: Option<Arc<Notify>>,
-        ) -> impl Future<Output = Result<i64, StepError>> + Send {
-            async move {
-                let step = name.clone();
-                steps
-                    .local(&step, move |tx: PostgresTransaction| async move {
-                        let client = tx.client().await?;
-                        client
-                            .execute(
-                                "INSERT INTO model_rows (k, step) VALUES ($1, $2)",
-                                &[&key, &name],
-                            )
-                            .await?;
-                        if let Some(reached) = reached {
-                            reached.notify_one();
-                            tokio::time::sleep(Duration::from_millis(20)).await;
-                        }
-                        let row = client
-                            .query_one("SELECT count(*) FROM model_rows WHERE k = $1", &[&key])
-                            .await?;
-                        Ok(row.get::<_, i64>(0))
-                    })
-                    .await
-            }
+        ) -> Result<i64, StepError> {
+            let step = name.clone();
+            steps
+                .local(&step, move |tx: PostgresTransaction| async move {
+                    let client = tx.client().await?;
+                    client
+                        .execute(
+                            "INSERT INTO model_rows (k, step) VALUES ($1, $2)",
+                            &[&key, &name],
+                        )
+                        .await?;
+                    if let Some(reached) = reached {
+                        reached.notify_one();
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                    let row = client
+                        .query_one("SELECT count(*) FROM model_rows WHERE k = $1", &[&key])
+                        .await?;
+                    Ok(row.get::<_, i64>(0))
+                })
+                .await
         }
 
         async fn rows(&self, key: &str) -> BTreeMap<String, i64> {
@@ -1273,35 +1269,33 @@ mod sqlx_postgres {
             &self.store
         }
 
-        fn local(
+        async fn local(
             steps: Steps<SqlxPostgresStore>,
             name: String,
             key: String,
             reached: Option<Arc<Notify>>,
-        ) -> impl Future<Output = Result<i64, StepError>> + Send {
-            async move {
-                let step = name.clone();
-                steps
-                    .local(&step, move |tx: SqlxTransaction| async move {
-                        let mut conn = tx.acquire().await?;
-                        sqlx::query("INSERT INTO model_rows (k, step) VALUES ($1, $2)")
+        ) -> Result<i64, StepError> {
+            let step = name.clone();
+            steps
+                .local(&step, move |tx: SqlxTransaction| async move {
+                    let mut conn = tx.acquire().await?;
+                    sqlx::query("INSERT INTO model_rows (k, step) VALUES ($1, $2)")
+                        .bind(&key)
+                        .bind(&name)
+                        .execute(&mut *conn)
+                        .await?;
+                    if let Some(reached) = reached {
+                        reached.notify_one();
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                    let rows: i64 =
+                        sqlx::query_scalar("SELECT count(*) FROM model_rows WHERE k = $1")
                             .bind(&key)
-                            .bind(&name)
-                            .execute(&mut *conn)
+                            .fetch_one(&mut *conn)
                             .await?;
-                        if let Some(reached) = reached {
-                            reached.notify_one();
-                            tokio::time::sleep(Duration::from_millis(20)).await;
-                        }
-                        let rows: i64 =
-                            sqlx::query_scalar("SELECT count(*) FROM model_rows WHERE k = $1")
-                                .bind(&key)
-                                .fetch_one(&mut *conn)
-                                .await?;
-                        Ok(rows)
-                    })
-                    .await
-            }
+                    Ok(rows)
+                })
+                .await
         }
 
         async fn rows(&self, key: &str) -> BTreeMap<String, i64> {
@@ -1351,35 +1345,33 @@ mod sqlx_mysql {
             &self.store
         }
 
-        fn local(
+        async fn local(
             steps: Steps<SqlxMySqlStore>,
             name: String,
             key: String,
             reached: Option<Arc<Notify>>,
-        ) -> impl Future<Output = Result<i64, StepError>> + Send {
-            async move {
-                let step = name.clone();
-                steps
-                    .local(&step, move |tx: SqlxTransaction| async move {
-                        let mut conn = tx.acquire().await?;
-                        sqlx::query("INSERT INTO model_rows (k, step) VALUES (?, ?)")
+        ) -> Result<i64, StepError> {
+            let step = name.clone();
+            steps
+                .local(&step, move |tx: SqlxTransaction| async move {
+                    let mut conn = tx.acquire().await?;
+                    sqlx::query("INSERT INTO model_rows (k, step) VALUES (?, ?)")
+                        .bind(&key)
+                        .bind(&name)
+                        .execute(&mut *conn)
+                        .await?;
+                    if let Some(reached) = reached {
+                        reached.notify_one();
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                    let rows: i64 =
+                        sqlx::query_scalar("SELECT count(*) FROM model_rows WHERE k = ?")
                             .bind(&key)
-                            .bind(&name)
-                            .execute(&mut *conn)
+                            .fetch_one(&mut *conn)
                             .await?;
-                        if let Some(reached) = reached {
-                            reached.notify_one();
-                            tokio::time::sleep(Duration::from_millis(20)).await;
-                        }
-                        let rows: i64 =
-                            sqlx::query_scalar("SELECT count(*) FROM model_rows WHERE k = ?")
-                                .bind(&key)
-                                .fetch_one(&mut *conn)
-                                .await?;
-                        Ok(rows)
-                    })
-                    .await
-            }
+                    Ok(rows)
+                })
+                .await
         }
 
         async fn rows(&self, key: &str) -> BTreeMap<String, i64> {
