@@ -354,6 +354,9 @@ pub trait StepStore: IdempotencyStore {
     fn acquire(&self, claim: &Claim) -> impl Future<Output = Result<Acquired, Error>> + Send;
 
     /// Writes a foreign step's intent ([`StepRow::result`] `None`) or result under `lease`.
+    /// An intent written again over a saved one leaves it as it is (the lease is still
+    /// checked and extended: [`Steps`](super::Steps) does so before it calls again); a saved
+    /// result is never overwritten.
     fn save_step(
         &self,
         lease: &Lease,

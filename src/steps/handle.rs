@@ -193,18 +193,20 @@ impl<St: StepStore> Steps<St> {
                 Ok(Recovery::InDoubt) => return self.in_doubt(seq, name).await,
                 Err(failure) => return self.failed_call(seq, name, failure).await,
             },
-            None => {
-                let lease = self.lease()?;
-                let intent = StepRow {
-                    seq,
-                    name: name.to_owned(),
-                    kind: StepKind::Foreign,
-                    result: None,
-                };
-                let saved = self.shared.store.save_step(&lease, &intent).await;
-                self.committed(&lease, saved)?;
-            }
+            None => {}
         }
+        // The intent commits before every call, a new one or one saved before (written
+        // again): a request whose lease another claim took over is refused here, before it
+        // calls, and the call's budget counts from a lease just extended.
+        let lease = self.lease()?;
+        let intent = StepRow {
+            seq,
+            name: name.to_owned(),
+            kind: StepKind::Foreign,
+            result: None,
+        };
+        let saved = self.shared.store.save_step(&lease, &intent).await;
+        self.committed(&lease, saved)?;
         let budget = self.call_budget();
         match tokio::time::timeout(budget, call(key)).await {
             Ok(Ok(value)) => self.save_foreign(seq, name, Ok(value)).await,
