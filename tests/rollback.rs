@@ -730,10 +730,12 @@ mod postgres {
     #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
     #[tokio::test]
     async fn a_handler_statement_the_server_stops_answering_is_503_within_the_lock_timeout() {
-        let Some(db) = TestDb::create().await else {
-            return;
-        };
+        // A schema each: the first leaves a transaction open on the server, which the second
+        // store's migration would wait for.
         for sku in ["stall", "stall-then-422"] {
+            let Some(db) = TestDb::create().await else {
+                return;
+            };
             let proxy = Arc::new(pg_common::FreezingProxy::to(&db).await);
             let store =
                 tower_idempotency::store::postgres::PostgresStore::builder(proxy.config(&db))
@@ -848,6 +850,9 @@ async fn check_a_handler_the_server_stops_answering(
     let lock_timeout = Duration::from_secs(1);
     let warm_up = post(addr, Some(SHOP_A), Some("before"), BOOK, &[]).await;
     assert_eq!(warm_up.status, StatusCode::CREATED, "{warm_up:?}");
+    // The warm-up's connection back in the pool (sqlx returns it in a task of its own): the
+    // next request takes it rather than opening another.
+    tokio::time::sleep(Duration::from_millis(200)).await;
     let pooled = connections();
     let started = std::time::Instant::now();
     let body = format!(r#"{{"sku":"{sku}","quantity":1}}"#);
@@ -949,10 +954,12 @@ mod sqlx_postgres {
         use pg_common::{FreezingProxy, TestDb};
         use tower_idempotency::store::sqlx_postgres::SqlxPostgresStore;
 
-        let Some(db) = TestDb::create().await else {
-            return;
-        };
+        // A schema each: the first leaves a transaction open on the server, which the second
+        // store's migration would wait for.
         for sku in ["stall", "stall-then-422"] {
+            let Some(db) = TestDb::create().await else {
+                return;
+            };
             let proxy = Arc::new(FreezingProxy::to(&db).await);
             let pool = db.sqlx_pool_via(4, proxy.addr.port()).await;
             let store = SqlxPostgresStore::builder(pool.clone())

@@ -23,6 +23,11 @@ pub(crate) enum Observed {
     /// The server went away or cannot take writes (a PostgreSQL failover): the layer answers
     /// `503`; the connection is not reused.
     Unavailable(String),
+    /// A statement got no answer within the lock timeout and a margin (a server or network
+    /// that stopped answering without closing the connection): as
+    /// [`Unavailable`](Self::Unavailable), and the handles refuse further statements at once
+    /// (on the same connection they would wait behind the unanswered one).
+    Stalled(String),
 }
 
 /// The first [`Observed`] error of a transaction, shared by the transaction and the
@@ -48,11 +53,29 @@ impl Observed {
         first.get_or_insert(observed);
     }
 
+    /// Keeps in `first` that a handle's statement got no answer in time
+    /// ([`Stalled`](Self::Stalled)), unless `first` already holds something.
+    pub(crate) fn keep_stalled(first: &StdMutex<Option<Observed>>, message: String) {
+        let mut first = first.lock().unwrap_or_else(PoisonError::into_inner);
+        first.get_or_insert(Observed::Stalled(message));
+    }
+
+    /// Whether a handle's statement got no answer in time: `first` holds
+    /// [`Stalled`](Self::Stalled).
+    pub(crate) fn is_stalled(first: &StdMutex<Option<Observed>>) -> bool {
+        matches!(
+            *first.lock().unwrap_or_else(PoisonError::into_inner),
+            Some(Observed::Stalled(_))
+        )
+    }
+
     /// The error a commit or rollback reports for it.
     pub(crate) fn into_error(self) -> Error {
         match self {
             Observed::Conflict(message) => Error::StatementConflict(message),
-            Observed::Unavailable(message) => Error::Unavailable(message),
+            Observed::Unavailable(message) | Observed::Stalled(message) => {
+                Error::Unavailable(message)
+            }
         }
     }
 }
