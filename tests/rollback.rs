@@ -828,10 +828,7 @@ async fn stall_in_the_handler<T: common::InsertOrder>(
         }
         _ => None,
     };
-    pg_common::HookOutcome {
-        fail_with,
-        ..Default::default()
-    }
+    pg_common::HookOutcome { fail_with }
 }
 
 /// Checks, on a server whose store reaches `db` through a proxy with a lock timeout of 1 s and

@@ -284,7 +284,8 @@ impl TransactionClient {
         parameter_types: &[Type],
     ) -> Result<Statement, Error> {
         sql_guard::check_command_remembered(query)?;
-        self.answered(self.client().prepare_typed(query, parameter_types)).await
+        self.answered(self.client().prepare_typed(query, parameter_types))
+            .await
     }
 
     /// Prepares `query` once per connection and reuses the statement afterwards.
@@ -316,7 +317,8 @@ impl TransactionClient {
         T: ?Sized + Command,
     {
         Self::check(statement)?;
-        self.answered(self.client().query_one(statement, params)).await
+        self.answered(self.client().query_one(statement, params))
+            .await
     }
 
     /// Runs a statement that returns at most one row
@@ -330,7 +332,8 @@ impl TransactionClient {
         T: ?Sized + Command,
     {
         Self::check(statement)?;
-        self.answered(self.client().query_opt(statement, params)).await
+        self.answered(self.client().query_opt(statement, params))
+            .await
     }
 
     /// Runs `query` with parameters of the given types, without preparing it first
@@ -341,7 +344,8 @@ impl TransactionClient {
         params: &[(&(dyn ToSql + Sync), Type)],
     ) -> Result<Vec<Row>, Error> {
         sql_guard::check_command_remembered(query)?;
-        self.answered(self.client().query_typed(query, params)).await
+        self.answered(self.client().query_typed(query, params))
+            .await
     }
 
     /// Runs a statement; returns how many rows it changed
@@ -355,7 +359,8 @@ impl TransactionClient {
         T: ?Sized + Command,
     {
         Self::check(statement)?;
-        self.answered(self.client().execute(statement, params)).await
+        self.answered(self.client().execute(statement, params))
+            .await
     }
 
     /// [`execute`](Self::execute) with the parameters as an iterator
@@ -368,7 +373,8 @@ impl TransactionClient {
         I::IntoIter: ExactSizeIterator,
     {
         Self::check(statement)?;
-        self.answered(self.client().execute_raw(statement, params)).await
+        self.answered(self.client().execute_raw(statement, params))
+            .await
     }
 
     /// Runs the statements of `query` (separated by `;`, no parameters) one after the other.

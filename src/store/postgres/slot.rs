@@ -51,10 +51,7 @@ impl Slot {
                 match self.answer_wait {
                     Some(wait) => match tokio::time::timeout(wait, rollback).await {
                         Ok(rolled_back) => rolled_back.map_err(|error| error.to_string()),
-                        Err(_) => Err(format!(
-                            "no answer within {} ms",
-                            wait.as_millis()
-                        )),
+                        Err(_) => Err(format!("no answer within {} ms", wait.as_millis())),
                     },
                     None => rollback.await.map_err(|error| error.to_string()),
                 }
