@@ -684,3 +684,180 @@ async fn replays_from_a_hot_standby_fall_through_to_the_primary_on_a_miss() {
     let orders: i64 = select_one(&promoted, "SELECT count(*) FROM orders", &[]).await;
     assert_eq!(orders, 3, "one order per key");
 }
+
+/// The lock timeout of [`app_with_a_short_lock_timeout`].
+const SHORT_LOCK_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// An order app in this process on the primary, through tokio-postgres (`sqlx: false`) or
+/// sqlx, with a lock timeout of [`SHORT_LOCK_TIMEOUT`] and `Retry-After: 2`.
+async fn app_with_a_short_lock_timeout(cluster: &Cluster, sqlx: bool) -> SocketAddr {
+    use axum::extract::Extension;
+    use axum::response::{IntoResponse, Response};
+    use axum::routing::post;
+    use tower_idempotency::extract::Tx;
+    use tower_idempotency::store::postgres::{PostgresStore, PostgresTransaction};
+    use tower_idempotency::store::sqlx_postgres::sqlx::postgres::PgPoolOptions;
+    use tower_idempotency::store::sqlx_postgres::{
+        sqlx as sqlx_crate, SqlxPostgresStore, SqlxTransaction,
+    };
+    use tower_idempotency::{IdempotencyLayer, Tenant};
+
+    const INSERT: &str = "INSERT INTO orders (tenant_id, sku) VALUES ($1, $2)";
+
+    fn answer(inserted: Result<(), String>) -> Response {
+        match inserted {
+            Ok(()) => (StatusCode::CREATED, "{}").into_response(),
+            Err(error) => {
+                eprintln!("order not inserted: {error}");
+                StatusCode::INTERNAL_SERVER_ERROR.into_response()
+            }
+        }
+    }
+
+    fn sku_of(body: &Bytes) -> String {
+        serde_json::from_slice::<serde_json::Value>(body).expect("JSON")["sku"]
+            .as_str()
+            .expect("sku")
+            .to_owned()
+    }
+
+    async fn on_tokio_postgres(
+        Extension(tenant): Extension<Tenant>,
+        Tx(tx): Tx<PostgresTransaction>,
+        body: Bytes,
+    ) -> Response {
+        let inserted = async {
+            let client = tx.client().await?;
+            client
+                .execute(INSERT, &[&tenant.as_str(), &sku_of(&body)])
+                .await?;
+            Ok::<(), tower_idempotency::Error>(())
+        };
+        answer(inserted.await.map_err(|error| error.to_string()))
+    }
+
+    async fn on_sqlx(
+        Extension(tenant): Extension<Tenant>,
+        Tx(tx): Tx<SqlxTransaction>,
+        body: Bytes,
+    ) -> Response {
+        let inserted = async {
+            let mut conn = tx.acquire().await.map_err(|error| error.to_string())?;
+            sqlx_crate::query(INSERT)
+                .bind(tenant.as_str())
+                .bind(sku_of(&body))
+                .execute(&mut *conn)
+                .await
+                .map_err(|error| error.to_string())?;
+            Ok(())
+        };
+        answer(inserted.await)
+    }
+
+    let primary = cluster.primary().await;
+    primary
+        .batch_execute(
+            "CREATE TABLE IF NOT EXISTS orders (id BIGSERIAL PRIMARY KEY, \
+             tenant_id TEXT NOT NULL, sku TEXT NOT NULL)",
+        )
+        .await
+        .expect("create orders");
+    fn configure<S: tower_idempotency::store::IdempotencyStore>(
+        layer: IdempotencyLayer<S>,
+    ) -> IdempotencyLayer<S> {
+        layer
+            .with_operation("create_order")
+            .with_lock_timeout(SHORT_LOCK_TIMEOUT)
+            .with_retry_after(Duration::from_secs(2))
+    }
+    let routes = if sqlx {
+        let pool = PgPoolOptions::new()
+            .max_connections(4)
+            .connect(&format!(
+                "postgres://postgres@127.0.0.1:{}/postgres",
+                cluster.primary_port
+            ))
+            .await
+            .expect("connect the sqlx pool");
+        let store = SqlxPostgresStore::new(pool);
+        store.migrate().await.expect("create the table");
+        axum::Router::new().route(
+            "/orders",
+            post(on_sqlx).layer(configure(IdempotencyLayer::new(store))),
+        )
+    } else {
+        let store = PostgresStore::builder(cluster.config())
+            .connect()
+            .await
+            .expect("open the store");
+        axum::Router::new().route(
+            "/orders",
+            post(on_tokio_postgres).layer(configure(IdempotencyLayer::new(store))),
+        )
+    };
+    let app = routes.layer(axum::middleware::from_fn(
+        |mut request: axum::extract::Request, next: axum::middleware::Next| async move {
+            request.extensions_mut().insert(Tenant::new("shop-a"));
+            next.run(request).await
+        },
+    ));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("address");
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    addr
+}
+
+/// A synchronous standby that is gone (stopped, while `synchronous_standby_names` still asks
+/// for one): the primary's `COMMIT` waits for its confirmation forever. The request is not
+/// held: it is answered `503` with `Retry-After` within the lock timeout and 1 s of being
+/// sent, on both drivers (the commit's answer is given up, its outcome unknown: the primary
+/// has committed locally, unconfirmed, and holds the key's row). Once the standby is back,
+/// the commit is confirmed and the retry replays it: one order.
+#[cfg_attr(
+    not(pg_cluster_tests),
+    ignore = "needs the PostgreSQL server programs (initdb, pg_ctl, pg_basebackup): install them or set PG_BINDIR"
+)]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_synchronous_standby_is_503_within_the_lock_timeout() {
+    let mut cluster = Cluster::start(Replication::Sync).await;
+    for (sqlx, driver) in [(false, "tokio-postgres"), (true, "sqlx")] {
+        let addr = app_with_a_short_lock_timeout(&cluster, sqlx).await;
+        let warm = send_order(addr, &format!("warm-{driver}")).await;
+        assert_eq!(warm.status, StatusCode::CREATED, "{driver}: {warm:?}");
+
+        cluster.stop_standby().await;
+        let key = format!("unconfirmed-{driver}");
+        let started = Instant::now();
+        let reply = tokio::time::timeout(Duration::from_secs(10), send_order(addr, &key))
+            .await
+            .unwrap_or_else(|_| panic!("{driver}: held for 10 s without an answer"));
+        let waited = started.elapsed();
+        assert_unavailable(&reply, driver);
+        assert_eq!(reply.header("retry-after"), Some("2"), "{driver}");
+        assert!(
+            waited < SHORT_LOCK_TIMEOUT + Duration::from_secs(1),
+            "{driver}: answered after {waited:?}"
+        );
+        // Its COMMIT reached the primary and waits there for the standby.
+        backend_waiting_for_the_standby(&cluster).await;
+
+        cluster.start_standby().await;
+        cluster.wait_for_standby(Replication::Sync).await;
+        let retry = send_past_503s(addr, &key).await;
+        assert_eq!(retry.status, StatusCode::CREATED, "{driver}: {retry:?}");
+        assert!(
+            retry.replayed(),
+            "{driver}: the unconfirmed commit was kept: the retry replays it"
+        );
+        let primary = cluster.primary().await;
+        let orders: i64 = select_one(
+            &primary,
+            "SELECT count(*) FROM orders WHERE sku = $1",
+            &[&key],
+        )
+        .await;
+        assert_eq!(orders, 1, "{driver}: one order");
+    }
+}

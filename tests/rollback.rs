@@ -418,7 +418,7 @@ mod postgres {
     use std::sync::Mutex;
 
     use pg_common::{hook as pg_hook, HookOutcome, OrderCall, PgServer, TestDb};
-    use tower_idempotency::store::postgres::PostgresTransaction;
+    use tower_idempotency::store::postgres::{PostgresTransaction, ReplayCheck};
     use tower_idempotency::Error;
 
     use super::*;
@@ -684,6 +684,18 @@ mod postgres {
     #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
     #[tokio::test]
     async fn a_server_that_stops_answering_is_503_within_the_lock_timeout() {
+        a_server_that_stops_answering_under(ReplayCheck::Adaptive).await;
+    }
+
+    /// The same when every first attempt reads before its transaction: the read's wait
+    /// (`read_wait`, 1 s by default) comes out of the lock timeout, not on top of it.
+    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
+    #[tokio::test]
+    async fn with_reads_first_a_server_that_stops_answering_is_503_within_the_lock_timeout() {
+        a_server_that_stops_answering_under(ReplayCheck::ReadPool).await;
+    }
+
+    async fn a_server_that_stops_answering_under(replay_check: ReplayCheck) {
         let Some(db) = TestDb::create().await else {
             return;
         };
@@ -691,10 +703,7 @@ mod postgres {
         let store = tower_idempotency::store::postgres::PostgresStore::builder(proxy.config(&db))
             .max_connections(4)
             .max_read_connections(2)
-            // A failed begin is followed by a replay check on the read pool (it may be a
-            // standby that still answers), bounded by `read_wait`: short here, so that the
-            // whole answer comes within the lock timeout and 1 s.
-            .read_wait(Duration::from_millis(300))
+            .replay_check(replay_check)
             .connect()
             .await
             .expect("open the store through the proxy");
@@ -713,6 +722,43 @@ mod postgres {
             .serve_on(store)
             .await;
         check_a_server_that_stops_answering(server.addr).await;
+    }
+
+    /// A server that stops answering while the handler's own statement is in flight, or
+    /// while the layer rolls back after the handler: the request is answered within the lock
+    /// timeout and 1 s, and the connection is closed, not pooled.
+    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
+    #[tokio::test]
+    async fn a_handler_statement_the_server_stops_answering_is_503_within_the_lock_timeout() {
+        // A schema each: the first leaves a transaction open on the server, which the second
+        // store's migration would wait for.
+        for sku in ["stall", "stall-then-422"] {
+            let Some(db) = TestDb::create().await else {
+                return;
+            };
+            let proxy = Arc::new(pg_common::FreezingProxy::to(&db).await);
+            let store =
+                tower_idempotency::store::postgres::PostgresStore::builder(proxy.config(&db))
+                    .max_connections(4)
+                    .max_read_connections(2)
+                    .connect()
+                    .await
+                    .expect("open the store through the proxy");
+            let pool = store.pool().clone();
+            let freezer = proxy.clone();
+            let server = PgServer::builder()
+                .layer(one_second_lock_timeout)
+                .hook(pg_hook(move |call: OrderCall| {
+                    let freezer = freezer.clone();
+                    async move { stall_in_the_handler(&freezer, &call.sku, &call.tx).await }
+                }))
+                .serve_on(store)
+                .await;
+            check_a_handler_the_server_stops_answering(server.addr, &db, sku, || {
+                pool.status().size
+            })
+            .await;
+        }
     }
 }
 
@@ -758,6 +804,84 @@ async fn check_a_server_that_stops_answering(addr: std::net::SocketAddr) {
     }
 }
 
+/// What the handler of [`check_a_handler_the_server_stops_answering`] does for `sku`: for
+/// `stall`, freezes the proxy, then inserts a second order of its own (the statement in
+/// flight when the server stops answering), answering `500` if that fails; for
+/// `stall-then-422`, freezes it and answers `422` (not saved: the layer rolls back).
+async fn stall_in_the_handler<T: common::InsertOrder>(
+    freezer: &pg_common::FreezingProxy,
+    sku: &str,
+    tx: &T,
+) -> pg_common::HookOutcome {
+    let fail_with = match sku {
+        "stall" => {
+            freezer.freeze();
+            let tenant = tower_idempotency::Tenant::new("shop-a");
+            match tx.insert_order(&tenant, "second", 1).await {
+                Ok(_) => None,
+                Err(_) => Some(StatusCode::INTERNAL_SERVER_ERROR),
+            }
+        }
+        "stall-then-422" => {
+            freezer.freeze();
+            Some(StatusCode::UNPROCESSABLE_ENTITY)
+        }
+        _ => None,
+    };
+    pg_common::HookOutcome { fail_with }
+}
+
+/// Checks, on a server whose store reaches `db` through a proxy with a lock timeout of 1 s and
+/// whose handler is [`stall_in_the_handler`], that a request of `sku` is answered within the
+/// lock timeout and 1 s once the server stops answering under its handler: `503` with
+/// `Retry-After` when the handler's own statement got no answer, the handler's `422` when
+/// only the rollback after it got none; that nothing of it is stored; and that its
+/// connection is not returned to the pool (`connections`: how many the pool of request
+/// transactions holds).
+async fn check_a_handler_the_server_stops_answering(
+    addr: std::net::SocketAddr,
+    db: &pg_common::TestDb,
+    sku: &str,
+    connections: impl Fn() -> usize,
+) {
+    let lock_timeout = Duration::from_secs(1);
+    let warm_up = post(addr, Some(SHOP_A), Some("before"), BOOK, &[]).await;
+    assert_eq!(warm_up.status, StatusCode::CREATED, "{warm_up:?}");
+    // The warm-up's connection back in the pool (sqlx returns it in a task of its own): the
+    // next request takes it rather than opening another.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let pooled = connections();
+    let started = std::time::Instant::now();
+    let body = format!(r#"{{"sku":"{sku}","quantity":1}}"#);
+    let reply = answered_within(addr, sku, &body, Duration::from_secs(10)).await;
+    let waited = started.elapsed();
+    if sku == "stall" {
+        assert_eq!(
+            reply.status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "{sku}: {reply:?}"
+        );
+        assert_eq!(reply.header("retry-after"), Some("2"), "{sku}: {reply:?}");
+    } else {
+        assert_eq!(
+            reply.status,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "{sku}: {reply:?}"
+        );
+    }
+    assert!(
+        waited < lock_timeout + Duration::from_secs(1),
+        "{sku}: answered after {waited:?}"
+    );
+    assert_eq!(db.order_count().await, 1, "{sku}: only the warm-up's order");
+    assert!(!db.record_exists("shop-a", "create_order", sku).await);
+    assert_eq!(
+        connections(),
+        pooled - 1,
+        "{sku}: the connection that got no answer is not returned to the pool"
+    );
+}
+
 /// The layer of [`check_a_server_that_stops_answering`].
 fn one_second_lock_timeout<S: tower_idempotency::store::IdempotencyStore>(
     layer: tower_idempotency::IdempotencyLayer<S>,
@@ -798,7 +922,6 @@ mod sqlx_postgres {
         let pool = db.sqlx_pool_via(4, proxy.addr.port()).await;
         let store = SqlxPostgresStore::builder(pool)
             .max_read_connections(2)
-            .read_wait(Duration::from_millis(300))
             .build();
         store.migrate().await.expect("create the table");
         let freezer = proxy.clone();
@@ -816,6 +939,44 @@ mod sqlx_postgres {
             .serve_on(store)
             .await;
         check_a_server_that_stops_answering(server.addr).await;
+    }
+
+    /// A server that stops answering under the handler, as in `postgres`, on the sqlx store.
+    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
+    #[tokio::test]
+    async fn a_handler_statement_the_server_stops_answering_is_503_within_the_lock_timeout() {
+        use super::*;
+        use common::{hook_for, AppBuilder};
+        use pg_common::sqlx_app::{SqlxOrderCall, SqlxPgApp};
+        use pg_common::{FreezingProxy, TestDb};
+        use tower_idempotency::store::sqlx_postgres::SqlxPostgresStore;
+
+        // A schema each: the first leaves a transaction open on the server, which the second
+        // store's migration would wait for.
+        for sku in ["stall", "stall-then-422"] {
+            let Some(db) = TestDb::create().await else {
+                return;
+            };
+            let proxy = Arc::new(FreezingProxy::to(&db).await);
+            let pool = db.sqlx_pool_via(4, proxy.addr.port()).await;
+            let store = SqlxPostgresStore::builder(pool.clone())
+                .max_read_connections(2)
+                .build();
+            store.migrate().await.expect("create the table");
+            let freezer = proxy.clone();
+            let server = AppBuilder::new(SqlxPgApp)
+                .layer(one_second_lock_timeout)
+                .hook(hook_for(move |call: SqlxOrderCall| {
+                    let freezer = freezer.clone();
+                    async move { stall_in_the_handler(&freezer, &call.sku, &call.tx).await }
+                }))
+                .serve_on(store)
+                .await;
+            check_a_handler_the_server_stops_answering(server.addr, &db, sku, || {
+                pool.size() as usize
+            })
+            .await;
+        }
     }
 }
 

@@ -93,9 +93,6 @@ pub(crate) fn restore_lock_timeout(deadline: Instant) -> String {
 /// the request answered `503` with `Retry-After`.
 pub(crate) const ANSWER_MARGIN: Duration = Duration::from_millis(500);
 
-/// `work` (statements of the layer's own on one connection), given up at `deadline` plus
-/// [`ANSWER_MARGIN`]: [`Error::Unavailable`](crate::Error::Unavailable) then. The caller closes the connection, whose
-/// state is unknown.
 /// When the server's answers to a reservation are due: at `deadline`, or, under an in-flight
 /// policy whose `key_row_wait` outlasts it, once that wait is over.
 #[cfg(feature = "postgres")]
@@ -106,6 +103,9 @@ pub(crate) fn answers_due(deadline: Instant, key_row_wait: Option<Duration>) -> 
     }
 }
 
+/// `work` (statements of the layer's own on one connection), given up at `deadline` plus
+/// [`ANSWER_MARGIN`]: [`Error::Unavailable`](crate::Error::Unavailable) then. The caller
+/// closes the connection, whose state is unknown.
 #[cfg(feature = "postgres")]
 pub(crate) async fn answered_by<T>(
     deadline: Instant,

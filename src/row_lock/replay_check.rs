@@ -57,6 +57,12 @@ pub enum ReplayCheck {
 /// ([`ReplayChecks::acquire`]).
 const PATIENCE: (Duration, Duration) = (Duration::from_millis(1), Duration::from_millis(100));
 
+/// How long past the lock timeout (from the start of a request's first attempt) the lookup
+/// that follows a failed begin may last ([`first_attempt`]): a begin that gave up on a server
+/// that stopped answering (by the lock timeout and 500 ms) leaves it no time, so that the
+/// request is answered within the lock timeout and 1 s.
+pub(crate) const FALLBACK_READ_MARGIN: Duration = Duration::from_millis(500);
+
 /// How a reservation's wait for a connection ended ([`ReplayChecks::acquire`]).
 pub(crate) enum Acquired<C> {
     /// The connection.
@@ -193,6 +199,13 @@ impl ReplayChecks {
 /// A begin that ran alone and failed (the primary is down, or every transaction connection
 /// stayed taken past the lock timeout) is followed by the lookup after all: a record it finds
 /// (on a standby that serves the read pool, say) is replayed rather than the error answered.
+///
+/// The lock timeout bounds the whole attempt, measured from its start, whatever the store's
+/// `read_wait`: a lookup before the begin leaves the begin only what is left of the lock
+/// timeout, and the lookup after a failed begin is given up (or not made) by the lock timeout
+/// and [`FALLBACK_READ_MARGIN`]. So a server that stops answering is answered `503` within the
+/// lock timeout and 1 s: the begin gives up on it by the lock timeout and 500 ms, and the
+/// lookup after it adds nothing past the lock timeout and [`FALLBACK_READ_MARGIN`].
 pub(crate) async fn first_attempt<St, W, F>(
     store: &St,
     checks: &ReplayChecks,
@@ -206,15 +219,29 @@ where
     W: FnOnce(St::Reservation) -> F,
     F: Future,
 {
-    let begin = move || begin_and_run_in_place(store, scope, lock_timeout, now, work);
+    let started = Instant::now();
+    let begin = move || {
+        // What the lookup before it left of the lock timeout (all of it when none was made).
+        let left = lock_timeout.saturating_sub(started.elapsed());
+        begin_and_run_in_place(store, scope, left, now, work)
+    };
     let outcome = if checks.read_first() {
         lookup_then(store, scope, now, begin).await
     } else {
         match begin().await {
-            Err(error) => match store.lookup(scope, now).await {
-                Ok(Some(record)) => Ok(RunOutcome::Found { record }),
-                Ok(None) | Err(_) => Err(error),
-            },
+            Err(error) => {
+                let read_by = started + lock_timeout + FALLBACK_READ_MARGIN;
+                if Instant::now() >= read_by {
+                    // The begin used the whole lock timeout and more (a server that stopped
+                    // answering, most likely the read pool's too): no time is left to read.
+                    Err(error)
+                } else {
+                    match tokio::time::timeout_at(read_by, store.lookup(scope, now)).await {
+                        Ok(Ok(Some(record))) => Ok(RunOutcome::Found { record }),
+                        Ok(Ok(None) | Err(_)) | Err(_) => Err(error),
+                    }
+                }
+            }
             outcome => outcome,
         }
     };

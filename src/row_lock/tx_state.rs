@@ -30,6 +30,11 @@ pub(crate) enum Observed {
     /// on, so a handler that recovered from it commits as usual; PostgreSQL aborted the
     /// transaction, whose commit then fails.
     LockTimeout(String),
+    /// A statement got no answer within the lock timeout and a margin (a server or network
+    /// that stopped answering without closing the connection): as
+    /// [`Unavailable`](Self::Unavailable), and the handles refuse further statements at once
+    /// (on the same connection they would wait behind the unanswered one).
+    Stalled(String),
 }
 
 /// The first [`Observed`] error of a transaction, shared by the transaction and the
@@ -70,11 +75,32 @@ impl Observed {
         !matches!(self, Observed::LockTimeout(_))
     }
 
+    /// Keeps in `first` that a handle's statement got no answer in time
+    /// ([`Stalled`](Self::Stalled)), unless `first` already holds something.
+    pub(crate) fn keep_stalled(first: &StdMutex<Option<Observed>>, message: String) {
+        let mut first = first.lock().unwrap_or_else(PoisonError::into_inner);
+        // A lock timeout did not end the transaction: the stall is what ends it.
+        if matches!(*first, None | Some(Observed::LockTimeout(_))) {
+            *first = Some(Observed::Stalled(message));
+        }
+    }
+
+    /// Whether a handle's statement got no answer in time: `first` holds
+    /// [`Stalled`](Self::Stalled).
+    pub(crate) fn is_stalled(first: &StdMutex<Option<Observed>>) -> bool {
+        matches!(
+            *first.lock().unwrap_or_else(PoisonError::into_inner),
+            Some(Observed::Stalled(_))
+        )
+    }
+
     /// The error a commit or rollback reports for it.
     pub(crate) fn into_error(self) -> Error {
         match self {
             Observed::Conflict(message) => Error::StatementConflict(message),
-            Observed::Unavailable(message) => Error::Unavailable(message),
+            Observed::Unavailable(message) | Observed::Stalled(message) => {
+                Error::Unavailable(message)
+            }
             Observed::LockTimeout(message) => Error::LockTimeout(message),
         }
     }

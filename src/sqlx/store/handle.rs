@@ -5,6 +5,7 @@
 use std::fmt;
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures_util::future::{self, BoxFuture};
 use futures_util::stream::{self, BoxStream};
@@ -31,11 +32,17 @@ use crate::row_lock::tx_state::{Observed, ObservedCell, TxShared};
 ///   layer, whatever the handler answers: it runs the request again in a fresh transaction, up
 ///   to [`with_conflict_retries`](crate::IdempotencyLayer::with_conflict_retries) times, then
 ///   answers `503` with `Retry-After`.
-/// - Where the dialect reports them (MySQL and MariaDB), a lock wait past the lock timeout
-///   (`1205`) is noticed too: if the handler then fails (any answer the layer does not save,
+/// - Where the dialect reports them (MySQL and MariaDB `1205`, PostgreSQL `55P03`), a lock wait past the lock
+///   timeout is noticed too: if the handler then fails (any answer the layer does not save,
 ///   an error, a panic), the layer rolls back and answers `503` with `Retry-After`, as for a
-///   wait on its own statements. A handler that recovered from it commits as usual: the
-///   server rolled back only that statement.
+///   wait on its own statements. On MySQL a handler that recovered from it commits as usual:
+///   the server rolled back only that statement.
+/// - On PostgreSQL, a statement whose answer has not come within the lock timeout and 500 ms
+///   is taken for a server (or network) that stopped answering without closing the
+///   connection: it fails (an I/O error, `TimedOut`), the statements after it are refused at
+///   once, and the layer answers `503` with `Retry-After` whatever the handler answers,
+///   closing the connection. (A statement that runs longer than that on a live server is
+///   given up the same way.)
 /// - Drop the [`SqlxConnection`] before the handler returns; after the request ends the
 ///   handle refuses work ([`Error::TransactionFinished`]).
 #[derive(Clone)]
@@ -120,6 +127,12 @@ impl<D: SqlxDialect> DerefMut for SqlxConnection<D> {
 pub struct TxConnection<D: SqlxDialect> {
     raw: PoolConnection<D::Db>,
     conflict: ObservedCell,
+    /// How long after sending a statement its answer is due, where the dialect bounds it (the
+    /// lock timeout and [`SqlxDialect::ANSWER_MARGIN`]: the server ends every lock wait by
+    /// the lock timeout itself). An answer missing past it means a server that stopped
+    /// answering: the statement fails, the ones after it are refused, the layer answers `503`
+    /// and the connection is closed. `None`: no bound.
+    answer_wait: Option<Duration>,
 }
 
 impl<D: SqlxDialect> fmt::Debug for TxConnection<D> {
@@ -133,7 +146,23 @@ impl<D: SqlxDialect> TxConnection<D> {
         TxConnection {
             raw,
             conflict: ObservedCell::default(),
+            answer_wait: None,
         }
+    }
+
+    /// The connection of a request's transaction whose lock waits end by `lock_timeout`: its
+    /// statements' answers are due within it and the dialect's
+    /// [`ANSWER_MARGIN`](SqlxDialect::ANSWER_MARGIN), if it has one.
+    pub(crate) fn for_request(raw: PoolConnection<D::Db>, lock_timeout: Duration) -> Self {
+        TxConnection {
+            answer_wait: D::ANSWER_MARGIN.map(|margin| lock_timeout + margin),
+            ..Self::new(raw)
+        }
+    }
+
+    /// How long a statement's answer may take (see the field).
+    pub(crate) fn answer_wait(&self) -> Option<Duration> {
+        self.answer_wait
     }
 
     /// The connection, for the store's own statements (unchecked).
@@ -169,9 +198,65 @@ fn observe<D: SqlxDialect>(conflict: &ObservedCell, error: &sqlx::Error) {
     );
 }
 
+/// The error of a statement that got no answer within `wait`, kept for the layer (which then
+/// answers `503`, see [`TxConnection`]).
+fn no_answer(conflict: &ObservedCell, wait: Duration) -> sqlx::Error {
+    let message = format!(
+        "the database did not answer a statement within {} ms (the lock timeout and a margin)",
+        wait.as_millis()
+    );
+    Observed::keep_stalled(conflict, message.clone());
+    sqlx::Error::Io(std::io::Error::new(std::io::ErrorKind::TimedOut, message))
+}
+
+/// `future`, given up after `wait` if set ([`no_answer`]).
+async fn answered<T>(
+    future: impl std::future::Future<Output = Result<T, sqlx::Error>>,
+    wait: Option<Duration>,
+    conflict: &ObservedCell,
+) -> Result<T, sqlx::Error> {
+    match wait {
+        Some(wait) => tokio::time::timeout(wait, future)
+            .await
+            .unwrap_or_else(|_| Err(no_answer(conflict, wait))),
+        None => future.await,
+    }
+}
+
+/// `steps`, each given up after `wait` (from the moment it is asked for) if set: the stream
+/// ends after the error ([`no_answer`]).
+fn answered_steps<'e, T: Send + 'e>(
+    steps: BoxStream<'e, Result<T, sqlx::Error>>,
+    wait: Option<Duration>,
+    conflict: ObservedCell,
+) -> BoxStream<'e, Result<T, sqlx::Error>> {
+    let Some(wait) = wait else {
+        return steps;
+    };
+    stream::unfold(Some(steps), move |steps| {
+        let conflict = Arc::clone(&conflict);
+        async move {
+            let mut steps = steps?;
+            match tokio::time::timeout(wait, steps.next()).await {
+                Ok(Some(step)) => Some((step, Some(steps))),
+                Ok(None) => None,
+                Err(_) => Some((Err(no_answer(&conflict, wait)), None)),
+            }
+        }
+    })
+    .boxed()
+}
+
 /// Refuses transaction control anywhere in `sql`, and, where the dialect says so, everything
-/// once a conflict has rolled the transaction back.
+/// once a conflict has rolled the transaction back; and everything once a statement got no
+/// answer in time (it would wait behind that one).
 fn check<D: SqlxDialect>(sql: &str, conflict: &ObservedCell) -> Result<(), sqlx::Error> {
+    if Observed::is_stalled(conflict) {
+        return Err(sqlx::Error::Io(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            "an earlier statement of the transaction got no answer from the database",
+        )));
+    }
     if let Some(refused) = D::REFUSED_AFTER_CONFLICT {
         // A lock timeout rolled back only its statement: the transaction goes on.
         let conflicted = conflict
@@ -280,8 +365,9 @@ impl<'c, D: SqlxDialect> Executor<'c> for &'c mut TxConnection<D> {
             return stream::once(future::ready(Err(refused))).boxed();
         }
         let conflict = Arc::clone(&self.conflict);
+        let (wait, stalled) = (self.answer_wait, Arc::clone(&self.conflict));
         let raw: &'c mut Conn<D> = &mut self.raw;
-        match query.take_arguments() {
+        let steps = match query.take_arguments() {
             Err(error) => stream::once(future::ready(Err(sqlx::Error::Encode(error)))).boxed(),
             Ok(Some(arguments)) => D::Db::executor(raw)
                 .fetch_many(Checked {
@@ -294,10 +380,12 @@ impl<'c, D: SqlxDialect> Executor<'c> for &'c mut TxConnection<D> {
                     }
                 })
                 .boxed(),
+            // The pieces' results come at once when the last has run: one wait for them all.
             Ok(None) => stream::once(async move { run_pieces::<D>(raw, sql, &conflict).await })
                 .flat_map(stream::iter)
                 .boxed(),
-        }
+        };
+        answered_steps(steps, wait, stalled)
     }
 
     fn fetch_optional<'e, 'q: 'e, E>(
@@ -311,8 +399,9 @@ impl<'c, D: SqlxDialect> Executor<'c> for &'c mut TxConnection<D> {
         let sql = query.sql();
         let checked = check::<D>(sql, &self.conflict);
         let conflict = Arc::clone(&self.conflict);
+        let wait = self.answer_wait;
         let raw: &'c mut Conn<D> = &mut self.raw;
-        Box::pin(async move {
+        let fetch = async move {
             checked?;
             match query.take_arguments().map_err(sqlx::Error::Encode)? {
                 Some(arguments) => {
@@ -337,7 +426,9 @@ impl<'c, D: SqlxDialect> Executor<'c> for &'c mut TxConnection<D> {
                     Ok(first)
                 }
             }
-        })
+        };
+        let conflict = Arc::clone(&self.conflict);
+        Box::pin(async move { answered(fetch, wait, &conflict).await })
     }
 
     fn prepare_with<'e, 'q: 'e>(
@@ -350,10 +441,16 @@ impl<'c, D: SqlxDialect> Executor<'c> for &'c mut TxConnection<D> {
     {
         let checked = check::<D>(sql, &self.conflict);
         let conflict = Arc::clone(&self.conflict);
+        let wait = self.answer_wait;
         let raw: &'c mut Conn<D> = &mut self.raw;
         Box::pin(async move {
             checked?;
-            let statement = D::Db::executor(raw).prepare_with(sql, parameters).await;
+            let statement = answered(
+                D::Db::executor(raw).prepare_with(sql, parameters),
+                wait,
+                &conflict,
+            )
+            .await;
             if let Err(error) = &statement {
                 observe::<D>(&conflict, error);
             }
@@ -369,10 +466,12 @@ impl<'c, D: SqlxDialect> Executor<'c> for &'c mut TxConnection<D> {
         'c: 'e,
     {
         let checked = check::<D>(sql, &self.conflict);
+        let conflict = Arc::clone(&self.conflict);
+        let wait = self.answer_wait;
         let raw: &'c mut Conn<D> = &mut self.raw;
         Box::pin(async move {
             checked?;
-            D::Db::executor(raw).describe(sql).await
+            answered(D::Db::executor(raw).describe(sql), wait, &conflict).await
         })
     }
 }

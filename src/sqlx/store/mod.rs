@@ -343,7 +343,7 @@ impl<D: SqlxDialect> SqlxStore<D> {
         let reserving = async {
             // From here on, dropping this future (the client went away) discards the connection,
             // which rolls back whatever the server has done for it.
-            let mut slot = Slot::new(TxConnection::new(connection));
+            let mut slot = Slot::new(TxConnection::for_request(connection, lock_timeout));
             let waits = (deadline, self.key_row_wait);
             let isolation = self.shared.isolation;
             let opened = loop {
@@ -353,7 +353,7 @@ impl<D: SqlxDialect> SqlxStore<D> {
                         tracing::debug!(%error, "idle connection lost; opening the transaction on another");
                         slot.discard();
                         let connection = Self::checked_connection(pool, deadline).await?;
-                        slot = Slot::new(TxConnection::new(connection));
+                        slot = Slot::new(TxConnection::for_request(connection, lock_timeout));
                         checked = true;
                     }
                     Err(error) => {

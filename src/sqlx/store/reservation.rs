@@ -39,9 +39,25 @@ impl<D: SqlxDialect> Slot<D> {
     }
 
     /// Ends the transaction with `ROLLBACK` and gives the connection back to the pool; if that
-    /// fails, the connection is discarded (closing it rolls back).
+    /// fails, the connection is discarded (closing it rolls back). A `ROLLBACK` that gets no
+    /// answer within the connection's [answer wait](TxConnection::answer_wait), where it has
+    /// one, is given up the same way: nothing of the transaction commits without `COMMIT`.
     pub(crate) async fn roll_back_and_release(&mut self) {
-        if let Err(error) = self.end(D::ROLLBACK).await {
+        let wait = self.connection.as_ref().and_then(TxConnection::answer_wait);
+        let ended = match wait {
+            Some(wait) => match tokio::time::timeout(wait, self.end(D::ROLLBACK)).await {
+                Ok(ended) => ended,
+                Err(_) => {
+                    self.discard();
+                    Err(sqlx::Error::Protocol(format!(
+                        "no answer within {} ms",
+                        wait.as_millis()
+                    )))
+                }
+            },
+            None => self.end(D::ROLLBACK).await,
+        };
+        if let Err(error) = ended {
             tracing::warn!(%error, "ROLLBACK failed; closing the connection");
         }
     }

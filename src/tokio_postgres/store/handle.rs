@@ -6,6 +6,7 @@
 use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
+use std::time::Duration;
 
 use deadpool_postgres::Object;
 use tokio::sync::OwnedMappedMutexGuard;
@@ -16,6 +17,8 @@ use tokio_postgres::{GenericClient, SimpleQueryMessage, Statement, ToStatement};
 use super::slot::{Slot, TxShared};
 use crate::error::Error;
 use crate::postgres::guard as sql_guard;
+use crate::postgres::reserve as pg_reserve;
+use crate::row_lock::tx_state::Observed;
 
 /// The handle a handler uses to write its rows in the request's transaction.
 ///
@@ -54,6 +57,11 @@ use crate::postgres::guard as sql_guard;
 ///   `Retry-After` whatever the handler answers, and the connection is not reused.
 /// - Statements run with the layer's `lock_timeout` (`SET LOCAL`): a lock wait past it fails
 ///   with SQLSTATE `55P03`, for which [`Error::is_busy`] is true.
+/// - A statement whose answer has not come within the lock timeout and 500 ms is taken for a
+///   server (or network) that stopped answering without closing the connection: it fails with
+///   [`Error::Unavailable`], the statements after it are refused at once, and the layer
+///   answers `503` with `Retry-After` whatever the handler answers, closing the connection.
+///   (A statement that runs longer than that on a live server is given up the same way.)
 /// - Drop the [`TransactionClient`] before the handler returns; after the request ends the
 ///   handle refuses work ([`Error::TransactionFinished`]).
 #[derive(Clone)]
@@ -74,10 +82,18 @@ impl PostgresTransaction {
     /// Borrows the transaction's connection. Waits while another borrow of the same
     /// transaction is alive (one connection runs one statement at a time).
     pub async fn client(&self) -> Result<TransactionClient, Error> {
-        let connection = self.tx.borrow(|slot| slot.object.as_mut()).await?;
+        let mut answer_wait = None;
+        let connection = self
+            .tx
+            .borrow(|slot| {
+                answer_wait = slot.answer_wait;
+                slot.object.as_mut()
+            })
+            .await?;
         Ok(TransactionClient {
             connection,
             tx: self.tx.clone(),
+            answer_wait,
         })
     }
 
@@ -108,6 +124,9 @@ impl PostgresTransaction {
 pub struct TransactionClient {
     connection: OwnedMappedMutexGuard<Slot, Object>,
     tx: Arc<TxShared>,
+    /// How long a statement's answer may take before the server is taken for gone (see
+    /// `Slot::answer_wait`).
+    answer_wait: Option<Duration>,
 }
 
 impl fmt::Debug for TransactionClient {
@@ -221,10 +240,40 @@ impl TransactionClient {
         })
     }
 
+    /// Runs `statement` (a request to the server), given up when its answer has not come
+    /// within the lock timeout and a margin: the server stopped answering. That is kept for
+    /// the layer (which answers `503` with `Retry-After` and closes the connection), and the
+    /// statements that follow are refused at once: they would wait behind this one.
+    async fn answered<T>(
+        &self,
+        statement: impl Future<Output = Result<T, tokio_postgres::Error>>,
+    ) -> Result<T, Error> {
+        let Some(wait) = self.answer_wait else {
+            return self.observe(statement.await);
+        };
+        if Observed::is_stalled(&self.tx.observed) {
+            return Err(Error::Unavailable(
+                "an earlier statement of the transaction got no answer from the database"
+                    .to_owned(),
+            ));
+        }
+        match tokio::time::timeout(wait, statement).await {
+            Ok(result) => self.observe(result),
+            Err(_) => {
+                let message = format!(
+                    "the database did not answer a statement within the lock timeout and {} ms",
+                    pg_reserve::ANSWER_MARGIN.as_millis()
+                );
+                Observed::keep_stalled(&self.tx.observed, message.clone());
+                Err(Error::Unavailable(message))
+            }
+        }
+    }
+
     /// Prepares `query` ([`tokio_postgres::Client::prepare`]).
     pub async fn prepare(&self, query: &str) -> Result<Statement, Error> {
         sql_guard::check_command_remembered(query)?;
-        self.observe(self.client().prepare(query).await)
+        self.answered(self.client().prepare(query)).await
     }
 
     /// Prepares `query` with the given parameter types
@@ -235,13 +284,14 @@ impl TransactionClient {
         parameter_types: &[Type],
     ) -> Result<Statement, Error> {
         sql_guard::check_command_remembered(query)?;
-        self.observe(self.client().prepare_typed(query, parameter_types).await)
+        self.answered(self.client().prepare_typed(query, parameter_types))
+            .await
     }
 
     /// Prepares `query` once per connection and reuses the statement afterwards.
     pub async fn prepare_cached(&self, query: &str) -> Result<Statement, Error> {
         sql_guard::check_command_remembered(query)?;
-        self.observe(self.connection.prepare_cached(query).await)
+        self.answered(self.connection.prepare_cached(query)).await
     }
 
     /// Runs a statement and returns its rows ([`tokio_postgres::Client::query`]).
@@ -254,7 +304,7 @@ impl TransactionClient {
         T: ?Sized + Command,
     {
         Self::check(statement)?;
-        self.observe(self.client().query(statement, params).await)
+        self.answered(self.client().query(statement, params)).await
     }
 
     /// Runs a statement that returns exactly one row ([`tokio_postgres::Client::query_one`]).
@@ -267,7 +317,8 @@ impl TransactionClient {
         T: ?Sized + Command,
     {
         Self::check(statement)?;
-        self.observe(self.client().query_one(statement, params).await)
+        self.answered(self.client().query_one(statement, params))
+            .await
     }
 
     /// Runs a statement that returns at most one row
@@ -281,7 +332,8 @@ impl TransactionClient {
         T: ?Sized + Command,
     {
         Self::check(statement)?;
-        self.observe(self.client().query_opt(statement, params).await)
+        self.answered(self.client().query_opt(statement, params))
+            .await
     }
 
     /// Runs `query` with parameters of the given types, without preparing it first
@@ -292,7 +344,8 @@ impl TransactionClient {
         params: &[(&(dyn ToSql + Sync), Type)],
     ) -> Result<Vec<Row>, Error> {
         sql_guard::check_command_remembered(query)?;
-        self.observe(self.client().query_typed(query, params).await)
+        self.answered(self.client().query_typed(query, params))
+            .await
     }
 
     /// Runs a statement; returns how many rows it changed
@@ -306,7 +359,8 @@ impl TransactionClient {
         T: ?Sized + Command,
     {
         Self::check(statement)?;
-        self.observe(self.client().execute(statement, params).await)
+        self.answered(self.client().execute(statement, params))
+            .await
     }
 
     /// [`execute`](Self::execute) with the parameters as an iterator
@@ -319,7 +373,8 @@ impl TransactionClient {
         I::IntoIter: ExactSizeIterator,
     {
         Self::check(statement)?;
-        self.observe(self.client().execute_raw(statement, params).await)
+        self.answered(self.client().execute_raw(statement, params))
+            .await
     }
 
     /// Runs the statements of `query` (separated by `;`, no parameters) one after the other.
@@ -333,7 +388,7 @@ impl TransactionClient {
         for statement in statements {
             // The extended protocol: a piece that still held two commands would be refused
             // by the server, so nothing this did not check can run.
-            self.observe(self.client().execute(statement, &[]).await)?;
+            self.answered(self.client().execute(statement, &[])).await?;
         }
         Ok(())
     }
@@ -350,8 +405,8 @@ impl TransactionClient {
         for statement in statements {
             // Parsed first with the extended protocol, which takes one command only: the
             // simple protocol then runs text the server has read as exactly that command.
-            drop(self.observe(self.client().prepare(statement).await)?);
-            messages.extend(self.observe(self.client().simple_query(statement).await)?);
+            drop(self.answered(self.client().prepare(statement)).await?);
+            messages.extend(self.answered(self.client().simple_query(statement)).await?);
         }
         Ok(messages)
     }

@@ -19,6 +19,7 @@ impl PostgresStore {
     pub(crate) async fn begin_owned(&self) -> Result<OwnedTransaction<Slot>, Error> {
         let slot = Slot {
             object: Some(self.client().await?),
+            answer_wait: None,
         };
         let token = self.shared.reservations.fetch_add(1, Ordering::Relaxed);
         // One round trip.

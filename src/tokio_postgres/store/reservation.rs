@@ -58,6 +58,7 @@ impl PostgresStore {
         // which rolls back whatever the server has done for it.
         let mut slot = Slot {
             object: Some(object),
+            answer_wait: Some(lock_timeout + pg_reserve::ANSWER_MARGIN),
         };
         let token = self.shared.reservations.fetch_add(1, Ordering::Relaxed);
         let isolation = self.shared.isolation;

@@ -3,6 +3,8 @@
 //! ([`TxShared`]: whether it is finished, its connection, the first conflict a handle's
 //! statement got).
 
+use std::time::Duration;
+
 use deadpool_postgres::{ClientWrapper, Object};
 
 use super::reservation::is_conflict_code;
@@ -22,6 +24,12 @@ use crate::row_lock::tx_state::{Observed, TxSlot};
 /// connection.
 pub(crate) struct Slot {
     pub(super) object: Option<Object>,
+    /// How long after sending a statement its answer is due, for a request's transaction (the
+    /// lock timeout and [`ANSWER_MARGIN`](crate::postgres::reserve::ANSWER_MARGIN): the server
+    /// ends every lock wait by the lock timeout itself). An answer missing past it means a
+    /// server that stopped answering: the handles' statements and the `ROLLBACK` give up on
+    /// it, and the connection is closed. `None`: no bound (the inbox's own transactions).
+    pub(super) answer_wait: Option<Duration>,
 }
 
 impl Slot {
@@ -31,11 +39,23 @@ impl Slot {
 
     /// Ends the transaction with `ROLLBACK` and gives the connection back to the pool; if that
     /// fails, the connection is discarded (closing it rolls back).
+    ///
+    /// A `ROLLBACK` that gets no answer within [`answer_wait`](Self::answer_wait) is given up:
+    /// the connection is discarded (nothing of the transaction can commit without a `COMMIT`).
     pub(super) async fn roll_back_and_release(&mut self) {
         let rolled_back = match &self.object {
             // The connection stays in the slot while this awaits: if this future is dropped,
             // the slot's `Drop` discards it.
-            Some(object) => object.batch_execute("ROLLBACK").await,
+            Some(object) => {
+                let rollback = object.batch_execute("ROLLBACK");
+                match self.answer_wait {
+                    Some(wait) => match tokio::time::timeout(wait, rollback).await {
+                        Ok(rolled_back) => rolled_back.map_err(|error| error.to_string()),
+                        Err(_) => Err(format!("no answer within {} ms", wait.as_millis())),
+                    },
+                    None => rollback.await.map_err(|error| error.to_string()),
+                }
+            }
             None => return,
         };
         match rolled_back {
