@@ -724,6 +724,74 @@ mod postgres {
         check_a_server_that_stops_answering(server.addr).await;
     }
 
+    /// A lock another session holds on the handler's own table (the whole table, or the row
+    /// the handler inserts): the handler's statement waits up to the lock timeout and fails
+    /// (`55P03`), the handler answers its own `500`, and the layer answers `503` with
+    /// `Retry-After` instead, nothing stored; the retry after the lock goes commits once.
+    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
+    #[tokio::test]
+    async fn a_lock_held_on_the_handlers_table_is_503_within_the_lock_timeout() {
+        let Some(db) = TestDb::create().await else {
+            return;
+        };
+        db.execute("CREATE TABLE handler_ledger (id BIGINT PRIMARY KEY)")
+            .await;
+        let server = PgServer::builder()
+            .layer(one_second_lock_timeout)
+            .hook(pg_hook(|call: OrderCall| async move {
+                let written = match call.tx.client().await {
+                    Ok(client) => client
+                        .execute("INSERT INTO handler_ledger (id) VALUES (1)", &[])
+                        .await
+                        .map(drop)
+                        .map_err(|error| error.to_string()),
+                    Err(error) => Err(error.to_string()),
+                };
+                HookOutcome {
+                    fail_with: written.err().map(|_| StatusCode::INTERNAL_SERVER_ERROR),
+                }
+            }))
+            .spawn(&db)
+            .await;
+        for (i, lock) in [
+            "LOCK TABLE handler_ledger IN ACCESS EXCLUSIVE MODE",
+            "INSERT INTO handler_ledger (id) VALUES (1)",
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let holder = db.client().await;
+            holder
+                .batch_execute(&format!("BEGIN; {lock}"))
+                .await
+                .expect("lock");
+            let key = format!("held-{i}");
+            let started = std::time::Instant::now();
+            let reply = post(server.addr, Some(SHOP_A), Some(&key), BOOK, &[]).await;
+            let waited = started.elapsed();
+            assert_eq!(
+                reply.status,
+                StatusCode::SERVICE_UNAVAILABLE,
+                "{lock}: {reply:?}"
+            );
+            assert_eq!(reply.error_code(), "busy_retry_later", "{lock}");
+            assert!(reply.header("retry-after").is_some(), "{lock}: {reply:?}");
+            assert!(
+                waited < Duration::from_secs(2),
+                "{lock}: answered after {waited:?}"
+            );
+            holder.batch_execute("ROLLBACK").await.expect("unlock");
+            drop(holder);
+            assert_eq!(db.counts().await, (0, 0), "{lock}: nothing stored");
+            let retry = post(server.addr, Some(SHOP_A), Some(&key), BOOK, &[]).await;
+            assert_eq!(retry.status, StatusCode::CREATED, "{lock}: {retry:?}");
+            assert_eq!(db.counts().await, (1, 1), "{lock}");
+            db.execute("DELETE FROM handler_ledger").await;
+            db.execute("DELETE FROM orders").await;
+            db.execute("DELETE FROM idempotency_records").await;
+        }
+    }
+
     /// A server that stops answering while the handler's own statement is in flight, or
     /// while the layer rolls back after the handler: the request is answered within the lock
     /// timeout and 1 s, and the connection is closed, not pooled.
