@@ -282,6 +282,21 @@ impl HandleSql for MySql {
                 refused("/*!COMMIT*/", (&mut *conn).execute("/*!COMMIT*/").await),
             ];
             problems.extend(implicit_commits.into_iter().flatten());
+            // A session's `sql_mode` changes how quotes read: each of these sets `autocommit`
+            // (an implicit commit) under the mode set before it, and the guard reads it so.
+            for (mode, sql) in [
+                ("NO_BACKSLASH_ESCAPES", "SET @x = 'C:\\', autocommit = 1"),
+                ("ANSI_QUOTES", "SET @\"x\\\" = 1, autocommit = 1"),
+            ] {
+                let set_mode = format!("SET SESSION sql_mode = '{mode}'");
+                if let Err(error) = (&mut *conn).execute(set_mode.as_str()).await {
+                    problems.push(format!("{set_mode}: {error}"));
+                }
+                problems.extend(refused(sql, (&mut *conn).execute(sql).await));
+                if let Err(error) = (&mut *conn).execute("SET SESSION sql_mode = DEFAULT").await {
+                    problems.push(format!("sql_mode back to its default: {error}"));
+                }
+            }
             // Savepoints and temporary tables stay inside the transaction: allowed.
             let savepoints = (&mut *conn)
                 .execute(sqlx::raw_sql(
