@@ -267,7 +267,8 @@ mod postgres {
     use tokio::sync::oneshot;
     use tower_idempotency::outbox::postgres::PostgresInbox;
     use tower_idempotency::outbox::{Processed, Receipt};
-    use tower_idempotency::store::postgres::{Isolation, PostgresStore, PostgresTransaction};
+    use tower_idempotency::store::postgres::{PostgresStore, PostgresTransaction};
+    use tower_idempotency::store::Isolation;
     use tower_idempotency::Error;
 
     backend_tests!(Postgres;

@@ -16,7 +16,7 @@ use crate::row_lock::driver::PgParam;
 use crate::row_lock::outbox::{record_params, NewEvent};
 use crate::row_lock::outbox_sql::INSERT_EVENT;
 use crate::sqlx::driver::sqlx_bind;
-use crate::store::sqlx::{SqlxDialect, SqlxStore};
+use crate::sqlx::store::{SqlxDialect, SqlxStore};
 
 /// A sqlx database with the crate's outbox and inbox (PostgreSQL, MySQL): what [`enqueue`] and
 /// [`Inbox::record`] take an executor of. Sealed.

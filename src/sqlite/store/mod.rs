@@ -166,7 +166,7 @@ use tokio::sync::oneshot;
 
 pub use handle::SqliteTransaction;
 pub use options::{SqliteOptions, Synchronous};
-pub use reservation::SqliteReservation;
+pub(crate) use reservation::SqliteReservation;
 
 use crate::error::Error;
 use crate::store::retry_share::RetryShare;

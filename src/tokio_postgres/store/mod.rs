@@ -92,9 +92,11 @@ pub use deadpool_postgres;
 /// The tokio-postgres version of the transaction handle: depend on it through this re-export.
 pub use tokio_postgres;
 
-pub use handle::{Command, Executor, PostgresTransaction, TransactionClient};
-pub use options::{Isolation, PostgresOptions, ReplayCheck};
-pub use reservation::PostgresReservation;
+pub(crate) use handle::Executor;
+pub use handle::{PostgresTransaction, TransactionClient};
+pub use options::PostgresOptions;
+use crate::store::Isolation;
+pub(crate) use reservation::PostgresReservation;
 pub use store::PostgresStore;
 
 // What runs where: `options` (settings, connecting), `migrate` (installing tables), `store`

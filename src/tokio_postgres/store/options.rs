@@ -15,7 +15,7 @@ use super::PostgresStore;
 use crate::error::Error;
 use crate::row_lock::replay_check::ReplayChecks;
 
-pub use crate::postgres::reserve::{Isolation, ReplayCheck};
+use crate::store::{Isolation, ReplayCheck};
 
 /// Options for opening a [`PostgresStore`]; see [`PostgresStore::builder`] and
 /// [`PostgresStore::from_pool`].
