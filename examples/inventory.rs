@@ -42,7 +42,8 @@ use axum::{Json, Router};
 use serde_json::{json, Map, Value};
 use tower_idempotency::body::BoxError;
 use tower_idempotency::key::KeyExtractor;
-use tower_idempotency::outbox::inbox::{Processed, SqliteInbox};
+use tower_idempotency::outbox::sqlite::SqliteInbox;
+use tower_idempotency::outbox::Processed;
 #[cfg(feature = "postgres")]
 use tower_idempotency::outbox::postgres::PostgresInbox;
 use tower_idempotency::outbox::Receipt;

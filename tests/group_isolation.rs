@@ -17,7 +17,7 @@ use std::time::Duration;
 use common::{hook, post, HookOutcome, Reply, TestServer, PATIENCE, SHOP_A};
 use http::StatusCode;
 use tokio::sync::Semaphore;
-use tower_idempotency::outbox::inbox::SqliteInbox;
+use tower_idempotency::outbox::sqlite::SqliteInbox;
 use tower_idempotency::outbox::sqlite::SqliteOutbox;
 use tower_idempotency::store::sqlite::SqliteStore;
 use tower_idempotency::Error;

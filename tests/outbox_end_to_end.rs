@@ -35,7 +35,7 @@ use relay_scenarios::{
     assert_each_delivered_once, deliver_then_kill, enveloped_sink, redeliver, relays_deliver_all,
 };
 use serde_json::{json, Value};
-use tower_idempotency::outbox::inbox::SqliteInbox;
+use tower_idempotency::outbox::sqlite::SqliteInbox;
 use tower_idempotency::outbox::sqlite::{enqueue, SqliteOutbox};
 use tower_idempotency::outbox::{EventStatus, OutboxStore, Relay};
 use tower_idempotency::store::sqlite::SqliteStore;

@@ -21,7 +21,8 @@
 //!
 //! ```no_run
 //! # async fn run() -> Result<(), tower_idempotency::Error> {
-//! use tower_idempotency::outbox::inbox::{Processed, SqliteInbox};
+//! use tower_idempotency::outbox::sqlite::SqliteInbox;
+//! use tower_idempotency::outbox::Processed;
 //! use tower_idempotency::store::sqlite::SqliteStore;
 //!
 //! let store = SqliteStore::open("inventory.db").await?;
@@ -78,13 +79,10 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::SystemTime;
 
-/// Shared by both backends' inboxes; re-exported here, where they were first defined.
-pub use super::{Processed, Receipt};
+use super::{Processed, Receipt};
 use crate::error::Error;
 use crate::metrics::outbox as record;
 
-#[cfg(feature = "sqlite")]
-pub use super::sqlite::SqliteInbox;
 
 /// What a database implements to hold inboxes (table `inbox_events`): recording an id in a
 /// request's transaction, the processing primitive on a transaction of its own, lookups and
@@ -96,7 +94,7 @@ pub trait InboxBackend: Clone + Send + Sync + 'static {
     /// What [`Inbox::process`]'s closure gets: the inbox's own transaction.
     type Work<'a>;
 
-    /// What [`InboxOutcome::into_resolved`] turns the closure's return into: the value, or a
+    /// What `InboxOutcome::into_resolved` turns the closure's return into: the value, or a
     /// future of it.
     type Resolved<T: Send + 'static>;
 
@@ -151,7 +149,7 @@ pub trait InboxOutcome<S: InboxBackend> {
 }
 
 /// The processed event ids of one consumer (table `inbox_events`): the same calls on every
-/// backend. Cheap to clone. Named for its backend as [`SqliteInbox`] and
+/// backend. Cheap to clone. Named for its backend as `SqliteInbox` and
 /// [`PostgresInbox`](super::postgres::PostgresInbox).
 ///
 /// Receivers in several processes (or instances) may share one inbox: a redelivery that
@@ -235,7 +233,7 @@ impl<S: InboxBackend> Inbox<S> {
     ///
     /// ```no_run
     /// # async fn handler(
-    /// #     inbox: tower_idempotency::outbox::inbox::SqliteInbox,
+    /// #     inbox: tower_idempotency::outbox::sqlite::SqliteInbox,
     /// #     tx: tower_idempotency::store::sqlite::SqliteTransaction,
     /// #     event_id: &str,
     /// # ) -> Result<&'static str, tower_idempotency::Error> {

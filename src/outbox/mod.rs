@@ -6,7 +6,7 @@
 //! it commits together with the order and the saved response, or not at all. A [`Relay`] (a
 //! future you spawn) then delivers committed events through a sink of your choice, at least
 //! once, and the receiver drops redeliveries by event id with an inbox
-//! ([`inbox::SqliteInbox`], [`postgres::PostgresInbox`]).
+//! (`inbox::SqliteInbox`, [`postgres::PostgresInbox`]).
 //!
 //! ```text
 //! handler ─► INSERT order ─► enqueue("order_created") ─┐ one transaction, committed with
@@ -106,7 +106,7 @@ pub(crate) mod columns;
     feature = "sqlx-postgres",
     feature = "sqlx-mysql"
 ))]
-pub mod inbox;
+pub(crate) mod inbox;
 mod relay;
 mod sink;
 
@@ -121,15 +121,14 @@ pub use crate::sqlx::postgres::outbox as sqlx_postgres;
 #[cfg(feature = "postgres")]
 pub use crate::tokio_postgres::outbox as postgres;
 
-#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
-pub use crate::sqlx::outbox::OutboxDatabase;
 #[cfg(any(
     feature = "sqlite",
     feature = "postgres",
     feature = "sqlx-postgres",
     feature = "sqlx-mysql"
 ))]
-pub use inbox::{Inbox, InboxBackend, InboxOutcome};
+pub use inbox::{Inbox, InboxBackend};
+pub(crate) use inbox::InboxOutcome;
 pub use relay::{Relay, RoundReport};
 pub use sink::{sink_fn, HttpSink, Permanent, SinkFn, EVENT_TOPIC};
 
@@ -268,87 +267,94 @@ pub enum Processed<T> {
     Duplicate,
 }
 
-/// A relay's claim on an event: only the claim's holder may reschedule or dead-letter it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct LeaseToken(Arc<str>);
+/// The rows the relay and a backend exchange: sealed (public in a module this crate does not
+/// export), since only this crate's backends implement [`OutboxStore`].
+mod seam {
+    use super::*;
 
-impl LeaseToken {
-    /// A token; unique per claim (the relay builds it from its own id and a round counter).
-    pub fn new(token: impl Into<Arc<str>>) -> Self {
-        LeaseToken(token.into())
+    /// A relay's claim on an event: only the claim's holder may reschedule or dead-letter it.
+    #[derive(Clone, Debug, PartialEq, Eq)]
+    pub struct LeaseToken(Arc<str>);
+
+    impl LeaseToken {
+        /// A token; unique per claim (the relay builds it from its own id and a round counter).
+        pub fn new(token: impl Into<Arc<str>>) -> Self {
+            LeaseToken(token.into())
+        }
+
+        /// The token as text (what a store saves as the lease's owner).
+        pub fn as_str(&self) -> &str {
+            &self.0
+        }
     }
 
-    /// The token as text (what a store saves as the lease's owner).
-    pub fn as_str(&self) -> &str {
-        &self.0
+    /// What [`OutboxStore::claim`] is asked for.
+    #[derive(Clone, Debug)]
+    pub struct ClaimRequest {
+        /// Who claims: saved with each claimed event.
+        pub token: LeaseToken,
+        /// At most this many events.
+        pub batch: usize,
+        /// How long the claim holds: until then no other relay may claim these events.
+        pub lease: Duration,
+        /// An event whose lease ran out after this many attempts (its relay died delivering it)
+        /// is dead-lettered instead of claimed again.
+        pub max_attempts: u32,
+        /// The relay's clock.
+        pub now: SystemTime,
+    }
+
+    /// What [`OutboxStore::claim`] returns.
+    #[derive(Debug, Default)]
+    pub struct Claimed {
+        /// The claimed events, oldest first, with their attempt number already counted.
+        pub events: Vec<OutboxEvent>,
+        /// Events dead-lettered during the claim because their last allowed attempt was abandoned
+        /// (its lease ran out).
+        pub abandoned: Vec<OutboxEvent>,
+    }
+
+    /// What happened to a claimed event, for [`OutboxStore::settle`].
+    #[derive(Clone, Debug)]
+    #[non_exhaustive]
+    pub enum Settlement {
+        /// The sink accepted it: never deliver it again.
+        Delivered {
+            /// The event.
+            id: EventId,
+        },
+        /// It failed: deliver it again from `at` on, if the claim is still `token`'s.
+        Retry {
+            /// The event.
+            id: EventId,
+            /// The claim it was delivered under.
+            token: LeaseToken,
+            /// When it becomes due again.
+            at: SystemTime,
+            /// Why it failed (kept as the event's last error).
+            error: String,
+        },
+        /// It failed for good: move it to the dead-letter state, if the claim is still `token`'s.
+        Dead {
+            /// The event.
+            id: EventId,
+            /// The claim it was delivered under.
+            token: LeaseToken,
+            /// Why it failed (kept as the event's last error).
+            error: String,
+        },
+    }
+
+    /// How many events wait: sampled for the backlog gauges.
+    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+    pub struct Backlog {
+        /// Not yet delivered and not dead (due, waiting for a retry, or in flight).
+        pub pending: u64,
+        /// Dead-lettered.
+        pub dead: u64,
     }
 }
-
-/// What [`OutboxStore::claim`] is asked for.
-#[derive(Clone, Debug)]
-pub struct ClaimRequest {
-    /// Who claims: saved with each claimed event.
-    pub token: LeaseToken,
-    /// At most this many events.
-    pub batch: usize,
-    /// How long the claim holds: until then no other relay may claim these events.
-    pub lease: Duration,
-    /// An event whose lease ran out after this many attempts (its relay died delivering it)
-    /// is dead-lettered instead of claimed again.
-    pub max_attempts: u32,
-    /// The relay's clock.
-    pub now: SystemTime,
-}
-
-/// What [`OutboxStore::claim`] returns.
-#[derive(Debug, Default)]
-pub struct Claimed {
-    /// The claimed events, oldest first, with their attempt number already counted.
-    pub events: Vec<OutboxEvent>,
-    /// Events dead-lettered during the claim because their last allowed attempt was abandoned
-    /// (its lease ran out).
-    pub abandoned: Vec<OutboxEvent>,
-}
-
-/// What happened to a claimed event, for [`OutboxStore::settle`].
-#[derive(Clone, Debug)]
-#[non_exhaustive]
-pub enum Settlement {
-    /// The sink accepted it: never deliver it again.
-    Delivered {
-        /// The event.
-        id: EventId,
-    },
-    /// It failed: deliver it again from `at` on, if the claim is still `token`'s.
-    Retry {
-        /// The event.
-        id: EventId,
-        /// The claim it was delivered under.
-        token: LeaseToken,
-        /// When it becomes due again.
-        at: SystemTime,
-        /// Why it failed (kept as the event's last error).
-        error: String,
-    },
-    /// It failed for good: move it to the dead-letter state, if the claim is still `token`'s.
-    Dead {
-        /// The event.
-        id: EventId,
-        /// The claim it was delivered under.
-        token: LeaseToken,
-        /// Why it failed (kept as the event's last error).
-        error: String,
-    },
-}
-
-/// How many events wait: sampled for the backlog gauges.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Backlog {
-    /// Not yet delivered and not dead (due, waiting for a retry, or in flight).
-    pub pending: u64,
-    /// Dead-lettered.
-    pub dead: u64,
-}
+pub(crate) use seam::{Backlog, ClaimRequest, Claimed, LeaseToken, Settlement};
 
 /// The storage side of the outbox, as the [`Relay`] uses it.
 ///

@@ -54,7 +54,7 @@ pub type SqlxMySqlOutbox = Outbox<SqlxMySqlStore>;
 
 /// The processed event ids of one consumer in a MySQL or MariaDB database (see [`Inbox`]):
 /// table `inbox_events`, next to the store's. [`Inbox::process`] hands its closure the same
-/// [`SqlxTransaction`] a request's handler gets (take its [`acquire`](SqlxTransaction::acquire)d
+/// [`SqlxTransaction`] a request's handler gets (take its `acquire`d
 /// connection, do not `COMMIT`), on a transaction of the inbox's own, and the closure returns a
 /// future; [`Inbox::record`] records an id through an executor of yours (waiting within
 /// `innodb_lock_wait_timeout` on an id another open transaction holds). Consumer names and

@@ -54,7 +54,7 @@ pub type SqlxPostgresOutbox = Outbox<SqlxPostgresStore>;
 /// The processed event ids of one consumer in a PostgreSQL database, on sqlx (see [`Inbox`]):
 /// table `inbox_events`, in the same schema as the store's tables. [`Inbox::process`] hands
 /// its closure the same [`SqlxTransaction`] a request's handler gets (take its
-/// [`acquire`](SqlxTransaction::acquire)d connection, do not `COMMIT`), on a transaction of the
+/// `acquire`d connection, do not `COMMIT`), on a transaction of the
 /// inbox's own, and the closure returns a future. [`Inbox::record`] records an id through an
 /// executor of yours.
 pub type SqlxPostgresInbox = Inbox<SqlxPostgresStore>;

@@ -149,6 +149,7 @@ impl Command for Statement {
 /// the request's transaction), or a client or transaction of your own (any
 /// [`tokio_postgres::GenericClient`]: a [`tokio_postgres::Client`], a pooled connection, a
 /// [`tokio_postgres::Transaction`]).
+#[cfg_attr(not(feature = "outbox"), allow(dead_code, unreachable_pub))]
 pub trait Executor: Sync + sealed::Executor {
     /// Runs `statement` with `params`; returns how many rows it changed.
     fn execute_statement(
@@ -194,6 +195,7 @@ mod sealed {
 
     /// Keeps [`Executor`](super::Executor) to the types this crate knows how to run on.
     #[allow(unreachable_pub)]
+    #[cfg_attr(not(feature = "outbox"), allow(dead_code))]
     pub trait Executor {}
 
     impl Executor for super::TransactionClient {}

@@ -8,7 +8,7 @@
 //!   transaction ends: after a commit its insert fails with a duplicate key and it replays the
 //!   completed record, after a rollback its insert goes through and it runs the handler.
 //!   Requests with different keys never wait for each other.
-//! - **The handler's rows** go through [`SqlxTransaction`]: [`SqlxTransaction::acquire`] lends
+//! - **The handler's rows** go through [`SqlxTransaction`]: `SqlxTransaction::acquire` lends
 //!   the transaction's connection, on which ordinary sqlx code runs
 //!   (`sqlx::query(..).execute(&mut *conn)`, `query_as`, the `query!` macros). The layer then
 //!   turns the reservation into the completed record and commits, before the response leaves.
@@ -21,7 +21,7 @@
 //!   answered `409` ([`InFlight`](crate::InFlight)); a table another session locked
 //!   (`LOCK TABLES`, `FLUSH TABLES WITH READ LOCK`) is waited for up to the lock timeout and
 //!   answered `503`, not `409`, under every policy. Deadlocks (`1213`) while reserving are retried a bounded number of times
-//!   ([`SqlxMySqlOptions::deadlock_retries`]); one that a handler's statement gets is reported
+//!   (`SqlxMySqlOptions::deadlock_retries`); one that a handler's statement gets is reported
 //!   to the layer, which runs the request again.
 //! - **The layer commits**: the connection the handle lends refuses transaction control and
 //!   the statements that make MySQL commit on its own (DDL, `LOCK TABLES`, `SET autocommit`).
@@ -29,7 +29,7 @@
 //!   connections: no locks, and no waiting for the connections that writers hold. While
 //!   retries are rare among recent requests, the read is skipped and the reservation finds a
 //!   completed record itself, or reads meanwhile if it waits for a connection twice as long
-//!   as they have lately waited ([`ReplayCheck::Adaptive`](crate::store::ReplayCheck::Adaptive), the default; see [`SqlxOptions::replay_check`](crate::sqlx::store::SqlxOptions::replay_check)).
+//!   as they have lately waited ([`ReplayCheck::Adaptive`](crate::store::ReplayCheck::Adaptive), the default; see `SqlxOptions::replay_check`).
 //! - **Rollback on drop**: a transaction dropped while still open takes its connection out of
 //!   the pool and closes it; the server rolls back a transaction whose connection is gone.
 //!
@@ -87,11 +87,10 @@ pub(crate) const MAX_SCOPE_BYTES: usize = 255;
 /// clone; clones share the pools.
 pub type SqlxMySqlStore = SqlxStore<MySqlDialect>;
 
-/// Options for a [`SqlxMySqlStore`]; see [`SqlxMySqlStore::builder`].
+/// Options for a [`SqlxMySqlStore`]; see `SqlxMySqlStore::builder`.
 pub type SqlxMySqlOptions = SqlxOptions<MySqlDialect>;
 
-/// The handle a handler uses to write its rows in the request's InnoDB transaction (what every
-/// sqlx store's handle does: [`store::sqlx::SqlxTransaction`](crate::sqlx::store::SqlxTransaction)).
+/// The handle a handler uses to write its rows in the request's InnoDB transaction.
 ///
 /// ```no_run
 /// # async fn handler(tx: tower_idempotency::store::sqlx_mysql::SqlxTransaction)
@@ -117,8 +116,7 @@ pub type SqlxMySqlOptions = SqlxOptions<MySqlDialect>;
 pub type SqlxTransaction = crate::sqlx::store::SqlxTransaction<MySqlDialect>;
 
 
-/// A pooled connection inside the request's transaction (see
-/// [`store::sqlx::TxConnection`](crate::sqlx::store::TxConnection)): `&mut TxConnection` is a
+/// A pooled connection inside the request's transaction: `&mut TxConnection` is a
 /// [`sqlx::Executor`] for MySQL, on which sqlx code runs as on a `&mut MySqlConnection`.
 ///
 /// `BEGIN`, `START TRANSACTION`, `COMMIT`, `ROLLBACK`, `XA`, `LOCK`/`UNLOCK TABLES`, `SET

@@ -9,7 +9,7 @@
 //!   that index entry until the first transaction ends: after a commit it reads the completed
 //!   record and replays it, after a rollback its own insert goes through and it runs the
 //!   handler. Requests with different keys never wait for each other.
-//! - **The handler's rows** go through [`SqlxTransaction`]: [`SqlxTransaction::acquire`] lends
+//! - **The handler's rows** go through [`SqlxTransaction`]: `SqlxTransaction::acquire` lends
 //!   the transaction's connection, on which ordinary sqlx code runs
 //!   (`sqlx::query(..).execute(&mut *conn)`, `query_as`, the `query!` macros). The layer then
 //!   turns the reservation into the completed record and commits, before the response leaves.
@@ -18,7 +18,7 @@
 //!   `Retry-After`. Under the in-flight policies `Reject` and `WaitUpTo(d)`, the reservation's
 //!   wait on a key held by another instance's transaction is bounded by the policy instead
 //!   (1 ms, or `d`) and answered `409` ([`InFlight`](crate::InFlight)). Serialization failures and deadlocks while reserving are retried a bounded
-//!   number of times ([`SqlxPostgresOptions::serialization_retries`]); one that a handler's
+//!   number of times (`SqlxPostgresOptions::serialization_retries`); one that a handler's
 //!   statement gets is reported to the layer, which runs the request again.
 //! - **The layer commits**: the connection the handle lends refuses transaction control
 //!   (`COMMIT`, `ROLLBACK`, `BEGIN`...), so a handler cannot commit its rows without the record.
@@ -28,7 +28,7 @@
 //!   requests, the read is skipped and the reservation finds a completed record itself, or
 //!   reads meanwhile if it waits for a connection twice as long as they have lately waited
 //!   ([`ReplayCheck::Adaptive`](crate::store::ReplayCheck::Adaptive), the default; see
-//!   [`SqlxOptions::replay_check`](crate::sqlx::store::SqlxOptions::replay_check)).
+//!   `SqlxOptions::replay_check`).
 //! - **Connections without the pool's checks**: the store takes an idle connection with
 //!   [`Pool::try_acquire`](sqlx::Pool::try_acquire), which skips the pool's
 //!   `test_before_acquire` ping and any `before_acquire` hook (they run only when it has to wait
@@ -121,11 +121,10 @@ use crate::store::Isolation;
 /// clones share the pools.
 pub type SqlxPostgresStore = SqlxStore<PgDialect>;
 
-/// Options for a [`SqlxPostgresStore`]; see [`SqlxPostgresStore::builder`].
+/// Options for a [`SqlxPostgresStore`]; see `SqlxPostgresStore::builder`.
 pub type SqlxPostgresOptions = SqlxOptions<PgDialect>;
 
-/// The handle a handler uses to write its rows in the request's PostgreSQL transaction (what
-/// every sqlx store's handle does: [`store::sqlx::SqlxTransaction`](crate::sqlx::store::SqlxTransaction)).
+/// The handle a handler uses to write its rows in the request's PostgreSQL transaction.
 ///
 /// ```no_run
 /// # async fn handler(tx: tower_idempotency::store::sqlx_postgres::SqlxTransaction)
@@ -150,8 +149,7 @@ pub type SqlxPostgresOptions = SqlxOptions<PgDialect>;
 pub type SqlxTransaction = crate::sqlx::store::SqlxTransaction<PgDialect>;
 
 
-/// A pooled connection inside the request's transaction (see
-/// [`store::sqlx::TxConnection`](crate::sqlx::store::TxConnection)): `&mut TxConnection` is a
+/// A pooled connection inside the request's transaction: `&mut TxConnection` is a
 /// [`sqlx::Executor`] for PostgreSQL, on which sqlx code runs as on a `&mut PgConnection`.
 ///
 /// `BEGIN`, `START TRANSACTION`, `COMMIT`, `END`, `ROLLBACK`, `ABORT`, `PREPARE TRANSACTION`
