@@ -69,7 +69,7 @@ use serde_json::{json, Value};
 use tower::ServiceExt;
 use tower_idempotency::body::BoxError;
 use tower_idempotency::fingerprint::Fingerprinter;
-use tower_idempotency::outbox::sqlite::{self as outbox, SqliteOutbox};
+type SqliteOutbox = tower_idempotency::outbox::Outbox<tower_idempotency::store::sqlite::SqliteStore>;
 use tower_idempotency::steps::{CallAgain, Foreign, StepError, StepStore, Steps};
 use tower_idempotency::store::sqlite::rusqlite::{self, OptionalExtension};
 use tower_idempotency::store::sqlite::SqliteStore;
@@ -378,7 +378,7 @@ async fn run_steps(
                 rusqlite::params![charge, order_id],
             )?;
             let event = json!({ "order_id": order_id, "tenant": tenant_id, "charge_id": charge });
-            outbox::enqueue(tx, "order_paid", &event).map(drop)
+            SqliteOutbox::enqueue_in(tx, "order_paid", &event).map(drop)
         })
         .await?;
     pause("after_paid").await;

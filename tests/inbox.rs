@@ -265,7 +265,7 @@ mod postgres {
     use crate::pg_common::TestDb;
     use http::StatusCode;
     use tokio::sync::oneshot;
-    use tower_idempotency::outbox::postgres::PostgresInbox;
+    type PostgresInbox = tower_idempotency::outbox::Inbox<tower_idempotency::store::postgres::PostgresStore>;
     use tower_idempotency::outbox::{Processed, Receipt};
     use tower_idempotency::store::postgres::{PostgresStore, PostgresTransaction};
     use tower_idempotency::store::Isolation;

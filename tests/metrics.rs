@@ -31,10 +31,10 @@ const OUTBOX_DELIVERY_FAILURES_TOTAL: &str = "outbox_delivery_failures_total";
 const OUTBOX_DEAD_LETTERED_TOTAL: &str = "outbox_dead_lettered_total";
 const OUTBOX_DELIVERY_SECONDS: &str = "outbox_delivery_seconds";
 const INBOX_EVENTS_TOTAL: &str = "inbox_events_total";
-use tower_idempotency::outbox::sqlite::SqliteInbox;
+type SqliteInbox = tower_idempotency::outbox::Inbox<tower_idempotency::store::sqlite::SqliteStore>;
 use tower_idempotency::outbox::Processed;
-use tower_idempotency::outbox::postgres::PostgresInbox;
-use tower_idempotency::outbox::sqlite::{enqueue, SqliteOutbox};
+type PostgresInbox = tower_idempotency::outbox::Inbox<tower_idempotency::store::postgres::PostgresStore>;
+type SqliteOutbox = tower_idempotency::outbox::Outbox<tower_idempotency::store::sqlite::SqliteStore>;
 use tower_idempotency::outbox::{sink_fn, OutboxEvent, Relay};
 use tower_idempotency::store::sqlite::SqliteStore;
 
@@ -195,9 +195,9 @@ async fn the_relay_and_the_inbox_record_deliveries_failures_dead_letters_and_bac
     let outbox = SqliteOutbox::install(&store).await.expect("install");
     store
         .write(|tx| {
-            enqueue(tx, "order_created", &json!({ "sku": "book" }))?;
-            enqueue(tx, "order_created", &json!({ "sku": "pen" }))?;
-            enqueue(tx, "order_cancelled", &json!({ "sku": "poison" }))?;
+            SqliteOutbox::enqueue_in(tx, "order_created", &json!({ "sku": "book" }))?;
+            SqliteOutbox::enqueue_in(tx, "order_created", &json!({ "sku": "pen" }))?;
+            SqliteOutbox::enqueue_in(tx, "order_cancelled", &json!({ "sku": "poison" }))?;
             Ok(())
         })
         .await

@@ -16,8 +16,8 @@ use axum::{Extension, Json, Router};
 use serde_json::{json, Value};
 use tower_idempotency::extract::Tx;
 use tower_idempotency::fingerprint::Fingerprinter;
-use tower_idempotency::outbox::postgres::{enqueue, PostgresOutbox};
-use tower_idempotency::outbox::sqlx_postgres::enqueue as sqlx_enqueue;
+type PostgresOutbox = tower_idempotency::outbox::Outbox<tower_idempotency::store::postgres::PostgresStore>;
+
 use tower_idempotency::store::postgres::deadpool_postgres::{
     Manager, ManagerConfig, Pool, RecyclingMethod,
 };
@@ -244,7 +244,7 @@ async fn create_order(
         "sku": order.sku,
         "quantity": order.quantity,
     });
-    enqueue(&client, "order_created", &event)
+    PostgresOutbox::enqueue_in(&client, "order_created", &event)
         .await
         .map_err(internal)?;
     let response = (
@@ -294,7 +294,7 @@ async fn create_order_sqlx(
         "sku": order.sku,
         "quantity": order.quantity,
     });
-    sqlx_enqueue(&mut *conn, "order_created", &event)
+    tower_idempotency::outbox::Outbox::<SqlxPostgresStore>::enqueue_in(&mut *conn, "order_created", &event)
         .await
         .map_err(internal)?;
     let response = (
