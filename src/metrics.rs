@@ -7,8 +7,8 @@
 //!
 //! | name | kind | labels | what |
 //! |---|---|---|---|
-//! | `idempotency_requests_total` | counter | `operation`, `outcome` | every request the layer handled, by [`Outcome`] |
-//! | `idempotency_handler_rollbacks_total` | counter | `operation`, `reason` | transactions rolled back after the handler was called, by [`RollbackReason`] |
+//! | `idempotency_requests_total` | counter | `operation`, `outcome` | every request the layer handled, by outcome (below) |
+//! | `idempotency_handler_rollbacks_total` | counter | `operation`, `reason` | transactions rolled back after the handler was called, by reason (below) |
 //! | `idempotency_lock_wait_seconds` | histogram | `operation` | time to open the write transaction (waiting for the write lock included) |
 //! | `outbox_backlog` | gauge | | pending events (due, waiting for a retry, or in flight), sampled by the relay |
 //! | `outbox_dead_letters` | gauge | | dead-lettered events, sampled by the relay |
@@ -17,6 +17,24 @@
 //! | `outbox_dead_lettered_total` | counter | `topic` | events moved to the dead-letter state |
 //! | `outbox_delivery_seconds` | histogram | `topic` | how long the sink took, successful or not |
 //! | `inbox_events_total` | counter | `consumer`, `result` | events offered to an inbox: `processed` or `duplicate` |
+//!
+//! The `outcome` label of `idempotency_requests_total`:
+//!
+//! | value | the request |
+//! |---|---|
+//! | `executed` | the handler ran and its response was saved and committed |
+//! | `replayed` | a saved response was replayed |
+//! | `conflict` | the key was reused with a different payload |
+//! | `busy` | the store stayed busy past the lock timeout (`503`) |
+//! | `in_flight` | a request with the same key was still running and the layer's in-flight policy answered `409` ([`InFlight`](crate::InFlight)) |
+//! | `rejected` | refused before the store (bad or missing key, no tenant, body too large or too slow, invalid payload) |
+//! | `rolled_back` | the handler ran but nothing was kept (see `reason`) |
+//! | `error` | the store failed (`500`) |
+//!
+//! The `reason` label of `idempotency_handler_rollbacks_total`: `not_saved` (the response was
+//! not saveable: a non-2xx status by default, a non-OK gRPC status), `service_error` (the inner
+//! service returned an error), `panic`, `capture_failed` (the response could not be captured:
+//! too large, or its body failed), `commit_failed` (saving the record or the commit failed).
 //!
 //! A request whose future is dropped (the client went away) ends without an outcome: it rolls
 //! back, but is counted nowhere.
@@ -63,8 +81,7 @@ pub(crate) const INBOX_EVENTS_TOTAL: &str = "inbox_events_total";
 
 /// The `outcome` label of `idempotency_requests_total`: how the layer answered.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Outcome {
+pub(crate) enum Outcome {
     /// The handler ran and its response was saved and committed.
     Executed,
     /// A saved response was replayed.
@@ -115,7 +132,7 @@ impl Outcome {
     }
 
     /// The label value.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Outcome::Executed => "executed",
             Outcome::Replayed => "replayed",
@@ -131,8 +148,7 @@ impl Outcome {
 
 /// The `reason` label of `idempotency_handler_rollbacks_total`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum RollbackReason {
+pub(crate) enum RollbackReason {
     /// The response was not saveable (a non-2xx status by default, a non-OK gRPC status).
     NotSaved,
     /// The inner service returned an error.
@@ -147,7 +163,7 @@ pub enum RollbackReason {
 
 impl RollbackReason {
     /// The label value.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             RollbackReason::NotSaved => "not_saved",
             RollbackReason::ServiceError => "service_error",

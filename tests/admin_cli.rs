@@ -449,7 +449,7 @@ mod sqlite {
         use tower_idempotency::steps::{ProgressStatus, StepStore};
         use tower_idempotency::store::sqlite::SqliteStore;
         use tower_idempotency::store::Scope;
-        use tower_idempotency::IdempotencyKey;
+        use tower_idempotency::key::IdempotencyKey;
 
         use super::{failure_message, field};
 

@@ -28,7 +28,7 @@ use tower_idempotency::fingerprint::Fingerprint;
 use tower_idempotency::outbox::{Inbox, InboxBackend, Processed, Receipt};
 use tower_idempotency::response::SavedResponse;
 use tower_idempotency::store::{Begin, IdempotencyStore, NewRecord, Reservation, Scope};
-use tower_idempotency::IdempotencyKey;
+use tower_idempotency::key::IdempotencyKey;
 
 async fn an_event_is_applied_once_and_redeliveries_are_duplicates<B: Backend>(db: B) {
     db.execute(EFFECTS).await;

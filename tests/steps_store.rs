@@ -18,7 +18,7 @@ use tower_idempotency::response::SavedResponse;
 use tower_idempotency::steps::__private::{Acquired, Claim, Lease, SavedRequest, StepKind, StepRow};
 use tower_idempotency::steps::{ProgressStatus, Resolution, StepStore};
 use tower_idempotency::store::{Begin, IdempotencyStore, NewRecord, Reservation, Scope};
-use tower_idempotency::{Error, IdempotencyKey};
+use tower_idempotency::{key::IdempotencyKey, Error};
 
 const LEASE: Duration = Duration::from_secs(30);
 const HOUR: Duration = Duration::from_secs(3600);

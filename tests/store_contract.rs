@@ -17,7 +17,7 @@ use tower_idempotency::response::SavedResponse;
 use tower_idempotency::store::{
     Begin, IdempotencyStore, NewRecord, Reservation, Scope, StoredRecord,
 };
-use tower_idempotency::IdempotencyKey;
+use tower_idempotency::key::IdempotencyKey;
 
 const LOCK_TIMEOUT: Duration = Duration::from_secs(5);
 const HOUR: Duration = Duration::from_secs(3600);
