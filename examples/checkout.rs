@@ -69,7 +69,8 @@ use serde_json::{json, Value};
 use tower::ServiceExt;
 use tower_idempotency::body::BoxError;
 use tower_idempotency::fingerprint::Fingerprinter;
-type SqliteOutbox = tower_idempotency::outbox::Outbox<tower_idempotency::store::sqlite::SqliteStore>;
+type SqliteOutbox =
+    tower_idempotency::outbox::Outbox<tower_idempotency::store::sqlite::SqliteStore>;
 use tower_idempotency::steps::{CallAgain, Foreign, StepError, StepStore, Steps};
 use tower_idempotency::store::sqlite::rusqlite::{self, OptionalExtension};
 use tower_idempotency::store::sqlite::SqliteStore;

@@ -45,7 +45,8 @@ use tower_idempotency::key::KeyExtractor;
 type SqliteInbox = tower_idempotency::outbox::Inbox<tower_idempotency::store::sqlite::SqliteStore>;
 use tower_idempotency::outbox::Processed;
 #[cfg(feature = "postgres")]
-type PostgresInbox = tower_idempotency::outbox::Inbox<tower_idempotency::store::postgres::PostgresStore>;
+type PostgresInbox =
+    tower_idempotency::outbox::Inbox<tower_idempotency::store::postgres::PostgresStore>;
 use tower_idempotency::outbox::Receipt;
 #[cfg(feature = "postgres")]
 use tower_idempotency::store::postgres::{tokio_postgres, PostgresStore, PostgresTransaction};

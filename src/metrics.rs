@@ -132,6 +132,7 @@ impl Outcome {
     }
 
     /// The label value.
+    #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
     pub(crate) fn as_str(self) -> &'static str {
         match self {
             Outcome::Executed => "executed",
@@ -163,6 +164,7 @@ pub(crate) enum RollbackReason {
 
 impl RollbackReason {
     /// The label value.
+    #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
     pub(crate) fn as_str(self) -> &'static str {
         match self {
             RollbackReason::NotSaved => "not_saved",

@@ -18,7 +18,8 @@ use common::{hook, post, HookOutcome, Reply, TestServer, PATIENCE, SHOP_A};
 use http::StatusCode;
 use tokio::sync::Semaphore;
 type SqliteInbox = tower_idempotency::outbox::Inbox<tower_idempotency::store::sqlite::SqliteStore>;
-type SqliteOutbox = tower_idempotency::outbox::Outbox<tower_idempotency::store::sqlite::SqliteStore>;
+type SqliteOutbox =
+    tower_idempotency::outbox::Outbox<tower_idempotency::store::sqlite::SqliteStore>;
 use tower_idempotency::store::sqlite::SqliteStore;
 use tower_idempotency::Error;
 

@@ -33,8 +33,10 @@ const OUTBOX_DELIVERY_SECONDS: &str = "outbox_delivery_seconds";
 const INBOX_EVENTS_TOTAL: &str = "inbox_events_total";
 type SqliteInbox = tower_idempotency::outbox::Inbox<tower_idempotency::store::sqlite::SqliteStore>;
 use tower_idempotency::outbox::Processed;
-type PostgresInbox = tower_idempotency::outbox::Inbox<tower_idempotency::store::postgres::PostgresStore>;
-type SqliteOutbox = tower_idempotency::outbox::Outbox<tower_idempotency::store::sqlite::SqliteStore>;
+type PostgresInbox =
+    tower_idempotency::outbox::Inbox<tower_idempotency::store::postgres::PostgresStore>;
+type SqliteOutbox =
+    tower_idempotency::outbox::Outbox<tower_idempotency::store::sqlite::SqliteStore>;
 use tower_idempotency::outbox::{sink_fn, OutboxEvent, Relay};
 use tower_idempotency::store::sqlite::SqliteStore;
 

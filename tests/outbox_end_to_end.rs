@@ -36,7 +36,8 @@ use relay_scenarios::{
 };
 use serde_json::{json, Value};
 type SqliteInbox = tower_idempotency::outbox::Inbox<tower_idempotency::store::sqlite::SqliteStore>;
-type SqliteOutbox = tower_idempotency::outbox::Outbox<tower_idempotency::store::sqlite::SqliteStore>;
+type SqliteOutbox =
+    tower_idempotency::outbox::Outbox<tower_idempotency::store::sqlite::SqliteStore>;
 use tower_idempotency::outbox::{EventStatus, OutboxStore, Relay};
 use tower_idempotency::store::sqlite::SqliteStore;
 

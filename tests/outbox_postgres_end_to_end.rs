@@ -38,7 +38,8 @@ use relay_scenarios::{
     relays_deliver_all, wait_delivered, Http,
 };
 use serde_json::json;
-type PostgresOutbox = tower_idempotency::outbox::Outbox<tower_idempotency::store::postgres::PostgresStore>;
+type PostgresOutbox =
+    tower_idempotency::outbox::Outbox<tower_idempotency::store::postgres::PostgresStore>;
 use tower_idempotency::outbox::Relay;
 
 /// Forgets the inventory example's saved answers (as if they had expired): only its inbox

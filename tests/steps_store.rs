@@ -15,7 +15,9 @@ use http::{HeaderValue, StatusCode};
 use serde_json::json;
 use tower_idempotency::fingerprint::Fingerprint;
 use tower_idempotency::response::SavedResponse;
-use tower_idempotency::steps::__private::{Acquired, Claim, Lease, SavedRequest, StepKind, StepRow};
+use tower_idempotency::steps::__private::{
+    Acquired, Claim, Lease, SavedRequest, StepKind, StepRow,
+};
 use tower_idempotency::steps::{ProgressStatus, Resolution, StepStore};
 use tower_idempotency::store::{Begin, IdempotencyStore, NewRecord, Reservation, Scope};
 use tower_idempotency::{key::IdempotencyKey, Error};

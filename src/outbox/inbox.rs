@@ -9,7 +9,6 @@ use super::{Processed, Receipt};
 use crate::error::Error;
 use crate::metrics::outbox as record;
 
-
 /// What a database implements to hold inboxes (table `inbox_events`): recording an id in a
 /// request's transaction, the processing primitive on a transaction of its own, lookups and
 /// purges. [`Inbox`] is written once over it.

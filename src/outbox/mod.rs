@@ -113,6 +113,7 @@ mod sink;
 // `src/sqlx/`, over `src/row_lock/outbox.rs` on the SQL servers): `Outbox<Store>` and
 // `Inbox<Store>` are its public names.
 
+pub(crate) use inbox::InboxOutcome;
 #[cfg(any(
     feature = "sqlite",
     feature = "postgres",
@@ -120,7 +121,6 @@ mod sink;
     feature = "sqlx-mysql"
 ))]
 pub use inbox::{Inbox, InboxBackend};
-pub(crate) use inbox::InboxOutcome;
 pub use relay::{Relay, RoundReport};
 pub use sink::{sink_fn, HttpSink, Permanent, SinkFn, EVENT_TOPIC};
 

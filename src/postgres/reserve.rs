@@ -8,7 +8,6 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-
 use crate::row_lock::reserve::Isolation;
 // What the tokio-postgres store reaches through this module.
 #[cfg(feature = "postgres")]

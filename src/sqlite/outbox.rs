@@ -112,7 +112,8 @@ impl Enqueue for SqliteTransaction {
     /// ```
     async fn enqueue(&self, topic: &str, payload: serde_json::Value) -> Result<EventId, Error> {
         let topic = topic.to_owned();
-        self.run(move |conn| Outbox::<SqliteStore>::enqueue_in(conn, &topic, &payload)).await
+        self.run(move |conn| Outbox::<SqliteStore>::enqueue_in(conn, &topic, &payload))
+            .await
     }
 }
 

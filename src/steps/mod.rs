@@ -89,11 +89,11 @@ mod handle;
 pub(crate) mod mode;
 mod outcome;
 
-pub use backend::{Progress, ProgressStatus, Resolution, StepStore};
 #[allow(unused_imports)] // what each backend needs of them differs by feature
 pub(crate) use backend::{
     Acquired, Claim, Lease, SavedRequest, SavedStep, StepKind, StepOutcome, StepRow,
 };
+pub use backend::{Progress, ProgressStatus, Resolution, StepStore};
 
 /// The rows a [`StepStore`] reads and writes. Not part of the API (no semver promise): only this
 /// crate's backends implement [`StepStore`]; the crate's own tests drive them through this path.

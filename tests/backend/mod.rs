@@ -944,9 +944,11 @@ impl Backend for SqlxPostgres {
     /// Autocommit, on the store's pool.
     async fn enqueue_now(&self, topic: &str, payload: Value) -> EventId {
         let pool = self.store().await.pool();
-        tower_idempotency::outbox::Outbox::<tower_idempotency::store::sqlx_postgres::SqlxPostgresStore>::enqueue_in(pool, topic, &payload)
-            .await
-            .expect("enqueue")
+        tower_idempotency::outbox::Outbox::<
+            tower_idempotency::store::sqlx_postgres::SqlxPostgresStore,
+        >::enqueue_in(pool, topic, &payload)
+        .await
+        .expect("enqueue")
     }
 
     async fn process(inbox: &Inbox<SqlxPostgresStore>, event_id: &str, apply: Apply) -> Processing {

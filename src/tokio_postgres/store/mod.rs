@@ -62,7 +62,8 @@
 //! ```no_run
 //! # async fn run(pool: tower_idempotency::store::postgres::deadpool_postgres::Pool)
 //! #     -> Result<(), tower_idempotency::Error> {
-//! use tower_idempotency::store::postgres::{Isolation, PostgresStore};
+//! use tower_idempotency::store::postgres::PostgresStore;
+//! use tower_idempotency::store::Isolation;
 //!
 //! // Creates (or migrates) `idempotency_records` in the connection's schema.
 //! let store = PostgresStore::connect("postgres://app@127.0.0.1/shop").await?;
@@ -92,11 +93,11 @@ pub use deadpool_postgres;
 /// The tokio-postgres version of the transaction handle: depend on it through this re-export.
 pub use tokio_postgres;
 
+use crate::store::Isolation;
 #[cfg_attr(not(feature = "outbox"), allow(unused_imports))]
 pub(crate) use handle::Executor;
 pub use handle::{PostgresTransaction, TransactionClient};
 pub use options::PostgresOptions;
-use crate::store::Isolation;
 pub(crate) use reservation::PostgresReservation;
 pub use store::PostgresStore;
 

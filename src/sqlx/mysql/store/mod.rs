@@ -74,7 +74,6 @@ mod owned;
 /// re-export (or keep yours on the same 0.8 release).
 pub use sqlx;
 
-
 use crate::store::Isolation;
 
 /// MySQL's `ER_DUP_ENTRY`: the key has a committed row.
@@ -115,7 +114,6 @@ pub type SqlxMySqlOptions = SqlxOptions<MySqlDialect>;
 ///   layer answers `503` with `Retry-After` (whatever the handler answered) and rolls back.
 pub type SqlxTransaction = crate::sqlx::store::SqlxTransaction<MySqlDialect>;
 
-
 /// A pooled connection inside the request's transaction: `&mut TxConnection` is a
 /// [`sqlx::Executor`] for MySQL, on which sqlx code runs as on a `&mut MySqlConnection`.
 ///
@@ -129,7 +127,6 @@ pub type SqlxTransaction = crate::sqlx::store::SqlxTransaction<MySqlDialect>;
 /// Nothing runs after a deadlock: InnoDB has rolled the transaction back by then, and what
 /// followed would run in another transaction.
 pub type TxConnection = crate::sqlx::store::TxConnection<MySqlDialect>;
-
 
 mod dialect {
     /// MySQL and MariaDB as the sqlx store's database: the SQL of this module, duplicate-key

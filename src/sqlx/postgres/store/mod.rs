@@ -55,7 +55,8 @@
 //! ```no_run
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 //! use tower_idempotency::store::sqlx_postgres::sqlx::postgres::PgPoolOptions;
-//! use tower_idempotency::store::sqlx_postgres::{Isolation, SqlxPostgresStore};
+//! use tower_idempotency::store::sqlx_postgres::SqlxPostgresStore;
+//! use tower_idempotency::store::Isolation;
 //!
 //! let pool = PgPoolOptions::new()
 //!     .max_connections(16)
@@ -148,7 +149,6 @@ pub type SqlxPostgresOptions = SqlxOptions<PgDialect>;
 ///   with SQLSTATE `55P03`.
 pub type SqlxTransaction = crate::sqlx::store::SqlxTransaction<PgDialect>;
 
-
 /// A pooled connection inside the request's transaction: `&mut TxConnection` is a
 /// [`sqlx::Executor`] for PostgreSQL, on which sqlx code runs as on a `&mut PgConnection`.
 ///
@@ -157,7 +157,6 @@ pub type SqlxTransaction = crate::sqlx::store::SqlxTransaction<PgDialect>;
 /// allowed: they stay inside the transaction. Every statement goes with the extended protocol,
 /// which runs one command per string (SQL without bind parameters is cut into statements).
 pub type TxConnection = crate::sqlx::store::TxConnection<PgDialect>;
-
 
 mod dialect {
     /// PostgreSQL as the sqlx store's database: the SQL of `src/postgres/store_sql.rs` (shared with the

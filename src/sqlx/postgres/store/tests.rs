@@ -14,9 +14,9 @@ use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{TcpListener, TcpStream};
 
 use super::{PgDialect, SqlxPostgresStore};
-use crate::store::ReplayCheck;
 use crate::row_lock::test_records::{record, scope, tenant_scope};
 use crate::sqlx::store::SqlxReservation;
+use crate::store::ReplayCheck;
 use crate::store::{Begin, IdempotencyStore, Reservation, RunOutcome, Scope};
 
 fn url() -> String {
