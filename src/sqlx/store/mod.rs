@@ -38,7 +38,7 @@ mod owned;
 mod reservation;
 mod rows;
 
-pub(crate) use handle::{SqlxTransaction, TxConnection};
+pub(crate) use handle::{connection_docs, transaction_docs, SqlxTransaction, TxConnection};
 pub(crate) use options::SqlxOptions;
 pub(crate) use owned::OwnedDialect;
 pub(crate) use reservation::Slot;

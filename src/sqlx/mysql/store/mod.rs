@@ -112,6 +112,7 @@ pub type SqlxMySqlOptions = SqlxOptions<MySqlDialect>;
 ///   locks, `lock_wait_timeout` for metadata locks such as another session's `LOCK TABLES`;
 ///   whole seconds): past it a statement fails with `1205`. If the handler then fails, the
 ///   layer answers `503` with `Retry-After` (whatever the handler answered) and rolls back.
+#[doc = crate::sqlx::store::transaction_docs!()]
 pub type SqlxTransaction = crate::sqlx::store::SqlxTransaction<MySqlDialect>;
 
 /// A pooled connection inside the request's transaction: `&mut TxConnection` is a
@@ -126,6 +127,7 @@ pub type SqlxTransaction = crate::sqlx::store::SqlxTransaction<MySqlDialect>;
 /// procedure (`CALL`) runs unchecked: one that commits commits the request's transaction.
 /// Nothing runs after a deadlock: InnoDB has rolled the transaction back by then, and what
 /// followed would run in another transaction.
+#[doc = crate::sqlx::store::connection_docs!()]
 pub type TxConnection = crate::sqlx::store::TxConnection<MySqlDialect>;
 
 mod dialect {

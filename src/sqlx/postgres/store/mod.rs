@@ -147,6 +147,7 @@ pub type SqlxPostgresOptions = SqlxOptions<PgDialect>;
 ///   (`40001`) and deadlocks (`40P01`).
 /// - Statements run with the layer's `lock_timeout` (`SET LOCAL`): a lock wait past it fails
 ///   with SQLSTATE `55P03`.
+#[doc = crate::sqlx::store::transaction_docs!()]
 pub type SqlxTransaction = crate::sqlx::store::SqlxTransaction<PgDialect>;
 
 /// A pooled connection inside the request's transaction: `&mut TxConnection` is a
@@ -156,6 +157,7 @@ pub type SqlxTransaction = crate::sqlx::store::SqlxTransaction<PgDialect>;
 /// and `COMMIT`/`ROLLBACK PREPARED` are refused; `SAVEPOINT`, `RELEASE` and `ROLLBACK TO` are
 /// allowed: they stay inside the transaction. Every statement goes with the extended protocol,
 /// which runs one command per string (SQL without bind parameters is cut into statements).
+#[doc = crate::sqlx::store::connection_docs!()]
 pub type TxConnection = crate::sqlx::store::TxConnection<PgDialect>;
 
 mod dialect {
