@@ -30,8 +30,10 @@ use axum::{Extension, Router};
 use serde_json::{json, Value};
 use tower::ServiceExt;
 use tower_idempotency::extract::Tx;
-use tower_idempotency::outbox::postgres::PostgresOutbox;
-use tower_idempotency::outbox::sqlite::SqliteOutbox;
+type PostgresOutbox =
+    tower_idempotency::outbox::Outbox<tower_idempotency::store::postgres::PostgresStore>;
+type SqliteOutbox =
+    tower_idempotency::outbox::Outbox<tower_idempotency::store::sqlite::SqliteStore>;
 use tower_idempotency::outbox::Enqueue;
 use tower_idempotency::store::postgres::tokio_postgres::{self, NoTls};
 use tower_idempotency::store::postgres::{PostgresStore, PostgresTransaction};

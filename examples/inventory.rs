@@ -42,9 +42,11 @@ use axum::{Json, Router};
 use serde_json::{json, Map, Value};
 use tower_idempotency::body::BoxError;
 use tower_idempotency::key::KeyExtractor;
-use tower_idempotency::outbox::inbox::{Processed, SqliteInbox};
+type SqliteInbox = tower_idempotency::outbox::Inbox<tower_idempotency::store::sqlite::SqliteStore>;
+use tower_idempotency::outbox::Processed;
 #[cfg(feature = "postgres")]
-use tower_idempotency::outbox::postgres::PostgresInbox;
+type PostgresInbox =
+    tower_idempotency::outbox::Inbox<tower_idempotency::store::postgres::PostgresStore>;
 use tower_idempotency::outbox::Receipt;
 #[cfg(feature = "postgres")]
 use tower_idempotency::store::postgres::{tokio_postgres, PostgresStore, PostgresTransaction};

@@ -46,7 +46,8 @@ use serde_json::{json, Value};
 use tower_idempotency::body::BoxError;
 use tower_idempotency::extract::Tx;
 use tower_idempotency::fingerprint::Fingerprinter;
-use tower_idempotency::outbox::sqlite::SqliteOutbox;
+type SqliteOutbox =
+    tower_idempotency::outbox::Outbox<tower_idempotency::store::sqlite::SqliteStore>;
 use tower_idempotency::outbox::Enqueue;
 use tower_idempotency::store::sqlite::{SqliteStore, SqliteTransaction};
 use tower_idempotency::store::IdempotencyStore;

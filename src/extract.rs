@@ -24,39 +24,50 @@ use http::{header, HeaderValue, StatusCode};
 ///     format!("{id:?}")
 /// }
 /// ```
+///
+/// Without the layer in front (the route is not wrapped, or the request was passed through
+/// without a key) the extractor fails and the request is answered `500`: a server-side
+/// configuration error.
 #[derive(Clone, Debug)]
 pub struct Tx<H>(pub H);
 
-/// The rejection of [`Tx`]: the route is not wrapped by the layer, or the request was passed
-/// through without a key. A server-side configuration error, answered `500`.
-#[derive(Debug)]
-pub struct MissingTransaction;
+/// The rejection of [`Tx`], answered `500` with `{"error":"idempotency_layer_missing"}` (see
+/// [`Tx`]); nothing to name, hence not exported.
+mod rejection {
+    use super::*;
 
-impl fmt::Display for MissingTransaction {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(
-            "no idempotency transaction in the request extensions: wrap this route with \
-             IdempotencyLayer (and require the Idempotency-Key)",
-        )
+    /// The rejection of [`Tx`]: the route is not wrapped by the layer, or the request was passed
+    /// through without a key. A server-side configuration error, answered `500`.
+    #[derive(Debug)]
+    pub struct MissingTransaction;
+
+    impl fmt::Display for MissingTransaction {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str(
+                "no idempotency transaction in the request extensions: wrap this route with \
+                 IdempotencyLayer (and require the Idempotency-Key)",
+            )
+        }
+    }
+
+    impl std::error::Error for MissingTransaction {}
+
+    impl IntoResponse for MissingTransaction {
+        fn into_response(self) -> Response {
+            tracing::error!("{self}");
+            let mut response = Response::new(axum_core::body::Body::from(
+                "{\"error\":\"idempotency_layer_missing\"}",
+            ));
+            *response.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
+            response.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
+            response
+        }
     }
 }
-
-impl std::error::Error for MissingTransaction {}
-
-impl IntoResponse for MissingTransaction {
-    fn into_response(self) -> Response {
-        tracing::error!("{self}");
-        let mut response = Response::new(axum_core::body::Body::from(
-            "{\"error\":\"idempotency_layer_missing\"}",
-        ));
-        *response.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
-        response.headers_mut().insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        );
-        response
-    }
-}
+pub(crate) use rejection::MissingTransaction;
 
 impl<H, S> FromRequestParts<S> for Tx<H>
 where

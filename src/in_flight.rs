@@ -138,7 +138,7 @@ mod tests {
         Scope::new(
             "tenant",
             "op",
-            crate::IdempotencyKey::parse(key.as_bytes(), 128).unwrap(),
+            crate::key::IdempotencyKey::parse(key.as_bytes(), 128).unwrap(),
         )
     }
 

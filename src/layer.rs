@@ -233,27 +233,23 @@ impl<St> IdempotencyLayer<St> {
         }
     }
 
-    /// A layer answering the way the IETF draft `draft-ietf-httpapi-idempotency-key-header`
-    /// says: [`new`](Self::new), then [`with_ietf_draft`](Self::with_ietf_draft).
+    /// The IETF draft's answers in one switch: the layer's own answers as RFC 9457 problem
+    /// details ([`ProblemDetails::default`], with `Link: <...>; rel="describedby"` on those
+    /// about the key), `422` for a key reused with another payload, and `409` with
+    /// `Retry-After` at once for a duplicate of a request still running
+    /// ([`InFlight::Reject`]). Setters called after it override each part: the answers the
+    /// draft `draft-ietf-httpapi-idempotency-key-header` describes.
     ///
     /// ```
     /// # fn example(store: ()) {
     /// use tower_idempotency::{problem::ProblemDetails, IdempotencyLayer};
     ///
-    /// let layer = IdempotencyLayer::ietf(store)
+    /// let layer = IdempotencyLayer::new(store)
+    ///     .with_ietf_draft()
     ///     .with_operation("create_order")
     ///     .with_problem_details(ProblemDetails::new("https://developer.example.com/idempotency"));
     /// # }
     /// ```
-    pub fn ietf(store: St) -> Self {
-        IdempotencyLayer::new(store).with_ietf_draft()
-    }
-
-    /// The IETF draft's answers in one switch: the layer's own answers as RFC 9457 problem
-    /// details ([`ProblemDetails::default`], with `Link: <...>; rel="describedby"` on those
-    /// about the key), `422` for a key reused with another payload, and `409` with
-    /// `Retry-After` at once for a duplicate of a request still running
-    /// ([`InFlight::Reject`]). Setters called after it override each part.
     pub fn with_ietf_draft(self) -> Self {
         self.with_problem_details(ProblemDetails::default())
             .with_conflict_status(StatusCode::UNPROCESSABLE_ENTITY)
@@ -526,7 +522,7 @@ impl<St> IdempotencyLayer<St> {
 
     /// Writes the layer's own answers as RFC 9457 problem details
     /// (`application/problem+json`), with the types documented where `problems` says. The
-    /// statuses stay as configured ([`ietf`](Self::ietf) also sets the draft's).
+    /// statuses stay as configured ([`with_ietf_draft`](Self::with_ietf_draft) also sets the draft's).
     ///
     /// Default: `{"error":"<code>"}` as `application/json`.
     pub fn with_problem_details(self, problems: ProblemDetails) -> Self {

@@ -159,11 +159,9 @@ pub mod store;
 mod tokio_postgres;
 
 pub use crate::error::{Error, Rejection};
-pub use crate::fingerprint::Fingerprinter;
 pub use crate::in_flight::InFlight;
-pub use crate::key::IdempotencyKey;
 pub use crate::layer::{IdempotencyLayer, Tenant, MAX_OPERATION_LEN};
-pub use crate::service::{Idempotency, ResponseFuture, IDEMPOTENCY_KEY};
+pub use crate::service::{Idempotency, IDEMPOTENCY_KEY};
 
 /// The README's examples, compiled as doc tests.
 #[cfg(doctest)]

@@ -3,61 +3,85 @@
 //! With the feature on, the layer, the outbox relay and the inbox record to whatever recorder
 //! the application installed (a Prometheus exporter, StatsD...); without a recorder, recording
 //! costs next to nothing. Without the feature nothing is recorded and the `metrics` crate is
-//! not compiled; the names below stay available either way.
+//! not compiled; the names are in the table below.
 //!
 //! | name | kind | labels | what |
 //! |---|---|---|---|
-//! | [`REQUESTS_TOTAL`] | counter | `operation`, `outcome` | every request the layer handled, by [`Outcome`] |
-//! | [`HANDLER_ROLLBACKS_TOTAL`] | counter | `operation`, `reason` | transactions rolled back after the handler was called, by [`RollbackReason`] |
-//! | [`LOCK_WAIT_SECONDS`] | histogram | `operation` | time to open the write transaction (waiting for the write lock included) |
-//! | [`OUTBOX_BACKLOG`] | gauge | | pending events (due, waiting for a retry, or in flight), sampled by the relay |
-//! | [`OUTBOX_DEAD_LETTERS`] | gauge | | dead-lettered events, sampled by the relay |
-//! | [`OUTBOX_DELIVERED_TOTAL`] | counter | `topic` | events the sink accepted |
-//! | [`OUTBOX_DELIVERY_FAILURES_TOTAL`] | counter | `topic` | failed delivery attempts (errors, timeouts, panics) |
-//! | [`OUTBOX_DEAD_LETTERED_TOTAL`] | counter | `topic` | events moved to the dead-letter state |
-//! | [`OUTBOX_DELIVERY_SECONDS`] | histogram | `topic` | how long the sink took, successful or not |
-//! | [`INBOX_EVENTS_TOTAL`] | counter | `consumer`, `result` | events offered to an inbox: `processed` or `duplicate` |
+//! | `idempotency_requests_total` | counter | `operation`, `outcome` | every request the layer handled, by outcome (below) |
+//! | `idempotency_handler_rollbacks_total` | counter | `operation`, `reason` | transactions rolled back after the handler was called, by reason (below) |
+//! | `idempotency_lock_wait_seconds` | histogram | `operation` | time to open the write transaction (waiting for the write lock included) |
+//! | `outbox_backlog` | gauge | | pending events (due, waiting for a retry, or in flight), sampled by the relay |
+//! | `outbox_dead_letters` | gauge | | dead-lettered events, sampled by the relay |
+//! | `outbox_delivered_total` | counter | `topic` | events the sink accepted |
+//! | `outbox_delivery_failures_total` | counter | `topic` | failed delivery attempts (errors, timeouts, panics) |
+//! | `outbox_dead_lettered_total` | counter | `topic` | events moved to the dead-letter state |
+//! | `outbox_delivery_seconds` | histogram | `topic` | how long the sink took, successful or not |
+//! | `inbox_events_total` | counter | `consumer`, `result` | events offered to an inbox: `processed` or `duplicate` |
+//!
+//! The `outcome` label of `idempotency_requests_total`:
+//!
+//! | value | the request |
+//! |---|---|
+//! | `executed` | the handler ran and its response was saved and committed |
+//! | `replayed` | a saved response was replayed |
+//! | `conflict` | the key was reused with a different payload |
+//! | `busy` | the store stayed busy past the lock timeout (`503`) |
+//! | `in_flight` | a request with the same key was still running and the layer's in-flight policy answered `409` ([`InFlight`](crate::InFlight)) |
+//! | `rejected` | refused before the store (bad or missing key, no tenant, body too large or too slow, invalid payload) |
+//! | `rolled_back` | the handler ran but nothing was kept (see `reason`) |
+//! | `error` | the store failed (`500`) |
+//!
+//! The `reason` label of `idempotency_handler_rollbacks_total`: `not_saved` (the response was
+//! not saveable: a non-2xx status by default, a non-OK gRPC status), `service_error` (the inner
+//! service returned an error), `panic`, `capture_failed` (the response could not be captured:
+//! too large, or its body failed), `commit_failed` (saving the record or the commit failed).
 //!
 //! A request whose future is dropped (the client went away) ends without an outcome: it rolls
 //! back, but is counted nowhere.
 //!
-//! ```
-//! // With any recorder installed (here the exporter of metrics-exporter-prometheus):
-//! // metrics_exporter_prometheus::PrometheusBuilder::new().install()?;
-//! // the layer and the relay record on their own; nothing else to configure.
-//! assert_eq!(tower_idempotency::metrics::REQUESTS_TOTAL, "idempotency_requests_total");
-//! ```
+//! Install any recorder (the exporter of metrics-exporter-prometheus, say:
+//! `PrometheusBuilder::new().install()?`): the layer and the relay record on their own; nothing
+//! else to configure.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 /// Counter: requests the layer handled, labelled `operation` and `outcome` ([`Outcome`]).
-pub const REQUESTS_TOTAL: &str = "idempotency_requests_total";
+#[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+pub(crate) const REQUESTS_TOTAL: &str = "idempotency_requests_total";
 /// Counter: transactions rolled back after the handler was called, labelled `operation` and
 /// `reason` ([`RollbackReason`]).
-pub const HANDLER_ROLLBACKS_TOTAL: &str = "idempotency_handler_rollbacks_total";
+#[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+pub(crate) const HANDLER_ROLLBACKS_TOTAL: &str = "idempotency_handler_rollbacks_total";
 /// Histogram (seconds): how long opening the write transaction took, labelled `operation`.
-pub const LOCK_WAIT_SECONDS: &str = "idempotency_lock_wait_seconds";
+#[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+pub(crate) const LOCK_WAIT_SECONDS: &str = "idempotency_lock_wait_seconds";
 /// Gauge: pending outbox events (not yet delivered, not dead-lettered).
-pub const OUTBOX_BACKLOG: &str = "outbox_backlog";
+#[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+pub(crate) const OUTBOX_BACKLOG: &str = "outbox_backlog";
 /// Gauge: dead-lettered outbox events.
-pub const OUTBOX_DEAD_LETTERS: &str = "outbox_dead_letters";
+#[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+pub(crate) const OUTBOX_DEAD_LETTERS: &str = "outbox_dead_letters";
 /// Counter: events delivered, labelled `topic`.
-pub const OUTBOX_DELIVERED_TOTAL: &str = "outbox_delivered_total";
+#[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+pub(crate) const OUTBOX_DELIVERED_TOTAL: &str = "outbox_delivered_total";
 /// Counter: failed delivery attempts, labelled `topic`.
-pub const OUTBOX_DELIVERY_FAILURES_TOTAL: &str = "outbox_delivery_failures_total";
+#[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+pub(crate) const OUTBOX_DELIVERY_FAILURES_TOTAL: &str = "outbox_delivery_failures_total";
 /// Counter: events dead-lettered, labelled `topic`.
-pub const OUTBOX_DEAD_LETTERED_TOTAL: &str = "outbox_dead_lettered_total";
+#[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+pub(crate) const OUTBOX_DEAD_LETTERED_TOTAL: &str = "outbox_dead_lettered_total";
 /// Histogram (seconds): how long one delivery took, labelled `topic`.
-pub const OUTBOX_DELIVERY_SECONDS: &str = "outbox_delivery_seconds";
+#[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+pub(crate) const OUTBOX_DELIVERY_SECONDS: &str = "outbox_delivery_seconds";
 /// Counter: events offered to an inbox, labelled `consumer` and `result`
 /// (`processed` or `duplicate`).
-pub const INBOX_EVENTS_TOTAL: &str = "inbox_events_total";
+#[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+pub(crate) const INBOX_EVENTS_TOTAL: &str = "inbox_events_total";
 
-/// The `outcome` label of [`REQUESTS_TOTAL`]: how the layer answered.
+/// The `outcome` label of `idempotency_requests_total`: how the layer answered.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Outcome {
+pub(crate) enum Outcome {
     /// The handler ran and its response was saved and committed.
     Executed,
     /// A saved response was replayed.
@@ -108,7 +132,8 @@ impl Outcome {
     }
 
     /// The label value.
-    pub fn as_str(self) -> &'static str {
+    #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Outcome::Executed => "executed",
             Outcome::Replayed => "replayed",
@@ -122,10 +147,9 @@ impl Outcome {
     }
 }
 
-/// The `reason` label of [`HANDLER_ROLLBACKS_TOTAL`].
+/// The `reason` label of `idempotency_handler_rollbacks_total`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum RollbackReason {
+pub(crate) enum RollbackReason {
     /// The response was not saveable (a non-2xx status by default, a non-OK gRPC status).
     NotSaved,
     /// The inner service returned an error.
@@ -140,7 +164,8 @@ pub enum RollbackReason {
 
 impl RollbackReason {
     /// The label value.
-    pub fn as_str(self) -> &'static str {
+    #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             RollbackReason::NotSaved => "not_saved",
             RollbackReason::ServiceError => "service_error",
@@ -156,8 +181,8 @@ impl RollbackReason {
 // operation label is the layer's shared name: a label made from it shares it (no copy per
 // request, with or without a recorder).
 
-/// The keys of a layer's per-request metrics ([`REQUESTS_TOTAL`] by outcome and
-/// [`LOCK_WAIT_SECONDS`]), made for its operation once rather than on every request: a key's
+/// The keys of a layer's per-request metrics (`idempotency_requests_total` by outcome and
+/// `idempotency_lock_wait_seconds`), made for its operation once rather than on every request: a key's
 /// labels and hash are built when it is made. Requests of another operation (a layer without
 /// an operation name labels requests by path) make theirs as they are recorded.
 #[derive(Default)]

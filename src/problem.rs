@@ -1,7 +1,7 @@
 //! The layer's own answers as RFC 9457 problem details (`application/problem+json`), the way
 //! the IETF draft `draft-ietf-httpapi-idempotency-key-header` shows them.
 //!
-//! [`IdempotencyLayer::ietf`](crate::IdempotencyLayer::ietf) turns this on together with the
+//! [`IdempotencyLayer::with_ietf_draft`](crate::IdempotencyLayer::with_ietf_draft) turns this on together with the
 //! draft's statuses; [`IdempotencyLayer::with_problem_details`](crate::IdempotencyLayer::with_problem_details)
 //! turns on the bodies alone. Every answer carries `type` (a stable URI per rejection: the
 //! documentation URI with the rejection's code as fragment), `title`, `status`, `detail` and

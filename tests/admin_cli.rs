@@ -445,12 +445,13 @@ mod sqlite {
         use std::time::{Duration, SystemTime};
 
         use tower_idempotency::fingerprint::Fingerprint;
-        use tower_idempotency::steps::{
-            Acquired, Claim, Lease, ProgressStatus, SavedRequest, StepKind, StepRow, StepStore,
+        use tower_idempotency::key::IdempotencyKey;
+        use tower_idempotency::steps::__private::{
+            Acquired, Claim, Lease, SavedRequest, StepKind, StepRow,
         };
+        use tower_idempotency::steps::{ProgressStatus, StepStore};
         use tower_idempotency::store::sqlite::SqliteStore;
         use tower_idempotency::store::Scope;
-        use tower_idempotency::IdempotencyKey;
 
         use super::{failure_message, field};
 

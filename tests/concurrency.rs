@@ -769,7 +769,8 @@ mod postgres {
 
     use backend::Postgres;
     use pg_common::{hook as pg_hook, HookOutcome, PgServer};
-    use tower_idempotency::store::postgres::{Isolation, PostgresStore, ReplayCheck};
+    use tower_idempotency::store::postgres::PostgresStore;
+    use tower_idempotency::store::{Isolation, ReplayCheck};
 
     use super::*;
 

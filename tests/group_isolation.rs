@@ -17,8 +17,9 @@ use std::time::Duration;
 use common::{hook, post, HookOutcome, Reply, TestServer, PATIENCE, SHOP_A};
 use http::StatusCode;
 use tokio::sync::Semaphore;
-use tower_idempotency::outbox::inbox::SqliteInbox;
-use tower_idempotency::outbox::sqlite::SqliteOutbox;
+type SqliteInbox = tower_idempotency::outbox::Inbox<tower_idempotency::store::sqlite::SqliteStore>;
+type SqliteOutbox =
+    tower_idempotency::outbox::Outbox<tower_idempotency::store::sqlite::SqliteStore>;
 use tower_idempotency::store::sqlite::SqliteStore;
 use tower_idempotency::Error;
 

@@ -25,10 +25,10 @@ use backend::{Apply, Backend, EFFECTS, FAILURE};
 use bytes::Bytes;
 use http::StatusCode;
 use tower_idempotency::fingerprint::Fingerprint;
+use tower_idempotency::key::IdempotencyKey;
 use tower_idempotency::outbox::{Inbox, InboxBackend, Processed, Receipt};
 use tower_idempotency::response::SavedResponse;
 use tower_idempotency::store::{Begin, IdempotencyStore, NewRecord, Reservation, Scope};
-use tower_idempotency::IdempotencyKey;
 
 async fn an_event_is_applied_once_and_redeliveries_are_duplicates<B: Backend>(db: B) {
     db.execute(EFFECTS).await;
@@ -265,9 +265,11 @@ mod postgres {
     use crate::pg_common::TestDb;
     use http::StatusCode;
     use tokio::sync::oneshot;
-    use tower_idempotency::outbox::postgres::PostgresInbox;
+    type PostgresInbox =
+        tower_idempotency::outbox::Inbox<tower_idempotency::store::postgres::PostgresStore>;
     use tower_idempotency::outbox::{Processed, Receipt};
-    use tower_idempotency::store::postgres::{Isolation, PostgresStore, PostgresTransaction};
+    use tower_idempotency::store::postgres::{PostgresStore, PostgresTransaction};
+    use tower_idempotency::store::Isolation;
     use tower_idempotency::Error;
 
     backend_tests!(Postgres;

@@ -21,14 +21,22 @@ use http::StatusCode;
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use serde_json::json;
 use tower_idempotency::body::BoxError;
-use tower_idempotency::metrics::{
-    HANDLER_ROLLBACKS_TOTAL, INBOX_EVENTS_TOTAL, LOCK_WAIT_SECONDS, OUTBOX_BACKLOG,
-    OUTBOX_DEAD_LETTERED_TOTAL, OUTBOX_DEAD_LETTERS, OUTBOX_DELIVERED_TOTAL,
-    OUTBOX_DELIVERY_FAILURES_TOTAL, OUTBOX_DELIVERY_SECONDS, REQUESTS_TOTAL,
-};
-use tower_idempotency::outbox::inbox::{Processed, SqliteInbox};
-use tower_idempotency::outbox::postgres::PostgresInbox;
-use tower_idempotency::outbox::sqlite::{enqueue, SqliteOutbox};
+const REQUESTS_TOTAL: &str = "idempotency_requests_total";
+const HANDLER_ROLLBACKS_TOTAL: &str = "idempotency_handler_rollbacks_total";
+const LOCK_WAIT_SECONDS: &str = "idempotency_lock_wait_seconds";
+const OUTBOX_BACKLOG: &str = "outbox_backlog";
+const OUTBOX_DEAD_LETTERS: &str = "outbox_dead_letters";
+const OUTBOX_DELIVERED_TOTAL: &str = "outbox_delivered_total";
+const OUTBOX_DELIVERY_FAILURES_TOTAL: &str = "outbox_delivery_failures_total";
+const OUTBOX_DEAD_LETTERED_TOTAL: &str = "outbox_dead_lettered_total";
+const OUTBOX_DELIVERY_SECONDS: &str = "outbox_delivery_seconds";
+const INBOX_EVENTS_TOTAL: &str = "inbox_events_total";
+type SqliteInbox = tower_idempotency::outbox::Inbox<tower_idempotency::store::sqlite::SqliteStore>;
+use tower_idempotency::outbox::Processed;
+type PostgresInbox =
+    tower_idempotency::outbox::Inbox<tower_idempotency::store::postgres::PostgresStore>;
+type SqliteOutbox =
+    tower_idempotency::outbox::Outbox<tower_idempotency::store::sqlite::SqliteStore>;
 use tower_idempotency::outbox::{sink_fn, OutboxEvent, Relay};
 use tower_idempotency::store::sqlite::SqliteStore;
 
@@ -190,9 +198,9 @@ async fn the_relay_and_the_inbox_record_deliveries_failures_dead_letters_and_bac
     let outbox = SqliteOutbox::install(&store).await.expect("install");
     store
         .write(|tx| {
-            enqueue(tx, "order_created", &json!({ "sku": "book" }))?;
-            enqueue(tx, "order_created", &json!({ "sku": "pen" }))?;
-            enqueue(tx, "order_cancelled", &json!({ "sku": "poison" }))?;
+            SqliteOutbox::enqueue_in(tx, "order_created", &json!({ "sku": "book" }))?;
+            SqliteOutbox::enqueue_in(tx, "order_created", &json!({ "sku": "pen" }))?;
+            SqliteOutbox::enqueue_in(tx, "order_cancelled", &json!({ "sku": "poison" }))?;
             Ok(())
         })
         .await

@@ -35,8 +35,9 @@ use relay_scenarios::{
     assert_each_delivered_once, deliver_then_kill, enveloped_sink, redeliver, relays_deliver_all,
 };
 use serde_json::{json, Value};
-use tower_idempotency::outbox::inbox::SqliteInbox;
-use tower_idempotency::outbox::sqlite::{enqueue, SqliteOutbox};
+type SqliteInbox = tower_idempotency::outbox::Inbox<tower_idempotency::store::sqlite::SqliteStore>;
+type SqliteOutbox =
+    tower_idempotency::outbox::Outbox<tower_idempotency::store::sqlite::SqliteStore>;
 use tower_idempotency::outbox::{EventStatus, OutboxStore, Relay};
 use tower_idempotency::store::sqlite::SqliteStore;
 
@@ -164,7 +165,7 @@ async fn order_app() -> TestServer {
             });
             let enqueued = call
                 .tx
-                .run(move |conn| enqueue(conn, "order_created", &payload))
+                .run(move |conn| SqliteOutbox::enqueue_in(conn, "order_created", &payload))
                 .await;
             HookOutcome {
                 fail_with: enqueued
@@ -233,7 +234,7 @@ async fn two_relays_at_once_deliver_each_event_exactly_once() {
                 let payload = json!({
                     "order_id": order_id, "tenant": "shop-a", "sku": "book", "quantity": 1,
                 });
-                enqueue(tx, "order_created", &payload)?;
+                SqliteOutbox::enqueue_in(tx, "order_created", &payload)?;
             }
             Ok(())
         })

@@ -38,7 +38,8 @@ use relay_scenarios::{
     relays_deliver_all, wait_delivered, Http,
 };
 use serde_json::json;
-use tower_idempotency::outbox::postgres::{enqueue, PostgresOutbox};
+type PostgresOutbox =
+    tower_idempotency::outbox::Outbox<tower_idempotency::store::postgres::PostgresStore>;
 use tower_idempotency::outbox::Relay;
 
 /// Forgets the inventory example's saved answers (as if they had expired): only its inbox
@@ -71,7 +72,7 @@ async fn order_app(db: &TestDb) -> PgServer {
                     "sku": row.try_get::<_, String>(0)?,
                     "quantity": row.try_get::<_, i64>(1)?,
                 });
-                enqueue(&client, "order_created", &payload).await
+                PostgresOutbox::enqueue_in(&client, "order_created", &payload).await
             };
             HookOutcome {
                 fail_with: enqueued
@@ -269,7 +270,7 @@ async fn two_relays_of_two_instances_deliver_each_event_exactly_once() {
             let payload = json!({
                 "order_id": order_id, "tenant": "shop-a", "sku": "book", "quantity": 1,
             });
-            enqueue(&*tx, "order_created", &payload)
+            PostgresOutbox::enqueue_in(&*tx, "order_created", &payload)
                 .await
                 .expect("enqueue");
         }

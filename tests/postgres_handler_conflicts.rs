@@ -18,7 +18,8 @@ use http::{header, StatusCode};
 use pg_common::{hook, HookOutcome, PgServer, TestDb};
 use tokio::sync::{Barrier, Notify};
 use tower_idempotency::store::postgres::tokio_postgres::error::SqlState;
-use tower_idempotency::store::postgres::{Isolation, TransactionClient};
+use tower_idempotency::store::postgres::TransactionClient;
+use tower_idempotency::store::Isolation;
 use tower_idempotency::Error;
 
 const BOOK: &str = r#"{"sku":"book","quantity":1}"#;

@@ -418,7 +418,8 @@ mod postgres {
     use std::sync::Mutex;
 
     use pg_common::{hook as pg_hook, HookOutcome, OrderCall, PgServer, TestDb};
-    use tower_idempotency::store::postgres::{PostgresTransaction, ReplayCheck};
+    use tower_idempotency::store::postgres::PostgresTransaction;
+    use tower_idempotency::store::ReplayCheck;
     use tower_idempotency::Error;
 
     use super::*;

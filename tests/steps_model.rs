@@ -39,11 +39,12 @@ use proptest::test_runner::{Config, TestRunner};
 use serde_json::{json, Value};
 use tokio::sync::Notify;
 use tower::ServiceExt;
+use tower_idempotency::key::IdempotencyKey;
 use tower_idempotency::steps::{
     step_key, Ask, CallAgain, CompleterReport, Foreign, ProgressStatus, StepError, StepStore, Steps,
 };
 use tower_idempotency::store::Scope;
-use tower_idempotency::{IdempotencyKey, IdempotencyLayer, Tenant};
+use tower_idempotency::{IdempotencyLayer, Tenant};
 
 const TENANT: &str = "model";
 const OPERATION: &str = "model";

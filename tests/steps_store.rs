@@ -15,11 +15,12 @@ use http::{HeaderValue, StatusCode};
 use serde_json::json;
 use tower_idempotency::fingerprint::Fingerprint;
 use tower_idempotency::response::SavedResponse;
-use tower_idempotency::steps::{
-    Acquired, Claim, Lease, ProgressStatus, Resolution, SavedRequest, StepKind, StepRow, StepStore,
+use tower_idempotency::steps::__private::{
+    Acquired, Claim, Lease, SavedRequest, StepKind, StepRow,
 };
+use tower_idempotency::steps::{ProgressStatus, Resolution, StepStore};
 use tower_idempotency::store::{Begin, IdempotencyStore, NewRecord, Reservation, Scope};
-use tower_idempotency::{Error, IdempotencyKey};
+use tower_idempotency::{key::IdempotencyKey, Error};
 
 const LEASE: Duration = Duration::from_secs(30);
 const HOUR: Duration = Duration::from_secs(3600);

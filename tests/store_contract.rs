@@ -13,11 +13,11 @@ use bytes::Bytes;
 use http::header::{self, HeaderName};
 use http::{HeaderValue, StatusCode};
 use tower_idempotency::fingerprint::Fingerprint;
+use tower_idempotency::key::IdempotencyKey;
 use tower_idempotency::response::SavedResponse;
 use tower_idempotency::store::{
     Begin, IdempotencyStore, NewRecord, Reservation, Scope, StoredRecord,
 };
-use tower_idempotency::IdempotencyKey;
 
 const LOCK_TIMEOUT: Duration = Duration::from_secs(5);
 const HOUR: Duration = Duration::from_secs(3600);

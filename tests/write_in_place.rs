@@ -16,7 +16,7 @@ use tower_idempotency::fingerprint::Fingerprint;
 use tower_idempotency::response::SavedResponse;
 use tower_idempotency::store::sqlite::SqliteStore;
 use tower_idempotency::store::{IdempotencyStore, NewRecord, Reservation, RunOutcome, Scope};
-use tower_idempotency::{Error, IdempotencyKey};
+use tower_idempotency::{key::IdempotencyKey, Error};
 
 const BOOK: &str = r#"{"sku":"book","quantity":1}"#;
 const WRITER_THREAD: &str = "tower-idempotency-sqlite-writer";

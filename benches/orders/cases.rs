@@ -364,7 +364,7 @@ fn ceiling_loop(path: &FsPath, mode: Mode, options: &Options) -> Result<Row, Box
         let order_id = tx.last_insert_rowid();
         let event =
             json!({ "order_id": order_id, "tenant": "shop-a", "sku": "book", "quantity": 1 });
-        tower_idempotency::outbox::sqlite::enqueue(&tx, "order_created", &event)?;
+        tower_idempotency::outbox::Outbox::<tower_idempotency::store::sqlite::SqliteStore>::enqueue_in(&tx, "order_created", &event)?;
         tx.prepare_cached(
             "INSERT INTO idempotency_records (tenant, operation, idempotency_key, fingerprint, \
              fingerprint_version, status, headers, body, trailers, created_at, expires_at) \

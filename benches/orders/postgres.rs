@@ -16,18 +16,20 @@ use axum::{Extension, Json, Router};
 use serde_json::{json, Value};
 use tower_idempotency::extract::Tx;
 use tower_idempotency::fingerprint::Fingerprinter;
-use tower_idempotency::outbox::postgres::{enqueue, PostgresOutbox};
-use tower_idempotency::outbox::sqlx_postgres::enqueue as sqlx_enqueue;
+type PostgresOutbox =
+    tower_idempotency::outbox::Outbox<tower_idempotency::store::postgres::PostgresStore>;
+
 use tower_idempotency::store::postgres::deadpool_postgres::{
     Manager, ManagerConfig, Pool, RecyclingMethod,
 };
 use tower_idempotency::store::postgres::tokio_postgres::{self, NoTls};
-use tower_idempotency::store::postgres::{PostgresStore, PostgresTransaction, ReplayCheck};
+use tower_idempotency::store::postgres::{PostgresStore, PostgresTransaction};
 use tower_idempotency::store::sqlx_postgres::sqlx::postgres::{
     PgConnectOptions, PgPool, PgPoolOptions,
 };
 use tower_idempotency::store::sqlx_postgres::sqlx::{self, Executor as _, Row as _};
 use tower_idempotency::store::sqlx_postgres::{SqlxPostgresStore, SqlxTransaction};
+use tower_idempotency::store::ReplayCheck;
 use tower_idempotency::{IdempotencyLayer, Tenant};
 
 use crate::hand::{postgres_transaction, sqlx_transaction, HandRequest, OPERATION};
@@ -243,7 +245,7 @@ async fn create_order(
         "sku": order.sku,
         "quantity": order.quantity,
     });
-    enqueue(&client, "order_created", &event)
+    PostgresOutbox::enqueue_in(&client, "order_created", &event)
         .await
         .map_err(internal)?;
     let response = (
@@ -293,9 +295,13 @@ async fn create_order_sqlx(
         "sku": order.sku,
         "quantity": order.quantity,
     });
-    sqlx_enqueue(&mut *conn, "order_created", &event)
-        .await
-        .map_err(internal)?;
+    tower_idempotency::outbox::Outbox::<SqlxPostgresStore>::enqueue_in(
+        &mut *conn,
+        "order_created",
+        &event,
+    )
+    .await
+    .map_err(internal)?;
     let response = (
         StatusCode::CREATED,
         [(LOCATION, format!("/orders/{order_id}"))],

@@ -23,7 +23,8 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tower_idempotency::extract::Tx;
 use tower_idempotency::fingerprint::Fingerprinter;
-use tower_idempotency::outbox::sqlite::SqliteOutbox;
+type SqliteOutbox =
+    tower_idempotency::outbox::Outbox<tower_idempotency::store::sqlite::SqliteStore>;
 use tower_idempotency::outbox::Enqueue;
 use tower_idempotency::store::sqlite::rusqlite::{self, Connection, OptionalExtension};
 use tower_idempotency::store::sqlite::{SqliteStore, SqliteTransaction};

@@ -5,8 +5,9 @@
 
 use serde_json::Value;
 use tower_idempotency::body::BoxError;
-use tower_idempotency::outbox::postgres::PostgresOutbox;
-use tower_idempotency::outbox::Enqueue;
+use tower_idempotency::outbox::{Enqueue, Outbox};
+
+type PostgresOutbox = Outbox<PostgresStore>;
 use tower_idempotency::steps::{StepError, StepStore, Steps};
 use tower_idempotency::store::postgres::{PostgresStore, PostgresTransaction};
 use tower_idempotency::Tenant;

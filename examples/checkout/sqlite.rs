@@ -6,7 +6,9 @@ use std::path::Path;
 
 use serde_json::Value;
 use tower_idempotency::body::BoxError;
-use tower_idempotency::outbox::sqlite::{self as outbox, SqliteOutbox};
+use tower_idempotency::outbox::Outbox;
+
+type SqliteOutbox = Outbox<SqliteStore>;
 use tower_idempotency::steps::{StepError, StepStore, Steps};
 use tower_idempotency::store::sqlite::rusqlite::{self, OptionalExtension};
 use tower_idempotency::store::sqlite::SqliteStore;
@@ -86,7 +88,7 @@ impl CheckoutStore for SqliteStore {
                     "UPDATE checkout_orders SET status = 'paid', charge_id = ?1 WHERE id = ?2",
                     rusqlite::params![charge_id, order_id],
                 )?;
-                outbox::enqueue(tx, "order_paid", &event).map(drop)
+                SqliteOutbox::enqueue_in(tx, "order_paid", &event).map(drop)
             })
             .await
     }

@@ -18,7 +18,7 @@ use axum::{Extension, Json, Router};
 use serde_json::{json, Value};
 use tower_idempotency::extract::Tx;
 use tower_idempotency::store::IdempotencyStore;
-use tower_idempotency::{Fingerprinter, IdempotencyLayer, Tenant};
+use tower_idempotency::{fingerprint::Fingerprinter, IdempotencyLayer, Tenant};
 
 pub use order_rules::NewOrder;
 

@@ -11,7 +11,8 @@ use axum::http::header::CONTENT_TYPE;
 use axum::routing::get;
 use axum::Router;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
-use tower_idempotency::metrics::LOCK_WAIT_SECONDS;
+/// The layer's lock-wait histogram (see the crate's `metrics` module).
+const LOCK_WAIT_SECONDS: &str = "idempotency_lock_wait_seconds";
 
 use super::BoxError;
 

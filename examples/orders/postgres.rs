@@ -6,7 +6,8 @@
 
 use std::time::Duration;
 
-use tower_idempotency::outbox::postgres::PostgresOutbox;
+type PostgresOutbox =
+    tower_idempotency::outbox::Outbox<tower_idempotency::store::postgres::PostgresStore>;
 use tower_idempotency::store::continuously_purge_expired;
 use tower_idempotency::store::postgres::{PostgresStore, PostgresTransaction};
 use tower_idempotency::Tenant;

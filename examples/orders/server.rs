@@ -6,7 +6,8 @@ use std::path::Path;
 use axum::Router;
 use tokio::net::TcpListener;
 use tower_idempotency::body::BoxError;
-use tower_idempotency::outbox::sqlite::SqliteOutbox;
+type SqliteOutbox =
+    tower_idempotency::outbox::Outbox<tower_idempotency::store::sqlite::SqliteStore>;
 
 use crate::cli::{self, ctrl_c};
 use crate::{app, idempotency, open_store, order_table, webhook};

@@ -125,7 +125,7 @@ use tower_layer::Layer;
 
 pub use self::body::BufferedBody;
 pub use self::outcome::{RetryError, RetryOutcome};
-pub use self::service::{ResponseFuture, Retry};
+pub use self::service::Retry;
 
 /// How the client generates the `Idempotency-Key` of a request that has none.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

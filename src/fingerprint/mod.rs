@@ -22,7 +22,7 @@
 //! # The query string
 //!
 //! `POST /orders?dry_run=true` is not the request `POST /orders`: the built-in schemes digest the
-//! query too (since [`CANONICALIZATION_VERSION`] 2). It is canonicalized the way
+//! query too (since canonicalization version 2). It is canonicalized the way
 //! `application/x-www-form-urlencoded` is parsed (the [WHATWG URL] parser, which axum's `Query`
 //! and `serde_urlencoded` follow), so that two spellings a handler cannot tell apart share a
 //! fingerprint:
@@ -115,7 +115,7 @@ use sha2::{Digest, Sha256};
 /// Stored with every fingerprint; it changes whenever a change to this module would give an
 /// existing payload a different digest. Version 2 added the query string (see
 /// [the module docs](self#the-query-string)); version-1 records still compare as they did.
-pub const CANONICALIZATION_VERSION: u16 = 2;
+pub(crate) const CANONICALIZATION_VERSION: u16 = 2;
 
 /// The built-in canonicalization before the query string counted: method, path and body.
 const PATH_ONLY_VERSION: u16 = 1;
@@ -217,7 +217,7 @@ impl Fingerprint {
         }
     }
 
-    /// The version of the scheme that produced the digest: [`CANONICALIZATION_VERSION`] for the
+    /// The version of the scheme that produced the digest: 2 (the current canonical form) for the
     /// built-in schemes, the route's own number for [`Fingerprinter::custom`].
     pub fn version(&self) -> u16 {
         self.version

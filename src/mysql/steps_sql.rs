@@ -60,6 +60,6 @@ pub(crate) const LIST_IDLE_PROGRESS: &str = concat!(
 
 /// Checks that the scope fits the tables' columns, as the store's reservation does.
 pub(crate) fn check_scope(scope: &Scope) -> Result<(), Error> {
-    use crate::store::sqlx::SqlxDialect as _;
+    use crate::sqlx::store::SqlxDialect as _;
     crate::store::sqlx_mysql::MySqlDialect::check_scope(scope)
 }

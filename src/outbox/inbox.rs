@@ -1,90 +1,13 @@
-//! The receiver's side: an inbox of processed event ids, written in the receiver's own
-//! transaction, so a redelivered event is acknowledged without being applied twice.
-//!
-//! The relay delivers at least once: after a crash, a timeout or a lost acknowledgement the
-//! same event (same [`EventId`](super::EventId)) arrives again. The receiver records the id in
-//! the **same transaction** as the effect (reserving stock, say): either both commit or
-//! neither does, so an id in the inbox always means "already applied", and an id missing
-//! always means "not applied".
-//!
-//! [`Inbox`] is written once over [`InboxBackend`]; it has the same calls on every backend:
-//!
-//! - [`Inbox::process`] applies an event once, in a transaction of the inbox's own. What the
-//!   closure gets is the backend's: on SQLite a `&rusqlite::Transaction` (it runs on the
-//!   writer thread and returns a `rusqlite::Result`), on PostgreSQL the same
-//!   [`PostgresTransaction`](crate::store::postgres::PostgresTransaction) handle a request's
-//!   handler gets (it returns a future).
-//! - [`Inbox::process_in`] records the id in an idempotent request's transaction (the handle
-//!   the layer put in the request extensions) and returns a [`Receipt`]: the handler applies
-//!   the event through the same handle, so that the id, the effect and the saved response
-//!   commit together.
-//!
-//! ```no_run
-//! # async fn run() -> Result<(), tower_idempotency::Error> {
-//! use tower_idempotency::outbox::inbox::{Processed, SqliteInbox};
-//! use tower_idempotency::store::sqlite::SqliteStore;
-//!
-//! let store = SqliteStore::open("inventory.db").await?;
-//! let inbox = SqliteInbox::install(&store, "inventory").await?;
-//!
-//! // For each delivery (the event id comes from the `Idempotency-Key` header):
-//! let event_id = "0190c1c2-8d5e-7a1b-9c3d-4e5f60718293";
-//! match inbox
-//!     .process(event_id, |tx| {
-//!         tx.execute("UPDATE stock SET reserved = reserved + 1 WHERE sku = 'book'", [])?;
-//!         Ok(())
-//!     })
-//!     .await?
-//! {
-//!     Processed::First(()) => println!("reserved"),
-//!     Processed::Duplicate => println!("already reserved: acknowledged, nothing done"),
-//! }
-//! # Ok(()) }
-//! ```
-//!
-//! On PostgreSQL the closure returns a future:
-//!
-//! ```no_run
-//! # #[cfg(feature = "postgres")]
-//! # async fn run() -> Result<(), tower_idempotency::Error> {
-//! use tower_idempotency::outbox::postgres::PostgresInbox;
-//! use tower_idempotency::outbox::Processed;
-//! use tower_idempotency::store::postgres::PostgresStore;
-//!
-//! let store = PostgresStore::connect("postgres://app@127.0.0.1/inventory").await?;
-//! let inbox = PostgresInbox::install(&store, "inventory").await?;
-//! let event_id = "0190c1c2-8d5e-7a1b-9c3d-4e5f60718293";
-//! let processed = inbox
-//!     .process(event_id, |tx| async move {
-//!         // The same handle a request's handler gets: one connection, one transaction.
-//!         let client = tx.client().await?;
-//!         let row = client
-//!             .query_one(
-//!                 "UPDATE stock SET reserved = reserved + 1 WHERE sku = $1 RETURNING reserved",
-//!                 &[&"book"],
-//!             )
-//!             .await?;
-//!         Ok(row.try_get::<_, i64>(0)?)
-//!     })
-//!     .await?;
-//! if let Processed::First(reserved) = processed {
-//!     println!("reserved (now {reserved})");
-//! }
-//! # Ok(()) }
-//! ```
+//! The receiver's inbox, written once over [`InboxBackend`]; its docs are on [`Inbox`].
 
 use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::SystemTime;
 
-/// Shared by both backends' inboxes; re-exported here, where they were first defined.
-pub use super::{Processed, Receipt};
+use super::{Processed, Receipt};
 use crate::error::Error;
 use crate::metrics::outbox as record;
-
-#[cfg(feature = "sqlite")]
-pub use super::sqlite::SqliteInbox;
 
 /// What a database implements to hold inboxes (table `inbox_events`): recording an id in a
 /// request's transaction, the processing primitive on a transaction of its own, lookups and
@@ -96,7 +19,7 @@ pub trait InboxBackend: Clone + Send + Sync + 'static {
     /// What [`Inbox::process`]'s closure gets: the inbox's own transaction.
     type Work<'a>;
 
-    /// What [`InboxOutcome::into_resolved`] turns the closure's return into: the value, or a
+    /// What `InboxOutcome::into_resolved` turns the closure's return into: the value, or a
     /// future of it.
     type Resolved<T: Send + 'static>;
 
@@ -151,12 +74,85 @@ pub trait InboxOutcome<S: InboxBackend> {
 }
 
 /// The processed event ids of one consumer (table `inbox_events`): the same calls on every
-/// backend. Cheap to clone. Named for its backend as [`SqliteInbox`] and
-/// [`PostgresInbox`](super::postgres::PostgresInbox).
+/// backend (`Inbox<SqliteStore>`, `Inbox<PostgresStore>`...). Cheap to clone.
 ///
 /// Receivers in several processes (or instances) may share one inbox: a redelivery that
 /// arrives while the first delivery is still being applied waits for it, then is a duplicate
 /// if it committed, or applies the event if it rolled back.
+///
+/// The receiver's side: an inbox of processed event ids, written in the receiver's own
+/// transaction, so a redelivered event is acknowledged without being applied twice.
+///
+/// The relay delivers at least once: after a crash, a timeout or a lost acknowledgement the
+/// same event (same [`EventId`](super::EventId)) arrives again. The receiver records the id in
+/// the **same transaction** as the effect (reserving stock, say): either both commit or
+/// neither does, so an id in the inbox always means "already applied", and an id missing
+/// always means "not applied".
+///
+/// [`Inbox`] is written once over [`InboxBackend`]; it has the same calls on every backend:
+///
+/// - [`Inbox::process`] applies an event once, in a transaction of the inbox's own. What the
+///   closure gets is the backend's: on SQLite a `&rusqlite::Transaction` (it runs on the
+///   writer thread and returns a `rusqlite::Result`), on PostgreSQL the same
+///   [`PostgresTransaction`](crate::store::postgres::PostgresTransaction) handle a request's
+///   handler gets (it returns a future).
+/// - [`Inbox::process_in`] records the id in an idempotent request's transaction (the handle
+///   the layer put in the request extensions) and returns a [`Receipt`]: the handler applies
+///   the event through the same handle, so that the id, the effect and the saved response
+///   commit together.
+///
+/// ```no_run
+/// # async fn run() -> Result<(), tower_idempotency::Error> {
+/// use tower_idempotency::outbox::{Inbox, Processed};
+/// use tower_idempotency::store::sqlite::SqliteStore;
+///
+/// let store = SqliteStore::open("inventory.db").await?;
+/// let inbox = Inbox::install(&store, "inventory").await?;
+///
+/// // For each delivery (the event id comes from the `Idempotency-Key` header):
+/// let event_id = "0190c1c2-8d5e-7a1b-9c3d-4e5f60718293";
+/// match inbox
+///     .process(event_id, |tx| {
+///         tx.execute("UPDATE stock SET reserved = reserved + 1 WHERE sku = 'book'", [])?;
+///         Ok(())
+///     })
+///     .await?
+/// {
+///     Processed::First(()) => println!("reserved"),
+///     Processed::Duplicate => println!("already reserved: acknowledged, nothing done"),
+/// }
+/// # Ok(()) }
+/// ```
+///
+/// On PostgreSQL the closure returns a future:
+///
+/// ```no_run
+/// # #[cfg(feature = "postgres")]
+/// # async fn run() -> Result<(), tower_idempotency::Error> {
+/// use tower_idempotency::outbox::{Inbox, Processed};
+/// use tower_idempotency::store::postgres::PostgresStore;
+///
+/// let store = PostgresStore::connect("postgres://app@127.0.0.1/inventory").await?;
+/// let inbox = Inbox::install(&store, "inventory").await?;
+/// let event_id = "0190c1c2-8d5e-7a1b-9c3d-4e5f60718293";
+/// let processed = inbox
+///     .process(event_id, |tx| async move {
+///         // The same handle a request's handler gets: one connection, one transaction.
+///         let client = tx.client().await?;
+///         let row = client
+///             .query_one(
+///                 "UPDATE stock SET reserved = reserved + 1 WHERE sku = $1 RETURNING reserved",
+///                 &[&"book"],
+///             )
+///             .await?;
+///         Ok(row.try_get::<_, i64>(0)?)
+///     })
+///     .await?;
+/// if let Processed::First(reserved) = processed {
+///     println!("reserved (now {reserved})");
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Clone)]
 pub struct Inbox<S> {
     store: S,
@@ -235,7 +231,7 @@ impl<S: InboxBackend> Inbox<S> {
     ///
     /// ```no_run
     /// # async fn handler(
-    /// #     inbox: tower_idempotency::outbox::inbox::SqliteInbox,
+    /// #     inbox: tower_idempotency::outbox::Inbox<tower_idempotency::store::sqlite::SqliteStore>,
     /// #     tx: tower_idempotency::store::sqlite::SqliteTransaction,
     /// #     event_id: &str,
     /// # ) -> Result<&'static str, tower_idempotency::Error> {

@@ -6,7 +6,7 @@
 //! it commits together with the order and the saved response, or not at all. A [`Relay`] (a
 //! future you spawn) then delivers committed events through a sink of your choice, at least
 //! once, and the receiver drops redeliveries by event id with an inbox
-//! ([`inbox::SqliteInbox`], [`postgres::PostgresInbox`]).
+//! ([`Inbox`]).
 //!
 //! ```text
 //! handler ─► INSERT order ─► enqueue("order_created") ─┐ one transaction, committed with
@@ -27,20 +27,19 @@
 //! - **Failures** are retried with exponential backoff and jitter; an event that fails
 //!   [`Relay::with_max_attempts`] times (or whose sink error is [`Permanent`]) moves to the
 //!   dead-letter state, without holding up the others. Dead letters can be listed and requeued
-//!   ([`sqlite::SqliteOutbox::dead_letters`], [`crate::admin`]).
+//!   ([`Outbox::dead_letters`], [`crate::admin`]).
 //!
 //! # With SQLite
 //!
 //! ```no_run
 //! # async fn run() -> Result<(), tower_idempotency::Error> {
 //! use serde_json::json;
-//! use tower_idempotency::outbox::sqlite::SqliteOutbox;
-//! use tower_idempotency::outbox::{sink_fn, Enqueue, OutboxEvent, Relay};
+//! use tower_idempotency::outbox::{sink_fn, Enqueue, Outbox, OutboxEvent, Relay};
 //! use tower_idempotency::store::sqlite::{SqliteStore, SqliteTransaction};
 //!
 //! let store = SqliteStore::open("orders.db").await?;
 //! // Creates `outbox_events` (idempotent): once at start-up, before serving.
-//! let outbox = SqliteOutbox::install(&store).await?;
+//! let outbox = Outbox::install(&store).await?;
 //!
 //! // In a handler, through the request's transaction handle:
 //! async fn create_order(tx: SqliteTransaction) -> Result<(), tower_idempotency::Error> {
@@ -71,21 +70,21 @@
 //! PostgreSQL stores and the MySQL one (tokio-postgres and sqlx run the same logic, each driver
 //! only running a statement and reading a row; the statements are `src/postgres/outbox_sql.rs`'s
 //! and `src/mysql/outbox_sql.rs`'s, over the shared `src/row_lock/outbox_sql.rs`); each driver's
-//! `outbox.rs` holds their names and the calls on a caller's own client (on sqlx, one function
-//! for both databases: `src/sqlx/outbox.rs`). Rows are read by one reader on every backend
+//! `outbox.rs` holds the calls on a caller's own client (on sqlx, written once for both
+//! databases: `src/sqlx/outbox.rs`). Rows are read by one reader on every backend
 //! (`columns.rs`, over the crate's row trait), so a value out of range or a `NULL` where none
 //! belongs means the same everywhere.
 //!
 //! - the relay needs only [`OutboxStore`] (claim, settle, backlog); handlers need only
 //!   [`Enqueue`] on their transaction handle. The relay, the sinks and the backoff are shared.
 //! - [`Outbox`] (the relay's store, plus counts, dead letters, requeue and purge) over
-//!   [`OutboxBackend`]: `sqlite::SqliteOutbox`, and on PostgreSQL (features `outbox` and
-//!   `postgres`) `postgres::PostgresOutbox`, which claims with `FOR UPDATE SKIP LOCKED` and a
-//!   lease, so relays in several instances share the work.
-//! - the receiver's [`Inbox`] over [`InboxBackend`]: `inbox::SqliteInbox`,
-//!   `postgres::PostgresInbox`, `sqlx_postgres::SqlxPostgresInbox` and
-//!   `sqlx_mysql::SqlxMySqlInbox`, with the same calls, [`Receipt`] and [`Processed`].
-//! - on MySQL and MariaDB (features `outbox` and `sqlx-mysql`), `sqlx_mysql::SqlxMySqlOutbox`
+//!   [`OutboxBackend`]: `Outbox<SqliteStore>`, and on PostgreSQL (either driver)
+//!   `Outbox<PostgresStore>` or `Outbox<SqlxPostgresStore>`, which claim with `FOR UPDATE SKIP
+//!   LOCKED` and a lease, so relays in several instances share the work.
+//! - the receiver's [`Inbox`] over [`InboxBackend`]: `Inbox<SqliteStore>`,
+//!   `Inbox<PostgresStore>`, `Inbox<SqlxPostgresStore>` and `Inbox<SqlxMySqlStore>`, with the
+//!   same calls, [`Receipt`] and [`Processed`].
+//! - on MySQL and MariaDB (features `outbox` and `sqlx-mysql`), `Outbox<SqlxMySqlStore>`
 //!   claims with `FOR UPDATE SKIP LOCKED` and a lease too.
 //! - [`Admin`](crate::admin::Admin) over [`AdminBackend`](crate::admin::AdminBackend) and
 //!   [`OutboxBackend`].
@@ -106,30 +105,22 @@ pub(crate) mod columns;
     feature = "sqlx-postgres",
     feature = "sqlx-mysql"
 ))]
-pub mod inbox;
+pub(crate) mod inbox;
 mod relay;
 mod sink;
 
 // Each backend's outbox lives in its folder (`src/sqlite/`, `src/tokio_postgres/`,
-// `src/sqlx/`, over `src/row_lock/outbox.rs` on the SQL servers); its one public path is here.
-#[cfg(feature = "sqlite")]
-pub use crate::sqlite::outbox as sqlite;
-#[cfg(feature = "sqlx-mysql")]
-pub use crate::sqlx::mysql::outbox as sqlx_mysql;
-#[cfg(feature = "sqlx-postgres")]
-pub use crate::sqlx::postgres::outbox as sqlx_postgres;
-#[cfg(feature = "postgres")]
-pub use crate::tokio_postgres::outbox as postgres;
+// `src/sqlx/`, over `src/row_lock/outbox.rs` on the SQL servers): `Outbox<Store>` and
+// `Inbox<Store>` are its public names.
 
-#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
-pub use crate::sqlx::outbox::OutboxDatabase;
+pub(crate) use inbox::InboxOutcome;
 #[cfg(any(
     feature = "sqlite",
     feature = "postgres",
     feature = "sqlx-postgres",
     feature = "sqlx-mysql"
 ))]
-pub use inbox::{Inbox, InboxBackend, InboxOutcome};
+pub use inbox::{Inbox, InboxBackend};
 pub use relay::{Relay, RoundReport};
 pub use sink::{sink_fn, HttpSink, Permanent, SinkFn, EVENT_TOPIC};
 
@@ -268,87 +259,94 @@ pub enum Processed<T> {
     Duplicate,
 }
 
-/// A relay's claim on an event: only the claim's holder may reschedule or dead-letter it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct LeaseToken(Arc<str>);
+/// The rows the relay and a backend exchange: sealed (public in a module this crate does not
+/// export), since only this crate's backends implement [`OutboxStore`].
+mod seam {
+    use super::*;
 
-impl LeaseToken {
-    /// A token; unique per claim (the relay builds it from its own id and a round counter).
-    pub fn new(token: impl Into<Arc<str>>) -> Self {
-        LeaseToken(token.into())
+    /// A relay's claim on an event: only the claim's holder may reschedule or dead-letter it.
+    #[derive(Clone, Debug, PartialEq, Eq)]
+    pub struct LeaseToken(Arc<str>);
+
+    impl LeaseToken {
+        /// A token; unique per claim (the relay builds it from its own id and a round counter).
+        pub fn new(token: impl Into<Arc<str>>) -> Self {
+            LeaseToken(token.into())
+        }
+
+        /// The token as text (what a store saves as the lease's owner).
+        pub fn as_str(&self) -> &str {
+            &self.0
+        }
     }
 
-    /// The token as text (what a store saves as the lease's owner).
-    pub fn as_str(&self) -> &str {
-        &self.0
+    /// What [`OutboxStore::claim`] is asked for.
+    #[derive(Clone, Debug)]
+    pub struct ClaimRequest {
+        /// Who claims: saved with each claimed event.
+        pub token: LeaseToken,
+        /// At most this many events.
+        pub batch: usize,
+        /// How long the claim holds: until then no other relay may claim these events.
+        pub lease: Duration,
+        /// An event whose lease ran out after this many attempts (its relay died delivering it)
+        /// is dead-lettered instead of claimed again.
+        pub max_attempts: u32,
+        /// The relay's clock.
+        pub now: SystemTime,
+    }
+
+    /// What [`OutboxStore::claim`] returns.
+    #[derive(Debug, Default)]
+    pub struct Claimed {
+        /// The claimed events, oldest first, with their attempt number already counted.
+        pub events: Vec<OutboxEvent>,
+        /// Events dead-lettered during the claim because their last allowed attempt was abandoned
+        /// (its lease ran out).
+        pub abandoned: Vec<OutboxEvent>,
+    }
+
+    /// What happened to a claimed event, for [`OutboxStore::settle`].
+    #[derive(Clone, Debug)]
+    #[non_exhaustive]
+    pub enum Settlement {
+        /// The sink accepted it: never deliver it again.
+        Delivered {
+            /// The event.
+            id: EventId,
+        },
+        /// It failed: deliver it again from `at` on, if the claim is still `token`'s.
+        Retry {
+            /// The event.
+            id: EventId,
+            /// The claim it was delivered under.
+            token: LeaseToken,
+            /// When it becomes due again.
+            at: SystemTime,
+            /// Why it failed (kept as the event's last error).
+            error: String,
+        },
+        /// It failed for good: move it to the dead-letter state, if the claim is still `token`'s.
+        Dead {
+            /// The event.
+            id: EventId,
+            /// The claim it was delivered under.
+            token: LeaseToken,
+            /// Why it failed (kept as the event's last error).
+            error: String,
+        },
+    }
+
+    /// How many events wait: sampled for the backlog gauges.
+    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+    pub struct Backlog {
+        /// Not yet delivered and not dead (due, waiting for a retry, or in flight).
+        pub pending: u64,
+        /// Dead-lettered.
+        pub dead: u64,
     }
 }
-
-/// What [`OutboxStore::claim`] is asked for.
-#[derive(Clone, Debug)]
-pub struct ClaimRequest {
-    /// Who claims: saved with each claimed event.
-    pub token: LeaseToken,
-    /// At most this many events.
-    pub batch: usize,
-    /// How long the claim holds: until then no other relay may claim these events.
-    pub lease: Duration,
-    /// An event whose lease ran out after this many attempts (its relay died delivering it)
-    /// is dead-lettered instead of claimed again.
-    pub max_attempts: u32,
-    /// The relay's clock.
-    pub now: SystemTime,
-}
-
-/// What [`OutboxStore::claim`] returns.
-#[derive(Debug, Default)]
-pub struct Claimed {
-    /// The claimed events, oldest first, with their attempt number already counted.
-    pub events: Vec<OutboxEvent>,
-    /// Events dead-lettered during the claim because their last allowed attempt was abandoned
-    /// (its lease ran out).
-    pub abandoned: Vec<OutboxEvent>,
-}
-
-/// What happened to a claimed event, for [`OutboxStore::settle`].
-#[derive(Clone, Debug)]
-#[non_exhaustive]
-pub enum Settlement {
-    /// The sink accepted it: never deliver it again.
-    Delivered {
-        /// The event.
-        id: EventId,
-    },
-    /// It failed: deliver it again from `at` on, if the claim is still `token`'s.
-    Retry {
-        /// The event.
-        id: EventId,
-        /// The claim it was delivered under.
-        token: LeaseToken,
-        /// When it becomes due again.
-        at: SystemTime,
-        /// Why it failed (kept as the event's last error).
-        error: String,
-    },
-    /// It failed for good: move it to the dead-letter state, if the claim is still `token`'s.
-    Dead {
-        /// The event.
-        id: EventId,
-        /// The claim it was delivered under.
-        token: LeaseToken,
-        /// Why it failed (kept as the event's last error).
-        error: String,
-    },
-}
-
-/// How many events wait: sampled for the backlog gauges.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Backlog {
-    /// Not yet delivered and not dead (due, waiting for a retry, or in flight).
-    pub pending: u64,
-    /// Dead-lettered.
-    pub dead: u64,
-}
+pub(crate) use seam::{Backlog, ClaimRequest, Claimed, LeaseToken, Settlement};
 
 /// The storage side of the outbox, as the [`Relay`] uses it.
 ///
@@ -475,8 +473,9 @@ pub trait OutboxBackend: OutboxStore {
 
 /// The outbox of a database: what a [`Relay`] delivers from (it is an [`OutboxStore`]) and the
 /// operations on `outbox_events` (counts, dead letters, requeue, purge), the same on every
-/// backend. Cheap to clone. Named for its backend as
-/// [`SqliteOutbox`](sqlite::SqliteOutbox) and [`PostgresOutbox`](postgres::PostgresOutbox).
+/// backend: `Outbox<SqliteStore>`, `Outbox<PostgresStore>`... Cheap to clone. Events are
+/// enqueued with [`Enqueue`] on a request's handle, or with the store's `Outbox::enqueue_in` on
+/// a connection of your own.
 #[derive(Clone)]
 pub struct Outbox<S> {
     store: S,

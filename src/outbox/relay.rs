@@ -29,13 +29,13 @@ const MAX_ERROR_LEN: usize = 1000;
 /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// use std::time::Duration;
 /// use serde_json::json;
-/// use tower_idempotency::outbox::{sink_fn, sqlite::{enqueue, SqliteOutbox}, OutboxEvent, Relay};
+/// use tower_idempotency::outbox::{sink_fn, Outbox, OutboxEvent, Relay};
 /// use tower_idempotency::store::sqlite::SqliteStore;
 ///
 /// # let dir = tempfile::tempdir()?;
 /// let store = SqliteStore::open(dir.path().join("orders.db")).await?;
-/// let outbox = SqliteOutbox::install(&store).await?;
-/// store.write(|tx| enqueue(tx, "order_created", &json!({ "order_id": 1 }))).await?;
+/// let outbox = Outbox::install(&store).await?;
+/// store.write(|tx| Outbox::<SqliteStore>::enqueue_in(tx, "order_created", &json!({ "order_id": 1 }))).await?;
 ///
 /// let mut relay = Relay::new(outbox, sink_fn(|event: OutboxEvent| async move {
 ///     assert_eq!(event.payload(), r#"{"order_id":1}"#);

@@ -8,8 +8,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-pub use crate::row_lock::replay_check::ReplayCheck;
-pub use crate::row_lock::reserve::Isolation;
+use crate::row_lock::reserve::Isolation;
 // What the tokio-postgres store reaches through this module.
 #[cfg(feature = "postgres")]
 pub(crate) use crate::row_lock::reserve::{reserve, ReserveStatements, Reserved};

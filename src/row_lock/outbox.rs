@@ -327,10 +327,9 @@ macro_rules! sql_outbox_and_inbox {
             /// wait on the id's primary key that ends in a serialization failure is retried (the
             /// store's `serialization_retries` times:
             /// [`PostgresOptions::serialization_retries`],
-            /// [`SqlxPostgresOptions::serialization_retries`]) before `work` is called.
+            /// `SqlxPostgresOptions::serialization_retries`) before `work` is called.
             ///
             /// [`PostgresOptions::serialization_retries`]: crate::store::postgres::PostgresOptions::serialization_retries
-            /// [`SqlxPostgresOptions::serialization_retries`]: crate::store::sqlx_postgres::SqlxPostgresOptions::serialization_retries
             async fn process_once<F, R>(
                 &self,
                 consumer: &str,

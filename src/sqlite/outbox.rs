@@ -8,28 +8,6 @@
 //! `BEGIN IMMEDIATE` transaction each, queued behind requests on the single writer), and counts
 //! and listings read with [`SqliteStore::read`]. Relays in other processes on the same file are
 //! serialized by SQLite's own write lock, so a claim is atomic across processes too.
-//!
-//! ```no_run
-//! # async fn run() -> Result<(), tower_idempotency::Error> {
-//! use serde_json::json;
-//! use tower_idempotency::outbox::sqlite::{enqueue, SqliteOutbox};
-//! use tower_idempotency::store::sqlite::{SqliteStore, SqliteTransaction};
-//!
-//! let store = SqliteStore::open("orders.db").await?;
-//! SqliteOutbox::install(&store).await?;
-//!
-//! // In a handler: the order row and its event in one hop to the writer thread.
-//! async fn create_order(tx: SqliteTransaction) -> Result<i64, tower_idempotency::Error> {
-//!     tx.run(|conn| {
-//!         conn.execute("INSERT INTO orders (sku) VALUES ('book')", [])?;
-//!         let order_id = conn.last_insert_rowid();
-//!         enqueue(conn, "order_created", &json!({ "order_id": order_id }))?;
-//!         Ok(order_id)
-//!     })
-//!     .await
-//! }
-//! # Ok(()) }
-//! ```
 
 use std::time::{Duration, SystemTime};
 
@@ -77,30 +55,49 @@ CREATE TABLE IF NOT EXISTS inbox_events (
 CREATE INDEX IF NOT EXISTS inbox_events_processed_at ON inbox_events (processed_at);
 ";
 
-/// The outbox of a [`SqliteStore`] (see [`Outbox`]).
-pub type SqliteOutbox = Outbox<SqliteStore>;
-
-/// The inbox of a [`SqliteStore`] (see [`Inbox`]).
-pub type SqliteInbox = Inbox<SqliteStore>;
-
-/// Adds an event to the outbox on `conn`: inside [`SqliteTransaction::run`], it belongs to the
-/// request's transaction. Returns its id.
-///
-/// Use it to write an order and its event in one closure; [`Enqueue::enqueue`] on the handle
-/// does the same in a call of its own.
-pub fn enqueue(
-    conn: &Connection,
-    topic: &str,
-    payload: &serde_json::Value,
-) -> rusqlite::Result<EventId> {
-    let id = EventId::generate();
-    let now = to_unix_millis(SystemTime::now());
-    conn.prepare_cached(
-        "INSERT INTO outbox_events (event_id, topic, payload, status, attempts, available_at, \
-         created_at) VALUES (?1, ?2, ?3, 'pending', 0, ?4, ?4)",
-    )?
-    .execute(params![id.as_str(), topic, payload.to_string(), now])?;
-    Ok(id)
+/// The outbox of a [`SqliteStore`].
+impl Outbox<SqliteStore> {
+    /// Adds an event to the outbox on `conn`: inside [`SqliteTransaction::run`], it belongs to the
+    /// request's transaction. Returns its id.
+    ///
+    /// Use it to write an order and its event in one closure; [`Enqueue::enqueue`] on the handle
+    /// does the same in a call of its own.
+    ///
+    /// ```no_run
+    /// # async fn run() -> Result<(), tower_idempotency::Error> {
+    /// use serde_json::json;
+    /// use tower_idempotency::outbox::Outbox;
+    /// use tower_idempotency::store::sqlite::{SqliteStore, SqliteTransaction};
+    ///
+    /// let store = SqliteStore::open("orders.db").await?;
+    /// Outbox::install(&store).await?;
+    ///
+    /// // In a handler: the order row and its event in one hop to the writer thread.
+    /// async fn create_order(tx: SqliteTransaction) -> Result<i64, tower_idempotency::Error> {
+    ///     tx.run(|conn| {
+    ///         conn.execute("INSERT INTO orders (sku) VALUES ('book')", [])?;
+    ///         let order_id = conn.last_insert_rowid();
+    ///         Outbox::<SqliteStore>::enqueue_in(conn, "order_created", &json!({ "order_id": order_id }))?;
+    ///         Ok(order_id)
+    ///     })
+    ///     .await
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn enqueue_in(
+        conn: &Connection,
+        topic: &str,
+        payload: &serde_json::Value,
+    ) -> rusqlite::Result<EventId> {
+        let id = EventId::generate();
+        let now = to_unix_millis(SystemTime::now());
+        conn.prepare_cached(
+            "INSERT INTO outbox_events (event_id, topic, payload, status, attempts, available_at, \
+             created_at) VALUES (?1, ?2, ?3, 'pending', 0, ?4, ?4)",
+        )?
+        .execute(params![id.as_str(), topic, payload.to_string(), now])?;
+        Ok(id)
+    }
 }
 
 impl Enqueue for SqliteTransaction {
@@ -115,7 +112,8 @@ impl Enqueue for SqliteTransaction {
     /// ```
     async fn enqueue(&self, topic: &str, payload: serde_json::Value) -> Result<EventId, Error> {
         let topic = topic.to_owned();
-        self.run(move |conn| enqueue(conn, &topic, &payload)).await
+        self.run(move |conn| Outbox::<SqliteStore>::enqueue_in(conn, &topic, &payload))
+            .await
     }
 }
 
@@ -346,7 +344,8 @@ impl OutboxBackend for SqliteStore {
     }
 }
 
-impl SqliteInbox {
+/// The inbox of a [`SqliteStore`].
+impl Inbox<SqliteStore> {
     /// Records `event_id` on `conn`, which must be inside the transaction that applies the
     /// event (a [`SqliteTransaction::run`] or [`SqliteStore::write`] closure):
     /// [`Receipt::First`] if it was new (apply the event in the same transaction),

@@ -30,13 +30,13 @@ where
 }
 
 /// The store's own transactions on either sqlx database (`store::sqlx::owned`).
-impl<D> PgTransactions for crate::store::sqlx::SqlxStore<D>
+impl<D> PgTransactions for crate::sqlx::store::SqlxStore<D>
 where
-    D: crate::store::sqlx::OwnedDialect,
+    D: crate::sqlx::store::OwnedDialect,
     Self: PgDriver,
-    crate::store::sqlx::SqlxTransaction<D>: PgHandle<Row = <Self as PgDriver>::Row>,
+    crate::sqlx::store::SqlxTransaction<D>: PgHandle<Row = <Self as PgDriver>::Row>,
 {
-    type Transaction = crate::store::sqlx::SqlxTransaction<D>;
+    type Transaction = crate::sqlx::store::SqlxTransaction<D>;
 
     fn conflict_retries(&self) -> u32 {
         self.shared.conflict_retries

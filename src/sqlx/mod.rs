@@ -3,7 +3,7 @@
 //! shared engine ([`driver`]), how sqlx errors are classified ([`error`]), and each database's
 //! part: [`postgres`] (feature `sqlx-postgres`) and [`mysql`] (feature `sqlx-mysql`).
 
-pub mod store;
+pub(crate) mod store;
 
 pub(crate) mod driver;
 pub(crate) mod error;

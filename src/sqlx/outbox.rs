@@ -9,14 +9,14 @@ use crate::error::Error;
 #[cfg(feature = "sqlx-mysql")]
 use crate::mysql::outbox_sql as mysql_sql;
 use crate::outbox::inbox::receipt;
-use crate::outbox::{EventId, Inbox, InboxBackend, Receipt};
+use crate::outbox::{EventId, Inbox, InboxBackend, Outbox, Receipt};
 #[cfg(feature = "sqlx-postgres")]
 use crate::postgres::outbox_sql as pg_sql;
 use crate::row_lock::driver::PgParam;
 use crate::row_lock::outbox::{record_params, NewEvent};
 use crate::row_lock::outbox_sql::INSERT_EVENT;
 use crate::sqlx::driver::sqlx_bind;
-use crate::store::sqlx::{SqlxDialect, SqlxStore};
+use crate::sqlx::store::{SqlxDialect, SqlxStore};
 
 /// A sqlx database with the crate's outbox and inbox (PostgreSQL, MySQL): what [`enqueue`] and
 /// [`Inbox::record`] take an executor of. Sealed.
@@ -85,42 +85,55 @@ outbox_database!(sqlx::Postgres, pg_sql, crate::row_lock::driver::numbered);
 #[cfg(feature = "sqlx-mysql")]
 outbox_database!(sqlx::MySql, mysql_sql, crate::row_lock::driver::positional);
 
-/// Adds an event to the outbox through `executor`: the connection a request's `SqlxTransaction`
-/// lends (`&mut *conn`: the event then belongs to the request's transaction), or a transaction
-/// or pool of your own. Returns its id.
-///
-/// Use it to write an order and its event with one borrow of the transaction's connection;
-/// [`Enqueue::enqueue`](crate::outbox::Enqueue::enqueue) on the handle does the same in a call of its
-/// own.
-///
-/// ```no_run
-/// # async fn handler(tx: tower_idempotency::store::sqlx_postgres::SqlxTransaction)
-/// #     -> Result<(), tower_idempotency::Error> {
-/// use serde_json::json;
-/// use tower_idempotency::outbox::sqlx_postgres::enqueue;
-///
-/// let mut conn = tx.acquire().await?;
-/// let order_id: i64 = sqlx::query_scalar("INSERT INTO orders (sku) VALUES ('book') RETURNING id")
-///     .fetch_one(&mut *conn)
-///     .await?;
-/// enqueue(&mut *conn, "order_created", &json!({ "order_id": order_id })).await?;
-/// # Ok(()) }
-/// ```
-pub async fn enqueue<'c, E>(
-    executor: E,
-    topic: &str,
-    payload: &serde_json::Value,
-) -> Result<EventId, Error>
+/// The outbox of a sqlx store ([`SqlxPostgresStore`](crate::store::sqlx_postgres::SqlxPostgresStore),
+/// [`SqlxMySqlStore`](crate::store::sqlx_mysql::SqlxMySqlStore)).
+impl<D: SqlxDialect> Outbox<SqlxStore<D>>
 where
-    E: Executor<'c>,
-    E::Database: OutboxDatabase,
+    D::Db: OutboxDatabase,
 {
-    let event = NewEvent::new(payload);
-    let params = event.params(topic);
-    <E::Database as sealed::Statements>::execute_shared(executor, INSERT_EVENT, &params).await?;
-    Ok(event.id)
+    /// Adds an event to the outbox through `executor`: the connection a request's `SqlxTransaction`
+    /// lends (`&mut *conn`: the event then belongs to the request's transaction), or a transaction
+    /// or pool of your own. Returns its id.
+    ///
+    /// Use it to write an order and its event with one borrow of the transaction's connection;
+    /// [`Enqueue::enqueue`](crate::outbox::Enqueue::enqueue) on the handle does the same in a call of its
+    /// own.
+    ///
+    /// ```no_run
+    /// # async fn handler(tx: tower_idempotency::store::sqlx_postgres::SqlxTransaction)
+    /// #     -> Result<(), tower_idempotency::Error> {
+    /// use serde_json::json;
+    /// use tower_idempotency::outbox::Outbox;
+    /// use tower_idempotency::store::sqlx_postgres::SqlxPostgresStore;
+    ///
+    /// let mut conn = tx.acquire().await?;
+    /// let order_id: i64 = sqlx::query_scalar("INSERT INTO orders (sku) VALUES ('book') RETURNING id")
+    ///     .fetch_one(&mut *conn)
+    ///     .await?;
+    /// Outbox::<SqlxPostgresStore>::enqueue_in(&mut *conn, "order_created", &json!({ "order_id": order_id })).await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn enqueue_in<'c, E>(
+        executor: E,
+        topic: &str,
+        payload: &serde_json::Value,
+    ) -> Result<EventId, Error>
+    where
+        E: Executor<'c, Database = D::Db>,
+    {
+        let event = NewEvent::new(payload);
+        let params = event.params(topic);
+        <D::Db as sealed::Statements>::execute_shared(executor, INSERT_EVENT, &params).await?;
+        Ok(event.id)
+    }
 }
 
+/// The inbox of a sqlx store: [`Inbox::process`] hands its closure the same `SqlxTransaction` a
+/// request's handler gets (take its `acquire`d connection, do not `COMMIT`), on a transaction
+/// of the inbox's own, and the closure returns a future; [`Inbox::record`] records an id
+/// through an executor of yours, waiting (on MySQL within `innodb_lock_wait_timeout`) on an id
+/// another open transaction holds. On MySQL, consumer names and event ids are at most 255
+/// bytes.
 impl<D: SqlxDialect> Inbox<SqlxStore<D>>
 where
     D::Db: OutboxDatabase,

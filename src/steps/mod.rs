@@ -89,10 +89,20 @@ mod handle;
 pub(crate) mod mode;
 mod outcome;
 
-pub use backend::{
-    Acquired, Claim, Lease, Progress, ProgressStatus, Resolution, SavedRequest, SavedStep,
-    StepKind, StepOutcome, StepRow, StepStore,
+#[allow(unused_imports)] // what each backend needs of them differs by feature
+pub(crate) use backend::{
+    Acquired, Claim, Lease, SavedRequest, SavedStep, StepKind, StepOutcome, StepRow,
 };
+pub use backend::{Progress, ProgressStatus, Resolution, StepStore};
+
+/// The rows a [`StepStore`] reads and writes. Not part of the API (no semver promise): only this
+/// crate's backends implement [`StepStore`]; the crate's own tests drive them through this path.
+#[doc(hidden)]
+pub mod __private {
+    pub use super::backend::{
+        Acquired, Claim, Lease, SavedRequest, SavedStep, StepKind, StepOutcome, StepRow,
+    };
+}
 pub use completer::{Completer, CompleterReport};
 pub use handle::{step_key, Steps};
 pub use outcome::{Answer, Ask, CallAgain, Foreign, LeaveInDoubt, OnUnknown, Recovery, StepError};

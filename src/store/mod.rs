@@ -32,10 +32,13 @@ pub use crate::sqlite::store as sqlite;
 pub use crate::sqlx::mysql::store as sqlx_mysql;
 #[cfg(feature = "sqlx-postgres")]
 pub use crate::sqlx::postgres::store as sqlx_postgres;
-#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
-pub use crate::sqlx::store as sqlx;
 #[cfg(feature = "postgres")]
 pub use crate::tokio_postgres::store as postgres;
+
+/// The settings of the SQL-server stores (PostgreSQL on either driver, MySQL), one type for
+/// all of them.
+#[cfg(row_lock_store)]
+pub use crate::row_lock::{replay_check::ReplayCheck, reserve::Isolation};
 
 #[cfg(row_lock_store)]
 pub(crate) use columns::record_row;

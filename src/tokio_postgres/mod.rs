@@ -1,9 +1,9 @@
 //! The tokio-postgres driver (feature `postgres`): the PostgreSQL store on a deadpool pool, its
 //! outbox and inbox, the driver seam of the shared engine ([`driver`]) and how its errors are
-//! classified ([`error`]). The public paths are `store::postgres` and `outbox::postgres`.
+//! classified ([`error`]). The public path is `store::postgres`.
 
 #[cfg(feature = "outbox")]
-pub mod outbox;
+pub(crate) mod outbox;
 pub mod store;
 
 pub(crate) mod driver;

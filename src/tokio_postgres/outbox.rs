@@ -1,6 +1,5 @@
-//! The outbox and the inbox on the tokio-postgres store: the names ([`PostgresOutbox`],
-//! [`PostgresInbox`]) and the calls that take a tokio-postgres client of the caller's
-//! ([`enqueue`], [`PostgresInbox::record`]). [`Outbox`] and [`Inbox`] are written once over
+//! The outbox and the inbox on the tokio-postgres store: the calls that take a tokio-postgres
+//! client of the caller's (`Outbox::enqueue_in`, `Inbox::record`). [`Outbox`] and [`Inbox`] are written once over
 //! [`OutboxBackend`] and [`InboxBackend`], which both PostgreSQL stores implement with the same
 //! statements and logic (`row_lock/outbox.rs`, with the SQL in `postgres/outbox_sql.rs`). `outbox_events` lives in the
 //! same database (and schema) as the handler's rows and the idempotency records, so an event
@@ -17,13 +16,12 @@
 //! ```no_run
 //! # async fn run() -> Result<(), tower_idempotency::Error> {
 //! use serde_json::json;
-//! use tower_idempotency::outbox::postgres::PostgresOutbox;
-//! use tower_idempotency::outbox::{sink_fn, Enqueue, OutboxEvent, Relay};
+//! use tower_idempotency::outbox::{sink_fn, Enqueue, Outbox, OutboxEvent, Relay};
 //! use tower_idempotency::store::postgres::{PostgresStore, PostgresTransaction};
 //!
 //! let store = PostgresStore::connect("postgres://app@127.0.0.1/shop").await?;
 //! // Creates `outbox_events` (idempotent): once at start-up, before serving.
-//! let outbox = PostgresOutbox::install(&store).await?;
+//! let outbox = Outbox::install(&store).await?;
 //!
 //! // In a handler, through the request's transaction handle:
 //! async fn create_order(tx: PostgresTransaction) -> Result<(), tower_idempotency::Error> {
@@ -44,7 +42,7 @@
 //! # Ok(()) }
 //! ```
 //!
-//! On the receiving side, [`PostgresInbox`] records each processed event id in
+//! On the receiving side, `Inbox<PostgresStore>` records each processed event id in
 //! `inbox_events`, in the same transaction as the event's effect, so a redelivery is
 //! acknowledged without being applied twice.
 
@@ -60,54 +58,53 @@ use crate::store::postgres::{Executor, PostgresStore};
 #[cfg(doc)]
 use crate::store::postgres::{PostgresTransaction, TransactionClient};
 
-/// The outbox of a [`PostgresStore`] (see [`Outbox`]).
-pub type PostgresOutbox = Outbox<PostgresStore>;
+/// The outbox of a [`PostgresStore`].
+impl Outbox<PostgresStore> {
+    /// Adds an event to the outbox through `client`: a
+    /// [`TransactionClient`] of the request's
+    /// transaction (the event then belongs to that transaction), or a client or transaction of
+    /// your own. Returns its id.
+    ///
+    /// Use it to write an order and its event with one borrow of the transaction's connection;
+    /// [`Enqueue::enqueue`] on the handle does the same in a call of its own.
+    ///
+    /// ```no_run
+    /// # async fn handler(tx: tower_idempotency::store::postgres::PostgresTransaction)
+    /// #     -> Result<(), tower_idempotency::Error> {
+    /// use serde_json::json;
+    /// use tower_idempotency::outbox::Outbox;
+    /// use tower_idempotency::store::postgres::PostgresStore;
+    ///
+    /// let client = tx.client().await?;
+    /// let row = client
+    ///     .query_one("INSERT INTO orders (sku) VALUES ('book') RETURNING id", &[])
+    ///     .await?;
+    /// let order_id: i64 = row.try_get(0)?;
+    /// Outbox::<PostgresStore>::enqueue_in(&client, "order_created", &json!({ "order_id": order_id })).await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn enqueue_in<C>(
+        client: &C,
+        topic: &str,
+        payload: &serde_json::Value,
+    ) -> Result<EventId, Error>
+    where
+        C: Executor + ?Sized,
+    {
+        let event = NewEvent::new(payload);
+        client
+            .execute_statement(INSERT_EVENT, &as_sql(&event.params(topic)))
+            .await?;
+        Ok(event.id)
+    }
+}
 
-/// The processed event ids of one consumer in a PostgreSQL database (see [`Inbox`]): table
+/// The processed event ids of one consumer in a PostgreSQL database: table
 /// `inbox_events`, in the same schema as the store's tables. [`Inbox::process`] hands its
 /// closure the same [`PostgresTransaction`] a request's handler gets (take its
 /// [`client`](PostgresTransaction::client), do not `COMMIT`), on a transaction of the inbox's
 /// own, and the closure returns a future.
-pub type PostgresInbox = Inbox<PostgresStore>;
-
-/// Adds an event to the outbox through `client`: a
-/// [`TransactionClient`] of the request's
-/// transaction (the event then belongs to that transaction), or a client or transaction of
-/// your own. Returns its id.
-///
-/// Use it to write an order and its event with one borrow of the transaction's connection;
-/// [`Enqueue::enqueue`] on the handle does the same in a call of its own.
-///
-/// ```no_run
-/// # async fn handler(tx: tower_idempotency::store::postgres::PostgresTransaction)
-/// #     -> Result<(), tower_idempotency::Error> {
-/// use serde_json::json;
-/// use tower_idempotency::outbox::postgres::enqueue;
-///
-/// let client = tx.client().await?;
-/// let row = client
-///     .query_one("INSERT INTO orders (sku) VALUES ('book') RETURNING id", &[])
-///     .await?;
-/// let order_id: i64 = row.try_get(0)?;
-/// enqueue(&client, "order_created", &json!({ "order_id": order_id })).await?;
-/// # Ok(()) }
-/// ```
-pub async fn enqueue<C>(
-    client: &C,
-    topic: &str,
-    payload: &serde_json::Value,
-) -> Result<EventId, Error>
-where
-    C: Executor + ?Sized,
-{
-    let event = NewEvent::new(payload);
-    client
-        .execute_statement(INSERT_EVENT, &as_sql(&event.params(topic)))
-        .await?;
-    Ok(event.id)
-}
-
-impl PostgresInbox {
+impl Inbox<PostgresStore> {
     /// Records `event_id` through `client`, which must be inside the transaction that applies
     /// the event (a [`tokio_postgres::Transaction`] of your own, `&*transaction` for one opened
     /// on a pooled connection, or a [`TransactionClient`]): [`Receipt::First`] if

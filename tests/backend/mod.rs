@@ -633,7 +633,7 @@ impl Backend for Sqlite {
         let topic = topic.to_owned();
         self.store()
             .await
-            .write(move |tx| tower_idempotency::outbox::sqlite::enqueue(tx, &topic, &payload))
+            .write(move |tx| tower_idempotency::outbox::Outbox::<tower_idempotency::store::sqlite::SqliteStore>::enqueue_in(tx, &topic, &payload))
             .await
             .expect("enqueue")
     }
@@ -839,7 +839,7 @@ impl Backend for Postgres {
     /// Autocommit, on a pooled connection.
     async fn enqueue_now(&self, topic: &str, payload: Value) -> EventId {
         let client = self.store().await.client().await.expect("client");
-        tower_idempotency::outbox::postgres::enqueue(&**client, topic, &payload)
+        tower_idempotency::outbox::Outbox::<tower_idempotency::store::postgres::PostgresStore>::enqueue_in(&**client, topic, &payload)
             .await
             .expect("enqueue")
     }
@@ -944,9 +944,11 @@ impl Backend for SqlxPostgres {
     /// Autocommit, on the store's pool.
     async fn enqueue_now(&self, topic: &str, payload: Value) -> EventId {
         let pool = self.store().await.pool();
-        tower_idempotency::outbox::sqlx_postgres::enqueue(pool, topic, &payload)
-            .await
-            .expect("enqueue")
+        tower_idempotency::outbox::Outbox::<
+            tower_idempotency::store::sqlx_postgres::SqlxPostgresStore,
+        >::enqueue_in(pool, topic, &payload)
+        .await
+        .expect("enqueue")
     }
 
     async fn process(inbox: &Inbox<SqlxPostgresStore>, event_id: &str, apply: Apply) -> Processing {
@@ -1052,7 +1054,7 @@ impl Backend for MySql {
     /// Autocommit, on the store's pool.
     async fn enqueue_now(&self, topic: &str, payload: Value) -> EventId {
         let pool = self.store().await.pool();
-        tower_idempotency::outbox::sqlx_mysql::enqueue(pool, topic, &payload)
+        tower_idempotency::outbox::Outbox::<tower_idempotency::store::sqlx_mysql::SqlxMySqlStore>::enqueue_in(pool, topic, &payload)
             .await
             .expect("enqueue")
     }

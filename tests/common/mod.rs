@@ -37,10 +37,10 @@ use tokio::task::JoinHandle;
 use tower::{Layer, Service};
 use tower_idempotency::extract::Tx;
 use tower_idempotency::fingerprint::Fingerprint;
+use tower_idempotency::key::IdempotencyKey;
 use tower_idempotency::response::SavedResponse;
 use tower_idempotency::store::sqlite::{SqliteOptions, SqliteStore, SqliteTransaction};
 use tower_idempotency::store::{Begin, IdempotencyStore, NewRecord, Reservation, Scope};
-use tower_idempotency::IdempotencyKey;
 use tower_idempotency::{IdempotencyLayer, Tenant};
 
 pub const SHOP_A: &str = "shop-a-token";

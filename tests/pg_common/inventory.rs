@@ -32,7 +32,8 @@ use axum::{Json, Router};
 use http_body_util::BodyExt;
 use serde_json::{json, Value};
 use tower_idempotency::extract::Tx;
-use tower_idempotency::outbox::postgres::PostgresInbox;
+type PostgresInbox =
+    tower_idempotency::outbox::Inbox<tower_idempotency::store::postgres::PostgresStore>;
 use tower_idempotency::outbox::{Processed, Receipt, EVENT_TOPIC};
 use tower_idempotency::store::postgres::{PostgresStore, PostgresTransaction};
 use tower_idempotency::{IdempotencyLayer, IDEMPOTENCY_KEY};

@@ -31,7 +31,7 @@
 //! 4. **Commit.** [`Reservation::commit`](crate::store::Reservation::commit) inserts
 //!    the record and releases the savepoint, keeping the request's rows in the group; the
 //!    request gets its answer ([`RunOutcome::Ran`]) once the group's `COMMIT` has returned. A
-//!    rollback, an error or a dropped [`SqliteReservation`] undoes the savepoint alone.
+//!    rollback, an error or a dropped `SqliteReservation` undoes the savepoint alone.
 //!
 //! **In place.** When the writer is idle (nothing open, nobody queued) and SQLite's write
 //! lock is free without a busy wait, steps 2 to 4 run on the request's own task instead, with
@@ -166,7 +166,7 @@ use tokio::sync::oneshot;
 
 pub use handle::SqliteTransaction;
 pub use options::{SqliteOptions, Synchronous};
-pub use reservation::SqliteReservation;
+pub(crate) use reservation::SqliteReservation;
 
 use crate::error::Error;
 use crate::store::retry_share::RetryShare;

@@ -1,9 +1,7 @@
 //! MySQL and MariaDB on sqlx (feature `sqlx-mysql`): the store (public as
-//! `store::sqlx_mysql`), its outbox and inbox (`outbox::sqlx_mysql`), its driver seam and how
+//! `store::sqlx_mysql`), its driver seam and how
 //! its error numbers are classified ([`error`]).
 
-#[cfg(feature = "outbox")]
-pub mod outbox;
 pub mod store;
 
 pub(crate) mod driver;

@@ -19,6 +19,45 @@ use super::{Conn, Slot, SqlxDatabase, SqlxDialect};
 use crate::error::Error;
 use crate::row_lock::tx_state::{Observed, ObservedCell, TxShared};
 
+/// The docs of the handle, shared by each database's `SqlxTransaction` alias (an alias's page
+/// does not show the aliased type's docs).
+macro_rules! transaction_docs {
+    () => {
+        "\n\nThe layer puts it in the request extensions (take it with \
+        [`Tx<SqlxTransaction>`](crate::extract::Tx) in axum). Everything run on the connection \
+        it lends (`tx.acquire().await?`, then `&mut *conn` as the executor) belongs to the same \
+        transaction as the idempotency record: it commits when the layer saves the response, \
+        and rolls back if the handler fails, panics or the client goes away.\n\n\
+        - The layer commits: transaction control is refused before it reaches the server (see \
+          [`TxConnection`]).\n\
+        - A serialization failure or deadlock of one of the handler's statements is noticed by \
+          the layer, whatever the handler answers: it runs the request again in a fresh \
+          transaction, up to \
+          [`with_conflict_retries`](crate::IdempotencyLayer::with_conflict_retries) times, then \
+          answers `503` with `Retry-After`.\n\
+        - Drop the borrowed connection before the handler returns; after the request ends the \
+          handle refuses work ([`Error::TransactionFinished`](crate::Error::TransactionFinished)).\n"
+    };
+}
+pub(crate) use transaction_docs;
+
+/// The docs of the handle's connection, shared by each database's `TxConnection` alias.
+macro_rules! connection_docs {
+    () => {
+        "\n\n`query`, `query_as`, `query_scalar`, `raw_sql` and the `query!` macros run on it \
+        as on the database's own connection, with two checks:\n\n\
+        - **No transaction control.** The statements that would end the transaction (or, on \
+          MySQL, commit it implicitly) are refused before they reach the server, and nothing of \
+          the call runs (the error's message names the statement).\n\
+        - **Conflicts are seen by the layer.** A serialization failure or a deadlock that a \
+          statement gets is returned to the handler as usual, and also kept: the layer then \
+          runs the request again (see [`SqlxTransaction`]).\n\n\
+        It does not hand out the database's connection itself, so that nothing bypasses the \
+        checks.\n"
+    };
+}
+pub(crate) use connection_docs;
+
 /// The handle a handler uses to write its rows in the request's transaction.
 ///
 /// The layer puts it in the request extensions (take it with

@@ -38,12 +38,12 @@ mod owned;
 mod reservation;
 mod rows;
 
-pub use handle::{SqlxConnection, SqlxTransaction, TxConnection};
-pub use options::SqlxOptions;
+pub(crate) use handle::{connection_docs, transaction_docs, SqlxTransaction, TxConnection};
+pub(crate) use options::SqlxOptions;
 pub(crate) use owned::OwnedDialect;
 pub(crate) use reservation::Slot;
-pub use reservation::SqlxReservation;
-pub use rows::{RowsAffected, SqlxDatabase, Statement};
+pub(crate) use reservation::SqlxReservation;
+pub(crate) use rows::{RowsAffected, SqlxDatabase};
 
 pub(crate) mod sealed {
     /// Only this crate's dialects are [`SqlxDialect`](super::SqlxDialect)s.
@@ -52,7 +52,7 @@ pub(crate) mod sealed {
 }
 
 /// The connection type of a dialect's database.
-pub type Conn<D> = <<D as SqlxDialect>::Db as Database>::Connection;
+pub(crate) type Conn<D> = <<D as SqlxDialect>::Db as Database>::Connection;
 
 /// What differs between the databases of the sqlx store: implemented by
 /// [`PgDialect`](crate::store::sqlx_postgres::PgDialect) (feature `sqlx-postgres`) and

@@ -14,7 +14,7 @@ use crate::store::columns::record_row::{live_record, RecordColumns};
 use crate::store::{to_unix_millis, NewRecord, Scope, StoredRecord};
 
 /// A statement of the store, its binds still to come.
-pub type Statement<'q, DB> = Query<'q, DB, <DB as Database>::Arguments<'q>>;
+pub(crate) type Statement<'q, DB> = Query<'q, DB, <DB as Database>::Arguments<'q>>;
 
 /// A sqlx database the store runs on.
 pub trait SqlxDatabase: Database {

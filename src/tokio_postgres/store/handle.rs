@@ -25,7 +25,7 @@ use crate::row_lock::tx_state::Observed;
 /// The layer puts it in the request extensions. Everything run through
 /// [`client`](Self::client) belongs to the same PostgreSQL transaction as the idempotency
 /// record: it commits when the layer saves the response, and rolls back if the handler fails,
-/// panics or the client goes away. (The receiver's inbox, `PostgresInbox::process` with the
+/// panics or the client goes away. (The receiver's inbox, `Inbox::process` with the
 /// `outbox` feature, hands its closure the same handle on a transaction of its own.)
 ///
 /// ```no_run
@@ -163,11 +163,12 @@ impl Command for Statement {
     }
 }
 
-/// Where a statement of [`enqueue`](crate::outbox::postgres::enqueue) or
-/// `PostgresInbox::record` (with the `outbox` feature) runs: a [`TransactionClient`] (inside
+/// Where a statement of `Outbox::enqueue_in` or
+/// `Inbox::record` (with the `outbox` feature) runs: a [`TransactionClient`] (inside
 /// the request's transaction), or a client or transaction of your own (any
 /// [`tokio_postgres::GenericClient`]: a [`tokio_postgres::Client`], a pooled connection, a
 /// [`tokio_postgres::Transaction`]).
+#[cfg_attr(not(feature = "outbox"), allow(dead_code, unreachable_pub))]
 pub trait Executor: Sync + sealed::Executor {
     /// Runs `statement` with `params`; returns how many rows it changed.
     fn execute_statement(
@@ -213,6 +214,7 @@ mod sealed {
 
     /// Keeps [`Executor`](super::Executor) to the types this crate knows how to run on.
     #[allow(unreachable_pub)]
+    #[cfg_attr(not(feature = "outbox"), allow(dead_code))]
     pub trait Executor {}
 
     impl Executor for super::TransactionClient {}

@@ -11,7 +11,7 @@
 //!    reservation that is not committed is invisible to it. It is skipped while retries are
 //!    rare among recent requests: the reservation then finds a completed record itself, and
 //!    one that waits for a transaction connection twice as long as they have lately waited
-//!    reads meanwhile ([`ReplayCheck::Adaptive`], the default).
+//!    reads meanwhile ([`ReplayCheck::Adaptive`](crate::store::ReplayCheck::Adaptive), the default).
 //! 2. **The reservation**: a connection from the pool of request transactions, then `BEGIN`
 //!    (at the [`Isolation`] level, with `SET LOCAL lock_timeout`) and an `INSERT ... ON
 //!    CONFLICT DO NOTHING` of an `in_progress` row, sent together in one flight. A duplicate
@@ -62,7 +62,8 @@
 //! ```no_run
 //! # async fn run(pool: tower_idempotency::store::postgres::deadpool_postgres::Pool)
 //! #     -> Result<(), tower_idempotency::Error> {
-//! use tower_idempotency::store::postgres::{Isolation, PostgresStore};
+//! use tower_idempotency::store::postgres::PostgresStore;
+//! use tower_idempotency::store::Isolation;
 //!
 //! // Creates (or migrates) `idempotency_records` in the connection's schema.
 //! let store = PostgresStore::connect("postgres://app@127.0.0.1/shop").await?;
@@ -92,9 +93,12 @@ pub use deadpool_postgres;
 /// The tokio-postgres version of the transaction handle: depend on it through this re-export.
 pub use tokio_postgres;
 
-pub use handle::{Command, Executor, PostgresTransaction, TransactionClient};
-pub use options::{Isolation, PostgresOptions, ReplayCheck};
-pub use reservation::PostgresReservation;
+use crate::store::Isolation;
+#[cfg_attr(not(feature = "outbox"), allow(unused_imports))]
+pub(crate) use handle::Executor;
+pub use handle::{PostgresTransaction, TransactionClient};
+pub use options::PostgresOptions;
+pub(crate) use reservation::PostgresReservation;
 pub use store::PostgresStore;
 
 // What runs where: `options` (settings, connecting), `migrate` (installing tables), `store`

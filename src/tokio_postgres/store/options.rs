@@ -15,7 +15,7 @@ use super::PostgresStore;
 use crate::error::Error;
 use crate::row_lock::replay_check::ReplayChecks;
 
-pub use crate::postgres::reserve::{Isolation, ReplayCheck};
+use crate::store::{Isolation, ReplayCheck};
 
 /// Options for opening a [`PostgresStore`]; see [`PostgresStore::builder`] and
 /// [`PostgresStore::from_pool`].
@@ -108,7 +108,8 @@ impl PostgresOptions {
     ///
     /// ```no_run
     /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
-    /// use tower_idempotency::store::postgres::{PostgresStore, ReplayCheck};
+    /// use tower_idempotency::store::postgres::PostgresStore;
+    /// use tower_idempotency::store::ReplayCheck;
     ///
     /// // Replays must never take a connection of the request transactions.
     /// let store = PostgresStore::builder("postgres://app@127.0.0.1/shop".parse()?)

@@ -8,7 +8,7 @@
 //!   transaction ends: after a commit its insert fails with a duplicate key and it replays the
 //!   completed record, after a rollback its insert goes through and it runs the handler.
 //!   Requests with different keys never wait for each other.
-//! - **The handler's rows** go through [`SqlxTransaction`]: [`SqlxTransaction::acquire`] lends
+//! - **The handler's rows** go through [`SqlxTransaction`]: `SqlxTransaction::acquire` lends
 //!   the transaction's connection, on which ordinary sqlx code runs
 //!   (`sqlx::query(..).execute(&mut *conn)`, `query_as`, the `query!` macros). The layer then
 //!   turns the reservation into the completed record and commits, before the response leaves.
@@ -21,7 +21,7 @@
 //!   answered `409` ([`InFlight`](crate::InFlight)); a table another session locked
 //!   (`LOCK TABLES`, `FLUSH TABLES WITH READ LOCK`) is waited for up to the lock timeout and
 //!   answered `503`, not `409`, under every policy. Deadlocks (`1213`) while reserving are retried a bounded number of times
-//!   ([`SqlxMySqlOptions::deadlock_retries`]); one that a handler's statement gets is reported
+//!   (`SqlxMySqlOptions::deadlock_retries`); one that a handler's statement gets is reported
 //!   to the layer, which runs the request again.
 //! - **The layer commits**: the connection the handle lends refuses transaction control and
 //!   the statements that make MySQL commit on its own (DDL, `LOCK TABLES`, `SET autocommit`).
@@ -29,7 +29,7 @@
 //!   connections: no locks, and no waiting for the connections that writers hold. While
 //!   retries are rare among recent requests, the read is skipped and the reservation finds a
 //!   completed record itself, or reads meanwhile if it waits for a connection twice as long
-//!   as they have lately waited ([`ReplayCheck::Adaptive`], the default; see [`SqlxOptions::replay_check`](crate::store::sqlx::SqlxOptions::replay_check)).
+//!   as they have lately waited ([`ReplayCheck::Adaptive`](crate::store::ReplayCheck::Adaptive), the default; see `SqlxOptions::replay_check`).
 //! - **Rollback on drop**: a transaction dropped while still open takes its connection out of
 //!   the pool and closes it; the server rolls back a transaction whose connection is gone.
 //!
@@ -63,7 +63,7 @@ use crate::mysql::guard as sql_guard;
 use crate::mysql::store_sql as sql;
 use crate::sqlx::error::sqlx_code;
 use crate::sqlx::mysql::error::{mysql_number, MYSQL_DEADLOCK, MYSQL_LOCK_WAIT_TIMEOUT};
-use crate::store::sqlx::{
+use crate::sqlx::store::{
     ReserveStep, RowsAffected, SqlxDatabase, SqlxDialect, SqlxOptions, SqlxStore,
 };
 use crate::store::{NewRecord, Scope};
@@ -74,24 +74,22 @@ mod owned;
 /// re-export (or keep yours on the same 0.8 release).
 pub use sqlx;
 
-pub use crate::row_lock::replay_check::ReplayCheck;
-pub use crate::row_lock::reserve::Isolation;
+use crate::store::Isolation;
 
 /// MySQL's `ER_DUP_ENTRY`: the key has a committed row.
 const DUPLICATE_KEY: u16 = 1062;
 
 /// The longest tenant, operation or key the table holds, in bytes.
-pub const MAX_SCOPE_BYTES: usize = 255;
+pub(crate) const MAX_SCOPE_BYTES: usize = 255;
 
 /// A MySQL- or MariaDB-backed [`IdempotencyStore`](crate::store::IdempotencyStore) on sqlx. Cheap to
 /// clone; clones share the pools.
 pub type SqlxMySqlStore = SqlxStore<MySqlDialect>;
 
-/// Options for a [`SqlxMySqlStore`]; see [`SqlxMySqlStore::builder`].
+/// Options for a [`SqlxMySqlStore`]; see `SqlxMySqlStore::builder`.
 pub type SqlxMySqlOptions = SqlxOptions<MySqlDialect>;
 
-/// The handle a handler uses to write its rows in the request's InnoDB transaction (what every
-/// sqlx store's handle does: [`store::sqlx::SqlxTransaction`](crate::store::sqlx::SqlxTransaction)).
+/// The handle a handler uses to write its rows in the request's InnoDB transaction.
 ///
 /// ```no_run
 /// # async fn handler(tx: tower_idempotency::store::sqlx_mysql::SqlxTransaction)
@@ -114,14 +112,10 @@ pub type SqlxMySqlOptions = SqlxOptions<MySqlDialect>;
 ///   locks, `lock_wait_timeout` for metadata locks such as another session's `LOCK TABLES`;
 ///   whole seconds): past it a statement fails with `1205`. If the handler then fails, the
 ///   layer answers `503` with `Retry-After` (whatever the handler answered) and rolls back.
-pub type SqlxTransaction = crate::store::sqlx::SqlxTransaction<MySqlDialect>;
+#[doc = crate::sqlx::store::transaction_docs!()]
+pub type SqlxTransaction = crate::sqlx::store::SqlxTransaction<MySqlDialect>;
 
-/// The transaction's connection, borrowed from a [`SqlxTransaction`]: dereferences to a
-/// [`TxConnection`].
-pub type SqlxConnection = crate::store::sqlx::SqlxConnection<MySqlDialect>;
-
-/// A pooled connection inside the request's transaction (see
-/// [`store::sqlx::TxConnection`](crate::store::sqlx::TxConnection)): `&mut TxConnection` is a
+/// A pooled connection inside the request's transaction: `&mut TxConnection` is a
 /// [`sqlx::Executor`] for MySQL, on which sqlx code runs as on a `&mut MySqlConnection`.
 ///
 /// `BEGIN`, `START TRANSACTION`, `COMMIT`, `ROLLBACK`, `XA`, `LOCK`/`UNLOCK TABLES`, `SET
@@ -133,17 +127,17 @@ pub type SqlxConnection = crate::store::sqlx::SqlxConnection<MySqlDialect>;
 /// procedure (`CALL`) runs unchecked: one that commits commits the request's transaction.
 /// Nothing runs after a deadlock: InnoDB has rolled the transaction back by then, and what
 /// followed would run in another transaction.
-pub type TxConnection = crate::store::sqlx::TxConnection<MySqlDialect>;
+#[doc = crate::sqlx::store::connection_docs!()]
+pub type TxConnection = crate::sqlx::store::TxConnection<MySqlDialect>;
 
-/// The open transaction of one request: the owner side, which the layer holds and ends (see
-/// [`store::sqlx::SqlxReservation`](crate::store::sqlx::SqlxReservation)).
-pub type SqlxReservation = crate::store::sqlx::SqlxReservation<MySqlDialect>;
-
-/// MySQL and MariaDB as the sqlx store's database: the SQL of this module, duplicate-key
-/// reservations, InnoDB deadlocks, the session's settings saved and restored around a
-/// request, and the MySQL statement guard.
-#[derive(Clone, Copy, Debug)]
-pub struct MySqlDialect;
+mod dialect {
+    /// MySQL and MariaDB as the sqlx store's database: the SQL of this module, duplicate-key
+    /// reservations, InnoDB deadlocks, the session's settings saved and restored around a
+    /// request, and the MySQL statement guard.
+    #[derive(Clone, Copy, Debug)]
+    pub struct MySqlDialect;
+}
+pub(crate) use dialect::MySqlDialect;
 
 impl SqlxOptions<MySqlDialect> {
     /// How many times reserving a key is retried after a deadlock (`1213`: InnoDB rolled the
@@ -190,7 +184,7 @@ impl RowsAffected for MySqlQueryResult {
     }
 }
 
-impl crate::store::sqlx::sealed::Sealed for MySqlDialect {}
+impl crate::sqlx::store::sealed::Sealed for MySqlDialect {}
 
 impl SqlxDialect for MySqlDialect {
     type Db = MySql;

@@ -6,7 +6,7 @@ use sqlx::mysql::MySqlConnection;
 use super::{sql, MySqlDialect};
 use crate::error::Error;
 use crate::row_lock::reserve::Isolation;
-use crate::store::sqlx::OwnedDialect;
+use crate::sqlx::store::OwnedDialect;
 
 /// How long a statement of the store's own transaction waits for a row lock or a metadata lock
 /// (`innodb_lock_wait_timeout` and `lock_wait_timeout`, whole seconds: InnoDB's default).

@@ -9,7 +9,7 @@ use sqlx::{Executor as _, Row as _};
 use super::SqlxPostgresStore;
 use crate::error::Error;
 use crate::postgres::store_sql::{Upgrade, ADD_STATE, HAS_COLUMN, MIGRATION_LOCK, SCHEMA};
-use crate::store::sqlx::pool_error;
+use crate::sqlx::store::pool_error;
 
 impl SqlxPostgresStore {
     /// Creates `idempotency_records` if it is missing (the crate's migration file, run under

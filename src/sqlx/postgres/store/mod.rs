@@ -9,7 +9,7 @@
 //!   that index entry until the first transaction ends: after a commit it reads the completed
 //!   record and replays it, after a rollback its own insert goes through and it runs the
 //!   handler. Requests with different keys never wait for each other.
-//! - **The handler's rows** go through [`SqlxTransaction`]: [`SqlxTransaction::acquire`] lends
+//! - **The handler's rows** go through [`SqlxTransaction`]: `SqlxTransaction::acquire` lends
 //!   the transaction's connection, on which ordinary sqlx code runs
 //!   (`sqlx::query(..).execute(&mut *conn)`, `query_as`, the `query!` macros). The layer then
 //!   turns the reservation into the completed record and commits, before the response leaves.
@@ -18,7 +18,7 @@
 //!   `Retry-After`. Under the in-flight policies `Reject` and `WaitUpTo(d)`, the reservation's
 //!   wait on a key held by another instance's transaction is bounded by the policy instead
 //!   (1 ms, or `d`) and answered `409` ([`InFlight`](crate::InFlight)). Serialization failures and deadlocks while reserving are retried a bounded
-//!   number of times ([`SqlxPostgresOptions::serialization_retries`]); one that a handler's
+//!   number of times (`SqlxPostgresOptions::serialization_retries`); one that a handler's
 //!   statement gets is reported to the layer, which runs the request again.
 //! - **The layer commits**: the connection the handle lends refuses transaction control
 //!   (`COMMIT`, `ROLLBACK`, `BEGIN`...), so a handler cannot commit its rows without the record.
@@ -27,8 +27,8 @@
 //!   waiting for the connections that writers hold. While retries are rare among recent
 //!   requests, the read is skipped and the reservation finds a completed record itself, or
 //!   reads meanwhile if it waits for a connection twice as long as they have lately waited
-//!   ([`ReplayCheck::Adaptive`], the default; see
-//!   [`SqlxOptions::replay_check`](crate::store::sqlx::SqlxOptions::replay_check)).
+//!   ([`ReplayCheck::Adaptive`](crate::store::ReplayCheck::Adaptive), the default; see
+//!   `SqlxOptions::replay_check`).
 //! - **Connections without the pool's checks**: the store takes an idle connection with
 //!   [`Pool::try_acquire`](sqlx::Pool::try_acquire), which skips the pool's
 //!   `test_before_acquire` ping and any `before_acquire` hook (they run only when it has to wait
@@ -55,7 +55,8 @@
 //! ```no_run
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 //! use tower_idempotency::store::sqlx_postgres::sqlx::postgres::PgPoolOptions;
-//! use tower_idempotency::store::sqlx_postgres::{Isolation, SqlxPostgresStore};
+//! use tower_idempotency::store::sqlx_postgres::SqlxPostgresStore;
+//! use tower_idempotency::store::Isolation;
 //!
 //! let pool = PgPoolOptions::new()
 //!     .max_connections(16)
@@ -100,7 +101,7 @@ use crate::postgres::store_sql::{
 use crate::response::SavedResponse;
 use crate::row_lock::reserve;
 use crate::sqlx::error::sqlx_code;
-use crate::store::sqlx::{
+use crate::sqlx::store::{
     Opened, ReserveStep, RowsAffected, SqlxDatabase, SqlxDialect, SqlxOptions, SqlxStore,
 };
 use crate::store::{to_unix_millis, NewRecord, Scope};
@@ -115,17 +116,16 @@ mod tests;
 /// re-export (or keep yours on the same 0.8 release).
 pub use sqlx;
 
-pub use crate::postgres::reserve::{Isolation, ReplayCheck};
+use crate::store::Isolation;
 
 /// A PostgreSQL-backed [`IdempotencyStore`](crate::store::IdempotencyStore) on sqlx. Cheap to clone;
 /// clones share the pools.
 pub type SqlxPostgresStore = SqlxStore<PgDialect>;
 
-/// Options for a [`SqlxPostgresStore`]; see [`SqlxPostgresStore::builder`].
+/// Options for a [`SqlxPostgresStore`]; see `SqlxPostgresStore::builder`.
 pub type SqlxPostgresOptions = SqlxOptions<PgDialect>;
 
-/// The handle a handler uses to write its rows in the request's PostgreSQL transaction (what
-/// every sqlx store's handle does: [`store::sqlx::SqlxTransaction`](crate::store::sqlx::SqlxTransaction)).
+/// The handle a handler uses to write its rows in the request's PostgreSQL transaction.
 ///
 /// ```no_run
 /// # async fn handler(tx: tower_idempotency::store::sqlx_postgres::SqlxTransaction)
@@ -147,30 +147,26 @@ pub type SqlxPostgresOptions = SqlxOptions<PgDialect>;
 ///   (`40001`) and deadlocks (`40P01`).
 /// - Statements run with the layer's `lock_timeout` (`SET LOCAL`): a lock wait past it fails
 ///   with SQLSTATE `55P03`.
-pub type SqlxTransaction = crate::store::sqlx::SqlxTransaction<PgDialect>;
+#[doc = crate::sqlx::store::transaction_docs!()]
+pub type SqlxTransaction = crate::sqlx::store::SqlxTransaction<PgDialect>;
 
-/// The transaction's connection, borrowed from a [`SqlxTransaction`]: dereferences to a
-/// [`TxConnection`].
-pub type SqlxConnection = crate::store::sqlx::SqlxConnection<PgDialect>;
-
-/// A pooled connection inside the request's transaction (see
-/// [`store::sqlx::TxConnection`](crate::store::sqlx::TxConnection)): `&mut TxConnection` is a
+/// A pooled connection inside the request's transaction: `&mut TxConnection` is a
 /// [`sqlx::Executor`] for PostgreSQL, on which sqlx code runs as on a `&mut PgConnection`.
 ///
 /// `BEGIN`, `START TRANSACTION`, `COMMIT`, `END`, `ROLLBACK`, `ABORT`, `PREPARE TRANSACTION`
 /// and `COMMIT`/`ROLLBACK PREPARED` are refused; `SAVEPOINT`, `RELEASE` and `ROLLBACK TO` are
 /// allowed: they stay inside the transaction. Every statement goes with the extended protocol,
 /// which runs one command per string (SQL without bind parameters is cut into statements).
-pub type TxConnection = crate::store::sqlx::TxConnection<PgDialect>;
+#[doc = crate::sqlx::store::connection_docs!()]
+pub type TxConnection = crate::sqlx::store::TxConnection<PgDialect>;
 
-/// The open transaction of one request: the owner side, which the layer holds and ends (see
-/// [`store::sqlx::SqlxReservation`](crate::store::sqlx::SqlxReservation)).
-pub type SqlxReservation = crate::store::sqlx::SqlxReservation<PgDialect>;
-
-/// PostgreSQL as the sqlx store's database: the SQL of `src/postgres/store_sql.rs` (shared with the
-/// tokio-postgres store), SQLSTATE conflicts, and the PostgreSQL statement guard.
-#[derive(Clone, Copy, Debug)]
-pub struct PgDialect;
+mod dialect {
+    /// PostgreSQL as the sqlx store's database: the SQL of `src/postgres/store_sql.rs` (shared with the
+    /// tokio-postgres store), SQLSTATE conflicts, and the PostgreSQL statement guard.
+    #[derive(Clone, Copy, Debug)]
+    pub struct PgDialect;
+}
+pub(crate) use dialect::PgDialect;
 
 impl SqlxOptions<PgDialect> {
     /// How many times reserving a key is retried after a serialization failure (`40001`) or a
@@ -187,7 +183,7 @@ impl RowsAffected for PgQueryResult {
     }
 }
 
-impl crate::store::sqlx::sealed::Sealed for PgDialect {}
+impl crate::sqlx::store::sealed::Sealed for PgDialect {}
 
 impl SqlxDialect for PgDialect {
     type Db = Postgres;

@@ -11,7 +11,7 @@ use super::PgDialect;
 use crate::error::Error;
 use crate::postgres::store_sql::IS_OWN_TRANSACTION;
 use crate::row_lock::reserve::Isolation;
-use crate::store::sqlx::OwnedDialect;
+use crate::sqlx::store::OwnedDialect;
 
 impl OwnedDialect for PgDialect {
     fn begin_owned(isolation: Isolation, token: u64) -> String {

@@ -13,9 +13,10 @@ use sqlx::{Connection as _, Executor as _, PgConnection};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{TcpListener, TcpStream};
 
-use super::{PgDialect, ReplayCheck, SqlxPostgresStore};
+use super::{PgDialect, SqlxPostgresStore};
 use crate::row_lock::test_records::{record, scope, tenant_scope};
-use crate::store::sqlx::SqlxReservation;
+use crate::sqlx::store::SqlxReservation;
+use crate::store::ReplayCheck;
 use crate::store::{Begin, IdempotencyStore, Reservation, RunOutcome, Scope};
 
 fn url() -> String {
