@@ -10,10 +10,9 @@
 //! database); PostgreSQL's pool limits and serialization failures; a handler's statement
 //! failing with a conflict on the sqlx stores.
 
-#[macro_use]
-mod backend;
-mod common;
-mod pg_common;
+use crate::support::backend;
+use crate::support::common;
+use crate::support::pg_common;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;

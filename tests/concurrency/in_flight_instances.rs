@@ -9,9 +9,8 @@
 //! The PostgreSQL tests need `TEST_DATABASE_URL`, the MySQL ones `TEST_MYSQL_URL`; without
 //! them they are reported as ignored.
 
-mod common;
-mod mysql_common;
-mod pg_common;
+use crate::support::mysql_common;
+use crate::support::pg_common;
 
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -5,8 +5,8 @@
 //! out in randomly varied but equivalent spellings: whitespace, member order, `\u` escapes, and
 //! numbers such as `1.50`, `15e-1` and `0.15E1`.
 
-mod json_bodies;
-mod splitmix;
+use crate::support::json_bodies;
+use crate::support::splitmix;
 
 use proptest::collection::vec;
 use proptest::prelude::*;
@@ -732,7 +732,7 @@ fn bodies_of_64_kib() -> Vec<(&'static str, Vec<u8>)> {
 }
 
 /// The CPU cost of fingerprinting a 64 KiB JSON body: run in release mode,
-/// `cargo test --release --test canonical_props -- --ignored --nocapture fingerprint_cost`.
+/// `cargo test --release --test contract -- --ignored --nocapture canonical_props::fingerprint_cost`.
 /// `FINGERPRINT_RUNS` sets the number of runs per timing (1000), e.g. a few under an instruction
 /// counter such as `valgrind --tool=callgrind --toggle-collect='*Fingerprinter*fingerprint*'`;
 /// `FINGERPRINT_SHAPE` keeps the shapes whose name contains it (`array`, `string`, `flat`, `nested`).

@@ -8,10 +8,9 @@
 //! (the PostgreSQL schema created and migrated on open; the SQLite app's routes without a
 //! store).
 
-#[macro_use]
-mod backend;
-mod common;
-mod pg_common;
+use crate::support::backend;
+use crate::support::common;
+use crate::support::pg_common;
 
 use std::net::SocketAddr;
 use std::time::{Duration, SystemTime};

@@ -1,11 +1,11 @@
 //! Hostile input over real HTTP: each request is refused with the right 4xx, the handler does
 //! not run, nothing is stored, nothing panics, and the server keeps serving.
 //!
-//! Complements `tests/limits.rs` (bodies over the limit with and without Content-Length and
-//! chunked, a trickling body) and `tests/contract.rs` (malformed keys, invalid JSON and UTF-8,
+//! Complements `tests/contract/limits.rs` (bodies over the limit with and without Content-Length and
+//! chunked, a trickling body) and `tests/contract/contract.rs` (malformed keys, invalid JSON and UTF-8,
 //! 100k-deep arrays).
 
-mod common;
+use crate::support::common;
 
 use std::time::{Duration, Instant};
 

@@ -3,12 +3,10 @@
 //! `ietf_draft::postgres::...`): the draft's statuses and RFC 9457 problem details in one
 //! switch, keys of 255 characters (Stripe's longest) end to end, the key from another header or
 //! from the body, and fingerprints over chosen JSON members. The in-flight policies are in
-//! `tests/concurrency.rs`.
+//! `tests/concurrency/concurrency.rs`.
 
-#[macro_use]
-mod backend;
-mod common;
-mod pg_common;
+use crate::support::backend;
+use crate::support::common;
 
 use std::net::SocketAddr;
 

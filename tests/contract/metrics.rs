@@ -7,11 +7,10 @@
 //! `#[tokio::test]` runs the test, the server and the relay on that one thread, and tests in
 //! parallel do not see each other's metrics.
 
-mod common;
-mod pg_common;
+use crate::support::common;
+use crate::support::pg_common;
 
-#[path = "pg_common/inventory.rs"]
-mod inventory;
+use crate::support::pg_common::inventory;
 
 use std::collections::HashMap;
 use std::time::Duration;

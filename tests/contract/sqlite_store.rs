@@ -1,7 +1,7 @@
 //! SQLite-specific behaviour of the store when another process shares the database file.
 
-mod common;
-mod sqlite_faults;
+use crate::support::common;
+use crate::support::sqlite_faults;
 
 use std::time::{Duration, SystemTime};
 

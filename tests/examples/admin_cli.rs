@@ -7,13 +7,10 @@
 //! The PostgreSQL tests need `TEST_DATABASE_URL`; without it `cargo test` reports them as
 //! ignored.
 
-#[macro_use]
-mod backend;
-mod common;
-mod pg_common;
+use crate::support::backend;
+use crate::support::common;
 
-#[path = "admin_tool/mod.rs"]
-mod admin;
+use crate::support::admin_tool as admin;
 
 use std::time::SystemTime;
 
@@ -377,7 +374,7 @@ mod sqlite {
     use std::path::Path;
 
     use super::admin::{self, Exit, Failure};
-    use crate::common::TestServer;
+    use crate::support::common::TestServer;
 
     backend_tests!(Sqlite;
         inspect_shows_the_record_without_its_body_unless_asked,
@@ -598,9 +595,9 @@ mod postgres {
 
     use super::admin::{Exit, Failure};
     use super::{failure_message, field, BOOK, SHOP_A_K1};
-    use crate::backend::{Backend, Database, Postgres};
-    use crate::common::{post, PATIENCE, SHOP_A};
-    use crate::pg_common::{hook, HookOutcome, PgServer, TestDb};
+    use crate::support::backend::{Backend, Database, Postgres};
+    use crate::support::common::{post, PATIENCE, SHOP_A};
+    use crate::support::pg_common::{hook, HookOutcome, PgServer, TestDb};
 
     backend_tests!(Postgres;
         inspect_shows_the_record_without_its_body_unless_asked,

@@ -5,8 +5,7 @@
 //! refused by the provider. After each, every key ends with exactly one charge at the provider,
 //! one order, paid with that charge, and every answer to the key is the same bytes.
 
-#[path = "apps/process.rs"]
-mod process;
+use crate::support::apps::process;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

@@ -1,14 +1,12 @@
-//! The gRPC order app of the example (`tests/apps/grpc_orders.rs`, as in
+//! The gRPC order app of the example (`tests/support/apps/grpc_orders.rs`, as in
 //! `examples/grpc_orders.rs`) served in-process by tonic, called over real HTTP/2 on loopback
 //! with the generated tonic client: replays, conflicts, concurrent duplicates, rollbacks and
 //! the layer's rejections as gRPC statuses. Also runs the example's `--demo` as a process, and
 //! checks that the checked-in generated code is what `proto/orders.proto` generates today.
 
-#[path = "apps/grpc_orders.rs"]
-mod app;
-#[path = "apps/process.rs"]
-mod process;
-mod sqlite_faults;
+use crate::support::apps::grpc_orders as app;
+use crate::support::apps::process;
+use crate::support::sqlite_faults;
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -821,7 +819,7 @@ fn generated_code_is_current() {
     assert!(
         current == generated,
         "examples/grpc/orders.rs is not what proto/orders.proto generates; regenerate it with\n  \
-         UPDATE_GENERATED=1 cargo test --test grpc generated_code_is_current"
+         UPDATE_GENERATED=1 cargo test --test examples grpc::generated_code_is_current"
     );
 }
 

@@ -1,9 +1,9 @@
 //! The plain hyper example (`examples/hyper_orders.rs`) run as a process, as `cargo run
 //! --example hyper_orders` runs it, and checked against the contract of DESIGN.md §1 with the
-//! shared HTTP client of `tests/common` over loopback.
+//! shared HTTP client of `tests/support/common` over loopback.
 
-mod common;
-mod sqlite_faults;
+use crate::support::common;
+use crate::support::sqlite_faults;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

@@ -1,5 +1,5 @@
 //! Surviving a PostgreSQL primary failover: a primary with a streaming standby
-//! built on this machine (`tests/cluster`), two instances of the order example as processes
+//! built on this machine (`tests/support/cluster`), two instances of the order example as processes
 //! on the multi-host URL (`target_session_attrs=read-write`), the primary SIGKILLed under
 //! load and the standby promoted.
 //!
@@ -15,8 +15,8 @@
 //! Needs the PostgreSQL server programs (`build.rs` sets `pg_cluster_tests` when it finds
 //! them); without them `cargo test` reports these tests as ignored.
 
-mod cluster;
-mod common;
+use crate::support::cluster;
+use crate::support::common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;

@@ -6,8 +6,8 @@
 //!
 //! Needs `TEST_DATABASE_URL`; without it `cargo test` reports these tests as ignored.
 
-mod common;
-mod pg_common;
+use crate::support::common;
+use crate::support::pg_common;
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};

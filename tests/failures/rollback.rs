@@ -10,10 +10,9 @@
 //! `backend::HandleSql`, and on tokio-postgres in `postgres`); MySQL's session restored after a
 //! request.
 
-#[macro_use]
-mod backend;
-mod common;
-mod pg_common;
+use crate::support::backend;
+use crate::support::common;
+use crate::support::pg_common;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

@@ -11,13 +11,8 @@
 //! The PostgreSQL tests need `TEST_DATABASE_URL`; without it `cargo test` reports them as
 //! ignored.
 
-#[macro_use]
-mod backend;
-mod common;
-mod pg_common;
+use crate::support::backend;
 
-#[path = "pg_common/inventory.rs"]
-mod inventory;
 
 use std::time::{Duration, SystemTime};
 
@@ -259,10 +254,10 @@ mod postgres {
     use std::sync::Arc;
     use std::time::Duration;
 
-    use crate::backend::EFFECTS;
-    use crate::common::{Post, PATIENCE};
-    use crate::inventory::{InventoryServer, Mode, FAIL_AFTER_RECORD};
-    use crate::pg_common::TestDb;
+    use crate::support::backend::EFFECTS;
+    use crate::support::common::{Post, PATIENCE};
+    use crate::support::pg_common::inventory::{InventoryServer, Mode, FAIL_AFTER_RECORD};
+    use crate::support::pg_common::TestDb;
     use http::StatusCode;
     use tokio::sync::oneshot;
     use tower_idempotency::outbox::postgres::PostgresInbox;

@@ -7,10 +7,8 @@
 //! The PostgreSQL tests need `TEST_DATABASE_URL`; without it `cargo test` reports them as
 //! ignored.
 
-#[macro_use]
-mod backend;
-mod common;
-mod pg_common;
+use crate::support::backend;
+use crate::support::common;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

@@ -11,10 +11,9 @@
 //! - Two relays on two connections to one file (as two processes would be) deliver every event
 //!   exactly once between them.
 
-mod common;
-#[path = "relay_scenarios/delivery_log.rs"]
-mod delivery_log;
-mod relay_scenarios;
+use crate::support::common;
+use crate::support::relay_scenarios::delivery_log;
+use crate::support::relay_scenarios;
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};

@@ -1,6 +1,6 @@
 //! The outbox end to end on PostgreSQL, over real HTTP: the PostgreSQL order app enqueues
 //! `order_created` in each order's transaction, relays (`PostgresOutbox`) POST the events to
-//! a receiver on PostgreSQL (`tests/pg_common/inventory.rs`, in a schema of its own), and the
+//! a receiver on PostgreSQL (`tests/support/pg_common/inventory.rs`, in a schema of its own), and the
 //! receiver's `PostgresInbox` applies each event once.
 //!
 //! - A relay killed after the receiver accepted an event, before marking it delivered: the
@@ -20,12 +20,11 @@
 //! Needs `TEST_DATABASE_URL`; without it `cargo test` reports these tests as ignored.
 //! (except the command-line checks of the inventory example, which need no database).
 
-mod common;
-mod pg_common;
+use crate::support::common;
+use crate::support::pg_common;
 
-#[path = "pg_common/inventory.rs"]
-mod inventory;
-mod relay_scenarios;
+use crate::support::pg_common::inventory;
+use crate::support::relay_scenarios;
 
 use std::time::Duration;
 

@@ -734,9 +734,6 @@ macro_rules! steps_store_tests {
     (@tests $make:expr; [$($attr:tt)*];) => {};
 }
 
-mod common;
-mod mysql_common;
-mod pg_common;
 
 mod sqlite {
     use tower_idempotency::store::sqlite::{rusqlite, SqliteStore};
@@ -811,7 +808,7 @@ mod postgres {
     use tower_idempotency::store::postgres::{PostgresStore, PostgresTransaction};
 
     use super::*;
-    use crate::pg_common::TestDb;
+    use crate::support::pg_common::TestDb;
 
     pub(super) struct Pg {
         store: PostgresStore,
@@ -874,7 +871,7 @@ mod sqlx_postgres {
     use tower_idempotency::store::sqlx_postgres::{SqlxPostgresStore, SqlxTransaction};
 
     use super::*;
-    use crate::pg_common::TestDb;
+    use crate::support::pg_common::TestDb;
 
     pub(super) struct SqlxPg {
         store: SqlxPostgresStore,
@@ -937,7 +934,7 @@ mod sqlx_mysql {
     use tower_idempotency::store::sqlx_mysql::{SqlxMySqlStore, SqlxTransaction};
 
     use super::*;
-    use crate::mysql_common::TestDb;
+    use crate::support::mysql_common::TestDb;
 
     pub(super) struct MySql {
         store: SqlxMySqlStore,

@@ -1,4 +1,4 @@
-//! The gRPC order service that `tests/grpc.rs` serves in-process: the app of
+//! The gRPC order service that `tests/examples/grpc.rs` serves in-process: the app of
 //! `examples/grpc_orders.rs` (the same proto, table, authentication, layer set-up and handler
 //! rules), here so that the tests can wrap its handler, change its layer and leave its
 //! authentication out. The example program itself runs as a process (`--demo`).
@@ -16,8 +16,7 @@ use tower_idempotency::store::sqlite::rusqlite::OptionalExtension;
 use tower_idempotency::store::sqlite::{SqliteStore, SqliteTransaction};
 use tower_idempotency::{IdempotencyLayer, Tenant};
 
-#[path = "../sqlite_orders/mod.rs"]
-mod sqlite_orders;
+use crate::support::sqlite_orders;
 
 use pb::orders_server::{Orders, OrdersServer};
 use pb::{CreateOrderRequest, CreateOrderResponse, GetOrderRequest, ListOrdersRequest, Order};
@@ -27,7 +26,7 @@ use sqlite_orders::{insert_order, ORDERS_SCHEMA};
 /// the example; `generated_code_is_current` keeps it current).
 #[allow(clippy::all, clippy::pedantic)]
 pub mod pb {
-    include!("../../examples/grpc/orders.rs");
+    include!("../../../examples/grpc/orders.rs");
 }
 
 /// The only RPC the idempotency layer handles.

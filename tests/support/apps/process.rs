@@ -1,9 +1,6 @@
 //! The example programs as child processes, for the tests that check an example as a user runs
 //! it: built once per test binary, started on `127.0.0.1:0`, their stdout readable line by line.
 
-// Not every test that includes this file uses all of it.
-#![allow(dead_code)]
-
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

@@ -14,18 +14,14 @@
 //! reports it as ignored without its server (`TEST_DATABASE_URL`, `TEST_MYSQL_URL`). Tests
 //! that only make sense on one backend sit next to them in the same module.
 //!
-//! The apps themselves are the ones of `tests/common` (SQLite), `tests/pg_common` (PostgreSQL,
-//! and `pg_common::sqlx_app` on sqlx) and `tests/mysql_common`; this module only adapts them to
+//! The apps themselves are the ones of `tests/support/common` (SQLite), `tests/support/pg_common` (PostgreSQL,
+//! and `pg_common::sqlx_app` on sqlx) and `tests/support/mysql_common`; this module only adapts them to
 //! one interface. Another backend is a struct implementing [`Database`] (and [`Backend`] once
 //! its store has the outbox) and an arm of [`backend_tests!`] with the attribute that reports it
 //! ignored without its server.
 
-// Every suite uses a different part of it.
-#![allow(dead_code)]
-
 // Here rather than in each suite's root: the outbox, inbox and admin suites need no MySQL.
-#[path = "../mysql_common/mod.rs"]
-pub mod mysql_common;
+pub use crate::support::mysql_common;
 
 mod handle_sql;
 
@@ -57,13 +53,13 @@ use tower_idempotency::store::sqlx_postgres::{SqlxPostgresStore, SqlxTransaction
 use tower_idempotency::store::IdempotencyStore;
 use tower_idempotency::IdempotencyLayer;
 
-use crate::common::server_backed::OrderServer;
-use crate::common::{
+use crate::support::common::server_backed::OrderServer;
+use crate::support::common::{
     hook_for, post, AppBuilder, AppOf, HookFor, HookOutcome, OrderCallOf, Outcome, Reply,
     SqliteApp, TestServer, PATIENCE, SHOP_A,
 };
-use crate::pg_common::sqlx_app::SqlxPgApp;
-use crate::pg_common::{PgApp, TestDb};
+use crate::support::pg_common::sqlx_app::SqlxPgApp;
+use crate::support::pg_common::{PgApp, TestDb};
 
 /// What a backend's order handler tells the test's hook, its order row inserted inside the
 /// open idempotency transaction `tx`.
@@ -379,7 +375,7 @@ pub trait Backend: Database<Store: OutboxBackend + InboxBackend + AdminBackend> 
 }
 
 /// How to serve the app: the layer of each route, the hook, headers on every 201 (the
-/// builder of `tests/common`, on this database).
+/// builder of `tests/support/common`, on this database).
 pub type Setup<'db, B> = AppBuilder<<B as Database>::Store, Hook, &'db B>;
 
 impl<B: Database> AppBuilder<B::Store, Hook, &B> {
@@ -726,7 +722,7 @@ impl FailureTriggers for mysql_common::TestDb {
 }
 
 /// The [`Database`] methods of a backend on a server (a struct with `db`, a `TestDb` of
-/// `tests/pg_common` or `tests/mysql_common`) that read and change the database itself,
+/// `tests/support/pg_common` or `tests/support/mysql_common`) that read and change the database itself,
 /// whichever driver its store uses: the test reads through a connection of its own, as another
 /// process would.
 macro_rules! server_database_reads {
@@ -994,8 +990,8 @@ impl Backend for SqlxPostgres {
 // ----- MySQL or MariaDB on sqlx: a database of its own -----
 
 /// A database of its own on the server of `TEST_MYSQL_URL`, dropped at the end, served by the
-/// order app of `tests/common` on the sqlx MySQL store (its handle's inserts are
-/// `tests/mysql_common`'s).
+/// order app of `tests/support/common` on the sqlx MySQL store (its handle's inserts are
+/// `tests/support/mysql_common`'s).
 pub struct MySql {
     store: OnceCell<SqlxMySqlStore>,
     pub db: mysql_common::TestDb,
@@ -1106,6 +1102,8 @@ impl Backend for MySql {
 /// `c = a` runs `a` under the name `c` (`c(flavor = ...) = a` with a flavor). Every PostgreSQL instance carries the attribute that
 /// reports it as ignored without `TEST_DATABASE_URL`, every MySQL one without
 /// `TEST_MYSQL_URL`.
+// Only the groups with suites over every store use it.
+#[allow(unused_macros)]
 macro_rules! backend_tests {
     (Sqlite; $($tests:tt)*) => {
         backend_tests!(@each Sqlite []; $($tests)*);
@@ -1130,7 +1128,7 @@ macro_rules! backend_tests {
         $($attr)*
         #[tokio::test$(($($flavor)*))?]
         async fn $name() {
-            $crate::backend::run(|db: $crate::backend::$backend| super::$test(db)).await;
+            $crate::support::backend::run(|db: $crate::support::backend::$backend| super::$test(db)).await;
         }
         backend_tests!(@each $backend [$($attr)*]; $($($rest)*)?);
     };
@@ -1139,7 +1137,7 @@ macro_rules! backend_tests {
         $($attr)*
         #[tokio::test$(($($flavor)*))?]
         async fn $name() {
-            $crate::backend::run(|db: $crate::backend::$backend| super::$name(db)).await;
+            $crate::support::backend::run(|db: $crate::support::backend::$backend| super::$name(db)).await;
         }
         backend_tests!(@each $backend [$($attr)*]; $($($rest)*)?);
     };

@@ -4,9 +4,6 @@
 //! policy, a loopback TCP proxy that loses or delays responses, and the client under test
 //! over hyper-util's client.
 
-// Each test binary uses a different part of this module.
-#![allow(dead_code)]
-
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -50,8 +47,7 @@ pub const PATIENCE: Duration = Duration::from_secs(20);
 // The order app
 // ---------------------------------------------------------------------------------------------
 
-#[path = "../sqlite_orders/mod.rs"]
-mod sqlite_orders;
+use crate::support::sqlite_orders;
 use sqlite_orders::{insert_order, orders_store_in_a_temp_dir};
 
 /// The order app on 127.0.0.1, over a SQLite file in a temp dir.

@@ -9,9 +9,6 @@
 //! `/usr/lib/postgresql/<version>/bin`), so a machine without them reports the tests as
 //! ignored, with the reason.
 
-// Each test binary uses a different part of it.
-#![allow(dead_code)]
-
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;

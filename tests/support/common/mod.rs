@@ -5,9 +5,6 @@
 //! Each test customises the layer (a closure over it) and the handler's behaviour (a [`Hook`]
 //! run after the order row is inserted, while the transaction is open).
 
-// Every test binary compiles this module and uses a different part of it.
-#![allow(dead_code)]
-
 pub mod server_backed;
 
 use std::convert::Infallible;
@@ -49,16 +46,13 @@ pub const SHOP_B: &str = "shop-b-token";
 /// A generous bound for anything a test waits for: reached only when the test fails.
 pub const PATIENCE: Duration = Duration::from_secs(10);
 
-#[path = "../apps/process.rs"]
-mod example_process;
-#[path = "../splitmix/mod.rs"]
-mod splitmix;
-#[path = "../sqlite_orders/mod.rs"]
-pub mod sqlite_orders;
+use crate::support::apps::process as example_process;
+use crate::support::splitmix;
+pub use crate::support::sqlite_orders;
 
 /// What the order handler knows when it calls the hook: its order row is already inserted,
 /// inside the open idempotency transaction `tx` (a [`SqliteTransaction`] here, a
-/// `PostgresTransaction` in `tests/pg_common`).
+/// `PostgresTransaction` in `tests/support/pg_common`).
 #[derive(Clone, Debug)]
 pub struct OrderCallOf<T> {
     pub tenant: String,
@@ -1132,21 +1126,13 @@ pub async fn orders(store: &SqliteStore) -> Vec<(i64, String, String, i64)> {
         .expect("orders")
 }
 
-/// Runs SQL (DDL such as triggers) through the store's writer.
-pub async fn execute(store: &SqliteStore, sql: &'static str) {
-    store
-        .write(move |tx| tx.execute_batch(sql))
-        .await
-        .expect("execute");
-}
-
 // ----- the example app as a child process (crash and multi-process tests) -----
 
 /// The `orders` example as real processes on a SQLite file, and a client that tolerates a
 /// server that dies under it.
 pub mod process {
     use std::net::SocketAddr;
-    use std::path::{Path, PathBuf};
+    use std::path::Path;
     use std::time::Duration;
 
     use bytes::Bytes;
@@ -1157,14 +1143,6 @@ pub mod process {
 
     pub use super::example_process::*;
     use super::{Post, Reply};
-
-    /// How long building the example may take (a cold build on a small machine).
-    const BUILD_PATIENCE: Duration = Duration::from_secs(900);
-
-    /// The `orders` example binary, up to date (see [`build_example`]).
-    pub fn orders_binary() -> PathBuf {
-        example_binary("orders")
-    }
 
     /// `orders --addr 127.0.0.1:0 --db <file>` (or another order app), a child process killed
     /// when dropped.

@@ -1,6 +1,6 @@
 //! What the test databases on a server (PostgreSQL on either driver, MySQL) share: the order
 //! app served on a store the test opened, the fresh name of a database or schema, and its
-//! removal when dropped (`tests/pg_common`, `tests/mysql_common`).
+//! removal when dropped (`tests/support/pg_common`, `tests/support/mysql_common`).
 
 use std::collections::BTreeSet;
 use std::convert::Infallible;

@@ -5,9 +5,6 @@
 //! script sets `mysql_tests` when `TEST_MYSQL_URL` is set), so that `cargo test` on a machine
 //! without the server reports those tests as ignored.
 
-// Every test binary compiles this module and uses a different part of it.
-#![allow(dead_code)]
-
 use std::str::FromStr;
 
 use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
@@ -15,8 +12,8 @@ use sqlx::{Connection as _, Executor as _, MySqlConnection, Row as _};
 use tower_idempotency::store::sqlx_mysql::{SqlxMySqlStore, SqlxTransaction};
 use tower_idempotency::Tenant;
 
-use crate::common::server_backed::{run_on_a_thread_of_its_own, FreshName};
-use crate::common::InsertOrder;
+use crate::support::common::server_backed::{run_on_a_thread_of_its_own, FreshName};
+use crate::support::common::InsertOrder;
 
 /// The business table of the MySQL order app (the same as the example's).
 pub const ORDERS_SCHEMA: &str = "CREATE TABLE IF NOT EXISTS orders (

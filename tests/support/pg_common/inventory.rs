@@ -16,9 +16,6 @@
 //! [`InventoryProcess`] is the example itself (`inventory --database-url ...`) as a child
 //! process, for the tests that need no fault injection.
 
-// Not every test that includes this file uses all of it.
-#![allow(dead_code)]
-
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
@@ -37,8 +34,8 @@ use tower_idempotency::outbox::{Processed, Receipt, EVENT_TOPIC};
 use tower_idempotency::store::postgres::{PostgresStore, PostgresTransaction};
 use tower_idempotency::{IdempotencyLayer, IDEMPOTENCY_KEY};
 
-use crate::common::{Post, Reply, Serving, PATIENCE};
-use crate::pg_common::TestDb;
+use crate::support::common::{Post, Reply, Serving, PATIENCE};
+use crate::support::pg_common::TestDb;
 
 /// The receiver's own tables, next to `inbox_events`.
 pub const INVENTORY_SCHEMA: &str = "
@@ -72,8 +69,7 @@ pub enum Mode {
 }
 
 /// The deliveries' log, shared with the SQLite end-to-end tests.
-#[path = "../relay_scenarios/delivery_log.rs"]
-mod delivery_log;
+use crate::support::relay_scenarios::delivery_log;
 pub use delivery_log::Delivery;
 use delivery_log::{event_id_header, log_answer, DeliveryLog};
 
@@ -338,7 +334,7 @@ fn reply(status: StatusCode, body: Value) -> Response {
     (status, Json(body)).into_response()
 }
 
-use crate::common::process;
+use crate::support::common::process;
 
 /// `inventory --addr 127.0.0.1:0 ARGS...` (the example), a child process killed when dropped,
 /// with its stdout lines (one per delivery) readable by the test.

@@ -5,10 +5,7 @@
 //! Every test that uses it is marked `#[cfg_attr(not(pg_tests), ignore = ...)]` (the build
 //! script sets `pg_tests` when `TEST_DATABASE_URL` is set), so that `cargo test` on a machine
 //! without PostgreSQL reports those tests as ignored. The client side (requests, replies)
-//! is the one of `tests/common`.
-
-// Every test binary compiles this module and uses a different part of it.
-#![allow(dead_code)]
+//! is the one of `tests/support/common`.
 
 use std::future::Future;
 
@@ -19,9 +16,10 @@ use tower_idempotency::store::postgres::tokio_postgres::{self, NoTls};
 use tower_idempotency::store::postgres::{PostgresOptions, PostgresStore, PostgresTransaction};
 use tower_idempotency::Tenant;
 
-use crate::common::server_backed::{run_on_a_thread_of_its_own, FreshName, OrderServer};
-use crate::common::{hook_for, AppBuilder, AppOf, HookFor, InsertOrder, OrderCallOf, Outcome};
+use crate::support::common::server_backed::{run_on_a_thread_of_its_own, FreshName, OrderServer};
+use crate::support::common::{hook_for, AppBuilder, HookFor, InsertOrder, OrderCallOf, Outcome};
 
+pub mod inventory;
 pub mod sqlx_app;
 
 /// The business table of the PostgreSQL order app (the same as the example's).
@@ -283,9 +281,6 @@ pub fn hook<Fut: Future<Output = HookOutcome> + Send + 'static>(
 ) -> Hook {
     hook_for(f)
 }
-
-/// The state shared by the app's handlers and the test.
-pub type App = AppOf<PostgresTransaction, HookOutcome>;
 
 type CustomiseStore = Box<dyn FnOnce(PostgresOptions) -> PostgresOptions + Send>;
 

@@ -11,8 +11,8 @@ use tower_idempotency::store::sqlx_postgres::{SqlxPostgresStore, SqlxTransaction
 use tower_idempotency::Tenant;
 
 use super::{HookOutcome, TestDb};
-use crate::common::server_backed::OrderServer;
-use crate::common::{AppBuilder, AppOf, HookFor, InsertOrder, OrderCallOf};
+use crate::support::common::server_backed::OrderServer;
+use crate::support::common::{AppBuilder, HookFor, InsertOrder, OrderCallOf};
 
 impl TestDb {
     /// A sqlx pool of at most `max` connections on this schema, marked with its name (the
@@ -79,7 +79,6 @@ impl InsertOrder for SqlxTransaction {
 /// What the sqlx app's handler tells its hook.
 pub type SqlxOrderCall = OrderCallOf<SqlxTransaction>;
 pub type SqlxHook = HookFor<SqlxOrderCall, HookOutcome>;
-pub type SqlxApp = AppOf<SqlxTransaction, HookOutcome>;
 
 /// What only the sqlx app takes: nothing yet (the tests' pool sizes are fixed).
 #[derive(Default)]

@@ -2,9 +2,6 @@
 //! with and what the receiver answered. Shared by the logging proxy in front of the inventory
 //! example and the PostgreSQL test receiver.
 
-// Not every test that includes this file uses all of it.
-#![allow(dead_code)]
-
 use std::sync::{Arc, Mutex};
 
 use axum::response::Response;

@@ -2,8 +2,7 @@
 //! outbox: a relay killed after the receiver accepted an event (and the next relay that
 //! delivers it again), and two relays sharing the work.
 
-// Not every test that includes this file uses all of it.
-#![allow(dead_code)]
+pub mod delivery_log;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -21,7 +20,7 @@ use tower_idempotency::outbox::{
     sink_fn, EventId, EventStatus, HttpSink, Outbox, OutboxBackend, OutboxEvent, Relay,
 };
 
-use crate::common::{post, PATIENCE, SHOP_A};
+use crate::support::common::{post, PATIENCE, SHOP_A};
 
 /// The sinks of these tests: POSTs over hyper-util's client.
 pub type Http = HttpSink<Client<HttpConnector, RequestBody>, RequestBody>;

@@ -2,9 +2,6 @@
 //! the file's write lock, and a trigger that makes saving an idempotency record fail after the
 //! handler's own rows were written.
 
-// Not every test that includes this file uses all of it.
-#![allow(dead_code)]
-
 use std::path::PathBuf;
 use std::sync::mpsc;
 use std::thread::JoinHandle;

@@ -1,9 +1,6 @@
 //! The `orders` table of the test apps on SQLite: its schema, and the insert each app's
 //! handler makes through the request's idempotency transaction.
 
-// Not every test that includes this file uses all of it.
-#![allow(dead_code)]
-
 use std::future::Future;
 
 use tower_idempotency::store::sqlite::{SqliteStore, SqliteTransaction};
