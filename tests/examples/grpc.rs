@@ -1,5 +1,5 @@
-//! The gRPC order app of the example (`tests/support/apps/grpc_orders.rs`, as in
-//! `examples/grpc_orders.rs`) served in-process by tonic, called over real HTTP/2 on loopback
+//! The gRPC order app of the example (`examples/grpc/app.rs`, the module `examples/grpc_orders.rs`
+//! serves) served in-process by tonic, called over real HTTP/2 on loopback
 //! with the generated tonic client: replays, conflicts, concurrent duplicates, rollbacks and
 //! the layer's rejections as gRPC statuses. Also runs the example's `--demo` as a process, and
 //! checks that the checked-in generated code is what `proto/orders.proto` generates today.
@@ -144,7 +144,7 @@ impl Setup {
     async fn spawn(self) -> GrpcServer {
         let dir = tempfile::tempdir().expect("temp dir");
         let db_path = dir.path().join("orders.db");
-        let store = app::open_store(&db_path).await.expect("open store");
+        let store = app::order_table::open_store(&db_path).await.expect("open store");
         let create_calls = Arc::new(AtomicUsize::new(0));
         let fail_next_flaky = Arc::new(AtomicBool::new(false));
         let orders = TestOrders {
@@ -164,7 +164,7 @@ impl Setup {
         };
         let task = if self.auth {
             tokio::spawn(async move {
-                app::serve_on(listener, layer, orders, shutdown)
+                app::serve_with(listener, layer, orders, shutdown)
                     .await
                     .expect("serve");
             })
@@ -657,7 +657,7 @@ async fn a_single_wrapped_service_can_be_added_to_the_server() {
     use tower::Layer;
 
     let dir = tempfile::tempdir().expect("temp dir");
-    let store = app::open_store(&dir.path().join("orders.db"))
+    let store = app::order_table::open_store(&dir.path().join("orders.db"))
         .await
         .expect("open store");
     let service = app::idempotency_layer(store.clone())
