@@ -144,7 +144,9 @@ impl Setup {
     async fn spawn(self) -> GrpcServer {
         let dir = tempfile::tempdir().expect("temp dir");
         let db_path = dir.path().join("orders.db");
-        let store = app::order_table::open_store(&db_path).await.expect("open store");
+        let store = app::order_table::open_store(&db_path)
+            .await
+            .expect("open store");
         let create_calls = Arc::new(AtomicUsize::new(0));
         let fail_next_flaky = Arc::new(AtomicBool::new(false));
         let orders = TestOrders {

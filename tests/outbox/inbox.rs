@@ -13,7 +13,6 @@
 
 use crate::support::backend;
 
-
 use std::time::{Duration, SystemTime};
 
 use backend::{Apply, Backend, EFFECTS, FAILURE};

@@ -12,8 +12,8 @@
 //!   exactly once between them.
 
 use crate::support::common;
-use crate::support::relay_scenarios::delivery_log;
 use crate::support::relay_scenarios;
+use crate::support::relay_scenarios::delivery_log;
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};

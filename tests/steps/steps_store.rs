@@ -734,7 +734,6 @@ macro_rules! steps_store_tests {
     (@tests $make:expr; [$($attr:tt)*];) => {};
 }
 
-
 mod sqlite {
     use tower_idempotency::store::sqlite::{rusqlite, SqliteStore};
 
