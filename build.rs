@@ -45,7 +45,7 @@ fn main() {
     println!("cargo::rerun-if-changed=/usr/lib/postgresql");
     if let Some(bindir) = postgres_bindir() {
         println!("cargo::rustc-cfg=pg_cluster_tests");
-        // The tests start the servers from here (`tests/cluster/mod.rs`).
+        // The tests start the servers from here (`tests/support/cluster/mod.rs`).
         println!("cargo::rustc-env=PG_CLUSTER_BINDIR={}", bindir.display());
     }
 }

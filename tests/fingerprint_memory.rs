@@ -13,6 +13,7 @@ use tower_idempotency::fingerprint::Fingerprinter;
 #[global_allocator]
 static ALLOC: dhat::Alloc = dhat::Alloc;
 
+#[path = "support/json_bodies/mod.rs"]
 mod json_bodies;
 
 use json_bodies::{array_of_objects, flat_object, large_string};

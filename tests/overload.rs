@@ -8,7 +8,10 @@
 //!
 //! The tests here measure this process's peak memory, so they run one at a time.
 
-mod common;
+#[path = "support/mod.rs"]
+mod support;
+
+use support::common;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

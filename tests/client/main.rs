@@ -1,0 +1,9 @@
+//! The client-side retry layer: its policy against a scripted server, and the article's
+//! scenarios against the real order app through a lossy proxy.
+
+#[macro_use]
+#[path = "../support/mod.rs"]
+mod support;
+
+mod client_policy;
+mod client_scenarios;

@@ -1,0 +1,14 @@
+//! Concurrency: duplicates in flight and waits bounded by the lock timeout on every store, the
+//! in-flight policy across instances, and SQLite's writer: group commit and the isolation of
+//! each request in it, the writer thread, and transactions run in place.
+
+#[macro_use]
+#[path = "../support/mod.rs"]
+mod support;
+
+mod concurrency;
+mod group_commit;
+mod group_isolation;
+mod in_flight_instances;
+mod write_in_place;
+mod writer_thread;

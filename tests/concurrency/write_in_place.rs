@@ -1,0 +1,373 @@
+//! On SQLite, a request whose writer is idle runs its whole transaction in place, on its own
+//! task (`SqliteOptions::write_in_place`, on by default); requests that arrive while the writer
+//! is busy queue for the writer thread and share a group commit. These tests pin which thread
+//! runs a request, and that the guarantees of the writer thread hold in place too.
+
+use crate::support::common;
+
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
+
+use common::{hook, post, HeldHandler, HookOutcome, TestServer, PATIENCE, SHOP_A};
+use http::StatusCode;
+use tower_idempotency::fingerprint::Fingerprint;
+use tower_idempotency::response::SavedResponse;
+use tower_idempotency::store::sqlite::SqliteStore;
+use tower_idempotency::store::{IdempotencyStore, NewRecord, Reservation, RunOutcome, Scope};
+use tower_idempotency::{key::IdempotencyKey, Error};
+
+const BOOK: &str = r#"{"sku":"book","quantity":1}"#;
+const WRITER_THREAD: &str = "tower-idempotency-sqlite-writer";
+
+/// The writer thread leaves the writer idle (for a request to run in place) a moment after
+/// its last job: wait that moment.
+async fn until_the_writer_is_idle() {
+    tokio::time::sleep(Duration::from_millis(20)).await;
+}
+
+/// Whether the current thread is a SQLite store's writer thread.
+fn on_writer_thread() -> bool {
+    std::thread::current().name() == Some(WRITER_THREAD)
+}
+
+/// Per key: whether its handler and its statement ran on the writer thread.
+type Threads = Arc<Mutex<Vec<(String, bool, bool)>>>;
+
+fn thread_recorder(threads: Threads) -> common::Hook {
+    hook(move |call| {
+        let threads = threads.clone();
+        async move {
+            let handler = on_writer_thread();
+            let statement = call.tx.run(|_conn| Ok(on_writer_thread())).await;
+            let key = call.key.clone().unwrap_or_default();
+            if let Ok(mut threads) = threads.lock() {
+                threads.push((key, handler, statement.unwrap_or(true)));
+            }
+            HookOutcome::default()
+        }
+    })
+}
+
+/// A lone request runs its handler and statements on its own task, not on the writer
+/// thread; with `write_in_place(false)` on the writer thread, as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lone_request_runs_on_its_own_task_unless_turned_off() {
+    for in_place in [true, false] {
+        let threads = Threads::default();
+        let server = TestServer::builder()
+            .store_options(move |options| options.write_in_place(in_place))
+            .hook(thread_recorder(threads.clone()))
+            .spawn()
+            .await;
+
+        // The first lookup opens the reader connection the later ones reuse in place.
+        let warm_up = post(server.addr, Some(SHOP_A), Some("warm-up"), BOOK, &[]).await;
+        assert_eq!(warm_up.status, StatusCode::CREATED, "{warm_up:?}");
+        threads.lock().map(|mut t| t.clear()).unwrap_or_default();
+        for key in ["k1", "k2", "k3"] {
+            until_the_writer_is_idle().await;
+            let reply = post(server.addr, Some(SHOP_A), Some(key), BOOK, &[]).await;
+            assert_eq!(reply.status, StatusCode::CREATED, "{reply:?}");
+        }
+        let replay = post(server.addr, Some(SHOP_A), Some("k1"), BOOK, &[]).await;
+        assert!(replay.replayed(), "{replay:?}");
+
+        let threads = threads.lock().map(|t| t.clone()).unwrap_or_default();
+        assert_eq!(threads.len(), 3, "{threads:?}");
+        for (key, handler, statement) in threads {
+            assert_eq!(handler, !in_place, "in_place={in_place}: {key}'s handler");
+            assert_eq!(
+                statement, !in_place,
+                "in_place={in_place}: {key}'s statement"
+            );
+        }
+        assert_eq!(server.order_count().await, 4);
+        assert_eq!(server.record_count().await, 4);
+    }
+}
+
+/// While a request holds the writer in place (awaiting inside its transaction), requests
+/// with other keys queue for the writer thread and commit once it is done, and a duplicate
+/// of its key waits for it and gets its replay: the handler runs once per key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_arriving_meanwhile_queue_and_the_duplicate_waits() {
+    let slow_handler = HeldHandler::default();
+    let threads = Threads::default();
+    let server = TestServer::with_hook({
+        let (slow_handler, record) = (slow_handler.clone(), thread_recorder(threads.clone()));
+        hook(move |call| {
+            let (slow_handler, record) = (slow_handler.clone(), record.clone());
+            async move {
+                if call.key.as_deref() == Some("slow") {
+                    slow_handler.hold().await;
+                }
+                record(call).await
+            }
+        })
+    })
+    .await;
+    let addr = server.addr;
+    let warm_up = post(addr, Some(SHOP_A), Some("warm-up"), BOOK, &[]).await;
+    assert_eq!(warm_up.status, StatusCode::CREATED, "{warm_up:?}");
+    threads.lock().map(|mut t| t.clear()).unwrap_or_default();
+    until_the_writer_is_idle().await;
+    let slow = tokio::spawn(async move { post(addr, Some(SHOP_A), Some("slow"), BOOK, &[]).await });
+    slow_handler.started().await;
+
+    let mut others = Vec::new();
+    for key in ["slow", "a", "b", "c"] {
+        others.push(tokio::spawn(async move {
+            post(addr, Some(SHOP_A), Some(key), BOOK, &[]).await
+        }));
+    }
+    // They queue behind the open transaction (only the warm-up order is committed).
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(server.order_count().await, 1);
+    assert!(server.store.writers_waiting() >= 1);
+    slow_handler.release();
+
+    let first = slow.await.expect("the slow request");
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    let mut replies = Vec::new();
+    for other in others {
+        replies.push(other.await.expect("a queued request"));
+    }
+    let duplicate = &replies[0];
+    assert!(duplicate.replayed(), "{duplicate:?}");
+    assert_eq!(duplicate.order_id(), first.order_id());
+    for reply in &replies[1..] {
+        assert_eq!(reply.status, StatusCode::CREATED, "{reply:?}");
+        assert!(!reply.replayed(), "{reply:?}");
+    }
+    assert_eq!(server.app.handler_calls(), 5);
+    assert_eq!(server.order_count().await, 5);
+    assert_eq!(server.record_count().await, 5);
+
+    let threads = threads.lock().map(|t| t.clone()).unwrap_or_default();
+    let slow_ran = threads.iter().find(|(key, ..)| key == "slow");
+    assert_eq!(slow_ran.map(|(_, h, s)| (*h, *s)), Some((false, false)));
+    // Those that queued ran on the writer thread, where they share a commit.
+    assert!(
+        threads
+            .iter()
+            .any(|(key, handler, _)| key != "slow" && *handler),
+        "{threads:?}"
+    );
+}
+
+/// A store on a new file in a temp dir (kept while the returned directory lives).
+async fn store_in_a_temp_dir() -> (tempfile::TempDir, SqliteStore) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let store = SqliteStore::open(dir.path().join("in-place.db"))
+        .await
+        .expect("store");
+    (dir, store)
+}
+
+fn scope(key: &str) -> Scope {
+    let key = IdempotencyKey::parse(key.as_bytes(), 128).expect("a valid key");
+    Scope::new("shop-a", "create_order", key)
+}
+
+fn record() -> NewRecord {
+    let now = SystemTime::now();
+    let response = SavedResponse::new(StatusCode::CREATED, Vec::new(), Bytes::new());
+    NewRecord::new(
+        Fingerprint::new(1, [7; 32]),
+        response,
+        now,
+        now + Duration::from_secs(3600),
+    )
+}
+
+/// A store call that would wait for the writer, made from inside a request that holds it in
+/// place, fails at once instead of waiting for the request's own end; so does a nested
+/// request on the same store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_that_wait_for_the_writer_fail_at_once_inside_a_request_in_place() {
+    let (_dir, store) = store_in_a_temp_dir().await;
+    let inner = store.clone();
+    until_the_writer_is_idle().await;
+    let ran = tokio::time::timeout(
+        PATIENCE,
+        store.begin_and_run(
+            &scope("outer"),
+            PATIENCE,
+            SystemTime::now(),
+            move |reservation| async move {
+                let on_writer = reservation
+                    .handle()
+                    .run(|_conn| Ok(on_writer_thread()))
+                    .await;
+                let write = inner.write(|_tx| Ok(())).await;
+                let nested = inner
+                    .begin_and_run(
+                        &scope("inner"),
+                        PATIENCE,
+                        SystemTime::now(),
+                        |reservation| async move { reservation.rollback().await },
+                    )
+                    .await;
+                let _ = reservation.rollback().await;
+                (on_writer, write, nested.map(|_| ()))
+            },
+        ),
+    )
+    .await
+    .expect("answered without waiting for its own end");
+    let Ok(RunOutcome::Ran {
+        output: (on_writer, write, nested),
+        ..
+    }) = ran
+    else {
+        panic!("the outer request ran: {ran:?}");
+    };
+    assert!(
+        matches!(on_writer, Ok(false)),
+        "ran in place: {on_writer:?}"
+    );
+    assert!(matches!(write, Err(Error::InsideRequest(_))), "{write:?}");
+    assert!(matches!(nested, Err(Error::InsideRequest(_))), "{nested:?}");
+    // The writer is free again.
+    store
+        .write(|tx| tx.execute_batch("CREATE TABLE after (id INTEGER)"))
+        .await
+        .expect("a write after the request");
+}
+
+/// A request in place that is dropped mid-transaction (its client went away) rolls back
+/// its rows and gives the writer back: the next request runs and commits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_request_in_place_rolls_back_and_frees_the_writer() {
+    let (_dir, store) = store_in_a_temp_dir().await;
+    store
+        .write(|tx| tx.execute_batch("CREATE TABLE items (name TEXT NOT NULL)"))
+        .await
+        .expect("schema");
+    let inserted = Arc::new(OnceLock::new());
+    until_the_writer_is_idle().await;
+    let dropped = tokio::time::timeout(
+        Duration::from_millis(200),
+        store.begin_and_run(&scope("dropped"), PATIENCE, SystemTime::now(), {
+            let inserted = inserted.clone();
+            move |reservation| async move {
+                let insert = reservation
+                    .handle()
+                    .run(|conn| {
+                        conn.execute("INSERT INTO items VALUES ('lost')", [])?;
+                        Ok(on_writer_thread())
+                    })
+                    .await;
+                let _ = inserted.set(insert);
+                std::future::pending::<()>().await;
+                drop(reservation);
+            }
+        }),
+    )
+    .await;
+    assert!(dropped.is_err(), "the request was still running");
+    assert!(
+        matches!(inserted.get(), Some(Ok(false))),
+        "inserted in place: {inserted:?}"
+    );
+
+    let next = tokio::time::timeout(
+        PATIENCE,
+        store.begin_and_run(
+            &scope("next"),
+            PATIENCE,
+            SystemTime::now(),
+            |reservation| async move {
+                reservation
+                    .handle()
+                    .run(|conn| conn.execute("INSERT INTO items VALUES ('kept')", []))
+                    .await?;
+                reservation.commit(record()).await
+            },
+        ),
+    )
+    .await
+    .expect("the writer was given back");
+    assert!(
+        matches!(next, Ok(RunOutcome::Ran { output: Ok(()), .. })),
+        "{next:?}"
+    );
+    let names = store
+        .read(|conn| {
+            let mut select = conn.prepare("SELECT name FROM items")?;
+            let names = select.query_map([], |row| row.get::<_, String>(0))?;
+            names.collect::<Result<Vec<_>, _>>()
+        })
+        .await
+        .expect("read");
+    assert_eq!(names, ["kept"]);
+}
+
+/// Under `InFlight::Reject`, a duplicate of a request running in place gets `409` at once,
+/// as on a cold server (where the request runs on the writer thread), however the first
+/// request's handler spends its time: awaiting, or in a slow statement of its own (which
+/// blocks the thread it runs on). On a runtime of one worker the duplicate waited for the
+/// whole first request (its connection was not even accepted) and then got the replay; with
+/// more workers, when the accept loop sat in the blocked worker's LIFO slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+async fn a_duplicate_of_a_request_running_in_place_is_409_at_once_under_reject() {
+    duplicate_of_a_slow_request_is_409_at_once().await;
+}
+
+/// The same on a current-thread runtime, which has no other thread to take over while a
+/// statement blocks: requests there run on the writer thread, not in place.
+#[tokio::test]
+async fn a_duplicate_of_a_slow_request_on_a_current_thread_runtime_is_409_at_once() {
+    duplicate_of_a_slow_request_is_409_at_once().await;
+}
+
+async fn duplicate_of_a_slow_request_is_409_at_once() {
+    for slow_statement in [false, true] {
+        let server = TestServer::builder()
+            .layer(|layer| layer.with_in_flight(tower_idempotency::InFlight::Reject))
+            .hook(hook(move |call| async move {
+                if call.key.as_deref() == Some("slow") {
+                    if slow_statement {
+                        let slept = call
+                            .tx
+                            .run(|_conn| {
+                                std::thread::sleep(Duration::from_secs(3));
+                                Ok(())
+                            })
+                            .await;
+                        assert!(slept.is_ok(), "{slept:?}");
+                    } else {
+                        tokio::time::sleep(Duration::from_secs(3)).await;
+                    }
+                }
+                HookOutcome::default()
+            }))
+            .spawn()
+            .await;
+        let addr = server.addr;
+        let warm_up = post(addr, Some(SHOP_A), Some("warm-up"), BOOK, &[]).await;
+        assert_eq!(warm_up.status, StatusCode::CREATED, "{warm_up:?}");
+        until_the_writer_is_idle().await;
+        let first =
+            tokio::spawn(async move { post(addr, Some(SHOP_A), Some("slow"), BOOK, &[]).await });
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        let started = std::time::Instant::now();
+        let duplicate = post(addr, Some(SHOP_A), Some("slow"), BOOK, &[]).await;
+        let waited = started.elapsed();
+        assert_eq!(
+            duplicate.status,
+            StatusCode::CONFLICT,
+            "slow_statement={slow_statement}: {duplicate:?}"
+        );
+        assert_eq!(duplicate.error_code(), "request_in_flight");
+        assert!(
+            waited < Duration::from_millis(1000),
+            "slow_statement={slow_statement}: answered after {waited:?}"
+        );
+        let first = first.await.expect("the first request");
+        assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+        assert_eq!(server.app.handler_calls(), 2);
+    }
+}

@@ -1,0 +1,18 @@
+//! The contract of DESIGN.md §1 over real HTTP on every store, the stores' own contract, hostile
+//! input, limits, the IETF draft's statuses, what the `metrics` feature records, the layer around
+//! a plain hyper service, SQLite's store beside another process, and the property tests of the
+//! canonical JSON and the key parser.
+
+#[macro_use]
+#[path = "../support/mod.rs"]
+mod support;
+
+mod canonical_props;
+mod contract;
+mod hostile;
+mod hyper_service;
+mod ietf_draft;
+mod limits;
+mod metrics;
+mod sqlite_store;
+mod store_contract;

@@ -1,0 +1,14 @@
+//! The example programs as a user runs them (processes on loopback: orders, payments, checkout,
+//! hyper, the order examples on the SQL servers, the admin tool) and the gRPC example's app.
+
+#[macro_use]
+#[path = "../support/mod.rs"]
+mod support;
+
+mod admin_cli;
+mod checkout_example;
+mod example_processes;
+mod grpc;
+mod hyper_example;
+mod orders_example;
+mod payments_example;

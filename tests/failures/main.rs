@@ -1,0 +1,14 @@
+//! Failures: rollbacks on every store, the example SIGKILLed under load, store faults under a
+//! running server, several processes on one SQLite file, a PostgreSQL primary failover, and
+//! the handler's own serialization failures and deadlocks on PostgreSQL.
+
+#[macro_use]
+#[path = "../support/mod.rs"]
+mod support;
+
+mod crash;
+mod multi_process;
+mod postgres_failover;
+mod postgres_handler_conflicts;
+mod rollback;
+mod store_faults;

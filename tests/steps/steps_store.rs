@@ -1,0 +1,1011 @@
+//! The contract of [`StepStore`], written once as generic functions and run against every
+//! backend by `steps_store_tests!`: SQLite in a temp dir, PostgreSQL (the tokio-postgres store
+//! and the sqlx store) in a schema of its own when `TEST_DATABASE_URL` is set, and MySQL or
+//! MariaDB (the sqlx store) in a database of its own when `TEST_MYSQL_URL` is set (reported as
+//! ignored otherwise).
+//!
+//! Time is given to every call (`now`), so leases run out without waiting.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
+use http::header;
+use http::{HeaderValue, StatusCode};
+use serde_json::json;
+use tower_idempotency::fingerprint::Fingerprint;
+use tower_idempotency::response::SavedResponse;
+use tower_idempotency::steps::__private::{
+    Acquired, Claim, Lease, SavedRequest, StepKind, StepRow,
+};
+use tower_idempotency::steps::{ProgressStatus, Resolution, StepStore};
+use tower_idempotency::store::{Begin, IdempotencyStore, NewRecord, Reservation, Scope};
+use tower_idempotency::{key::IdempotencyKey, Error};
+
+const LEASE: Duration = Duration::from_secs(30);
+const HOUR: Duration = Duration::from_secs(3600);
+const LOCK_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A store under test, with what the suite needs beside the trait: a local step that writes a
+/// business row (an order with `sku` = `tag`) and a count of those rows.
+trait Harness {
+    type Store: StepStore;
+
+    fn store(&self) -> &Self::Store;
+
+    /// `run_local` of a closure that inserts an order with `sku` `tag` on the step's own
+    /// transaction, then returns `tag`, or fails after the insert when `fail`.
+    async fn local_order(
+        &self,
+        lease: &Lease,
+        step: &StepRow,
+        tag: &'static str,
+        fail: bool,
+    ) -> Result<String, Error>;
+
+    /// How many orders have `sku` `tag` (committed).
+    async fn orders(&self, tag: &str) -> i64;
+}
+
+fn scope(key: &str) -> Scope {
+    Scope::new(
+        "shop-a",
+        "checkout",
+        IdempotencyKey::parse(key.as_bytes(), 128).expect("valid key"),
+    )
+}
+
+fn fingerprint(seed: u8) -> Fingerprint {
+    Fingerprint::new(1, [seed; 32])
+}
+
+fn request(body: &'static str) -> SavedRequest {
+    SavedRequest::new(
+        "POST".to_owned(),
+        "/checkout?x=1".to_owned(),
+        "content-type: application/json\r\n".to_owned(),
+        Bytes::from_static(body.as_bytes()),
+    )
+}
+
+/// A client's claim of `key` with the payload of `seed` by `owner` at `now`.
+fn claim(key: &str, seed: u8, owner: &str, now: SystemTime) -> Claim {
+    let mut claim = Claim::new(
+        scope(key),
+        fingerprint(seed),
+        Arc::from(owner),
+        now + LEASE,
+        now,
+    );
+    claim.request = Some(request("{\"sku\":\"book\"}"));
+    claim
+}
+
+/// The completer's claim of `key` at `now`, at most `max` attempts.
+fn completer_claim(key: &str, seed: u8, owner: &str, now: SystemTime, max: u32) -> Claim {
+    let mut claim = Claim::new(
+        scope(key),
+        fingerprint(seed),
+        Arc::from(owner),
+        now + LEASE,
+        now,
+    );
+    claim.max_attempts = Some(max);
+    claim
+}
+
+fn lease(key: &str, generation: i64, now: SystemTime) -> Lease {
+    Lease::new(scope(key), generation, now + LEASE, now)
+}
+
+fn foreign(seq: u32, name: &str, result: Option<&str>) -> StepRow {
+    StepRow::new(
+        seq,
+        name.to_owned(),
+        StepKind::Foreign,
+        result.map(str::to_owned),
+    )
+}
+
+fn local(seq: u32, name: &str) -> StepRow {
+    StepRow::new(seq, name.to_owned(), StepKind::Local, None)
+}
+
+fn record(now: SystemTime, seed: u8) -> NewRecord {
+    let response = SavedResponse::new(
+        StatusCode::CREATED,
+        vec![(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        )],
+        Bytes::from(format!("{{\"order_id\":{seed}}}")),
+    );
+    NewRecord::new(fingerprint(seed), response, now, now + HOUR)
+}
+
+/// The generation of an `Owned` outcome, and its steps as `(seq, name, result)`.
+fn owned(acquired: Acquired) -> (i64, Vec<(u32, String, Option<String>)>) {
+    match acquired {
+        Acquired::Owned { generation, steps } => (
+            generation,
+            steps
+                .into_iter()
+                .map(|s| (s.seq, s.name, s.result))
+                .collect(),
+        ),
+        other => panic!("expected Owned, got {other:?}"),
+    }
+}
+
+async fn acquire<H: Harness>(h: &H, claim: &Claim) -> Acquired {
+    h.store().acquire(claim).await.expect("acquire")
+}
+
+fn assert_lease_lost<T: std::fmt::Debug>(result: Result<T, Error>, what: &str) {
+    match result {
+        Err(Error::LeaseLost) => {}
+        other => panic!("{what}: expected LeaseLost, got {other:?}"),
+    }
+}
+
+/// A new key is taken under generation 1; while its lease runs another claim is told it is
+/// held; once the lease has passed another claim takes it over under generation 2, with the
+/// steps saved so far.
+async fn acquire_new_held_and_taken_over<H: Harness>(h: H) {
+    let now = SystemTime::now();
+    let (generation, steps) = owned(acquire(&h, &claim("k", 1, "a", now)).await);
+    assert_eq!((generation, steps.len()), (1, 0));
+    match acquire(&h, &claim("k", 1, "b", now + Duration::from_secs(1))).await {
+        Acquired::Held { until } => {
+            let millis = |t: SystemTime| {
+                t.duration_since(SystemTime::UNIX_EPOCH)
+                    .unwrap()
+                    .as_millis()
+            };
+            assert_eq!(millis(until), millis(now + LEASE));
+        }
+        other => panic!("expected Held, got {other:?}"),
+    }
+    h.store()
+        .save_step(&lease("k", 1, now), &foreign(0, "charge", Some("\"ch_1\"")))
+        .await
+        .expect("save a step");
+    let later = now + LEASE + Duration::from_secs(1);
+    let (generation, steps) = owned(acquire(&h, &claim("k", 1, "b", later)).await);
+    assert_eq!(generation, 2);
+    assert_eq!(
+        steps,
+        [(0, "charge".to_owned(), Some("\"ch_1\"".to_owned()))]
+    );
+    // Each take-over bumps the generation again.
+    let much_later = later + LEASE + Duration::from_secs(1);
+    let (generation, _) = owned(acquire(&h, &claim("k", 1, "c", much_later)).await);
+    assert_eq!(generation, 3);
+}
+
+/// Another payload for a key in progress is a mismatch, held or not.
+async fn another_payload_is_a_mismatch<H: Harness>(h: H) {
+    let now = SystemTime::now();
+    owned(acquire(&h, &claim("k", 1, "a", now)).await);
+    assert!(matches!(
+        acquire(&h, &claim("k", 2, "b", now)).await,
+        Acquired::Mismatch
+    ));
+    let later = now + LEASE + Duration::from_secs(1);
+    assert!(matches!(
+        acquire(&h, &claim("k", 2, "b", later)).await,
+        Acquired::Mismatch
+    ));
+}
+
+/// `finish` saves the final record and deletes the progress: the key is completed for a
+/// client's claim and the completer's, and replayed by the record store.
+async fn finish_completes_the_key<H: Harness>(h: H) {
+    let now = SystemTime::now();
+    owned(acquire(&h, &claim("k", 7, "a", now)).await);
+    let l = lease("k", 1, now);
+    h.store()
+        .save_step(&l, &foreign(0, "charge", Some("1")))
+        .await
+        .expect("save");
+    let saved = record(now, 7);
+    h.store().finish(&l, &saved).await.expect("finish");
+
+    let later = now + Duration::from_secs(1);
+    match acquire(&h, &claim("k", 7, "b", later)).await {
+        Acquired::Completed(found) => {
+            assert!(found.fingerprint.matches(&saved.fingerprint));
+            assert_eq!(found.response, saved.response);
+        }
+        other => panic!("expected Completed, got {other:?}"),
+    }
+    assert!(matches!(
+        acquire(&h, &completer_claim("k", 7, "c", later, 3)).await,
+        Acquired::Completed(_)
+    ));
+    let found = h.store().lookup(&scope("k"), later).await.expect("lookup");
+    assert_eq!(found.expect("the record").response, saved.response);
+    let listed = h
+        .store()
+        .progress(ProgressStatus::Running, None, later, 10)
+        .await
+        .expect("progress");
+    assert!(listed.is_empty(), "the progress is gone: {listed:?}");
+    // The completer's claim of a key that never existed: nothing to resume.
+    assert!(matches!(
+        acquire(&h, &completer_claim("other", 7, "c", later, 3)).await,
+        Acquired::Gone
+    ));
+}
+
+/// A live record of the key answers a new claim (nothing is taken); an expired one gives way
+/// to the key's final record.
+async fn records_live_and_expired<H: Harness>(h: H) {
+    let now = SystemTime::now();
+    // A live record of "live", saved by the plain (one transaction) flow.
+    let Begin::Reserved(tx) = h
+        .store()
+        .begin(&scope("live"), LOCK_TIMEOUT, now)
+        .await
+        .expect("begin")
+    else {
+        panic!("expected a reservation");
+    };
+    tx.commit(record(now, 3)).await.expect("commit");
+    assert!(matches!(
+        acquire(&h, &claim("live", 3, "a", now)).await,
+        Acquired::Completed(_)
+    ));
+    assert!(h
+        .store()
+        .progress(ProgressStatus::Running, None, now, 10)
+        .await
+        .expect("progress")
+        .is_empty());
+
+    // An expired record of "old", from two hours ago.
+    let past = now - 2 * HOUR;
+    let Begin::Reserved(tx) = h
+        .store()
+        .begin(&scope("old"), LOCK_TIMEOUT, past)
+        .await
+        .expect("begin")
+    else {
+        panic!("expected a reservation");
+    };
+    tx.commit(record(past, 4)).await.expect("commit");
+    owned(acquire(&h, &claim("old", 5, "a", now)).await);
+    h.store()
+        .finish(&lease("old", 1, now), &record(now, 5))
+        .await
+        .expect("finish over an expired record");
+    let found = h.store().lookup(&scope("old"), now).await.expect("lookup");
+    assert!(found
+        .expect("the new record")
+        .fingerprint
+        .matches(&fingerprint(5)));
+}
+
+/// Every write under a lease whose key another claim took over is refused, and changes
+/// nothing of the new holder's.
+async fn a_stale_generation_loses_the_lease<H: Harness>(h: H) {
+    let now = SystemTime::now();
+    owned(acquire(&h, &claim("k", 1, "a", now)).await);
+    let later = now + LEASE + Duration::from_secs(1);
+    let (generation, _) = owned(acquire(&h, &claim("k", 1, "b", later)).await);
+    assert_eq!(generation, 2);
+    let stale = lease("k", 1, later);
+
+    assert_lease_lost(
+        h.store()
+            .save_step(&stale, &foreign(0, "charge", None))
+            .await,
+        "save_step",
+    );
+    assert_lease_lost(
+        h.local_order(&stale, &local(0, "insert"), "stale", false)
+            .await,
+        "run_local",
+    );
+    assert_lease_lost(h.store().forget_intent(&stale, 0).await, "forget_intent");
+    assert_lease_lost(
+        h.store()
+            .set_status(&stale, ProgressStatus::InDoubt, "stale")
+            .await,
+        "set_status",
+    );
+    assert_lease_lost(h.store().finish(&stale, &record(later, 1)).await, "finish");
+    assert_lease_lost(h.store().release(&stale).await, "release");
+
+    // Nothing was written: no order, no step, no record, and the key still held by "b".
+    assert_eq!(h.orders("stale").await, 0);
+    assert!(h
+        .store()
+        .lookup(&scope("k"), later)
+        .await
+        .expect("lookup")
+        .is_none());
+    assert!(matches!(
+        acquire(&h, &claim("k", 1, "c", later)).await,
+        Acquired::Held { .. }
+    ));
+    let listed = h
+        .store()
+        .progress(ProgressStatus::Running, None, later, 10)
+        .await
+        .expect("progress");
+    assert_eq!(listed.len(), 1);
+    assert_eq!((listed[0].generation, listed[0].steps), (2, 0));
+    // The new holder's lease still works.
+    h.store()
+        .save_step(&lease("k", 2, later), &foreign(0, "charge", None))
+        .await
+        .expect("the holder saves");
+}
+
+/// A local step's rows and its result commit together; an error rolls both back.
+async fn run_local_commits_or_rolls_back<H: Harness>(h: H) {
+    let now = SystemTime::now();
+    owned(acquire(&h, &claim("k", 1, "a", now)).await);
+    let l = lease("k", 1, now);
+
+    let failed = h.local_order(&l, &local(0, "insert"), "failed", true).await;
+    assert!(failed.is_err(), "the closure's error is returned");
+    assert_eq!(h.orders("failed").await, 0, "its row rolled back");
+    let listed = h
+        .store()
+        .progress(ProgressStatus::Running, None, now, 10)
+        .await
+        .expect("progress");
+    assert_eq!(listed[0].steps, 0, "no step saved");
+
+    let value = h
+        .local_order(&l, &local(0, "insert"), "ok", false)
+        .await
+        .expect("run_local");
+    assert_eq!(value, "ok");
+    assert_eq!(h.orders("ok").await, 1);
+    // A retry resumes with the step's result.
+    let later = now + LEASE + Duration::from_secs(1);
+    let (_, steps) = owned(acquire(&h, &claim("k", 1, "b", later)).await);
+    assert_eq!(steps.len(), 1);
+    assert_eq!((steps[0].0, steps[0].1.as_str()), (0, "insert"));
+    assert!(
+        steps[0].2.as_deref().is_some_and(|r| r.contains("ok")),
+        "{steps:?}"
+    );
+}
+
+/// An intent is saved, settled by its result (which is never overwritten), or forgotten.
+async fn intents_are_settled_or_forgotten<H: Harness>(h: H) {
+    let now = SystemTime::now();
+    owned(acquire(&h, &claim("k", 1, "a", now)).await);
+    let l = lease("k", 1, now);
+    let store = h.store();
+    store
+        .save_step(&l, &foreign(0, "charge", None))
+        .await
+        .expect("intent");
+    store
+        .save_step(&l, &foreign(1, "ship", None))
+        .await
+        .expect("intent");
+    store
+        .save_step(&l, &foreign(0, "charge", Some("\"ch_1\"")))
+        .await
+        .expect("result");
+    // A result stays.
+    store
+        .save_step(&l, &foreign(0, "charge", Some("\"ch_2\"")))
+        .await
+        .expect("second result");
+    store
+        .forget_intent(&l, 0)
+        .await
+        .expect("forget a result (no-op)");
+    store.forget_intent(&l, 1).await.expect("forget the intent");
+
+    let later = now + LEASE + Duration::from_secs(1);
+    let (_, steps) = owned(acquire(&h, &claim("k", 1, "b", later)).await);
+    assert_eq!(
+        steps,
+        [(0, "charge".to_owned(), Some("\"ch_1\"".to_owned()))]
+    );
+}
+
+/// `release` deletes a key without steps (a retry starts afresh, with any payload) and ends
+/// the lease of one with steps (a retry resumes it at once).
+async fn release_deletes_or_frees<H: Harness>(h: H) {
+    let now = SystemTime::now();
+    owned(acquire(&h, &claim("empty", 1, "a", now)).await);
+    h.store()
+        .release(&lease("empty", 1, now))
+        .await
+        .expect("release");
+    let (generation, _) = owned(acquire(&h, &claim("empty", 2, "b", now)).await);
+    assert_eq!(generation, 1, "a new key, with another payload");
+
+    owned(acquire(&h, &claim("begun", 1, "a", now)).await);
+    let l = lease("begun", 1, now);
+    h.store()
+        .save_step(&l, &foreign(0, "charge", None))
+        .await
+        .expect("intent");
+    h.store().release(&l).await.expect("release");
+    let (generation, steps) = owned(acquire(&h, &claim("begun", 1, "b", now)).await);
+    assert_eq!(generation, 2, "taken at once: the lease ended");
+    assert_eq!(steps, [(0, "charge".to_owned(), None)]);
+}
+
+/// A key in doubt answers `InDoubt` to every claim until an operator resolves it: called
+/// again (the intent dropped) or done (the intent settled with the result).
+async fn in_doubt_until_resolved<H: Harness>(h: H) {
+    let now = SystemTime::now();
+    owned(acquire(&h, &claim("k", 1, "a", now)).await);
+    let l = lease("k", 1, now);
+    h.store()
+        .save_step(&l, &foreign(0, "charge", None))
+        .await
+        .expect("intent");
+    h.store()
+        .set_status(&l, ProgressStatus::InDoubt, "charge: timed out")
+        .await
+        .expect("in doubt");
+    let later = now + LEASE + Duration::from_secs(1);
+    assert!(matches!(
+        acquire(&h, &claim("k", 1, "b", now)).await,
+        Acquired::InDoubt
+    ));
+    assert!(matches!(
+        acquire(&h, &completer_claim("k", 1, "c", later, 3)).await,
+        Acquired::InDoubt
+    ));
+    let listed = h
+        .store()
+        .progress(ProgressStatus::InDoubt, None, later, 10)
+        .await
+        .expect("progress");
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].last_error.as_deref(), Some("charge: timed out"));
+    assert_eq!(listed[0].steps, 1);
+    assert_eq!(
+        listed[0].request.body,
+        Bytes::from_static(b"{\"sku\":\"book\"}")
+    );
+    assert_eq!(listed[0].request.uri, "/checkout?x=1");
+
+    // Called again: the intent goes, the key runs again.
+    assert!(h
+        .store()
+        .resolve(&scope("k"), Some(0), &Resolution::CallAgain, later)
+        .await
+        .expect("resolve"));
+    let (generation, steps) = owned(acquire(&h, &claim("k", 1, "b", later)).await);
+    assert_eq!((generation, steps.len()), (2, 0));
+
+    // In doubt again, then done with a result.
+    let l = lease("k", 2, later);
+    h.store()
+        .save_step(&l, &foreign(0, "charge", None))
+        .await
+        .expect("intent");
+    h.store()
+        .set_status(&l, ProgressStatus::InDoubt, "again")
+        .await
+        .expect("in doubt");
+    assert!(h
+        .store()
+        .resolve(
+            &scope("k"),
+            Some(0),
+            &Resolution::Done(json!({ "charge_id": "ch_9" })),
+            later,
+        )
+        .await
+        .expect("resolve"));
+    let (generation, steps) = owned(acquire(&h, &claim("k", 1, "c", later)).await);
+    assert_eq!(generation, 3);
+    assert_eq!(steps.len(), 1);
+    assert!(
+        steps[0].2.as_deref().is_some_and(|r| r.contains("ch_9")),
+        "{steps:?}"
+    );
+    // A key that is not there.
+    assert!(!h
+        .store()
+        .resolve(&scope("missing"), None, &Resolution::CallAgain, later)
+        .await
+        .expect("resolve"));
+}
+
+/// The completer's claims count attempts; past the bound the key is dead (a client's claim
+/// may still take it); an operator's resolution resets the attempts.
+async fn completer_attempts_end_dead<H: Harness>(h: H) {
+    let now = SystemTime::now();
+    owned(acquire(&h, &claim("k", 1, "client", now)).await);
+    let mut at = now;
+    for attempt in 1..=2 {
+        at += LEASE + Duration::from_secs(1);
+        let (generation, _) =
+            owned(acquire(&h, &completer_claim("k", 1, "completer", at, 2)).await);
+        assert_eq!(generation, 1 + attempt);
+    }
+    at += LEASE + Duration::from_secs(1);
+    assert!(matches!(
+        acquire(&h, &completer_claim("k", 1, "completer", at, 2)).await,
+        Acquired::Dead
+    ));
+    assert!(matches!(
+        acquire(&h, &completer_claim("k", 1, "completer", at, 2)).await,
+        Acquired::Dead
+    ));
+    let dead = h
+        .store()
+        .progress(ProgressStatus::Dead, None, at, 10)
+        .await
+        .expect("progress");
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].attempts, 2);
+    assert!(dead[0].last_error.is_some());
+
+    assert!(h
+        .store()
+        .resolve(&scope("k"), None, &Resolution::CallAgain, at)
+        .await
+        .expect("resolve"));
+    let running = h
+        .store()
+        .progress(ProgressStatus::Running, None, at, 10)
+        .await
+        .expect("progress");
+    assert_eq!(running[0].attempts, 0);
+    let (generation, _) = owned(acquire(&h, &completer_claim("k", 1, "completer", at, 2)).await);
+    assert_eq!(generation, 4);
+
+    // A dead key is taken by a client's claim (a retry of the request).
+    owned(acquire(&h, &claim("d", 1, "client", now)).await);
+    let late = now + LEASE + Duration::from_secs(1);
+    assert!(matches!(
+        acquire(&h, &completer_claim("d", 1, "completer", late, 0)).await,
+        Acquired::Dead
+    ));
+    let (generation, _) = owned(acquire(&h, &claim("d", 1, "client", late)).await);
+    assert_eq!(generation, 2);
+}
+
+/// `progress` lists by status, oldest change first, at most `limit`; idle only lists running
+/// keys whose lease has passed and that have not changed since.
+async fn progress_lists_idle_keys<H: Harness>(h: H) {
+    let t0 = SystemTime::now();
+    let second = Duration::from_secs(1);
+    owned(acquire(&h, &claim("a", 1, "o", t0)).await);
+    owned(acquire(&h, &claim("b", 1, "o", t0 + second)).await);
+    owned(acquire(&h, &claim("c", 1, "o", t0 + 2 * second)).await);
+    // "b" changes later (a step saved at t0 + 10 s moves its lease on).
+    let l = lease("b", 1, t0 + 10 * second);
+    h.store()
+        .save_step(&l, &foreign(0, "charge", None))
+        .await
+        .expect("save");
+
+    let names = |listed: &[tower_idempotency::steps::Progress]| {
+        listed
+            .iter()
+            .map(|p| p.scope.key.as_str().to_owned())
+            .collect::<Vec<_>>()
+    };
+    let all = h
+        .store()
+        .progress(ProgressStatus::Running, None, t0, 10)
+        .await
+        .expect("progress");
+    assert_eq!(names(&all), ["a", "c", "b"]);
+    assert_eq!(all[2].steps, 1);
+    let two = h
+        .store()
+        .progress(ProgressStatus::Running, None, t0, 2)
+        .await
+        .expect("progress");
+    assert_eq!(names(&two), ["a", "c"]);
+
+    // Before any lease has passed, nothing is idle.
+    let idle = h
+        .store()
+        .progress(
+            ProgressStatus::Running,
+            Some(t0 + 5 * second),
+            t0 + 5 * second,
+            10,
+        )
+        .await
+        .expect("progress");
+    assert!(idle.is_empty(), "{:?}", names(&idle));
+    // "a" and "c" have passed their leases and not changed since t0 + 5 s; "b" changed later.
+    let now = t0 + LEASE + 5 * second;
+    let idle = h
+        .store()
+        .progress(ProgressStatus::Running, Some(t0 + 5 * second), now, 10)
+        .await
+        .expect("progress");
+    assert_eq!(names(&idle), ["a", "c"]);
+    // Not a key in doubt.
+    h.store()
+        .set_status(
+            &lease("a", 1, t0 + 3 * second),
+            ProgressStatus::InDoubt,
+            "x",
+        )
+        .await
+        .expect("in doubt");
+    let idle = h
+        .store()
+        .progress(ProgressStatus::Running, Some(t0 + 5 * second), now, 10)
+        .await
+        .expect("progress");
+    assert_eq!(names(&idle), ["c"]);
+}
+
+/// Two claims of a new key at the same time: exactly one owns it, the other finds it held.
+async fn concurrent_claims_of_a_new_key<H: Harness>(h: H) {
+    let now = SystemTime::now();
+    let (a, b) = (claim("k", 1, "a", now), claim("k", 1, "b", now));
+    let (first, second) = tokio::join!(h.store().acquire(&a), h.store().acquire(&b));
+    let outcomes = [first.expect("acquire a"), second.expect("acquire b")];
+    let owned = outcomes
+        .iter()
+        .filter(|o| matches!(o, Acquired::Owned { generation: 1, .. }))
+        .count();
+    let held = outcomes
+        .iter()
+        .filter(|o| matches!(o, Acquired::Held { .. }))
+        .count();
+    assert_eq!((owned, held), (1, 1), "{outcomes:?}");
+}
+
+/// A step's statement that waits for a lock another transaction holds gives up (bounded)
+/// with a busy error: here `finish` waits for a request's uncommitted reservation of the same
+/// key in `idempotency_records`. (Not on SQLite, where the reservation holds the writer and
+/// `finish` queues behind it.)
+async fn lock_waits_are_bounded<H: Harness>(h: H) {
+    let now = SystemTime::now();
+    owned(acquire(&h, &claim("k", 1, "a", now)).await);
+    let Begin::Reserved(reservation) = h
+        .store()
+        .begin(&scope("k"), LOCK_TIMEOUT, now)
+        .await
+        .expect("begin")
+    else {
+        panic!("expected a reservation");
+    };
+    let started = std::time::Instant::now();
+    let error = h
+        .store()
+        .finish(&lease("k", 1, now), &record(now, 1))
+        .await
+        .expect_err("finish waits for the reservation, then gives up");
+    assert!(error.is_busy(), "{error:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        started.elapsed()
+    );
+    reservation.rollback().await.expect("rollback");
+    // Nothing was written: the key is still in progress, and finishes now.
+    h.store()
+        .finish(&lease("k", 1, now), &record(now, 1))
+        .await
+        .expect("finish");
+}
+
+macro_rules! steps_store_tests {
+    ($backend:ident, $make:expr $(, #[$attr:meta])?) => {
+        mod $backend {
+            use super::*;
+
+            steps_store_tests!(@tests $make; [$(#[$attr])?];
+                acquire_new_held_and_taken_over,
+                another_payload_is_a_mismatch,
+                finish_completes_the_key,
+                records_live_and_expired,
+                a_stale_generation_loses_the_lease,
+                run_local_commits_or_rolls_back,
+                intents_are_settled_or_forgotten,
+                release_deletes_or_frees,
+                in_doubt_until_resolved,
+                completer_attempts_end_dead,
+                progress_lists_idle_keys,
+                concurrent_claims_of_a_new_key,
+            );
+            // Only on the servers (the backends that come with an `ignore` attribute).
+            $(steps_store_tests!(@tests $make; [#[$attr]]; lock_waits_are_bounded,);)?
+        }
+    };
+    (@tests $make:expr; [$($attr:tt)*]; $name:ident, $($rest:ident,)*) => {
+        $($attr)*
+        #[tokio::test]
+        async fn $name() {
+            // `None`: the backend is not available here.
+            let Some(harness) = $make.await else {
+                return;
+            };
+            super::$name(harness).await;
+        }
+        steps_store_tests!(@tests $make; [$($attr)*]; $($rest,)*);
+    };
+    (@tests $make:expr; [$($attr:tt)*];) => {};
+}
+
+mod sqlite {
+    use tower_idempotency::store::sqlite::{rusqlite, SqliteStore};
+
+    use super::*;
+
+    pub(super) struct Sqlite {
+        store: SqliteStore,
+        _dir: tempfile::TempDir,
+    }
+
+    pub(super) async fn harness() -> Option<Sqlite> {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let store = SqliteStore::open(dir.path().join("store.db"))
+            .await
+            .expect("open");
+        store.install_steps().await.expect("install steps");
+        store
+            .write(|tx| {
+                tx.execute_batch("CREATE TABLE orders (id INTEGER PRIMARY KEY, sku TEXT NOT NULL)")
+            })
+            .await
+            .expect("orders");
+        Some(Sqlite { store, _dir: dir })
+    }
+
+    impl Harness for Sqlite {
+        type Store = SqliteStore;
+
+        fn store(&self) -> &SqliteStore {
+            &self.store
+        }
+
+        async fn local_order(
+            &self,
+            lease: &Lease,
+            step: &StepRow,
+            tag: &'static str,
+            fail: bool,
+        ) -> Result<String, Error> {
+            self.store
+                .run_local(
+                    lease,
+                    step,
+                    move |tx: &rusqlite::Transaction<'_>| {
+                        tx.execute("INSERT INTO orders (sku) VALUES (?1)", [tag])?;
+                        if fail {
+                            return Err(rusqlite::Error::InvalidQuery);
+                        }
+                        Ok(tag.to_owned())
+                    },
+                    |value: &String| Ok(serde_json::to_string(value).expect("json")),
+                )
+                .await
+        }
+
+        async fn orders(&self, tag: &str) -> i64 {
+            let tag = tag.to_owned();
+            self.store
+                .read(move |conn| {
+                    conn.query_row("SELECT count(*) FROM orders WHERE sku = ?1", [tag], |row| {
+                        row.get(0)
+                    })
+                })
+                .await
+                .expect("count")
+        }
+    }
+}
+
+mod postgres {
+    use tower_idempotency::store::postgres::{PostgresStore, PostgresTransaction};
+
+    use super::*;
+    use crate::support::pg_common::TestDb;
+
+    pub(super) struct Pg {
+        store: PostgresStore,
+        db: TestDb,
+    }
+
+    pub(super) async fn harness() -> Option<Pg> {
+        let db = TestDb::create().await?;
+        let store = db.store().await;
+        store.install_steps().await.expect("install steps");
+        Some(Pg { store, db })
+    }
+
+    impl Harness for Pg {
+        type Store = PostgresStore;
+
+        fn store(&self) -> &PostgresStore {
+            &self.store
+        }
+
+        async fn local_order(
+            &self,
+            lease: &Lease,
+            step: &StepRow,
+            tag: &'static str,
+            fail: bool,
+        ) -> Result<String, Error> {
+            self.store
+                .run_local(
+                    lease,
+                    step,
+                    move |tx: PostgresTransaction| async move {
+                        let client = tx.client().await?;
+                        client
+                            .execute(
+                                "INSERT INTO orders (tenant_id, sku, quantity) \
+                                 VALUES ('steps', $1, 1)",
+                                &[&tag],
+                            )
+                            .await?;
+                        if fail {
+                            return Err(Error::Corrupt("the step failed".into()));
+                        }
+                        Ok(tag.to_owned())
+                    },
+                    |value: &String| Ok(serde_json::to_string(value).expect("json")),
+                )
+                .await
+        }
+
+        async fn orders(&self, tag: &str) -> i64 {
+            self.db
+                .value("SELECT count(*) FROM orders WHERE sku = $1", &[&tag])
+                .await
+        }
+    }
+}
+
+mod sqlx_postgres {
+    use tower_idempotency::store::sqlx_postgres::{SqlxPostgresStore, SqlxTransaction};
+
+    use super::*;
+    use crate::support::pg_common::TestDb;
+
+    pub(super) struct SqlxPg {
+        store: SqlxPostgresStore,
+        db: TestDb,
+    }
+
+    pub(super) async fn harness() -> Option<SqlxPg> {
+        let db = TestDb::create().await?;
+        let store = db.sqlx_store(4, 2).await;
+        store.install_steps().await.expect("install steps");
+        Some(SqlxPg { store, db })
+    }
+
+    impl Harness for SqlxPg {
+        type Store = SqlxPostgresStore;
+
+        fn store(&self) -> &SqlxPostgresStore {
+            &self.store
+        }
+
+        async fn local_order(
+            &self,
+            lease: &Lease,
+            step: &StepRow,
+            tag: &'static str,
+            fail: bool,
+        ) -> Result<String, Error> {
+            self.store
+                .run_local(
+                    lease,
+                    step,
+                    move |tx: SqlxTransaction| async move {
+                        let mut conn = tx.acquire().await?;
+                        sqlx::query(
+                            "INSERT INTO orders (tenant_id, sku, quantity) \
+                             VALUES ('steps', $1, 1)",
+                        )
+                        .bind(tag)
+                        .execute(&mut *conn)
+                        .await?;
+                        if fail {
+                            return Err(Error::Corrupt("the step failed".into()));
+                        }
+                        Ok(tag.to_owned())
+                    },
+                    |value: &String| Ok(serde_json::to_string(value).expect("json")),
+                )
+                .await
+        }
+
+        async fn orders(&self, tag: &str) -> i64 {
+            self.db
+                .value("SELECT count(*) FROM orders WHERE sku = $1", &[&tag])
+                .await
+        }
+    }
+}
+
+mod sqlx_mysql {
+    use tower_idempotency::store::sqlx_mysql::{SqlxMySqlStore, SqlxTransaction};
+
+    use super::*;
+    use crate::support::mysql_common::TestDb;
+
+    pub(super) struct MySql {
+        store: SqlxMySqlStore,
+        db: TestDb,
+    }
+
+    pub(super) async fn harness() -> Option<MySql> {
+        let db = TestDb::create().await?;
+        let store = db.store(4).await;
+        store.install_steps().await.expect("install steps");
+        Some(MySql { store, db })
+    }
+
+    impl Harness for MySql {
+        type Store = SqlxMySqlStore;
+
+        fn store(&self) -> &SqlxMySqlStore {
+            &self.store
+        }
+
+        async fn local_order(
+            &self,
+            lease: &Lease,
+            step: &StepRow,
+            tag: &'static str,
+            fail: bool,
+        ) -> Result<String, Error> {
+            self.store
+                .run_local(
+                    lease,
+                    step,
+                    move |tx: SqlxTransaction| async move {
+                        let mut conn = tx.acquire().await?;
+                        sqlx::query(
+                            "INSERT INTO orders (tenant_id, sku, quantity) VALUES ('steps', ?, 1)",
+                        )
+                        .bind(tag)
+                        .execute(&mut *conn)
+                        .await?;
+                        if fail {
+                            return Err(Error::Corrupt("the step failed".into()));
+                        }
+                        Ok(tag.to_owned())
+                    },
+                    |value: &String| Ok(serde_json::to_string(value).expect("json")),
+                )
+                .await
+        }
+
+        async fn orders(&self, tag: &str) -> i64 {
+            // Only a literal of the test's own is formatted in.
+            self.db
+                .count(&format!("SELECT count(*) FROM orders WHERE sku = '{tag}'"))
+                .await
+        }
+    }
+}
+
+steps_store_tests!(sqlite_store, sqlite::harness());
+steps_store_tests!(
+    postgres_store,
+    postgres::harness(),
+    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
+);
+steps_store_tests!(
+    sqlx_postgres_store,
+    sqlx_postgres::harness(),
+    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
+);
+steps_store_tests!(
+    sqlx_mysql_store,
+    sqlx_mysql::harness(),
+    #[cfg_attr(not(mysql_tests), ignore = "needs MySQL or MariaDB: set TEST_MYSQL_URL")]
+);
