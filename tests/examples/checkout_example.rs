@@ -330,7 +330,13 @@ enum Finish {
     Retry,
     /// A restarted process with `--completer` finishes it; the client only retries after.
     Completer,
+    /// Two restarted processes on the same database get 8 retries of the key at once (under a
+    /// short lease, so the killed request's runs out soon).
+    ConcurrentRetries,
 }
+
+/// The lease of [`Finish::ConcurrentRetries`]' processes.
+const SHORT_LEASE: [&str; 2] = ["--lease-ms", "1500"];
 
 /// SIGKILLs a checkout process stopped at `point` in a request, restarts it (and the provider,
 /// if it ran with `provider_flags`) and finishes the key as `finish` says.
@@ -339,8 +345,17 @@ async fn crash_at(store: Store, point: &str, provider_flags: &[&str], finish: Fi
         return;
     };
     let payments = start_payments(&files, provider_flags).await;
-    let mut first =
-        start_checkout(&files, payments.addr, &[], &[("CHECKOUT_PAUSE_AT", point)]).await;
+    let lease: &[&str] = match finish {
+        Finish::ConcurrentRetries => &SHORT_LEASE,
+        _ => &[],
+    };
+    let mut first = start_checkout(
+        &files,
+        payments.addr,
+        lease,
+        &[("CHECKOUT_PAUSE_AT", point)],
+    )
+    .await;
     let addr = first.addr;
     let pending = tokio::spawn(async move { checkout(addr, "k1", ORDER).await });
     paused_at(&mut first, point).await;
@@ -358,9 +373,26 @@ async fn crash_at(store: Store, point: &str, provider_flags: &[&str], finish: Fi
         payments.kill().await;
         start_payments(&files, &[]).await
     };
+    if finish == Finish::ConcurrentRetries {
+        let a = start_checkout(&files, payments.addr, lease, &[]).await;
+        let b = start_checkout(&files, payments.addr, lease, &[]).await;
+        let tasks: Vec<_> = (0..8)
+            .map(|i| {
+                let addr = if i % 2 == 0 { a.addr } else { b.addr };
+                tokio::spawn(async move { retry_until_final(addr, "k1", ORDER).await })
+            })
+            .collect();
+        let mut answers = Vec::new();
+        for task in tasks {
+            answers.push(task.await.unwrap());
+        }
+        answers.push(checkout(b.addr, "k1", ORDER).await.expect("answered"));
+        assert_paid_once(a.addr, payments.addr, &answers).await;
+        return;
+    }
     let flags: &[&str] = match finish {
-        Finish::Retry => &[],
         Finish::Completer => &["--completer"],
+        _ => &[],
     };
     let second = start_checkout(&files, payments.addr, flags, &[]).await;
     if finish == Finish::Completer {
@@ -415,6 +447,23 @@ async fn killed_after_the_last_step_a_retry_finishes_it_once(store: Store) {
 
 async fn killed_after_saving_before_answering_a_retry_replays(store: Store) {
     crash_at(store, "before_response", &[], Finish::Retry).await;
+}
+
+/// Concurrent retries on two processes at each recovery point: after taking the key, after
+/// the order's commit, after the intent, after the provider charged but its answer was lost,
+/// after the answer before its commit, after the last step, after the response was saved.
+async fn concurrent_retries_at_every_recovery_point_charge_once(store: Store) {
+    for (point, provider_flags) in [
+        ("after_claim", &[][..]),
+        ("after_insert", &[]),
+        ("after_intent", &[]),
+        ("after_call", &["--drop-after-charge-rate", "1"]),
+        ("after_call", &[]),
+        ("after_paid", &[]),
+        ("before_response", &[]),
+    ] {
+        crash_at(store, point, provider_flags, Finish::ConcurrentRetries).await;
+    }
 }
 
 async fn the_completer_finishes_a_key_abandoned_after_the_order_committed(store: Store) {
@@ -755,6 +804,7 @@ macro_rules! checkout_tests {
                 a_stalled_owner_past_its_lease_cannot_commit_the_charge_it_got,
                 a_stalled_owner_past_its_lease_cannot_commit_its_intent_nor_call,
                 concurrent_retries_on_two_processes_after_a_kill_charge_once,
+                concurrent_retries_at_every_recovery_point_charge_once,
                 concurrent_first_requests_of_one_key_charge_once,
                 a_declined_card_is_402_on_every_retry_never_charged_and_the_order_declined,
                 an_unavailable_provider_is_503_and_a_later_retry_completes_the_same_order,
