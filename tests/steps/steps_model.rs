@@ -70,7 +70,7 @@ trait Backend: Send + Sync + 'static {
         steps: Steps<Self::Store>,
         name: String,
         key: String,
-        reached: Option<Arc<Notify>>,
+        reached: Option<Arc<Reached>>,
     ) -> impl Future<Output = Result<i64, StepError>> + Send;
 
     /// `key`'s rows in `model_rows`, counted by step.
@@ -518,6 +518,30 @@ impl Provider {
     }
 }
 
+/// A local step's closure ran (and the test is told, to drop the request there).
+struct Reached {
+    notify: Arc<Notify>,
+    ran: AtomicBool,
+}
+
+impl Reached {
+    fn new(notify: Arc<Notify>) -> Self {
+        Reached {
+            notify,
+            ran: AtomicBool::new(false),
+        }
+    }
+
+    fn hit(&self) {
+        self.ran.store(true, Ordering::SeqCst);
+        self.notify.notify_one();
+    }
+
+    fn ran(&self) -> bool {
+        self.ran.load(Ordering::SeqCst)
+    }
+}
+
 /// What the handler does on its next call.
 #[derive(Clone)]
 struct Plan {
@@ -645,10 +669,23 @@ async fn handler<B: Backend>(State(app): State<App<B>>, steps: Steps<B::Store>) 
         plan.boundary(i).await;
         let result = match step.foreign {
             None => {
-                let reached = (plan.stop == Stop::GoneInLocal(i)).then(|| plan.reached.clone());
-                B::local(steps.clone(), step.name.clone(), app.0.key.clone(), reached)
-                    .await
-                    .map(Value::from)
+                let reached = (plan.stop == Stop::GoneInLocal(i))
+                    .then(|| Arc::new(Reached::new(plan.reached.clone())));
+                let result = B::local(
+                    steps.clone(),
+                    step.name.clone(),
+                    app.0.key.clone(),
+                    reached.clone(),
+                )
+                .await
+                .map(Value::from);
+                if reached.is_some_and(|reached| reached.ran()) {
+                    // The client went away inside this step: nothing after it runs. (Else the
+                    // handler may queue its next step before the test's abort reaches it, and
+                    // SQLite's writer thread commits what was queued.)
+                    std::future::pending::<()>().await;
+                }
+                result
             }
             Some(foreign) => {
                 let fault = plan.stop.fault_at(i);
@@ -1075,7 +1112,7 @@ mod sqlite {
             steps: Steps<SqliteStore>,
             name: String,
             key: String,
-            reached: Option<Arc<Notify>>,
+            reached: Option<Arc<Reached>>,
         ) -> Result<i64, StepError> {
             let step = name.clone();
             steps
@@ -1085,7 +1122,7 @@ mod sqlite {
                         [&key, &name],
                     )?;
                     if let Some(reached) = reached {
-                        reached.notify_one();
+                        reached.hit();
                     }
                     tx.query_row(
                         "SELECT count(*) FROM model_rows WHERE k = ?1",
@@ -1207,7 +1244,7 @@ mod postgres {
             steps: Steps<PostgresStore>,
             name: String,
             key: String,
-            reached: Option<Arc<Notify>>,
+            reached: Option<Arc<Reached>>,
         ) -> Result<i64, StepError> {
             let step = name.clone();
             steps
@@ -1220,7 +1257,7 @@ mod postgres {
                         )
                         .await?;
                     if let Some(reached) = reached {
-                        reached.notify_one();
+                        reached.hit();
                         tokio::time::sleep(Duration::from_millis(20)).await;
                     }
                     let row = client
@@ -1270,7 +1307,7 @@ mod sqlx_postgres {
             steps: Steps<SqlxPostgresStore>,
             name: String,
             key: String,
-            reached: Option<Arc<Notify>>,
+            reached: Option<Arc<Reached>>,
         ) -> Result<i64, StepError> {
             let step = name.clone();
             steps
@@ -1282,7 +1319,7 @@ mod sqlx_postgres {
                         .execute(&mut *conn)
                         .await?;
                     if let Some(reached) = reached {
-                        reached.notify_one();
+                        reached.hit();
                         tokio::time::sleep(Duration::from_millis(20)).await;
                     }
                     let rows: i64 =
@@ -1346,7 +1383,7 @@ mod sqlx_mysql {
             steps: Steps<SqlxMySqlStore>,
             name: String,
             key: String,
-            reached: Option<Arc<Notify>>,
+            reached: Option<Arc<Reached>>,
         ) -> Result<i64, StepError> {
             let step = name.clone();
             steps
@@ -1358,7 +1395,7 @@ mod sqlx_mysql {
                         .execute(&mut *conn)
                         .await?;
                     if let Some(reached) = reached {
-                        reached.notify_one();
+                        reached.hit();
                         tokio::time::sleep(Duration::from_millis(20)).await;
                     }
                     let rows: i64 =
