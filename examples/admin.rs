@@ -342,7 +342,7 @@ async fn execute<S: AdminBackend + OutboxBackend + StepStore>(
             writeln!(out, "purged {purged} expired record(s)")?;
         }
         "outbox" => {
-            let counts = admin.outbox_counts().await.map_err(no_outbox)?;
+            let counts = admin.outbox().counts().await.map_err(no_outbox)?;
             writeln!(out, "pending: {}", counts.pending)?;
             writeln!(out, "in_flight: {}", counts.in_flight)?;
             writeln!(out, "delivered: {}", counts.delivered)?;
@@ -350,7 +350,7 @@ async fn execute<S: AdminBackend + OutboxBackend + StepStore>(
         }
         "event" => {
             let id = args.id()?;
-            match admin.event(id).await.map_err(no_outbox)? {
+            match admin.outbox().event(id).await.map_err(no_outbox)? {
                 Some(event) => print_event(out, &event)?,
                 None => {
                     writeln!(out, "no event {id}")?;
@@ -360,7 +360,11 @@ async fn execute<S: AdminBackend + OutboxBackend + StepStore>(
         }
         "dead-letters" => {
             let limit = args.limit.unwrap_or(50);
-            let events = admin.dead_letters(limit).await.map_err(no_outbox)?;
+            let events = admin
+                .outbox()
+                .dead_letters(limit)
+                .await
+                .map_err(no_outbox)?;
             if events.is_empty() {
                 writeln!(out, "no dead-lettered events")?;
             }
@@ -372,12 +376,12 @@ async fn execute<S: AdminBackend + OutboxBackend + StepStore>(
             }
         }
         "requeue" if args.all => {
-            let requeued = admin.requeue_all_dead().await.map_err(no_outbox)?;
+            let requeued = admin.outbox().requeue_all_dead().await.map_err(no_outbox)?;
             writeln!(out, "requeued {requeued} event(s)")?;
         }
         "requeue" => {
             let id = args.id()?;
-            if admin.requeue(id).await.map_err(no_outbox)? {
+            if admin.outbox().requeue(id).await.map_err(no_outbox)? {
                 writeln!(out, "requeued {id}")?;
             } else {
                 writeln!(out, "no dead-lettered event {id}")?;

@@ -1,6 +1,7 @@
 //! Operations on a store, as library calls: inspect or delete one record, count records by
-//! state, purge expired ones, and (feature `outbox`) count, list and requeue dead-lettered
-//! events. `cargo run --example admin -- --help` is a command-line tool over these calls.
+//! state, purge expired ones, and (feature `outbox`) reach the outbox's counts, dead letters and
+//! requeues through `Admin::outbox`. `cargo run --example admin -- --help` is a command-line
+//! tool over these calls.
 //!
 //! [`Admin`] is written once over [`AdminBackend`] (the queries on records, which each store
 //! implements with its own SQL: SQLite in `src/sqlite/admin.rs`, the SQL servers with the same logic
@@ -57,7 +58,7 @@ use http::{HeaderName, HeaderValue, StatusCode};
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 #[cfg(feature = "outbox")]
-use crate::outbox::{EventInfo, Outbox, OutboxBackend, OutboxCounts};
+use crate::outbox::{Outbox, OutboxBackend};
 use crate::row::Columns;
 use crate::store::{from_unix_millis, IdempotencyStore, SavedColumns};
 
@@ -165,34 +166,11 @@ impl<S: AdminBackend> Admin<S> {
 
 #[cfg(feature = "outbox")]
 impl<S: OutboxBackend> Admin<S> {
-    /// Outbox events by state (see [`Outbox::counts`]). Fails if the database has no outbox.
-    pub async fn outbox_counts(&self) -> Result<OutboxCounts, Error> {
-        self.outbox().counts().await
-    }
-
-    /// One outbox event, by id.
-    pub async fn event(&self, id: &str) -> Result<Option<EventInfo>, Error> {
-        self.outbox().event(id).await
-    }
-
-    /// Dead-lettered events, oldest first, at most `limit`.
-    pub async fn dead_letters(&self, limit: usize) -> Result<Vec<EventInfo>, Error> {
-        self.outbox().dead_letters(limit).await
-    }
-
-    /// Requeues one dead-lettered event: due at once, attempts reset. Returns `false` if no
-    /// dead event has this id.
-    pub async fn requeue(&self, id: &str) -> Result<bool, Error> {
-        self.outbox().requeue(id).await
-    }
-
-    /// Requeues every dead-lettered event; returns how many.
-    pub async fn requeue_all_dead(&self) -> Result<u64, Error> {
-        self.outbox().requeue_all_dead().await
-    }
-
-    /// The outbox of this database, without creating its table.
-    fn outbox(&self) -> Outbox<S> {
+    /// The outbox of this database, without creating its table: its counts, events, dead
+    /// letters and requeues ([`Outbox::counts`], [`Outbox::event`], [`Outbox::dead_letters`],
+    /// [`Outbox::requeue`], [`Outbox::requeue_all_dead`]). Those fail if the database has no
+    /// outbox.
+    pub fn outbox(&self) -> Outbox<S> {
         Outbox::existing(&self.store)
     }
 }

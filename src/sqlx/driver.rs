@@ -29,7 +29,7 @@ where
     })
 }
 
-/// The store's own transactions on either sqlx database (`store::sqlx::owned`).
+/// The store's own transactions on either sqlx database (`sqlx::store::owned`).
 impl<D> PgTransactions for crate::sqlx::store::SqlxStore<D>
 where
     D: crate::sqlx::store::OwnedDialect,

@@ -350,17 +350,30 @@ async fn library_calls<B: Backend>(db: &B) -> Server<B> {
     let id = db
         .enqueue_now("order_created", json!({ "order_id": 1 }))
         .await;
-    let counts = admin.outbox_counts().await.expect("outbox counts");
+    let counts = admin.outbox().counts().await.expect("outbox counts");
     assert_eq!((counts.pending, counts.dead), (1, 0));
     let event = admin
+        .outbox()
         .event(id.as_str())
         .await
         .expect("event")
         .expect("exists");
     assert_eq!(event.status, EventStatus::Pending);
-    assert!(admin.dead_letters(10).await.expect("dead").is_empty());
-    assert!(!admin.requeue(id.as_str()).await.expect("requeue"));
-    assert_eq!(admin.requeue_all_dead().await.expect("requeue all"), 0);
+    assert!(admin
+        .outbox()
+        .dead_letters(10)
+        .await
+        .expect("dead")
+        .is_empty());
+    assert!(!admin.outbox().requeue(id.as_str()).await.expect("requeue"));
+    assert_eq!(
+        admin
+            .outbox()
+            .requeue_all_dead()
+            .await
+            .expect("requeue all"),
+        0
+    );
     server
 }
 
