@@ -182,7 +182,7 @@ pub enum RunOutcome<T> {
 pub trait IdempotencyStore: Clone + Send + Sync + 'static {
     /// The reserved scope with its open write transaction, returned by [`begin`](Self::begin):
     /// what the layer commits or rolls back. (The handler gets its
-    /// [`handle`](Reservation::handle), the store's `*Transaction` type.)
+    /// [`handle`](Reservation::handle), the store's `*Handle` type.)
     type Reservation: Reservation;
 
     /// Reads a live (unexpired) record without taking the write lock: the replay fast path.
