@@ -20,9 +20,9 @@
 //!
 //! ```no_run
 //! use axum::{routing::post, Router, Json};
-//! use tower_idempotency::{extract::Tx, IdempotencyLayer, store::sqlite::{SqliteStore, SqliteTransaction}};
+//! use tower_idempotency::{extract::Tx, IdempotencyLayer, store::sqlite::{SqliteHandle, SqliteStore}};
 //!
-//! async fn create_order(Tx(tx): Tx<SqliteTransaction>, Json(order): Json<serde_json::Value>)
+//! async fn create_order(Tx(tx): Tx<SqliteHandle>, Json(order): Json<serde_json::Value>)
 //!     -> Result<(http::StatusCode, String), http::StatusCode>
 //! {
 //!     let sku = order["sku"].as_str().unwrap_or_default().to_owned();
@@ -51,12 +51,12 @@
 //!
 //! # Inside the handler
 //!
-//! - Write through the handle, and only through it: [`SqliteTransaction::run`] runs a closure
+//! - Write through the handle, and only through it: [`SqliteHandle::run`] runs a closure
 //!   on the writer connection inside the request's transaction; on PostgreSQL,
-//!   [`PostgresTransaction::client`] gives tokio-postgres' query methods inside it. Without the
+//!   [`PostgresHandle::client`] gives tokio-postgres' query methods inside it. Without the
 //!   layer in front, the [`extract::Tx`] extractor answers `500` rather than let a handler write
 //!   outside a request's transaction; a non-axum service finds the handle with
-//!   `request.extensions().get::<SqliteTransaction>()`.
+//!   `request.extensions().get::<SqliteHandle>()`.
 //! - The layer commits. `BEGIN`, `COMMIT`, `ROLLBACK` and the like sent through the handle are
 //!   refused ([`Error::TransactionControl`]); savepoints of your own work.
 //! - On SQLite, calls that need the writer to themselves ([`SqliteStore::write`],
@@ -72,23 +72,23 @@
 //! The repository's `docs/` folder has the long guides (the contract in full, PostgreSQL,
 //! the outbox, the client, limits, the benchmark, design notes).
 //!
-//! [`SqliteTransaction::run`]: store::sqlite::SqliteTransaction::run
+//! [`SqliteHandle::run`]: store::sqlite::SqliteHandle::run
 //! [`SqliteStore::write`]: store::sqlite::SqliteStore::write
-//! [`PostgresTransaction::client`]: store::postgres::PostgresTransaction::client
+//! [`PostgresHandle::client`]: store::tokio_postgres::PostgresHandle::client
 //!
 //! # Features
 //!
 //! - `sqlite` (default): [`store::sqlite::SqliteStore`].
 //! - `axum`: the [`extract::Tx`] extractor for the transaction handle.
-//! - `postgres`: [`store::postgres::PostgresStore`], for several app instances sharing one
+//! - `tokio-postgres`: [`store::tokio_postgres::PostgresStore`], for several app instances sharing one
 //!   database (tokio-postgres with a deadpool pool).
 //! - `sqlx-postgres`: [`store::sqlx_postgres::SqlxPostgresStore`], the same store on sqlx,
 //!   built from the application's own `sqlx::PgPool`; handlers run ordinary sqlx code on
-//!   [`store::sqlx_postgres::SqlxTransaction`]. The schema also ships as a sqlx migration
+//!   [`store::sqlx_postgres::SqlxHandle`]. The schema also ships as a sqlx migration
 //!   (`migrations/`).
 //! - `sqlx-mysql`: [`store::sqlx_mysql::SqlxMySqlStore`], the same contract on MySQL or
 //!   MariaDB (InnoDB), built from the application's own `sqlx::MySqlPool`; handlers run
-//!   ordinary sqlx code on [`store::sqlx_mysql::SqlxTransaction`] (migration in
+//!   ordinary sqlx code on [`store::sqlx_mysql::SqlxHandle`] (migration in
 //!   `migrations/mysql/`).
 //! - `client`: [`client::RetryLayer`], the client half: adds an `Idempotency-Key`, buffers the
 //!   body and retries with the same key and bytes.
@@ -103,7 +103,7 @@
 //!
 //! A build for the client side alone compiles no database:
 //! `tower-idempotency = { version = "0.1", default-features = false, features = ["client"] }`.
-//! Without `sqlite`, `postgres`, `sqlx-postgres` or `sqlx-mysql` the layer is there with no store of this
+//! Without `sqlite`, `tokio-postgres`, `sqlx-postgres` or `sqlx-mysql` the layer is there with no store of this
 //! crate's; bring an [`store::IdempotencyStore`] of your own.
 //!
 //! Operations on a store, any of the four (inspect or delete a record, counts, purge, dead
@@ -117,7 +117,7 @@
 
 #[cfg(any(
     feature = "sqlite",
-    feature = "postgres",
+    feature = "tokio-postgres",
     feature = "sqlx-postgres",
     feature = "sqlx-mysql"
 ))]
@@ -140,7 +140,7 @@ mod mysql;
 mod openapi;
 #[cfg(feature = "outbox")]
 pub mod outbox;
-#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
+#[cfg(any(feature = "tokio-postgres", feature = "sqlx-postgres"))]
 mod postgres;
 pub mod problem;
 pub mod response;
@@ -155,7 +155,7 @@ mod sqlite;
 mod sqlx;
 pub mod steps;
 pub mod store;
-#[cfg(feature = "postgres")]
+#[cfg(feature = "tokio-postgres")]
 mod tokio_postgres;
 
 pub use crate::error::{Error, Rejection};

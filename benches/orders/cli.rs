@@ -21,7 +21,7 @@ usage: cargo bench --bench orders -- [--quick] [--duration SECS] [--rounds N]
                        throughput is their median (default 3; --quick 2)
   --cases LIST         what to run (default all but AR, SA and SH): A B C D H R AR SA SH E,
                        hold (replays while a handler holds the write transaction), alloc
-                       (bytes allocated per request). AR (PostgreSQL, ReplayCheck::Reservation)
+                       (bytes allocated per request). AR (PostgreSQL, ReplayCheck::FavorNewKeys)
                        and SA, SH (sqlx) run in passes of their own, `--modes pg --cases ar,h`
                        and `--modes pg --cases sa,sh`: more pools of 32 beside A's and H's
                        would exceed PostgreSQL's default max_connections (100)
@@ -50,7 +50,7 @@ pub(crate) enum Case {
     D,
     H,
     R,
-    /// Case A on the tokio-postgres store with `ReplayCheck::Reservation`.
+    /// Case A on the tokio-postgres store with `ReplayCheck::FavorNewKeys`.
     ReservationA,
     /// Case A on the sqlx store.
     SqlxA,
@@ -107,7 +107,7 @@ impl Case {
             Case::D => "hand-written, spawn_blocking (old)",
             Case::H => "hand-written (baseline)",
             Case::R => "GET /orders/{id} (baseline)",
-            Case::ReservationA => "layer, new keys, ReplayCheck::Reservation",
+            Case::ReservationA => "layer, new keys, ReplayCheck::FavorNewKeys",
             Case::SqlxA => "sqlx store, layer, new keys",
             Case::SqlxH => "hand-written on sqlx (baseline)",
             Case::E => "rusqlite loop, no HTTP (ceiling)",

@@ -169,7 +169,7 @@ pub(crate) fn goals(rows: &[Row]) -> Vec<Goal> {
     }
     for c in [1, 64] {
         throughput(
-            format!("PostgreSQL c{c}, ReplayCheck::Reservation: layer / hand-written"),
+            format!("PostgreSQL c{c}, ReplayCheck::FavorNewKeys: layer / hand-written"),
             find(rows, Case::ReservationA, pg, c),
             find(rows, Case::H, pg, c),
             1.0,

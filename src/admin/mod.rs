@@ -7,7 +7,7 @@
 //! implements with its own SQL: SQLite in `src/sqlite/admin.rs`, the SQL servers with the same logic
 //! in `src/row_lock/admin.rs`) and, for the outbox, [`outbox::OutboxBackend`](crate::outbox::OutboxBackend):
 //! it has the same calls for each backend, `Admin<SqliteStore>` (feature `sqlite`) and
-//! `Admin<PostgresStore>` (feature `postgres`), so a tool can be written once over `Admin<S>`.
+//! `Admin<PostgresStore>` (feature `tokio-postgres`), so a tool can be written once over `Admin<S>`.
 //!
 //! ```no_run
 //! # async fn run() -> Result<(), tower_idempotency::Error> {
@@ -30,12 +30,12 @@
 //! ```no_run
 //! # async fn run() -> Result<(), tower_idempotency::Error> {
 //! use tower_idempotency::admin::{Admin, RecordFilter};
-//! use tower_idempotency::store::postgres::PostgresStore;
+//! use tower_idempotency::store::tokio_postgres::PostgresStore;
 //!
 //! let store = PostgresStore::builder("postgres://app@127.0.0.1/shop".parse()?)
-//!     .create_schema(false)
-//!     .max_connections(2)
-//!     .connect()
+//!     .with_create_schema(false)
+//!     .with_max_connections(2)
+//!     .build()
 //!     .await?;
 //! let admin = Admin::new(store);
 //! let counts = admin

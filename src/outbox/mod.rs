@@ -35,14 +35,14 @@
 //! # async fn run() -> Result<(), tower_idempotency::Error> {
 //! use serde_json::json;
 //! use tower_idempotency::outbox::{sink_fn, Enqueue, Outbox, OutboxEvent, Relay};
-//! use tower_idempotency::store::sqlite::{SqliteStore, SqliteTransaction};
+//! use tower_idempotency::store::sqlite::{SqliteHandle, SqliteStore};
 //!
 //! let store = SqliteStore::open("orders.db").await?;
 //! // Creates `outbox_events` (idempotent): once at start-up, before serving.
 //! let outbox = Outbox::install(&store).await?;
 //!
 //! // In a handler, through the request's transaction handle:
-//! async fn create_order(tx: SqliteTransaction) -> Result<(), tower_idempotency::Error> {
+//! async fn create_order(tx: SqliteHandle) -> Result<(), tower_idempotency::Error> {
 //!     let event_id = tx.enqueue("order_created", json!({ "order_id": 1 })).await?;
 //!     # let _ = event_id;
 //!     Ok(())
@@ -101,7 +101,7 @@ use crate::error::Error;
 pub(crate) mod columns;
 #[cfg(any(
     feature = "sqlite",
-    feature = "postgres",
+    feature = "tokio-postgres",
     feature = "sqlx-postgres",
     feature = "sqlx-mysql"
 ))]
@@ -116,7 +116,7 @@ mod sink;
 pub(crate) use inbox::InboxOutcome;
 #[cfg(any(
     feature = "sqlite",
-    feature = "postgres",
+    feature = "tokio-postgres",
     feature = "sqlx-postgres",
     feature = "sqlx-mysql"
 ))]
@@ -227,7 +227,7 @@ impl OutboxEvent {
 /// Enqueues an event in the transaction of the handle it is called on.
 ///
 /// Implemented by the transaction handles of the stores with an outbox
-/// ([`SqliteTransaction`](crate::store::sqlite::SqliteTransaction)). The event commits or rolls
+/// ([`SqliteHandle`](crate::store::sqlite::SqliteHandle)). The event commits or rolls
 /// back with everything else the handler wrote: a handler that fails after enqueueing leaves no
 /// event behind.
 pub trait Enqueue {

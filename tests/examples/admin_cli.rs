@@ -605,7 +605,7 @@ mod postgres {
     use http::StatusCode;
     use tokio::sync::Notify;
     use tower_idempotency::admin::{Admin, RecordFilter};
-    use tower_idempotency::store::postgres::PostgresStore;
+    use tower_idempotency::store::tokio_postgres::PostgresStore;
 
     use super::admin::{Exit, Failure};
     use super::{failure_message, field, BOOK, SHOP_A_K1};
@@ -815,8 +815,8 @@ mod postgres {
             return;
         };
         let store = PostgresStore::builder(db.config())
-            .create_schema(false)
-            .connect()
+            .with_create_schema(false)
+            .build()
             .await
             .expect("connect");
         assert!(!records_table_exists(&db).await);

@@ -7,7 +7,7 @@
 //! async executor's threads. Reads of completed records (the fast path) run on reader
 //! connections, which in WAL mode never wait for the writer: in place, on the request's own
 //! thread, when they cannot wait at all (an idle connection, no busy wait; see
-//! [`SqliteOptions::read_in_place`]), else under `spawn_blocking`.
+//! [`SqliteOptions::with_read_in_place`]), else under `spawn_blocking`.
 //!
 //! # How a request runs
 //!
@@ -27,7 +27,7 @@
 //!    that group is durable ([`RunOutcome::Existing`]); an expired one is deleted.
 //! 3. **Work.** Otherwise the layer's work for the request (calling the handler, capturing
 //!    its response, committing) is polled on the writer thread, and the handler's
-//!    [`SqliteTransaction::run`] runs its statements there at once (see below).
+//!    [`SqliteHandle::run`] runs its statements there at once (see below).
 //! 4. **Commit.** [`Reservation::commit`](crate::store::Reservation::commit) inserts
 //!    the record and releases the savepoint, keeping the request's rows in the group; the
 //!    request gets its answer ([`RunOutcome::Ran`]) once the group's `COMMIT` has returned. A
@@ -35,7 +35,7 @@
 //!
 //! **In place.** When the writer is idle (nothing open, nobody queued) and SQLite's write
 //! lock is free without a busy wait, steps 2 to 4 run on the request's own task instead, with
-//! the writer the writer thread left idle ([`SqliteOptions::write_in_place`], on by default):
+//! the writer the writer thread left idle ([`SqliteOptions::with_write_in_place`], on by default):
 //! the begin, the handler's statements and the commit run inline, as in a hand-written
 //! handler, without the two hand-overs to the writer thread and back (on a multi-thread
 //! runtime only, and each under `block_in_place`, so that the worker's other tasks go on
@@ -54,7 +54,7 @@
 //! Requests queue on the writer thread itself, and while one holds the transaction, the
 //! layer's work for it (calling the handler, capturing its response, committing) is polled on
 //! that thread too, with the server's tokio runtime entered (step 3 above). A
-//! [`SqliteTransaction::run`] from the handler then runs its statement at once, and the
+//! [`SqliteHandle::run`] from the handler then runs its statement at once, and the
 //! writer never waits for the request's task to be scheduled between statements: that wait,
 //! twice per request, was most of the time a request held the writer. What it means for a
 //! handler:
@@ -98,7 +98,7 @@
 //! stay in the request's transaction. Savepoints of a handler's own (other names) are allowed.
 //! Calls that need the writer to themselves ([`SqliteStore::write`], `purge_expired`, and
 //! the outbox and inbox calls built on them) fail at once with [`Error::InsideRequest`] when
-//! made from a handler inside its own request: use the request's [`SqliteTransaction::run`].
+//! made from a handler inside its own request: use the request's [`SqliteHandle::run`].
 //!
 //! # Several processes on one file
 //!
@@ -118,8 +118,8 @@
 //!
 //! // Faster commits that may lose the last transactions on power loss (not on a crash):
 //! let fast = SqliteStore::builder("cache.db")
-//!     .synchronous(Synchronous::Normal)
-//!     .open()
+//!     .with_synchronous(Synchronous::Normal)
+//!     .build()
 //!     .await?;
 //! # Ok(()) }
 //! ```
@@ -135,7 +135,7 @@
 // - `authorizer`: the writer's authorizer, refusing transaction control to handlers.
 // - `file`: the database file: its identity, other processes' locks, giving way to them.
 // - `reservation`: `SqliteReservation`, the layer's side of a request's transaction.
-// - `handle`: `SqliteTransaction`, the handler's side.
+// - `handle`: `SqliteHandle`, the handler's side.
 // This file holds the store itself: opening it, its own calls and the trait impl.
 mod authorizer;
 mod executor;
@@ -164,7 +164,7 @@ pub use rusqlite;
 use rusqlite::Connection;
 use tokio::sync::oneshot;
 
-pub use handle::SqliteTransaction;
+pub use handle::SqliteHandle;
 pub use options::{SqliteOptions, Synchronous};
 pub(crate) use reservation::SqliteReservation;
 
@@ -188,9 +188,9 @@ struct Shared {
     jobs: mpsc::Sender<Job>,
     readers: Mutex<Vec<Connection>>,
     max_idle_readers: usize,
-    /// [`SqliteOptions::read_in_place`].
+    /// [`SqliteOptions::with_read_in_place`].
     read_in_place: bool,
-    /// [`SqliteOptions::write_in_place`].
+    /// [`SqliteOptions::with_write_in_place`].
     write_in_place: bool,
     /// Where the writer thread leaves the writer while idle (see `in_place`).
     idle: Arc<Mutex<IdleWriter>>,
@@ -220,7 +220,7 @@ impl fmt::Debug for SqliteStore {
 impl SqliteStore {
     /// Opens the database at `path` with the default options (WAL, `synchronous=FULL`).
     pub async fn open(path: impl AsRef<Path>) -> Result<Self, Error> {
-        Self::builder(path).open().await
+        Self::builder(path).build().await
     }
 
     /// Options for opening the database at `path`.
@@ -339,7 +339,7 @@ impl SqliteStore {
     ///
     /// Called from a handler inside its own request, it fails at once with
     /// [`Error::InsideRequest`]: it would wait for the request to end. Use the request's
-    /// [`SqliteTransaction::run`] there.
+    /// [`SqliteHandle::run`] there.
     pub async fn write<T, F>(&self, f: F) -> Result<T, Error>
     where
         F: FnOnce(&rusqlite::Transaction<'_>) -> rusqlite::Result<T> + Send + 'static,
@@ -397,7 +397,7 @@ static NEXT_STORE_ID: AtomicU64 = AtomicU64::new(1);
 impl IdempotencyStore for SqliteStore {
     type Reservation = SqliteReservation;
 
-    /// In place when that cannot wait (see [`SqliteOptions::read_in_place`]), else under
+    /// In place when that cannot wait (see [`SqliteOptions::with_read_in_place`]), else under
     /// `spawn_blocking` (or in place, without a tokio runtime).
     async fn lookup(&self, scope: &Scope, now: SystemTime) -> Result<Option<StoredRecord>, Error> {
         if let Some(found) = self.shared.try_read_live_record_in_place(scope, now) {

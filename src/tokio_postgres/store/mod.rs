@@ -7,7 +7,7 @@
 //!
 //! 1. **The replay check**: a plain `SELECT` of a live completed record, in autocommit, on a
 //!    separate pool of read connections: no locks, and no waiting for the connections that
-//!    writers hold (past [`PostgresOptions::read_wait`] the request takes the write path). A
+//!    writers hold (past [`PostgresOptions::with_read_wait`] the request takes the write path). A
 //!    reservation that is not committed is invisible to it. It is skipped while retries are
 //!    rare among recent requests: the reservation then finds a completed record itself, and
 //!    one that waits for a transaction connection twice as long as they have lately waited
@@ -20,8 +20,8 @@
 //!    rollback its own insert goes through and it runs the handler. An expired record (or a
 //!    stray reservation) is taken over with an `UPDATE`. Requests with different keys never
 //!    wait for each other. Serialization failures and deadlocks while reserving are retried a
-//!    bounded number of times ([`PostgresOptions::serialization_retries`]).
-//! 3. **The handler's statements** go through [`PostgresTransaction`], on the same connection
+//!    bounded number of times ([`PostgresOptions::with_serialization_retries`]).
+//! 3. **The handler's statements** go through [`PostgresHandle`], on the same connection
 //!    in the same transaction. The handle refuses transaction control (`COMMIT`, `ROLLBACK`,
 //!    `BEGIN`...), so a handler cannot commit its rows without the record; a serialization
 //!    failure or deadlock that one of its statements gets is reported to the layer, which runs
@@ -50,19 +50,19 @@
 //!
 //! [`PostgresStore::connect`] takes a URL; [`PostgresStore::builder`] takes a
 //! [`tokio_postgres::Config`] and [options](PostgresOptions), and builds the store's two pools.
-//! To share a pool your app already has, [`PostgresStore::from_pool`] takes a
+//! To share a pool your app already has, [`PostgresStore::builder_from_pool`] takes a
 //! [`deadpool_postgres::Pool`] (of the version this module re-exports): request transactions
 //! and replays take their connections from it, unless replays get a pool of their own
-//! ([`PostgresOptions::read_pool`]). Either way, `connect` creates `idempotency_records` (or
+//! ([`PostgresOptions::with_read_pool`]). Either way, `connect` creates `idempotency_records` (or
 //! migrates a table of the SQLite layout) under an advisory lock, so that instances starting
-//! together do not collide; with [`create_schema(false)`](PostgresOptions::create_schema) it
+//! together do not collide; with [`with_create_schema(false)`](PostgresOptions::with_create_schema) it
 //! changes nothing in the database and only checks that it gets a connection, and
 //! [`PostgresStore::migrate`] does the same installation when you choose.
 //!
 //! ```no_run
-//! # async fn run(pool: tower_idempotency::store::postgres::deadpool_postgres::Pool)
+//! # async fn run(pool: tower_idempotency::store::tokio_postgres::deadpool_postgres::Pool)
 //! #     -> Result<(), tower_idempotency::Error> {
-//! use tower_idempotency::store::postgres::PostgresStore;
+//! use tower_idempotency::store::tokio_postgres::PostgresStore;
 //! use tower_idempotency::store::Isolation;
 //!
 //! // Creates (or migrates) `idempotency_records` in the connection's schema.
@@ -71,15 +71,15 @@
 //! // Bigger pools, and SERIALIZABLE transactions for handlers that need them:
 //! let config = "postgres://app@127.0.0.1/shop".parse()?;
 //! let store = PostgresStore::builder(config)
-//!     .max_connections(32)
-//!     .isolation(Isolation::Serializable)
-//!     .connect()
+//!     .with_max_connections(32)
+//!     .with_isolation(Isolation::Serializable)
+//!     .build()
 //!     .await?;
 //!
 //! // The app's own pool, migrated as a step of its own:
-//! let store = PostgresStore::from_pool(pool)
-//!     .create_schema(false)
-//!     .connect()
+//! let store = PostgresStore::builder_from_pool(pool)
+//!     .with_create_schema(false)
+//!     .build()
 //!     .await?;
 //! store.migrate().await?;
 //! # Ok(()) }
@@ -96,7 +96,7 @@ pub use tokio_postgres;
 use crate::store::Isolation;
 #[cfg_attr(not(feature = "outbox"), allow(unused_imports))]
 pub(crate) use handle::Executor;
-pub use handle::{PostgresTransaction, TransactionClient};
+pub use handle::{CheckedClient, PostgresHandle};
 pub use options::PostgresOptions;
 pub(crate) use reservation::PostgresReservation;
 pub use store::PostgresStore;

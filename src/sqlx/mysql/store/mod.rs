@@ -8,7 +8,7 @@
 //!   transaction ends: after a commit its insert fails with a duplicate key and it replays the
 //!   completed record, after a rollback its insert goes through and it runs the handler.
 //!   Requests with different keys never wait for each other.
-//! - **The handler's rows** go through [`SqlxTransaction`]: `SqlxTransaction::acquire` lends
+//! - **The handler's rows** go through [`SqlxHandle`]: `SqlxHandle::acquire` lends
 //!   the transaction's connection, on which ordinary sqlx code runs
 //!   (`sqlx::query(..).execute(&mut *conn)`, `query_as`, the `query!` macros). The layer then
 //!   turns the reservation into the completed record and commits, before the response leaves.
@@ -21,7 +21,7 @@
 //!   answered `409` ([`InFlight`](crate::InFlight)); a table another session locked
 //!   (`LOCK TABLES`, `FLUSH TABLES WITH READ LOCK`) is waited for up to the lock timeout and
 //!   answered `503`, not `409`, under every policy. Deadlocks (`1213`) while reserving are retried a bounded number of times
-//!   (`SqlxMySqlOptions::deadlock_retries`); one that a handler's statement gets is reported
+//!   (`SqlxMySqlOptions::with_deadlock_retries`); one that a handler's statement gets is reported
 //!   to the layer, which runs the request again.
 //! - **The layer commits**: the connection the handle lends refuses transaction control and
 //!   the statements that make MySQL commit on its own (DDL, `LOCK TABLES`, `SET autocommit`).
@@ -92,7 +92,7 @@ pub type SqlxMySqlOptions = SqlxOptions<MySqlDialect>;
 /// The handle a handler uses to write its rows in the request's InnoDB transaction.
 ///
 /// ```no_run
-/// # async fn handler(tx: tower_idempotency::store::sqlx_mysql::SqlxTransaction)
+/// # async fn handler(tx: tower_idempotency::store::sqlx_mysql::SqlxHandle)
 /// #     -> Result<u64, Box<dyn std::error::Error>> {
 /// let mut conn = tx.acquire().await?;
 /// let done = sqlx::query("INSERT INTO orders (sku, quantity) VALUES (?, ?)")
@@ -104,7 +104,7 @@ pub type SqlxMySqlOptions = SqlxOptions<MySqlDialect>;
 /// ```
 ///
 /// - Refused besides `COMMIT`, `ROLLBACK` and `BEGIN`: the statements after which MySQL
-///   commits on its own (DDL, `LOCK TABLES`, `SET autocommit`...; see [`TxConnection`]).
+///   commits on its own (DDL, `LOCK TABLES`, `SET autocommit`...; see [`CheckedConnection`]).
 /// - A failed statement is rolled back on its own and the transaction goes on (InnoDB's way),
 ///   except a deadlock (`1213`), after which InnoDB has rolled the whole transaction back: the
 ///   connection then refuses further statements, and the layer runs the request again.
@@ -112,10 +112,10 @@ pub type SqlxMySqlOptions = SqlxOptions<MySqlDialect>;
 ///   locks, `lock_wait_timeout` for metadata locks such as another session's `LOCK TABLES`;
 ///   whole seconds): past it a statement fails with `1205`. If the handler then fails, the
 ///   layer answers `503` with `Retry-After` (whatever the handler answered) and rolls back.
-#[doc = crate::sqlx::store::transaction_docs!()]
-pub type SqlxTransaction = crate::sqlx::store::SqlxTransaction<MySqlDialect>;
+#[doc = crate::sqlx::store::handle_docs!()]
+pub type SqlxHandle = crate::sqlx::store::SqlxHandle<MySqlDialect>;
 
-/// A pooled connection inside the request's transaction: `&mut TxConnection` is a
+/// A pooled connection inside the request's transaction: `&mut CheckedConnection` is a
 /// [`sqlx::Executor`] for MySQL, on which sqlx code runs as on a `&mut MySqlConnection`.
 ///
 /// `BEGIN`, `START TRANSACTION`, `COMMIT`, `ROLLBACK`, `XA`, `LOCK`/`UNLOCK TABLES`, `SET
@@ -128,7 +128,7 @@ pub type SqlxTransaction = crate::sqlx::store::SqlxTransaction<MySqlDialect>;
 /// Nothing runs after a deadlock: InnoDB has rolled the transaction back by then, and what
 /// followed would run in another transaction.
 #[doc = crate::sqlx::store::connection_docs!()]
-pub type TxConnection = crate::sqlx::store::TxConnection<MySqlDialect>;
+pub type CheckedConnection = crate::sqlx::store::CheckedConnection<MySqlDialect>;
 
 mod dialect {
     /// MySQL and MariaDB as the sqlx store's database: the SQL of this module, duplicate-key
@@ -143,7 +143,7 @@ impl SqlxOptions<MySqlDialect> {
     /// How many times reserving a key is retried after a deadlock (`1213`: InnoDB rolled the
     /// transaction back, as happens when several requests waited on a key whose holder rolled
     /// back), within the lock timeout, before the request gets `503`. Default: 3.
-    pub fn deadlock_retries(mut self, retries: u32) -> Self {
+    pub fn with_deadlock_retries(mut self, retries: u32) -> Self {
         self.conflict_retries = retries;
         self
     }

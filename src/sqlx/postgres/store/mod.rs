@@ -1,6 +1,6 @@
 //! The PostgreSQL store on sqlx: built from the application's own [`sqlx::PgPool`].
 //!
-//! The same table, statements and guarantees as the tokio-postgres store (`postgres`
+//! The same table, statements and guarantees as the tokio-postgres store (`tokio-postgres`
 //! feature); only the driver differs, so that a service already on sqlx keeps one database
 //! library and one pool:
 //!
@@ -9,7 +9,7 @@
 //!   that index entry until the first transaction ends: after a commit it reads the completed
 //!   record and replays it, after a rollback its own insert goes through and it runs the
 //!   handler. Requests with different keys never wait for each other.
-//! - **The handler's rows** go through [`SqlxTransaction`]: `SqlxTransaction::acquire` lends
+//! - **The handler's rows** go through [`SqlxHandle`]: `SqlxHandle::acquire` lends
 //!   the transaction's connection, on which ordinary sqlx code runs
 //!   (`sqlx::query(..).execute(&mut *conn)`, `query_as`, the `query!` macros). The layer then
 //!   turns the reservation into the completed record and commits, before the response leaves.
@@ -18,7 +18,7 @@
 //!   `Retry-After`. Under the in-flight policies `Reject` and `WaitUpTo(d)`, the reservation's
 //!   wait on a key held by another instance's transaction is bounded by the policy instead
 //!   (1 ms, or `d`) and answered `409` ([`InFlight`](crate::InFlight)). Serialization failures and deadlocks while reserving are retried a bounded
-//!   number of times (`SqlxPostgresOptions::serialization_retries`); one that a handler's
+//!   number of times (`SqlxPostgresOptions::with_serialization_retries`); one that a handler's
 //!   statement gets is reported to the layer, which runs the request again.
 //! - **The layer commits**: the connection the handle lends refuses transaction control
 //!   (`COMMIT`, `ROLLBACK`, `BEGIN`...), so a handler cannot commit its rows without the record.
@@ -70,8 +70,8 @@
 //! // SERIALIZABLE request transactions, replays from a replica:
 //! # let (pool, replica) = (store.pool().clone(), store.pool().clone());
 //! let store = SqlxPostgresStore::builder(pool)
-//!     .isolation(Isolation::Serializable)
-//!     .read_pool(replica)
+//!     .with_isolation(Isolation::Serializable)
+//!     .with_read_pool(replica)
 //!     .build();
 //! # Ok(()) }
 //! ```
@@ -128,7 +128,7 @@ pub type SqlxPostgresOptions = SqlxOptions<PgDialect>;
 /// The handle a handler uses to write its rows in the request's PostgreSQL transaction.
 ///
 /// ```no_run
-/// # async fn handler(tx: tower_idempotency::store::sqlx_postgres::SqlxTransaction)
+/// # async fn handler(tx: tower_idempotency::store::sqlx_postgres::SqlxHandle)
 /// #     -> Result<i64, Box<dyn std::error::Error>> {
 /// let mut conn = tx.acquire().await?;
 /// let (order_id,): (i64,) =
@@ -147,10 +147,10 @@ pub type SqlxPostgresOptions = SqlxOptions<PgDialect>;
 ///   (`40001`) and deadlocks (`40P01`).
 /// - Statements run with the layer's `lock_timeout` (`SET LOCAL`): a lock wait past it fails
 ///   with SQLSTATE `55P03`.
-#[doc = crate::sqlx::store::transaction_docs!()]
-pub type SqlxTransaction = crate::sqlx::store::SqlxTransaction<PgDialect>;
+#[doc = crate::sqlx::store::handle_docs!()]
+pub type SqlxHandle = crate::sqlx::store::SqlxHandle<PgDialect>;
 
-/// A pooled connection inside the request's transaction: `&mut TxConnection` is a
+/// A pooled connection inside the request's transaction: `&mut CheckedConnection` is a
 /// [`sqlx::Executor`] for PostgreSQL, on which sqlx code runs as on a `&mut PgConnection`.
 ///
 /// `BEGIN`, `START TRANSACTION`, `COMMIT`, `END`, `ROLLBACK`, `ABORT`, `PREPARE TRANSACTION`
@@ -158,7 +158,7 @@ pub type SqlxTransaction = crate::sqlx::store::SqlxTransaction<PgDialect>;
 /// allowed: they stay inside the transaction. Every statement goes with the extended protocol,
 /// which runs one command per string (SQL without bind parameters is cut into statements).
 #[doc = crate::sqlx::store::connection_docs!()]
-pub type TxConnection = crate::sqlx::store::TxConnection<PgDialect>;
+pub type CheckedConnection = crate::sqlx::store::CheckedConnection<PgDialect>;
 
 mod dialect {
     /// PostgreSQL as the sqlx store's database: the SQL of `src/postgres/store_sql.rs` (shared with the
@@ -171,7 +171,7 @@ pub(crate) use dialect::PgDialect;
 impl SqlxOptions<PgDialect> {
     /// How many times reserving a key is retried after a serialization failure (`40001`) or a
     /// deadlock (`40P01`), within the lock timeout, before the request gets `503`. Default: 3.
-    pub fn serialization_retries(mut self, retries: u32) -> Self {
+    pub fn with_serialization_retries(mut self, retries: u32) -> Self {
         self.conflict_retries = retries;
         self
     }
