@@ -52,7 +52,7 @@ impl PostgresOptions {
 
     /// A pool of your own for the replay fast path, instead of one the store builds.
     ///
-    /// Without it, a store on settings builds its read pool
+    /// Default: none. Without it, a store on settings builds its read pool
     /// ([`max_read_connections`](Self::max_read_connections)), and a store on a pool of your
     /// own ([`PostgresStore::from_pool`]) reads from that same pool: replays may then wait for
     /// connections that writers hold, up to [`read_wait`](Self::read_wait), before taking the
