@@ -102,19 +102,46 @@
 // build without the feature they point to docs.rs, so that no build has a broken link.
 #![doc = ""]
 #![cfg_attr(feature = "axum", doc = "[Tx]: crate::extract::Tx")]
-#![cfg_attr(not(feature = "axum"), doc = "[Tx]: https://docs.rs/tower-idempotency/latest/tower_idempotency/extract/struct.Tx.html")]
+#![cfg_attr(
+    not(feature = "axum"),
+    doc = "[Tx]: https://docs.rs/tower-idempotency/latest/tower_idempotency/extract/struct.Tx.html"
+)]
 #![cfg_attr(feature = "outbox", doc = "[outbox]: crate::outbox")]
-#![cfg_attr(not(feature = "outbox"), doc = "[outbox]: https://docs.rs/tower-idempotency/latest/tower_idempotency/outbox/index.html")]
+#![cfg_attr(
+    not(feature = "outbox"),
+    doc = "[outbox]: https://docs.rs/tower-idempotency/latest/tower_idempotency/outbox/index.html"
+)]
 #![cfg_attr(feature = "client", doc = "[client]: crate::client")]
-#![cfg_attr(not(feature = "client"), doc = "[client]: https://docs.rs/tower-idempotency/latest/tower_idempotency/client/index.html")]
+#![cfg_attr(
+    not(feature = "client"),
+    doc = "[client]: https://docs.rs/tower-idempotency/latest/tower_idempotency/client/index.html"
+)]
 #![cfg_attr(feature = "postgres", doc = "[postgres]: crate::store::postgres")]
-#![cfg_attr(not(feature = "postgres"), doc = "[postgres]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/postgres/index.html")]
-#![cfg_attr(feature = "sqlx-postgres", doc = "[sqlx_postgres]: crate::store::sqlx_postgres")]
-#![cfg_attr(not(feature = "sqlx-postgres"), doc = "[sqlx_postgres]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/sqlx_postgres/index.html")]
+#![cfg_attr(
+    not(feature = "postgres"),
+    doc = "[postgres]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/postgres/index.html"
+)]
+#![cfg_attr(
+    feature = "sqlx-postgres",
+    doc = "[sqlx_postgres]: crate::store::sqlx_postgres"
+)]
+#![cfg_attr(
+    not(feature = "sqlx-postgres"),
+    doc = "[sqlx_postgres]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/sqlx_postgres/index.html"
+)]
 #![cfg_attr(feature = "sqlx-mysql", doc = "[sqlx_mysql]: crate::store::sqlx_mysql")]
-#![cfg_attr(not(feature = "sqlx-mysql"), doc = "[sqlx_mysql]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/sqlx_mysql/index.html")]
-#![cfg_attr(feature = "utoipa", doc = "[document]: crate::IdempotencyLayer::document")]
-#![cfg_attr(not(feature = "utoipa"), doc = "[document]: https://docs.rs/tower-idempotency/latest/tower_idempotency/struct.IdempotencyLayer.html#method.document")]
+#![cfg_attr(
+    not(feature = "sqlx-mysql"),
+    doc = "[sqlx_mysql]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/sqlx_mysql/index.html"
+)]
+#![cfg_attr(
+    feature = "utoipa",
+    doc = "[document]: crate::IdempotencyLayer::document"
+)]
+#![cfg_attr(
+    not(feature = "utoipa"),
+    doc = "[document]: https://docs.rs/tower-idempotency/latest/tower_idempotency/struct.IdempotencyLayer.html#method.document"
+)]
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations)]
 #![deny(unreachable_pub)]
@@ -137,19 +164,46 @@ pub mod fingerprint;
 #[doc = include_str!("docs/guide.md")]
 #[doc = ""]
 #[cfg_attr(feature = "axum", doc = "[Tx]: crate::extract::Tx")]
-#[cfg_attr(not(feature = "axum"), doc = "[Tx]: https://docs.rs/tower-idempotency/latest/tower_idempotency/extract/struct.Tx.html")]
+#[cfg_attr(
+    not(feature = "axum"),
+    doc = "[Tx]: https://docs.rs/tower-idempotency/latest/tower_idempotency/extract/struct.Tx.html"
+)]
 #[cfg_attr(feature = "outbox", doc = "[outbox]: crate::outbox")]
-#[cfg_attr(not(feature = "outbox"), doc = "[outbox]: https://docs.rs/tower-idempotency/latest/tower_idempotency/outbox/index.html")]
+#[cfg_attr(
+    not(feature = "outbox"),
+    doc = "[outbox]: https://docs.rs/tower-idempotency/latest/tower_idempotency/outbox/index.html"
+)]
 #[cfg_attr(feature = "client", doc = "[client]: crate::client")]
-#[cfg_attr(not(feature = "client"), doc = "[client]: https://docs.rs/tower-idempotency/latest/tower_idempotency/client/index.html")]
+#[cfg_attr(
+    not(feature = "client"),
+    doc = "[client]: https://docs.rs/tower-idempotency/latest/tower_idempotency/client/index.html"
+)]
 #[cfg_attr(feature = "postgres", doc = "[postgres]: crate::store::postgres")]
-#[cfg_attr(not(feature = "postgres"), doc = "[postgres]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/postgres/index.html")]
-#[cfg_attr(feature = "sqlx-postgres", doc = "[sqlx_postgres]: crate::store::sqlx_postgres")]
-#[cfg_attr(not(feature = "sqlx-postgres"), doc = "[sqlx_postgres]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/sqlx_postgres/index.html")]
+#[cfg_attr(
+    not(feature = "postgres"),
+    doc = "[postgres]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/postgres/index.html"
+)]
+#[cfg_attr(
+    feature = "sqlx-postgres",
+    doc = "[sqlx_postgres]: crate::store::sqlx_postgres"
+)]
+#[cfg_attr(
+    not(feature = "sqlx-postgres"),
+    doc = "[sqlx_postgres]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/sqlx_postgres/index.html"
+)]
 #[cfg_attr(feature = "sqlx-mysql", doc = "[sqlx_mysql]: crate::store::sqlx_mysql")]
-#[cfg_attr(not(feature = "sqlx-mysql"), doc = "[sqlx_mysql]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/sqlx_mysql/index.html")]
-#[cfg_attr(feature = "utoipa", doc = "[document]: crate::IdempotencyLayer::document")]
-#[cfg_attr(not(feature = "utoipa"), doc = "[document]: https://docs.rs/tower-idempotency/latest/tower_idempotency/struct.IdempotencyLayer.html#method.document")]
+#[cfg_attr(
+    not(feature = "sqlx-mysql"),
+    doc = "[sqlx_mysql]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/sqlx_mysql/index.html"
+)]
+#[cfg_attr(
+    feature = "utoipa",
+    doc = "[document]: crate::IdempotencyLayer::document"
+)]
+#[cfg_attr(
+    not(feature = "utoipa"),
+    doc = "[document]: https://docs.rs/tower-idempotency/latest/tower_idempotency/struct.IdempotencyLayer.html#method.document"
+)]
 pub mod guide {}
 mod in_flight;
 pub mod key;

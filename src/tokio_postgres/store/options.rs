@@ -73,8 +73,8 @@ impl PostgresOptions {
     /// reserves the key with an `INSERT` and finds the committed record there. What a replay
     /// from the standby shows is a record the primary committed; a record deleted since
     /// (by the admin tool: the purge only deletes expired ones, which the read skips) may
-    /// still replay from a lagging standby. See `docs/postgresql.md`, "Running past one
-    /// server".
+    /// still replay from a lagging standby. See
+    /// [Running past one server](crate::store::postgres#running-past-one-server).
     ///
     /// ```no_run
     /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
