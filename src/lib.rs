@@ -51,7 +51,7 @@
 //!
 //! # Inside the handler
 //!
-//! Write through the handle, and only through it: [`SqliteTransaction::run`] runs a closure
+//! Write through the handle, and only through it: [`SqliteTransaction::run`][SqliteTransaction::run] runs a closure
 //! on the writer connection inside the request's transaction; on PostgreSQL and MySQL the
 //! handle lends a connection inside it. The layer commits: a saveable response (2xx by
 //! default) commits with the record; anything else, an error, a panic or a dropped request
@@ -61,13 +61,11 @@
 //! Every setting is a `with_*` method of [`IdempotencyLayer`], documented with its default.
 //! The [`guide`] has the contract in full, the limits, axum, hyper and tonic, the IETF draft,
 //! the design and the example app; each store module, [`outbox`][outbox], [`client`][client],
-//! [`steps`], [`admin`] and [`metrics`] has its own.
-//!
-//! [`SqliteTransaction::run`]: store::sqlite::SqliteTransaction::run
+//! [`steps`], [`admin`][admin] and [`metrics`] has its own.
 //!
 //! # Features
 //!
-//! - `sqlite` (default): [`store::sqlite::SqliteStore`].
+//! - `sqlite` (default): [`store::sqlite::SqliteStore`][sqlite].
 //! - `axum`: the [`extract::Tx`][Tx] extractor for the transaction handle.
 //! - `postgres`: [`store::postgres::PostgresStore`][postgres], for several app instances sharing one
 //!   database (tokio-postgres with a deadpool pool).
@@ -95,12 +93,43 @@
 //! crate's; bring an [`store::IdempotencyStore`] of your own.
 //!
 //! Operations on a store, any of the four (inspect or delete a record, counts, purge, dead
-//! letters), are library calls in [`admin`]; the repository's command-line tool
+//! letters), are library calls in [`admin`][admin]; the repository's command-line tool
 //! (`cargo run --example admin`) runs them on a SQLite file or a PostgreSQL database.
 
 // Links to items of features that may be off: on docs.rs (every feature) they resolve; in a
 // build without the feature they point to docs.rs, so that no build has a broken link.
 #![doc = ""]
+#![cfg_attr(
+    any(
+        feature = "sqlite",
+        feature = "postgres",
+        feature = "sqlx-postgres",
+        feature = "sqlx-mysql"
+    ),
+    doc = "[admin]: crate::admin"
+)]
+#![cfg_attr(
+    not(any(
+        feature = "sqlite",
+        feature = "postgres",
+        feature = "sqlx-postgres",
+        feature = "sqlx-mysql"
+    )),
+    doc = "[admin]: https://docs.rs/tower-idempotency/latest/tower_idempotency/admin/index.html"
+)]
+#![cfg_attr(feature = "sqlite", doc = "[sqlite]: crate::store::sqlite")]
+#![cfg_attr(
+    not(feature = "sqlite"),
+    doc = "[sqlite]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/sqlite/index.html"
+)]
+#![cfg_attr(
+    feature = "sqlite",
+    doc = "[SqliteTransaction::run]: crate::store::sqlite::SqliteTransaction::run"
+)]
+#![cfg_attr(
+    not(feature = "sqlite"),
+    doc = "[SqliteTransaction::run]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/sqlite/struct.SqliteTransaction.html#method.run"
+)]
 #![cfg_attr(feature = "axum", doc = "[Tx]: crate::extract::Tx")]
 #![cfg_attr(
     not(feature = "axum"),
@@ -163,6 +192,53 @@ pub mod extract;
 pub mod fingerprint;
 #[doc = include_str!("docs/guide.md")]
 #[doc = ""]
+#[cfg_attr(
+    any(
+        feature = "sqlite",
+        feature = "postgres",
+        feature = "sqlx-postgres",
+        feature = "sqlx-mysql"
+    ),
+    doc = "[admin]: crate::admin"
+)]
+#[cfg_attr(
+    not(any(
+        feature = "sqlite",
+        feature = "postgres",
+        feature = "sqlx-postgres",
+        feature = "sqlx-mysql"
+    )),
+    doc = "[admin]: https://docs.rs/tower-idempotency/latest/tower_idempotency/admin/index.html"
+)]
+#[cfg_attr(feature = "sqlite", doc = "[sqlite]: crate::store::sqlite")]
+#[cfg_attr(
+    not(feature = "sqlite"),
+    doc = "[sqlite]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/sqlite/index.html"
+)]
+#[cfg_attr(
+    feature = "sqlite",
+    doc = "[SqliteTransaction]: crate::store::sqlite::SqliteTransaction"
+)]
+#[cfg_attr(
+    not(feature = "sqlite"),
+    doc = "[SqliteTransaction]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/sqlite/struct.SqliteTransaction.html"
+)]
+#[cfg_attr(
+    feature = "sqlite",
+    doc = "[SqliteTransaction::run]: crate::store::sqlite::SqliteTransaction::run"
+)]
+#[cfg_attr(
+    not(feature = "sqlite"),
+    doc = "[SqliteTransaction::run]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/sqlite/struct.SqliteTransaction.html#method.run"
+)]
+#[cfg_attr(
+    feature = "sqlite",
+    doc = "[SqliteStore::write]: crate::store::sqlite::SqliteStore::write"
+)]
+#[cfg_attr(
+    not(feature = "sqlite"),
+    doc = "[SqliteStore::write]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/sqlite/struct.SqliteStore.html#method.write"
+)]
 #[cfg_attr(feature = "axum", doc = "[Tx]: crate::extract::Tx")]
 #[cfg_attr(
     not(feature = "axum"),
