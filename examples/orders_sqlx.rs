@@ -17,7 +17,7 @@
 //! `query_scalar!`, built offline from the crate's `.sqlx/`: see `tests/support/pg_common/sqlx_app.rs`).
 
 use sqlx::postgres::{PgPool, PgPoolOptions};
-use tower_idempotency::store::sqlx_postgres::{SqlxPostgresStore, SqlxTransaction};
+use tower_idempotency::store::sqlx_postgres::{SqlxPostgresStore, SqlxHandle};
 use tower_idempotency::Tenant;
 
 use sqlx_app::{Args, BoxError, NewOrder, OrderSql};
@@ -61,11 +61,11 @@ struct Orders(PgPool);
 
 impl OrderSql for Orders {
     type Store = SqlxPostgresStore;
-    type Transaction = SqlxTransaction;
+    type Transaction = SqlxHandle;
 
     /// Ordinary sqlx code on the connection the transaction lends.
     async fn insert(
-        tx: &SqlxTransaction,
+        tx: &SqlxHandle,
         tenant: &Tenant,
         order: &NewOrder,
     ) -> Result<i64, BoxError> {

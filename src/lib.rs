@@ -20,9 +20,9 @@
 //!
 //! ```no_run
 //! use axum::{routing::post, Router, Json};
-//! use tower_idempotency::{extract::Tx, IdempotencyLayer, store::sqlite::{SqliteStore, SqliteTransaction}};
+//! use tower_idempotency::{extract::Tx, IdempotencyLayer, store::sqlite::{SqliteStore, SqliteHandle}};
 //!
-//! async fn create_order(Tx(tx): Tx<SqliteTransaction>, Json(order): Json<serde_json::Value>)
+//! async fn create_order(Tx(tx): Tx<SqliteHandle>, Json(order): Json<serde_json::Value>)
 //!     -> Result<(http::StatusCode, String), http::StatusCode>
 //! {
 //!     let sku = order["sku"].as_str().unwrap_or_default().to_owned();
@@ -51,7 +51,7 @@
 //!
 //! # Inside the handler
 //!
-//! Write through the handle, and only through it: [`SqliteTransaction::run`][SqliteTransaction::run] runs a closure
+//! Write through the handle, and only through it: [`SqliteHandle::run`][SqliteHandle::run] runs a closure
 //! on the writer connection inside the request's transaction; on PostgreSQL and MySQL the
 //! handle lends a connection inside it. The layer commits: a saveable response (2xx by
 //! default) commits with the record; anything else, an error, a panic or a dropped request
@@ -67,15 +67,15 @@
 //!
 //! - `sqlite` (default): [`store::sqlite::SqliteStore`][sqlite].
 //! - `axum`: the [`extract::Tx`][Tx] extractor for the transaction handle.
-//! - `postgres`: [`store::postgres::PostgresStore`][postgres], for several app instances sharing one
+//! - `postgres`: [`store::tokio_postgres::PostgresStore`][postgres], for several app instances sharing one
 //!   database (tokio-postgres with a deadpool pool).
 //! - `sqlx-postgres`: [`store::sqlx_postgres::SqlxPostgresStore`][sqlx_postgres], the same
 //!   store on sqlx, built from the application's own `sqlx::PgPool`; handlers run ordinary sqlx
-//!   code on its `SqlxTransaction`. The schema also ships as a sqlx migration
+//!   code on its `SqlxHandle`. The schema also ships as a sqlx migration
 //!   (`migrations/`).
 //! - `sqlx-mysql`: [`store::sqlx_mysql::SqlxMySqlStore`][sqlx_mysql], the same contract on
 //!   MySQL or MariaDB (InnoDB), built from the application's own `sqlx::MySqlPool`; handlers run
-//!   ordinary sqlx code on its `SqlxTransaction` (migration in `migrations/mysql/`).
+//!   ordinary sqlx code on its `SqlxHandle` (migration in `migrations/mysql/`).
 //! - `client`: [`client::RetryLayer`][client], the client half: adds an `Idempotency-Key`, buffers the
 //!   body and retries with the same key and bytes.
 //! - `outbox`: [`outbox`][outbox], side effects that commit with the handler's rows: the handler
@@ -102,7 +102,7 @@
 #![cfg_attr(
     any(
         feature = "sqlite",
-        feature = "postgres",
+        feature = "tokio-postgres",
         feature = "sqlx-postgres",
         feature = "sqlx-mysql"
     ),
@@ -111,7 +111,7 @@
 #![cfg_attr(
     not(any(
         feature = "sqlite",
-        feature = "postgres",
+        feature = "tokio-postgres",
         feature = "sqlx-postgres",
         feature = "sqlx-mysql"
     )),
@@ -124,11 +124,11 @@
 )]
 #![cfg_attr(
     feature = "sqlite",
-    doc = "[SqliteTransaction::run]: crate::store::sqlite::SqliteTransaction::run"
+    doc = "[SqliteHandle::run]: crate::store::sqlite::SqliteHandle::run"
 )]
 #![cfg_attr(
     not(feature = "sqlite"),
-    doc = "[SqliteTransaction::run]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/sqlite/struct.SqliteTransaction.html#method.run"
+    doc = "[SqliteHandle::run]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/sqlite/struct.SqliteHandle.html#method.run"
 )]
 #![cfg_attr(feature = "axum", doc = "[Tx]: crate::extract::Tx")]
 #![cfg_attr(
@@ -145,9 +145,9 @@
     not(feature = "client"),
     doc = "[client]: https://docs.rs/tower-idempotency/latest/tower_idempotency/client/index.html"
 )]
-#![cfg_attr(feature = "postgres", doc = "[postgres]: crate::store::postgres")]
+#![cfg_attr(feature = "tokio-postgres", doc = "[postgres]: crate::store::tokio_postgres")]
 #![cfg_attr(
-    not(feature = "postgres"),
+    not(feature = "tokio-postgres"),
     doc = "[postgres]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/postgres/index.html"
 )]
 #![cfg_attr(
@@ -178,7 +178,7 @@
 
 #[cfg(any(
     feature = "sqlite",
-    feature = "postgres",
+    feature = "tokio-postgres",
     feature = "sqlx-postgres",
     feature = "sqlx-mysql"
 ))]
@@ -195,7 +195,7 @@ pub mod fingerprint;
 #[cfg_attr(
     any(
         feature = "sqlite",
-        feature = "postgres",
+        feature = "tokio-postgres",
         feature = "sqlx-postgres",
         feature = "sqlx-mysql"
     ),
@@ -204,7 +204,7 @@ pub mod fingerprint;
 #[cfg_attr(
     not(any(
         feature = "sqlite",
-        feature = "postgres",
+        feature = "tokio-postgres",
         feature = "sqlx-postgres",
         feature = "sqlx-mysql"
     )),
@@ -217,19 +217,19 @@ pub mod fingerprint;
 )]
 #[cfg_attr(
     feature = "sqlite",
-    doc = "[SqliteTransaction]: crate::store::sqlite::SqliteTransaction"
+    doc = "[SqliteHandle]: crate::store::sqlite::SqliteHandle"
 )]
 #[cfg_attr(
     not(feature = "sqlite"),
-    doc = "[SqliteTransaction]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/sqlite/struct.SqliteTransaction.html"
+    doc = "[SqliteHandle]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/sqlite/struct.SqliteHandle.html"
 )]
 #[cfg_attr(
     feature = "sqlite",
-    doc = "[SqliteTransaction::run]: crate::store::sqlite::SqliteTransaction::run"
+    doc = "[SqliteHandle::run]: crate::store::sqlite::SqliteHandle::run"
 )]
 #[cfg_attr(
     not(feature = "sqlite"),
-    doc = "[SqliteTransaction::run]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/sqlite/struct.SqliteTransaction.html#method.run"
+    doc = "[SqliteHandle::run]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/sqlite/struct.SqliteHandle.html#method.run"
 )]
 #[cfg_attr(
     feature = "sqlite",
@@ -254,9 +254,9 @@ pub mod fingerprint;
     not(feature = "client"),
     doc = "[client]: https://docs.rs/tower-idempotency/latest/tower_idempotency/client/index.html"
 )]
-#[cfg_attr(feature = "postgres", doc = "[postgres]: crate::store::postgres")]
+#[cfg_attr(feature = "tokio-postgres", doc = "[postgres]: crate::store::tokio_postgres")]
 #[cfg_attr(
-    not(feature = "postgres"),
+    not(feature = "tokio-postgres"),
     doc = "[postgres]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/postgres/index.html"
 )]
 #[cfg_attr(
@@ -292,7 +292,7 @@ mod mysql;
 mod openapi;
 #[cfg(feature = "outbox")]
 pub mod outbox;
-#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
+#[cfg(any(feature = "tokio-postgres", feature = "sqlx-postgres"))]
 mod postgres;
 pub mod problem;
 pub mod response;
@@ -307,7 +307,7 @@ mod sqlite;
 mod sqlx;
 pub mod steps;
 pub mod store;
-#[cfg(feature = "postgres")]
+#[cfg(feature = "tokio-postgres")]
 mod tokio_postgres;
 
 pub use crate::error::{Error, Rejection};

@@ -12,7 +12,7 @@ use crate::error::Error;
 pub(crate) mod columns;
 #[cfg(any(
     feature = "sqlite",
-    feature = "postgres",
+    feature = "tokio-postgres",
     feature = "sqlx-postgres",
     feature = "sqlx-mysql"
 ))]
@@ -27,7 +27,7 @@ mod sink;
 pub(crate) use inbox::InboxOutcome;
 #[cfg(any(
     feature = "sqlite",
-    feature = "postgres",
+    feature = "tokio-postgres",
     feature = "sqlx-postgres",
     feature = "sqlx-mysql"
 ))]
@@ -138,7 +138,7 @@ impl OutboxEvent {
 /// Enqueues an event in the transaction of the handle it is called on.
 ///
 /// Implemented by the transaction handles of the stores with an outbox
-/// ([`SqliteTransaction`](crate::store::sqlite::SqliteTransaction)). The event commits or rolls
+/// ([`SqliteHandle`](crate::store::sqlite::SqliteHandle)). The event commits or rolls
 /// back with everything else the handler wrote: a handler that fails after enqueueing leaves no
 /// event behind.
 pub trait Enqueue {

@@ -11,7 +11,7 @@
 // - `authorizer`: the writer's authorizer, refusing transaction control to handlers.
 // - `file`: the database file: its identity, other processes' locks, giving way to them.
 // - `reservation`: `SqliteReservation`, the layer's side of a request's transaction.
-// - `handle`: `SqliteTransaction`, the handler's side.
+// - `handle`: `SqliteHandle`, the handler's side.
 // This file holds the store itself: opening it, its own calls and the trait impl.
 mod authorizer;
 mod executor;
@@ -40,7 +40,7 @@ pub use rusqlite;
 use rusqlite::Connection;
 use tokio::sync::oneshot;
 
-pub use handle::SqliteTransaction;
+pub use handle::SqliteHandle;
 pub use options::{SqliteOptions, Synchronous};
 pub(crate) use reservation::SqliteReservation;
 
@@ -64,9 +64,9 @@ struct Shared {
     jobs: mpsc::Sender<Job>,
     readers: Mutex<Vec<Connection>>,
     max_idle_readers: usize,
-    /// [`SqliteOptions::read_in_place`].
+    /// [`SqliteOptions::with_read_in_place`].
     read_in_place: bool,
-    /// [`SqliteOptions::write_in_place`].
+    /// [`SqliteOptions::with_write_in_place`].
     write_in_place: bool,
     /// Where the writer thread leaves the writer while idle (see `in_place`).
     idle: Arc<Mutex<IdleWriter>>,
@@ -215,7 +215,7 @@ impl SqliteStore {
     ///
     /// Called from a handler inside its own request, it fails at once with
     /// [`Error::InsideRequest`]: it would wait for the request to end. Use the request's
-    /// [`SqliteTransaction::run`] there.
+    /// [`SqliteHandle::run`] there.
     pub async fn write<T, F>(&self, f: F) -> Result<T, Error>
     where
         F: FnOnce(&rusqlite::Transaction<'_>) -> rusqlite::Result<T> + Send + 'static,
@@ -273,7 +273,7 @@ static NEXT_STORE_ID: AtomicU64 = AtomicU64::new(1);
 impl IdempotencyStore for SqliteStore {
     type Reservation = SqliteReservation;
 
-    /// In place when that cannot wait (see [`SqliteOptions::read_in_place`]), else under
+    /// In place when that cannot wait (see [`SqliteOptions::with_read_in_place`]), else under
     /// `spawn_blocking` (or in place, without a tokio runtime).
     async fn lookup(&self, scope: &Scope, now: SystemTime) -> Result<Option<StoredRecord>, Error> {
         if let Some(found) = self.shared.try_read_live_record_in_place(scope, now) {

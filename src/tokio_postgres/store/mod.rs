@@ -8,7 +8,7 @@ pub use tokio_postgres;
 use crate::store::Isolation;
 #[cfg_attr(not(feature = "outbox"), allow(unused_imports))]
 pub(crate) use handle::Executor;
-pub use handle::{PostgresTransaction, TransactionClient};
+pub use handle::{PostgresHandle, CheckedClient};
 pub use options::PostgresOptions;
 pub(crate) use reservation::PostgresReservation;
 pub use store::PostgresStore;

@@ -18,7 +18,7 @@ use crate::row_lock::replay_check::ReplayChecks;
 use crate::store::{Isolation, ReplayCheck};
 
 /// Options for opening a [`PostgresStore`]; see [`PostgresStore::builder`] and
-/// [`PostgresStore::from_pool`].
+/// [`PostgresStore::builder_from_pool`].
 #[derive(Clone, Debug)]
 pub struct PostgresOptions {
     connections: Connections,
@@ -36,7 +36,7 @@ pub struct PostgresOptions {
 impl PostgresOptions {
     /// The most connections held by request transactions (and [`PostgresStore::client`]) at
     /// once. A request that finds them all busy waits for one within the layer's lock timeout.
-    /// Default: 16. (A pool of your own, [`PostgresStore::from_pool`], keeps its own size.)
+    /// Default: 16. (A pool of your own, [`PostgresStore::builder_from_pool`], keeps its own size.)
     pub fn max_connections(mut self, connections: usize) -> Self {
         self.max_connections = connections.max(1);
         self
@@ -54,7 +54,7 @@ impl PostgresOptions {
     ///
     /// Default: none. Without it, a store on settings builds its read pool
     /// ([`max_read_connections`](Self::max_read_connections)), and a store on a pool of your
-    /// own ([`PostgresStore::from_pool`]) reads from that same pool: replays may then wait for
+    /// own ([`PostgresStore::builder_from_pool`]) reads from that same pool: replays may then wait for
     /// connections that writers hold, up to [`read_wait`](Self::read_wait), before taking the
     /// write path.
     pub fn read_pool(mut self, pool: Pool) -> Self {
@@ -74,15 +74,15 @@ impl PostgresOptions {
     /// from the standby shows is a record the primary committed; a record deleted since
     /// (by the admin tool: the purge only deletes expired ones, which the read skips) may
     /// still replay from a lagging standby. See
-    /// [Running past one server](crate::store::postgres#running-past-one-server).
+    /// [Running past one server](crate::store::tokio_postgres#running-past-one-server).
     ///
     /// ```no_run
     /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
-    /// use tower_idempotency::store::postgres::PostgresStore;
+    /// use tower_idempotency::store::tokio_postgres::PostgresStore;
     ///
     /// let primary = "postgres://app@db1,db2/shop?target_session_attrs=read-write".parse()?;
     /// let standby = "postgres://app@db2/shop".parse()?;
-    /// let store = PostgresStore::builder(primary).read_from(standby).connect().await?;
+    /// let store = PostgresStore::builder(primary).with_read_from(standby).connect().await?;
     /// # let _ = store;
     /// # Ok(()) }
     /// ```
@@ -108,12 +108,12 @@ impl PostgresOptions {
     ///
     /// ```no_run
     /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
-    /// use tower_idempotency::store::postgres::PostgresStore;
+    /// use tower_idempotency::store::tokio_postgres::PostgresStore;
     /// use tower_idempotency::store::ReplayCheck;
     ///
     /// // Replays must never take a connection of the request transactions.
     /// let store = PostgresStore::builder("postgres://app@127.0.0.1/shop".parse()?)
-    ///     .replay_check(ReplayCheck::ReadPool)
+    ///     .with_replay_check(ReplayCheck::FavorReplays)
     ///     .connect()
     ///     .await?;
     /// # let _ = store;
@@ -149,7 +149,7 @@ impl PostgresOptions {
     /// Connects without TLS, creates (or migrates) the schema and returns the store. (With
     /// pools of your own, the connections are theirs: they connect as their manager does.)
     pub async fn connect(self) -> Result<PostgresStore, Error> {
-        self.connect_with_tls(NoTls).await
+        self.build_with_tls(NoTls).await
     }
 
     /// Like [`connect`](Self::connect), with a TLS connector (`postgres-native-tls`,
@@ -215,7 +215,7 @@ impl PostgresOptions {
 enum Connections {
     /// Settings: the store builds its pools.
     Config(Box<tokio_postgres::Config>),
-    /// A pool of the caller's ([`PostgresStore::from_pool`]).
+    /// A pool of the caller's ([`PostgresStore::builder_from_pool`]).
     Pool(Pool),
 }
 
@@ -233,21 +233,21 @@ impl PostgresStore {
 
     /// Options for a store on a pool of your own (built with the [`deadpool_postgres`] this
     /// crate re-exports): request transactions, [`client`](Self::client) and, unless you give
-    /// a [`read_pool`](PostgresOptions::read_pool), the replay fast path take their connections
-    /// from it. Finish with [`connect`](PostgresOptions::connect), which creates (or migrates)
-    /// the schema, or with [`create_schema(false)`](PostgresOptions::create_schema) only checks
+    /// a [`read_pool`](PostgresOptions::with_read_pool), the replay fast path take their connections
+    /// from it. Finish with [`connect`](PostgresOptions::build), which creates (or migrates)
+    /// the schema, or with [`create_schema(false)`](PostgresOptions::with_create_schema) only checks
     /// that the pool gives a connection.
     ///
     /// ```no_run
     /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
-    /// use tower_idempotency::store::postgres::deadpool_postgres::{Manager, Pool};
-    /// use tower_idempotency::store::postgres::tokio_postgres::{Config, NoTls};
-    /// use tower_idempotency::store::postgres::PostgresStore;
+    /// use tower_idempotency::store::tokio_postgres::deadpool_postgres::{Manager, Pool};
+    /// use tower_idempotency::store::tokio_postgres::tokio_postgres::{Config, NoTls};
+    /// use tower_idempotency::store::tokio_postgres::PostgresStore;
     ///
     /// let config: Config = "postgres://app@127.0.0.1/shop".parse()?;
     /// let pool = Pool::builder(Manager::new(config, NoTls)).max_size(32).build()?;
     /// // The app's own queries and the store share the pool.
-    /// let store = PostgresStore::from_pool(pool.clone()).connect().await?;
+    /// let store = PostgresStore::builder_from_pool(pool.clone()).connect().await?;
     /// # let _ = (store, pool);
     /// # Ok(()) }
     /// ```

@@ -43,7 +43,7 @@ pub type SqlxMySqlOptions = SqlxOptions<MySqlDialect>;
 /// The handle a handler uses to write its rows in the request's InnoDB transaction.
 ///
 /// ```no_run
-/// # async fn handler(tx: tower_idempotency::store::sqlx_mysql::SqlxTransaction)
+/// # async fn handler(tx: tower_idempotency::store::sqlx_mysql::SqlxHandle)
 /// #     -> Result<u64, Box<dyn std::error::Error>> {
 /// let mut conn = tx.acquire().await?;
 /// let done = sqlx::query("INSERT INTO orders (sku, quantity) VALUES (?, ?)")
@@ -55,7 +55,7 @@ pub type SqlxMySqlOptions = SqlxOptions<MySqlDialect>;
 /// ```
 ///
 /// - Refused besides `COMMIT`, `ROLLBACK` and `BEGIN`: the statements after which MySQL
-///   commits on its own (DDL, `LOCK TABLES`, `SET autocommit`...; see [`TxConnection`]).
+///   commits on its own (DDL, `LOCK TABLES`, `SET autocommit`...; see [`CheckedConnection`]).
 /// - A failed statement is rolled back on its own and the transaction goes on (InnoDB's way),
 ///   except a deadlock (`1213`), after which InnoDB has rolled the whole transaction back: the
 ///   connection then refuses further statements, and the layer runs the request again.
@@ -63,10 +63,10 @@ pub type SqlxMySqlOptions = SqlxOptions<MySqlDialect>;
 ///   locks, `lock_wait_timeout` for metadata locks such as another session's `LOCK TABLES`;
 ///   whole seconds): past it a statement fails with `1205`. If the handler then fails, the
 ///   layer answers `503` with `Retry-After` (whatever the handler answered) and rolls back.
-#[doc = crate::sqlx::store::transaction_docs!()]
-pub type SqlxTransaction = crate::sqlx::store::SqlxTransaction<MySqlDialect>;
+#[doc = crate::sqlx::store::handle_docs!()]
+pub type SqlxHandle = crate::sqlx::store::SqlxHandle<MySqlDialect>;
 
-/// A pooled connection inside the request's transaction: `&mut TxConnection` is a
+/// A pooled connection inside the request's transaction: `&mut CheckedConnection` is a
 /// [`sqlx::Executor`] for MySQL, on which sqlx code runs as on a `&mut MySqlConnection`.
 ///
 /// `BEGIN`, `START TRANSACTION`, `COMMIT`, `ROLLBACK`, `XA`, `LOCK`/`UNLOCK TABLES`, `SET
@@ -79,7 +79,7 @@ pub type SqlxTransaction = crate::sqlx::store::SqlxTransaction<MySqlDialect>;
 /// Nothing runs after a deadlock: InnoDB has rolled the transaction back by then, and what
 /// followed would run in another transaction.
 #[doc = crate::sqlx::store::connection_docs!()]
-pub type TxConnection = crate::sqlx::store::TxConnection<MySqlDialect>;
+pub type CheckedConnection = crate::sqlx::store::CheckedConnection<MySqlDialect>;
 
 mod dialect {
     /// MySQL and MariaDB as the sqlx store's database: the SQL of this module, duplicate-key

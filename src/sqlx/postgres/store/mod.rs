@@ -48,7 +48,7 @@ pub type SqlxPostgresOptions = SqlxOptions<PgDialect>;
 /// The handle a handler uses to write its rows in the request's PostgreSQL transaction.
 ///
 /// ```no_run
-/// # async fn handler(tx: tower_idempotency::store::sqlx_postgres::SqlxTransaction)
+/// # async fn handler(tx: tower_idempotency::store::sqlx_postgres::SqlxHandle)
 /// #     -> Result<i64, Box<dyn std::error::Error>> {
 /// let mut conn = tx.acquire().await?;
 /// let (order_id,): (i64,) =
@@ -67,10 +67,10 @@ pub type SqlxPostgresOptions = SqlxOptions<PgDialect>;
 ///   (`40001`) and deadlocks (`40P01`).
 /// - Statements run with the layer's `lock_timeout` (`SET LOCAL`): a lock wait past it fails
 ///   with SQLSTATE `55P03`.
-#[doc = crate::sqlx::store::transaction_docs!()]
-pub type SqlxTransaction = crate::sqlx::store::SqlxTransaction<PgDialect>;
+#[doc = crate::sqlx::store::handle_docs!()]
+pub type SqlxHandle = crate::sqlx::store::SqlxHandle<PgDialect>;
 
-/// A pooled connection inside the request's transaction: `&mut TxConnection` is a
+/// A pooled connection inside the request's transaction: `&mut CheckedConnection` is a
 /// [`sqlx::Executor`] for PostgreSQL, on which sqlx code runs as on a `&mut PgConnection`.
 ///
 /// `BEGIN`, `START TRANSACTION`, `COMMIT`, `END`, `ROLLBACK`, `ABORT`, `PREPARE TRANSACTION`
@@ -78,7 +78,7 @@ pub type SqlxTransaction = crate::sqlx::store::SqlxTransaction<PgDialect>;
 /// allowed: they stay inside the transaction. Every statement goes with the extended protocol,
 /// which runs one command per string (SQL without bind parameters is cut into statements).
 #[doc = crate::sqlx::store::connection_docs!()]
-pub type TxConnection = crate::sqlx::store::TxConnection<PgDialect>;
+pub type CheckedConnection = crate::sqlx::store::CheckedConnection<PgDialect>;
 
 mod dialect {
     /// PostgreSQL as the sqlx store's database: the SQL of `src/postgres/store_sql.rs` (shared with the
