@@ -94,7 +94,7 @@ pub trait InboxOutcome<S: InboxBackend> {
 /// - [`Inbox::process`] applies an event once, in a transaction of the inbox's own. What the
 ///   closure gets is the backend's: on SQLite a `&rusqlite::Transaction` (it runs on the
 ///   writer thread and returns a `rusqlite::Result`), on PostgreSQL the same
-///   [`PostgresHandle`](crate::store::tokio_postgres::PostgresHandle) handle a request's
+///   `PostgresHandle` handle a request's
 ///   handler gets (it returns a future).
 /// - [`Inbox::process_in`] records the id in an idempotent request's transaction (the handle
 ///   the layer put in the request extensions) and returns a [`Receipt`]: the handler applies
@@ -203,9 +203,7 @@ impl<S: InboxBackend> Inbox<S> {
     /// Two deliveries of one event at once apply it once: the second waits for the first
     /// transaction to end. On PostgreSQL under `REPEATABLE READ` or `SERIALIZABLE` that wait
     /// ends in a serialization failure, which is retried here
-    /// ([`PostgresOptions::with_serialization_retries`] times) before `f` is called.
-    ///
-    /// [`PostgresOptions::with_serialization_retries`]: crate::store::tokio_postgres::PostgresOptions::with_serialization_retries
+    /// (`serialization_retries` times, a setting of the PostgreSQL stores) before `f` is called.
     pub async fn process<F, R>(&self, event_id: &str, f: F) -> Result<Processed<R::Value>, Error>
     where
         F: for<'a> FnOnce(S::Work<'a>) -> R + Send + 'static,

@@ -24,7 +24,7 @@ use crate::row_lock::tx_state::{Observed, ObservedCell, TxShared};
 macro_rules! handle_docs {
     () => {
         "\n\nThe layer puts it in the request extensions (take it with \
-        [`Tx<SqlxHandle>`](crate::extract::Tx) in axum). Everything run on the connection \
+        `Tx<SqlxHandle>` in axum, feature `axum`). Everything run on the connection \
         it lends (`tx.acquire().await?`, then `&mut *conn` as the executor) belongs to the same \
         transaction as the idempotency record: it commits when the layer saves the response, \
         and rolls back if the handler fails, panics or the client goes away.\n\n\
@@ -61,7 +61,7 @@ pub(crate) use connection_docs;
 /// The handle a handler uses to write its rows in the request's transaction.
 ///
 /// The layer puts it in the request extensions (take it with
-/// [`Tx<SqlxHandle>`](crate::extract::Tx) in axum). Everything run on the connection it
+/// `Tx<SqlxHandle>` in axum, feature `axum`). Everything run on the connection it
 /// lends belongs to the same transaction as the idempotency record: it commits when the layer
 /// saves the response, and rolls back if the handler fails, panics or the client goes away.
 ///

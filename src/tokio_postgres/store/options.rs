@@ -52,7 +52,7 @@ impl PostgresOptions {
 
     /// A pool of your own for the replay fast path, instead of one the store builds.
     ///
-    /// Without it, a store on settings builds its read pool
+    /// Default: none. Without it, a store on settings builds its read pool
     /// ([`with_max_read_connections`](Self::with_max_read_connections)), and a store on a pool of your
     /// own ([`PostgresStore::builder_from_pool`]) reads from that same pool: replays may then wait for
     /// connections that writers hold, up to [`with_read_wait`](Self::with_read_wait), before taking the
@@ -73,8 +73,8 @@ impl PostgresOptions {
     /// reserves the key with an `INSERT` and finds the committed record there. What a replay
     /// from the standby shows is a record the primary committed; a record deleted since
     /// (by the admin tool: the purge only deletes expired ones, which the read skips) may
-    /// still replay from a lagging standby. See `docs/postgresql.md`, "Running past one
-    /// server".
+    /// still replay from a lagging standby. See
+    /// [Running past one server](crate::store::tokio_postgres#running-past-one-server).
     ///
     /// ```no_run
     /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
