@@ -8,7 +8,7 @@ use tower_idempotency::store::sqlite::Synchronous;
 
 pub(crate) const USAGE: &str = "\
 usage: cargo bench --bench orders -- [--quick] [--duration SECS] [--rounds N]
-             [--cases A,B,C,D,H,R,E,hold,alloc] [--concurrency 1,16,64]
+             [--cases A,B,C,D,H,R,E,hold,alloc,wal] [--concurrency 1,16,64]
              [--modes full,normal] [--database-url URL] [--client-threads N] [--out DIR]
        cargo bench --bench orders -- --serve [--modes full|normal|pg] [--database-url URL]
        cargo bench --bench orders -- --table [DIR]
@@ -21,7 +21,8 @@ usage: cargo bench --bench orders -- [--quick] [--duration SECS] [--rounds N]
                        throughput is their median (default 3; --quick 2)
   --cases LIST         what to run (default all but AR, SA and SH): A B C D H R AR SA SH E,
                        hold (replays while a handler holds the write transaction), alloc
-                       (bytes allocated per request). AR (PostgreSQL, ReplayCheck::FavorNewKeys)
+                       (bytes allocated per request), wal (WAL frames per new key:
+                       A, H and a minimal handler, SQLite FULL). AR (PostgreSQL, ReplayCheck::FavorNewKeys)
                        and SA, SH (sqlx) run in passes of their own, `--modes pg --cases ar,h`
                        and `--modes pg --cases sa,sh`: more pools of 32 beside A's and H's
                        would exceed PostgreSQL's default max_connections (100)
@@ -178,6 +179,8 @@ pub(crate) struct Options {
     pub(crate) cases: Vec<Case>,
     pub(crate) hold: bool,
     pub(crate) alloc: bool,
+    /// `wal`: count the WAL frames of a new key (`wal.rs`).
+    pub(crate) wal: bool,
     pub(crate) concurrency: Vec<usize>,
     pub(crate) modes: Vec<Mode>,
     pub(crate) out: PathBuf,
@@ -291,7 +294,7 @@ impl Command {
             }
         }
 
-        let (mut cases, mut hold, mut alloc) = (Vec::new(), false, false);
+        let (mut cases, mut hold, mut alloc, mut wal) = (Vec::new(), false, false, false);
         match selected {
             None => {
                 cases = vec![
@@ -303,7 +306,7 @@ impl Command {
                     Case::R,
                     Case::E,
                 ];
-                (hold, alloc) = (true, true);
+                (hold, alloc, wal) = (true, true, true);
             }
             Some(names) => {
                 for name in names {
@@ -320,6 +323,7 @@ impl Command {
                         "e" => cases.push(Case::E),
                         "hold" => hold = true,
                         "alloc" => alloc = true,
+                        "wal" => wal = true,
                         _ => return Err(format!("unknown case `{name}`")),
                     }
                 }
@@ -362,6 +366,7 @@ impl Command {
             cases,
             hold,
             alloc,
+            wal,
             concurrency,
             modes,
             out,

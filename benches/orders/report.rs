@@ -104,6 +104,17 @@ pub(crate) struct Goal {
 }
 
 impl Goal {
+    /// A goal that `value` be at most `goal` (the WAL count's, `wal.rs`).
+    pub(crate) fn at_most(what: String, value: f64, goal: f64, detail: String) -> Self {
+        Goal {
+            what,
+            value,
+            goal,
+            at_least: false,
+            detail,
+        }
+    }
+
     fn met(&self) -> bool {
         if self.at_least {
             self.value >= self.goal

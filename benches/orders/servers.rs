@@ -450,6 +450,14 @@ impl Server {
         })
     }
 
+    /// The database file of a SQLite server (for the WAL count, `wal.rs`).
+    pub(crate) fn sqlite_path(&self) -> Option<PathBuf> {
+        match &self.backend {
+            Backend::Sqlite(state, _) => Some(state.store.path().to_path_buf()),
+            Backend::Postgres(_) => None,
+        }
+    }
+
     /// Inserts `count` orders with `sku` for the read baseline; returns the first id.
     pub(crate) async fn insert_orders(
         &self,

@@ -27,9 +27,16 @@ use crate::store::to_unix_millis;
 
 /// `available_at` is when the event is next due. A claim moves it to the end of the lease, so
 /// "due" covers both new events and claims whose relay died: one index serves the claim.
+///
+/// `seq` is the rowid without `AUTOINCREMENT`: SQLite gives a new row the largest `seq` in the
+/// table plus one, so an event's `seq` is above every event still stored, and "oldest first"
+/// (claims, dead letters) holds as before. A `seq` is never held beyond one transaction (a claim
+/// sorts by it in place; events are named by `event_id`), so the reuse of a deleted largest
+/// `seq` is harmless, and skipping `sqlite_sequence` saves a page (a WAL frame) per event.
+/// A file created before keeps its `AUTOINCREMENT` table, which works the same.
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS outbox_events (
-    seq          INTEGER PRIMARY KEY AUTOINCREMENT,
+    seq          INTEGER PRIMARY KEY,
     event_id     TEXT    NOT NULL UNIQUE,
     topic        TEXT    NOT NULL,
     payload      TEXT    NOT NULL,
