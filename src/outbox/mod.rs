@@ -24,6 +24,12 @@ mod sink;
 // `src/sqlx/`, over `src/row_lock/outbox.rs` on the SQL servers): `Outbox<Store>` and
 // `Inbox<Store>` are its public names.
 
+#[cfg(any(
+    feature = "sqlite",
+    feature = "tokio-postgres",
+    feature = "sqlx-postgres",
+    feature = "sqlx-mysql"
+))]
 pub(crate) use inbox::InboxOutcome;
 #[cfg(any(
     feature = "sqlite",
