@@ -13,6 +13,43 @@
 // - `reservation`: `SqliteReservation`, the layer's side of a request's transaction.
 // - `handle`: `SqliteHandle`, the handler's side.
 // This file holds the store itself: opening it, its own calls and the trait impl.
+//
+// How a request runs (the layer's side is in `src/service/`):
+//
+// The layer calls `IdempotencyStore::lookup_then_begin_and_run` for a request's first attempt and
+// `IdempotencyStore::begin_and_run` when it runs the request again (after a serialization conflict
+// or `Error::GroupRolledBack`). Called on a tokio runtime:
+//
+// 1. **Fast path** (first attempt only). A reader connection reads the record, in place or under
+//    `spawn_blocking` (`reader`). A live one is the answer (`RunOutcome::Found`): nothing is queued
+//    for the writer. Otherwise (no record, an expired one, or a failed read, which is only logged)
+//    the reader queues the request's begin for the writer itself, so that the request is woken
+//    once, by its answer.
+// 2. **Begin.** The begin waits in the writer's queue, at most the lock timeout (`Error::Busy` past
+//    it). On the writer it opens the group transaction if none is open (`BEGIN IMMEDIATE`) and the
+//    request's savepoint in it, and reads the record again: a live one (a duplicate committed
+//    first, perhaps in the open group) is the answer once that group is durable
+//    (`RunOutcome::Existing`); an expired one is deleted.
+// 3. **Work.** Otherwise the layer's work for the request (calling the handler, capturing its
+//    response, committing) is polled on the writer thread, and the handler's `SqliteHandle::run`
+//    runs its statements there at once.
+// 4. **Commit.** `Reservation::commit` inserts the record and releases the savepoint, keeping the
+//    request's rows in the group; the request gets its answer (`RunOutcome::Ran`) once the group's
+//    `COMMIT` has returned. A rollback, an error or a dropped `SqliteReservation` undoes the
+//    savepoint alone.
+//
+// **In place.** When the writer is idle (nothing open, nobody queued) and SQLite's write lock is
+// free without a busy wait, steps 2 to 4 run on the request's own task instead, with the writer
+// that the writer thread left idle (`SqliteOptions::with_write_in_place`, on by default): the
+// begin, the handler's statements and the commit run inline, as in a hand-written handler, without
+// the two hand-overs to the writer thread and back (on a multi-thread runtime only, and each under
+// `block_in_place`, so that the worker's other tasks go on meanwhile). Requests that arrive
+// meanwhile queue for the writer thread (step 2), which takes the writer back when the request
+// ends; if any queued, the request's savepoint stays in an open group that they join, and it is
+// answered when that group commits.
+//
+// Without a tokio runtime the same steps run one after the other in the caller's task
+// (`IdempotencyStore::lookup`, `IdempotencyStore::begin`, then the work awaited in place).
 mod authorizer;
 mod executor;
 mod file;

@@ -1,5 +1,23 @@
 #![doc = include_str!("../../../docs/sqlx_postgres.md")]
 
+// Connections, the commit check and round trips (taking connections is written once for every
+// database, in `src/sqlx/store/mod.rs`; the commit check is this file's and `literal`'s):
+//
+// - **Connections without the pool's checks**: the store takes an idle connection with
+//   `Pool::try_acquire`, which skips the pool's `test_before_acquire` ping and any `before_acquire`
+//   hook (they run only when it has to wait for a connection). A connection found gone by the
+//   transaction's first round trip is discarded and the transaction opened once more on a checked
+//   one.
+// - **The commit check**: the completed record's `UPDATE` fails unless the reservation row was
+//   written by this very transaction (`xmin`); only then does `COMMIT` run. (sqlx does not
+//   pipeline: the two go as one simple query with the values written in as literals, which runs
+//   nothing after a failed statement; with a body over 16 KiB or non-ASCII text values they go with
+//   bind parameters, one after the other, instead.)
+// - **Round trips**: two for a new key besides the handler's statements (`BEGIN` with the
+//   reservation; the completed record with `COMMIT`), three while the replay check comes first,
+//   with no ping: idle connections are taken without the pool's checks, and one found gone at the
+//   first statement is replaced once.
+
 use std::fmt::Write as _;
 use std::time::Duration;
 
