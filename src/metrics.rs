@@ -14,26 +14,29 @@ pub(crate) const HANDLER_ROLLBACKS_TOTAL: &str = "idempotency_handler_rollbacks_
 #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
 pub(crate) const LOCK_WAIT_SECONDS: &str = "idempotency_lock_wait_seconds";
 /// Gauge: pending outbox events (not yet delivered, not dead-lettered).
-#[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+#[cfg_attr(not(all(feature = "metrics", feature = "outbox")), allow(dead_code))]
 pub(crate) const OUTBOX_BACKLOG: &str = "outbox_backlog";
 /// Gauge: dead-lettered outbox events.
-#[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+#[cfg_attr(not(all(feature = "metrics", feature = "outbox")), allow(dead_code))]
 pub(crate) const OUTBOX_DEAD_LETTERS: &str = "outbox_dead_letters";
 /// Counter: events delivered, labelled `topic`.
-#[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+#[cfg_attr(not(all(feature = "metrics", feature = "outbox")), allow(dead_code))]
 pub(crate) const OUTBOX_DELIVERED_TOTAL: &str = "outbox_delivered_total";
 /// Counter: failed delivery attempts, labelled `topic`.
-#[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+#[cfg_attr(not(all(feature = "metrics", feature = "outbox")), allow(dead_code))]
 pub(crate) const OUTBOX_DELIVERY_FAILURES_TOTAL: &str = "outbox_delivery_failures_total";
 /// Counter: events dead-lettered, labelled `topic`.
-#[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+#[cfg_attr(not(all(feature = "metrics", feature = "outbox")), allow(dead_code))]
 pub(crate) const OUTBOX_DEAD_LETTERED_TOTAL: &str = "outbox_dead_lettered_total";
 /// Histogram (seconds): how long one delivery took, labelled `topic`.
-#[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+#[cfg_attr(not(all(feature = "metrics", feature = "outbox")), allow(dead_code))]
 pub(crate) const OUTBOX_DELIVERY_SECONDS: &str = "outbox_delivery_seconds";
 /// Counter: events offered to an inbox, labelled `consumer` and `result`
 /// (`processed` or `duplicate`).
-#[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+#[cfg_attr(
+    not(all(feature = "metrics", feature = "outbox", sql_store)),
+    allow(dead_code)
+)]
 pub(crate) const INBOX_EVENTS_TOTAL: &str = "inbox_events_total";
 
 /// The `outcome` label of `idempotency_requests_total`: how the layer answered.
