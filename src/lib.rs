@@ -145,7 +145,10 @@
     not(feature = "client"),
     doc = "[client]: https://docs.rs/tower-idempotency/latest/tower_idempotency/client/index.html"
 )]
-#![cfg_attr(feature = "tokio-postgres", doc = "[postgres]: crate::store::tokio_postgres")]
+#![cfg_attr(
+    feature = "tokio-postgres",
+    doc = "[postgres]: crate::store::tokio_postgres"
+)]
 #![cfg_attr(
     not(feature = "tokio-postgres"),
     doc = "[postgres]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/tokio_postgres/index.html"
@@ -254,7 +257,10 @@ pub mod fingerprint;
     not(feature = "client"),
     doc = "[client]: https://docs.rs/tower-idempotency/latest/tower_idempotency/client/index.html"
 )]
-#[cfg_attr(feature = "tokio-postgres", doc = "[postgres]: crate::store::tokio_postgres")]
+#[cfg_attr(
+    feature = "tokio-postgres",
+    doc = "[postgres]: crate::store::tokio_postgres"
+)]
 #[cfg_attr(
     not(feature = "tokio-postgres"),
     doc = "[postgres]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/tokio_postgres/index.html"
