@@ -26,8 +26,7 @@ static GLOBAL: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;
 /// process's Rust allocations (SQLite allocates with its own `malloc`, not counted).
 pub(crate) fn live_bytes() -> i64 {
     let stats = GLOBAL.stats();
-    stats.bytes_allocated as i64 - stats.bytes_deallocated as i64
-        + stats.bytes_reallocated as i64
+    stats.bytes_allocated as i64 - stats.bytes_deallocated as i64 + stats.bytes_reallocated as i64
 }
 
 /// Bytes allocated per request (the whole process: client, server, SQLite) for a 64 KiB JSON

@@ -197,7 +197,7 @@ pub(crate) struct Options {
     pub(crate) database_url: Option<String>,
     pub(crate) client_threads: usize,
     /// `--scale`: the measurements of how cost grows (`scale.rs`).
-    pub(crate) scale: Option<crate::scale::ScaleOptions>,
+    pub(crate) scale: Option<Box<crate::scale::ScaleOptions>>,
 }
 
 pub(crate) enum Command {
@@ -228,7 +228,7 @@ impl Command {
         let mut database_url = None;
         let mut client_threads = None;
         let mut serve = false;
-        let mut scale = None::<crate::scale::ScaleOptions>;
+        let mut scale = None::<Box<crate::scale::ScaleOptions>>;
         while let Some(arg) = args.next() {
             let (flag, inline) = match arg.split_once('=') {
                 Some((flag, value)) if flag.starts_with("--") => (flag, Some(value.to_owned())),
@@ -307,7 +307,9 @@ impl Command {
                     scale.get_or_insert_with(Default::default);
                 }
                 "--scale-rows" | "--scale-parts" | "--scale-purge-rows" => {
-                    scale.get_or_insert_with(Default::default).parse(flag, &value()?)?;
+                    scale
+                        .get_or_insert_with(Default::default)
+                        .parse(flag, &value()?)?;
                 }
                 _ => return Err(format!("unknown argument `{arg}`")),
             }

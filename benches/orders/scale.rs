@@ -447,9 +447,22 @@ fn fill_sqlite(path: &FsPath, from: u64, to: u64, expiry: Expiry) -> Result<(), 
     let (version, digest) = fingerprint_hex(&order_body())?;
     let (created, expires) = expiry.columns(now_millis());
     let conn = Connection::open(path)?;
-    let journal: String = conn.query_row("PRAGMA journal_mode = OFF", [], |row| row.get(0))?;
-    if !journal.eq_ignore_ascii_case("off") {
-        return Err(format!("filling: SQLite kept journal_mode={journal}").into());
+    conn.busy_timeout(Duration::from_secs(5))?;
+    // The store that created the tables closes its connections on its own threads after it
+    // is dropped: until then the journal mode cannot change.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let journal = conn.query_row("PRAGMA journal_mode = OFF", [], |row| {
+            row.get::<_, String>(0)
+        });
+        match journal {
+            Ok(journal) if journal.eq_ignore_ascii_case("off") => break,
+            _ if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(50)),
+            Ok(journal) => {
+                return Err(format!("filling: SQLite kept journal_mode={journal}").into())
+            }
+            Err(error) => return Err(error.into()),
+        }
     }
     conn.execute_batch("PRAGMA synchronous = OFF; PRAGMA cache_size = -1048576;")?;
     let insert = format!(
@@ -537,10 +550,7 @@ fn sqlite_bytes(path: &FsPath) -> u64 {
 async fn pg_bytes(url: &str, server: &Server) -> Result<u64, BoxError> {
     let client = pg_connect(url, server).await?;
     let size: i64 = client
-        .query_one(
-            "SELECT pg_total_relation_size('idempotency_records')",
-            &[],
-        )
+        .query_one("SELECT pg_total_relation_size('idempotency_records')", &[])
         .await?
         .try_get(0)?;
     Ok(u64::try_from(size)?)
@@ -643,9 +653,12 @@ async fn interleave(runs: &mut [Run], options: &Options, label: &str) {
     }
 }
 
-/// Distinct ranges of key numbers for the new keys of each run (beyond any filled row).
-fn new_key_base(run: u64) -> u64 {
-    200_000_000 + run * 10_000_000
+/// A range of key numbers for the new keys of one run, never used before in this process
+/// (beyond any filled row: PostgreSQL's sizes share one table).
+fn new_key_base() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    // 190 ranges of 10 million below 2^31 (see `uuid_key`), more than a run uses.
+    200_000_000 + NEXT.fetch_add(1, Ordering::Relaxed) % 190 * 10_000_000
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -775,7 +788,7 @@ impl From<Sized> for SizedFigures {
 
 /// The loads of [`RECORD_RUNS`] on every size, each load's rounds interleaved across sizes.
 async fn measure_sizes(sized: &mut [Sized], options: &Options, name: &str) -> Result<(), BoxError> {
-    for (index, &(load, replays, concurrency)) in RECORD_RUNS.iter().enumerate() {
+    for &(load, replays, concurrency) in &RECORD_RUNS {
         let mut runs = Vec::with_capacity(sized.len());
         for size in sized.iter() {
             let workload = if replays {
@@ -788,7 +801,7 @@ async fn measure_sizes(sized: &mut [Sized], options: &Options, name: &str) -> Re
                 Workload::CreateKeyed {
                     path: "/orders",
                     body: order_body(),
-                    next: AtomicU64::new(new_key_base(index as u64)),
+                    next: AtomicU64::new(new_key_base()),
                     key: uuid_key,
                 }
             };
@@ -829,9 +842,8 @@ fn print_records(name: &str, sized: &[SizedFigures], out: &mut Out) {
     );
     let part = Part::Records;
     for size in sized {
-        let per_million = (size.rows > 0).then(|| {
-            size.bytes.saturating_sub(size.empty_bytes) as f64 / size.rows as f64 * 1e6
-        });
+        let per_million = (size.rows > 0)
+            .then(|| size.bytes.saturating_sub(size.empty_bytes) as f64 / size.rows as f64 * 1e6);
         let f = &size.figures;
         let get = |i: usize| f.get(i).copied().unwrap_or_default();
         let errors: u64 = f.iter().map(|f| f.errors).sum();
@@ -847,8 +859,24 @@ fn print_records(name: &str, sized: &[SizedFigures], out: &mut Out) {
             format!("{:.2}/{:.2}", get(3).p50_ms, get(3).p99_ms),
             errors
         );
-        out.line(part, name, "fill", size.rows, "seconds", size.fill_secs, "s");
-        out.line(part, name, "database", size.rows, "size", size.bytes as f64, "bytes");
+        out.line(
+            part,
+            name,
+            "fill",
+            size.rows,
+            "seconds",
+            size.fill_secs,
+            "s",
+        );
+        out.line(
+            part,
+            name,
+            "database",
+            size.rows,
+            "size",
+            size.bytes as f64,
+            "bytes",
+        );
         if let Some(bytes) = per_million {
             out.line(
                 part,
@@ -861,11 +889,35 @@ fn print_records(name: &str, sized: &[SizedFigures], out: &mut Out) {
             );
         }
         for (&(load, _, _), figures) in RECORD_RUNS.iter().zip(f) {
-            out.line(part, name, load, size.rows, "requests_per_s", figures.per_second, "req/s");
+            out.line(
+                part,
+                name,
+                load,
+                size.rows,
+                "requests_per_s",
+                figures.per_second,
+                "req/s",
+            );
             out.line(part, name, load, size.rows, "p50", figures.p50_ms, "ms");
             out.line(part, name, load, size.rows, "p99", figures.p99_ms, "ms");
-            out.line(part, name, load, size.rows, "requests", figures.requests as f64, "count");
-            out.line(part, name, load, size.rows, "errors", figures.errors as f64, "count");
+            out.line(
+                part,
+                name,
+                load,
+                size.rows,
+                "requests",
+                figures.requests as f64,
+                "count",
+            );
+            out.line(
+                part,
+                name,
+                load,
+                size.rows,
+                "errors",
+                figures.errors as f64,
+                "count",
+            );
         }
     }
     if sized.iter().any(|s| s.rows > 0) {
@@ -967,7 +1019,7 @@ async fn purge(
     let workload = Workload::CreateKeyed {
         path: "/orders",
         body: order_body(),
-        next: AtomicU64::new(new_key_base(0)),
+        next: AtomicU64::new(new_key_base()),
         key: uuid_key,
     };
     let mut run = Run::prepare(server.clone(), workload, 16, options).await?;
@@ -1001,7 +1053,10 @@ async fn purge(
     let finished = done.load(Ordering::SeqCst);
     let (purged, purge_elapsed) = if finished {
         let (purged, elapsed) = task.await?;
-        (purged.map_err(|e| format!("the purge failed: {e}"))?, elapsed)
+        (
+            purged.map_err(|e| format!("the purge failed: {e}"))?,
+            elapsed,
+        )
     } else {
         task.abort();
         (0, purge_started.elapsed())
@@ -1068,11 +1123,43 @@ async fn purge(
         ("while purging", &during, &during_latencies, rate),
     ] {
         out.line(part, &name, variant, 16, "requests_per_s", rate, "req/s");
-        out.line(part, &name, variant, 16, "p50", percentile_ms(sorted, 50.0), "ms");
-        out.line(part, &name, variant, 16, "p99", percentile_ms(sorted, 99.0), "ms");
-        out.line(part, &name, variant, 16, "errors", stats.errors as f64, "count");
+        out.line(
+            part,
+            &name,
+            variant,
+            16,
+            "p50",
+            percentile_ms(sorted, 50.0),
+            "ms",
+        );
+        out.line(
+            part,
+            &name,
+            variant,
+            16,
+            "p99",
+            percentile_ms(sorted, 99.0),
+            "ms",
+        );
+        out.line(
+            part,
+            &name,
+            variant,
+            16,
+            "errors",
+            stats.errors as f64,
+            "count",
+        );
     }
-    out.line(part, &name, "purge", rows, "purged", purged as f64, "records");
+    out.line(
+        part,
+        &name,
+        "purge",
+        rows,
+        "purged",
+        purged as f64,
+        "records",
+    );
     out.line(
         part,
         &name,
@@ -1098,7 +1185,10 @@ async fn purge(
         format!("{p99:.2} vs {base_p99:.2} ms"),
     );
     out.goal(
-        format!("{name} purge of {} expired records finished", rows_label(rows)),
+        format!(
+            "{name} purge of {} expired records finished",
+            rows_label(rows)
+        ),
         purged as f64 / rows as f64,
         1.0,
         true,
@@ -1176,7 +1266,6 @@ async fn body(mode: Mode, options: &Options, out: &mut Out) -> Result<(), BoxErr
         "  {:>8} {:<6} {:>9} {:>10} {:>9} {:>14} {:>9} {:>7}",
         "body", "route", "c1 req/s", "srv us/req", "x H", "heap/in-flight", "x body", "errors"
     );
-    let mut next_base = 10;
     for size in BODY_SIZES {
         let body = json_body(size);
         debug_assert_eq!(body.len(), size);
@@ -1187,10 +1276,9 @@ async fn body(mode: Mode, options: &Options, out: &mut Out) -> Result<(), BoxErr
             let workload = Workload::CreateKeyed {
                 path,
                 body: body.clone(),
-                next: AtomicU64::new(new_key_base(next_base)),
+                next: AtomicU64::new(new_key_base()),
                 key: uuid_key,
             };
-            next_base += 1;
             runs.push(Run::prepare(server.clone(), workload, 1, options).await?);
         }
         let mut cpu = [Duration::ZERO; 2];
@@ -1222,11 +1310,11 @@ async fn body(mode: Mode, options: &Options, out: &mut Out) -> Result<(), BoxErr
             let workload = Workload::CreateKeyed {
                 path,
                 body: body.clone(),
-                next: AtomicU64::new(new_key_base(next_base)),
+                next: AtomicU64::new(new_key_base()),
                 key: uuid_key,
             };
-            next_base += 1;
-            let mut run = Run::prepare(server.clone(), workload, MEMORY_CONCURRENCY, options).await?;
+            let mut run =
+                Run::prepare(server.clone(), workload, MEMORY_CONCURRENCY, options).await?;
             let idle = crate::alloc::live_bytes();
             let peak = Arc::new(AtomicU64::new(0));
             let stop = Arc::new(AtomicBool::new(false));
@@ -1263,9 +1351,33 @@ async fn body(mode: Mode, options: &Options, out: &mut Out) -> Result<(), BoxErr
                 per_flight / size as f64,
                 figures.errors + heap_errors
             );
-            out.line(part, &name, route, x, "requests_per_s_c1", figures.per_second, "req/s");
-            out.line(part, &name, route, x, "server_cpu_per_request", cpu_us, "us");
-            out.line(part, &name, route, x, "heap_per_in_flight_request", per_flight, "bytes");
+            out.line(
+                part,
+                &name,
+                route,
+                x,
+                "requests_per_s_c1",
+                figures.per_second,
+                "req/s",
+            );
+            out.line(
+                part,
+                &name,
+                route,
+                x,
+                "server_cpu_per_request",
+                cpu_us,
+                "us",
+            );
+            out.line(
+                part,
+                &name,
+                route,
+                x,
+                "heap_per_in_flight_request",
+                per_flight,
+                "bytes",
+            );
             out.line(
                 part,
                 &name,
@@ -1278,7 +1390,10 @@ async fn body(mode: Mode, options: &Options, out: &mut Out) -> Result<(), BoxErr
         }
         let (layer_cpu, hand_cpu) = (measured[0].1, measured[1].1);
         out.goal(
-            format!("{name} {} KiB body: server CPU per request, layer / H", size / 1024),
+            format!(
+                "{name} {} KiB body: server CPU per request, layer / H",
+                size / 1024
+            ),
             layer_cpu / hand_cpu,
             1.2,
             false,
@@ -1320,11 +1435,11 @@ async fn concurrency(store: &Store, options: &Options, out: &mut Out) -> Result<
         LEVELS.iter().sum::<usize>()
     );
     let mut runs = Vec::new();
-    for (i, &level) in LEVELS.iter().enumerate() {
+    for &level in &LEVELS {
         let workload = Workload::CreateKeyed {
             path: "/orders",
             body: order_body(),
-            next: AtomicU64::new(new_key_base(20 + i as u64)),
+            next: AtomicU64::new(new_key_base()),
             key: uuid_key,
         };
         runs.push(Run::prepare(server.clone(), workload, level, options).await?);
@@ -1354,11 +1469,35 @@ async fn concurrency(store: &Store, options: &Options, out: &mut Out) -> Result<
             f.per_second, f.p50_ms, f.p99_ms, f.requests, f.errors
         );
         let c = level as u64;
-        out.line(part, &name, "new keys", c, "requests_per_s", f.per_second, "req/s");
+        out.line(
+            part,
+            &name,
+            "new keys",
+            c,
+            "requests_per_s",
+            f.per_second,
+            "req/s",
+        );
         out.line(part, &name, "new keys", c, "p50", f.p50_ms, "ms");
         out.line(part, &name, "new keys", c, "p99", f.p99_ms, "ms");
-        out.line(part, &name, "new keys", c, "requests", f.requests as f64, "count");
-        out.line(part, &name, "new keys", c, "errors", f.errors as f64, "count");
+        out.line(
+            part,
+            &name,
+            "new keys",
+            c,
+            "requests",
+            f.requests as f64,
+            "count",
+        );
+        out.line(
+            part,
+            &name,
+            "new keys",
+            c,
+            "errors",
+            f.errors as f64,
+            "count",
+        );
     }
     let at = |level: usize| LEVELS.iter().position(|&c| c == level).map(|i| figures[i]);
     if let (Some(top), Some(c64)) = (at(1024), at(64)) {
