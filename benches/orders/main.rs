@@ -142,9 +142,9 @@ async fn run(options: &Options) -> Result<(), BoxError> {
         "bench: this run takes {} at least{}",
         cli::describe_duration(options.estimate()),
         if options.quick {
-            ""
-        } else {
             " (--quick: a smoke run)"
+        } else {
+            ""
         }
     );
     load::start_client(options.client_threads)?;

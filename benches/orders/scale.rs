@@ -144,13 +144,13 @@ impl ScaleOptions {
     }
 
     /// How long the parts take at least: the measured rounds and warm-ups, plus the fills and
-    /// the purge at the rates this machine showed (SQLite about 100,000 rows/s filled,
-    /// PostgreSQL about 50,000; a purge about 20,000 rows/s).
+    /// the purge at the rates this machine showed (about 70,000 rows/s filled on SQLite
+    /// and on PostgreSQL, a purge about 16,000 rows/s, on a 2-core machine).
     pub(crate) fn estimate(&self, options: &Options) -> Duration {
         let stores = stores(options).len() as u32;
         let per_run = options.duration * options.rounds as u32 + options.warmup;
         let filled: u64 = self.rows.iter().map(|&n| n.max(REPLAY_FLOOR)).sum();
-        let fill_secs = |rows: u64| rows as f64 / 100_000.0 + rows as f64 / 50_000.0;
+        let fill_secs = |rows: u64| rows as f64 / 70_000.0 * 2.0;
         let mut total = Duration::ZERO;
         for part in &self.parts {
             total += match part {
@@ -161,7 +161,7 @@ impl ScaleOptions {
                 Part::Purge => {
                     options.duration * options.rounds as u32 * 2 * stores
                         + Duration::from_secs_f64(
-                            fill_secs(self.purge_rows) + self.purge_rows as f64 / 20_000.0 * 2.0,
+                            fill_secs(self.purge_rows) + self.purge_rows as f64 / 16_000.0 * 2.0,
                         )
                 }
                 Part::Body => (per_run * 2 + (options.duration + options.warmup) * 2) * 3,
