@@ -10,7 +10,7 @@
 //!
 //! Sets two names for sets of the crate's own features, so that the code says once what a
 //! feature list means: `cfg(row_lock_store)` with any store whose reservation is a row lock
-//! (`postgres`, `sqlx-postgres`, `sqlx-mysql`), and `cfg(sql_store)` with any store at all
+//! (`tokio-postgres`, `sqlx-postgres`, `sqlx-mysql`), and `cfg(sql_store)` with any store at all
 //! (those and `sqlite`). Public items keep the feature lists themselves, so that their docs
 //! name the features.
 
@@ -23,7 +23,7 @@ fn main() {
     println!("cargo::rustc-check-cfg=cfg(row_lock_store)");
     println!("cargo::rustc-check-cfg=cfg(sql_store)");
     let feature = |name: &str| std::env::var_os(format!("CARGO_FEATURE_{name}")).is_some();
-    let row_lock_store = ["POSTGRES", "SQLX_POSTGRES", "SQLX_MYSQL"]
+    let row_lock_store = ["TOKIO_POSTGRES", "SQLX_POSTGRES", "SQLX_MYSQL"]
         .iter()
         .any(|name| feature(name));
     if row_lock_store {

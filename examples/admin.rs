@@ -38,9 +38,9 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use tower_idempotency::admin::{Admin, AdminBackend, RecordFilter, RecordInfo};
 use tower_idempotency::outbox::{EventInfo, OutboxBackend};
 use tower_idempotency::steps::{Progress, ProgressStatus, Resolution, StepStore};
-#[cfg(feature = "postgres")]
-use tower_idempotency::store::postgres::PostgresStore;
 use tower_idempotency::store::sqlite::SqliteStore;
+#[cfg(feature = "tokio-postgres")]
+use tower_idempotency::store::tokio_postgres::PostgresStore;
 
 type BoxError = Box<dyn Error + Send + Sync>;
 
@@ -220,7 +220,7 @@ impl Args {
 /// The store the commands run on.
 enum Store {
     Sqlite(Admin<SqliteStore>),
-    #[cfg(feature = "postgres")]
+    #[cfg(feature = "tokio-postgres")]
     Postgres(Admin<PostgresStore>),
 }
 
@@ -245,7 +245,7 @@ async fn open(args: &Args) -> Result<Store, Failure> {
                 .map_err(|error| format!("cannot open {}: {error}", db.display()))?;
             Ok(Store::Sqlite(Admin::new(store)))
         }
-        #[cfg(feature = "postgres")]
+        #[cfg(feature = "tokio-postgres")]
         (None, Some(url)) => {
             let config = url
                 .parse()
@@ -253,17 +253,17 @@ async fn open(args: &Args) -> Result<Store, Failure> {
             // No schema creation or migration; two connections are plenty for one command.
             // The URL is not repeated in errors: it may carry a password.
             let store = PostgresStore::builder(config)
-                .create_schema(false)
-                .max_connections(2)
-                .max_read_connections(1)
-                .connect()
+                .with_create_schema(false)
+                .with_max_connections(2)
+                .with_max_read_connections(1)
+                .build()
                 .await
                 .map_err(|error| format!("cannot connect: {error}"))?;
             Ok(Store::Postgres(Admin::new(store)))
         }
-        #[cfg(not(feature = "postgres"))]
+        #[cfg(not(feature = "tokio-postgres"))]
         (None, Some(_)) => Err(Failure::Usage(
-            "--database-url needs the `postgres` feature".into(),
+            "--database-url needs the `tokio-postgres` feature".into(),
         )),
     }
 }
@@ -284,7 +284,7 @@ async fn run(
         .ok_or_else(|| Failure::Usage("no command".into()))?;
     match open(&args).await? {
         Store::Sqlite(admin) => execute(&admin, &command, &args, out).await,
-        #[cfg(feature = "postgres")]
+        #[cfg(feature = "tokio-postgres")]
         Store::Postgres(admin) => execute(&admin, &command, &args, out).await,
     }
 }
@@ -342,7 +342,7 @@ async fn execute<S: AdminBackend + OutboxBackend + StepStore>(
             writeln!(out, "purged {purged} expired record(s)")?;
         }
         "outbox" => {
-            let counts = admin.outbox_counts().await.map_err(no_outbox)?;
+            let counts = admin.outbox().counts().await.map_err(no_outbox)?;
             writeln!(out, "pending: {}", counts.pending)?;
             writeln!(out, "in_flight: {}", counts.in_flight)?;
             writeln!(out, "delivered: {}", counts.delivered)?;
@@ -350,7 +350,7 @@ async fn execute<S: AdminBackend + OutboxBackend + StepStore>(
         }
         "event" => {
             let id = args.id()?;
-            match admin.event(id).await.map_err(no_outbox)? {
+            match admin.outbox().event(id).await.map_err(no_outbox)? {
                 Some(event) => print_event(out, &event)?,
                 None => {
                     writeln!(out, "no event {id}")?;
@@ -360,7 +360,11 @@ async fn execute<S: AdminBackend + OutboxBackend + StepStore>(
         }
         "dead-letters" => {
             let limit = args.limit.unwrap_or(50);
-            let events = admin.dead_letters(limit).await.map_err(no_outbox)?;
+            let events = admin
+                .outbox()
+                .dead_letters(limit)
+                .await
+                .map_err(no_outbox)?;
             if events.is_empty() {
                 writeln!(out, "no dead-lettered events")?;
             }
@@ -372,12 +376,12 @@ async fn execute<S: AdminBackend + OutboxBackend + StepStore>(
             }
         }
         "requeue" if args.all => {
-            let requeued = admin.requeue_all_dead().await.map_err(no_outbox)?;
+            let requeued = admin.outbox().requeue_all_dead().await.map_err(no_outbox)?;
             writeln!(out, "requeued {requeued} event(s)")?;
         }
         "requeue" => {
             let id = args.id()?;
-            if admin.requeue(id).await.map_err(no_outbox)? {
+            if admin.outbox().requeue(id).await.map_err(no_outbox)? {
                 writeln!(out, "requeued {id}")?;
             } else {
                 writeln!(out, "no dead-lettered event {id}")?;
@@ -476,9 +480,9 @@ fn print_progress(out: &mut impl Write, progress: &Progress) -> std::io::Result<
 /// SQLSTATE 42P01).
 fn is_missing_table(error: &tower_idempotency::Error) -> bool {
     match error {
-        #[cfg(feature = "postgres")]
+        #[cfg(feature = "tokio-postgres")]
         tower_idempotency::Error::Postgres(error) => {
-            use tower_idempotency::store::postgres::tokio_postgres::error::SqlState;
+            use tower_idempotency::store::tokio_postgres::tokio_postgres::error::SqlState;
             error.code() == Some(&SqlState::UNDEFINED_TABLE)
         }
         other => other.to_string().contains("no such table"),

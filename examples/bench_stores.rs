@@ -31,13 +31,13 @@ use serde_json::{json, Value};
 use tower::ServiceExt;
 use tower_idempotency::extract::Tx;
 type PostgresOutbox =
-    tower_idempotency::outbox::Outbox<tower_idempotency::store::postgres::PostgresStore>;
+    tower_idempotency::outbox::Outbox<tower_idempotency::store::tokio_postgres::PostgresStore>;
 type SqliteOutbox =
     tower_idempotency::outbox::Outbox<tower_idempotency::store::sqlite::SqliteStore>;
 use tower_idempotency::outbox::Enqueue;
-use tower_idempotency::store::postgres::tokio_postgres::{self, NoTls};
-use tower_idempotency::store::postgres::{PostgresStore, PostgresTransaction};
-use tower_idempotency::store::sqlite::{SqliteStore, SqliteTransaction};
+use tower_idempotency::store::sqlite::{SqliteHandle, SqliteStore};
+use tower_idempotency::store::tokio_postgres::tokio_postgres::{self, NoTls};
+use tower_idempotency::store::tokio_postgres::{PostgresHandle, PostgresStore};
 use tower_idempotency::store::IdempotencyStore;
 use tower_idempotency::{IdempotencyLayer, Tenant};
 
@@ -74,7 +74,7 @@ async fn main() -> Result<(), BoxError> {
         })
         .await?;
     SqliteOutbox::install(&sqlite).await?;
-    let sqlite_app = app::<SqliteTransaction>(sqlite);
+    let sqlite_app = app::<SqliteHandle>(sqlite);
 
     let schema = format!("bench_{}", std::process::id());
     let admin = connect(&url).await?;
@@ -85,8 +85,8 @@ async fn main() -> Result<(), BoxError> {
     config.options(format!("-c search_path={schema}"));
     // More transaction connections than the default 16 (the server allows 100 in all).
     let postgres = PostgresStore::builder(config)
-        .max_connections(32)
-        .connect()
+        .with_max_connections(32)
+        .build()
         .await?;
     postgres
         .client()
@@ -97,7 +97,7 @@ async fn main() -> Result<(), BoxError> {
         )
         .await?;
     PostgresOutbox::install(&postgres).await?;
-    let postgres_app = app::<PostgresTransaction>(postgres);
+    let postgres_app = app::<PostgresHandle>(postgres);
 
     println!(
         "requests/s, median of {rounds} rounds of {seconds} s, {} cores",
@@ -236,7 +236,7 @@ trait InsertOrder: Enqueue + Clone + Send + Sync + 'static {
     ) -> impl Future<Output = DbResult<i64>> + Send;
 }
 
-impl InsertOrder for SqliteTransaction {
+impl InsertOrder for SqliteHandle {
     async fn insert_order(&self, tenant: &Tenant, sku: &str, quantity: i64) -> DbResult<i64> {
         let (tenant_id, sku) = (tenant.as_str().to_owned(), sku.to_owned());
         self.run(move |conn| {
@@ -250,7 +250,7 @@ impl InsertOrder for SqliteTransaction {
     }
 }
 
-impl InsertOrder for PostgresTransaction {
+impl InsertOrder for PostgresHandle {
     async fn insert_order(&self, tenant: &Tenant, sku: &str, quantity: i64) -> DbResult<i64> {
         // Dropped before the event is enqueued: the handle lends one borrow at a time.
         let client = self.client().await?;

@@ -95,7 +95,7 @@ mod cli;
 #[path = "common/order_table.rs"]
 mod order_table;
 /// The checkout's tables and steps on PostgreSQL (`--database-url`).
-#[cfg(feature = "postgres")]
+#[cfg(feature = "tokio-postgres")]
 #[path = "checkout/postgres.rs"]
 mod postgres;
 /// The checkout's tables and steps on SQLite (`--db`).
@@ -247,14 +247,14 @@ async fn run(options: Options) -> Result<(), BoxError> {
             let store = sqlite::open(path).await?;
             serve(store, payments, &options, &path.display().to_string()).await
         }
-        #[cfg(feature = "postgres")]
+        #[cfg(feature = "tokio-postgres")]
         Database::Postgres(url) => {
             let store = postgres::connect(url).await?;
             // The URL is not printed: it may carry a password.
             serve(store, payments, &options, "PostgreSQL").await
         }
-        #[cfg(not(feature = "postgres"))]
-        Database::Postgres(_) => Err("--database-url needs the `postgres` feature".into()),
+        #[cfg(not(feature = "tokio-postgres"))]
+        Database::Postgres(_) => Err("--database-url needs the `tokio-postgres` feature".into()),
     }
 }
 

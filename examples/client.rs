@@ -44,7 +44,7 @@ use tower_idempotency::body::BoxError;
 use tower_idempotency::client::{BufferedBody, RetryLayer, RetryOutcome};
 use tower_idempotency::extract::Tx;
 use tower_idempotency::fingerprint::Fingerprinter;
-use tower_idempotency::store::sqlite::{SqliteStore, SqliteTransaction};
+use tower_idempotency::store::sqlite::{SqliteHandle, SqliteStore};
 use tower_idempotency::{IdempotencyLayer, Tenant};
 
 use order_table::NewOrder;
@@ -162,7 +162,7 @@ async fn authenticate(mut request: Request, next: Next) -> Response {
 /// commit together, before the response leaves.
 async fn create_order(
     Extension(tenant): Extension<Tenant>,
-    Tx(tx): Tx<SqliteTransaction>,
+    Tx(tx): Tx<SqliteHandle>,
     body: Bytes,
 ) -> Response {
     let order: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();

@@ -4,7 +4,7 @@
 //! `GET /orders/{id}`, the same demo authentication, the same table. The point is the wrapping:
 //! `IdempotencyLayer` is a tower layer over `http::Request<B>`, so it wraps a
 //! `tower::service_fn` handler as well as an axum route. The handler finds the transaction
-//! handle with `request.extensions().get::<SqliteTransaction>()` and inserts the order through
+//! handle with `request.extensions().get::<SqliteHandle>()` and inserts the order through
 //! it, so the order row and the saved `201` commit together.
 //!
 //! ```text
@@ -40,7 +40,7 @@ use serde_json::json;
 use tower::{Layer, ServiceExt};
 use tower_idempotency::body::{BoxError, RequestBody};
 use tower_idempotency::fingerprint::Fingerprinter;
-use tower_idempotency::store::sqlite::{SqliteStore, SqliteTransaction};
+use tower_idempotency::store::sqlite::{SqliteHandle, SqliteStore};
 use tower_idempotency::{IdempotencyLayer, Tenant};
 
 use cli::{ctrl_c, Flag, Flags};
@@ -161,7 +161,7 @@ async fn create_order(request: Request<RequestBody>) -> Result<Response<Full<Byt
     let tenant = request.extensions().get::<Tenant>().cloned();
     // The handle the layer put in the extensions. Without it (the layer missing) the order is
     // refused rather than written outside the idempotency transaction.
-    let tx = request.extensions().get::<SqliteTransaction>().cloned();
+    let tx = request.extensions().get::<SqliteHandle>().cloned();
     let (Some(tenant), Some(tx)) = (tenant, tx) else {
         tracing::error!("POST /orders reached without a tenant or an idempotency transaction");
         return Ok(internal_error());

@@ -44,13 +44,13 @@ use tower_idempotency::body::BoxError;
 use tower_idempotency::key::KeyExtractor;
 type SqliteInbox = tower_idempotency::outbox::Inbox<tower_idempotency::store::sqlite::SqliteStore>;
 use tower_idempotency::outbox::Processed;
-#[cfg(feature = "postgres")]
+#[cfg(feature = "tokio-postgres")]
 type PostgresInbox =
-    tower_idempotency::outbox::Inbox<tower_idempotency::store::postgres::PostgresStore>;
+    tower_idempotency::outbox::Inbox<tower_idempotency::store::tokio_postgres::PostgresStore>;
 use tower_idempotency::outbox::Receipt;
-#[cfg(feature = "postgres")]
-use tower_idempotency::store::postgres::{tokio_postgres, PostgresStore, PostgresTransaction};
-use tower_idempotency::store::sqlite::{SqliteStore, SqliteTransaction};
+use tower_idempotency::store::sqlite::{SqliteHandle, SqliteStore};
+#[cfg(feature = "tokio-postgres")]
+use tower_idempotency::store::tokio_postgres::{tokio_postgres, PostgresHandle, PostgresStore};
 use tower_idempotency::{IdempotencyLayer, Rejection};
 
 use cli::{Flag, Flags};
@@ -89,7 +89,7 @@ CREATE TABLE IF NOT EXISTS reserved_stock (
 );";
 
 /// The same tables on PostgreSQL (64-bit integers, as SQLite's are).
-#[cfg(feature = "postgres")]
+#[cfg(feature = "tokio-postgres")]
 const POSTGRES_SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS reservations (
     order_id BIGINT NOT NULL,
@@ -155,14 +155,16 @@ async fn serve(options: Options) -> Result<(), BoxError> {
             Inventory::open(db, options.reject_sku).await?,
             db.display().to_string(),
         ),
-        #[cfg(feature = "postgres")]
+        #[cfg(feature = "tokio-postgres")]
         Database::Postgres(url) => (
             Inventory::connect(url, options.reject_sku).await?,
             // The URL is not printed: it may carry a password.
             "PostgreSQL".to_owned(),
         ),
-        #[cfg(not(feature = "postgres"))]
-        Database::Postgres(_) => return Err("--database-url needs the `postgres` feature".into()),
+        #[cfg(not(feature = "tokio-postgres"))]
+        Database::Postgres(_) => {
+            return Err("--database-url needs the `tokio-postgres` feature".into())
+        }
     };
     let (listener, local) = cli::listen(&options.addr).await?;
     println!(
@@ -201,7 +203,7 @@ impl Inventory {
     /// Connects to PostgreSQL at `url` and creates (if needed) the inventory tables and the
     /// inbox. Several instances may share the database: the inbox applies each event once
     /// between them.
-    #[cfg(feature = "postgres")]
+    #[cfg(feature = "tokio-postgres")]
     async fn connect(url: &str, reject_sku: Option<String>) -> Result<Self, BoxError> {
         // The URL is not repeated in errors: it may carry a password.
         let config: tokio_postgres::Config = url
@@ -209,7 +211,7 @@ impl Inventory {
             .map_err(|error| format!("--database-url: {error}"))?;
         // Creates `idempotency_records` too: the layer keeps the answers it replays there.
         let store = PostgresStore::builder(config)
-            .connect()
+            .build()
             .await
             .map_err(|error| format!("cannot connect: {error}"))?;
         store.client().await?.batch_execute(POSTGRES_SCHEMA).await?;
@@ -243,7 +245,7 @@ enum Inbox {
         store: SqliteStore,
         inbox: SqliteInbox,
     },
-    #[cfg(feature = "postgres")]
+    #[cfg(feature = "tokio-postgres")]
     Postgres {
         store: PostgresStore,
         inbox: PostgresInbox,
@@ -263,7 +265,7 @@ impl Inbox {
         let missing = "no transaction: the route is not behind the layer";
         match self {
             Inbox::Sqlite { inbox, .. } => {
-                let tx = request.get::<SqliteTransaction>().ok_or(missing)?;
+                let tx = request.get::<SqliteHandle>().ok_or(missing)?;
                 if inbox.process_in(tx, event_id).await? == Receipt::Duplicate {
                     return Ok(Processed::Duplicate);
                 }
@@ -286,9 +288,9 @@ impl Inbox {
                     .await?;
                 Ok(Processed::First(reserved))
             }
-            #[cfg(feature = "postgres")]
+            #[cfg(feature = "tokio-postgres")]
             Inbox::Postgres { inbox, .. } => {
-                let tx = request.get::<PostgresTransaction>().ok_or(missing)?;
+                let tx = request.get::<PostgresHandle>().ok_or(missing)?;
                 if inbox.process_in(tx, event_id).await? == Receipt::Duplicate {
                     return Ok(Processed::Duplicate);
                 }
@@ -333,7 +335,7 @@ impl Inbox {
                     Ok(rows)
                 })
                 .await?),
-            #[cfg(feature = "postgres")]
+            #[cfg(feature = "tokio-postgres")]
             Inbox::Postgres { store, .. } => {
                 let rows = store.client().await?.query(QUERY, &[]).await?;
                 let rows = rows
@@ -351,7 +353,7 @@ impl Inbox {
             Inbox::Sqlite { store, .. } => Ok(store
                 .read(|conn| conn.query_row(QUERY, [], |row| row.get(0)))
                 .await?),
-            #[cfg(feature = "postgres")]
+            #[cfg(feature = "tokio-postgres")]
             Inbox::Postgres { store, .. } => Ok(store
                 .client()
                 .await?
@@ -365,7 +367,7 @@ impl Inbox {
 fn app(inventory: Inventory) -> Router {
     let events = match &inventory.inbox {
         Inbox::Sqlite { store, .. } => post(receive_event).layer(by_event_id(store.clone())),
-        #[cfg(feature = "postgres")]
+        #[cfg(feature = "tokio-postgres")]
         Inbox::Postgres { store, .. } => post(receive_event).layer(by_event_id(store.clone())),
     }
     // Outside the layer: the answer has committed by then.

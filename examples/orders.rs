@@ -49,7 +49,7 @@ use tower_idempotency::fingerprint::Fingerprinter;
 type SqliteOutbox =
     tower_idempotency::outbox::Outbox<tower_idempotency::store::sqlite::SqliteStore>;
 use tower_idempotency::outbox::Enqueue;
-use tower_idempotency::store::sqlite::{SqliteStore, SqliteTransaction};
+use tower_idempotency::store::sqlite::{SqliteHandle, SqliteStore};
 use tower_idempotency::store::IdempotencyStore;
 use tower_idempotency::{IdempotencyLayer, Tenant};
 
@@ -69,7 +69,7 @@ mod demo;
 #[path = "common/order_table.rs"]
 mod order_table;
 /// The PostgreSQL variant of the app (`--database-url`).
-#[cfg(feature = "postgres")]
+#[cfg(feature = "tokio-postgres")]
 #[path = "orders/postgres.rs"]
 mod postgres;
 /// Serving the app on SQLite or PostgreSQL, with `GET /metrics` and `GET /openapi.json`.
@@ -93,7 +93,7 @@ async fn main() -> ExitCode {
 /// PostgreSQL in `orders/postgres.rs`.
 trait OrderDatabase: IdempotencyStore {
     /// The request's transaction, which the layer hands the handler (`Tx<...>`).
-    type Transaction: OrderTransaction;
+    type Handle: OrderHandle;
 
     /// `(sku, quantity)` of the order `id`, if `tenant` placed it.
     fn find(
@@ -104,7 +104,7 @@ trait OrderDatabase: IdempotencyStore {
 }
 
 /// The request's transaction: the order and its event go through it.
-trait OrderTransaction: Enqueue + Clone + Send + Sync + 'static {
+trait OrderHandle: Enqueue + Clone + Send + Sync + 'static {
     /// Inserts `order` for `tenant`; returns its id.
     fn insert_order(
         &self,
@@ -166,7 +166,7 @@ async fn authenticate(mut request: Request, next: Next) -> Response {
 /// transaction back, so the client may retry the same key (with a corrected payload).
 async fn create_order<D: OrderDatabase>(
     Extension(tenant): Extension<Tenant>,
-    Tx(tx): Tx<D::Transaction>,
+    Tx(tx): Tx<D::Handle>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let order = NewOrder::from_json(&body).map_err(ApiError::Invalid)?;
@@ -267,14 +267,14 @@ async fn open_store(db: &FsPath) -> Result<SqliteStore, BoxError> {
 
 /// The orders live in the store's own database file.
 impl OrderDatabase for SqliteStore {
-    type Transaction = SqliteTransaction;
+    type Handle = SqliteHandle;
 
     async fn find(&self, tenant: &Tenant, id: i64) -> DbResult<Option<(String, i64)>> {
         Ok(order_table::find(self, tenant.as_str(), id).await?)
     }
 }
 
-impl OrderTransaction for SqliteTransaction {
+impl OrderHandle for SqliteHandle {
     async fn insert_order(&self, tenant: &Tenant, order: &NewOrder) -> DbResult<i64> {
         let (tenant_id, order) = (tenant.as_str().to_owned(), order.clone());
         // On the transaction's own connection (the store's writer).

@@ -12,7 +12,7 @@
 
 use sqlx::mysql::{MySqlPool, MySqlPoolOptions};
 use sqlx::Row;
-use tower_idempotency::store::sqlx_mysql::{SqlxMySqlStore, SqlxTransaction};
+use tower_idempotency::store::sqlx_mysql::{SqlxHandle, SqlxMySqlStore};
 use tower_idempotency::Tenant;
 
 use sqlx_app::{Args, BoxError, NewOrder, OrderSql};
@@ -56,14 +56,10 @@ struct Orders(MySqlPool);
 
 impl OrderSql for Orders {
     type Store = SqlxMySqlStore;
-    type Transaction = SqlxTransaction;
+    type Handle = SqlxHandle;
 
     /// Ordinary sqlx code on the connection the transaction lends.
-    async fn insert(
-        tx: &SqlxTransaction,
-        tenant: &Tenant,
-        order: &NewOrder,
-    ) -> Result<i64, BoxError> {
+    async fn insert(tx: &SqlxHandle, tenant: &Tenant, order: &NewOrder) -> Result<i64, BoxError> {
         let mut conn = tx.acquire().await?;
         let inserted =
             sqlx::query("INSERT INTO orders (tenant_id, sku, quantity) VALUES (?, ?, ?)")

@@ -14,10 +14,10 @@
 //! The handler uses the function forms (`query_as`, `bind`) rather than the `query!` macros,
 //! so that building it needs neither a live database nor a checked-in `.sqlx` directory; the
 //! macros take the same `&mut *conn` executor (the tests' sqlx order app writes its order with
-//! `query_scalar!`, built offline from the crate's `.sqlx/`: docs/sqlx.md, "Query macros").
+//! `query_scalar!`, built offline from the crate's `.sqlx/`: see `tests/support/pg_common/sqlx_app.rs`).
 
 use sqlx::postgres::{PgPool, PgPoolOptions};
-use tower_idempotency::store::sqlx_postgres::{SqlxPostgresStore, SqlxTransaction};
+use tower_idempotency::store::sqlx_postgres::{SqlxHandle, SqlxPostgresStore};
 use tower_idempotency::Tenant;
 
 use sqlx_app::{Args, BoxError, NewOrder, OrderSql};
@@ -61,14 +61,10 @@ struct Orders(PgPool);
 
 impl OrderSql for Orders {
     type Store = SqlxPostgresStore;
-    type Transaction = SqlxTransaction;
+    type Handle = SqlxHandle;
 
     /// Ordinary sqlx code on the connection the transaction lends.
-    async fn insert(
-        tx: &SqlxTransaction,
-        tenant: &Tenant,
-        order: &NewOrder,
-    ) -> Result<i64, BoxError> {
+    async fn insert(tx: &SqlxHandle, tenant: &Tenant, order: &NewOrder) -> Result<i64, BoxError> {
         let mut conn = tx.acquire().await?;
         let (order_id,): (i64,) = sqlx::query_as(
             "INSERT INTO orders (tenant_id, sku, quantity) VALUES ($1, $2, $3) RETURNING id",

@@ -48,7 +48,7 @@ use tower_idempotency::body::BoxError;
 use tower_idempotency::extract::Tx;
 use tower_idempotency::fingerprint::Fingerprinter;
 use tower_idempotency::store::sqlite::rusqlite::{self, Connection};
-use tower_idempotency::store::sqlite::{SqliteStore, SqliteTransaction};
+use tower_idempotency::store::sqlite::{SqliteHandle, SqliteStore};
 use tower_idempotency::{IdempotencyLayer, Tenant};
 
 use cli::{Flag, Flags};
@@ -282,7 +282,7 @@ fn draw(p: f64) -> bool {
 }
 
 /// `POST /charges`: runs once per key; the layer replays its `201` to repeats.
-async fn charge(Tx(tx): Tx<SqliteTransaction>, headers: HeaderMap, body: Bytes) -> Response {
+async fn charge(Tx(tx): Tx<SqliteHandle>, headers: HeaderMap, body: Bytes) -> Response {
     let amount = match amount_cents(&body) {
         Ok(amount) => amount,
         Err(code) => {

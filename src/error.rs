@@ -83,8 +83,8 @@ pub enum Error {
     /// A call that needs the store's writer to itself, made from inside a request that holds
     /// the writer: it would wait for the request to end, and the request for it. Run the
     /// statements in the request's transaction instead (its handle's `run`, such as
-    /// `SqliteTransaction::run`).
-    #[error("{0} was called inside a request's transaction on the same store; it would wait for that request to end: use SqliteTransaction::run (the request's handle) instead")]
+    /// `SqliteHandle::run`).
+    #[error("{0} was called inside a request's transaction on the same store; it would wait for that request to end: use SqliteHandle::run (the request's handle) instead")]
     InsideRequest(&'static str),
     /// A closure run on the store's connection panicked.
     #[error("a closure run on the store connection panicked")]
@@ -108,7 +108,7 @@ pub enum Error {
     #[error(transparent)]
     Sqlite(#[from] rusqlite::Error),
     /// An error from PostgreSQL (or its connection).
-    #[cfg(feature = "postgres")]
+    #[cfg(feature = "tokio-postgres")]
     #[error("PostgreSQL: {}", crate::tokio_postgres::error::detail(.0))]
     Postgres(#[from] tokio_postgres::Error),
     /// An error from sqlx (the `sqlx-postgres` or `sqlx-mysql` store, or its pool).
@@ -149,7 +149,7 @@ impl Error {
             Error::LockTimeout(_) => ErrorKind::LockTimeout,
             #[cfg(feature = "sqlite")]
             Error::Sqlite(e) => crate::sqlite::error::kind(e),
-            #[cfg(feature = "postgres")]
+            #[cfg(feature = "tokio-postgres")]
             Error::Postgres(e) => crate::tokio_postgres::error::kind(e),
             #[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
             Error::Sqlx(e) => crate::sqlx::error::kind(e),

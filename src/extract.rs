@@ -9,12 +9,12 @@ use http::{header, HeaderValue, StatusCode};
 
 /// Extracts the transaction handle the [`IdempotencyLayer`](crate::IdempotencyLayer) put in
 /// the request extensions, such as
-/// [`SqliteTransaction`](crate::store::sqlite::SqliteTransaction).
+/// [`SqliteHandle`](crate::store::sqlite::SqliteHandle).
 ///
 /// ```no_run
-/// use tower_idempotency::{extract::Tx, store::sqlite::SqliteTransaction};
+/// use tower_idempotency::{extract::Tx, store::sqlite::SqliteHandle};
 ///
-/// async fn create_order(Tx(tx): Tx<SqliteTransaction>) -> String {
+/// async fn create_order(Tx(tx): Tx<SqliteHandle>) -> String {
 ///     let id = tx
 ///         .run(|conn| {
 ///             conn.execute("INSERT INTO orders (sku) VALUES ('book')", [])?;

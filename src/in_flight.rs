@@ -6,7 +6,7 @@
 //! the store: the layer keeps the scopes its requests are running in a set of its own
 //! ([`Running`]), shared by every clone of the layer. A request running on another instance is
 //! not in that set: the store learns the policy
-//! ([`IdempotencyStore::with_in_flight`](crate::store::IdempotencyStore::with_in_flight)) and
+//! ([`IdempotencyStore::bound_duplicate_wait`](crate::store::IdempotencyStore::bound_duplicate_wait)) and
 //! bounds its wait on the key's row by it.
 
 use std::collections::HashMap;

@@ -487,6 +487,8 @@ impl<St> IdempotencyLayer<St> {
 
     /// Adds a response header to save and replay. `Location` and `Content-Type` always are;
     /// `Set-Cookie`, `Content-Length` and hop-by-hop headers never are, whatever is added here.
+    ///
+    /// Default: `Location` and `Content-Type` only.
     pub fn with_replayed_header(self, name: HeaderName) -> Self {
         self.map_config(|c| {
             if !is_never_replayed(&name) && !c.replayed_headers.contains(&name) {
@@ -497,6 +499,8 @@ impl<St> IdempotencyLayer<St> {
 
     /// Adds a response trailer to save and replay. `grpc-status`, `grpc-message` and
     /// `grpc-status-details-bin` always are.
+    ///
+    /// Default: those three only.
     pub fn with_replayed_trailer(self, name: HeaderName) -> Self {
         self.map_config(|c| {
             if !c.replayed_trailers.contains(&name) {

@@ -20,9 +20,9 @@
 //!
 //! ```no_run
 //! use axum::{routing::post, Router, Json};
-//! use tower_idempotency::{extract::Tx, IdempotencyLayer, store::sqlite::{SqliteStore, SqliteTransaction}};
+//! use tower_idempotency::{extract::Tx, IdempotencyLayer, store::sqlite::{SqliteHandle, SqliteStore}};
 //!
-//! async fn create_order(Tx(tx): Tx<SqliteTransaction>, Json(order): Json<serde_json::Value>)
+//! async fn create_order(Tx(tx): Tx<SqliteHandle>, Json(order): Json<serde_json::Value>)
 //!     -> Result<(http::StatusCode, String), http::StatusCode>
 //! {
 //!     let sku = order["sku"].as_str().unwrap_or_default().to_owned();
@@ -51,51 +51,37 @@
 //!
 //! # Inside the handler
 //!
-//! - Write through the handle, and only through it: [`SqliteTransaction::run`] runs a closure
-//!   on the writer connection inside the request's transaction; on PostgreSQL,
-//!   [`PostgresTransaction::client`] gives tokio-postgres' query methods inside it. Without the
-//!   layer in front, the [`extract::Tx`] extractor answers `500` rather than let a handler write
-//!   outside a request's transaction; a non-axum service finds the handle with
-//!   `request.extensions().get::<SqliteTransaction>()`.
-//! - The layer commits. `BEGIN`, `COMMIT`, `ROLLBACK` and the like sent through the handle are
-//!   refused ([`Error::TransactionControl`]); savepoints of your own work.
-//! - On SQLite, calls that need the writer to themselves ([`SqliteStore::write`],
-//!   `purge_expired`, the inbox's `process`...) fail at once inside a request
-//!   ([`Error::InsideRequest`]) instead of waiting for the request that waits for them.
-//! - The handle refuses work once the request has ended ([`Error::TransactionFinished`]): do not
-//!   keep it in a spawned task.
-//! - A saveable response (2xx by default) commits with the record; anything else, an error, a
-//!   panic or a dropped request rolls everything back. Side effects outside the database cannot
-//!   be rolled back: enqueue them in the transaction with the [`outbox`] instead.
+//! Write through the handle, and only through it: [`SqliteHandle::run`][SqliteHandle::run] runs a closure
+//! on the writer connection inside the request's transaction; on PostgreSQL and MySQL the
+//! handle lends a connection inside it. The layer commits: a saveable response (2xx by
+//! default) commits with the record; anything else, an error, a panic or a dropped request
+//! rolls everything back. What a handler may and may not do, on each store:
+//! [the guide](guide#writing-a-handler).
 //!
 //! Every setting is a `with_*` method of [`IdempotencyLayer`], documented with its default.
-//! The repository's `docs/` folder has the long guides (the contract in full, PostgreSQL,
-//! the outbox, the client, limits, the benchmark, design notes).
-//!
-//! [`SqliteTransaction::run`]: store::sqlite::SqliteTransaction::run
-//! [`SqliteStore::write`]: store::sqlite::SqliteStore::write
-//! [`PostgresTransaction::client`]: store::postgres::PostgresTransaction::client
+//! The [`guide`] has the contract in full, the limits, axum, hyper and tonic, the IETF draft,
+//! the design and the example app; each store module, [`outbox`][outbox], [`client`][client],
+//! [`steps`], [`admin`][admin] and [`metrics`] has its own.
 //!
 //! # Features
 //!
-//! - `sqlite` (default): [`store::sqlite::SqliteStore`].
-//! - `axum`: the [`extract::Tx`] extractor for the transaction handle.
-//! - `postgres`: [`store::postgres::PostgresStore`], for several app instances sharing one
+//! - `sqlite` (default): [`store::sqlite::SqliteStore`][sqlite].
+//! - `axum`: the [`extract::Tx`][Tx] extractor for the transaction handle.
+//! - `tokio-postgres`: [`store::tokio_postgres::PostgresStore`][postgres], for several app instances sharing one
 //!   database (tokio-postgres with a deadpool pool).
-//! - `sqlx-postgres`: [`store::sqlx_postgres::SqlxPostgresStore`], the same store on sqlx,
-//!   built from the application's own `sqlx::PgPool`; handlers run ordinary sqlx code on
-//!   [`store::sqlx_postgres::SqlxTransaction`]. The schema also ships as a sqlx migration
+//! - `sqlx-postgres`: [`store::sqlx_postgres::SqlxPostgresStore`][sqlx_postgres], the same
+//!   store on sqlx, built from the application's own `sqlx::PgPool`; handlers run ordinary sqlx
+//!   code on its `SqlxHandle`. The schema also ships as a sqlx migration
 //!   (`migrations/`).
-//! - `sqlx-mysql`: [`store::sqlx_mysql::SqlxMySqlStore`], the same contract on MySQL or
-//!   MariaDB (InnoDB), built from the application's own `sqlx::MySqlPool`; handlers run
-//!   ordinary sqlx code on [`store::sqlx_mysql::SqlxTransaction`] (migration in
-//!   `migrations/mysql/`).
-//! - `client`: [`client::RetryLayer`], the client half: adds an `Idempotency-Key`, buffers the
+//! - `sqlx-mysql`: [`store::sqlx_mysql::SqlxMySqlStore`][sqlx_mysql], the same contract on
+//!   MySQL or MariaDB (InnoDB), built from the application's own `sqlx::MySqlPool`; handlers run
+//!   ordinary sqlx code on its `SqlxHandle` (migration in `migrations/mysql/`).
+//! - `client`: [`client::RetryLayer`][client], the client half: adds an `Idempotency-Key`, buffers the
 //!   body and retries with the same key and bytes.
-//! - `outbox`: [`outbox`], side effects that commit with the handler's rows: the handler
+//! - `outbox`: [`outbox`][outbox], side effects that commit with the handler's rows: the handler
 //!   enqueues events in its transaction, a relay you spawn delivers them at least once, and the
 //!   receiver's inbox drops redeliveries.
-//! - `utoipa`: [`IdempotencyLayer::document`] adds the `Idempotency-Key` parameter, the
+//! - `utoipa`: [`IdempotencyLayer::document`][document] adds the `Idempotency-Key` parameter, the
 //!   `Idempotent-Replayed` header and the layer's own answers to an operation of a utoipa
 //!   OpenAPI document.
 //! - `metrics`: requests by outcome, rollbacks, lock waits and the outbox's backlog and
@@ -103,13 +89,91 @@
 //!
 //! A build for the client side alone compiles no database:
 //! `tower-idempotency = { version = "0.1", default-features = false, features = ["client"] }`.
-//! Without `sqlite`, `postgres`, `sqlx-postgres` or `sqlx-mysql` the layer is there with no store of this
+//! Without `sqlite`, `tokio-postgres`, `sqlx-postgres` or `sqlx-mysql` the layer is there with no store of this
 //! crate's; bring an [`store::IdempotencyStore`] of your own.
 //!
 //! Operations on a store, any of the four (inspect or delete a record, counts, purge, dead
-//! letters), are library calls in [`admin`]; the command-line tool `cargo run --example admin`
-//! runs them on a SQLite file or a PostgreSQL database.
+//! letters), are library calls in [`admin`][admin]; the repository's command-line tool
+//! (`cargo run --example admin`) runs them on a SQLite file or a PostgreSQL database.
 
+// Links to items of features that may be off: on docs.rs (every feature) they resolve; in a
+// build without the feature they point to docs.rs, so that no build has a broken link.
+#![doc = ""]
+#![cfg_attr(
+    any(
+        feature = "sqlite",
+        feature = "tokio-postgres",
+        feature = "sqlx-postgres",
+        feature = "sqlx-mysql"
+    ),
+    doc = "[admin]: crate::admin"
+)]
+#![cfg_attr(
+    not(any(
+        feature = "sqlite",
+        feature = "tokio-postgres",
+        feature = "sqlx-postgres",
+        feature = "sqlx-mysql"
+    )),
+    doc = "[admin]: https://docs.rs/tower-idempotency/latest/tower_idempotency/admin/index.html"
+)]
+#![cfg_attr(feature = "sqlite", doc = "[sqlite]: crate::store::sqlite")]
+#![cfg_attr(
+    not(feature = "sqlite"),
+    doc = "[sqlite]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/sqlite/index.html"
+)]
+#![cfg_attr(
+    feature = "sqlite",
+    doc = "[SqliteHandle::run]: crate::store::sqlite::SqliteHandle::run"
+)]
+#![cfg_attr(
+    not(feature = "sqlite"),
+    doc = "[SqliteHandle::run]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/sqlite/struct.SqliteHandle.html#method.run"
+)]
+#![cfg_attr(feature = "axum", doc = "[Tx]: crate::extract::Tx")]
+#![cfg_attr(
+    not(feature = "axum"),
+    doc = "[Tx]: https://docs.rs/tower-idempotency/latest/tower_idempotency/extract/struct.Tx.html"
+)]
+#![cfg_attr(feature = "outbox", doc = "[outbox]: crate::outbox")]
+#![cfg_attr(
+    not(feature = "outbox"),
+    doc = "[outbox]: https://docs.rs/tower-idempotency/latest/tower_idempotency/outbox/index.html"
+)]
+#![cfg_attr(feature = "client", doc = "[client]: crate::client")]
+#![cfg_attr(
+    not(feature = "client"),
+    doc = "[client]: https://docs.rs/tower-idempotency/latest/tower_idempotency/client/index.html"
+)]
+#![cfg_attr(
+    feature = "tokio-postgres",
+    doc = "[postgres]: crate::store::tokio_postgres"
+)]
+#![cfg_attr(
+    not(feature = "tokio-postgres"),
+    doc = "[postgres]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/tokio_postgres/index.html"
+)]
+#![cfg_attr(
+    feature = "sqlx-postgres",
+    doc = "[sqlx_postgres]: crate::store::sqlx_postgres"
+)]
+#![cfg_attr(
+    not(feature = "sqlx-postgres"),
+    doc = "[sqlx_postgres]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/sqlx_postgres/index.html"
+)]
+#![cfg_attr(feature = "sqlx-mysql", doc = "[sqlx_mysql]: crate::store::sqlx_mysql")]
+#![cfg_attr(
+    not(feature = "sqlx-mysql"),
+    doc = "[sqlx_mysql]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/sqlx_mysql/index.html"
+)]
+#![cfg_attr(
+    feature = "utoipa",
+    doc = "[document]: crate::IdempotencyLayer::document"
+)]
+#![cfg_attr(
+    not(feature = "utoipa"),
+    doc = "[document]: https://docs.rs/tower-idempotency/latest/tower_idempotency/struct.IdempotencyLayer.html#method.document"
+)]
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations)]
 #![deny(unreachable_pub)]
@@ -117,7 +181,7 @@
 
 #[cfg(any(
     feature = "sqlite",
-    feature = "postgres",
+    feature = "tokio-postgres",
     feature = "sqlx-postgres",
     feature = "sqlx-mysql"
 ))]
@@ -129,6 +193,100 @@ mod error;
 #[cfg(feature = "axum")]
 pub mod extract;
 pub mod fingerprint;
+#[doc = include_str!("docs/guide.md")]
+#[doc = ""]
+#[cfg_attr(
+    any(
+        feature = "sqlite",
+        feature = "tokio-postgres",
+        feature = "sqlx-postgres",
+        feature = "sqlx-mysql"
+    ),
+    doc = "[admin]: crate::admin"
+)]
+#[cfg_attr(
+    not(any(
+        feature = "sqlite",
+        feature = "tokio-postgres",
+        feature = "sqlx-postgres",
+        feature = "sqlx-mysql"
+    )),
+    doc = "[admin]: https://docs.rs/tower-idempotency/latest/tower_idempotency/admin/index.html"
+)]
+#[cfg_attr(feature = "sqlite", doc = "[sqlite]: crate::store::sqlite")]
+#[cfg_attr(
+    not(feature = "sqlite"),
+    doc = "[sqlite]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/sqlite/index.html"
+)]
+#[cfg_attr(
+    feature = "sqlite",
+    doc = "[SqliteHandle]: crate::store::sqlite::SqliteHandle"
+)]
+#[cfg_attr(
+    not(feature = "sqlite"),
+    doc = "[SqliteHandle]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/sqlite/struct.SqliteHandle.html"
+)]
+#[cfg_attr(
+    feature = "sqlite",
+    doc = "[SqliteHandle::run]: crate::store::sqlite::SqliteHandle::run"
+)]
+#[cfg_attr(
+    not(feature = "sqlite"),
+    doc = "[SqliteHandle::run]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/sqlite/struct.SqliteHandle.html#method.run"
+)]
+#[cfg_attr(
+    feature = "sqlite",
+    doc = "[SqliteStore::write]: crate::store::sqlite::SqliteStore::write"
+)]
+#[cfg_attr(
+    not(feature = "sqlite"),
+    doc = "[SqliteStore::write]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/sqlite/struct.SqliteStore.html#method.write"
+)]
+#[cfg_attr(feature = "axum", doc = "[Tx]: crate::extract::Tx")]
+#[cfg_attr(
+    not(feature = "axum"),
+    doc = "[Tx]: https://docs.rs/tower-idempotency/latest/tower_idempotency/extract/struct.Tx.html"
+)]
+#[cfg_attr(feature = "outbox", doc = "[outbox]: crate::outbox")]
+#[cfg_attr(
+    not(feature = "outbox"),
+    doc = "[outbox]: https://docs.rs/tower-idempotency/latest/tower_idempotency/outbox/index.html"
+)]
+#[cfg_attr(feature = "client", doc = "[client]: crate::client")]
+#[cfg_attr(
+    not(feature = "client"),
+    doc = "[client]: https://docs.rs/tower-idempotency/latest/tower_idempotency/client/index.html"
+)]
+#[cfg_attr(
+    feature = "tokio-postgres",
+    doc = "[postgres]: crate::store::tokio_postgres"
+)]
+#[cfg_attr(
+    not(feature = "tokio-postgres"),
+    doc = "[postgres]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/tokio_postgres/index.html"
+)]
+#[cfg_attr(
+    feature = "sqlx-postgres",
+    doc = "[sqlx_postgres]: crate::store::sqlx_postgres"
+)]
+#[cfg_attr(
+    not(feature = "sqlx-postgres"),
+    doc = "[sqlx_postgres]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/sqlx_postgres/index.html"
+)]
+#[cfg_attr(feature = "sqlx-mysql", doc = "[sqlx_mysql]: crate::store::sqlx_mysql")]
+#[cfg_attr(
+    not(feature = "sqlx-mysql"),
+    doc = "[sqlx_mysql]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/sqlx_mysql/index.html"
+)]
+#[cfg_attr(
+    feature = "utoipa",
+    doc = "[document]: crate::IdempotencyLayer::document"
+)]
+#[cfg_attr(
+    not(feature = "utoipa"),
+    doc = "[document]: https://docs.rs/tower-idempotency/latest/tower_idempotency/struct.IdempotencyLayer.html#method.document"
+)]
+pub mod guide {}
 mod in_flight;
 pub mod key;
 mod key_source;
@@ -140,7 +298,7 @@ mod mysql;
 mod openapi;
 #[cfg(feature = "outbox")]
 pub mod outbox;
-#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
+#[cfg(any(feature = "tokio-postgres", feature = "sqlx-postgres"))]
 mod postgres;
 pub mod problem;
 pub mod response;
@@ -155,7 +313,7 @@ mod sqlite;
 mod sqlx;
 pub mod steps;
 pub mod store;
-#[cfg(feature = "postgres")]
+#[cfg(feature = "tokio-postgres")]
 mod tokio_postgres;
 
 pub use crate::error::{Error, Rejection};

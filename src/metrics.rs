@@ -1,47 +1,4 @@
-//! Metrics through the [`metrics`](https://docs.rs/metrics) facade (feature `metrics`).
-//!
-//! With the feature on, the layer, the outbox relay and the inbox record to whatever recorder
-//! the application installed (a Prometheus exporter, StatsD...); without a recorder, recording
-//! costs next to nothing. Without the feature nothing is recorded and the `metrics` crate is
-//! not compiled; the names are in the table below.
-//!
-//! | name | kind | labels | what |
-//! |---|---|---|---|
-//! | `idempotency_requests_total` | counter | `operation`, `outcome` | every request the layer handled, by outcome (below) |
-//! | `idempotency_handler_rollbacks_total` | counter | `operation`, `reason` | transactions rolled back after the handler was called, by reason (below) |
-//! | `idempotency_lock_wait_seconds` | histogram | `operation` | time to open the write transaction (waiting for the write lock included) |
-//! | `outbox_backlog` | gauge | | pending events (due, waiting for a retry, or in flight), sampled by the relay |
-//! | `outbox_dead_letters` | gauge | | dead-lettered events, sampled by the relay |
-//! | `outbox_delivered_total` | counter | `topic` | events the sink accepted |
-//! | `outbox_delivery_failures_total` | counter | `topic` | failed delivery attempts (errors, timeouts, panics) |
-//! | `outbox_dead_lettered_total` | counter | `topic` | events moved to the dead-letter state |
-//! | `outbox_delivery_seconds` | histogram | `topic` | how long the sink took, successful or not |
-//! | `inbox_events_total` | counter | `consumer`, `result` | events offered to an inbox: `processed` or `duplicate` |
-//!
-//! The `outcome` label of `idempotency_requests_total`:
-//!
-//! | value | the request |
-//! |---|---|
-//! | `executed` | the handler ran and its response was saved and committed |
-//! | `replayed` | a saved response was replayed |
-//! | `conflict` | the key was reused with a different payload |
-//! | `busy` | the store stayed busy past the lock timeout (`503`) |
-//! | `in_flight` | a request with the same key was still running and the layer's in-flight policy answered `409` ([`InFlight`](crate::InFlight)) |
-//! | `rejected` | refused before the store (bad or missing key, no tenant, body too large or too slow, invalid payload) |
-//! | `rolled_back` | the handler ran but nothing was kept (see `reason`) |
-//! | `error` | the store failed (`500`) |
-//!
-//! The `reason` label of `idempotency_handler_rollbacks_total`: `not_saved` (the response was
-//! not saveable: a non-2xx status by default, a non-OK gRPC status), `service_error` (the inner
-//! service returned an error), `panic`, `capture_failed` (the response could not be captured:
-//! too large, or its body failed), `commit_failed` (saving the record or the commit failed).
-//!
-//! A request whose future is dropped (the client went away) ends without an outcome: it rolls
-//! back, but is counted nowhere.
-//!
-//! Install any recorder (the exporter of metrics-exporter-prometheus, say:
-//! `PrometheusBuilder::new().install()?`): the layer and the relay record on their own; nothing
-//! else to configure.
+#![doc = include_str!("docs/metrics.md")]
 
 use std::sync::Arc;
 use std::time::Duration;

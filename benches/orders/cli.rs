@@ -8,7 +8,7 @@ use tower_idempotency::store::sqlite::Synchronous;
 
 pub(crate) const USAGE: &str = "\
 usage: cargo bench --bench orders -- [--quick] [--duration SECS] [--rounds N]
-             [--cases A,B,C,D,H,R,E,hold,alloc] [--concurrency 1,16,64]
+             [--cases A,B,C,D,H,R,E,hold,alloc,wal] [--concurrency 1,16,64]
              [--modes full,normal] [--database-url URL] [--client-threads N] [--out DIR]
              [--scale [--scale-rows 0,1000000,10000000] [--scale-parts LIST]
               [--scale-purge-rows N]]
@@ -23,7 +23,8 @@ usage: cargo bench --bench orders -- [--quick] [--duration SECS] [--rounds N]
                        throughput is their median (default 3; --quick 2)
   --cases LIST         what to run (default all but AR, SA and SH): A B C D H R AR SA SH E,
                        hold (replays while a handler holds the write transaction), alloc
-                       (bytes allocated per request). AR (PostgreSQL, ReplayCheck::Reservation)
+                       (bytes allocated per request), wal (WAL frames per new key:
+                       A, H and a minimal handler, SQLite FULL). AR (PostgreSQL, ReplayCheck::FavorNewKeys)
                        and SA, SH (sqlx) run in passes of their own, `--modes pg --cases ar,h`
                        and `--modes pg --cases sa,sh`: more pools of 32 beside A's and H's
                        would exceed PostgreSQL's default max_connections (100)
@@ -61,7 +62,7 @@ pub(crate) enum Case {
     D,
     H,
     R,
-    /// Case A on the tokio-postgres store with `ReplayCheck::Reservation`.
+    /// Case A on the tokio-postgres store with `ReplayCheck::FavorNewKeys`.
     ReservationA,
     /// Case A on the sqlx store.
     SqlxA,
@@ -118,7 +119,7 @@ impl Case {
             Case::D => "hand-written, spawn_blocking (old)",
             Case::H => "hand-written (baseline)",
             Case::R => "GET /orders/{id} (baseline)",
-            Case::ReservationA => "layer, new keys, ReplayCheck::Reservation",
+            Case::ReservationA => "layer, new keys, ReplayCheck::FavorNewKeys",
             Case::SqlxA => "sqlx store, layer, new keys",
             Case::SqlxH => "hand-written on sqlx (baseline)",
             Case::E => "rusqlite loop, no HTTP (ceiling)",
@@ -189,6 +190,8 @@ pub(crate) struct Options {
     pub(crate) cases: Vec<Case>,
     pub(crate) hold: bool,
     pub(crate) alloc: bool,
+    /// `wal`: count the WAL frames of a new key (`wal.rs`).
+    pub(crate) wal: bool,
     pub(crate) concurrency: Vec<usize>,
     pub(crate) modes: Vec<Mode>,
     pub(crate) out: PathBuf,
@@ -315,7 +318,7 @@ impl Command {
             }
         }
 
-        let (mut cases, mut hold, mut alloc) = (Vec::new(), false, false);
+        let (mut cases, mut hold, mut alloc, mut wal) = (Vec::new(), false, false, false);
         match selected {
             // `--scale` alone runs the scale measurements only.
             None if scale.is_some() => {}
@@ -329,7 +332,7 @@ impl Command {
                     Case::R,
                     Case::E,
                 ];
-                (hold, alloc) = (true, true);
+                (hold, alloc, wal) = (true, true, true);
             }
             Some(names) => {
                 for name in names {
@@ -346,6 +349,7 @@ impl Command {
                         "e" => cases.push(Case::E),
                         "hold" => hold = true,
                         "alloc" => alloc = true,
+                        "wal" => wal = true,
                         _ => return Err(format!("unknown case `{name}`")),
                     }
                 }
@@ -388,6 +392,7 @@ impl Command {
             cases,
             hold,
             alloc,
+            wal,
             concurrency,
             modes,
             out,

@@ -16,10 +16,10 @@ use axum::response::{IntoResponse, Response};
 use serde_json::json;
 use tower_idempotency::fingerprint::{Fingerprint, Fingerprinter};
 use tower_idempotency::response::IDEMPOTENT_REPLAYED;
-use tower_idempotency::store::postgres::deadpool_postgres::Pool;
 use tower_idempotency::store::sqlite::rusqlite::{self, params, Connection, OptionalExtension};
 use tower_idempotency::store::sqlx_postgres::sqlx::postgres::PgPool;
 use tower_idempotency::store::sqlx_postgres::sqlx::{self, Executor as _, Row as _};
+use tower_idempotency::store::tokio_postgres::deadpool_postgres::Pool;
 use tower_idempotency::{Tenant, IDEMPOTENCY_KEY};
 
 use crate::servers::{ApiError, NewOrder};

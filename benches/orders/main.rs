@@ -21,8 +21,9 @@
 //! `extras.rs` the hold and disk measurements, `alloc.rs` the allocation count, `cpu.rs` the CPU
 //! accounting, `report.rs` the printed tables, the goals and the CSV files, `chart.rs` the chart,
 //! `serve.rs` a server left running for a profiler (`--serve`), `table.rs` the docs' tables
-//! read back from a run's CSV files (`--table`), `scale.rs` the slow measurements of how cost
-//! grows (`--scale`: records already stored, purging while serving, body size, concurrency).
+//! read back from a run's CSV files (`--table`), `wal.rs` the WAL frames a new key writes
+//! (`--cases wal`), `scale.rs` the slow measurements of how cost grows (`--scale`: records
+//! already stored, purging while serving, body size, concurrency).
 //!
 //! Every SQLite case gets a fresh database (WAL) in a temp dir (`TMPDIR` picks where: keep it
 //! on a real disk, or `synchronous=FULL` measures no fsync at all) and its own server on
@@ -85,6 +86,7 @@ mod scale;
 mod serve;
 mod servers;
 mod table;
+mod wal;
 
 type BoxError = Box<dyn Error + Send + Sync>;
 
@@ -206,8 +208,14 @@ async fn run(options: &Options) -> Result<(), BoxError> {
     if !rows.is_empty() {
         report::print_table(&rows, options);
         report::print_ratios(&rows);
-        report::print_goals(&goals);
     }
+    if options.wal {
+        eprintln!("running wal ...");
+        let (counts, goal) = wal::run_wal(options).await?;
+        extras.extend(counts);
+        goals.extend(goal);
+    }
+    report::print_goals(&goals);
     if options.hold {
         eprintln!("running hold ...");
         extras.extend(extras::run_hold(options).await?);
@@ -240,7 +248,7 @@ async fn run(options: &Options) -> Result<(), BoxError> {
         report::write_goals_csv(&csv, &goals)?;
         written.push(csv);
     }
-    if options.hold || options.alloc || !rows.is_empty() {
+    if options.hold || options.alloc || options.wal || !rows.is_empty() {
         let csv = options.out.join("extras.csv");
         report::write_extras_csv(&csv, &extras)?;
         written.push(csv);

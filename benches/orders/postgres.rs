@@ -17,18 +17,18 @@ use serde_json::{json, Value};
 use tower_idempotency::extract::Tx;
 use tower_idempotency::fingerprint::Fingerprinter;
 type PostgresOutbox =
-    tower_idempotency::outbox::Outbox<tower_idempotency::store::postgres::PostgresStore>;
+    tower_idempotency::outbox::Outbox<tower_idempotency::store::tokio_postgres::PostgresStore>;
 
-use tower_idempotency::store::postgres::deadpool_postgres::{
-    Manager, ManagerConfig, Pool, RecyclingMethod,
-};
-use tower_idempotency::store::postgres::tokio_postgres::{self, NoTls};
-use tower_idempotency::store::postgres::{PostgresStore, PostgresTransaction};
 use tower_idempotency::store::sqlx_postgres::sqlx::postgres::{
     PgConnectOptions, PgPool, PgPoolOptions,
 };
 use tower_idempotency::store::sqlx_postgres::sqlx::{self, Executor as _, Row as _};
-use tower_idempotency::store::sqlx_postgres::{SqlxPostgresStore, SqlxTransaction};
+use tower_idempotency::store::sqlx_postgres::{SqlxHandle, SqlxPostgresStore};
+use tower_idempotency::store::tokio_postgres::deadpool_postgres::{
+    Manager, ManagerConfig, Pool, RecyclingMethod,
+};
+use tower_idempotency::store::tokio_postgres::tokio_postgres::{self, NoTls};
+use tower_idempotency::store::tokio_postgres::{PostgresHandle, PostgresStore};
 use tower_idempotency::store::ReplayCheck;
 use tower_idempotency::{IdempotencyLayer, Tenant};
 
@@ -86,16 +86,16 @@ impl PgDatabase {
         config.options(format!("-c search_path={schema}"));
         config.application_name(APPLICATION_NAME);
         let store = PostgresStore::builder(config.clone())
-            .max_connections(POOL_SIZE)
-            .connect()
+            .with_max_connections(POOL_SIZE)
+            .build()
             .await?;
         store.client().await?.batch_execute(ORDERS_SCHEMA).await?;
         let reservation_store = PostgresStore::builder(config.clone())
-            .max_connections(POOL_SIZE)
-            .max_read_connections(1)
-            .replay_check(ReplayCheck::Reservation)
-            .create_schema(false)
-            .connect()
+            .with_max_connections(POOL_SIZE)
+            .with_max_read_connections(1)
+            .with_replay_check(ReplayCheck::FavorNewKeys)
+            .with_create_schema(false)
+            .build()
             .await?;
         PostgresOutbox::install(&store).await?;
         let manager = Manager::from_config(
@@ -227,7 +227,7 @@ pub(crate) fn app(state: PgState) -> Router {
 /// `POST /orders` under the layer: the handler of `examples/orders/postgres.rs`.
 async fn create_order(
     Extension(tenant): Extension<Tenant>,
-    Tx(tx): Tx<PostgresTransaction>,
+    Tx(tx): Tx<PostgresHandle>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let order = NewOrder::parse(&body)?;
@@ -277,7 +277,7 @@ async fn create_order_hand(
 /// `examples/orders_sqlx.rs` plus the outbox event, as [`create_order`].
 async fn create_order_sqlx(
     Extension(tenant): Extension<Tenant>,
-    Tx(tx): Tx<SqlxTransaction>,
+    Tx(tx): Tx<SqlxHandle>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let order = NewOrder::parse(&body)?;

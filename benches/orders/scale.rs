@@ -42,8 +42,8 @@ use axum::body::Bytes;
 use axum::http::header::CONTENT_TYPE;
 use tower_idempotency::admin::Admin;
 use tower_idempotency::fingerprint::Fingerprinter;
-use tower_idempotency::store::postgres::tokio_postgres::{self, NoTls};
 use tower_idempotency::store::sqlite::rusqlite::Connection;
+use tower_idempotency::store::tokio_postgres::tokio_postgres::{self, NoTls};
 
 use crate::cases::percentile_ms;
 use crate::cli::{Mode, Options};

@@ -27,7 +27,7 @@ type SqliteOutbox =
     tower_idempotency::outbox::Outbox<tower_idempotency::store::sqlite::SqliteStore>;
 use tower_idempotency::outbox::Enqueue;
 use tower_idempotency::store::sqlite::rusqlite::{self, Connection, OptionalExtension};
-use tower_idempotency::store::sqlite::{SqliteStore, SqliteTransaction};
+use tower_idempotency::store::sqlite::{SqliteHandle, SqliteStore};
 use tower_idempotency::{IdempotencyLayer, Tenant};
 
 use crate::cli::Mode;
@@ -115,7 +115,7 @@ pub(crate) async fn authenticate(mut request: Request, next: Next) -> Response {
 /// connection, as H's are).
 async fn create_order(
     Extension(tenant): Extension<Tenant>,
-    Tx(tx): Tx<SqliteTransaction>,
+    Tx(tx): Tx<SqliteHandle>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let order = NewOrder::parse(&body)?;
@@ -172,7 +172,7 @@ async fn create_order_baseline(
 /// thread is free; the write lock is not).
 async fn slow_async(
     Extension(tenant): Extension<Tenant>,
-    Tx(tx): Tx<SqliteTransaction>,
+    Tx(tx): Tx<SqliteHandle>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let order = NewOrder::parse(&body)?;
@@ -193,7 +193,7 @@ async fn slow_async(
 /// writer connection's thread are both busy.
 async fn slow_blocking(
     Extension(tenant): Extension<Tenant>,
-    Tx(tx): Tx<SqliteTransaction>,
+    Tx(tx): Tx<SqliteHandle>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let order = NewOrder::parse(&body)?;
@@ -318,8 +318,8 @@ impl BaselineWriter {
 /// `orders`.
 pub(crate) async fn create_database(path: &FsPath, mode: Mode) -> Result<SqliteStore, BoxError> {
     let store = SqliteStore::builder(path)
-        .synchronous(mode.synchronous())
-        .open()
+        .with_synchronous(mode.synchronous())
+        .build()
         .await?;
     store.write(|tx| tx.execute_batch(ORDERS_SCHEMA)).await?;
     SqliteOutbox::install(&store).await?;
@@ -453,6 +453,14 @@ impl Server {
             stop,
             task,
         })
+    }
+
+    /// The database file of a SQLite server (for the WAL count, `wal.rs`).
+    pub(crate) fn sqlite_path(&self) -> Option<PathBuf> {
+        match &self.backend {
+            Backend::Sqlite(state, _) => Some(state.store.path().to_path_buf()),
+            Backend::Postgres(_) => None,
+        }
     }
 
     /// Inserts `count` orders with `sku` for the read baseline; returns the first id.

@@ -1,6 +1,6 @@
 //! The checkout on PostgreSQL (`--database-url URL`, the tokio-postgres store): the orders,
 //! the keys, the steps and the outbox in one database, which several instances of the
-//! program may share. A local step's closure gets the step's `PostgresTransaction` and
+//! program may share. A local step's closure gets the step's `PostgresHandle` and
 //! returns a future; the transaction lends its connection one borrow at a time.
 
 use serde_json::Value;
@@ -9,7 +9,7 @@ use tower_idempotency::outbox::{Enqueue, Outbox};
 
 type PostgresOutbox = Outbox<PostgresStore>;
 use tower_idempotency::steps::{StepError, StepStore, Steps};
-use tower_idempotency::store::postgres::{PostgresStore, PostgresTransaction};
+use tower_idempotency::store::tokio_postgres::{PostgresHandle, PostgresStore};
 use tower_idempotency::Tenant;
 
 use super::{CheckoutStore, NewOrder};
@@ -49,7 +49,7 @@ impl CheckoutStore for PostgresStore {
     ) -> Result<i64, StepError> {
         let tenant_id = tenant.as_str().to_owned();
         steps
-            .local("insert_order", move |tx: PostgresTransaction| async move {
+            .local("insert_order", move |tx: PostgresHandle| async move {
                 let row = tx
                     .client()
                     .await?
@@ -67,7 +67,7 @@ impl CheckoutStore for PostgresStore {
 
     async fn mark_declined(steps: &Steps<Self>, order_id: i64) -> Result<(), StepError> {
         steps
-            .local("mark_declined", move |tx: PostgresTransaction| async move {
+            .local("mark_declined", move |tx: PostgresHandle| async move {
                 tx.client()
                     .await?
                     .execute(
@@ -87,7 +87,7 @@ impl CheckoutStore for PostgresStore {
         event: Value,
     ) -> Result<(), StepError> {
         steps
-            .local("mark_paid", move |tx: PostgresTransaction| async move {
+            .local("mark_paid", move |tx: PostgresHandle| async move {
                 tx.client()
                     .await?
                     .execute(

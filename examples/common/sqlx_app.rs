@@ -59,11 +59,11 @@ pub trait OrderSql: Clone + Send + Sync + 'static {
     /// The idempotency store on the application's pool.
     type Store: IdempotencyStore + Clone + Send + Sync + 'static;
     /// The request's transaction, which the layer hands the handler (`Tx<...>`).
-    type Transaction: Clone + Send + Sync + 'static;
+    type Handle: Clone + Send + Sync + 'static;
 
     /// Inserts `order` for `tenant` in the request's transaction; returns its id.
     fn insert(
-        tx: &Self::Transaction,
+        tx: &Self::Handle,
         tenant: &Tenant,
         order: &NewOrder,
     ) -> impl Future<Output = Result<i64, BoxError>> + Send;
@@ -119,7 +119,7 @@ async fn authenticate(mut request: Request, next: Next) -> Response {
 /// Every error answer is a 4xx or 5xx, which the layer does not save: it rolls back.
 async fn create_order<D: OrderSql>(
     Extension(tenant): Extension<Tenant>,
-    Tx(tx): Tx<D::Transaction>,
+    Tx(tx): Tx<D::Handle>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let order = NewOrder::from_json(&body).map_err(ApiError::Invalid)?;

@@ -9,7 +9,7 @@ use tonic::service::InterceptorLayer;
 use tonic::transport::server::TcpIncoming;
 use tonic::transport::Server;
 use tonic::{Request, Response, Status};
-use tower_idempotency::store::sqlite::{SqliteStore, SqliteTransaction};
+use tower_idempotency::store::sqlite::{SqliteHandle, SqliteStore};
 use tower_idempotency::{IdempotencyLayer, Tenant};
 
 use order_table::NewOrder;
@@ -135,7 +135,7 @@ impl Orders for OrderService {
         // The layer put the handle in the http request's extensions; tonic copies those into
         // the `tonic::Request`. Without it (the layer missing, or its filter not matching) the
         // order is refused rather than written outside the idempotency transaction.
-        let Some(tx) = request.extensions().get::<SqliteTransaction>().cloned() else {
+        let Some(tx) = request.extensions().get::<SqliteHandle>().cloned() else {
             tracing::error!("CreateOrder reached without an idempotency transaction");
             return Err(Status::internal("internal_error"));
         };

@@ -7,12 +7,12 @@
 use std::time::Duration;
 
 type PostgresOutbox =
-    tower_idempotency::outbox::Outbox<tower_idempotency::store::postgres::PostgresStore>;
+    tower_idempotency::outbox::Outbox<tower_idempotency::store::tokio_postgres::PostgresStore>;
 use tower_idempotency::store::continuously_purge_expired;
-use tower_idempotency::store::postgres::{PostgresStore, PostgresTransaction};
+use tower_idempotency::store::tokio_postgres::{PostgresHandle, PostgresStore};
 use tower_idempotency::Tenant;
 
-use super::{app, server, webhook, BoxError, DbResult, NewOrder, OrderDatabase, OrderTransaction};
+use super::{app, server, webhook, BoxError, DbResult, NewOrder, OrderDatabase, OrderHandle};
 
 /// The business table, next to `idempotency_records` (which the store creates).
 const ORDERS_SCHEMA: &str = "
@@ -54,7 +54,7 @@ pub(crate) async fn serve(
 
 /// The orders live in the store's database.
 impl OrderDatabase for PostgresStore {
-    type Transaction = PostgresTransaction;
+    type Handle = PostgresHandle;
 
     async fn find(&self, tenant: &Tenant, id: i64) -> DbResult<Option<(String, i64)>> {
         let client = self.client().await?;
@@ -73,7 +73,7 @@ impl OrderDatabase for PostgresStore {
 
 /// The transaction lends its connection, one borrow at a time: dropped here, before the
 /// handler enqueues the event.
-impl OrderTransaction for PostgresTransaction {
+impl OrderHandle for PostgresHandle {
     async fn insert_order(&self, tenant: &Tenant, order: &NewOrder) -> DbResult<i64> {
         let client = self.client().await?;
         let insert = client

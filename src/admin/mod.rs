@@ -1,51 +1,4 @@
-//! Operations on a store, as library calls: inspect or delete one record, count records by
-//! state, purge expired ones, and (feature `outbox`) count, list and requeue dead-lettered
-//! events. `cargo run --example admin -- --help` is a command-line tool over these calls.
-//!
-//! [`Admin`] is written once over [`AdminBackend`] (the queries on records, which each store
-//! implements with its own SQL: SQLite in `src/sqlite/admin.rs`, the SQL servers with the same logic
-//! in `src/row_lock/admin.rs`) and, for the outbox, [`outbox::OutboxBackend`](crate::outbox::OutboxBackend):
-//! it has the same calls for each backend, `Admin<SqliteStore>` (feature `sqlite`) and
-//! `Admin<PostgresStore>` (feature `postgres`), so a tool can be written once over `Admin<S>`.
-//!
-//! ```no_run
-//! # async fn run() -> Result<(), tower_idempotency::Error> {
-//! use tower_idempotency::admin::{Admin, RecordFilter};
-//! use tower_idempotency::store::sqlite::SqliteStore;
-//!
-//! let admin = Admin::new(SqliteStore::open("orders.db").await?);
-//! if let Some(record) = admin.inspect("shop-a", "create_order", "k1", false).await? {
-//!     println!("{:?} {} expires {:?}", record.state, record.status, record.expires_at);
-//! }
-//! let counts = admin.counts(&RecordFilter::default()).await?;
-//! println!("{} live, {} expired", counts.live, counts.expired);
-//! let purged = admin.purge_expired(1000).await?;
-//! # let _ = purged; Ok(()) }
-//! ```
-//!
-//! On PostgreSQL, open the store without letting it create or migrate tables (an admin tool
-//! should change nothing it was not asked to), then make the same calls:
-//!
-//! ```no_run
-//! # async fn run() -> Result<(), tower_idempotency::Error> {
-//! use tower_idempotency::admin::{Admin, RecordFilter};
-//! use tower_idempotency::store::postgres::PostgresStore;
-//!
-//! let store = PostgresStore::builder("postgres://app@127.0.0.1/shop".parse()?)
-//!     .create_schema(false)
-//!     .max_connections(2)
-//!     .connect()
-//!     .await?;
-//! let admin = Admin::new(store);
-//! let counts = admin
-//!     .counts(&RecordFilter::default().tenant("shop-a"))
-//!     .await?;
-//! let deleted = admin.delete("shop-a", "create_order", "k1").await?;
-//! # let _ = (counts, deleted); Ok(()) }
-//! ```
-//!
-//! Records are never shown with their body unless asked (`with_body`): saved responses may hold
-//! personal data.
+#![doc = include_str!("../docs/admin.md")]
 
 use std::fmt;
 use std::future::Future;
@@ -57,7 +10,7 @@ use http::{HeaderName, HeaderValue, StatusCode};
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 #[cfg(feature = "outbox")]
-use crate::outbox::{EventInfo, Outbox, OutboxBackend, OutboxCounts};
+use crate::outbox::{Outbox, OutboxBackend};
 use crate::row::Columns;
 use crate::store::{from_unix_millis, IdempotencyStore, SavedColumns};
 
@@ -165,34 +118,11 @@ impl<S: AdminBackend> Admin<S> {
 
 #[cfg(feature = "outbox")]
 impl<S: OutboxBackend> Admin<S> {
-    /// Outbox events by state (see [`Outbox::counts`]). Fails if the database has no outbox.
-    pub async fn outbox_counts(&self) -> Result<OutboxCounts, Error> {
-        self.outbox().counts().await
-    }
-
-    /// One outbox event, by id.
-    pub async fn event(&self, id: &str) -> Result<Option<EventInfo>, Error> {
-        self.outbox().event(id).await
-    }
-
-    /// Dead-lettered events, oldest first, at most `limit`.
-    pub async fn dead_letters(&self, limit: usize) -> Result<Vec<EventInfo>, Error> {
-        self.outbox().dead_letters(limit).await
-    }
-
-    /// Requeues one dead-lettered event: due at once, attempts reset. Returns `false` if no
-    /// dead event has this id.
-    pub async fn requeue(&self, id: &str) -> Result<bool, Error> {
-        self.outbox().requeue(id).await
-    }
-
-    /// Requeues every dead-lettered event; returns how many.
-    pub async fn requeue_all_dead(&self) -> Result<u64, Error> {
-        self.outbox().requeue_all_dead().await
-    }
-
-    /// The outbox of this database, without creating its table.
-    fn outbox(&self) -> Outbox<S> {
+    /// The outbox of this database, without creating its table: its counts, events, dead
+    /// letters and requeues ([`Outbox::counts`], [`Outbox::event`], [`Outbox::dead_letters`],
+    /// [`Outbox::requeue`], [`Outbox::requeue_all_dead`]). Those fail if the database has no
+    /// outbox.
+    pub fn outbox(&self) -> Outbox<S> {
         Outbox::existing(&self.store)
     }
 }

@@ -14,7 +14,7 @@ use crate::metrics::outbox as record;
 /// purges. [`Inbox`] is written once over it.
 pub trait InboxBackend: Clone + Send + Sync + 'static {
     /// A request's transaction handle (the one the layer puts in the request extensions).
-    type Transaction: Send + Sync;
+    type Handle: Send + Sync;
 
     /// What [`Inbox::process`]'s closure gets: the inbox's own transaction.
     type Work<'a>;
@@ -29,7 +29,7 @@ pub trait InboxBackend: Clone + Send + Sync + 'static {
     /// Records `event_id` for `consumer` in the request's transaction `tx`.
     fn record_in(
         &self,
-        tx: &Self::Transaction,
+        tx: &Self::Handle,
         consumer: &str,
         event_id: &str,
     ) -> impl Future<Output = Result<Receipt, Error>> + Send;
@@ -94,7 +94,7 @@ pub trait InboxOutcome<S: InboxBackend> {
 /// - [`Inbox::process`] applies an event once, in a transaction of the inbox's own. What the
 ///   closure gets is the backend's: on SQLite a `&rusqlite::Transaction` (it runs on the
 ///   writer thread and returns a `rusqlite::Result`), on PostgreSQL the same
-///   [`PostgresTransaction`](crate::store::postgres::PostgresTransaction) handle a request's
+///   `PostgresHandle` handle a request's
 ///   handler gets (it returns a future).
 /// - [`Inbox::process_in`] records the id in an idempotent request's transaction (the handle
 ///   the layer put in the request extensions) and returns a [`Receipt`]: the handler applies
@@ -127,10 +127,10 @@ pub trait InboxOutcome<S: InboxBackend> {
 /// On PostgreSQL the closure returns a future:
 ///
 /// ```no_run
-/// # #[cfg(feature = "postgres")]
+/// # #[cfg(feature = "tokio-postgres")]
 /// # async fn run() -> Result<(), tower_idempotency::Error> {
 /// use tower_idempotency::outbox::{Inbox, Processed};
-/// use tower_idempotency::store::postgres::PostgresStore;
+/// use tower_idempotency::store::tokio_postgres::PostgresStore;
 ///
 /// let store = PostgresStore::connect("postgres://app@127.0.0.1/inventory").await?;
 /// let inbox = Inbox::install(&store, "inventory").await?;
@@ -203,9 +203,7 @@ impl<S: InboxBackend> Inbox<S> {
     /// Two deliveries of one event at once apply it once: the second waits for the first
     /// transaction to end. On PostgreSQL under `REPEATABLE READ` or `SERIALIZABLE` that wait
     /// ends in a serialization failure, which is retried here
-    /// ([`PostgresOptions::serialization_retries`] times) before `f` is called.
-    ///
-    /// [`PostgresOptions::serialization_retries`]: crate::store::postgres::PostgresOptions::serialization_retries
+    /// (`serialization_retries` times, a setting of the PostgreSQL stores) before `f` is called.
     pub async fn process<F, R>(&self, event_id: &str, f: F) -> Result<Processed<R::Value>, Error>
     where
         F: for<'a> FnOnce(S::Work<'a>) -> R + Send + 'static,
@@ -232,7 +230,7 @@ impl<S: InboxBackend> Inbox<S> {
     /// ```no_run
     /// # async fn handler(
     /// #     inbox: tower_idempotency::outbox::Inbox<tower_idempotency::store::sqlite::SqliteStore>,
-    /// #     tx: tower_idempotency::store::sqlite::SqliteTransaction,
+    /// #     tx: tower_idempotency::store::sqlite::SqliteHandle,
     /// #     event_id: &str,
     /// # ) -> Result<&'static str, tower_idempotency::Error> {
     /// use tower_idempotency::outbox::Receipt;
@@ -245,7 +243,7 @@ impl<S: InboxBackend> Inbox<S> {
     /// Ok("reserved")
     /// # }
     /// ```
-    pub async fn process_in(&self, tx: &S::Transaction, event_id: &str) -> Result<Receipt, Error> {
+    pub async fn process_in(&self, tx: &S::Handle, event_id: &str) -> Result<Receipt, Error> {
         let receipt = self.store.record_in(tx, &self.consumer, event_id).await?;
         record::inbox(&self.consumer, receipt == Receipt::First);
         Ok(receipt)

@@ -1,93 +1,4 @@
-//! A transactional outbox: side effects that commit or roll back with the handler's rows.
-//!
-//! A handler that must also reserve stock or send an e-mail cannot call out from inside the
-//! request: a rollback cannot take back an e-mail, and a call made before the commit may announce
-//! an order that never existed. Instead the handler **enqueues an event in its transaction**;
-//! it commits together with the order and the saved response, or not at all. A [`Relay`] (a
-//! future you spawn) then delivers committed events through a sink of your choice, at least
-//! once, and the receiver drops redeliveries by event id with an inbox
-//! ([`Inbox`]).
-//!
-//! ```text
-//! handler ─► INSERT order ─► enqueue("order_created") ─┐ one transaction, committed with
-//!                                                       │ the saved 201
-//! relay   ─► claim due events (lease) ─► sink(event) ─► mark delivered
-//!                                            │ fails ─► retry later (backoff + jitter)
-//!                                            │          ─► dead letter after N attempts
-//! receiver ─► inbox: event id seen? ─► no: apply + record id (one transaction)
-//!                                  └─► yes: acknowledge, do nothing
-//! ```
-//!
-//! - **At least once.** An event is marked delivered only after the sink accepted it; a relay
-//!   that dies in between leaves the event claimed until its lease runs out, and the next relay
-//!   delivers it again **with the same [`EventId`]**. Receivers must deduplicate by that id.
-//! - **Never twice at once.** A relay claims events with a lease (a row update in the store's
-//!   write transaction), so several relays, in one process or several, never deliver one event
-//!   concurrently; each delivery is cut off well before its lease ends.
-//! - **Failures** are retried with exponential backoff and jitter; an event that fails
-//!   [`Relay::with_max_attempts`] times (or whose sink error is [`Permanent`]) moves to the
-//!   dead-letter state, without holding up the others. Dead letters can be listed and requeued
-//!   ([`Outbox::dead_letters`], [`crate::admin`]).
-//!
-//! # With SQLite
-//!
-//! ```no_run
-//! # async fn run() -> Result<(), tower_idempotency::Error> {
-//! use serde_json::json;
-//! use tower_idempotency::outbox::{sink_fn, Enqueue, Outbox, OutboxEvent, Relay};
-//! use tower_idempotency::store::sqlite::{SqliteStore, SqliteTransaction};
-//!
-//! let store = SqliteStore::open("orders.db").await?;
-//! // Creates `outbox_events` (idempotent): once at start-up, before serving.
-//! let outbox = Outbox::install(&store).await?;
-//!
-//! // In a handler, through the request's transaction handle:
-//! async fn create_order(tx: SqliteTransaction) -> Result<(), tower_idempotency::Error> {
-//!     let event_id = tx.enqueue("order_created", json!({ "order_id": 1 })).await?;
-//!     # let _ = event_id;
-//!     Ok(())
-//! }
-//!
-//! // At start-up: deliver events, forever. The library never spawns tasks itself.
-//! let relay = Relay::new(
-//!     outbox,
-//!     sink_fn(|event: OutboxEvent| async move {
-//!         println!("{} {} {}", event.id(), event.topic(), event.payload());
-//!         Ok::<(), std::io::Error>(())
-//!     }),
-//! );
-//! tokio::spawn(relay.run());
-//! # Ok(()) }
-//! ```
-//!
-//! Over HTTP, [`HttpSink`] POSTs each event's payload with its id as `Idempotency-Key`, so a
-//! receiver behind [`IdempotencyLayer`](crate::IdempotencyLayer) or an inbox drops repeats.
-//!
-//! # Backends
-//!
-//! One implementation per concern, written once over a small trait that each backend
-//! implements with its own SQL: `src/sqlite/outbox.rs`, and `src/row_lock/outbox.rs` for the
-//! PostgreSQL stores and the MySQL one (tokio-postgres and sqlx run the same logic, each driver
-//! only running a statement and reading a row; the statements are `src/postgres/outbox_sql.rs`'s
-//! and `src/mysql/outbox_sql.rs`'s, over the shared `src/row_lock/outbox_sql.rs`); each driver's
-//! `outbox.rs` holds the calls on a caller's own client (on sqlx, written once for both
-//! databases: `src/sqlx/outbox.rs`). Rows are read by one reader on every backend
-//! (`columns.rs`, over the crate's row trait), so a value out of range or a `NULL` where none
-//! belongs means the same everywhere.
-//!
-//! - the relay needs only [`OutboxStore`] (claim, settle, backlog); handlers need only
-//!   [`Enqueue`] on their transaction handle. The relay, the sinks and the backoff are shared.
-//! - [`Outbox`] (the relay's store, plus counts, dead letters, requeue and purge) over
-//!   [`OutboxBackend`]: `Outbox<SqliteStore>`, and on PostgreSQL (either driver)
-//!   `Outbox<PostgresStore>` or `Outbox<SqlxPostgresStore>`, which claim with `FOR UPDATE SKIP
-//!   LOCKED` and a lease, so relays in several instances share the work.
-//! - the receiver's [`Inbox`] over [`InboxBackend`]: `Inbox<SqliteStore>`,
-//!   `Inbox<PostgresStore>`, `Inbox<SqlxPostgresStore>` and `Inbox<SqlxMySqlStore>`, with the
-//!   same calls, [`Receipt`] and [`Processed`].
-//! - on MySQL and MariaDB (features `outbox` and `sqlx-mysql`), `Outbox<SqlxMySqlStore>`
-//!   claims with `FOR UPDATE SKIP LOCKED` and a lease too.
-//! - [`Admin`](crate::admin::Admin) over [`AdminBackend`](crate::admin::AdminBackend) and
-//!   [`OutboxBackend`].
+#![doc = include_str!("../docs/outbox.md")]
 
 use std::fmt;
 use std::future::Future;
@@ -101,7 +12,7 @@ use crate::error::Error;
 pub(crate) mod columns;
 #[cfg(any(
     feature = "sqlite",
-    feature = "postgres",
+    feature = "tokio-postgres",
     feature = "sqlx-postgres",
     feature = "sqlx-mysql"
 ))]
@@ -116,7 +27,7 @@ mod sink;
 pub(crate) use inbox::InboxOutcome;
 #[cfg(any(
     feature = "sqlite",
-    feature = "postgres",
+    feature = "tokio-postgres",
     feature = "sqlx-postgres",
     feature = "sqlx-mysql"
 ))]
@@ -227,7 +138,7 @@ impl OutboxEvent {
 /// Enqueues an event in the transaction of the handle it is called on.
 ///
 /// Implemented by the transaction handles of the stores with an outbox
-/// ([`SqliteTransaction`](crate::store::sqlite::SqliteTransaction)). The event commits or rolls
+/// ([`SqliteHandle`](crate::store::sqlite::SqliteHandle)). The event commits or rolls
 /// back with everything else the handler wrote: a handler that fails after enqueueing leaves no
 /// event behind.
 pub trait Enqueue {

@@ -17,7 +17,7 @@ pub(crate) fn is_unavailable_code(code: &str) -> bool {
 
 /// A tokio-postgres error of a failover: the connection is closed or broke (an I/O error,
 /// connect refused, no host accepting writes), or the server answered an unavailable code.
-#[cfg(feature = "postgres")]
+#[cfg(feature = "tokio-postgres")]
 pub(crate) fn postgres_unavailable(error: &tokio_postgres::Error) -> bool {
     if error.is_closed() {
         return true;

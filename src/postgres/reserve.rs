@@ -1,5 +1,5 @@
 //! How a PostgreSQL store opens a request's transaction, written once for both drivers
-//! (tokio-postgres in `postgres`, sqlx in `sqlx_postgres`): the `BEGIN` at the isolation level,
+//! (tokio-postgres in `tokio_postgres`, sqlx in `sqlx_postgres`): the `BEGIN` at the isolation level,
 //! with its lock waits bounded. The reservation itself (the decision between reserving,
 //! replaying and taking over) is driver-neutral: [`reserve`](crate::row_lock::reserve); each driver runs
 //! the three statements of [`store_sql`](super::store_sql) through [`ReserveStatements`](crate::row_lock::reserve::ReserveStatements).
@@ -10,7 +10,7 @@ use tokio::time::Instant;
 
 use crate::row_lock::reserve::Isolation;
 // What the tokio-postgres store reaches through this module.
-#[cfg(feature = "postgres")]
+#[cfg(feature = "tokio-postgres")]
 pub(crate) use crate::row_lock::reserve::{reserve, ReserveStatements, Reserved};
 
 impl Isolation {
@@ -94,7 +94,7 @@ pub(crate) const ANSWER_MARGIN: Duration = Duration::from_millis(500);
 
 /// When the server's answers to a reservation are due: at `deadline`, or, under an in-flight
 /// policy whose `key_row_wait` outlasts it, once that wait is over.
-#[cfg(feature = "postgres")]
+#[cfg(feature = "tokio-postgres")]
 pub(crate) fn answers_due(deadline: Instant, key_row_wait: Option<Duration>) -> Instant {
     match key_row_wait {
         Some(wait) => deadline.max(Instant::now() + wait),
@@ -105,7 +105,7 @@ pub(crate) fn answers_due(deadline: Instant, key_row_wait: Option<Duration>) -> 
 /// `work` (statements of the layer's own on one connection), given up at `deadline` plus
 /// [`ANSWER_MARGIN`]: [`Error::Unavailable`](crate::Error::Unavailable) then. The caller
 /// closes the connection, whose state is unknown.
-#[cfg(feature = "postgres")]
+#[cfg(feature = "tokio-postgres")]
 pub(crate) async fn answered_by<T>(
     deadline: Instant,
     work: impl std::future::Future<Output = Result<T, crate::Error>>,

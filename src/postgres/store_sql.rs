@@ -1,4 +1,4 @@
-//! The SQL of the PostgreSQL stores, shared by the tokio-postgres store (`postgres`) and the
+//! The SQL of the PostgreSQL stores, shared by the tokio-postgres store (`tokio_postgres`) and the
 //! sqlx store (`sqlx_postgres`): one copy of the schema and of every statement, so that both
 //! stores read and write the same table the same way.
 
@@ -79,7 +79,7 @@ pub(crate) const SELECT_LIVE_RECORD: &str =
 /// Each scope is looked up on its own, by the primary key: the `LATERAL` subquery with
 /// `OFFSET 0` is not flattened into a join, whose plan, cached on the connection while the
 /// table was still small, would read the whole table for every batch once it has grown.
-#[cfg(feature = "postgres")]
+#[cfg(feature = "tokio-postgres")]
 pub(crate) const SELECT_LIVE_RECORDS: &str =
     "SELECT r.state, r.fingerprint_version, r.fingerprint, r.status, r.headers, r.body, \
      r.trailers, r.created_at, r.expires_at, k.position \

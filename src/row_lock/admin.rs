@@ -15,7 +15,7 @@ use crate::admin::{AdminBackend, RawRecord, RecordCounts, RecordFilter, RecordIn
 use crate::error::Error;
 #[cfg(feature = "sqlx-mysql")]
 use crate::mysql::admin_sql as mysql_sql;
-#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
+#[cfg(any(feature = "tokio-postgres", feature = "sqlx-postgres"))]
 use crate::postgres::admin_sql as pg_sql;
 use crate::row::Columns;
 use crate::row_lock::driver::{PgDriver, PgParam};
@@ -72,8 +72,8 @@ macro_rules! sql_admin {
     };
 }
 
-#[cfg(feature = "postgres")]
-sql_admin!(crate::store::postgres::PostgresStore, pg_sql);
+#[cfg(feature = "tokio-postgres")]
+sql_admin!(crate::store::tokio_postgres::PostgresStore, pg_sql);
 #[cfg(feature = "sqlx-postgres")]
 sql_admin!(crate::store::sqlx_postgres::SqlxPostgresStore, pg_sql);
 #[cfg(feature = "sqlx-mysql")]

@@ -55,7 +55,7 @@ pub(crate) use columns_by_try_get;
 pub(crate) use crate::sqlx::mysql::driver::{claim as mysql_claim, positional};
 #[cfg(all(feature = "outbox", feature = "sqlx-postgres"))]
 pub(crate) use crate::sqlx::postgres::driver::numbered;
-#[cfg(all(feature = "outbox", feature = "postgres"))]
+#[cfg(all(feature = "outbox", feature = "tokio-postgres"))]
 pub(crate) use crate::tokio_postgres::driver::as_sql;
 
 /// A statement parameter: the few types the shared statements bind.
@@ -125,7 +125,7 @@ pub(crate) trait PgDriver: Clone + Send + Sync + 'static {
 /// transactions (the same handle type).
 pub(crate) trait PgTransactions: PgDriver {
     /// The handle a request's handler gets.
-    type Transaction: PgHandle<Row = Self::Row>;
+    type Handle: PgHandle<Row = Self::Row>;
 
     /// How often a serialization failure while recording an inbox id is retried.
     #[cfg_attr(not(feature = "outbox"), allow(dead_code))]
@@ -140,7 +140,7 @@ pub(crate) trait PgTransactions: PgDriver {
     ) -> impl Future<Output = Result<T, Error>> + Send
     where
         T: Send,
-        B: FnOnce(Self::Transaction) -> Fut + Send,
+        B: FnOnce(Self::Handle) -> Fut + Send,
         Fut: Future<Output = Result<(T, Finish), Error>> + Send;
 }
 

@@ -6,7 +6,7 @@
 //! PostgreSQL's updates return their rows (`RETURNING`); MySQL selects the rows with a locking
 //! read first, then updates them (the MySQL driver's `mysql_claim`).
 //!
-//! [`PostgresStore`]: crate::store::postgres::PostgresStore
+//! [`PostgresStore`]: crate::store::tokio_postgres::PostgresStore
 //! [`SqlxPostgresStore`]: crate::store::sqlx_postgres::SqlxPostgresStore
 //! [`SqlxMySqlStore`]: crate::store::sqlx_mysql::SqlxMySqlStore
 
@@ -25,7 +25,7 @@ use crate::outbox::{
     Backlog, ClaimRequest, Claimed, Enqueue, EventId, EventInfo, InboxBackend, InboxOutcome,
     OutboxBackend, OutboxCounts, OutboxStore, Processed, Receipt, Settlement,
 };
-#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
+#[cfg(any(feature = "tokio-postgres", feature = "sqlx-postgres"))]
 use crate::postgres::outbox_sql as pg_sql;
 use crate::row::Columns;
 use crate::row_lock::driver::{Finish, PgDriver, PgHandle, PgParam, PgTransactions};
@@ -101,7 +101,7 @@ async fn record<H: PgHandle>(
 }
 
 /// The claim on PostgreSQL: both updates, each `RETURNING` its rows, in one transaction.
-#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
+#[cfg(any(feature = "tokio-postgres", feature = "sqlx-postgres"))]
 async fn claim_returning<D: PgDriver>(
     driver: &D,
     dead_letter: &[PgParam<'_>],
@@ -128,11 +128,11 @@ pub(crate) fn record_params<'a>(consumer: &'a str, event_id: &'a str) -> [PgPara
 /// `$claim` (written once; expanded for each driver below, as concrete impls, so that the
 /// driver traits stay private).
 macro_rules! sql_outbox_and_inbox {
-    ($store:ty, $transaction:ty, $sql:ident, $claim:path) => {
+    ($store:ty, $handle:ty, $sql:ident, $claim:path) => {
         /// Enqueues in the request's transaction, on either driver.
         ///
         /// ```no_run
-        /// # async fn handler(tx: tower_idempotency::store::postgres::PostgresTransaction)
+        /// # async fn handler(tx: tower_idempotency::store::tokio_postgres::PostgresHandle)
         /// #     -> Result<(), tower_idempotency::Error> {
         /// use serde_json::json;
         /// use tower_idempotency::outbox::Enqueue;
@@ -140,7 +140,7 @@ macro_rules! sql_outbox_and_inbox {
         /// let event_id = tx.enqueue("order_created", json!({ "order_id": 7 })).await?;
         /// # let _ = event_id; Ok(()) }
         /// ```
-        impl Enqueue for $transaction {
+        impl Enqueue for $handle {
             async fn enqueue(&self, topic: &str, payload: serde_json::Value) -> Result<EventId, Error> {
                 let event = NewEvent::new(&payload);
                 self.execute_in($sql::INSERT_EVENT, &event.params(topic)).await?;
@@ -290,7 +290,7 @@ macro_rules! sql_outbox_and_inbox {
         }
 
         /// A PostgreSQL [`Inbox::process`](crate::outbox::Inbox::process) closure returns a future of
-        /// `Result<T, Error>`, as an `async move` block or an `async fn(PostgresTransaction) ->
+        /// `Result<T, Error>`, as an `async move` block or an `async fn(PostgresHandle) ->
         /// Result<T, Error>` does.
         impl<T, Fut> InboxOutcome<$store> for Fut
         where
@@ -305,8 +305,8 @@ macro_rules! sql_outbox_and_inbox {
         }
 
         impl InboxBackend for $store {
-            type Transaction = $transaction;
-            type Work<'a> = $transaction;
+            type Handle = $handle;
+            type Work<'a> = $handle;
             type Resolved<T: Send + 'static> = Pin<Box<dyn Future<Output = Result<T, Error>> + Send>>;
 
             async fn install_inbox(&self) -> Result<(), Error> {
@@ -315,7 +315,7 @@ macro_rules! sql_outbox_and_inbox {
 
             async fn record_in(
                 &self,
-                tx: &$transaction,
+                tx: &$handle,
                 consumer: &str,
                 event_id: &str,
             ) -> Result<Receipt, Error> {
@@ -325,11 +325,11 @@ macro_rules! sql_outbox_and_inbox {
             /// On a transaction of the store's own, with its isolation level. A panic in `work` or
             /// this future being dropped rolls back. Under `REPEATABLE READ` or `SERIALIZABLE`, a
             /// wait on the id's primary key that ends in a serialization failure is retried (the
-            /// store's `serialization_retries` times:
-            /// [`PostgresOptions::serialization_retries`],
-            /// `SqlxPostgresOptions::serialization_retries`) before `work` is called.
+            /// store's `with_serialization_retries` times:
+            /// [`PostgresOptions::with_serialization_retries`],
+            /// `SqlxPostgresOptions::with_serialization_retries`) before `work` is called.
             ///
-            /// [`PostgresOptions::serialization_retries`]: crate::store::postgres::PostgresOptions::serialization_retries
+            /// [`PostgresOptions::with_serialization_retries`]: crate::store::tokio_postgres::PostgresOptions::with_serialization_retries
             async fn process_once<F, R>(
                 &self,
                 consumer: &str,
@@ -337,7 +337,7 @@ macro_rules! sql_outbox_and_inbox {
                 work: F,
             ) -> Result<Processed<R::Value>, Error>
             where
-                F: for<'a> FnOnce($transaction) -> R + Send + 'static,
+                F: for<'a> FnOnce($handle) -> R + Send + 'static,
                 R: InboxOutcome<Self>,
             {
                 let mut work = Some(work);
@@ -395,24 +395,24 @@ macro_rules! sql_outbox_and_inbox {
     };
 }
 
-#[cfg(feature = "postgres")]
+#[cfg(feature = "tokio-postgres")]
 sql_outbox_and_inbox!(
-    crate::store::postgres::PostgresStore,
-    crate::store::postgres::PostgresTransaction,
+    crate::store::tokio_postgres::PostgresStore,
+    crate::store::tokio_postgres::PostgresHandle,
     pg_sql,
     claim_returning
 );
 #[cfg(feature = "sqlx-postgres")]
 sql_outbox_and_inbox!(
     crate::store::sqlx_postgres::SqlxPostgresStore,
-    crate::store::sqlx_postgres::SqlxTransaction,
+    crate::store::sqlx_postgres::SqlxHandle,
     pg_sql,
     claim_returning
 );
 #[cfg(feature = "sqlx-mysql")]
 sql_outbox_and_inbox!(
     crate::store::sqlx_mysql::SqlxMySqlStore,
-    crate::store::sqlx_mysql::SqlxTransaction,
+    crate::store::sqlx_mysql::SqlxHandle,
     mysql_sql,
     crate::row_lock::driver::mysql_claim
 );

@@ -23,13 +23,15 @@ use crate::store::{
     begin_and_run_in_place, lookup_then, IdempotencyStore, RunOutcome, Scope, StoredRecord,
 };
 
-/// Where a request learns that its key already has a completed record (a retry to replay).
+/// Where a request learns that its key already has a completed record (a retry to replay),
+/// and so which requests pay for the check: replays (in waits for the connections that
+/// writers hold) or new keys (in one read more than a hand-written transaction makes).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum ReplayCheck {
-    /// [`ReadPool`](Self::ReadPool) while retries are frequent among recent first attempts
-    /// (one in eight or more); else [`Reservation`](Self::Reservation), except that a
-    /// reservation that waits for a connection (every one of the request transactions' pool
+    /// [`FavorReplays`](Self::FavorReplays) while retries are frequent among recent first
+    /// attempts (one in eight or more); else [`FavorNewKeys`](Self::FavorNewKeys), except that
+    /// a reservation that waits for a connection (every one of the request transactions' pool
     /// is taken) longer than twice what they have lately waited (at least 1 ms, at most
     /// 100 ms) reads meanwhile, and replays a record it finds without waiting further. So a
     /// service whose requests are mostly new keys pays no read more than a hand-written
@@ -40,17 +42,18 @@ pub enum ReplayCheck {
     /// standby) still replays.
     #[default]
     Adaptive,
-    /// Always before the transaction, with a plain read on the read pool: replays never take
-    /// a connection of the request transactions, and under load the checks of concurrent
+    /// Replays never wait for writers: every request first reads its key's record with a
+    /// plain read on the read pool, before any transaction, so replays never take a
+    /// connection of the request transactions, and under load the checks of concurrent
     /// requests share statements (the tokio-postgres store). A new key pays for one read more
     /// than a hand-written transaction would.
-    ReadPool,
-    /// Always in the transaction, by the reservation itself, as a hand-written handler does
-    /// it (an `INSERT ... ON CONFLICT DO NOTHING` of the key, then a read of the record it
-    /// ran into): a new key costs no read more than that, but a replay takes a connection of
-    /// the request transactions for the reservation, the read and a `ROLLBACK`, and waits for
-    /// one when writers hold them all.
-    Reservation,
+    FavorReplays,
+    /// New keys pay nothing extra: the check is made in the transaction, by the reservation
+    /// itself, as a hand-written handler does it (an `INSERT ... ON CONFLICT DO NOTHING` of
+    /// the key, then a read of the record it ran into). A new key costs no read more than
+    /// that, but a replay takes a connection of the request transactions for the
+    /// reservation, the read and a `ROLLBACK`, and waits for one when writers hold them all.
+    FavorNewKeys,
 }
 
 /// The least and the most a reservation waits for a connection before it reads meanwhile
@@ -100,8 +103,8 @@ impl ReplayChecks {
     /// Whether the next first attempt reads before its transaction.
     pub(crate) fn read_first(&self) -> bool {
         match self.check {
-            ReplayCheck::ReadPool => true,
-            ReplayCheck::Reservation => false,
+            ReplayCheck::FavorReplays => true,
+            ReplayCheck::FavorNewKeys => false,
             ReplayCheck::Adaptive => self.retries.frequent(),
         }
     }
@@ -380,7 +383,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn fixed_choices_wait_for_the_connection_without_a_read() {
-        for check in [ReplayCheck::ReadPool, ReplayCheck::Reservation] {
+        for check in [ReplayCheck::FavorReplays, ReplayCheck::FavorNewKeys] {
             let checks = ReplayChecks::new(check);
             let acquire = pin!(connection_after(Duration::from_secs(1)));
             let acquired = checks
@@ -403,8 +406,8 @@ mod tests {
 
     #[test]
     fn fixed_choices_ignore_outcomes() {
-        let read_pool = ReplayChecks::new(ReplayCheck::ReadPool);
-        let reservation = ReplayChecks::new(ReplayCheck::Reservation);
+        let read_pool = ReplayChecks::new(ReplayCheck::FavorReplays);
+        let reservation = ReplayChecks::new(ReplayCheck::FavorNewKeys);
         for _ in 0..100 {
             read_pool.observe(&ran());
             reservation.observe(&replayed());

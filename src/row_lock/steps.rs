@@ -12,7 +12,7 @@
 //! checks the key's record after locking (or inserting) it, so that a concurrent `finish`
 //! cannot slip between.
 //!
-//! [`PostgresStore`]: crate::store::postgres::PostgresStore
+//! [`PostgresStore`]: crate::store::tokio_postgres::PostgresStore
 //! [`SqlxPostgresStore`]: crate::store::sqlx_postgres::SqlxPostgresStore
 //! [`SqlxMySqlStore`]: crate::store::sqlx_mysql::SqlxMySqlStore
 
@@ -33,7 +33,7 @@ use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
 #[cfg(feature = "sqlx-mysql")]
 use crate::mysql::steps_sql as mysql_sql;
-#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
+#[cfg(any(feature = "tokio-postgres", feature = "sqlx-postgres"))]
 use crate::postgres::steps_sql as pg_sql;
 use crate::response::SavedResponse;
 use crate::row::Columns;
@@ -349,9 +349,9 @@ pub(crate) fn run_local<'a, S, T, W>(
 ) -> BoxFuture<'a, Result<T, Error>>
 where
     S: PgTransactions,
-    S::Transaction: Clone,
+    S::Handle: Clone,
     T: Send + 'static,
-    W: FnOnce(S::Transaction) -> BoxedWork<T> + Send + 'a,
+    W: FnOnce(S::Handle) -> BoxedWork<T> + Send + 'a,
 {
     Box::pin(async move {
         store
@@ -687,21 +687,21 @@ macro_rules! sql_steps {
     };
 }
 
-#[cfg(feature = "postgres")]
+#[cfg(feature = "tokio-postgres")]
 sql_steps!(
-    crate::store::postgres::PostgresStore,
-    crate::store::postgres::PostgresTransaction,
+    crate::store::tokio_postgres::PostgresStore,
+    crate::store::tokio_postgres::PostgresHandle,
     pg_sql
 );
 #[cfg(feature = "sqlx-postgres")]
 sql_steps!(
     crate::store::sqlx_postgres::SqlxPostgresStore,
-    crate::store::sqlx_postgres::SqlxTransaction,
+    crate::store::sqlx_postgres::SqlxHandle,
     pg_sql
 );
 #[cfg(feature = "sqlx-mysql")]
 sql_steps!(
     crate::store::sqlx_mysql::SqlxMySqlStore,
-    crate::store::sqlx_mysql::SqlxTransaction,
+    crate::store::sqlx_mysql::SqlxHandle,
     mysql_sql
 );

@@ -319,7 +319,7 @@ where
                 }
                 policy => policy,
             };
-            self.store = self.store.clone().with_in_flight(policy);
+            self.store = self.store.clone().bound_duplicate_wait(policy);
         }
         let now = SystemTime::now();
         let mut first_started = (self.config.in_flight == crate::InFlight::Wait).then_some(started);

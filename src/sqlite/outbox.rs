@@ -4,7 +4,7 @@
 //! their transaction; `inbox_events` holds the receiver's processed event ids.
 //!
 //! Everything goes through the store's public API: events are enqueued with
-//! [`SqliteTransaction::run`], relays claim and settle with [`SqliteStore::write`] (one
+//! [`SqliteHandle::run`], relays claim and settle with [`SqliteStore::write`] (one
 //! `BEGIN IMMEDIATE` transaction each, queued behind requests on the single writer), and counts
 //! and listings read with [`SqliteStore::read`]. Relays in other processes on the same file are
 //! serialized by SQLite's own write lock, so a claim is atomic across processes too.
@@ -22,14 +22,21 @@ use crate::outbox::{
     Backlog, ClaimRequest, Claimed, Enqueue, EventId, EventInfo, Inbox, InboxBackend, InboxOutcome,
     Outbox, OutboxBackend, OutboxCounts, OutboxStore, Processed, Receipt, Settlement,
 };
-use crate::store::sqlite::{SqliteStore, SqliteTransaction};
+use crate::store::sqlite::{SqliteHandle, SqliteStore};
 use crate::store::to_unix_millis;
 
 /// `available_at` is when the event is next due. A claim moves it to the end of the lease, so
 /// "due" covers both new events and claims whose relay died: one index serves the claim.
+///
+/// `seq` is the rowid without `AUTOINCREMENT`: SQLite gives a new row the largest `seq` in the
+/// table plus one, so an event's `seq` is above every event still stored, and "oldest first"
+/// (claims, dead letters) holds as before. A `seq` is never held beyond one transaction (a claim
+/// sorts by it in place; events are named by `event_id`), so the reuse of a deleted largest
+/// `seq` is harmless, and skipping `sqlite_sequence` saves a page (a WAL frame) per event.
+/// A file created before keeps its `AUTOINCREMENT` table, which works the same.
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS outbox_events (
-    seq          INTEGER PRIMARY KEY AUTOINCREMENT,
+    seq          INTEGER PRIMARY KEY,
     event_id     TEXT    NOT NULL UNIQUE,
     topic        TEXT    NOT NULL,
     payload      TEXT    NOT NULL,
@@ -57,7 +64,7 @@ CREATE INDEX IF NOT EXISTS inbox_events_processed_at ON inbox_events (processed_
 
 /// The outbox of a [`SqliteStore`].
 impl Outbox<SqliteStore> {
-    /// Adds an event to the outbox on `conn`: inside [`SqliteTransaction::run`], it belongs to the
+    /// Adds an event to the outbox on `conn`: inside [`SqliteHandle::run`], it belongs to the
     /// request's transaction. Returns its id.
     ///
     /// Use it to write an order and its event in one closure; [`Enqueue::enqueue`] on the handle
@@ -67,13 +74,13 @@ impl Outbox<SqliteStore> {
     /// # async fn run() -> Result<(), tower_idempotency::Error> {
     /// use serde_json::json;
     /// use tower_idempotency::outbox::Outbox;
-    /// use tower_idempotency::store::sqlite::{SqliteStore, SqliteTransaction};
+    /// use tower_idempotency::store::sqlite::{SqliteHandle, SqliteStore};
     ///
     /// let store = SqliteStore::open("orders.db").await?;
     /// Outbox::install(&store).await?;
     ///
     /// // In a handler: the order row and its event in one hop to the writer thread.
-    /// async fn create_order(tx: SqliteTransaction) -> Result<i64, tower_idempotency::Error> {
+    /// async fn create_order(tx: SqliteHandle) -> Result<i64, tower_idempotency::Error> {
     ///     tx.run(|conn| {
     ///         conn.execute("INSERT INTO orders (sku) VALUES ('book')", [])?;
     ///         let order_id = conn.last_insert_rowid();
@@ -100,9 +107,9 @@ impl Outbox<SqliteStore> {
     }
 }
 
-impl Enqueue for SqliteTransaction {
+impl Enqueue for SqliteHandle {
     /// ```no_run
-    /// # async fn handler(tx: tower_idempotency::store::sqlite::SqliteTransaction)
+    /// # async fn handler(tx: tower_idempotency::store::sqlite::SqliteHandle)
     /// #     -> Result<(), tower_idempotency::Error> {
     /// use serde_json::json;
     /// use tower_idempotency::outbox::Enqueue;
@@ -347,7 +354,7 @@ impl OutboxBackend for SqliteStore {
 /// The inbox of a [`SqliteStore`].
 impl Inbox<SqliteStore> {
     /// Records `event_id` on `conn`, which must be inside the transaction that applies the
-    /// event (a [`SqliteTransaction::run`] or [`SqliteStore::write`] closure):
+    /// event (a [`SqliteHandle::run`] or [`SqliteStore::write`] closure):
     /// [`Receipt::First`] if it was new (apply the event in the same transaction),
     /// [`Receipt::Duplicate`] if it was there already (do nothing).
     pub fn record(&self, conn: &Connection, event_id: &str) -> rusqlite::Result<Receipt> {
@@ -365,7 +372,7 @@ impl<T: Send + 'static> InboxOutcome<SqliteStore> for rusqlite::Result<T> {
 }
 
 impl InboxBackend for SqliteStore {
-    type Transaction = SqliteTransaction;
+    type Handle = SqliteHandle;
     type Work<'a> = &'a rusqlite::Transaction<'a>;
     type Resolved<T: Send + 'static> = rusqlite::Result<T>;
 
@@ -375,7 +382,7 @@ impl InboxBackend for SqliteStore {
 
     async fn record_in(
         &self,
-        tx: &SqliteTransaction,
+        tx: &SqliteHandle,
         consumer: &str,
         event_id: &str,
     ) -> Result<Receipt, Error> {

@@ -29,14 +29,14 @@ where
     })
 }
 
-/// The store's own transactions on either sqlx database (`store::sqlx::owned`).
+/// The store's own transactions on either sqlx database (`sqlx::store::owned`).
 impl<D> PgTransactions for crate::sqlx::store::SqlxStore<D>
 where
     D: crate::sqlx::store::OwnedDialect,
     Self: PgDriver,
-    crate::sqlx::store::SqlxTransaction<D>: PgHandle<Row = <Self as PgDriver>::Row>,
+    crate::sqlx::store::SqlxHandle<D>: PgHandle<Row = <Self as PgDriver>::Row>,
 {
-    type Transaction = crate::sqlx::store::SqlxTransaction<D>;
+    type Handle = crate::sqlx::store::SqlxHandle<D>;
 
     fn conflict_retries(&self) -> u32 {
         self.shared.conflict_retries
@@ -45,7 +45,7 @@ where
     async fn in_own_transaction<T, B, Fut>(&self, body: B) -> Result<T, Error>
     where
         T: Send,
-        B: FnOnce(Self::Transaction) -> Fut + Send,
+        B: FnOnce(Self::Handle) -> Fut + Send,
         Fut: Future<Output = Result<(T, Finish), Error>> + Send,
     {
         let transaction = self.begin_owned().await?;

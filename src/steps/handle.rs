@@ -141,7 +141,7 @@ impl<St: StepStore> Steps<St> {
             }
             None => {}
         }
-        let lease = self.lease()?;
+        let lease = self.lease();
         let row = StepRow {
             seq,
             name: name.to_owned(),
@@ -198,7 +198,7 @@ impl<St: StepStore> Steps<St> {
         // The intent commits before every call, a new one or one saved before (written
         // again): a request whose lease another claim took over is refused here, before it
         // calls, and the call's budget counts from a lease just extended.
-        let lease = self.lease()?;
+        let lease = self.lease();
         let intent = StepRow {
             seq,
             name: name.to_owned(),
@@ -270,7 +270,7 @@ impl<St: StepStore> Steps<St> {
                 Err(StepError::Terminal(answer)),
             ),
         };
-        let lease = self.lease()?;
+        let lease = self.lease();
         let row = StepRow {
             seq,
             name: name.to_owned(),
@@ -295,7 +295,7 @@ impl<St: StepStore> Steps<St> {
             Foreign::Terminal(answer) => self.save_foreign(seq, name, Err(answer)).await,
             Foreign::Unavailable(error) => {
                 tracing::info!(step = name, %error, "the foreign service refused the call");
-                let lease = self.lease()?;
+                let lease = self.lease();
                 let forgotten = self.shared.store.forget_intent(&lease, seq).await;
                 self.committed(&lease, forgotten)?;
                 self.state().transient = true;
@@ -310,7 +310,7 @@ impl<St: StepStore> Steps<St> {
     }
 
     async fn in_doubt<T>(&self, seq: u32, name: &str) -> Result<T, StepError> {
-        let lease = self.lease()?;
+        let lease = self.lease();
         let reason = format!("the outcome of step {seq} ({name:?}) is unknown");
         let marked = (self.shared.store)
             .set_status(&lease, ProgressStatus::InDoubt, &reason)
@@ -320,17 +320,6 @@ impl<St: StepStore> Steps<St> {
         tracing::warn!(step = name, "key left in doubt for an operator");
         Err(StepError::InDoubt {
             step: name.to_owned(),
-        })
-    }
-
-    /// The lease a commit made now extends to.
-    fn lease(&self) -> Result<Lease, StepError> {
-        let now = SystemTime::now();
-        Ok(Lease {
-            scope: self.shared.scope.clone(),
-            generation: self.shared.generation,
-            until: now + self.shared.lease,
-            now,
         })
     }
 
@@ -368,7 +357,8 @@ impl<St: StepStore> Steps<St> {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    pub(crate) fn lease_now(&self) -> Lease {
+    /// The lease a commit made now extends to.
+    pub(crate) fn lease(&self) -> Lease {
         let now = SystemTime::now();
         Lease {
             scope: self.shared.scope.clone(),

@@ -92,12 +92,12 @@ impl<St: StepStore> Owned for Steps<St> {
     }
 
     fn finish(&self, record: NewRecord) -> BoxFuture<Result<(), Error>> {
-        let (store, lease) = (self.store().clone(), self.lease_now());
+        let (store, lease) = (self.store().clone(), self.lease());
         Box::pin(async move { store.finish(&lease, &record).await })
     }
 
     fn release(&self) -> BoxFuture<Result<(), Error>> {
-        let (store, lease) = (self.store().clone(), self.lease_now());
+        let (store, lease) = (self.store().clone(), self.lease());
         Box::pin(async move { store.release(&lease).await })
     }
 }

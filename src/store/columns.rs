@@ -130,7 +130,7 @@ pub(crate) mod record_row {
         };
     }
 
-    #[cfg(feature = "postgres")]
+    #[cfg(feature = "tokio-postgres")]
     record_columns_by_try_get!(tokio_postgres::Row);
     #[cfg(feature = "sqlx-postgres")]
     record_columns_by_try_get!(sqlx::postgres::PgRow);

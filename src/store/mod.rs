@@ -32,8 +32,8 @@ pub use crate::sqlite::store as sqlite;
 pub use crate::sqlx::mysql::store as sqlx_mysql;
 #[cfg(feature = "sqlx-postgres")]
 pub use crate::sqlx::postgres::store as sqlx_postgres;
-#[cfg(feature = "postgres")]
-pub use crate::tokio_postgres::store as postgres;
+#[cfg(feature = "tokio-postgres")]
+pub use crate::tokio_postgres::store as tokio_postgres;
 
 /// The settings of the SQL-server stores (PostgreSQL on either driver, MySQL), one type for
 /// all of them.
@@ -182,7 +182,7 @@ pub enum RunOutcome<T> {
 pub trait IdempotencyStore: Clone + Send + Sync + 'static {
     /// The reserved scope with its open write transaction, returned by [`begin`](Self::begin):
     /// what the layer commits or rolls back. (The handler gets its
-    /// [`handle`](Reservation::handle), the store's `*Transaction` type.)
+    /// [`handle`](Reservation::handle), the store's `*Handle` type.)
     type Reservation: Reservation;
 
     /// Reads a live (unexpired) record without taking the write lock: the replay fast path.
@@ -249,9 +249,9 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
         })
     }
 
-    /// This store, for a request under the layer's in-flight `policy`: a store whose
-    /// reservation waits on the key's row (held by a duplicate running on another instance)
-    /// bounds that wait by the policy's bound and reports its end as [`Error::InFlight`]; every
+    /// This store with its wait for a duplicate in flight bounded by the layer's in-flight
+    /// `policy`: a store whose reservation waits on the key's row (held by a duplicate running
+    /// on another instance) bounds that wait by the policy's bound and reports its end as [`Error::InFlight`]; every
     /// other wait keeps the lock timeout. The layer calls it for each request under
     /// [`InFlight::Reject`](crate::InFlight::Reject) and
     /// [`InFlight::WaitUpTo`](crate::InFlight::WaitUpTo), never under the default
@@ -260,7 +260,7 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
     /// The default returns the store unchanged (the duplicate then waits up to the lock
     /// timeout). The PostgreSQL and MySQL stores override it; the SQLite store keeps the
     /// default: its reservation is the file's single write lock, not a row lock.
-    fn with_in_flight(self, policy: crate::InFlight) -> Self {
+    fn bound_duplicate_wait(self, policy: crate::InFlight) -> Self {
         let _ = policy;
         self
     }

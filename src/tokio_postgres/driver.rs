@@ -1,4 +1,4 @@
-//! [`PgDriver`] on tokio-postgres: [`PostgresStore`] and its [`PostgresTransaction`] handle.
+//! [`PgDriver`] on tokio-postgres: [`PostgresStore`] and its [`PostgresHandle`] handle.
 
 use bytes::BytesMut;
 use tokio_postgres::row::Row;
@@ -7,8 +7,8 @@ use tokio_postgres::types::{IsNull, ToSql, Type};
 use crate::error::Error;
 use crate::row_lock::driver::{columns_by_try_get, PgDriver, PgParam};
 use crate::row_lock::driver::{finish, Finish, PgHandle, PgTransactions};
-use crate::store::postgres::PostgresStore;
-use crate::store::postgres::{migrate::install_schema, PostgresTransaction};
+use crate::store::tokio_postgres::PostgresStore;
+use crate::store::tokio_postgres::{migrate::install_schema, PostgresHandle};
 
 type BoxedError = Box<dyn std::error::Error + Sync + Send>;
 
@@ -81,7 +81,7 @@ impl PgDriver for PostgresStore {
 }
 
 impl PgTransactions for PostgresStore {
-    type Transaction = PostgresTransaction;
+    type Handle = PostgresHandle;
 
     fn conflict_retries(&self) -> u32 {
         self.serialization_retries()
@@ -90,7 +90,7 @@ impl PgTransactions for PostgresStore {
     async fn in_own_transaction<T, B, Fut>(&self, body: B) -> Result<T, Error>
     where
         T: Send,
-        B: FnOnce(PostgresTransaction) -> Fut + Send,
+        B: FnOnce(PostgresHandle) -> Fut + Send,
         Fut: std::future::Future<Output = Result<(T, Finish), Error>> + Send,
     {
         let transaction = self.begin_owned().await?;
@@ -99,7 +99,7 @@ impl PgTransactions for PostgresStore {
     }
 }
 
-impl PgHandle for PostgresTransaction {
+impl PgHandle for PostgresHandle {
     type Row = Row;
 
     async fn fetch_in(&self, sql: &'static str, params: &[PgParam<'_>]) -> Result<Vec<Row>, Error> {

@@ -1,6 +1,6 @@
-//! The tokio-postgres driver (feature `postgres`): the PostgreSQL store on a deadpool pool, its
+//! The tokio-postgres driver (feature `tokio-postgres`): the PostgreSQL store on a deadpool pool, its
 //! outbox and inbox, the driver seam of the shared engine ([`driver`]) and how its errors are
-//! classified ([`error`]). The public path is `store::postgres`.
+//! classified ([`error`]). The public path is `store::tokio_postgres`.
 
 #[cfg(feature = "outbox")]
 pub(crate) mod outbox;

@@ -5,7 +5,7 @@
 //! same database (and schema) as the handler's rows and the idempotency records, so an event
 //! commits in their transaction; `inbox_events` holds the receiver's processed event ids.
 //!
-//! Events are enqueued through the request's [`PostgresTransaction`] (the same connection and
+//! Events are enqueued through the request's [`PostgresHandle`] (the same connection and
 //! the same transaction as the order), so an event commits or rolls back with the order and the
 //! saved response. Relays, in one process or in several app instances, claim due events with
 //! `UPDATE ... WHERE seq IN (SELECT ... FOR UPDATE SKIP LOCKED LIMIT n)` on pooled connections
@@ -17,14 +17,14 @@
 //! # async fn run() -> Result<(), tower_idempotency::Error> {
 //! use serde_json::json;
 //! use tower_idempotency::outbox::{sink_fn, Enqueue, Outbox, OutboxEvent, Relay};
-//! use tower_idempotency::store::postgres::{PostgresStore, PostgresTransaction};
+//! use tower_idempotency::store::tokio_postgres::{PostgresHandle, PostgresStore};
 //!
 //! let store = PostgresStore::connect("postgres://app@127.0.0.1/shop").await?;
 //! // Creates `outbox_events` (idempotent): once at start-up, before serving.
 //! let outbox = Outbox::install(&store).await?;
 //!
 //! // In a handler, through the request's transaction handle:
-//! async fn create_order(tx: PostgresTransaction) -> Result<(), tower_idempotency::Error> {
+//! async fn create_order(tx: PostgresHandle) -> Result<(), tower_idempotency::Error> {
 //!     let event_id = tx.enqueue("order_created", json!({ "order_id": 1 })).await?;
 //!     # let _ = event_id;
 //!     Ok(())
@@ -54,14 +54,14 @@ use crate::outbox::{EventId, Inbox, Outbox, Receipt};
 use crate::postgres::outbox_sql::{INSERT_EVENT, INSERT_ID};
 use crate::row_lock::driver::as_sql;
 use crate::row_lock::outbox::{record_params, NewEvent};
-use crate::store::postgres::{Executor, PostgresStore};
 #[cfg(doc)]
-use crate::store::postgres::{PostgresTransaction, TransactionClient};
+use crate::store::tokio_postgres::{CheckedClient, PostgresHandle};
+use crate::store::tokio_postgres::{Executor, PostgresStore};
 
 /// The outbox of a [`PostgresStore`].
 impl Outbox<PostgresStore> {
     /// Adds an event to the outbox through `client`: a
-    /// [`TransactionClient`] of the request's
+    /// [`CheckedClient`] of the request's
     /// transaction (the event then belongs to that transaction), or a client or transaction of
     /// your own. Returns its id.
     ///
@@ -69,11 +69,11 @@ impl Outbox<PostgresStore> {
     /// [`Enqueue::enqueue`] on the handle does the same in a call of its own.
     ///
     /// ```no_run
-    /// # async fn handler(tx: tower_idempotency::store::postgres::PostgresTransaction)
+    /// # async fn handler(tx: tower_idempotency::store::tokio_postgres::PostgresHandle)
     /// #     -> Result<(), tower_idempotency::Error> {
     /// use serde_json::json;
     /// use tower_idempotency::outbox::Outbox;
-    /// use tower_idempotency::store::postgres::PostgresStore;
+    /// use tower_idempotency::store::tokio_postgres::PostgresStore;
     ///
     /// let client = tx.client().await?;
     /// let row = client
@@ -101,13 +101,13 @@ impl Outbox<PostgresStore> {
 
 /// The processed event ids of one consumer in a PostgreSQL database: table
 /// `inbox_events`, in the same schema as the store's tables. [`Inbox::process`] hands its
-/// closure the same [`PostgresTransaction`] a request's handler gets (take its
-/// [`client`](PostgresTransaction::client), do not `COMMIT`), on a transaction of the inbox's
+/// closure the same [`PostgresHandle`] a request's handler gets (take its
+/// [`client`](PostgresHandle::client), do not `COMMIT`), on a transaction of the inbox's
 /// own, and the closure returns a future.
 impl Inbox<PostgresStore> {
     /// Records `event_id` through `client`, which must be inside the transaction that applies
     /// the event (a [`tokio_postgres::Transaction`] of your own, `&*transaction` for one opened
-    /// on a pooled connection, or a [`TransactionClient`]): [`Receipt::First`] if
+    /// on a pooled connection, or a [`CheckedClient`]): [`Receipt::First`] if
     /// it was new (apply the event in the same transaction), [`Receipt::Duplicate`] if it was
     /// there already (do nothing).
     ///

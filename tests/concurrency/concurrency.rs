@@ -768,7 +768,7 @@ mod postgres {
 
     use backend::Postgres;
     use pg_common::{hook as pg_hook, HookOutcome, PgServer};
-    use tower_idempotency::store::postgres::PostgresStore;
+    use tower_idempotency::store::tokio_postgres::PostgresStore;
     use tower_idempotency::store::{Isolation, ReplayCheck};
 
     use super::*;
@@ -786,7 +786,7 @@ mod postgres {
         db.server()
             .layer(move |layer| layer.with_lock_timeout(lock_timeout))
             .hook(holder.hook())
-            .spawn_with(|options| options.max_connections(1))
+            .spawn_with(|options| options.with_max_connections(1))
             .await
     }
 
@@ -864,7 +864,7 @@ mod postgres {
                     None
                 }
             })))
-            .spawn_with(|options| options.replay_check(ReplayCheck::Reservation))
+            .spawn_with(|options| options.with_replay_check(ReplayCheck::FavorNewKeys))
             .await;
         let opener = {
             let (app, gate) = (server.app.clone(), gate.clone());
@@ -906,7 +906,7 @@ mod postgres {
         let both_read = Arc::new(Barrier::new(2));
         let first_call = Arc::new(AtomicBool::new(true));
         PgServer::builder()
-            .store(|options| options.isolation(Isolation::Serializable))
+            .store(|options| options.with_isolation(Isolation::Serializable))
             .layer(layer)
             .hook(pg_hook(move |call| {
                 let (both_read, first_call) = (both_read.clone(), first_call.clone());
@@ -1005,7 +1005,7 @@ mod postgres {
             .server()
             .layer(|layer| layer.with_lock_timeout(Duration::from_secs(30)))
             .hook(slow_handler(5))
-            .spawn_with(|options| options.isolation(Isolation::Serializable))
+            .spawn_with(|options| options.with_isolation(Isolation::Serializable))
             .await;
         let requests = interleaved(&[server.addr], KEYS, DUPLICATES);
 

@@ -61,7 +61,9 @@ struct Gates {
 async fn server(gates: Arc<Gates>, queued_behind_a: usize, max_requests: usize) -> TestServer {
     let store_slot: Arc<std::sync::OnceLock<SqliteStore>> = Arc::default();
     let server = TestServer::builder()
-        .store_options(move |options| options.group_commit(max_requests, Duration::from_secs(30)))
+        .store_options(move |options| {
+            options.with_group_commit(max_requests, Duration::from_secs(30))
+        })
         .layer(|layer| layer.with_lock_timeout(PATIENCE))
         .hook({
             let store_slot = store_slot.clone();

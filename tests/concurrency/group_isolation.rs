@@ -417,7 +417,7 @@ async fn the_refusal_holds_for_cached_statements_and_allows_a_handlers_own_savep
 }
 
 /// Calls that need the writer to themselves, made from a handler inside its own request,
-/// fail at once with an error naming `SqliteTransaction::run`, instead of waiting for the
+/// fail at once with an error naming `SqliteHandle::run`, instead of waiting for the
 /// request that waits for them; the request, and every other one, goes on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calls_that_need_the_writer_fail_at_once_inside_a_request() {
@@ -490,7 +490,7 @@ async fn calls_that_need_the_writer_fail_at_once_inside_a_request() {
     let errors = errors.lock().expect("lock").clone();
     assert_eq!(errors.len(), 5, "{errors:?}");
     for error in &errors {
-        assert!(error.contains("SqliteTransaction::run"), "{error}");
+        assert!(error.contains("SqliteHandle::run"), "{error}");
     }
     // Nothing the refused calls would have written was kept, and the writer is free.
     let parents: i64 = server

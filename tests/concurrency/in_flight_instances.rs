@@ -277,7 +277,7 @@ macro_rules! across_instances {
 mod tokio_postgres_store {
     use super::*;
     use pg_common::TestDb;
-    use tower_idempotency::store::postgres::PostgresStore;
+    use tower_idempotency::store::tokio_postgres::PostgresStore;
 
     async fn two_instances() -> Option<(TestDb, [PostgresStore; 2])> {
         let db = TestDb::create().await?;

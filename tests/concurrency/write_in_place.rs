@@ -1,5 +1,5 @@
 //! On SQLite, a request whose writer is idle runs its whole transaction in place, on its own
-//! task (`SqliteOptions::write_in_place`, on by default); requests that arrive while the writer
+//! task (`SqliteOptions::with_write_in_place`, on by default); requests that arrive while the writer
 //! is busy queue for the writer thread and share a group commit. These tests pin which thread
 //! runs a request, and that the guarantees of the writer thread hold in place too.
 
@@ -51,13 +51,13 @@ fn thread_recorder(threads: Threads) -> common::Hook {
 }
 
 /// A lone request runs its handler and statements on its own task, not on the writer
-/// thread; with `write_in_place(false)` on the writer thread, as before.
+/// thread; with `with_write_in_place(false)` on the writer thread, as before.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lone_request_runs_on_its_own_task_unless_turned_off() {
     for in_place in [true, false] {
         let threads = Threads::default();
         let server = TestServer::builder()
-            .store_options(move |options| options.write_in_place(in_place))
+            .store_options(move |options| options.with_write_in_place(in_place))
             .hook(thread_recorder(threads.clone()))
             .spawn()
             .await;

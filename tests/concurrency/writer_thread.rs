@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use common::{hook, post, HeldHandler, HookOutcome, Outcome, TestServer, PATIENCE, SHOP_A};
 use http::StatusCode;
-use tower_idempotency::store::sqlite::SqliteTransaction;
+use tower_idempotency::store::sqlite::SqliteHandle;
 use tower_idempotency::Error;
 
 const BOOK: &str = r#"{"sku":"book","quantity":1}"#;
@@ -18,7 +18,7 @@ const INSERT_GIFT: &str =
     "INSERT INTO orders (tenant_id, sku, quantity) VALUES ('shop-a', 'gift', 1)";
 
 /// Inserts a gift row from a task of its own, through the request's transaction `tx`.
-async fn insert_a_gift_from_a_spawned_task(tx: &SqliteTransaction) {
+async fn insert_a_gift_from_a_spawned_task(tx: &SqliteHandle) {
     let tx = tx.clone();
     let spawned =
         tokio::spawn(async move { tx.run(|conn| conn.execute(INSERT_GIFT, [])).await }).await;
@@ -113,7 +113,7 @@ async fn requests_that_give_up_leave_the_writers_queue() {
     let slow_handler = HeldHandler::default();
     let lock_timeout = Duration::from_millis(150);
     let server = TestServer::builder()
-        .store_options(|options| options.write_in_place(false))
+        .store_options(|options| options.with_write_in_place(false))
         .layer(move |layer| layer.with_lock_timeout(lock_timeout))
         .hook({
             let slow_handler = slow_handler.clone();

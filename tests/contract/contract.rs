@@ -1015,7 +1015,7 @@ mod postgres {
     //! The contract on a PostgreSQL schema, and the schema the store creates and migrates.
 
     use pg_common::{PgServer, TestDb};
-    use tower_idempotency::store::postgres::PostgresStore;
+    use tower_idempotency::store::tokio_postgres::PostgresStore;
 
     use super::*;
 
@@ -1030,7 +1030,7 @@ mod postgres {
         let opens: Vec<_> = (0..4)
             .map(|_| {
                 let config = db.config();
-                tokio::spawn(async move { PostgresStore::builder(config).connect().await })
+                tokio::spawn(async move { PostgresStore::builder(config).build().await })
             })
             .collect();
         for open in opens {

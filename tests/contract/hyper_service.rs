@@ -13,7 +13,7 @@ use hyper_util::rt::TokioIo;
 use hyper_util::service::TowerToHyperService;
 use tower::ServiceBuilder;
 use tower_idempotency::body::{BoxError, RequestBody};
-use tower_idempotency::store::sqlite::{SqliteStore, SqliteTransaction};
+use tower_idempotency::store::sqlite::{SqliteHandle, SqliteStore};
 use tower_idempotency::{IdempotencyLayer, Tenant};
 
 const BOOK: &str = r#"{"sku":"book","quantity":1}"#;
@@ -32,7 +32,7 @@ fn tenant_of(headers: &http::HeaderMap) -> Option<Arc<str>> {
 async fn create_order(request: Request<RequestBody>) -> Result<Response<Full<Bytes>>, BoxError> {
     let tx = request
         .extensions()
-        .get::<SqliteTransaction>()
+        .get::<SqliteHandle>()
         .cloned()
         .ok_or("no idempotency transaction")?;
     let tenant = tenant_of(request.headers()).ok_or("no tenant")?;

@@ -33,7 +33,7 @@ const INBOX_EVENTS_TOTAL: &str = "inbox_events_total";
 type SqliteInbox = tower_idempotency::outbox::Inbox<tower_idempotency::store::sqlite::SqliteStore>;
 use tower_idempotency::outbox::Processed;
 type PostgresInbox =
-    tower_idempotency::outbox::Inbox<tower_idempotency::store::postgres::PostgresStore>;
+    tower_idempotency::outbox::Inbox<tower_idempotency::store::tokio_postgres::PostgresStore>;
 type SqliteOutbox =
     tower_idempotency::outbox::Outbox<tower_idempotency::store::sqlite::SqliteStore>;
 use tower_idempotency::outbox::{sink_fn, OutboxEvent, Relay};

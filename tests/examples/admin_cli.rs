@@ -350,17 +350,30 @@ async fn library_calls<B: Backend>(db: &B) -> Server<B> {
     let id = db
         .enqueue_now("order_created", json!({ "order_id": 1 }))
         .await;
-    let counts = admin.outbox_counts().await.expect("outbox counts");
+    let counts = admin.outbox().counts().await.expect("outbox counts");
     assert_eq!((counts.pending, counts.dead), (1, 0));
     let event = admin
+        .outbox()
         .event(id.as_str())
         .await
         .expect("event")
         .expect("exists");
     assert_eq!(event.status, EventStatus::Pending);
-    assert!(admin.dead_letters(10).await.expect("dead").is_empty());
-    assert!(!admin.requeue(id.as_str()).await.expect("requeue"));
-    assert_eq!(admin.requeue_all_dead().await.expect("requeue all"), 0);
+    assert!(admin
+        .outbox()
+        .dead_letters(10)
+        .await
+        .expect("dead")
+        .is_empty());
+    assert!(!admin.outbox().requeue(id.as_str()).await.expect("requeue"));
+    assert_eq!(
+        admin
+            .outbox()
+            .requeue_all_dead()
+            .await
+            .expect("requeue all"),
+        0
+    );
     server
 }
 
@@ -592,7 +605,7 @@ mod postgres {
     use http::StatusCode;
     use tokio::sync::Notify;
     use tower_idempotency::admin::{Admin, RecordFilter};
-    use tower_idempotency::store::postgres::PostgresStore;
+    use tower_idempotency::store::tokio_postgres::PostgresStore;
 
     use super::admin::{Exit, Failure};
     use super::{failure_message, field, BOOK, SHOP_A_K1};
@@ -802,8 +815,8 @@ mod postgres {
             return;
         };
         let store = PostgresStore::builder(db.config())
-            .create_schema(false)
-            .connect()
+            .with_create_schema(false)
+            .build()
             .await
             .expect("connect");
         assert!(!records_table_exists(&db).await);

@@ -12,3 +12,4 @@ mod grpc;
 mod hyper_example;
 mod orders_example;
 mod payments_example;
+mod wal_frames;

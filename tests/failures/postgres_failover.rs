@@ -32,8 +32,8 @@ use http::StatusCode;
 use http_body_util::Full;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
-use tower_idempotency::store::postgres::tokio_postgres;
-use tower_idempotency::store::postgres::tokio_postgres::types::{FromSqlOwned, ToSql};
+use tower_idempotency::store::tokio_postgres::tokio_postgres;
+use tower_idempotency::store::tokio_postgres::tokio_postgres::types::{FromSqlOwned, ToSql};
 
 type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
@@ -539,19 +539,19 @@ async fn a_commit_of_unknown_outcome_is_a_503_and_the_retry_settles_it() {
 }
 
 /// An order app in this process whose replays read from the standby
-/// ([`PostgresOptions::read_from`](tower_idempotency::store::postgres::PostgresOptions::read_from)),
+/// ([`PostgresOptions::with_read_from`](tower_idempotency::store::tokio_postgres::PostgresOptions::with_read_from)),
 /// with request transactions on the multi-host URL.
 async fn app_reading_from_the_standby(cluster: &Cluster) -> SocketAddr {
     use axum::extract::Extension;
     use axum::response::{IntoResponse, Response};
     use axum::routing::post;
     use tower_idempotency::extract::Tx;
-    use tower_idempotency::store::postgres::{PostgresStore, PostgresTransaction};
+    use tower_idempotency::store::tokio_postgres::{PostgresHandle, PostgresStore};
     use tower_idempotency::{IdempotencyLayer, Tenant};
 
     async fn create_order(
         Extension(tenant): Extension<Tenant>,
-        Tx(tx): Tx<PostgresTransaction>,
+        Tx(tx): Tx<PostgresHandle>,
         body: Bytes,
     ) -> Response {
         let sku = serde_json::from_slice::<serde_json::Value>(&body).expect("JSON")["sku"]
@@ -582,8 +582,8 @@ async fn app_reading_from_the_standby(cluster: &Cluster) -> SocketAddr {
     }
 
     let store = PostgresStore::builder(cluster.config())
-        .read_from(cluster.standby_config())
-        .connect()
+        .with_read_from(cluster.standby_config())
+        .build()
         .await
         .expect("open the store");
     store
@@ -695,11 +695,11 @@ async fn app_with_a_short_lock_timeout(cluster: &Cluster, sqlx: bool) -> SocketA
     use axum::response::{IntoResponse, Response};
     use axum::routing::post;
     use tower_idempotency::extract::Tx;
-    use tower_idempotency::store::postgres::{PostgresStore, PostgresTransaction};
     use tower_idempotency::store::sqlx_postgres::sqlx::postgres::PgPoolOptions;
     use tower_idempotency::store::sqlx_postgres::{
-        sqlx as sqlx_crate, SqlxPostgresStore, SqlxTransaction,
+        sqlx as sqlx_crate, SqlxHandle, SqlxPostgresStore,
     };
+    use tower_idempotency::store::tokio_postgres::{PostgresHandle, PostgresStore};
     use tower_idempotency::{IdempotencyLayer, Tenant};
 
     const INSERT: &str = "INSERT INTO orders (tenant_id, sku) VALUES ($1, $2)";
@@ -723,7 +723,7 @@ async fn app_with_a_short_lock_timeout(cluster: &Cluster, sqlx: bool) -> SocketA
 
     async fn on_tokio_postgres(
         Extension(tenant): Extension<Tenant>,
-        Tx(tx): Tx<PostgresTransaction>,
+        Tx(tx): Tx<PostgresHandle>,
         body: Bytes,
     ) -> Response {
         let inserted = async {
@@ -738,7 +738,7 @@ async fn app_with_a_short_lock_timeout(cluster: &Cluster, sqlx: bool) -> SocketA
 
     async fn on_sqlx(
         Extension(tenant): Extension<Tenant>,
-        Tx(tx): Tx<SqlxTransaction>,
+        Tx(tx): Tx<SqlxHandle>,
         body: Bytes,
     ) -> Response {
         let inserted = async {
@@ -787,7 +787,7 @@ async fn app_with_a_short_lock_timeout(cluster: &Cluster, sqlx: bool) -> SocketA
         )
     } else {
         let store = PostgresStore::builder(cluster.config())
-            .connect()
+            .build()
             .await
             .expect("open the store");
         axum::Router::new().route(

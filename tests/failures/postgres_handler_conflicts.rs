@@ -17,8 +17,8 @@ use common::{post, Reply, PATIENCE, SHOP_A};
 use http::{header, StatusCode};
 use pg_common::{hook, HookOutcome, PgServer, TestDb};
 use tokio::sync::{Barrier, Notify};
-use tower_idempotency::store::postgres::tokio_postgres::error::SqlState;
-use tower_idempotency::store::postgres::TransactionClient;
+use tower_idempotency::store::tokio_postgres::tokio_postgres::error::SqlState;
+use tower_idempotency::store::tokio_postgres::CheckedClient;
 use tower_idempotency::store::Isolation;
 use tower_idempotency::Error;
 
@@ -37,7 +37,7 @@ async fn reserved(db: &TestDb, sku: &str) -> i64 {
 }
 
 /// Reserves one of `sku` through the request's transaction.
-async fn reserve(client: &TransactionClient, sku: &str) -> Result<u64, Error> {
+async fn reserve(client: &CheckedClient, sku: &str) -> Result<u64, Error> {
     client
         .execute(
             "UPDATE stock SET reserved = reserved + 1 WHERE sku = $1",
@@ -99,7 +99,7 @@ impl ConcurrentUpdate {
             self.conflicted.clone(),
         );
         PgServer::builder()
-            .store(|options| options.isolation(Isolation::RepeatableRead))
+            .store(|options| options.with_isolation(Isolation::RepeatableRead))
             .layer(move |layer| layer.with_conflict_retries(conflict_retries))
             .hook(hook(move |call| {
                 let first = first.swap(false, Ordering::SeqCst);

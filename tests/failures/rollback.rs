@@ -417,7 +417,7 @@ mod postgres {
     use std::sync::Mutex;
 
     use pg_common::{hook as pg_hook, HookOutcome, OrderCall, PgServer, TestDb};
-    use tower_idempotency::store::postgres::PostgresTransaction;
+    use tower_idempotency::store::tokio_postgres::PostgresHandle;
     use tower_idempotency::store::ReplayCheck;
     use tower_idempotency::Error;
 
@@ -624,14 +624,12 @@ mod postgres {
         let Some(db) = TestDb::create().await else {
             return;
         };
-        let (server, kept) = spawn_keeping(
-            &db,
-            |kept: Arc<Mutex<Option<PostgresTransaction>>>, call| {
+        let (server, kept) =
+            spawn_keeping(&db, |kept: Arc<Mutex<Option<PostgresHandle>>>, call| {
                 *kept.lock().expect("slot") = Some(call.tx);
                 async { HookOutcome::default() }
-            },
-        )
-        .await;
+            })
+            .await;
 
         let reply = post(server.addr, Some(SHOP_A), Some("key-1"), BOOK, &[]).await;
         assert_eq!(reply.status, StatusCode::CREATED);
@@ -692,7 +690,7 @@ mod postgres {
     #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
     #[tokio::test]
     async fn with_reads_first_a_server_that_stops_answering_is_503_within_the_lock_timeout() {
-        a_server_that_stops_answering_under(ReplayCheck::ReadPool).await;
+        a_server_that_stops_answering_under(ReplayCheck::FavorReplays).await;
     }
 
     async fn a_server_that_stops_answering_under(replay_check: ReplayCheck) {
@@ -700,13 +698,14 @@ mod postgres {
             return;
         };
         let proxy = Arc::new(pg_common::FreezingProxy::to(&db).await);
-        let store = tower_idempotency::store::postgres::PostgresStore::builder(proxy.config(&db))
-            .max_connections(4)
-            .max_read_connections(2)
-            .replay_check(replay_check)
-            .connect()
-            .await
-            .expect("open the store through the proxy");
+        let store =
+            tower_idempotency::store::tokio_postgres::PostgresStore::builder(proxy.config(&db))
+                .with_max_connections(4)
+                .with_max_read_connections(2)
+                .with_replay_check(replay_check)
+                .build()
+                .await
+                .expect("open the store through the proxy");
         let freezer = proxy.clone();
         let server = PgServer::builder()
             .layer(one_second_lock_timeout)
@@ -806,10 +805,10 @@ mod postgres {
             };
             let proxy = Arc::new(pg_common::FreezingProxy::to(&db).await);
             let store =
-                tower_idempotency::store::postgres::PostgresStore::builder(proxy.config(&db))
-                    .max_connections(4)
-                    .max_read_connections(2)
-                    .connect()
+                tower_idempotency::store::tokio_postgres::PostgresStore::builder(proxy.config(&db))
+                    .with_max_connections(4)
+                    .with_max_read_connections(2)
+                    .build()
                     .await
                     .expect("open the store through the proxy");
             let pool = store.pool().clone();
@@ -989,7 +988,7 @@ mod sqlx_postgres {
         let proxy = Arc::new(FreezingProxy::to(&db).await);
         let pool = db.sqlx_pool_via(4, proxy.addr.port()).await;
         let store = SqlxPostgresStore::builder(pool)
-            .max_read_connections(2)
+            .with_max_read_connections(2)
             .build();
         store.migrate().await.expect("create the table");
         let freezer = proxy.clone();
@@ -1028,7 +1027,7 @@ mod sqlx_postgres {
             let proxy = Arc::new(FreezingProxy::to(&db).await);
             let pool = db.sqlx_pool_via(4, proxy.addr.port()).await;
             let store = SqlxPostgresStore::builder(pool.clone())
-                .max_read_connections(2)
+                .with_max_read_connections(2)
                 .build();
             store.migrate().await.expect("create the table");
             let freezer = proxy.clone();
@@ -1055,7 +1054,7 @@ mod mysql {
 
     use backend::MySql;
     use common::{hook_for, AppBuilder, HookOutcome, OrderCallOf, Outcome};
-    use tower_idempotency::store::sqlx_mysql::SqlxTransaction;
+    use tower_idempotency::store::sqlx_mysql::SqlxHandle;
     use tower_idempotency::InFlight;
 
     use super::*;
@@ -1082,7 +1081,7 @@ mod mysql {
         let store = db.db.store(1).await;
         let pool = store.pool().clone();
         let server = AppBuilder::new(())
-            .hook(hook_for(|call: OrderCallOf<SqlxTransaction>| async move {
+            .hook(hook_for(|call: OrderCallOf<SqlxHandle>| async move {
                 HookOutcome::failing(
                     (call.sku == "fail").then_some(StatusCode::INTERNAL_SERVER_ERROR),
                 )
@@ -1123,7 +1122,7 @@ mod mysql {
         let store = db.db.store(4).await;
         let server = AppBuilder::new(())
             .layer(move |layer| layer.with_lock_timeout(lock_timeout))
-            .hook(hook_for(|_: OrderCallOf<SqlxTransaction>| async {
+            .hook(hook_for(|_: OrderCallOf<SqlxHandle>| async {
                 HookOutcome::default()
             }))
             .serve_on(store)
@@ -1186,7 +1185,7 @@ mod mysql {
         let store = db.db.store(4).await;
         let server = AppBuilder::new(())
             .layer(move |layer| layer.with_lock_timeout(lock_timeout))
-            .hook(hook_for(|call: OrderCallOf<SqlxTransaction>| async move {
+            .hook(hook_for(|call: OrderCallOf<SqlxHandle>| async move {
                 let written = match call.tx.acquire().await {
                     Ok(mut conn) => sqlx::query("INSERT INTO handler_ledger (id) VALUES (1)")
                         .execute(&mut *conn)
@@ -1273,7 +1272,7 @@ mod mysql {
             let store = db.db.store(4).await;
             let server = AppBuilder::new(())
                 .layer(move |layer| layer.with_lock_timeout(lock_timeout).with_in_flight(policy))
-                .hook(hook_for(|_: OrderCallOf<SqlxTransaction>| async {
+                .hook(hook_for(|_: OrderCallOf<SqlxHandle>| async {
                     HookOutcome::default()
                 }))
                 .serve_on(store)

@@ -131,7 +131,7 @@ fn record() -> NewRecord {
 async fn process_in_records_the_id_with_the_request_transaction<B: Backend, T>(db: B)
 where
     B::Store: IdempotencyStore<Reservation = T>,
-    T: Reservation<Handle = <B::Store as InboxBackend>::Transaction>,
+    T: Reservation<Handle = <B::Store as InboxBackend>::Handle>,
 {
     db.execute(EFFECTS).await;
     let inbox = Inbox::install(db.store().await, "inventory")
@@ -260,9 +260,9 @@ mod postgres {
     use http::StatusCode;
     use tokio::sync::oneshot;
     type PostgresInbox =
-        tower_idempotency::outbox::Inbox<tower_idempotency::store::postgres::PostgresStore>;
+        tower_idempotency::outbox::Inbox<tower_idempotency::store::tokio_postgres::PostgresStore>;
     use tower_idempotency::outbox::{Processed, Receipt};
-    use tower_idempotency::store::postgres::{PostgresStore, PostgresTransaction};
+    use tower_idempotency::store::tokio_postgres::{PostgresHandle, PostgresStore};
     use tower_idempotency::store::Isolation;
     use tower_idempotency::Error;
 
@@ -278,7 +278,7 @@ mod postgres {
 
     /// A store of its own (an instance), with small pools.
     async fn instance(db: &TestDb) -> PostgresStore {
-        db.store_with(|o| o.max_connections(8).max_read_connections(1))
+        db.store_with(|o| o.with_max_connections(8).with_max_read_connections(1))
             .await
     }
 
@@ -296,7 +296,7 @@ mod postgres {
 
     /// Applies an event: inserts its effect row through the handle; returns how many effect rows
     /// this event has now (as this transaction sees them).
-    async fn apply(tx: PostgresTransaction, event_id: String) -> Result<i64, Error> {
+    async fn apply(tx: PostgresHandle, event_id: String) -> Result<i64, Error> {
         apply_blind(tx.clone(), event_id.clone()).await?;
         let client = tx.client().await?;
         let row = client
@@ -310,7 +310,7 @@ mod postgres {
 
     /// Applies an event without reading anything (no predicate locks under `SERIALIZABLE`, so
     /// concurrent events never conflict with each other, only deliveries of the same event do).
-    async fn apply_blind(tx: PostgresTransaction, event_id: String) -> Result<i64, Error> {
+    async fn apply_blind(tx: PostgresHandle, event_id: String) -> Result<i64, Error> {
         let client = tx.client().await?;
         client
             .execute(
@@ -381,7 +381,7 @@ mod postgres {
         assert_eq!(effects(&db, "e1").await, 1);
 
         // An `async fn` works as well as a closure.
-        async fn note(tx: PostgresTransaction) -> Result<&'static str, Error> {
+        async fn note(tx: PostgresHandle) -> Result<&'static str, Error> {
             let client = tx.client().await?;
             client
                 .execute(
@@ -477,7 +477,7 @@ mod postgres {
         assert!(!inbox.contains("e1").await.expect("contains"));
 
         // The handle refuses work once `process` has returned.
-        let (keep_tx, kept) = oneshot::channel::<PostgresTransaction>();
+        let (keep_tx, kept) = oneshot::channel::<PostgresHandle>();
         inbox
             .process("e2", |tx| async move {
                 let _ = keep_tx.send(tx);
@@ -553,10 +553,10 @@ mod postgres {
     ) {
         db.execute(EFFECTS).await;
         let first_store = db
-            .store_with(|o| o.max_connections(4).isolation(isolation))
+            .store_with(|o| o.with_max_connections(4).with_isolation(isolation))
             .await;
         let second_store = db
-            .store_with(|o| o.max_connections(4).isolation(isolation))
+            .store_with(|o| o.with_max_connections(4).with_isolation(isolation))
             .await;
         let first_inbox = PostgresInbox::install(&first_store, "inventory")
             .await
@@ -670,9 +670,9 @@ mod postgres {
         for _ in 0..2 {
             let store = db
                 .store_with(|o| {
-                    o.max_connections(8)
-                        .max_read_connections(1)
-                        .isolation(isolation)
+                    o.with_max_connections(8)
+                        .with_max_read_connections(1)
+                        .with_isolation(isolation)
                 })
                 .await;
             inboxes.push(

@@ -38,7 +38,7 @@ use relay_scenarios::{
 };
 use serde_json::json;
 type PostgresOutbox =
-    tower_idempotency::outbox::Outbox<tower_idempotency::store::postgres::PostgresStore>;
+    tower_idempotency::outbox::Outbox<tower_idempotency::store::tokio_postgres::PostgresStore>;
 use tower_idempotency::outbox::Relay;
 
 /// Forgets the inventory example's saved answers (as if they had expired): only its inbox
@@ -278,7 +278,7 @@ async fn two_relays_of_two_instances_deliver_each_event_exactly_once() {
 
     // A second store: another instance, with its own pool and its own relay.
     let other_instance = orders_db
-        .store_with(|o| o.max_connections(4).max_read_connections(1))
+        .store_with(|o| o.with_max_connections(4).with_max_read_connections(1))
         .await;
     relays_deliver_all(
         [

@@ -717,7 +717,7 @@ async fn pg_orders(db: &pg_common::TestDb) -> Vec<(i64, String, Option<String>)>
 }
 
 mod postgres {
-    use tower_idempotency::store::postgres::{PostgresStore, PostgresTransaction};
+    use tower_idempotency::store::tokio_postgres::{PostgresHandle, PostgresStore};
 
     use super::*;
     use crate::support::pg_common::TestDb;
@@ -737,7 +737,7 @@ mod postgres {
 
         async fn insert_order(steps: &Steps<PostgresStore>, sku: String) -> Result<i64, StepError> {
             steps
-                .local("insert_order", move |tx: PostgresTransaction| async move {
+                .local("insert_order", move |tx: PostgresHandle| async move {
                     let row = tx
                         .client()
                         .await?
@@ -757,7 +757,7 @@ mod postgres {
             order_id: i64,
         ) -> Result<(), StepError> {
             steps
-                .local("mark_declined", move |tx: PostgresTransaction| async move {
+                .local("mark_declined", move |tx: PostgresHandle| async move {
                     tx.client()
                         .await?
                         .execute(
@@ -776,7 +776,7 @@ mod postgres {
             charge_id: String,
         ) -> Result<(), StepError> {
             steps
-                .local("mark_paid", move |tx: PostgresTransaction| async move {
+                .local("mark_paid", move |tx: PostgresHandle| async move {
                     tx.client()
                         .await?
                         .execute(
@@ -797,7 +797,7 @@ mod postgres {
 
 mod sqlx_postgres {
     use sqlx::Row;
-    use tower_idempotency::store::sqlx_postgres::{SqlxPostgresStore, SqlxTransaction};
+    use tower_idempotency::store::sqlx_postgres::{SqlxHandle, SqlxPostgresStore};
 
     use super::*;
     use crate::support::pg_common::TestDb;
@@ -820,7 +820,7 @@ mod sqlx_postgres {
             sku: String,
         ) -> Result<i64, StepError> {
             steps
-                .local("insert_order", move |tx: SqlxTransaction| async move {
+                .local("insert_order", move |tx: SqlxHandle| async move {
                     let mut conn = tx.acquire().await?;
                     let row = sqlx::query(
                         "INSERT INTO shop_orders (sku, status) VALUES ($1, 'pending') \
@@ -839,7 +839,7 @@ mod sqlx_postgres {
             order_id: i64,
         ) -> Result<(), StepError> {
             steps
-                .local("mark_declined", move |tx: SqlxTransaction| async move {
+                .local("mark_declined", move |tx: SqlxHandle| async move {
                     let mut conn = tx.acquire().await?;
                     sqlx::query("UPDATE shop_orders SET status = 'declined' WHERE id = $1")
                         .bind(order_id)
@@ -856,7 +856,7 @@ mod sqlx_postgres {
             charge_id: String,
         ) -> Result<(), StepError> {
             steps
-                .local("mark_paid", move |tx: SqlxTransaction| async move {
+                .local("mark_paid", move |tx: SqlxHandle| async move {
                     let mut conn = tx.acquire().await?;
                     sqlx::query(
                         "UPDATE shop_orders SET status = 'paid', charge_id = $1 WHERE id = $2",
@@ -878,7 +878,7 @@ mod sqlx_postgres {
 
 mod sqlx_mysql {
     use sqlx::Row;
-    use tower_idempotency::store::sqlx_mysql::{SqlxMySqlStore, SqlxTransaction};
+    use tower_idempotency::store::sqlx_mysql::{SqlxHandle, SqlxMySqlStore};
 
     use super::*;
     use crate::support::mysql_common::TestDb;
@@ -905,7 +905,7 @@ mod sqlx_mysql {
             sku: String,
         ) -> Result<i64, StepError> {
             steps
-                .local("insert_order", move |tx: SqlxTransaction| async move {
+                .local("insert_order", move |tx: SqlxHandle| async move {
                     let mut conn = tx.acquire().await?;
                     let done =
                         sqlx::query("INSERT INTO shop_orders (sku, status) VALUES (?, 'pending')")
@@ -923,7 +923,7 @@ mod sqlx_mysql {
             order_id: i64,
         ) -> Result<(), StepError> {
             steps
-                .local("mark_declined", move |tx: SqlxTransaction| async move {
+                .local("mark_declined", move |tx: SqlxHandle| async move {
                     let mut conn = tx.acquire().await?;
                     sqlx::query("UPDATE shop_orders SET status = 'declined' WHERE id = ?")
                         .bind(order_id)
@@ -940,7 +940,7 @@ mod sqlx_mysql {
             charge_id: String,
         ) -> Result<(), StepError> {
             steps
-                .local("mark_paid", move |tx: SqlxTransaction| async move {
+                .local("mark_paid", move |tx: SqlxHandle| async move {
                     let mut conn = tx.acquire().await?;
                     sqlx::query(
                         "UPDATE shop_orders SET status = 'paid', charge_id = ? WHERE id = ?",

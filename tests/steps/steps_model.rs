@@ -1167,7 +1167,7 @@ mod sqlite {
 
 /// The reads of both PostgreSQL backends, on a connection of the test's.
 mod pg_reads {
-    use tower_idempotency::store::postgres::tokio_postgres;
+    use tower_idempotency::store::tokio_postgres::tokio_postgres;
 
     use super::*;
     use crate::support::pg_common::TestDb;
@@ -1216,7 +1216,7 @@ mod pg_reads {
 }
 
 mod postgres {
-    use tower_idempotency::store::postgres::{PostgresStore, PostgresTransaction};
+    use tower_idempotency::store::tokio_postgres::{PostgresHandle, PostgresStore};
 
     use super::pg_reads::PgReads;
     use super::*;
@@ -1248,7 +1248,7 @@ mod postgres {
         ) -> Result<i64, StepError> {
             let step = name.clone();
             steps
-                .local(&step, move |tx: PostgresTransaction| async move {
+                .local(&step, move |tx: PostgresHandle| async move {
                     let client = tx.client().await?;
                     client
                         .execute(
@@ -1279,7 +1279,7 @@ mod postgres {
 }
 
 mod sqlx_postgres {
-    use tower_idempotency::store::sqlx_postgres::{SqlxPostgresStore, SqlxTransaction};
+    use tower_idempotency::store::sqlx_postgres::{SqlxHandle, SqlxPostgresStore};
 
     use super::pg_reads::PgReads;
     use super::*;
@@ -1311,7 +1311,7 @@ mod sqlx_postgres {
         ) -> Result<i64, StepError> {
             let step = name.clone();
             steps
-                .local(&step, move |tx: SqlxTransaction| async move {
+                .local(&step, move |tx: SqlxHandle| async move {
                     let mut conn = tx.acquire().await?;
                     sqlx::query("INSERT INTO model_rows (k, step) VALUES ($1, $2)")
                         .bind(&key)
@@ -1344,7 +1344,7 @@ mod sqlx_postgres {
 
 mod sqlx_mysql {
     use sqlx::mysql::MySqlPool;
-    use tower_idempotency::store::sqlx_mysql::{SqlxMySqlStore, SqlxTransaction};
+    use tower_idempotency::store::sqlx_mysql::{SqlxHandle, SqlxMySqlStore};
 
     use super::*;
     use crate::support::mysql_common::TestDb;
@@ -1387,7 +1387,7 @@ mod sqlx_mysql {
         ) -> Result<i64, StepError> {
             let step = name.clone();
             steps
-                .local(&step, move |tx: SqlxTransaction| async move {
+                .local(&step, move |tx: SqlxHandle| async move {
                     let mut conn = tx.acquire().await?;
                     sqlx::query("INSERT INTO model_rows (k, step) VALUES (?, ?)")
                         .bind(&key)

@@ -805,7 +805,7 @@ mod sqlite {
 }
 
 mod postgres {
-    use tower_idempotency::store::postgres::{PostgresStore, PostgresTransaction};
+    use tower_idempotency::store::tokio_postgres::{PostgresHandle, PostgresStore};
 
     use super::*;
     use crate::support::pg_common::TestDb;
@@ -840,7 +840,7 @@ mod postgres {
                 .run_local(
                     lease,
                     step,
-                    move |tx: PostgresTransaction| async move {
+                    move |tx: PostgresHandle| async move {
                         let client = tx.client().await?;
                         client
                             .execute(
@@ -868,7 +868,7 @@ mod postgres {
 }
 
 mod sqlx_postgres {
-    use tower_idempotency::store::sqlx_postgres::{SqlxPostgresStore, SqlxTransaction};
+    use tower_idempotency::store::sqlx_postgres::{SqlxHandle, SqlxPostgresStore};
 
     use super::*;
     use crate::support::pg_common::TestDb;
@@ -903,7 +903,7 @@ mod sqlx_postgres {
                 .run_local(
                     lease,
                     step,
-                    move |tx: SqlxTransaction| async move {
+                    move |tx: SqlxHandle| async move {
                         let mut conn = tx.acquire().await?;
                         sqlx::query(
                             "INSERT INTO orders (tenant_id, sku, quantity) \
@@ -931,7 +931,7 @@ mod sqlx_postgres {
 }
 
 mod sqlx_mysql {
-    use tower_idempotency::store::sqlx_mysql::{SqlxMySqlStore, SqlxTransaction};
+    use tower_idempotency::store::sqlx_mysql::{SqlxHandle, SqlxMySqlStore};
 
     use super::*;
     use crate::support::mysql_common::TestDb;
@@ -966,7 +966,7 @@ mod sqlx_mysql {
                 .run_local(
                     lease,
                     step,
-                    move |tx: SqlxTransaction| async move {
+                    move |tx: SqlxHandle| async move {
                         let mut conn = tx.acquire().await?;
                         sqlx::query(
                             "INSERT INTO orders (tenant_id, sku, quantity) VALUES ('steps', ?, 1)",

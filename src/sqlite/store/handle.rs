@@ -1,4 +1,4 @@
-//! [`SqliteTransaction`]: the handler's side of a request's write transaction.
+//! [`SqliteHandle`]: the handler's side of a request's write transaction.
 //!
 //! The layer puts one in the request extensions ([`Reservation::handle`] of the
 //! request's `SqliteReservation`). Its statements run where the request holds the writer:
@@ -28,7 +28,7 @@ use crate::store::Reservation;
 /// and rolls back if the handler fails, panics or the client goes away.
 ///
 /// ```no_run
-/// # async fn handler(tx: tower_idempotency::store::sqlite::SqliteTransaction)
+/// # async fn handler(tx: tower_idempotency::store::sqlite::SqliteHandle)
 /// #     -> Result<i64, tower_idempotency::Error> {
 /// let order_id = tx
 ///     .run(|conn| {
@@ -39,22 +39,22 @@ use crate::store::Reservation;
 /// # Ok(order_id) }
 /// ```
 #[derive(Clone)]
-pub struct SqliteTransaction {
+pub struct SqliteHandle {
     pub(super) tx: Arc<TxShared>,
 }
 
-impl fmt::Debug for SqliteTransaction {
+impl fmt::Debug for SqliteHandle {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("SqliteTransaction")
+        f.debug_struct("SqliteHandle")
             .field("generation", &self.tx.generation)
             .field("finished", &self.tx.finished.load(Ordering::Acquire))
             .finish()
     }
 }
 
-impl SqliteTransaction {
+impl SqliteHandle {
     /// Runs `f` on the transaction's connection: on the calling thread when the request
-    /// runs in place ([`SqliteOptions::write_in_place`](super::SqliteOptions::write_in_place);
+    /// runs in place ([`SqliteOptions::with_write_in_place`](super::SqliteOptions::with_write_in_place);
     /// on the blocking pool if another task of the request is running a statement at that
     /// moment); otherwise on the writer thread, at once when called from the handler under the
     /// layer (its work is polled there, see the

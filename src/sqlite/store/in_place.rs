@@ -1,12 +1,12 @@
 //! Running a request's transaction in place: on the request's own task, with the writer the
-//! writer thread left idle ([`SqliteOptions::write_in_place`](super::SqliteOptions::write_in_place)).
+//! writer thread left idle ([`SqliteOptions::with_write_in_place`](super::SqliteOptions::with_write_in_place)).
 //!
 //! When the writer thread has nothing to do (no transaction open, no group, nothing queued)
 //! it leaves the writer in an [`IdleWriter`] slot before it parks (`writer`). A request's
 //! first or next attempt (`executor`) takes it from there without waiting
 //! ([`Shared::take_idle_writer`]: a `try_lock`, and only while no one is queued), begins
 //! with no busy wait, and runs the layer's work on its own task: the handler's statements
-//! ([`SqliteTransaction::run`](super::SqliteTransaction::run)) and the commit run inline,
+//! ([`SqliteHandle::run`](super::SqliteHandle::run)) and the commit run inline,
 //! as a hand-written handler's would, with no hand-over to another thread and back. Its end
 //! (commit, rollback, drop) gives the writer back ([`Shared::return_writer`]): into the slot
 //! if nothing waits for it, else through the queue, with the group still open if requests

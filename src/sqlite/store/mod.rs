@@ -1,128 +1,4 @@
-//! The SQLite store: one writer connection on a dedicated thread, WAL readers for the
-//! replay fast path.
-//!
-//! SQLite allows one writer at a time, so the store queues writers in-process instead of
-//! letting them collide on `SQLITE_BUSY`. The writer connection lives on its own thread and
-//! every statement on it runs there: a write may wait for the disk, and must never run on the
-//! async executor's threads. Reads of completed records (the fast path) run on reader
-//! connections, which in WAL mode never wait for the writer: in place, on the request's own
-//! thread, when they cannot wait at all (an idle connection, no busy wait; see
-//! [`SqliteOptions::read_in_place`]), else under `spawn_blocking`.
-//!
-//! # How a request runs
-//!
-//! The layer calls [`IdempotencyStore::lookup_then_begin_and_run`] for a request's first
-//! attempt and [`IdempotencyStore::begin_and_run`] when it runs the request again (after a
-//! serialization conflict or [`Error::GroupRolledBack`]). Called on a tokio runtime:
-//!
-//! 1. **Fast path** (first attempt only). A reader connection reads the record, in place or
-//!    under `spawn_blocking` (above). A live one is the answer ([`RunOutcome::Found`]): nothing is
-//!    queued for the writer. Otherwise (no record, an expired one, or a failed read, which is
-//!    only logged) the reader queues the request's begin for the writer itself, so that the
-//!    request is woken once, by its answer.
-//! 2. **Begin.** The begin waits in the writer's queue, at most the lock timeout
-//!    ([`Error::Busy`] past it). On the writer it opens the group transaction if none is open
-//!    (`BEGIN IMMEDIATE`) and the request's savepoint in it, and reads the record again: a
-//!    live one (a duplicate committed first, perhaps in the open group) is the answer once
-//!    that group is durable ([`RunOutcome::Existing`]); an expired one is deleted.
-//! 3. **Work.** Otherwise the layer's work for the request (calling the handler, capturing
-//!    its response, committing) is polled on the writer thread, and the handler's
-//!    [`SqliteTransaction::run`] runs its statements there at once (see below).
-//! 4. **Commit.** [`Reservation::commit`](crate::store::Reservation::commit) inserts
-//!    the record and releases the savepoint, keeping the request's rows in the group; the
-//!    request gets its answer ([`RunOutcome::Ran`]) once the group's `COMMIT` has returned. A
-//!    rollback, an error or a dropped `SqliteReservation` undoes the savepoint alone.
-//!
-//! **In place.** When the writer is idle (nothing open, nobody queued) and SQLite's write
-//! lock is free without a busy wait, steps 2 to 4 run on the request's own task instead, with
-//! the writer the writer thread left idle ([`SqliteOptions::write_in_place`], on by default):
-//! the begin, the handler's statements and the commit run inline, as in a hand-written
-//! handler, without the two hand-overs to the writer thread and back (on a multi-thread
-//! runtime only, and each under `block_in_place`, so that the worker's other tasks go on
-//! meanwhile). Requests that arrive meanwhile queue for the writer thread (step 2), which
-//! takes the writer back when the request ends; if any queued, the request's savepoint stays
-//! in an open group that they join, and it is answered when that group commits.
-//!
-//! Without a tokio runtime the same steps run one after the other in the caller's task
-//! ([`IdempotencyStore::lookup`], [`IdempotencyStore::begin`], then the work awaited in
-//! place).
-//!
-//! # The handler runs on the writer thread (or in place)
-//!
-//! A request that runs in place (above) runs its handler on its own task, as without the
-//! layer, and its statements on the calling thread. One that queued runs as follows.
-//! Requests queue on the writer thread itself, and while one holds the transaction, the
-//! layer's work for it (calling the handler, capturing its response, committing) is polled on
-//! that thread too, with the server's tokio runtime entered (step 3 above). A
-//! [`SqliteTransaction::run`] from the handler then runs its statement at once, and the
-//! writer never waits for the request's task to be scheduled between statements: that wait,
-//! twice per request, was most of the time a request held the writer. What it means for a
-//! handler:
-//!
-//! - Timers, I/O, `tokio::spawn` and `spawn_blocking` work as usual (the runtime serves them).
-//!   A statement run from another task goes through the writer's queue and joins the same
-//!   transaction.
-//! - Its CPU time is spent on the writer thread. The writer was reserved for the request
-//!   anyway, so no other request's statements are delayed by it; replays never wait for it.
-//! - Task-local values set by outer layers (`tokio::task_local!`) are not visible, and
-//!   `tokio::task::block_in_place` is not available (not a runtime worker thread).
-//! - If the client goes away, the work is dropped on the writer thread a moment later (when it
-//!   next wakes), and the transaction rolls back.
-//!
-//! # Group commit
-//!
-//! With `synchronous=FULL` every commit waits for an fsync, which would cap durable throughput
-//! at one request per fsync. So requests that queue for the writer share one SQLite
-//! transaction: each request runs inside its own `SAVEPOINT` (a failure rolls back only its
-//! own rows), and the group commits with one fsync when the queue drains, the group is full,
-//! or it has been open for the group delay. A request's response is released only after the
-//! group's `COMMIT` has returned, so no client ever sees a `201` that is not on disk; a
-//! duplicate that finds a record of the open group waits for the same commit. A lone request
-//! commits at once, exactly as without grouping.
-//!
-//! Some failures end the whole shared transaction, not just a savepoint: a trigger's
-//! `RAISE(ROLLBACK)`, `INSERT OR ROLLBACK` / `ON CONFLICT ROLLBACK`, a deferred foreign key
-//! that only fails at `COMMIT`, a full disk or an I/O error. The request whose failure it was
-//! gets its own error; every other member of the group gets [`Error::GroupRolledBack`], and
-//! the layer runs it again at once, alone in a transaction of its own (so nothing another
-//! request does can undo it twice). Its client sees only the answer of that second run.
-//! (Where the failure surfaces at `COMMIT`, the culprit is found the same way: every member
-//! runs again alone, and only the culprit fails again.) A request that finds its key's
-//! record already committed joins no group: its replay does not depend on the others.
-//!
-//! # Transaction control is the store's
-//!
-//! The writer connection's authorizer refuses `BEGIN`, `COMMIT`, `ROLLBACK`, `END` and any
-//! statement on the request's savepoint to everything but the store itself: a handler (or a
-//! [`SqliteStore::write`] closure) that tries gets [`Error::TransactionControl`], and its rows
-//! stay in the request's transaction. Savepoints of a handler's own (other names) are allowed.
-//! Calls that need the writer to themselves ([`SqliteStore::write`], `purge_expired`, and
-//! the outbox and inbox calls built on them) fail at once with [`Error::InsideRequest`] when
-//! made from a handler inside its own request: use the request's [`SqliteTransaction::run`].
-//!
-//! # Several processes on one file
-//!
-//! Processes sharing the file take turns for SQLite's write lock: a writer waiting for it
-//! tries again every millisecond (up to the lock timeout, then `503`), and a writer that has
-//! seen another process write leaves the lock free for a moment after each commit, so that a
-//! busy process cannot starve a quiet one. The store also refuses to write (a `500`) once
-//! the path no longer names the file it opened (deleted or replaced): SQLite would go on
-//! committing to a file that no restart reads.
-//!
-//! ```no_run
-//! # async fn run() -> Result<(), tower_idempotency::Error> {
-//! use tower_idempotency::store::sqlite::{SqliteStore, Synchronous};
-//!
-//! // Durable by default: WAL + synchronous=FULL.
-//! let store = SqliteStore::open("orders.db").await?;
-//!
-//! // Faster commits that may lose the last transactions on power loss (not on a crash):
-//! let fast = SqliteStore::builder("cache.db")
-//!     .synchronous(Synchronous::Normal)
-//!     .open()
-//!     .await?;
-//! # Ok(()) }
-//! ```
+#![doc = include_str!("../../docs/sqlite.md")]
 
 // The store's parts, one concern a file:
 // - `options`: `SqliteOptions`, durability (`Synchronous`) and the group limits.
@@ -135,7 +11,7 @@
 // - `authorizer`: the writer's authorizer, refusing transaction control to handlers.
 // - `file`: the database file: its identity, other processes' locks, giving way to them.
 // - `reservation`: `SqliteReservation`, the layer's side of a request's transaction.
-// - `handle`: `SqliteTransaction`, the handler's side.
+// - `handle`: `SqliteHandle`, the handler's side.
 // This file holds the store itself: opening it, its own calls and the trait impl.
 mod authorizer;
 mod executor;
@@ -164,7 +40,7 @@ pub use rusqlite;
 use rusqlite::Connection;
 use tokio::sync::oneshot;
 
-pub use handle::SqliteTransaction;
+pub use handle::SqliteHandle;
 pub use options::{SqliteOptions, Synchronous};
 pub(crate) use reservation::SqliteReservation;
 
@@ -188,9 +64,9 @@ struct Shared {
     jobs: mpsc::Sender<Job>,
     readers: Mutex<Vec<Connection>>,
     max_idle_readers: usize,
-    /// [`SqliteOptions::read_in_place`].
+    /// [`SqliteOptions::with_read_in_place`].
     read_in_place: bool,
-    /// [`SqliteOptions::write_in_place`].
+    /// [`SqliteOptions::with_write_in_place`].
     write_in_place: bool,
     /// Where the writer thread leaves the writer while idle (see `in_place`).
     idle: Arc<Mutex<IdleWriter>>,
@@ -220,7 +96,7 @@ impl fmt::Debug for SqliteStore {
 impl SqliteStore {
     /// Opens the database at `path` with the default options (WAL, `synchronous=FULL`).
     pub async fn open(path: impl AsRef<Path>) -> Result<Self, Error> {
-        Self::builder(path).open().await
+        Self::builder(path).build().await
     }
 
     /// Options for opening the database at `path`.
@@ -339,7 +215,7 @@ impl SqliteStore {
     ///
     /// Called from a handler inside its own request, it fails at once with
     /// [`Error::InsideRequest`]: it would wait for the request to end. Use the request's
-    /// [`SqliteTransaction::run`] there.
+    /// [`SqliteHandle::run`] there.
     pub async fn write<T, F>(&self, f: F) -> Result<T, Error>
     where
         F: FnOnce(&rusqlite::Transaction<'_>) -> rusqlite::Result<T> + Send + 'static,
@@ -397,7 +273,7 @@ static NEXT_STORE_ID: AtomicU64 = AtomicU64::new(1);
 impl IdempotencyStore for SqliteStore {
     type Reservation = SqliteReservation;
 
-    /// In place when that cannot wait (see [`SqliteOptions::read_in_place`]), else under
+    /// In place when that cannot wait (see [`SqliteOptions::with_read_in_place`]), else under
     /// `spawn_blocking` (or in place, without a tokio runtime).
     async fn lookup(&self, scope: &Scope, now: SystemTime) -> Result<Option<StoredRecord>, Error> {
         if let Some(found) = self.shared.try_read_live_record_in_place(scope, now) {

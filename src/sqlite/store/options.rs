@@ -66,13 +66,13 @@ impl SqliteOptions {
     }
 
     /// The durability of commits. Default: [`Synchronous::Full`].
-    pub fn synchronous(mut self, synchronous: Synchronous) -> Self {
+    pub fn with_synchronous(mut self, synchronous: Synchronous) -> Self {
         self.synchronous = synchronous;
         self
     }
 
     /// How many idle reader connections to keep for the replay fast path. Default: 8.
-    pub fn max_idle_readers(mut self, readers: usize) -> Self {
+    pub fn with_max_idle_readers(mut self, readers: usize) -> Self {
         self.max_idle_readers = readers;
         self
     }
@@ -85,7 +85,7 @@ impl SqliteOptions {
     /// less than the two thread hand-overs of a read on a blocking thread; a page that is not
     /// cached is read from disk on that thread. With `false`, every lookup runs under
     /// `spawn_blocking`.
-    pub fn read_in_place(mut self, in_place: bool) -> Self {
+    pub fn with_read_in_place(mut self, in_place: bool) -> Self {
         self.read_in_place = in_place;
         self
     }
@@ -96,7 +96,7 @@ impl SqliteOptions {
     /// It does only when that cannot wait: the writer thread has nothing open and nothing
     /// queued, and SQLite's write lock is free (no busy wait; no other process seen writing
     /// to the file lately). The request then begins, runs the handler (whose
-    /// [`SqliteTransaction::run`](super::SqliteTransaction::run) statements run inline, as in
+    /// [`SqliteHandle::run`](super::SqliteHandle::run) statements run inline, as in
     /// a hand-written handler) and commits on its own task, saving the two hand-overs to the
     /// writer thread and back: a lone request's latency and CPU time. Its statements and its
     /// commit (with `synchronous=FULL`, an fsync) then run on the runtime worker thread, under
@@ -113,7 +113,7 @@ impl SqliteOptions {
     /// transaction: the reservation finds a completed record itself, and the request is
     /// answered with it without a commit. Should the reservation fail (the file cannot take
     /// writes), the lookup is made after all, so a completed key still replays.
-    pub fn write_in_place(mut self, in_place: bool) -> Self {
+    pub fn with_write_in_place(mut self, in_place: bool) -> Self {
         self.write_in_place = in_place;
         self
     }
@@ -122,7 +122,7 @@ impl SqliteOptions {
     /// held open longer than `max_delay` waiting for more. A group also commits as soon as no
     /// request is waiting for the writer. Default: 64 requests, 5 ms. `max_requests = 1` turns
     /// grouping off (one commit per request).
-    pub fn group_commit(mut self, max_requests: usize, max_delay: Duration) -> Self {
+    pub fn with_group_commit(mut self, max_requests: usize, max_delay: Duration) -> Self {
         self.group = GroupLimits {
             max_requests: max_requests.max(1),
             max_delay,
@@ -132,7 +132,7 @@ impl SqliteOptions {
 
     /// Opens (creating if needed) the database, switches it to WAL, creates the schema and
     /// starts the writer thread.
-    pub async fn open(self) -> Result<SqliteStore, Error> {
+    pub async fn build(self) -> Result<SqliteStore, Error> {
         let options = self;
         tokio::task::spawn_blocking(move || SqliteStore::open_blocking(options))
             .await

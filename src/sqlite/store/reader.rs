@@ -6,7 +6,7 @@
 //! the request's own thread, when it cannot wait: an idle connection is at hand and SQLite
 //! answers without a busy wait (a point read of a cached page takes microseconds, less than
 //! handing the read to another thread and back). Otherwise, or with
-//! [`SqliteOptions::read_in_place(false)`](super::SqliteOptions::read_in_place), it runs under
+//! [`SqliteOptions::with_read_in_place(false)`](super::SqliteOptions::with_read_in_place), it runs under
 //! `spawn_blocking`. For a request's first attempt (`executor`), the side that finds no live
 //! record queues the request's begin for the writer itself ([`Shared::look_up_then_queue`]),
 //! so that the request is woken once, by its answer. Rows are decoded by `records`.

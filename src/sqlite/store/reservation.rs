@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use tokio::sync::oneshot;
 
 use super::group::Member;
-use super::handle::SqliteTransaction;
+use super::handle::SqliteHandle;
 use super::records::insert_record;
 use super::writer::{run_if_on_writer, Job, Step, Writer};
 use super::Shared;
@@ -177,10 +177,10 @@ impl Drop for SqliteReservation {
 }
 
 impl Reservation for SqliteReservation {
-    type Handle = SqliteTransaction;
+    type Handle = SqliteHandle;
 
-    fn handle(&self) -> SqliteTransaction {
-        SqliteTransaction {
+    fn handle(&self) -> SqliteHandle {
+        SqliteHandle {
             tx: self.tx.clone(),
         }
     }

@@ -1,4 +1,4 @@
-//! [`PgDriver`] on sqlx's MySQL driver: [`SqlxMySqlStore`] and its [`SqlxTransaction`] handle.
+//! [`PgDriver`] on sqlx's MySQL driver: [`SqlxMySqlStore`] and its [`SqlxHandle`] handle.
 //! The shared statements number their parameters `$n`; [`positional`] sends each as a `?`
 //! bound to the n-th value, in the order they appear.
 
@@ -14,8 +14,8 @@ use crate::row::Columns;
 use crate::row_lock::driver::PgHandle;
 use crate::row_lock::driver::{columns_by_try_get, PgDriver, PgParam};
 use crate::sqlx::driver::sqlx_bind;
+use crate::store::sqlx_mysql::SqlxHandle;
 use crate::store::sqlx_mysql::SqlxMySqlStore;
-use crate::store::sqlx_mysql::SqlxTransaction;
 
 /// `sql` with each `$n` replaced by `?`, and the values to bind in that order: `params[n - 1]`
 /// for each `$n` (one may appear several times, or not at all).
@@ -130,7 +130,7 @@ pub(crate) async fn claim(
         .map_err(|_| Error::Corrupt("a claim returned no rows".into()))
 }
 
-impl PgHandle for SqlxTransaction {
+impl PgHandle for SqlxHandle {
     type Row = MySqlRow;
 
     async fn fetch_in(

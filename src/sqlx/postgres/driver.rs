@@ -1,4 +1,4 @@
-//! [`PgDriver`] on sqlx: [`SqlxPostgresStore`] and its [`SqlxTransaction`] handle. sqlx
+//! [`PgDriver`] on sqlx: [`SqlxPostgresStore`] and its [`SqlxHandle`] handle. sqlx
 //! prepares and caches each statement on its connection.
 
 use sqlx::postgres::{PgArguments, PgRow, Postgres};
@@ -10,8 +10,8 @@ use crate::error::Error;
 use crate::row_lock::driver::PgHandle;
 use crate::row_lock::driver::{columns_by_try_get, PgDriver, PgParam};
 use crate::sqlx::driver::sqlx_bind;
+use crate::store::sqlx_postgres::SqlxHandle;
 use crate::store::sqlx_postgres::SqlxPostgresStore;
-use crate::store::sqlx_postgres::SqlxTransaction;
 
 /// `sql` with `params` bound in order.
 pub(crate) fn bound<'q>(sql: &'q str, params: &[PgParam<'q>]) -> Query<'q, Postgres, PgArguments> {
@@ -51,7 +51,7 @@ impl PgDriver for SqlxPostgresStore {
     }
 }
 
-impl PgHandle for SqlxTransaction {
+impl PgHandle for SqlxHandle {
     type Row = PgRow;
 
     async fn fetch_in(

@@ -19,17 +19,17 @@ use super::{Conn, Slot, SqlxDatabase, SqlxDialect};
 use crate::error::Error;
 use crate::row_lock::tx_state::{Observed, ObservedCell, TxShared};
 
-/// The docs of the handle, shared by each database's `SqlxTransaction` alias (an alias's page
+/// The docs of the handle, shared by each database's `SqlxHandle` alias (an alias's page
 /// does not show the aliased type's docs).
-macro_rules! transaction_docs {
+macro_rules! handle_docs {
     () => {
         "\n\nThe layer puts it in the request extensions (take it with \
-        [`Tx<SqlxTransaction>`](crate::extract::Tx) in axum). Everything run on the connection \
+        `Tx<SqlxHandle>` in axum, feature `axum`). Everything run on the connection \
         it lends (`tx.acquire().await?`, then `&mut *conn` as the executor) belongs to the same \
         transaction as the idempotency record: it commits when the layer saves the response, \
         and rolls back if the handler fails, panics or the client goes away.\n\n\
         - The layer commits: transaction control is refused before it reaches the server (see \
-          [`TxConnection`]).\n\
+          [`CheckedConnection`]).\n\
         - A serialization failure or deadlock of one of the handler's statements is noticed by \
           the layer, whatever the handler answers: it runs the request again in a fresh \
           transaction, up to \
@@ -39,9 +39,9 @@ macro_rules! transaction_docs {
           handle refuses work ([`Error::TransactionFinished`](crate::Error::TransactionFinished)).\n"
     };
 }
-pub(crate) use transaction_docs;
+pub(crate) use handle_docs;
 
-/// The docs of the handle's connection, shared by each database's `TxConnection` alias.
+/// The docs of the handle's connection, shared by each database's `CheckedConnection` alias.
 macro_rules! connection_docs {
     () => {
         "\n\n`query`, `query_as`, `query_scalar`, `raw_sql` and the `query!` macros run on it \
@@ -51,7 +51,7 @@ macro_rules! connection_docs {
           the call runs (the error's message names the statement).\n\
         - **Conflicts are seen by the layer.** A serialization failure or a deadlock that a \
           statement gets is returned to the handler as usual, and also kept: the layer then \
-          runs the request again (see [`SqlxTransaction`]).\n\n\
+          runs the request again (see [`SqlxHandle`]).\n\n\
         It does not hand out the database's connection itself, so that nothing bypasses the \
         checks.\n"
     };
@@ -61,12 +61,12 @@ pub(crate) use connection_docs;
 /// The handle a handler uses to write its rows in the request's transaction.
 ///
 /// The layer puts it in the request extensions (take it with
-/// [`Tx<SqlxTransaction>`](crate::extract::Tx) in axum). Everything run on the connection it
+/// `Tx<SqlxHandle>` in axum, feature `axum`). Everything run on the connection it
 /// lends belongs to the same transaction as the idempotency record: it commits when the layer
 /// saves the response, and rolls back if the handler fails, panics or the client goes away.
 ///
 /// - The layer commits: transaction control is refused before it reaches the server (see
-///   [`TxConnection`]).
+///   [`CheckedConnection`]).
 /// - A serialization failure or deadlock of one of the handler's statements is noticed by the
 ///   layer, whatever the handler answers: it runs the request again in a fresh transaction, up
 ///   to [`with_conflict_retries`](crate::IdempotencyLayer::with_conflict_retries) times, then
@@ -85,22 +85,22 @@ pub(crate) use connection_docs;
 /// - Drop the [`SqlxConnection`] before the handler returns; after the request ends the
 ///   handle refuses work ([`Error::TransactionFinished`]).
 #[derive(Clone)]
-pub struct SqlxTransaction<D: SqlxDialect> {
+pub struct SqlxHandle<D: SqlxDialect> {
     tx: Arc<TxShared<Slot<D>>>,
 }
 
-impl<D: SqlxDialect> fmt::Debug for SqlxTransaction<D> {
+impl<D: SqlxDialect> fmt::Debug for SqlxHandle<D> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("SqlxTransaction")
+        f.debug_struct("SqlxHandle")
             .field("reservation", &self.tx.token)
             .field("finished", &self.is_finished())
             .finish()
     }
 }
 
-impl<D: SqlxDialect> SqlxTransaction<D> {
+impl<D: SqlxDialect> SqlxHandle<D> {
     pub(crate) fn new(tx: Arc<TxShared<Slot<D>>>) -> Self {
-        SqlxTransaction { tx }
+        SqlxHandle { tx }
     }
 
     /// Borrows the transaction's connection. Waits while another borrow of the same
@@ -118,10 +118,10 @@ impl<D: SqlxDialect> SqlxTransaction<D> {
     }
 }
 
-/// The transaction's connection, borrowed from a [`SqlxTransaction`]: dereferences to a
-/// [`TxConnection`], whose `&mut` is a [`sqlx::Executor`] (`.execute(&mut *conn)`).
+/// The transaction's connection, borrowed from a [`SqlxHandle`]: dereferences to a
+/// [`CheckedConnection`], whose `&mut` is a [`sqlx::Executor`] (`.execute(&mut *conn)`).
 pub struct SqlxConnection<D: SqlxDialect> {
-    connection: OwnedMappedMutexGuard<Slot<D>, TxConnection<D>>,
+    connection: OwnedMappedMutexGuard<Slot<D>, CheckedConnection<D>>,
 }
 
 impl<D: SqlxDialect> fmt::Debug for SqlxConnection<D> {
@@ -131,20 +131,20 @@ impl<D: SqlxDialect> fmt::Debug for SqlxConnection<D> {
 }
 
 impl<D: SqlxDialect> Deref for SqlxConnection<D> {
-    type Target = TxConnection<D>;
+    type Target = CheckedConnection<D>;
 
-    fn deref(&self) -> &TxConnection<D> {
+    fn deref(&self) -> &CheckedConnection<D> {
         &self.connection
     }
 }
 
 impl<D: SqlxDialect> DerefMut for SqlxConnection<D> {
-    fn deref_mut(&mut self) -> &mut TxConnection<D> {
+    fn deref_mut(&mut self) -> &mut CheckedConnection<D> {
         &mut self.connection
     }
 }
 
-/// A pooled connection inside the request's transaction. `&mut TxConnection` is a
+/// A pooled connection inside the request's transaction. `&mut CheckedConnection` is a
 /// [`sqlx::Executor`] for the store's database: `query`, `query_as`, `query_scalar`,
 /// `raw_sql` and the `query!` macros run on it as on the database's own connection, with two
 /// checks:
@@ -158,12 +158,12 @@ impl<D: SqlxDialect> DerefMut for SqlxConnection<D> {
 ///   last statement has run.)
 /// - **Conflicts are seen by the layer.** A serialization failure or a deadlock that a
 ///   statement gets is returned to the handler as usual, and also kept: the layer then runs
-///   the request again (see [`SqlxTransaction`]). Where the database has then rolled the
+///   the request again (see [`SqlxHandle`]). Where the database has then rolled the
 ///   whole transaction back and would run what follows in another one (MySQL), further
 ///   statements are refused.
 ///
 /// It does not hand out the database's connection itself, so that nothing bypasses the checks.
-pub struct TxConnection<D: SqlxDialect> {
+pub struct CheckedConnection<D: SqlxDialect> {
     raw: PoolConnection<D::Db>,
     conflict: ObservedCell,
     /// How long after sending a statement its answer is due, where the dialect bounds it (the
@@ -174,15 +174,15 @@ pub struct TxConnection<D: SqlxDialect> {
     answer_wait: Option<Duration>,
 }
 
-impl<D: SqlxDialect> fmt::Debug for TxConnection<D> {
+impl<D: SqlxDialect> fmt::Debug for CheckedConnection<D> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("TxConnection").finish_non_exhaustive()
+        f.debug_struct("CheckedConnection").finish_non_exhaustive()
     }
 }
 
-impl<D: SqlxDialect> TxConnection<D> {
+impl<D: SqlxDialect> CheckedConnection<D> {
     pub(crate) fn new(raw: PoolConnection<D::Db>) -> Self {
-        TxConnection {
+        CheckedConnection {
             raw,
             conflict: ObservedCell::default(),
             answer_wait: None,
@@ -193,7 +193,7 @@ impl<D: SqlxDialect> TxConnection<D> {
     /// statements' answers are due within it and the dialect's
     /// [`ANSWER_MARGIN`](SqlxDialect::ANSWER_MARGIN), if it has one.
     pub(crate) fn for_request(raw: PoolConnection<D::Db>, lock_timeout: Duration) -> Self {
-        TxConnection {
+        CheckedConnection {
             answer_wait: D::ANSWER_MARGIN.map(|margin| lock_timeout + margin),
             ..Self::new(raw)
         }
@@ -238,7 +238,7 @@ fn observe<D: SqlxDialect>(conflict: &ObservedCell, error: &sqlx::Error) {
 }
 
 /// The error of a statement that got no answer within `wait`, kept for the layer (which then
-/// answers `503`, see [`TxConnection`]).
+/// answers `503`, see [`CheckedConnection`]).
 fn no_answer(conflict: &ObservedCell, wait: Duration) -> sqlx::Error {
     let message = format!(
         "the database did not answer a statement within {} ms (the lock timeout and a margin)",
@@ -388,7 +388,7 @@ async fn run_pieces<D: SqlxDialect>(
     results
 }
 
-impl<'c, D: SqlxDialect> Executor<'c> for &'c mut TxConnection<D> {
+impl<'c, D: SqlxDialect> Executor<'c> for &'c mut CheckedConnection<D> {
     type Database = D::Db;
 
     fn fetch_many<'e, 'q: 'e, E>(

@@ -38,7 +38,7 @@ mod owned;
 mod reservation;
 mod rows;
 
-pub(crate) use handle::{connection_docs, transaction_docs, SqlxTransaction, TxConnection};
+pub(crate) use handle::{connection_docs, handle_docs, CheckedConnection, SqlxHandle};
 pub(crate) use options::SqlxOptions;
 pub(crate) use owned::OwnedDialect;
 pub(crate) use reservation::Slot;
@@ -186,7 +186,7 @@ pub trait SqlxDialect: sealed::Sealed + Clone + fmt::Debug + Send + Sync + Sized
     fn is_unavailable(error: &sqlx::Error) -> bool;
 
     /// A lock wait past the lock timeout that rolled back only its statement, which the
-    /// handle reports at rollback (see [`SqlxTransaction`]). The default: none.
+    /// handle reports at rollback (see [`SqlxHandle`]). The default: none.
     fn is_lock_timeout(error: &sqlx::Error) -> bool {
         let _ = error;
         false
@@ -242,7 +242,7 @@ pub(crate) struct Shared<D: SqlxDialect> {
 pub struct SqlxStore<D: SqlxDialect> {
     pub(crate) shared: Arc<Shared<D>>,
     /// The in-flight policy's bound on the wait for a key's row
-    /// ([`IdempotencyStore::with_in_flight`]); `None`: the lock timeout.
+    /// ([`IdempotencyStore::bound_duplicate_wait`]); `None`: the lock timeout.
     pub(crate) key_row_wait: Option<Duration>,
 }
 
@@ -343,7 +343,7 @@ impl<D: SqlxDialect> SqlxStore<D> {
         let reserving = async {
             // From here on, dropping this future (the client went away) discards the connection,
             // which rolls back whatever the server has done for it.
-            let mut slot = Slot::new(TxConnection::for_request(connection, lock_timeout));
+            let mut slot = Slot::new(CheckedConnection::for_request(connection, lock_timeout));
             let waits = (deadline, self.key_row_wait);
             let isolation = self.shared.isolation;
             let opened = loop {
@@ -353,7 +353,7 @@ impl<D: SqlxDialect> SqlxStore<D> {
                         tracing::debug!(%error, "idle connection lost; opening the transaction on another");
                         slot.discard();
                         let connection = Self::checked_connection(pool, deadline).await?;
-                        slot = Slot::new(TxConnection::for_request(connection, lock_timeout));
+                        slot = Slot::new(CheckedConnection::for_request(connection, lock_timeout));
                         checked = true;
                     }
                     Err(error) => {
@@ -547,7 +547,7 @@ impl<D: SqlxDialect> IdempotencyStore for SqlxStore<D> {
     }
 
     /// Bounds the reservation's wait on the key's row (see each dialect for how).
-    fn with_in_flight(mut self, policy: crate::InFlight) -> Self {
+    fn bound_duplicate_wait(mut self, policy: crate::InFlight) -> Self {
         self.key_row_wait = reserve::key_row_wait(policy);
         self
     }

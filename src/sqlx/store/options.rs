@@ -39,17 +39,17 @@ impl<D: SqlxDialect> SqlxOptions<D> {
     }
 
     /// The pool of the replay fast path. Default: a pool of its own, made (lazily) from the
-    /// write pool's connect options, with [`max_read_connections`](Self::max_read_connections)
+    /// write pool's connect options, with [`with_max_read_connections`](Self::with_max_read_connections)
     /// connections. Give one to read from a replica: a record not yet replicated is then only
     /// found by the (authoritative) write path.
-    pub fn read_pool(mut self, pool: Pool<D::Db>) -> Self {
+    pub fn with_read_pool(mut self, pool: Pool<D::Db>) -> Self {
         self.reads = Some(pool);
         self
     }
 
     /// The most connections of the read pool this store makes (not one given with
-    /// [`read_pool`](Self::read_pool)). Default: 8.
-    pub fn max_read_connections(mut self, connections: u32) -> Self {
+    /// [`with_read_pool`](Self::with_read_pool)). Default: 8.
+    pub fn with_max_read_connections(mut self, connections: u32) -> Self {
         self.max_read_connections = connections.max(1);
         self
     }
@@ -57,7 +57,7 @@ impl<D: SqlxDialect> SqlxOptions<D> {
     /// How long the replay fast path waits for a read before it gives up and lets the request
     /// take the (authoritative) write path. The bound is kept by a watchdog that looks every
     /// 20 ms, so a stuck read ends up to 20 ms late. Default: 1 s.
-    pub fn read_wait(mut self, wait: Duration) -> Self {
+    pub fn with_read_wait(mut self, wait: Duration) -> Self {
         self.read_wait = wait;
         self
     }
@@ -67,8 +67,8 @@ impl<D: SqlxDialect> SqlxOptions<D> {
     /// Default: [`ReplayCheck::Adaptive`], which reads first only while retries are frequent
     /// among recent requests, or meanwhile when a reservation waits unusually long for a
     /// connection; see [`ReplayCheck`].
-    /// [`ReplayCheck::ReadPool`] keeps every replay off the pool of request transactions.
-    pub fn replay_check(mut self, check: ReplayCheck) -> Self {
+    /// [`ReplayCheck::FavorReplays`] keeps every replay off the pool of request transactions.
+    pub fn with_replay_check(mut self, check: ReplayCheck) -> Self {
         self.replay_check = check;
         self
     }
@@ -76,7 +76,7 @@ impl<D: SqlxDialect> SqlxOptions<D> {
     /// The isolation level of request transactions. Default: [`Isolation::ReadCommitted`]
     /// (on MySQL and MariaDB too: InnoDB's own default is `REPEATABLE READ`, whose gap locks
     /// make deadlocks between handlers likelier).
-    pub fn isolation(mut self, isolation: Isolation) -> Self {
+    pub fn with_isolation(mut self, isolation: Isolation) -> Self {
         self.isolation = isolation;
         self
     }

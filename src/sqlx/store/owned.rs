@@ -1,5 +1,5 @@
 //! The store's own transactions, outside any request: the receiver's inbox (feature `outbox`)
-//! opens one, records an event id and applies the event through the same [`SqlxTransaction`]
+//! opens one, records an event id and applies the event through the same [`SqlxHandle`]
 //! handle a request's handler gets, then commits or rolls back itself ([`OwnedTransaction`],
 //! the same for every store). Each call of a step-by-step request runs in one too (a local
 //! step's closure gets its handle). What differs per database is [`OwnedDialect`]'s.
@@ -8,8 +8,8 @@ use futures_util::future::BoxFuture;
 // The `Executor` methods keep these futures provably `Send` (see `reservation.rs`).
 use sqlx::Executor as _;
 
-use super::TxConnection;
-use super::{pool_error, Conn, Slot, SqlxDatabase, SqlxDialect, SqlxStore, SqlxTransaction};
+use super::CheckedConnection;
+use super::{pool_error, Conn, Slot, SqlxDatabase, SqlxDialect, SqlxHandle, SqlxStore};
 use crate::error::Error;
 use crate::row_lock::reserve::Isolation;
 use crate::row_lock::tx_state::{OwnedSlot, OwnedTransaction};
@@ -34,7 +34,7 @@ impl<D: SqlxDialect> SqlxStore<D> {
         D: OwnedDialect,
     {
         let connection = self.pool().acquire().await.map_err(pool_error)?;
-        let mut slot = Slot::new(TxConnection::new(connection));
+        let mut slot = Slot::new(CheckedConnection::new(connection));
         let token = self.next_token();
         let begin = D::begin_owned(self.shared.isolation, token);
         let begun = match slot.raw() {
@@ -51,8 +51,8 @@ impl<D: SqlxDialect> SqlxStore<D> {
 
 impl<D: SqlxDialect> OwnedTransaction<Slot<D>> {
     /// A handle on this transaction: the same type a request's handler gets.
-    pub(crate) fn handle(&self) -> SqlxTransaction<D> {
-        SqlxTransaction::new(self.tx.clone())
+    pub(crate) fn handle(&self) -> SqlxHandle<D> {
+        SqlxHandle::new(self.tx.clone())
     }
 }
 

@@ -8,7 +8,7 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use sqlx::{Either, Executor as _};
 
-use super::{Conn, SqlxDatabase, SqlxDialect, SqlxTransaction, TxConnection};
+use super::{CheckedConnection, Conn, SqlxDatabase, SqlxDialect, SqlxHandle};
 use crate::error::Error;
 use crate::row_lock::tx_state::{ObservedCell, TxShared, TxSlot};
 use crate::store::{NewRecord, Reservation, Scope};
@@ -21,11 +21,11 @@ use crate::store::{NewRecord, Reservation, Scope};
 /// what makes the server roll back. Every path the layer drives to its end sends `ROLLBACK` or
 /// `COMMIT` (and the dialect's session restore) and keeps the connection.
 pub(crate) struct Slot<D: SqlxDialect> {
-    pub(crate) connection: Option<TxConnection<D>>,
+    pub(crate) connection: Option<CheckedConnection<D>>,
 }
 
 impl<D: SqlxDialect> Slot<D> {
-    pub(crate) fn new(connection: TxConnection<D>) -> Self {
+    pub(crate) fn new(connection: CheckedConnection<D>) -> Self {
         Slot {
             connection: Some(connection),
         }
@@ -34,16 +34,19 @@ impl<D: SqlxDialect> Slot<D> {
     pub(crate) fn raw(&mut self) -> Result<&mut Conn<D>, Error> {
         self.connection
             .as_mut()
-            .map(TxConnection::raw_mut)
+            .map(CheckedConnection::raw_mut)
             .ok_or(Error::TransactionFinished)
     }
 
     /// Ends the transaction with `ROLLBACK` and gives the connection back to the pool; if that
     /// fails, the connection is discarded (closing it rolls back). A `ROLLBACK` that gets no
-    /// answer within the connection's [answer wait](TxConnection::answer_wait), where it has
+    /// answer within the connection's [answer wait](CheckedConnection::answer_wait), where it has
     /// one, is given up the same way: nothing of the transaction commits without `COMMIT`.
     pub(crate) async fn roll_back_and_release(&mut self) {
-        let wait = self.connection.as_ref().and_then(TxConnection::answer_wait);
+        let wait = self
+            .connection
+            .as_ref()
+            .and_then(CheckedConnection::answer_wait);
         let ended = match wait {
             Some(wait) => match tokio::time::timeout(wait, self.end(D::ROLLBACK)).await {
                 Ok(ended) => ended,
@@ -229,7 +232,7 @@ impl<D: SqlxDialect> Drop for Slot<D> {
 ///
 /// [`commit`](Reservation::commit) and [`rollback`](Reservation::rollback) consume
 /// it; dropping it without either rolls back (by closing its connection).
-/// The handler gets a [`SqlxTransaction`] on it, never the transaction itself.
+/// The handler gets a [`SqlxHandle`] on it, never the transaction itself.
 pub struct SqlxReservation<D: SqlxDialect> {
     tx: Arc<TxShared<Slot<D>>>,
     scope: Scope,
@@ -272,10 +275,10 @@ impl<D: SqlxDialect> Drop for SqlxReservation<D> {
 }
 
 impl<D: SqlxDialect> Reservation for SqlxReservation<D> {
-    type Handle = SqlxTransaction<D>;
+    type Handle = SqlxHandle<D>;
 
-    fn handle(&self) -> SqlxTransaction<D> {
-        SqlxTransaction::new(self.tx.clone())
+    fn handle(&self) -> SqlxHandle<D> {
+        SqlxHandle::new(self.tx.clone())
     }
 
     async fn commit(self, record: NewRecord) -> Result<(), Error> {

@@ -1,5 +1,5 @@
-//! The handler's side of the request's transaction: [`PostgresTransaction`] (the handle in the
-//! request extensions) and [`TransactionClient`] (its connection, borrowed, behind the guard
+//! The handler's side of the request's transaction: [`PostgresHandle`] (the handle in the
+//! request extensions) and [`CheckedClient`] (its connection, borrowed, behind the guard
 //! that refuses transaction control and notes conflicts for the layer), with the [`Command`]
 //! and [`Executor`] traits that say what a borrowed connection runs.
 
@@ -29,7 +29,7 @@ use crate::row_lock::tx_state::Observed;
 /// `outbox` feature, hands its closure the same handle on a transaction of its own.)
 ///
 /// ```no_run
-/// # async fn handler(tx: tower_idempotency::store::postgres::PostgresTransaction)
+/// # async fn handler(tx: tower_idempotency::store::tokio_postgres::PostgresHandle)
 /// #     -> Result<i64, tower_idempotency::Error> {
 /// let client = tx.client().await?;
 /// let row = client
@@ -43,7 +43,7 @@ use crate::row_lock::tx_state::Observed;
 /// ```
 ///
 /// - The layer commits: `COMMIT`, `ROLLBACK`, `BEGIN` and the like are refused
-///   ([`Error::TransactionControl`]; see [`TransactionClient`]).
+///   ([`Error::TransactionControl`]; see [`CheckedClient`]).
 /// - A failed statement aborts the whole PostgreSQL transaction: answer an error status (the
 ///   layer then rolls back) rather than carrying on. Use a `SAVEPOINT` to recover from an
 ///   expected failure inside the transaction.
@@ -62,26 +62,26 @@ use crate::row_lock::tx_state::Observed;
 ///   [`Error::Unavailable`], the statements after it are refused at once, and the layer
 ///   answers `503` with `Retry-After` whatever the handler answers, closing the connection.
 ///   (A statement that runs longer than that on a live server is given up the same way.)
-/// - Drop the [`TransactionClient`] before the handler returns; after the request ends the
+/// - Drop the [`CheckedClient`] before the handler returns; after the request ends the
 ///   handle refuses work ([`Error::TransactionFinished`]).
 #[derive(Clone)]
-pub struct PostgresTransaction {
+pub struct PostgresHandle {
     pub(super) tx: Arc<TxShared>,
 }
 
-impl fmt::Debug for PostgresTransaction {
+impl fmt::Debug for PostgresHandle {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("PostgresTransaction")
+        f.debug_struct("PostgresHandle")
             .field("reservation", &self.tx.token)
             .field("finished", &self.is_finished())
             .finish()
     }
 }
 
-impl PostgresTransaction {
+impl PostgresHandle {
     /// Borrows the transaction's connection. Waits while another borrow of the same
     /// transaction is alive (one connection runs one statement at a time).
-    pub async fn client(&self) -> Result<TransactionClient, Error> {
+    pub async fn client(&self) -> Result<CheckedClient, Error> {
         let mut answer_wait = None;
         let connection = self
             .tx
@@ -90,7 +90,7 @@ impl PostgresTransaction {
                 slot.object.as_mut()
             })
             .await?;
-        Ok(TransactionClient {
+        Ok(CheckedClient {
             connection,
             tx: self.tx.clone(),
             answer_wait,
@@ -103,7 +103,7 @@ impl PostgresTransaction {
     }
 }
 
-/// The transaction's connection, borrowed from a [`PostgresTransaction`]: runs statements
+/// The transaction's connection, borrowed from a [`PostgresHandle`]: runs statements
 /// inside the request's transaction, with the methods of a [`tokio_postgres::Client`].
 ///
 /// It does not hand out the client itself, so that every statement goes through two checks:
@@ -118,10 +118,10 @@ impl PostgresTransaction {
 ///   PROCEDURE` with a `BEGIN ATOMIC` body stays whole.)
 /// - **Conflicts are seen by the layer.** A serialization failure or a deadlock that a
 ///   statement gets is returned to the handler as usual, and also kept: the layer then runs
-///   the request again (see [`PostgresTransaction`]).
+///   the request again (see [`PostgresHandle`]).
 ///
 /// COPY is not offered: a COPY in progress would hold the connection past the borrow.
-pub struct TransactionClient {
+pub struct CheckedClient {
     connection: OwnedMappedMutexGuard<Slot, Object>,
     tx: Arc<TxShared>,
     /// How long a statement's answer may take before the server is taken for gone (see
@@ -129,16 +129,16 @@ pub struct TransactionClient {
     answer_wait: Option<Duration>,
 }
 
-impl fmt::Debug for TransactionClient {
+impl fmt::Debug for CheckedClient {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("TransactionClient")
+        f.debug_struct("CheckedClient")
             .field("reservation", &self.tx.token)
             .finish_non_exhaustive()
     }
 }
 
-/// What a [`TransactionClient`] runs: SQL text (`&str`, `String`), checked before it is sent,
-/// or a [`Statement`] prepared through a `TransactionClient` (checked when prepared).
+/// What a [`CheckedClient`] runs: SQL text (`&str`, `String`), checked before it is sent,
+/// or a [`Statement`] prepared through a `CheckedClient` (checked when prepared).
 pub trait Command: ToStatement + sealed::Command {
     /// The SQL text to check, if this is text.
     #[doc(hidden)]
@@ -164,7 +164,7 @@ impl Command for Statement {
 }
 
 /// Where a statement of `Outbox::enqueue_in` or
-/// `Inbox::record` (with the `outbox` feature) runs: a [`TransactionClient`] (inside
+/// `Inbox::record` (with the `outbox` feature) runs: a [`CheckedClient`] (inside
 /// the request's transaction), or a client or transaction of your own (any
 /// [`tokio_postgres::GenericClient`]: a [`tokio_postgres::Client`], a pooled connection, a
 /// [`tokio_postgres::Transaction`]).
@@ -188,7 +188,7 @@ impl<C: GenericClient + Sync> Executor for C {
     }
 }
 
-impl Executor for TransactionClient {
+impl Executor for CheckedClient {
     /// Prepared once per pooled connection: a statement sent as text costs a round trip of
     /// its own (parse and describe) before it runs.
     async fn execute_statement(
@@ -217,11 +217,11 @@ mod sealed {
     #[cfg_attr(not(feature = "outbox"), allow(dead_code))]
     pub trait Executor {}
 
-    impl Executor for super::TransactionClient {}
+    impl Executor for super::CheckedClient {}
     impl<C: GenericClient> Executor for C {}
 }
 
-impl TransactionClient {
+impl CheckedClient {
     fn client(&self) -> &tokio_postgres::Client {
         &self.connection
     }

@@ -43,7 +43,7 @@ impl PostgresStore {
     /// Creates `idempotency_records` if it is missing, and brings a table of the SQLite
     /// layout (no `state`) to this store's, under an advisory lock (instances that run it at
     /// the same time take turns). Connecting does it unless
-    /// [`create_schema(false)`](super::PostgresOptions::create_schema); call it yourself to
+    /// [`with_create_schema(false)`](super::PostgresOptions::with_create_schema); call it yourself to
     /// migrate when you choose (a deploy step, say). Running it again changes nothing.
     pub async fn migrate(&self) -> Result<(), Error> {
         install_schema(self, MIGRATION_LOCK, SCHEMA, &[ADD_STATE]).await

@@ -1,92 +1,4 @@
-//! The PostgreSQL store: several app instances, one truth.
-//!
-//! Every instance of a service talks to the same database, and the primary key of
-//! `idempotency_records` decides which request runs the handler. A request for a new key goes
-//! through four steps (three while retries are rare), each one round trip apart from the
-//! handler's own statements:
-//!
-//! 1. **The replay check**: a plain `SELECT` of a live completed record, in autocommit, on a
-//!    separate pool of read connections: no locks, and no waiting for the connections that
-//!    writers hold (past [`PostgresOptions::read_wait`] the request takes the write path). A
-//!    reservation that is not committed is invisible to it. It is skipped while retries are
-//!    rare among recent requests: the reservation then finds a completed record itself, and
-//!    one that waits for a transaction connection twice as long as they have lately waited
-//!    reads meanwhile ([`ReplayCheck::Adaptive`](crate::store::ReplayCheck::Adaptive), the default).
-//! 2. **The reservation**: a connection from the pool of request transactions, then `BEGIN`
-//!    (at the [`Isolation`] level, with `SET LOCAL lock_timeout`) and an `INSERT ... ON
-//!    CONFLICT DO NOTHING` of an `in_progress` row, sent together in one flight. A duplicate
-//!    (from this instance or another) blocks on that index entry until the first transaction
-//!    ends: after a commit it reads the completed record, rolls back and replays it; after a
-//!    rollback its own insert goes through and it runs the handler. An expired record (or a
-//!    stray reservation) is taken over with an `UPDATE`. Requests with different keys never
-//!    wait for each other. Serialization failures and deadlocks while reserving are retried a
-//!    bounded number of times ([`PostgresOptions::serialization_retries`]).
-//! 3. **The handler's statements** go through [`PostgresTransaction`], on the same connection
-//!    in the same transaction. The handle refuses transaction control (`COMMIT`, `ROLLBACK`,
-//!    `BEGIN`...), so a handler cannot commit its rows without the record; a serialization
-//!    failure or deadlock that one of its statements gets is reported to the layer, which runs
-//!    the request again.
-//! 4. **The commit**, before the response leaves: the `UPDATE` that turns the reservation row
-//!    into the completed record and `COMMIT`, sent together in one flight. The `UPDATE` finds
-//!    the row by the `ctid` the reservation returned, and completes it only if the row's
-//!    `xmin` is the current transaction (the one `begin` opened, not one that a `COMMIT` or
-//!    `ROLLBACK` behind the layer's back left in its place); otherwise it fails, the
-//!    transaction is aborted, PostgreSQL answers the `COMMIT` with a `ROLLBACK`, and the commit
-//!    reports [`Error::TransactionAborted`](crate::Error::TransactionAborted).
-//!
-//! - **Waits are bounded**: taking a pooled connection and every lock wait (`SET LOCAL
-//!   lock_timeout`) share the layer's lock timeout; past it the request gets `503` with
-//!   `Retry-After`. Under the in-flight policies `Reject` and `WaitUpTo(d)`, the reservation's
-//!   wait on a key held by another instance's transaction is bounded by the policy instead
-//!   (1 ms, or `d`) and answered `409` ([`InFlight`](crate::InFlight)).
-//! - **Rollback on drop**: `Drop` cannot await a `ROLLBACK`, so a transaction dropped while still
-//!   open (the client went away, the request future was dropped) takes its connection out of
-//!   the pool and closes it; PostgreSQL rolls back a transaction whose connection is gone. The
-//!   explicit paths (`commit`, `rollback`, failures) send `ROLLBACK` and keep the connection.
-//!
-//! Needs PostgreSQL 13 or later (`pg_current_xact_id`).
-//!
-//! # Connecting
-//!
-//! [`PostgresStore::connect`] takes a URL; [`PostgresStore::builder`] takes a
-//! [`tokio_postgres::Config`] and [options](PostgresOptions), and builds the store's two pools.
-//! To share a pool your app already has, [`PostgresStore::from_pool`] takes a
-//! [`deadpool_postgres::Pool`] (of the version this module re-exports): request transactions
-//! and replays take their connections from it, unless replays get a pool of their own
-//! ([`PostgresOptions::read_pool`]). Either way, `connect` creates `idempotency_records` (or
-//! migrates a table of the SQLite layout) under an advisory lock, so that instances starting
-//! together do not collide; with [`create_schema(false)`](PostgresOptions::create_schema) it
-//! changes nothing in the database and only checks that it gets a connection, and
-//! [`PostgresStore::migrate`] does the same installation when you choose.
-//!
-//! ```no_run
-//! # async fn run(pool: tower_idempotency::store::postgres::deadpool_postgres::Pool)
-//! #     -> Result<(), tower_idempotency::Error> {
-//! use tower_idempotency::store::postgres::PostgresStore;
-//! use tower_idempotency::store::Isolation;
-//!
-//! // Creates (or migrates) `idempotency_records` in the connection's schema.
-//! let store = PostgresStore::connect("postgres://app@127.0.0.1/shop").await?;
-//!
-//! // Bigger pools, and SERIALIZABLE transactions for handlers that need them:
-//! let config = "postgres://app@127.0.0.1/shop".parse()?;
-//! let store = PostgresStore::builder(config)
-//!     .max_connections(32)
-//!     .isolation(Isolation::Serializable)
-//!     .connect()
-//!     .await?;
-//!
-//! // The app's own pool, migrated as a step of its own:
-//! let store = PostgresStore::from_pool(pool)
-//!     .create_schema(false)
-//!     .connect()
-//!     .await?;
-//! store.migrate().await?;
-//! # Ok(()) }
-//! ```
-//!
-//! Tables are unqualified: they live in the first schema of the connection's `search_path`
-//! (set it with `options=-c search_path=...` in the URL to use another schema).
+#![doc = include_str!("../../docs/postgres.md")]
 
 /// The deadpool-postgres version of the store's pools: depend on it through this re-export.
 pub use deadpool_postgres;
@@ -96,7 +8,7 @@ pub use tokio_postgres;
 use crate::store::Isolation;
 #[cfg_attr(not(feature = "outbox"), allow(unused_imports))]
 pub(crate) use handle::Executor;
-pub use handle::{PostgresTransaction, TransactionClient};
+pub use handle::{CheckedClient, PostgresHandle};
 pub use options::PostgresOptions;
 pub(crate) use reservation::PostgresReservation;
 pub use store::PostgresStore;

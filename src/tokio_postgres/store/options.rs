@@ -18,7 +18,7 @@ use crate::row_lock::replay_check::ReplayChecks;
 use crate::store::{Isolation, ReplayCheck};
 
 /// Options for opening a [`PostgresStore`]; see [`PostgresStore::builder`] and
-/// [`PostgresStore::from_pool`].
+/// [`PostgresStore::builder_from_pool`].
 #[derive(Clone, Debug)]
 pub struct PostgresOptions {
     connections: Connections,
@@ -36,35 +36,35 @@ pub struct PostgresOptions {
 impl PostgresOptions {
     /// The most connections held by request transactions (and [`PostgresStore::client`]) at
     /// once. A request that finds them all busy waits for one within the layer's lock timeout.
-    /// Default: 16. (A pool of your own, [`PostgresStore::from_pool`], keeps its own size.)
-    pub fn max_connections(mut self, connections: usize) -> Self {
+    /// Default: 16. (A pool of your own, [`PostgresStore::builder_from_pool`], keeps its own size.)
+    pub fn with_max_connections(mut self, connections: usize) -> Self {
         self.max_connections = connections.max(1);
         self
     }
 
     /// The most connections used by the replay fast path at once. They are a separate pool, so
     /// that replays never wait for connections that writers hold. Default: 8. (A pool of your
-    /// own, [`read_pool`](Self::read_pool), keeps its own size.)
-    pub fn max_read_connections(mut self, connections: usize) -> Self {
+    /// own, [`with_read_pool`](Self::with_read_pool), keeps its own size.)
+    pub fn with_max_read_connections(mut self, connections: usize) -> Self {
         self.max_read_connections = connections.max(1);
         self
     }
 
     /// A pool of your own for the replay fast path, instead of one the store builds.
     ///
-    /// Without it, a store on settings builds its read pool
-    /// ([`max_read_connections`](Self::max_read_connections)), and a store on a pool of your
-    /// own ([`PostgresStore::from_pool`]) reads from that same pool: replays may then wait for
-    /// connections that writers hold, up to [`read_wait`](Self::read_wait), before taking the
+    /// Default: none. Without it, a store on settings builds its read pool
+    /// ([`with_max_read_connections`](Self::with_max_read_connections)), and a store on a pool of your
+    /// own ([`PostgresStore::builder_from_pool`]) reads from that same pool: replays may then wait for
+    /// connections that writers hold, up to [`with_read_wait`](Self::with_read_wait), before taking the
     /// write path.
-    pub fn read_pool(mut self, pool: Pool) -> Self {
+    pub fn with_read_pool(mut self, pool: Pool) -> Self {
         self.read_pool = Some(pool);
         self
     }
 
     /// Replays read from the server of these settings, a hot standby for example, instead of
     /// the primary: the store builds its read pool on them
-    /// ([`max_read_connections`](Self::max_read_connections)). (A [`read_pool`](Self::read_pool)
+    /// ([`with_max_read_connections`](Self::with_max_read_connections)). (A [`with_read_pool`](Self::with_read_pool)
     /// of your own takes precedence.)
     ///
     /// A standby can never make a key look absent that the primary has committed: the read
@@ -73,20 +73,20 @@ impl PostgresOptions {
     /// reserves the key with an `INSERT` and finds the committed record there. What a replay
     /// from the standby shows is a record the primary committed; a record deleted since
     /// (by the admin tool: the purge only deletes expired ones, which the read skips) may
-    /// still replay from a lagging standby. See `docs/postgresql.md`, "Running past one
-    /// server".
+    /// still replay from a lagging standby. See
+    /// [Running past one server](crate::store::tokio_postgres#running-past-one-server).
     ///
     /// ```no_run
     /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
-    /// use tower_idempotency::store::postgres::PostgresStore;
+    /// use tower_idempotency::store::tokio_postgres::PostgresStore;
     ///
     /// let primary = "postgres://app@db1,db2/shop?target_session_attrs=read-write".parse()?;
     /// let standby = "postgres://app@db2/shop".parse()?;
-    /// let store = PostgresStore::builder(primary).read_from(standby).connect().await?;
+    /// let store = PostgresStore::builder(primary).with_read_from(standby).build().await?;
     /// # let _ = store;
     /// # Ok(()) }
     /// ```
-    pub fn read_from(mut self, config: tokio_postgres::Config) -> Self {
+    pub fn with_read_from(mut self, config: tokio_postgres::Config) -> Self {
         self.read_config = Some(Box::new(config));
         self
     }
@@ -95,7 +95,7 @@ impl PostgresOptions {
     /// before it gives up and lets the request take the (authoritative) write path. The bound
     /// is kept by a watchdog that looks every 20 ms, so a stuck check ends up to 20 ms late.
     /// Default: 1 s.
-    pub fn read_wait(mut self, wait: Duration) -> Self {
+    pub fn with_read_wait(mut self, wait: Duration) -> Self {
         self.read_wait = wait;
         self
     }
@@ -108,31 +108,31 @@ impl PostgresOptions {
     ///
     /// ```no_run
     /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
-    /// use tower_idempotency::store::postgres::PostgresStore;
+    /// use tower_idempotency::store::tokio_postgres::PostgresStore;
     /// use tower_idempotency::store::ReplayCheck;
     ///
     /// // Replays must never take a connection of the request transactions.
     /// let store = PostgresStore::builder("postgres://app@127.0.0.1/shop".parse()?)
-    ///     .replay_check(ReplayCheck::ReadPool)
-    ///     .connect()
+    ///     .with_replay_check(ReplayCheck::FavorReplays)
+    ///     .build()
     ///     .await?;
     /// # let _ = store;
     /// # Ok(()) }
     /// ```
-    pub fn replay_check(mut self, check: ReplayCheck) -> Self {
+    pub fn with_replay_check(mut self, check: ReplayCheck) -> Self {
         self.replay_check = check;
         self
     }
 
     /// The isolation level of request transactions. Default: [`Isolation::ReadCommitted`].
-    pub fn isolation(mut self, isolation: Isolation) -> Self {
+    pub fn with_isolation(mut self, isolation: Isolation) -> Self {
         self.isolation = isolation;
         self
     }
 
     /// How many times reserving a key is retried after a serialization failure (`40001`) or a
     /// deadlock (`40P01`), within the lock timeout, before the request gets `503`. Default: 3.
-    pub fn serialization_retries(mut self, retries: u32) -> Self {
+    pub fn with_serialization_retries(mut self, retries: u32) -> Self {
         self.serialization_retries = retries;
         self
     }
@@ -141,20 +141,20 @@ impl PostgresOptions {
     /// of the SQLite layout). Default: `true`. A tool that must not change the database (an
     /// admin tool) turns it off: connecting then only checks that a connection can be made,
     /// and calls fail if the table is missing.
-    pub fn create_schema(mut self, create: bool) -> Self {
+    pub fn with_create_schema(mut self, create: bool) -> Self {
         self.create_schema = create;
         self
     }
 
     /// Connects without TLS, creates (or migrates) the schema and returns the store. (With
     /// pools of your own, the connections are theirs: they connect as their manager does.)
-    pub async fn connect(self) -> Result<PostgresStore, Error> {
-        self.connect_with_tls(NoTls).await
+    pub async fn build(self) -> Result<PostgresStore, Error> {
+        self.build_with_tls(NoTls).await
     }
 
-    /// Like [`connect`](Self::connect), with a TLS connector (`postgres-native-tls`,
+    /// Like [`build`](Self::build), with a TLS connector (`postgres-native-tls`,
     /// `tokio-postgres-rustls`...).
-    pub async fn connect_with_tls<T>(self, tls: T) -> Result<PostgresStore, Error>
+    pub async fn build_with_tls<T>(self, tls: T) -> Result<PostgresStore, Error>
     where
         T: MakeTlsConnect<Socket> + Clone + Sync + Send + 'static,
         T::Stream: Sync + Send,
@@ -215,7 +215,7 @@ impl PostgresOptions {
 enum Connections {
     /// Settings: the store builds its pools.
     Config(Box<tokio_postgres::Config>),
-    /// A pool of the caller's ([`PostgresStore::from_pool`]).
+    /// A pool of the caller's ([`PostgresStore::builder_from_pool`]).
     Pool(Pool),
 }
 
@@ -223,7 +223,7 @@ impl PostgresStore {
     /// Connects to `url` (`postgres://user@host:5432/db`, or a key-value string) with the
     /// default options and creates (or migrates) the schema.
     pub async fn connect(url: &str) -> Result<Self, Error> {
-        Self::builder(url.parse()?).connect().await
+        Self::builder(url.parse()?).build().await
     }
 
     /// Options for connecting with `config`.
@@ -233,25 +233,25 @@ impl PostgresStore {
 
     /// Options for a store on a pool of your own (built with the [`deadpool_postgres`] this
     /// crate re-exports): request transactions, [`client`](Self::client) and, unless you give
-    /// a [`read_pool`](PostgresOptions::read_pool), the replay fast path take their connections
-    /// from it. Finish with [`connect`](PostgresOptions::connect), which creates (or migrates)
-    /// the schema, or with [`create_schema(false)`](PostgresOptions::create_schema) only checks
+    /// a [`with_read_pool`](PostgresOptions::with_read_pool), the replay fast path take their connections
+    /// from it. Finish with [`build`](PostgresOptions::build), which creates (or migrates)
+    /// the schema, or with [`with_create_schema(false)`](PostgresOptions::with_create_schema) only checks
     /// that the pool gives a connection.
     ///
     /// ```no_run
     /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
-    /// use tower_idempotency::store::postgres::deadpool_postgres::{Manager, Pool};
-    /// use tower_idempotency::store::postgres::tokio_postgres::{Config, NoTls};
-    /// use tower_idempotency::store::postgres::PostgresStore;
+    /// use tower_idempotency::store::tokio_postgres::deadpool_postgres::{Manager, Pool};
+    /// use tower_idempotency::store::tokio_postgres::tokio_postgres::{Config, NoTls};
+    /// use tower_idempotency::store::tokio_postgres::PostgresStore;
     ///
     /// let config: Config = "postgres://app@127.0.0.1/shop".parse()?;
     /// let pool = Pool::builder(Manager::new(config, NoTls)).max_size(32).build()?;
     /// // The app's own queries and the store share the pool.
-    /// let store = PostgresStore::from_pool(pool.clone()).connect().await?;
+    /// let store = PostgresStore::builder_from_pool(pool.clone()).build().await?;
     /// # let _ = (store, pool);
     /// # Ok(()) }
     /// ```
-    pub fn from_pool(pool: Pool) -> PostgresOptions {
+    pub fn builder_from_pool(pool: Pool) -> PostgresOptions {
         Self::options(Connections::Pool(pool))
     }
 

@@ -1,13 +1,13 @@
 //! The store's own transactions, outside any request: the receiver's inbox (feature `outbox`)
 //! opens one, records an event id and applies the event through the same
-//! [`PostgresTransaction`] handle a request's handler gets, then commits or rolls back itself
+//! [`PostgresHandle`] handle a request's handler gets, then commits or rolls back itself
 //! ([`OwnedTransaction`], the same for both PostgreSQL drivers). Each call of a step-by-step
 //! request runs in one too (a local step's closure gets its handle).
 
 use std::sync::atomic::Ordering;
 
 use super::slot::Slot;
-use super::{PostgresStore, PostgresTransaction};
+use super::{PostgresHandle, PostgresStore};
 use crate::error::Error;
 use crate::postgres::store_sql::IS_OWN_TRANSACTION;
 use crate::row_lock::tx_state::{OwnedSlot, OwnedTransaction};
@@ -33,7 +33,7 @@ impl PostgresStore {
         OwnedTransaction::opened(token, slot, begun).await
     }
 
-    /// [`PostgresOptions::serialization_retries`](super::PostgresOptions::serialization_retries).
+    /// [`PostgresOptions::with_serialization_retries`](super::PostgresOptions::with_serialization_retries).
     pub(crate) fn serialization_retries(&self) -> u32 {
         self.shared.serialization_retries
     }
@@ -41,8 +41,8 @@ impl PostgresStore {
 
 impl OwnedTransaction<Slot> {
     /// A handle on this transaction: the same type a request's handler gets.
-    pub(crate) fn handle(&self) -> PostgresTransaction {
-        PostgresTransaction {
+    pub(crate) fn handle(&self) -> PostgresHandle {
+        PostgresHandle {
             tx: self.tx.clone(),
         }
     }

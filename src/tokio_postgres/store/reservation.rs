@@ -18,8 +18,8 @@ use deadpool_postgres::ClientWrapper;
 use super::slot::{Slot, TxShared};
 use super::store::pool_error;
 use super::{
-    Isolation, PostgresStore, PostgresTransaction, COMPLETE_RECORD, INSERT_RESERVATION,
-    SELECT_RECORD, TAKE_OVER,
+    Isolation, PostgresHandle, PostgresStore, COMPLETE_RECORD, INSERT_RESERVATION, SELECT_RECORD,
+    TAKE_OVER,
 };
 use crate::error::Error;
 use crate::postgres::failover::postgres_unavailable;
@@ -218,10 +218,10 @@ impl Drop for PostgresReservation {
 }
 
 impl Reservation for PostgresReservation {
-    type Handle = PostgresTransaction;
+    type Handle = PostgresHandle;
 
-    fn handle(&self) -> PostgresTransaction {
-        PostgresTransaction {
+    fn handle(&self) -> PostgresHandle {
+        PostgresHandle {
             tx: self.tx.clone(),
         }
     }

@@ -104,7 +104,7 @@ impl Drop for Slot {
 }
 
 /// One transaction, shared by its owner ([`PostgresReservation`](super::PostgresReservation)
-/// or the inbox's own transaction) and its [`PostgresTransaction`](super::PostgresTransaction)
+/// or the inbox's own transaction) and its [`PostgresHandle`](super::PostgresHandle)
 /// handles.
 pub(super) type TxShared = crate::row_lock::tx_state::TxShared<Slot>;
 

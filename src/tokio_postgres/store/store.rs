@@ -40,7 +40,7 @@ pub(super) struct Shared {
 pub struct PostgresStore {
     pub(super) shared: Arc<Shared>,
     /// The in-flight policy's bound on the wait for a key's row
-    /// ([`IdempotencyStore::with_in_flight`]); `None`: the lock timeout.
+    /// ([`IdempotencyStore::bound_duplicate_wait`]); `None`: the lock timeout.
     pub(super) key_row_wait: Option<Duration>,
 }
 
@@ -147,7 +147,7 @@ impl IdempotencyStore for PostgresStore {
 
     /// Bounds the reservation's wait on the key's row (`lock_timeout` while it runs, SQLSTATE
     /// `55P03` past it), under [`InFlight::Reject`] by 1 ms.
-    fn with_in_flight(mut self, policy: InFlight) -> Self {
+    fn bound_duplicate_wait(mut self, policy: InFlight) -> Self {
         self.key_row_wait = reserve::key_row_wait(policy);
         self
     }

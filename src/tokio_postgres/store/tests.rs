@@ -38,10 +38,7 @@ async fn schema() -> (tokio_postgres::Client, String, tokio_postgres::Config) {
 /// A store in a schema of its own, and the admin client that drops the schema.
 async fn store() -> (PostgresStore, tokio_postgres::Client, String) {
     let (admin, schema, config) = schema().await;
-    let store = PostgresStore::builder(config)
-        .connect()
-        .await
-        .expect("store");
+    let store = PostgresStore::builder(config).build().await.expect("store");
     (store, admin, schema)
 }
 
@@ -155,9 +152,9 @@ async fn a_store_on_the_apps_own_pool_installs_reserves_and_replays_through_it()
 
     // Without schema creation, connecting only takes a connection from the pool; the
     // migration is then a call of its own.
-    let unmigrated = PostgresStore::from_pool(pool.clone())
-        .create_schema(false)
-        .connect()
+    let unmigrated = PostgresStore::builder_from_pool(pool.clone())
+        .with_create_schema(false)
+        .build()
         .await
         .expect("store without schema creation");
     assert!(!table_exists().await, "nothing was created");
@@ -167,9 +164,9 @@ async fn a_store_on_the_apps_own_pool_installs_reserves_and_replays_through_it()
 
     // With it (the default; the table is there already, so it changes nothing), the store
     // reserves, commits and replays on the app's pool: writes and reads share it.
-    let store = PostgresStore::from_pool(pool.clone())
-        .read_wait(Duration::from_millis(200))
-        .connect()
+    let store = PostgresStore::builder_from_pool(pool.clone())
+        .with_read_wait(Duration::from_millis(200))
+        .build()
         .await
         .expect("store");
     assert_eq!(store.pool().status().max_size, 2, "the app's pool itself");
@@ -208,9 +205,9 @@ async fn a_store_on_the_apps_own_pool_installs_reserves_and_replays_through_it()
         .max_size(1)
         .build()
         .expect("read pool");
-    let store = PostgresStore::from_pool(pool.clone())
-        .read_pool(reads.clone())
-        .connect()
+    let store = PostgresStore::builder_from_pool(pool.clone())
+        .with_read_pool(reads.clone())
+        .build()
         .await
         .expect("store with a read pool");
     assert_eq!(reads.status().size, 0);

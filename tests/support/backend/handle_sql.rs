@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use http::StatusCode;
 use sqlx::Executor as _;
-use tower_idempotency::store::postgres::PostgresTransaction;
+use tower_idempotency::store::tokio_postgres::PostgresHandle;
 use tower_idempotency::store::{sqlx_mysql, sqlx_postgres};
 
 use super::{BoxFuture, Call, Database, FailWith, MySql, Postgres, SqlxPostgres, TestDb};
@@ -169,7 +169,7 @@ async fn terminate_backend(db: &TestDb, id: i64) {
 }
 
 impl HandleSession for Postgres {
-    type Handle = PostgresTransaction;
+    type Handle = PostgresHandle;
 
     // The database went away under the handler, as in a failover: not a final failure.
     const KILLED_CONNECTION: (StatusCode, &'static str) =
@@ -203,7 +203,7 @@ impl HandleSession for Postgres {
 }
 
 impl HandleSession for SqlxPostgres {
-    type Handle = sqlx_postgres::SqlxTransaction;
+    type Handle = sqlx_postgres::SqlxHandle;
 
     // The database went away under the handler, as in a failover: not a final failure.
     const KILLED_CONNECTION: (StatusCode, &'static str) =
@@ -250,7 +250,7 @@ impl HandleSql for SqlxPostgres {
 }
 
 impl HandleSession for MySql {
-    type Handle = sqlx_mysql::SqlxTransaction;
+    type Handle = sqlx_mysql::SqlxHandle;
 
     // MariaDB ends a killed `SLEEP` early without an error; the next statement fails on the
     // lost connection, and the layer answers that as unavailable, as on PostgreSQL.

@@ -46,10 +46,10 @@ use tower_idempotency::admin::AdminBackend;
 use tower_idempotency::outbox::{
     Enqueue, EventId, EventInfo, Inbox, InboxBackend, Outbox, OutboxBackend, Processed,
 };
-use tower_idempotency::store::postgres::{PostgresOptions, PostgresStore, PostgresTransaction};
-use tower_idempotency::store::sqlite::{SqliteStore, SqliteTransaction};
-use tower_idempotency::store::sqlx_mysql::{SqlxMySqlStore, SqlxTransaction as MySqlTransaction};
-use tower_idempotency::store::sqlx_postgres::{SqlxPostgresStore, SqlxTransaction};
+use tower_idempotency::store::sqlite::{SqliteHandle, SqliteStore};
+use tower_idempotency::store::sqlx_mysql::{SqlxHandle as MySqlHandle, SqlxMySqlStore};
+use tower_idempotency::store::sqlx_postgres::{SqlxHandle, SqlxPostgresStore};
+use tower_idempotency::store::tokio_postgres::{PostgresHandle, PostgresOptions, PostgresStore};
 use tower_idempotency::store::IdempotencyStore;
 use tower_idempotency::IdempotencyLayer;
 
@@ -369,7 +369,7 @@ pub trait Backend: Database<Store: OutboxBackend + InboxBackend + AdminBackend> 
 
     /// Applies `event_id` through a request's transaction handle: one [`EFFECTS`] row.
     fn apply_in(
-        tx: &<Self::Store as InboxBackend>::Transaction,
+        tx: &<Self::Store as InboxBackend>::Handle,
         event_id: &str,
     ) -> impl Future<Output = ()>;
 }
@@ -665,7 +665,7 @@ impl Backend for Sqlite {
             .await
     }
 
-    async fn apply_in(tx: &SqliteTransaction, event_id: &str) {
+    async fn apply_in(tx: &SqliteHandle, event_id: &str) {
         let id = event_id.to_owned();
         let insert = INSERT_EFFECT.replace('$', "?");
         tx.run(move |conn| conn.execute(&insert, [id]))
@@ -826,7 +826,7 @@ impl Backend for Postgres {
 
     async fn another_store(&self) -> PostgresStore {
         self.db
-            .store_with(|o| o.max_connections(4).max_read_connections(2))
+            .store_with(|o| o.with_max_connections(4).with_max_read_connections(2))
             .await
     }
 
@@ -835,7 +835,7 @@ impl Backend for Postgres {
     /// Autocommit, on a pooled connection.
     async fn enqueue_now(&self, topic: &str, payload: Value) -> EventId {
         let client = self.store().await.client().await.expect("client");
-        tower_idempotency::outbox::Outbox::<tower_idempotency::store::postgres::PostgresStore>::enqueue_in(&**client, topic, &payload)
+        tower_idempotency::outbox::Outbox::<tower_idempotency::store::tokio_postgres::PostgresStore>::enqueue_in(&**client, topic, &payload)
             .await
             .expect("enqueue")
     }
@@ -868,7 +868,7 @@ impl Backend for Postgres {
             .await
     }
 
-    async fn apply_in(tx: &PostgresTransaction, event_id: &str) {
+    async fn apply_in(tx: &PostgresHandle, event_id: &str) {
         let client = tx.client().await.expect("client");
         client
             .execute(INSERT_EFFECT, &[&event_id])
@@ -979,7 +979,7 @@ impl Backend for SqlxPostgres {
             .await
     }
 
-    async fn apply_in(tx: &SqlxTransaction, event_id: &str) {
+    async fn apply_in(tx: &SqlxHandle, event_id: &str) {
         let mut conn = tx.acquire().await.expect("connection");
         sqlx::query(INSERT_EFFECT)
             .bind(event_id)
@@ -1014,7 +1014,7 @@ impl Database for MySql {
 
     async fn serve(&self, setup: Setup<'_, Self>) -> Server<Self> {
         let running = setup
-            .convert(adapt::<MySqlTransaction, HookOutcome>, ())
+            .convert(adapt::<MySqlHandle, HookOutcome>, ())
             // A pool of 8 connections, as the PostgreSQL apps.
             .serve_on(self.db.store(8).await)
             .await;
@@ -1089,7 +1089,7 @@ impl Backend for MySql {
             .await
     }
 
-    async fn apply_in(tx: &MySqlTransaction, event_id: &str) {
+    async fn apply_in(tx: &MySqlHandle, event_id: &str) {
         let mut conn = tx.acquire().await.expect("connection");
         let insert = INSERT_EFFECT.replace("$1", "?");
         let applied = sqlx::query(&insert).bind(event_id).execute(&mut *conn);

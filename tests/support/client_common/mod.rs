@@ -1,6 +1,6 @@
 //! Shared setup for the client tests: the order app (the same shape as `examples/orders.rs`:
 //! demo auth putting a `Tenant` in the extensions, `IdempotencyLayer` over `POST /orders`, the
-//! handler writing through `Tx<SqliteTransaction>`), a scripted HTTP server for the retry
+//! handler writing through `Tx<SqliteHandle>`), a scripted HTTP server for the retry
 //! policy, a loopback TCP proxy that loses or delays responses, and the client under test
 //! over hyper-util's client.
 
@@ -34,7 +34,7 @@ use tower::{Layer, ServiceExt};
 use tower_idempotency::client::{BufferedBody, Retry, RetryError, RetryLayer, RetryOutcome};
 use tower_idempotency::extract::Tx;
 use tower_idempotency::fingerprint::Fingerprinter;
-use tower_idempotency::store::sqlite::{SqliteStore, SqliteTransaction};
+use tower_idempotency::store::sqlite::{SqliteHandle, SqliteStore};
 use tower_idempotency::{IdempotencyLayer, Tenant};
 
 pub const SHOP_A: &str = "shop-a-token";
@@ -132,7 +132,7 @@ async fn authenticate(mut request: Request, next: Next) -> Response {
 /// `POST /orders`: inserts the order through the idempotency transaction, answers 201.
 async fn create_order(
     Extension(tenant): Extension<Tenant>,
-    Tx(tx): Tx<SqliteTransaction>,
+    Tx(tx): Tx<SqliteHandle>,
     body: Bytes,
 ) -> Response {
     let input: serde_json::Value = match serde_json::from_slice(&body) {

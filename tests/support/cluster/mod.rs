@@ -15,7 +15,7 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use tokio::process::Command;
-use tower_idempotency::store::postgres::tokio_postgres::{self, NoTls};
+use tower_idempotency::store::tokio_postgres::tokio_postgres::{self, NoTls};
 
 /// The reason shown for the cluster tests where the programs are missing.
 pub const MISSING: &str =

@@ -36,7 +36,7 @@ use tower_idempotency::extract::Tx;
 use tower_idempotency::fingerprint::Fingerprint;
 use tower_idempotency::key::IdempotencyKey;
 use tower_idempotency::response::SavedResponse;
-use tower_idempotency::store::sqlite::{SqliteOptions, SqliteStore, SqliteTransaction};
+use tower_idempotency::store::sqlite::{SqliteHandle, SqliteOptions, SqliteStore};
 use tower_idempotency::store::{Begin, IdempotencyStore, NewRecord, Reservation, Scope};
 use tower_idempotency::{IdempotencyLayer, Tenant};
 
@@ -51,8 +51,8 @@ use crate::support::splitmix;
 pub use crate::support::sqlite_orders;
 
 /// What the order handler knows when it calls the hook: its order row is already inserted,
-/// inside the open idempotency transaction `tx` (a [`SqliteTransaction`] here, a
-/// `PostgresTransaction` in `tests/support/pg_common`).
+/// inside the open idempotency transaction `tx` (a [`SqliteHandle`] here, a
+/// `PostgresHandle` in `tests/support/pg_common`).
 #[derive(Clone, Debug)]
 pub struct OrderCallOf<T> {
     pub tenant: String,
@@ -63,7 +63,7 @@ pub struct OrderCallOf<T> {
     pub tx: T,
 }
 
-pub type OrderCall = OrderCallOf<SqliteTransaction>;
+pub type OrderCall = OrderCallOf<SqliteHandle>;
 
 /// What the hook asks the handler to do next.
 #[derive(Debug, Default)]
@@ -167,7 +167,7 @@ pub struct AppOf<T, O> {
     response_headers: Vec<(HeaderName, HeaderValue)>,
 }
 
-pub type App = AppOf<SqliteTransaction, HookOutcome>;
+pub type App = AppOf<SqliteHandle, HookOutcome>;
 
 impl<T: Send + 'static, O: Outcome> AppOf<T, O> {
     pub fn new(
@@ -492,12 +492,12 @@ impl ServerBuilder {
             Some(f) => f(options),
             None => options,
         };
-        let store = options.open().await.expect("open store");
+        let store = options.build().await.expect("open store");
         sqlite_orders::create_orders_table(&store).await;
 
         let app = App::new(self.hook.clone(), self.response_headers.clone());
         let mut router = self
-            .order_routes::<SqliteTransaction, HookOutcome>(&store)
+            .order_routes::<SqliteHandle, HookOutcome>(&store)
             .route(
                 "/notes",
                 routing::post(create_note).layer(self.layer_for(&store, "create_note")),
@@ -505,7 +505,7 @@ impl ServerBuilder {
             // The extractor on a route the layer does not wrap.
             .route(
                 "/unguarded/orders",
-                routing::post(create_order::<SqliteTransaction, HookOutcome>),
+                routing::post(create_order::<SqliteHandle, HookOutcome>),
             );
         if self.extra.auth {
             router = router.layer(middleware::from_fn_with_state(app.clone(), authenticate));
@@ -645,7 +645,7 @@ pub trait InsertOrder: Clone + Send + Sync + 'static {
     ) -> impl Future<Output = Result<i64, tower_idempotency::Error>> + Send;
 }
 
-impl InsertOrder for SqliteTransaction {
+impl InsertOrder for SqliteHandle {
     fn insert_order(
         &self,
         tenant: &Tenant,
@@ -682,7 +682,7 @@ pub async fn create_order<T: InsertOrder, O: Outcome>(
 /// handle was in the extensions (`x-saw-transaction`).
 async fn create_note(
     State(app): State<Arc<App>>,
-    tx: Option<Extension<SqliteTransaction>>,
+    tx: Option<Extension<SqliteHandle>>,
     body: Bytes,
 ) -> Response {
     app.note_calls.fetch_add(1, Ordering::SeqCst);

@@ -9,7 +9,7 @@ use std::str::FromStr;
 
 use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
 use sqlx::{Connection as _, Executor as _, MySqlConnection, Row as _};
-use tower_idempotency::store::sqlx_mysql::{SqlxMySqlStore, SqlxTransaction};
+use tower_idempotency::store::sqlx_mysql::{SqlxHandle, SqlxMySqlStore};
 use tower_idempotency::Tenant;
 
 use crate::support::common::server_backed::{run_on_a_thread_of_its_own, FreshName};
@@ -85,7 +85,7 @@ impl TestDb {
     /// A store on a pool of `max` connections, with the table created.
     pub async fn store(&self, max: u32) -> SqlxMySqlStore {
         let store = SqlxMySqlStore::builder(self.pool(max).await)
-            .max_read_connections(2)
+            .with_max_read_connections(2)
             .build();
         store.migrate().await.expect("create the table");
         store
@@ -250,7 +250,7 @@ async fn sweep_stale_databases(admin: &mut MySqlConnection, now: u64) {
     }
 }
 
-impl InsertOrder for SqlxTransaction {
+impl InsertOrder for SqlxHandle {
     async fn insert_order(
         &self,
         tenant: &Tenant,

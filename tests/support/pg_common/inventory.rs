@@ -30,9 +30,9 @@ use http_body_util::BodyExt;
 use serde_json::{json, Value};
 use tower_idempotency::extract::Tx;
 type PostgresInbox =
-    tower_idempotency::outbox::Inbox<tower_idempotency::store::postgres::PostgresStore>;
+    tower_idempotency::outbox::Inbox<tower_idempotency::store::tokio_postgres::PostgresStore>;
 use tower_idempotency::outbox::{Processed, Receipt, EVENT_TOPIC};
-use tower_idempotency::store::postgres::{PostgresStore, PostgresTransaction};
+use tower_idempotency::store::tokio_postgres::{PostgresHandle, PostgresStore};
 use tower_idempotency::{IdempotencyLayer, IDEMPOTENCY_KEY};
 
 use crate::support::common::{Post, Reply, Serving, PATIENCE};
@@ -92,7 +92,7 @@ pub struct InventoryServer {
 impl InventoryServer {
     pub async fn spawn(db: &TestDb, mode: Mode) -> Self {
         let store = db
-            .store_with(|options| options.max_connections(6).max_read_connections(2))
+            .store_with(|options| options.with_max_connections(6).with_max_read_connections(2))
             .await;
         store
             .client()
@@ -219,7 +219,7 @@ fn parse(
 
 /// Reserves the order's stock through `tx`; returns the sku's new reserved total.
 async fn reserve(
-    tx: &PostgresTransaction,
+    tx: &PostgresHandle,
     event_id: &str,
     order: &OrderCreated,
 ) -> Result<i64, tower_idempotency::Error> {
@@ -297,7 +297,7 @@ async fn receive_with_inbox(
 /// transaction.
 async fn receive_in_request(
     State(receiver): State<Receiver>,
-    Tx(tx): Tx<PostgresTransaction>,
+    Tx(tx): Tx<PostgresHandle>,
     headers: HeaderMap,
     payload: Bytes,
 ) -> Response {

@@ -11,9 +11,9 @@ use std::future::Future;
 
 use http::header::HeaderName;
 use http::{HeaderValue, StatusCode};
-use tower_idempotency::store::postgres::tokio_postgres::types::{FromSql, ToSql};
-use tower_idempotency::store::postgres::tokio_postgres::{self, NoTls};
-use tower_idempotency::store::postgres::{PostgresOptions, PostgresStore, PostgresTransaction};
+use tower_idempotency::store::tokio_postgres::tokio_postgres::types::{FromSql, ToSql};
+use tower_idempotency::store::tokio_postgres::tokio_postgres::{self, NoTls};
+use tower_idempotency::store::tokio_postgres::{PostgresHandle, PostgresOptions, PostgresStore};
 use tower_idempotency::Tenant;
 
 use crate::support::common::server_backed::{run_on_a_thread_of_its_own, FreshName, OrderServer};
@@ -95,7 +95,7 @@ impl TestDb {
         customise: impl FnOnce(PostgresOptions) -> PostgresOptions,
     ) -> PostgresStore {
         customise(PostgresStore::builder(self.config()))
-            .connect()
+            .build()
             .await
             .expect("open the PostgreSQL store")
     }
@@ -250,7 +250,7 @@ pub async fn connect(config: &tokio_postgres::Config) -> tokio_postgres::Client 
 
 /// What the order handler knows when it calls the hook: its order row is already inserted,
 /// inside the open idempotency transaction.
-pub type OrderCall = OrderCallOf<PostgresTransaction>;
+pub type OrderCall = OrderCallOf<PostgresHandle>;
 
 /// What the hook asks the handler to do next.
 #[derive(Debug, Default)]
@@ -319,7 +319,7 @@ impl ServerBuilder {
         let customise_store = std::mem::replace(&mut self.extra.store, Box::new(|options| options));
         let store = db
             .store_with(|options| {
-                customise_store(options.max_connections(8).max_read_connections(4))
+                customise_store(options.with_max_connections(8).with_max_read_connections(4))
             })
             .await;
         self.serve_on(store).await
@@ -327,7 +327,7 @@ impl ServerBuilder {
 }
 
 /// A running order app on 127.0.0.1 and its store.
-pub type PgServer = OrderServer<PostgresStore, PostgresTransaction, HookOutcome>;
+pub type PgServer = OrderServer<PostgresStore, PostgresHandle, HookOutcome>;
 
 impl PgServer {
     pub fn builder() -> ServerBuilder {
@@ -340,7 +340,7 @@ impl PgServer {
     }
 }
 
-impl InsertOrder for PostgresTransaction {
+impl InsertOrder for PostgresHandle {
     async fn insert_order(
         &self,
         tenant: &Tenant,

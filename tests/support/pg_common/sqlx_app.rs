@@ -7,7 +7,7 @@ use std::str::FromStr;
 use tower_idempotency::store::sqlx_postgres::sqlx::postgres::{
     PgConnectOptions, PgPool, PgPoolOptions,
 };
-use tower_idempotency::store::sqlx_postgres::{SqlxPostgresStore, SqlxTransaction};
+use tower_idempotency::store::sqlx_postgres::{SqlxHandle, SqlxPostgresStore};
 use tower_idempotency::Tenant;
 
 use super::{HookOutcome, TestDb};
@@ -49,14 +49,14 @@ impl TestDb {
     /// with its table created.
     pub async fn sqlx_store(&self, max: u32, reads: u32) -> SqlxPostgresStore {
         let store = SqlxPostgresStore::builder(self.sqlx_pool(max).await)
-            .max_read_connections(reads)
+            .with_max_read_connections(reads)
             .build();
         store.migrate().await.expect("create the table");
         store
     }
 }
 
-impl InsertOrder for SqlxTransaction {
+impl InsertOrder for SqlxHandle {
     async fn insert_order(
         &self,
         tenant: &Tenant,
@@ -65,7 +65,7 @@ impl InsertOrder for SqlxTransaction {
     ) -> Result<i64, tower_idempotency::Error> {
         let mut conn = self.acquire().await?;
         // The `query!` family on the layer's connection, as an application writes it: checked
-        // at build time against `.sqlx/` (see `docs/sqlx.md`, "Query macros").
+        // at build time against `.sqlx/` (see ARCHITECTURE.md, "The tests' sqlx query macros").
         let insert = sqlx::query_scalar!(
             "INSERT INTO orders (tenant_id, sku, quantity) VALUES ($1, $2, $3) RETURNING id",
             tenant.as_str(),
@@ -77,7 +77,7 @@ impl InsertOrder for SqlxTransaction {
 }
 
 /// What the sqlx app's handler tells its hook.
-pub type SqlxOrderCall = OrderCallOf<SqlxTransaction>;
+pub type SqlxOrderCall = OrderCallOf<SqlxHandle>;
 pub type SqlxHook = HookFor<SqlxOrderCall, HookOutcome>;
 
 /// What only the sqlx app takes: nothing yet (the tests' pool sizes are fixed).
@@ -95,4 +95,4 @@ impl SqlxServerBuilder {
 }
 
 /// A running sqlx order app on 127.0.0.1 and its store.
-pub type SqlxServer = OrderServer<SqlxPostgresStore, SqlxTransaction, HookOutcome>;
+pub type SqlxServer = OrderServer<SqlxPostgresStore, SqlxHandle, HookOutcome>;

@@ -3,7 +3,7 @@
 
 use std::future::Future;
 
-use tower_idempotency::store::sqlite::{SqliteStore, SqliteTransaction};
+use tower_idempotency::store::sqlite::{SqliteHandle, SqliteStore};
 
 pub const ORDERS_SCHEMA: &str = "CREATE TABLE IF NOT EXISTS orders (
     id INTEGER PRIMARY KEY,
@@ -33,7 +33,7 @@ pub async fn orders_store_in_a_temp_dir() -> (tempfile::TempDir, SqliteStore) {
 
 /// Inserts the order row through `tx`, in the request's transaction; returns its id.
 pub fn insert_order<'tx>(
-    tx: &'tx SqliteTransaction,
+    tx: &'tx SqliteHandle,
     tenant_id: &str,
     sku: &str,
     quantity: i64,

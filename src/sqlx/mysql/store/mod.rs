@@ -1,53 +1,4 @@
-//! The MySQL and MariaDB store on sqlx: built from the application's own [`sqlx::MySqlPool`].
-//!
-//! The same table layout, contract and guarantees as the PostgreSQL stores, on InnoDB:
-//!
-//! - **Reserving a key** is an `INSERT` of an `in_progress` row on the primary key
-//!   `(tenant, operation, idempotency_key)`, inside the request's transaction. A duplicate
-//!   (from this instance or another) blocks on that uncommitted row until the first
-//!   transaction ends: after a commit its insert fails with a duplicate key and it replays the
-//!   completed record, after a rollback its insert goes through and it runs the handler.
-//!   Requests with different keys never wait for each other.
-//! - **The handler's rows** go through [`SqlxTransaction`]: `SqlxTransaction::acquire` lends
-//!   the transaction's connection, on which ordinary sqlx code runs
-//!   (`sqlx::query(..).execute(&mut *conn)`, `query_as`, the `query!` macros). The layer then
-//!   turns the reservation into the completed record and commits, before the response leaves.
-//! - **Waits are bounded**: taking a connection from the pool and every lock wait
-//!   (`innodb_lock_wait_timeout`, set for the request and restored after it) share the
-//!   layer's lock timeout, rounded up to whole seconds; past it the request gets `503` with
-//!   `Retry-After`. Under the in-flight policies `Reject` and `WaitUpTo(d)`, the reservation's
-//!   wait on a key held by another instance's transaction is bounded by the policy instead (`d`
-//!   rounded up to whole seconds; `Reject`: no wait on MariaDB, one second on MySQL) and
-//!   answered `409` ([`InFlight`](crate::InFlight)); a table another session locked
-//!   (`LOCK TABLES`, `FLUSH TABLES WITH READ LOCK`) is waited for up to the lock timeout and
-//!   answered `503`, not `409`, under every policy. Deadlocks (`1213`) while reserving are retried a bounded number of times
-//!   (`SqlxMySqlOptions::deadlock_retries`); one that a handler's statement gets is reported
-//!   to the layer, which runs the request again.
-//! - **The layer commits**: the connection the handle lends refuses transaction control and
-//!   the statements that make MySQL commit on its own (DDL, `LOCK TABLES`, `SET autocommit`).
-//! - **Replays** are a plain consistent read of completed records on a separate pool of read
-//!   connections: no locks, and no waiting for the connections that writers hold. While
-//!   retries are rare among recent requests, the read is skipped and the reservation finds a
-//!   completed record itself, or reads meanwhile if it waits for a connection twice as long
-//!   as they have lately waited ([`ReplayCheck::Adaptive`](crate::store::ReplayCheck::Adaptive), the default; see `SqlxOptions::replay_check`).
-//! - **Rollback on drop**: a transaction dropped while still open takes its connection out of
-//!   the pool and closes it; the server rolls back a transaction whose connection is gone.
-//!
-//! ```no_run
-//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
-//! use tower_idempotency::store::sqlx_mysql::sqlx::mysql::MySqlPoolOptions;
-//! use tower_idempotency::store::sqlx_mysql::SqlxMySqlStore;
-//!
-//! let pool = MySqlPoolOptions::new()
-//!     .max_connections(16)
-//!     .connect("mysql://app@127.0.0.1/shop")
-//!     .await?;
-//! let store = SqlxMySqlStore::new(pool);
-//! // Creates `idempotency_records` if it is missing (skip it when your own migrations run the
-//! // crate's migration file).
-//! store.migrate().await?;
-//! # Ok(()) }
-//! ```
+#![doc = include_str!("../../../docs/sqlx_mysql.md")]
 
 use std::time::Duration;
 
@@ -92,7 +43,7 @@ pub type SqlxMySqlOptions = SqlxOptions<MySqlDialect>;
 /// The handle a handler uses to write its rows in the request's InnoDB transaction.
 ///
 /// ```no_run
-/// # async fn handler(tx: tower_idempotency::store::sqlx_mysql::SqlxTransaction)
+/// # async fn handler(tx: tower_idempotency::store::sqlx_mysql::SqlxHandle)
 /// #     -> Result<u64, Box<dyn std::error::Error>> {
 /// let mut conn = tx.acquire().await?;
 /// let done = sqlx::query("INSERT INTO orders (sku, quantity) VALUES (?, ?)")
@@ -104,7 +55,7 @@ pub type SqlxMySqlOptions = SqlxOptions<MySqlDialect>;
 /// ```
 ///
 /// - Refused besides `COMMIT`, `ROLLBACK` and `BEGIN`: the statements after which MySQL
-///   commits on its own (DDL, `LOCK TABLES`, `SET autocommit`...; see [`TxConnection`]).
+///   commits on its own (DDL, `LOCK TABLES`, `SET autocommit`...; see [`CheckedConnection`]).
 /// - A failed statement is rolled back on its own and the transaction goes on (InnoDB's way),
 ///   except a deadlock (`1213`), after which InnoDB has rolled the whole transaction back: the
 ///   connection then refuses further statements, and the layer runs the request again.
@@ -112,10 +63,10 @@ pub type SqlxMySqlOptions = SqlxOptions<MySqlDialect>;
 ///   locks, `lock_wait_timeout` for metadata locks such as another session's `LOCK TABLES`;
 ///   whole seconds): past it a statement fails with `1205`. If the handler then fails, the
 ///   layer answers `503` with `Retry-After` (whatever the handler answered) and rolls back.
-#[doc = crate::sqlx::store::transaction_docs!()]
-pub type SqlxTransaction = crate::sqlx::store::SqlxTransaction<MySqlDialect>;
+#[doc = crate::sqlx::store::handle_docs!()]
+pub type SqlxHandle = crate::sqlx::store::SqlxHandle<MySqlDialect>;
 
-/// A pooled connection inside the request's transaction: `&mut TxConnection` is a
+/// A pooled connection inside the request's transaction: `&mut CheckedConnection` is a
 /// [`sqlx::Executor`] for MySQL, on which sqlx code runs as on a `&mut MySqlConnection`.
 ///
 /// `BEGIN`, `START TRANSACTION`, `COMMIT`, `ROLLBACK`, `XA`, `LOCK`/`UNLOCK TABLES`, `SET
@@ -128,7 +79,7 @@ pub type SqlxTransaction = crate::sqlx::store::SqlxTransaction<MySqlDialect>;
 /// Nothing runs after a deadlock: InnoDB has rolled the transaction back by then, and what
 /// followed would run in another transaction.
 #[doc = crate::sqlx::store::connection_docs!()]
-pub type TxConnection = crate::sqlx::store::TxConnection<MySqlDialect>;
+pub type CheckedConnection = crate::sqlx::store::CheckedConnection<MySqlDialect>;
 
 mod dialect {
     /// MySQL and MariaDB as the sqlx store's database: the SQL of this module, duplicate-key
@@ -143,7 +94,7 @@ impl SqlxOptions<MySqlDialect> {
     /// How many times reserving a key is retried after a deadlock (`1213`: InnoDB rolled the
     /// transaction back, as happens when several requests waited on a key whose holder rolled
     /// back), within the lock timeout, before the request gets `503`. Default: 3.
-    pub fn deadlock_retries(mut self, retries: u32) -> Self {
+    pub fn with_deadlock_retries(mut self, retries: u32) -> Self {
         self.conflict_retries = retries;
         self
     }

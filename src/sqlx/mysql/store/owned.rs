@@ -1,4 +1,4 @@
-//! The store's own transactions on MySQL and MariaDB (the inbox's; see `store::sqlx::owned`).
+//! The store's own transactions on MySQL and MariaDB (the inbox's; see `sqlx::store::owned`).
 
 use futures_util::future::BoxFuture;
 use sqlx::mysql::MySqlConnection;

@@ -1,84 +1,4 @@
-//! The PostgreSQL store on sqlx: built from the application's own [`sqlx::PgPool`].
-//!
-//! The same table, statements and guarantees as the tokio-postgres store (`postgres`
-//! feature); only the driver differs, so that a service already on sqlx keeps one database
-//! library and one pool:
-//!
-//! - **Reserving a key** is an `INSERT ... ON CONFLICT DO NOTHING` of an `in_progress` row,
-//!   inside the request's transaction. A duplicate (from this instance or another) blocks on
-//!   that index entry until the first transaction ends: after a commit it reads the completed
-//!   record and replays it, after a rollback its own insert goes through and it runs the
-//!   handler. Requests with different keys never wait for each other.
-//! - **The handler's rows** go through [`SqlxTransaction`]: `SqlxTransaction::acquire` lends
-//!   the transaction's connection, on which ordinary sqlx code runs
-//!   (`sqlx::query(..).execute(&mut *conn)`, `query_as`, the `query!` macros). The layer then
-//!   turns the reservation into the completed record and commits, before the response leaves.
-//! - **Waits are bounded**: taking a connection from the pool and every lock wait (`SET LOCAL
-//!   lock_timeout`) share the layer's lock timeout; past it the request gets `503` with
-//!   `Retry-After`. Under the in-flight policies `Reject` and `WaitUpTo(d)`, the reservation's
-//!   wait on a key held by another instance's transaction is bounded by the policy instead
-//!   (1 ms, or `d`) and answered `409` ([`InFlight`](crate::InFlight)). Serialization failures and deadlocks while reserving are retried a bounded
-//!   number of times (`SqlxPostgresOptions::serialization_retries`); one that a handler's
-//!   statement gets is reported to the layer, which runs the request again.
-//! - **The layer commits**: the connection the handle lends refuses transaction control
-//!   (`COMMIT`, `ROLLBACK`, `BEGIN`...), so a handler cannot commit its rows without the record.
-//! - **Replays** are a plain `SELECT` of completed records on a separate pool of read
-//!   connections (made from the same connect options, or one you give): no locks, and no
-//!   waiting for the connections that writers hold. While retries are rare among recent
-//!   requests, the read is skipped and the reservation finds a completed record itself, or
-//!   reads meanwhile if it waits for a connection twice as long as they have lately waited
-//!   ([`ReplayCheck::Adaptive`](crate::store::ReplayCheck::Adaptive), the default; see
-//!   `SqlxOptions::replay_check`).
-//! - **Connections without the pool's checks**: the store takes an idle connection with
-//!   [`Pool::try_acquire`](sqlx::Pool::try_acquire), which skips the pool's
-//!   `test_before_acquire` ping and any `before_acquire` hook (they run only when it has to wait
-//!   for a connection). A connection found gone by the transaction's first round trip is
-//!   discarded and the transaction opened once more on a checked one.
-//! - **Rollback on drop**: `Drop` cannot await a `ROLLBACK`, so a transaction dropped while still
-//!   open (the client went away, the request future was dropped) takes its connection out of
-//!   the pool ([`detach`](sqlx::pool::PoolConnection::detach)) and closes it; PostgreSQL rolls
-//!   back a transaction whose connection is gone. The explicit paths (`commit`, `rollback`,
-//!   failures) send `ROLLBACK` or `COMMIT` and give the connection back.
-//! - **The commit check**: the completed record's `UPDATE` fails unless the reservation row was
-//!   written by this very transaction (`xmin`); only then does `COMMIT` run. (sqlx does not
-//!   pipeline: the two go as one simple query with the values written in as literals, which
-//!   runs nothing after a failed statement; see `docs/sqlx.md` for when they go with bind
-//!   parameters, one after the other, instead.)
-//! - **Round trips**: two for a new key besides the handler's statements (`BEGIN` with the
-//!   reservation; the completed record with `COMMIT`), three while the replay check comes
-//!   first, with no ping: idle
-//!   connections are taken without the pool's checks, and one found gone at the first
-//!   statement is replaced once.
-//!
-//! Needs PostgreSQL 13 or later (`pg_current_xact_id`).
-//!
-//! ```no_run
-//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
-//! use tower_idempotency::store::sqlx_postgres::sqlx::postgres::PgPoolOptions;
-//! use tower_idempotency::store::sqlx_postgres::SqlxPostgresStore;
-//! use tower_idempotency::store::Isolation;
-//!
-//! let pool = PgPoolOptions::new()
-//!     .max_connections(16)
-//!     .connect("postgres://app@127.0.0.1/shop")
-//!     .await?;
-//! let store = SqlxPostgresStore::new(pool);
-//! // Creates `idempotency_records` if it is missing (skip it when your own migrations run the
-//! // crate's migration file).
-//! store.migrate().await?;
-//!
-//! // SERIALIZABLE request transactions, replays from a replica:
-//! # let (pool, replica) = (store.pool().clone(), store.pool().clone());
-//! let store = SqlxPostgresStore::builder(pool)
-//!     .isolation(Isolation::Serializable)
-//!     .read_pool(replica)
-//!     .build();
-//! # Ok(()) }
-//! ```
-//!
-//! The schema is also shipped as a sqlx migration (`migrations/` in this crate) for `sqlx
-//! migrate run` or `sqlx::migrate!`. Tables are unqualified: they live in the first schema of
-//! the connection's `search_path`.
+#![doc = include_str!("../../../docs/sqlx_postgres.md")]
 
 use std::fmt::Write as _;
 use std::time::Duration;
@@ -128,7 +48,7 @@ pub type SqlxPostgresOptions = SqlxOptions<PgDialect>;
 /// The handle a handler uses to write its rows in the request's PostgreSQL transaction.
 ///
 /// ```no_run
-/// # async fn handler(tx: tower_idempotency::store::sqlx_postgres::SqlxTransaction)
+/// # async fn handler(tx: tower_idempotency::store::sqlx_postgres::SqlxHandle)
 /// #     -> Result<i64, Box<dyn std::error::Error>> {
 /// let mut conn = tx.acquire().await?;
 /// let (order_id,): (i64,) =
@@ -147,10 +67,10 @@ pub type SqlxPostgresOptions = SqlxOptions<PgDialect>;
 ///   (`40001`) and deadlocks (`40P01`).
 /// - Statements run with the layer's `lock_timeout` (`SET LOCAL`): a lock wait past it fails
 ///   with SQLSTATE `55P03`.
-#[doc = crate::sqlx::store::transaction_docs!()]
-pub type SqlxTransaction = crate::sqlx::store::SqlxTransaction<PgDialect>;
+#[doc = crate::sqlx::store::handle_docs!()]
+pub type SqlxHandle = crate::sqlx::store::SqlxHandle<PgDialect>;
 
-/// A pooled connection inside the request's transaction: `&mut TxConnection` is a
+/// A pooled connection inside the request's transaction: `&mut CheckedConnection` is a
 /// [`sqlx::Executor`] for PostgreSQL, on which sqlx code runs as on a `&mut PgConnection`.
 ///
 /// `BEGIN`, `START TRANSACTION`, `COMMIT`, `END`, `ROLLBACK`, `ABORT`, `PREPARE TRANSACTION`
@@ -158,7 +78,7 @@ pub type SqlxTransaction = crate::sqlx::store::SqlxTransaction<PgDialect>;
 /// allowed: they stay inside the transaction. Every statement goes with the extended protocol,
 /// which runs one command per string (SQL without bind parameters is cut into statements).
 #[doc = crate::sqlx::store::connection_docs!()]
-pub type TxConnection = crate::sqlx::store::TxConnection<PgDialect>;
+pub type CheckedConnection = crate::sqlx::store::CheckedConnection<PgDialect>;
 
 mod dialect {
     /// PostgreSQL as the sqlx store's database: the SQL of `src/postgres/store_sql.rs` (shared with the
@@ -171,7 +91,7 @@ pub(crate) use dialect::PgDialect;
 impl SqlxOptions<PgDialect> {
     /// How many times reserving a key is retried after a serialization failure (`40001`) or a
     /// deadlock (`40P01`), within the lock timeout, before the request gets `503`. Default: 3.
-    pub fn serialization_retries(mut self, retries: u32) -> Self {
+    pub fn with_serialization_retries(mut self, retries: u32) -> Self {
         self.conflict_retries = retries;
         self
     }
@@ -325,7 +245,7 @@ impl SqlxDialect for PgDialect {
     }
 
     /// An `EXECUTE` of the statement, prepared once per connection, with plain ASCII text
-    /// values and a body of at most 16 KiB (see `docs/sqlx.md`).
+    /// values and a body of at most 16 KiB.
     fn complete_as_text(scope: &Scope, row: &String, record: &NewRecord) -> Option<String> {
         complete_as_text(scope, row, record)
     }

@@ -1,8 +1,8 @@
-//! The store's own transactions on PostgreSQL (the inbox's; see `store::sqlx::owned`): marked
+//! The store's own transactions on PostgreSQL (the inbox's; see `sqlx::store::owned`): marked
 //! with a `SET LOCAL` token, checked before `COMMIT`.
 
 use futures_util::future::BoxFuture;
-// The `Executor` methods keep these futures provably `Send` (see `store::sqlx::reservation`).
+// The `Executor` methods keep these futures provably `Send` (see `sqlx::store::reservation`).
 use sqlx::postgres::PgConnection;
 use sqlx::Executor as _;
 use sqlx::Row as _;

@@ -52,9 +52,9 @@ async fn drop_schema(schema: &str) {
 
 /// A store on pools of one connection each (so that each request reuses the same two
 /// connections, their statements already prepared), with sqlx's default pool checks, whose
-/// first attempts always check the read pool first (`ReplayCheck::ReadPool`).
+/// first attempts always check the read pool first (`ReplayCheck::FavorReplays`).
 fn store(options: PgConnectOptions) -> SqlxPostgresStore {
-    store_of(options, 1, ReplayCheck::ReadPool)
+    store_of(options, 1, ReplayCheck::FavorReplays)
 }
 
 /// The same with a write pool of up to `connections` (opened as needed) and `check`.
@@ -63,8 +63,8 @@ fn store_of(options: PgConnectOptions, connections: u32, check: ReplayCheck) -> 
         .max_connections(connections)
         .connect_lazy_with(options);
     SqlxPostgresStore::builder(pool)
-        .max_read_connections(1)
-        .replay_check(check)
+        .with_max_read_connections(1)
+        .with_replay_check(check)
         .build()
 }
 
@@ -312,7 +312,8 @@ async fn an_in_flight_bound_is_lifted_for_the_handler_in_the_same_round_trip() {
     let (proxy, seen) = counting_proxy(upstream(&options).await).await;
     let proxied = options.clone().host("127.0.0.1").port(proxy.port());
     // Two connections: the duplicate below needs its own.
-    let store = store_of(proxied, 2, ReplayCheck::ReadPool).with_in_flight(crate::InFlight::Reject);
+    let store = store_of(proxied, 2, ReplayCheck::FavorReplays)
+        .bound_duplicate_wait(crate::InFlight::Reject);
     store.migrate().await.expect("migrate");
     new_key(&store, &scope("warm-up")).await;
     let counted = counted(&store, &seen, &scope("counted")).await;
