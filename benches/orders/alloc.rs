@@ -22,6 +22,13 @@ use crate::BoxError;
 #[global_allocator]
 static GLOBAL: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;
 
+/// Bytes live on the heap now (allocated less freed, reallocations included): the whole
+/// process's Rust allocations (SQLite allocates with its own `malloc`, not counted).
+pub(crate) fn live_bytes() -> i64 {
+    let stats = GLOBAL.stats();
+    stats.bytes_allocated as i64 - stats.bytes_deallocated as i64 + stats.bytes_reallocated as i64
+}
+
 /// Bytes allocated per request (the whole process: client, server, SQLite) for a 64 KiB JSON
 /// body, sent one at a time, through the layer and through baseline H.
 pub(crate) async fn run_alloc(options: &Options) -> Result<Vec<Extra>, BoxError> {

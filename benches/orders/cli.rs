@@ -10,6 +10,8 @@ pub(crate) const USAGE: &str = "\
 usage: cargo bench --bench orders -- [--quick] [--duration SECS] [--rounds N]
              [--cases A,B,C,D,H,R,E,hold,alloc,wal] [--concurrency 1,16,64]
              [--modes full,normal] [--database-url URL] [--client-threads N] [--out DIR]
+             [--scale [--scale-rows 0,1000000,10000000] [--scale-parts LIST]
+              [--scale-purge-rows N]]
        cargo bench --bench orders -- --serve [--modes full|normal|pg] [--database-url URL]
        cargo bench --bench orders -- --table [DIR]
 
@@ -32,8 +34,17 @@ usage: cargo bench --bench orders -- [--quick] [--duration SECS] [--rounds N]
   --database-url URL   run A, B, H, R, AR, SA and SH on PostgreSQL too (tables in a fresh
                        schema)
   --client-threads N   threads of the load generator's runtime (default 1)
-  --out DIR            where results.csv, goals.csv, extras.csv and throughput.svg go
-                       (default benches/orders/results: the run the docs quote)
+  --out DIR            where results.csv, goals.csv, extras.csv, scale.csv and
+                       throughput.svg go (default benches/orders/results: the run the docs
+                       quote)
+  --scale              the slow measurements of how cost grows (scale.rs; alone unless
+                       --cases is given too): records already stored, purging while
+                       serving, body size, concurrency up to 1024; on SQLite (FULL, or
+                       NORMAL with --modes normal) and PostgreSQL (with a URL); the load
+                       generator gets 2 threads unless --client-threads says otherwise
+  --scale-rows LIST    records in the table for `records` (default 0,1000000,10000000)
+  --scale-parts LIST   which of records, purge, body, concurrency (default all four)
+  --scale-purge-rows N expired records the `purge` part purges (default 1000000)
   --serve              measure nothing: start the server of one mode (default full) with
                        its routes and the rows case R reads, print how to call it, and run
                        until Ctrl-C (for a profiler: perf, strace, valgrind)
@@ -188,6 +199,8 @@ pub(crate) struct Options {
     /// PostgreSQL runs its cases when given.
     pub(crate) database_url: Option<String>,
     pub(crate) client_threads: usize,
+    /// `--scale`: the measurements of how cost grows (`scale.rs`).
+    pub(crate) scale: Option<Box<crate::scale::ScaleOptions>>,
 }
 
 pub(crate) enum Command {
@@ -216,8 +229,9 @@ impl Command {
         let mut modes = None;
         let mut out = PathBuf::from(RESULTS);
         let mut database_url = None;
-        let mut client_threads = 1;
+        let mut client_threads = None;
         let mut serve = false;
+        let mut scale = None::<Box<crate::scale::ScaleOptions>>;
         while let Some(arg) = args.next() {
             let (flag, inline) = match arg.split_once('=') {
                 Some((flag, value)) if flag.starts_with("--") => (flag, Some(value.to_owned())),
@@ -284,11 +298,21 @@ impl Command {
                 "--out" => out = PathBuf::from(value()?),
                 "--database-url" => database_url = Some(value()?),
                 "--client-threads" => {
-                    client_threads = value()?
-                        .parse::<usize>()
-                        .ok()
-                        .filter(|n| (1..=64).contains(n))
-                        .ok_or("--client-threads takes an integer from 1 to 64")?;
+                    client_threads = Some(
+                        value()?
+                            .parse::<usize>()
+                            .ok()
+                            .filter(|n| (1..=64).contains(n))
+                            .ok_or("--client-threads takes an integer from 1 to 64")?,
+                    );
+                }
+                "--scale" if inline.is_none() => {
+                    scale.get_or_insert_with(Default::default);
+                }
+                "--scale-rows" | "--scale-parts" | "--scale-purge-rows" => {
+                    scale
+                        .get_or_insert_with(Default::default)
+                        .parse(flag, &value()?)?;
                 }
                 _ => return Err(format!("unknown argument `{arg}`")),
             }
@@ -296,6 +320,8 @@ impl Command {
 
         let (mut cases, mut hold, mut alloc, mut wal) = (Vec::new(), false, false, false);
         match selected {
+            // `--scale` alone runs the scale measurements only.
+            None if scale.is_some() => {}
             None => {
                 cases = vec![
                     Case::A,
@@ -372,7 +398,9 @@ impl Command {
             out,
             quick,
             database_url,
-            client_threads,
+            // The scale cases open up to 1024 connections: two client threads unless told.
+            client_threads: client_threads.unwrap_or(if scale.is_some() { 2 } else { 1 }),
+            scale,
         }))
     }
 }
@@ -407,6 +435,9 @@ impl Options {
         }
         if self.hold {
             total += self.warmup + measured.max(Duration::from_millis(800)) * 3;
+        }
+        if let Some(scale) = &self.scale {
+            total += scale.estimate(self);
         }
         total
     }

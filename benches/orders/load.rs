@@ -128,6 +128,21 @@ pub(crate) enum Workload {
     },
     /// `GET /orders/{id}` for ids `first` .. `first + count - 1`.
     Read { first: u64, count: u64 },
+    /// `POST path` with a new key `key(n)` each time, n counting from `next`'s start
+    /// (`scale.rs`: UUID-like keys spread over the key space, as real clients send).
+    CreateKeyed {
+        path: &'static str,
+        body: Bytes,
+        next: AtomicU64,
+        key: fn(u64) -> String,
+    },
+    /// `POST /orders` replaying `key(n)` for a random n below `count` (records written
+    /// beforehand with `body`'s fingerprint, `scale.rs`).
+    ReplayKeyed {
+        body: Bytes,
+        count: u64,
+        key: fn(u64) -> String,
+    },
 }
 
 /// What a response must look like to count as a success.
@@ -192,6 +207,23 @@ impl Workload {
                         created_fresh(),
                     )
                 }
+            }
+            Workload::CreateKeyed {
+                path,
+                body,
+                next,
+                key,
+            } => {
+                let key = key(next.fetch_add(1, Ordering::Relaxed));
+                (
+                    post_request(conn, path, &key, Full::new(body.clone())),
+                    created_fresh(),
+                )
+            }
+            Workload::ReplayKeyed { body, count, key } => {
+                let key = key(conn.next_random() % count);
+                let body = Full::new(body.clone());
+                (post_request(conn, "/orders", &key, body), replayed())
             }
             Workload::Read { first, count } => {
                 let id = first + conn.next_random() % count;

@@ -22,7 +22,8 @@
 //! accounting, `report.rs` the printed tables, the goals and the CSV files, `chart.rs` the chart,
 //! `serve.rs` a server left running for a profiler (`--serve`), `table.rs` the docs' tables
 //! read back from a run's CSV files (`--table`), `wal.rs` the WAL frames a new key writes
-//! (`--cases wal`).
+//! (`--cases wal`), `scale.rs` the slow measurements of how cost grows (`--scale`: records
+//! already stored, purging while serving, body size, concurrency).
 //!
 //! Every SQLite case gets a fresh database (WAL) in a temp dir (`TMPDIR` picks where: keep it
 //! on a real disk, or `synchronous=FULL` measures no fsync at all) and its own server on
@@ -81,6 +82,7 @@ mod hand;
 mod load;
 mod postgres;
 mod report;
+mod scale;
 mod serve;
 mod servers;
 mod table;
@@ -223,10 +225,17 @@ async fn run(options: &Options) -> Result<(), BoxError> {
         extras.extend(alloc::run_alloc(options).await?);
     }
 
+    let mut written = Vec::new();
+    if let Some(scale) = &options.scale {
+        eprintln!("running scale ...");
+        let measured = scale::run(options, scale).await?;
+        goals.extend(measured.goals);
+        written.push(measured.csv);
+    }
+
     extras.extend(extras::disk_probe("after", options).await?);
 
     std::fs::create_dir_all(&options.out)?;
-    let mut written = Vec::new();
     if !rows.is_empty() {
         let csv = options.out.join("results.csv");
         report::write_results_csv(&csv, &rows)?;

@@ -129,6 +129,11 @@ impl PgDatabase {
         })
     }
 
+    /// The schema the tables live in.
+    pub(crate) fn schema(&self) -> &str {
+        &self.schema
+    }
+
     /// The process ids of the backends serving this benchmark's connections.
     pub(crate) async fn backends(&self) -> Result<Vec<i32>, BoxError> {
         let rows = self

@@ -106,11 +106,17 @@ pub(crate) struct Goal {
 impl Goal {
     /// A goal that `value` be at most `goal` (the WAL count's, `wal.rs`).
     pub(crate) fn at_most(what: String, value: f64, goal: f64, detail: String) -> Self {
+        Self::new(what, value, goal, false, detail)
+    }
+
+    /// A goal measured elsewhere (`scale.rs`): `value` must be at least (`at_least`) or at
+    /// most `goal`.
+    pub(crate) fn new(what: String, value: f64, goal: f64, at_least: bool, detail: String) -> Self {
         Goal {
             what,
             value,
             goal,
-            at_least: false,
+            at_least,
             detail,
         }
     }
@@ -234,11 +240,15 @@ pub(crate) fn goals(rows: &[Row]) -> Vec<Goal> {
 }
 
 pub(crate) fn print_goals(goals: &[Goal]) {
+    print_goals_titled("Goals (this run)", goals);
+}
+
+pub(crate) fn print_goals_titled(title: &str, goals: &[Goal]) {
     if goals.is_empty() {
         return;
     }
     println!();
-    println!("Goals (this run)");
+    println!("{title}");
     for goal in goals {
         println!(
             "  {:<66} {:>6.2}  goal {} {:<4} {:<8} ({})",

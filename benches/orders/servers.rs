@@ -402,7 +402,12 @@ pub(crate) struct Server {
 impl Server {
     /// A server on a fresh SQLite database.
     pub(crate) async fn start(mode: Mode) -> Result<Self, BoxError> {
-        let dir = tempfile::tempdir()?;
+        Self::start_in(tempfile::tempdir()?, mode).await
+    }
+
+    /// A server on the database `orders.db` in `dir`, created there unless it exists (the
+    /// scale measurements fill it beforehand, `scale.rs`).
+    pub(crate) async fn start_in(dir: tempfile::TempDir, mode: Mode) -> Result<Self, BoxError> {
         let path = dir.path().join("orders.db");
         let store = create_database(&path, mode).await?;
         let baseline = BaselineWriter::open(&path, mode)?;
@@ -520,6 +525,22 @@ impl Server {
                  {committed}, the store's readers count {via_store}"
             )
         }))
+    }
+
+    /// The SQLite store of this server (none on PostgreSQL).
+    pub(crate) fn sqlite_store(&self) -> Option<&SqliteStore> {
+        match &self.backend {
+            Backend::Sqlite(state, _) => Some(&state.store),
+            Backend::Postgres(_) => None,
+        }
+    }
+
+    /// The PostgreSQL database of this server (none on SQLite).
+    pub(crate) fn postgres(&self) -> Option<&PgDatabase> {
+        match &self.backend {
+            Backend::Sqlite(..) => None,
+            Backend::Postgres(database) => Some(database),
+        }
     }
 
     /// The PostgreSQL backends serving this server (none on SQLite).
