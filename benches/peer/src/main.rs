@@ -29,11 +29,11 @@ use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use axum_idempotent::{IdempotentLayer, IdempotentOptions};
 use fred::prelude::{Builder, ClientLike, Config, ReconnectPolicy};
+use rusqlite::{Connection, OptionalExtension};
 use ruts::store::moka::MokaStore;
 use ruts::store::redis::RedisStore;
 use ruts::store::{SessionStore, Ttl};
 use ruts::{CookieOptions, Session, SessionLayer};
-use rusqlite::{Connection, OptionalExtension};
 use serde_json::{json, Value};
 use tower_cookies::CookieManagerLayer;
 
@@ -75,12 +75,10 @@ fn parse_args() -> Result<Args, String> {
             "--addr" => args.addr = value()?,
             "--db" => args.db = value()?.into(),
             "--store" => args.store = value()?,
-            "-h" | "--help" => {
-                return Err(
-                    "usage: peer [--addr ADDR] [--db PATH] [--store moka | --store redis://HOST:PORT]"
-                        .into(),
-                )
-            }
+            "-h" | "--help" => return Err(
+                "usage: peer [--addr ADDR] [--db PATH] [--store moka | --store redis://HOST:PORT]"
+                    .into(),
+            ),
             other => return Err(format!("unknown flag {other}")),
         }
     }
@@ -181,7 +179,9 @@ async fn login<T: SessionStore>(
     Extension(Tenant(tenant)): Extension<Tenant>,
     session: Session<T>,
 ) -> Response {
-    let ttl = Ttl::new(SESSION_SECS as i64).unwrap_or_default();
+    let Ok(ttl) = Ttl::new(SESSION_SECS as i64) else {
+        return error(StatusCode::INTERNAL_SERVER_ERROR, "internal_error");
+    };
     match session.set("tenant", &tenant, ttl, None).await {
         Ok(()) => StatusCode::NO_CONTENT.into_response(),
         Err(err) => {
@@ -203,7 +203,9 @@ async fn create_order(
         Err(code) => return error(StatusCode::BAD_REQUEST, code),
     };
     let written = tokio::task::spawn_blocking(move || {
-        let mut conn = db.lock().map_err(|_| "database lock poisoned".to_string())?;
+        let mut conn = db
+            .lock()
+            .map_err(|_| "database lock poisoned".to_string())?;
         insert_order(&mut conn, tenant, &sku, quantity).map_err(|e| e.to_string())
     })
     .await;
@@ -268,7 +270,9 @@ async fn get_order(
         return error(StatusCode::NOT_FOUND, "not_found");
     };
     let found = tokio::task::spawn_blocking(move || {
-        let conn = db.lock().map_err(|_| "database lock poisoned".to_string())?;
+        let conn = db
+            .lock()
+            .map_err(|_| "database lock poisoned".to_string())?;
         conn.query_row(
             "SELECT sku, quantity FROM orders WHERE id = ?1 AND tenant_id = ?2",
             (id, tenant),

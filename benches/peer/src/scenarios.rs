@@ -125,28 +125,36 @@ async fn run() -> Result<(), BoxError> {
 // The scenarios
 // ---------------------------------------------------------------------------------------------
 
-/// 32 requests with one key, sent at the same moment.
+/// 32 requests with one key, sent at the same moment; five rounds, a key each.
 async fn one_key_at_once(target: &Target) -> Result<String, BoxError> {
     let mut server = target.start("one-key").await?;
     let cookie = server.login().await?;
-    let before = server.orders()?;
-    let barrier = Arc::new(Barrier::new(32));
-    let mut tasks = Vec::new();
-    for _ in 0..32 {
-        let (barrier, addr, cookie) = (barrier.clone(), server.addr.clone(), cookie.clone());
-        tasks.push(tokio::spawn(async move {
-            let request = post_order(&addr, "same-key-1", ORDER, cookie.as_deref());
-            barrier.wait().await;
-            request.await
-        }));
-    }
     let mut statuses = Statuses::default();
-    for task in tasks {
-        statuses.add(task.await?);
+    let mut per_round = Vec::new();
+    for round in 0..5 {
+        let before = server.orders()?;
+        let barrier = Arc::new(Barrier::new(32));
+        let mut tasks = Vec::new();
+        for _ in 0..32 {
+            let (barrier, addr, cookie) = (barrier.clone(), server.addr.clone(), cookie.clone());
+            tasks.push(tokio::spawn(async move {
+                // Connected before the barrier, so that the 32 requests leave together.
+                let stream = TcpStream::connect(&addr).await;
+                barrier.wait().await;
+                let key = format!("same-key-{round}");
+                post_order_on(stream?, &addr, &key, ORDER, cookie.as_deref()).await
+            }));
+        }
+        for task in tasks {
+            statuses.add(task.await?);
+        }
+        per_round.push((server.orders()? - before).to_string());
     }
-    let created = server.orders()? - before;
     server.kill().await;
-    let line = format!("32 at once, one key: {created} orders; answers {statuses}");
+    let line = format!(
+        "32 at once with one key, 5 rounds: orders per round {}; answers {statuses}",
+        per_round.join("/")
+    );
     println!("{line}");
     Ok(line)
 }
@@ -165,8 +173,12 @@ async fn sigkill(target: &Target, kills: usize) -> Result<String, BoxError> {
         let sent = Arc::new(AtomicUsize::new(0));
         let mut workers = Vec::new();
         for worker in 0..16 {
-            let (addr, cookie, stop, sent) =
-                (server.addr.clone(), cookie.clone(), stop.clone(), sent.clone());
+            let (addr, cookie, stop, sent) = (
+                server.addr.clone(),
+                cookie.clone(),
+                stop.clone(),
+                sent.clone(),
+            );
             workers.push(tokio::spawn(async move {
                 let mut keys = Vec::new();
                 let mut n = 0;
@@ -458,7 +470,16 @@ impl Redis {
     async fn start_again(&mut self) -> Result<(), BoxError> {
         let port = self.addr.rsplit(':').next().unwrap_or_default().to_owned();
         let child = Command::new(&self.program)
-            .args(["--port", &port, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .args([
+                "--port",
+                &port,
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
             .arg("--dir")
             .arg(&self.dir)
             .stdout(Stdio::null())
@@ -523,6 +544,19 @@ async fn post_order(
     body: &str,
     cookie: Option<&str>,
 ) -> Result<Reply, BoxError> {
+    let stream = tokio::time::timeout(TIMEOUT, TcpStream::connect(addr))
+        .await
+        .map_err(|_| -> BoxError { "timeout".into() })??;
+    post_order_on(stream, addr, key, body, cookie).await
+}
+
+async fn post_order_on(
+    stream: TcpStream,
+    addr: &str,
+    key: &str,
+    body: &str,
+    cookie: Option<&str>,
+) -> Result<Reply, BoxError> {
     let mut headers = vec![
         ("Idempotency-Key", key.to_owned()),
         ("Content-Type", "application/json".to_owned()),
@@ -530,7 +564,7 @@ async fn post_order(
     if let Some(cookie) = cookie {
         headers.push(("Cookie", cookie.to_owned()));
     }
-    request(addr, "POST", "/orders", &headers, body).await
+    exchange(stream, addr, "POST", "/orders", &headers, body).await
 }
 
 async fn request(
@@ -540,8 +574,22 @@ async fn request(
     headers: &[(&str, String)],
     body: &str,
 ) -> Result<Reply, BoxError> {
+    let stream = tokio::time::timeout(TIMEOUT, TcpStream::connect(addr))
+        .await
+        .map_err(|_| -> BoxError { "timeout".into() })??;
+    exchange(stream, addr, method, path, headers, body).await
+}
+
+/// One request on `stream`, `Connection: close`; the answer within [`TIMEOUT`].
+async fn exchange(
+    mut stream: TcpStream,
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, String)],
+    body: &str,
+) -> Result<Reply, BoxError> {
     let exchange = async {
-        let mut stream = TcpStream::connect(addr).await?;
         let mut head = format!(
             "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\
              Authorization: Bearer shop-a-token\r\nContent-Length: {}\r\n",
