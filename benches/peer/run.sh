@@ -77,6 +77,11 @@ measure() {
   awk '/^Requests\/sec:/ {print $2}' <<<"$out"
 }
 
+# The disk's fsync latency, which bounds durable new keys at c1.
+fsync_us=$( { TIMEFORMAT=%R; time dd if=/dev/zero of="$work/fsync-probe" bs=4k count=200 oflag=dsync 2>/dev/null; } 2>&1 |
+  awk '{printf "%.0f", $1 * 1e6 / 200}')
+echo "fsync latency: ${fsync_us} us per 4 KiB write+sync (the machine may be shared: compare ratios, not figures)"
+
 cases=("new_keys.lua 1" "new_keys.lua 64" "replays.lua 1" "replays.lua 64")
 declare -A rps
 for name in "${servers[@]}"; do
@@ -85,7 +90,7 @@ for name in "${servers[@]}"; do
   DURATION_SAVED=$duration; duration=2; measure new_keys.lua 16 >/dev/null; duration=$DURATION_SAVED
   for case in "${cases[@]}"; do
     rps[$name,$case]=$(measure $case)
-    printf '%-10s %-14s c%-3s %10s req/s\n' "$name" "${case% *}" "${case#* }" "${rps[$name,$case]}"
+    printf '%-10s %-9s c%-3s %10s req/s\n' "$name" "${case%.lua *}" "${case#* }" "${rps[$name,$case]}"
   done
   kill "$PID"; wait "$PID" 2>/dev/null || true
 done
@@ -97,13 +102,13 @@ goal() { # goal CASE PEER MIN
   local r
   r=$(awk -v a="${rps[orders,$1]}" -v b="${rps[$2,$1]}" 'BEGIN {printf "%.2f", a / b}')
   if awk -v r="$r" -v m="$3" 'BEGIN {exit !(r >= m)}'; then verdict=met; met=$((met + 1)); else verdict="NOT met"; missed=$((missed + 1)); fi
-  printf '  %-14s c%-3s vs %-10s %5sx   goal >= %s: %s\n' "${1% *}" "${1#* }" "$2" "$r" "$3" "$verdict"
+  printf '  %-9s c%-3s vs %-10s %5sx   goal >= %s: %s\n' "${1%.lua *}" "${1#* }" "$2" "$r" "$3" "$verdict"
 }
 for case in "${cases[@]}"; do
   [[ " ${servers[*]} " == *" peer-redis "* ]] && goal "$case" peer-redis 1.0
   if [[ $case == "new_keys.lua 64" ]]; then
     r=$(awk -v a="${rps[orders,$case]}" -v b="${rps[peer-moka,$case]}" 'BEGIN {printf "%.2f", a / b}')
-    printf '  %-14s c%-3s vs %-10s %5sx   (no goal)\n' new_keys 64 peer-moka "$r"
+    printf '  %-9s c%-3s vs %-10s %5sx   (no goal)\n' new_keys 64 peer-moka "$r"
   else
     goal "$case" peer-moka 0.8
   fi
