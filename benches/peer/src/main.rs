@@ -1,0 +1,296 @@
+//! The peer: what a user who does not know tower-idempotency would build for the same order
+//! API. `axum-idempotent` caches each response in a `ruts` session store (in memory with
+//! `moka`, or Redis), and the handler writes the order and its `order_created` event by hand in
+//! one rusqlite transaction on a durable SQLite file (WAL, `synchronous=FULL`).
+//!
+//! The API is the `orders` example's: `POST /orders` with `Authorization: Bearer
+//! shop-a-token`, `Idempotency-Key` and `{"sku":"book","quantity":1}` answers `201` with
+//! `Location: /orders/{id}` and `{"order_id":id}`; `GET /orders/{id}`. One thing more: the
+//! middleware caches only for a request that carries a session, so `POST /login` (same
+//! `Authorization`) writes the session and answers its cookie, which every order request then
+//! sends.
+//!
+//! ```text
+//! peer [--addr 127.0.0.1:3001] [--db peer.db] [--store moka | --store redis://127.0.0.1:6380]
+//! ```
+//!
+//! Prints `listening on http://ADDR` first, as the `orders` example does.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use axum::body::Bytes;
+use axum::extract::{Path, Request, State};
+use axum::http::header::{AUTHORIZATION, LOCATION};
+use axum::http::StatusCode;
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Extension, Json, Router};
+use axum_idempotent::{IdempotentLayer, IdempotentOptions};
+use fred::prelude::{Builder, ClientLike, Config, ReconnectPolicy};
+use rusqlite::{Connection, OptionalExtension};
+use ruts::store::moka::MokaStore;
+use ruts::store::redis::RedisStore;
+use ruts::store::{SessionStore, Ttl};
+use ruts::{CookieOptions, Session, SessionLayer};
+use serde_json::{json, Value};
+use tower_cookies::CookieManagerLayer;
+
+/// How long a session, and so each cached response, lives: a day.
+const SESSION_SECS: u64 = 24 * 60 * 60;
+
+const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS orders (
+    id        INTEGER PRIMARY KEY,
+    tenant_id TEXT    NOT NULL,
+    sku       TEXT    NOT NULL,
+    quantity  INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS order_events (
+    id      INTEGER PRIMARY KEY,
+    topic   TEXT NOT NULL,
+    payload TEXT NOT NULL
+);";
+
+/// The one SQLite connection every write goes through (SQLite has one writer at a time).
+type Db = Arc<Mutex<Connection>>;
+
+struct Args {
+    addr: String,
+    db: PathBuf,
+    store: String,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut args = Args {
+        addr: "127.0.0.1:3001".into(),
+        db: "peer.db".into(),
+        store: "moka".into(),
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().ok_or(format!("{flag} needs a value"));
+        match flag.as_str() {
+            "--addr" => args.addr = value()?,
+            "--db" => args.db = value()?.into(),
+            "--store" => args.store = value()?,
+            "-h" | "--help" => return Err(
+                "usage: peer [--addr ADDR] [--db PATH] [--store moka | --store redis://HOST:PORT]"
+                    .into(),
+            ),
+            other => return Err(format!("unknown flag {other}")),
+        }
+    }
+    Ok(args)
+}
+
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    match run().await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("peer: {error}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    let args = parse_args()?;
+    let conn = Connection::open(&args.db)?;
+    // Durable: a `201` only after the commit reached the disk.
+    conn.pragma_update(None, "journal_mode", "WAL")?;
+    conn.pragma_update(None, "synchronous", "FULL")?;
+    conn.execute_batch(SCHEMA)?;
+    let db: Db = Arc::new(Mutex::new(conn));
+
+    let app = if args.store == "moka" {
+        app(Arc::new(MokaStore::builder().build()), db)
+    } else if args.store.starts_with("redis://") {
+        let mut builder = Builder::from_config(Config::from_url(&args.store)?);
+        builder.set_policy(ReconnectPolicy::default());
+        let client = builder.build()?;
+        client.init().await?;
+        app(Arc::new(RedisStore::new(Arc::new(client)).await?), db)
+    } else {
+        return Err(format!("unknown store {}", args.store).into());
+    };
+
+    let listener = tokio::net::TcpListener::bind(&args.addr).await?;
+    println!(
+        "listening on http://{} (database {}, sessions in {})",
+        listener.local_addr()?,
+        args.db.display(),
+        args.store
+    );
+    axum::serve(listener, app).await?;
+    Ok(())
+}
+
+/// The order API, with the layers in the order the middleware's documentation gives:
+/// cookies outermost, then the session, then the idempotency cache.
+fn app<T: SessionStore>(store: Arc<T>, db: Db) -> Router {
+    let idempotent = IdempotentOptions::default()
+        // The recommended mode: the client's key is the cache key.
+        .use_idempotency_key_header(Some("Idempotency-Key"), true)
+        .expire_after(SESSION_SECS as i64);
+    Router::new()
+        .route(
+            "/orders",
+            post(create_order).layer(IdempotentLayer::<T>::new(idempotent)),
+        )
+        .route("/orders/{id}", get(get_order))
+        .route("/login", post(login::<T>))
+        .layer(middleware::from_fn(authenticate))
+        .layer(
+            SessionLayer::new(store).with_cookie_options(
+                CookieOptions::build()
+                    .name("session")
+                    .path("/")
+                    .max_age(SESSION_SECS),
+            ),
+        )
+        .layer(CookieManagerLayer::new())
+        .with_state(db)
+}
+
+/// The `orders` example's demo authentication: a fixed token per tenant.
+async fn authenticate(mut request: Request, next: Next) -> Response {
+    let token = request
+        .headers()
+        .get(AUTHORIZATION)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.strip_prefix("Bearer "));
+    let tenant = match token {
+        Some("shop-a-token") => "shop-a",
+        Some("shop-b-token") => "shop-b",
+        _ => return error(StatusCode::UNAUTHORIZED, "unauthenticated"),
+    };
+    request.extensions_mut().insert(Tenant(tenant));
+    next.run(request).await
+}
+
+#[derive(Clone, Copy)]
+struct Tenant(&'static str);
+
+/// `POST /login`: writes the session, so that it gets an id and its cookie.
+async fn login<T: SessionStore>(
+    Extension(Tenant(tenant)): Extension<Tenant>,
+    session: Session<T>,
+) -> Response {
+    let Ok(ttl) = Ttl::new(SESSION_SECS as i64) else {
+        return error(StatusCode::INTERNAL_SERVER_ERROR, "internal_error");
+    };
+    match session.set("tenant", &tenant, ttl, None).await {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err(err) => {
+            eprintln!("login: {err}");
+            error(StatusCode::SERVICE_UNAVAILABLE, "session_store_unavailable")
+        }
+    }
+}
+
+/// `POST /orders`: validates like the `orders` example, then inserts the order and its event
+/// in one transaction.
+async fn create_order(
+    State(db): State<Db>,
+    Extension(Tenant(tenant)): Extension<Tenant>,
+    body: Bytes,
+) -> Response {
+    let (sku, quantity) = match parse_order(&body) {
+        Ok(order) => order,
+        Err(code) => return error(StatusCode::BAD_REQUEST, code),
+    };
+    let written = tokio::task::spawn_blocking(move || {
+        let mut conn = db
+            .lock()
+            .map_err(|_| "database lock poisoned".to_string())?;
+        insert_order(&mut conn, tenant, &sku, quantity).map_err(|e| e.to_string())
+    })
+    .await;
+    match written {
+        Ok(Ok(order_id)) => (
+            StatusCode::CREATED,
+            [(LOCATION, format!("/orders/{order_id}"))],
+            Json(json!({ "order_id": order_id })),
+        )
+            .into_response(),
+        Ok(Err(err)) => {
+            eprintln!("inserting the order: {err}");
+            error(StatusCode::INTERNAL_SERVER_ERROR, "internal_error")
+        }
+        Err(err) => {
+            eprintln!("inserting the order: {err}");
+            error(StatusCode::INTERNAL_SERVER_ERROR, "internal_error")
+        }
+    }
+}
+
+/// The order and its `order_created` event, in one transaction.
+fn insert_order(
+    conn: &mut Connection,
+    tenant: &str,
+    sku: &str,
+    quantity: i64,
+) -> rusqlite::Result<i64> {
+    let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+    tx.prepare_cached("INSERT INTO orders (tenant_id, sku, quantity) VALUES (?1, ?2, ?3)")?
+        .execute((tenant, sku, quantity))?;
+    let order_id = tx.last_insert_rowid();
+    let event = json!({ "order_id": order_id, "tenant": tenant, "sku": sku, "quantity": quantity });
+    tx.prepare_cached("INSERT INTO order_events (topic, payload) VALUES ('order_created', ?1)")?
+        .execute([event.to_string()])?;
+    tx.commit()?;
+    Ok(order_id)
+}
+
+/// The `orders` example's rules: an sku of 1 to 100 characters, a quantity of 1 to 100.
+fn parse_order(body: &[u8]) -> Result<(String, i64), &'static str> {
+    let value: Value = serde_json::from_slice(body).map_err(|_| "invalid_key_or_sku")?;
+    let sku = value
+        .get("sku")
+        .and_then(Value::as_str)
+        .filter(|sku| (1..=100).contains(&sku.chars().count()))
+        .ok_or("invalid_key_or_sku")?;
+    let quantity = value.get("quantity").and_then(Value::as_i64).unwrap_or(0);
+    if !(1..=100).contains(&quantity) {
+        return Err("invalid_quantity");
+    }
+    Ok((sku.to_owned(), quantity))
+}
+
+/// `GET /orders/{id}`: the caller's own order.
+async fn get_order(
+    State(db): State<Db>,
+    Extension(Tenant(tenant)): Extension<Tenant>,
+    Path(id): Path<String>,
+) -> Response {
+    let Ok(id) = id.parse::<i64>() else {
+        return error(StatusCode::NOT_FOUND, "not_found");
+    };
+    let found = tokio::task::spawn_blocking(move || {
+        let conn = db
+            .lock()
+            .map_err(|_| "database lock poisoned".to_string())?;
+        conn.query_row(
+            "SELECT sku, quantity FROM orders WHERE id = ?1 AND tenant_id = ?2",
+            (id, tenant),
+            |row| Ok((row.get::<_, String>(0)?, row.get::<_, i64>(1)?)),
+        )
+        .optional()
+        .map_err(|e| e.to_string())
+    })
+    .await;
+    match found {
+        Ok(Ok(Some((sku, quantity)))) => {
+            Json(json!({ "order_id": id, "sku": sku, "quantity": quantity })).into_response()
+        }
+        Ok(Ok(None)) => error(StatusCode::NOT_FOUND, "not_found"),
+        _ => error(StatusCode::INTERNAL_SERVER_ERROR, "internal_error"),
+    }
+}
+
+fn error(status: StatusCode, code: &str) -> Response {
+    (status, Json(json!({ "error": code }))).into_response()
+}
