@@ -979,7 +979,7 @@ async fn shut_down(server: Arc<Server>) -> Result<(), BoxError> {
 // ---------------------------------------------------------------------------------------------
 
 /// Records per purge transaction (the batch of `continuously_purge_expired`'s example).
-const PURGE_BATCH: usize = 1000;
+const PURGE_BATCH: usize = 200;
 
 /// The load's windows: short, so that the purge's end is seen within one.
 const WINDOW: Duration = Duration::from_millis(250);
