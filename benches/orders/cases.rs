@@ -46,7 +46,8 @@ impl Row {
     }
 }
 
-fn median(values: &[f64]) -> f64 {
+/// The median of `values` (0 for none).
+pub(crate) fn median(values: &[f64]) -> f64 {
     let mut sorted = values.to_vec();
     sorted.sort_by(f64::total_cmp);
     match sorted.len() {

@@ -45,7 +45,7 @@ use tower_idempotency::fingerprint::Fingerprinter;
 use tower_idempotency::store::sqlite::rusqlite::Connection;
 use tower_idempotency::store::tokio_postgres::tokio_postgres::{self, NoTls};
 
-use crate::cases::percentile_ms;
+use crate::cases::{median, percentile_ms};
 use crate::cli::{Mode, Options};
 use crate::cpu::CpuSample;
 use crate::load::{connect_all, run_load, Conn, Limit, LoadStats, Workload};
@@ -625,16 +625,6 @@ impl Run {
             errors: self.pooled.errors,
         };
         (figures, self.server)
-    }
-}
-
-fn median(values: &[f64]) -> f64 {
-    let mut sorted = values.to_vec();
-    sorted.sort_by(f64::total_cmp);
-    match sorted.len() {
-        0 => 0.0,
-        n if n % 2 == 1 => sorted[n / 2],
-        n => (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0,
     }
 }
 
