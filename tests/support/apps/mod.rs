@@ -10,6 +10,9 @@
 pub mod grpc_orders;
 #[path = "../../../examples/inventory/app.rs"]
 pub mod inventory;
+// Like the gRPC app, it brings the order examples' `common/order_table.rs` as its program has
+// it: two apps in one test crate load that file twice, as two modules with types of their own.
+#[allow(clippy::duplicate_mod)]
 #[path = "../../../examples/orders/app.rs"]
 pub mod orders;
 pub mod process;
