@@ -5,7 +5,7 @@ use std::future::IntoFuture;
 
 use tower_idempotency::body::BoxError;
 
-use crate::{app, open_store};
+use crate::app::{app, open_store};
 
 /// The six steps, their checks and their lines, shared with the gRPC example.
 #[path = "../common/lab.rs"]

@@ -6,13 +6,16 @@
 
 use std::time::Duration;
 
+use tower_idempotency::body::BoxError;
 type PostgresOutbox =
     tower_idempotency::outbox::Outbox<tower_idempotency::store::tokio_postgres::PostgresStore>;
 use tower_idempotency::store::continuously_purge_expired;
 use tower_idempotency::store::tokio_postgres::{PostgresHandle, PostgresStore};
 use tower_idempotency::Tenant;
 
-use super::{app, server, webhook, BoxError, DbResult, NewOrder, OrderDatabase, OrderHandle};
+use crate::app::order_table::NewOrder;
+use crate::app::{app, DbResult, OrderDatabase, OrderHandle};
+use crate::{server, webhook};
 
 /// The business table, next to `idempotency_records` (which the store creates).
 const ORDERS_SCHEMA: &str = "

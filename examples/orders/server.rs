@@ -9,8 +9,9 @@ use tower_idempotency::body::BoxError;
 type SqliteOutbox =
     tower_idempotency::outbox::Outbox<tower_idempotency::store::sqlite::SqliteStore>;
 
+use crate::app::{app, idempotency, open_store, order_table};
 use crate::cli::{self, ctrl_c};
-use crate::{app, idempotency, open_store, order_table, webhook};
+use crate::webhook;
 
 /// `GET /metrics` in the Prometheus text format.
 #[path = "metrics.rs"]

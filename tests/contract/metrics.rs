@@ -312,8 +312,8 @@ async fn the_postgres_inbox_counts_processed_events_and_duplicates() {
     // In the request's transaction (`process_in`), over HTTP behind the layer: the server runs
     // on this thread, so this thread's recorder sees it.
     let receiver = inventory::InventoryServer::spawn(&db, inventory::Mode::Layered).await;
-    let payload = r#"{"order_id":1,"tenant":"shop-a","sku":"book","quantity":1}"#;
-    let delivery = common::Post::order("event-1", payload)
+    let envelope = r#"{"id":"event-1","topic":"order_created","payload":{"order_id":1,"tenant":"shop-a","sku":"book","quantity":1}}"#;
+    let delivery = common::Post::order("event-1", envelope)
         .path("/events")
         .token(None)
         .header("event-topic", "order_created");

@@ -253,9 +253,10 @@ mod postgres {
     use std::sync::Arc;
     use std::time::Duration;
 
+    use crate::support::apps::inventory::FAIL_AFTER_RECORD;
     use crate::support::backend::EFFECTS;
     use crate::support::common::{Post, PATIENCE};
-    use crate::support::pg_common::inventory::{InventoryServer, Mode, FAIL_AFTER_RECORD};
+    use crate::support::pg_common::inventory::{InventoryServer, Mode};
     use crate::support::pg_common::TestDb;
     use http::StatusCode;
     use tokio::sync::oneshot;
@@ -745,11 +746,13 @@ mod postgres {
         deliveries_at_once_apply_each_event_once(Isolation::Serializable, 6, 4, false).await;
     }
 
-    /// An event delivery to the inventory receiver: `POST /events` with the event id as
-    /// `Idempotency-Key`.
+    /// An event delivery to the inventory receiver, as the orders example's relay sends it:
+    /// `POST /events` with the event in its envelope, the id also as `Idempotency-Key`.
     fn delivery(event_id: &str, sku: &str) -> Post {
         let payload = format!(r#"{{"order_id":1,"tenant":"shop-a","sku":"{sku}","quantity":2}}"#);
-        Post::order(event_id, &payload)
+        let envelope =
+            format!(r#"{{"id":"{event_id}","topic":"order_created","payload":{payload}}}"#);
+        Post::order(event_id, &envelope)
             .path("/events")
             .token(None)
             .header("event-topic", "order_created")

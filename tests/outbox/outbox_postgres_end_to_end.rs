@@ -1,7 +1,7 @@
 //! The outbox end to end on PostgreSQL, over real HTTP: the PostgreSQL order app enqueues
 //! `order_created` in each order's transaction, relays (`PostgresOutbox`) POST the events to
-//! a receiver on PostgreSQL (`tests/support/pg_common/inventory.rs`, in a schema of its own), and the
-//! receiver's `PostgresInbox` applies each event once.
+//! the inventory example's app on PostgreSQL (`examples/inventory/app.rs`, served in-process
+//! in a schema of its own), and the receiver's `PostgresInbox` applies each event once.
 //!
 //! - A relay killed after the receiver accepted an event, before marking it delivered: the
 //!   next relay delivers it again with the same id, and the receiver acknowledges it without
@@ -23,6 +23,7 @@
 use crate::support::common;
 use crate::support::pg_common;
 
+use crate::support::apps::inventory::{SLOW, SLOW_FOR};
 use crate::support::pg_common::inventory;
 use crate::support::relay_scenarios;
 
@@ -30,11 +31,11 @@ use std::time::Duration;
 
 use common::{post, Post, PATIENCE, SHOP_A};
 use http::StatusCode;
-use inventory::{reservations, InventoryProcess, InventoryServer, Mode, SLOW, SLOW_FOR};
+use inventory::{reservations, InventoryProcess, InventoryServer, Mode};
 use pg_common::{hook, HookOutcome, PgServer, TestDb};
 use relay_scenarios::{
-    assert_each_delivered_once, deliver_then_kill, enveloped_sink, http_sink, redeliver,
-    relays_deliver_all, wait_delivered, Http,
+    assert_each_delivered_once, deliver_then_kill, enveloped_sink, redeliver, relays_deliver_all,
+    wait_delivered, Http,
 };
 use serde_json::json;
 type PostgresOutbox =
@@ -135,7 +136,7 @@ async fn killed_relay_redelivered(mode: Mode) -> Option<Redelivered> {
     let event_id = deliver_then_kill_then_redeliver(
         &orders,
         &orders_db,
-        (receiver.events_url(), http_sink),
+        (receiver.events_url(), enveloped_sink),
         &inventory_db,
     )
     .await;
@@ -223,7 +224,7 @@ async fn a_delivery_timed_out_while_the_receiver_applies_it_is_applied_once() {
     // event id's primary key until the first commits, then are duplicates.
     let outbox = PostgresOutbox::existing(&orders.store);
     let relay = tokio::spawn(
-        Relay::new(outbox.clone(), http_sink(receiver.events_url()))
+        Relay::new(outbox.clone(), enveloped_sink(receiver.events_url()))
             .with_delivery_timeout(Duration::from_millis(300))
             .with_backoff(Duration::from_millis(50), Duration::from_millis(100))
             .with_poll_interval(Duration::from_millis(10))
@@ -285,7 +286,7 @@ async fn two_relays_of_two_instances_deliver_each_event_exactly_once() {
             PostgresOutbox::existing(&orders.store),
             PostgresOutbox::existing(&other_instance),
         ],
-        || http_sink(receiver.events_url()),
+        || enveloped_sink(receiver.events_url()),
         EVENTS as u64,
     )
     .await;

@@ -5,7 +5,9 @@
 //!   [`pg_common`] for PostgreSQL on tokio-postgres and sqlx, [`mysql_common`] for MySQL and
 //!   MariaDB), and the suites written once over every store ([`backend`], `backend_tests!`);
 //! - the example programs as child processes ([`apps::process`], [`admin_tool`]) and the
-//!   example apps served in-process ([`apps::grpc_orders`], [`pg_common::inventory`]);
+//!   example apps served in-process, each the module its example program serves, never a copy
+//!   ([`apps::grpc_orders`]; [`apps::inventory`], which [`pg_common::inventory`] serves on a
+//!   PostgreSQL schema);
 //! - faults ([`sqlite_faults`]), a PostgreSQL primary with a standby ([`cluster`]), the
 //!   outbox's relay scenarios ([`relay_scenarios`]), the client's scripted servers
 //!   ([`client_common`]), and random data ([`splitmix`], [`json_bodies`]).

@@ -1,8 +1,7 @@
-//! Shared setup for the client tests: the order app (the same shape as `examples/orders.rs`:
-//! demo auth putting a `Tenant` in the extensions, `IdempotencyLayer` over `POST /orders`, the
-//! handler writing through `Tx<SqliteHandle>`), a scripted HTTP server for the retry
-//! policy, a loopback TCP proxy that loses or delays responses, and the client under test
-//! over hyper-util's client.
+//! Shared setup for the client tests: the order app of `examples/orders.rs` itself
+//! ([`apps::orders`](crate::support::apps::orders)) on a SQLite file of its own, a scripted
+//! HTTP server for the retry policy, a loopback TCP proxy that loses or delays responses, and
+//! the client under test over hyper-util's client.
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -14,12 +13,10 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::extract::{Request, State};
-use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::post;
-use axum::{Extension, Router};
+use axum::Router;
 use bytes::Bytes;
-use http::header::{AUTHORIZATION, CONTENT_TYPE, LOCATION};
+use http::header::{AUTHORIZATION, CONTENT_TYPE};
 use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
 use http_body::{Body, Frame};
 use http_body_util::{BodyExt, Full};
@@ -32,10 +29,8 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tower::{Layer, ServiceExt};
 use tower_idempotency::client::{BufferedBody, Retry, RetryError, RetryLayer, RetryOutcome};
-use tower_idempotency::extract::Tx;
-use tower_idempotency::fingerprint::Fingerprinter;
-use tower_idempotency::store::sqlite::{SqliteHandle, SqliteStore};
-use tower_idempotency::{IdempotencyLayer, Tenant};
+use tower_idempotency::store::sqlite::SqliteStore;
+use tower_idempotency::IdempotencyLayer;
 
 pub const SHOP_A: &str = "shop-a-token";
 pub const SHOP_B: &str = "shop-b-token";
@@ -47,10 +42,9 @@ pub const PATIENCE: Duration = Duration::from_secs(20);
 // The order app
 // ---------------------------------------------------------------------------------------------
 
-use crate::support::sqlite_orders;
-use sqlite_orders::{insert_order, orders_store_in_a_temp_dir};
+use crate::support::apps::orders::{app_with, idempotency, open_store};
 
-/// The order app on 127.0.0.1, over a SQLite file in a temp dir.
+/// The example's order app on 127.0.0.1, over a SQLite file in a temp dir.
 pub struct OrdersServer {
     pub addr: SocketAddr,
     pub store: SqliteStore,
@@ -63,19 +57,16 @@ impl OrdersServer {
         Self::spawn_with(|layer| layer).await
     }
 
-    /// With the idempotency layer customised (lock timeout, `Retry-After`...).
+    /// With the example's idempotency layer customised (lock timeout, `Retry-After`...).
     pub async fn spawn_with(
         customise: impl FnOnce(IdempotencyLayer<SqliteStore>) -> IdempotencyLayer<SqliteStore>,
     ) -> OrdersServer {
-        let (dir, store) = orders_store_in_a_temp_dir().await;
-        let idempotency = customise(
-            IdempotencyLayer::new(store.clone())
-                .with_operation("create_order")
-                .with_fingerprinter(Fingerprinter::json()),
-        );
-        let app = Router::new()
-            .route("/orders", post(create_order).layer(idempotency))
-            .layer(middleware::from_fn(authenticate));
+        let dir = tempfile::tempdir().expect("temp dir");
+        let store = open_store(&dir.path().join("orders.db"))
+            .await
+            .expect("open the store");
+        let layer = customise(idempotency(store.clone(), false));
+        let app = app_with(store.clone(), layer);
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("local addr");
         let task = tokio::spawn(serve(listener, app));
@@ -106,65 +97,6 @@ impl OrdersServer {
 impl Drop for OrdersServer {
     fn drop(&mut self) {
         self.task.abort();
-    }
-}
-
-/// Demo authentication, as in the example: a known bearer token becomes the tenant.
-async fn authenticate(mut request: Request, next: Next) -> Response {
-    let tenant = match request
-        .headers()
-        .get(AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-    {
-        Some("Bearer shop-a-token") => "shop-a",
-        Some("Bearer shop-b-token") => "shop-b",
-        _ => {
-            return json(
-                StatusCode::UNAUTHORIZED,
-                r#"{"error":"unauthenticated"}"#.into(),
-            )
-        }
-    };
-    request.extensions_mut().insert(Tenant::new(tenant));
-    next.run(request).await
-}
-
-/// `POST /orders`: inserts the order through the idempotency transaction, answers 201.
-async fn create_order(
-    Extension(tenant): Extension<Tenant>,
-    Tx(tx): Tx<SqliteHandle>,
-    body: Bytes,
-) -> Response {
-    let input: serde_json::Value = match serde_json::from_slice(&body) {
-        Ok(input) => input,
-        Err(_) => {
-            return json(
-                StatusCode::BAD_REQUEST,
-                r#"{"error":"invalid_json"}"#.into(),
-            )
-        }
-    };
-    let (Some(sku), Some(quantity)) = (
-        input["sku"].as_str().map(str::to_owned),
-        input["quantity"].as_i64(),
-    ) else {
-        return json(
-            StatusCode::BAD_REQUEST,
-            r#"{"error":"invalid_order"}"#.into(),
-        );
-    };
-    match insert_order(&tx, tenant.as_str(), &sku, quantity).await {
-        Ok(id) => {
-            let mut response = json(StatusCode::CREATED, format!(r#"{{"order_id":{id}}}"#));
-            if let Ok(location) = HeaderValue::from_str(&format!("/orders/{id}")) {
-                response.headers_mut().insert(LOCATION, location);
-            }
-            response
-        }
-        Err(_) => json(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            r#"{"error":"database_error"}"#.into(),
-        ),
     }
 }
 
