@@ -97,83 +97,12 @@
 //! (`cargo run --example admin`) runs them on a SQLite file or a PostgreSQL database.
 
 // Links to items of features that may be off: on docs.rs (every feature) they resolve; in a
-// build without the feature they point to docs.rs, so that no build has a broken link.
+// build without the feature they point to docs.rs, so that no build has a broken link. The
+// build script writes them for this build's features (`DOC_LINKS` in build.rs); the guide
+// includes the same file. (The empty line ends the paragraph before: rustdoc trims a doc
+// string's leading blank lines.)
 #![doc = ""]
-#![cfg_attr(
-    any(
-        feature = "sqlite",
-        feature = "tokio-postgres",
-        feature = "sqlx-postgres",
-        feature = "sqlx-mysql"
-    ),
-    doc = "[admin]: crate::admin"
-)]
-#![cfg_attr(
-    not(any(
-        feature = "sqlite",
-        feature = "tokio-postgres",
-        feature = "sqlx-postgres",
-        feature = "sqlx-mysql"
-    )),
-    doc = "[admin]: https://docs.rs/tower-idempotency/latest/tower_idempotency/admin/index.html"
-)]
-#![cfg_attr(feature = "sqlite", doc = "[sqlite]: crate::store::sqlite")]
-#![cfg_attr(
-    not(feature = "sqlite"),
-    doc = "[sqlite]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/sqlite/index.html"
-)]
-#![cfg_attr(
-    feature = "sqlite",
-    doc = "[SqliteHandle::run]: crate::store::sqlite::SqliteHandle::run"
-)]
-#![cfg_attr(
-    not(feature = "sqlite"),
-    doc = "[SqliteHandle::run]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/sqlite/struct.SqliteHandle.html#method.run"
-)]
-#![cfg_attr(feature = "axum", doc = "[Tx]: crate::extract::Tx")]
-#![cfg_attr(
-    not(feature = "axum"),
-    doc = "[Tx]: https://docs.rs/tower-idempotency/latest/tower_idempotency/extract/struct.Tx.html"
-)]
-#![cfg_attr(feature = "outbox", doc = "[outbox]: crate::outbox")]
-#![cfg_attr(
-    not(feature = "outbox"),
-    doc = "[outbox]: https://docs.rs/tower-idempotency/latest/tower_idempotency/outbox/index.html"
-)]
-#![cfg_attr(feature = "client", doc = "[client]: crate::client")]
-#![cfg_attr(
-    not(feature = "client"),
-    doc = "[client]: https://docs.rs/tower-idempotency/latest/tower_idempotency/client/index.html"
-)]
-#![cfg_attr(
-    feature = "tokio-postgres",
-    doc = "[postgres]: crate::store::tokio_postgres"
-)]
-#![cfg_attr(
-    not(feature = "tokio-postgres"),
-    doc = "[postgres]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/tokio_postgres/index.html"
-)]
-#![cfg_attr(
-    feature = "sqlx-postgres",
-    doc = "[sqlx_postgres]: crate::store::sqlx_postgres"
-)]
-#![cfg_attr(
-    not(feature = "sqlx-postgres"),
-    doc = "[sqlx_postgres]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/sqlx_postgres/index.html"
-)]
-#![cfg_attr(feature = "sqlx-mysql", doc = "[sqlx_mysql]: crate::store::sqlx_mysql")]
-#![cfg_attr(
-    not(feature = "sqlx-mysql"),
-    doc = "[sqlx_mysql]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/sqlx_mysql/index.html"
-)]
-#![cfg_attr(
-    feature = "utoipa",
-    doc = "[document]: crate::IdempotencyLayer::document"
-)]
-#![cfg_attr(
-    not(feature = "utoipa"),
-    doc = "[document]: https://docs.rs/tower-idempotency/latest/tower_idempotency/struct.IdempotencyLayer.html#method.document"
-)]
+#![doc = include_str!(concat!(env!("OUT_DIR"), "/doc_links.md"))]
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations)]
 #![deny(unreachable_pub)]
@@ -195,97 +124,7 @@ pub mod extract;
 pub mod fingerprint;
 #[doc = include_str!("docs/guide.md")]
 #[doc = ""]
-#[cfg_attr(
-    any(
-        feature = "sqlite",
-        feature = "tokio-postgres",
-        feature = "sqlx-postgres",
-        feature = "sqlx-mysql"
-    ),
-    doc = "[admin]: crate::admin"
-)]
-#[cfg_attr(
-    not(any(
-        feature = "sqlite",
-        feature = "tokio-postgres",
-        feature = "sqlx-postgres",
-        feature = "sqlx-mysql"
-    )),
-    doc = "[admin]: https://docs.rs/tower-idempotency/latest/tower_idempotency/admin/index.html"
-)]
-#[cfg_attr(feature = "sqlite", doc = "[sqlite]: crate::store::sqlite")]
-#[cfg_attr(
-    not(feature = "sqlite"),
-    doc = "[sqlite]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/sqlite/index.html"
-)]
-#[cfg_attr(
-    feature = "sqlite",
-    doc = "[SqliteHandle]: crate::store::sqlite::SqliteHandle"
-)]
-#[cfg_attr(
-    not(feature = "sqlite"),
-    doc = "[SqliteHandle]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/sqlite/struct.SqliteHandle.html"
-)]
-#[cfg_attr(
-    feature = "sqlite",
-    doc = "[SqliteHandle::run]: crate::store::sqlite::SqliteHandle::run"
-)]
-#[cfg_attr(
-    not(feature = "sqlite"),
-    doc = "[SqliteHandle::run]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/sqlite/struct.SqliteHandle.html#method.run"
-)]
-#[cfg_attr(
-    feature = "sqlite",
-    doc = "[SqliteStore::write]: crate::store::sqlite::SqliteStore::write"
-)]
-#[cfg_attr(
-    not(feature = "sqlite"),
-    doc = "[SqliteStore::write]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/sqlite/struct.SqliteStore.html#method.write"
-)]
-#[cfg_attr(feature = "axum", doc = "[Tx]: crate::extract::Tx")]
-#[cfg_attr(
-    not(feature = "axum"),
-    doc = "[Tx]: https://docs.rs/tower-idempotency/latest/tower_idempotency/extract/struct.Tx.html"
-)]
-#[cfg_attr(feature = "outbox", doc = "[outbox]: crate::outbox")]
-#[cfg_attr(
-    not(feature = "outbox"),
-    doc = "[outbox]: https://docs.rs/tower-idempotency/latest/tower_idempotency/outbox/index.html"
-)]
-#[cfg_attr(feature = "client", doc = "[client]: crate::client")]
-#[cfg_attr(
-    not(feature = "client"),
-    doc = "[client]: https://docs.rs/tower-idempotency/latest/tower_idempotency/client/index.html"
-)]
-#[cfg_attr(
-    feature = "tokio-postgres",
-    doc = "[postgres]: crate::store::tokio_postgres"
-)]
-#[cfg_attr(
-    not(feature = "tokio-postgres"),
-    doc = "[postgres]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/tokio_postgres/index.html"
-)]
-#[cfg_attr(
-    feature = "sqlx-postgres",
-    doc = "[sqlx_postgres]: crate::store::sqlx_postgres"
-)]
-#[cfg_attr(
-    not(feature = "sqlx-postgres"),
-    doc = "[sqlx_postgres]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/sqlx_postgres/index.html"
-)]
-#[cfg_attr(feature = "sqlx-mysql", doc = "[sqlx_mysql]: crate::store::sqlx_mysql")]
-#[cfg_attr(
-    not(feature = "sqlx-mysql"),
-    doc = "[sqlx_mysql]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/sqlx_mysql/index.html"
-)]
-#[cfg_attr(
-    feature = "utoipa",
-    doc = "[document]: crate::IdempotencyLayer::document"
-)]
-#[cfg_attr(
-    not(feature = "utoipa"),
-    doc = "[document]: https://docs.rs/tower-idempotency/latest/tower_idempotency/struct.IdempotencyLayer.html#method.document"
-)]
+#[doc = include_str!(concat!(env!("OUT_DIR"), "/doc_links.md"))]
 pub mod guide {}
 mod in_flight;
 pub mod key;

@@ -41,10 +41,19 @@ impl<S> Admin<S> {
     }
 }
 
+pub(crate) mod sealed {
+    /// Only this crate's stores are [`AdminBackend`](super::AdminBackend)s.
+    #[allow(unreachable_pub)]
+    pub trait Sealed {}
+}
+
 /// The queries on idempotency records that [`Admin`] needs from a store, beyond
 /// [`IdempotencyStore`] (whose `purge_expired` it uses). Each backend implements them with its
 /// own SQL; [`Admin`] is written once over them.
-pub trait AdminBackend: IdempotencyStore {
+///
+/// Sealed: implemented by this crate's stores only (what they return, [`RecordInfo`] and
+/// [`RecordCounts`], is built from the crate's own tables).
+pub trait AdminBackend: IdempotencyStore + sealed::Sealed {
     /// The record of `(tenant, operation, key)`, expired or not; the body only if `with_body`.
     fn inspect_record(
         &self,

@@ -9,10 +9,18 @@ use super::{Processed, Receipt};
 use crate::error::Error;
 use crate::metrics::outbox as record;
 
+pub(crate) mod sealed {
+    /// Only this crate's stores are [`InboxBackend`](super::InboxBackend)s.
+    #[allow(unreachable_pub)]
+    pub trait InboxBackend {}
+}
+
 /// What a database implements to hold inboxes (table `inbox_events`): recording an id in a
 /// request's transaction, the processing primitive on a transaction of its own, lookups and
 /// purges. [`Inbox`] is written once over it.
-pub trait InboxBackend: Clone + Send + Sync + 'static {
+///
+/// Sealed: implemented by this crate's stores only.
+pub trait InboxBackend: Clone + Send + Sync + 'static + sealed::InboxBackend {
     /// A request's transaction handle (the one the layer puts in the request extensions).
     type Handle: Send + Sync;
 

@@ -62,7 +62,7 @@ impl EventId {
 }
 
 impl From<String> for EventId {
-    /// An id read back from a store (for [`OutboxStore`] implementations).
+    /// An id given as text: read back from a store, or received with a delivery.
     fn from(id: String) -> Self {
         EventId(Arc::from(id))
     }
@@ -265,11 +265,19 @@ mod seam {
 }
 pub(crate) use seam::{Backlog, ClaimRequest, Claimed, LeaseToken, Settlement};
 
+pub(crate) mod sealed {
+    /// Only this crate's stores, and [`Outbox`](super::Outbox) over them, are
+    /// [`OutboxStore`](super::OutboxStore)s.
+    #[allow(unreachable_pub)]
+    pub trait OutboxStore {}
+}
+
 /// The storage side of the outbox, as the [`Relay`] uses it.
 ///
-/// Implementations must make [`claim`](Self::claim) atomic: an event claimed by one caller is
-/// not returned to another until its lease has run out or it was settled for retry.
-pub trait OutboxStore: Clone + Send + Sync + 'static {
+/// Sealed: implemented by this crate's stores and by [`Outbox`] over them. Each makes
+/// [`claim`](Self::claim) atomic: an event claimed by one caller is not returned to another
+/// until its lease has run out or it was settled for retry.
+pub trait OutboxStore: Clone + Send + Sync + 'static + sealed::OutboxStore {
     /// Claims up to `request.batch` due events for `request.lease`, counting an attempt on each.
     fn claim(&self, request: ClaimRequest) -> impl Future<Output = Result<Claimed, Error>> + Send;
 
@@ -355,8 +363,8 @@ pub struct OutboxCounts {
 
 /// What a database implements to hold an outbox: the relay's [`OutboxStore`] plus creating
 /// the table and the maintenance queries. [`Outbox`] and [`Admin`](crate::admin::Admin) are
-/// written once over it; `SqliteStore` and `PostgresStore` implement it (each in its module,
-/// with only its SQL).
+/// written once over it; every store of the crate implements it (each in its module, with only
+/// its SQL). Sealed, as [`OutboxStore`] is.
 pub trait OutboxBackend: OutboxStore {
     /// Creates the `outbox_events` table if needed. Idempotent.
     fn install_outbox(&self) -> impl Future<Output = Result<(), Error>> + Send;
@@ -460,6 +468,8 @@ impl<S: OutboxBackend> Outbox<S> {
         self.store.purge_delivered(before, batch).await
     }
 }
+
+impl<S: OutboxBackend> sealed::OutboxStore for Outbox<S> {}
 
 impl<S: OutboxBackend> OutboxStore for Outbox<S> {
     fn claim(&self, request: ClaimRequest) -> impl Future<Output = Result<Claimed, Error>> + Send {

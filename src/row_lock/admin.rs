@@ -26,6 +26,8 @@ use crate::store::to_unix_millis;
 /// private).
 macro_rules! sql_admin {
     ($store:ty, $sql:ident) => {
+        impl crate::admin::sealed::Sealed for $store {}
+
         impl AdminBackend for $store {
             async fn inspect_record(
                 &self,

@@ -148,6 +148,8 @@ macro_rules! sql_outbox_and_inbox {
             }
         }
 
+        impl crate::outbox::sealed::OutboxStore for $store {}
+
         impl OutboxStore for $store {
             async fn claim(&self, request: ClaimRequest) -> Result<Claimed, Error> {
                 let now = to_unix_millis(request.now);
@@ -303,6 +305,8 @@ macro_rules! sql_outbox_and_inbox {
                 Box::pin(self)
             }
         }
+
+        impl crate::outbox::inbox::sealed::InboxBackend for $store {}
 
         impl InboxBackend for $store {
             type Handle = $handle;

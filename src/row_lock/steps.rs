@@ -608,6 +608,8 @@ macro_rules! sql_steps {
                 }
             }
 
+            impl crate::steps::sealed::Sealed for $store {}
+
             /// Transactions of the store's own, at its isolation level, their lock waits
             /// bounded to 5 seconds; a local step's closure gets the same handle a request's
             /// handler gets.

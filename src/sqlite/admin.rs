@@ -9,6 +9,8 @@ use crate::error::Error;
 use crate::store::sqlite::SqliteStore;
 use crate::store::to_unix_millis;
 
+impl crate::admin::sealed::Sealed for SqliteStore {}
+
 /// Reads on a reader (WAL: they never wait); a delete waits for the writer, behind the
 /// requests that hold it.
 impl AdminBackend for SqliteStore {

@@ -124,6 +124,8 @@ impl Enqueue for SqliteHandle {
     }
 }
 
+impl crate::outbox::sealed::OutboxStore for SqliteStore {}
+
 impl OutboxStore for SqliteStore {
     async fn claim(&self, request: ClaimRequest) -> Result<Claimed, Error> {
         let now = to_unix_millis(request.now);
@@ -370,6 +372,8 @@ impl<T: Send + 'static> InboxOutcome<SqliteStore> for rusqlite::Result<T> {
         self
     }
 }
+
+impl crate::outbox::inbox::sealed::InboxBackend for SqliteStore {}
 
 impl InboxBackend for SqliteStore {
     type Handle = SqliteHandle;

@@ -290,9 +290,10 @@ pub struct Progress {
 }
 
 impl Progress {
-    /// A key in progress as read back, with the other fields at their zero values: set them
-    /// (a store of your own reads them from its row).
-    pub fn new(
+    /// A key in progress as read back, with the other fields at their zero values: the store
+    /// sets them from its row.
+    #[cfg_attr(not(sql_store), allow(dead_code))]
+    pub(crate) fn new(
         scope: Scope,
         fingerprint: Fingerprint,
         status: ProgressStatus,
@@ -325,22 +326,32 @@ pub enum Resolution {
     Done(serde_json::Value),
 }
 
+pub(crate) mod sealed {
+    /// Only this crate's stores are [`StepStore`](super::StepStore)s.
+    #[allow(unreachable_pub)]
+    pub trait Sealed {}
+}
+
 /// What a database implements to run step-by-step requests (tables `idempotency_progress`
 /// and `idempotency_steps`, beside `idempotency_records`). Implemented by every store of the
 /// crate; [`Steps`](super::Steps), the layer's steps mode and the
 /// [`Completer`](super::Completer) are written once over it.
 ///
-/// Every method that writes under a [`Lease`] runs in a transaction of its own that first
-/// checks the lease's generation (and moves the lease's end to [`Lease::until`]); when another
+/// Sealed: name it as a bound (`Steps<St: StepStore>`), but it cannot be implemented outside
+/// this crate. Its rows and their guarantees (leases, generations, one transaction per
+/// commit) are the crate's own and change with it.
+///
+/// Every method that writes under a `Lease` runs in a transaction of its own that first
+/// checks the lease's generation (and moves the lease's end to `Lease::until`); when another
 /// claim has taken the key over, nothing is written and the method fails with
 /// [`Error::LeaseLost`].
-pub trait StepStore: IdempotencyStore {
+pub trait StepStore: IdempotencyStore + sealed::Sealed {
     /// What a local step's closure gets: on SQLite a `&rusqlite::Transaction` (the closure runs
     /// on the writer thread and returns a `rusqlite::Result`), on the SQL servers the same
     /// transaction handle a request's handler gets (the closure returns a future).
     type Work<'a>;
 
-    /// What [`StepOutcome::into_resolved`] turns a local step's closure's return into.
+    /// What `StepOutcome::into_resolved` turns a local step's closure's return into.
     type Resolved<T: Send + 'static>;
 
     /// Creates the two tables if needed. Idempotent, and safe for instances starting at the
@@ -349,11 +360,11 @@ pub trait StepStore: IdempotencyStore {
 
     /// In one transaction: takes the key for `claim` if it is free (new, released, or its
     /// lease has passed), bumping its generation; or says why not. A new key is only taken if
-    /// it has no live record ([`Acquired::Completed`] otherwise) and the claim carries its
+    /// it has no live record (`Acquired::Completed` otherwise) and the claim carries its
     /// request.
     fn acquire(&self, claim: &Claim) -> impl Future<Output = Result<Acquired, Error>> + Send;
 
-    /// Writes a foreign step's intent ([`StepRow::result`] `None`) or result under `lease`.
+    /// Writes a foreign step's intent (`StepRow::result` `None`) or result under `lease`.
     /// An intent written again over a saved one leaves it as it is (the lease is still
     /// checked and extended: [`Steps`](super::Steps) does so before it calls again); a saved
     /// result is never overwritten.
@@ -436,3 +447,84 @@ pub trait StepOutcome<S: StepStore> {
     /// The outcome as the store consumes it.
     fn into_resolved(self) -> S::Resolved<Self::Value>;
 }
+
+/// A store of the application's own cannot implement [`StepStore`]: here a complete
+/// [`IdempotencyStore`] with every item of [`StepStore`] (written with the rows of
+/// `__private`, which the crate's tests see) fails only for the sealed supertrait. (On stable
+/// rustdoc does not check the error code: the impl must be complete for the test to mean
+/// anything.)
+///
+/// ```compile_fail,E0277
+/// use std::future::Future;
+/// use std::time::{Duration, SystemTime};
+/// use tower_idempotency::steps::__private::{Acquired, Claim, Lease, StepOutcome, StepRow};
+/// use tower_idempotency::steps::{Progress, ProgressStatus, Resolution, StepStore};
+/// use tower_idempotency::store::sqlite::SqliteStore;
+/// use tower_idempotency::store::{Begin, IdempotencyStore, NewRecord, Scope, StoredRecord};
+/// use tower_idempotency::Error;
+///
+/// #[derive(Clone)]
+/// struct MyStore(SqliteStore);
+///
+/// impl IdempotencyStore for MyStore {
+///     type Reservation = <SqliteStore as IdempotencyStore>::Reservation;
+///
+///     fn lookup(&self, scope: &Scope, now: SystemTime)
+///         -> impl Future<Output = Result<Option<StoredRecord>, Error>> + Send {
+///         self.0.lookup(scope, now)
+///     }
+///
+///     fn begin(&self, scope: &Scope, lock_timeout: Duration, now: SystemTime)
+///         -> impl Future<Output = Result<Begin<Self::Reservation>, Error>> + Send {
+///         self.0.begin(scope, lock_timeout, now)
+///     }
+///
+///     fn purge_expired(&self, now: SystemTime, batch: usize)
+///         -> impl Future<Output = Result<u64, Error>> + Send {
+///         self.0.purge_expired(now, batch)
+///     }
+/// }
+///
+/// impl StepStore for MyStore {
+///     type Work<'a> = ();
+///     type Resolved<T: Send + 'static> = T;
+///
+///     async fn install_steps(&self) -> Result<(), Error> { unimplemented!() }
+///     async fn acquire(&self, _: &Claim) -> Result<Acquired, Error> { unimplemented!() }
+///     async fn save_step(&self, _: &Lease, _: &StepRow) -> Result<(), Error> { unimplemented!() }
+///     async fn forget_intent(&self, _: &Lease, _: u32) -> Result<(), Error> { unimplemented!() }
+///     async fn run_local<F, R>(
+///         &self,
+///         _: &Lease,
+///         _: &StepRow,
+///         _: F,
+///         _: fn(&R::Value) -> Result<String, Error>,
+///     ) -> Result<R::Value, Error>
+///     where
+///         F: for<'a> FnOnce(Self::Work<'a>) -> R + Send + 'static,
+///         R: StepOutcome<Self>,
+///     {
+///         unimplemented!()
+///     }
+///     async fn release(&self, _: &Lease) -> Result<(), Error> { unimplemented!() }
+///     async fn set_status(&self, _: &Lease, _: ProgressStatus, _: &str) -> Result<(), Error> {
+///         unimplemented!()
+///     }
+///     async fn finish(&self, _: &Lease, _: &NewRecord) -> Result<(), Error> { unimplemented!() }
+///     async fn progress(
+///         &self,
+///         _: ProgressStatus,
+///         _: Option<SystemTime>,
+///         _: SystemTime,
+///         _: usize,
+///     ) -> Result<Vec<Progress>, Error> {
+///         unimplemented!()
+///     }
+///     async fn resolve(&self, _: &Scope, _: Option<u32>, _: &Resolution, _: SystemTime)
+///         -> Result<bool, Error> {
+///         unimplemented!()
+///     }
+/// }
+/// ```
+#[cfg(all(doctest, feature = "sqlite", feature = "_internal-tests"))]
+struct StepStoreIsSealed;

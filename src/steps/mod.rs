@@ -6,14 +6,18 @@ mod handle;
 pub(crate) mod mode;
 mod outcome;
 
+#[cfg(sql_store)]
+pub(crate) use backend::sealed;
 #[allow(unused_imports)] // what each backend needs of them differs by feature
 pub(crate) use backend::{
     Acquired, Claim, Lease, SavedRequest, SavedStep, StepKind, StepOutcome, StepRow,
 };
 pub use backend::{Progress, ProgressStatus, Resolution, StepStore};
 
-/// The rows a [`StepStore`] reads and writes. Not part of the API (no semver promise): only this
-/// crate's backends implement [`StepStore`]; the crate's own tests drive them through this path.
+/// The rows a [`StepStore`] reads and writes, for this repository's tests, which drive the
+/// backends directly. Not part of the API: only with the undocumented `_internal-tests`
+/// feature (no semver promise), which the crate's dev-dependency on itself turns on.
+#[cfg(feature = "_internal-tests")]
 #[doc(hidden)]
 pub mod __private {
     pub use super::backend::{

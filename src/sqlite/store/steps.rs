@@ -335,6 +335,8 @@ impl<T: Send + 'static> StepOutcome<SqliteStore> for rusqlite::Result<T> {
     }
 }
 
+impl crate::steps::sealed::Sealed for SqliteStore {}
+
 impl StepStore for SqliteStore {
     type Work<'a> = &'a Transaction<'a>;
     type Resolved<T: Send + 'static> = rusqlite::Result<T>;
