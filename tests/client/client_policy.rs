@@ -41,7 +41,7 @@ async fn closed_port() -> u16 {
         .port()
 }
 
-#[tokio::test]
+test! { final_answers_are_returned_after_one_attempt }
 async fn final_answers_are_returned_after_one_attempt() {
     for status in [400, 401, 409, 413, 422, 500, 404, 200] {
         let server = ScriptedServer::spawn([Scripted::status(status)]).await;
@@ -56,7 +56,7 @@ async fn final_answers_are_returned_after_one_attempt() {
     }
 }
 
-#[tokio::test]
+test! { retryable_answers_are_retried_with_the_same_key_and_the_same_bytes }
 async fn retryable_answers_are_retried_with_the_same_key_and_the_same_bytes() {
     let server = ScriptedServer::spawn([
         Scripted::status(503),
@@ -90,7 +90,7 @@ async fn retryable_answers_are_retried_with_the_same_key_and_the_same_bytes() {
     }
 }
 
-#[tokio::test]
+test! { a_replayed_answer_is_reported }
 async fn a_replayed_answer_is_reported() {
     let server =
         ScriptedServer::spawn([Scripted::status(201).header("idempotent-replayed", "true")]).await;
@@ -101,7 +101,7 @@ async fn a_replayed_answer_is_reported() {
     assert!(answer.outcome.replayed);
 }
 
-#[tokio::test]
+test! { a_callers_key_is_kept_as_it_is }
 async fn a_callers_key_is_kept_as_it_is() {
     let server = ScriptedServer::spawn([Scripted::status(503)]).await;
     let mut request = post(&server.url("/orders"), "{}");
@@ -117,7 +117,7 @@ async fn a_callers_key_is_kept_as_it_is() {
     }
 }
 
-#[tokio::test]
+test! { uuid_v7_keys_on_request }
 async fn uuid_v7_keys_on_request() {
     let server = ScriptedServer::spawn([]).await;
     let client = client(fast().with_key_format(KeyFormat::UuidV7));
@@ -128,7 +128,7 @@ async fn uuid_v7_keys_on_request() {
     assert_eq!(uuid.get_version_num(), 7);
 }
 
-#[tokio::test]
+test! { get_is_retried_without_a_key_and_patch_gets_one }
 async fn get_is_retried_without_a_key_and_patch_gets_one() {
     let server = ScriptedServer::spawn([Scripted::status(503)]).await;
     let client = client(fast());
@@ -152,7 +152,7 @@ async fn get_is_retried_without_a_key_and_patch_gets_one() {
     assert_eq!(server.seen()[2].keys.len(), 1);
 }
 
-#[tokio::test]
+test! { a_non_idempotent_method_without_a_key_is_sent_once }
 async fn a_non_idempotent_method_without_a_key_is_sent_once() {
     let server = ScriptedServer::spawn([Scripted::status(503)]).await;
     let request = http::Request::builder()
@@ -179,14 +179,14 @@ async fn wait_after_a_retry_after(status: u16, retry_after: &str) -> Duration {
     seen[1].at - seen[0].at
 }
 
-#[tokio::test]
+test! { retry_after_in_seconds_is_honoured }
 async fn retry_after_in_seconds_is_honoured() {
     let gap = wait_after_a_retry_after(503, "1").await;
     assert!(gap >= Duration::from_secs(1), "waited only {gap:?}");
     assert!(gap < Duration::from_secs(3), "waited {gap:?}");
 }
 
-#[tokio::test]
+test! { retry_after_as_an_http_date_is_honoured }
 async fn retry_after_as_an_http_date_is_honoured() {
     // HTTP-dates have whole seconds: two seconds ahead is a wait of more than one.
     let date = httpdate::fmt_http_date(SystemTime::now() + Duration::from_secs(2));
@@ -195,7 +195,7 @@ async fn retry_after_as_an_http_date_is_honoured() {
     assert!(gap < Duration::from_secs(4), "waited {gap:?}");
 }
 
-#[tokio::test]
+test! { a_retry_after_beyond_the_deadline_returns_the_answer_at_once }
 async fn a_retry_after_beyond_the_deadline_returns_the_answer_at_once() {
     let server = ScriptedServer::spawn([Scripted::status(503).header("retry-after", "60")]).await;
     let client = client(fast().with_deadline(Duration::from_secs(5)));
@@ -213,7 +213,7 @@ async fn a_retry_after_beyond_the_deadline_returns_the_answer_at_once() {
     );
 }
 
-#[tokio::test]
+test! { attempts_are_capped }
 async fn attempts_are_capped() {
     let server = ScriptedServer::spawn(vec![Scripted::status(503); 10]).await;
     let client = client(fast().with_max_attempts(3));
@@ -229,7 +229,7 @@ async fn attempts_are_capped() {
     assert_eq!(server.seen().len(), 3);
 }
 
-#[tokio::test]
+test! { an_attempt_without_an_answer_times_out_and_is_retried }
 async fn an_attempt_without_an_answer_times_out_and_is_retried() {
     let server = ScriptedServer::spawn([Scripted::hang(), Scripted::hang()]).await;
     let client = client(
@@ -257,7 +257,7 @@ async fn an_attempt_without_an_answer_times_out_and_is_retried() {
     assert_eq!(answer.outcome.attempts, 2);
 }
 
-#[tokio::test]
+test! { the_deadline_cuts_the_attempt_in_flight }
 async fn the_deadline_cuts_the_attempt_in_flight() {
     let server = ScriptedServer::spawn([Scripted::hang()]).await;
     let client = client(
@@ -275,7 +275,7 @@ async fn the_deadline_cuts_the_attempt_in_flight() {
     assert!(elapsed < Duration::from_secs(2), "{elapsed:?}");
 }
 
-#[tokio::test]
+test! { the_deadline_bounds_the_retries }
 async fn the_deadline_bounds_the_retries() {
     let server = ScriptedServer::spawn(vec![Scripted::hang(); 100]).await;
     let client = client(
@@ -299,7 +299,7 @@ async fn the_deadline_bounds_the_retries() {
     );
 }
 
-#[tokio::test]
+test! { connection_errors_are_retried_until_the_server_is_up }
 async fn connection_errors_are_retried_until_the_server_is_up() {
     // A free port, closed until the server starts on it a little later.
     let port = closed_port().await;
@@ -327,7 +327,7 @@ async fn connection_errors_are_retried_until_the_server_is_up() {
     assert_eq!(server.seen().len(), 1, "refused connections reach nothing");
 }
 
-#[tokio::test]
+test! { connection_errors_end_in_an_error_with_the_outcome }
 async fn connection_errors_end_in_an_error_with_the_outcome() {
     let port = closed_port().await;
     let url = format!("http://127.0.0.1:{port}/orders");
@@ -350,7 +350,7 @@ async fn connection_errors_end_in_an_error_with_the_outcome() {
     assert_eq!(error.outcome().map(|o| o.attempts), Some(1));
 }
 
-#[tokio::test]
+test! { a_streamed_body_is_read_once_and_resent_whole }
 async fn a_streamed_body_is_read_once_and_resent_whole() {
     let server = ScriptedServer::spawn([Scripted::status(503)]).await;
     let chunks = ["{\"sku\":", "\"book\",", "\"quantity\":1}"]
@@ -367,7 +367,7 @@ async fn a_streamed_body_is_read_once_and_resent_whole() {
     }
 }
 
-#[tokio::test]
+test! { a_body_over_the_limit_is_refused_before_anything_is_sent }
 async fn a_body_over_the_limit_is_refused_before_anything_is_sent() {
     let server = ScriptedServer::spawn([]).await;
     let client = client(fast().with_body_limit(8));

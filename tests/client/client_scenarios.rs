@@ -37,7 +37,7 @@ async fn assert_one_order_replayed(server: &OrdersServer, answer: &Answer) -> i6
     orders[0].0
 }
 
-#[tokio::test]
+test! { a_201_lost_after_the_commit_is_recovered_by_a_retry_with_the_same_key }
 async fn a_201_lost_after_the_commit_is_recovered_by_a_retry_with_the_same_key() {
     let server = OrdersServer::spawn().await;
     let proxy = Proxy::spawn(server.addr, Plan::script([Fault::Drop])).await;
@@ -55,7 +55,7 @@ async fn a_201_lost_after_the_commit_is_recovered_by_a_retry_with_the_same_key()
     );
 }
 
-#[tokio::test]
+test! { a_201_delayed_past_the_attempt_timeout_is_recovered_without_waiting_for_it }
 async fn a_201_delayed_past_the_attempt_timeout_is_recovered_without_waiting_for_it() {
     let server = OrdersServer::spawn().await;
     let held = Duration::from_secs(5);
@@ -74,7 +74,7 @@ async fn a_201_delayed_past_the_attempt_timeout_is_recovered_without_waiting_for
     assert_one_order_replayed(&server, &answer).await;
 }
 
-#[tokio::test]
+test! { a_burst_of_50_operations_through_a_proxy_that_drops_30_percent_makes_50_orders }
 async fn a_burst_of_50_operations_through_a_proxy_that_drops_30_percent_makes_50_orders() {
     const OPERATIONS: usize = 50;
     let server = OrdersServer::spawn().await;
@@ -138,7 +138,7 @@ async fn a_burst_of_50_operations_through_a_proxy_that_drops_30_percent_makes_50
     assert_eq!(proxy.responses(), OPERATIONS + dropped);
 }
 
-#[tokio::test]
+test! { the_layers_busy_answer_is_retried_after_its_retry_after }
 async fn the_layers_busy_answer_is_retried_after_its_retry_after() {
     let server = OrdersServer::spawn_with(|layer| {
         layer
@@ -181,7 +181,7 @@ async fn the_layers_busy_answer_is_retried_after_its_retry_after() {
     assert_eq!(server.orders().await.len(), 1);
 }
 
-#[tokio::test]
+test! { a_key_reused_with_another_payload_is_a_final_409 }
 async fn a_key_reused_with_another_payload_is_a_final_409() {
     let server = OrdersServer::spawn().await;
     let client = client(fast());
@@ -203,7 +203,7 @@ async fn a_key_reused_with_another_payload_is_a_final_409() {
     assert_eq!(server.orders().await.len(), 1);
 }
 
-#[tokio::test]
+test! { when_every_response_is_lost_the_error_carries_the_key_to_retry_later }
 async fn when_every_response_is_lost_the_error_carries_the_key_to_retry_later() {
     let server = OrdersServer::spawn().await;
     let proxy = Proxy::spawn(server.addr, Plan::random(1, 1.0)).await;

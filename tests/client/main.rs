@@ -7,3 +7,7 @@ mod support;
 
 mod client_policy;
 mod client_scenarios;
+
+fn main() {
+    support::harness::main();
+}

@@ -631,28 +631,16 @@ async fn a_handler_statement_conflict_runs_the_request_again<B: HandleSql>(db: B
 macro_rules! concurrency_tests {
     ($backend:ident) => {
         backend_tests!($backend;
-            concurrent_duplicates_run_the_handler_once(flavor = "multi_thread", worker_threads = 2),
-            many_keys_with_many_duplicates_interleaved(flavor = "multi_thread", worker_threads = 2),
+            concurrent_duplicates_run_the_handler_once(multi_thread = 2),
+            many_keys_with_many_duplicates_interleaved(multi_thread = 2),
             replay_does_not_wait_for_a_writer_in_flight,
             duplicate_waiting_past_the_lock_timeout_is_503_then_replays,
-            when_the_original_fails_a_waiting_duplicate_runs_afresh(
-                flavor = "multi_thread",
-                worker_threads = 2
-            ),
-            in_flight_reject_answers_duplicates_409_with_retry_after_at_once(
-                flavor = "multi_thread",
-                worker_threads = 2
-            ),
-            in_flight_reject_replays_every_retry_of_a_completed_key(
-                flavor = "multi_thread",
-                worker_threads = 2
-            ),
-            in_flight_wait_up_to_a_bound_replays_when_the_first_ends_in_time(
-                flavor = "multi_thread",
-                worker_threads = 2
-            ),
-            in_flight_wait_up_to_a_bound_then_409(flavor = "multi_thread", worker_threads = 2),
-            duplicates_behind_a_rollback_run_once(flavor = "multi_thread", worker_threads = 2),
+            when_the_original_fails_a_waiting_duplicate_runs_afresh(multi_thread = 2),
+            in_flight_reject_answers_duplicates_409_with_retry_after_at_once(multi_thread = 2),
+            in_flight_reject_replays_every_retry_of_a_completed_key(multi_thread = 2),
+            in_flight_wait_up_to_a_bound_replays_when_the_first_ends_in_time(multi_thread = 2),
+            in_flight_wait_up_to_a_bound_then_409(multi_thread = 2),
+            duplicates_behind_a_rollback_run_once(multi_thread = 2),
         );
     };
 }
@@ -661,14 +649,8 @@ macro_rules! concurrency_tests {
 macro_rules! parallel_writer_tests {
     ($backend:ident) => {
         backend_tests!($backend;
-            two_app_instances_sharing_the_database_create_one_order_per_key(
-                flavor = "multi_thread",
-                worker_threads = 2
-            ),
-            different_keys_run_their_handlers_in_parallel(
-                flavor = "multi_thread",
-                worker_threads = 2
-            ),
+            two_app_instances_sharing_the_database_create_one_order_per_key(multi_thread = 2),
+            different_keys_run_their_handlers_in_parallel(multi_thread = 2),
         );
     };
 }
@@ -683,7 +665,7 @@ mod sqlite {
 
     concurrency_tests!(Sqlite);
 
-    #[tokio::test]
+    test! { store_busy_past_the_lock_timeout_is_503_with_retry_after }
     async fn store_busy_past_the_lock_timeout_is_503_with_retry_after() {
         let Some(db) = Sqlite::create().await else {
             return;
@@ -712,7 +694,7 @@ mod sqlite {
         assert_eq!(db.counts().await, (2, 2));
     }
 
-    #[tokio::test]
+    test! { another_process_holding_the_write_lock_is_503_then_retry_succeeds }
     async fn another_process_holding_the_write_lock_is_503_then_retry_succeeds() {
         let Some(db) = Sqlite::create().await else {
             return;
@@ -790,10 +772,9 @@ mod postgres {
             .await
     }
 
+    test! { replays_do_not_wait_for_writers_and_a_full_pool_is_503, postgres }
     /// With one transaction connection, held by a slow handler: a new key waits for the pool
     /// past the lock timeout (`503`), while completed keys still replay from the read pool.
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    #[tokio::test]
     async fn replays_do_not_wait_for_writers_and_a_full_pool_is_503() {
         let Some(db) = Postgres::create().await else {
             return;
@@ -814,12 +795,11 @@ mod postgres {
         runs_afresh(server.addr, "new-key", BOOK).await;
     }
 
+    test! { a_replay_waits_only_briefly_for_connections_that_writers_hold, postgres }
     /// Under the default replay check, retries rare so far: with every transaction connection
     /// held by a slow handler, a replay waits for one only briefly, then is answered from the
     /// read pool, long before the lock timeout (30 s) would end its wait; so is another
     /// payload's `409`.
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    #[tokio::test]
     async fn a_replay_waits_only_briefly_for_connections_that_writers_hold() {
         let Some(db) = Postgres::create().await else {
             return;
@@ -841,11 +821,10 @@ mod postgres {
         assert_eq!(held.await.expect("holder").status, StatusCode::CREATED);
     }
 
+    test! { replay_check_in_the_reservation_keeps_the_contract, postgres }
     /// With the replay check in the reservation (no read before the transaction), the key's
     /// contract holds: a retry replays, another payload is `409`, and duplicates in flight
     /// together wait on the key's row and create one order.
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    #[tokio::test]
     async fn replay_check_in_the_reservation_keeps_the_contract() {
         const DUPLICATES: usize = 16;
         let Some(db) = Postgres::create().await else {
@@ -929,10 +908,9 @@ mod postgres {
             .await
     }
 
+    test! { serialization_failure_is_503_and_the_retry_succeeds, multi_thread = 2, postgres }
     /// The loser's serialization failure is a `503` with `Retry-After`, nothing of it is
     /// kept, and its retry succeeds.
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn serialization_failure_is_503_and_the_retry_succeeds() {
         let Some(db) = Postgres::create().await else {
             return;
@@ -966,9 +944,8 @@ mod postgres {
         assert_eq!(db.counts().await, (2, 2));
     }
 
+    test! { serialization_failure_at_commit_runs_the_request_again, multi_thread = 2, postgres }
     /// The same race with the layer's conflict retries: the loser runs again and commits.
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn serialization_failure_at_commit_runs_the_request_again() {
         let Some(db) = Postgres::create().await else {
             return;
@@ -990,11 +967,10 @@ mod postgres {
         assert_eq!(db.counts().await, (2, 2));
     }
 
+    test! { serializable_duplicates_are_retried_into_replays, multi_thread = 2, postgres }
     /// SERIALIZABLE transactions and duplicates in flight: reserving a key that a concurrent
     /// transaction just committed is a serialization failure under this isolation; the store
     /// retries it, and every duplicate still gets the one response.
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn serializable_duplicates_are_retried_into_replays() {
         const KEYS: usize = 8;
         const DUPLICATES: usize = 4;

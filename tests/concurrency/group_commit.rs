@@ -137,7 +137,7 @@ impl Group {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+test! { a_group_commits_together_and_a_failing_member_rolls_back_alone, multi_thread = 2 }
 async fn a_group_commits_together_and_a_failing_member_rolls_back_alone() {
     let group = Group::start(2, 64).await;
     let (gates, server) = (&group.gates, &group.server);
@@ -189,7 +189,7 @@ async fn a_group_commits_together_and_a_failing_member_rolls_back_alone() {
     assert_eq!(server.order_count().await, 2);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+test! { a_duplicate_of_a_member_is_answered_only_after_the_group_commits, multi_thread = 2 }
 async fn a_duplicate_of_a_member_is_answered_only_after_the_group_commits() {
     let (group, a, c) = Group::running_a_and_c(1, 64).await;
     let (gates, server) = (&group.gates, &group.server);
@@ -217,7 +217,7 @@ async fn a_duplicate_of_a_member_is_answered_only_after_the_group_commits() {
     assert_eq!(server.app.handler_calls(), 2, "a's handler ran once");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+test! { without_grouping_each_request_commits_on_its_own, multi_thread = 2 }
 async fn without_grouping_each_request_commits_on_its_own() {
     let (group, a, c) = Group::running_a_and_c(1, 1).await;
     let (gates, server) = (&group.gates, &group.server);

@@ -219,7 +219,7 @@ async fn poisoned_load(poison: Poison) -> Arc<Seen> {
     seen
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+test! { a_trigger_raising_rollback_fails_only_its_own_request, multi_thread = 2 }
 async fn a_trigger_raising_rollback_fails_only_its_own_request() {
     poisoned_load(Poison {
         setup: "CREATE TRIGGER poison AFTER INSERT ON orders WHEN NEW.sku = 'poison'
@@ -231,7 +231,7 @@ async fn a_trigger_raising_rollback_fails_only_its_own_request() {
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+test! { insert_or_rollback_fails_only_its_own_request, multi_thread = 2 }
 async fn insert_or_rollback_fails_only_its_own_request() {
     poisoned_load(Poison {
         setup: "CREATE TABLE once (id INTEGER PRIMARY KEY);",
@@ -245,7 +245,7 @@ async fn insert_or_rollback_fails_only_its_own_request() {
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+test! { on_conflict_rollback_fails_only_its_own_request, multi_thread = 2 }
 async fn on_conflict_rollback_fails_only_its_own_request() {
     poisoned_load(Poison {
         setup: "CREATE TABLE unique_once (id INTEGER UNIQUE ON CONFLICT ROLLBACK);",
@@ -258,7 +258,7 @@ async fn on_conflict_rollback_fails_only_its_own_request() {
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+test! { a_deferred_foreign_key_violated_by_one_request_fails_only_it_at_commit, multi_thread = 2 }
 async fn a_deferred_foreign_key_violated_by_one_request_fails_only_it_at_commit() {
     poisoned_load(Poison {
         setup: "CREATE TABLE children (parent_id INTEGER
@@ -270,7 +270,7 @@ async fn a_deferred_foreign_key_violated_by_one_request_fails_only_it_at_commit(
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+test! { pragma_defer_foreign_keys_violated_by_one_request_fails_only_it_at_commit, multi_thread = 2 }
 async fn pragma_defer_foreign_keys_violated_by_one_request_fails_only_it_at_commit() {
     poisoned_load(Poison {
         setup: "CREATE TABLE kids (parent_id INTEGER REFERENCES parents (id));",
@@ -283,11 +283,11 @@ async fn pragma_defer_foreign_keys_violated_by_one_request_fails_only_it_at_comm
     .await;
 }
 
+test! { a_full_disk_during_one_members_statement_fails_only_it, multi_thread = 2 }
 /// A full disk during one member's statement (the database capped with `max_page_count`,
 /// a poisoned request writing more than fits): SQLite rolls the whole transaction back; that
 /// request fails with `SQLITE_FULL`, and the others of its group run again and keep their
 /// orders.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_disk_during_one_members_statement_fails_only_it() {
     let seen = poisoned_load(Poison {
         setup: "CREATE TABLE blobs (b BLOB);",
@@ -306,9 +306,9 @@ async fn a_full_disk_during_one_members_statement_fails_only_it() {
     );
 }
 
+test! { transaction_control_through_the_handle_is_refused_and_ends_nothing, multi_thread = 2 }
 /// Transaction control through the handle is refused (the authorizer), so it ends nothing:
 /// the poisoned handler gets the refusal, fails, and only its own savepoint rolls back.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transaction_control_through_the_handle_is_refused_and_ends_nothing() {
     for (statement, named) in [
         ("COMMIT; BEGIN", "COMMIT"),
@@ -350,10 +350,10 @@ async fn transaction_control_through_the_handle_is_refused_and_ends_nothing() {
     }
 }
 
+test! { the_refusal_holds_for_cached_statements_and_allows_a_handlers_own_savepoints, multi_thread = 2 }
 /// The refusal cannot be bypassed through the statement cache: the store's own cached
 /// `COMMIT` is not what a handler's `prepare_cached("COMMIT")` gets. A handler's own
 /// savepoints (other names) are allowed and nest inside the request's.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_refusal_holds_for_cached_statements_and_allows_a_handlers_own_savepoints() {
     let outcome: Arc<std::sync::Mutex<Vec<String>>> = Arc::default();
     let seen = outcome.clone();
@@ -416,10 +416,10 @@ async fn the_refusal_holds_for_cached_statements_and_allows_a_handlers_own_savep
     assert_eq!(server.record_count().await, 2);
 }
 
+test! { calls_that_need_the_writer_fail_at_once_inside_a_request, multi_thread = 2 }
 /// Calls that need the writer to themselves, made from a handler inside its own request,
 /// fail at once with an error naming `SqliteHandle::run`, instead of waiting for the
 /// request that waits for them; the request, and every other one, goes on.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calls_that_need_the_writer_fail_at_once_inside_a_request() {
     let errors: Arc<std::sync::Mutex<Vec<String>>> = Arc::default();
     let store_slot: Arc<OnceLock<(SqliteStore, SqliteInbox)>> = Arc::default();
@@ -688,7 +688,6 @@ async fn mixed_load(kinds: Vec<Kind>) {
 proptest::proptest! {
     #![proptest_config(proptest::prelude::ProptestConfig { cases: 4, ..Default::default() })]
 
-    #[test]
     fn mixed_poisons_panics_and_disconnects_fail_alone(kinds in arb_kinds()) {
         tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
@@ -699,13 +698,16 @@ proptest::proptest! {
     }
 }
 
+// The property above, a test.
+test! { mixed_poisons_panics_and_disconnects_fail_alone, sync }
+
+test! { same_key_rounds_in_a_flood_of_poisoned_groups_never_fail, multi_thread = 2 }
 /// Poisoned members keep ending their groups (a trigger's `RAISE(ROLLBACK)` and a deferred
 /// foreign key that fails the group's `COMMIT`, each sent over 4 connections with fresh keys)
 /// while 60 rounds of 8 simultaneous requests share one key and payload each: every request of
 /// a round gets the same `201`, never a `5xx` of another member's failure (a rolled-back request
 /// runs again in a group of its own, and a request that finds a committed record waits for no
 /// group), and each round's key has one order.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn same_key_rounds_in_a_flood_of_poisoned_groups_never_fail() {
     const ROUNDS: usize = 60;
     const DUPLICATES: usize = 8;

@@ -242,11 +242,10 @@ const PG_BOUND: Duration = Duration::from_millis(600);
 const MYSQL_BOUND: Duration = Duration::from_secs(1);
 
 /// The three policies' tests for one driver, on the stores its `two_instances()` opens (`None`
-/// without the server), run only when `$server` (the build script's cfg) is set.
+/// without the server), registered as needing `$server` (`postgres` or `mysql`).
 macro_rules! across_instances {
-    ($server:ident, $why:literal, $bound:expr) => {
-        #[tokio::test]
-        #[cfg_attr(not($server), ignore = $why)]
+    ($server:ident, $bound:expr) => {
+        test! { reject_answers_409_at_once_across_instances, $server }
         async fn reject_answers_409_at_once_across_instances() {
             let Some((_db, [first, second])) = two_instances().await else {
                 return;
@@ -254,8 +253,7 @@ macro_rules! across_instances {
             reject_across_instances(first, second).await;
         }
 
-        #[tokio::test]
-        #[cfg_attr(not($server), ignore = $why)]
+        test! { wait_up_to_answers_409_after_its_bound_across_instances, $server }
         async fn wait_up_to_answers_409_after_its_bound_across_instances() {
             let Some((_db, [first, second])) = two_instances().await else {
                 return;
@@ -263,8 +261,7 @@ macro_rules! across_instances {
             wait_up_to_across_instances(first, second, $bound).await;
         }
 
-        #[tokio::test]
-        #[cfg_attr(not($server), ignore = $why)]
+        test! { wait_replays_across_instances, $server }
         async fn wait_replays_across_instances() {
             let Some((_db, [first, second])) = two_instances().await else {
                 return;
@@ -285,11 +282,7 @@ mod tokio_postgres_store {
         Some((db, stores))
     }
 
-    across_instances!(
-        pg_tests,
-        "needs PostgreSQL: set TEST_DATABASE_URL",
-        PG_BOUND
-    );
+    across_instances!(postgres, PG_BOUND);
 }
 
 mod sqlx_postgres_store {
@@ -303,11 +296,7 @@ mod sqlx_postgres_store {
         Some((db, stores))
     }
 
-    across_instances!(
-        pg_tests,
-        "needs PostgreSQL: set TEST_DATABASE_URL",
-        PG_BOUND
-    );
+    across_instances!(postgres, PG_BOUND);
 }
 
 mod sqlx_mysql_store {
@@ -321,9 +310,5 @@ mod sqlx_mysql_store {
         Some((db, stores))
     }
 
-    across_instances!(
-        mysql_tests,
-        "needs MySQL or MariaDB: set TEST_MYSQL_URL",
-        MYSQL_BOUND
-    );
+    across_instances!(mysql, MYSQL_BOUND);
 }

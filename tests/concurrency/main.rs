@@ -12,3 +12,7 @@ mod group_isolation;
 mod in_flight_instances;
 mod write_in_place;
 mod writer_thread;
+
+fn main() {
+    support::harness::main();
+}

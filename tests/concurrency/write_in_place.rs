@@ -50,9 +50,9 @@ fn thread_recorder(threads: Threads) -> common::Hook {
     })
 }
 
+test! { a_lone_request_runs_on_its_own_task_unless_turned_off, multi_thread = 2 }
 /// A lone request runs its handler and statements on its own task, not on the writer
 /// thread; with `with_write_in_place(false)` on the writer thread, as before.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lone_request_runs_on_its_own_task_unless_turned_off() {
     for in_place in [true, false] {
         let threads = Threads::default();
@@ -88,10 +88,10 @@ async fn a_lone_request_runs_on_its_own_task_unless_turned_off() {
     }
 }
 
+test! { requests_arriving_meanwhile_queue_and_the_duplicate_waits, multi_thread = 2 }
 /// While a request holds the writer in place (awaiting inside its transaction), requests
 /// with other keys queue for the writer thread and commit once it is done, and a duplicate
 /// of its key waits for it and gets its replay: the handler runs once per key.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_arriving_meanwhile_queue_and_the_duplicate_waits() {
     let slow_handler = HeldHandler::default();
     let threads = Threads::default();
@@ -182,10 +182,10 @@ fn record() -> NewRecord {
     )
 }
 
+test! { calls_that_wait_for_the_writer_fail_at_once_inside_a_request_in_place, multi_thread = 2 }
 /// A store call that would wait for the writer, made from inside a request that holds it in
 /// place, fails at once instead of waiting for the request's own end; so does a nested
 /// request on the same store.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calls_that_wait_for_the_writer_fail_at_once_inside_a_request_in_place() {
     let (_dir, store) = store_in_a_temp_dir().await;
     let inner = store.clone();
@@ -237,9 +237,9 @@ async fn calls_that_wait_for_the_writer_fail_at_once_inside_a_request_in_place()
         .expect("a write after the request");
 }
 
+test! { a_dropped_request_in_place_rolls_back_and_frees_the_writer, multi_thread = 2 }
 /// A request in place that is dropped mid-transaction (its client went away) rolls back
 /// its rows and gives the writer back: the next request runs and commits.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dropped_request_in_place_rolls_back_and_frees_the_writer() {
     let (_dir, store) = store_in_a_temp_dir().await;
     store
@@ -305,20 +305,20 @@ async fn a_dropped_request_in_place_rolls_back_and_frees_the_writer() {
     assert_eq!(names, ["kept"]);
 }
 
+test! { a_duplicate_of_a_request_running_in_place_is_409_at_once_under_reject, multi_thread = 1 }
 /// Under `InFlight::Reject`, a duplicate of a request running in place gets `409` at once,
 /// as on a cold server (where the request runs on the writer thread), however the first
 /// request's handler spends its time: awaiting, or in a slow statement of its own (which
 /// blocks the thread it runs on). On a runtime of one worker the duplicate waited for the
 /// whole first request (its connection was not even accepted) and then got the replay; with
 /// more workers, when the accept loop sat in the blocked worker's LIFO slot.
-#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
 async fn a_duplicate_of_a_request_running_in_place_is_409_at_once_under_reject() {
     duplicate_of_a_slow_request_is_409_at_once().await;
 }
 
+test! { a_duplicate_of_a_slow_request_on_a_current_thread_runtime_is_409_at_once }
 /// The same on a current-thread runtime, which has no other thread to take over while a
 /// statement blocks: requests there run on the writer thread, not in place.
-#[tokio::test]
 async fn a_duplicate_of_a_slow_request_on_a_current_thread_runtime_is_409_at_once() {
     duplicate_of_a_slow_request_is_409_at_once().await;
 }

@@ -28,9 +28,9 @@ async fn insert_a_gift_from_a_spawned_task(tx: &SqliteHandle) {
     );
 }
 
+test! { handlers_use_timers_spawned_tasks_and_the_blocking_pool }
 /// Timers, `tokio::spawn` and `spawn_blocking` work in a handler, and a statement sent from
 /// another task joins the same transaction.
-#[tokio::test]
 async fn handlers_use_timers_spawned_tasks_and_the_blocking_pool() {
     let server = TestServer::with_hook(hook(|call| async move {
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -52,8 +52,8 @@ async fn handlers_use_timers_spawned_tasks_and_the_blocking_pool() {
     assert!(replay.replayed(), "{replay:?}");
 }
 
+test! { a_spawned_tasks_rows_roll_back_with_the_request }
 /// A row written from a spawned task is rolled back with the rest when the handler fails.
-#[tokio::test]
 async fn a_spawned_tasks_rows_roll_back_with_the_request() {
     let server = TestServer::with_hook(hook(|call| async move {
         insert_a_gift_from_a_spawned_task(&call.tx).await;
@@ -71,9 +71,9 @@ async fn a_spawned_tasks_rows_roll_back_with_the_request() {
     );
 }
 
+test! { a_panicking_statement_is_an_error_for_the_handler }
 /// A statement closure that panics is an error for the handler (as on any other thread), not
 /// a panic through it; the request rolls back and the writer goes on serving.
-#[tokio::test]
 async fn a_panicking_statement_is_an_error_for_the_handler() {
     let server = TestServer::with_hook(hook(|call| async move {
         if call.key.as_deref() != Some("boom") {
@@ -104,11 +104,11 @@ async fn a_panicking_statement_is_an_error_for_the_handler() {
     );
 }
 
+test! { requests_that_give_up_leave_the_writers_queue }
 /// Requests that give up on their lock timeout while a long handler holds the writer get their
 /// `503` on time, leave the writer's queue (with the bodies they hold) as soon as another
 /// request arrives, and never run. (The slow request runs on the writer thread here: one that
 /// holds the writer in place keeps them queued until it gives the writer back.)
-#[tokio::test]
 async fn requests_that_give_up_leave_the_writers_queue() {
     let slow_handler = HeldHandler::default();
     let lock_timeout = Duration::from_millis(150);

@@ -565,7 +565,6 @@ fn canon(input: &str) -> Vec<u8> {
 }
 
 proptest! {
-    #[test]
     fn canonical_form_is_the_expected_one_for_any_spelling(value in arb_json(), seed in any::<u64>()) {
         let mut expected = String::new();
         expected_canonical(&value, &mut expected);
@@ -573,28 +572,24 @@ proptest! {
         prop_assert_eq!(String::from_utf8(canon(&spelling)).ok(), Some(expected), "input: {}", spelling);
     }
 
-    #[test]
     fn all_spellings_give_the_same_canonical_bytes(value in arb_json(), seeds in any::<(u64, u64)>()) {
         let a = render(&value, &mut Choices(seeds.0));
         let b = render(&value, &mut Choices(seeds.1));
         prop_assert_eq!(canon(&a), canon(&b), "a: {}\nb: {}", a, b);
     }
 
-    #[test]
     fn canonicalization_is_idempotent(value in arb_json(), seed in any::<u64>()) {
         let once = canon(&render(&value, &mut Choices(seed)));
         let text = String::from_utf8(once.clone()).expect("canonical JSON is UTF-8");
         prop_assert_eq!(canon(&text), once);
     }
 
-    #[test]
     fn canonical_output_is_json_that_serde_json_parses(value in arb_json(), seed in any::<u64>()) {
         let canonical = canon(&render(&value, &mut Choices(seed)));
         let parsed = serde_json::from_slice::<serde_json::Value>(&canonical);
         prop_assert!(parsed.is_ok(), "{:?}: {:?}", String::from_utf8_lossy(&canonical), parsed);
     }
 
-    #[test]
     fn any_changed_value_changes_the_canonical_bytes(
         value in arb_json(),
         seeds in any::<(u64, u64, u64)>(),
@@ -614,7 +609,6 @@ proptest! {
         prop_assert_ne!(original, mutated);
     }
 
-    #[test]
     fn duplicate_keys_in_any_spelling_are_rejected(
         key in arb_string(),
         values in any::<(u8, u8)>(),
@@ -631,7 +625,6 @@ proptest! {
         );
     }
 
-    #[test]
     fn json_fingerprint_is_the_digest_of_canonicalize_json(
         value in arb_json(),
         seed in any::<u64>(),
@@ -645,7 +638,6 @@ proptest! {
         check_fingerprint_against_reference(wide.as_bytes(), DEFAULT_MAX_JSON_DEPTH)?;
     }
 
-    #[test]
     fn json_fingerprint_fails_as_canonicalize_json_does(
         value in arb_json(),
         seeds in any::<(u64, u64)>(),
@@ -656,7 +648,6 @@ proptest! {
         check_fingerprint_against_reference(&corrupted, max_depth)?;
     }
 
-    #[test]
     fn duplicate_keys_fail_the_fingerprint_as_canonicalize_json_does(
         values in (arb_json(), arb_json()),
         key in arb_string(),
@@ -676,13 +667,11 @@ proptest! {
     }
 
     /// A value starting with `"` is a quoted string, so raw tokens start with anything else.
-    #[test]
     fn visible_ascii_token_parses_to_itself(token in "[!#-~][!-~]{0,127}") {
         let key = IdempotencyKey::parse(token.as_bytes(), DEFAULT_MAX_KEY_LEN);
         prop_assert_eq!(key.as_ref().map(IdempotencyKey::as_str), Ok(token.as_str()));
     }
 
-    #[test]
     fn quoted_token_parses_to_the_same_key(
         token in "[!-~]{1,128}",
         padding in ("[ \t]{0,2}", "[ \t]{0,2}"),
@@ -697,7 +686,6 @@ proptest! {
         }
     }
 
-    #[test]
     fn longer_tokens_are_too_long(token in "[!#-~][!-~]{128,300}") {
         prop_assert_eq!(
             IdempotencyKey::parse(token.as_bytes(), DEFAULT_MAX_KEY_LEN),
@@ -705,6 +693,20 @@ proptest! {
         );
     }
 }
+
+// The properties above, each a test.
+test! { canonical_form_is_the_expected_one_for_any_spelling, sync }
+test! { all_spellings_give_the_same_canonical_bytes, sync }
+test! { canonicalization_is_idempotent, sync }
+test! { canonical_output_is_json_that_serde_json_parses, sync }
+test! { any_changed_value_changes_the_canonical_bytes, sync }
+test! { duplicate_keys_in_any_spelling_are_rejected, sync }
+test! { json_fingerprint_is_the_digest_of_canonicalize_json, sync }
+test! { json_fingerprint_fails_as_canonicalize_json_does, sync }
+test! { duplicate_keys_fail_the_fingerprint_as_canonicalize_json_does, sync }
+test! { visible_ascii_token_parses_to_itself, sync }
+test! { quoted_token_parses_to_the_same_key, sync }
+test! { longer_tokens_are_too_long, sync }
 
 /// 64 KiB JSON bodies of three shapes: a few fields one of which is a large array of objects, a
 /// large string, a flat object with a few thousand keys in no particular order; and a fourth,
@@ -731,13 +733,12 @@ fn bodies_of_64_kib() -> Vec<(&'static str, Vec<u8>)> {
     ]
 }
 
+test! { fingerprint_cost_of_64_kib_json_bodies, sync, ignore = "a timing, not a check: run it by name in release mode" }
 /// The CPU cost of fingerprinting a 64 KiB JSON body: run in release mode,
 /// `cargo test --release --test contract -- --ignored --nocapture canonical_props::fingerprint_cost`.
 /// `FINGERPRINT_RUNS` sets the number of runs per timing (1000), e.g. a few under an instruction
 /// counter such as `valgrind --tool=callgrind --toggle-collect='*Fingerprinter*fingerprint*'`;
 /// `FINGERPRINT_SHAPE` keeps the shapes whose name contains it (`array`, `string`, `flat`, `nested`).
-#[test]
-#[ignore = "a timing, not a check: run it by name in release mode"]
 fn fingerprint_cost_of_64_kib_json_bodies() {
     use tower_idempotency::fingerprint::Fingerprinter;
     let runs: u32 = std::env::var("FINGERPRINT_RUNS")

@@ -919,7 +919,7 @@ mod sqlite {
         assert_eq!(server.record_count().await, 0, "no record");
     }
 
-    #[tokio::test]
+    test! { optional_key_passes_the_request_through_untouched }
     async fn optional_key_passes_the_request_through_untouched() {
         let server = TestServer::with_layer(|layer| layer.with_key_required(false)).await;
 
@@ -960,7 +960,7 @@ mod sqlite {
         assert!(record_exists(&server.store, "shop-a", "create_note", "note-1").await);
     }
 
-    #[tokio::test]
+    test! { request_without_tenant_is_401_and_nothing_is_stored }
     async fn request_without_tenant_is_401_and_nothing_is_stored() {
         // The layer itself refuses a request no authentication layer vouched for.
         let server = TestServer::builder().without_auth().spawn().await;
@@ -978,7 +978,7 @@ mod sqlite {
         assert_nothing_happened(&server).await;
     }
 
-    #[tokio::test]
+    test! { tx_extractor_without_the_layer_is_500 }
     async fn tx_extractor_without_the_layer_is_500() {
         let server = TestServer::spawn().await;
 
@@ -990,7 +990,7 @@ mod sqlite {
         assert_eq!(server.record_count().await, 0);
     }
 
-    #[tokio::test]
+    test! { non_json_bodies_are_fingerprinted_by_their_exact_bytes }
     async fn non_json_bodies_are_fingerprinted_by_their_exact_bytes() {
         let server = TestServer::spawn().await;
         let note = |body: &'static str| {
@@ -1021,8 +1021,7 @@ mod postgres {
 
     contract_tests!(Postgres);
 
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    #[tokio::test]
+    test! { instances_starting_together_create_the_schema_once, postgres }
     async fn instances_starting_together_create_the_schema_once() {
         let Some(db) = TestDb::create().await else {
             return;
@@ -1042,10 +1041,9 @@ mod postgres {
         assert_eq!(tables, 1);
     }
 
+    test! { table_with_the_sqlite_layout_is_migrated_on_open, postgres }
     /// A table made with the SQLite layout (no `state`, response columns `NOT NULL`) is migrated
     /// on open, and its records keep replaying.
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    #[tokio::test]
     async fn table_with_the_sqlite_layout_is_migrated_on_open() {
         let Some(db) = TestDb::create().await else {
             return;

@@ -96,10 +96,10 @@ fn assert_status(response: &str, status: &str) {
     );
 }
 
+test! { trickling_body_is_408_and_holds_no_write_lock_meanwhile, multi_thread = 2 }
 /// A body that trickles must not hold the write lock: while it trickles, another request
 /// commits (within a lock timeout far shorter than the trickle) and another process can take
 /// SQLite's write lock; the trickle ends in a 408 with nothing stored.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn trickling_body_is_408_and_holds_no_write_lock_meanwhile() {
     const BODY_TIMEOUT: Duration = Duration::from_millis(1500);
     let server = TestServer::builder()
@@ -146,9 +146,9 @@ async fn trickling_body_is_408_and_holds_no_write_lock_meanwhile() {
     );
 }
 
+test! { huge_declared_content_length_is_413_at_once }
 /// A declared length far past what the server would even drain: refused at once from the
 /// header, without waiting for a body that never comes.
-#[tokio::test]
 async fn huge_declared_content_length_is_413_at_once() {
     let server = TestServer::with_layer(|layer| layer.with_body_limit(1024)).await;
     let mut raw = head(server.addr, b"huge", "content-length: 10000000000\r\n\r\n");
@@ -170,7 +170,7 @@ async fn huge_declared_content_length_is_413_at_once() {
     assert_still_serving(&server, "after").await;
 }
 
-#[tokio::test]
+test! { body_over_the_limit_over_http2_is_413 }
 async fn body_over_the_limit_over_http2_is_413() {
     let server = TestServer::with_layer(|layer| layer.with_body_limit(1024)).await;
     let body = format!(r#"{{"sku":"{}","quantity":1}}"#, "x".repeat(4096));
@@ -182,9 +182,9 @@ async fn body_over_the_limit_over_http2_is_413() {
     assert_nothing_happened(&server).await;
 }
 
+test! { broken_chunked_framing_and_abandoned_uploads_store_nothing }
 /// Broken framing, or a client that stops sending mid-body: the body cannot be read, nothing
 /// is stored.
-#[tokio::test]
 async fn broken_chunked_framing_and_abandoned_uploads_store_nothing() {
     let server = TestServer::spawn().await;
 
@@ -224,9 +224,9 @@ async fn broken_chunked_framing_and_abandoned_uploads_store_nothing() {
     assert_still_serving(&server, "after").await;
 }
 
+test! { hundred_thousand_deep_objects_and_mixed_nesting_are_400 }
 /// 100k-deep objects, and mixed or unclosed nestings, fail on the depth limit (the parser is
 /// iterative: no stack overflow).
-#[tokio::test]
 async fn hundred_thousand_deep_objects_and_mixed_nesting_are_400() {
     let server = TestServer::spawn().await;
     let depth = 100_000;
@@ -256,7 +256,7 @@ async fn hundred_thousand_deep_objects_and_mixed_nesting_are_400() {
     assert_still_serving(&server, "after").await;
 }
 
-#[tokio::test]
+test! { invalid_utf8_anywhere_in_the_body_is_400 }
 async fn invalid_utf8_anywhere_in_the_body_is_400() {
     let server = TestServer::spawn().await;
     let cases: [(&str, &[u8], &str); 7] = [
@@ -303,11 +303,11 @@ async fn invalid_utf8_anywhere_in_the_body_is_400() {
     assert_still_serving(&server, "after").await;
 }
 
+test! { numbers_past_the_canonical_range_are_400_and_huge_ones_do_no_harm }
 /// Numbers are kept exactly in the fingerprint: an exponent too large to write is a 400
 /// (serde_json would read `1e-99999999999999999999` as 0.0), and a 10,000-digit number is
 /// fingerprinted without trouble and reaches the handler, whose JSON parser refuses it (past
 /// a double's range): a 400 from the handler, not stored.
-#[tokio::test]
 async fn numbers_past_the_canonical_range_are_400_and_huge_ones_do_no_harm() {
     let server = TestServer::spawn().await;
     for quantity in ["1e-99999999999999999999", "-1.5E+99999999999999999999"] {
@@ -334,9 +334,9 @@ async fn numbers_past_the_canonical_range_are_400_and_huge_ones_do_no_harm() {
     assert_still_serving(&server, "after").await;
 }
 
+test! { nul_bytes_are_400_and_an_escaped_nul_is_a_distinct_value }
 /// Raw NUL bytes are refused; an escaped NUL (`\u0000`) is a legal character, kept exactly:
 /// the value with it differs from the value without it, or with another character after it.
-#[tokio::test]
 async fn nul_bytes_are_400_and_an_escaped_nul_is_a_distinct_value() {
     let server = TestServer::spawn().await;
     let cases: [(&str, &[u8]); 4] = [
@@ -389,9 +389,9 @@ async fn nul_bytes_are_400_and_an_escaped_nul_is_a_distinct_value() {
     assert_eq!(server.order_count().await, 1);
 }
 
+test! { keys_with_control_characters_and_non_ascii_bytes_are_400 }
 /// Every control character, DEL and non-ASCII byte in a key (raw or inside a quoted key),
 /// over the wire: 400 from the HTTP parser or from the layer, never a stored record.
-#[tokio::test]
 async fn keys_with_control_characters_and_non_ascii_bytes_are_400() {
     let server = TestServer::spawn().await;
     let mut bytes: Vec<u8> = (0x00..=0x1f)
@@ -419,8 +419,8 @@ async fn keys_with_control_characters_and_non_ascii_bytes_are_400() {
     assert_still_serving(&server, "after").await;
 }
 
+test! { ten_thousand_distinct_headers_are_431 }
 /// 10,000 distinct headers: the HTTP server refuses the head (431) before the layer sees it.
-#[tokio::test]
 async fn ten_thousand_distinct_headers_are_431() {
     let server = TestServer::spawn().await;
     let extra: String = (0..10_000).map(|i| format!("x-h-{i}: {i}\r\n")).collect();
@@ -432,9 +432,9 @@ async fn ten_thousand_distinct_headers_are_431() {
     assert_still_serving(&server, "after").await;
 }
 
+test! { very_long_header_values_are_refused_and_a_long_key_is_400 }
 /// A header past the server's head buffer is refused by the HTTP server (431); a long key
 /// that fits is the layer's 400, raw or quoted; a long Content-Type is read as what it is.
-#[tokio::test]
 async fn very_long_header_values_are_refused_and_a_long_key_is_400() {
     let server = TestServer::spawn().await;
 
@@ -465,8 +465,8 @@ async fn very_long_header_values_are_refused_and_a_long_key_is_400() {
     assert!(respelled.replayed(), "fingerprinted as JSON: {respelled:?}");
 }
 
+test! { body_in_one_byte_chunks_is_the_same_request }
 /// A body sent in one-byte chunks is the same request as the body in one piece.
-#[tokio::test]
 async fn body_in_one_byte_chunks_is_the_same_request() {
     let server = TestServer::spawn().await;
     let (sender, body) = ChannelBody::new();

@@ -103,7 +103,7 @@ async fn spawn_hyper_server() -> HyperServer {
     }
 }
 
-#[tokio::test]
+test! { plain_hyper_service_new_replay_and_conflict }
 async fn plain_hyper_service_new_replay_and_conflict() {
     let server = spawn_hyper_server().await;
 
@@ -145,7 +145,7 @@ async fn plain_hyper_service_new_replay_and_conflict() {
     assert_eq!(record_count(&server.store).await, 2);
 }
 
-#[tokio::test]
+test! { service_error_rolls_back_and_the_key_can_be_retried }
 async fn service_error_rolls_back_and_the_key_can_be_retried() {
     let server = spawn_hyper_server().await;
     let explode = Post::order("key-1", r#"{"sku":"explode","quantity":1}"#);

@@ -37,7 +37,7 @@ async fn assert_too_large_and_nothing_stored(server: &TestServer, reply: &Reply)
     assert_eq!(server.counts().await, (0, 0, 0), "the handler must not run");
 }
 
-#[tokio::test]
+test! { body_at_the_limit_passes_and_one_byte_more_is_413 }
 async fn body_at_the_limit_passes_and_one_byte_more_is_413() {
     let server = limited_server().await;
 
@@ -55,7 +55,7 @@ async fn body_at_the_limit_passes_and_one_byte_more_is_413() {
     assert_eq!(server.order_count().await, 1);
 }
 
-#[tokio::test]
+test! { body_over_the_limit_with_content_length_is_413 }
 async fn body_over_the_limit_with_content_length_is_413() {
     let server = limited_server().await;
 
@@ -67,7 +67,7 @@ async fn body_over_the_limit_with_content_length_is_413() {
     reply.assert_content_length_matches();
 }
 
-#[tokio::test]
+test! { chunked_body_over_the_limit_is_413 }
 async fn chunked_body_over_the_limit_is_413() {
     // Written by hand so the request is certainly chunked, without a Content-Length.
     let server = limited_server().await;
@@ -110,7 +110,7 @@ fn stream_body(total: usize) -> ChannelBody {
     body
 }
 
-#[tokio::test]
+test! { multi_megabyte_streamed_upload_receives_the_413 }
 async fn multi_megabyte_streamed_upload_receives_the_413() {
     const TOTAL: usize = 5 * 1024 * 1024;
     let server = limited_server().await;
@@ -175,7 +175,7 @@ async fn send_whole_then_read(server: &TestServer, chunked: bool) -> String {
     String::from_utf8_lossy(&response).into_owned()
 }
 
-#[tokio::test]
+test! { naive_client_sending_5_mib_before_reading_receives_the_413 }
 async fn naive_client_sending_5_mib_before_reading_receives_the_413() {
     let server = limited_server().await;
     for chunked in [false, true] {
@@ -189,7 +189,7 @@ async fn naive_client_sending_5_mib_before_reading_receives_the_413() {
     assert_eq!(server.counts().await, (0, 0, 0));
 }
 
-#[tokio::test]
+test! { body_trickling_past_the_body_timeout_is_408 }
 async fn body_trickling_past_the_body_timeout_is_408() {
     const TIMEOUT: Duration = Duration::from_millis(300);
     let server = TestServer::with_layer(|layer| layer.with_body_timeout(TIMEOUT)).await;
@@ -269,7 +269,7 @@ async fn a_path_longer_than_an_operation_is_414(addr: std::net::SocketAddr) -> [
     [at_max, over]
 }
 
-#[tokio::test]
+test! { sqlite_a_path_longer_than_an_operation_is_414_and_not_stored }
 async fn sqlite_a_path_longer_than_an_operation_is_414_and_not_stored() {
     let dir = tempfile::tempdir().expect("temp dir");
     let store = tower_idempotency::store::sqlite::SqliteStore::open(dir.path().join("ops.db"))
@@ -285,11 +285,7 @@ async fn sqlite_a_path_longer_than_an_operation_is_414_and_not_stored() {
     serving.stop().await;
 }
 
-#[cfg_attr(
-    not(mysql_tests),
-    ignore = "needs MySQL or MariaDB: set TEST_MYSQL_URL"
-)]
-#[tokio::test]
+test! { mysql_a_path_longer_than_an_operation_is_414_and_not_stored, mysql }
 async fn mysql_a_path_longer_than_an_operation_is_414_and_not_stored() {
     let Some(db) = mysql_common::TestDb::create().await else {
         return;
@@ -300,15 +296,24 @@ async fn mysql_a_path_longer_than_an_operation_is_414_and_not_stored() {
     serving.stop().await;
 }
 
-/// An operation name the stores cannot hold is refused when the layer is built.
-#[test]
-#[should_panic(expected = "at most 255 fit")]
+test! { an_operation_name_longer_than_the_stores_hold_is_refused, sync }
+/// An operation name the stores cannot hold is refused when the layer is built: a panic that
+/// says how many fit.
 fn an_operation_name_longer_than_the_stores_hold_is_refused() {
-    let _ = tower_idempotency::IdempotencyLayer::new(())
-        .with_operation("o".repeat(tower_idempotency::MAX_OPERATION_LEN + 1));
+    let refused = std::panic::catch_unwind(|| {
+        tower_idempotency::IdempotencyLayer::new(())
+            .with_operation("o".repeat(tower_idempotency::MAX_OPERATION_LEN + 1))
+    });
+    let payload = refused.expect_err("the layer refuses the name");
+    let message = payload
+        .downcast_ref::<String>()
+        .map(String::as_str)
+        .or_else(|| payload.downcast_ref::<&str>().copied())
+        .unwrap_or_default();
+    assert!(message.contains("at most 255 fit"), "{message}");
 }
 
-#[test]
+test! { an_operation_name_the_stores_hold_is_taken, sync }
 fn an_operation_name_the_stores_hold_is_taken() {
     let _ = tower_idempotency::IdempotencyLayer::new(())
         .with_operation("o".repeat(tower_idempotency::MAX_OPERATION_LEN));

@@ -1,6 +1,7 @@
 //! The contract of DESIGN.md §1 over real HTTP on every store, the stores' own contract, hostile
 //! input, limits, the IETF draft's statuses, what the `metrics` feature records, the layer around
-//! a plain hyper service, SQLite's store beside another process, and the property tests of the
+//! a plain hyper service, SQLite's store beside another process, what each PostgreSQL store
+//! adds (its pools, replay checks, round trips and SQL literals), and the property tests of the
 //! canonical JSON and the key parser.
 
 #[macro_use]
@@ -14,5 +15,11 @@ mod hyper_service;
 mod ietf_draft;
 mod limits;
 mod metrics;
+mod postgres_store;
 mod sqlite_store;
+mod sqlx_postgres_store;
 mod store_contract;
+
+fn main() {
+    support::harness::main();
+}

@@ -102,7 +102,7 @@ fn inbox_events(metrics: &HashMap<String, DebugValue>, consumer: &str, result: &
     )
 }
 
-#[tokio::test]
+test! { the_layer_counts_requests_by_outcome_rollbacks_and_lock_waits }
 async fn the_layer_counts_requests_by_outcome_rollbacks_and_lock_waits() {
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
@@ -184,7 +184,7 @@ async fn the_layer_counts_requests_by_outcome_rollbacks_and_lock_waits() {
     );
 }
 
-#[tokio::test]
+test! { the_relay_and_the_inbox_record_deliveries_failures_dead_letters_and_backlog }
 async fn the_relay_and_the_inbox_record_deliveries_failures_dead_letters_and_backlog() {
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
@@ -277,8 +277,7 @@ async fn the_relay_and_the_inbox_record_deliveries_failures_dead_letters_and_bac
     assert_eq!(inbox_events(&metrics, "inventory", "duplicate"), 2);
 }
 
-#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-#[tokio::test]
+test! { the_postgres_inbox_counts_processed_events_and_duplicates, postgres }
 async fn the_postgres_inbox_counts_processed_events_and_duplicates() {
     let Some(db) = pg_common::TestDb::create().await else {
         return;

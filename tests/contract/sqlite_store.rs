@@ -12,10 +12,10 @@ use tower_idempotency::store::IdempotencyStore;
 
 const BOOK: &str = r#"{"sku":"book","quantity":1}"#;
 
+test! { short_request_lock_timeout_does_not_leak_into_purge_and_write }
 /// A request's short lock timeout must not leak into later work on the writer connection:
 /// `purge_expired` and `write` keep waiting for another process's lock as long as the
 /// store's own busy timeout allows (5 s when opened), not the last request's remainder.
-#[tokio::test]
 async fn short_request_lock_timeout_does_not_leak_into_purge_and_write() {
     let server =
         TestServer::with_layer(|layer| layer.with_lock_timeout(Duration::from_millis(50))).await;
@@ -43,9 +43,9 @@ async fn short_request_lock_timeout_does_not_leak_into_purge_and_write() {
     written.expect("write waits for the other process's lock, then succeeds");
 }
 
+test! { stores_opening_one_new_file_at_once_all_open_it, multi_thread = 4 }
 /// Several stores setting up the same new file at the same moment (as two processes started
 /// together do) all open it: a busy answer while another switches it to WAL is waited out.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn stores_opening_one_new_file_at_once_all_open_it() {
     for _ in 0..20 {
         let dir = tempfile::tempdir().expect("temp dir");

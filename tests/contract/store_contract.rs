@@ -236,11 +236,11 @@ async fn purge_deletes_expired_records_in_batches<S: IdempotencyStore>(store: S)
 }
 
 macro_rules! store_contract_tests {
-    ($backend:ident, $make:expr $(, #[$attr:meta])?) => {
+    ($backend:ident, $make:expr $(, $needs:ident)?) => {
         mod $backend {
             use super::*;
 
-            store_contract_tests!(@tests $make; [$(#[$attr])?];
+            store_contract_tests!(@tests $make; [$($needs)?];
                 commit_saves_the_record,
                 rollback_leaves_nothing,
                 dropping_the_transaction_rolls_back,
@@ -252,9 +252,8 @@ macro_rules! store_contract_tests {
             );
         }
     };
-    (@tests $make:expr; [$($attr:tt)*]; $name:ident, $($rest:ident,)*) => {
-        $($attr)*
-        #[tokio::test]
+    (@tests $make:expr; [$($needs:ident)?]; $name:ident, $($rest:ident,)*) => {
+        test! { $name $(, $needs)? }
         async fn $name() {
             // `None`: the backend is not available here.
             let Some((store, _guard)) = $make.await else {
@@ -262,9 +261,9 @@ macro_rules! store_contract_tests {
             };
             super::$name(store).await;
         }
-        store_contract_tests!(@tests $make; [$($attr)*]; $($rest,)*);
+        store_contract_tests!(@tests $make; [$($needs)?]; $($rest,)*);
     };
-    (@tests $make:expr; [$($attr:tt)*];) => {};
+    (@tests $make:expr; [$($needs:ident)?];) => {};
 }
 
 use crate::support::mysql_common;
@@ -294,19 +293,19 @@ store_contract_tests!(
     on(pg_common::TestDb::create().await, async |db| db
         .store()
         .await),
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
+    postgres
 );
 store_contract_tests!(
     sqlx_postgres,
     on(pg_common::TestDb::create().await, async |db| db
         .sqlx_store(4, 2)
         .await),
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
+    postgres
 );
 store_contract_tests!(
     sqlx_mysql,
     on(mysql_common::TestDb::create().await, async |db| db
         .store(4)
         .await),
-    #[cfg_attr(not(mysql_tests), ignore = "needs MySQL or MariaDB: set TEST_MYSQL_URL")]
+    mysql
 );

@@ -404,7 +404,7 @@ mod sqlite {
         super::run(argv).await
     }
 
-    #[tokio::test]
+    test! { usage_errors_and_missing_databases_are_reported }
     async fn usage_errors_and_missing_databases_are_reported() {
         let dir = tempfile::tempdir().expect("temp dir");
         let missing = dir.path().join("missing.db");
@@ -450,7 +450,7 @@ mod sqlite {
         assert!(output.starts_with("usage: admin"));
     }
 
-    #[tokio::test]
+    test! { keys_in_doubt_are_listed_and_resolved }
     async fn keys_in_doubt_are_listed_and_resolved() {
         use std::time::{Duration, SystemTime};
 
@@ -629,8 +629,7 @@ mod postgres {
         super::run(argv.iter().map(|arg| (*arg).to_owned()).collect()).await
     }
 
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    #[tokio::test]
+    test! { a_database_without_the_tables_is_reported_and_left_alone, postgres }
     async fn a_database_without_the_tables_is_reported_and_left_alone() {
         let Some(db) = TestDb::create().await else {
             return;
@@ -659,8 +658,7 @@ mod postgres {
         assert_eq!(created, 0, "the tool created no table");
     }
 
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    #[tokio::test]
+    test! { usage_errors_and_unreachable_databases_are_reported, postgres }
     async fn usage_errors_and_unreachable_databases_are_reported() {
         let Some(db) = TestDb::create().await else {
             return;
@@ -709,8 +707,7 @@ mod postgres {
         assert!(!message.contains("s3cret"), "{message}");
     }
 
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    #[tokio::test]
+    test! { the_library_calls_behind_the_tool, postgres }
     async fn the_library_calls_behind_the_tool() {
         let Some(backend) = Postgres::create().await else {
             return;
@@ -757,8 +754,7 @@ mod postgres {
         server.shutdown().await;
     }
 
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    #[tokio::test]
+    test! { a_request_running_now_is_not_deleted_under_it, postgres }
     async fn a_request_running_now_is_not_deleted_under_it() {
         let Some(db) = TestDb::create().await else {
             return;
@@ -807,9 +803,8 @@ mod postgres {
             .await
     }
 
+    test! { a_store_opened_without_creating_the_schema_creates_nothing, postgres }
     /// A store opened for administration creates nothing, but sees what is there.
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    #[tokio::test]
     async fn a_store_opened_without_creating_the_schema_creates_nothing() {
         let Some(db) = TestDb::create().await else {
             return;

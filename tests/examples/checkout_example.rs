@@ -741,7 +741,7 @@ async fn bad_requests_are_answered_like_the_orders_example(store: Store) {
     assert_eq!(other.status, 404);
 }
 
-#[tokio::test]
+test! { bad_command_lines_are_refused_with_a_clear_message }
 async fn bad_command_lines_are_refused_with_a_clear_message() {
     let both = process::run_example(
         "checkout",
@@ -782,14 +782,14 @@ async fn bad_command_lines_are_refused_with_a_clear_message() {
     assert!(String::from_utf8_lossy(&missing.stderr).contains("--payments URL is required"));
 }
 
-/// The scenarios above, each a `#[tokio::test]` on the store `$store`, in the module
+/// The scenarios above, each a test on the store `$store`, in the module
 /// `$backend`.
 macro_rules! checkout_tests {
-    ($backend:ident, $store:expr $(, #[$attr:meta])?) => {
+    ($backend:ident, $store:expr $(, $needs:ident)?) => {
         mod $backend {
             use super::*;
 
-            checkout_tests!(@tests $store; [$(#[$attr])?];
+            checkout_tests!(@tests $store; [$($needs)?];
                 a_checkout_is_paid_once_and_every_retry_replays_it,
                 killed_after_taking_the_key_a_retry_finishes_it_once,
                 killed_after_the_order_committed_a_retry_finishes_it_once,
@@ -812,20 +812,15 @@ macro_rules! checkout_tests {
             );
         }
     };
-    (@tests $store:expr; [$($attr:tt)*]; $name:ident, $($rest:ident,)*) => {
-        $($attr)*
-        #[tokio::test]
+    (@tests $store:expr; [$($needs:ident)?]; $name:ident, $($rest:ident,)*) => {
+        test! { $name $(, $needs)? }
         async fn $name() {
             super::$name($store).await;
         }
-        checkout_tests!(@tests $store; [$($attr)*]; $($rest,)*);
+        checkout_tests!(@tests $store; [$($needs)?]; $($rest,)*);
     };
-    (@tests $store:expr; [$($attr:tt)*];) => {};
+    (@tests $store:expr; [$($needs:ident)?];) => {};
 }
 
 checkout_tests!(sqlite, Store::Sqlite);
-checkout_tests!(
-    postgres,
-    Store::Postgres,
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-);
+checkout_tests!(postgres, Store::Postgres, postgres);

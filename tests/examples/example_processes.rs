@@ -362,21 +362,18 @@ mod postgres {
 
     use super::*;
 
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    test! { two_example_instances_create_one_order_per_key, multi_thread = 2, postgres }
     async fn two_example_instances_create_one_order_per_key() {
         two_instances_create_one_order_per_key::<TokioPostgres>().await;
     }
 
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    test! { example_killed_under_load_keeps_one_order_per_key, multi_thread = 2, postgres }
     async fn example_killed_under_load_keeps_one_order_per_key() {
         killed_under_load_keeps_one_order_per_key::<TokioPostgres>().await;
     }
 
+    test! { example_serves_the_order_api, multi_thread = 2, postgres }
     /// The reference the sqlx examples are held to: `examples/orders.rs` on PostgreSQL.
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn example_serves_the_order_api() {
         serves_the_order_api::<TokioPostgres>().await;
     }
@@ -387,20 +384,17 @@ mod sqlx_postgres {
 
     use super::*;
 
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    test! { sqlx_two_example_instances_create_one_order_per_key, multi_thread = 2, postgres }
     async fn sqlx_two_example_instances_create_one_order_per_key() {
         two_instances_create_one_order_per_key::<SqlxPostgres>().await;
     }
 
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    test! { sqlx_example_serves_the_order_api, multi_thread = 2, postgres }
     async fn sqlx_example_serves_the_order_api() {
         serves_the_order_api::<SqlxPostgres>().await;
     }
 
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    test! { sqlx_example_killed_under_load_keeps_one_order_per_key, multi_thread = 2, postgres }
     async fn sqlx_example_killed_under_load_keeps_one_order_per_key() {
         killed_under_load_keeps_one_order_per_key::<SqlxPostgres>().await;
     }
@@ -411,29 +405,17 @@ mod mysql {
 
     use super::*;
 
-    #[cfg_attr(
-        not(mysql_tests),
-        ignore = "needs MySQL or MariaDB: set TEST_MYSQL_URL"
-    )]
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    test! { two_example_instances_create_one_order_per_key, multi_thread = 2, mysql }
     async fn two_example_instances_create_one_order_per_key() {
         two_instances_create_one_order_per_key::<MySql>().await;
     }
 
-    #[cfg_attr(
-        not(mysql_tests),
-        ignore = "needs MySQL or MariaDB: set TEST_MYSQL_URL"
-    )]
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    test! { example_serves_the_order_api, multi_thread = 2, mysql }
     async fn example_serves_the_order_api() {
         serves_the_order_api::<MySql>().await;
     }
 
-    #[cfg_attr(
-        not(mysql_tests),
-        ignore = "needs MySQL or MariaDB: set TEST_MYSQL_URL"
-    )]
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    test! { example_killed_under_load_keeps_one_order_per_key, multi_thread = 2, mysql }
     async fn example_killed_under_load_keeps_one_order_per_key() {
         killed_under_load_keeps_one_order_per_key::<MySql>().await;
     }

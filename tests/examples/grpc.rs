@@ -339,7 +339,7 @@ fn assert_status(result: Result<Created, Status>, code: Code, message: &str) {
 
 // ----- replay -----
 
-#[tokio::test]
+test! { retry_is_decoded_as_the_original_response_with_replayed_metadata }
 async fn retry_is_decoded_as_the_original_response_with_replayed_metadata() {
     let server = Setup::example().spawn().await;
 
@@ -365,7 +365,7 @@ async fn retry_is_decoded_as_the_original_response_with_replayed_metadata() {
     assert_eq!((order.sku.as_str(), order.quantity), ("book", 1));
 }
 
-#[tokio::test]
+test! { another_tenant_with_the_same_key_gets_its_own_order }
 async fn another_tenant_with_the_same_key_gets_its_own_order() {
     let server = Setup::example().spawn().await;
 
@@ -386,10 +386,10 @@ async fn another_tenant_with_the_same_key_gets_its_own_order() {
     assert_eq!(other.code(), Code::NotFound);
 }
 
+test! { replay_is_the_saved_body_and_trailers_byte_for_byte }
 /// The replay is the saved answer byte for byte: the same HTTP/2 body (the length-prefixed
 /// protobuf message) and the same `grpc-status`/`grpc-message` trailers, over a raw HTTP/2
 /// client rather than tonic's.
-#[tokio::test]
 async fn replay_is_the_saved_body_and_trailers_byte_for_byte() {
     let server = Setup::example().spawn().await;
     let message = CreateOrderRequest {
@@ -423,7 +423,7 @@ async fn replay_is_the_saved_body_and_trailers_byte_for_byte() {
 
 // ----- conflict -----
 
-#[tokio::test]
+test! { same_key_with_another_request_is_failed_precondition_and_the_original_stays }
 async fn same_key_with_another_request_is_failed_precondition_and_the_original_stays() {
     let server = Setup::example().spawn().await;
     let first = server.create(Call::order("key-1")).await.expect("first");
@@ -450,7 +450,7 @@ async fn same_key_with_another_request_is_failed_precondition_and_the_original_s
 
 // ----- concurrency -----
 
-#[tokio::test]
+test! { concurrent_duplicates_create_one_order }
 async fn concurrent_duplicates_create_one_order() {
     const COPIES: usize = 6;
     let server = Arc::new(Setup::example().spawn().await);
@@ -491,7 +491,7 @@ async fn concurrent_duplicates_create_one_order() {
 
 // ----- rollback -----
 
-#[tokio::test]
+test! { non_ok_status_after_the_insert_rolls_back_and_the_retry_runs_afresh }
 async fn non_ok_status_after_the_insert_rolls_back_and_the_retry_runs_afresh() {
     let server = Setup::example().spawn().await;
     server.fail_next_flaky.store(true, Ordering::SeqCst);
@@ -513,7 +513,7 @@ async fn non_ok_status_after_the_insert_rolls_back_and_the_retry_runs_afresh() {
     server.assert_counts((2, 1, 1), "the retry ran").await;
 }
 
-#[tokio::test]
+test! { invalid_argument_from_the_handler_is_not_saved_so_a_corrected_request_succeeds }
 async fn invalid_argument_from_the_handler_is_not_saved_so_a_corrected_request_succeeds() {
     let server = Setup::example().spawn().await;
 
@@ -531,7 +531,7 @@ async fn invalid_argument_from_the_handler_is_not_saved_so_a_corrected_request_s
     assert_eq!(server.order_count().await, 1);
 }
 
-#[tokio::test]
+test! { store_failure_while_saving_is_internal_and_rolls_the_order_back }
 async fn store_failure_while_saving_is_internal_and_rolls_the_order_back() {
     let server = Setup::example().spawn().await;
     fail_saving_records(&server.store).await;
@@ -549,7 +549,7 @@ async fn store_failure_while_saving_is_internal_and_rolls_the_order_back() {
 
 // ----- the layer's rejections, as gRPC statuses -----
 
-#[tokio::test]
+test! { key_problems_are_invalid_argument_and_nothing_runs }
 async fn key_problems_are_invalid_argument_and_nothing_runs() {
     let server = Setup::example().spawn().await;
 
@@ -575,7 +575,7 @@ async fn key_problems_are_invalid_argument_and_nothing_runs() {
         .await;
 }
 
-#[tokio::test]
+test! { unauthenticated_calls_are_refused_by_the_auth_layer_and_by_the_idempotency_layer }
 async fn unauthenticated_calls_are_refused_by_the_auth_layer_and_by_the_idempotency_layer() {
     // The example's own authentication refuses an unknown token before the layer.
     let server = Setup::example().spawn().await;
@@ -594,7 +594,7 @@ async fn unauthenticated_calls_are_refused_by_the_auth_layer_and_by_the_idempote
     assert_eq!(bare.record_count().await, 0);
 }
 
-#[tokio::test]
+test! { request_over_the_body_limit_is_resource_exhausted }
 async fn request_over_the_body_limit_is_resource_exhausted() {
     let server = Setup::example()
         .layer(|layer| layer.with_body_limit(64))
@@ -613,7 +613,7 @@ async fn request_over_the_body_limit_is_resource_exhausted() {
     assert!(!small.replayed);
 }
 
-#[tokio::test]
+test! { store_busy_past_the_lock_timeout_is_unavailable_then_the_retry_succeeds }
 async fn store_busy_past_the_lock_timeout_is_unavailable_then_the_retry_succeeds() {
     let server = Setup::example()
         .layer(|layer| layer.with_lock_timeout(Duration::from_millis(300)))
@@ -652,9 +652,9 @@ async fn store_busy_past_the_lock_timeout_is_unavailable_then_the_retry_succeeds
     assert_eq!(server.order_count().await, 2);
 }
 
+test! { a_single_wrapped_service_can_be_added_to_the_server }
 /// One service wrapped on its own (`add_service` takes it: the wrapper is a `NamedService`),
 /// leaving the server's other services outside the layer.
-#[tokio::test]
 async fn a_single_wrapped_service_can_be_added_to_the_server() {
     use tower::Layer;
 
@@ -707,8 +707,8 @@ async fn a_single_wrapped_service_can_be_added_to_the_server() {
     server.abort();
 }
 
+test! { json_request_to_the_same_route_gets_the_http_error }
 /// The same server answers a non-gRPC request with the HTTP JSON errors.
-#[tokio::test]
 async fn json_request_to_the_same_route_gets_the_http_error() {
     let server = Setup::example().spawn().await;
     let request = http::Request::post(format!("http://{}{CREATE_ORDER_PATH}", server.addr))
@@ -728,7 +728,7 @@ async fn json_request_to_the_same_route_gets_the_http_error() {
 
 // ----- pass-through -----
 
-#[tokio::test]
+test! { streaming_and_read_rpcs_pass_through_without_a_key }
 async fn streaming_and_read_rpcs_pass_through_without_a_key() {
     let server = Setup::example().spawn().await;
     let a = server.create(Call::order("key-1")).await.expect("a");
@@ -761,8 +761,8 @@ async fn streaming_and_read_rpcs_pass_through_without_a_key() {
 
 // ----- the example's demo, and the generated code -----
 
+test! { the_demo_runs }
 /// `cargo run --example grpc_orders -- --demo`, as CI runs it: the retry lab's six lines.
-#[tokio::test]
 async fn the_demo_runs() {
     let output = process::run_example("grpc_orders", &["--demo"], Duration::from_secs(60)).await;
     let stdout = String::from_utf8_lossy(&output.stdout);
@@ -784,7 +784,7 @@ async fn the_demo_runs() {
     );
 }
 
-#[test]
+test! { create_order_path_is_the_generated_service_path, sync }
 fn create_order_path_is_the_generated_service_path() {
     assert_eq!(
         CREATE_ORDER_PATH,
@@ -792,9 +792,9 @@ fn create_order_path_is_the_generated_service_path() {
     );
 }
 
+test! { generated_code_is_current, sync }
 /// The checked-in `examples/grpc/orders.rs` is exactly what `proto/orders.proto` generates,
 /// with a vendored `protoc` (nothing to install). `UPDATE_GENERATED=1` rewrites it instead.
-#[test]
 fn generated_code_is_current() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let checked_in = root.join("examples/grpc/orders.rs");

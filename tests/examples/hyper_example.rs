@@ -81,7 +81,7 @@ async fn get(addr: SocketAddr, path: &str, token: Option<&str>) -> Reply {
     common::send(request).await
 }
 
-#[tokio::test]
+test! { new_key_creates_the_order_and_answers_201_with_location }
 async fn new_key_creates_the_order_and_answers_201_with_location() {
     let server = HyperExample::spawn().await;
 
@@ -100,7 +100,7 @@ async fn new_key_creates_the_order_and_answers_201_with_location() {
     assert!(record_exists(&server.store, "shop-a", "create_order", "key-1").await);
 }
 
-#[tokio::test]
+test! { same_key_and_payload_replays_the_saved_response }
 async fn same_key_and_payload_replays_the_saved_response() {
     let server = HyperExample::spawn().await;
     let first = Post::order("key-1", BOOK).send(server.addr).await;
@@ -120,7 +120,7 @@ async fn same_key_and_payload_replays_the_saved_response() {
     assert_eq!(server.record_count().await, 1);
 }
 
-#[tokio::test]
+test! { same_key_with_another_payload_is_409_and_the_original_stays }
 async fn same_key_with_another_payload_is_409_and_the_original_stays() {
     let server = HyperExample::spawn().await;
     let first = Post::order("key-1", BOOK).send(server.addr).await;
@@ -137,7 +137,7 @@ async fn same_key_with_another_payload_is_409_and_the_original_stays() {
     assert_eq!(again.body, first.body);
 }
 
-#[tokio::test]
+test! { another_tenant_gets_its_own_order_and_reads_only_its_own }
 async fn another_tenant_gets_its_own_order_and_reads_only_its_own() {
     let server = HyperExample::spawn().await;
     let a = Post::order("key-1", BOOK).send(server.addr).await;
@@ -161,7 +161,7 @@ async fn another_tenant_gets_its_own_order_and_reads_only_its_own() {
     assert_eq!(foreign.error_code(), "not_found");
 }
 
-#[tokio::test]
+test! { concurrent_duplicates_create_one_order }
 async fn concurrent_duplicates_create_one_order() {
     const COPIES: usize = 8;
     let server = HyperExample::spawn().await;
@@ -188,7 +188,7 @@ async fn concurrent_duplicates_create_one_order() {
     assert_eq!(server.record_count().await, 1);
 }
 
-#[tokio::test]
+test! { failure_after_the_insert_rolls_back_and_the_retry_runs_afresh }
 async fn failure_after_the_insert_rolls_back_and_the_retry_runs_afresh() {
     let server = HyperExample::spawn().await;
     // Saving the response fails after the handler inserted its order (the article's trigger).
@@ -209,7 +209,7 @@ async fn failure_after_the_insert_rolls_back_and_the_retry_runs_afresh() {
     assert_eq!(server.order_count().await, 1);
 }
 
-#[tokio::test]
+test! { validation_errors_are_not_saved_so_a_corrected_payload_succeeds }
 async fn validation_errors_are_not_saved_so_a_corrected_payload_succeeds() {
     let server = HyperExample::spawn().await;
 
@@ -228,7 +228,7 @@ async fn validation_errors_are_not_saved_so_a_corrected_payload_succeeds() {
     assert_eq!(server.order_count().await, 1);
 }
 
-#[tokio::test]
+test! { key_problems_are_400_and_nothing_is_stored }
 async fn key_problems_are_400_and_nothing_is_stored() {
     let server = HyperExample::spawn().await;
     let too_long = "k".repeat(129);
@@ -253,7 +253,7 @@ async fn key_problems_are_400_and_nothing_is_stored() {
     assert_eq!(server.record_count().await, 0);
 }
 
-#[tokio::test]
+test! { unauthenticated_requests_are_401 }
 async fn unauthenticated_requests_are_401() {
     let server = HyperExample::spawn().await;
 
@@ -270,7 +270,7 @@ async fn unauthenticated_requests_are_401() {
     assert_eq!(server.record_count().await, 0);
 }
 
-#[tokio::test]
+test! { body_over_the_limit_is_413 }
 async fn body_over_the_limit_is_413() {
     let server = HyperExample::spawn().await;
     // The example keeps the default limit, 1 MiB.
@@ -288,7 +288,7 @@ async fn body_over_the_limit_is_413() {
     assert_eq!(server.record_count().await, 0);
 }
 
-#[tokio::test]
+test! { store_busy_past_the_lock_timeout_is_503_then_the_retry_succeeds }
 async fn store_busy_past_the_lock_timeout_is_503_then_the_retry_succeeds() {
     // The example keeps the default lock timeout, 5 s: the busy answer takes that long.
     let server = HyperExample::spawn().await;
@@ -305,7 +305,7 @@ async fn store_busy_past_the_lock_timeout_is_503_then_the_retry_succeeds() {
     server.assert_created_afresh("key-1").await;
 }
 
-#[tokio::test]
+test! { other_methods_and_paths_are_405_and_404 }
 async fn other_methods_and_paths_are_405_and_404() {
     let server = HyperExample::spawn().await;
 

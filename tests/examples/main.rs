@@ -13,3 +13,7 @@ mod hyper_example;
 mod orders_example;
 mod payments_example;
 mod wal_frames;
+
+fn main() {
+    support::harness::main();
+}

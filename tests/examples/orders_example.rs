@@ -35,7 +35,7 @@ fn sample(text: &str, name: &str, labels: &[&str]) -> Option<f64> {
         .and_then(|value| value.parse().ok())
 }
 
-#[tokio::test]
+test! { metrics_after_traffic_count_each_outcome_and_the_lock_wait }
 async fn metrics_after_traffic_count_each_outcome_and_the_lock_wait() {
     let dir = tempfile::tempdir().expect("temp dir");
     let db = dir.path().join("orders.db");
@@ -81,7 +81,7 @@ async fn metrics_after_traffic_count_each_outcome_and_the_lock_wait() {
     );
 }
 
-#[tokio::test]
+test! { the_ietf_flag_answers_the_drafts_way }
 async fn the_ietf_flag_answers_the_drafts_way() {
     let dir = tempfile::tempdir().expect("temp dir");
     let db = dir.path().join("orders.db");
@@ -115,7 +115,7 @@ async fn the_ietf_flag_answers_the_drafts_way() {
     assert!(responses["422"]["headers"]["Link"].is_object());
 }
 
-#[tokio::test]
+test! { openapi_json_documents_what_the_layer_adds_to_post_orders }
 async fn openapi_json_documents_what_the_layer_adds_to_post_orders() {
     let dir = tempfile::tempdir().expect("temp dir");
     let db = dir.path().join("orders.db");
@@ -173,9 +173,9 @@ async fn openapi_json_documents_what_the_layer_adds_to_post_orders() {
     );
 }
 
+test! { openapi_json_declares_path_parameters_and_every_code_sent }
 /// The document describes what the server sends: every `{name}` of a path is a declared path
 /// parameter, and each error code the app answers is in its status's documented enum.
-#[tokio::test]
 async fn openapi_json_declares_path_parameters_and_every_code_sent() {
     let dir = tempfile::tempdir().expect("temp dir");
     let db = dir.path().join("orders.db");

@@ -81,7 +81,7 @@ async fn start(db: &Path, flags: &[&str]) -> ExampleProcess {
     ExampleProcess::start("payments", &args).await
 }
 
-#[tokio::test]
+test! { a_key_and_its_repeat_are_one_charge_with_one_id }
 async fn a_key_and_its_repeat_are_one_charge_with_one_id() {
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("payments.db");
@@ -112,7 +112,7 @@ async fn a_key_and_its_repeat_are_one_charge_with_one_id() {
     assert_eq!(stats["charges_by_key"], serde_json::json!({ "k1": 1 }));
 }
 
-#[tokio::test]
+test! { a_declined_card_is_declined_on_every_repeat_and_never_charged }
 async fn a_declined_card_is_declined_on_every_repeat_and_never_charged() {
     let dir = tempfile::tempdir().unwrap();
     let server = start(&dir.path().join("payments.db"), &[]).await;
@@ -130,7 +130,7 @@ async fn a_declined_card_is_declined_on_every_repeat_and_never_charged() {
     );
 }
 
-#[tokio::test]
+test! { bad_bodies_and_keys_are_400_and_take_nothing }
 async fn bad_bodies_and_keys_are_400_and_take_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let server = start(&dir.path().join("payments.db"), &[]).await;
@@ -168,7 +168,7 @@ async fn bad_bodies_and_keys_are_400_and_take_nothing() {
     assert_eq!(stats(server.addr).await["charges"], 1);
 }
 
-#[tokio::test]
+test! { fail_rate_one_answers_503_and_takes_nothing }
 async fn fail_rate_one_answers_503_and_takes_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let server = start(&dir.path().join("payments.db"), &["--fail-rate", "1"]).await;
@@ -185,7 +185,7 @@ async fn fail_rate_one_answers_503_and_takes_nothing() {
     assert_eq!(stats(server.addr).await["charges"], 0);
 }
 
-#[tokio::test]
+test! { a_dropped_answer_is_the_saved_charge_on_a_repeat }
 async fn a_dropped_answer_is_the_saved_charge_on_a_repeat() {
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("payments.db");
@@ -216,7 +216,7 @@ async fn a_dropped_answer_is_the_saved_charge_on_a_repeat() {
     );
 }
 
-#[tokio::test]
+test! { sigkill_with_charges_in_flight_and_restart_keep_every_charge_once }
 async fn sigkill_with_charges_in_flight_and_restart_keep_every_charge_once() {
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("payments.db");
@@ -270,7 +270,7 @@ async fn sigkill_with_charges_in_flight_and_restart_keep_every_charge_once() {
     assert!(stats["requests"].as_i64().unwrap() >= 40, "{stats}");
 }
 
-#[tokio::test]
+test! { concurrent_repeats_of_a_key_charge_once_and_delay_ms_waits }
 async fn concurrent_repeats_of_a_key_charge_once_and_delay_ms_waits() {
     let dir = tempfile::tempdir().unwrap();
     let server = start(&dir.path().join("payments.db"), &["--delay-ms", "200"]).await;

@@ -45,7 +45,7 @@ fn wal_frames(db: &Path, page_size: u64) -> u64 {
     frames
 }
 
-#[tokio::test]
+test! { a_new_key_of_the_order_example_writes_at_most_eight_wal_frames }
 async fn a_new_key_of_the_order_example_writes_at_most_eight_wal_frames() {
     let dir = tempfile::tempdir().expect("temp dir");
     let db = dir.path().join("orders.db");

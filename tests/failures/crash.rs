@@ -170,7 +170,7 @@ async fn round(
     cut_in_flight
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+test! { sigkill_under_load_never_duplicates_or_loses_an_order, multi_thread = 2 }
 async fn sigkill_under_load_never_duplicates_or_loses_an_order() {
     let started = Instant::now();
     let (mut rng, seed) = Rng::from_env_or_clock();

@@ -12,3 +12,7 @@ mod postgres_failover;
 mod postgres_handler_conflicts;
 mod rollback;
 mod store_faults;
+
+fn main() {
+    support::harness::main();
+}

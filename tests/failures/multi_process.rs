@@ -107,9 +107,9 @@ fn assert_one_order_per_key(db: &Path, outcomes: &[Outcome], keys: usize) {
     assert_eq!(process::integrity_check(db), "ok");
 }
 
+test! { duplicates_sent_to_two_processes_at_once_create_one_order_per_key, multi_thread = 2 }
 /// Both servers start on the same fresh file at the same time, then every key goes to both
 /// at the same moment, twice each.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn duplicates_sent_to_two_processes_at_once_create_one_order_per_key() {
     const KEYS: usize = 40;
     let dir = tempfile::tempdir().expect("temp dir");
@@ -144,10 +144,10 @@ async fn duplicates_sent_to_two_processes_at_once_create_one_order_per_key() {
     assert_one_order_per_key(&db, &outcomes, KEYS);
 }
 
+test! { write_lock_held_by_another_process_is_503_then_retries_create_one_order, multi_thread = 2 }
 /// A third process holds SQLite's write lock past the servers' lock timeout while duplicates
 /// arrive at both: they are answered `503` with `Retry-After` (never `500`), completed keys
 /// still replay, and the clients' retries with the same keys end with one order each.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn write_lock_held_by_another_process_is_503_then_retries_create_one_order() {
     const KEYS: usize = 6;
     let dir = tempfile::tempdir().expect("temp dir");
@@ -198,6 +198,7 @@ async fn write_lock_held_by_another_process_is_503_then_retries_create_one_order
     assert_one_order_per_key(&db, &with_done, KEYS + 1);
 }
 
+test! { a_saturated_process_does_not_starve_the_other, multi_thread = 2 }
 /// One server saturated with new keys (more clients than it can serve), the other lightly
 /// loaded, for a bounded time. The busy one must not starve the other of SQLite's write
 /// lock: the light server keeps committing, its requests wait far less than the lock
@@ -208,7 +209,6 @@ async fn write_lock_held_by_another_process_is_503_then_retries_create_one_order
 /// 3,000, its requests waited 2.5 s to 3 s, and with a longer load they were `503`s after the
 /// 5 s lock timeout: SQLite's own busy handler sleeps up to 100 ms between tries, and the busy
 /// server took the lock again microseconds after each commit.)
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_saturated_process_does_not_starve_the_other() {
     const BUSY_CLIENTS: usize = 32;
     const LIGHT_CLIENTS: usize = 4;

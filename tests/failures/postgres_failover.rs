@@ -12,8 +12,8 @@
 //!   answered `503`; the retry replays when it had committed and runs afresh when not.
 //! - Replays read from the hot standby fall through to the primary on a miss.
 //!
-//! Needs the PostgreSQL server programs (`build.rs` sets `pg_cluster_tests` when it finds
-//! them); without them `cargo test` reports these tests as ignored.
+//! Needs the PostgreSQL server programs (registered with `pg_cluster`: the test harness looks
+//! for them when the binary starts); without them `cargo test` reports these tests as ignored.
 
 use crate::support::cluster;
 use crate::support::common;
@@ -377,13 +377,9 @@ async fn failover_round(round: usize, replication: Replication) -> Round {
     round_report
 }
 
+test! { a_synchronous_standby_keeps_every_201_through_a_failover, multi_thread = 2, pg_cluster }
 /// The guarantee, with a synchronous standby: three rounds (`synchronous_commit = on`,
 /// `remote_apply`, `on`), each on a fresh cluster.
-#[cfg_attr(
-    not(pg_cluster_tests),
-    ignore = "needs the PostgreSQL server programs (initdb, pg_ctl, pg_basebackup): install them or set PG_BINDIR"
-)]
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_synchronous_standby_keeps_every_201_through_a_failover() {
     for (round, replication) in [
         Replication::Sync,
@@ -406,14 +402,10 @@ async fn a_synchronous_standby_keeps_every_201_through_a_failover() {
     }
 }
 
+test! { an_asynchronous_standby_may_lose_201s_in_a_failover, multi_thread = 2, pg_cluster }
 /// What an asynchronous standby loses: the same failover with `synchronous_commit = off`
 /// reports the keys whose `201` did not survive (their retry created a new order). Reported,
 /// not asserted: it depends on how far the standby lagged at the kill.
-#[cfg_attr(
-    not(pg_cluster_tests),
-    ignore = "needs the PostgreSQL server programs (initdb, pg_ctl, pg_basebackup): install them or set PG_BINDIR"
-)]
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_asynchronous_standby_may_lose_201s_in_a_failover() {
     let report = failover_round(1, Replication::Async).await;
     println!(
@@ -471,17 +463,13 @@ fn assert_unavailable(reply: &Reply, what: &str) {
     assert_eq!(reply.error_code(), "busy_retry_later", "{what}");
 }
 
+test! { a_commit_of_unknown_outcome_is_a_503_and_the_retry_settles_it, multi_thread = 2, pg_cluster }
 /// A commit whose outcome is unknown (the connection died after `COMMIT` was sent) is
 /// answered `503`, never a final failure; the retry with the same key replays when the commit
 /// had happened and runs afresh when it had not. Both made certain with the standby stopped,
 /// so that the `COMMIT` waits for it: the backend is then terminated (the transaction stays
 /// committed on the primary), or the primary is killed and the standby, which never got the
 /// commit, promoted.
-#[cfg_attr(
-    not(pg_cluster_tests),
-    ignore = "needs the PostgreSQL server programs (initdb, pg_ctl, pg_basebackup): install them or set PG_BINDIR"
-)]
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_commit_of_unknown_outcome_is_a_503_and_the_retry_settles_it() {
     let mut cluster = Cluster::start(Replication::Sync).await;
     let url = cluster.url();
@@ -615,15 +603,11 @@ async fn app_reading_from_the_standby(cluster: &Cluster) -> SocketAddr {
     addr
 }
 
+test! { replays_from_a_hot_standby_fall_through_to_the_primary_on_a_miss, multi_thread = 2, pg_cluster }
 /// Replays from a hot standby never show a key as absent that the primary committed: with
 /// the standby's replay paused, a retry of a key committed since misses there and is answered
 /// by the primary (replayed, no second order); a standby that is down is skipped; and while
 /// the primary is down, keys the standby has replay from it.
-#[cfg_attr(
-    not(pg_cluster_tests),
-    ignore = "needs the PostgreSQL server programs (initdb, pg_ctl, pg_basebackup): install them or set PG_BINDIR"
-)]
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replays_from_a_hot_standby_fall_through_to_the_primary_on_a_miss() {
     let mut cluster = Cluster::start(Replication::Sync).await;
     let addr = app_reading_from_the_standby(&cluster).await;
@@ -809,17 +793,13 @@ async fn app_with_a_short_lock_timeout(cluster: &Cluster, sqlx: bool) -> SocketA
     addr
 }
 
+test! { a_dead_synchronous_standby_is_503_within_the_lock_timeout, multi_thread = 2, pg_cluster }
 /// A synchronous standby that is gone (stopped, while `synchronous_standby_names` still asks
 /// for one): the primary's `COMMIT` waits for its confirmation forever. The request is not
 /// held: it is answered `503` with `Retry-After` within the lock timeout and 1 s of being
 /// sent, on both drivers (the commit's answer is given up, its outcome unknown: the primary
 /// has committed locally, unconfirmed, and holds the key's row). Once the standby is back,
 /// the commit is confirmed and the retry replays it: one order.
-#[cfg_attr(
-    not(pg_cluster_tests),
-    ignore = "needs the PostgreSQL server programs (initdb, pg_ctl, pg_basebackup): install them or set PG_BINDIR"
-)]
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_synchronous_standby_is_503_within_the_lock_timeout() {
     let mut cluster = Cluster::start(Replication::Sync).await;
     for (sqlx, driver) in [(false, "tokio-postgres"), (true, "sqlx")] {

@@ -157,8 +157,7 @@ impl ConcurrentUpdate {
     }
 }
 
-#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-#[tokio::test]
+test! { serialization_failure_in_a_handler_statement_runs_the_request_again, postgres }
 async fn serialization_failure_in_a_handler_statement_runs_the_request_again() {
     let Some((db, scenario, server, reply)) = ConcurrentUpdate::run(3).await else {
         return;
@@ -189,8 +188,7 @@ async fn serialization_failure_in_a_handler_statement_runs_the_request_again() {
     assert_eq!(again.body, reply.body);
 }
 
-#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-#[tokio::test]
+test! { serialization_failure_past_the_conflict_retries_answers_503_with_retry_after, postgres }
 async fn serialization_failure_past_the_conflict_retries_answers_503_with_retry_after() {
     let Some((db, scenario, server, reply)) = ConcurrentUpdate::run(0).await else {
         return;
@@ -222,11 +220,10 @@ async fn serialization_failure_past_the_conflict_retries_answers_503_with_retry_
     assert_eq!(reserved(&db, "a").await, 2);
 }
 
+test! { deadlock_between_two_handlers_runs_the_loser_again, postgres }
 /// Two requests whose handlers lock two rows in opposite orders: PostgreSQL breaks the
 /// deadlock by failing one handler's statement with `40P01`. That request runs again once the
 /// other has committed; both end `201`, with one order each.
-#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-#[tokio::test]
 async fn deadlock_between_two_handlers_runs_the_loser_again() {
     let Some(db) = stock_db().await else {
         return;

@@ -467,12 +467,11 @@ mod postgres {
         assert_eq!(db.order_count().await, 1);
     }
 
+    test! { transaction_control_through_the_handle_is_refused_and_the_transaction_goes_on, postgres }
     /// Transaction control that a handler sends through its handle, in any spelling and through
     /// any method, is refused before it reaches the server: nothing of the refused SQL runs (not
     /// even the statements of a batch before it), the transaction goes on, and the layer commits
     /// the order with its record. Savepoints stay allowed.
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    #[tokio::test]
     async fn transaction_control_through_the_handle_is_refused_and_the_transaction_goes_on() {
         let Some(db) = TestDb::create().await else {
             return;
@@ -563,12 +562,11 @@ mod postgres {
         assert_the_one_order_is(&db, server.addr, &reply).await;
     }
 
+    test! { commit_then_begin_in_a_handler_leaves_no_order_without_a_record, postgres }
     /// `COMMIT; BEGIN` through the handle would commit the order with no record behind the
     /// layer's back, and the retry would create a second one. It is refused instead: the handler
     /// answers 500 on the error, its order rolls back with the transaction, and the retry with the
     /// same key ends with exactly one order.
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    #[tokio::test]
     async fn commit_then_begin_in_a_handler_leaves_no_order_without_a_record() {
         let Some(db) = TestDb::create().await else {
             return;
@@ -617,9 +615,8 @@ mod postgres {
         assert_the_one_order_is(&db, server.addr, &retry).await;
     }
 
+    test! { handle_refuses_work_after_the_request, postgres }
     /// After the request, the handle refuses work: it cannot write outside the transaction.
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    #[tokio::test]
     async fn handle_refuses_work_after_the_request() {
         let Some(db) = TestDb::create().await else {
             return;
@@ -643,10 +640,9 @@ mod postgres {
         assert!(matches!(tx.client().await, Err(Error::TransactionFinished)));
     }
 
+    test! { connection_still_borrowed_after_the_handler_is_not_committed, postgres }
     /// A task that outlives its request while still borrowing the connection: the layer refuses
     /// to commit under it (500), and the transaction rolls back once the task lets go.
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    #[tokio::test]
     async fn connection_still_borrowed_after_the_handler_is_not_committed() {
         let Some(db) = TestDb::create().await else {
             return;
@@ -676,19 +672,17 @@ mod postgres {
         assert_eq!(db.counts().await, (1, 1));
     }
 
+    test! { a_server_that_stops_answering_is_503_within_the_lock_timeout, postgres }
     /// A primary that stops answering without a reset (a proxy between the store and the
     /// server that stops forwarding): no request is held; the store's own statements are
     /// bounded by the lock timeout and a margin, then `503` with `Retry-After`.
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    #[tokio::test]
     async fn a_server_that_stops_answering_is_503_within_the_lock_timeout() {
         a_server_that_stops_answering_under(ReplayCheck::Adaptive).await;
     }
 
+    test! { with_reads_first_a_server_that_stops_answering_is_503_within_the_lock_timeout, postgres }
     /// The same when every first attempt reads before its transaction: the read's wait
     /// (`read_wait`, 1 s by default) comes out of the lock timeout, not on top of it.
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    #[tokio::test]
     async fn with_reads_first_a_server_that_stops_answering_is_503_within_the_lock_timeout() {
         a_server_that_stops_answering_under(ReplayCheck::FavorReplays).await;
     }
@@ -723,12 +717,11 @@ mod postgres {
         check_a_server_that_stops_answering(server.addr).await;
     }
 
+    test! { a_lock_held_on_the_handlers_table_is_503_within_the_lock_timeout, postgres }
     /// A lock another session holds on the handler's own table (the whole table, or the row
     /// the handler inserts): the handler's statement waits up to the lock timeout and fails
     /// (`55P03`), the handler answers its own `500`, and the layer answers `503` with
     /// `Retry-After` instead, nothing stored; the retry after the lock goes commits once.
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    #[tokio::test]
     async fn a_lock_held_on_the_handlers_table_is_503_within_the_lock_timeout() {
         let Some(db) = TestDb::create().await else {
             return;
@@ -791,11 +784,10 @@ mod postgres {
         }
     }
 
+    test! { a_handler_statement_the_server_stops_answering_is_503_within_the_lock_timeout, postgres }
     /// A server that stops answering while the handler's own statement is in flight, or
     /// while the layer rolls back after the handler: the request is answered within the lock
     /// timeout and 1 s, and the connection is closed, not pooled.
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    #[tokio::test]
     async fn a_handler_statement_the_server_stops_answering_is_503_within_the_lock_timeout() {
         // A schema each: the first leaves a transaction open on the server, which the second
         // store's migration would wait for.
@@ -972,9 +964,8 @@ mod sqlx_postgres {
         transaction_control_through_the_handle_is_refused,
     );
 
+    test! { a_server_that_stops_answering_is_503_within_the_lock_timeout, postgres }
     /// A primary that stops answering without a reset, as in `postgres`, on the sqlx store.
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    #[tokio::test]
     async fn a_server_that_stops_answering_is_503_within_the_lock_timeout() {
         use super::*;
         use common::{hook_for, AppBuilder};
@@ -1008,9 +999,8 @@ mod sqlx_postgres {
         check_a_server_that_stops_answering(server.addr).await;
     }
 
+    test! { a_handler_statement_the_server_stops_answering_is_503_within_the_lock_timeout, postgres }
     /// A server that stops answering under the handler, as in `postgres`, on the sqlx store.
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    #[tokio::test]
     async fn a_handler_statement_the_server_stops_answering_is_503_within_the_lock_timeout() {
         use super::*;
         use common::{hook_for, AppBuilder};
@@ -1066,13 +1056,9 @@ mod mysql {
         transaction_control_through_the_handle_is_refused,
     );
 
+    test! { the_session_is_restored_after_a_request, mysql }
     /// The connection goes back to the application's pool as it came: `autocommit` on and the
     /// server's lock wait timeout, whatever the request set.
-    #[cfg_attr(
-        not(mysql_tests),
-        ignore = "needs MySQL or MariaDB: set TEST_MYSQL_URL"
-    )]
-    #[tokio::test]
     async fn the_session_is_restored_after_a_request() {
         let Some(db) = MySql::create().await else {
             return;
@@ -1105,15 +1091,11 @@ mod mysql {
         assert_eq!(db.counts().await, (1, 1));
     }
 
+    test! { a_table_locked_by_another_session_is_503_within_the_lock_timeout, mysql }
     /// Another session's `LOCK TABLES ... WRITE` on the records table holds a metadata lock,
     /// whose wait follows `lock_wait_timeout` (a year by default), not the row-lock timeout: a
     /// new key gets `503` + `Retry-After` soon after the lock timeout (MySQL counts whole
     /// seconds), nothing stored, and runs once the lock goes.
-    #[cfg_attr(
-        not(mysql_tests),
-        ignore = "needs MySQL or MariaDB: set TEST_MYSQL_URL"
-    )]
-    #[tokio::test]
     async fn a_table_locked_by_another_session_is_503_within_the_lock_timeout() {
         let Some(db) = MySql::create().await else {
             return;
@@ -1163,17 +1145,13 @@ mod mysql {
             assert_eq!(retry.status, StatusCode::CREATED, "{table}: {retry:?}");
         }
     }
+    test! { a_lock_held_on_the_handlers_table_is_503_within_the_lock_timeout, mysql }
     /// The handler's own statements wait no longer than the store's: while another session
     /// holds a lock the handler's insert (through the request's handle) needs, a metadata
     /// lock (`LOCK TABLES ... WRITE`) or a row lock (an uncommitted row with the same primary
     /// key), the insert fails with `1205` after the lock timeout, and although the handler
     /// answers its own `500`, the layer answers `503` + `Retry-After` and rolls back: no
     /// order, no record; once the lock goes, the same key runs.
-    #[cfg_attr(
-        not(mysql_tests),
-        ignore = "needs MySQL or MariaDB: set TEST_MYSQL_URL"
-    )]
-    #[tokio::test]
     async fn a_lock_held_on_the_handlers_table_is_503_within_the_lock_timeout() {
         let Some(db) = MySql::create().await else {
             return;
@@ -1247,16 +1225,12 @@ mod mysql {
         }
     }
 
+    test! { a_locked_records_table_is_503_not_in_flight_under_reject, mysql }
     /// Under the in-flight policies that answer `409` (`Reject`, `WaitUpTo`), a brand-new key
     /// while another session holds `LOCK TABLES idempotency_records WRITE` is not "in flight":
     /// nothing of its key is held by a request. It gets `503` + `Retry-After` once the lock
     /// timeout has passed (not `409` at once, as when every `1205` of the reservation was read
     /// as the key's row), nothing stored, and runs once the lock goes.
-    #[cfg_attr(
-        not(mysql_tests),
-        ignore = "needs MySQL or MariaDB: set TEST_MYSQL_URL"
-    )]
-    #[tokio::test]
     async fn a_locked_records_table_is_503_not_in_flight_under_reject() {
         let Some(db) = MySql::create().await else {
             return;

@@ -96,10 +96,10 @@ impl Drop for Immutable {
     }
 }
 
+test! { read_only_database_file_is_5xx_and_recovers, multi_thread = 2 }
 /// The database file and its WAL become read-only under the running server (the shared-memory
 /// index stays writable: SQLite maps it). Commits fail; the server answers 5xx and keeps
 /// nothing; replays still work; once the files are writable again the same keys run afresh.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn read_only_database_file_is_5xx_and_recovers() {
     let server = TestServer::spawn().await;
     let before = post(server.addr, Some(SHOP_A), Some("before"), BOOK, &[]).await;
@@ -146,10 +146,10 @@ async fn read_only_database_file_is_5xx_and_recovers() {
     assert_nothing_half_written(&server).await;
 }
 
+test! { read_only_connection_is_500_then_a_restart_recovers }
 /// A writer connection that SQLite treats as read-only (`PRAGMA query_only`, the same
 /// SQLITE_READONLY a read-only open gives): new keys are a 500 at once, replays still work,
 /// nothing is kept; a server started again on the file (the fault gone) runs the same keys.
-#[tokio::test]
 async fn read_only_connection_is_500_then_a_restart_recovers() {
     let dir = tempfile::tempdir().expect("temp dir");
     let db_path = dir.path().join("orders.db");
@@ -181,10 +181,10 @@ async fn read_only_connection_is_500_then_a_restart_recovers() {
     assert_nothing_half_written(&server).await;
 }
 
+test! { full_disk_is_5xx_nothing_half_written_and_recovers, multi_thread = 2 }
 /// The database cannot grow while concurrent requests write (some of them in the same group
 /// commit): every request gets its order and record or a 5xx with neither; once the cap is
 /// lifted, the failed keys run afresh and the others replay.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn full_disk_is_5xx_nothing_half_written_and_recovers() {
     const REQUESTS: usize = 120;
     let server = TestServer::spawn().await;
@@ -256,11 +256,11 @@ async fn full_disk_is_5xx_nothing_half_written_and_recovers() {
     assert_nothing_half_written(&server).await;
 }
 
+test! { database_file_deleted_under_the_server_is_refused_until_it_is_back }
 /// The database file is deleted under the running server. SQLite would go on writing to the
 /// unlinked file, which no restart will ever read again: every `201` from then on would be a
 /// promise kept nowhere. So writes are refused (a 5xx, nothing kept) until the file is back.
 #[cfg(unix)]
-#[tokio::test]
 async fn database_file_deleted_under_the_server_is_refused_until_it_is_back() {
     let server = TestServer::spawn().await;
     let before = post(server.addr, Some(SHOP_A), Some("before"), BOOK, &[]).await;

@@ -358,8 +358,7 @@ mod postgres {
         }
     }
 
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    #[tokio::test]
+    test! { an_event_is_processed_once_and_its_redelivery_is_a_duplicate, postgres }
     async fn an_event_is_processed_once_and_its_redelivery_is_a_duplicate() {
         // What the suite (`an_event_is_applied_once_and_redeliveries_are_duplicates`) does not
         // show: the closure is not even called for a duplicate, an `async fn` is a closure, and
@@ -420,8 +419,7 @@ mod postgres {
         assert!(!inbox.contains("e3").await.expect("contains"));
     }
 
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    #[tokio::test]
+    test! { a_transaction_the_closure_ended_or_broke_is_not_committed, postgres }
     async fn a_transaction_the_closure_ended_or_broke_is_not_committed() {
         let Some((db, _store, inbox)) = setup().await else {
             return;
@@ -494,8 +492,7 @@ mod postgres {
         ));
     }
 
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    #[tokio::test]
+    test! { a_panic_or_a_dropped_delivery_leaves_no_id_and_the_redelivery_applies_it, postgres }
     async fn a_panic_or_a_dropped_delivery_leaves_no_id_and_the_redelivery_applies_it() {
         let Some((db, _store, inbox)) = setup().await else {
             return;
@@ -638,20 +635,17 @@ mod postgres {
         assert_eq!(effects(&db, "e1").await, 1);
     }
 
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    test! { a_duplicate_delivered_while_the_first_is_applied_waits_and_is_a_duplicate, multi_thread = 2, postgres }
     async fn a_duplicate_delivered_while_the_first_is_applied_waits_and_is_a_duplicate() {
         two_deliveries_at_once_apply_it_once(Isolation::ReadCommitted, false).await;
     }
 
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    test! { a_waiting_duplicate_applies_the_event_when_the_first_rolls_back, multi_thread = 2, postgres }
     async fn a_waiting_duplicate_applies_the_event_when_the_first_rolls_back() {
         two_deliveries_at_once_apply_it_once(Isolation::ReadCommitted, true).await;
     }
 
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    test! { under_serializable_the_waiting_duplicate_is_retried_into_a_duplicate, multi_thread = 2, postgres }
     async fn under_serializable_the_waiting_duplicate_is_retried_into_a_duplicate() {
         // The wait ends in a serialization failure (the committed id is not in the second's
         // snapshot); the inbox retries before running the closure.
@@ -734,14 +728,12 @@ mod postgres {
         }
     }
 
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    test! { many_deliveries_at_once_on_two_instances_apply_each_event_once, multi_thread = 4, postgres }
     async fn many_deliveries_at_once_on_two_instances_apply_each_event_once() {
         deliveries_at_once_apply_each_event_once(Isolation::ReadCommitted, 12, 5, true).await;
     }
 
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    test! { many_deliveries_at_once_under_serializable_apply_each_event_once, multi_thread = 4, postgres }
     async fn many_deliveries_at_once_under_serializable_apply_each_event_once() {
         deliveries_at_once_apply_each_event_once(Isolation::Serializable, 6, 4, false).await;
     }
@@ -765,8 +757,7 @@ mod postgres {
         Some((db, inventory))
     }
 
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    #[tokio::test]
+    test! { process_in_records_the_id_with_the_request_and_a_forgotten_key_is_still_a_duplicate, postgres }
     async fn process_in_records_the_id_with_the_request_and_a_forgotten_key_is_still_a_duplicate() {
         let Some((db, inventory)) = receiver(Mode::Layered).await else {
             return;
@@ -817,8 +808,7 @@ mod postgres {
         assert_eq!(inventory.reservations().await, 1);
     }
 
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    #[tokio::test]
+    test! { a_receiver_on_its_own_transactions_acknowledges_redeliveries, postgres }
     async fn a_receiver_on_its_own_transactions_acknowledges_redeliveries() {
         let Some((_db, inventory)) = receiver(Mode::Inbox).await else {
             return;

@@ -9,3 +9,7 @@ mod inbox;
 mod outbox;
 mod outbox_end_to_end;
 mod outbox_postgres_end_to_end;
+
+fn main() {
+    support::harness::main();
+}

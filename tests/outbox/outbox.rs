@@ -481,7 +481,7 @@ mod postgres {
 
     outbox_tests!(Postgres);
     backend_tests!(Postgres;
-        two_relays_at_once_deliver_each_event_once(flavor = "multi_thread", worker_threads = 4),
+        two_relays_at_once_deliver_each_event_once(multi_thread = 4),
     );
 }
 
@@ -490,7 +490,7 @@ mod sqlx_postgres {
 
     outbox_tests!(SqlxPostgres);
     backend_tests!(SqlxPostgres;
-        two_relays_at_once_deliver_each_event_once(flavor = "multi_thread", worker_threads = 4),
+        two_relays_at_once_deliver_each_event_once(multi_thread = 4),
     );
 }
 
@@ -499,6 +499,6 @@ mod mysql {
 
     outbox_tests!(MySql);
     backend_tests!(MySql;
-        two_relays_at_once_deliver_each_event_once(flavor = "multi_thread", worker_threads = 4),
+        two_relays_at_once_deliver_each_event_once(multi_thread = 4),
     );
 }

@@ -188,7 +188,7 @@ async fn only_event(store: &SqliteStore) -> String {
         .expect("the one event")
 }
 
-#[tokio::test]
+test! { a_relay_killed_after_delivery_redelivers_the_same_id_and_the_receiver_applies_it_once }
 async fn a_relay_killed_after_delivery_redelivers_the_same_id_and_the_receiver_applies_it_once() {
     let inventory = InventoryServer::spawn(&[]).await;
     let orders = order_app().await;
@@ -220,7 +220,7 @@ async fn a_relay_killed_after_delivery_redelivers_the_same_id_and_the_receiver_a
     assert!(inventory.processed(&event_id).await);
 }
 
-#[tokio::test]
+test! { two_relays_at_once_deliver_each_event_exactly_once }
 async fn two_relays_at_once_deliver_each_event_exactly_once() {
     const EVENTS: i64 = 40;
     let inventory = InventoryServer::spawn(&[]).await;
@@ -262,7 +262,7 @@ async fn two_relays_at_once_deliver_each_event_exactly_once() {
     assert_eq!((backlog.pending, backlog.dead), (0, 0));
 }
 
-#[tokio::test]
+test! { the_receiver_refusing_an_event_leaves_it_for_retry_and_reserves_nothing }
 async fn the_receiver_refusing_an_event_leaves_it_for_retry_and_reserves_nothing() {
     let inventory = InventoryServer::spawn(&["--reject-sku", "broken"]).await;
     let url = inventory.events_url();
@@ -295,7 +295,7 @@ async fn the_receiver_refusing_an_event_leaves_it_for_retry_and_reserves_nothing
     assert_eq!(inventory.reservations().await, 0);
 }
 
-#[tokio::test]
+test! { the_same_event_body_without_the_header_is_applied_once }
 async fn the_same_event_body_without_the_header_is_applied_once() {
     let inventory = InventoryServer::spawn(&[]).await;
     let event_id = "0193a4b2-7c1d-7e2f-9a3b-4c5d6e7f8091";

@@ -155,8 +155,7 @@ async fn killed_relay_redelivered(mode: Mode) -> Option<Redelivered> {
     })
 }
 
-#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-#[tokio::test]
+test! { a_relay_killed_after_delivery_redelivers_the_same_id_and_the_inbox_applies_it_once, postgres }
 async fn a_relay_killed_after_delivery_redelivers_the_same_id_and_the_inbox_applies_it_once() {
     let Some(Redelivered {
         receiver,
@@ -177,8 +176,7 @@ async fn a_relay_killed_after_delivery_redelivers_the_same_id_and_the_inbox_appl
     orders.shutdown().await;
 }
 
-#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-#[tokio::test]
+test! { behind_the_layer_the_redelivery_is_replayed_and_the_event_applied_once, postgres }
 async fn behind_the_layer_the_redelivery_is_replayed_and_the_event_applied_once() {
     let Some(Redelivered {
         receiver,
@@ -199,8 +197,7 @@ async fn behind_the_layer_the_redelivery_is_replayed_and_the_event_applied_once(
     orders.shutdown().await;
 }
 
-#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+test! { a_delivery_timed_out_while_the_receiver_applies_it_is_applied_once, multi_thread = 2, postgres }
 async fn a_delivery_timed_out_while_the_receiver_applies_it_is_applied_once() {
     let (Some(orders_db), Some(inventory_db)) = (TestDb::create().await, TestDb::create().await)
     else {
@@ -252,8 +249,7 @@ async fn a_delivery_timed_out_while_the_receiver_applies_it_is_applied_once() {
     orders.shutdown().await;
 }
 
-#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+test! { two_relays_of_two_instances_deliver_each_event_exactly_once, multi_thread = 4, postgres }
 async fn two_relays_of_two_instances_deliver_each_event_exactly_once() {
     const EVENTS: i64 = 40;
     let (Some(orders_db), Some(inventory_db)) = (TestDb::create().await, TestDb::create().await)
@@ -313,8 +309,7 @@ fn event_id_of(line: &str) -> &str {
         .unwrap_or_else(|| panic!("not a delivery line: {line}"))
 }
 
-#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-#[tokio::test]
+test! { the_inventory_example_on_postgres_applies_a_redelivered_event_once, postgres }
 async fn the_inventory_example_on_postgres_applies_a_redelivered_event_once() {
     let (Some(orders_db), Some(inventory_db)) = (TestDb::create().await, TestDb::create().await)
     else {
@@ -362,8 +357,7 @@ async fn the_inventory_example_on_postgres_applies_a_redelivered_event_once() {
     orders.shutdown().await;
 }
 
-#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-#[tokio::test]
+test! { the_orders_example_relays_to_the_inventory_example_on_postgres_once_in_effect, postgres }
 async fn the_orders_example_relays_to_the_inventory_example_on_postgres_once_in_effect() {
     let Some(inventory_db) = TestDb::create().await else {
         return;
@@ -543,8 +537,8 @@ async fn the_orders_example_relays_to_the_inventory_example_on_postgres_once_in_
     orders.kill().await;
 }
 
+test! { the_inventory_example_takes_one_store_and_never_prints_the_url }
 /// The inventory example's command line for PostgreSQL (no database needed).
-#[tokio::test]
 async fn the_inventory_example_takes_one_store_and_never_prints_the_url() {
     // Nothing listens on port 1: it fails at once, without repeating the URL.
     let unreachable = InventoryProcess::run(&[

@@ -8,3 +8,7 @@ mod support;
 mod steps_http;
 mod steps_model;
 mod steps_store;
+
+fn main() {
+    support::harness::main();
+}

@@ -578,11 +578,11 @@ async fn ask_settles_an_unknown_outcome_from_the_service<D: Shop>() {
     assert_eq!(app.calls(), 1, "asked, not called again");
 }
 
-/// The scenarios above, each a `#[tokio::test]` on the shop `$shop`, in the module `$backend`.
+/// The scenarios above, each a test on the shop `$shop`, in the module `$backend`.
 macro_rules! steps_http_tests {
-    ($backend:ident, $shop:ty $(, #[$attr:meta])?) => {
+    ($backend:ident, $shop:ty $(, $needs:ident)?) => {
         mod $backend {
-            steps_http_tests!(@tests $shop; [$(#[$attr])?];
+            steps_http_tests!(@tests $shop; [$($needs)?];
                 a_key_runs_its_steps_once_and_every_retry_replays_the_answer,
                 an_unknown_outcome_answers_503_and_the_retry_resumes_with_the_same_step_key,
                 a_refused_call_releases_the_key_and_a_retry_calls_again,
@@ -598,15 +598,14 @@ macro_rules! steps_http_tests {
             );
         }
     };
-    (@tests $shop:ty; [$($attr:tt)*]; $name:ident, $($rest:ident,)*) => {
-        $($attr)*
-        #[tokio::test]
+    (@tests $shop:ty; [$($needs:ident)?]; $name:ident, $($rest:ident,)*) => {
+        test! { $name $(, $needs)? }
         async fn $name() {
             super::$name::<$shop>().await;
         }
-        steps_http_tests!(@tests $shop; [$($attr)*]; $($rest,)*);
+        steps_http_tests!(@tests $shop; [$($needs)?]; $($rest,)*);
     };
-    (@tests $shop:ty; [$($attr:tt)*];) => {};
+    (@tests $shop:ty; [$($needs:ident)?];) => {};
 }
 
 mod sqlite {
@@ -967,18 +966,6 @@ mod sqlx_mysql {
 }
 
 steps_http_tests!(sqlite_store, super::sqlite::Sqlite);
-steps_http_tests!(
-    postgres_store,
-    super::postgres::Pg,
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-);
-steps_http_tests!(
-    sqlx_postgres_store,
-    super::sqlx_postgres::SqlxPg,
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-);
-steps_http_tests!(
-    sqlx_mysql_store,
-    super::sqlx_mysql::MySql,
-    #[cfg_attr(not(mysql_tests), ignore = "needs MySQL or MariaDB: set TEST_MYSQL_URL")]
-);
+steps_http_tests!(postgres_store, super::postgres::Pg, postgres);
+steps_http_tests!(sqlx_postgres_store, super::sqlx_postgres::SqlxPg, postgres);
+steps_http_tests!(sqlx_mysql_store, super::sqlx_mysql::MySql, mysql);

@@ -1434,28 +1434,22 @@ mod sqlx_mysql {
     }
 }
 
-#[test]
+test! { random_programs_and_stops_match_the_model_on_sqlite, sync }
 fn random_programs_and_stops_match_the_model_on_sqlite() {
     run_cases(sqlite::backend(), CASES);
 }
 
-#[test]
-#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
+test! { random_programs_and_stops_match_the_model_on_postgres, sync, postgres }
 fn random_programs_and_stops_match_the_model_on_postgres() {
     run_cases(postgres::backend(), CASES);
 }
 
-#[test]
-#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
+test! { random_programs_and_stops_match_the_model_on_sqlx_postgres, sync, postgres }
 fn random_programs_and_stops_match_the_model_on_sqlx_postgres() {
     run_cases(sqlx_postgres::backend(), CASES);
 }
 
-#[test]
-#[cfg_attr(
-    not(mysql_tests),
-    ignore = "needs MySQL or MariaDB: set TEST_MYSQL_URL"
-)]
+test! { random_programs_and_stops_match_the_model_on_mysql, sync, mysql }
 fn random_programs_and_stops_match_the_model_on_mysql() {
     run_cases(sqlx_mysql::backend(), CASES);
 }
@@ -1491,11 +1485,11 @@ fn client(stop: Stop) -> Attempt {
     }
 }
 
+test! { a_stalled_owner_does_not_call_again_after_a_take_over, sync }
 /// A request resumes a key whose foreign step has its intent saved (the outcome was unknown)
 /// and stalls past its lease before the call; a retry takes the key over and goes away before
 /// the call. The stalled request then goes on: it must not call the provider (its lease is
 /// gone), as a fresh intent's commit would have stopped it.
-#[test]
 fn a_stalled_owner_does_not_call_again_after_a_take_over() {
     run_one(Case {
         program: vec![call_again("call0")],

@@ -698,11 +698,11 @@ async fn lock_waits_are_bounded<H: Harness>(h: H) {
 }
 
 macro_rules! steps_store_tests {
-    ($backend:ident, $make:expr $(, #[$attr:meta])?) => {
+    ($backend:ident, $make:expr $(, $needs:ident)?) => {
         mod $backend {
             use super::*;
 
-            steps_store_tests!(@tests $make; [$(#[$attr])?];
+            steps_store_tests!(@tests $make; [$($needs)?];
                 acquire_new_held_and_taken_over,
                 another_payload_is_a_mismatch,
                 finish_completes_the_key,
@@ -716,13 +716,12 @@ macro_rules! steps_store_tests {
                 progress_lists_idle_keys,
                 concurrent_claims_of_a_new_key,
             );
-            // Only on the servers (the backends that come with an `ignore` attribute).
-            $(steps_store_tests!(@tests $make; [#[$attr]]; lock_waits_are_bounded,);)?
+            // Only on the servers (the backends registered as needing one).
+            $(steps_store_tests!(@tests $make; [$needs]; lock_waits_are_bounded,);)?
         }
     };
-    (@tests $make:expr; [$($attr:tt)*]; $name:ident, $($rest:ident,)*) => {
-        $($attr)*
-        #[tokio::test]
+    (@tests $make:expr; [$($needs:ident)?]; $name:ident, $($rest:ident,)*) => {
+        test! { $name $(, $needs)? }
         async fn $name() {
             // `None`: the backend is not available here.
             let Some(harness) = $make.await else {
@@ -730,9 +729,9 @@ macro_rules! steps_store_tests {
             };
             super::$name(harness).await;
         }
-        steps_store_tests!(@tests $make; [$($attr)*]; $($rest,)*);
+        steps_store_tests!(@tests $make; [$($needs)?]; $($rest,)*);
     };
-    (@tests $make:expr; [$($attr:tt)*];) => {};
+    (@tests $make:expr; [$($needs:ident)?];) => {};
 }
 
 mod sqlite {
@@ -994,18 +993,6 @@ mod sqlx_mysql {
 }
 
 steps_store_tests!(sqlite_store, sqlite::harness());
-steps_store_tests!(
-    postgres_store,
-    postgres::harness(),
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-);
-steps_store_tests!(
-    sqlx_postgres_store,
-    sqlx_postgres::harness(),
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-);
-steps_store_tests!(
-    sqlx_mysql_store,
-    sqlx_mysql::harness(),
-    #[cfg_attr(not(mysql_tests), ignore = "needs MySQL or MariaDB: set TEST_MYSQL_URL")]
-);
+steps_store_tests!(postgres_store, postgres::harness(), postgres);
+steps_store_tests!(sqlx_postgres_store, sqlx_postgres::harness(), postgres);
+steps_store_tests!(sqlx_mysql_store, sqlx_mysql::harness(), mysql);

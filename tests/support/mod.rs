@@ -1,6 +1,8 @@
 //! What the integration tests share, one module for every test group (`tests/<group>/main.rs`
 //! declares it with `#[path = "../support/mod.rs"]`):
 //!
+//! - the groups' test harness ([`harness`]): each test registered with `test!` beside its fn,
+//!   and the `main` that runs them, reporting a test whose server is missing as ignored;
 //! - the order app per store, served over real HTTP on loopback ([`common`] for SQLite,
 //!   [`pg_common`] for PostgreSQL on tokio-postgres and sqlx, [`mysql_common`] for MySQL and
 //!   MariaDB), and the suites written once over every store ([`backend`], `backend_tests!`);
@@ -16,6 +18,9 @@
 // leaves unused is used by another: the allow is here once, not in each file. (The items that
 // no group used were removed when the groups were formed.)
 #![allow(dead_code)]
+
+#[macro_use]
+pub mod harness;
 
 pub mod admin_tool;
 pub mod apps;

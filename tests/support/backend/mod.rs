@@ -10,15 +10,15 @@
 //! outbox, inbox and admin suites) and instantiates it in a module per backend with
 //! `backend_tests!(Sqlite; a, b)`, `backend_tests!(Postgres; a, b)`,
 //! `backend_tests!(SqlxPostgres; a, b)` (the PostgreSQL store on sqlx, on a schema of its own
-//! too) and `backend_tests!(MySql; a, b)`; every instance on a server carries the attribute that
-//! reports it as ignored without its server (`TEST_DATABASE_URL`, `TEST_MYSQL_URL`). Tests
+//! too) and `backend_tests!(MySql; a, b)`; every instance on a server is registered as needing
+//! it, and reported as ignored without it (`TEST_DATABASE_URL`, `TEST_MYSQL_URL`). Tests
 //! that only make sense on one backend sit next to them in the same module.
 //!
 //! The apps themselves are the ones of `tests/support/common` (SQLite), `tests/support/pg_common` (PostgreSQL,
 //! and `pg_common::sqlx_app` on sqlx) and `tests/support/mysql_common`; this module only adapts them to
 //! one interface. Another backend is a struct implementing [`Database`] (and [`Backend`] once
-//! its store has the outbox) and an arm of [`backend_tests!`] with the attribute that reports it
-//! ignored without its server.
+//! its store has the outbox) and an arm of [`backend_tests!`] that registers its tests as needing
+//! its server.
 
 // Here rather than in each suite's root: the outbox, inbox and admin suites need no MySQL.
 pub use crate::support::mysql_common;
@@ -1098,12 +1098,13 @@ impl Backend for MySql {
 }
 
 /// Instantiates generic tests (`async fn name<B: Database>(db: B)` in the suite's root module)
-/// as `#[tokio::test]`s on a fresh database each, inside the suite's module of that backend
+/// as tests (`test!`) on a fresh database each, inside the suite's module of that backend
 /// (which also holds the suite's tests for that backend only):
-/// `backend_tests!(Sqlite; a, b(flavor = "multi_thread", worker_threads = 2), c = a)`, where
-/// `c = a` runs `a` under the name `c` (`c(flavor = ...) = a` with a flavor). Every PostgreSQL instance carries the attribute that
-/// reports it as ignored without `TEST_DATABASE_URL`, every MySQL one without
-/// `TEST_MYSQL_URL`.
+/// `backend_tests!(Sqlite; a, b(multi_thread = 2), c = a)`, where `b(multi_thread = 2)` runs `b`
+/// on a multi-thread runtime of 2 workers and `c = a` runs `a` under the name `c`
+/// (`c(multi_thread = 2) = a` with one). Every PostgreSQL instance is registered as needing
+/// PostgreSQL (reported as ignored without `TEST_DATABASE_URL`), every MySQL one as needing
+/// MySQL (`TEST_MYSQL_URL`).
 // Only the groups with suites over every store use it.
 #[allow(unused_macros)]
 macro_rules! backend_tests {
@@ -1111,37 +1112,29 @@ macro_rules! backend_tests {
         backend_tests!(@each Sqlite []; $($tests)*);
     };
     (Postgres; $($tests:tt)*) => {
-        backend_tests!(@each Postgres
-            [#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]];
-            $($tests)*);
+        backend_tests!(@each Postgres [postgres]; $($tests)*);
     };
     (SqlxPostgres; $($tests:tt)*) => {
-        backend_tests!(@each SqlxPostgres
-            [#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]];
-            $($tests)*);
+        backend_tests!(@each SqlxPostgres [postgres]; $($tests)*);
     };
     (MySql; $($tests:tt)*) => {
-        backend_tests!(@each MySql
-            [#[cfg_attr(not(mysql_tests), ignore = "needs MySQL or MariaDB: set TEST_MYSQL_URL")]];
-            $($tests)*);
+        backend_tests!(@each MySql [mysql]; $($tests)*);
     };
-    (@each $backend:ident [$($attr:tt)*];
-        $name:ident $(($($flavor:tt)*))? = $test:ident $(, $($rest:tt)*)?) => {
-        $($attr)*
-        #[tokio::test$(($($flavor)*))?]
+    (@each $backend:ident [$($needs:ident)?];
+        $name:ident $(($($options:tt)*))? = $test:ident $(, $($rest:tt)*)?) => {
+        test! { $name $(, $($options)*)? $(, $needs)? }
         async fn $name() {
             $crate::support::backend::run(|db: $crate::support::backend::$backend| super::$test(db)).await;
         }
-        backend_tests!(@each $backend [$($attr)*]; $($($rest)*)?);
+        backend_tests!(@each $backend [$($needs)?]; $($($rest)*)?);
     };
-    (@each $backend:ident [$($attr:tt)*];
-        $name:ident $(($($flavor:tt)*))? $(, $($rest:tt)*)?) => {
-        $($attr)*
-        #[tokio::test$(($($flavor)*))?]
+    (@each $backend:ident [$($needs:ident)?];
+        $name:ident $(($($options:tt)*))? $(, $($rest:tt)*)?) => {
+        test! { $name $(, $($options)*)? $(, $needs)? }
         async fn $name() {
             $crate::support::backend::run(|db: $crate::support::backend::$backend| super::$name(db)).await;
         }
-        backend_tests!(@each $backend [$($attr)*]; $($($rest)*)?);
+        backend_tests!(@each $backend [$($needs)?]; $($($rest)*)?);
     };
-    (@each $backend:ident [$($attr:tt)*];) => {};
+    (@each $backend:ident [$($needs:ident)?];) => {};
 }

@@ -4,10 +4,9 @@
 //! run as root (PostgreSQL refuses to run as root). Dropping a [`Cluster`] stops both servers
 //! (immediate shutdown) and removes their directories, on a panic too.
 //!
-//! The tests that use it are marked `#[cfg_attr(not(pg_cluster_tests), ignore = ...)]`:
-//! `build.rs` sets that cfg when it finds the programs (in `PG_BINDIR`, or the newest
-//! `/usr/lib/postgresql/<version>/bin`), so a machine without them reports the tests as
-//! ignored, with the reason.
+//! The tests that use it are registered with `pg_cluster` (`test! { name, pg_cluster }`): the test
+//! harness looks for the programs when the test binary starts ([`Cluster::bindir`]), so a
+//! machine without them reports the tests as ignored, with the reason.
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -64,10 +63,29 @@ pub struct Cluster {
 }
 
 impl Cluster {
-    /// The directory of the server programs, as `build.rs` found it (`PG_BINDIR`, or the
-    /// newest `/usr/lib/postgresql/<version>/bin`).
+    /// The directory of the server programs (`initdb`, `pg_ctl`, `pg_basebackup`,
+    /// `postgres`): `PG_BINDIR`, else the newest `/usr/lib/postgresql/<version>/bin` (the
+    /// layout of Debian and Ubuntu packages); `None` if it lacks one of them.
     pub fn bindir() -> Option<PathBuf> {
-        option_env!("PG_CLUSTER_BINDIR").map(PathBuf::from)
+        let complete = |dir: &Path| {
+            ["initdb", "pg_ctl", "pg_basebackup", "postgres"]
+                .iter()
+                .all(|program| dir.join(program).is_file())
+        };
+        if let Some(dir) = std::env::var_os("PG_BINDIR") {
+            return Some(PathBuf::from(dir)).filter(|dir| complete(dir));
+        }
+        let mut versions: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
+            .ok()?
+            .filter_map(|entry| {
+                let entry = entry.ok()?;
+                let version = entry.file_name().to_str()?.parse().ok()?;
+                Some((version, entry.path().join("bin")))
+            })
+            .filter(|(_, dir)| complete(dir))
+            .collect();
+        versions.sort();
+        versions.pop().map(|(_, dir)| dir)
     }
 
     /// Builds and starts a primary and a standby streaming from it, and waits until the

@@ -1,9 +1,9 @@
 //! Shared setup for the MySQL and MariaDB tests: a fresh database per test on the server named
 //! by `TEST_MYSQL_URL`, with the `orders` table of the example, and the counts the tests check.
 //!
-//! Every test that uses it is marked `#[cfg_attr(not(mysql_tests), ignore = ...)]` (the build
-//! script sets `mysql_tests` when `TEST_MYSQL_URL` is set), so that `cargo test` on a machine
-//! without the server reports those tests as ignored.
+//! Every test that uses it is registered as needing MySQL (`test! { name, mysql }`, see
+//! `tests/support/harness.rs`), so that `cargo test` without `TEST_MYSQL_URL` reports those
+//! tests as ignored.
 
 use std::str::FromStr;
 

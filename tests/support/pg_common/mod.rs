@@ -2,10 +2,9 @@
 //! `TEST_DATABASE_URL`, and the order app of the example on a [`PostgresStore`] served on
 //! 127.0.0.1:0.
 //!
-//! Every test that uses it is marked `#[cfg_attr(not(pg_tests), ignore = ...)]` (the build
-//! script sets `pg_tests` when `TEST_DATABASE_URL` is set), so that `cargo test` on a machine
-//! without PostgreSQL reports those tests as ignored. The client side (requests, replies)
-//! is the one of `tests/support/common`.
+//! Every test that uses it is registered as needing PostgreSQL (`test! { name, postgres }`, see
+//! `tests/support/harness.rs`), so that `cargo test` without `TEST_DATABASE_URL` reports those
+//! tests as ignored. The client side (requests, replies) is the one of `tests/support/common`.
 
 use std::future::Future;
 

@@ -15,13 +15,19 @@ use crate::support::common::server_backed::OrderServer;
 use crate::support::common::{AppBuilder, HookFor, InsertOrder, OrderCallOf};
 
 impl TestDb {
+    /// The sqlx connection settings of this schema, marked with its name (the schema's cleanup
+    /// closes their connections).
+    pub fn sqlx_options(&self) -> PgConnectOptions {
+        PgConnectOptions::from_str(&self.url)
+            .expect("TEST_DATABASE_URL is a valid URL")
+            .options([("search_path", self.schema.as_str())])
+            .application_name(&self.schema)
+    }
+
     /// A sqlx pool of at most `max` connections on this schema, marked with its name (the
     /// schema's cleanup closes them).
     pub async fn sqlx_pool(&self, max: u32) -> PgPool {
-        let options = PgConnectOptions::from_str(&self.url)
-            .expect("TEST_DATABASE_URL is a valid URL")
-            .options([("search_path", self.schema.as_str())])
-            .application_name(&self.schema);
+        let options = self.sqlx_options();
         PgPoolOptions::new()
             .max_connections(max)
             .connect_with(options)
@@ -32,12 +38,7 @@ impl TestDb {
     /// A sqlx pool of at most `max` connections on this schema through the proxy listening
     /// on 127.0.0.1:`port`.
     pub async fn sqlx_pool_via(&self, max: u32, port: u16) -> PgPool {
-        let options = PgConnectOptions::from_str(&self.url)
-            .expect("TEST_DATABASE_URL is a valid URL")
-            .host("127.0.0.1")
-            .port(port)
-            .options([("search_path", self.schema.as_str())])
-            .application_name(&self.schema);
+        let options = self.sqlx_options().host("127.0.0.1").port(port);
         PgPoolOptions::new()
             .max_connections(max)
             .connect_with(options)

@@ -101,10 +101,6 @@ pub(crate) fn nul_refused() -> Error {
 
 #[cfg(test)]
 mod tests {
-    use proptest::prelude::*;
-    use proptest::test_runner::{TestCaseError, TestRunner};
-    use sqlx::{Connection as _, Executor as _, Row as _};
-
     use super::{bytes, is_plain, quote};
 
     #[test]
@@ -142,60 +138,5 @@ mod tests {
     fn only_ascii_is_plain() {
         assert!(is_plain("order-1 'x' \\ \u{7f}"));
         assert!(!is_plain("café"));
-    }
-
-    /// What the server reads from the literal is the value, for any value without NUL: sent as
-    /// text with the simple protocol, as the store sends it.
-    #[test]
-    #[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-    fn the_server_reads_back_the_value() {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("runtime");
-        let url = std::env::var("TEST_DATABASE_URL").expect("TEST_DATABASE_URL");
-        let conn = runtime
-            .block_on(sqlx::PgConnection::connect(&url))
-            .expect("connect");
-        let conn = std::cell::RefCell::new(conn);
-        let values = prop_oneof![
-            any::<String>(),
-            "[\\\\'\"a-zA-Z0-9 ;$\\-\\x01-\\x1f\\x7f]{0,40}",
-            "(\\\\|'|E'|\\$\\$|\\\\x41|\\\\u0041|\\\\0|\\n)*",
-        ];
-        let mut runner = TestRunner::new(ProptestConfig::with_cases(512));
-        runner
-            .run(&values, |value| {
-                let value = value.replace('\0', "");
-                let sql = format!("SELECT {}", quote(&value).expect("no NUL"));
-                let mut conn = conn.borrow_mut();
-                let row = runtime
-                    .block_on((&mut *conn).fetch_one(sql.as_str()))
-                    .map_err(|error| TestCaseError::fail(format!("{sql}: {error}")))?;
-                let read: String = row.try_get(0).expect("text");
-                prop_assert_eq!(read, value);
-                Ok(())
-            })
-            .unwrap();
-        // Bytes, under either setting of `standard_conforming_strings`.
-        for setting in ["on", "off"] {
-            let set = format!("SET standard_conforming_strings = {setting}");
-            runtime
-                .block_on((&mut *conn.borrow_mut()).execute(set.as_str()))
-                .expect("set");
-            TestRunner::new(ProptestConfig::with_cases(64))
-                .run(&proptest::collection::vec(any::<u8>(), 0..300), |value| {
-                    let sql = format!("SELECT {}::bytea", bytes(&value));
-                    let mut conn = conn.borrow_mut();
-                    let row = runtime
-                        .block_on((&mut *conn).fetch_one(sql.as_str()))
-                        .map_err(|error| TestCaseError::fail(format!("{sql}: {error}")))?;
-                    let read: Vec<u8> = row.try_get(0).expect("bytea");
-                    prop_assert_eq!(read, value);
-                    Ok(())
-                })
-                .unwrap();
-        }
-        runtime.block_on(conn.into_inner().close()).expect("close");
     }
 }

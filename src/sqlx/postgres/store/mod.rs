@@ -47,8 +47,6 @@ use crate::store::{to_unix_millis, NewRecord, Scope};
 mod literal;
 mod migrate;
 mod owned;
-#[cfg(test)]
-mod tests;
 
 /// The sqlx version of the pools and of the handle's connection: depend on it through this
 /// re-export (or keep yours on the same 0.8 release).

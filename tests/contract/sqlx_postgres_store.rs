@@ -1,53 +1,59 @@
-//! White-box checks against a real PostgreSQL (`TEST_DATABASE_URL`): the round trips a new key
-//! costs (counted by a proxy between the pools and the server), and a store whose idle
-//! connections the server ended.
+//! The sqlx PostgreSQL store on a real PostgreSQL (`TEST_DATABASE_URL`), through its public
+//! API, each test in a schema of its own: the round trips a new key costs (counted by a proxy
+//! between the pools and the server), a store whose idle connections the server ended, the
+//! lock timeout a handler gets under an in-flight bound, and the values the store writes into
+//! its SQL as literals, read back as they were.
 
 use std::net::SocketAddr;
-use std::str::FromStr as _;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime};
 
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgSslMode};
-use sqlx::{Connection as _, Executor as _, PgConnection};
+use bytes::Bytes;
+use http::header::HeaderName;
+use http::{HeaderValue, StatusCode};
+use proptest::prelude::*;
+use proptest::test_runner::{TestCaseError, TestRunner};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{TcpListener, TcpStream};
+use tower_idempotency::fingerprint::Fingerprint;
+use tower_idempotency::key::IdempotencyKey;
+use tower_idempotency::response::SavedResponse;
+use tower_idempotency::store::sqlx_postgres::sqlx::postgres::{
+    PgConnectOptions, PgPoolOptions, PgSslMode,
+};
+use tower_idempotency::store::sqlx_postgres::{sqlx, SqlxPostgresStore};
+use tower_idempotency::store::{
+    Begin, IdempotencyStore, NewRecord, ReplayCheck, Reservation, RunOutcome, Scope,
+};
+use tower_idempotency::{Error, InFlight};
 
-use super::{PgDialect, SqlxPostgresStore};
-use crate::row_lock::test_records::{record, scope, tenant_scope};
-use crate::sqlx::store::SqlxReservation;
-use crate::store::ReplayCheck;
-use crate::store::{Begin, IdempotencyStore, Reservation, RunOutcome, Scope};
+use crate::support::pg_common::TestDb;
 
-fn url() -> String {
-    std::env::var("TEST_DATABASE_URL").expect("TEST_DATABASE_URL")
+type SqlxReservation = <SqlxPostgresStore as IdempotencyStore>::Reservation;
+
+/// `key` of `tenant` on the operation `create_order`.
+fn tenant_scope(tenant: &str, key: &str) -> Scope {
+    let key = IdempotencyKey::parse(key.as_bytes(), 128).expect("key");
+    Scope::new(tenant, "create_order", key)
 }
 
-/// A schema of its own, and the connect options of connections that use it.
-async fn schema() -> (String, PgConnectOptions) {
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .expect("clock")
-        .as_nanos();
-    let schema = format!("tidem_sqlx_unit_{}_{nanos}", std::process::id());
-    let mut admin = PgConnection::connect(&url()).await.expect("connect");
-    admin
-        .execute(format!("CREATE SCHEMA {schema}").as_str())
-        .await
-        .expect("schema");
-    let options = PgConnectOptions::from_str(&url())
-        .expect("url")
-        .ssl_mode(PgSslMode::Disable)
-        .options([("search_path", schema.as_str())]);
-    (schema, options)
+/// `key` of the tenant `shop`.
+fn scope(key: &str) -> Scope {
+    tenant_scope("shop", key)
 }
 
-async fn drop_schema(schema: &str) {
-    let mut admin = PgConnection::connect(&url()).await.expect("connect");
-    admin
-        .execute(format!("DROP SCHEMA {schema} CASCADE").as_str())
-        .await
-        .expect("drop");
+/// A `201` with the body `{}`, saved now for an hour.
+fn record() -> NewRecord {
+    let now = SystemTime::now();
+    let response = SavedResponse::new(StatusCode::CREATED, Vec::new(), Bytes::from_static(b"{}"));
+    let fingerprint = Fingerprint::new(2, [7; 32]);
+    NewRecord::new(fingerprint, response, now, now + Duration::from_secs(3600))
+}
+
+/// The schema's connection settings, without TLS (the counting proxy reads the messages).
+fn options(db: &TestDb) -> PgConnectOptions {
+    db.sqlx_options().ssl_mode(PgSslMode::Disable)
 }
 
 /// A store on pools of one connection each (so that each request reuses the same two
@@ -76,7 +82,7 @@ async fn new_key(store: &SqlxPostgresStore, scope: &Scope) {
             scope,
             Duration::from_secs(5),
             SystemTime::now(),
-            |reservation: SqlxReservation<PgDialect>| async move {
+            |reservation: SqlxReservation| async move {
                 reservation.commit(record()).await.expect("commit");
             },
         )
@@ -203,6 +209,7 @@ async fn upstream(options: &PgConnectOptions) -> SocketAddr {
         .expect("address")
 }
 
+test! { a_new_key_costs_three_round_trips, postgres }
 /// Lookup, `BEGIN` with the reservation, the completed record with `COMMIT`: three round trips
 /// for a new key on warm connections, and no ping on the request's path though the pool's
 /// `test_before_acquire` is on (sqlx's ping when each connection goes back to its pool
@@ -210,10 +217,11 @@ async fn upstream(options: &PgConnectOptions) -> SocketAddr {
 /// its `INSERT` and its completed record go with bind parameters, each in a round trip of its
 /// own. Under `ReplayCheck::Adaptive` (the default), with no retry seen, the lookup is skipped:
 /// one round trip and one ping less.
-#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-#[tokio::test]
 async fn a_new_key_costs_three_round_trips() {
-    let (schema, options) = schema().await;
+    let Some(db) = TestDb::create().await else {
+        return;
+    };
+    let options = options(&db);
     let (proxy, seen) = counting_proxy(upstream(&options).await).await;
     let proxied = options.clone().host("127.0.0.1").port(proxy.port());
     let store = store(proxied.clone());
@@ -236,7 +244,6 @@ async fn a_new_key_costs_three_round_trips() {
     let adaptive_not_ascii = counted(&adaptive, &seen, &tenant_scope("café", "adaptive")).await;
     adaptive.pool().close().await;
     adaptive.read_pool().close().await;
-    drop_schema(&schema).await;
     assert_eq!(
         ascii,
         (3, 2),
@@ -255,13 +262,14 @@ async fn a_new_key_costs_three_round_trips() {
     );
 }
 
+test! { idle_connections_the_server_ended_are_replaced, postgres }
 /// The server ended both pools' idle connections (a restart, an idle timeout of a proxy): the
 /// lookup and `begin` find out at their first statement and go on, on fresh connections.
-#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-#[tokio::test]
 async fn idle_connections_the_server_ended_are_replaced() {
-    let (schema, options) = schema().await;
-    let store = store(options);
+    let Some(db) = TestDb::create().await else {
+        return;
+    };
+    let store = store(options(&db));
     store.migrate().await.expect("migrate");
     new_key(&store, &scope("before")).await;
     let pid = "SELECT pg_backend_pid()";
@@ -273,21 +281,22 @@ async fn idle_connections_the_server_ended_are_replaced() {
         .fetch_one(store.read_pool())
         .await
         .expect("pid");
-    let mut admin = PgConnection::connect(&url()).await.expect("connect");
+    let admin = db.client().await;
     for backend in [writer, reader] {
-        sqlx::query("SELECT pg_terminate_backend($1)")
-            .bind(backend)
-            .execute(&mut admin)
+        admin
+            .execute("SELECT pg_terminate_backend($1)", &[&backend])
             .await
             .expect("terminate");
     }
     for _ in 0..100 {
-        let alive: i64 =
-            sqlx::query_scalar("SELECT count(*) FROM pg_stat_activity WHERE pid = ANY($1)")
-                .bind(vec![writer, reader])
-                .fetch_one(&mut admin)
-                .await
-                .expect("activity");
+        let alive: i64 = admin
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE pid = ANY($1)",
+                &[&vec![writer, reader]],
+            )
+            .await
+            .expect("activity")
+            .get(0);
         if alive == 0 {
             break;
         }
@@ -299,21 +308,23 @@ async fn idle_connections_the_server_ended_are_replaced() {
 
     store.pool().close().await;
     store.read_pool().close().await;
-    drop_schema(&schema).await;
 }
 
-/// Under an in-flight policy the reservation waits on the key's row only up to the policy's
+test! { an_in_flight_bound_is_lifted_for_the_handler_in_the_same_round_trip, postgres }
+/// Under an in-flight policy (the layer bounds its store's wait for a duplicate with
+/// `bound_duplicate_wait`) the reservation waits on the key's row only up to the policy's
 /// bound, and its statement sets the lock timeout back for the handler: the same three round
 /// trips, and the handler's `lock_timeout` is what is left of the layer's, not the bound.
-#[cfg_attr(not(pg_tests), ignore = "needs PostgreSQL: set TEST_DATABASE_URL")]
-#[tokio::test]
 async fn an_in_flight_bound_is_lifted_for_the_handler_in_the_same_round_trip() {
-    let (schema, options) = schema().await;
+    let Some(db) = TestDb::create().await else {
+        return;
+    };
+    let options = options(&db);
     let (proxy, seen) = counting_proxy(upstream(&options).await).await;
     let proxied = options.clone().host("127.0.0.1").port(proxy.port());
     // Two connections: the duplicate below needs its own.
-    let store = store_of(proxied, 2, ReplayCheck::FavorReplays)
-        .bound_duplicate_wait(crate::InFlight::Reject);
+    let store =
+        store_of(proxied, 2, ReplayCheck::FavorReplays).bound_duplicate_wait(InFlight::Reject);
     store.migrate().await.expect("migrate");
     new_key(&store, &scope("warm-up")).await;
     let counted = counted(&store, &seen, &scope("counted")).await;
@@ -341,7 +352,6 @@ async fn an_in_flight_bound_is_lifted_for_the_handler_in_the_same_round_trip() {
 
     store.pool().close().await;
     store.read_pool().close().await;
-    drop_schema(&schema).await;
     assert_eq!(
         counted,
         (3, 2),
@@ -359,8 +369,130 @@ async fn an_in_flight_bound_is_lifted_for_the_handler_in_the_same_round_trip() {
         }
     };
     assert!((4000..=5000).contains(&millis), "lock_timeout {shown}");
-    assert!(
-        matches!(duplicate, Err(crate::error::Error::InFlight)),
-        "{duplicate:?}"
+    assert!(matches!(duplicate, Err(Error::InFlight)), "{duplicate:?}");
+}
+
+/// Text the store may write into SQL: anything, and ASCII full of what a literal must escape.
+fn text() -> impl Strategy<Value = String> {
+    prop_oneof![
+        any::<String>(),
+        "[\\\\'\"a-zA-Z0-9 ;$\\-\\x01-\\x1f\\x7f]{0,40}",
+        "(\\\\|'|E'|\\$\\$|\\\\x41|\\\\u0041|\\\\0|\\n)*",
+    ]
+    // PostgreSQL text cannot hold NUL (the store refuses a scope with one).
+    .prop_map(|text| text.replace('\0', ""))
+}
+
+/// A header value with the characters a literal must escape.
+fn header_value() -> impl Strategy<Value = HeaderValue> {
+    "[ -~]{0,40}".prop_map(|value| HeaderValue::from_str(&value).expect("visible ASCII"))
+}
+
+test! { values_written_into_sql_read_back_as_they_were, sync, postgres }
+/// The store writes a reservation's scope, and a record's fingerprint, headers, body and
+/// trailers, into its SQL as literals when they are plain ASCII (and as bind parameters
+/// otherwise): whatever the values (without NUL, which PostgreSQL text cannot hold), the server
+/// reads them as they were. The scope is found in the table with bind parameters, and the
+/// replay gives back the record; under either setting of `standard_conforming_strings`.
+fn values_written_into_sql_read_back_as_they_were() {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    // The pools start their tasks on it.
+    let _runtime = runtime.enter();
+    let Some(db) = runtime.block_on(TestDb::create()) else {
+        return;
+    };
+    let admin = runtime.block_on(db.client());
+    let case = (
+        (text(), text(), "[!-~]{1,60}"),
+        (header_value(), header_value()),
+        proptest::collection::vec(any::<u8>(), 0..300),
+        any::<[u8; 32]>(),
     );
+    let cases = std::cell::Cell::new(0);
+    for setting in ["on", "off"] {
+        let pool = PgPoolOptions::new().max_connections(1).connect_lazy_with(
+            db.sqlx_options()
+                .options([("standard_conforming_strings", setting)]),
+        );
+        let store = SqlxPostgresStore::builder(pool)
+            .with_max_read_connections(1)
+            .build();
+        runtime.block_on(store.migrate()).expect("migrate");
+        let shown: String = runtime
+            .block_on(
+                sqlx::query_scalar("SHOW standard_conforming_strings").fetch_one(store.pool()),
+            )
+            .expect("SHOW");
+        assert_eq!(shown, setting);
+        let mut runner = TestRunner::new(ProptestConfig {
+            cases: 256,
+            // A failing case is printed; there is no source file to keep it in.
+            failure_persistence: None,
+            ..ProptestConfig::default()
+        });
+        runner
+            .run(
+                &case,
+                |((tenant, operation, token), (header, trailer), body, digest)| {
+                    cases.set(cases.get() + 1);
+                    // Unique, so that every case reserves a fresh scope.
+                    let key = format!("{}.{token}", cases.get());
+                    let scope = Scope::new(
+                        tenant.as_str(),
+                        operation.as_str(),
+                        IdempotencyKey::parse(key.as_bytes(), 128).expect("key"),
+                    );
+                    let response = SavedResponse::new(
+                        StatusCode::CREATED,
+                        vec![(HeaderName::from_static("x-value"), header)],
+                        Bytes::from(body),
+                    )
+                    .with_trailers(vec![(HeaderName::from_static("grpc-message"), trailer)]);
+                    let now = SystemTime::now();
+                    let fingerprint = Fingerprint::new(1, digest);
+                    let record = NewRecord::new(
+                        fingerprint,
+                        response.clone(),
+                        now,
+                        now + Duration::from_secs(3600),
+                    );
+                    let fail = |what: &str, error: &dyn std::fmt::Debug| {
+                        TestCaseError::fail(format!("{what}: {error:?}"))
+                    };
+                    let replayed = runtime.block_on(async {
+                        match store.begin(&scope, Duration::from_secs(5), now).await {
+                            Ok(Begin::Reserved(reservation)) => reservation
+                                .commit(record)
+                                .await
+                                .map_err(|error| fail("commit", &error))?,
+                            Ok(Begin::Existing(_)) => {
+                                return Err(TestCaseError::fail("a fresh scope has a record"))
+                            }
+                            Err(error) => return Err(fail("begin", &error)),
+                        }
+                        store
+                            .lookup(&scope, SystemTime::now())
+                            .await
+                            .map_err(|error| fail("lookup", &error))
+                    })?;
+                    let found: i64 = runtime
+                        .block_on(admin.query_one(
+                            "SELECT count(*) FROM idempotency_records \
+                         WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3",
+                            &[&tenant, &operation, &key],
+                        ))
+                        .map_err(|error| fail("count", &error))?
+                        .get(0);
+                    prop_assert_eq!(found, 1, "the scope as it was written");
+                    let replayed = replayed.ok_or_else(|| TestCaseError::fail("no record"))?;
+                    prop_assert_eq!(replayed.fingerprint.digest(), fingerprint.digest());
+                    prop_assert_eq!(replayed.response, response);
+                    Ok(())
+                },
+            )
+            .unwrap();
+    }
 }
