@@ -225,6 +225,9 @@ pub fn main() {
             .ok()
             .and_then(|threads| threads.parse().ok());
     }
+    if !args.nocapture {
+        quiet_panics();
+    }
     let available = Available::from_env();
     let mut tests: Vec<(String, &'static Test)> = inventory::iter::<Test>
         .into_iter()
@@ -262,4 +265,28 @@ pub fn main() {
         }
     }
     libtest_mimic::run(&args, trials).exit();
+}
+
+/// libtest hides a passing test's output; libtest-mimic cannot, and many tests panic on purpose
+/// (a handler, a sink) to show that the layer survives it. So a panic prints one line, where
+/// and why, without the backtrace `RUST_BACKTRACE` asks for: a failing test's own panic is
+/// reported with its message anyway. `--nocapture` keeps the standard hook, backtraces and all.
+fn quiet_panics() {
+    std::panic::set_hook(Box::new(|info| {
+        let thread = std::thread::current();
+        let message = info
+            .payload()
+            .downcast_ref::<&str>()
+            .copied()
+            .or_else(|| info.payload().downcast_ref::<String>().map(String::as_str))
+            .unwrap_or("(a value that is not a string)");
+        let at = info
+            .location()
+            .map(|at| format!(" at {}:{}", at.file(), at.line()))
+            .unwrap_or_default();
+        eprintln!(
+            "thread '{}' panicked{at}: {message}",
+            thread.name().unwrap_or("<unnamed>")
+        );
+    }));
 }
