@@ -4,6 +4,13 @@
 //! requests). It is the server the cases get: the same routes (`/orders` under the layer,
 //! `/hand/orders`, `GET /orders/{id}`, ...), the same store settings, and the orders case R
 //! reads.
+//!
+//! Unlike the cases, the routes share one file here: once the layer's writer sees a commit by
+//! H's connection, it gives way to that "other writer" for a second, and requests to `/orders`
+//! queue for the writer thread instead of running in place. Send `/orders` requests for a
+//! second or more after the last `/hand/orders` one before measuring the layer's c=1 path.
+//! Under callgrind, start with `--instr-atstart=no` and switch on with `callgrind_control -i on`
+//! (with `--collect-atstart=no` nothing is collected).
 
 use crate::cases::READ_ORDERS;
 use crate::cli::Mode;

@@ -1,8 +1,9 @@
 //! Group commit: the requests queued for the writer share one SQLite transaction.
 //!
 //! Each request runs in its own savepoint inside the open [`Group`] (see
-//! `Writer::open_request_savepoint`), keeps its rows there when it commits (`release_request`) or
-//! undoes only them (`rollback_request`), and waits as a [`Member`] for the group's `COMMIT`
+//! `Writer::open_request_savepoint`; the request that opens the group's transaction needs none),
+//! keeps its rows there when it commits (`release_request`) or undoes only them
+//! (`rollback_request`), and waits as a [`Member`] for the group's `COMMIT`
 //! (`flush`), which the writer thread (`writer`) runs when the group is due. A failure that
 //! ends the whole transaction tells each member how it ended (`tell_members`, `abort_group`):
 //! the culprit gets its error, the others [`Error::GroupRolledBack`]. The layer runs each of
@@ -45,6 +46,13 @@ pub(super) struct Group {
 impl Writer {
     /// Opens the group transaction if needed and the request's savepoint in it; `alone` in a
     /// group of its own (the open one commits first).
+    ///
+    /// The request that opens the transaction gets no savepoint: the transaction holds nothing
+    /// but its own work until it ends (others join only after that), so rolling the whole
+    /// transaction back undoes its rows and only them, and its commit has nothing to release.
+    /// That spares a lone request two statements and SQLite's copy of every page it changes
+    /// into the savepoint's journal. A request that joins an open group gets a savepoint, as
+    /// the group holds other requests' rows.
     fn open_request_savepoint(
         &mut self,
         generation: u64,
@@ -79,12 +87,15 @@ impl Writer {
                 opened: Instant::now(),
                 solo: alone,
             });
+            self.savepoint = false;
+        } else {
+            // Cached: prepared once per connection rather than once per request.
+            self.control(|conn| {
+                conn.prepare_cached(&self.sql.savepoint)
+                    .and_then(|mut savepoint| savepoint.execute([]))
+            })?;
+            self.savepoint = true;
         }
-        // Cached: prepared once per connection rather than once per request.
-        self.control(|conn| {
-            conn.prepare_cached(&self.sql.savepoint)
-                .and_then(|mut savepoint| savepoint.execute([]))
-        })?;
         self.active = Some(generation);
         self.request_started = Some(Instant::now());
         Ok(())
@@ -162,25 +173,34 @@ impl Writer {
         }
     }
 
-    /// Undoes the active request's rows, and only them.
+    /// Undoes the active request's rows, and only them: its savepoint, or, for the request
+    /// that opened the transaction (no savepoint, nothing else in it), the transaction.
     pub(super) fn rollback_request(&mut self) {
         let was_active = self.active.is_some();
         self.end_request();
-        if was_active && !self.conn.is_autocommit() {
-            let undone = self.control(|conn| conn.execute_batch(&self.sql.rollback_request));
-            if let Err(error) = undone {
-                tracing::error!(%error, "rolling back a request's savepoint failed");
-                self.abort_group("rolling back a request's savepoint failed");
-            }
+        if !was_active || self.conn.is_autocommit() {
+            return;
+        }
+        if !self.savepoint {
+            // No member can have joined while the request was active: the group ends empty.
+            self.abort_group("the request that opened the group transaction rolled back");
+            return;
+        }
+        let undone = self.control(|conn| conn.execute_batch(&self.sql.rollback_request));
+        if let Err(error) = undone {
+            tracing::error!(%error, "rolling back a request's savepoint failed");
+            self.abort_group("rolling back a request's savepoint failed");
         }
     }
 
     /// Keeps the active request's rows in the group (to commit with it).
     pub(super) fn release_request(&mut self) -> Result<(), Error> {
-        self.control(|conn| {
-            conn.prepare_cached(&self.sql.release)
-                .and_then(|mut release| release.execute([]))
-        })?;
+        if self.savepoint {
+            self.control(|conn| {
+                conn.prepare_cached(&self.sql.release)
+                    .and_then(|mut release| release.execute([]))
+            })?;
+        }
         self.end_request();
         Ok(())
     }

@@ -26,8 +26,9 @@
 //    the reader queues the request's begin for the writer itself, so that the request is woken
 //    once, by its answer.
 // 2. **Begin.** The begin waits in the writer's queue, at most the lock timeout (`Error::Busy` past
-//    it). On the writer it opens the group transaction if none is open (`BEGIN IMMEDIATE`) and the
-//    request's savepoint in it, and reads the record again: a live one (a duplicate committed
+//    it). On the writer it opens the group transaction if none is open (`BEGIN IMMEDIATE`), or
+//    else the request's savepoint in the open one (the request that opens the transaction needs
+//    none: until it ends, the transaction holds its work alone), and reads the record again: a live one (a duplicate committed
 //    first, perhaps in the open group) is the answer once that group is durable
 //    (`RunOutcome::Existing`); an expired one is deleted.
 // 3. **Work.** Otherwise the layer's work for the request (calling the handler, capturing its
@@ -36,7 +37,7 @@
 // 4. **Commit.** `Reservation::commit` inserts the record and releases the savepoint, keeping the
 //    request's rows in the group; the request gets its answer (`RunOutcome::Ran`) once the group's
 //    `COMMIT` has returned. A rollback, an error or a dropped `SqliteReservation` undoes the
-//    savepoint alone.
+//    savepoint alone (the transaction, for the request that opened it).
 //
 // **In place.** When the writer is idle (nothing open, nobody queued) and SQLite's write lock is
 // free without a busy wait, steps 2 to 4 run on the request's own task instead, with the writer
@@ -45,7 +46,7 @@
 // the two hand-overs to the writer thread and back (on a multi-thread runtime only, and each under
 // `block_in_place`, so that the worker's other tasks go on meanwhile). Requests that arrive
 // meanwhile queue for the writer thread (step 2), which takes the writer back when the request
-// ends; if any queued, the request's savepoint stays in an open group that they join, and it is
+// ends; if any queued, the request's rows stay in an open group that they join, and it is
 // answered when that group commits.
 //
 // Without a tokio runtime the same steps run one after the other in the caller's task
@@ -174,6 +175,7 @@ impl SqliteStore {
         let writer = Writer {
             conn,
             active: None,
+            savepoint: false,
             group: None,
             limits: options.group,
             queued: queued.clone(),

@@ -83,6 +83,9 @@ pub(super) struct Writer {
     pub(super) conn: Connection,
     /// The generation of the request whose savepoint is open, if any.
     pub(super) active: Option<u64>,
+    /// Whether the active request has a savepoint of its own; not when it opened the group
+    /// transaction, which then holds its work alone (see `group`).
+    pub(super) savepoint: bool,
     /// The open group transaction, if any.
     pub(super) group: Option<Group>,
     pub(super) limits: GroupLimits,
