@@ -66,7 +66,9 @@
 //! # Features
 //!
 //! - `sqlite` (default): [`store::sqlite::SqliteStore`][sqlite].
-//! - `axum`: the [`extract::Tx`][Tx] extractor for the transaction handle.
+//! - `axum`: the [`extract::Tx`][Tx] extractor for the transaction handle (and axum's
+//!   `OriginalUri` copied out of the connection's read buffer with the rest of the request head
+//!   the layer keeps).
 //! - `tokio-postgres`: [`store::tokio_postgres::PostgresStore`][postgres], for several app instances sharing one
 //!   database (tokio-postgres with a deadpool pool).
 //! - `sqlx-postgres`: [`store::sqlx_postgres::SqlxPostgresStore`][sqlx_postgres], the same

@@ -5,9 +5,25 @@
 //! The wrapper counts every allocation of the run (two atomic additions each, the same for
 //! every case); only the `alloc` measurement reads the counts. Bytes are those of new blocks
 //! plus what reallocations grow blocks by; blocks are allocations plus reallocations.
+//!
+//! Around it, [`Counting`] keeps the server's live heap bytes and their peak, for the heap
+//! measurement of `scale.rs` (one more atomic addition per allocation, reallocation and free,
+//! and a comparison with the peak): every thread's allocations but the load generator's,
+//! whose threads mark themselves (`load.rs`). A block allocated on one side and freed on the
+//! other is counted on one side only: that happens where a run hands connections and load
+//! results back, outside a measured round, which is read as the peak over its own start.
+//!
+//! Its own counter, not `stats_alloc`'s: in those, a reallocation adds its growth to
+//! `bytes_allocated` (or its shrinkage to `bytes_deallocated`) and the signed change to
+//! `bytes_reallocated` as well, so live bytes computed from them (allocated - deallocated +
+//! reallocated) count every reallocation's change twice and grow with every request that grows
+//! a buffer by reallocation; and they are read one after the other while other threads
+//! allocate. A peak sampled from them grew with the number of requests, not with the requests
+//! in flight.
 
-use std::alloc::System;
-use std::sync::atomic::AtomicU64;
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use axum::body::Bytes;
@@ -19,14 +35,102 @@ use crate::load::{connect_all, run_load, Limit, Workload};
 use crate::servers::Server;
 use crate::BoxError;
 
-#[global_allocator]
+/// `stats_alloc`'s counters, read by the `alloc` measurement.
 static GLOBAL: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;
 
-/// Bytes live on the heap now (allocated less freed, reallocations included): the whole
-/// process's Rust allocations (SQLite allocates with its own `malloc`, not counted).
-pub(crate) fn live_bytes() -> i64 {
-    let stats = GLOBAL.stats();
-    stats.bytes_allocated as i64 - stats.bytes_deallocated as i64 + stats.bytes_reallocated as i64
+#[global_allocator]
+static COUNTING: Counting = Counting;
+
+/// The server's bytes live on the heap now (allocated less freed): the Rust allocations of
+/// every thread but the load generator's (SQLite allocates with its own `malloc`, not
+/// counted). Relative: only its changes mean something.
+static LIVE: AtomicI64 = AtomicI64::new(0);
+/// The most [`LIVE`] has been since [`reset_peak`].
+static PEAK: AtomicI64 = AtomicI64::new(0);
+
+thread_local! {
+    /// Whether this thread is one of the load generator's (`load.rs`): the live bytes are the
+    /// server's, not the client's. A `Cell` without a destructor: readable in the allocator.
+    static CLIENT_THREAD: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Marks the calling thread as the load generator's: its allocations and frees are left out
+/// of [`LIVE`].
+pub(crate) fn mark_client_thread() {
+    CLIENT_THREAD.with(|client| client.set(true));
+}
+
+fn on_client_thread() -> bool {
+    CLIENT_THREAD.try_with(Cell::get).unwrap_or(false)
+}
+
+/// [`GLOBAL`] with the live bytes and their peak kept too.
+struct Counting;
+
+impl Counting {
+    fn grew(delta: i64) {
+        if on_client_thread() {
+            return;
+        }
+        let live = LIVE.fetch_add(delta, Ordering::Relaxed) + delta;
+        // The read is shared by every thread; the write happens only on a new peak.
+        if live > PEAK.load(Ordering::Relaxed) {
+            PEAK.fetch_max(live, Ordering::Relaxed);
+        }
+    }
+}
+
+// SAFETY: every call goes to `stats_alloc`'s wrapper of the system allocator unchanged; the
+// counters beside it do not touch the memory.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let block = GLOBAL.alloc(layout);
+        if !block.is_null() {
+            Self::grew(layout.size() as i64);
+        }
+        block
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        let block = GLOBAL.alloc_zeroed(layout);
+        if !block.is_null() {
+            Self::grew(layout.size() as i64);
+        }
+        block
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        GLOBAL.dealloc(ptr, layout);
+        if !on_client_thread() {
+            LIVE.fetch_sub(layout.size() as i64, Ordering::Relaxed);
+        }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        let block = GLOBAL.realloc(ptr, layout, new_size);
+        if !block.is_null() {
+            let change = new_size as i64 - layout.size() as i64;
+            if change > 0 {
+                Self::grew(change);
+            } else if !on_client_thread() {
+                LIVE.fetch_add(change, Ordering::Relaxed);
+            }
+        }
+        block
+    }
+}
+
+/// Starts a new peak from the server's bytes live now ([`LIVE`]); returns them.
+pub(crate) fn reset_peak() -> i64 {
+    let live = LIVE.load(Ordering::Relaxed);
+    PEAK.store(live, Ordering::Relaxed);
+    live
+}
+
+/// The most bytes live at once since [`reset_peak`], counted at every allocation (no
+/// sampling: a peak however short is seen).
+pub(crate) fn peak_bytes() -> i64 {
+    PEAK.load(Ordering::Relaxed)
 }
 
 /// Bytes allocated per request (the whole process: client, server, SQLite) for a 64 KiB JSON

@@ -35,6 +35,7 @@ pub(crate) fn start_client(threads: usize) -> Result<(), BoxError> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(threads)
         .thread_name(cpu::CLIENT_THREAD)
+        .on_thread_start(crate::alloc::mark_client_thread)
         .enable_all()
         .build()?;
     CLIENT

@@ -24,8 +24,9 @@
 //! - **body**: 1 KiB, 64 KiB and 1 MiB JSON bodies (an order with line items) through the
 //!   layer and through H (which fingerprints the same way and saves the record), SQLite only:
 //!   the server's CPU per request at c1 (`cpu.rs`), and the heap per in-flight request at c16:
-//!   the peak of the counting allocator's live bytes (`alloc.rs`, sampled every 200 us) over
-//!   the idle level before the load, divided by 16. SQLite's own `malloc` is not counted.
+//!   the peak of the server's live heap bytes (`alloc.rs`: kept at every allocation and free,
+//!   the load generator's threads left out) over the idle level before the load (the 16
+//!   connections open), divided by 16. SQLite's own `malloc` is not counted.
 //! - **concurrency**: new keys at c1, 16, 64, 256 and 1024 (rounds interleaved): throughput,
 //!   p50/p99, errors.
 //!
@@ -600,9 +601,19 @@ impl Run {
     }
 
     async fn round(&mut self, duration: Duration) {
+        let stats = self.load(duration).await;
+        self.record(stats);
+    }
+
+    /// A round's load, not yet recorded.
+    async fn load(&mut self, duration: Duration) -> LoadStats {
         let conns = std::mem::take(&mut self.conns);
         let (conns, stats) = run_load(conns, &self.workload, Limit::For(duration)).await;
         self.conns = conns;
+        stats
+    }
+
+    fn record(&mut self, stats: LoadStats) {
         self.rounds.push(stats.requests_per_second());
         self.pooled.merge(stats);
     }
@@ -1249,8 +1260,8 @@ async fn body(mode: Mode, options: &Options, out: &mut Out) -> Result<(), BoxErr
     println!();
     println!(
         "Body size, {name}: JSON orders through the layer and through H (the same fingerprint \
-         and record): server CPU per request at c1 (summed over the rounds); heap per in-flight request at c{MEMORY_CONCURRENCY} (peak of live bytes over \
-         the idle level, / {MEMORY_CONCURRENCY})"
+         and record): server CPU per request at c1 (summed over the rounds); heap per in-flight request at c{MEMORY_CONCURRENCY} (peak of the server's live \
+         heap over the idle level, / {MEMORY_CONCURRENCY})"
     );
     println!(
         "  {:>8} {:<6} {:>9} {:>10} {:>9} {:>14} {:>9} {:>7}",
@@ -1305,23 +1316,11 @@ async fn body(mode: Mode, options: &Options, out: &mut Out) -> Result<(), BoxErr
             };
             let mut run =
                 Run::prepare(server.clone(), workload, MEMORY_CONCURRENCY, options).await?;
-            let idle = crate::alloc::live_bytes();
-            let peak = Arc::new(AtomicU64::new(0));
-            let stop = Arc::new(AtomicBool::new(false));
-            let sampler = {
-                let (peak, stop) = (peak.clone(), stop.clone());
-                std::thread::spawn(move || {
-                    while !stop.load(Ordering::Relaxed) {
-                        let live = u64::try_from(crate::alloc::live_bytes()).unwrap_or(0);
-                        peak.fetch_max(live, Ordering::Relaxed);
-                        std::thread::sleep(Duration::from_micros(200));
-                    }
-                })
-            };
-            run.round(options.duration).await;
-            stop.store(true, Ordering::Relaxed);
-            let _ = sampler.join();
-            let extra = peak.load(Ordering::Relaxed) as f64 - idle as f64;
+            let idle = crate::alloc::reset_peak();
+            let stats = run.load(options.duration).await;
+            // Before the round's latencies are merged on this thread.
+            let extra = (crate::alloc::peak_bytes() - idle) as f64;
+            run.record(stats);
             let (figures, _) = run.finish(&format!("body {} KiB heap", size / 1024));
             heap.push((extra / MEMORY_CONCURRENCY as f64, figures.errors));
         }

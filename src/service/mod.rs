@@ -545,7 +545,7 @@ where
     ReqB: Body<Data = Bytes> + Send + 'static,
     ReqB::Error: Into<BoxError>,
 {
-    let (parts, body) = request.into_parts();
+    let (mut parts, body) = request.into_parts();
     let tenant = (config.tenant)(&parts).ok_or(Rejection::MissingTenant)?;
     let key = match key_headers {
         Some(0) => return Err(Rejection::MissingKey),
@@ -574,6 +574,8 @@ where
         .fingerprinter
         .fingerprint(&parts, &body)
         .map_err(Rejection::InvalidPayload)?;
+    // Kept until the handler has run, through every wait for the store.
+    detach_head(&mut parts);
     Ok(Checked {
         parts,
         body,
@@ -746,6 +748,111 @@ mod tests {
             StatusCode::CREATED
         );
         assert_eq!(clones.load(Ordering::SeqCst), before + 1);
+    }
+
+    /// What a handler got (a header's name, `body`, `uri`) and where it is in memory.
+    type Noted = Vec<(String, std::ops::Range<usize>)>;
+
+    /// A handler that notes where the request head and body it gets are in memory.
+    #[derive(Clone, Default)]
+    struct Addresses(Arc<Mutex<Noted>>);
+
+    impl Addresses {
+        fn note(&self, what: impl Into<String>, bytes: &[u8]) {
+            let start = bytes.as_ptr() as usize;
+            let noted = (what.into(), start..start + bytes.len());
+            self.0.lock().unwrap().push(noted);
+        }
+    }
+
+    impl Service<Request<RequestBody>> for Addresses {
+        type Response = Response<Full<Bytes>>;
+        type Error = Infallible;
+        type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
+
+        fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+            Poll::Ready(Ok(()))
+        }
+
+        fn call(&mut self, request: Request<RequestBody>) -> Self::Future {
+            let addresses = self.clone();
+            Box::pin(async move {
+                let (parts, body) = request.into_parts();
+                let body = body.collect().await.unwrap().to_bytes();
+                assert_eq!(&body[..], br#"{"a":1}"#);
+                addresses.note("body", &body);
+                for (name, value) in &parts.headers {
+                    addresses.note(name.as_str(), value.as_bytes());
+                }
+                assert_eq!(parts.uri, "/orders?x=1");
+                addresses.note("uri", parts.uri.path().as_bytes());
+                #[cfg(feature = "axum")]
+                {
+                    let original = parts
+                        .extensions
+                        .get::<axum::extract::OriginalUri>()
+                        .unwrap();
+                    assert_eq!(original.0, "/orders?x=1");
+                    addresses.note("OriginalUri", original.0.path().as_bytes());
+                }
+                let mut response = Response::new(Full::new(Bytes::from_static(b"{}")));
+                *response.status_mut() = StatusCode::CREATED;
+                Ok(response)
+            })
+        }
+    }
+
+    /// A server (hyper) parses the URI and the header values as views into the connection's
+    /// read buffer, where the body usually is too: a request that keeps a view while it waits
+    /// for the store keeps the whole buffer. The handler gets copies, of the body too.
+    #[tokio::test]
+    async fn the_handler_gets_no_view_into_the_connections_read_buffer() {
+        let read = Bytes::from_static(
+            b"/orders?x=1 k1 application/json 7 {\"a\":1} and the rest of an 8 KiB read buffer",
+        );
+        let view = |from: usize, to: usize| read.slice(from..to);
+        let value =
+            |from: usize, to: usize| HeaderValue::from_maybe_shared(view(from, to)).unwrap();
+        let mut request = Request::new(Full::new(view(34, 41)));
+        *request.method_mut() = Method::POST;
+        *request.uri_mut() = http::Uri::from_maybe_shared(view(0, 11)).unwrap();
+        let headers = request.headers_mut();
+        headers.insert(IDEMPOTENCY_KEY, value(12, 14));
+        headers.insert(header::CONTENT_TYPE, value(15, 31));
+        headers.insert(header::CONTENT_LENGTH, value(32, 33));
+        request.extensions_mut().insert(Tenant::new("t"));
+        // What axum's router adds before any route layer.
+        #[cfg(feature = "axum")]
+        {
+            let original = axum::extract::OriginalUri(request.uri().clone());
+            request.extensions_mut().insert(original);
+        }
+        let buffer = read.as_ptr() as usize..read.as_ptr() as usize + read.len();
+        let in_buffer = |at: *const u8| buffer.contains(&(at as usize));
+        assert!(in_buffer(request.uri().path().as_ptr()));
+        assert!(in_buffer(
+            request.headers()[IDEMPOTENCY_KEY].as_bytes().as_ptr()
+        ));
+
+        let dir = tempfile::tempdir().unwrap();
+        let store = SqliteStore::open(dir.path().join("records.db"))
+            .await
+            .unwrap();
+        let addresses = Addresses::default();
+        let mut service = IdempotencyLayer::new(store)
+            .with_operation("create_order")
+            .layer(addresses.clone());
+        assert_eq!(send(&mut service, request).await, StatusCode::CREATED);
+
+        let noted = addresses.0.lock().unwrap().clone();
+        let expected = 5 + usize::from(cfg!(feature = "axum"));
+        assert_eq!(noted.len(), expected, "{noted:?}");
+        for (what, range) in &noted {
+            assert!(
+                !in_buffer(range.start as *const u8) && !in_buffer((range.end - 1) as *const u8),
+                "the handler's {what} is a view into the read buffer"
+            );
+        }
     }
 
     /// Collects what a `fmt` subscriber writes.

@@ -1,5 +1,5 @@
-//! Reading bodies: the request body buffered within the layer's limits and deadline, and the
-//! response body captured to be saved.
+//! Reading bodies: the request body buffered within the layer's limits and deadline (the body
+//! and the head then given memory of their own), and the response body captured to be saved.
 
 use super::*;
 
@@ -51,11 +51,64 @@ where
         }
         joined.push(data, expected);
     }
-    Ok(joined.into_bytes())
+    Ok(joined.into_owned_bytes())
+}
+
+/// Gives the request head memory of its own, so that a request waiting for the store holds
+/// its head and body and nothing more (the body: [`Joined::into_owned_bytes`]).
+///
+/// A server parses the URI and the header values as views into the connection's read buffer
+/// (hyper does), which holds the body as well when it came in the same read. A request that
+/// keeps a view keeps the whole buffer, 8 KiB and up to several hundred as the server's reads
+/// grow, and the connection allocates another for its next read (hyper reads on while a
+/// request runs). The header values are copied into one allocation, the URI into another;
+/// axum's `OriginalUri`, which its router adds before any route layer, gets the copied URI
+/// too. Another extension that keeps a view into the buffer (one a server or middleware adds
+/// before the layer) still keeps it: the layer cannot copy what it cannot name.
+pub(super) fn detach_head(parts: &mut request::Parts) {
+    let total: usize = parts.headers.values().map(HeaderValue::len).sum();
+    if total > 0 {
+        let mut all = BytesMut::with_capacity(total);
+        for value in parts.headers.values() {
+            all.extend_from_slice(value.as_bytes());
+        }
+        let all = all.freeze();
+        let mut at = 0;
+        for value in parts.headers.values_mut() {
+            let len = value.len();
+            // The bytes were a valid value: their copy is too (else the view is kept).
+            if let Ok(mut copy) = HeaderValue::from_maybe_shared(all.slice(at..at + len)) {
+                copy.set_sensitive(value.is_sensitive());
+                *value = copy;
+            }
+            at += len;
+        }
+    }
+    let uri = detached_uri(&parts.uri);
+    #[cfg(feature = "axum")]
+    if let Some(original) = parts.extensions.get_mut::<axum::extract::OriginalUri>() {
+        let copy = match &uri {
+            Some(uri) if original.0 == parts.uri => Some(uri.clone()),
+            _ => detached_uri(&original.0),
+        };
+        if let Some(copy) = copy {
+            original.0 = copy;
+        }
+    }
+    if let Some(uri) = uri {
+        parts.uri = uri;
+    }
+}
+
+/// `uri` in memory of its own, if it reads back the same.
+fn detached_uri(uri: &http::Uri) -> Option<http::Uri> {
+    let copy = http::Uri::from_maybe_shared(Bytes::from(uri.to_string())).ok()?;
+    (copy == *uri).then_some(copy)
 }
 
 /// A body's chunks joined as they arrive. The first is kept as it came (the common case: the
-/// whole body, without a copy or an allocation); later ones are copied into one buffer.
+/// whole body, without a copy or an allocation until it is whole, see
+/// [`Joined::into_owned_bytes`]); later ones are copied into one buffer.
 /// Keeping every chunk would let a client that sends one-byte chunks make the server hold a
 /// `Bytes` (and the read buffer behind it) per byte: about 30 times the body limit.
 #[derive(Default)]
@@ -87,6 +140,16 @@ impl Joined {
     /// The joined body.
     pub(super) fn into_bytes(self) -> Bytes {
         self.first.unwrap_or_else(|| self.joined.freeze())
+    }
+
+    /// The joined body in memory of its own: a body that came in one chunk is copied (once
+    /// it is whole, so the copy is the body's exact size), as that chunk is most likely a
+    /// view into the connection's read buffer (see [`detach_head`]).
+    pub(super) fn into_owned_bytes(self) -> Bytes {
+        match self.first {
+            Some(first) => Bytes::copy_from_slice(&first),
+            None => self.joined.freeze(),
+        }
     }
 }
 
