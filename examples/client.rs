@@ -1,10 +1,10 @@
 //! The client half: a retry that keeps its key survives a lost `201`.
 //!
-//! Starts, in this process, an order service (the same shape as `examples/orders.rs`) over a
-//! fresh SQLite file, and a loopback TCP proxy in front of it that loses one response after
-//! the server committed, then delays another past the client's per-attempt timeout. The
-//! client, `RetryLayer` over hyper-util's client, places an order through the proxy each time
-//! and prints what happened:
+//! Starts, in this process, the order service of `examples/orders.rs` over a fresh SQLite
+//! file, and a loopback TCP proxy in front of it that loses one response after the server
+//! committed, then delays another past the client's per-attempt timeout. The client,
+//! `RetryLayer` over hyper-util's client, places an order through the proxy each time and
+//! prints what happened:
 //!
 //! ```text
 //! cargo run --example client
@@ -26,35 +26,24 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::body::Bytes;
-use axum::extract::Request;
-use axum::http::header::{AUTHORIZATION, CONTENT_TYPE, LOCATION};
+use axum::http::header::{AUTHORIZATION, CONTENT_TYPE};
 use axum::http::StatusCode;
-use axum::middleware::{self, Next};
-use axum::response::{IntoResponse, Response};
-use axum::routing::post;
-use axum::{Extension, Json, Router};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tower::{Layer, ServiceExt};
 use tower_idempotency::body::BoxError;
 use tower_idempotency::client::{BufferedBody, RetryLayer, RetryOutcome};
-use tower_idempotency::extract::Tx;
-use tower_idempotency::fingerprint::Fingerprinter;
-use tower_idempotency::store::sqlite::{SqliteHandle, SqliteStore};
-use tower_idempotency::{IdempotencyLayer, Tenant};
 
-use order_table::NewOrder;
-
+/// The order app that `examples/orders.rs` serves (this example does not print its banner).
+#[allow(dead_code)]
+#[path = "orders/app.rs"]
+mod app;
 /// Logging, as every example has it.
 #[path = "common/cli.rs"]
 mod cli;
-/// The `orders` table of the order examples.
-#[path = "common/order_table.rs"]
-mod order_table;
 
 #[tokio::main]
 async fn main() -> ExitCode {
@@ -76,10 +65,10 @@ async fn main() -> ExitCode {
 
 async fn run() -> Result<(), BoxError> {
     let dir = tempfile::tempdir()?;
-    let store = order_table::open_store(&dir.path().join("orders.db")).await?;
+    let store = app::open_store(&dir.path().join("orders.db")).await?;
     let server = TcpListener::bind("127.0.0.1:0").await?;
     let server_addr = server.local_addr()?;
-    tokio::spawn(axum::serve(server, app(store.clone())).into_future());
+    tokio::spawn(axum::serve(server, app::app(store.clone(), false)).into_future());
 
     // The proxy loses the first response and holds the second one for 3 s.
     let proxy = spawn_proxy(
@@ -128,73 +117,6 @@ async fn run() -> Result<(), BoxError> {
         }
     }
     Ok(())
-}
-
-// ---------------------------------------------------------------------------------------------
-// The order service (as in examples/orders.rs, trimmed)
-// ---------------------------------------------------------------------------------------------
-
-fn app(store: SqliteStore) -> Router {
-    let idempotency = IdempotencyLayer::new(store)
-        .with_operation("create_order")
-        .with_fingerprinter(Fingerprinter::json());
-    Router::new()
-        .route("/orders", post(create_order).layer(idempotency))
-        .layer(middleware::from_fn(authenticate))
-}
-
-/// Demo authentication ([`order_table::tenant_of`]): the tenant comes from the server, never
-/// from a header the client picks.
-async fn authenticate(mut request: Request, next: Next) -> Response {
-    let authorization = request.headers().get(AUTHORIZATION);
-    let Some(tenant) = order_table::tenant_of(authorization.and_then(|v| v.to_str().ok())) else {
-        return (
-            StatusCode::UNAUTHORIZED,
-            Json(json!({"error": "unauthenticated"})),
-        )
-            .into_response();
-    };
-    request.extensions_mut().insert(tenant);
-    next.run(request).await
-}
-
-/// Inserts the order in the request's idempotency transaction: the order and the saved `201`
-/// commit together, before the response leaves.
-async fn create_order(
-    Extension(tenant): Extension<Tenant>,
-    Tx(tx): Tx<SqliteHandle>,
-    body: Bytes,
-) -> Response {
-    let order: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
-    let (Some(sku), Some(quantity)) = (
-        order["sku"].as_str().map(str::to_owned),
-        order["quantity"].as_i64(),
-    ) else {
-        return (
-            StatusCode::BAD_REQUEST,
-            Json(json!({"error": "invalid_order"})),
-        )
-            .into_response();
-    };
-    // Trimmed: the order examples also check the sku and quantity (`NewOrder::new`).
-    let order = NewOrder { sku, quantity };
-    let tenant_id = tenant.as_str().to_owned();
-    let inserted = tx
-        .run(move |conn| order_table::insert(conn, &tenant_id, &order))
-        .await;
-    match inserted {
-        Ok(id) => (
-            StatusCode::CREATED,
-            [(LOCATION, format!("/orders/{id}"))],
-            Json(json!({ "order_id": id })),
-        )
-            .into_response(),
-        Err(_) => (
-            StatusCode::INTERNAL_SERVER_ERROR,
-            Json(json!({"error": "internal_error"})),
-        )
-            .into_response(),
-    }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 //! The order app: `POST /orders` behind the idempotency layer, `GET /orders/{id}`, the demo
 //! authentication in front of both, and the SQLite side. Served by `examples/orders.rs` (on
-//! PostgreSQL too, with `orders/postgres.rs`) and by the tests (`tests/client/`, which change
-//! its layer's settings). Declared with `#[path = "orders/app.rs"] mod app;`.
+//! PostgreSQL too, with `orders/postgres.rs`), by `examples/client.rs` behind its lossy proxy,
+//! and by the tests (`tests/client/`, which change its layer's settings). Declared with
+//! `#[path = "orders/app.rs"] mod app;`.
 
 use std::future::Future;
 use std::path::Path as FsPath;
