@@ -8,9 +8,6 @@
 //!
 //! The tests here measure this process's peak memory, so they run one at a time.
 
-#[path = "support/mod.rs"]
-mod support;
-
 use support::common;
 
 use std::collections::BTreeMap;

@@ -1,7 +1,7 @@
 //! The client's retry policy over real HTTP, against a scripted server: what is retried, with
 //! which key and bytes, how long it waits, and when it stops.
 
-use crate::support::client_common;
+use support::client_common;
 
 use std::collections::VecDeque;
 use std::time::{Duration, SystemTime};

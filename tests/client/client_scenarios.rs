@@ -1,7 +1,7 @@
 //! The client against the real order app, through a loopback TCP proxy that loses or delays
 //! responses after the server committed: the article's opening scenario, end to end.
 
-use crate::support::client_common;
+use support::client_common;
 
 use std::collections::HashSet;
 use std::time::Duration;

@@ -2,8 +2,7 @@
 //! scenarios against the real order app through a lossy proxy.
 
 #[macro_use]
-#[path = "../support/mod.rs"]
-mod support;
+extern crate support;
 
 mod client_policy;
 mod client_scenarios;

@@ -10,9 +10,9 @@
 //! database); PostgreSQL's pool limits and serialization failures; a handler's statement
 //! failing with a conflict on the sqlx stores.
 
-use crate::support::backend;
-use crate::support::common;
-use crate::support::pg_common;
+use support::backend;
+use support::common;
+use support::pg_common;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;

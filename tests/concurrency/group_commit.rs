@@ -1,7 +1,7 @@
 //! Group commit: requests queued for the writer share one SQLite commit, each isolated by its
 //! own savepoint, and no response leaves before the commit that makes it durable.
 
-use crate::support::common;
+use support::common;
 
 use std::sync::Arc;
 use std::time::Duration;

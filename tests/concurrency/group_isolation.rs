@@ -8,7 +8,7 @@
 //! record (the store runs the innocent members of a rolled-back group again, alone), no
 //! poisoned one a `201`, and `orders == records == good requests`; every `201` replays.
 
-use crate::support::common;
+use support::common;
 
 use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};

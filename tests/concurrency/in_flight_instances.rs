@@ -9,8 +9,8 @@
 //! The PostgreSQL tests need `TEST_DATABASE_URL`, the MySQL ones `TEST_MYSQL_URL`; without
 //! them they are reported as ignored.
 
-use crate::support::mysql_common;
-use crate::support::pg_common;
+use support::mysql_common;
+use support::pg_common;
 
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -3,8 +3,7 @@
 //! each request in it, the writer thread, and transactions run in place.
 
 #[macro_use]
-#[path = "../support/mod.rs"]
-mod support;
+extern crate support;
 
 mod concurrency;
 mod group_commit;

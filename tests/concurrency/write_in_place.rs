@@ -3,7 +3,7 @@
 //! is busy queue for the writer thread and share a group commit. These tests pin which thread
 //! runs a request, and that the guarantees of the writer thread hold in place too.
 
-use crate::support::common;
+use support::common;
 
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, SystemTime};

@@ -3,7 +3,7 @@
 //! runtime entered. These tests pin what a handler can still do there, and what becomes of
 //! requests that stop waiting for the writer.
 
-use crate::support::common;
+use support::common;
 
 use std::time::{Duration, Instant};
 

@@ -5,8 +5,8 @@
 //! out in randomly varied but equivalent spellings: whitespace, member order, `\u` escapes, and
 //! numbers such as `1.50`, `15e-1` and `0.15E1`.
 
-use crate::support::json_bodies;
-use crate::support::splitmix;
+use support::json_bodies;
+use support::splitmix;
 
 use proptest::collection::vec;
 use proptest::prelude::*;

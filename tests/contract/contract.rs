@@ -8,9 +8,9 @@
 //! (the PostgreSQL schema created and migrated on open; the SQLite app's routes without a
 //! store).
 
-use crate::support::backend;
-use crate::support::common;
-use crate::support::pg_common;
+use support::backend;
+use support::common;
+use support::pg_common;
 
 use std::net::SocketAddr;
 use std::time::{Duration, SystemTime};

@@ -5,7 +5,7 @@
 //! chunked, a trickling body) and `tests/contract/contract.rs` (malformed keys, invalid JSON and UTF-8,
 //! 100k-deep arrays).
 
-use crate::support::common;
+use support::common;
 
 use std::time::{Duration, Instant};
 

@@ -1,7 +1,7 @@
 //! The layer around a plain hyper 1 service: no axum, a `tower::service_fn` handler that
 //! takes the transaction handle from the request extensions.
 
-use crate::support::common;
+use support::common;
 
 use std::sync::Arc;
 

@@ -5,8 +5,8 @@
 //! from the body, and fingerprints over chosen JSON members. The in-flight policies are in
 //! `tests/concurrency/concurrency.rs`.
 
-use crate::support::backend;
-use crate::support::common;
+use support::backend;
+use support::common;
 
 use std::net::SocketAddr;
 

@@ -2,8 +2,8 @@
 //! an operation name longer than the stores hold: refused when the layer is built, `414` when
 //! the request's path names it (on SQLite and, with `TEST_MYSQL_URL`, MySQL or MariaDB).
 
-use crate::support::common;
-use crate::support::mysql_common;
+use support::common;
+use support::mysql_common;
 
 use std::time::{Duration, Instant};
 

@@ -5,8 +5,7 @@
 //! canonical JSON and the key parser.
 
 #[macro_use]
-#[path = "../support/mod.rs"]
-mod support;
+extern crate support;
 
 mod canonical_props;
 mod contract;

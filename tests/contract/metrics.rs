@@ -7,10 +7,10 @@
 //! `#[tokio::test]` runs the test, the server and the relay on that one thread, and tests in
 //! parallel do not see each other's metrics.
 
-use crate::support::common;
-use crate::support::pg_common;
+use support::common;
+use support::pg_common;
 
-use crate::support::pg_common::inventory;
+use support::pg_common::inventory;
 
 use std::collections::HashMap;
 use std::time::Duration;

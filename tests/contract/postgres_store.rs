@@ -17,7 +17,7 @@ use tower_idempotency::store::{
 };
 use tower_idempotency::Error;
 
-use crate::support::pg_common::TestDb;
+use support::pg_common::TestDb;
 
 type PostgresReservation = <PostgresStore as IdempotencyStore>::Reservation;
 

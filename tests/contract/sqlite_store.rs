@@ -1,7 +1,7 @@
 //! SQLite-specific behaviour of the store when another process shares the database file.
 
-use crate::support::common;
-use crate::support::sqlite_faults;
+use support::common;
+use support::sqlite_faults;
 
 use std::time::{Duration, SystemTime};
 

@@ -28,7 +28,7 @@ use tower_idempotency::store::{
 };
 use tower_idempotency::{Error, InFlight};
 
-use crate::support::pg_common::TestDb;
+use support::pg_common::TestDb;
 
 type SqlxReservation = <SqlxPostgresStore as IdempotencyStore>::Reservation;
 

@@ -266,8 +266,8 @@ macro_rules! store_contract_tests {
     (@tests $make:expr; [$($needs:ident)?];) => {};
 }
 
-use crate::support::mysql_common;
-use crate::support::pg_common;
+use support::mysql_common;
+use support::pg_common;
 
 /// The store `open` opens on the fresh database `db` (when there is one), and the database,
 /// which lives as long as the test.

@@ -7,10 +7,10 @@
 //! The PostgreSQL tests need `TEST_DATABASE_URL`; without it `cargo test` reports them as
 //! ignored.
 
-use crate::support::backend;
-use crate::support::common;
+use support::backend;
+use support::common;
 
-use crate::support::admin_tool as admin;
+use support::admin_tool as admin;
 
 use std::time::SystemTime;
 
@@ -387,7 +387,7 @@ mod sqlite {
     use std::path::Path;
 
     use super::admin::{self, Exit, Failure};
-    use crate::support::common::TestServer;
+    use support::common::TestServer;
 
     backend_tests!(Sqlite;
         inspect_shows_the_record_without_its_body_unless_asked,
@@ -609,9 +609,9 @@ mod postgres {
 
     use super::admin::{Exit, Failure};
     use super::{failure_message, field, BOOK, SHOP_A_K1};
-    use crate::support::backend::{Backend, Database, Postgres};
-    use crate::support::common::{post, PATIENCE, SHOP_A};
-    use crate::support::pg_common::{hook, HookOutcome, PgServer, TestDb};
+    use support::backend::{Backend, Database, Postgres};
+    use support::common::{post, PATIENCE, SHOP_A};
+    use support::pg_common::{hook, HookOutcome, PgServer, TestDb};
 
     backend_tests!(Postgres;
         inspect_shows_the_record_without_its_body_unless_asked,

@@ -9,7 +9,7 @@
 //! SQLite (`--db`, a file in a temp dir) and PostgreSQL (`--database-url`, a schema of its own
 //! per test in the database of `TEST_DATABASE_URL`; reported as ignored without it).
 
-use crate::support::{common, pg_common};
+use support::{common, pg_common};
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

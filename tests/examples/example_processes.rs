@@ -8,9 +8,9 @@
 //! Needs the database's server (`TEST_DATABASE_URL`, `TEST_MYSQL_URL`) and the example binary
 //! (built on first use); without the variable `cargo test` reports these tests as ignored.
 
-use crate::support::common;
-use crate::support::mysql_common;
-use crate::support::pg_common;
+use support::common;
+use support::mysql_common;
+use support::pg_common;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::future::Future;

@@ -4,9 +4,9 @@
 //! the layer's rejections as gRPC statuses. Also runs the example's `--demo` as a process, and
 //! checks that the checked-in generated code is what `proto/orders.proto` generates today.
 
-use crate::support::apps::grpc_orders as app;
-use crate::support::apps::process;
-use crate::support::sqlite_faults;
+use support::apps::grpc_orders as app;
+use support::apps::process;
+use support::sqlite_faults;
 
 use std::net::SocketAddr;
 use std::path::Path;

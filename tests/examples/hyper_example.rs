@@ -2,8 +2,8 @@
 //! --example hyper_orders` runs it, and checked against the contract of DESIGN.md §1 with the
 //! shared HTTP client of `tests/support/common` over loopback.
 
-use crate::support::common;
-use crate::support::sqlite_faults;
+use support::common;
+use support::sqlite_faults;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

@@ -2,8 +2,7 @@
 //! hyper, the order examples on the SQL servers, the admin tool) and the gRPC example's app.
 
 #[macro_use]
-#[path = "../support/mod.rs"]
-mod support;
+extern crate support;
 
 mod admin_cli;
 mod checkout_example;

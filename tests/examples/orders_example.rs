@@ -1,7 +1,7 @@
 //! The order example (`examples/orders.rs`) as a user runs it, a process on loopback: its
 //! `/metrics` after some traffic, its `/openapi.json`, and its `--ietf` answers.
 
-use crate::support::common;
+use support::common;
 
 use std::net::SocketAddr;
 

@@ -2,7 +2,7 @@
 //! its SQLite file: a key is charged once, declines and bad bodies take nothing, the injected
 //! faults do what their flags say, and charges survive a SIGKILL.
 
-use crate::support::apps::process;
+use support::apps::process;
 
 use std::net::SocketAddr;
 use std::path::Path;

@@ -5,7 +5,7 @@
 //! statements, so it is pinned here (`cargo bench --bench orders -- --cases wal` prints the
 //! same count for the benchmark's cases).
 
-use crate::support::common;
+use support::common;
 
 use std::path::Path;
 

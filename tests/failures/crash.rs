@@ -11,7 +11,7 @@
 //! The payloads and the schedule come from a seed printed at the start; `STRESS_SEED=<seed>`
 //! replays a run.
 
-use crate::support::common;
+use support::common;
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};

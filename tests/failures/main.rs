@@ -3,8 +3,7 @@
 //! the handler's own serialization failures and deadlocks on PostgreSQL.
 
 #[macro_use]
-#[path = "../support/mod.rs"]
-mod support;
+extern crate support;
 
 mod crash;
 mod multi_process;

@@ -6,8 +6,8 @@
 //!   never a duplicate; a client that retries on `503` with the same key ends with the one order.
 //! - Under steady load on both, neither process starves the other of the write lock.
 
-use crate::support::common;
-use crate::support::sqlite_faults;
+use support::common;
+use support::sqlite_faults;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;

@@ -15,8 +15,8 @@
 //! Needs the PostgreSQL server programs (registered with `pg_cluster`: the test harness looks
 //! for them when the binary starts); without them `cargo test` reports these tests as ignored.
 
-use crate::support::cluster;
-use crate::support::common;
+use support::cluster;
+use support::common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;

@@ -6,8 +6,8 @@
 //!
 //! Needs `TEST_DATABASE_URL`; without it `cargo test` reports these tests as ignored.
 
-use crate::support::common;
-use crate::support::pg_common;
+use support::common;
+use support::pg_common;
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -10,9 +10,9 @@
 //! `backend::HandleSql`, and on tokio-postgres in `postgres`); MySQL's session restored after a
 //! request.
 
-use crate::support::backend;
-use crate::support::common;
-use crate::support::pg_common;
+use support::backend;
+use support::common;
+use support::pg_common;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

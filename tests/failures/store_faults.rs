@@ -3,7 +3,7 @@
 //! Each gives clear 5xx answers, leaves nothing half-written (an order without its record or
 //! a record without its order), and the server recovers when the fault goes away.
 
-use crate::support::common;
+use support::common;
 
 use std::sync::Arc;
 

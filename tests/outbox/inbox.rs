@@ -11,7 +11,7 @@
 //! The PostgreSQL tests need `TEST_DATABASE_URL`; without it `cargo test` reports them as
 //! ignored.
 
-use crate::support::backend;
+use support::backend;
 
 use std::time::{Duration, SystemTime};
 
@@ -253,11 +253,11 @@ mod postgres {
     use std::sync::Arc;
     use std::time::Duration;
 
-    use crate::support::apps::inventory::FAIL_AFTER_RECORD;
-    use crate::support::backend::EFFECTS;
-    use crate::support::common::{Post, PATIENCE};
-    use crate::support::pg_common::inventory::{InventoryServer, Mode};
-    use crate::support::pg_common::TestDb;
+    use support::apps::inventory::FAIL_AFTER_RECORD;
+    use support::backend::EFFECTS;
+    use support::common::{Post, PATIENCE};
+    use support::pg_common::inventory::{InventoryServer, Mode};
+    use support::pg_common::TestDb;
     use http::StatusCode;
     use tokio::sync::oneshot;
     type PostgresInbox =

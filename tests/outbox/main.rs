@@ -2,8 +2,7 @@
 //! end to end over real HTTP on SQLite and on PostgreSQL.
 
 #[macro_use]
-#[path = "../support/mod.rs"]
-mod support;
+extern crate support;
 
 mod inbox;
 mod outbox;

@@ -7,8 +7,8 @@
 //! The PostgreSQL tests need `TEST_DATABASE_URL`; without it `cargo test` reports them as
 //! ignored.
 
-use crate::support::backend;
-use crate::support::common;
+use support::backend;
+use support::common;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

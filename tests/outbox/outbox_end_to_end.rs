@@ -11,9 +11,9 @@
 //! - Two relays on two connections to one file (as two processes would be) deliver every event
 //!   exactly once between them.
 
-use crate::support::common;
-use crate::support::relay_scenarios;
-use crate::support::relay_scenarios::delivery_log;
+use support::common;
+use support::relay_scenarios;
+use support::relay_scenarios::delivery_log;
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};

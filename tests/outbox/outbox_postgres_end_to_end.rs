@@ -20,12 +20,12 @@
 //! Needs `TEST_DATABASE_URL`; without it `cargo test` reports these tests as ignored.
 //! (except the command-line checks of the inventory example, which need no database).
 
-use crate::support::common;
-use crate::support::pg_common;
+use support::common;
+use support::pg_common;
 
-use crate::support::apps::inventory::{SLOW, SLOW_FOR};
-use crate::support::pg_common::inventory;
-use crate::support::relay_scenarios;
+use support::apps::inventory::{SLOW, SLOW_FOR};
+use support::pg_common::inventory;
+use support::relay_scenarios;
 
 use std::time::Duration;
 

@@ -2,8 +2,7 @@
 //! step programs and stops against a model.
 
 #[macro_use]
-#[path = "../support/mod.rs"]
-mod support;
+extern crate support;
 
 mod steps_http;
 mod steps_model;

@@ -8,7 +8,7 @@
 //! (the sqlx store) in a database of its own when `TEST_MYSQL_URL` is set (reported as ignored
 //! otherwise).
 
-use crate::support::pg_common;
+use support::pg_common;
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -719,7 +719,7 @@ mod postgres {
     use tower_idempotency::store::tokio_postgres::{PostgresHandle, PostgresStore};
 
     use super::*;
-    use crate::support::pg_common::TestDb;
+    use support::pg_common::TestDb;
 
     pub(super) struct Pg(TestDb);
 
@@ -799,7 +799,7 @@ mod sqlx_postgres {
     use tower_idempotency::store::sqlx_postgres::{SqlxHandle, SqlxPostgresStore};
 
     use super::*;
-    use crate::support::pg_common::TestDb;
+    use support::pg_common::TestDb;
 
     pub(super) struct SqlxPg(TestDb);
 
@@ -880,7 +880,7 @@ mod sqlx_mysql {
     use tower_idempotency::store::sqlx_mysql::{SqlxHandle, SqlxMySqlStore};
 
     use super::*;
-    use crate::support::mysql_common::TestDb;
+    use support::mysql_common::TestDb;
 
     pub(super) struct MySql(TestDb);
 

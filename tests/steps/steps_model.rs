@@ -1170,7 +1170,7 @@ mod pg_reads {
     use tower_idempotency::store::tokio_postgres::tokio_postgres;
 
     use super::*;
-    use crate::support::pg_common::TestDb;
+    use support::pg_common::TestDb;
 
     pub(super) struct PgReads {
         pub(super) db: TestDb,
@@ -1347,7 +1347,7 @@ mod sqlx_mysql {
     use tower_idempotency::store::sqlx_mysql::{SqlxHandle, SqlxMySqlStore};
 
     use super::*;
-    use crate::support::mysql_common::TestDb;
+    use support::mysql_common::TestDb;
 
     pub(super) struct MySql {
         store: SqlxMySqlStore,

@@ -807,7 +807,7 @@ mod postgres {
     use tower_idempotency::store::tokio_postgres::{PostgresHandle, PostgresStore};
 
     use super::*;
-    use crate::support::pg_common::TestDb;
+    use support::pg_common::TestDb;
 
     pub(super) struct Pg {
         store: PostgresStore,
@@ -870,7 +870,7 @@ mod sqlx_postgres {
     use tower_idempotency::store::sqlx_postgres::{SqlxHandle, SqlxPostgresStore};
 
     use super::*;
-    use crate::support::pg_common::TestDb;
+    use support::pg_common::TestDb;
 
     pub(super) struct SqlxPg {
         store: SqlxPostgresStore,
@@ -933,7 +933,7 @@ mod sqlx_mysql {
     use tower_idempotency::store::sqlx_mysql::{SqlxHandle, SqlxMySqlStore};
 
     use super::*;
-    use crate::support::mysql_common::TestDb;
+    use support::mysql_common::TestDb;
 
     pub(super) struct MySql {
         store: SqlxMySqlStore,

@@ -38,51 +38,50 @@ use std::pin::Pin;
 
 use libtest_mimic::{Arguments, Trial};
 
-use super::cluster::Cluster;
+use crate::cluster::Cluster;
 
 pub use inventory;
 
-/// Registers the test fn `$name` of the current module; see the [module docs](self).
-// `tests/overload.rs` shares the support module but keeps libtest's harness.
-#[allow(unused_macros)]
+/// Registers the test fn `$name` of the current module; see the [module docs](crate::harness).
+#[macro_export]
 macro_rules! test {
     ($name:ident, sync $(, $($options:tt)*)?) => {
-        $crate::support::harness::inventory::submit! {
-            test!(@options
-                $crate::support::harness::Test::new(
+        $crate::harness::inventory::submit! {
+            $crate::test!(@options
+                $crate::harness::Test::new(
                     module_path!(),
                     stringify!($name),
-                    $crate::support::harness::Body::Sync($name),
+                    $crate::harness::Body::Sync($name),
                 );
                 $($($options)*)?)
         }
     };
     ($name:ident $(, $($options:tt)*)?) => {
-        $crate::support::harness::inventory::submit! {
-            test!(@options
-                $crate::support::harness::Test::new(
+        $crate::harness::inventory::submit! {
+            $crate::test!(@options
+                $crate::harness::Test::new(
                     module_path!(),
                     stringify!($name),
-                    $crate::support::harness::Body::Async(|| Box::pin($name())),
+                    $crate::harness::Body::Async(|| Box::pin($name())),
                 );
                 $($($options)*)?)
         }
     };
     (@options $test:expr;) => { $test };
     (@options $test:expr; postgres $(, $($rest:tt)*)?) => {
-        test!(@options $test.needs($crate::support::harness::Needs::Postgres); $($($rest)*)?)
+        $crate::test!(@options $test.needs($crate::harness::Needs::Postgres); $($($rest)*)?)
     };
     (@options $test:expr; mysql $(, $($rest:tt)*)?) => {
-        test!(@options $test.needs($crate::support::harness::Needs::MySql); $($($rest)*)?)
+        $crate::test!(@options $test.needs($crate::harness::Needs::MySql); $($($rest)*)?)
     };
     (@options $test:expr; pg_cluster $(, $($rest:tt)*)?) => {
-        test!(@options $test.needs($crate::support::harness::Needs::PgCluster); $($($rest)*)?)
+        $crate::test!(@options $test.needs($crate::harness::Needs::PgCluster); $($($rest)*)?)
     };
     (@options $test:expr; multi_thread = $workers:literal $(, $($rest:tt)*)?) => {
-        test!(@options $test.multi_thread($workers); $($($rest)*)?)
+        $crate::test!(@options $test.multi_thread($workers); $($($rest)*)?)
     };
     (@options $test:expr; ignore = $why:literal $(, $($rest:tt)*)?) => {
-        test!(@options $test.ignore($why); $($($rest)*)?)
+        $crate::test!(@options $test.ignore($why); $($($rest)*)?)
     };
 }
 
@@ -105,7 +104,7 @@ impl Needs {
             Needs::Nothing => "",
             Needs::Postgres => "needs PostgreSQL: set TEST_DATABASE_URL",
             Needs::MySql => "needs MySQL or MariaDB: set TEST_MYSQL_URL",
-            Needs::PgCluster => super::cluster::MISSING,
+            Needs::PgCluster => crate::cluster::MISSING,
         }
     }
 }
@@ -238,7 +237,11 @@ pub fn main() {
     for (name, _) in &tests {
         assert!(names.insert(name.as_str()), "{name} is registered twice");
     }
-    let group = module_path!().split("::").next().unwrap_or("tests");
+    // The group's crate: the first part of its tests' module paths.
+    let group = tests
+        .first()
+        .and_then(|(_, test)| test.module.split("::").next())
+        .unwrap_or("tests");
 
     let mut ignored: BTreeMap<&'static str, usize> = BTreeMap::new();
     let trials: Vec<Trial> = tests

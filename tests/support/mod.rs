@@ -1,11 +1,12 @@
-//! What the integration tests share, one module for every test group (`tests/<group>/main.rs`
-//! declares it with `#[path = "../support/mod.rs"]`):
+//! What the integration tests share: a library of its own (`tests/support/Cargo.toml`), built
+//! once and linked by every test group (`tests/<group>/main.rs`, which brings its macros with
+//! `#[macro_use] extern crate support;`) and by `tests/overload.rs`:
 //!
-//! - the groups' test harness ([`harness`]): each test registered with `test!` beside its fn,
+//! - the groups' test harness ([`harness`]): each test registered with [`test!`] beside its fn,
 //!   and the `main` that runs them, reporting a test whose server is missing as ignored;
 //! - the order app per store, served over real HTTP on loopback ([`common`] for SQLite,
 //!   [`pg_common`] for PostgreSQL on tokio-postgres and sqlx, [`mysql_common`] for MySQL and
-//!   MariaDB), and the suites written once over every store ([`backend`], `backend_tests!`);
+//!   MariaDB), and the suites written once over every store ([`backend`], [`backend_tests!`]);
 //! - the example programs as child processes ([`apps::process`], [`admin_tool`]) and the
 //!   example apps served in-process, each the module its example program serves, never a copy
 //!   ([`apps::grpc_orders`]; [`apps::inventory`], which [`pg_common::inventory`] serves on a
@@ -14,17 +15,10 @@
 //!   outbox's relay scenarios ([`relay_scenarios`]), the client's scripted servers
 //!   ([`client_common`]), and random data ([`splitmix`], [`json_bodies`]).
 
-// Every group's binary compiles all of this module and uses a part of it, so an item one group
-// leaves unused is used by another: the allow is here once, not in each file. (The items that
-// no group used were removed when the groups were formed.)
-#![allow(dead_code)]
-
-#[macro_use]
 pub mod harness;
 
 pub mod admin_tool;
 pub mod apps;
-#[macro_use]
 pub mod backend;
 pub mod client_common;
 pub mod cluster;

@@ -54,10 +54,10 @@ pub async fn run(
     }
 }
 
-/// The `admin` example binary, up to date (see [`crate::support::common::process::build_example`]).
+/// The `admin` example binary, up to date (see [`crate::common::process::build_example`]).
 fn binary() -> PathBuf {
     static BINARY: OnceLock<PathBuf> = OnceLock::new();
     BINARY
-        .get_or_init(|| crate::support::common::process::build_example("admin"))
+        .get_or_init(|| crate::common::process::build_example("admin"))
         .clone()
 }

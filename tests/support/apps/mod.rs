@@ -1,9 +1,9 @@
 //! The example apps the tests use, each the very module its example program serves: the gRPC
 //! order app of `examples/grpc_orders.rs` (served in-process so that a test can wrap its
 //! handler or change its layer), the HTTP order app of `examples/orders.rs` (the client tests'
-//! server, [`client_common`](crate::support::client_common)) and the inventory app of
+//! server, [`client_common`](crate::client_common)) and the inventory app of
 //! `examples/inventory.rs` (the outbox tests' receiver on PostgreSQL,
-//! [`pg_common::inventory`](crate::support::pg_common::inventory)); and the example programs
+//! [`pg_common::inventory`](crate::pg_common::inventory)); and the example programs
 //! run as child processes.
 
 #[path = "../../../examples/grpc/app.rs"]

@@ -16,6 +16,9 @@ use tokio::sync::mpsc;
 /// when the test fails.
 const PATIENCE: Duration = Duration::from_secs(10);
 
+/// The directory of the crate whose examples these are: two up from this library's own.
+const REPOSITORY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../..");
+
 /// How long building an example may take (a cold build on a small machine).
 const BUILD_PATIENCE: Duration = Duration::from_secs(900);
 
@@ -42,7 +45,7 @@ pub fn build_example(name: &str) -> PathBuf {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let mut command = std::process::Command::new(cargo);
     command
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .current_dir(REPOSITORY)
         .args(["build", "--example", name, "--message-format=json"])
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit());

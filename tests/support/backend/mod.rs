@@ -21,7 +21,7 @@
 //! its server.
 
 // Here rather than in each suite's root: the outbox, inbox and admin suites need no MySQL.
-pub use crate::support::mysql_common;
+pub use crate::mysql_common;
 
 mod handle_sql;
 
@@ -53,13 +53,13 @@ use tower_idempotency::store::tokio_postgres::{PostgresHandle, PostgresOptions, 
 use tower_idempotency::store::IdempotencyStore;
 use tower_idempotency::IdempotencyLayer;
 
-use crate::support::common::server_backed::OrderServer;
-use crate::support::common::{
+use crate::common::server_backed::OrderServer;
+use crate::common::{
     hook_for, post, AppBuilder, AppOf, HookFor, HookOutcome, OrderCallOf, Outcome, Reply,
     SqliteApp, TestServer, PATIENCE, SHOP_A,
 };
-use crate::support::pg_common::sqlx_app::SqlxPgApp;
-use crate::support::pg_common::{PgApp, TestDb};
+use crate::pg_common::sqlx_app::SqlxPgApp;
+use crate::pg_common::{PgApp, TestDb};
 
 /// What a backend's order handler tells the test's hook, its order row inserted inside the
 /// open idempotency transaction `tx`.
@@ -81,8 +81,7 @@ type EnqueueFn = dyn Fn(String, Value) -> BoxFuture<'static, Result<EventId, tow
 /// [`HandleSql`]).
 #[derive(Clone)]
 pub struct Tx {
-    /// `None` on a store without the outbox.
-    enqueue: Option<Arc<EnqueueFn>>,
+    enqueue: Arc<EnqueueFn>,
     handle: Arc<dyn Any + Send + Sync>,
 }
 
@@ -91,19 +90,11 @@ impl Tx {
         let tx = Arc::new(tx);
         let handle = tx.clone();
         Tx {
-            enqueue: Some(Arc::new(move |topic, payload| {
+            enqueue: Arc::new(move |topic, payload| {
                 let tx = tx.clone();
                 Box::pin(async move { tx.enqueue(&topic, payload).await })
-            })),
+            }),
             handle,
-        }
-    }
-
-    /// The transaction of a store without the outbox.
-    fn without_outbox<T: Send + Sync + 'static>(tx: T) -> Tx {
-        Tx {
-            enqueue: None,
-            handle: Arc::new(tx),
         }
     }
 
@@ -113,12 +104,7 @@ impl Tx {
         topic: &str,
         payload: Value,
     ) -> Result<EventId, tower_idempotency::Error> {
-        match &self.enqueue {
-            Some(enqueue) => enqueue(topic.to_owned(), payload).await,
-            None => Err(tower_idempotency::Error::Corrupt(
-                "this backend's store has no outbox".into(),
-            )),
-        }
+        (self.enqueue)(topic.to_owned(), payload).await
     }
 
     /// The backend's own transaction handle, if it is a `T`.
@@ -1105,36 +1091,35 @@ impl Backend for MySql {
 /// (`c(multi_thread = 2) = a` with one). Every PostgreSQL instance is registered as needing
 /// PostgreSQL (reported as ignored without `TEST_DATABASE_URL`), every MySQL one as needing
 /// MySQL (`TEST_MYSQL_URL`).
-// Only the groups with suites over every store use it.
-#[allow(unused_macros)]
+#[macro_export]
 macro_rules! backend_tests {
     (Sqlite; $($tests:tt)*) => {
-        backend_tests!(@each Sqlite []; $($tests)*);
+        $crate::backend_tests!(@each Sqlite []; $($tests)*);
     };
     (Postgres; $($tests:tt)*) => {
-        backend_tests!(@each Postgres [postgres]; $($tests)*);
+        $crate::backend_tests!(@each Postgres [postgres]; $($tests)*);
     };
     (SqlxPostgres; $($tests:tt)*) => {
-        backend_tests!(@each SqlxPostgres [postgres]; $($tests)*);
+        $crate::backend_tests!(@each SqlxPostgres [postgres]; $($tests)*);
     };
     (MySql; $($tests:tt)*) => {
-        backend_tests!(@each MySql [mysql]; $($tests)*);
+        $crate::backend_tests!(@each MySql [mysql]; $($tests)*);
     };
     (@each $backend:ident [$($needs:ident)?];
         $name:ident $(($($options:tt)*))? = $test:ident $(, $($rest:tt)*)?) => {
-        test! { $name $(, $($options)*)? $(, $needs)? }
+        $crate::test! { $name $(, $($options)*)? $(, $needs)? }
         async fn $name() {
-            $crate::support::backend::run(|db: $crate::support::backend::$backend| super::$test(db)).await;
+            $crate::backend::run(|db: $crate::backend::$backend| super::$test(db)).await;
         }
-        backend_tests!(@each $backend [$($needs)?]; $($($rest)*)?);
+        $crate::backend_tests!(@each $backend [$($needs)?]; $($($rest)*)?);
     };
     (@each $backend:ident [$($needs:ident)?];
         $name:ident $(($($options:tt)*))? $(, $($rest:tt)*)?) => {
-        test! { $name $(, $($options)*)? $(, $needs)? }
+        $crate::test! { $name $(, $($options)*)? $(, $needs)? }
         async fn $name() {
-            $crate::support::backend::run(|db: $crate::support::backend::$backend| super::$name(db)).await;
+            $crate::backend::run(|db: $crate::backend::$backend| super::$name(db)).await;
         }
-        backend_tests!(@each $backend [$($needs)?]; $($($rest)*)?);
+        $crate::backend_tests!(@each $backend [$($needs)?]; $($($rest)*)?);
     };
     (@each $backend:ident [$($needs:ident)?];) => {};
 }

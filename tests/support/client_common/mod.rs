@@ -1,5 +1,5 @@
 //! Shared setup for the client tests: the order app of `examples/orders.rs` itself
-//! ([`apps::orders`](crate::support::apps::orders)) on a SQLite file of its own, a scripted
+//! ([`apps::orders`](crate::apps::orders)) on a SQLite file of its own, a scripted
 //! HTTP server for the retry policy, a loopback TCP proxy that loses or delays responses, and
 //! the client under test over hyper-util's client.
 
@@ -42,7 +42,7 @@ pub const PATIENCE: Duration = Duration::from_secs(20);
 // The order app
 // ---------------------------------------------------------------------------------------------
 
-use crate::support::apps::orders::{app_with, idempotency, open_store};
+use crate::apps::orders::{app_with, idempotency, open_store};
 
 /// The example's order app on 127.0.0.1, over a SQLite file in a temp dir.
 pub struct OrdersServer {

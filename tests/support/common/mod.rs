@@ -46,9 +46,9 @@ pub const SHOP_B: &str = "shop-b-token";
 /// A generous bound for anything a test waits for: reached only when the test fails.
 pub const PATIENCE: Duration = Duration::from_secs(10);
 
-use crate::support::apps::process as example_process;
-use crate::support::splitmix;
-pub use crate::support::sqlite_orders;
+use crate::apps::process as example_process;
+use crate::splitmix;
+pub use crate::sqlite_orders;
 
 /// What the order handler knows when it calls the hook: its order row is already inserted,
 /// inside the open idempotency transaction `tx` (a [`SqliteHandle`] here, a

@@ -12,8 +12,8 @@ use sqlx::{Connection as _, Executor as _, MySqlConnection, Row as _};
 use tower_idempotency::store::sqlx_mysql::{SqlxHandle, SqlxMySqlStore};
 use tower_idempotency::Tenant;
 
-use crate::support::common::server_backed::{run_on_a_thread_of_its_own, FreshName};
-use crate::support::common::InsertOrder;
+use crate::common::server_backed::{run_on_a_thread_of_its_own, FreshName};
+use crate::common::InsertOrder;
 
 /// The business table of the MySQL order app (the same as the example's).
 pub const ORDERS_SCHEMA: &str = "CREATE TABLE IF NOT EXISTS orders (

@@ -1,4 +1,4 @@
-//! The inventory example's app ([`apps::inventory`](crate::support::apps::inventory), the
+//! The inventory example's app ([`apps::inventory`](crate::apps::inventory), the
 //! module `examples/inventory.rs` serves) in-process on PostgreSQL, on a test schema of its
 //! own: [`InventoryServer`], with the fault skus on and a log of every delivery, in either
 //! [`Mode`] (behind the idempotency layer, or on the inbox's own transactions). A delivery
@@ -23,13 +23,13 @@ type PostgresInbox =
     tower_idempotency::outbox::Inbox<tower_idempotency::store::tokio_postgres::PostgresStore>;
 use tower_idempotency::store::tokio_postgres::PostgresStore;
 
-pub use crate::support::apps::inventory::Mode;
-use crate::support::apps::inventory::{app, Inventory};
-use crate::support::common::{Post, Reply, Serving, PATIENCE};
-use crate::support::pg_common::TestDb;
+pub use crate::apps::inventory::Mode;
+use crate::apps::inventory::{app, Inventory};
+use crate::common::{Post, Reply, Serving, PATIENCE};
+use crate::pg_common::TestDb;
 
 /// The deliveries' log, shared with the SQLite end-to-end tests.
-use crate::support::relay_scenarios::delivery_log;
+use crate::relay_scenarios::delivery_log;
 pub use delivery_log::Delivery;
 use delivery_log::{event_id_header, log_answer, DeliveryLog};
 
@@ -115,7 +115,7 @@ async fn log_delivery(
     log_answer(&deliveries, event_id, next.run(request).await).await
 }
 
-use crate::support::common::process;
+use crate::common::process;
 
 /// `inventory --addr 127.0.0.1:0 ARGS...` (the example), a child process killed when dropped,
 /// with its stdout lines (one per delivery) readable by the test.

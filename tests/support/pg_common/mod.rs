@@ -15,8 +15,8 @@ use tower_idempotency::store::tokio_postgres::tokio_postgres::{self, NoTls};
 use tower_idempotency::store::tokio_postgres::{PostgresHandle, PostgresOptions, PostgresStore};
 use tower_idempotency::Tenant;
 
-use crate::support::common::server_backed::{run_on_a_thread_of_its_own, FreshName, OrderServer};
-use crate::support::common::{hook_for, AppBuilder, HookFor, InsertOrder, OrderCallOf, Outcome};
+use crate::common::server_backed::{run_on_a_thread_of_its_own, FreshName, OrderServer};
+use crate::common::{hook_for, AppBuilder, HookFor, InsertOrder, OrderCallOf, Outcome};
 
 pub mod inventory;
 pub mod sqlx_app;

@@ -11,8 +11,8 @@ use tower_idempotency::store::sqlx_postgres::{SqlxHandle, SqlxPostgresStore};
 use tower_idempotency::Tenant;
 
 use super::{HookOutcome, TestDb};
-use crate::support::common::server_backed::OrderServer;
-use crate::support::common::{AppBuilder, HookFor, InsertOrder, OrderCallOf};
+use crate::common::server_backed::OrderServer;
+use crate::common::{AppBuilder, HookFor, InsertOrder, OrderCallOf};
 
 impl TestDb {
     /// The sqlx connection settings of this schema, marked with its name (the schema's cleanup

@@ -20,7 +20,7 @@ use tower_idempotency::outbox::{
     sink_fn, EventId, EventStatus, HttpSink, Outbox, OutboxBackend, OutboxEvent, Relay,
 };
 
-use crate::support::common::{post, PATIENCE, SHOP_A};
+use crate::common::{post, PATIENCE, SHOP_A};
 
 /// The sinks of these tests: POSTs over hyper-util's client.
 pub type Http = HttpSink<Client<HttpConnector, RequestBody>, RequestBody>;
