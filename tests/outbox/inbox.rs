@@ -253,12 +253,12 @@ mod postgres {
     use std::sync::Arc;
     use std::time::Duration;
 
+    use http::StatusCode;
     use support::apps::inventory::FAIL_AFTER_RECORD;
     use support::backend::EFFECTS;
     use support::common::{Post, PATIENCE};
     use support::pg_common::inventory::{InventoryServer, Mode};
     use support::pg_common::TestDb;
-    use http::StatusCode;
     use tokio::sync::oneshot;
     type PostgresInbox =
         tower_idempotency::outbox::Inbox<tower_idempotency::store::tokio_postgres::PostgresStore>;

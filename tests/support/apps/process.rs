@@ -40,7 +40,7 @@ pub fn example_binary(name: &str) -> PathBuf {
 /// `cargo test` builds examples, but `cargo test --test NAME` does not, and a binary left in
 /// `target/` may be stale. So this runs the cargo that runs the tests, with the same profile and
 /// target directory (a no-op when `cargo test` has just built it); cargo holds no build lock
-/// while tests run. A build that takes longer than [`BUILD_PATIENCE`] is killed.
+/// while tests run. A build that takes longer than `BUILD_PATIENCE` is killed.
 pub fn build_example(name: &str) -> PathBuf {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let mut command = std::process::Command::new(cargo);

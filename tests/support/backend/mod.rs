@@ -17,7 +17,7 @@
 //! The apps themselves are the ones of `tests/support/common` (SQLite), `tests/support/pg_common` (PostgreSQL,
 //! and `pg_common::sqlx_app` on sqlx) and `tests/support/mysql_common`; this module only adapts them to
 //! one interface. Another backend is a struct implementing [`Database`] (and [`Backend`] once
-//! its store has the outbox) and an arm of [`backend_tests!`] that registers its tests as needing
+//! its store has the outbox) and an arm of [`backend_tests!`](crate::backend_tests!) that registers its tests as needing
 //! its server.
 
 // Here rather than in each suite's root: the outbox, inbox and admin suites need no MySQL.
