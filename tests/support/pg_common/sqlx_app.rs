@@ -66,7 +66,8 @@ impl InsertOrder for SqlxHandle {
     ) -> Result<i64, tower_idempotency::Error> {
         let mut conn = self.acquire().await?;
         // The `query!` family on the layer's connection, as an application writes it: checked
-        // at build time against `.sqlx/` (`.cargo/config.toml` says how to check it again).
+        // at build time against `tests/support/.sqlx/` (`.cargo/config.toml` says how to check
+        // it again).
         let insert = sqlx::query_scalar!(
             "INSERT INTO orders (tenant_id, sku, quantity) VALUES ($1, $2, $3) RETURNING id",
             tenant.as_str(),
