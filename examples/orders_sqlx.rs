@@ -13,8 +13,9 @@
 //!
 //! The handler uses the function forms (`query_as`, `bind`) rather than the `query!` macros,
 //! so that building it needs neither a live database nor a checked-in `.sqlx` directory; the
-//! macros take the same `&mut *conn` executor (the tests' sqlx order app writes its order with
-//! `query_scalar!`, built offline from `tests/support/.sqlx/`: see `tests/support/pg_common/sqlx_app.rs`).
+//! macros take the same `&mut *conn` executor (in CI, the tests' sqlx order app writes its order
+//! with `query_scalar!`, built offline from `tests/support/.sqlx/`: see
+//! `tests/support/pg_common/sqlx_app.rs`).
 
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use tower_idempotency::store::sqlx_postgres::{SqlxHandle, SqlxPostgresStore};

@@ -18,9 +18,9 @@ use pb::{CreateOrderRequest, CreateOrderResponse, GetOrderRequest, ListOrdersReq
 
 /// The code generated from `proto/orders.proto`.
 ///
-/// Checked in (so that building the example needs no `protoc`) and kept current by the test
-/// `generated_code_is_current` in `tests/examples/grpc.rs`. Included rather than declared as a module
-/// file so that rustfmt leaves it exactly as generated.
+/// Checked in (so that building the example needs no `protoc`) and kept current by
+/// `proto/codegen` (`cargo run -p tower-idempotency-proto-codegen -- --check`, in CI). Included
+/// rather than declared as a module file so that rustfmt leaves it exactly as generated.
 #[allow(clippy::all, clippy::pedantic)]
 pub mod pb {
     include!("orders.rs");

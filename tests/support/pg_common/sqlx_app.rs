@@ -67,13 +67,21 @@ impl InsertOrder for SqlxHandle {
         let mut conn = self.acquire().await?;
         // The `query!` family on the layer's connection, as an application writes it: checked
         // at build time against `tests/support/.sqlx/` (`.cargo/config.toml` says how to check
-        // it again).
+        // it again). Under the `query-macros` feature (CI), else the same query's function form.
+        #[cfg(feature = "query-macros")]
         let insert = sqlx::query_scalar!(
             "INSERT INTO orders (tenant_id, sku, quantity) VALUES ($1, $2, $3) RETURNING id",
             tenant.as_str(),
             sku,
             quantity
         );
+        #[cfg(not(feature = "query-macros"))]
+        let insert = sqlx::query_scalar::<_, i64>(
+            "INSERT INTO orders (tenant_id, sku, quantity) VALUES ($1, $2, $3) RETURNING id",
+        )
+        .bind(tenant.as_str())
+        .bind(sku)
+        .bind(quantity);
         Ok(insert.fetch_one(&mut *conn).await?)
     }
 }
