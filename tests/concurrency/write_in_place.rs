@@ -323,6 +323,144 @@ async fn a_duplicate_of_a_slow_request_on_a_current_thread_runtime_is_409_at_onc
     duplicate_of_a_slow_request_is_409_at_once().await;
 }
 
+test! { with_an_inline_limit_of_zero_a_slow_statement_is_409_at_once_after_fast_ones, multi_thread = 1 }
+/// With `with_inline_limit(Duration::ZERO)` every statement of a request in place runs under
+/// `block_in_place`, even at a site that has been fast many times: when that site's statement
+/// turns slow, a duplicate still gets its `409` at once on a runtime of one worker.
+async fn with_an_inline_limit_of_zero_a_slow_statement_is_409_at_once_after_fast_ones() {
+    let server = TestServer::builder()
+        .store_options(|options| options.with_inline_limit(Duration::ZERO))
+        .layer(|layer| layer.with_in_flight(tower_idempotency::InFlight::Reject))
+        .hook(hook(move |call| async move {
+            // One site for every key: the same closure type, slow only for "slow".
+            let slow = call.key.as_deref() == Some("slow");
+            let ran = call
+                .tx
+                .run(move |_conn| {
+                    if slow {
+                        std::thread::sleep(Duration::from_secs(3));
+                    }
+                    Ok(())
+                })
+                .await;
+            assert!(ran.is_ok(), "{ran:?}");
+            HookOutcome::default()
+        }))
+        .spawn()
+        .await;
+    let addr = server.addr;
+    let warm_up = post(addr, Some(SHOP_A), Some("warm-up"), BOOK, &[]).await;
+    assert_eq!(warm_up.status, StatusCode::CREATED, "{warm_up:?}");
+    for i in 0..20 {
+        until_the_writer_is_idle().await;
+        let fast = post(addr, Some(SHOP_A), Some(&format!("fast-{i}")), BOOK, &[]).await;
+        assert_eq!(fast.status, StatusCode::CREATED, "{fast:?}");
+    }
+    // Counted only for requests in place: at least the hook's statement and the commit of
+    // each fast request ran there, all handed off.
+    let (inline, handed_off) = server.store.__blocking_calls();
+    assert_eq!(inline, 0, "nothing inline with a zero limit");
+    assert!(handed_off >= 40, "{handed_off} calls in place");
+
+    until_the_writer_is_idle().await;
+    let first =
+        tokio::spawn(async move { post(addr, Some(SHOP_A), Some("slow"), BOOK, &[]).await });
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let started = std::time::Instant::now();
+    let duplicate = post(addr, Some(SHOP_A), Some("slow"), BOOK, &[]).await;
+    let waited = started.elapsed();
+    assert_eq!(duplicate.status, StatusCode::CONFLICT, "{duplicate:?}");
+    assert_eq!(duplicate.error_code(), "request_in_flight");
+    assert!(
+        waited < Duration::from_millis(1000),
+        "answered after {waited:?}"
+    );
+    let first = first.await.expect("the first request");
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    // The slow request ran in place too (its calls were counted), and not inline.
+    let (inline, handed_off_after) = server.store.__blocking_calls();
+    assert_eq!(inline, 0);
+    assert!(
+        handed_off_after > handed_off,
+        "{handed_off_after} calls in place"
+    );
+}
+
+test! { a_site_seen_fast_runs_inline_until_one_slow_call, multi_thread = 2 }
+/// A call site of a request in place runs under `block_in_place` the first time, inline
+/// once it has run fast (under the inline limit), and under `block_in_place` again right
+/// after one call at or over the limit. The handler's statement (one closure type) and the
+/// commit are sites of their own. Observed through the store's internal counters, not by
+/// timing: the limit here is far above what the fast calls take.
+async fn a_site_seen_fast_runs_inline_until_one_slow_call() {
+    const LIMIT: Duration = Duration::from_secs(2);
+    let dir = tempfile::tempdir().expect("temp dir");
+    let store = SqliteStore::builder(dir.path().join("inline.db"))
+        .with_inline_limit(LIMIT)
+        .build()
+        .await
+        .expect("store");
+    store
+        .write(|tx| tx.execute_batch("CREATE TABLE items (name TEXT NOT NULL)"))
+        .await
+        .expect("schema");
+
+    // (key, how long its statement sleeps, the counts (inline, handed off) after it)
+    let steps = [
+        // Both sites new: handed off.
+        ("first", Duration::ZERO, (0, 2)),
+        // Both seen fast: inline.
+        ("second", Duration::ZERO, (2, 2)),
+        ("third", Duration::ZERO, (4, 2)),
+        // The statement site turns slow: it blocks its worker this once...
+        ("slow", LIMIT + Duration::from_millis(500), (6, 2)),
+        // ...and is handed off next time; the commit's site is still fast.
+        ("after", Duration::ZERO, (7, 3)),
+    ];
+    for (key, sleep, counts) in steps {
+        until_the_writer_is_idle().await;
+        let ran = tokio::time::timeout(
+            PATIENCE,
+            store.begin_and_run(
+                &scope(key),
+                PATIENCE,
+                SystemTime::now(),
+                move |reservation| async move {
+                    let inserted = reservation
+                        .handle()
+                        .run(move |conn| {
+                            std::thread::sleep(sleep);
+                            conn.execute("INSERT INTO items VALUES (?1)", [key])?;
+                            Ok(on_writer_thread())
+                        })
+                        .await;
+                    (inserted, reservation.commit(record()).await)
+                },
+            ),
+        )
+        .await
+        .expect("answered");
+        let Ok(RunOutcome::Ran {
+            output: (inserted, committed),
+            ..
+        }) = ran
+        else {
+            panic!("{key} ran: {ran:?}");
+        };
+        assert!(
+            matches!(inserted, Ok(false)),
+            "{key} in place: {inserted:?}"
+        );
+        assert!(committed.is_ok(), "{key}: {committed:?}");
+        assert_eq!(store.__blocking_calls(), counts, "after {key}");
+    }
+    let count = store
+        .read(|conn| conn.query_row("SELECT count(*) FROM items", [], |row| row.get::<_, i64>(0)))
+        .await
+        .expect("read");
+    assert_eq!(count, 5);
+}
+
 async fn duplicate_of_a_slow_request_is_409_at_once() {
     for slow_statement in [false, true] {
         let server = TestServer::builder()

@@ -8,6 +8,7 @@
 //! reservation's [`TxShared`] (`reservation`), which tells whether the request still holds
 //! the writer; the authorizer's refusals (`authorizer`) become [`Error::TransactionControl`].
 
+use std::any::TypeId;
 use std::fmt;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::Ordering;
@@ -99,9 +100,10 @@ impl SqliteHandle {
         };
         // The request holds the writer in place: run the statement here.
         if self.tx.in_place.is_some() {
+            // The site is the closure's type: what the handler's code at one place runs.
             return self
                 .tx
-                .with_lent(move |lent| {
+                .with_lent(TypeId::of::<F>(), move |lent| {
                     let writer = lent.as_mut().ok_or(Error::TransactionFinished)?;
                     let result = statement(writer);
                     writer.after_job();

@@ -6,8 +6,8 @@
 //! first or next attempt (`executor`) takes it from there without waiting
 //! ([`Shared::take_idle_writer`]: a `try_lock`, and only while no one is queued), begins
 //! with no busy wait, and runs the layer's work on its own task: the handler's statements
-//! ([`SqliteHandle::run`](super::SqliteHandle::run)) and the commit run inline,
-//! as a hand-written handler's would, with no hand-over to another thread and back. Its end
+//! ([`SqliteHandle::run`](super::SqliteHandle::run)) and the commit run on its own thread,
+//! as a hand-written handler's would, with no hand-over to the writer thread and back. Its end
 //! (commit, rollback, drop) gives the writer back ([`Shared::return_writer`]): into the slot
 //! if nothing waits for it, else through the queue, with the group still open if requests
 //! queued meanwhile, so that they share its commit. Anything that would wait (the writer
@@ -17,11 +17,26 @@
 //! While it holds the writer, the request's task is marked ([`inside_request_in_place`]), so
 //! that a nested request or a standalone write from its handler fails at once with
 //! [`Error::InsideRequest`] rather than waiting for its own end.
+//!
+//! On a multi-thread runtime, each of those blocking calls either runs inline, blocking the
+//! worker thread for its duration, or under `tokio::task::block_in_place`, which first hands
+//! the worker's queued tasks (the one in its LIFO slot too: the server's accept loop, say) to
+//! another thread, at the cost of a thread hand-over each time. Which one is learned per call
+//! site ([`CallSites`]): the closure type a handler passes to `SqliteHandle::run`, the commit,
+//! the rollback. A site runs inline once it has run before and its recent duration is under
+//! [`SqliteOptions::with_inline_limit`](super::SqliteOptions::with_inline_limit); a site never
+//! seen, or seen slow lately, runs under `block_in_place`. One slow run sends its site back
+//! to `block_in_place` at once ([`next_estimate`]), so a site that has been fast and turns
+//! slow blocks its worker once, for that one run.
 
+use std::any::TypeId;
+use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
+#[cfg(feature = "_internal-tests")]
+use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, TryLockError};
-use std::time::{Duration, SystemTime};
+use std::sync::{Arc, Mutex, TryLockError};
+use std::time::{Duration, Instant, SystemTime};
 
 use super::reservation::{SqliteReservation, TxShared};
 #[cfg(doc)]
@@ -89,18 +104,139 @@ impl Shared {
     }
 }
 
-/// Runs `f`, which blocks (SQLite's statements, a commit's fsync), on the calling thread
-/// without holding up the runtime's other tasks: on a worker of a multi-thread runtime under
-/// `block_in_place`, which hands the worker's queued tasks to another thread meanwhile (the
-/// task in its LIFO slot included, which no other worker may steal: the server's accept loop,
-/// say, whose new connections would otherwise wait for the whole statement, however long the
-/// handler makes it). Elsewhere (a blocking thread, no runtime) at once.
-fn blocking<T>(f: impl FnOnce() -> T) -> T {
-    match tokio::runtime::Handle::try_current() {
-        Ok(runtime) if runtime.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
-            tokio::task::block_in_place(f)
+/// How long the blocking calls of requests run in place took lately, per call site, and
+/// whether a site's next run may block its worker (see the module docs).
+pub(super) struct CallSites {
+    /// [`SqliteOptions::with_inline_limit`](super::SqliteOptions::with_inline_limit): a site
+    /// whose estimate is under it runs inline.
+    limit: Duration,
+    /// Each site's estimate ([`next_estimate`]). Locked only to read or update one entry,
+    /// never across a call. Sites are closure types of the program: the map stays small.
+    estimates: Mutex<HashMap<TypeId, Duration>>,
+    /// How many calls ran inline, and how many under `block_in_place`: what the tests observe
+    /// (see [`SqliteStore::__blocking_calls`]).
+    #[cfg(feature = "_internal-tests")]
+    inline: AtomicU64,
+    /// See `inline`.
+    #[cfg(feature = "_internal-tests")]
+    handed_off: AtomicU64,
+}
+
+impl CallSites {
+    /// No site seen yet; sites under `limit` will run inline.
+    pub(super) fn new(limit: Duration) -> Self {
+        CallSites {
+            limit,
+            estimates: Mutex::new(HashMap::new()),
+            #[cfg(feature = "_internal-tests")]
+            inline: AtomicU64::new(0),
+            #[cfg(feature = "_internal-tests")]
+            handed_off: AtomicU64::new(0),
         }
-        _ => f(),
+    }
+
+    /// Whether `site`'s next call may run inline.
+    fn runs_inline(&self, site: TypeId) -> bool {
+        if self.limit.is_zero() {
+            return false;
+        }
+        // Never poisoned (nothing panics under it); a poisoned map hands every call off.
+        let estimate = match self.estimates.lock() {
+            Ok(estimates) => estimates.get(&site).copied(),
+            Err(_) => None,
+        };
+        runs_inline(estimate, self.limit)
+    }
+
+    /// Counts in `site`'s estimate a call that took `took`.
+    fn record(&self, site: TypeId, took: Duration) {
+        if self.limit.is_zero() {
+            return;
+        }
+        if let Ok(mut estimates) = self.estimates.lock() {
+            let estimate = estimates.entry(site).or_insert(took);
+            *estimate = next_estimate(*estimate, took);
+        }
+    }
+
+    /// Counts a call that ran inline (`true`) or was handed off, for the tests.
+    #[cfg_attr(not(feature = "_internal-tests"), allow(unused_variables))]
+    fn count(&self, inline: bool) {
+        #[cfg(feature = "_internal-tests")]
+        {
+            let counter = if inline {
+                &self.inline
+            } else {
+                &self.handed_off
+            };
+            counter.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// How many calls ran inline, and how many under `block_in_place`.
+    #[cfg(feature = "_internal-tests")]
+    pub(super) fn counts(&self) -> (u64, u64) {
+        (
+            self.inline.load(Ordering::Relaxed),
+            self.handed_off.load(Ordering::Relaxed),
+        )
+    }
+}
+
+/// Whether a site whose estimate is `estimate` (`None`: never seen) runs inline under
+/// `limit`: only a site seen before and faster than the limit lately. A zero limit runs
+/// nothing inline.
+fn runs_inline(estimate: Option<Duration>, limit: Duration) -> bool {
+    estimate.is_some_and(|estimate| estimate < limit)
+}
+
+/// How much of a site's estimate each new call replaces: after a slow call, the estimate
+/// falls by an eighth of the way to the fast calls' time with each of them (a call of 10 ms
+/// at a site whose calls take 0.1 ms, against a 1 ms limit: 18 calls under `block_in_place`
+/// before the site runs inline again; after one of 1 s, 53).
+const DECAY: u32 = 8;
+
+/// A site's estimate after a call that took `took`, from `estimate`: the larger of the call
+/// and a moving average. One slow call sends the site back to `block_in_place` at once;
+/// it runs inline again only after a run of fast calls has brought the average down.
+fn next_estimate(estimate: Duration, took: Duration) -> Duration {
+    let average = estimate - estimate / DECAY + took / DECAY;
+    average.max(took)
+}
+
+/// Times `f`.
+fn timed<T>(f: impl FnOnce() -> T) -> (T, Duration) {
+    let started = Instant::now();
+    let output = f();
+    (output, started.elapsed())
+}
+
+impl Shared {
+    /// Runs `f`, which blocks (SQLite's statements, a commit's fsync), on the calling thread.
+    ///
+    /// On a worker of a multi-thread runtime: inline if `site`'s calls have been fast lately
+    /// (see the module docs), else under `block_in_place`, which hands the worker's queued
+    /// tasks to another thread meanwhile (the task in its LIFO slot included, which no other
+    /// worker may steal: the server's accept loop, say, whose new connections would otherwise
+    /// wait for the whole statement, however long the handler makes it). Either way the call
+    /// is timed, for `site`'s estimate. Elsewhere (a blocking thread, no runtime) at once.
+    fn blocking<T>(&self, site: TypeId, f: impl FnOnce() -> T) -> T {
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime)
+                if runtime.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread =>
+            {
+                let inline = self.sites.runs_inline(site);
+                self.sites.count(inline);
+                let (output, took) = if inline {
+                    timed(f)
+                } else {
+                    tokio::task::block_in_place(|| timed(f))
+                };
+                self.sites.record(site, took);
+                output
+            }
+            _ => f(),
+        }
     }
 }
 
@@ -108,7 +244,9 @@ impl TxShared {
     /// Runs `f` with the slot of the writer this request holds in place: at once, unless
     /// another task of the request is using it (a handler's spawned task), then on the
     /// blocking pool. [`Error::TransactionFinished`] if the request does not run in place.
-    pub(super) async fn with_lent<T, F>(self: &Arc<Self>, f: F) -> Result<T, Error>
+    /// `site` names the call for the store's [`CallSites`], which decide whether it may
+    /// block the worker it runs on.
+    pub(super) async fn with_lent<T, F>(self: &Arc<Self>, site: TypeId, f: F) -> Result<T, Error>
     where
         F: FnOnce(&mut Option<Box<Writer>>) -> Result<T, Error> + Send + 'static,
         T: Send + 'static,
@@ -117,9 +255,9 @@ impl TxShared {
             return Err(Error::TransactionFinished);
         };
         match lent.try_lock() {
-            Ok(mut writer) => return blocking(|| f(&mut writer)),
+            Ok(mut writer) => return self.store.blocking(site, || f(&mut writer)),
             Err(TryLockError::Poisoned(poisoned)) => {
-                return blocking(|| f(&mut poisoned.into_inner()))
+                return self.store.blocking(site, || f(&mut poisoned.into_inner()))
             }
             Err(TryLockError::WouldBlock) => {}
         }
@@ -129,7 +267,10 @@ impl TxShared {
                 return Err(Error::TransactionFinished);
             };
             let mut writer = lent.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-            f(&mut writer)
+            // Off the runtime's workers anyway; timed all the same, for the site's estimate.
+            let (output, took) = timed(|| f(&mut writer));
+            tx.store.sites.record(site, took);
+            output
         })
         .await
         .map_err(|_| Error::Panicked)?
@@ -266,5 +407,92 @@ impl SqliteStore {
             output,
             waited: Duration::ZERO,
         }))
+    }
+}
+
+impl SqliteStore {
+    /// How many blocking calls of requests run in place ran inline, and how many under
+    /// `block_in_place` (see the module docs), since the store opened. Not part of the API:
+    /// only with the undocumented `_internal-tests` feature, for this repository's tests,
+    /// which observe the choice without timing anything.
+    #[cfg(feature = "_internal-tests")]
+    #[doc(hidden)]
+    pub fn __blocking_calls(&self) -> (u64, u64) {
+        self.shared.sites.counts()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LIMIT: Duration = Duration::from_micros(100);
+    const FAST: Duration = Duration::from_micros(10);
+    const SLOW: Duration = Duration::from_millis(3);
+
+    #[test]
+    fn a_site_never_seen_is_handed_off() {
+        assert!(!runs_inline(None, LIMIT));
+    }
+
+    #[test]
+    fn a_site_seen_fast_runs_inline_and_one_at_or_over_the_limit_does_not() {
+        assert!(runs_inline(Some(FAST), LIMIT));
+        assert!(!runs_inline(Some(LIMIT), LIMIT));
+        assert!(!runs_inline(Some(SLOW), LIMIT));
+    }
+
+    #[test]
+    fn a_zero_limit_runs_nothing_inline() {
+        assert!(!runs_inline(Some(Duration::ZERO), Duration::ZERO));
+        assert!(!runs_inline(Some(FAST), Duration::ZERO));
+    }
+
+    #[test]
+    fn one_slow_call_hands_a_fast_site_off_at_once() {
+        let mut estimate = FAST;
+        for _ in 0..1000 {
+            estimate = next_estimate(estimate, FAST);
+        }
+        assert!(runs_inline(Some(estimate), LIMIT));
+        estimate = next_estimate(estimate, SLOW);
+        assert!(estimate >= SLOW, "{estimate:?}");
+        assert!(!runs_inline(Some(estimate), LIMIT));
+    }
+
+    #[test]
+    fn a_slow_site_runs_inline_again_after_a_while_of_fast_calls() {
+        let mut estimate = next_estimate(FAST, SLOW);
+        let mut fast_calls = 0;
+        while !runs_inline(Some(estimate), LIMIT) {
+            estimate = next_estimate(estimate, FAST);
+            fast_calls += 1;
+            assert!(fast_calls < 1000, "never decays: {estimate:?}");
+        }
+        // Not at the first fast call: the site has to stay fast for a while (an eighth of
+        // the way down each call: about 26 calls from 3 ms to 100 µs).
+        assert!((20..40).contains(&fast_calls), "{fast_calls}");
+        // And a slow call on the way down starts it over.
+        let again = next_estimate(next_estimate(estimate, SLOW), FAST);
+        assert!(!runs_inline(Some(again), LIMIT));
+    }
+
+    #[test]
+    fn call_sites_learn_per_site_and_only_under_a_limit() {
+        struct Fast;
+        struct Slow;
+        let sites = CallSites::new(LIMIT);
+        let (fast, slow) = (TypeId::of::<Fast>(), TypeId::of::<Slow>());
+        assert!(!sites.runs_inline(fast));
+        sites.record(fast, FAST);
+        sites.record(slow, SLOW);
+        assert!(sites.runs_inline(fast));
+        assert!(!sites.runs_inline(slow));
+        sites.record(fast, SLOW);
+        assert!(!sites.runs_inline(fast));
+
+        let never = CallSites::new(Duration::ZERO);
+        never.record(fast, FAST);
+        assert!(!never.runs_inline(fast));
     }
 }

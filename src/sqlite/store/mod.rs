@@ -43,8 +43,11 @@
 // free without a busy wait, steps 2 to 4 run on the request's own task instead, with the writer
 // that the writer thread left idle (`SqliteOptions::with_write_in_place`, on by default): the
 // begin, the handler's statements and the commit run inline, as in a hand-written handler, without
-// the two hand-overs to the writer thread and back (on a multi-thread runtime only, and each under
-// `block_in_place`, so that the worker's other tasks go on meanwhile). Requests that arrive
+// the two hand-overs to the writer thread and back (on a multi-thread runtime only). The
+// statements and the commit block the worker; each runs under `block_in_place`, so that the
+// worker's other tasks go on meanwhile, unless its call site has been fast lately (under
+// `SqliteOptions::with_inline_limit`), when it runs inline and skips that hand-over: a site that
+// has been fast and turns slow blocks its worker once (see `in_place`). Requests that arrive
 // meanwhile queue for the writer thread (step 2), which takes the writer back when the request
 // ends; if any queued, the request's rows stay in an open group that they join, and it is
 // answered when that group commits.
@@ -88,6 +91,7 @@ use crate::store::{to_unix_millis, Begin, IdempotencyStore, RunOutcome, Scope, S
 use authorizer::{refuse_foreign_transaction_control, ControlAllowed, ControlGuard, ControlSql};
 use file::{is_busy, BusyWait, DatabaseFile, OtherWriters, STANDALONE_BUSY_TIMEOUT};
 use group::Member;
+use in_place::CallSites;
 use records::SCHEMA;
 use writer::{writer_thread, IdleWriter, Job, Step, Writer, NESTED_REQUEST};
 
@@ -106,6 +110,9 @@ struct Shared {
     read_in_place: bool,
     /// [`SqliteOptions::with_write_in_place`].
     write_in_place: bool,
+    /// Which blocking calls of requests run in place may run inline
+    /// ([`SqliteOptions::with_inline_limit`]).
+    sites: CallSites,
     /// Where the writer thread leaves the writer while idle (see `in_place`).
     idle: Arc<Mutex<IdleWriter>>,
     generations: AtomicU64,
@@ -217,6 +224,7 @@ impl SqliteStore {
                 max_idle_readers: options.max_idle_readers,
                 read_in_place: options.read_in_place,
                 write_in_place: options.write_in_place,
+                sites: CallSites::new(options.inline_limit),
                 idle,
                 generations: AtomicU64::new(1),
                 queued,

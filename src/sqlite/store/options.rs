@@ -39,8 +39,12 @@ pub struct SqliteOptions {
     pub(super) max_idle_readers: usize,
     pub(super) read_in_place: bool,
     pub(super) write_in_place: bool,
+    pub(super) inline_limit: Duration,
     pub(super) group: GroupLimits,
 }
+
+/// [`SqliteOptions::with_inline_limit`]'s default (why this value: see there).
+const DEFAULT_INLINE_LIMIT: Duration = Duration::from_millis(1);
 
 /// When an open group of requests is committed.
 #[derive(Clone, Copy, Debug)]
@@ -58,6 +62,7 @@ impl SqliteOptions {
             max_idle_readers: 8,
             read_in_place: true,
             write_in_place: true,
+            inline_limit: DEFAULT_INLINE_LIMIT,
             group: GroupLimits {
                 max_requests: 64,
                 max_delay: Duration::from_millis(5),
@@ -96,17 +101,18 @@ impl SqliteOptions {
     /// It does only when that cannot wait: the writer thread has nothing open and nothing
     /// queued, and SQLite's write lock is free (no busy wait; no other process seen writing
     /// to the file lately). The request then begins, runs the handler (whose
-    /// [`SqliteHandle::run`](super::SqliteHandle::run) statements run inline, as in
-    /// a hand-written handler) and commits on its own task, saving the two hand-overs to the
-    /// writer thread and back: a lone request's latency and CPU time. Its statements and its
-    /// commit (with `synchronous=FULL`, an fsync) then run on the runtime worker thread, under
-    /// `tokio::task::block_in_place`, so that the worker's other tasks (new connections, a
-    /// duplicate's `409`) go on on another thread however long a statement takes. Only on a
-    /// multi-thread runtime: on a current-thread runtime every request's transaction runs on
-    /// the writer thread, which keeps the runtime's one thread free. Requests that arrive
-    /// meanwhile queue for the writer thread
-    /// and join a group commit, as always. With `false`, every request's transaction runs on
-    /// the writer thread.
+    /// [`SqliteHandle::run`](super::SqliteHandle::run) statements run inline, as in a
+    /// hand-written handler) and commits on its own task, saving the two hand-overs to the
+    /// writer thread and back: a lone request's latency and CPU time. Its statements and
+    /// its commit (with `synchronous=FULL`, an fsync) then run on the runtime worker
+    /// thread: under `tokio::task::block_in_place`, so that the worker's other tasks (new
+    /// connections, a duplicate's `409`) go on on another thread however long a statement
+    /// takes, or inline where they have been fast lately
+    /// ([`with_inline_limit`](Self::with_inline_limit)). Only on a multi-thread runtime: on
+    /// a current-thread runtime every request's transaction runs on the writer thread,
+    /// which keeps the runtime's one thread free. Requests that arrive meanwhile queue for
+    /// the writer thread and join a group commit, as always. With `false`, every request's
+    /// transaction runs on the writer thread.
     ///
     /// While retries are rare among recent requests (fewer than one in eight had a record), a
     /// request that finds the writer idle also skips the record lookup before its
@@ -115,6 +121,47 @@ impl SqliteOptions {
     /// writes), the lookup is made after all, so a completed key still replays.
     pub fn with_write_in_place(mut self, in_place: bool) -> Self {
         self.write_in_place = in_place;
+        self
+    }
+
+    /// How fast a call site of a request running in place must have been lately for its
+    /// next call to block the worker thread inline. Default: 1 ms. `Duration::ZERO`: every
+    /// call runs under `tokio::task::block_in_place`.
+    ///
+    /// A request that runs in place ([`with_write_in_place`](Self::with_write_in_place))
+    /// runs its handler's [`SqliteHandle::run`](super::SqliteHandle::run) statements and
+    /// its commit on the runtime worker thread. `block_in_place` first hands the worker's
+    /// other tasks (new connections, a duplicate's `409`) to another thread, so that they
+    /// go on however long the call takes; that hand-over, once per call, is most of the CPU
+    /// time the store adds to a lone request. So the store learns, per call site, which
+    /// calls are short enough to make the hand-over not worth it: a site is the type of the
+    /// closure passed to `SqliteHandle::run` (one place in the handler's code; every call
+    /// made through one helper's closure, or through one `fn` pointer type, is one site),
+    /// and the commit and the rollback are sites of their own. Every call is timed. A site
+    /// runs inline once it has run before and its recent duration (the larger of its last
+    /// call and a moving average) is under `limit`; a site never seen, or one whose last
+    /// call or recent average reached `limit`, runs under `block_in_place`, and runs inline
+    /// again only after a run of fast calls.
+    ///
+    /// The trade-off: a site that has been fast and turns slow (a query that meets a large
+    /// table, a page read from a slow disk, a commit's fsync that stalls) blocks its worker
+    /// once, for that one call, and the tasks queued on that worker wait for it; its next
+    /// call is handed off. A handler whose statements at one site take unpredictable time
+    /// (a user's ad hoc query, say) is safest with a separate closure for the slow case, or
+    /// with `Duration::ZERO` here.
+    ///
+    /// Why 1 ms rather than tokio's rule of thumb of 100 µs between awaits: a point insert
+    /// from a cached page takes tens of microseconds, but the commit, the one call every
+    /// new key makes, waits for an fsync with `synchronous=FULL`: from under 0.1 ms on an
+    /// idle machine's fast disk to a few tenths of a millisecond (with spikes of
+    /// milliseconds) on a busy virtual machine's, so at 100 µs it would be handed off on
+    /// many of them, or go back and forth at the limit, keeping half the hand-overs' cost
+    /// of a request with one statement. Under 1 ms a commit runs inline, as a hand-written
+    /// handler's would; a disk whose fsyncs take milliseconds keeps its commits under
+    /// `block_in_place`. Requests run in place only while the writer is idle (a light
+    /// load), when a worker blocked for less than a millisecond holds up few tasks.
+    pub fn with_inline_limit(mut self, limit: Duration) -> Self {
+        self.inline_limit = limit;
         self
     }
 

@@ -8,6 +8,7 @@
 //! (`handle`) and with the begin: the request's generation, the store, and whether the
 //! request has ended.
 
+use std::any::TypeId;
 use std::fmt;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -126,8 +127,9 @@ impl SqliteReservation {
         if self.tx.in_place.is_some() {
             // The request holds the writer: end here, and give the writer back.
             let store = self.tx.store.clone();
+            // The site is `end`'s type: the commit's and the rollback's are sites of their own.
             self.tx
-                .with_lent(move |lent| {
+                .with_lent(TypeId::of::<F>(), move |lent| {
                     let Some(mut writer) = lent.take() else {
                         return Err(Error::TransactionFinished);
                     };
