@@ -363,20 +363,7 @@ async fn with_an_inline_limit_of_zero_a_slow_statement_is_409_at_once_after_fast
     assert!(handed_off >= 40, "{handed_off} calls in place");
 
     until_the_writer_is_idle().await;
-    let first =
-        tokio::spawn(async move { post(addr, Some(SHOP_A), Some("slow"), BOOK, &[]).await });
-    tokio::time::sleep(Duration::from_millis(400)).await;
-    let started = std::time::Instant::now();
-    let duplicate = post(addr, Some(SHOP_A), Some("slow"), BOOK, &[]).await;
-    let waited = started.elapsed();
-    assert_eq!(duplicate.status, StatusCode::CONFLICT, "{duplicate:?}");
-    assert_eq!(duplicate.error_code(), "request_in_flight");
-    assert!(
-        waited < Duration::from_millis(1000),
-        "answered after {waited:?}"
-    );
-    let first = first.await.expect("the first request");
-    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    a_duplicate_of_the_slow_request_is_409_at_once(addr, "after fast ones").await;
     // The slow request ran in place too (its calls were counted), and not inline.
     let (inline, handed_off_after) = server.store.__blocking_calls();
     assert_eq!(inline, 0);
@@ -488,24 +475,31 @@ async fn duplicate_of_a_slow_request_is_409_at_once() {
         let warm_up = post(addr, Some(SHOP_A), Some("warm-up"), BOOK, &[]).await;
         assert_eq!(warm_up.status, StatusCode::CREATED, "{warm_up:?}");
         until_the_writer_is_idle().await;
-        let first =
-            tokio::spawn(async move { post(addr, Some(SHOP_A), Some("slow"), BOOK, &[]).await });
-        tokio::time::sleep(Duration::from_millis(400)).await;
-        let started = std::time::Instant::now();
-        let duplicate = post(addr, Some(SHOP_A), Some("slow"), BOOK, &[]).await;
-        let waited = started.elapsed();
-        assert_eq!(
-            duplicate.status,
-            StatusCode::CONFLICT,
-            "slow_statement={slow_statement}: {duplicate:?}"
-        );
-        assert_eq!(duplicate.error_code(), "request_in_flight");
-        assert!(
-            waited < Duration::from_millis(1000),
-            "slow_statement={slow_statement}: answered after {waited:?}"
-        );
-        let first = first.await.expect("the first request");
-        assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+        let label = format!("slow_statement={slow_statement}");
+        a_duplicate_of_the_slow_request_is_409_at_once(addr, &label).await;
         assert_eq!(server.app.handler_calls(), 2);
     }
+}
+
+/// Sends the request of key `slow` (whose handler takes 3 s), then after 400 ms its
+/// duplicate, which must get `409 request_in_flight` within a second; then the first its `201`.
+async fn a_duplicate_of_the_slow_request_is_409_at_once(addr: std::net::SocketAddr, label: &str) {
+    let first =
+        tokio::spawn(async move { post(addr, Some(SHOP_A), Some("slow"), BOOK, &[]).await });
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let started = std::time::Instant::now();
+    let duplicate = post(addr, Some(SHOP_A), Some("slow"), BOOK, &[]).await;
+    let waited = started.elapsed();
+    assert_eq!(
+        duplicate.status,
+        StatusCode::CONFLICT,
+        "{label}: {duplicate:?}"
+    );
+    assert_eq!(duplicate.error_code(), "request_in_flight", "{label}");
+    assert!(
+        waited < Duration::from_millis(1000),
+        "{label}: answered after {waited:?}"
+    );
+    let first = first.await.expect("the first request");
+    assert_eq!(first.status, StatusCode::CREATED, "{label}: {first:?}");
 }
