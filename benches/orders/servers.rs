@@ -56,6 +56,8 @@ struct AppState {
     baseline: BaselineWriter,
     /// Baseline H's connection: statements run inline, on the executor, under the lock.
     hand: Arc<tokio::sync::Mutex<Connection>>,
+    /// The file H and D write ([`HAND_FILE`]).
+    hand_path: PathBuf,
     /// Baseline R's read-only connection: the query runs inline, on the executor, under the
     /// lock, with a cached statement (the fastest honest `GET` a user writes).
     reader: Arc<tokio::sync::Mutex<Connection>>,
@@ -294,6 +296,12 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// The file of the hand-written baselines (H, D), beside the store's `orders.db`, with the
+/// same tables: on the store's own file, their commits would read to the store as another
+/// process writing to it, which it gives way to for a second after each (`SqliteStore`'s
+/// fairness between processes), and every round of the layer after one of H would pay it.
+const HAND_FILE: &str = "hand.db";
+
 /// Baseline D's database access: one writer connection behind an async mutex, each request its
 /// own `BEGIN IMMEDIATE` ... `COMMIT` run under `spawn_blocking` (never on the executor).
 #[derive(Clone)]
@@ -406,12 +414,19 @@ impl Server {
     }
 
     /// A server on the database `orders.db` in `dir`, created there unless it exists (the
-    /// scale measurements fill it beforehand, `scale.rs`).
+    /// scale measurements fill it beforehand, `scale.rs`); the hand-written baselines write
+    /// [`HAND_FILE`] beside it.
     pub(crate) async fn start_in(dir: tempfile::TempDir, mode: Mode) -> Result<Self, BoxError> {
         let path = dir.path().join("orders.db");
         let store = create_database(&path, mode).await?;
-        let baseline = BaselineWriter::open(&path, mode)?;
-        let hand = Arc::new(tokio::sync::Mutex::new(open_connection(&path, mode)?));
+        // Primed through a connection of its own (the store's connections keep the WAL file).
+        prime_wal(&open_connection(&path, mode)?, mode)?;
+        let hand_path = dir.path().join(HAND_FILE);
+        // The same tables (the store that creates them closes; D's connection primes the WAL
+        // and keeps it).
+        drop(create_database(&hand_path, mode).await?);
+        let baseline = BaselineWriter::open(&hand_path, mode)?;
+        let hand = Arc::new(tokio::sync::Mutex::new(open_connection(&hand_path, mode)?));
         let reader =
             Connection::open_with_flags(&path, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)?;
         let reader = Arc::new(tokio::sync::Mutex::new(reader));
@@ -419,6 +434,7 @@ impl Server {
             store,
             baseline,
             hand,
+            hand_path,
             reader,
         };
         let router = app(state.clone());
@@ -455,9 +471,11 @@ impl Server {
         })
     }
 
-    /// The database file of a SQLite server (for the WAL count, `wal.rs`).
-    pub(crate) fn sqlite_path(&self) -> Option<PathBuf> {
+    /// The database file a SQLite server's route writes (for the WAL count, `wal.rs`): the
+    /// store's, or [`HAND_FILE`] for the hand-written baselines (`hand`).
+    pub(crate) fn sqlite_path(&self, hand: bool) -> Option<PathBuf> {
         match &self.backend {
+            Backend::Sqlite(state, _) if hand => Some(state.hand_path.clone()),
             Backend::Sqlite(state, _) => Some(state.store.path().to_path_buf()),
             Backend::Postgres(_) => None,
         }
@@ -501,8 +519,10 @@ impl Server {
     ) -> Result<Option<String>, BoxError> {
         let (committed, via_store) = match &self.backend {
             Backend::Sqlite(state, _) => {
+                // A case's orders are in one of the two files, by its route.
+                let hand = count_orders(state.hand_path.clone(), sku.to_owned()).await?;
                 let committed =
-                    count_orders(state.store.path().to_path_buf(), sku.to_owned()).await?;
+                    count_orders(state.store.path().to_path_buf(), sku.to_owned()).await? + hand;
                 let sku = sku.to_owned();
                 let via_store: i64 = state
                     .store
@@ -512,7 +532,7 @@ impl Server {
                         })
                     })
                     .await?;
-                (committed, via_store)
+                (committed, via_store + hand)
             }
             Backend::Postgres(database) => {
                 let committed = database.count_orders(sku).await?;

@@ -121,7 +121,7 @@ async fn count_http(
 ) -> Result<Count, BoxError> {
     let server = Server::start(Mode::Full).await?;
     let db = server
-        .sqlite_path()
+        .sqlite_path(path != "/orders")
         .ok_or("the WAL count needs a SQLite server")?;
     let workload = Arc::new(Workload::create(path, "wal-", "book"));
     let conns = connect_all(server.addr, 1).await?;
