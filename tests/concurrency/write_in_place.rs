@@ -349,8 +349,7 @@ async fn with_an_inline_limit_of_zero_a_slow_statement_is_409_at_once_after_fast
         .spawn()
         .await;
     let addr = server.addr;
-    let warm_up = post(addr, Some(SHOP_A), Some("warm-up"), BOOK, &[]).await;
-    assert_eq!(warm_up.status, StatusCode::CREATED, "{warm_up:?}");
+    warm_up(addr).await;
     for i in 0..20 {
         until_the_writer_is_idle().await;
         let fast = post(addr, Some(SHOP_A), Some(&format!("fast-{i}")), BOOK, &[]).await;
@@ -472,13 +471,18 @@ async fn duplicate_of_a_slow_request_is_409_at_once() {
             .spawn()
             .await;
         let addr = server.addr;
-        let warm_up = post(addr, Some(SHOP_A), Some("warm-up"), BOOK, &[]).await;
-        assert_eq!(warm_up.status, StatusCode::CREATED, "{warm_up:?}");
+        warm_up(addr).await;
         until_the_writer_is_idle().await;
         let label = format!("slow_statement={slow_statement}");
         a_duplicate_of_the_slow_request_is_409_at_once(addr, &label).await;
         assert_eq!(server.app.handler_calls(), 2);
     }
+}
+
+/// A first request (key `warm-up`), answered `201`.
+async fn warm_up(addr: std::net::SocketAddr) {
+    let warm_up = post(addr, Some(SHOP_A), Some("warm-up"), BOOK, &[]).await;
+    assert_eq!(warm_up.status, StatusCode::CREATED, "{warm_up:?}");
 }
 
 /// Sends the request of key `slow` (whose handler takes 3 s), then after 400 ms its
