@@ -308,7 +308,9 @@ where
                 scope,
                 fingerprint,
             };
-            return self.execute_steps(mode, checked, wire, started).await;
+            // Boxed: only routes with steps take this path, and unboxed its state would size
+            // every request's future.
+            return Box::pin(self.execute_steps(mode, checked, wire, started)).await;
         }
         if self.config.in_flight != crate::InFlight::Wait {
             // A duplicate on another instance holds the key in the database: the store bounds

@@ -75,9 +75,18 @@ impl SqliteStore {
                     let in_place = store.shared.write_in_place
                         && runtime.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread;
                     let (work, look_up_first) = if in_place {
-                        match store
-                            .try_run_in_place(&scope, now, work, look_up_first, alone)
-                            .await
+                        // Boxed, as are the two branches below: the work (the handler's call)
+                        // runs inside these futures. Unboxed, their largest state would size
+                        // this future, and with it every request's, also while a request only
+                        // waits in the writer's queue.
+                        match Box::pin(store.try_run_in_place(
+                            &scope,
+                            now,
+                            work,
+                            look_up_first,
+                            alone,
+                        ))
+                        .await
                         {
                             InPlace::Done(outcome) => break 'run outcome,
                             InPlace::Queue { work, looked_up } => {
@@ -102,12 +111,16 @@ impl SqliteStore {
                         .await
                 }
                 (None, false) => {
-                    run_after_begin(store.begin_with(&scope, lock_timeout, now, alone), work).await
+                    Box::pin(run_after_begin(
+                        store.begin_with(&scope, lock_timeout, now, alone),
+                        work,
+                    ))
+                    .await
                 }
                 (None, true) => {
-                    lookup_then(&store, &scope, now, || {
+                    Box::pin(lookup_then(&store, &scope, now, || {
                         begin_and_run_in_place(&store, &scope, lock_timeout, now, work)
-                    })
+                    }))
                     .await
                 }
             };
