@@ -286,12 +286,16 @@ where
     W: FnOnce(St::Reservation) -> F,
     F: Future,
 {
-    run_after_begin(store.begin(scope, lock_timeout, now), work).await
+    run_after_begin(|| store.begin(scope, lock_timeout, now), work).await
 }
 
 /// `begin`, then `work` awaited by the caller: [`begin_and_run_in_place`] with the begin given.
+///
+/// `begin` makes the begin's future here rather than being that future: a future given as an
+/// argument is kept for the whole run, beside the work's, where one made here shares its
+/// space with the work's (they are never alive together).
 pub(crate) async fn run_after_begin<R, B, W, F>(
-    begin: B,
+    begin: impl FnOnce() -> B,
     work: W,
 ) -> Result<RunOutcome<F::Output>, Error>
 where
@@ -300,7 +304,7 @@ where
     F: Future,
 {
     let started = std::time::Instant::now();
-    match begin.await? {
+    match begin().await? {
         Begin::Existing(record) => Ok(RunOutcome::Existing {
             record,
             waited: started.elapsed(),

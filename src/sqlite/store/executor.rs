@@ -112,7 +112,7 @@ impl SqliteStore {
                 }
                 (None, false) => {
                     Box::pin(run_after_begin(
-                        store.begin_with(&scope, lock_timeout, now, alone),
+                        || store.begin_with(&scope, lock_timeout, now, alone),
                         work,
                     ))
                     .await
