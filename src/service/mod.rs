@@ -213,251 +213,265 @@ where
 {
     /// A request the layer handles (the method and filter say so, and a key is sent or
     /// required), with `key_headers` key headers if the key is read from a header.
-    async fn run<ReqB>(
+    ///
+    /// Written as an `async` block (here and in [`execute`](Self::execute)) rather than an
+    /// `async fn`, whose future keeps each argument twice: as given, and moved into the body.
+    #[allow(clippy::manual_async_fn)]
+    fn run<ReqB>(
         self,
         request: Request<ReqB>,
         key_headers: Option<usize>,
-    ) -> Result<Response<ResponseBody<ResB>>, S::Error>
+    ) -> impl Future<Output = Result<Response<ResponseBody<ResB>>, S::Error>>
     where
         ReqB: Body<Data = Bytes> + Send + 'static,
         ReqB::Error: Into<BoxError>,
     {
-        let wire = Wire::of(request.version(), request.headers());
-        // `check` consumes the request; a rejection's metric label still needs its path when
-        // the layer has no operation name.
-        let path = match &self.config.operation {
-            Some(_) => None,
-            None => Some(request.uri().clone()),
-        };
-        let checked = match check(&self.config, request, key_headers).await {
-            Ok(checked) => checked,
-            Err(rejection) => {
-                let operation = self.config.operation.clone().unwrap_or_else(|| {
-                    // A path too long to be an operation is not a metric label either.
-                    let path = path.as_ref().map_or("", |uri: &http::Uri| uri.path());
-                    Arc::from(if path.len() <= crate::MAX_OPERATION_LEN {
-                        path
-                    } else {
-                        ""
-                    })
-                });
-                metrics::request(&self.config.metric_keys, &operation, Outcome::Rejected);
-                return Ok(self.reject(&rejection, wire));
+        async move {
+            let wire = Wire::of(request.version(), request.headers());
+            // `check` consumes the request; a rejection's metric label still needs its path when
+            // the layer has no operation name.
+            let path = match &self.config.operation {
+                Some(_) => None,
+                None => Some(request.uri().clone()),
+            };
+            let checked = match check(&self.config, request, key_headers).await {
+                Ok(checked) => checked,
+                Err(rejection) => {
+                    let operation = self.config.operation.clone().unwrap_or_else(|| {
+                        // A path too long to be an operation is not a metric label either.
+                        let path = path.as_ref().map_or("", |uri: &http::Uri| uri.path());
+                        Arc::from(if path.len() <= crate::MAX_OPERATION_LEN {
+                            path
+                        } else {
+                            ""
+                        })
+                    });
+                    metrics::request(&self.config.metric_keys, &operation, Outcome::Rejected);
+                    return Ok(self.reject(&rejection, wire));
+                }
+            };
+            let span = tracing::info_span!(
+                "idempotency",
+                operation = %checked.scope.operation,
+                tenant = %checked.scope.tenant,
+                key = %checked.scope.key.redacted_lazily(),
+            );
+            // Without a subscriber that wants it, the span is disabled: entering and leaving it on
+            // every poll would do nothing but cost.
+            if span.is_disabled() {
+                self.execute(checked, wire).await
+            } else {
+                self.execute(checked, wire).instrument(span).await
             }
-        };
-        let span = tracing::info_span!(
-            "idempotency",
-            operation = %checked.scope.operation,
-            tenant = %checked.scope.tenant,
-            key = %checked.scope.key.redacted_lazily(),
-        );
-        // Without a subscriber that wants it, the span is disabled: entering and leaving it on
-        // every poll would do nothing but cost.
-        if span.is_disabled() {
-            self.execute(checked, wire).await
-        } else {
-            self.execute(checked, wire).instrument(span).await
         }
     }
 
     /// The checked request's trip through the store and the handler; `wire` is the request's
     /// (its head is the one checked).
-    async fn execute(
+    fn execute(
         mut self,
         checked: Checked,
         wire: Wire,
-    ) -> Result<Response<ResponseBody<ResB>>, S::Error> {
+    ) -> impl Future<Output = Result<Response<ResponseBody<ResB>>, S::Error>> {
         let Checked {
             parts,
             body,
             scope,
             fingerprint,
         } = checked;
-        // One clock read for both the in-flight bound and the first attempt's lock wait (the
-        // claim does not wait under the default policy; under the others the attempt reads
-        // the clock again after it).
-        let started = Instant::now();
-        // Held until the request ends: duplicates meanwhile follow the in-flight policy.
-        let _running = match self
-            .config
-            .running
-            .claim(&scope, self.config.in_flight)
-            .await
-        {
-            Ok(claim) => claim,
-            Err(rejection) => {
-                // The request that holds the key may be one more retry of a key completed
-                // long ago: a completed key is replayed, never answered "in flight". One read,
-                // without the write lock (the store bounds its wait); failing it, the 409.
-                if let Ok(Some(record)) = self.store.lookup(&scope, SystemTime::now()).await {
-                    return Ok(self.answer_existing(&scope, record, &fingerprint, wire));
-                }
-                tracing::info!("a request with the same key is running; answered 409");
-                metrics::request(
-                    &self.config.metric_keys,
-                    &scope.operation,
-                    Outcome::InFlight,
-                );
-                return Ok(self.reject(&rejection, wire));
-            }
-        };
-        if let Some(mode) = self.config.steps.clone() {
-            let checked = Checked {
-                parts,
-                body,
-                scope,
-                fingerprint,
-            };
-            // Boxed: only routes with steps take this path, and unboxed its state would size
-            // every request's future.
-            return Box::pin(self.execute_steps(mode, checked, wire, started)).await;
-        }
-        if self.config.in_flight != crate::InFlight::Wait {
-            // A duplicate on another instance holds the key in the database: the store bounds
-            // that wait too, by what is left of the bound after the wait in this process.
-            let policy = match self.config.in_flight {
-                crate::InFlight::WaitUpTo(bound) => {
-                    crate::InFlight::WaitUpTo(bound.saturating_sub(started.elapsed()))
-                }
-                policy => policy,
-            };
-            self.store = self.store.clone().bound_duplicate_wait(policy);
-        }
-        let now = SystemTime::now();
-        let mut first_started = (self.config.in_flight == crate::InFlight::Wait).then_some(started);
-
-        let mut reruns = Reruns::default();
+        // Taken by each attempt, and given back by one the store did not run.
         let mut parts = Some(parts);
-        loop {
-            let (Some(mut inner), Some(attempt_parts)) = (self.inner.take(), parts.take()) else {
-                // Only a panic inside a store's `begin_and_run` could lose them.
-                return Ok(self.reject(&Rejection::HandlerPanicked, wire));
-            };
-            if reruns.attempts() > 0 {
-                // The service was made ready for the first call only.
-                std::future::poll_fn(|cx| inner.poll_ready(cx)).await?;
-            }
-            let attempt = Attempt {
-                body: body.clone(),
-                scope: scope.clone(),
-                fingerprint,
-                now,
-                config: self.config.clone(),
-                keep_a_copy: reruns.any_left(&self.config),
-            };
-            // The service and the request head are lent to the work, and taken back here if
-            // the store drops the work without running it (a begin that found a record, or
-            // failed): a failed begin may run again.
-            let lent = Arc::new(std::sync::Mutex::new(Some((inner, attempt_parts))));
-            let lent_to_work = lent.clone();
-            // Everything done while the transaction is open: the store may run it where the
-            // transaction lives (the SQLite store, on its writer thread).
-            let lock_started = first_started.take().unwrap_or_else(Instant::now);
-            let work = move |transaction| attempt.run(lent_to_work, transaction);
-            let lock_timeout = self.config.lock_timeout;
-            let began = if reruns.attempts() == 0 {
-                // The first attempt starts with the fast path: a completed record, read
-                // without waiting for the writer.
-                self.store
-                    .lookup_then_begin_and_run(&scope, lock_timeout, now, work)
-                    .await
-            } else {
-                self.store
-                    .begin_and_run(&scope, lock_timeout, now, work)
-                    .await
-            };
-            let (inner, spare_parts, finished) = match began {
-                Ok(RunOutcome::Found { record }) => {
-                    return Ok(self.answer_existing(&scope, record, &fingerprint, wire));
-                }
-                Ok(RunOutcome::Existing { record, waited }) => {
-                    metrics::lock_wait(&self.config.metric_keys, &scope.operation, waited);
-                    return Ok(self.answer_existing(&scope, record, &fingerprint, wire));
-                }
-                Ok(RunOutcome::Ran { output, waited }) => {
-                    metrics::lock_wait(&self.config.metric_keys, &scope.operation, waited);
-                    output
-                }
-                Err(error) => {
-                    // Mostly a lock wait that timed out.
-                    metrics::lock_wait(
-                        &self.config.metric_keys,
-                        &scope.operation,
-                        lock_started.elapsed(),
-                    );
-                    // A duplicate that found its original's record in a commit group which
-                    // was then rolled back: the key is free again.
-                    if reruns.take(&error, &self.config) {
-                        tracing::info!(%error, "the record found was rolled back; running again");
-                        if let Some((inner, lent)) = lent.lock().ok().and_then(|mut l| l.take()) {
-                            self.inner = Some(inner);
-                            parts = Some(lent);
-                        }
-                        continue;
+        async move {
+            // One clock read for both the in-flight bound and the first attempt's lock wait (the
+            // claim does not wait under the default policy; under the others the attempt reads
+            // the clock again after it).
+            let started = Instant::now();
+            // Held until the request ends: duplicates meanwhile follow the in-flight policy.
+            let _running = match self
+                .config
+                .running
+                .claim(&scope, self.config.in_flight)
+                .await
+            {
+                Ok(claim) => claim,
+                Err(rejection) => {
+                    // The request that holds the key may be one more retry of a key completed
+                    // long ago: a completed key is replayed, never answered "in flight". One read,
+                    // without the write lock (the store bounds its wait); failing it, the 409.
+                    if let Ok(Some(record)) = self.store.lookup(&scope, SystemTime::now()).await {
+                        return Ok(self.answer_existing(&scope, record, &fingerprint, wire));
                     }
-                    return Ok(self.store_failure(&scope, error, wire));
-                }
-            };
-            self.inner = inner;
-            parts = spare_parts;
-
-            return match finished {
-                Finished::Committed(parts, body, trailers) => {
-                    tracing::debug!(status = %parts.status, "response saved and committed");
+                    tracing::info!("a request with the same key is running; answered 409");
                     metrics::request(
                         &self.config.metric_keys,
                         &scope.operation,
-                        Outcome::Executed,
+                        Outcome::InFlight,
                     );
-                    Ok(Response::from_parts(
-                        parts,
-                        ResponseBody::full(body, trailers),
-                    ))
-                }
-                // The database threw the work away through no fault of the request's own: a
-                // conflict with a concurrent transaction (PostgreSQL 40001, 40P01), or another
-                // member of its SQLite commit group. Running it again may commit.
-                Finished::CommitFailed(error) if reruns.take(&error, &self.config) => {
-                    tracing::info!(%error, attempt = reruns.attempts(), "transaction thrown away; running again");
-                    continue;
-                }
-                Finished::CommitFailed(error) => {
-                    metrics::rollback(&scope.operation, RollbackReason::CommitFailed);
-                    Ok(self.store_failure(&scope, error, wire))
-                }
-                Finished::RolledBack(reason, answer) => {
-                    metrics::rolled_back(&self.config.metric_keys, &scope.operation, reason);
-                    match answer {
-                        Answer::ServiceError(error) => {
-                            tracing::warn!(
-                                "inner service failed; idempotency transaction rolled back"
-                            );
-                            Err(error)
-                        }
-                        Answer::Reject(rejection) => {
-                            if matches!(rejection, Rejection::HandlerPanicked) {
-                                tracing::error!(
-                                    "handler panicked; idempotency transaction rolled back"
-                                );
-                            } else {
-                                tracing::warn!(%rejection, "response could not be captured; rolled back");
-                            }
-                            Ok(self.reject(&rejection, wire))
-                        }
-                        Answer::Inner(response) => {
-                            tracing::debug!(status = %response.status(), "response not saveable; rolled back");
-                            Ok(response.map(ResponseBody::inner))
-                        }
-                        Answer::Full(parts, body, trailers) => {
-                            tracing::debug!("gRPC status not saveable; rolled back");
-                            Ok(Response::from_parts(
-                                parts,
-                                ResponseBody::full(body, trailers),
-                            ))
-                        }
-                    }
+                    return Ok(self.reject(&rejection, wire));
                 }
             };
+            if let Some(mode) = self.config.steps.clone() {
+                if let Some(parts) = parts.take() {
+                    let checked = Checked {
+                        parts,
+                        body,
+                        scope,
+                        fingerprint,
+                    };
+                    // Boxed: only routes with steps take this path, and unboxed its state would
+                    // size every request's future.
+                    return Box::pin(self.execute_steps(mode, checked, wire, started)).await;
+                }
+            }
+            if self.config.in_flight != crate::InFlight::Wait {
+                // A duplicate on another instance holds the key in the database: the store bounds
+                // that wait too, by what is left of the bound after the wait in this process.
+                let policy = match self.config.in_flight {
+                    crate::InFlight::WaitUpTo(bound) => {
+                        crate::InFlight::WaitUpTo(bound.saturating_sub(started.elapsed()))
+                    }
+                    policy => policy,
+                };
+                self.store = self.store.clone().bound_duplicate_wait(policy);
+            }
+            let now = SystemTime::now();
+            let mut first_started =
+                (self.config.in_flight == crate::InFlight::Wait).then_some(started);
+
+            let mut reruns = Reruns::default();
+            loop {
+                let (Some(mut inner), Some(attempt_parts)) = (self.inner.take(), parts.take())
+                else {
+                    // Only a panic inside a store's `begin_and_run` could lose them.
+                    return Ok(self.reject(&Rejection::HandlerPanicked, wire));
+                };
+                if reruns.attempts() > 0 {
+                    // The service was made ready for the first call only.
+                    std::future::poll_fn(|cx| inner.poll_ready(cx)).await?;
+                }
+                let attempt = Attempt {
+                    body: body.clone(),
+                    scope: scope.clone(),
+                    fingerprint,
+                    now,
+                    config: self.config.clone(),
+                    keep_a_copy: reruns.any_left(&self.config),
+                };
+                // The service and the request head are lent to the work, and taken back here if
+                // the store drops the work without running it (a begin that found a record, or
+                // failed): a failed begin may run again.
+                let lent = Arc::new(std::sync::Mutex::new(Some((inner, attempt_parts))));
+                let lent_to_work = lent.clone();
+                // Everything done while the transaction is open: the store may run it where the
+                // transaction lives (the SQLite store, on its writer thread).
+                let lock_started = first_started.take().unwrap_or_else(Instant::now);
+                let work = move |transaction| attempt.run(lent_to_work, transaction);
+                let lock_timeout = self.config.lock_timeout;
+                let began = if reruns.attempts() == 0 {
+                    // The first attempt starts with the fast path: a completed record, read
+                    // without waiting for the writer.
+                    self.store
+                        .lookup_then_begin_and_run(&scope, lock_timeout, now, work)
+                        .await
+                } else {
+                    self.store
+                        .begin_and_run(&scope, lock_timeout, now, work)
+                        .await
+                };
+                let (inner, spare_parts, finished) = match began {
+                    Ok(RunOutcome::Found { record }) => {
+                        return Ok(self.answer_existing(&scope, record, &fingerprint, wire));
+                    }
+                    Ok(RunOutcome::Existing { record, waited }) => {
+                        metrics::lock_wait(&self.config.metric_keys, &scope.operation, waited);
+                        return Ok(self.answer_existing(&scope, record, &fingerprint, wire));
+                    }
+                    Ok(RunOutcome::Ran { output, waited }) => {
+                        metrics::lock_wait(&self.config.metric_keys, &scope.operation, waited);
+                        output
+                    }
+                    Err(error) => {
+                        // Mostly a lock wait that timed out.
+                        metrics::lock_wait(
+                            &self.config.metric_keys,
+                            &scope.operation,
+                            lock_started.elapsed(),
+                        );
+                        // A duplicate that found its original's record in a commit group which
+                        // was then rolled back: the key is free again.
+                        if reruns.take(&error, &self.config) {
+                            tracing::info!(%error, "the record found was rolled back; running again");
+                            if let Some((inner, lent)) = lent.lock().ok().and_then(|mut l| l.take())
+                            {
+                                self.inner = Some(inner);
+                                parts = Some(lent);
+                            }
+                            continue;
+                        }
+                        return Ok(self.store_failure(&scope, error, wire));
+                    }
+                };
+                self.inner = inner;
+                parts = spare_parts;
+
+                return match finished {
+                    Finished::Committed(parts, body, trailers) => {
+                        tracing::debug!(status = %parts.status, "response saved and committed");
+                        metrics::request(
+                            &self.config.metric_keys,
+                            &scope.operation,
+                            Outcome::Executed,
+                        );
+                        Ok(Response::from_parts(
+                            parts,
+                            ResponseBody::full(body, trailers),
+                        ))
+                    }
+                    // The database threw the work away through no fault of the request's own: a
+                    // conflict with a concurrent transaction (PostgreSQL 40001, 40P01), or another
+                    // member of its SQLite commit group. Running it again may commit.
+                    Finished::CommitFailed(error) if reruns.take(&error, &self.config) => {
+                        tracing::info!(%error, attempt = reruns.attempts(), "transaction thrown away; running again");
+                        continue;
+                    }
+                    Finished::CommitFailed(error) => {
+                        metrics::rollback(&scope.operation, RollbackReason::CommitFailed);
+                        Ok(self.store_failure(&scope, error, wire))
+                    }
+                    Finished::RolledBack(reason, answer) => {
+                        metrics::rolled_back(&self.config.metric_keys, &scope.operation, reason);
+                        match answer {
+                            Answer::ServiceError(error) => {
+                                tracing::warn!(
+                                    "inner service failed; idempotency transaction rolled back"
+                                );
+                                Err(error)
+                            }
+                            Answer::Reject(rejection) => {
+                                if matches!(rejection, Rejection::HandlerPanicked) {
+                                    tracing::error!(
+                                        "handler panicked; idempotency transaction rolled back"
+                                    );
+                                } else {
+                                    tracing::warn!(%rejection, "response could not be captured; rolled back");
+                                }
+                                Ok(self.reject(&rejection, wire))
+                            }
+                            Answer::Inner(response) => {
+                                tracing::debug!(status = %response.status(), "response not saveable; rolled back");
+                                Ok(response.map(ResponseBody::inner))
+                            }
+                            Answer::Full(parts, body, trailers) => {
+                                tracing::debug!("gRPC status not saveable; rolled back");
+                                Ok(Response::from_parts(
+                                    parts,
+                                    ResponseBody::full(body, trailers),
+                                ))
+                            }
+                        }
+                    }
+                };
+            }
         }
     }
 
