@@ -75,18 +75,9 @@ impl SqliteStore {
                     let in_place = store.shared.write_in_place
                         && runtime.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread;
                     let (work, look_up_first) = if in_place {
-                        // Boxed, as are the two branches below: the work (the handler's call)
-                        // runs inside these futures. Unboxed, their largest state would size
-                        // this future, and with it every request's, also while a request only
-                        // waits in the writer's queue.
-                        match Box::pin(store.try_run_in_place(
-                            &scope,
-                            now,
-                            work,
-                            look_up_first,
-                            alone,
-                        ))
-                        .await
+                        match store
+                            .try_run_in_place(&scope, now, work, look_up_first, alone)
+                            .await
                         {
                             InPlace::Done(outcome) => break 'run outcome,
                             InPlace::Queue { work, looked_up } => {
@@ -110,6 +101,10 @@ impl SqliteStore {
                         )
                         .await
                 }
+                // Boxed, as is the work in `try_run_in_place`: the work (the handler's call)
+                // runs inside these futures. Unboxed, their largest state would size this
+                // future, and with it every request's, also while a request only waits in the
+                // writer's queue.
                 (None, false) => {
                     Box::pin(run_after_begin(
                         || store.begin_with(&scope, lock_timeout, now, alone),

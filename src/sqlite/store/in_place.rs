@@ -402,7 +402,9 @@ impl SqliteStore {
         }
         let reservation = SqliteReservation::in_place(shared, scope, generation, writer);
         let tx = reservation.tx.clone();
-        let output = IN_PLACE.scope(tx, work(reservation)).await;
+        // Boxed: allocated only by a request that runs its work here, rather than sizing
+        // every request's future (see `run_on_writer`). A replay found above allocates none.
+        let output = Box::pin(IN_PLACE.scope(tx, work(reservation))).await;
         InPlace::Done(Ok(RunOutcome::Ran {
             output,
             waited: Duration::ZERO,
