@@ -417,15 +417,7 @@ where
                 return match finished {
                     Finished::Committed(parts, body, trailers) => {
                         tracing::debug!(status = %parts.status, "response saved and committed");
-                        metrics::request(
-                            &self.config.metric_keys,
-                            &scope.operation,
-                            Outcome::Executed,
-                        );
-                        Ok(Response::from_parts(
-                            parts,
-                            ResponseBody::full(body, trailers),
-                        ))
+                        Ok(self.executed(&scope, parts, body, trailers))
                     }
                     // The database threw the work away through no fault of the request's own: a
                     // conflict with a concurrent transaction (PostgreSQL 40001, 40P01), or another
@@ -499,6 +491,22 @@ where
             );
             self.reject(&Rejection::KeyReused, wire)
         }
+    }
+
+    /// The answer to a request whose response was saved and committed: counted as executed.
+    fn executed(
+        &self,
+        scope: &Scope,
+        parts: http::response::Parts,
+        body: Bytes,
+        trailers: Option<HeaderMap>,
+    ) -> Response<ResponseBody<ResB>> {
+        metrics::request(
+            &self.config.metric_keys,
+            &scope.operation,
+            Outcome::Executed,
+        );
+        Response::from_parts(parts, ResponseBody::full(body, trailers))
     }
 
     fn store_failure(

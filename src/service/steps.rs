@@ -271,15 +271,7 @@ where
         .await;
         match driven {
             Driven::Saved(parts, body, trailers) => {
-                metrics::request(
-                    &self.config.metric_keys,
-                    &scope.operation,
-                    Outcome::Executed,
-                );
-                Ok(Response::from_parts(
-                    parts,
-                    ResponseBody::full(body, trailers),
-                ))
+                Ok(self.executed(&scope, parts, body, trailers))
             }
             Driven::Answer(Answer::ServiceError(error)) => Err(error),
             Driven::Answer(Answer::Reject(rejection)) => Ok(self.reject(&rejection, wire)),
