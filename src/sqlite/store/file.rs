@@ -152,20 +152,40 @@ impl Writer {
 ///
 /// SQLite keeps writing to a database file that was deleted (or renamed over) while open, and
 /// its commits succeed: every answer from then on would promise what no restart will ever read
-/// again. So the writer refuses to begin or commit while the path names another file, or none.
+/// again. So the writer refuses to commit while the path names another file, or none
+/// ([`check`](Self::check), before every `COMMIT`), and refuses to begin as well
+/// ([`check_before_begin`](Self::check_before_begin)), so that no handler runs for a commit
+/// bound to fail; that early refusal is skipped within [`BEGIN_CHECK_SPARED`] of a check that
+/// passed.
 pub(super) struct DatabaseFile {
     /// The absolute path (so a later change of the working directory does not matter).
     path: PathBuf,
     /// `None` where the file cannot be identified (`:memory:`, URIs, non-Unix systems): not
     /// checked.
     identity: Option<(u64, u64)>,
+    /// When the path last named the file.
+    confirmed: Option<Instant>,
 }
+
+/// How long after a check that passed a `BEGIN` goes without one of its own.
+///
+/// The check before `COMMIT` is what keeps a deleted file from being answered for; the one
+/// before `BEGIN` only spares the work of a transaction that could not commit. A request that
+/// runs alone begins right after the previous one committed: checking again then would cost
+/// each request a second look-up of the path (a `stat`, several microseconds) and tell nothing
+/// new. A file deleted in that moment is refused at the commit, as one deleted while a
+/// transaction is open always is.
+pub(super) const BEGIN_CHECK_SPARED: Duration = Duration::from_millis(100);
 
 impl DatabaseFile {
     pub(super) fn opened(path: &Path) -> Self {
         let path = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
         let identity = Self::identity_of(&path);
-        DatabaseFile { path, identity }
+        DatabaseFile {
+            path,
+            identity,
+            confirmed: None,
+        }
     }
 
     /// Device and inode.
@@ -182,9 +202,21 @@ impl DatabaseFile {
         None
     }
 
-    pub(super) fn check(&self) -> Result<(), Error> {
+    /// Before `BEGIN`: [`check`](Self::check), unless one passed within
+    /// [`BEGIN_CHECK_SPARED`].
+    pub(super) fn check_before_begin(&mut self) -> Result<(), Error> {
+        match self.confirmed {
+            Some(at) if at.elapsed() < BEGIN_CHECK_SPARED => Ok(()),
+            _ => self.check(),
+        }
+    }
+
+    /// Whether the path still names the file the store opened: an error if it names another
+    /// file, or none.
+    pub(super) fn check(&mut self) -> Result<(), Error> {
         match self.identity {
             Some(opened) if Self::identity_of(&self.path) != Some(opened) => {
+                self.confirmed = None;
                 Err(Error::Io(std::io::Error::new(
                     std::io::ErrorKind::NotFound,
                     format!(
@@ -194,7 +226,10 @@ impl DatabaseFile {
                     ),
                 )))
             }
-            _ => Ok(()),
+            _ => {
+                self.confirmed = Some(Instant::now());
+                Ok(())
+            }
         }
     }
 }
@@ -205,4 +240,43 @@ pub(super) fn is_busy(error: &rusqlite::Error) -> bool {
         error.sqlite_error_code(),
         Some(rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked)
     )
+}
+
+#[cfg(all(test, unix))]
+mod tests {
+    use super::*;
+
+    /// A file in a temporary folder (kept while the folder is), opened as the store opens its
+    /// database, and checked once.
+    fn checked_file() -> (tempfile::TempDir, PathBuf, DatabaseFile) {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("store.db");
+        std::fs::write(&path, b"").expect("create the file");
+        let mut file = DatabaseFile::opened(&path);
+        assert!(file.check_before_begin().is_ok(), "never checked: checks");
+        assert!(file.check().is_ok());
+        (dir, path, file)
+    }
+
+    #[test]
+    fn just_after_a_pass_a_begin_goes_unchecked_and_the_commit_refuses() {
+        let (_dir, path, mut file) = checked_file();
+        std::fs::remove_file(&path).expect("delete the file");
+        // Just after a check that passed, the begin goes without one: the commit refuses.
+        assert!(file.check_before_begin().is_ok());
+        assert!(file.check().is_err());
+        // A failed check is no pass: the next begin looks again.
+        assert!(file.check_before_begin().is_err());
+    }
+
+    #[test]
+    fn a_begin_long_after_the_last_pass_checks_again() {
+        let (_dir, path, mut file) = checked_file();
+        // Another file renamed over it (made while the first exists: another inode).
+        let other = path.with_extension("other");
+        std::fs::write(&other, b"").expect("another file");
+        std::fs::rename(&other, &path).expect("rename it over the first");
+        file.confirmed = Instant::now().checked_sub(BEGIN_CHECK_SPARED);
+        assert!(file.check_before_begin().is_err());
+    }
 }

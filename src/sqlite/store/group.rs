@@ -67,7 +67,7 @@ impl Writer {
         }
         if self.group.is_none() || self.conn.is_autocommit() {
             self.abort_group("the group transaction ended unexpectedly");
-            self.file.check()?;
+            self.file.check_before_begin()?;
             self.give_way();
             self.set_busy_wait(busy_wait);
             let begun = self.control(|conn| {
