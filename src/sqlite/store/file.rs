@@ -175,7 +175,7 @@ pub(super) struct DatabaseFile {
 /// each request a second look-up of the path (a `stat`, several microseconds) and tell nothing
 /// new. A file deleted in that moment is refused at the commit, as one deleted while a
 /// transaction is open always is.
-pub(super) const BEGIN_CHECK_SPARED: Duration = Duration::from_millis(100);
+const BEGIN_CHECK_SPARED: Duration = Duration::from_millis(100);
 
 impl DatabaseFile {
     pub(super) fn opened(path: &Path) -> Self {
