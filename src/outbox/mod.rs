@@ -42,6 +42,8 @@ pub use relay::{Relay, RoundReport};
 pub use sink::{sink_fn, HttpSink, Permanent, SinkFn, EVENT_TOPIC};
 
 /// The id of an outbox event: a UUID v7 (time-ordered), unique across processes and databases.
+/// The SQLite store's ids carry the event's row number in the bits after the time (and 30
+/// random bits), which is how it finds an event without an index on the id.
 ///
 /// It travels with every delivery (as `Idempotency-Key` over HTTP) and stays the same across
 /// redeliveries, which is what lets a receiver drop duplicates.
@@ -55,11 +57,57 @@ impl EventId {
         EventId(Arc::from(uuid::Uuid::now_v7().to_string()))
     }
 
+    /// A new id that carries `number`, the event's row in a store that finds events by it
+    /// (SQLite's `seq`); `None` from [`MAX_EVENT_NUMBER`] (2^44) on.
+    ///
+    /// A UUIDv7 still: the 74 bits after its time hold the number in their first 44 and random
+    /// bits in the other 30, so one store's ids are ordered by their creation (the time, then
+    /// the number), and two ids are alike only if their time, number and random bits are (a
+    /// chance of one in 2^30 for two events given the same number in the same millisecond,
+    /// in two stores).
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+    pub(crate) fn numbered(number: u64) -> Option<Self> {
+        if number >= MAX_EVENT_NUMBER {
+            return None;
+        }
+        let time_and_random = uuid::Uuid::now_v7().as_u128();
+        let bits = (time_and_random & !((1u128 << 80) - 1))
+            | (0x7 << 76)
+            | (u128::from(number >> NUMBER_LOW_BITS) << 64)
+            | (0b10 << 62)
+            | (u128::from(number & ((1 << NUMBER_LOW_BITS) - 1)) << NUMBER_RANDOM_BITS)
+            | (time_and_random & ((1 << NUMBER_RANDOM_BITS) - 1));
+        Some(EventId(Arc::from(uuid::Uuid::from_u128(bits).to_string())))
+    }
+
+    /// The number a [`numbered`](Self::numbered) id carries; `None` for text that is not a
+    /// UUIDv7. Any other UUIDv7 gives a number too (its bits), which names no event or another
+    /// one: a store that finds events by number compares the id as well.
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+    pub(crate) fn number_of(id: &str) -> Option<u64> {
+        let uuid = uuid::Uuid::try_parse(id).ok()?;
+        if uuid.get_version_num() != 7 || uuid.get_variant() != uuid::Variant::RFC4122 {
+            return None;
+        }
+        let bits = uuid.as_u128();
+        let high = ((bits >> 64) & 0xfff) as u64;
+        let low = ((bits >> NUMBER_RANDOM_BITS) & ((1 << NUMBER_LOW_BITS) - 1)) as u64;
+        Some((high << NUMBER_LOW_BITS) | low)
+    }
+
     /// The id as text.
     pub fn as_str(&self) -> &str {
         &self.0
     }
 }
+
+/// The numbers a [`EventId::numbered`] id can carry: below 2^44.
+#[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+pub(crate) const MAX_EVENT_NUMBER: u64 = 1 << 44;
+/// The bits of a number in the UUID's `rand_b` (its top 12 are `rand_a`).
+const NUMBER_LOW_BITS: u32 = 32;
+/// The random bits below them.
+const NUMBER_RANDOM_BITS: u32 = 30;
 
 impl From<String> for EventId {
     /// An id given as text: read back from a store, or received with a delivery.
@@ -533,6 +581,43 @@ mod tests {
             uuid::Uuid::parse_str(first.as_str()).map(|u| u.get_version_num()),
             Ok(7)
         );
+    }
+
+    #[test]
+    fn a_numbered_id_is_a_uuid_v7_that_gives_its_number_back() {
+        for number in [
+            0,
+            1,
+            4095,
+            4096,
+            (1 << 32) - 1,
+            1 << 32,
+            MAX_EVENT_NUMBER - 1,
+        ] {
+            let id = EventId::numbered(number).expect("a number below the maximum");
+            let uuid = uuid::Uuid::parse_str(id.as_str()).expect("a UUID");
+            assert_eq!(uuid.get_version_num(), 7, "{id}");
+            assert_eq!(uuid.get_variant(), uuid::Variant::RFC4122, "{id}");
+            assert_eq!(EventId::number_of(id.as_str()), Some(number), "{id}");
+        }
+        assert!(EventId::numbered(MAX_EVENT_NUMBER).is_none());
+        assert_eq!(EventId::number_of("not a uuid"), None);
+        let v4 = uuid::Uuid::from_u128(0x1234_5678_9abc_4def_8123_4567_89ab_cdef);
+        assert_eq!(EventId::number_of(&v4.to_string()), None);
+    }
+
+    #[test]
+    fn numbered_ids_are_ordered_by_their_creation_and_unique() {
+        let ids: Vec<EventId> = (1..=1000)
+            .map(|n| EventId::numbered(n).expect("a small number"))
+            .collect();
+        assert!(ids.windows(2).all(|pair| pair[0] < pair[1]));
+        // The same number twice: told apart by the time or the random bits.
+        let again: Vec<EventId> = (0..100)
+            .map(|_| EventId::numbered(7).expect("a small number"))
+            .collect();
+        let distinct: std::collections::HashSet<&EventId> = again.iter().collect();
+        assert_eq!(distinct.len(), again.len());
     }
 
     #[test]

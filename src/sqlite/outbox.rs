@@ -28,16 +28,23 @@ use crate::store::to_unix_millis;
 /// `available_at` is when the event is next due. A claim moves it to the end of the lease, so
 /// "due" covers both new events and claims whose relay died: one index serves the claim.
 ///
-/// `seq` is the rowid without `AUTOINCREMENT`: SQLite gives a new row the largest `seq` in the
-/// table plus one, so an event's `seq` is above every event still stored, and "oldest first"
-/// (claims, dead letters) holds as before. A `seq` is never held beyond one transaction (a claim
-/// sorts by it in place; events are named by `event_id`), so the reuse of a deleted largest
-/// `seq` is harmless, and skipping `sqlite_sequence` saves a page (a WAL frame) per event.
-/// A file created before keeps its `AUTOINCREMENT` table, which works the same.
+/// `seq` is the rowid without `AUTOINCREMENT`: a new event takes the largest `seq` in the
+/// table plus one, so its `seq` is above every event still stored, and "oldest first" (claims,
+/// dead letters) holds. Skipping `sqlite_sequence` saves a page (a WAL frame) per event.
+///
+/// An event's id carries its `seq` ([`EventId::numbered`]), and the store finds an event by
+/// that number, comparing the id too: `event_id` needs no index of its own, which saves
+/// another page per event. A largest `seq` freed by a rollback or a purge may be taken again,
+/// by an event whose id differs in its time (and its random bits): the old id finds nothing.
+/// A table holds numbers below 2^44 over its life; an enqueue past that fails.
+///
+/// A file created before keeps its table, with a unique index on `event_id` (and
+/// `AUTOINCREMENT` in an older one): new events get numbered ids, and an id from before,
+/// which carries no number, is found through that index.
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS outbox_events (
     seq          INTEGER PRIMARY KEY,
-    event_id     TEXT    NOT NULL UNIQUE,
+    event_id     TEXT    NOT NULL,
     topic        TEXT    NOT NULL,
     payload      TEXT    NOT NULL,
     status       TEXT    NOT NULL DEFAULT 'pending'
@@ -96,13 +103,23 @@ impl Outbox<SqliteStore> {
         topic: &str,
         payload: &serde_json::Value,
     ) -> rusqlite::Result<EventId> {
-        let id = EventId::generate();
+        let seq: i64 = conn
+            .prepare_cached("SELECT coalesce(max(seq), 0) + 1 FROM outbox_events")?
+            .query_row([], |row| row.get(0))?;
+        let id = u64::try_from(seq)
+            .ok()
+            .and_then(EventId::numbered)
+            .ok_or_else(|| {
+                rusqlite::Error::ToSqlConversionFailure(
+                    format!("outbox_events: no event number left (the next would be {seq})").into(),
+                )
+            })?;
         let now = to_unix_millis(SystemTime::now());
         conn.prepare_cached(
-            "INSERT INTO outbox_events (event_id, topic, payload, status, attempts, available_at, \
-             created_at) VALUES (?1, ?2, ?3, 'pending', 0, ?4, ?4)",
+            "INSERT INTO outbox_events (seq, event_id, topic, payload, status, attempts, \
+             available_at, created_at) VALUES (?1, ?2, ?3, ?4, 'pending', 0, ?5, ?5)",
         )?
-        .execute(params![id.as_str(), topic, payload.to_string(), now])?;
+        .execute(params![seq, id.as_str(), topic, payload.to_string(), now])?;
         Ok(id)
     }
 }
@@ -189,44 +206,42 @@ impl OutboxStore for SqliteStore {
         let now = to_unix_millis(SystemTime::now());
         self.write(move |tx| {
             for settlement in &settlements {
+                let (Settlement::Delivered { id }
+                | Settlement::Retry { id, .. }
+                | Settlement::Dead { id, .. }) = settlement;
+                let Some(seq) = event_seq(tx, id.as_str())? else {
+                    continue;
+                };
                 match settlement {
                     // Recorded whoever holds the claim now: the sink accepted the event,
                     // and that stays true.
-                    Settlement::Delivered { id } => tx
+                    Settlement::Delivered { .. } => tx
                         .prepare_cached(
                             "UPDATE outbox_events SET status = 'delivered', \
                                  delivered_at = ?2, lease_owner = NULL, last_error = NULL \
-                                 WHERE event_id = ?1 AND status = 'pending'",
+                                 WHERE seq = ?1 AND status = 'pending'",
                         )?
-                        .execute(params![id.as_str(), now])?,
+                        .execute(params![seq, now])?,
                     // Only under our own claim: if it ran out and another relay claimed
                     // the event, that relay decides what happens next.
                     Settlement::Retry {
-                        id,
-                        token,
-                        at,
-                        error,
+                        token, at, error, ..
                     } => tx
                         .prepare_cached(
                             "UPDATE outbox_events SET available_at = ?3, \
                                  lease_owner = NULL, last_error = ?4 \
-                                 WHERE event_id = ?1 AND lease_owner = ?2 \
+                                 WHERE seq = ?1 AND lease_owner = ?2 \
                                  AND status = 'pending'",
                         )?
-                        .execute(params![
-                            id.as_str(),
-                            token.as_str(),
-                            to_unix_millis(*at),
-                            error
-                        ])?,
-                    Settlement::Dead { id, token, error } => tx
+                        .execute(params![seq, token.as_str(), to_unix_millis(*at), error])?,
+                    Settlement::Dead { token, error, .. } => tx
                         .prepare_cached(
                             "UPDATE outbox_events SET status = 'dead', \
                                  lease_owner = NULL, last_error = ?3 \
-                                 WHERE event_id = ?1 AND lease_owner = ?2 \
+                                 WHERE seq = ?1 AND lease_owner = ?2 \
                                  AND status = 'pending'",
                         )?
-                        .execute(params![id.as_str(), token.as_str(), error])?,
+                        .execute(params![seq, token.as_str(), error])?,
                 };
             }
             Ok(())
@@ -262,9 +277,12 @@ impl OutboxBackend for SqliteStore {
         let now = to_unix_millis(SystemTime::now());
         let raw = self
             .read(move |conn| {
+                let Some(seq) = event_seq(conn, &id)? else {
+                    return Ok(None);
+                };
                 conn.query_row(
-                    &format!("SELECT {EVENT_COLUMNS} FROM outbox_events WHERE event_id = ?1"),
-                    [id],
+                    &format!("SELECT {EVENT_COLUMNS} FROM outbox_events WHERE seq = ?1"),
+                    [seq],
                     |row| RawEvent::read(row),
                 )
                 .optional()
@@ -320,14 +338,18 @@ impl OutboxBackend for SqliteStore {
 
     async fn requeue(&self, id: &str) -> Result<bool, Error> {
         let now = to_unix_millis(SystemTime::now());
-        let changed = write_counted(
-            self,
-            "UPDATE outbox_events SET status = 'pending', attempts = 0, \
-             available_at = ?2, lease_owner = NULL \
-             WHERE event_id = ?1 AND status = 'dead'",
-            (id.to_owned(), now),
-        )
-        .await?;
+        let id = id.to_owned();
+        let changed = self
+            .write(move |tx| match event_seq(tx, &id)? {
+                Some(seq) => tx.execute(
+                    "UPDATE outbox_events SET status = 'pending', attempts = 0, \
+                     available_at = ?2, lease_owner = NULL \
+                     WHERE seq = ?1 AND status = 'dead'",
+                    params![seq, now],
+                ),
+                None => Ok(0),
+            })
+            .await?;
         Ok(changed > 0)
     }
 
@@ -443,6 +465,36 @@ impl InboxBackend for SqliteStore {
     }
 }
 
+/// The `seq` of the event named `id`, if it is stored: the row its number names, if that row
+/// has this id (see [`SCHEMA`]); failing that, in a table created before numbered ids, the row
+/// its unique index on `event_id` finds (an id from before carries no number). In a table
+/// created since, no index on `event_id` is there, and an id that names no row by its number
+/// names none at all.
+fn event_seq(conn: &Connection, id: &str) -> rusqlite::Result<Option<i64>> {
+    if let Some(number) = EventId::number_of(id).and_then(|number| i64::try_from(number).ok()) {
+        let found = conn
+            .prepare_cached("SELECT seq FROM outbox_events WHERE seq = ?1 AND event_id = ?2")?
+            .query_row(params![number, id], |row| row.get(0))
+            .optional()?;
+        if found.is_some() {
+            return Ok(found);
+        }
+    }
+    let indexed: bool = conn
+        .prepare_cached(
+            "SELECT EXISTS (SELECT 1 FROM pragma_index_list('outbox_events') AS list, \
+             pragma_index_info(list.name) AS info \
+             WHERE info.seqno = 0 AND info.name = 'event_id')",
+        )?
+        .query_row([], |row| row.get(0))?;
+    if !indexed {
+        return Ok(None);
+    }
+    conn.prepare_cached("SELECT seq FROM outbox_events WHERE event_id = ?1")?
+        .query_row([id], |row| row.get(0))
+        .optional()
+}
+
 /// A count or a limit as SQLite's integer (saturating).
 fn limit(value: usize) -> i64 {
     i64::try_from(value).unwrap_or(i64::MAX)
@@ -469,4 +521,173 @@ fn record_id(conn: &Connection, consumer: &str, event_id: &str) -> rusqlite::Res
             to_unix_millis(SystemTime::now())
         ])?;
     Ok(receipt(inserted as u64))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::outbox::{EventStatus, LeaseToken};
+
+    /// An old-style `outbox_events`: a unique index on `event_id`, `AUTOINCREMENT`.
+    const OLD_SCHEMA: &str = "
+CREATE TABLE outbox_events (
+    seq          INTEGER PRIMARY KEY AUTOINCREMENT,
+    event_id     TEXT    NOT NULL UNIQUE,
+    topic        TEXT    NOT NULL,
+    payload      TEXT    NOT NULL,
+    status       TEXT    NOT NULL DEFAULT 'pending'
+                         CHECK (status IN ('pending', 'delivered', 'dead')),
+    attempts     INTEGER NOT NULL DEFAULT 0,
+    available_at INTEGER NOT NULL,
+    lease_owner  TEXT,
+    last_error   TEXT,
+    created_at   INTEGER NOT NULL,
+    delivered_at INTEGER
+);
+CREATE INDEX outbox_events_due ON outbox_events (status, available_at);
+";
+
+    async fn store(old: bool) -> (tempfile::TempDir, SqliteStore, Outbox<SqliteStore>) {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let store = SqliteStore::open(dir.path().join("outbox.db"))
+            .await
+            .expect("open");
+        if old {
+            store
+                .write(|tx| tx.execute_batch(OLD_SCHEMA))
+                .await
+                .expect("old schema");
+        }
+        let outbox = Outbox::install(&store).await.expect("install");
+        (dir, store, outbox)
+    }
+
+    async fn enqueue(store: &SqliteStore, n: i64) -> EventId {
+        store
+            .write(move |tx| {
+                Outbox::<SqliteStore>::enqueue_in(tx, "t", &serde_json::json!({ "n": n }))
+            })
+            .await
+            .expect("enqueue")
+    }
+
+    /// Claims everything due, then settles the first event delivered and the second dead.
+    async fn claim_and_settle(store: &SqliteStore) -> Vec<EventId> {
+        let token = LeaseToken::new("relay");
+        let claimed = store
+            .claim(ClaimRequest {
+                token: token.clone(),
+                batch: 10,
+                lease: Duration::from_secs(30),
+                max_attempts: 5,
+                now: SystemTime::now(),
+            })
+            .await
+            .expect("claim");
+        let ids: Vec<EventId> = claimed.events.iter().map(|e| e.id().clone()).collect();
+        store
+            .settle(vec![
+                Settlement::Delivered { id: ids[0].clone() },
+                Settlement::Dead {
+                    id: ids[1].clone(),
+                    token,
+                    error: "no".into(),
+                },
+            ])
+            .await
+            .expect("settle");
+        ids
+    }
+
+    #[tokio::test]
+    async fn events_are_found_by_the_number_their_id_carries_without_an_index_on_it() {
+        let (_dir, store, outbox) = store(false).await;
+        let indexed: bool = store
+            .read(|conn| {
+                conn.query_row(
+                    "SELECT EXISTS (SELECT 1 FROM pragma_index_list('outbox_events') AS list, \
+                     pragma_index_info(list.name) AS info WHERE info.name = 'event_id')",
+                    [],
+                    |row| row.get(0),
+                )
+            })
+            .await
+            .expect("index list");
+        assert!(!indexed, "no index holds event_id");
+        let first = enqueue(&store, 1).await;
+        let second = enqueue(&store, 2).await;
+        assert_eq!(EventId::number_of(first.as_str()), Some(1));
+        assert_eq!(EventId::number_of(second.as_str()), Some(2));
+        assert_eq!(
+            claim_and_settle(&store).await,
+            vec![first.clone(), second.clone()]
+        );
+        let info = outbox.event(first.as_str()).await.expect("event");
+        assert_eq!(info.map(|e| e.status), Some(EventStatus::Delivered));
+        assert!(outbox.requeue(second.as_str()).await.expect("requeue"));
+        let info = outbox.event(second.as_str()).await.expect("event");
+        assert_eq!(info.map(|e| e.status), Some(EventStatus::Pending));
+
+        // An id with a stored event's number but another time names nothing; nor does text
+        // that is no id.
+        let other = EventId::numbered(1).expect("a number");
+        assert_ne!(other, first);
+        assert!(outbox.event(other.as_str()).await.expect("event").is_none());
+        assert!(!outbox.requeue(other.as_str()).await.expect("requeue"));
+        assert!(outbox.event("no such id").await.expect("event").is_none());
+
+        // The largest number, freed by a purge, is taken again under a new id.
+        store
+            .write(move |tx| tx.execute("DELETE FROM outbox_events WHERE seq = 2", []))
+            .await
+            .expect("delete");
+        let third = enqueue(&store, 3).await;
+        assert_eq!(EventId::number_of(third.as_str()), Some(2));
+        assert_ne!(third, second);
+        assert!(outbox
+            .event(second.as_str())
+            .await
+            .expect("event")
+            .is_none());
+        assert!(outbox.event(third.as_str()).await.expect("event").is_some());
+    }
+
+    #[tokio::test]
+    async fn a_table_from_before_finds_its_old_ids_by_their_index_and_numbers_new_ones() {
+        let (_dir, store, outbox) = store(true).await;
+        // Two events written as before: random UUIDv7 ids, numbered by AUTOINCREMENT.
+        let old: Vec<EventId> = (0..2).map(|_| EventId::generate()).collect();
+        let rows = old.clone();
+        store
+            .write(move |tx| {
+                for id in &rows {
+                    tx.execute(
+                        "INSERT INTO outbox_events (event_id, topic, payload, available_at, \
+                         created_at) VALUES (?1, 't', '{}', 0, 0)",
+                        [id.as_str()],
+                    )?;
+                }
+                Ok(())
+            })
+            .await
+            .expect("old events");
+        let new = enqueue(&store, 3).await;
+        assert_eq!(EventId::number_of(new.as_str()), Some(3));
+        assert_eq!(claim_and_settle(&store).await[..2], old[..]);
+        let status = |id: EventId| {
+            let outbox = outbox.clone();
+            async move {
+                outbox
+                    .event(id.as_str())
+                    .await
+                    .expect("event")
+                    .map(|e| e.status)
+            }
+        };
+        assert_eq!(status(old[0].clone()).await, Some(EventStatus::Delivered));
+        assert_eq!(status(old[1].clone()).await, Some(EventStatus::Dead));
+        assert_eq!(status(new.clone()).await, Some(EventStatus::InFlight));
+        assert!(outbox.requeue(old[1].as_str()).await.expect("requeue"));
+        assert_eq!(status(old[1].clone()).await, Some(EventStatus::Pending));
+    }
 }
