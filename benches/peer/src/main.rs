@@ -10,8 +10,14 @@
 //! `Authorization`) writes the session and answers its cookie, which every order request then
 //! sends.
 //!
+//! With `--minimal` it is the other baseline instead: no middleware, and the handler in the
+//! style of the article the crate's contract comes from, which keeps its own `(tenant, key,
+//! payload, status, body)` table: in one `BEGIN IMMEDIATE` transaction it looks the key up
+//! (a stored answer is replayed, or `409` for another payload), else inserts the order, its
+//! event and that row. No session, no cookie.
+//!
 //! ```text
-//! peer [--addr 127.0.0.1:3001] [--db peer.db] [--store moka | --store redis://127.0.0.1:6380]
+//! peer [--addr 127.0.0.1:3001] [--db peer.db] [--store moka | --store redis://127.0.0.1:6380 | --minimal]
 //! ```
 //!
 //! Prints `listening on http://ADDR` first, as the `orders` example does.
@@ -53,6 +59,17 @@ CREATE TABLE IF NOT EXISTS order_events (
     payload TEXT NOT NULL
 );";
 
+/// `--minimal`: the table the article's handler keeps its answers in.
+const MINIMAL_SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS idempotency (
+    tenant  TEXT    NOT NULL,
+    key     TEXT    NOT NULL,
+    payload BLOB    NOT NULL,
+    status  INTEGER NOT NULL,
+    body    BLOB    NOT NULL,
+    PRIMARY KEY (tenant, key)
+);";
+
 /// The one SQLite connection every write goes through (SQLite has one writer at a time).
 type Db = Arc<Mutex<Connection>>;
 
@@ -75,8 +92,9 @@ fn parse_args() -> Result<Args, String> {
             "--addr" => args.addr = value()?,
             "--db" => args.db = value()?.into(),
             "--store" => args.store = value()?,
+            "--minimal" => args.store = "minimal".into(),
             "-h" | "--help" => return Err(
-                "usage: peer [--addr ADDR] [--db PATH] [--store moka | --store redis://HOST:PORT]"
+                "usage: peer [--addr ADDR] [--db PATH] [--store moka | --store redis://HOST:PORT | --minimal]"
                     .into(),
             ),
             other => return Err(format!("unknown flag {other}")),
@@ -103,9 +121,12 @@ async fn run() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     conn.pragma_update(None, "journal_mode", "WAL")?;
     conn.pragma_update(None, "synchronous", "FULL")?;
     conn.execute_batch(SCHEMA)?;
+    conn.execute_batch(MINIMAL_SCHEMA)?;
     let db: Db = Arc::new(Mutex::new(conn));
 
-    let app = if args.store == "moka" {
+    let app = if args.store == "minimal" {
+        minimal_app(db)
+    } else if args.store == "moka" {
         app(Arc::new(MokaStore::builder().build()), db)
     } else if args.store.starts_with("redis://") {
         let mut builder = Builder::from_config(Config::from_url(&args.store)?);
@@ -153,6 +174,126 @@ fn app<T: SessionStore>(store: Arc<T>, db: Db) -> Router {
         )
         .layer(CookieManagerLayer::new())
         .with_state(db)
+}
+
+/// `--minimal`: the order API with the article's handler and no middleware but the
+/// authentication.
+fn minimal_app(db: Db) -> Router {
+    Router::new()
+        .route("/orders", post(create_order_minimal))
+        .route("/orders/{id}", get(get_order))
+        .layer(middleware::from_fn(authenticate))
+        .with_state(db)
+}
+
+/// What the article's handler answers a key with.
+enum Answer {
+    Created(i64),
+    Replay(u16, Vec<u8>),
+    KeyReused,
+}
+
+/// `POST /orders` without middleware: validates like the `orders` example, then
+/// [`minimal_transaction`].
+async fn create_order_minimal(
+    State(db): State<Db>,
+    Extension(Tenant(tenant)): Extension<Tenant>,
+    headers: axum::http::HeaderMap,
+    body: Bytes,
+) -> Response {
+    let Some(key) = headers
+        .get("idempotency-key")
+        .and_then(|value| value.to_str().ok())
+        .filter(|key| (1..=128).contains(&key.len()))
+        .map(str::to_owned)
+    else {
+        return error(StatusCode::BAD_REQUEST, "invalid_key_or_sku");
+    };
+    let (sku, quantity) = match parse_order(&body) {
+        Ok(order) => order,
+        Err(code) => return error(StatusCode::BAD_REQUEST, code),
+    };
+    let answered = tokio::task::spawn_blocking(move || {
+        let mut conn = db
+            .lock()
+            .map_err(|_| "database lock poisoned".to_string())?;
+        minimal_transaction(&mut conn, tenant, &key, &body, &sku, quantity)
+            .map_err(|e| e.to_string())
+    })
+    .await;
+    match answered {
+        Ok(Ok(Answer::Created(order_id))) => created(order_id),
+        Ok(Ok(Answer::Replay(status, body))) => (
+            StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+            [(axum::http::header::CONTENT_TYPE, "application/json")],
+            body,
+        )
+            .into_response(),
+        Ok(Ok(Answer::KeyReused)) => error(StatusCode::CONFLICT, "idempotency_key_reused"),
+        Ok(Err(err)) => {
+            eprintln!("inserting the order: {err}");
+            error(StatusCode::INTERNAL_SERVER_ERROR, "internal_error")
+        }
+        Err(err) => {
+            eprintln!("inserting the order: {err}");
+            error(StatusCode::INTERNAL_SERVER_ERROR, "internal_error")
+        }
+    }
+}
+
+/// The article's transaction: look `(tenant, key)` up; a stored answer is replayed if the
+/// payload is the same; else the order, its event and the answer, committed together.
+fn minimal_transaction(
+    conn: &mut Connection,
+    tenant: &str,
+    key: &str,
+    payload: &[u8],
+    sku: &str,
+    quantity: i64,
+) -> rusqlite::Result<Answer> {
+    let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+    let stored = tx
+        .prepare_cached(
+            "SELECT payload, status, body FROM idempotency WHERE tenant = ?1 AND key = ?2",
+        )?
+        .query_row((tenant, key), |row| {
+            Ok((
+                row.get::<_, Vec<u8>>(0)?,
+                row.get::<_, u16>(1)?,
+                row.get::<_, Vec<u8>>(2)?,
+            ))
+        })
+        .optional()?;
+    if let Some((stored_payload, status, body)) = stored {
+        return Ok(if stored_payload == payload {
+            Answer::Replay(status, body)
+        } else {
+            Answer::KeyReused
+        });
+    }
+    tx.prepare_cached("INSERT INTO orders (tenant_id, sku, quantity) VALUES (?1, ?2, ?3)")?
+        .execute((tenant, sku, quantity))?;
+    let order_id = tx.last_insert_rowid();
+    let event = json!({ "order_id": order_id, "tenant": tenant, "sku": sku, "quantity": quantity });
+    tx.prepare_cached("INSERT INTO order_events (topic, payload) VALUES ('order_created', ?1)")?
+        .execute([event.to_string()])?;
+    let body = json!({ "order_id": order_id }).to_string();
+    tx.prepare_cached(
+        "INSERT INTO idempotency (tenant, key, payload, status, body) VALUES (?1, ?2, ?3, 201, ?4)",
+    )?
+    .execute((tenant, key, payload, body.as_bytes()))?;
+    tx.commit()?;
+    Ok(Answer::Created(order_id))
+}
+
+/// A new order's `201`, as the `orders` example answers it.
+fn created(order_id: i64) -> Response {
+    (
+        StatusCode::CREATED,
+        [(LOCATION, format!("/orders/{order_id}"))],
+        Json(json!({ "order_id": order_id })),
+    )
+        .into_response()
 }
 
 /// The `orders` example's demo authentication: a fixed token per tenant.
@@ -210,12 +351,7 @@ async fn create_order(
     })
     .await;
     match written {
-        Ok(Ok(order_id)) => (
-            StatusCode::CREATED,
-            [(LOCATION, format!("/orders/{order_id}"))],
-            Json(json!({ "order_id": order_id })),
-        )
-            .into_response(),
+        Ok(Ok(order_id)) => created(order_id),
         Ok(Err(err)) => {
             eprintln!("inserting the order: {err}");
             error(StatusCode::INTERNAL_SERVER_ERROR, "internal_error")
