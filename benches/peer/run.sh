@@ -76,10 +76,12 @@ tick_us=$((1000000 / $(getconf CLK_TCK)))
 # measure SCRIPT CONNECTIONS: prints requests/s and the server's CPU per request in us (and
 # warns of any non-2xx answer).
 measure() {
-  local script=$1 c=$2 threads=1 out before after
+  local script=$1 c=$2 threads=1 out before after prefix=()
   ((c > 1)) && threads=2
+  # New keys get a prefix of the run's own; replays use the keys `start` created.
+  [[ $script == new_keys.lua ]] && prefix=(KEY_PREFIX="new-$RANDOM$RANDOM")
   before=$(ticks)
-  out=$(COOKIE=$COOKIE KEYS=$keys KEY_PREFIX="${script%.lua}-$RANDOM$RANDOM" \
+  out=$(env COOKIE="$COOKIE" KEYS=$keys "${prefix[@]}" \
     wrk -t"$threads" -c"$c" -d"${duration}s" -s "$here/wrk/$script" "http://$ADDR" 2>&1)
   after=$(ticks)
   if grep -q 'Non-2xx' <<<"$out"; then
