@@ -77,6 +77,12 @@ impl Outbox<SqliteStore> {
     /// Use it to write an order and its event in one closure; [`Enqueue::enqueue`] on the handle
     /// does the same in a call of its own.
     ///
+    /// It reads the outbox's largest event number before it writes (the new event's id
+    /// carries the next one), so on a connection of your own call it in a write transaction
+    /// (`BEGIN IMMEDIATE`, as the store's own are): in a deferred one, another writer's event
+    /// committed in between fails the insert with `SQLITE_BUSY`, and the transaction must
+    /// begin again.
+    ///
     /// ```no_run
     /// # async fn run() -> Result<(), tower_idempotency::Error> {
     /// use serde_json::json;
