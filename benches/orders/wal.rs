@@ -285,15 +285,10 @@ CREATE TABLE events (
     id      INTEGER PRIMARY KEY,
     topic   TEXT NOT NULL,
     payload TEXT NOT NULL
-);
-CREATE TABLE idempotency (
-    tenant  TEXT    NOT NULL,
-    key     TEXT    NOT NULL,
-    payload BLOB    NOT NULL,
-    status  INTEGER NOT NULL,
-    body    BLOB    NOT NULL,
-    PRIMARY KEY (tenant, key)
 );";
+
+/// M's answers, the table `peer --minimal` keeps them in too.
+const MINIMAL_IDEMPOTENCY: &str = include_str!("../peer/minimal_idempotency.sql");
 
 /// M: the minimal handler's transaction for one request; `true` if it created the order.
 fn minimal_transaction(conn: &mut Connection, key: &str, payload: &[u8]) -> rusqlite::Result<bool> {
@@ -328,6 +323,7 @@ fn count_minimal(warm: u64, counted: u64) -> Result<Count, BoxError> {
     let db = dir.path().join("minimal.db");
     let mut conn = open_connection(&db, Mode::Full)?;
     conn.execute_batch(MINIMAL_SCHEMA)?;
+    conn.execute_batch(MINIMAL_IDEMPOTENCY)?;
     let payload = br#"{"sku":"book","quantity":1}"#;
     let mut write = |from: u64, to: u64| -> Result<(), BoxError> {
         for n in from..to {

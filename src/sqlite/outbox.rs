@@ -534,24 +534,24 @@ mod tests {
     use super::*;
     use crate::outbox::{EventStatus, LeaseToken};
 
-    /// An old-style `outbox_events`: a unique index on `event_id`, `AUTOINCREMENT`.
-    const OLD_SCHEMA: &str = "
-CREATE TABLE outbox_events (
-    seq          INTEGER PRIMARY KEY AUTOINCREMENT,
-    event_id     TEXT    NOT NULL UNIQUE,
-    topic        TEXT    NOT NULL,
-    payload      TEXT    NOT NULL,
-    status       TEXT    NOT NULL DEFAULT 'pending'
-                         CHECK (status IN ('pending', 'delivered', 'dead')),
-    attempts     INTEGER NOT NULL DEFAULT 0,
-    available_at INTEGER NOT NULL,
-    lease_owner  TEXT,
-    last_error   TEXT,
-    created_at   INTEGER NOT NULL,
-    delivered_at INTEGER
-);
-CREATE INDEX outbox_events_due ON outbox_events (status, available_at);
-";
+    /// `outbox_events` as created before: a unique index on `event_id`, and `AUTOINCREMENT`
+    /// (the other columns and the due index are as today's).
+    fn old_schema() -> String {
+        let old = SCHEMA
+            .replace(
+                "seq          INTEGER PRIMARY KEY,",
+                "seq INTEGER PRIMARY KEY AUTOINCREMENT,",
+            )
+            .replace(
+                "event_id     TEXT    NOT NULL,",
+                "event_id TEXT NOT NULL UNIQUE,",
+            );
+        assert_ne!(
+            old, SCHEMA,
+            "the columns to change are where the old schema expects"
+        );
+        old
+    }
 
     async fn store(old: bool) -> (tempfile::TempDir, SqliteStore, Outbox<SqliteStore>) {
         let dir = tempfile::tempdir().expect("temp dir");
@@ -560,7 +560,7 @@ CREATE INDEX outbox_events_due ON outbox_events (status, available_at);
             .expect("open");
         if old {
             store
-                .write(|tx| tx.execute_batch(OLD_SCHEMA))
+                .write(|tx| tx.execute_batch(&old_schema()))
                 .await
                 .expect("old schema");
         }

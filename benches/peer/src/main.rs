@@ -59,16 +59,9 @@ CREATE TABLE IF NOT EXISTS order_events (
     payload TEXT NOT NULL
 );";
 
-/// `--minimal`: the table the article's handler keeps its answers in.
-const MINIMAL_SCHEMA: &str = "
-CREATE TABLE IF NOT EXISTS idempotency (
-    tenant  TEXT    NOT NULL,
-    key     TEXT    NOT NULL,
-    payload BLOB    NOT NULL,
-    status  INTEGER NOT NULL,
-    body    BLOB    NOT NULL,
-    PRIMARY KEY (tenant, key)
-);";
+/// `--minimal`: the table the article's handler keeps its answers in (shared with the WAL
+/// count of `benches/orders`).
+const MINIMAL_SCHEMA: &str = include_str!("../minimal_idempotency.sql");
 
 /// The one SQLite connection every write goes through (SQLite has one writer at a time).
 type Db = Arc<Mutex<Connection>>;
@@ -213,31 +206,20 @@ async fn create_order_minimal(
         Ok(order) => order,
         Err(code) => return error(StatusCode::BAD_REQUEST, code),
     };
-    let answered = tokio::task::spawn_blocking(move || {
-        let mut conn = db
-            .lock()
-            .map_err(|_| "database lock poisoned".to_string())?;
-        minimal_transaction(&mut conn, tenant, &key, &body, &sku, quantity)
-            .map_err(|e| e.to_string())
+    let answered = with_db(db, move |conn| {
+        minimal_transaction(conn, tenant, &key, &body, &sku, quantity)
     })
     .await;
     match answered {
-        Ok(Ok(Answer::Created(order_id))) => created(order_id),
-        Ok(Ok(Answer::Replay(status, body))) => (
+        Ok(Answer::Created(order_id)) => created(order_id),
+        Ok(Answer::Replay(status, body)) => (
             StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
             [(axum::http::header::CONTENT_TYPE, "application/json")],
             body,
         )
             .into_response(),
-        Ok(Ok(Answer::KeyReused)) => error(StatusCode::CONFLICT, "idempotency_key_reused"),
-        Ok(Err(err)) => {
-            eprintln!("inserting the order: {err}");
-            error(StatusCode::INTERNAL_SERVER_ERROR, "internal_error")
-        }
-        Err(err) => {
-            eprintln!("inserting the order: {err}");
-            error(StatusCode::INTERNAL_SERVER_ERROR, "internal_error")
-        }
+        Ok(Answer::KeyReused) => error(StatusCode::CONFLICT, "idempotency_key_reused"),
+        Err(response) => response,
     }
 }
 
@@ -271,12 +253,7 @@ fn minimal_transaction(
             Answer::KeyReused
         });
     }
-    tx.prepare_cached("INSERT INTO orders (tenant_id, sku, quantity) VALUES (?1, ?2, ?3)")?
-        .execute((tenant, sku, quantity))?;
-    let order_id = tx.last_insert_rowid();
-    let event = json!({ "order_id": order_id, "tenant": tenant, "sku": sku, "quantity": quantity });
-    tx.prepare_cached("INSERT INTO order_events (topic, payload) VALUES ('order_created', ?1)")?
-        .execute([event.to_string()])?;
+    let order_id = write_order(&tx, tenant, sku, quantity)?;
     let body = json!({ "order_id": order_id }).to_string();
     tx.prepare_cached(
         "INSERT INTO idempotency (tenant, key, payload, status, body) VALUES (?1, ?2, ?3, 201, ?4)",
@@ -343,24 +320,30 @@ async fn create_order(
         Ok(order) => order,
         Err(code) => return error(StatusCode::BAD_REQUEST, code),
     };
-    let written = tokio::task::spawn_blocking(move || {
+    match with_db(db, move |conn| insert_order(conn, tenant, &sku, quantity)).await {
+        Ok(order_id) => created(order_id),
+        Err(response) => response,
+    }
+}
+
+/// `work` on the one connection, under `spawn_blocking`; a failure is logged and answered
+/// `500`.
+async fn with_db<T: Send + 'static>(
+    db: Db,
+    work: impl FnOnce(&mut Connection) -> rusqlite::Result<T> + Send + 'static,
+) -> Result<T, Response> {
+    let done = tokio::task::spawn_blocking(move || {
         let mut conn = db
             .lock()
             .map_err(|_| "database lock poisoned".to_string())?;
-        insert_order(&mut conn, tenant, &sku, quantity).map_err(|e| e.to_string())
+        work(&mut conn).map_err(|e| e.to_string())
     })
-    .await;
-    match written {
-        Ok(Ok(order_id)) => created(order_id),
-        Ok(Err(err)) => {
-            eprintln!("inserting the order: {err}");
-            error(StatusCode::INTERNAL_SERVER_ERROR, "internal_error")
-        }
-        Err(err) => {
-            eprintln!("inserting the order: {err}");
-            error(StatusCode::INTERNAL_SERVER_ERROR, "internal_error")
-        }
-    }
+    .await
+    .unwrap_or_else(|e| Err(e.to_string()));
+    done.map_err(|err| {
+        eprintln!("the database: {err}");
+        error(StatusCode::INTERNAL_SERVER_ERROR, "internal_error")
+    })
 }
 
 /// The order and its `order_created` event, in one transaction.
@@ -371,13 +354,24 @@ fn insert_order(
     quantity: i64,
 ) -> rusqlite::Result<i64> {
     let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+    let order_id = write_order(&tx, tenant, sku, quantity)?;
+    tx.commit()?;
+    Ok(order_id)
+}
+
+/// Inserts the order and its `order_created` event in `tx`; the order's id.
+fn write_order(
+    tx: &rusqlite::Transaction<'_>,
+    tenant: &str,
+    sku: &str,
+    quantity: i64,
+) -> rusqlite::Result<i64> {
     tx.prepare_cached("INSERT INTO orders (tenant_id, sku, quantity) VALUES (?1, ?2, ?3)")?
         .execute((tenant, sku, quantity))?;
     let order_id = tx.last_insert_rowid();
     let event = json!({ "order_id": order_id, "tenant": tenant, "sku": sku, "quantity": quantity });
     tx.prepare_cached("INSERT INTO order_events (topic, payload) VALUES ('order_created', ?1)")?
         .execute([event.to_string()])?;
-    tx.commit()?;
     Ok(order_id)
 }
 
@@ -405,25 +399,21 @@ async fn get_order(
     let Ok(id) = id.parse::<i64>() else {
         return error(StatusCode::NOT_FOUND, "not_found");
     };
-    let found = tokio::task::spawn_blocking(move || {
-        let conn = db
-            .lock()
-            .map_err(|_| "database lock poisoned".to_string())?;
+    let found = with_db(db, move |conn| {
         conn.query_row(
             "SELECT sku, quantity FROM orders WHERE id = ?1 AND tenant_id = ?2",
             (id, tenant),
             |row| Ok((row.get::<_, String>(0)?, row.get::<_, i64>(1)?)),
         )
         .optional()
-        .map_err(|e| e.to_string())
     })
     .await;
     match found {
-        Ok(Ok(Some((sku, quantity)))) => {
+        Ok(Some((sku, quantity))) => {
             Json(json!({ "order_id": id, "sku": sku, "quantity": quantity })).into_response()
         }
-        Ok(Ok(None)) => error(StatusCode::NOT_FOUND, "not_found"),
-        _ => error(StatusCode::INTERNAL_SERVER_ERROR, "internal_error"),
+        Ok(None) => error(StatusCode::NOT_FOUND, "not_found"),
+        Err(response) => response,
     }
 }
 
