@@ -38,9 +38,10 @@ use crate::store::to_unix_millis;
 /// by an event whose id differs in its time (and its random bits): the old id finds nothing.
 /// A table holds numbers below 2^44 over its life; an enqueue past that fails.
 ///
-/// A file created before keeps its table, with a unique index on `event_id` (and
-/// `AUTOINCREMENT` in an older one): new events get numbered ids, and an id from before,
-/// which carries no number, is found through that index.
+/// An event inserted otherwise (by a trigger, say) is found by its id all the same, by reading
+/// the table (see `event_seq`). A file created before keeps its table, with a unique index on
+/// `event_id` (and `AUTOINCREMENT` in an older one): new events get numbered ids, and an id
+/// from before, which carries no number, is found through that index.
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS outbox_events (
     seq          INTEGER PRIMARY KEY,
@@ -472,10 +473,11 @@ impl InboxBackend for SqliteStore {
 }
 
 /// The `seq` of the event named `id`, if it is stored: the row its number names, if that row
-/// has this id (see [`SCHEMA`]); failing that, in a table created before numbered ids, the row
-/// its unique index on `event_id` finds (an id from before carries no number). In a table
-/// created since, no index on `event_id` is there, and an id that names no row by its number
-/// names none at all.
+/// has this id (see [`SCHEMA`]); failing that, the row with this id, however its id was made
+/// (an event from before numbered ids, or one a trigger or a migration inserted itself). That
+/// second look-up uses the unique index on `event_id` of a table created before; in a table
+/// created since it reads the table, which only an id that names no event (or an event not
+/// enqueued through the store) costs.
 fn event_seq(conn: &Connection, id: &str) -> rusqlite::Result<Option<i64>> {
     if let Some(number) = EventId::number_of(id).and_then(|number| i64::try_from(number).ok()) {
         let found = conn
@@ -485,16 +487,6 @@ fn event_seq(conn: &Connection, id: &str) -> rusqlite::Result<Option<i64>> {
         if found.is_some() {
             return Ok(found);
         }
-    }
-    let indexed: bool = conn
-        .prepare_cached(
-            "SELECT EXISTS (SELECT 1 FROM pragma_index_list('outbox_events') AS list, \
-             pragma_index_info(list.name) AS info \
-             WHERE info.seqno = 0 AND info.name = 'event_id')",
-        )?
-        .query_row([], |row| row.get(0))?;
-    if !indexed {
-        return Ok(None);
     }
     conn.prepare_cached("SELECT seq FROM outbox_events WHERE event_id = ?1")?
         .query_row([id], |row| row.get(0))
@@ -641,6 +633,49 @@ mod tests {
         assert!(outbox.event(other.as_str()).await.expect("event").is_none());
         assert!(!outbox.requeue(other.as_str()).await.expect("requeue"));
         assert!(outbox.event("no such id").await.expect("event").is_none());
+
+        // An event a trigger or a migration inserted itself, with an id that carries no
+        // number (or another event's), is found, settled and requeued by its id all the same.
+        let by_hand = EventId::generate();
+        let row = by_hand.clone();
+        store
+            .write(move |tx| {
+                tx.execute(
+                    "INSERT INTO outbox_events (event_id, topic, payload, available_at, \
+                     created_at) VALUES (?1, 't', '{}', 0, 0)",
+                    [row.as_str()],
+                )
+            })
+            .await
+            .expect("an event inserted by hand");
+        let token = LeaseToken::new("relay");
+        let claimed = store
+            .claim(ClaimRequest {
+                token: token.clone(),
+                batch: 10,
+                lease: Duration::from_secs(30),
+                max_attempts: 5,
+                now: SystemTime::now(),
+            })
+            .await
+            .expect("claim");
+        let ids: Vec<&EventId> = claimed.events.iter().map(|e| e.id()).collect();
+        assert!(ids.contains(&&by_hand), "{ids:?}");
+        store
+            .settle(vec![Settlement::Dead {
+                id: by_hand.clone(),
+                token,
+                error: "no".into(),
+            }])
+            .await
+            .expect("settle");
+        let info = outbox.event(by_hand.as_str()).await.expect("event");
+        assert_eq!(info.map(|e| e.status), Some(EventStatus::Dead));
+        assert!(outbox.requeue(by_hand.as_str()).await.expect("requeue"));
+        store
+            .write(|tx| tx.execute("DELETE FROM outbox_events WHERE seq > 2", []))
+            .await
+            .expect("delete the event inserted by hand");
 
         // The largest number, freed by a purge, is taken again under a new id.
         store
