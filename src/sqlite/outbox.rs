@@ -569,9 +569,8 @@ mod tests {
             .expect("enqueue")
     }
 
-    /// Claims everything due, then settles the first event delivered and the second dead.
-    async fn claim_and_settle(store: &SqliteStore) -> Vec<EventId> {
-        let token = LeaseToken::new("relay");
+    /// Claims everything due under `token`: the ids claimed, oldest first.
+    async fn claim_all(store: &SqliteStore, token: &LeaseToken) -> Vec<EventId> {
         let claimed = store
             .claim(ClaimRequest {
                 token: token.clone(),
@@ -582,7 +581,13 @@ mod tests {
             })
             .await
             .expect("claim");
-        let ids: Vec<EventId> = claimed.events.iter().map(|e| e.id().clone()).collect();
+        claimed.events.iter().map(|e| e.id().clone()).collect()
+    }
+
+    /// Claims everything due, then settles the first event delivered and the second dead.
+    async fn claim_and_settle(store: &SqliteStore) -> Vec<EventId> {
+        let token = LeaseToken::new("relay");
+        let ids = claim_all(store, &token).await;
         store
             .settle(vec![
                 Settlement::Delivered { id: ids[0].clone() },
@@ -649,18 +654,8 @@ mod tests {
             .await
             .expect("an event inserted by hand");
         let token = LeaseToken::new("relay");
-        let claimed = store
-            .claim(ClaimRequest {
-                token: token.clone(),
-                batch: 10,
-                lease: Duration::from_secs(30),
-                max_attempts: 5,
-                now: SystemTime::now(),
-            })
-            .await
-            .expect("claim");
-        let ids: Vec<&EventId> = claimed.events.iter().map(|e| e.id()).collect();
-        assert!(ids.contains(&&by_hand), "{ids:?}");
+        let ids = claim_all(&store, &token).await;
+        assert!(ids.contains(&by_hand), "{ids:?}");
         store
             .settle(vec![Settlement::Dead {
                 id: by_hand.clone(),
