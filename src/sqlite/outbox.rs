@@ -25,8 +25,22 @@ use crate::outbox::{
 use crate::store::sqlite::{SqliteHandle, SqliteStore};
 use crate::store::to_unix_millis;
 
-/// `available_at` is when the event is next due. A claim moves it to the end of the lease, so
-/// "due" covers both new events and claims whose relay died: one index serves the claim.
+/// `available_at` is when the event is next due. A new event is due at once: `enqueue_in`
+/// writes its creation time there, and nothing else ever writes `available_at = created_at`
+/// (a claim moves it to the end of the lease, a retry to the next attempt, a requeue to now,
+/// each at least a millisecond past the creation). That equality tells the two kinds apart,
+/// and it is what keeps the indexes off the enqueue:
+/// - an event claimed at least once is in both partial indexes (`available_at <>
+///   created_at`): `outbox_events_due` finds the ones due again (a retry, a lease run out), the
+///   dead and the delivered, by status and time; `outbox_events_claimed` gives the largest
+///   `seq` of all of them;
+/// - a new event is in neither. Claims take new events oldest first, in `seq` order, so the
+///   new events are exactly those above the largest claimed `seq`: a claim reads them from
+///   there along the table itself.
+///
+/// An insert writes the table's B-tree only, where a full index on `(status, available_at)`
+/// cost every event a second page; the claim writes the index entries instead, where it
+/// moved the old index's entry anyway.
 ///
 /// `seq` is the rowid without `AUTOINCREMENT`: a new event takes the largest `seq` in the
 /// table plus one, so its `seq` is above every event still stored, and "oldest first" (claims,
@@ -41,7 +55,8 @@ use crate::store::to_unix_millis;
 /// An event inserted otherwise (by a trigger, say) is found by its id all the same, by reading
 /// the table (see `event_seq`). A file created before keeps its table, with a unique index on
 /// `event_id` (and `AUTOINCREMENT` in an older one): new events get numbered ids, and an id
-/// from before, which carries no number, is found through that index.
+/// from before, which carries no number, is found through that index. Its `outbox_events_due`
+/// is a full index, which serves the same queries (and costs its enqueues a page).
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS outbox_events (
     seq          INTEGER PRIMARY KEY,
@@ -57,8 +72,16 @@ CREATE TABLE IF NOT EXISTS outbox_events (
     created_at   INTEGER NOT NULL,
     delivered_at INTEGER
 );
-CREATE INDEX IF NOT EXISTS outbox_events_due ON outbox_events (status, available_at);
+CREATE INDEX IF NOT EXISTS outbox_events_due ON outbox_events (status, available_at)
+    WHERE available_at <> created_at;
 ";
+
+/// The index the claim reads the largest claimed `seq` from, named in its query (`INDEXED
+/// BY`: read along the table instead, the same answer costs a row per new event). Installed
+/// with [`SCHEMA`], and created by a claim too if the file's outbox was installed before it
+/// existed.
+const CLAIMED_INDEX: &str = "CREATE INDEX IF NOT EXISTS outbox_events_claimed \
+     ON outbox_events (seq) WHERE available_at <> created_at";
 
 const INBOX_SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS inbox_events (
@@ -158,12 +181,17 @@ impl OutboxStore for SqliteStore {
         let token = request.token.as_str().to_owned();
         let max_attempts = i64::from(request.max_attempts);
         // An idle relay polls often: look on a reader first (WAL: no lock), so that polling
-        // never takes the write lock away from requests, in this process or another.
+        // never takes the write lock away from requests, in this process or another. New
+        // events are those above the largest claimed `seq` (see `SCHEMA`), so if there are any,
+        // the last row is one.
         let due = self
             .read(move |conn| {
                 conn.query_row(
                     "SELECT EXISTS (SELECT 1 FROM outbox_events \
-                     WHERE status = 'pending' AND available_at <= ?1)",
+                     WHERE status = 'pending' AND available_at <> created_at \
+                     AND available_at <= ?1) \
+                     OR coalesce((SELECT available_at = created_at FROM outbox_events \
+                     ORDER BY seq DESC LIMIT 1), 0)",
                     [now],
                     |row| row.get::<_, bool>(0),
                 )
@@ -174,6 +202,7 @@ impl OutboxStore for SqliteStore {
         }
         let (abandoned, claimed) = self
             .write(move |tx| {
+                tx.execute_batch(CLAIMED_INDEX)?;
                 // First, the events whose last allowed attempt was abandoned: retrying them
                 // would exceed the attempts (and an event that crashes its relay would be
                 // retried forever).
@@ -181,24 +210,30 @@ impl OutboxStore for SqliteStore {
                     .prepare_cached(
                         "UPDATE outbox_events SET status = 'dead', lease_owner = NULL, \
                          last_error = 'abandoned: the lease of its last attempt ran out' \
-                         WHERE status = 'pending' AND lease_owner IS NOT NULL \
-                         AND available_at <= ?1 AND attempts >= ?2 \
+                         WHERE status = 'pending' AND available_at <> created_at \
+                         AND lease_owner IS NOT NULL AND available_at <= ?1 \
+                         AND attempts >= ?2 \
                          RETURNING seq, event_id, topic, payload, attempts, created_at",
                     )?
                     .query_map(params![now, max_attempts], |row| claimed_row(row))?
                     .collect::<rusqlite::Result<Vec<_>>>()?;
-                let claimed = tx
-                    .prepare_cached(
-                        "UPDATE outbox_events SET lease_owner = ?1, available_at = ?2, \
-                         attempts = attempts + 1 \
-                         WHERE seq IN (SELECT seq FROM outbox_events \
-                             WHERE status = 'pending' AND available_at <= ?3 \
-                             ORDER BY available_at, seq LIMIT ?4) \
-                         RETURNING seq, event_id, topic, payload, attempts, created_at",
-                    )?
-                    .query_map(params![token, lease_until, now, batch], |row| {
-                        claimed_row(row)
-                    })?
+                let chosen = due_first(
+                    &due_again(tx, now, batch)?,
+                    &new_events(tx, batch)?,
+                    now,
+                    batch,
+                );
+                let mut claim = tx.prepare_cached(
+                    "UPDATE outbox_events SET lease_owner = ?1, \
+                     available_at = max(?2, created_at + 1), attempts = attempts + 1 \
+                     WHERE seq = ?3 \
+                     RETURNING seq, event_id, topic, payload, attempts, created_at",
+                )?;
+                let claimed = chosen
+                    .into_iter()
+                    .map(|seq| {
+                        claim.query_row(params![token, lease_until, seq], |row| claimed_row(row))
+                    })
                     .collect::<rusqlite::Result<Vec<_>>>()?;
                 Ok((abandoned, claimed))
             })
@@ -235,7 +270,7 @@ impl OutboxStore for SqliteStore {
                         token, at, error, ..
                     } => tx
                         .prepare_cached(
-                            "UPDATE outbox_events SET available_at = ?3, \
+                            "UPDATE outbox_events SET available_at = max(?3, created_at + 1), \
                                  lease_owner = NULL, last_error = ?4 \
                                  WHERE seq = ?1 AND lease_owner = ?2 \
                                  AND status = 'pending'",
@@ -260,8 +295,16 @@ impl OutboxStore for SqliteStore {
         let (pending, dead) = self
             .read(|conn| {
                 conn.query_row(
-                    "SELECT (SELECT count(*) FROM outbox_events WHERE status = 'pending'), \
-                     (SELECT count(*) FROM outbox_events WHERE status = 'dead')",
+                    // Pending: the claimed ones by the due index, the new ones above the
+                    // largest claimed `seq` (see `SCHEMA`).
+                    "SELECT (SELECT count(*) FROM outbox_events \
+                     WHERE status = 'pending' AND available_at <> created_at) \
+                     + (SELECT count(*) FROM outbox_events WHERE seq > \
+                     (SELECT coalesce(max(seq), 0) FROM outbox_events \
+                     WHERE available_at <> created_at) \
+                     AND status = 'pending' AND available_at = created_at), \
+                     (SELECT count(*) FROM outbox_events \
+                     WHERE status = 'dead' AND available_at <> created_at)",
                     [],
                     |row| Ok((row.get::<_, i64>(0)?, row.get::<_, i64>(1)?)),
                 )
@@ -276,7 +319,11 @@ impl OutboxStore for SqliteStore {
 
 impl OutboxBackend for SqliteStore {
     async fn install_outbox(&self) -> Result<(), Error> {
-        self.write(|tx| tx.execute_batch(SCHEMA)).await
+        self.write(|tx| {
+            tx.execute_batch(SCHEMA)?;
+            tx.execute_batch(CLAIMED_INDEX)
+        })
+        .await
     }
 
     async fn event(&self, id: &str) -> Result<Option<EventInfo>, Error> {
@@ -332,7 +379,7 @@ impl OutboxBackend for SqliteStore {
             .read(move |conn| {
                 let mut statement = conn.prepare(&format!(
                     "SELECT {EVENT_COLUMNS} FROM outbox_events WHERE status = 'dead' \
-                     ORDER BY seq LIMIT ?1"
+                     AND available_at <> created_at ORDER BY seq LIMIT ?1"
                 ))?;
                 let rows = statement
                     .query_map([limit], |row| RawEvent::read(row))?
@@ -350,7 +397,7 @@ impl OutboxBackend for SqliteStore {
             .write(move |tx| match event_seq(tx, &id)? {
                 Some(seq) => tx.execute(
                     "UPDATE outbox_events SET status = 'pending', attempts = 0, \
-                     available_at = ?2, lease_owner = NULL \
+                     available_at = max(?2, created_at + 1), lease_owner = NULL \
                      WHERE seq = ?1 AND status = 'dead'",
                     params![seq, now],
                 ),
@@ -365,7 +412,8 @@ impl OutboxBackend for SqliteStore {
         write_counted(
             self,
             "UPDATE outbox_events SET status = 'pending', attempts = 0, \
-             available_at = ?1, lease_owner = NULL WHERE status = 'dead'",
+             available_at = max(?1, created_at + 1), lease_owner = NULL \
+             WHERE status = 'dead' AND available_at <> created_at",
             (now,),
         )
         .await
@@ -375,7 +423,8 @@ impl OutboxBackend for SqliteStore {
         write_counted(
             self,
             "DELETE FROM outbox_events WHERE seq IN (SELECT seq FROM outbox_events \
-             WHERE status = 'delivered' AND delivered_at <= ?1 LIMIT ?2)",
+             WHERE status = 'delivered' AND available_at <> created_at \
+             AND delivered_at <= ?1 LIMIT ?2)",
             (to_unix_millis(before), limit(batch)),
         )
         .await
@@ -493,6 +542,67 @@ fn event_seq(conn: &Connection, id: &str) -> rusqlite::Result<Option<i64>> {
         .optional()
 }
 
+/// The claimed events due again at `?1`, the earliest due first (by `outbox_events_due`).
+const DUE_AGAIN: &str = "SELECT seq, available_at FROM outbox_events \
+     WHERE status = 'pending' AND available_at <> created_at AND available_at <= ?1 \
+     ORDER BY available_at, seq LIMIT ?2";
+
+/// The largest `seq` ever claimed (of the events still stored), from the end of
+/// `outbox_events_claimed`.
+const LAST_CLAIMED: &str = "SELECT coalesce(max(seq), 0) \
+     FROM outbox_events INDEXED BY outbox_events_claimed WHERE available_at <> created_at";
+
+/// The new events above `seq` `?1`, oldest first (along the table's rowid).
+const NEW_EVENTS: &str = "SELECT seq, available_at FROM outbox_events WHERE seq > ?1 \
+     AND status = 'pending' AND available_at = created_at ORDER BY seq LIMIT ?2";
+
+/// An event a claim may take: its `seq` and when it is due.
+type Candidate = (i64, i64);
+
+/// Up to `batch` claimed events due again at `now` (a retry's time come, a lease run out, a
+/// requeue), the earliest due first.
+fn due_again(conn: &Connection, now: i64, batch: i64) -> rusqlite::Result<Vec<Candidate>> {
+    conn.prepare_cached(DUE_AGAIN)?
+        .query_map(params![now, batch], |row| Ok((row.get(0)?, row.get(1)?)))?
+        .collect()
+}
+
+/// The first `batch` new events, oldest first: the pending events above the largest `seq`
+/// ever claimed that are still unclaimed (see [`SCHEMA`]).
+fn new_events(conn: &Connection, batch: i64) -> rusqlite::Result<Vec<Candidate>> {
+    let claimed_up_to: i64 = conn
+        .prepare_cached(LAST_CLAIMED)?
+        .query_row([], |row| row.get(0))?;
+    conn.prepare_cached(NEW_EVENTS)?
+        .query_map(params![claimed_up_to, batch], |row| {
+            Ok((row.get(0)?, row.get(1)?))
+        })?
+        .collect()
+}
+
+/// The `seq`s a claim takes: up to `batch` of both lists, merged earliest due first. Each list
+/// is taken from its front only, and new events stop at the first not yet due (a clock set
+/// back since it was written): a new event claimed before an older new one would put the
+/// older one below the largest claimed `seq`, where no claim looks for new events.
+fn due_first(again: &[Candidate], new: &[Candidate], now: i64, batch: i64) -> Vec<i64> {
+    let new_due = new.iter().take_while(|(_, at)| *at <= now).count();
+    let (mut again, mut new) = (again.iter().peekable(), new[..new_due].iter().peekable());
+    let mut chosen = Vec::new();
+    while i64::try_from(chosen.len()).unwrap_or(i64::MAX) < batch {
+        let next = match (again.peek(), new.peek()) {
+            (Some(a), Some(n)) if (a.1, a.0) <= (n.1, n.0) => again.next(),
+            (Some(_), Some(_)) | (None, Some(_)) => new.next(),
+            (Some(_), None) => again.next(),
+            (None, None) => None,
+        };
+        match next {
+            Some((seq, _)) => chosen.push(*seq),
+            None => break,
+        }
+    }
+    chosen
+}
+
 /// A count or a limit as SQLite's integer (saturating).
 fn limit(value: usize) -> i64 {
     i64::try_from(value).unwrap_or(i64::MAX)
@@ -527,7 +637,7 @@ mod tests {
     use crate::outbox::{EventStatus, LeaseToken};
 
     /// `outbox_events` as created before: a unique index on `event_id`, and `AUTOINCREMENT`
-    /// (the other columns and the due index are as today's).
+    /// (the other columns are as today's), and a full due index.
     fn old_schema() -> String {
         let old = SCHEMA
             .replace(
@@ -537,6 +647,10 @@ mod tests {
             .replace(
                 "event_id     TEXT    NOT NULL,",
                 "event_id TEXT NOT NULL UNIQUE,",
+            )
+            .replace(
+                "(status, available_at)\n    WHERE available_at <> created_at;",
+                "(status, available_at);",
             );
         assert_ne!(
             old, SCHEMA,
@@ -571,17 +685,45 @@ mod tests {
 
     /// Claims everything due under `token`: the ids claimed, oldest first.
     async fn claim_all(store: &SqliteStore, token: &LeaseToken) -> Vec<EventId> {
+        claim_at(store, token, 10, SystemTime::now()).await
+    }
+
+    /// Claims up to `batch` events due at `now` under `token`, for a lease of 30 s: the ids
+    /// claimed, oldest first.
+    async fn claim_at(
+        store: &SqliteStore,
+        token: &LeaseToken,
+        batch: usize,
+        now: SystemTime,
+    ) -> Vec<EventId> {
         let claimed = store
             .claim(ClaimRequest {
                 token: token.clone(),
-                batch: 10,
+                batch,
                 lease: Duration::from_secs(30),
                 max_attempts: 5,
-                now: SystemTime::now(),
+                now,
             })
             .await
             .expect("claim");
         claimed.events.iter().map(|e| e.id().clone()).collect()
+    }
+
+    /// The entries of `index` (one of the two partial indexes), counted through it.
+    async fn entries(store: &SqliteStore, index: &'static str) -> i64 {
+        store
+            .read(move |conn| {
+                conn.query_row(
+                    &format!(
+                        "SELECT count(*) FROM outbox_events INDEXED BY {index} \
+                         WHERE available_at <> created_at"
+                    ),
+                    [],
+                    |row| row.get(0),
+                )
+            })
+            .await
+            .expect("count")
     }
 
     /// Claims everything due, then settles the first event delivered and the second dead.
@@ -725,5 +867,166 @@ mod tests {
         assert_eq!(status(new.clone()).await, Some(EventStatus::InFlight));
         assert!(outbox.requeue(old[1].as_str()).await.expect("requeue"));
         assert_eq!(status(old[1].clone()).await, Some(EventStatus::Pending));
+    }
+
+    #[tokio::test]
+    async fn a_new_event_is_in_no_index_until_a_claim_takes_it() {
+        let (_dir, store, _outbox) = store(false).await;
+        let ids = [
+            enqueue(&store, 1).await,
+            enqueue(&store, 2).await,
+            enqueue(&store, 3).await,
+        ];
+        for index in ["outbox_events_due", "outbox_events_claimed"] {
+            assert_eq!(entries(&store, index).await, 0, "{index} after enqueues");
+        }
+        let relay = LeaseToken::new("relay");
+        let now = SystemTime::now();
+        assert_eq!(claim_at(&store, &relay, 2, now).await, ids[..2].to_vec());
+        for index in ["outbox_events_due", "outbox_events_claimed"] {
+            assert_eq!(
+                entries(&store, index).await,
+                2,
+                "{index} after a claim of two"
+            );
+        }
+        assert_eq!(claim_at(&store, &relay, 2, now).await, ids[2..].to_vec());
+        assert!(claim_at(&store, &relay, 2, now).await.is_empty());
+        let backlog = store.backlog().await.expect("backlog");
+        assert_eq!(
+            (backlog.pending, backlog.dead),
+            (3, 0),
+            "claimed is still pending"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_claim_takes_retries_and_new_events_earliest_due_first() {
+        let (_dir, store, _outbox) = store(false).await;
+        let relay = LeaseToken::new("relay");
+        let (first, second) = (enqueue(&store, 1).await, enqueue(&store, 2).await);
+        let start = SystemTime::now();
+        assert_eq!(
+            claim_at(&store, &relay, 10, start).await,
+            vec![first.clone(), second.clone()]
+        );
+        // The first fails and is due again at once; the second stays leased.
+        store
+            .settle(vec![Settlement::Retry {
+                id: first.clone(),
+                token: relay.clone(),
+                at: start,
+                error: "503".into(),
+            }])
+            .await
+            .expect("settle");
+        let (third, fourth) = (enqueue(&store, 3).await, enqueue(&store, 4).await);
+        let later = SystemTime::now() + Duration::from_secs(1);
+        assert_eq!(
+            claim_at(&store, &relay, 2, later).await,
+            vec![first.clone(), third.clone()],
+            "the retry, due before the new events were written, then the oldest new one"
+        );
+        assert_eq!(
+            claim_at(&store, &relay, 10, later).await,
+            vec![fourth.clone()]
+        );
+        assert_eq!(
+            claim_at(&store, &relay, 10, later + Duration::from_secs(31)).await,
+            vec![first, second, third, fourth],
+            "leases run out: claimed again, oldest first"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_requeued_event_below_new_ones_and_a_new_one_after_a_purge_are_claimed() {
+        let (_dir, store, outbox) = store(false).await;
+        let relay = LeaseToken::new("relay");
+        let ids = claim_and_settle_pair(&store).await;
+        let third = enqueue(&store, 3).await;
+        assert_eq!(claim_all(&store, &relay).await, vec![third.clone()]);
+        // The dead one, below the new one just claimed, is requeued.
+        assert!(outbox.requeue(ids[1].as_str()).await.expect("requeue"));
+        assert_eq!(claim_all(&store, &relay).await, vec![ids[1].clone()]);
+        // Every event delivered, then purged: the table is empty, numbers start again.
+        store
+            .settle(
+                [ids[1].clone(), third]
+                    .into_iter()
+                    .map(|id| Settlement::Delivered { id })
+                    .collect(),
+            )
+            .await
+            .expect("settle");
+        let purged = store
+            .purge_delivered(SystemTime::now() + Duration::from_secs(1), 100)
+            .await
+            .expect("purge");
+        assert_eq!(purged, 3);
+        let fresh = enqueue(&store, 4).await;
+        assert_eq!(EventId::number_of(fresh.as_str()), Some(1));
+        assert_eq!(claim_all(&store, &relay).await, vec![fresh]);
+    }
+
+    /// Two events, claimed and settled: the first delivered, the second dead.
+    async fn claim_and_settle_pair(store: &SqliteStore) -> Vec<EventId> {
+        enqueue(store, 1).await;
+        enqueue(store, 2).await;
+        claim_and_settle(store).await
+    }
+
+    #[tokio::test]
+    async fn a_file_whose_outbox_predates_the_claimed_index_gets_it_from_a_claim() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let store = SqliteStore::open(dir.path().join("outbox.db"))
+            .await
+            .expect("open");
+        store
+            .write(|tx| tx.execute_batch(&old_schema()))
+            .await
+            .expect("old schema");
+        let id = enqueue(&store, 1).await;
+        let relay = LeaseToken::new("relay");
+        assert_eq!(claim_all(&store, &relay).await, vec![id]);
+        assert_eq!(entries(&store, "outbox_events_claimed").await, 1);
+    }
+
+    #[tokio::test]
+    async fn the_claims_reads_go_through_their_indexes() {
+        let (_dir, store, _outbox) = store(false).await;
+        let plans = store
+            .read(|conn| {
+                [DUE_AGAIN, LAST_CLAIMED, NEW_EVENTS]
+                    .into_iter()
+                    .map(|sql| {
+                        let mut statement = conn.prepare(&format!("EXPLAIN QUERY PLAN {sql}"))?;
+                        let arguments = vec![0; statement.parameter_count()];
+                        let details = statement
+                            .query_map(rusqlite::params_from_iter(arguments), |row| {
+                                row.get::<_, String>(3)
+                            })?
+                            .collect::<rusqlite::Result<Vec<_>>>()?;
+                        Ok(details.join("; "))
+                    })
+                    .collect::<rusqlite::Result<Vec<_>>>()
+            })
+            .await
+            .expect("plans");
+        assert!(plans[0].contains("outbox_events_due"), "{}", plans[0]);
+        assert!(plans[1].contains("outbox_events_claimed"), "{}", plans[1]);
+        assert!(plans[2].contains("INTEGER PRIMARY KEY"), "{}", plans[2]);
+    }
+
+    #[test]
+    fn new_events_are_taken_from_the_front_and_stop_at_one_not_yet_due() {
+        // (seq, due): the retries by due time; the new events by seq, the second written
+        // after the clock was set back.
+        let again = [(1, 60), (2, 150)];
+        let new = [(5, 100), (6, 50), (7, 120)];
+        assert_eq!(due_first(&again, &new, 200, 10), vec![1, 5, 6, 7, 2]);
+        assert_eq!(due_first(&again, &new, 200, 2), vec![1, 5]);
+        let later = [(5, 300), (6, 100)];
+        assert_eq!(due_first(&again, &later, 200, 10), vec![1, 2]);
+        assert_eq!(due_first(&[], &new, 200, 10), vec![5, 6, 7]);
     }
 }
