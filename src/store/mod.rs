@@ -265,12 +265,48 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
         self
     }
 
-    /// Deletes up to `batch` records that expired before `now`; returns how many it deleted.
+    /// Deletes up to `batch` records that expired at `now` or before; returns how many it
+    /// deleted.
+    ///
+    /// Fewer than `batch` need not mean that none is left: a store may look at a bounded part
+    /// of its records per call. To delete every expired record, call
+    /// [`purge_expired_step`](Self::purge_expired_step) until it is done, as
+    /// [`continuously_purge_expired`] does.
     fn purge_expired(
         &self,
         now: SystemTime,
         batch: usize,
     ) -> impl Future<Output = Result<u64, Error>> + Send;
+
+    /// One call of a purge of every record expired at `now`: deletes up to `batch` of them, as
+    /// [`purge_expired`](Self::purge_expired) does, and says whether the purge is
+    /// [`done`](PurgeStep::done). Call it with the same `now` until it is.
+    ///
+    /// The default calls `purge_expired` and is done when that deleted fewer than `batch`. A
+    /// store whose calls look at a bounded part of its records overrides it.
+    fn purge_expired_step(
+        &self,
+        now: SystemTime,
+        batch: usize,
+    ) -> impl Future<Output = Result<PurgeStep, Error>> + Send {
+        async move {
+            let deleted = self.purge_expired(now, batch).await?;
+            Ok(PurgeStep {
+                deleted,
+                done: deleted < batch as u64,
+            })
+        }
+    }
+}
+
+/// What one call of [`IdempotencyStore::purge_expired_step`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PurgeStep {
+    /// How many expired records it deleted.
+    pub deleted: u64,
+    /// Whether the purge is over: every record that had expired at its `now` when it began is
+    /// deleted. `false`: call again.
+    pub done: bool,
 }
 
 /// [`IdempotencyStore::begin_and_run`] in place: `begin`, then `work` awaited by the caller.
@@ -367,11 +403,11 @@ pub trait Reservation: Send + 'static {
 
 /// Purges expired records every `period`, in batches of `batch`, forever.
 ///
-/// The library never spawns background tasks: spawn this future yourself. After each full
-/// batch it pauses four times as long as the batch took, so that a purge takes at most a fifth
-/// of the store's time from the requests it serves meanwhile. On SQLite a batch holds the one
-/// writer while it runs, so requests that arrive meanwhile wait for it: keep batches small (a
-/// few hundred) on a busy store.
+/// The library never spawns background tasks: spawn this future yourself. After each batch
+/// but a purge's last it pauses four times as long as the batch took, so that a purge takes at
+/// most a fifth of the store's time from the requests it serves meanwhile. On SQLite a batch's
+/// deletes hold the one writer while they run, so requests that arrive meanwhile wait for
+/// them: keep batches small (a few hundred) on a busy store.
 ///
 /// ```no_run
 /// # #[cfg(feature = "sqlite")]
@@ -399,12 +435,13 @@ pub async fn continuously_purge_expired<S: IdempotencyStore>(
     }
 }
 
-/// After a full batch, a purge pauses this many times as long as the batch took.
+/// After each batch but its last, a purge pauses this many times as long as the batch took.
 const PURGE_PAUSE_FACTOR: u32 = 4;
 
-/// Deletes every record that expired at `now` or before, in batches of `batch`, pausing after
-/// each full batch ([`PURGE_PAUSE_FACTOR`]); returns how many. Stops at the first error (what
-/// it deleted until then stays deleted).
+/// Deletes every record that expired at `now` or before, in batches of `batch`
+/// ([`IdempotencyStore::purge_expired_step`] until it is done), pausing after each batch but
+/// the last ([`PURGE_PAUSE_FACTOR`]); returns how many. Stops at the first error (what it
+/// deleted until then stays deleted).
 #[cfg_attr(not(sql_store), allow(dead_code))]
 pub(crate) async fn purge_expired_paced<S: IdempotencyStore>(
     store: &S,
@@ -415,12 +452,12 @@ pub(crate) async fn purge_expired_paced<S: IdempotencyStore>(
     let mut total = 0;
     loop {
         let started = std::time::Instant::now();
-        let deleted = store.purge_expired(now, batch).await?;
-        total += deleted;
-        if deleted < batch as u64 {
+        let step = store.purge_expired_step(now, batch).await?;
+        total += step.deleted;
+        if step.done {
             return Ok(total);
         }
-        tracing::debug!(deleted, "purged a batch of expired records");
+        tracing::debug!(deleted = step.deleted, "purged a batch of expired records");
         tokio::time::sleep(started.elapsed() * PURGE_PAUSE_FACTOR).await;
     }
 }
