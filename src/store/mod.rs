@@ -269,7 +269,7 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
     /// deleted.
     ///
     /// Fewer than `batch` need not mean that none is left: a store may look at a bounded part
-    /// of its records per call. To delete every expired record, call
+    /// of its records per call (the SQLite store does). To delete every expired record, call
     /// [`purge_expired_step`](Self::purge_expired_step) until it is done, as
     /// [`continuously_purge_expired`] does.
     fn purge_expired(
@@ -283,7 +283,8 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
     /// [`done`](PurgeStep::done). Call it with the same `now` until it is.
     ///
     /// The default calls `purge_expired` and is done when that deleted fewer than `batch`. A
-    /// store whose calls look at a bounded part of its records overrides it.
+    /// store whose calls look at a bounded part of its records overrides it: the SQLite store
+    /// is done when its walk along the records' key has reached the end of the table.
     fn purge_expired_step(
         &self,
         now: SystemTime,

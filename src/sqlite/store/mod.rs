@@ -7,6 +7,7 @@
 // - `executor`: `begin_and_run` on the writer thread, polling the requests' work there.
 // - `in_place`: `begin_and_run` on the request's own task, with the idle writer.
 // - `reader`: the reader connections of the fast path.
+// - `purge`: the purge of expired records, a walk along the records' primary key.
 // - `records`: the schema, the record SQL and row decoding.
 // - `authorizer`: the writer's authorizer, refusing transaction control to handlers.
 // - `file`: the database file: its identity, other processes' locks, giving way to them.
@@ -61,6 +62,7 @@ mod group;
 mod handle;
 mod in_place;
 mod options;
+mod purge;
 mod reader;
 mod records;
 mod reservation;
@@ -87,7 +89,9 @@ pub(crate) use reservation::SqliteReservation;
 
 use crate::error::Error;
 use crate::store::retry_share::RetryShare;
-use crate::store::{to_unix_millis, Begin, IdempotencyStore, RunOutcome, Scope, StoredRecord};
+use crate::store::{
+    to_unix_millis, Begin, IdempotencyStore, PurgeStep, RunOutcome, Scope, StoredRecord,
+};
 use authorizer::{refuse_foreign_transaction_control, ControlAllowed, ControlGuard, ControlSql};
 use file::{is_busy, BusyWait, DatabaseFile, OtherWriters, STANDALONE_BUSY_TIMEOUT};
 use group::Member;
@@ -122,6 +126,8 @@ struct Shared {
     /// How often recent first attempts were retries: while rare, a request that finds the
     /// writer idle skips the read before its transaction (see `in_place`).
     retries: RetryShare,
+    /// Where the purge's walk along the records' key is (see `purge`).
+    purge: Mutex<purge::PurgeWalk>,
 }
 
 /// A SQLite-backed [`IdempotencyStore`]. Cheap to clone.
@@ -229,6 +235,7 @@ impl SqliteStore {
                 generations: AtomicU64::new(1),
                 queued,
                 retries: RetryShare::default(),
+                purge: Mutex::default(),
             }),
         })
     }
@@ -380,17 +387,19 @@ impl IdempotencyStore for SqliteStore {
         self.run_on_writer(scope, lock_timeout, now, work, true)
     }
 
+    /// Goes on with the walk along the records' key where the last call left it (see
+    /// `purge_expired_step`): it may delete fewer than `batch` before the end of the table.
     async fn purge_expired(&self, now: SystemTime, batch: usize) -> Result<u64, Error> {
-        let now = to_unix_millis(now);
-        let batch = i64::try_from(batch).unwrap_or(i64::MAX);
-        self.shared
-            .call_exclusive("IdempotencyStore::purge_expired", move |writer| {
-                writer.settle();
-                writer.set_busy_wait(STANDALONE_BUSY_TIMEOUT);
-                let deleted = records::purge_expired(&writer.conn, now, batch)?;
-                Ok(deleted as u64)
-            })
-            .await
+        Ok(self.purge_step(now, batch, false).await?.deleted)
+    }
+
+    /// Walks the records in key order, from where the last call stopped: looks at 16 records
+    /// per record of `batch` at most (1,024 at least), on a reader connection, and deletes the
+    /// expired ones among them, up to `batch`, in one transaction on the writer. Done when the
+    /// walk reaches the end of the table (then it starts again from the start). A purge that
+    /// finds a pass begun with an earlier `now` in progress starts its own.
+    async fn purge_expired_step(&self, now: SystemTime, batch: usize) -> Result<PurgeStep, Error> {
+        self.purge_step(now, batch, true).await
     }
 }
 

@@ -2,11 +2,11 @@
 //! the reading of a row into a [`StoredRecord`] (checked by [`SavedColumns`]).
 //!
 //! Plain functions on a [`Connection`]: the writer runs them inside a request's savepoint
-//! (`check_existing`, `insert_record`) or alone (`purge_expired`), the reader connections of
-//! the fast path run `read_record`.
+//! (`check_existing`, `insert_record`) or in a purge's transaction (`delete_expired`), the
+//! reader connections run `read_record` (the fast path) and `scan_expired` (the purge's walk).
 
 use bytes::Bytes;
-use rusqlite::types::ValueRef;
+use rusqlite::types::{Value, ValueRef};
 use rusqlite::{params, Connection};
 
 use crate::error::Error;
@@ -128,16 +128,98 @@ pub(super) fn check_existing(
     }
 }
 
-/// Deletes up to `batch` records that expired at `now_millis` or before; returns how many.
-pub(super) fn purge_expired(
+/// A record's primary key, `(tenant, operation, idempotency_key)`, as the purge's walk reads
+/// it: the values as stored, to be bound again as they were read.
+#[derive(Clone, Debug)]
+pub(super) struct RecordKey([Value; 3]);
+
+impl RecordKey {
+    fn read(row: &rusqlite::Row<'_>) -> rusqlite::Result<Self> {
+        Ok(RecordKey([row.get(0)?, row.get(1)?, row.get(2)?]))
+    }
+}
+
+/// What [`scan_expired`] met along the primary key.
+#[derive(Debug)]
+pub(super) struct Scanned {
+    /// The keys of the records expired at `now`, in key order.
+    pub(super) expired: Vec<RecordKey>,
+    /// The last key it looked at, where the walk goes on from; `None` once it reached the end.
+    pub(super) last: Option<RecordKey>,
+    /// Whether it reached the end of the table: no record after `last`.
+    pub(super) at_end: bool,
+}
+
+pub(super) const SCAN_FROM_START: &str =
+    "SELECT tenant, operation, idempotency_key, expires_at <= ?1 \
+     FROM idempotency_records ORDER BY tenant, operation, idempotency_key LIMIT ?2";
+
+pub(super) const SCAN_AFTER: &str = "SELECT tenant, operation, idempotency_key, expires_at <= ?1 \
+     FROM idempotency_records WHERE (tenant, operation, idempotency_key) > (?3, ?4, ?5) \
+     ORDER BY tenant, operation, idempotency_key LIMIT ?2";
+
+/// Walks the records in primary-key order from the first after `after` (from the first of the
+/// table without it), looking at `limit` of them at most, and gathers the keys of those
+/// expired at `now_millis`, stopping at the `want`th. A range of the primary key's B-tree: no
+/// other index is needed, and no write lock (a reader connection runs it).
+pub(super) fn scan_expired(
     conn: &Connection,
+    after: Option<&RecordKey>,
     now_millis: i64,
-    batch: i64,
+    want: usize,
+    limit: usize,
+) -> rusqlite::Result<Scanned> {
+    let limit_sql = i64::try_from(limit).unwrap_or(i64::MAX);
+    let mut statement = conn.prepare_cached(match after {
+        None => SCAN_FROM_START,
+        Some(_) => SCAN_AFTER,
+    })?;
+    let mut rows = match after {
+        None => statement.query(params![now_millis, limit_sql])?,
+        Some(RecordKey([tenant, operation, key])) => {
+            statement.query(params![now_millis, limit_sql, tenant, operation, key])?
+        }
+    };
+    let mut expired = Vec::new();
+    let mut looked_at = 0;
+    let mut last = None;
+    while let Some(row) = rows.next()? {
+        looked_at += 1;
+        let key = RecordKey::read(row)?;
+        if row.get::<_, bool>(3)? {
+            expired.push(key.clone());
+            if expired.len() >= want {
+                return Ok(Scanned {
+                    expired,
+                    last: Some(key),
+                    at_end: false,
+                });
+            }
+        }
+        last = Some(key);
+    }
+    let at_end = looked_at < limit;
+    Ok(Scanned {
+        expired,
+        last: if at_end { None } else { last },
+        at_end,
+    })
+}
+
+/// Deletes the records of `keys` that are expired at `now_millis`, each by its full key: one
+/// created again under the same key since it was read is kept. Returns how many it deleted.
+pub(super) fn delete_expired(
+    conn: &Connection,
+    keys: &[RecordKey],
+    now_millis: i64,
 ) -> rusqlite::Result<usize> {
-    conn.execute(
-        "DELETE FROM idempotency_records WHERE (tenant, operation, idempotency_key) IN \
-         (SELECT tenant, operation, idempotency_key FROM idempotency_records \
-         WHERE expires_at <= ?1 LIMIT ?2)",
-        params![now_millis, batch],
-    )
+    let mut statement = conn.prepare_cached(
+        "DELETE FROM idempotency_records WHERE tenant = ?1 AND operation = ?2 \
+         AND idempotency_key = ?3 AND expires_at <= ?4",
+    )?;
+    let mut deleted = 0;
+    for RecordKey([tenant, operation, key]) in keys {
+        deleted += statement.execute(params![tenant, operation, key, now_millis])?;
+    }
+    Ok(deleted)
 }
