@@ -19,6 +19,10 @@ use crate::store::{to_unix_millis, NewRecord, SavedColumns, Scope, StoredRecord}
 /// B-tree where a rowid table and its key index changed two (a page, so a WAL frame, each), and
 /// a lookup descends one tree. A file created before keeps its rowid table: every statement
 /// here names the key, none the rowid, so both work.
+///
+/// No index on `expires_at`: it would cost every new key a page of its own. The purge walks the
+/// primary key instead (`scan_expired`). A file created with the index
+/// `idempotency_records_expires_at` keeps it; no statement here needs it or is hindered by it.
 pub(super) const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS idempotency_records (
     tenant              TEXT    NOT NULL,
@@ -34,8 +38,6 @@ CREATE TABLE IF NOT EXISTS idempotency_records (
     expires_at          INTEGER NOT NULL,
     PRIMARY KEY (tenant, operation, idempotency_key)
 ) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS idempotency_records_expires_at
-    ON idempotency_records (expires_at);
 ";
 
 const SELECT_RECORD: &str = "SELECT fingerprint_version, fingerprint, status, headers, body, \
