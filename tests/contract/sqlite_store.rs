@@ -1,4 +1,6 @@
-//! SQLite-specific behaviour of the store when another process shares the database file.
+//! SQLite-specific behaviour of the store: when another process shares the database file, and
+//! its purge of expired records (a walk along the records' key, with or without the index on
+//! `expires_at` that files created before have).
 
 use support::common;
 use support::sqlite_faults;
@@ -8,6 +10,8 @@ use std::time::{Duration, SystemTime};
 use common::{post, TestServer, PATIENCE, SHOP_A};
 use http::StatusCode;
 use sqlite_faults::OtherProcessLock;
+use tower_idempotency::admin::Admin;
+use tower_idempotency::store::sqlite::{rusqlite, SqliteStore};
 use tower_idempotency::store::IdempotencyStore;
 
 const BOOK: &str = r#"{"sku":"book","quantity":1}"#;
@@ -62,4 +66,129 @@ async fn stores_opening_one_new_file_at_once_all_open_it() {
             open.await.expect("join").expect("open the new file");
         }
     }
+}
+
+/// Now in Unix milliseconds, as the store keeps its times.
+fn now_millis() -> i64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .expect("after 1970")
+        .as_millis() as i64
+}
+
+/// Writes `count` records of shop-a's `create_order` with keys `key-000000` onwards, in key
+/// order; the `n`th expired an hour ago if `expired_sql` (SQL over `n`) is true, else expires
+/// in an hour. Returns how many expired.
+async fn fill(store: &SqliteStore, count: i64, expired_sql: &'static str) -> i64 {
+    store
+        .write(move |tx| {
+            tx.execute(
+                &format!(
+                    "WITH RECURSIVE s(n) AS (SELECT 0 UNION ALL SELECT n + 1 FROM s WHERE n + 1 < ?1) \
+                     INSERT INTO idempotency_records (tenant, operation, idempotency_key, \
+                     fingerprint, fingerprint_version, status, headers, body, trailers, \
+                     created_at, expires_at) \
+                     SELECT 'shop-a', 'create_order', printf('key-%06d', n), zeroblob(32), 1, \
+                     201, '[]', X'7b7d', NULL, ?2 - 7200000, \
+                     CASE WHEN {expired_sql} THEN ?2 - 3600000 ELSE ?2 + 3600000 END FROM s"
+                ),
+                (count, now_millis()),
+            )?;
+            tx.query_row(
+                "SELECT count(*) FROM idempotency_records WHERE expires_at <= ?1",
+                [now_millis()],
+                |row| row.get(0),
+            )
+        })
+        .await
+        .expect("fill")
+}
+
+/// How many records are left, and how many of them are expired.
+async fn left(store: &SqliteStore) -> (i64, i64) {
+    store
+        .read(|conn| {
+            conn.query_row(
+                "SELECT count(*), count(*) FILTER (WHERE expires_at <= ?1) \
+                 FROM idempotency_records",
+                [now_millis()],
+                |row| Ok((row.get(0)?, row.get(1)?)),
+            )
+        })
+        .await
+        .expect("count")
+}
+
+test! { the_admin_purge_deletes_expired_records_scattered_among_many_live_ones }
+/// The admin's purge, in batches of 100, of a table of 60,000 records where expired ones lie
+/// alone or in runs between runs of up to 10,000 live ones (many calls' worth): every expired
+/// record goes, every live one stays.
+async fn the_admin_purge_deletes_expired_records_scattered_among_many_live_ones() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let store = SqliteStore::open(dir.path().join("store.db"))
+        .await
+        .expect("open");
+    let expired = fill(
+        &store,
+        60_000,
+        "n % 9973 = 0 OR n BETWEEN 30000 AND 30999 OR n >= 59990",
+    )
+    .await;
+    assert!(expired > 1_000, "{expired}");
+
+    let purged = Admin::new(store.clone())
+        .purge_expired(100)
+        .await
+        .expect("purge");
+    assert_eq!(purged, expired as u64);
+    assert_eq!(left(&store).await, (60_000 - expired, 0));
+}
+
+test! { a_file_created_with_the_expires_at_index_keeps_it_and_purges }
+/// A file whose records table was created before: a rowid table with an index on
+/// `expires_at`. The store keeps the index, and its purge works on that table.
+async fn a_file_created_with_the_expires_at_index_keeps_it_and_purges() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("store.db");
+    rusqlite::Connection::open(&path)
+        .expect("create the file")
+        .execute_batch(
+            "CREATE TABLE idempotency_records (
+                tenant              TEXT    NOT NULL,
+                operation           TEXT    NOT NULL,
+                idempotency_key     TEXT    NOT NULL,
+                fingerprint         BLOB    NOT NULL,
+                fingerprint_version INTEGER NOT NULL,
+                status              INTEGER NOT NULL,
+                headers             TEXT    NOT NULL,
+                body                BLOB    NOT NULL,
+                trailers            TEXT,
+                created_at          INTEGER NOT NULL,
+                expires_at          INTEGER NOT NULL,
+                PRIMARY KEY (tenant, operation, idempotency_key)
+            );
+            CREATE INDEX idempotency_records_expires_at ON idempotency_records (expires_at);",
+        )
+        .expect("the table as created before");
+    let store = SqliteStore::open(&path).await.expect("open");
+    let expired = fill(&store, 5_000, "n % 3 = 0").await;
+
+    let purged = Admin::new(store.clone())
+        .purge_expired(50)
+        .await
+        .expect("purge");
+    assert_eq!(purged, expired as u64);
+    assert_eq!(left(&store).await, (5_000 - expired, 0));
+    let index: i64 = store
+        .read(|conn| {
+            conn.query_row(
+                "SELECT count(*) FROM sqlite_schema \
+                 WHERE name = 'idempotency_records_expires_at'",
+                [],
+                |row| row.get(0),
+            )
+        })
+        .await
+        .expect("schema");
+    assert_eq!(index, 1, "the index is kept");
 }
