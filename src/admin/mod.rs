@@ -48,7 +48,7 @@ pub(crate) mod sealed {
 }
 
 /// The queries on idempotency records that [`Admin`] needs from a store, beyond
-/// [`IdempotencyStore`] (whose `purge_expired` it uses). Each backend implements them with its
+/// [`IdempotencyStore`] (whose `purge_expired_step` it uses). Each backend implements them with its
 /// own SQL; [`Admin`] is written once over them.
 ///
 /// Sealed: implemented by this crate's stores only (what they return, [`RecordInfo`] and
@@ -110,11 +110,11 @@ impl<S: AdminBackend> Admin<S> {
     }
 
     /// Deletes every expired record, in batches of `batch` (each its own short transaction);
-    /// returns how many. After each full batch it pauses four times as long as the batch took,
-    /// so that a purge takes at most a fifth of the store's time from the requests it serves
-    /// meanwhile: a million records take minutes on a busy SQLite file, not seconds. On SQLite
-    /// a batch holds the one writer while it runs: keep batches small (a few hundred) on a
-    /// store that serves requests.
+    /// returns how many. After each batch but the last it pauses four times as long as the
+    /// batch took, so that a purge takes at most a fifth of the store's time from the requests
+    /// it serves meanwhile: a million records take minutes on a busy SQLite file, not seconds.
+    /// On SQLite a batch's deletes hold the one writer while they run: keep batches small (a
+    /// few hundred) on a store that serves requests.
     pub async fn purge_expired(&self, batch: usize) -> Result<u64, Error> {
         crate::store::purge_expired_paced(&self.store, SystemTime::now(), batch).await
     }

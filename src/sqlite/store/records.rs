@@ -21,21 +21,24 @@ use crate::store::{to_unix_millis, NewRecord, SavedColumns, Scope, StoredRecord}
 /// here names the key, none the rowid, so both work.
 ///
 /// No index on `expires_at`: it would cost every new key a page of its own. The purge walks the
-/// primary key instead (`scan_expired`). A file created with the index
-/// `idempotency_records_expires_at` keeps it; no statement here needs it or is hindered by it.
+/// primary key instead (`scan_expired`), and `expires_at` comes right after the key, so the
+/// walk reads it from the row's first bytes: a large body, which spills past the row's page
+/// into overflow pages, is not read. A file created before (with `expires_at` after the body,
+/// and the index `idempotency_records_expires_at`) keeps its table; every statement here names
+/// its columns, none needs the index or is hindered by it.
 pub(super) const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS idempotency_records (
     tenant              TEXT    NOT NULL,
     operation           TEXT    NOT NULL,
     idempotency_key     TEXT    NOT NULL,
+    expires_at          INTEGER NOT NULL,
+    created_at          INTEGER NOT NULL,
     fingerprint         BLOB    NOT NULL,
     fingerprint_version INTEGER NOT NULL,
     status              INTEGER NOT NULL,
     headers             TEXT    NOT NULL,
     body                BLOB    NOT NULL,
     trailers            TEXT,
-    created_at          INTEGER NOT NULL,
-    expires_at          INTEGER NOT NULL,
     PRIMARY KEY (tenant, operation, idempotency_key)
 ) WITHOUT ROWID;
 ";
