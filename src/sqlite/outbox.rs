@@ -38,9 +38,8 @@ use crate::store::to_unix_millis;
 ///   new events are exactly those above the largest claimed `seq`: a claim reads them from
 ///   there along the table itself.
 ///
-/// An insert writes the table's B-tree only, where a full index on `(status, available_at)`
-/// cost every event a second page; the claim writes the index entries instead, where it
-/// moved the old index's entry anyway.
+/// An insert writes the table's B-tree only (a full index on `(status, available_at)` would
+/// cost every event a second page); the claim writes the index entries.
 ///
 /// `seq` is the rowid without `AUTOINCREMENT`: a new event takes the largest `seq` in the
 /// table plus one, so its `seq` is above every event still stored, and "oldest first" (claims,
