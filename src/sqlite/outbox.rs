@@ -201,7 +201,9 @@ impl OutboxStore for SqliteStore {
         }
         let (abandoned, claimed) = self
             .write(move |tx| {
-                tx.execute_batch(CLAIMED_INDEX)?;
+                // Prepared once per connection: on a file that has the index (every file after
+                // the first claim) the statement does nothing, and is not parsed again.
+                tx.prepare_cached(CLAIMED_INDEX)?.execute([])?;
                 // First, the events whose last allowed attempt was abandoned: retrying them
                 // would exceed the attempts (and an event that crashes its relay would be
                 // retried forever).

@@ -183,7 +183,7 @@ fn record() -> NewRecord {
 }
 
 test! { calls_that_wait_for_the_writer_fail_at_once_inside_a_request_in_place, multi_thread = 2 }
-/// A store call that would wait for the writer, made from inside a request that holds it in
+/// A store call that would wait for the writer (a write, a purge), made from inside a request that holds it in
 /// place, fails at once instead of waiting for the request's own end; so does a nested
 /// request on the same store.
 async fn calls_that_wait_for_the_writer_fail_at_once_inside_a_request_in_place() {
@@ -202,6 +202,13 @@ async fn calls_that_wait_for_the_writer_fail_at_once_inside_a_request_in_place()
                     .run(|_conn| Ok(on_writer_thread()))
                     .await;
                 let write = inner.write(|_tx| Ok(())).await;
+                let purges = (
+                    inner.purge_expired(SystemTime::now(), 10).await.map(|_| ()),
+                    inner
+                        .purge_expired_step(SystemTime::now(), 10)
+                        .await
+                        .map(|_| ()),
+                );
                 let nested = inner
                     .begin_and_run(
                         &scope("inner"),
@@ -211,14 +218,14 @@ async fn calls_that_wait_for_the_writer_fail_at_once_inside_a_request_in_place()
                     )
                     .await;
                 let _ = reservation.rollback().await;
-                (on_writer, write, nested.map(|_| ()))
+                (on_writer, write, purges, nested.map(|_| ()))
             },
         ),
     )
     .await
     .expect("answered without waiting for its own end");
     let Ok(RunOutcome::Ran {
-        output: (on_writer, write, nested),
+        output: (on_writer, write, (purge, purge_step), nested),
         ..
     }) = ran
     else {
@@ -229,6 +236,21 @@ async fn calls_that_wait_for_the_writer_fail_at_once_inside_a_request_in_place()
         "ran in place: {on_writer:?}"
     );
     assert!(matches!(write, Err(Error::InsideRequest(_))), "{write:?}");
+    // Each refusal names the call refused.
+    assert!(
+        matches!(
+            purge,
+            Err(Error::InsideRequest("IdempotencyStore::purge_expired"))
+        ),
+        "{purge:?}"
+    );
+    assert!(
+        matches!(
+            purge_step,
+            Err(Error::InsideRequest("IdempotencyStore::purge_expired_step"))
+        ),
+        "{purge_step:?}"
+    );
     assert!(matches!(nested, Err(Error::InsideRequest(_))), "{nested:?}");
     // The writer is free again.
     store

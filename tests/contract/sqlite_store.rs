@@ -1,6 +1,6 @@
-//! SQLite-specific behaviour of the store: when another process shares the database file, and
-//! its purge of expired records (a walk along the records' key, with or without the index on
-//! `expires_at` that files created before have).
+//! SQLite-specific behaviour of the store: when another process shares the database file, when
+//! the file is deleted under a write, and its purge of expired records (a walk along the
+//! records' key, with or without the index on `expires_at` that files created before have).
 
 use support::common;
 use support::sqlite_faults;
@@ -45,6 +45,51 @@ async fn short_request_lock_timeout_does_not_leak_into_purge_and_write() {
         .await;
     other.join();
     written.expect("write waits for the other process's lock, then succeeds");
+}
+
+test! { a_write_whose_file_is_deleted_before_its_commit_is_refused }
+/// `write` checks the path again before `COMMIT`, as a request's commit does: a file deleted
+/// while its closure runs gets nothing committed (SQLite would commit into the unlinked file),
+/// and the write fails with the error that says so.
+#[cfg(unix)]
+async fn a_write_whose_file_is_deleted_before_its_commit_is_refused() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("orders.db");
+    let store = SqliteStore::open(&path).await.expect("open");
+    store
+        .write(|tx| tx.execute_batch("CREATE TABLE audit (line TEXT)"))
+        .await
+        .expect("create the table");
+
+    let aside = path.with_extension("aside");
+    std::fs::hard_link(&path, &aside).expect("link aside");
+    let deleted = path.clone();
+    let written = store
+        .write(move |tx| {
+            tx.execute("INSERT INTO audit (line) VALUES ('during')", [])?;
+            std::fs::remove_file(&deleted).expect("delete the database");
+            Ok(())
+        })
+        .await;
+    let error = written.expect_err("the commit is refused");
+    assert!(error.to_string().contains("deleted or replaced"), "{error}");
+
+    // Back in place: nothing of that write is in the file, and writes work again.
+    std::fs::hard_link(&aside, &path).expect("put the database back");
+    std::fs::remove_file(&aside).expect("drop the second name");
+    store
+        .write(|tx| tx.execute("INSERT INTO audit (line) VALUES ('after')", []))
+        .await
+        .expect("a write after the file is back");
+    drop(store);
+    let conn = rusqlite::Connection::open(&path).expect("open the file");
+    let mut lines = conn.prepare("SELECT line FROM audit").expect("prepare");
+    let lines: Vec<String> = lines
+        .query_map([], |row| row.get(0))
+        .expect("query")
+        .collect::<Result<_, _>>()
+        .expect("rows");
+    assert_eq!(lines, ["after"]);
 }
 
 test! { stores_opening_one_new_file_at_once_all_open_it, multi_thread = 4 }

@@ -265,7 +265,9 @@ impl SqliteStore {
 
     /// Runs `f` in its own write transaction (`BEGIN IMMEDIATE` ... `COMMIT`) on the writer
     /// connection, queued behind the requests that hold it. Use it for migrations and writes
-    /// that are not part of an idempotent request. `f` returning an error rolls back.
+    /// that are not part of an idempotent request. `f` returning an error rolls back, and so
+    /// does a database file deleted or replaced before the commit (an [`Error::Io`]), as for a
+    /// request.
     ///
     /// Called from a handler inside its own request, it fails at once with
     /// [`Error::InsideRequest`]: it would wait for the request to end. Use the request's
@@ -293,6 +295,12 @@ impl SqliteStore {
                 let _allowed = ControlAllowed::new(allowed);
                 match value {
                     Ok(Ok(value)) => {
+                        // Again before `COMMIT`, as a request's commit does: `f` may have run
+                        // for long enough for the file to be deleted under it.
+                        if let Err(error) = writer.file.check() {
+                            drop(tx);
+                            return Err(error);
+                        }
                         tx.commit()?;
                         Ok(value)
                     }

@@ -32,8 +32,15 @@ use super::{Shared, SqliteStore};
 use crate::error::Error;
 use crate::store::{to_unix_millis, PurgeStep};
 
-/// What a purge call that is refused inside a request is called.
-const PURGE: &str = "IdempotencyStore::purge_expired";
+/// What a purge call that is refused inside a request is called: `step`, a call of
+/// `purge_expired_step`.
+fn called(step: bool) -> &'static str {
+    if step {
+        "IdempotencyStore::purge_expired_step"
+    } else {
+        "IdempotencyStore::purge_expired"
+    }
+}
 
 /// How many records a call looks at per record of its batch, at most.
 const EXAMINED_PER_BATCH_RECORD: usize = 16;
@@ -75,7 +82,7 @@ impl SqliteStore {
         purge: bool,
     ) -> Result<PurgeStep, Error> {
         if inside_request(self.shared.id) {
-            return Err(Error::InsideRequest(PURGE));
+            return Err(Error::InsideRequest(called(purge)));
         }
         if batch == 0 {
             return Ok(PurgeStep {
@@ -95,7 +102,9 @@ impl SqliteStore {
             walk.after.clone()
         };
         let scanned = self.scan_expired(after, now, batch).await?;
-        let deleted = self.delete_expired(scanned.expired, now).await?;
+        let deleted = self
+            .delete_expired(scanned.expired, now, called(purge))
+            .await?;
         self.shared.purge_walk().after = scanned.last;
         Ok(PurgeStep {
             deleted,
@@ -133,13 +142,18 @@ impl SqliteStore {
     }
 
     /// Deletes the records of `keys` still expired at `now`, in one transaction on the writer
-    /// ([`records::delete_expired`]); returns how many.
-    async fn delete_expired(&self, keys: Vec<RecordKey>, now: i64) -> Result<u64, Error> {
+    /// ([`records::delete_expired`]); returns how many. `called`: the purge call's name.
+    async fn delete_expired(
+        &self,
+        keys: Vec<RecordKey>,
+        now: i64,
+        called: &'static str,
+    ) -> Result<u64, Error> {
         if keys.is_empty() {
             return Ok(0);
         }
         self.shared
-            .call_exclusive(PURGE, move |writer| {
+            .call_exclusive(called, move |writer| {
                 writer.settle();
                 writer.set_busy_wait(STANDALONE_BUSY_TIMEOUT);
                 let control = writer.control.clone();
@@ -340,7 +354,7 @@ mod tests {
         reservation.commit(record).await.expect("commit");
 
         let deleted = store
-            .delete_expired(scanned.expired, NOW)
+            .delete_expired(scanned.expired, NOW, called(true))
             .await
             .expect("delete");
         assert_eq!(deleted, 2);
