@@ -26,10 +26,12 @@ use crate::metrics::{self, Outcome, RollbackReason};
 use crate::response::{select_headers, SavedResponse};
 use crate::store::{IdempotencyStore, NewRecord, Reservation, RunOutcome, Scope, StoredRecord};
 
-// What lives where: the flow of a request (this file), one run of the handler in the reserved
-// transaction (`attempt`), reading request and response bodies (`read`), gRPC (`grpc`).
+// What lives where: the flow of a request (this file), its two phases as one future
+// (`phases`), one run of the handler in the reserved transaction (`attempt`), reading request
+// and response bodies (`read`), gRPC (`grpc`).
 mod attempt;
 mod grpc;
+mod phases;
 mod read;
 pub(crate) mod steps;
 
@@ -214,9 +216,9 @@ where
     /// A request the layer handles (the method and filter say so, and a key is sent or
     /// required), with `key_headers` key headers if the key is read from a header.
     ///
-    /// Written as an `async` block (here and in [`execute`](Self::execute)) rather than an
-    /// `async fn`, whose future keeps each argument twice: as given, and moved into the body.
-    #[allow(clippy::manual_async_fn)]
+    /// Two phases, the checks and then [`execute`](Self::execute), of which the future holds
+    /// one at a time (see `phases`). Each is an `async` block rather than an `async fn`, whose
+    /// future keeps each argument twice: as given, and moved into the body.
     fn run<ReqB>(
         self,
         request: Request<ReqB>,
@@ -226,15 +228,17 @@ where
         ReqB: Body<Data = Bytes> + Send + 'static,
         ReqB::Error: Into<BoxError>,
     {
-        async move {
-            let wire = Wire::of(request.version(), request.headers());
-            // `check` consumes the request; a rejection's metric label still needs its path when
-            // the layer has no operation name.
-            let path = match &self.config.operation {
-                Some(_) => None,
-                None => Some(request.uri().clone()),
-            };
-            let checked = match check(&self.config, request, key_headers).await {
+        let wire = Wire::of(request.version(), request.headers());
+        // `check` consumes the request; a rejection's metric label still needs its path when
+        // the layer has no operation name.
+        let path = match &self.config.operation {
+            Some(_) => None,
+            None => Some(request.uri().clone()),
+        };
+        let config = self.config.clone();
+        let checks = async move { check(&config, request, key_headers).await };
+        phases::then(checks, move |checked| {
+            let checked = match checked {
                 Ok(checked) => checked,
                 Err(rejection) => {
                     let operation = self.config.operation.clone().unwrap_or_else(|| {
@@ -247,7 +251,9 @@ where
                         })
                     });
                     metrics::request(&self.config.metric_keys, &operation, Outcome::Rejected);
-                    return Ok(self.reject(&rejection, wire));
+                    return phases::Second::Answered {
+                        answer: Some(Ok(self.reject(&rejection, wire))),
+                    };
                 }
             };
             let span = tracing::info_span!(
@@ -259,11 +265,15 @@ where
             // Without a subscriber that wants it, the span is disabled: entering and leaving it on
             // every poll would do nothing but cost.
             if span.is_disabled() {
-                self.execute(checked, wire).await
+                phases::Second::Plain {
+                    execute: self.execute(checked, wire),
+                }
             } else {
-                self.execute(checked, wire).instrument(span).await
+                phases::Second::Traced {
+                    execute: self.execute(checked, wire).instrument(span),
+                }
             }
-        }
+        })
     }
 
     /// The checked request's trip through the store and the handler; `wire` is the request's
@@ -738,6 +748,41 @@ mod tests {
             .with_writer(move || writer.clone())
             .finish();
         tracing::subscriber::set_default(subscriber)
+    }
+
+    /// A request waiting for the store holds the second phase's state only, not the room the
+    /// checks needed (see `phases`): the flow's future is no larger than `execute`'s and a
+    /// tag.
+    #[tokio::test]
+    async fn a_request_waiting_for_the_store_holds_nothing_of_its_checks() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SqliteStore::open(dir.path().join("records.db"))
+            .await
+            .unwrap();
+        let inner = Counted {
+            clones: Arc::new(AtomicUsize::new(0)),
+        };
+        let service = IdempotencyLayer::new(store).layer(inner);
+        let flow = |service: &Idempotency<Counted, SqliteStore>| Flow {
+            inner: Some(service.inner.clone()),
+            store: service.store.clone(),
+            config: service.config.clone(),
+        };
+        let run = flow(&service).run(request(Method::POST, Some("k")), Some(1));
+        let key = crate::key::IdempotencyKey::parse(b"k", 16).unwrap();
+        let checked = Checked {
+            parts: Request::new(()).into_parts().0,
+            body: Bytes::new(),
+            scope: Scope::new("t", "op", key),
+            fingerprint: crate::fingerprint::Fingerprint::new(1, [0; 32]),
+        };
+        let execute =
+            flow(&service).execute(checked, Wire::of(Version::HTTP_11, &HeaderMap::new()));
+        let (run, execute) = (std::mem::size_of_val(&run), std::mem::size_of_val(&execute));
+        assert!(
+            run <= execute + 64,
+            "run: {run} bytes, execute: {execute} bytes"
+        );
     }
 
     #[tokio::test]
