@@ -33,6 +33,14 @@ use crate::store::{
     StoredRecord,
 };
 
+/// A queued begin's answer to come, its state (see [`BEGIN_WAITING`]), and what cancels it
+/// if the request stops waiting.
+type QueuedAnswer<T> = (
+    oneshot::Receiver<Result<RunOutcome<T>, Error>>,
+    Arc<AtomicU8>,
+    CancelOnDrop,
+);
+
 /// How a begin queued for the writer thread runs.
 #[derive(Clone, Copy)]
 struct QueuedBegin {
@@ -130,7 +138,52 @@ impl SqliteStore {
     /// `look_up_first`, [`IdempotencyStore::lookup_then_begin_and_run`]: the fast-path read
     /// runs on a reader thread, which queues the begin itself when it finds no record, so that
     /// the request is woken once, by the answer, rather than once more between the two.
-    async fn begin_on_writer<W, F>(
+    ///
+    /// The begin is queued when this is called; the future returned waits for its answer and
+    /// holds only what that wait needs, not the work (which the begin took), so that a request
+    /// waiting in the writer's queue holds no second copy of it.
+    fn begin_on_writer<W, F>(
+        &self,
+        scope: Scope,
+        lock_timeout: Duration,
+        now: SystemTime,
+        work: W,
+        runtime: tokio::runtime::Handle,
+        queued: QueuedBegin,
+    ) -> impl Future<Output = Result<RunOutcome<F::Output>, Error>> + Send + 'static
+    where
+        W: FnOnce(SqliteReservation) -> F + Send + 'static,
+        F: Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        let queued = self.queue_begin(scope, lock_timeout, now, work, runtime, queued);
+        async move {
+            let (mut answer, begin_state, _cancel) = queued?;
+            // The lock timeout bounds the wait for the begin, not the work after it.
+            let answered = match tokio::time::timeout(lock_timeout, &mut answer).await {
+                Ok(answered) => answered,
+                Err(_elapsed) => {
+                    let gave_up = begin_state.compare_exchange(
+                        BEGIN_WAITING,
+                        BEGIN_GAVE_UP,
+                        Ordering::AcqRel,
+                        Ordering::Acquire,
+                    );
+                    if gave_up.is_ok() {
+                        return Err(Error::Busy);
+                    }
+                    // The begin started in time: wait for the work.
+                    answer.await
+                }
+            };
+            answered.map_err(|_| Error::Panicked)?
+        }
+    }
+
+    /// Queues the begin of [`begin_on_writer`](Self::begin_on_writer) (through the fast-path
+    /// read with `look_up_first`); returns where its answer comes, the begin's state, and
+    /// what cancels it if the request stops waiting.
+    fn queue_begin<W, F>(
         &self,
         scope: Scope,
         lock_timeout: Duration,
@@ -141,7 +194,7 @@ impl SqliteStore {
             look_up_first,
             alone,
         }: QueuedBegin,
-    ) -> Result<RunOutcome<F::Output>, Error>
+    ) -> Result<QueuedAnswer<F::Output>, Error>
     where
         W: FnOnce(SqliteReservation) -> F + Send + 'static,
         F: Future + Send + 'static,
@@ -160,7 +213,7 @@ impl SqliteStore {
         let span = tracing::Span::current();
         let store = Arc::downgrade(&self.shared);
         let now_millis = to_unix_millis(now);
-        let (reply, mut answer) = oneshot::channel::<Result<RunOutcome<F::Output>, Error>>();
+        let (reply, answer) = oneshot::channel::<Result<RunOutcome<F::Output>, Error>>();
         // Whether the begin started before the request gave up on its lock timeout: decided
         // once, by whichever side gets there first, with no wake-up of the request for it.
         let begin_state = Arc::new(AtomicU8::new(BEGIN_WAITING));
@@ -235,24 +288,7 @@ impl SqliteStore {
                     .look_up_then_queue(lookup_scope, now, cancel.0.clone(), start);
             }
         }
-        // The lock timeout bounds the wait for the begin, not the work after it.
-        let answered = match tokio::time::timeout(lock_timeout, &mut answer).await {
-            Ok(answered) => answered,
-            Err(_elapsed) => {
-                let gave_up = begin_state.compare_exchange(
-                    BEGIN_WAITING,
-                    BEGIN_GAVE_UP,
-                    Ordering::AcqRel,
-                    Ordering::Acquire,
-                );
-                if gave_up.is_ok() {
-                    return Err(Error::Busy);
-                }
-                // The begin started in time: wait for the work.
-                answer.await
-            }
-        };
-        answered.map_err(|_| Error::Panicked)?
+        Ok((answer, begin_state, cancel))
     }
 }
 
