@@ -750,19 +750,22 @@ mod tests {
         tracing::subscriber::set_default(subscriber)
     }
 
+    /// A store in a file of `dir`.
+    async fn store_in(dir: &tempfile::TempDir) -> SqliteStore {
+        SqliteStore::open(dir.path().join("records.db"))
+            .await
+            .unwrap()
+    }
+
     /// A request waiting for the store holds the second phase's state only, not the room the
     /// checks needed (see `phases`): the flow's future is no larger than `execute`'s and a
     /// tag.
     #[tokio::test]
     async fn a_request_waiting_for_the_store_holds_nothing_of_its_checks() {
         let dir = tempfile::tempdir().unwrap();
-        let store = SqliteStore::open(dir.path().join("records.db"))
-            .await
-            .unwrap();
-        let inner = Counted {
-            clones: Arc::new(AtomicUsize::new(0)),
-        };
-        let service = IdempotencyLayer::new(store).layer(inner);
+        let service = IdempotencyLayer::new(store_in(&dir).await).layer(Counted {
+            clones: Arc::default(),
+        });
         let flow = |service: &Idempotency<Counted, SqliteStore>| Flow {
             inner: Some(service.inner.clone()),
             store: service.store.clone(),
@@ -789,9 +792,7 @@ mod tests {
     async fn only_a_request_the_layer_handles_takes_an_instance_of_its_own() {
         let _default = subscriber(Capture::default());
         let dir = tempfile::tempdir().unwrap();
-        let store = SqliteStore::open(dir.path().join("records.db"))
-            .await
-            .unwrap();
+        let store = store_in(&dir).await;
         let clones = Arc::new(AtomicUsize::new(0));
         let inner = Counted {
             clones: clones.clone(),
@@ -904,9 +905,7 @@ mod tests {
         ));
 
         let dir = tempfile::tempdir().unwrap();
-        let store = SqliteStore::open(dir.path().join("records.db"))
-            .await
-            .unwrap();
+        let store = store_in(&dir).await;
         let addresses = Addresses::default();
         let mut service = IdempotencyLayer::new(store)
             .with_operation("create_order")
@@ -945,9 +944,7 @@ mod tests {
         // The current-thread runtime polls the request here, where the subscriber is set.
         let _default = subscriber(capture.clone());
         let dir = tempfile::tempdir().unwrap();
-        let store = SqliteStore::open(dir.path().join("records.db"))
-            .await
-            .unwrap();
+        let store = store_in(&dir).await;
         let inner = Counted {
             clones: Arc::new(AtomicUsize::new(0)),
         };

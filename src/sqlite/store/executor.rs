@@ -1,7 +1,7 @@
 //! Runs a request's work on the writer thread: the SQLite store's
 //! [`IdempotencyStore::begin_and_run`] and [`IdempotencyStore::lookup_then_begin_and_run`].
 //!
-//! `begin_on_writer` queues the request's begin (from a reader thread after the fast-path
+//! `queue_begin` queues the request's begin (from a reader thread after the fast-path
 //! read, see `reader`, when it looks up first); the begin, run by the writer thread (`writer`)
 //! with group commit's `reserve_scope` (`group`), either answers with a record it found or
 //! starts the work (the layer's handler call and commit, given a [`SqliteReservation`]) as
@@ -95,19 +95,21 @@ impl SqliteStore {
                     } else {
                         (work, look_up_first)
                     };
-                    store
-                        .begin_on_writer(
-                            scope,
-                            lock_timeout,
-                            now,
-                            work,
-                            runtime,
-                            QueuedBegin {
-                                look_up_first,
-                                alone,
-                            },
-                        )
-                        .await
+                    // Queued now; what is awaited holds only the wait, not the work (which
+                    // the begin took), so a request in the writer's queue holds no second
+                    // copy of it.
+                    let queued = store.queue_begin(
+                        scope,
+                        lock_timeout,
+                        now,
+                        work,
+                        runtime,
+                        QueuedBegin {
+                            look_up_first,
+                            alone,
+                        },
+                    );
+                    answer_of(queued, lock_timeout).await
                 }
                 // Boxed, as is the work in `try_run_in_place`: the work (the handler's call)
                 // runs inside these futures. Unboxed, their largest state would size this
@@ -139,50 +141,8 @@ impl SqliteStore {
     /// runs on a reader thread, which queues the begin itself when it finds no record, so that
     /// the request is woken once, by the answer, rather than once more between the two.
     ///
-    /// The begin is queued when this is called; the future returned waits for its answer and
-    /// holds only what that wait needs, not the work (which the begin took), so that a request
-    /// waiting in the writer's queue holds no second copy of it.
-    fn begin_on_writer<W, F>(
-        &self,
-        scope: Scope,
-        lock_timeout: Duration,
-        now: SystemTime,
-        work: W,
-        runtime: tokio::runtime::Handle,
-        queued: QueuedBegin,
-    ) -> impl Future<Output = Result<RunOutcome<F::Output>, Error>> + Send + 'static
-    where
-        W: FnOnce(SqliteReservation) -> F + Send + 'static,
-        F: Future + Send + 'static,
-        F::Output: Send + 'static,
-    {
-        let queued = self.queue_begin(scope, lock_timeout, now, work, runtime, queued);
-        async move {
-            let (mut answer, begin_state, _cancel) = queued?;
-            // The lock timeout bounds the wait for the begin, not the work after it.
-            let answered = match tokio::time::timeout(lock_timeout, &mut answer).await {
-                Ok(answered) => answered,
-                Err(_elapsed) => {
-                    let gave_up = begin_state.compare_exchange(
-                        BEGIN_WAITING,
-                        BEGIN_GAVE_UP,
-                        Ordering::AcqRel,
-                        Ordering::Acquire,
-                    );
-                    if gave_up.is_ok() {
-                        return Err(Error::Busy);
-                    }
-                    // The begin started in time: wait for the work.
-                    answer.await
-                }
-            };
-            answered.map_err(|_| Error::Panicked)?
-        }
-    }
-
-    /// Queues the begin of [`begin_on_writer`](Self::begin_on_writer) (through the fast-path
-    /// read with `look_up_first`); returns where its answer comes, the begin's state, and
-    /// what cancels it if the request stops waiting.
+    /// Queues the begin at once; returns where its answer comes, the begin's state, and what
+    /// cancels it if the request stops waiting ([`answer_of`] waits for it).
     fn queue_begin<W, F>(
         &self,
         scope: Scope,
@@ -290,6 +250,33 @@ impl SqliteStore {
         }
         Ok((answer, begin_state, cancel))
     }
+}
+
+/// The answer to a begin [`SqliteStore::queue_begin`] queued: within `lock_timeout` for the
+/// begin to start (else [`Error::Busy`]), then for as long as the work runs.
+async fn answer_of<T>(
+    queued: Result<QueuedAnswer<T>, Error>,
+    lock_timeout: Duration,
+) -> Result<RunOutcome<T>, Error> {
+    let (mut answer, begin_state, _cancel) = queued?;
+    // The lock timeout bounds the wait for the begin, not the work after it.
+    let answered = match tokio::time::timeout(lock_timeout, &mut answer).await {
+        Ok(answered) => answered,
+        Err(_elapsed) => {
+            let gave_up = begin_state.compare_exchange(
+                BEGIN_WAITING,
+                BEGIN_GAVE_UP,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            );
+            if gave_up.is_ok() {
+                return Err(Error::Busy);
+            }
+            // The begin started in time: wait for the work.
+            answer.await
+        }
+    };
+    answered.map_err(|_| Error::Panicked)?
 }
 
 /// A request's begin has not started on the writer yet.
