@@ -20,7 +20,7 @@ use tokio::time::Instant;
 use crate::error::Error;
 use crate::store::retry_share::RetryShare;
 use crate::store::{
-    begin_and_run_in_place, lookup_then, IdempotencyStore, RunOutcome, Scope, StoredRecord,
+    begin_and_run_in_place, fast_path_lookup, IdempotencyStore, RunOutcome, Scope, StoredRecord,
 };
 
 /// Where a request learns that its key already has a completed record (a retry to replay),
@@ -223,16 +223,28 @@ where
     F: Future,
 {
     let started = Instant::now();
+    // The work (the handler and the commit) boxed once the key is reserved: this future then
+    // holds a pointer for it, not room for it through the lookup and the reservation (and a
+    // replay never makes it).
+    let work = move |reservation| Box::pin(work(reservation));
     let begin = move || {
         // What the lookup before it left of the lock timeout (all of it when none was made).
         let left = lock_timeout.saturating_sub(started.elapsed());
         begin_and_run_in_place(store, scope, left, now, work)
     };
-    let outcome = if checks.read_first() {
-        lookup_then(store, scope, now, begin).await
+    // One `begin().await` for both ways: its future (the store's and the handler's) takes its
+    // room in this one once, not once for each.
+    let read_first = checks.read_first();
+    let found = if read_first {
+        fast_path_lookup(store, scope, now).await
+    } else {
+        None
+    };
+    let outcome = if let Some(record) = found {
+        Ok(RunOutcome::Found { record })
     } else {
         match begin().await {
-            Err(error) => {
+            Err(error) if !read_first => {
                 let read_by = started + lock_timeout + FALLBACK_READ_MARGIN;
                 if Instant::now() >= read_by {
                     // The begin used the whole lock timeout and more (a server that stopped

@@ -31,8 +31,10 @@ pub(crate) enum Answer<B, E> {
     Full(http::response::Parts, Bytes, Option<HeaderMap>),
 }
 
-/// The service and request head an attempt borrows (see [`Attempt::run`]).
-pub(super) type Lent<S> = Arc<std::sync::Mutex<Option<(S, request::Parts)>>>;
+/// The service, the request head and the attempt that an attempt's work borrows (see
+/// [`Attempt::run`]). The work holds this one pointer: the store's futures that carry it
+/// (each keeping its arguments) carry eight bytes, not the attempt.
+pub(super) type Lent<S> = Arc<std::sync::Mutex<Option<(S, request::Parts, Attempt)>>>;
 
 /// One run of the handler with the transaction open: what the store drives.
 pub(super) struct Attempt {
@@ -48,9 +50,9 @@ pub(super) struct Attempt {
 impl Attempt {
     /// Calls the lent service with the lent request head and the transaction's handle in the
     /// request extensions, captures the response and commits it with the handler's rows, or
-    /// rolls back. Gives the service back, with a copy of the head if it may run again.
+    /// rolls back, as the lent attempt says. Gives the service back, with a copy of the head if
+    /// it may run again.
     pub(super) async fn run<S, T, ResB>(
-        self,
         lent: Lent<S>,
         transaction: T,
     ) -> (Option<S>, Option<request::Parts>, Finished<ResB, S::Error>)
@@ -59,15 +61,8 @@ impl Attempt {
         T: Reservation,
         ResB: Body<Data = Bytes>,
     {
-        let Attempt {
-            body,
-            scope,
-            fingerprint,
-            now,
-            config,
-            keep_a_copy,
-        } = self;
-        let Some((mut inner, mut parts)) = lent.lock().ok().and_then(|mut lent| lent.take()) else {
+        let lent = lent.lock().ok().and_then(|mut lent| lent.take());
+        let Some((mut inner, mut parts, attempt)) = lent else {
             // Never: the work runs once, and the service takes nothing back after that.
             let _ = roll_back(transaction).await;
             let failed = Finished::RolledBack(
@@ -76,6 +71,14 @@ impl Attempt {
             );
             return (None, None, failed);
         };
+        let Attempt {
+            body,
+            scope,
+            fingerprint,
+            now,
+            config,
+            keep_a_copy,
+        } = attempt;
         let spare = keep_a_copy.then(|| copy_parts(&parts));
         parts.extensions.insert(transaction.handle());
         parts.extensions.insert(scope);

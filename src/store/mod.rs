@@ -367,13 +367,26 @@ where
     B: FnOnce() -> Fut,
     Fut: Future<Output = Result<RunOutcome<T>, Error>>,
 {
-    match store.lookup(scope, now).await {
-        Ok(Some(record)) => return Ok(RunOutcome::Found { record }),
-        Ok(None) => {}
-        // The begin reads again, authoritatively; a failing read is only logged.
-        Err(error) => tracing::warn!(%error, "idempotency fast-path lookup failed"),
+    if let Some(record) = fast_path_lookup(store, scope, now).await {
+        return Ok(RunOutcome::Found { record });
     }
     begin().await
+}
+
+/// The fast path's read: the live record [`IdempotencyStore::lookup`] finds, if any. A
+/// failing read is only logged: the begin that follows reads again, authoritatively.
+pub(crate) async fn fast_path_lookup<St: IdempotencyStore>(
+    store: &St,
+    scope: &Scope,
+    now: SystemTime,
+) -> Option<StoredRecord> {
+    match store.lookup(scope, now).await {
+        Ok(found) => found,
+        Err(error) => {
+            tracing::warn!(%error, "idempotency fast-path lookup failed");
+            None
+        }
+    }
 }
 
 /// A reserved scope and the open write transaction that holds it: the layer's side, which

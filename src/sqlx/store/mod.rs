@@ -508,7 +508,9 @@ impl<D: SqlxDialect> IdempotencyStore for SqlxStore<D> {
 
     async fn lookup(&self, scope: &Scope, now: SystemTime) -> Result<Option<StoredRecord>, Error> {
         D::check_scope(scope)?;
-        Ok(self.lookup_at(scope, to_unix_millis(now)).await?.flatten())
+        // Boxed, as the reservation and the commit are: see `begin`.
+        let found = Box::pin(self.lookup_at(scope, to_unix_millis(now))).await?;
+        Ok(found.flatten())
     }
 
     /// The replay check on the read pool first, or `begin_and_run` alone (the reservation
@@ -537,12 +539,15 @@ impl<D: SqlxDialect> IdempotencyStore for SqlxStore<D> {
         now: SystemTime,
     ) -> Result<Begin<SqlxReservation<D>>, Error> {
         D::check_scope(scope)?;
-        reserve::begin_with_retries(
+        // sqlx's futures are large (a query, the pool's wait, their time bounds). Boxed, each
+        // takes its room only while it runs; inline, every request's future would hold room
+        // for the largest of them for its whole life, and copy it on each move.
+        Box::pin(reserve::begin_with_retries(
             self.shared.conflict_retries,
             lock_timeout,
             now,
             |deadline, now| self.try_begin(scope, deadline, lock_timeout, now),
-        )
+        ))
         .await
     }
 

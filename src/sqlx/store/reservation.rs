@@ -2,6 +2,7 @@
 //! commit with the record.
 
 use std::fmt;
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -281,7 +282,22 @@ impl<D: SqlxDialect> Reservation for SqlxReservation<D> {
         SqlxHandle::new(self.tx.clone())
     }
 
-    async fn commit(self, record: NewRecord) -> Result<(), Error> {
+    fn commit(self, record: NewRecord) -> impl Future<Output = Result<(), Error>> + Send {
+        // Boxed, as the reservation is (see the store's `begin`).
+        Box::pin(self.complete_and_commit(record))
+    }
+
+    /// Rolls back. Reports a serialization failure or deadlock that a handler's statement
+    /// got ([`Error::StatementConflict`]): the handler's answer came from a transaction the
+    /// database had rolled back, and the layer runs the request again.
+    async fn rollback(self) -> Result<(), Error> {
+        Box::pin(self.tx.rollback()).await
+    }
+}
+
+impl<D: SqlxDialect> SqlxReservation<D> {
+    /// [`Reservation::commit`]: the record completed, then `COMMIT`.
+    async fn complete_and_commit(self, record: NewRecord) -> Result<(), Error> {
         let mut slot = self.tx.take_connection()?;
         // The transaction is already rolled back on the server: report why, to run it again.
         if let Some(conflict) = self.tx.conflict() {
@@ -317,12 +333,5 @@ impl<D: SqlxDialect> Reservation for SqlxReservation<D> {
                 ))
             }
         }
-    }
-
-    /// Rolls back. Reports a serialization failure or deadlock that a handler's statement
-    /// got ([`Error::StatementConflict`]): the handler's answer came from a transaction the
-    /// database had rolled back, and the layer runs the request again.
-    async fn rollback(self) -> Result<(), Error> {
-        self.tx.rollback().await
     }
 }

@@ -5,6 +5,7 @@
 //! checked by the reservation row's `xmin`.
 
 use std::fmt;
+use std::future::Future;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -226,7 +227,22 @@ impl Reservation for PostgresReservation {
         }
     }
 
-    async fn commit(self, record: NewRecord) -> Result<(), Error> {
+    fn commit(self, record: NewRecord) -> impl Future<Output = Result<(), Error>> + Send {
+        // Boxed, as the reservation is (see the store's `begin`).
+        Box::pin(self.complete_and_commit(record))
+    }
+
+    /// Rolls back. Reports a serialization failure or deadlock that a handler's statement
+    /// got ([`Error::StatementConflict`]): the handler's answer came from a transaction the
+    /// database had rolled back, and the layer runs the request again.
+    async fn rollback(self) -> Result<(), Error> {
+        Box::pin(self.tx.rollback()).await
+    }
+}
+
+impl PostgresReservation {
+    /// [`Reservation::commit`]: the record completed and `COMMIT`, in one flight.
+    async fn complete_and_commit(self, record: NewRecord) -> Result<(), Error> {
         let mut slot = self.tx.take_connection()?;
         // The transaction is already rolled back on the server (or the server is gone): report
         // why, to run it again or answer 503.
@@ -308,12 +324,5 @@ impl Reservation for PostgresReservation {
             }
             (Err(error), _) | (Ok(_), Err(error)) => Err(error.into()),
         }
-    }
-
-    /// Rolls back. Reports a serialization failure or deadlock that a handler's statement
-    /// got ([`Error::StatementConflict`]): the handler's answer came from a transaction the
-    /// database had rolled back, and the layer runs the request again.
-    async fn rollback(self) -> Result<(), Error> {
-        self.tx.rollback().await
     }
 }

@@ -109,7 +109,8 @@ impl IdempotencyStore for PostgresStore {
     type Reservation = PostgresReservation;
 
     async fn lookup(&self, scope: &Scope, now: SystemTime) -> Result<Option<StoredRecord>, Error> {
-        self.read(scope, to_unix_millis(now)).await
+        // Boxed, as the reservation and the commit are: see `begin`.
+        Box::pin(self.read(scope, to_unix_millis(now))).await
     }
 
     /// The replay check on the read pool first, or `begin_and_run` alone (the reservation
@@ -136,12 +137,17 @@ impl IdempotencyStore for PostgresStore {
         lock_timeout: Duration,
         now: SystemTime,
     ) -> Result<Begin<PostgresReservation>, Error> {
-        reserve::begin_with_retries(
+        // tokio-postgres's futures are large (a statement's preparation, its query and their
+        // time bounds: about 5 KB for the reservation, 4 for the read, 3 for the commit).
+        // Boxed, each takes its room only while it runs; inline, every request's future would
+        // hold room for the largest of them for its whole life (about 8 KB), and copy it on
+        // each move.
+        Box::pin(reserve::begin_with_retries(
             self.shared.serialization_retries,
             lock_timeout,
             now,
             |deadline, now| self.try_begin(scope, deadline, lock_timeout, now),
-        )
+        ))
         .await
     }
 
