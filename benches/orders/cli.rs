@@ -24,10 +24,11 @@ usage: cargo bench --bench orders -- [--quick] [--duration SECS] [--rounds N]
   --cases LIST         what to run (default all but AR, SA and SH): A B C D H R AR SA SH E,
                        hold (replays while a handler holds the write transaction), alloc
                        (bytes allocated per request), wal (WAL frames per new key:
-                       A, H and a minimal handler, SQLite FULL). AR (PostgreSQL, ReplayCheck::FavorNewKeys)
-                       and SA, SH (sqlx) run in passes of their own, `--modes pg --cases ar,h`
-                       and `--modes pg --cases sa,sh`: more pools of 32 beside A's and H's
-                       would exceed PostgreSQL's default max_connections (100)
+                       A, H and a minimal handler, SQLite FULL). AR (PostgreSQL,
+                       ReplayCheck::FavorNewKeys) runs when asked, e.g. `--modes pg --cases
+                       a,ar,h`; SA, SH (sqlx) in a pass of their own, `--modes pg --cases
+                       sa,sh` (refused beside other PostgreSQL cases): more pools of 32 beside
+                       A's and H's would exceed PostgreSQL's default max_connections (100)
   --concurrency LIST   connections, one request in flight each (default 1,16,64)
   --modes LIST         full, normal (SQLite's durability), pg (default all three, pg
                        only with a URL)
@@ -380,6 +381,9 @@ impl Command {
         if modes.is_empty() || concurrency.is_empty() {
             return Err("--modes and --concurrency need at least one value".into());
         }
+        if modes.contains(&Mode::Postgres) {
+            check_postgres_passes(&cases)?;
+        }
         let duration = duration.unwrap_or(if quick {
             Duration::from_millis(400)
         } else {
@@ -403,6 +407,22 @@ impl Command {
             scale,
         }))
     }
+}
+
+/// SA and SH run on PostgreSQL in a pass of their own (see `--cases`): their two pools of 32
+/// connections beside A's and H's (and the read pools) would exceed PostgreSQL's default
+/// `max_connections` (100), and a case would wait for connections until its pool timed out.
+fn check_postgres_passes(cases: &[Case]) -> Result<(), String> {
+    let sqlx = |case: &Case| matches!(case, Case::SqlxA | Case::SqlxH);
+    if cases.iter().any(sqlx) && !cases.iter().all(sqlx) {
+        return Err(
+            "on PostgreSQL, SA and SH run in a pass of their own (`--modes pg --cases \
+             sa,sh`): their pools of 32 beside the other cases' would exceed PostgreSQL's \
+             default max_connections (100)"
+                .into(),
+        );
+    }
+    Ok(())
 }
 
 impl Options {
