@@ -37,7 +37,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use tower_idempotency::admin::{Admin, AdminBackend, RecordFilter, RecordInfo};
 use tower_idempotency::outbox::{EventInfo, OutboxBackend};
-use tower_idempotency::steps::{Progress, ProgressStatus, Resolution, StepStore};
+use tower_idempotency::steps::{Progress, ProgressStatus, Resolution, Settled, StepStore};
 use tower_idempotency::store::sqlite::SqliteStore;
 #[cfg(feature = "tokio-postgres")]
 use tower_idempotency::store::tokio_postgres::PostgresStore;
@@ -57,7 +57,8 @@ records (scope: --tenant T --operation O --key K):
   delete SCOPE             delete one record: the next request with that key runs afresh
   count [--tenant T] [--operation O]
                            records by state (live, expired)
-  purge [--batch N]        delete expired records, N per transaction (default 1000)
+  purge [--batch N]        delete expired records, N per transaction (default 1000), and
+                           step-by-step keys left running past their expiry
 
 outbox:
   outbox                   events by state (pending, in_flight, delivered, dead)
@@ -74,7 +75,9 @@ step-by-step keys (the layer's steps mode):
                            settle a key in doubt: its step N (as `steps` shows) was not done
                            and may be called again, or was done with result JSON; the key
                            is then resumed by the next retry or the completer. Without
-                           --step (a dead letter), makes the key running again
+                           --step (a dead letter), makes the key running again. Refused
+                           (exit status 1) for a key that is running: its owner may be in
+                           the middle of a call
 
 exit status: 0 done, 1 not found or failed, 2 usage error";
 
@@ -429,15 +432,31 @@ async fn execute<S: AdminBackend + OutboxBackend + StepStore>(
                     ))
                 }
             };
-            if admin
+            match admin
                 .resolve_steps(tenant, operation, key, args.step, &resolution)
                 .await
                 .map_err(no_steps)?
             {
-                writeln!(out, "resolved ({tenant}, {operation}, {key}): it resumes on the next retry or completer round")?;
-            } else {
-                writeln!(out, "no key in progress for ({tenant}, {operation}, {key})")?;
-                return Ok(Exit::NotFound);
+                Settled::Resolved => writeln!(out, "resolved ({tenant}, {operation}, {key}): it resumes on the next retry or completer round")?,
+                Settled::NotFound => {
+                    writeln!(out, "no key in progress for ({tenant}, {operation}, {key})")?;
+                    return Ok(Exit::NotFound);
+                }
+                Settled::Running => {
+                    return Err(Failure::Failed(format!(
+                        "refused: ({tenant}, {operation}, {key}) is running, not in doubt or dead; \
+                         its owner may be in the middle of a call. Only a key in doubt or dead \
+                         can be resolved"
+                    ).into()))
+                }
+                Settled::NoIntent => {
+                    return Err(Failure::Failed(format!(
+                        "refused: step {} of ({tenant}, {operation}, {key}) is not a foreign \
+                         step's intent (it has its result, or there is no such step)",
+                        args.step.unwrap_or_default()
+                    ).into()))
+                }
+                other => return Err(Failure::Failed(format!("refused: {other:?}").into())),
             }
         }
         other => return Err(Failure::Usage(format!("unknown command `{other}`"))),
@@ -460,6 +479,7 @@ fn print_progress(out: &mut impl Write, progress: &Progress) -> std::io::Result<
     writeln!(out, "tenant:      {}", progress.scope.tenant)?;
     writeln!(out, "operation:   {}", progress.scope.operation)?;
     writeln!(out, "key:         {}", progress.scope.key.as_str())?;
+    writeln!(out, "run:         {}", progress.run)?;
     writeln!(out, "status:      {}", progress.status.as_str())?;
     writeln!(out, "steps saved: {}", progress.steps)?;
     writeln!(out, "attempts:    {}", progress.attempts)?;

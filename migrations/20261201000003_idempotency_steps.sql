@@ -4,10 +4,10 @@
 -- with `sqlx::migrate!`. The stores' `install_steps()` runs the same text; every statement is
 -- `IF NOT EXISTS`, so either order works.
 --
--- A key in progress has a row in `idempotency_progress` (its lease, generation and the request
--- it was sent with) and one row per step saved in `idempotency_steps` (`result` NULL: a
--- foreign step's intent). Both are deleted when the key finishes and its final response is
--- saved in `idempotency_records`. Times are Unix milliseconds.
+-- A key in progress has a row in `idempotency_progress` (its lease, generation, run id, expiry
+-- and the request it was sent with) and one row per step saved in `idempotency_steps`
+-- (`result` NULL: a foreign step's intent). Both are deleted when the key finishes and its
+-- final response is saved in `idempotency_records`. Times are Unix milliseconds.
 
 CREATE TABLE IF NOT EXISTS idempotency_progress (
     tenant              TEXT    NOT NULL,
@@ -27,11 +27,15 @@ CREATE TABLE IF NOT EXISTS idempotency_progress (
     body                BYTEA   NOT NULL,
     created_at          BIGINT  NOT NULL,
     updated_at          BIGINT  NOT NULL,
+    run_id              TEXT    NOT NULL,
+    expires_at          BIGINT  NOT NULL,
     PRIMARY KEY (tenant, operation, idempotency_key),
     CONSTRAINT idempotency_progress_status CHECK (status IN ('running', 'in_doubt', 'dead'))
 );
 CREATE INDEX IF NOT EXISTS idempotency_progress_idle
     ON idempotency_progress (status, updated_at);
+CREATE INDEX IF NOT EXISTS idempotency_progress_expiry
+    ON idempotency_progress (status, expires_at);
 CREATE TABLE IF NOT EXISTS idempotency_steps (
     tenant          TEXT    NOT NULL,
     operation       TEXT    NOT NULL,

@@ -97,6 +97,16 @@ pub enum Error {
     /// `Retry-After`.
     #[error("the key's lease was lost: another request took it over")]
     LeaseLost,
+    /// A step was to be written at a position where the key saved another step (another
+    /// name or kind), or a result over a saved one: the handler's steps differ from the
+    /// saved ones. Nothing was written.
+    #[error("the steps changed: at position {position} the key saved {saved}")]
+    StepsChanged {
+        /// The position.
+        position: u32,
+        /// The step saved there (`kind name`, with `(done)` when it has its result).
+        saved: String,
+    },
     /// A step's result could not be written as JSON (or read back into the handler's type).
     #[error("a step's result could not be encoded or decoded: {0}")]
     StepResult(String),

@@ -101,6 +101,20 @@ impl IdempotencyKey {
             .map_err(|_| KeyError::Malformed)
     }
 
+    /// A key already unquoted, taken exactly as it is: as [`as_str`](Self::as_str) gives it
+    /// and the stores keep and list it (`"x"` is the key of three characters `"x"`, which a
+    /// client sends as `"\"x\""`). 1 or more bytes of visible ASCII, of any length; use it
+    /// to name a stored key (the admin), never to read a header.
+    pub fn from_unquoted(key: &str) -> Result<Self, KeyError> {
+        if key.is_empty() {
+            return Err(KeyError::Empty);
+        }
+        if !key.bytes().all(is_visible_ascii) {
+            return Err(KeyError::Malformed);
+        }
+        Ok(IdempotencyKey(Arc::from(key)))
+    }
+
     /// The key, as the client sent it (unquoted).
     pub fn as_str(&self) -> &str {
         &self.0

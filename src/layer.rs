@@ -593,9 +593,21 @@ impl<St: crate::steps::StepStore> IdempotencyLayer<St> {
 
     /// The completer of this route: resumes keys that were left part-way (see
     /// [`Completer`](crate::steps::Completer)) by calling `handler`, the route's service
-    /// without this layer, as the layer would.
+    /// without this layer, as the layer would. It resumes this layer's operation's keys only.
+    ///
+    /// # Panics
+    ///
+    /// If the layer has no [`with_operation`](Self::with_operation): its operation is then
+    /// each request's path, and a completer could not tell this route's keys from another
+    /// route's (it would run their requests through this handler).
     pub fn completer<S>(&self, handler: S) -> crate::steps::Completer<St, S> {
-        crate::steps::Completer::new(self.store.clone(), self.config.clone(), handler)
+        let Some(operation) = self.config.operation.clone() else {
+            panic!(
+                "IdempotencyLayer::completer needs the layer's operation: set it with \
+                 with_operation, so that the completer resumes this route's keys only"
+            );
+        };
+        crate::steps::Completer::new(self.store.clone(), self.config.clone(), operation, handler)
     }
 }
 

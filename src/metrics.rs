@@ -39,6 +39,11 @@ pub(crate) const OUTBOX_DELIVERY_SECONDS: &str = "outbox_delivery_seconds";
 )]
 pub(crate) const INBOX_EVENTS_TOTAL: &str = "inbox_events_total";
 
+/// Counter: rows of a step-by-step key in progress that could not be read, skipped by a
+/// listing (the completer's or the admin's), labelled `table`.
+#[cfg_attr(not(all(feature = "metrics", sql_store)), allow(dead_code))]
+pub(crate) const STEPS_UNREADABLE_TOTAL: &str = "idempotency_steps_unreadable_total";
+
 /// The `outcome` label of `idempotency_requests_total`: how the layer answered.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Outcome {
@@ -256,6 +261,23 @@ pub(crate) fn lock_wait(keys: &Keys, operation: &Arc<str>, waited: Duration) {
     }
     #[cfg(not(feature = "metrics"))]
     let _ = (keys, operation, waited);
+}
+
+/// Reports a row of `idempotency_progress` that a listing skipped: logged at error level (with
+/// the row's scope as stored, its key redacted) and counted.
+#[cfg(sql_store)]
+pub(crate) fn unreadable_progress(tenant: &str, operation: &str, key: &str, error: &crate::Error) {
+    let key = crate::key::IdempotencyKey::from_unquoted(key)
+        .map_or_else(|_| "(not a key)".to_owned(), |key| key.redacted());
+    tracing::error!(
+        tenant,
+        operation,
+        key,
+        %error,
+        "a step-by-step key in progress could not be read; skipped"
+    );
+    #[cfg(feature = "metrics")]
+    metrics::counter!(STEPS_UNREADABLE_TOTAL, "table" => "idempotency_progress").increment(1);
 }
 
 /// The outbox relay's events (feature `outbox`).

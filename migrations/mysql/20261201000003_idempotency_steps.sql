@@ -23,8 +23,11 @@ CREATE TABLE IF NOT EXISTS idempotency_progress (
     body                LONGBLOB       NOT NULL,
     created_at          BIGINT         NOT NULL,
     updated_at          BIGINT         NOT NULL,
+    run_id              VARCHAR(64)    NOT NULL,
+    expires_at          BIGINT         NOT NULL,
     PRIMARY KEY (tenant, operation, idempotency_key),
     KEY idempotency_progress_idle (status, updated_at),
+    KEY idempotency_progress_expiry (status, expires_at),
     CONSTRAINT idempotency_progress_status CHECK (status IN ('running', 'in_doubt', 'dead'))
 ) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4;
 CREATE TABLE IF NOT EXISTS idempotency_steps (

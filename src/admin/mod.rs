@@ -135,21 +135,26 @@ impl<S: crate::steps::StepStore> Admin<S> {
     /// Step-by-step keys in progress with `status`, oldest change first, at most `limit`:
     /// [`InDoubt`](crate::steps::ProgressStatus::InDoubt) keys wait for [`resolve_steps`](Self::resolve_steps),
     /// [`Dead`](crate::steps::ProgressStatus::Dead) ones are the completer's dead letters.
+    /// A row that cannot be read is skipped (logged at error level and counted).
     pub async fn keys_in_progress(
         &self,
         status: crate::steps::ProgressStatus,
         limit: usize,
     ) -> Result<Vec<crate::steps::Progress>, Error> {
-        self.store
-            .progress(status, None, SystemTime::now(), limit)
-            .await
+        let query = crate::steps::ProgressQuery::new(status, limit);
+        Ok(self.store.progress(&query).await?.keys)
     }
 
-    /// Settles a key in doubt (or a dead letter) of `(tenant, operation, key)`: the step at
-    /// `seq` (its position, as [`keys_in_progress`](Self::keys_in_progress) and the logs show;
-    /// `None` for a dead letter) is called again or taken as done with the given result, and
-    /// the key is free to be resumed by the next retry or the completer. Returns `false` if
-    /// the key is not in progress.
+    /// Settles a key in doubt (or a dead letter) of `(tenant, operation, key)` (the key as
+    /// [`keys_in_progress`](Self::keys_in_progress) lists it): the foreign step at `seq` (its
+    /// position, as listed and logged; `None` for a dead letter) is called again or taken as
+    /// done with the given result, and the key is free to be resumed by the next retry or the
+    /// completer, under a new generation (an earlier owner can commit nothing more).
+    ///
+    /// Refused, changing nothing, for a key that is running
+    /// ([`Settled::Running`](crate::steps::Settled::Running): its owner may be in the middle
+    /// of a call) and for a `seq` that is not a step's intent
+    /// ([`Settled::NoIntent`](crate::steps::Settled::NoIntent)).
     pub async fn resolve_steps(
         &self,
         tenant: &str,
@@ -157,13 +162,20 @@ impl<S: crate::steps::StepStore> Admin<S> {
         key: &str,
         seq: Option<u32>,
         resolution: &crate::steps::Resolution,
-    ) -> Result<bool, Error> {
-        let key = crate::key::IdempotencyKey::parse(key.as_bytes(), usize::MAX)
+    ) -> Result<crate::steps::Settled, Error> {
+        let key = crate::key::IdempotencyKey::from_unquoted(key)
             .map_err(|e| Error::Corrupt(format!("idempotency key: {e}")))?;
         let scope = crate::store::Scope::new(tenant, operation, key);
         self.store
             .resolve(&scope, seq, resolution, SystemTime::now())
             .await
+    }
+
+    /// Deletes up to `batch` step-by-step keys left running past their expiry (see
+    /// [`StepStore::purge_progress`](crate::steps::StepStore::purge_progress)); returns how
+    /// many. Keys in doubt or dead are never purged.
+    pub async fn purge_progress(&self, batch: usize) -> Result<u64, Error> {
+        self.store.purge_progress(SystemTime::now(), batch).await
     }
 }
 

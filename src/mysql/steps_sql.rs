@@ -1,6 +1,7 @@
 //! The SQL of step-by-step requests on MySQL and MariaDB (the sqlx MySQL store), with the
-//! parameters of `pg_sql.rs` in the same `$n` numbering (the MySQL driver sends each as a
-//! `?`). The statements that PostgreSQL runs as written too are in `shared_sql.rs`.
+//! parameters of `postgres/steps_sql.rs` in the same `$n` numbering (the MySQL driver sends each as a
+//! `?`). The statements that PostgreSQL runs as written too are in
+//! `row_lock/steps_sql.rs`.
 
 use crate::error::Error;
 pub(crate) use crate::row_lock::steps_sql::*;
@@ -15,9 +16,22 @@ pub(crate) const SCHEMA: &str =
 pub(crate) const STEPS_INSTALL_LOCK: i64 = 0x7469_6465_6d70_0004;
 
 /// Bounds the row lock waits of a transaction of the steps (and of a local step's work in it)
-/// to 5 seconds: past it a statement fails with `1205`, which the layer answers `503` +
-/// `Retry-After`. The store's own transaction restores the session's value when it ends.
-pub(crate) const BOUND_LOCK_WAIT: &str = "SET innodb_lock_wait_timeout = 5";
+/// to `$1` seconds (see [`wait_param`]): past it a statement fails with `1205`, which the
+/// layer answers `503` + `Retry-After`. The store's own transaction restores the session's
+/// value when it ends.
+pub(crate) const BOUND_LOCK_WAIT: &str = "SET innodb_lock_wait_timeout = $1";
+
+/// The lock timeout's value: whole seconds, rounded up, at least 1 (InnoDB's unit).
+pub(crate) fn wait_param(wait: std::time::Duration) -> i64 {
+    let seconds = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
+    i64::try_from(seconds)
+        .unwrap_or(i64::MAX)
+        .clamp(1, 1_073_741_824)
+}
+
+/// Whether the steps' tables exist (a row if they do), in the connection's database.
+pub(crate) const STEPS_INSTALLED: &str = "SELECT 1 FROM information_schema.tables \
+     WHERE table_schema = DATABASE() AND table_name = 'idempotency_progress'";
 
 /// Adds a new key's progress (see `pg_sql::INSERT_PROGRESS`), or, if the key has one, changes
 /// nothing (0 rows). `IGNORE` rather than `ON DUPLICATE KEY UPDATE`, whose count the driver's
@@ -25,18 +39,9 @@ pub(crate) const BOUND_LOCK_WAIT: &str = "SET innodb_lock_wait_timeout = 5";
 /// scope is checked first, the others are `TEXT` or wider, and the owner is generated).
 pub(crate) const INSERT_PROGRESS: &str = "INSERT IGNORE INTO idempotency_progress (tenant, \
      operation, idempotency_key, fingerprint, fingerprint_version, status, generation, \
-     lease_owner, lease_until, attempts, method, uri, headers, body, created_at, updated_at) \
-     VALUES ($1, $2, $3, $4, $5, 'running', 1, $6, $7, 0, $8, $9, $10, $11, $12, $12)";
-
-/// Saves the step `$4` (see `pg_sql::UPSERT_STEP`): a saved result is never overwritten, an
-/// intent is settled. `updated_at` is assigned first: MySQL assigns left to right, and the
-/// test on `result` must see the old one.
-pub(crate) const UPSERT_STEP: &str = "INSERT INTO idempotency_steps (tenant, operation, \
-     idempotency_key, seq, name, kind, result, created_at, updated_at) \
-     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $8) \
-     ON DUPLICATE KEY UPDATE \
-     updated_at = IF(result IS NULL, VALUES(updated_at), updated_at), \
-     result = IF(result IS NULL, VALUES(result), result)";
+     lease_owner, lease_until, attempts, method, uri, headers, body, created_at, updated_at, \
+     run_id, expires_at) \
+     VALUES ($1, $2, $3, $4, $5, 'running', 1, $6, $7, 0, $8, $9, $10, $11, $12, $12, $13, $14)";
 
 /// The scope columns as text (they are byte strings).
 macro_rules! scope_as_text {
@@ -46,20 +51,20 @@ macro_rules! scope_as_text {
     };
 }
 
-/// Keys in progress with status `$1`, oldest change first, at most `$2` (see
-/// `progress_filter!`).
+/// A page of keys in progress (see `progress_filter!`).
 pub(crate) const LIST_PROGRESS: &str =
-    concat!(scope_as_text!(), progress_columns!(), progress_filter!(all));
-
-/// [`LIST_PROGRESS`] of the idle running keys only.
-pub(crate) const LIST_IDLE_PROGRESS: &str = concat!(
-    scope_as_text!(),
-    progress_columns!(),
-    progress_filter!(idle)
-);
+    concat!(scope_as_text!(), progress_columns!(), progress_filter!(""));
 
 /// Checks that the scope fits the tables' columns, as the store's reservation does.
 pub(crate) fn check_scope(scope: &Scope) -> Result<(), Error> {
     use crate::sqlx::store::SqlxDialect as _;
     crate::store::sqlx_mysql::MySqlDialect::check_scope(scope)
 }
+
+/// Up to `$2` keys whose progress expired by `$1` (see `expired_progress!`), their scope as
+/// text.
+pub(crate) const EXPIRED_PROGRESS: &str = concat!(
+    "SELECT CONVERT(tenant USING utf8mb4), CONVERT(operation USING utf8mb4), \
+     CONVERT(idempotency_key USING utf8mb4)",
+    expired_progress!()
+);

@@ -5,8 +5,9 @@
 //! semantics are those of the SQLite store's.
 //!
 //! Every call is one transaction of the store's own ([`PgTransactions::in_own_transaction`],
-//! at the store's isolation level) whose lock waits are bounded (`BOUND_LOCK_WAIT`: past it the
-//! call fails with an error [`Error::is_busy`] is true of). Every write under a lease first
+//! at the store's isolation level) whose lock waits are bounded by the lease's (or claim's)
+//! `wait`, the layer's lock timeout (`BOUND_LOCK_WAIT`: past it the call fails with an error
+//! [`Error::is_busy`] is true of). Every write under a lease first
 //! runs [`CHECK_LEASE`], and fails with [`Error::LeaseLost`] (rolling back) when it changes no
 //! row. A claim locks the key's progress row (`SELECT ... FOR UPDATE`) before it decides, and
 //! checks the key's record after locking (or inserting) it, so that a concurrent `finish`
@@ -24,9 +25,10 @@ use bytes::Bytes;
 use futures_util::future::BoxFuture;
 
 use super::steps_sql::{
-    CHECK_LEASE, DELETE_IF_NO_STEPS, DELETE_PROGRESS, DELETE_STALE_RECORD, DELETE_STEPS, END_LEASE,
-    FORGET_INTENT, INSERT_RECORD, MARK_DEAD, RESUME, SELECT_PROGRESS, SELECT_RECORD, SELECT_STEPS,
-    SETTLE_INTENT, SET_STATUS, TAKE_KEY,
+    ANY_STEP, CHECK_LEASE, DELETE_EXPIRED_PROGRESS, DELETE_PROGRESS, DELETE_RELEASED,
+    DELETE_STALE_RECORD, DELETE_STEPS, DELETE_STEPS_OF_KEY, END_LEASE, FORGET_INTENT,
+    INSERT_RECORD, INSERT_STEP, MARK_DEAD, RESUME, SELECT_PROGRESS, SELECT_RECORD, SELECT_STATUS,
+    SELECT_STEPS, SELECT_STEP_AT, SETTLE_INTENT, SETTLE_STEP, SET_STATUS, TAKE_KEY,
 };
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
@@ -40,8 +42,9 @@ use crate::row::Columns;
 use crate::row_lock::driver::{Finish, PgDriver, PgHandle, PgParam, PgTransactions};
 use crate::row_lock::reserve::retry_conflicts;
 use crate::steps::{
-    Acquired, Claim, Lease, Progress, ProgressStatus, Resolution, SavedRequest, SavedStep,
-    StepKind, StepOutcome, StepRow, StepStore, Stored,
+    check_saved_step, new_run_id, Acquired, Claim, Lease, Progress, ProgressCursor, ProgressPage,
+    ProgressQuery, ProgressStatus, Resolution, SavedRequest, SavedStep, Settled, StepKind,
+    StepOutcome, StepRow, StepStore, Stored,
 };
 use crate::store::record_row::live_record;
 use crate::store::{from_unix_millis, to_unix_millis, NewRecord, Scope, StoredRecord};
@@ -52,16 +55,18 @@ pub(crate) struct Dialect {
     pub(crate) schema: &'static str,
     /// The advisory lock `install_steps` takes.
     pub(crate) install_lock: i64,
-    /// Bounds the lock waits of the transaction.
+    /// Bounds the lock waits of the transaction to `$1`.
     pub(crate) bound_lock_wait: &'static str,
+    /// `$1` of `bound_lock_wait` for a wait.
+    pub(crate) wait_param: fn(Duration) -> i64,
+    /// A row if the steps' tables exist.
+    pub(crate) steps_installed: &'static str,
     /// Adds a new key's progress unless it has one.
     pub(crate) insert_progress: &'static str,
-    /// Saves a step (an intent or a result).
-    pub(crate) upsert_step: &'static str,
-    /// The keys in progress with a status.
+    /// A page of keys in progress.
     pub(crate) list_progress: &'static str,
-    /// The idle running keys.
-    pub(crate) list_idle_progress: &'static str,
+    /// Keys whose progress expired.
+    pub(crate) expired_progress: &'static str,
     /// Refuses a scope that does not fit the tables.
     pub(crate) check_scope: fn(&Scope) -> Result<(), Error>,
 }
@@ -97,11 +102,19 @@ fn count(value: i64) -> u32 {
     u32::try_from(value.max(0)).unwrap_or(u32::MAX)
 }
 
-/// Bounds the lock waits of the transaction of `tx` (the first statement of each).
-async fn bound_lock_wait<H: PgHandle>(tx: &H, dialect: &Dialect) -> Result<(), Error> {
-    tx.execute_in(dialect.bound_lock_wait, &[]).await?;
+/// Bounds the lock waits of the transaction of `tx` to `wait` (the first statement of each).
+async fn bound_lock_wait<H: PgHandle>(
+    tx: &H,
+    dialect: &Dialect,
+    wait: Duration,
+) -> Result<(), Error> {
+    let wait = PgParam::BigInt((dialect.wait_param)(wait));
+    tx.execute_in(dialect.bound_lock_wait, &[wait]).await?;
     Ok(())
 }
+
+/// How long an operator's call (resolve, purge) waits for a lock.
+const ADMIN_WAIT: Duration = Duration::from_secs(5);
 
 /// Checks that the key is still under `lease`'s generation and moves its lease's end.
 async fn check_lease<H: PgHandle>(tx: &H, lease: &Lease) -> Result<(), Error> {
@@ -119,24 +132,48 @@ async fn check_lease<H: PgHandle>(tx: &H, lease: &Lease) -> Result<(), Error> {
     }
 }
 
-/// Writes `step` (its intent, or its result) under the lease checked before.
-async fn upsert_step<H: PgHandle>(
-    tx: &H,
-    dialect: &Dialect,
-    lease: &Lease,
-    step: &StepRow,
-) -> Result<(), Error> {
-    let params = with_key(
-        &lease.scope,
-        &[
-            seq_param(step.seq)?,
-            step.name.as_str().into(),
-            step.kind.as_str().into(),
-            PgParam::OptionalText(step.result.as_deref()),
-            to_unix_millis(lease.now).into(),
-        ],
-    );
-    tx.execute_in(dialect.upsert_step, &params).await?;
+/// Checks `step` against the step saved at its position, if any (see `check_saved_step`):
+/// whether one is saved there (its intent).
+async fn check_position<H: PgHandle>(tx: &H, lease: &Lease, step: &StepRow) -> Result<bool, Error> {
+    let rows = tx
+        .fetch_in(
+            SELECT_STEP_AT,
+            &with_key(&lease.scope, &[seq_param(step.seq)?]),
+        )
+        .await?;
+    let Some(row) = rows.first() else {
+        return Ok(false);
+    };
+    let name = row.required_text(0, "step name")?;
+    let kind = row.required_text(1, "step kind")?;
+    check_saved_step(step, &name, &kind, row.text(2)?.is_some())?;
+    Ok(true)
+}
+
+/// Writes `step` (its intent, or its result) under the lease checked before: a new row, or the
+/// result of the intent saved at its position; refused with [`Error::StepsChanged`] when the
+/// key saved another step there, or that step's result already.
+async fn save_step_row<H: PgHandle>(tx: &H, lease: &Lease, step: &StepRow) -> Result<(), Error> {
+    let now = to_unix_millis(lease.now);
+    if !check_position(tx, lease, step).await? {
+        let params = with_key(
+            &lease.scope,
+            &[
+                seq_param(step.seq)?,
+                step.name.as_str().into(),
+                step.kind.as_str().into(),
+                PgParam::OptionalText(step.result.as_deref()),
+                now.into(),
+            ],
+        );
+        tx.execute_in(INSERT_STEP, &params).await?;
+    } else if let Some(result) = &step.result {
+        let params = with_key(
+            &lease.scope,
+            &[seq_param(step.seq)?, result.as_str().into(), now.into()],
+        );
+        tx.execute_in(SETTLE_STEP, &params).await?;
+    }
     Ok(())
 }
 
@@ -199,7 +236,7 @@ where
         let deadline = tokio::time::Instant::now() + CLAIM_RETRY_WINDOW;
         retry_conflicts(CLAIM_RETRIES, deadline, || {
             store.in_own_transaction(|tx| async move {
-                bound_lock_wait(&tx, dialect).await?;
+                bound_lock_wait(&tx, dialect, claim.wait).await?;
                 let scope = &claim.scope;
                 let now = to_unix_millis(claim.now);
                 // A new key's row is added, unless a concurrent claim added it first: then it
@@ -214,6 +251,8 @@ where
                                 Finish::Commit,
                             ));
                         };
+                        // A new life of the key: a new run id.
+                        let run = new_run_id();
                         let params = with_key(
                             scope,
                             &[
@@ -226,12 +265,17 @@ where
                                 request.headers.as_str().into(),
                                 PgParam::Bytes(&request.body),
                                 now.into(),
+                                run.as_str().into(),
+                                to_unix_millis(claim.expires_at).into(),
                             ],
                         );
                         if tx.execute_in(dialect.insert_progress, &params).await? == 0 {
                             // A concurrent claim added it first: read it.
                             continue;
                         }
+                        // Nothing of an earlier life's steps (the new row is this
+                        // transaction's: no step of this life can be written meanwhile).
+                        tx.execute_in(DELETE_STEPS_OF_KEY, &key(scope)).await?;
                         // Checked once the key's row is this transaction's: a record committed
                         // before is seen here, and a `finish` cannot commit one meanwhile.
                         if let Some(record) = live(&tx, scope, now).await? {
@@ -239,6 +283,7 @@ where
                         }
                         let owned = Acquired::Owned {
                             generation: 1,
+                            run,
                             steps: Vec::new(),
                         };
                         return Ok((owned, Finish::Commit));
@@ -267,6 +312,7 @@ where
                     }
                     let attempts = row.required_int(5, "attempts")?;
                     let generation = row.required_big_int(6, "generation")?;
+                    let run = row.required_text(7, "run id")?;
                     if let Some(max) = claim.max_attempts {
                         if attempts >= i64::from(max) {
                             tx.execute_in(MARK_DEAD, &with_key(scope, &[now.into()]))
@@ -282,12 +328,14 @@ where
                             to_unix_millis(claim.lease_until).into(),
                             counted,
                             now.into(),
+                            to_unix_millis(claim.expires_at).into(),
                         ],
                     );
                     // The row is locked since the read: the generation goes up by exactly one.
                     tx.execute_in(TAKE_KEY, &params).await?;
                     let owned = Acquired::Owned {
                         generation: generation + 1,
+                        run,
                         steps: read_steps(&tx, scope).await?,
                     };
                     return Ok((owned, Finish::Commit));
@@ -309,9 +357,9 @@ pub(crate) fn save_step<'a, S: PgTransactions>(
     Box::pin(async move {
         store
             .in_own_transaction(|tx| async move {
-                bound_lock_wait(&tx, dialect).await?;
+                bound_lock_wait(&tx, dialect, lease.wait).await?;
                 check_lease(&tx, lease).await?;
-                upsert_step(&tx, dialect, lease, step).await?;
+                save_step_row(&tx, lease, step).await?;
                 Ok(((), Finish::Commit))
             })
             .await
@@ -327,7 +375,7 @@ pub(crate) fn forget_intent<'a, S: PgTransactions>(
     Box::pin(async move {
         store
             .in_own_transaction(|tx| async move {
-                bound_lock_wait(&tx, dialect).await?;
+                bound_lock_wait(&tx, dialect, lease.wait).await?;
                 check_lease(&tx, lease).await?;
                 tx.execute_in(FORGET_INTENT, &with_key(&lease.scope, &[seq_param(seq)?]))
                     .await?;
@@ -356,12 +404,16 @@ where
     Box::pin(async move {
         store
             .in_own_transaction(|tx| async move {
-                bound_lock_wait(&tx, dialect).await?;
+                bound_lock_wait(&tx, dialect, lease.wait).await?;
                 check_lease(&tx, lease).await?;
+                // A step that differs from the one saved at its position must not run at all.
+                let mut intent = step.clone();
+                intent.result = None;
+                check_position(&tx, lease, &intent).await?;
                 let value = work(tx.clone()).await?;
                 let mut step = step.clone();
                 step.result = Some(encode(&value)?);
-                upsert_step(&tx, dialect, lease, &step).await?;
+                save_step_row(&tx, lease, &step).await?;
                 Ok((value, Finish::Commit))
             })
             .await
@@ -376,21 +428,23 @@ pub(crate) fn release<'a, S: PgTransactions>(
     Box::pin(async move {
         store
             .in_own_transaction(|tx| async move {
-                bound_lock_wait(&tx, dialect).await?;
+                bound_lock_wait(&tx, dialect, lease.wait).await?;
                 let scope = &lease.scope;
                 let generation = PgParam::BigInt(lease.generation);
-                if tx
-                    .execute_in(DELETE_IF_NO_STEPS, &with_key(scope, &[generation]))
-                    .await?
-                    == 0
-                {
-                    let now = to_unix_millis(lease.now).into();
-                    let ended = tx
-                        .execute_in(END_LEASE, &with_key(scope, &[generation, now]))
+                // The key's row first: once it is locked no step of this generation can commit,
+                // and the locking read below sees every step that did (a single statement's
+                // `NOT EXISTS` would not see one that committed while it waited for the row).
+                let now = to_unix_millis(lease.now).into();
+                let ended = tx
+                    .execute_in(END_LEASE, &with_key(scope, &[generation, now]))
+                    .await?;
+                if ended == 0 {
+                    // Another claim took the key over (or it finished): not ours to let go.
+                    return Err(Error::LeaseLost);
+                }
+                if tx.fetch_in(ANY_STEP, &key(scope)).await?.is_empty() {
+                    tx.execute_in(DELETE_RELEASED, &with_key(scope, &[generation]))
                         .await?;
-                    if ended == 0 {
-                        return Err(Error::LeaseLost);
-                    }
                 }
                 Ok(((), Finish::Commit))
             })
@@ -408,7 +462,7 @@ pub(crate) fn set_status<'a, S: PgTransactions>(
     Box::pin(async move {
         store
             .in_own_transaction(|tx| async move {
-                bound_lock_wait(&tx, dialect).await?;
+                bound_lock_wait(&tx, dialect, lease.wait).await?;
                 check_lease(&tx, lease).await?;
                 let params = with_key(
                     &lease.scope,
@@ -440,7 +494,7 @@ pub(crate) fn finish<'a, S: PgTransactions>(
             .map(|t| SavedResponse::encode_headers(t));
         store
             .in_own_transaction(|tx| async move {
-                bound_lock_wait(&tx, dialect).await?;
+                bound_lock_wait(&tx, dialect, lease.wait).await?;
                 check_lease(&tx, lease).await?;
                 let scope = &lease.scope;
                 let now = to_unix_millis(lease.now);
@@ -478,42 +532,60 @@ pub(crate) fn finish<'a, S: PgTransactions>(
 pub(crate) async fn progress<S: PgDriver>(
     store: &S,
     dialect: &Dialect,
-    status: ProgressStatus,
-    idle_since: Option<SystemTime>,
-    now: SystemTime,
-    limit: usize,
-) -> Result<Vec<Progress>, Error> {
-    let limit = PgParam::BigInt(i64::try_from(limit).unwrap_or(i64::MAX));
-    let rows = match idle_since {
-        None => {
-            let params = [status.as_str().into(), limit];
-            store.fetch_rows(dialect.list_progress, &params).await?
+    query: &ProgressQuery,
+) -> Result<ProgressPage, Error> {
+    let after = query.after.as_ref();
+    let params = [
+        query.status.as_str().into(),
+        PgParam::OptionalText(query.operation.as_deref()),
+        PgParam::Int(i32::from(query.idle_since.is_some())),
+        to_unix_millis(query.now).into(),
+        query.idle_since.map_or(0, to_unix_millis).into(),
+        after.map_or(-1, |c| c.updated_at).into(),
+        after.map_or("", |c| c.tenant.as_str()).into(),
+        after.map_or("", |c| c.operation.as_str()).into(),
+        after.map_or("", |c| c.key.as_str()).into(),
+        PgParam::BigInt(i64::try_from(query.limit).unwrap_or(i64::MAX)),
+    ];
+    let rows = store.fetch_rows(dialect.list_progress, &params).await?;
+    let mut page = ProgressPage::default();
+    let mut last = None;
+    for row in &rows {
+        let cursor = ProgressCursor {
+            updated_at: row.required_big_int(15, "updated_at")?,
+            tenant: row.required_text(0, "tenant")?,
+            operation: row.required_text(1, "operation")?,
+            key: row.required_text(2, "idempotency key")?,
+        };
+        match progress_row(row, &cursor) {
+            Ok(progress) => page.keys.push(progress),
+            Err(error) => {
+                crate::metrics::unreadable_progress(
+                    &cursor.tenant,
+                    &cursor.operation,
+                    &cursor.key,
+                    &error,
+                );
+                page.skipped += 1;
+            }
         }
-        Some(since) => {
-            let params = [
-                status.as_str().into(),
-                to_unix_millis(now).into(),
-                to_unix_millis(since).into(),
-                limit,
-            ];
-            store
-                .fetch_rows(dialect.list_idle_progress, &params)
-                .await?
-        }
-    };
-    rows.iter().map(progress_row).collect()
+        last = Some(cursor);
+    }
+    if rows.len() >= query.limit {
+        page.next = last;
+    }
+    Ok(page)
 }
 
 /// A listed key in progress (the columns of `progress_columns!` after the scope's).
-fn progress_row(row: &impl Columns<Error = Error>) -> Result<Progress, Error> {
-    let key = row.required_text(2, "idempotency key")?;
-    let key = IdempotencyKey::parse(key.as_bytes(), usize::MAX)
+fn progress_row(
+    row: &impl Columns<Error = Error>,
+    cursor: &ProgressCursor,
+) -> Result<Progress, Error> {
+    // The key as stored: exactly what the layer scoped the record with.
+    let key = IdempotencyKey::from_unquoted(&cursor.key)
         .map_err(|e| Error::Corrupt(format!("idempotency key: {e}")))?;
-    let scope = Scope::new(
-        row.required_text(0, "tenant")?,
-        row.required_text(1, "operation")?,
-        key,
-    );
+    let scope = Scope::new(cursor.tenant.clone(), cursor.operation.clone(), key);
     let request = SavedRequest::new(
         row.required_text(10, "method")?,
         row.required_text(11, "uri")?,
@@ -534,8 +606,9 @@ fn progress_row(row: &impl Columns<Error = Error>) -> Result<Progress, Error> {
     progress.lease_until = from_unix_millis(row.required_big_int(8, "lease end")?);
     progress.last_error = row.text(9)?;
     progress.created_at = from_unix_millis(row.required_big_int(14, "created_at")?);
-    progress.updated_at = from_unix_millis(row.required_big_int(15, "updated_at")?);
+    progress.updated_at = from_unix_millis(cursor.updated_at);
     progress.steps = count(row.required_big_int(16, "step count")?);
+    progress.run = row.required_text(17, "run id")?;
     Ok(progress)
 }
 
@@ -546,7 +619,7 @@ pub(crate) fn resolve<'a, S: PgTransactions>(
     seq: Option<u32>,
     resolution: &'a Resolution,
     now: SystemTime,
-) -> BoxFuture<'a, Result<bool, Error>> {
+) -> BoxFuture<'a, Result<Settled, Error>> {
     Box::pin(async move {
         (dialect.check_scope)(scope)?;
         let result = match resolution {
@@ -555,10 +628,18 @@ pub(crate) fn resolve<'a, S: PgTransactions>(
         };
         store
             .in_own_transaction(|tx| async move {
-                bound_lock_wait(&tx, dialect).await?;
+                bound_lock_wait(&tx, dialect, ADMIN_WAIT).await?;
+                let rows = tx.fetch_in(SELECT_STATUS, &key(scope)).await?;
+                let Some(row) = rows.first() else {
+                    return Ok((Settled::NotFound, Finish::Rollback));
+                };
+                let status = ProgressStatus::parse(&row.required_text(0, "progress status")?)?;
+                if status == ProgressStatus::Running {
+                    return Ok((Settled::Running, Finish::Rollback));
+                }
                 if let Some(seq) = seq {
                     let seq = seq_param(seq)?;
-                    match &result {
+                    let settled = match &result {
                         None => {
                             tx.execute_in(FORGET_INTENT, &with_key(scope, &[seq]))
                                 .await?
@@ -568,10 +649,61 @@ pub(crate) fn resolve<'a, S: PgTransactions>(
                             tx.execute_in(SETTLE_INTENT, &params).await?
                         }
                     };
+                    if settled == 0 {
+                        return Ok((Settled::NoIntent, Finish::Rollback));
+                    }
                 }
                 let now = to_unix_millis(now).into();
-                let changed = tx.execute_in(RESUME, &with_key(scope, &[now])).await?;
-                Ok((changed == 1, Finish::Commit))
+                tx.execute_in(RESUME, &with_key(scope, &[now])).await?;
+                Ok((Settled::Resolved, Finish::Commit))
+            })
+            .await
+    })
+}
+
+pub(crate) fn purge_progress<'a, S: PgTransactions>(
+    store: &'a S,
+    dialect: &'a Dialect,
+    now: SystemTime,
+    batch: usize,
+) -> BoxFuture<'a, Result<u64, Error>> {
+    Box::pin(async move {
+        let now = to_unix_millis(now);
+        store
+            .in_own_transaction(|tx| async move {
+                bound_lock_wait(&tx, dialect, ADMIN_WAIT).await?;
+                if tx.fetch_in(dialect.steps_installed, &[]).await?.is_empty() {
+                    return Ok((0, Finish::Commit));
+                }
+                let limit = PgParam::BigInt(i64::try_from(batch).unwrap_or(i64::MAX));
+                let expired = tx
+                    .fetch_in(dialect.expired_progress, &[now.into(), limit])
+                    .await?
+                    .iter()
+                    .map(|row| {
+                        Ok((
+                            row.required_text(0, "tenant")?,
+                            row.required_text(1, "operation")?,
+                            row.required_text(2, "idempotency key")?,
+                        ))
+                    })
+                    .collect::<Result<Vec<_>, Error>>()?;
+                let mut purged = 0;
+                for (tenant, operation, key) in &expired {
+                    let scope = [
+                        PgParam::Text(tenant),
+                        PgParam::Text(operation),
+                        PgParam::Text(key),
+                    ];
+                    let mut params = scope.to_vec();
+                    params.push(now.into());
+                    // Checked again under the row's lock: a claim may have taken it meanwhile.
+                    if tx.execute_in(DELETE_EXPIRED_PROGRESS, &params).await? == 1 {
+                        tx.execute_in(DELETE_STEPS, &scope).await?;
+                        purged += 1;
+                    }
+                }
+                Ok((purged, Finish::Commit))
             })
             .await
     })
@@ -587,10 +719,11 @@ macro_rules! sql_steps {
                 schema: $sql::SCHEMA,
                 install_lock: $sql::STEPS_INSTALL_LOCK,
                 bound_lock_wait: $sql::BOUND_LOCK_WAIT,
+                wait_param: $sql::wait_param,
+                steps_installed: $sql::STEPS_INSTALLED,
                 insert_progress: $sql::INSERT_PROGRESS,
-                upsert_step: $sql::UPSERT_STEP,
                 list_progress: $sql::LIST_PROGRESS,
-                list_idle_progress: $sql::LIST_IDLE_PROGRESS,
+                expired_progress: $sql::EXPIRED_PROGRESS,
                 check_scope: $sql::check_scope,
             };
 
@@ -665,14 +798,8 @@ macro_rules! sql_steps {
                     finish(self, &DIALECT, lease, record).await
                 }
 
-                async fn progress(
-                    &self,
-                    status: ProgressStatus,
-                    idle_since: Option<SystemTime>,
-                    now: SystemTime,
-                    limit: usize,
-                ) -> Result<Vec<Progress>, Error> {
-                    progress(self, &DIALECT, status, idle_since, now, limit).await
+                async fn progress(&self, query: &ProgressQuery) -> Result<ProgressPage, Error> {
+                    progress(self, &DIALECT, query).await
                 }
 
                 async fn resolve(
@@ -681,8 +808,16 @@ macro_rules! sql_steps {
                     seq: Option<u32>,
                     resolution: &Resolution,
                     now: SystemTime,
-                ) -> Result<bool, Error> {
+                ) -> Result<Settled, Error> {
                     resolve(self, &DIALECT, scope, seq, resolution, now).await
+                }
+
+                async fn purge_progress(
+                    &self,
+                    now: SystemTime,
+                    batch: usize,
+                ) -> Result<u64, Error> {
+                    purge_progress(self, &DIALECT, now, batch).await
                 }
             }
         };

@@ -206,6 +206,8 @@ where
                 lease_until: now + mode.lease,
                 now,
                 max_attempts: None,
+                expires_at: self.config.expires_at(now),
+                wait: self.config.lock_timeout,
             };
             let claimed = match mode.claimer.claim(claim, mode.lease).await {
                 Ok(claimed) => claimed,

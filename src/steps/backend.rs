@@ -4,7 +4,7 @@
 
 use std::future::Future;
 use std::sync::Arc;
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
 
@@ -66,12 +66,21 @@ pub struct Claim {
     /// The completer's bound on its attempts: a claim by the completer counts one, and a key
     /// past it becomes a dead letter ([`Acquired::Dead`]). `None` for a client's request.
     pub max_attempts: Option<u32>,
+    /// Until when the key's progress is kept if it is left running and nobody resumes it:
+    /// [`StepStore::purge_progress`] deletes it after that (never a key in doubt or dead).
+    /// Set by each claim that takes the key; the layer gives its records' time to live.
+    pub expires_at: SystemTime,
+    /// How long the claim may wait for a lock (the layer's lock timeout); past it the claim
+    /// fails with an error [`Error::is_busy`] is true of.
+    pub wait: Duration,
 }
 
 impl Claim {
     /// A client's claim of `scope` without its request, and no bound on attempts: set
     /// [`request`](Self::request) (a new key is only taken with it) and, for the completer,
-    /// [`max_attempts`](Self::max_attempts).
+    /// [`max_attempts`](Self::max_attempts). Its progress expires a day after `now` and its
+    /// lock waits are bounded to 5 seconds unless [`expires_at`](Self::expires_at) and
+    /// [`wait`](Self::wait) are set.
     pub fn new(
         scope: Scope,
         fingerprint: Fingerprint,
@@ -87,8 +96,22 @@ impl Claim {
             lease_until,
             now,
             max_attempts: None,
+            expires_at: now + DEFAULT_PROGRESS_TTL,
+            wait: DEFAULT_WAIT,
         }
     }
+}
+
+/// [`Claim::new`]'s expiry of a key's progress.
+const DEFAULT_PROGRESS_TTL: Duration = Duration::from_secs(24 * 60 * 60);
+/// [`Claim::new`]'s and [`Lease::new`]'s bound on lock waits.
+const DEFAULT_WAIT: Duration = Duration::from_secs(5);
+
+/// A new run id: 32 random hexadecimal digits, never reused (UUID v4). One life of a key
+/// (from its first claim until it finishes, or its progress is deleted) has one.
+#[cfg(sql_store)]
+pub(crate) fn new_run_id() -> String {
+    uuid::Uuid::new_v4().simple().to_string()
 }
 
 /// The outcome of [`StepStore::acquire`].
@@ -100,6 +123,10 @@ pub enum Acquired {
     Owned {
         /// The lease's generation: every commit of this claim checks it.
         generation: i64,
+        /// The key's run id: created with the key's progress, kept across resumes and
+        /// take-overs, new for every life of the key (after it finished and its record was
+        /// deleted or expired, or its progress was purged). Part of every step key.
+        run: String,
         /// The steps saved before, ordered by their position.
         steps: Vec<SavedStep>,
     },
@@ -208,8 +235,9 @@ impl ProgressStatus {
 }
 
 /// A claim granted by [`StepStore::acquire`]: every commit under it checks that the key is
-/// still under this generation (and extends the lease), and is refused with
-/// [`Error::LeaseLost`] once another claim took the key over.
+/// still under this generation and running (and extends the lease), and is refused with
+/// [`Error::LeaseLost`] once another claim took the key over, or it was marked in doubt or
+/// dead, or an operator resolved it (each of which gives the key a new generation).
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct Lease {
@@ -221,16 +249,21 @@ pub struct Lease {
     pub until: SystemTime,
     /// Now.
     pub now: SystemTime,
+    /// How long a commit may wait for a lock (the layer's lock timeout); past it the commit
+    /// fails with an error [`Error::is_busy`] is true of, and nothing is written.
+    pub wait: Duration,
 }
 
 impl Lease {
-    /// The lease of `generation` on `scope`, to be moved to `until` by the next commit.
+    /// The lease of `generation` on `scope`, to be moved to `until` by the next commit, its
+    /// lock waits bounded to 5 seconds (set [`wait`](Self::wait) for another bound).
     pub fn new(scope: Scope, generation: i64, until: SystemTime, now: SystemTime) -> Self {
         Lease {
             scope,
             generation,
             until,
             now,
+            wait: DEFAULT_WAIT,
         }
     }
 }
@@ -261,6 +294,25 @@ impl StepRow {
     }
 }
 
+/// Checks `step`, about to be written at its position, against the step the key saved there
+/// (`name`, `kind` as stored, `done`: with its result): only the intent of the same step may
+/// be written again or settled with its result. Anything else is [`Error::StepsChanged`].
+#[cfg(sql_store)]
+pub(crate) fn check_saved_step(
+    step: &StepRow,
+    name: &str,
+    kind: &str,
+    done: bool,
+) -> Result<(), Error> {
+    if name == step.name && kind == step.kind.as_str() && !done {
+        return Ok(());
+    }
+    Err(Error::StepsChanged {
+        position: step.seq,
+        saved: format!("{kind} {name}{}", if done { " (done)" } else { "" }),
+    })
+}
+
 /// A key in progress, as listed for the completer and for operators.
 #[derive(Clone, Debug)]
 #[non_exhaustive]
@@ -287,6 +339,9 @@ pub struct Progress {
     pub updated_at: SystemTime,
     /// How many steps it has saved.
     pub steps: u32,
+    /// Its run id (see [`Acquired::Owned`]): with the scope and a step's name, it gives the
+    /// step's key ([`step_key`](super::step_key)).
+    pub run: String,
 }
 
 impl Progress {
@@ -311,8 +366,97 @@ impl Progress {
             created_at: SystemTime::UNIX_EPOCH,
             updated_at: SystemTime::UNIX_EPOCH,
             steps: 0,
+            run: String::new(),
         }
     }
+}
+
+/// Which keys in progress [`StepStore::progress`] lists: those with
+/// [`status`](Self::status), oldest change first, at most [`limit`](Self::limit), after
+/// [`after`](Self::after) (the page before's [`ProgressPage::next`]).
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct ProgressQuery {
+    /// The status.
+    pub status: ProgressStatus,
+    /// Only this operation's keys, when given.
+    pub operation: Option<String>,
+    /// Only running keys whose lease has passed (at [`now`](Self::now)) and that have not
+    /// changed since then (what the completer resumes), when given.
+    pub idle_since: Option<SystemTime>,
+    /// Now.
+    pub now: SystemTime,
+    /// At most this many rows (listed or skipped).
+    pub limit: usize,
+    /// Where the page before ended.
+    pub after: Option<ProgressCursor>,
+}
+
+impl ProgressQuery {
+    /// The first `limit` keys with `status`, of every operation.
+    pub fn new(status: ProgressStatus, limit: usize) -> Self {
+        ProgressQuery {
+            status,
+            operation: None,
+            idle_since: None,
+            now: SystemTime::now(),
+            limit,
+            after: None,
+        }
+    }
+
+    /// Only `operation`'s keys.
+    pub fn operation(mut self, operation: impl Into<String>) -> Self {
+        self.operation = Some(operation.into());
+        self
+    }
+
+    /// The page after `cursor`.
+    pub fn after(mut self, cursor: Option<ProgressCursor>) -> Self {
+        self.after = cursor;
+        self
+    }
+}
+
+/// Where a page of [`StepStore::progress`] ended: the last row's change time and scope, as
+/// stored.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProgressCursor {
+    pub(crate) updated_at: i64,
+    pub(crate) tenant: String,
+    pub(crate) operation: String,
+    pub(crate) key: String,
+}
+
+/// A page of keys in progress ([`StepStore::progress`]).
+#[derive(Clone, Debug, Default)]
+#[non_exhaustive]
+pub struct ProgressPage {
+    /// The keys, oldest change first.
+    pub keys: Vec<Progress>,
+    /// Rows that could not be read (each logged at error level and counted by the metric
+    /// `idempotency_steps_unreadable_total`): skipped, never a failed listing.
+    pub skipped: usize,
+    /// Where this page ended, if it was full: the next page starts there. `None` when there
+    /// are no more rows.
+    pub next: Option<ProgressCursor>,
+}
+
+/// What [`StepStore::resolve`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Settled {
+    /// The key was in doubt or dead: settled, and free to be resumed under a new generation
+    /// (an earlier owner still running can commit nothing more).
+    Resolved,
+    /// The key is not in progress.
+    NotFound,
+    /// The key is running: its owner may be in the middle of a call. Nothing was changed; only
+    /// a key in doubt or dead can be resolved.
+    Running,
+    /// The step named is not a foreign step's intent (it has its result, or there is none at
+    /// that position). Nothing was changed.
+    NoIntent,
 }
 
 /// How an operator resolves a key in doubt ([`StepStore::resolve`]).
@@ -415,27 +559,36 @@ pub trait StepStore: IdempotencyStore + sealed::Sealed {
         record: &NewRecord,
     ) -> impl Future<Output = Result<(), Error>> + Send;
 
-    /// Keys in progress, oldest change first, at most `limit`: with `status`, and, when
-    /// `idle_since` is given, only running keys whose lease has passed and that have not
-    /// changed since then (what the completer resumes).
+    /// A page of keys in progress, as `query` says, ordered by their last change (then by
+    /// scope). A row that cannot be read is skipped and reported, never a failed listing.
     fn progress(
         &self,
-        status: ProgressStatus,
-        idle_since: Option<SystemTime>,
-        now: SystemTime,
-        limit: usize,
-    ) -> impl Future<Output = Result<Vec<Progress>, Error>> + Send;
+        query: &ProgressQuery,
+    ) -> impl Future<Output = Result<ProgressPage, Error>> + Send;
 
-    /// An operator's decision on a key in doubt (or dead): settles the step at `seq` as
-    /// `resolution` says (for a step in doubt) and makes the key running again, free to be
-    /// resumed, with its completer attempts reset. Returns whether the key was there.
+    /// An operator's decision on a key in doubt (or dead), in one transaction: refused
+    /// ([`Settled::Running`]) unless the key is in doubt or dead; else settles the foreign
+    /// step at `seq` as `resolution` says (refused with [`Settled::NoIntent`] unless it is an
+    /// intent) and makes the key running again under a new generation, free to be resumed,
+    /// with its completer attempts reset.
     fn resolve(
         &self,
         scope: &Scope,
         seq: Option<u32>,
         resolution: &Resolution,
         now: SystemTime,
-    ) -> impl Future<Output = Result<bool, Error>> + Send;
+    ) -> impl Future<Output = Result<Settled, Error>> + Send;
+
+    /// Deletes up to `batch` keys left running whose progress expired at `now` (their
+    /// [`Claim::expires_at`]) and whose lease has ended, with their steps and saved requests;
+    /// returns how many. Keys in doubt or dead wait for an operator and are never purged. A
+    /// purged key's next request starts a new life, with a new run id. Does nothing (0) if
+    /// the steps' tables were never installed.
+    fn purge_progress(
+        &self,
+        now: SystemTime,
+        batch: usize,
+    ) -> impl Future<Output = Result<u64, Error>> + Send;
 }
 
 /// What a local step's closure may return on store `S`: on SQLite a `rusqlite::Result<T>`,
@@ -458,7 +611,7 @@ pub trait StepOutcome<S: StepStore> {
 /// use std::future::Future;
 /// use std::time::{Duration, SystemTime};
 /// use tower_idempotency::steps::__private::{Acquired, Claim, Lease, StepOutcome, StepRow};
-/// use tower_idempotency::steps::{Progress, ProgressStatus, Resolution, StepStore};
+/// use tower_idempotency::steps::{ProgressPage, ProgressQuery, Resolution, Settled, StepStore};
 /// use tower_idempotency::store::sqlite::SqliteStore;
 /// use tower_idempotency::store::{Begin, IdempotencyStore, NewRecord, Scope, StoredRecord};
 /// use tower_idempotency::Error;
@@ -511,17 +664,14 @@ pub trait StepOutcome<S: StepStore> {
 ///         unimplemented!()
 ///     }
 ///     async fn finish(&self, _: &Lease, _: &NewRecord) -> Result<(), Error> { unimplemented!() }
-///     async fn progress(
-///         &self,
-///         _: ProgressStatus,
-///         _: Option<SystemTime>,
-///         _: SystemTime,
-///         _: usize,
-///     ) -> Result<Vec<Progress>, Error> {
+///     async fn progress(&self, _: &ProgressQuery) -> Result<ProgressPage, Error> {
 ///         unimplemented!()
 ///     }
 ///     async fn resolve(&self, _: &Scope, _: Option<u32>, _: &Resolution, _: SystemTime)
-///         -> Result<bool, Error> {
+///         -> Result<Settled, Error> {
+///         unimplemented!()
+///     }
+///     async fn purge_progress(&self, _: SystemTime, _: usize) -> Result<u64, Error> {
 ///         unimplemented!()
 ///     }
 /// }

@@ -9,8 +9,8 @@ use http::{Request, Response};
 use http_body::Body;
 use tower_service::Service;
 
-use super::backend::{Acquired, Claim, ProgressStatus, StepStore};
-use super::handle::Steps;
+use super::backend::{Acquired, Claim, ProgressCursor, ProgressQuery, ProgressStatus, StepStore};
+use super::handle::{Granted, Steps};
 use super::mode::{owner, Owned};
 use crate::body::RequestBody;
 use crate::error::Error;
@@ -43,7 +43,10 @@ use crate::service::steps::{drive, Driven};
 /// # Ok(()) }
 /// ```
 ///
-/// A key is resumed once its lease has passed and it has not changed for the idle time
+/// A completer serves one operation, its layer's ([`IdempotencyLayer::with_operation`]): it
+/// lists and resumes that operation's keys only. A round looks at a page of keys at a time
+/// and the next round goes on after it, so every idle key is reached however many others
+/// wait. A key is resumed once its lease has passed and it has not changed for the idle time
 /// ([`with_idle`](Self::with_idle)), so a client's own retry usually comes first. Each attempt
 /// counts; past [`with_max_attempts`](Self::with_max_attempts) the key becomes a dead letter,
 /// listed by [`StepStore::progress`] with [`ProgressStatus::Dead`] (the `admin` calls), and
@@ -54,9 +57,13 @@ use crate::service::steps::{drive, Driven};
 /// `Accept` are as first sent (credentials are not kept).
 ///
 /// [`IdempotencyLayer::completer`]: crate::IdempotencyLayer::completer
+/// [`IdempotencyLayer::with_operation`]: crate::IdempotencyLayer::with_operation
 pub struct Completer<St, S> {
     store: St,
     config: Arc<Config>,
+    operation: Arc<str>,
+    /// Where the last round's page ended: the next round starts after it.
+    cursor: Option<ProgressCursor>,
     handler: S,
     idle: Duration,
     poll: Duration,
@@ -68,7 +75,7 @@ impl<St: fmt::Debug, S> fmt::Debug for Completer<St, S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Completer")
             .field("store", &self.store)
-            .field("operation", &self.config.operation)
+            .field("operation", &self.operation)
             .field("idle", &self.idle)
             .field("poll", &self.poll)
             .field("max_attempts", &self.max_attempts)
@@ -86,13 +93,18 @@ pub struct CompleterReport {
     pub failed: usize,
     /// Keys that ran out of attempts and became dead letters.
     pub dead: usize,
+    /// Rows that could not be read (logged, and counted by
+    /// `idempotency_steps_unreadable_total`), skipped.
+    pub skipped: usize,
 }
 
 impl<St, S> Completer<St, S> {
-    pub(crate) fn new(store: St, config: Arc<Config>, handler: S) -> Self {
+    pub(crate) fn new(store: St, config: Arc<Config>, operation: Arc<str>, handler: S) -> Self {
         Completer {
             store,
             config,
+            operation,
+            cursor: None,
             handler,
             idle: Duration::from_secs(60),
             poll: Duration::from_secs(5),
@@ -142,24 +154,25 @@ where
         }
     }
 
-    /// One round: resumes the keys abandoned now, one after the other.
+    /// One round: resumes the keys of its operation abandoned now (a page of them, after
+    /// where the last round's ended), one after the other.
     pub async fn run_once(&mut self) -> Result<CompleterReport, Error> {
         let now = SystemTime::now();
         let idle_since = now.checked_sub(self.idle).unwrap_or(SystemTime::UNIX_EPOCH);
-        let keys = self
-            .store
-            .progress(ProgressStatus::Running, Some(idle_since), now, self.batch)
-            .await?;
-        let mut report = CompleterReport::default();
-        for progress in keys {
-            if self
-                .config
-                .operation
-                .as_ref()
-                .is_some_and(|operation| *operation != progress.scope.operation)
-            {
-                continue;
-            }
+        let mut query = ProgressQuery::new(ProgressStatus::Running, self.batch)
+            .operation(&*self.operation)
+            .after(self.cursor.take());
+        query.idle_since = Some(idle_since);
+        query.now = now;
+        let page = self.store.progress(&query).await?;
+        // A full page: the next round goes on after it (the keys this one could not finish
+        // do not stay first); else the next round starts again from the oldest.
+        self.cursor = page.next;
+        let mut report = CompleterReport {
+            skipped: page.skipped,
+            ..CompleterReport::default()
+        };
+        for progress in page.keys {
             let lease = self
                 .config
                 .steps
@@ -174,25 +187,38 @@ where
                 lease_until: now + lease,
                 now,
                 max_attempts: Some(self.max_attempts),
+                expires_at: self.config.expires_at(now),
+                wait: self.config.lock_timeout,
             };
-            let (generation, steps) = match self.store.acquire(&claim).await? {
-                Acquired::Owned { generation, steps } => (generation, steps),
-                Acquired::Dead => {
+            let (generation, run, steps) = match self.store.acquire(&claim).await {
+                Ok(Acquired::Owned {
+                    generation,
+                    run,
+                    steps,
+                }) => (generation, run, steps),
+                Err(error) => {
+                    tracing::warn!(%error, key = %progress.scope.key.redacted_lazily(), "the completer could not claim a key");
+                    report.failed += 1;
+                    continue;
+                }
+                Ok(Acquired::Dead) => {
                     tracing::warn!(key = %progress.scope.key.redacted_lazily(), "key dead-lettered after its attempts");
                     report.dead += 1;
                     continue;
                 }
                 // Taken, finished or settled meanwhile.
-                _ => continue,
+                Ok(_) => continue,
             };
-            let handle = Steps::new(
-                self.store.clone(),
-                progress.scope.clone(),
+            let granted = Granted {
+                scope: progress.scope.clone(),
                 generation,
+                run,
                 steps,
                 lease,
-                claim.lease_until,
-            );
+                lease_until: claim.lease_until,
+                wait: claim.wait,
+            };
+            let handle = Steps::new(self.store.clone(), granted);
             let Some(parts) = request_parts(&progress.request, &progress.scope) else {
                 tracing::error!("a saved request does not parse; left for an operator");
                 report.failed += 1;

@@ -20,9 +20,11 @@ use crate::store::Scope;
 /// resumes after the last one that finished. Put in the request extensions by the layer;
 /// with the `axum` feature it is an extractor.
 ///
-/// Steps are identified by their position and name: a retry must call the same steps in the
-/// same order (it may stop earlier). A step that finished returns its saved result without
-/// running. Call them one after the other, not concurrently.
+/// Steps are matched by name and order: a retry must call the same steps in the same order
+/// (it may stop earlier); a step called where the key saved another is refused with
+/// [`StepError::Changed`]. A step that failed without saving anything (a local step rolled
+/// back) takes the same place when it is called again. A step that finished returns its saved
+/// result without running. Call them one after the other, not concurrently.
 ///
 /// [`with_steps`]: crate::IdempotencyLayer::with_steps
 pub struct Steps<St: StepStore> {
@@ -42,7 +44,7 @@ impl<St: StepStore> fmt::Debug for Steps<St> {
         f.debug_struct("Steps")
             .field("operation", &self.shared.scope.operation)
             .field("generation", &self.shared.generation)
-            .field("saved", &self.shared.saved.len())
+            .field("resumed", &self.shared.resumed)
             .finish_non_exhaustive()
     }
 }
@@ -51,16 +53,25 @@ pub(crate) struct Shared<St> {
     pub(crate) store: St,
     pub(crate) scope: Scope,
     pub(crate) generation: i64,
+    /// The key's run id (part of every step key).
+    pub(crate) run: String,
     pub(crate) lease: Duration,
-    pub(crate) saved: Vec<SavedStep>,
+    /// How long each commit may wait for a lock.
+    pub(crate) wait: Duration,
+    /// Whether the claim found steps saved.
+    pub(crate) resumed: bool,
     pub(crate) state: Mutex<State>,
 }
 
 /// What the request's steps did, for the layer to act on when the handler returns.
 #[derive(Debug, Default)]
 pub(crate) struct State {
-    /// The next step's position.
-    pub(crate) next: u32,
+    /// The key's steps as the store has them: those the claim read back, then what this
+    /// request committed (an intent, a result), in order.
+    pub(crate) steps: Vec<SavedStep>,
+    /// How many of them the handler's calls have gone past: the next call is matched
+    /// against `steps[cursor]`, or is a new step after the last.
+    pub(crate) cursor: usize,
     /// The lease's end as last extended.
     pub(crate) lease_until: Option<SystemTime>,
     /// A foreign service failed transiently: release the key and answer `503`.
@@ -75,24 +86,40 @@ pub(crate) struct State {
     pub(crate) changed: bool,
 }
 
+/// A key as claimed, for [`Steps::new`].
+pub(crate) struct Granted {
+    pub(crate) scope: Scope,
+    pub(crate) generation: i64,
+    pub(crate) run: String,
+    pub(crate) steps: Vec<SavedStep>,
+    pub(crate) lease: Duration,
+    pub(crate) lease_until: SystemTime,
+    pub(crate) wait: Duration,
+}
+
+/// Where a step call stands against the saved steps.
+struct Position {
+    seq: u32,
+    /// The step saved there, if any: its result (`None` for a foreign step's intent).
+    saved: Option<Option<String>>,
+}
+
 impl<St: StepStore> Steps<St> {
-    pub(crate) fn new(
-        store: St,
-        scope: Scope,
-        generation: i64,
-        saved: Vec<SavedStep>,
-        lease: Duration,
-        lease_until: SystemTime,
-    ) -> Self {
+    pub(crate) fn new(store: St, granted: Granted) -> Self {
+        let mut steps = granted.steps;
+        steps.sort_by_key(|step| step.seq);
         Steps {
             shared: Arc::new(Shared {
                 store,
-                scope,
-                generation,
-                lease,
-                saved,
+                scope: granted.scope,
+                generation: granted.generation,
+                run: granted.run,
+                lease: granted.lease,
+                wait: granted.wait,
+                resumed: !steps.is_empty(),
                 state: Mutex::new(State {
-                    lease_until: Some(lease_until),
+                    steps,
+                    lease_until: Some(granted.lease_until),
                     ..State::default()
                 }),
             }),
@@ -106,15 +133,24 @@ impl<St: StepStore> Steps<St> {
 
     /// Whether this request resumes a key that earlier attempts began (some step was saved).
     pub fn is_resumed(&self) -> bool {
-        !self.shared.saved.is_empty()
+        self.shared.resumed
+    }
+
+    /// The key's run id: created when the key's progress is first created, the same on every
+    /// retry and take-over of it, and new for each life of the key (a client key used again
+    /// after its record was deleted or expired, or its progress purged, starts a new life).
+    pub fn run_id(&self) -> &str {
+        &self.shared.run
     }
 
     /// The key to send as the other service's own idempotency key for the step `name`:
-    /// derived from the tenant, the operation, the client's key and the step's name, so it is
-    /// the same on every retry, in every process, and differs between keys and steps. 32
-    /// hexadecimal digits.
+    /// derived from the key's run id, the tenant, the operation, the client's key and the
+    /// step's name, so it is the same on every retry and in every process for one life of
+    /// the key, and differs between keys, steps and lives (a client key used again after its
+    /// record was deleted or expired gets new step keys: the other service never answers a
+    /// new order with an old charge). 32 hexadecimal digits.
     pub fn step_key(&self, name: &str) -> String {
-        step_key(&self.shared.scope, name)
+        step_key(&self.shared.run, &self.shared.scope, name)
     }
 
     /// Runs the local step `name`: `work` in a transaction of its own, committed together
@@ -131,9 +167,13 @@ impl<St: StepStore> Steps<St> {
         R: StepOutcome<St>,
         R::Value: Serialize + DeserializeOwned,
     {
-        let (seq, saved) = self.next(name, StepKind::Local)?;
+        let Position { seq, saved } = self.next(name, StepKind::Local)?;
         match saved {
-            Some(Some(result)) => return self.saved_result(Stored::decode(&result)?),
+            Some(Some(result)) => {
+                let value = self.saved_result(Stored::decode(&result)?);
+                self.advance();
+                return value;
+            }
             Some(None) => {
                 return Err(StepError::Store(Error::Corrupt(format!(
                     "local step {name:?} saved without a result"
@@ -153,7 +193,11 @@ impl<St: StepStore> Steps<St> {
             .store
             .run_local(&lease, &row, work, Stored::encode_value::<R::Value>)
             .await;
-        self.committed(&lease, outcome)
+        let value = self.committed(&lease, outcome)?;
+        // The result's JSON is not kept here: a step is only read back by a later claim.
+        self.saved_new(seq, name, StepKind::Local, Some(String::new()));
+        self.advance();
+        Ok(value)
     }
 
     /// Runs the foreign step `name`: `call` sends a request to another service with
@@ -181,10 +225,15 @@ impl<St: StepStore> Steps<St> {
         Fut: Future<Output = Result<T, Foreign>>,
         U: OnUnknown<T>,
     {
-        let (seq, saved) = self.next(name, StepKind::Foreign)?;
+        let Position { seq, saved } = self.next(name, StepKind::Foreign)?;
         let key = self.step_key(name);
+        let known = saved.is_some();
         match saved {
-            Some(Some(result)) => return self.saved_result(Stored::decode(&result)?),
+            Some(Some(result)) => {
+                let value = self.saved_result(Stored::decode(&result)?);
+                self.advance();
+                return value;
+            }
             Some(None) => match on_unknown.recover(key.clone()).await {
                 Ok(Recovery::CallAgain) => {}
                 Ok(Recovery::Done(value)) => {
@@ -207,6 +256,11 @@ impl<St: StepStore> Steps<St> {
         };
         let saved = self.shared.store.save_step(&lease, &intent).await;
         self.committed(&lease, saved)?;
+        if !known {
+            // From here the store has the intent: a second call of this step in this request
+            // (after an unknown outcome) finds it, and its policy decides, as a retry's would.
+            self.saved_new(seq, name, StepKind::Foreign, None);
+        }
         let budget = self.call_budget();
         match tokio::time::timeout(budget, call(key)).await {
             Ok(Ok(value)) => self.save_foreign(seq, name, Ok(value)).await,
@@ -219,28 +273,67 @@ impl<St: StepStore> Steps<St> {
         }
     }
 
-    /// The position of the next step, checked against the saved steps: the saved step there,
-    /// if any (with its result, `None` for a foreign step's intent).
-    #[allow(clippy::type_complexity)]
-    fn next(&self, name: &str, kind: StepKind) -> Result<(u32, Option<Option<String>>), StepError> {
+    /// Where the step `name` stands: matched, by name and kind, against the step the key
+    /// saved at the cursor (and its result, `None` for a foreign step's intent), or new after
+    /// the last saved one. The cursor moves on only once the step has its result
+    /// ([`advance`](Self::advance)): a step that failed without saving anything is called
+    /// again at the same place.
+    fn next(&self, name: &str, kind: StepKind) -> Result<Position, StepError> {
         let mut state = self.state();
         if state.lease_lost || state.in_doubt || state.changed {
             return Err(StepError::Stopped);
         }
-        let seq = state.next;
-        state.next += 1;
-        let Some(saved) = self.shared.saved.get(seq as usize) else {
-            return Ok((seq, None));
+        let Some(saved) = state.steps.get(state.cursor) else {
+            let seq = state.steps.last().map_or(Ok(0), |last| {
+                last.seq
+                    .checked_add(1)
+                    .ok_or(StepError::Store(Error::Corrupt(
+                        "step position overflow".into(),
+                    )))
+            })?;
+            return Ok(Position { seq, saved: None });
         };
         if saved.name != name || saved.kind != kind {
+            let (position, saved) = (saved.seq, format!("{} {}", saved.kind.as_str(), saved.name));
             state.changed = true;
             return Err(StepError::Changed {
-                position: seq,
-                saved: format!("{} {}", saved.kind.as_str(), saved.name),
+                position,
+                saved,
                 called: format!("{} {name}", kind.as_str()),
             });
         }
-        Ok((seq, Some(saved.result.clone())))
+        Ok(Position {
+            seq: saved.seq,
+            saved: Some(saved.result.clone()),
+        })
+    }
+
+    /// The step at the cursor has its result: the next call is matched against the one after.
+    fn advance(&self) {
+        self.state().cursor += 1;
+    }
+
+    /// Notes a step this request committed: a new one (appended), or the result of the one at
+    /// the cursor.
+    fn saved_new(&self, seq: u32, name: &str, kind: StepKind, result: Option<String>) {
+        let mut state = self.state();
+        let cursor = state.cursor;
+        match state.steps.get_mut(cursor) {
+            Some(step) if step.seq == seq => step.result = result,
+            _ => state
+                .steps
+                .push(SavedStep::new(seq, name.to_owned(), kind, result)),
+        }
+    }
+
+    /// Notes that the intent at the cursor was deleted (the call did not happen): the next
+    /// call takes its place.
+    fn forgot(&self, seq: u32) {
+        let mut state = self.state();
+        let cursor = state.cursor;
+        if state.steps.get(cursor).is_some_and(|step| step.seq == seq) {
+            state.steps.remove(cursor);
+        }
     }
 
     fn saved_result<T: DeserializeOwned>(&self, stored: Stored) -> Result<T, StepError> {
@@ -279,6 +372,8 @@ impl<St: StepStore> Steps<St> {
         };
         let saved = self.shared.store.save_step(&lease, &row).await;
         self.committed(&lease, saved)?;
+        self.saved_new(seq, name, StepKind::Foreign, Some(String::new()));
+        self.advance();
         if outcome.is_err() {
             self.state().terminal = true;
         }
@@ -298,6 +393,7 @@ impl<St: StepStore> Steps<St> {
                 let lease = self.lease();
                 let forgotten = self.shared.store.forget_intent(&lease, seq).await;
                 self.committed(&lease, forgotten)?;
+                self.forgot(seq);
                 self.state().transient = true;
                 Err(StepError::Transient(error))
             }
@@ -323,7 +419,10 @@ impl<St: StepStore> Steps<St> {
         })
     }
 
-    /// Notes a commit's outcome under `lease`.
+    /// Notes a commit's outcome under `lease`. A busy store (a lock not taken within the
+    /// layer's lock timeout) makes the request transient: the layer releases the key and
+    /// answers `503` with `Retry-After`, whatever the handler answers. Steps that differ from
+    /// the saved ones stop the request.
     fn committed<T>(&self, lease: &Lease, outcome: Result<T, Error>) -> Result<T, StepError> {
         match outcome {
             Ok(value) => {
@@ -334,7 +433,20 @@ impl<St: StepStore> Steps<St> {
                 self.state().lease_lost = true;
                 Err(StepError::LeaseLost)
             }
-            Err(error) => Err(StepError::Store(error)),
+            Err(Error::StepsChanged { position, saved }) => {
+                self.state().changed = true;
+                Err(StepError::Changed {
+                    position,
+                    saved,
+                    called: "a step at the same position".into(),
+                })
+            }
+            Err(error) => {
+                if error.is_busy() {
+                    self.state().transient = true;
+                }
+                Err(StepError::Store(error))
+            }
         }
     }
 
@@ -365,6 +477,7 @@ impl<St: StepStore> Steps<St> {
             generation: self.shared.generation,
             until: now + self.shared.lease,
             now,
+            wait: self.shared.wait,
         }
     }
 
@@ -373,12 +486,19 @@ impl<St: StepStore> Steps<St> {
     }
 }
 
-/// The key [`Steps::step_key`] gives the step `name` of `scope`'s request: for an operator
-/// who looks up a step's call at the other service.
-pub fn step_key(scope: &Scope, name: &str) -> String {
+/// The key [`Steps::step_key`] gives the step `name` of `scope`'s request in the life `run`
+/// (its [run id](Steps::run_id), as [`Progress::run`](super::Progress::run) lists it): for an
+/// operator who looks up a step's call at the other service.
+pub fn step_key(run: &str, scope: &Scope, name: &str) -> String {
     let mut hash = Sha256::new();
-    hash.update(b"tower-idempotency/step-key\0");
-    for part in [&*scope.tenant, &*scope.operation, scope.key.as_str(), name] {
+    hash.update(b"tower-idempotency/step-key/v2\0");
+    for part in [
+        run,
+        &*scope.tenant,
+        &*scope.operation,
+        scope.key.as_str(),
+        name,
+    ] {
         hash.update((part.len() as u64).to_be_bytes());
         hash.update(part.as_bytes());
     }

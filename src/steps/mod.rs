@@ -8,11 +8,16 @@ mod outcome;
 
 #[cfg(sql_store)]
 pub(crate) use backend::sealed;
+#[cfg(sql_store)]
+pub(crate) use backend::{check_saved_step, new_run_id};
 #[allow(unused_imports)] // what each backend needs of them differs by feature
 pub(crate) use backend::{
     Acquired, Claim, Lease, SavedRequest, SavedStep, StepKind, StepOutcome, StepRow,
 };
-pub use backend::{Progress, ProgressStatus, Resolution, StepStore};
+pub use backend::{
+    Progress, ProgressCursor, ProgressPage, ProgressQuery, ProgressStatus, Resolution, Settled,
+    StepStore,
+};
 
 /// The rows a [`StepStore`] reads and writes, for this repository's tests, which drive the
 /// backends directly. Not part of the API: only with the undocumented `_internal-tests`

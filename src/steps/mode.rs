@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use super::backend::{Acquired, Claim, StepStore};
-use super::handle::Steps;
+use super::handle::{Granted, Steps};
 use crate::error::Error;
 use crate::store::NewRecord;
 
@@ -58,16 +58,21 @@ impl<St: StepStore> Claimer for StoreClaimer<St> {
         let store = self.0.clone();
         Box::pin(async move {
             match store.acquire(&claim).await? {
-                Acquired::Owned { generation, steps } => {
-                    let handle = Steps::new(
-                        store,
-                        claim.scope,
+                Acquired::Owned {
+                    generation,
+                    run,
+                    steps,
+                } => {
+                    let granted = Granted {
+                        scope: claim.scope,
                         generation,
+                        run,
                         steps,
                         lease,
-                        claim.lease_until,
-                    );
-                    Ok(Claimed::Owned(Box::new(handle)))
+                        lease_until: claim.lease_until,
+                        wait: claim.wait,
+                    };
+                    Ok(Claimed::Owned(Box::new(Steps::new(store, granted))))
                 }
                 other => Ok(Claimed::Not(other)),
             }

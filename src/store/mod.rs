@@ -266,7 +266,9 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
     }
 
     /// Deletes up to `batch` records that expired at `now` or before; returns how many it
-    /// deleted.
+    /// deleted. The crate's stores delete as many step-by-step keys left running past their
+    /// expiry too, with their steps and saved requests (see
+    /// [`StepStore::purge_progress`](crate::steps::StepStore::purge_progress)), and count them.
     ///
     /// Fewer than `batch` need not mean that none is left: a store may look at a bounded part
     /// of its records per call (the SQLite store does). To delete every expired record, call

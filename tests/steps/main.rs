@@ -11,3 +11,17 @@ mod steps_store;
 fn main() {
     support::harness::main();
 }
+
+/// The listing of keys in progress with `status` (of every operation, from the first), idle
+/// since `idle_since` when given, at `now`, at most `limit`.
+fn listing(
+    status: tower_idempotency::steps::ProgressStatus,
+    idle_since: Option<std::time::SystemTime>,
+    now: std::time::SystemTime,
+    limit: usize,
+) -> tower_idempotency::steps::ProgressQuery {
+    let mut query = tower_idempotency::steps::ProgressQuery::new(status, limit);
+    query.idle_since = idle_since;
+    query.now = now;
+    query
+}

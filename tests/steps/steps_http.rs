@@ -8,6 +8,7 @@
 //! (the sqlx store) in a database of its own when `TEST_MYSQL_URL` is set (reported as ignored
 //! otherwise).
 
+use crate::listing;
 use support::pg_common;
 
 use std::collections::HashMap;
@@ -26,7 +27,8 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use serde_json::{json, Value};
 use tower_idempotency::steps::{
-    Ask, CallAgain, Foreign, LeaveInDoubt, ProgressStatus, Resolution, StepError, StepStore, Steps,
+    Ask, CallAgain, Foreign, LeaveInDoubt, ProgressStatus, Resolution, Settled, StepError,
+    StepStore, Steps,
 };
 use tower_idempotency::{IdempotencyLayer, Tenant};
 
@@ -479,9 +481,10 @@ async fn the_completer_dead_letters_a_key_after_its_attempts<D: Shop>() {
     let now = SystemTime::now();
     let listed = served
         .store
-        .progress(ProgressStatus::Dead, None, now, 10)
+        .progress(&listing(ProgressStatus::Dead, None, now, 10))
         .await
-        .unwrap();
+        .unwrap()
+        .keys;
     assert_eq!(listed.len(), 1);
     // A client's retry may still take a dead key.
     app.plan(&[]);
@@ -519,7 +522,7 @@ async fn a_step_left_in_doubt_waits_for_an_operator<D: Shop>() {
     assert_eq!(listed.len(), 1);
     let reason = listed[0].last_error.as_deref().unwrap_or_default();
     assert!(reason.contains("step 1 (\"charge\")"), "{reason}");
-    let step_key = tower_idempotency::steps::step_key(&listed[0].scope, "charge");
+    let step_key = tower_idempotency::steps::step_key(&listed[0].run, &listed[0].scope, "charge");
     let charge = app.charge_for(&step_key).unwrap();
     let resolved = admin
         .resolve_steps(
@@ -531,7 +534,7 @@ async fn a_step_left_in_doubt_waits_for_an_operator<D: Shop>() {
         )
         .await
         .unwrap();
-    assert!(resolved);
+    assert_eq!(resolved, Settled::Resolved);
     let done = send(served.addr, "k1", BODY).await;
     assert_eq!(done.status, StatusCode::CREATED, "{done:?}");
     assert_eq!(done.json()["charge_id"], "ch_1");

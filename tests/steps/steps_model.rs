@@ -20,6 +20,7 @@
 //! drivers) runs when `TEST_DATABASE_URL` is set and MySQL or MariaDB when `TEST_MYSQL_URL` is;
 //! they are reported as ignored otherwise.
 
+use crate::listing;
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -589,6 +590,10 @@ struct Shared<B> {
     program: Vec<Step>,
     provider: Mutex<Provider>,
     plan: Mutex<Option<Plan>>,
+    /// The run id the handler's last attempt saw. A release before any step saved deletes the
+    /// key's progress (the next attempt is a new life, with a new run id); once a step is
+    /// saved, every attempt until the end sees the same one.
+    run: Mutex<String>,
     _backend: std::marker::PhantomData<fn() -> B>,
 }
 
@@ -663,6 +668,7 @@ impl<B: Backend> App<B> {
 async fn handler<B: Backend>(State(app): State<App<B>>, steps: Steps<B::Store>) -> Response {
     let plan = app.0.plan.lock().unwrap().take();
     let plan = plan.unwrap_or_else(|| Plan::new(Stop::Full));
+    *app.0.run.lock().unwrap() = steps.run_id().to_owned();
     plan.called.store(true, Ordering::SeqCst);
     let mut results = Vec::new();
     for (i, step) in app.0.program.iter().enumerate() {
@@ -785,6 +791,7 @@ impl<B: Backend> Run<B> {
                 ..Provider::default()
             }),
             plan: Mutex::new(None),
+            run: Mutex::new(String::new()),
             _backend: std::marker::PhantomData,
         }));
         let lease = if case.stalls() { SHORT_LEASE } else { LEASE };
@@ -911,9 +918,10 @@ impl<B: Backend> Run<B> {
                 let idle = self
                     .backend
                     .store()
-                    .progress(ProgressStatus::Running, Some(now), now, 1000)
+                    .progress(&listing(ProgressStatus::Running, Some(now), now, 1000))
                     .await
-                    .expect("progress");
+                    .expect("progress")
+                    .keys;
                 if idle.iter().any(|p| p.scope == self.scope)
                     || self.backend.leftovers(self.key()).await.0 == 0
                 {
@@ -977,13 +985,14 @@ impl<B: Backend> Run<B> {
             .iter()
             .map(|(key, c)| (c.step.clone(), (key.clone(), c.times)))
             .collect();
+        let run = self.app.0.run.lock().unwrap().clone();
         let expected: BTreeMap<String, (String, usize)> = self
             .model
             .charged
             .iter()
             .map(|&i| {
                 let name = &self.model.program[i].name;
-                (name.clone(), (step_key(&self.scope, name), 1))
+                (name.clone(), (step_key(&run, &self.scope, name), 1))
             })
             .collect();
         self.assert(

@@ -6,6 +6,7 @@
 //!
 //! Time is given to every call (`now`), so leases run out without waiting.
 
+use crate::listing;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -18,7 +19,7 @@ use tower_idempotency::response::SavedResponse;
 use tower_idempotency::steps::__private::{
     Acquired, Claim, Lease, SavedRequest, StepKind, StepRow,
 };
-use tower_idempotency::steps::{ProgressStatus, Resolution, StepStore};
+use tower_idempotency::steps::{ProgressStatus, Resolution, Settled, StepStore};
 use tower_idempotency::store::{Begin, IdempotencyStore, NewRecord, Reservation, Scope};
 use tower_idempotency::{key::IdempotencyKey, Error};
 
@@ -126,7 +127,9 @@ fn record(now: SystemTime, seed: u8) -> NewRecord {
 /// The generation of an `Owned` outcome, and its steps as `(seq, name, result)`.
 fn owned(acquired: Acquired) -> (i64, Vec<(u32, String, Option<String>)>) {
     match acquired {
-        Acquired::Owned { generation, steps } => (
+        Acquired::Owned {
+            generation, steps, ..
+        } => (
             generation,
             steps
                 .into_iter()
@@ -227,9 +230,10 @@ async fn finish_completes_the_key<H: Harness>(h: H) {
     assert_eq!(found.expect("the record").response, saved.response);
     let listed = h
         .store()
-        .progress(ProgressStatus::Running, None, later, 10)
+        .progress(&listing(ProgressStatus::Running, None, later, 10))
         .await
-        .expect("progress");
+        .expect("progress")
+        .keys;
     assert!(listed.is_empty(), "the progress is gone: {listed:?}");
     // The completer's claim of a key that never existed: nothing to resume.
     assert!(matches!(
@@ -258,9 +262,10 @@ async fn records_live_and_expired<H: Harness>(h: H) {
     ));
     assert!(h
         .store()
-        .progress(ProgressStatus::Running, None, now, 10)
+        .progress(&listing(ProgressStatus::Running, None, now, 10))
         .await
         .expect("progress")
+        .keys
         .is_empty());
 
     // An expired record of "old", from two hours ago.
@@ -331,9 +336,10 @@ async fn a_stale_generation_loses_the_lease<H: Harness>(h: H) {
     ));
     let listed = h
         .store()
-        .progress(ProgressStatus::Running, None, later, 10)
+        .progress(&listing(ProgressStatus::Running, None, later, 10))
         .await
-        .expect("progress");
+        .expect("progress")
+        .keys;
     assert_eq!(listed.len(), 1);
     assert_eq!((listed[0].generation, listed[0].steps), (2, 0));
     // The new holder's lease still works.
@@ -354,9 +360,10 @@ async fn run_local_commits_or_rolls_back<H: Harness>(h: H) {
     assert_eq!(h.orders("failed").await, 0, "its row rolled back");
     let listed = h
         .store()
-        .progress(ProgressStatus::Running, None, now, 10)
+        .progress(&listing(ProgressStatus::Running, None, now, 10))
         .await
-        .expect("progress");
+        .expect("progress")
+        .keys;
     assert_eq!(listed[0].steps, 0, "no step saved");
 
     let value = h
@@ -394,11 +401,18 @@ async fn intents_are_settled_or_forgotten<H: Harness>(h: H) {
         .save_step(&l, &foreign(0, "charge", Some("\"ch_1\"")))
         .await
         .expect("result");
-    // A result stays.
-    store
-        .save_step(&l, &foreign(0, "charge", Some("\"ch_2\"")))
-        .await
-        .expect("second result");
+    // A result stays: writing another over it is refused, and so is another step at its
+    // position.
+    assert!(matches!(
+        store
+            .save_step(&l, &foreign(0, "charge", Some("\"ch_2\"")))
+            .await,
+        Err(Error::StepsChanged { position: 0, .. })
+    ));
+    assert!(matches!(
+        store.save_step(&l, &foreign(1, "refund", None)).await,
+        Err(Error::StepsChanged { position: 1, .. })
+    ));
     store
         .forget_intent(&l, 0)
         .await
@@ -462,9 +476,10 @@ async fn in_doubt_until_resolved<H: Harness>(h: H) {
     ));
     let listed = h
         .store()
-        .progress(ProgressStatus::InDoubt, None, later, 10)
+        .progress(&listing(ProgressStatus::InDoubt, None, later, 10))
         .await
-        .expect("progress");
+        .expect("progress")
+        .keys;
     assert_eq!(listed.len(), 1);
     assert_eq!(listed[0].last_error.as_deref(), Some("charge: timed out"));
     assert_eq!(listed[0].steps, 1);
@@ -474,17 +489,49 @@ async fn in_doubt_until_resolved<H: Harness>(h: H) {
     );
     assert_eq!(listed[0].request.uri, "/checkout?x=1");
 
-    // Called again: the intent goes, the key runs again.
-    assert!(h
-        .store()
-        .resolve(&scope("k"), Some(0), &Resolution::CallAgain, later)
-        .await
-        .expect("resolve"));
+    // The owner that marked it is out of it: marking gave the key a new generation.
+    assert!(matches!(
+        h.store().save_step(&l, &foreign(1, "ship", None)).await,
+        Err(Error::LeaseLost)
+    ));
+    // Only a foreign step's intent can be settled.
+    assert_eq!(
+        h.store()
+            .resolve(&scope("k"), Some(1), &Resolution::CallAgain, later)
+            .await
+            .expect("resolve"),
+        Settled::NoIntent
+    );
+
+    // Called again: the intent goes, the key runs again, under a new generation.
+    assert!(
+        h.store()
+            .resolve(&scope("k"), Some(0), &Resolution::CallAgain, later)
+            .await
+            .expect("resolve")
+            == Settled::Resolved
+    );
+    // A running key cannot be resolved: its owner may be in the middle of a call.
+    assert_eq!(
+        h.store()
+            .resolve(&scope("k"), None, &Resolution::CallAgain, later)
+            .await
+            .expect("resolve"),
+        Settled::Running
+    );
     let (generation, steps) = owned(acquire(&h, &claim("k", 1, "b", later)).await);
-    assert_eq!((generation, steps.len()), (2, 0));
+    assert_eq!((generation, steps.len()), (4, 0));
+    assert_eq!(
+        h.store()
+            .resolve(&scope("k"), None, &Resolution::CallAgain, later)
+            .await
+            .expect("resolve"),
+        Settled::Running,
+        "refused while a claim holds it"
+    );
 
     // In doubt again, then done with a result.
-    let l = lease("k", 2, later);
+    let l = lease("k", 4, later);
     h.store()
         .save_step(&l, &foreign(0, "charge", None))
         .await
@@ -493,29 +540,33 @@ async fn in_doubt_until_resolved<H: Harness>(h: H) {
         .set_status(&l, ProgressStatus::InDoubt, "again")
         .await
         .expect("in doubt");
-    assert!(h
-        .store()
-        .resolve(
-            &scope("k"),
-            Some(0),
-            &Resolution::Done(json!({ "charge_id": "ch_9" })),
-            later,
-        )
-        .await
-        .expect("resolve"));
+    assert!(
+        h.store()
+            .resolve(
+                &scope("k"),
+                Some(0),
+                &Resolution::Done(json!({ "charge_id": "ch_9" })),
+                later,
+            )
+            .await
+            .expect("resolve")
+            == Settled::Resolved
+    );
     let (generation, steps) = owned(acquire(&h, &claim("k", 1, "c", later)).await);
-    assert_eq!(generation, 3);
+    assert_eq!(generation, 7);
     assert_eq!(steps.len(), 1);
     assert!(
         steps[0].2.as_deref().is_some_and(|r| r.contains("ch_9")),
         "{steps:?}"
     );
     // A key that is not there.
-    assert!(!h
-        .store()
-        .resolve(&scope("missing"), None, &Resolution::CallAgain, later)
-        .await
-        .expect("resolve"));
+    assert_eq!(
+        h.store()
+            .resolve(&scope("missing"), None, &Resolution::CallAgain, later)
+            .await
+            .expect("resolve"),
+        Settled::NotFound
+    );
 }
 
 /// The completer's claims count attempts; past the bound the key is dead (a client's claim
@@ -541,26 +592,31 @@ async fn completer_attempts_end_dead<H: Harness>(h: H) {
     ));
     let dead = h
         .store()
-        .progress(ProgressStatus::Dead, None, at, 10)
+        .progress(&listing(ProgressStatus::Dead, None, at, 10))
         .await
-        .expect("progress");
+        .expect("progress")
+        .keys;
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].attempts, 2);
     assert!(dead[0].last_error.is_some());
 
-    assert!(h
-        .store()
-        .resolve(&scope("k"), None, &Resolution::CallAgain, at)
-        .await
-        .expect("resolve"));
+    assert!(
+        h.store()
+            .resolve(&scope("k"), None, &Resolution::CallAgain, at)
+            .await
+            .expect("resolve")
+            == Settled::Resolved
+    );
     let running = h
         .store()
-        .progress(ProgressStatus::Running, None, at, 10)
+        .progress(&listing(ProgressStatus::Running, None, at, 10))
         .await
-        .expect("progress");
+        .expect("progress")
+        .keys;
     assert_eq!(running[0].attempts, 0);
+    // 1, two completer claims, dead (a change of owner), resolved (another), this claim.
     let (generation, _) = owned(acquire(&h, &completer_claim("k", 1, "completer", at, 2)).await);
-    assert_eq!(generation, 4);
+    assert_eq!(generation, 6);
 
     // A dead key is taken by a client's claim (a retry of the request).
     owned(acquire(&h, &claim("d", 1, "client", now)).await);
@@ -570,7 +626,7 @@ async fn completer_attempts_end_dead<H: Harness>(h: H) {
         Acquired::Dead
     ));
     let (generation, _) = owned(acquire(&h, &claim("d", 1, "client", late)).await);
-    assert_eq!(generation, 2);
+    assert_eq!(generation, 3, "1, dead (out of every owner's hands), this claim");
 }
 
 /// `progress` lists by status, oldest change first, at most `limit`; idle only lists running
@@ -596,37 +652,46 @@ async fn progress_lists_idle_keys<H: Harness>(h: H) {
     };
     let all = h
         .store()
-        .progress(ProgressStatus::Running, None, t0, 10)
+        .progress(&listing(ProgressStatus::Running, None, t0, 10))
         .await
-        .expect("progress");
+        .expect("progress")
+        .keys;
     assert_eq!(names(&all), ["a", "c", "b"]);
     assert_eq!(all[2].steps, 1);
     let two = h
         .store()
-        .progress(ProgressStatus::Running, None, t0, 2)
+        .progress(&listing(ProgressStatus::Running, None, t0, 2))
         .await
-        .expect("progress");
+        .expect("progress")
+        .keys;
     assert_eq!(names(&two), ["a", "c"]);
 
     // Before any lease has passed, nothing is idle.
     let idle = h
         .store()
-        .progress(
+        .progress(&listing(
             ProgressStatus::Running,
             Some(t0 + 5 * second),
             t0 + 5 * second,
             10,
-        )
+        ))
         .await
-        .expect("progress");
+        .expect("progress")
+        .keys;
     assert!(idle.is_empty(), "{:?}", names(&idle));
     // "a" and "c" have passed their leases and not changed since t0 + 5 s; "b" changed later.
     let now = t0 + LEASE + 5 * second;
     let idle = h
         .store()
-        .progress(ProgressStatus::Running, Some(t0 + 5 * second), now, 10)
+        .progress(&listing(
+            ProgressStatus::Running,
+            Some(t0 + 5 * second),
+            now,
+            10,
+        ))
         .await
-        .expect("progress");
+        .expect("progress")
+        .keys;
     assert_eq!(names(&idle), ["a", "c"]);
     // Not a key in doubt.
     h.store()
@@ -639,9 +704,15 @@ async fn progress_lists_idle_keys<H: Harness>(h: H) {
         .expect("in doubt");
     let idle = h
         .store()
-        .progress(ProgressStatus::Running, Some(t0 + 5 * second), now, 10)
+        .progress(&listing(
+            ProgressStatus::Running,
+            Some(t0 + 5 * second),
+            now,
+            10,
+        ))
         .await
-        .expect("progress");
+        .expect("progress")
+        .keys;
     assert_eq!(names(&idle), ["c"]);
 }
 

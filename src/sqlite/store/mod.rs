@@ -398,7 +398,9 @@ impl IdempotencyStore for SqliteStore {
     /// Goes on with the walk along the records' key where the last call left it (see
     /// `purge_expired_step`): it may delete fewer than `batch` before the end of the table.
     async fn purge_expired(&self, now: SystemTime, batch: usize) -> Result<u64, Error> {
-        Ok(self.purge_step(now, batch, false).await?.deleted)
+        let records = self.purge_step(now, batch, false).await?.deleted;
+        let progress = crate::steps::StepStore::purge_progress(self, now, batch).await?;
+        Ok(records + progress)
     }
 
     /// Walks the records in key order, from where the last call stopped: looks at 16 records
@@ -407,7 +409,14 @@ impl IdempotencyStore for SqliteStore {
     /// walk reaches the end of the table (then it starts again from the start). A purge that
     /// finds a pass begun with an earlier `now` in progress starts its own.
     async fn purge_expired_step(&self, now: SystemTime, batch: usize) -> Result<PurgeStep, Error> {
-        self.purge_step(now, batch, true).await
+        let mut step = self.purge_step(now, batch, true).await?;
+        // Once the walk is done, the keys left running past their expiry, a batch per call.
+        if step.done {
+            let progress = crate::steps::StepStore::purge_progress(self, now, batch).await?;
+            step.deleted += progress;
+            step.done = progress < batch as u64;
+        }
+        Ok(step)
     }
 }
 

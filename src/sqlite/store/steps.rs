@@ -1,9 +1,13 @@
 //! Step-by-step requests on the SQLite store ([`StepStore`]): tables `idempotency_progress`
 //! and `idempotency_steps` in the same file as the records. Every call is one `BEGIN
 //! IMMEDIATE` transaction on the writer ([`SqliteStore::write`]); a local step's closure runs
-//! in it, on the writer thread.
+//! in it, on the writer thread. A call waits for the writer at most its lease's (or claim's)
+//! `wait`, the layer's lock timeout: past it the call is dropped from the writer's queue before
+//! it starts, and fails with [`Error::Busy`].
 
-use std::time::SystemTime;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
 use rusqlite::{params, OptionalExtension, Transaction};
@@ -14,8 +18,9 @@ use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
 use crate::steps::{
-    Acquired, Claim, Lease, Progress, ProgressStatus, Resolution, SavedRequest, SavedStep,
-    StepKind, StepOutcome, StepRow, StepStore, Stored,
+    new_run_id, Acquired, Claim, Lease, Progress, ProgressCursor, ProgressPage, ProgressQuery,
+    ProgressStatus, Resolution, SavedRequest, SavedStep, Settled, StepKind, StepOutcome, StepRow,
+    StepStore, Stored,
 };
 use crate::store::{from_unix_millis, to_unix_millis, NewRecord, Scope};
 
@@ -38,9 +43,13 @@ CREATE TABLE IF NOT EXISTS idempotency_progress (
     body                BLOB    NOT NULL,
     created_at          INTEGER NOT NULL,
     updated_at          INTEGER NOT NULL,
+    run_id              TEXT    NOT NULL,
+    expires_at          INTEGER NOT NULL,
     PRIMARY KEY (tenant, operation, idempotency_key)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS idempotency_progress_idle ON idempotency_progress (status, updated_at);
+CREATE INDEX IF NOT EXISTS idempotency_progress_expiry
+    ON idempotency_progress (status, expires_at);
 CREATE TABLE IF NOT EXISTS idempotency_steps (
     tenant          TEXT    NOT NULL,
     operation       TEXT    NOT NULL,
@@ -75,16 +84,47 @@ fn unwrap_error(error: Error) -> Error {
     }
 }
 
-/// Runs `f` in a write transaction of its own; an `Err` rolls back.
-async fn write<T, F>(store: &SqliteStore, f: F) -> Result<T, Error>
+/// How long an operator's call (resolve, purge) waits for the writer.
+const ADMIN_WAIT: Duration = Duration::from_secs(5);
+
+/// A queued call's state: the writer starts it only if its caller still waits.
+const QUEUED: u8 = 0;
+const STARTED: u8 = 1;
+const ABANDONED: u8 = 2;
+
+/// Runs `f` in a write transaction of its own; an `Err` rolls back. Waits for the writer at
+/// most `wait`: past it, a call the writer has not started is abandoned (it never runs) and
+/// fails with [`Error::Busy`]; one already started runs to its end (its statements wait at
+/// most SQLite's busy timeout; a local step's closure is the application's).
+async fn write<T, F>(store: &SqliteStore, wait: Duration, f: F) -> Result<T, Error>
 where
     F: FnOnce(&Transaction<'_>) -> Result<T, Error> + Send + 'static,
     T: Send + 'static,
 {
-    store
-        .write(move |tx| f(tx).map_err(carry))
-        .await
-        .map_err(unwrap_error)
+    let state = Arc::new(AtomicU8::new(QUEUED));
+    let start = state.clone();
+    let call = store.write(move |tx| {
+        if start
+            .compare_exchange(QUEUED, STARTED, Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
+        {
+            return Err(carry(Error::Busy));
+        }
+        f(tx).map_err(carry)
+    });
+    tokio::pin!(call);
+    match tokio::time::timeout(wait, &mut call).await {
+        Ok(done) => done.map_err(unwrap_error),
+        Err(_elapsed) => {
+            if state
+                .compare_exchange(QUEUED, ABANDONED, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+            {
+                return Err(Error::Busy);
+            }
+            call.await.map_err(unwrap_error)
+        }
+    }
 }
 
 /// Checks that the key is still under `lease`'s generation and moves its lease's end.
@@ -110,26 +150,64 @@ fn check_lease(tx: &Transaction<'_>, lease: &Lease) -> Result<(), Error> {
     }
 }
 
-fn insert_step(tx: &Transaction<'_>, lease: &Lease, step: &StepRow) -> Result<(), Error> {
+/// Writes `step` (its intent, or its result) under the lease checked before: a new row, or
+/// the result of the intent saved at its position. Refused with [`Error::StepsChanged`] when
+/// the key saved another step there, or that step's result already; an intent written again
+/// over its own intent changes nothing.
+fn save_step_row(tx: &Transaction<'_>, lease: &Lease, step: &StepRow) -> Result<(), Error> {
     let scope = &lease.scope;
     let now = to_unix_millis(lease.now);
-    tx.prepare_cached(
-        "INSERT INTO idempotency_steps (tenant, operation, idempotency_key, seq, name, kind, \
-         result, created_at, updated_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?8) \
-         ON CONFLICT (tenant, operation, idempotency_key, seq) DO UPDATE SET \
-         result = excluded.result, updated_at = excluded.updated_at \
-         WHERE idempotency_steps.result IS NULL",
-    )?
-    .execute(params![
+    let key = params![
         &*scope.tenant,
         &*scope.operation,
         scope.key.as_str(),
-        step.seq,
-        step.name,
-        step.kind.as_str(),
-        step.result,
-        now,
-    ])?;
+        step.seq
+    ];
+    let saved = tx
+        .prepare_cached(&format!(
+            "SELECT name, kind, result IS NOT NULL FROM idempotency_steps \
+             WHERE {KEY} AND seq = ?4"
+        ))?
+        .query_row(key, |row| {
+            Ok((
+                row.get::<_, String>(0)?,
+                row.get::<_, String>(1)?,
+                row.get::<_, bool>(2)?,
+            ))
+        })
+        .optional()?;
+    let Some((name, kind, done)) = saved else {
+        tx.prepare_cached(
+            "INSERT INTO idempotency_steps (tenant, operation, idempotency_key, seq, name, kind, \
+             result, created_at, updated_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?8)",
+        )?
+        .execute(params![
+            &*scope.tenant,
+            &*scope.operation,
+            scope.key.as_str(),
+            step.seq,
+            step.name,
+            step.kind.as_str(),
+            step.result,
+            now,
+        ])?;
+        return Ok(());
+    };
+    crate::steps::check_saved_step(step, &name, &kind, done)?;
+    if let Some(result) = &step.result {
+        tx.prepare_cached(&format!(
+            "UPDATE idempotency_steps SET result = ?5, updated_at = ?6 \
+             WHERE {KEY} AND seq = ?4 AND result IS NULL"
+        ))?
+        .execute(params![
+            &*scope.tenant,
+            &*scope.operation,
+            scope.key.as_str(),
+            step.seq,
+            result,
+            now,
+        ])?;
+    }
     Ok(())
 }
 
@@ -162,8 +240,8 @@ fn acquire(tx: &Transaction<'_>, claim: &Claim) -> Result<Acquired, Error> {
     let now = to_unix_millis(claim.now);
     let row = tx
         .prepare_cached(&format!(
-            "SELECT fingerprint_version, fingerprint, status, lease_owner, lease_until, attempts \
-             FROM idempotency_progress WHERE {KEY}"
+            "SELECT fingerprint_version, fingerprint, status, lease_owner, lease_until, attempts, \
+             run_id FROM idempotency_progress WHERE {KEY}"
         ))?
         .query_row(scope_params(scope), |row| {
             Ok((
@@ -173,21 +251,27 @@ fn acquire(tx: &Transaction<'_>, claim: &Claim) -> Result<Acquired, Error> {
                 row.get::<_, Option<String>>(3)?,
                 row.get::<_, i64>(4)?,
                 row.get::<_, i64>(5)?,
+                row.get::<_, String>(6)?,
             ))
         })
         .optional()?;
-    let Some((version, digest, status, owner, lease_until, attempts)) = row else {
+    let Some((version, digest, status, owner, lease_until, attempts, run)) = row else {
         if let Some(record) = check_existing(tx, scope, now)? {
             return Ok(Acquired::Completed(record));
         }
         let Some(request) = &claim.request else {
             return Ok(Acquired::Gone);
         };
+        // A new life of the key: a new run id, and nothing of an earlier life's steps.
+        let run = new_run_id();
+        tx.prepare_cached(&format!("DELETE FROM idempotency_steps WHERE {KEY}"))?
+            .execute(scope_params(scope))?;
         tx.prepare_cached(
             "INSERT INTO idempotency_progress (tenant, operation, idempotency_key, fingerprint, \
              fingerprint_version, status, generation, lease_owner, lease_until, attempts, \
-             method, uri, headers, body, created_at, updated_at) \
-             VALUES (?1, ?2, ?3, ?4, ?5, 'running', 1, ?6, ?7, 0, ?8, ?9, ?10, ?11, ?12, ?12)",
+             method, uri, headers, body, created_at, updated_at, run_id, expires_at) \
+             VALUES (?1, ?2, ?3, ?4, ?5, 'running', 1, ?6, ?7, 0, ?8, ?9, ?10, ?11, ?12, ?12, \
+             ?13, ?14)",
         )?
         .execute(params![
             &*scope.tenant,
@@ -202,9 +286,12 @@ fn acquire(tx: &Transaction<'_>, claim: &Claim) -> Result<Acquired, Error> {
             request.headers,
             &request.body[..],
             now,
+            run,
+            to_unix_millis(claim.expires_at),
         ])?;
         return Ok(Acquired::Owned {
             generation: 1,
+            run,
             steps: Vec::new(),
         });
     };
@@ -224,8 +311,11 @@ fn acquire(tx: &Transaction<'_>, claim: &Claim) -> Result<Acquired, Error> {
     let counted = i64::from(claim.max_attempts.is_some());
     if let Some(max) = claim.max_attempts {
         if attempts >= i64::from(max) {
+            // A change of owner (to none): a new generation, so that nothing written under the
+            // last one commits after it.
             tx.prepare_cached(&format!(
                 "UPDATE idempotency_progress SET status = 'dead', lease_owner = NULL, \
+                 generation = generation + 1, \
                  last_error = 'the completer ran out of attempts', updated_at = ?4 WHERE {KEY}"
             ))?
             .execute(params![
@@ -240,8 +330,8 @@ fn acquire(tx: &Transaction<'_>, claim: &Claim) -> Result<Acquired, Error> {
     let generation: i64 = tx
         .prepare_cached(&format!(
             "UPDATE idempotency_progress SET generation = generation + 1, status = 'running', \
-             lease_owner = ?4, lease_until = ?5, attempts = attempts + ?6, updated_at = ?7 \
-             WHERE {KEY} RETURNING generation"
+             lease_owner = ?4, lease_until = ?5, attempts = attempts + ?6, updated_at = ?7, \
+             expires_at = max(expires_at, ?8) WHERE {KEY} RETURNING generation"
         ))?
         .query_row(
             params![
@@ -252,11 +342,13 @@ fn acquire(tx: &Transaction<'_>, claim: &Claim) -> Result<Acquired, Error> {
                 to_unix_millis(claim.lease_until),
                 counted,
                 now,
+                to_unix_millis(claim.expires_at),
             ],
             |row| row.get(0),
         )?;
     Ok(Acquired::Owned {
         generation,
+        run,
         steps: read_steps(tx, scope)?,
     })
 }
@@ -270,60 +362,101 @@ fn fingerprint(version: i64, digest: &[u8]) -> Result<Fingerprint, Error> {
     Ok(Fingerprint::new(version, digest))
 }
 
-fn list(
-    conn: &rusqlite::Connection,
-    status: ProgressStatus,
-    idle_since: Option<SystemTime>,
-    now: SystemTime,
-    limit: usize,
-) -> Result<Vec<Progress>, Error> {
-    let idle = idle_since.is_some();
+/// A page of keys in progress (see [`StepStore::progress`]): ordered by their last change,
+/// then their scope, after the query's cursor; an unreadable row is reported and skipped.
+fn list(conn: &rusqlite::Connection, query: &ProgressQuery) -> Result<ProgressPage, Error> {
     let mut statement = conn.prepare_cached(
-        "SELECT p.tenant, p.operation, p.idempotency_key, p.fingerprint_version, p.fingerprint, \
-         p.status, p.generation, p.attempts, p.lease_until, p.last_error, p.method, p.uri, \
-         p.headers, p.body, p.created_at, p.updated_at, \
+        "SELECT p.updated_at, p.tenant, p.operation, p.idempotency_key, p.fingerprint_version, \
+         p.fingerprint, p.status, p.generation, p.attempts, p.lease_until, p.last_error, \
+         p.method, p.uri, p.headers, p.body, p.created_at, p.run_id, \
          (SELECT count(*) FROM idempotency_steps AS s WHERE s.tenant = p.tenant \
           AND s.operation = p.operation AND s.idempotency_key = p.idempotency_key) \
          FROM idempotency_progress AS p WHERE p.status = ?1 \
-         AND (?2 = 0 OR (p.lease_until <= ?3 AND p.updated_at <= ?4)) \
-         ORDER BY p.updated_at LIMIT ?5",
+         AND (?2 IS NULL OR p.operation = ?2) \
+         AND (?3 = 0 OR (p.lease_until <= ?4 AND p.updated_at <= ?5)) \
+         AND (p.updated_at, p.tenant, p.operation, p.idempotency_key) > (?6, ?7, ?8, ?9) \
+         ORDER BY p.updated_at, p.tenant, p.operation, p.idempotency_key LIMIT ?10",
     )?;
+    let after = query.after.as_ref();
     let mut rows = statement.query(params![
-        status.as_str(),
-        idle,
-        to_unix_millis(now),
-        idle_since.map_or(0, to_unix_millis),
-        i64::try_from(limit).unwrap_or(i64::MAX),
+        query.status.as_str(),
+        query.operation.as_deref(),
+        query.idle_since.is_some(),
+        to_unix_millis(query.now),
+        query.idle_since.map_or(0, to_unix_millis),
+        after.map_or(-1, |c| c.updated_at),
+        after.map_or("", |c| c.tenant.as_str()),
+        after.map_or("", |c| c.operation.as_str()),
+        after.map_or("", |c| c.key.as_str()),
+        i64::try_from(query.limit).unwrap_or(i64::MAX),
     ])?;
-    let mut listed = Vec::new();
+    let mut page = ProgressPage::default();
+    let mut seen = 0;
+    let mut last = None;
     while let Some(row) = rows.next()? {
-        let key: String = row.get(2)?;
-        let key = IdempotencyKey::parse(key.as_bytes(), usize::MAX)
-            .map_err(|e| Error::Corrupt(format!("idempotency key: {e}")))?;
-        let tenant: String = row.get(0)?;
-        let operation: String = row.get(1)?;
-        let version: i64 = row.get(3)?;
-        let digest: Vec<u8> = row.get(4)?;
-        let status: String = row.get(5)?;
-        let attempts: i64 = row.get(7)?;
-        let body: Vec<u8> = row.get(13)?;
-        let steps: i64 = row.get(16)?;
-        let mut progress = Progress::new(
-            Scope::new(tenant, operation, key),
-            fingerprint(version, &digest)?,
-            ProgressStatus::parse(&status)?,
-            SavedRequest::new(row.get(10)?, row.get(11)?, row.get(12)?, Bytes::from(body)),
-        );
-        progress.generation = row.get(6)?;
-        progress.attempts = u32::try_from(attempts).unwrap_or(u32::MAX);
-        progress.lease_until = from_unix_millis(row.get(8)?);
-        progress.last_error = row.get(9)?;
-        progress.created_at = from_unix_millis(row.get(14)?);
-        progress.updated_at = from_unix_millis(row.get(15)?);
-        progress.steps = u32::try_from(steps).unwrap_or(u32::MAX);
-        listed.push(progress);
+        seen += 1;
+        let cursor = ProgressCursor {
+            updated_at: row.get(0)?,
+            tenant: lossy_text(row, 1)?,
+            operation: lossy_text(row, 2)?,
+            key: lossy_text(row, 3)?,
+        };
+        match progress_row(row, &cursor) {
+            Ok(progress) => page.keys.push(progress),
+            Err(error) => {
+                crate::metrics::unreadable_progress(
+                    &cursor.tenant,
+                    &cursor.operation,
+                    &cursor.key,
+                    &error,
+                );
+                page.skipped += 1;
+            }
+        }
+        last = Some(cursor);
     }
-    Ok(listed)
+    if seen >= query.limit {
+        page.next = last;
+    }
+    Ok(page)
+}
+
+/// A text column as text, whatever was stored there.
+fn lossy_text(row: &rusqlite::Row<'_>, index: usize) -> Result<String, Error> {
+    Ok(match row.get_ref(index)? {
+        rusqlite::types::ValueRef::Text(bytes) | rusqlite::types::ValueRef::Blob(bytes) => {
+            String::from_utf8_lossy(bytes).into_owned()
+        }
+        other => format!("{other:?}"),
+    })
+}
+
+/// A listed key in progress (the columns of [`list`]'s statement).
+fn progress_row(row: &rusqlite::Row<'_>, cursor: &ProgressCursor) -> Result<Progress, Error> {
+    // The key as stored: exactly what the layer scoped the record with.
+    let key = IdempotencyKey::from_unquoted(&cursor.key)
+        .map_err(|e| Error::Corrupt(format!("idempotency key: {e}")))?;
+    let version: i64 = row.get(4)?;
+    let digest: Vec<u8> = row.get(5)?;
+    let status: String = row.get(6)?;
+    let attempts: i64 = row.get(8)?;
+    let body: Vec<u8> = row.get(14)?;
+    let steps: i64 = row.get(17)?;
+    let mut progress = Progress::new(
+        Scope::new(cursor.tenant.clone(), cursor.operation.clone(), key),
+        fingerprint(version, &digest)?,
+        ProgressStatus::parse(&status)?,
+        SavedRequest::new(row.get(11)?, row.get(12)?, row.get(13)?, Bytes::from(body)),
+    );
+    progress.generation = row.get(7)?;
+    progress.attempts = u32::try_from(attempts).unwrap_or(u32::MAX);
+    progress.lease_until = from_unix_millis(row.get(9)?);
+    progress.last_error = row.get(10)?;
+    progress.created_at = from_unix_millis(row.get(15)?);
+    progress.updated_at = from_unix_millis(cursor.updated_at);
+    progress.run = row.get(16)?;
+    progress.steps = u32::try_from(steps).unwrap_or(u32::MAX);
+    Ok(progress)
 }
 
 /// A SQLite local step's closure returns a `rusqlite::Result<T>`.
@@ -347,21 +480,21 @@ impl StepStore for SqliteStore {
 
     async fn acquire(&self, claim: &Claim) -> Result<Acquired, Error> {
         let claim = claim.clone();
-        write(self, move |tx| acquire(tx, &claim)).await
+        write(self, claim.wait, move |tx| acquire(tx, &claim)).await
     }
 
     async fn save_step(&self, lease: &Lease, step: &StepRow) -> Result<(), Error> {
         let (lease, step) = (lease.clone(), step.clone());
-        write(self, move |tx| {
+        write(self, lease.wait, move |tx| {
             check_lease(tx, &lease)?;
-            insert_step(tx, &lease, &step)
+            save_step_row(tx, &lease, &step)
         })
         .await
     }
 
     async fn forget_intent(&self, lease: &Lease, seq: u32) -> Result<(), Error> {
         let lease = lease.clone();
-        write(self, move |tx| {
+        write(self, lease.wait, move |tx| {
             check_lease(tx, &lease)?;
             let scope = &lease.scope;
             tx.prepare_cached(&format!(
@@ -390,11 +523,16 @@ impl StepStore for SqliteStore {
         R: StepOutcome<Self>,
     {
         let (lease, mut step) = (lease.clone(), step.clone());
-        write(self, move |tx| {
+        write(self, lease.wait, move |tx| {
             check_lease(tx, &lease)?;
+            // Checked before the work runs too: a step that differs from the saved one at its
+            // position must not run at all.
+            let mut intent = step.clone();
+            intent.result = None;
+            check_position_free(tx, &lease.scope, &intent)?;
             let value = work(tx).into_resolved()?;
             step.result = Some(encode(&value)?);
-            insert_step(tx, &lease, &step)?;
+            save_step_row(tx, &lease, &step)?;
             Ok(value)
         })
         .await
@@ -402,7 +540,7 @@ impl StepStore for SqliteStore {
 
     async fn release(&self, lease: &Lease) -> Result<(), Error> {
         let lease = lease.clone();
-        write(self, move |tx| {
+        write(self, lease.wait, move |tx| {
             let scope = &lease.scope;
             let deleted = tx
                 .prepare_cached(&format!(
@@ -446,12 +584,14 @@ impl StepStore for SqliteStore {
         reason: &str,
     ) -> Result<(), Error> {
         let (lease, reason) = (lease.clone(), reason.to_owned());
-        write(self, move |tx| {
+        write(self, lease.wait, move |tx| {
             check_lease(tx, &lease)?;
             let scope = &lease.scope;
+            // Out of the owner's hands: a new generation, so that nothing under the last one
+            // commits after it.
             tx.prepare_cached(&format!(
                 "UPDATE idempotency_progress SET status = ?4, last_error = ?5, \
-                 lease_owner = NULL, lease_until = ?6 WHERE {KEY}"
+                 lease_owner = NULL, lease_until = ?6, generation = generation + 1 WHERE {KEY}"
             ))?
             .execute(params![
                 &*scope.tenant,
@@ -468,7 +608,7 @@ impl StepStore for SqliteStore {
 
     async fn finish(&self, lease: &Lease, record: &NewRecord) -> Result<(), Error> {
         let (lease, record) = (lease.clone(), record.clone());
-        write(self, move |tx| {
+        write(self, lease.wait, move |tx| {
             check_lease(tx, &lease)?;
             let scope = &lease.scope;
             // An expired record of an earlier use of the key gives way.
@@ -489,15 +629,9 @@ impl StepStore for SqliteStore {
         .await
     }
 
-    async fn progress(
-        &self,
-        status: ProgressStatus,
-        idle_since: Option<SystemTime>,
-        now: SystemTime,
-        limit: usize,
-    ) -> Result<Vec<Progress>, Error> {
-        self.read(move |conn| Ok(list(conn, status, idle_since, now, limit)))
-            .await?
+    async fn progress(&self, query: &ProgressQuery) -> Result<ProgressPage, Error> {
+        let query = query.clone();
+        self.read(move |conn| Ok(list(conn, &query))).await?
     }
 
     async fn resolve(
@@ -506,42 +640,58 @@ impl StepStore for SqliteStore {
         seq: Option<u32>,
         resolution: &Resolution,
         now: SystemTime,
-    ) -> Result<bool, Error> {
+    ) -> Result<Settled, Error> {
         let (scope, resolution) = (scope.clone(), resolution.clone());
-        write(self, move |tx| {
+        let result = match &resolution {
+            Resolution::CallAgain => None,
+            Resolution::Done(value) => Some(Stored::Value(value.clone()).encode()?),
+        };
+        write(self, ADMIN_WAIT, move |tx| {
+            let status: Option<String> = tx
+                .prepare_cached(&format!(
+                    "SELECT status FROM idempotency_progress WHERE {KEY}"
+                ))?
+                .query_row(scope_params(&scope), |row| row.get(0))
+                .optional()?;
+            let Some(status) = status else {
+                return Ok(Settled::NotFound);
+            };
+            if ProgressStatus::parse(&status)? == ProgressStatus::Running {
+                return Ok(Settled::Running);
+            }
             if let Some(seq) = seq {
                 let key = params![&*scope.tenant, &*scope.operation, scope.key.as_str(), seq];
-                match &resolution {
-                    Resolution::CallAgain => tx.execute(
+                let changed = match &result {
+                    None => tx.execute(
                         &format!(
                             "DELETE FROM idempotency_steps WHERE {KEY} AND seq = ?4 \
-                             AND result IS NULL"
+                             AND result IS NULL AND kind = 'foreign'"
                         ),
                         key,
                     )?,
-                    Resolution::Done(value) => {
-                        let result = Stored::Value(value.clone()).encode()?;
-                        tx.execute(
-                            &format!(
-                                "UPDATE idempotency_steps SET result = ?5 WHERE {KEY} \
-                                 AND seq = ?4 AND result IS NULL"
-                            ),
-                            params![
-                                &*scope.tenant,
-                                &*scope.operation,
-                                scope.key.as_str(),
-                                seq,
-                                result
-                            ],
-                        )?
-                    }
+                    Some(result) => tx.execute(
+                        &format!(
+                            "UPDATE idempotency_steps SET result = ?5 WHERE {KEY} \
+                             AND seq = ?4 AND result IS NULL AND kind = 'foreign'"
+                        ),
+                        params![
+                            &*scope.tenant,
+                            &*scope.operation,
+                            scope.key.as_str(),
+                            seq,
+                            result
+                        ],
+                    )?,
                 };
+                if changed == 0 {
+                    return Ok(Settled::NoIntent);
+                }
             }
-            let changed = tx.execute(
+            tx.execute(
                 &format!(
                     "UPDATE idempotency_progress SET status = 'running', attempts = 0, \
-                     last_error = NULL, lease_owner = NULL, lease_until = ?4, updated_at = ?4 \
-                     WHERE {KEY}"
+                     last_error = NULL, lease_owner = NULL, lease_until = ?4, updated_at = ?4, \
+                     generation = generation + 1 WHERE {KEY}"
                 ),
                 params![
                     &*scope.tenant,
@@ -550,8 +700,81 @@ impl StepStore for SqliteStore {
                     to_unix_millis(now)
                 ],
             )?;
-            Ok(changed == 1)
+            Ok(Settled::Resolved)
         })
         .await
+    }
+
+    async fn purge_progress(&self, now: SystemTime, batch: usize) -> Result<u64, Error> {
+        write(self, ADMIN_WAIT, move |tx| {
+            let installed: bool = tx
+                .prepare_cached(
+                    "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' \
+                     AND name = 'idempotency_progress')",
+                )?
+                .query_row([], |row| row.get(0))?;
+            if !installed {
+                return Ok(0);
+            }
+            let now = to_unix_millis(now);
+            let expired = {
+                let mut statement = tx.prepare_cached(
+                    "SELECT tenant, operation, idempotency_key FROM idempotency_progress \
+                     WHERE status = 'running' AND expires_at <= ?1 AND lease_until <= ?1 \
+                     LIMIT ?2",
+                )?;
+                let rows = statement.query_map(
+                    params![now, i64::try_from(batch).unwrap_or(i64::MAX)],
+                    |row| {
+                        Ok((
+                            row.get::<_, rusqlite::types::Value>(0)?,
+                            row.get::<_, rusqlite::types::Value>(1)?,
+                            row.get::<_, rusqlite::types::Value>(2)?,
+                        ))
+                    },
+                )?;
+                rows.collect::<Result<Vec<_>, _>>()?
+            };
+            for (tenant, operation, key) in &expired {
+                for table in ["idempotency_steps", "idempotency_progress"] {
+                    tx.execute(
+                        &format!("DELETE FROM {table} WHERE {KEY}"),
+                        params![tenant, operation, key],
+                    )?;
+                }
+            }
+            Ok(expired.len() as u64)
+        })
+        .await
+    }
+}
+
+/// Refuses a step whose position holds another step, or its result already (see
+/// [`save_step_row`]).
+fn check_position_free(tx: &Transaction<'_>, scope: &Scope, step: &StepRow) -> Result<(), Error> {
+    let saved = tx
+        .prepare_cached(&format!(
+            "SELECT name, kind, result IS NOT NULL FROM idempotency_steps \
+             WHERE {KEY} AND seq = ?4"
+        ))?
+        .query_row(
+            params![
+                &*scope.tenant,
+                &*scope.operation,
+                scope.key.as_str(),
+                step.seq
+            ],
+            |row| {
+                Ok((
+                    row.get::<_, String>(0)?,
+                    row.get::<_, String>(1)?,
+                    row.get::<_, bool>(2)?,
+                ))
+            },
+        )
+        .optional()?;
+    match saved {
+        Some((name, kind, done)) => crate::steps::check_saved_step(step, &name, &kind, done),
+        None => Ok(()),
     }
 }

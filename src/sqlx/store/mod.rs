@@ -90,6 +90,15 @@ pub trait SqlxDialect: sealed::Sealed + Clone + fmt::Debug + Send + Sync + Sized
     /// Checks that `scope` fits the table.
     fn check_scope(scope: &Scope) -> Result<(), Error>;
 
+    /// The store's [`StepStore::purge_progress`](crate::steps::StepStore::purge_progress),
+    /// which `purge_expired` runs after the records.
+    #[doc(hidden)]
+    fn purge_progress(
+        store: &SqlxStore<Self>,
+        now: SystemTime,
+        batch: usize,
+    ) -> futures_util::future::BoxFuture<'_, Result<u64, Error>>;
+
     /// Opens a request's transaction at `isolation`, its lock waits bounded by `deadline`, or,
     /// while reserving the key, by `key_row_wait`: the [in-flight policy](crate::InFlight)'s
     /// bound on the wait for a key's row another transaction holds (zero under `Reject`: the
@@ -558,7 +567,9 @@ impl<D: SqlxDialect> IdempotencyStore for SqlxStore<D> {
     }
 
     async fn purge_expired(&self, now: SystemTime, batch: usize) -> Result<u64, Error> {
-        let now = to_unix_millis(now);
-        D::Db::purge(&self.shared.transactions, D::PURGE_EXPIRED, now, batch).await
+        let millis = to_unix_millis(now);
+        let records =
+            D::Db::purge(&self.shared.transactions, D::PURGE_EXPIRED, millis, batch).await?;
+        Ok(records + D::purge_progress(self, now, batch).await?)
     }
 }

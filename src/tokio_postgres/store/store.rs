@@ -165,6 +165,9 @@ impl IdempotencyStore for PostgresStore {
         let deleted = client
             .execute(&purge, &[&to_unix_millis(now), &batch])
             .await?;
-        Ok(deleted)
+        drop(client);
+        let batch = usize::try_from(batch).unwrap_or(usize::MAX);
+        let progress = crate::steps::StepStore::purge_progress(self, now, batch).await?;
+        Ok(deleted + progress)
     }
 }

@@ -155,6 +155,14 @@ impl SqlxDialect for MySqlDialect {
 
     /// Checks that the scope fits the table's columns: a longer value would be refused by a
     /// strict server and cut short by a lenient one (two keys would then share a record).
+    fn purge_progress(
+        store: &crate::sqlx::store::SqlxStore<Self>,
+        now: std::time::SystemTime,
+        batch: usize,
+    ) -> futures_util::future::BoxFuture<'_, Result<u64, crate::error::Error>> {
+        Box::pin(crate::steps::StepStore::purge_progress(store, now, batch))
+    }
+
     fn check_scope(scope: &Scope) -> Result<(), Error> {
         let fits = [&*scope.tenant, &*scope.operation, scope.key.as_str()]
             .iter()

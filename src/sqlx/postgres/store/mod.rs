@@ -138,6 +138,14 @@ impl SqlxDialect for PgDialect {
 
     /// PostgreSQL text cannot hold NUL: a tenant, operation or key with one is refused (the
     /// server would refuse it as a parameter too).
+    fn purge_progress(
+        store: &crate::sqlx::store::SqlxStore<Self>,
+        now: std::time::SystemTime,
+        batch: usize,
+    ) -> futures_util::future::BoxFuture<'_, Result<u64, crate::error::Error>> {
+        Box::pin(crate::steps::StepStore::purge_progress(store, now, batch))
+    }
+
     fn check_scope(scope: &Scope) -> Result<(), Error> {
         let parts = [&*scope.tenant, &*scope.operation, scope.key.as_str()];
         if parts.iter().any(|part| part.contains('\0')) {
