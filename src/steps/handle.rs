@@ -505,3 +505,165 @@ pub fn step_key(run: &str, scope: &Scope, name: &str) -> String {
     let digest = hash.finalize();
     digest[..16].iter().map(|b| format!("{b:02x}")).collect()
 }
+
+#[cfg(all(test, feature = "sqlite"))]
+mod tests {
+    use std::sync::Arc;
+    use std::time::{Duration, SystemTime};
+
+    use super::*;
+    use crate::fingerprint::Fingerprint;
+    use crate::key::IdempotencyKey;
+    use crate::steps::{Acquired, CallAgain, Claim, Foreign, SavedRequest};
+    use crate::store::sqlite::{rusqlite, SqliteStore};
+
+    async fn claim(store: &SqliteStore, now: SystemTime) -> Steps<SqliteStore> {
+        let scope = Scope::new(
+            "shop-a",
+            "checkout",
+            IdempotencyKey::parse(b"k", 8).unwrap(),
+        );
+        let mut claim = Claim::new(
+            scope.clone(),
+            Fingerprint::new(1, [7; 32]),
+            Arc::from(format!("owner-{now:?}")),
+            now + Duration::from_secs(30),
+            now,
+        );
+        claim.request = Some(SavedRequest::new(
+            "POST".into(),
+            "/checkouts".into(),
+            String::new(),
+            bytes::Bytes::new(),
+        ));
+        let Acquired::Owned {
+            generation,
+            run,
+            steps,
+        } = store.acquire(&claim).await.unwrap()
+        else {
+            panic!("the key is free");
+        };
+        Steps::new(
+            store.clone(),
+            Granted {
+                scope,
+                generation,
+                run,
+                steps,
+                lease: Duration::from_secs(30),
+                lease_until: claim.lease_until,
+                wait: Duration::from_secs(5),
+            },
+        )
+    }
+
+    fn insert(tx: &rusqlite::Transaction<'_>, name: &str) -> rusqlite::Result<()> {
+        tx.execute("INSERT INTO business (name) VALUES (?1)", [name])?;
+        Ok(())
+    }
+
+    /// A handler that calls a local step again after it failed (rolled back) leaves no gap:
+    /// the step keeps its place, and on resume every step is matched to its own saved row.
+    /// (With positions counted per call, the charge's result went into the wrong row: the
+    /// charge id was lost and step "b" ran twice.)
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_local_step_called_again_after_a_failure_keeps_its_place() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SqliteStore::open(dir.path().join("steps.db"))
+            .await
+            .unwrap();
+        store.install_steps().await.unwrap();
+        store
+            .write(|tx| tx.execute_batch("CREATE TABLE business (name TEXT NOT NULL)"))
+            .await
+            .unwrap();
+        let now = SystemTime::now();
+        let first = claim(&store, now).await;
+        let failed = first
+            .local("a", |tx: &rusqlite::Transaction<'_>| {
+                insert(tx, "a")?;
+                Err::<i64, _>(rusqlite::Error::InvalidQuery)
+            })
+            .await;
+        assert!(matches!(failed, Err(StepError::Store(_))), "{failed:?}");
+        let a = first
+            .local("a", |tx: &rusqlite::Transaction<'_>| {
+                insert(tx, "a")?;
+                Ok(1_i64)
+            })
+            .await
+            .unwrap();
+        assert_eq!(a, 1);
+        // The provider charged, but the answer was lost: the request ends (503).
+        let lost = first
+            .foreign("charge", CallAgain, |_key| async {
+                Err::<String, _>(Foreign::unknown("connection lost"))
+            })
+            .await;
+        assert!(matches!(lost, Err(StepError::Transient(_))), "{lost:?}");
+        store.release(&first.lease()).await.unwrap();
+
+        // The retry resumes: "a" is saved, the charge is called again (same key), "b" runs.
+        let retry = claim(&store, now + Duration::from_secs(1)).await;
+        assert_eq!(retry.run_id(), first.run_id());
+        let a = retry
+            .local(
+                "a",
+                |_tx: &rusqlite::Transaction<'_>| -> rusqlite::Result<i64> {
+                    panic!("step a ran again")
+                },
+            )
+            .await
+            .unwrap();
+        assert_eq!(a, 1);
+        let key = retry.step_key("charge");
+        let charge: String = retry
+            .foreign(
+                "charge",
+                CallAgain,
+                |key| async move { Ok(format!("ch-{key}")) },
+            )
+            .await
+            .unwrap();
+        assert_eq!(charge, format!("ch-{key}"));
+        retry
+            .local("b", |tx: &rusqlite::Transaction<'_>| {
+                insert(tx, "b")?;
+                Ok("b-done".to_owned())
+            })
+            .await
+            .unwrap();
+        store.release(&retry.lease()).await.unwrap();
+
+        // Read back: each step at its own position with its own result, each business row once.
+        let again = claim(&store, now + Duration::from_secs(2)).await;
+        let saved: Vec<(u32, String, Option<String>)> = again
+            .state()
+            .steps
+            .iter()
+            .map(|s| (s.seq, s.name.clone(), s.result.clone()))
+            .collect();
+        assert_eq!(
+            saved,
+            [
+                (0, "a".to_owned(), Some(r#"{"value":1}"#.to_owned())),
+                (
+                    1,
+                    "charge".to_owned(),
+                    Some(format!(r#"{{"value":"ch-{key}"}}"#))
+                ),
+                (2, "b".to_owned(), Some(r#"{"value":"b-done"}"#.to_owned())),
+            ]
+        );
+        let rows: Vec<String> = store
+            .read(|conn| {
+                let mut statement = conn.prepare("SELECT name FROM business ORDER BY rowid")?;
+                let rows = statement.query_map([], |row| row.get(0))?;
+                rows.collect()
+            })
+            .await
+            .unwrap();
+        assert_eq!(rows, ["a", "b"]);
+    }
+}

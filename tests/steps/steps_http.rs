@@ -35,7 +35,7 @@ use tower_idempotency::{IdempotencyLayer, Tenant};
 /// A store under test and what the handler needs beside the steps: the `shop_orders` table
 /// (`id`, `sku`, `status`, `charge_id`), the three local steps' SQL on it, and its rows.
 trait Shop: Sized + Send + Sync + 'static {
-    type Store: StepStore + Clone + Send + Sync + 'static;
+    type Store: StepStore + tower_idempotency::admin::AdminBackend + Clone + Send + Sync + 'static;
 
     /// A fresh database with the table and the steps' tables, and its store; `None` (after
     /// saying so) when the server is not configured.
@@ -582,6 +582,150 @@ async fn ask_settles_an_unknown_outcome_from_the_service<D: Shop>() {
 }
 
 /// The scenarios above, each a test on the shop `$shop`, in the module `$backend`.
+/// A client key used again after its record was deleted by an operator, or after it expired,
+/// is a new order: its foreign step goes out with a new step key (the key's run id is new),
+/// so a deduplicating provider charges again instead of answering with the old charge.
+async fn a_key_used_again_after_a_delete_or_its_expiry_takes_a_new_charge<D: Shop>() {
+    let app = App::new();
+    let Some(served) = serve::<D>(app.clone(), Duration::from_secs(10)).await else {
+        return;
+    };
+    let first = send(served.addr, "order-77", BODY).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    let admin = tower_idempotency::admin::Admin::new(served.store.clone());
+    assert!(admin
+        .delete("shop-a", "checkout", "order-77")
+        .await
+        .expect("delete"));
+    let second = send(served.addr, "order-77", BODY).await;
+    assert_eq!(second.status, StatusCode::CREATED, "{second:?}");
+    assert!(!second.replayed);
+    assert_ne!(
+        first.json()["charge_id"],
+        second.json()["charge_id"],
+        "the new order is paid with a charge of its own"
+    );
+    assert_eq!(app.charges(), 2, "money taken == orders paid");
+    let orders = served.db.orders().await;
+    assert_eq!(orders.len(), 2);
+    assert!(orders.iter().all(|(_, status, _)| status == "paid"));
+
+    // The same after the record expired: a layer that keeps records for a moment.
+    let layer = served
+        .layer
+        .clone()
+        .with_retention(Duration::from_millis(200));
+    let router = Router::new()
+        .route("/checkouts", post(checkout::<D>).layer(layer))
+        .layer(axum::Extension(Tenant::new("shop-a")))
+        .with_state(app.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let short = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    let before = send(short, "order-78", BODY).await;
+    assert_eq!(before.status, StatusCode::CREATED, "{before:?}");
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let after = send(short, "order-78", BODY).await;
+    assert_eq!(after.status, StatusCode::CREATED, "{after:?}");
+    assert!(!after.replayed, "the record expired");
+    assert_ne!(before.json()["charge_id"], after.json()["charge_id"]);
+    assert_eq!(app.charges(), 4, "money taken == orders paid");
+    assert_eq!(served.db.orders().await.len(), 4);
+}
+
+/// A completer serves its layer's operation only: another route's completer on the same store
+/// never runs this route's key through its own handler; and a layer without an operation
+/// (each request's path is its operation) cannot make one.
+async fn a_completer_resumes_its_own_operation_only<D: Shop>() {
+    let app = App::new();
+    let Some(served) = serve::<D>(app.clone(), Duration::from_secs(10)).await else {
+        return;
+    };
+    app.plan(&[Behaviour::ChargeThenLose]);
+    assert_eq!(
+        send(served.addr, "k1", BODY).await.status,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    let refunds = IdempotencyLayer::new(served.store.clone())
+        .with_operation("refund")
+        .with_steps();
+    let ran_refund = Arc::new(Mutex::new(0));
+    let counted = ran_refund.clone();
+    let refund = post(move || {
+        let counted = counted.clone();
+        async move {
+            *counted.lock().unwrap() += 1;
+            StatusCode::OK
+        }
+    });
+    let mut other = refunds
+        .completer(refund)
+        .with_idle(Duration::ZERO)
+        .with_max_attempts(1);
+    for _ in 0..3 {
+        let report = other.run_once().await.unwrap();
+        assert_eq!(report, Default::default(), "not its key");
+    }
+    assert_eq!(*ran_refund.lock().unwrap(), 0);
+    let handler = post(checkout::<D>).with_state(app.clone());
+    let mut own = served
+        .layer
+        .completer(handler)
+        .with_idle(Duration::ZERO)
+        .with_max_attempts(1);
+    assert_eq!(own.run_once().await.unwrap().completed, 1);
+
+    let unnamed = IdempotencyLayer::new(served.store.clone()).with_steps();
+    let refused = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let handler: axum::routing::MethodRouter = post(|| async { StatusCode::OK });
+        drop(unnamed.completer(handler));
+    }));
+    assert!(refused.is_err(), "a completer needs the layer's operation");
+}
+
+/// A key in progress whose client key is a quoted string (`"\"evil"` is the key `"evil`, and
+/// `"\"x\""` the key `"x"`) is listed exactly as it was scoped: the listing and the
+/// completer go on for every key.
+async fn quoted_keys_are_listed_as_scoped_and_stop_no_one<D: Shop>() {
+    let app = App::new();
+    let Some(served) = serve::<D>(app.clone(), Duration::from_secs(10)).await else {
+        return;
+    };
+    app.plan(&[
+        Behaviour::ChargeThenLose,
+        Behaviour::ChargeThenLose,
+        Behaviour::ChargeThenLose,
+    ]);
+    for key in [r#""\"evil""#, r#""\"x\"""#, "plain"] {
+        let left = send(served.addr, key, BODY).await;
+        assert_eq!(
+            left.status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "{key}: {left:?}"
+        );
+    }
+    let admin = tower_idempotency::admin::Admin::new(served.store.clone());
+    let listed = admin
+        .keys_in_progress(ProgressStatus::Running, 10)
+        .await
+        .expect("listing");
+    let mut keys: Vec<_> = listed.iter().map(|p| p.scope.key.as_str()).collect();
+    keys.sort_unstable();
+    assert_eq!(keys, ["\"evil", "\"x\"", "plain"]);
+    let handler = post(checkout::<D>).with_state(app.clone());
+    let mut completer = served
+        .layer
+        .completer(handler)
+        .with_idle(Duration::ZERO)
+        .with_max_attempts(2);
+    let report = completer.run_once().await.unwrap();
+    assert_eq!((report.completed, report.skipped), (3, 0), "{report:?}");
+    // Each replays to its client as it was sent.
+    let replay = send(served.addr, r#""\"x\"""#, BODY).await;
+    assert!(replay.replayed, "{replay:?}");
+    assert_eq!(app.charges(), 3);
+}
+
 macro_rules! steps_http_tests {
     ($backend:ident, $shop:ty $(, $needs:ident)?) => {
         mod $backend {
@@ -598,6 +742,9 @@ macro_rules! steps_http_tests {
                 the_completer_dead_letters_a_key_after_its_attempts,
                 a_step_left_in_doubt_waits_for_an_operator,
                 ask_settles_an_unknown_outcome_from_the_service,
+                a_key_used_again_after_a_delete_or_its_expiry_takes_a_new_charge,
+                a_completer_resumes_its_own_operation_only,
+                quoted_keys_are_listed_as_scoped_and_stop_no_one,
             );
         }
     };
@@ -972,3 +1119,46 @@ steps_http_tests!(sqlite_store, super::sqlite::Sqlite);
 steps_http_tests!(postgres_store, super::postgres::Pg, postgres);
 steps_http_tests!(sqlx_postgres_store, super::sqlx_postgres::SqlxPg, postgres);
 steps_http_tests!(sqlx_mysql_store, super::sqlx_mysql::MySql, mysql);
+
+test! { a_steps_request_waits_for_the_sqlite_writer_no_longer_than_the_lock_timeout }
+/// On SQLite every step write waits for the one writer: behind other work that holds it, a
+/// steps request is answered `503` with `Retry-After` once the layer's lock timeout (3 s here)
+/// has passed, as a single-transaction request is, and its queued claim never runs; once the
+/// writer is free, the retry goes through.
+async fn a_steps_request_waits_for_the_sqlite_writer_no_longer_than_the_lock_timeout() {
+    let app = App::new();
+    let served = serve::<sqlite::Sqlite>(app.clone(), Duration::from_secs(10))
+        .await
+        .expect("SQLite is always there");
+    let store = served.store.clone();
+    let holder = tokio::spawn(async move {
+        store
+            .write(|_tx| {
+                std::thread::sleep(Duration::from_secs(6));
+                Ok(())
+            })
+            .await
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let started = std::time::Instant::now();
+    let busy = send(served.addr, "k1", BODY).await;
+    let waited = started.elapsed();
+    assert_eq!(busy.status, StatusCode::SERVICE_UNAVAILABLE, "{busy:?}");
+    assert!(
+        waited < Duration::from_millis(4500),
+        "answered after {waited:?}, the lock timeout is 3 s"
+    );
+    holder.await.unwrap().unwrap();
+    let admin = tower_idempotency::admin::Admin::new(served.store.clone());
+    assert!(
+        admin
+            .keys_in_progress(ProgressStatus::Running, 10)
+            .await
+            .unwrap()
+            .is_empty(),
+        "the abandoned claim never ran"
+    );
+    let done = send(served.addr, "k1", BODY).await;
+    assert_eq!(done.status, StatusCode::CREATED, "{done:?}");
+    assert_eq!(app.charges(), 1);
+}

@@ -30,7 +30,7 @@ const LOCK_TIMEOUT: Duration = Duration::from_secs(5);
 /// A store under test, with what the suite needs beside the trait: a local step that writes a
 /// business row (an order with `sku` = `tag`) and a count of those rows.
 trait Harness {
-    type Store: StepStore;
+    type Store: StepStore + tower_idempotency::admin::AdminBackend;
 
     fn store(&self) -> &Self::Store;
 
@@ -46,6 +46,9 @@ trait Harness {
 
     /// How many orders have `sku` `tag` (committed).
     async fn orders(&self, tag: &str) -> i64;
+
+    /// Runs `sql` on a connection of its own (an operator's or a fault's statement).
+    async fn execute(&self, sql: &str);
 }
 
 fn scope(key: &str) -> Scope {
@@ -626,7 +629,10 @@ async fn completer_attempts_end_dead<H: Harness>(h: H) {
         Acquired::Dead
     ));
     let (generation, _) = owned(acquire(&h, &claim("d", 1, "client", late)).await);
-    assert_eq!(generation, 3, "1, dead (out of every owner's hands), this claim");
+    assert_eq!(
+        generation, 3,
+        "1, dead (out of every owner's hands), this claim"
+    );
 }
 
 /// `progress` lists by status, oldest change first, at most `limit`; idle only lists running
@@ -768,6 +774,221 @@ async fn lock_waits_are_bounded<H: Harness>(h: H) {
         .expect("finish");
 }
 
+fn scope_in(operation: &str, key: &str) -> Scope {
+    Scope::new(
+        "shop-a",
+        operation,
+        IdempotencyKey::from_unquoted(key).expect("a key"),
+    )
+}
+
+fn claim_in(operation: &str, key: &str, now: SystemTime) -> Claim {
+    let mut claim = Claim::new(
+        scope_in(operation, key),
+        fingerprint(1),
+        Arc::from("o"),
+        now + LEASE,
+        now,
+    );
+    claim.request = Some(request("{}"));
+    claim
+}
+
+/// The run id of an `Owned` outcome.
+fn run_of(acquired: &Acquired) -> String {
+    match acquired {
+        Acquired::Owned { run, .. } => run.clone(),
+        other => panic!("expected the key owned: {other:?}"),
+    }
+}
+
+/// One life of a key keeps one run id (resumes, take-overs); a key used again after its
+/// record was deleted, or expired, or after its progress was purged, starts a new life: a new
+/// run id, and no step of the old one.
+async fn every_life_of_a_key_has_its_own_run_id<H: Harness>(h: H) {
+    let now = SystemTime::now();
+    let first = acquire(&h, &claim("k", 1, "a", now)).await;
+    let run = run_of(&first);
+    assert_eq!(run.len(), 32, "{run}");
+    h.store()
+        .save_step(&lease("k", 1, now), &foreign(0, "charge", Some("\"ch_1\"")))
+        .await
+        .expect("result");
+    let later = now + LEASE + Duration::from_secs(1);
+    let resumed = acquire(&h, &claim("k", 1, "b", later)).await;
+    assert_eq!(run_of(&resumed), run, "a take-over keeps the run");
+    h.store()
+        .finish(&lease("k", 2, later), &record(later, 1))
+        .await
+        .expect("finish");
+
+    // Deleted by an operator: the next claim is a new life.
+    let admin = tower_idempotency::admin::Admin::new(h.store().clone());
+    assert!(admin
+        .delete("shop-a", "checkout", "k")
+        .await
+        .expect("delete"));
+    let second = acquire(&h, &claim("k", 1, "c", later)).await;
+    let second_run = run_of(&second);
+    assert_ne!(second_run, run);
+    assert_eq!(owned(second).1, []);
+    h.store()
+        .finish(&lease("k", 1, later), &record(later, 1))
+        .await
+        .expect("finish");
+    // Expired (the record lives an hour).
+    let expired = later + 2 * HOUR;
+    let third = acquire(&h, &claim("k", 1, "d", expired)).await;
+    let third_run = run_of(&third);
+    assert!(third_run != run && third_run != second_run);
+
+    // Purged while running with a step saved (its progress expired): the steps go with it.
+    h.store()
+        .save_step(&lease("k", 1, expired), &foreign(0, "charge", None))
+        .await
+        .expect("intent");
+    let purged = h
+        .store()
+        .purge_progress(expired + 2 * LEASE + 2 * HOUR * 24, 10)
+        .await
+        .expect("purge");
+    assert_eq!(purged, 1);
+    let fourth = acquire(&h, &claim("k", 1, "e", expired + 2 * LEASE)).await;
+    assert!(![&run, &second_run, &third_run].contains(&&run_of(&fourth)));
+    assert_eq!(owned(fourth).1, [], "nothing of the purged life's steps");
+}
+
+/// A step is never written where the key saved another: a local step at a position holding a
+/// foreign step's intent is refused before its work runs.
+async fn a_step_at_a_position_holding_another_is_refused<H: Harness>(h: H) {
+    let now = SystemTime::now();
+    owned(acquire(&h, &claim("k", 1, "a", now)).await);
+    let l = lease("k", 1, now);
+    h.store()
+        .save_step(&l, &foreign(0, "charge", None))
+        .await
+        .expect("intent");
+    let refused = h.local_order(&l, &local(0, "a"), "refused", false).await;
+    assert!(
+        matches!(refused, Err(Error::StepsChanged { position: 0, .. })),
+        "{refused:?}"
+    );
+    assert_eq!(h.orders("refused").await, 0, "its work never ran");
+    // The intent is still there, and settles.
+    h.store()
+        .save_step(&l, &foreign(0, "charge", Some("\"ch_1\"")))
+        .await
+        .expect("result");
+    h.local_order(&l, &local(1, "a"), "placed", false)
+        .await
+        .expect("the next position");
+    assert_eq!(h.orders("placed").await, 1);
+}
+
+/// Listing by operation, a page at a time after a cursor, every key exactly as it was scoped
+/// (quoted forms included); a row that cannot be read is skipped and counted, never a failed
+/// listing.
+async fn listing_by_operation_pages_and_skips_what_it_cannot_read<H: Harness>(h: H) {
+    let t0 = SystemTime::now();
+    let second = Duration::from_secs(1);
+    let keys = ["\"evil", "\"x\"", "bad", "plain", "zz"];
+    for (i, key) in keys.iter().enumerate() {
+        owned(acquire(&h, &claim_in("checkout", key, t0 + i as u32 * second)).await);
+        owned(acquire(&h, &claim_in("refund", key, t0 + i as u32 * second)).await);
+    }
+    // A fingerprint version no reader understands.
+    h.execute(
+        "UPDATE idempotency_progress SET fingerprint_version = 70000 \
+         WHERE idempotency_key = 'bad' AND operation = 'checkout'",
+    )
+    .await;
+    let mut seen = Vec::new();
+    let mut skipped = 0;
+    let mut cursor = None;
+    let mut pages = 0;
+    loop {
+        let query = listing(ProgressStatus::Running, None, t0, 2)
+            .operation("checkout")
+            .after(cursor.take());
+        let page = h.store().progress(&query).await.expect("a page");
+        pages += 1;
+        skipped += page.skipped;
+        for progress in &page.keys {
+            assert_eq!(&*progress.scope.operation, "checkout");
+            assert_eq!(progress.run.len(), 32);
+            seen.push(progress.scope.key.as_str().to_owned());
+        }
+        match page.next {
+            Some(next) => cursor = Some(next),
+            None => break,
+        }
+        assert!(pages < 10, "the pages end");
+    }
+    assert_eq!(seen, ["\"evil", "\"x\"", "plain", "zz"]);
+    assert_eq!(skipped, 1);
+    // The other operation's keys, all of them readable.
+    let refunds = h
+        .store()
+        .progress(&listing(ProgressStatus::Running, None, t0, 10).operation("refund"))
+        .await
+        .expect("refunds");
+    assert_eq!((refunds.keys.len(), refunds.skipped), (5, 0));
+    assert!(
+        refunds.next.is_none(),
+        "a page that is not full ends the listing"
+    );
+}
+
+/// `purge_progress` deletes keys left running past their expiry with their steps, once their
+/// lease has ended; never a key in doubt or dead, nor one whose lease still holds.
+async fn expired_progress_is_purged_but_never_in_doubt_or_held<H: Harness>(h: H) {
+    let now = SystemTime::now();
+    for key in ["left", "doubt", "held"] {
+        let mut claim = claim(key, 1, "a", now);
+        claim.expires_at = now + Duration::from_secs(1);
+        owned(acquire(&h, &claim).await);
+        h.store()
+            .save_step(&lease(key, 1, now), &foreign(0, "charge", None))
+            .await
+            .expect("intent");
+    }
+    h.store()
+        .set_status(&lease("doubt", 1, now), ProgressStatus::InDoubt, "unknown")
+        .await
+        .expect("in doubt");
+    let at = now + LEASE + Duration::from_secs(5);
+    // "held" is taken over just before: its new lease still holds at `at`.
+    let mut retake = claim("held", 1, "b", at - Duration::from_secs(1));
+    retake.expires_at = now;
+    owned(acquire(&h, &retake).await);
+    assert_eq!(h.store().purge_progress(at, 10).await.expect("purge"), 1);
+    let running = h
+        .store()
+        .progress(&listing(ProgressStatus::Running, None, at, 10))
+        .await
+        .expect("progress")
+        .keys;
+    let names: Vec<_> = running.iter().map(|p| p.scope.key.as_str()).collect();
+    assert_eq!(names, ["held"]);
+    let doubt = h
+        .store()
+        .progress(&listing(ProgressStatus::InDoubt, None, at, 10))
+        .await
+        .expect("progress")
+        .keys;
+    assert_eq!(doubt.len(), 1);
+    // Through `purge_expired` too (with the records).
+    let late = at + 2 * LEASE;
+    assert!(h.store().purge_expired(late, 10).await.expect("purge") >= 1);
+    assert!(h
+        .store()
+        .progress(&listing(ProgressStatus::Running, None, late, 10))
+        .await
+        .expect("progress")
+        .keys
+        .is_empty());
+}
+
 macro_rules! steps_store_tests {
     ($backend:ident, $make:expr $(, $needs:ident)?) => {
         mod $backend {
@@ -786,6 +1007,10 @@ macro_rules! steps_store_tests {
                 completer_attempts_end_dead,
                 progress_lists_idle_keys,
                 concurrent_claims_of_a_new_key,
+                every_life_of_a_key_has_its_own_run_id,
+                a_step_at_a_position_holding_another_is_refused,
+                listing_by_operation_pages_and_skips_what_it_cannot_read,
+                expired_progress_is_purged_but_never_in_doubt_or_held,
             );
             // Only on the servers (the backends registered as needing one).
             $(steps_store_tests!(@tests $make; [$needs]; lock_waits_are_bounded,);)?
@@ -871,6 +1096,14 @@ mod sqlite {
                 .await
                 .expect("count")
         }
+
+        async fn execute(&self, sql: &str) {
+            let sql = sql.to_owned();
+            self.store
+                .write(move |tx| tx.execute_batch(&sql))
+                .await
+                .expect("execute");
+        }
     }
 }
 
@@ -933,6 +1166,10 @@ mod postgres {
             self.db
                 .value("SELECT count(*) FROM orders WHERE sku = $1", &[&tag])
                 .await
+        }
+
+        async fn execute(&self, sql: &str) {
+            self.db.execute(sql).await;
         }
     }
 }
@@ -997,6 +1234,10 @@ mod sqlx_postgres {
                 .value("SELECT count(*) FROM orders WHERE sku = $1", &[&tag])
                 .await
         }
+
+        async fn execute(&self, sql: &str) {
+            self.db.execute(sql).await;
+        }
     }
 }
 
@@ -1059,6 +1300,12 @@ mod sqlx_mysql {
             self.db
                 .count(&format!("SELECT count(*) FROM orders WHERE sku = '{tag}'"))
                 .await
+        }
+
+        async fn execute(&self, sql: &str) {
+            use sqlx::Executor as _;
+            let mut conn = self.db.connection().await;
+            conn.execute(sql).await.expect("execute");
         }
     }
 }
