@@ -49,6 +49,12 @@ trait Harness {
 
     /// Runs `sql` on a connection of its own (an operator's or a fault's statement).
     async fn execute(&self, sql: &str);
+
+    /// Runs the statements `sql` (`;`-separated) in a transaction of its own on a connection
+    /// of its own, and returns once they ran, their locks held; the transaction commits
+    /// `hold` later, in the task returned. `None` on SQLite, whose one writer runs one
+    /// transaction at a time.
+    async fn hold_open(&self, sql: &str, hold: Duration) -> Option<tokio::task::JoinHandle<()>>;
 }
 
 fn scope(key: &str) -> Scope {
@@ -989,6 +995,45 @@ async fn expired_progress_is_purged_but_never_in_doubt_or_held<H: Harness>(h: H)
         .is_empty());
 }
 
+/// A release (the client went away) that waits for the key's row while a step of the same
+/// owner commits sees that step: the key is resumed by the next claim, not started afresh
+/// without its steps. (A release that decided in one statement, `DELETE ... WHERE NOT EXISTS
+/// (steps)`, did not see it at READ COMMITTED on PostgreSQL: its subquery kept the snapshot it
+/// began with, and the key's progress was deleted.) Not on SQLite, whose one writer runs the
+/// step's transaction and the release one after the other.
+async fn a_release_sees_a_step_committed_while_it_waited<H: Harness>(h: H) {
+    let now = SystemTime::now();
+    owned(acquire(&h, &claim("k", 1, "a", now)).await);
+    // The step's transaction: the lease check's update of the key's row, then the step.
+    let Some(step) = h
+        .hold_open(
+            "UPDATE idempotency_progress SET updated_at = updated_at + 1 \
+             WHERE idempotency_key = 'k'; \
+             INSERT INTO idempotency_steps (tenant, operation, idempotency_key, seq, name, \
+             kind, result, created_at, updated_at) \
+             VALUES ('shop-a', 'checkout', 'k', 0, 'charge', 'foreign', NULL, 0, 0)",
+            Duration::from_millis(700),
+        )
+        .await
+    else {
+        return;
+    };
+    let started = std::time::Instant::now();
+    h.store()
+        .release(&lease("k", 1, now))
+        .await
+        .expect("release");
+    assert!(
+        started.elapsed() >= Duration::from_millis(500),
+        "the release waited for the step's transaction: {:?}",
+        started.elapsed()
+    );
+    step.await.expect("committed");
+    let (generation, steps) = owned(acquire(&h, &claim("k", 1, "b", now)).await);
+    assert_eq!(generation, 2, "resumed, not started afresh");
+    assert_eq!(steps, [(0, "charge".to_owned(), None)]);
+}
+
 macro_rules! steps_store_tests {
     ($backend:ident, $make:expr $(, $needs:ident)?) => {
         mod $backend {
@@ -1013,7 +1058,10 @@ macro_rules! steps_store_tests {
                 expired_progress_is_purged_but_never_in_doubt_or_held,
             );
             // Only on the servers (the backends registered as needing one).
-            $(steps_store_tests!(@tests $make; [$needs]; lock_waits_are_bounded,);)?
+            $(steps_store_tests!(@tests $make; [$needs];
+                lock_waits_are_bounded,
+                a_release_sees_a_step_committed_while_it_waited,
+            );)?
         }
     };
     (@tests $make:expr; [$($needs:ident)?]; $name:ident, $($rest:ident,)*) => {
@@ -1104,6 +1152,10 @@ mod sqlite {
                 .await
                 .expect("execute");
         }
+
+        async fn hold_open(&self, _: &str, _: Duration) -> Option<tokio::task::JoinHandle<()>> {
+            None
+        }
     }
 }
 
@@ -1171,6 +1223,22 @@ mod postgres {
         async fn execute(&self, sql: &str) {
             self.db.execute(sql).await;
         }
+
+        async fn hold_open(
+            &self,
+            sql: &str,
+            hold: Duration,
+        ) -> Option<tokio::task::JoinHandle<()>> {
+            let client = self.db.client().await;
+            client
+                .batch_execute(&format!("BEGIN; {sql}"))
+                .await
+                .expect("the held transaction");
+            Some(tokio::spawn(async move {
+                tokio::time::sleep(hold).await;
+                client.batch_execute("COMMIT").await.expect("commit");
+            }))
+        }
     }
 }
 
@@ -1237,6 +1305,22 @@ mod sqlx_postgres {
 
         async fn execute(&self, sql: &str) {
             self.db.execute(sql).await;
+        }
+
+        async fn hold_open(
+            &self,
+            sql: &str,
+            hold: Duration,
+        ) -> Option<tokio::task::JoinHandle<()>> {
+            let client = self.db.client().await;
+            client
+                .batch_execute(&format!("BEGIN; {sql}"))
+                .await
+                .expect("the held transaction");
+            Some(tokio::spawn(async move {
+                tokio::time::sleep(hold).await;
+                client.batch_execute("COMMIT").await.expect("commit");
+            }))
         }
     }
 }
@@ -1306,6 +1390,23 @@ mod sqlx_mysql {
             use sqlx::Executor as _;
             let mut conn = self.db.connection().await;
             conn.execute(sql).await.expect("execute");
+        }
+
+        async fn hold_open(
+            &self,
+            sql: &str,
+            hold: Duration,
+        ) -> Option<tokio::task::JoinHandle<()>> {
+            use sqlx::Executor as _;
+            let mut conn = self.db.connection().await;
+            conn.execute("BEGIN").await.expect("begin");
+            for statement in sql.split(';').filter(|s| !s.trim().is_empty()) {
+                conn.execute(statement).await.expect("the held transaction");
+            }
+            Some(tokio::spawn(async move {
+                tokio::time::sleep(hold).await;
+                conn.execute("COMMIT").await.expect("commit");
+            }))
         }
     }
 }
