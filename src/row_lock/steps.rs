@@ -27,8 +27,9 @@ use futures_util::future::BoxFuture;
 use super::steps_sql::{
     ANY_STEP, CHECK_LEASE, DELETE_EXPIRED_PROGRESS, DELETE_PROGRESS, DELETE_RELEASED,
     DELETE_STALE_RECORD, DELETE_STEPS, DELETE_STEPS_OF_KEY, END_LEASE, FORGET_INTENT,
-    INSERT_RECORD, INSERT_STEP, MARK_DEAD, RESUME, SELECT_PROGRESS, SELECT_RECORD, SELECT_STATUS,
-    SELECT_STEPS, SELECT_STEP_AT, SETTLE_INTENT, SETTLE_STEP, SET_STATUS, TAKE_KEY,
+    INSERT_RECORD, INSERT_STEP, MARK_DEAD, MARK_EXPIRED_DEAD, RESUME, SELECT_PROGRESS,
+    SELECT_RECORD, SELECT_STATUS, SELECT_STEPS, SELECT_STEP_AT, SETTLE_INTENT, SETTLE_STEP,
+    SET_STATUS, TAKE_KEY,
 };
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
@@ -124,6 +125,7 @@ async fn check_lease<H: PgHandle>(tx: &H, lease: &Lease) -> Result<(), Error> {
             to_unix_millis(lease.until).into(),
             to_unix_millis(lease.now).into(),
             lease.generation.into(),
+            lease.run.as_str().into(),
         ],
     );
     match tx.execute_in(CHECK_LEASE, &params).await? {
@@ -435,15 +437,16 @@ pub(crate) fn release<'a, S: PgTransactions>(
                 // and the locking read below sees every step that did (a single statement's
                 // `NOT EXISTS` would not see one that committed while it waited for the row).
                 let now = to_unix_millis(lease.now).into();
+                let run = PgParam::Text(&lease.run);
                 let ended = tx
-                    .execute_in(END_LEASE, &with_key(scope, &[generation, now]))
+                    .execute_in(END_LEASE, &with_key(scope, &[generation, now, run]))
                     .await?;
                 if ended == 0 {
                     // Another claim took the key over (or it finished): not ours to let go.
                     return Err(Error::LeaseLost);
                 }
                 if tx.fetch_in(ANY_STEP, &key(scope)).await?.is_empty() {
-                    tx.execute_in(DELETE_RELEASED, &with_key(scope, &[generation]))
+                    tx.execute_in(DELETE_RELEASED, &with_key(scope, &[generation, run]))
                         .await?;
                 }
                 Ok(((), Finish::Commit))
@@ -700,6 +703,8 @@ pub(crate) fn purge_progress<'a, S: PgTransactions>(
                     // Checked again under the row's lock: a claim may have taken it meanwhile.
                     if tx.execute_in(DELETE_EXPIRED_PROGRESS, &params).await? == 1 {
                         tx.execute_in(DELETE_STEPS, &scope).await?;
+                        purged += 1;
+                    } else if tx.execute_in(MARK_EXPIRED_DEAD, &params).await? == 1 {
                         purged += 1;
                     }
                 }

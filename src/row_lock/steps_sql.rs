@@ -4,11 +4,11 @@
 //! takes them; the MySQL driver sends each as a `?` bound to the n-th value. `$1`, `$2`, `$3`
 //! are always the key's tenant, operation and idempotency key. Times are Unix milliseconds.
 
-/// Checks that the key is still under the generation `$6` (and running), and moves its lease's
-/// end to `$4` (`$5`: now). No row changed: the lease was lost.
+/// Checks that the key is still in the life `$7` under the generation `$6` (and running), and
+/// moves its lease's end to `$4` (`$5`: now). No row changed: the lease was lost.
 pub(crate) const CHECK_LEASE: &str = "UPDATE idempotency_progress SET lease_until = $4, \
      updated_at = $5 WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 \
-     AND generation = $6 AND status = 'running'";
+     AND generation = $6 AND run_id = $7 AND status = 'running'";
 
 /// Marks the key dead: the completer ran out of attempts (`$4`: now). A new generation: the
 /// key is out of every owner's hands.
@@ -60,17 +60,19 @@ pub(crate) const SETTLE_INTENT: &str = "UPDATE idempotency_steps SET result = $5
 pub(crate) const ANY_STEP: &str = "SELECT seq FROM idempotency_steps \
      WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 LIMIT 1 FOR UPDATE";
 
-/// Deletes the key's progress under the generation `$4` (a release of a key with no step: a
-/// retry starts afresh), once [`END_LEASE`] locked its row and [`ANY_STEP`] found none.
+/// Deletes the key's progress under the generation `$4` of the life `$5` (a release of a key
+/// with no step: a retry starts afresh), once [`END_LEASE`] locked its row and [`ANY_STEP`]
+/// found none.
 pub(crate) const DELETE_RELEASED: &str = "DELETE FROM idempotency_progress \
      WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 AND generation = $4 \
-     AND status = 'running'";
+     AND run_id = $5 AND status = 'running'";
 
-/// Ends the lease of the generation `$4` now (`$5`), so that a retry resumes the key at once.
-/// Locks the key's row: the release's first statement.
+/// Ends the lease of the generation `$4` of the life `$6` now (`$5`), so that a retry resumes
+/// the key at once. Locks the key's row: the release's first statement.
 pub(crate) const END_LEASE: &str = "UPDATE idempotency_progress SET lease_owner = NULL, \
      lease_until = $5, updated_at = $5 \
-     WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 AND generation = $4";
+     WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 AND generation = $4 \
+     AND run_id = $6 AND status = 'running'";
 
 /// Marks the key `$4` (in doubt or dead) with the reason `$5`, its lease ended at `$6`, under
 /// a new generation (out of its owner's hands).
@@ -99,8 +101,19 @@ macro_rules! expired_progress {
 }
 pub(crate) use expired_progress;
 
-/// Deletes the key's progress if it is still expired at `$4` (see `expired_progress!`).
+/// Deletes the key's progress if it is still expired at `$4` (see `expired_progress!`) and
+/// has no foreign step.
 pub(crate) const DELETE_EXPIRED_PROGRESS: &str = "DELETE FROM idempotency_progress \
+     WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 AND status = 'running' \
+     AND expires_at <= $4 AND lease_until <= $4 AND NOT EXISTS (SELECT 1 \
+     FROM idempotency_steps AS s WHERE s.tenant = $1 AND s.operation = $2 \
+     AND s.idempotency_key = $3 AND s.kind = 'foreign')";
+
+/// Marks the key dead if it is still expired at `$4` (see `expired_progress!`): one with a
+/// foreign step, which a purge never forgets. A new generation, as every change of owner.
+pub(crate) const MARK_EXPIRED_DEAD: &str = "UPDATE idempotency_progress SET status = 'dead', \
+     lease_owner = NULL, generation = generation + 1, updated_at = $4, \
+     last_error = 'expired with a foreign step: money may have been taken; settle it' \
      WHERE tenant = $1 AND operation = $2 AND idempotency_key = $3 AND status = 'running' \
      AND expires_at <= $4 AND lease_until <= $4";
 

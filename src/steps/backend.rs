@@ -235,14 +235,18 @@ impl ProgressStatus {
 }
 
 /// A claim granted by [`StepStore::acquire`]: every commit under it checks that the key is
-/// still under this generation and running (and extends the lease), and is refused with
-/// [`Error::LeaseLost`] once another claim took the key over, or it was marked in doubt or
-/// dead, or an operator resolved it (each of which gives the key a new generation).
+/// still in the same life (its run id) under this generation and running (and extends the
+/// lease), and is refused with [`Error::LeaseLost`] once another claim took the key over, or it
+/// was marked in doubt or dead, or an operator resolved it (each of which gives the key a new
+/// generation), or its life ended (a new life starts again at generation 1, under another run
+/// id).
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct Lease {
     /// The key.
     pub scope: Scope,
+    /// The key's run id when the claim was granted.
+    pub run: String,
     /// The generation the claim was granted.
     pub generation: i64,
     /// The new end of the lease, set by each commit.
@@ -255,11 +259,19 @@ pub struct Lease {
 }
 
 impl Lease {
-    /// The lease of `generation` on `scope`, to be moved to `until` by the next commit, its
-    /// lock waits bounded to 5 seconds (set [`wait`](Self::wait) for another bound).
-    pub fn new(scope: Scope, generation: i64, until: SystemTime, now: SystemTime) -> Self {
+    /// The lease of `generation` of the life `run` on `scope`, to be moved to `until` by the
+    /// next commit, its lock waits bounded to 5 seconds (set [`wait`](Self::wait) for another
+    /// bound).
+    pub fn new(
+        scope: Scope,
+        run: impl Into<String>,
+        generation: i64,
+        until: SystemTime,
+        now: SystemTime,
+    ) -> Self {
         Lease {
             scope,
+            run: run.into(),
             generation,
             until,
             now,
@@ -579,11 +591,13 @@ pub trait StepStore: IdempotencyStore + sealed::Sealed {
         now: SystemTime,
     ) -> impl Future<Output = Result<Settled, Error>> + Send;
 
-    /// Deletes up to `batch` keys left running whose progress expired at `now` (their
-    /// [`Claim::expires_at`]) and whose lease has ended, with their steps and saved requests;
-    /// returns how many. Keys in doubt or dead wait for an operator and are never purged. A
-    /// purged key's next request starts a new life, with a new run id. Does nothing (0) if
-    /// the steps' tables were never installed.
+    /// Ends up to `batch` keys left running whose progress expired at `now` (their
+    /// [`Claim::expires_at`]) and whose lease has ended; returns how many. A key without a
+    /// foreign step is deleted with its steps and saved request (its next request starts a new
+    /// life, with a new run id). A key with a foreign step's intent or result (money may have
+    /// been taken for an order that was never answered) is marked dead instead, for an
+    /// operator: it is never forgotten. Keys in doubt or dead are never purged. Does nothing
+    /// (0) if the steps' tables were never installed.
     fn purge_progress(
         &self,
         now: SystemTime,

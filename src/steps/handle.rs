@@ -261,7 +261,17 @@ impl<St: StepStore> Steps<St> {
             // (after an unknown outcome) finds it, and its policy decides, as a retry's would.
             self.saved_new(seq, name, StepKind::Foreign, None);
         }
-        let budget = self.call_budget();
+        let Some(budget) = self.call_budget() else {
+            // The lease is about to end: a call now could reach the other service after a
+            // retry took the key over. It is not made.
+            tracing::warn!(
+                step = name,
+                "no time left in the lease for the call; not made"
+            );
+            return self
+                .failed_call(seq, name, Foreign::unavailable("no time left in the lease"))
+                .await;
+        };
         match tokio::time::timeout(budget, call(key)).await {
             Ok(Ok(value)) => self.save_foreign(seq, name, Ok(value)).await,
             Ok(Err(failure)) => self.failed_call(seq, name, failure).await,
@@ -451,14 +461,14 @@ impl<St: StepStore> Steps<St> {
     }
 
     /// How long a foreign call may take: until the lease ends, less a margin for the commit
-    /// of its result.
-    fn call_budget(&self) -> Duration {
+    /// of its result; `None` when no more than the margin is left (the call is not made).
+    fn call_budget(&self) -> Option<Duration> {
         let until = self.state().lease_until;
         let left = until
             .and_then(|until| until.duration_since(SystemTime::now()).ok())
             .unwrap_or_default();
         let margin = (self.shared.lease / 5).max(Duration::from_millis(200));
-        left.saturating_sub(margin).max(Duration::from_millis(100))
+        Some(left.checked_sub(margin)?).filter(|budget| !budget.is_zero())
     }
 
     pub(crate) fn state(&self) -> std::sync::MutexGuard<'_, State> {
@@ -474,6 +484,7 @@ impl<St: StepStore> Steps<St> {
         let now = SystemTime::now();
         Lease {
             scope: self.shared.scope.clone(),
+            run: self.shared.run.clone(),
             generation: self.shared.generation,
             until: now + self.shared.lease,
             now,

@@ -497,12 +497,15 @@ mod sqlite {
             now,
         );
         claim.request = Some(request);
-        let Acquired::Owned { generation, .. } = store.acquire(&claim).await.expect("acquire")
+        let Acquired::Owned {
+            generation, run, ..
+        } = store.acquire(&claim).await.expect("acquire")
         else {
             panic!("not owned");
         };
         let lease = Lease::new(
             scope.clone(),
+            run,
             generation,
             now + Duration::from_secs(30),
             now,

@@ -104,8 +104,25 @@ fn completer_claim(key: &str, seed: u8, owner: &str, now: SystemTime, max: u32) 
     claim
 }
 
-fn lease(key: &str, generation: i64, now: SystemTime) -> Lease {
-    Lease::new(scope(key), generation, now + LEASE, now)
+/// The lease of `generation` on `key` at `now`, in the key's life as stored (its run id; none
+/// when the key has no progress).
+async fn lease<H: Harness>(h: &H, key: &str, generation: i64, now: SystemTime) -> Lease {
+    let mut run = String::new();
+    for status in [
+        ProgressStatus::Running,
+        ProgressStatus::InDoubt,
+        ProgressStatus::Dead,
+    ] {
+        let page = h
+            .store()
+            .progress(&listing(status, None, now, 1000).operation("checkout"))
+            .await
+            .expect("progress");
+        if let Some(progress) = page.keys.iter().find(|p| p.scope.key.as_str() == key) {
+            run = progress.run.clone();
+        }
+    }
+    Lease::new(scope(key), run, generation, now + LEASE, now)
 }
 
 fn foreign(seq: u32, name: &str, result: Option<&str>) -> StepRow {
@@ -179,7 +196,10 @@ async fn acquire_new_held_and_taken_over<H: Harness>(h: H) {
         other => panic!("expected Held, got {other:?}"),
     }
     h.store()
-        .save_step(&lease("k", 1, now), &foreign(0, "charge", Some("\"ch_1\"")))
+        .save_step(
+            &lease(&h, "k", 1, now).await,
+            &foreign(0, "charge", Some("\"ch_1\"")),
+        )
         .await
         .expect("save a step");
     let later = now + LEASE + Duration::from_secs(1);
@@ -215,7 +235,7 @@ async fn another_payload_is_a_mismatch<H: Harness>(h: H) {
 async fn finish_completes_the_key<H: Harness>(h: H) {
     let now = SystemTime::now();
     owned(acquire(&h, &claim("k", 7, "a", now)).await);
-    let l = lease("k", 1, now);
+    let l = lease(&h, "k", 1, now).await;
     h.store()
         .save_step(&l, &foreign(0, "charge", Some("1")))
         .await
@@ -290,7 +310,7 @@ async fn records_live_and_expired<H: Harness>(h: H) {
     tx.commit(record(past, 4)).await.expect("commit");
     owned(acquire(&h, &claim("old", 5, "a", now)).await);
     h.store()
-        .finish(&lease("old", 1, now), &record(now, 5))
+        .finish(&lease(&h, "old", 1, now).await, &record(now, 5))
         .await
         .expect("finish over an expired record");
     let found = h.store().lookup(&scope("old"), now).await.expect("lookup");
@@ -308,7 +328,7 @@ async fn a_stale_generation_loses_the_lease<H: Harness>(h: H) {
     let later = now + LEASE + Duration::from_secs(1);
     let (generation, _) = owned(acquire(&h, &claim("k", 1, "b", later)).await);
     assert_eq!(generation, 2);
-    let stale = lease("k", 1, later);
+    let stale = lease(&h, "k", 1, later).await;
 
     assert_lease_lost(
         h.store()
@@ -353,7 +373,7 @@ async fn a_stale_generation_loses_the_lease<H: Harness>(h: H) {
     assert_eq!((listed[0].generation, listed[0].steps), (2, 0));
     // The new holder's lease still works.
     h.store()
-        .save_step(&lease("k", 2, later), &foreign(0, "charge", None))
+        .save_step(&lease(&h, "k", 2, later).await, &foreign(0, "charge", None))
         .await
         .expect("the holder saves");
 }
@@ -362,7 +382,7 @@ async fn a_stale_generation_loses_the_lease<H: Harness>(h: H) {
 async fn run_local_commits_or_rolls_back<H: Harness>(h: H) {
     let now = SystemTime::now();
     owned(acquire(&h, &claim("k", 1, "a", now)).await);
-    let l = lease("k", 1, now);
+    let l = lease(&h, "k", 1, now).await;
 
     let failed = h.local_order(&l, &local(0, "insert"), "failed", true).await;
     assert!(failed.is_err(), "the closure's error is returned");
@@ -396,7 +416,7 @@ async fn run_local_commits_or_rolls_back<H: Harness>(h: H) {
 async fn intents_are_settled_or_forgotten<H: Harness>(h: H) {
     let now = SystemTime::now();
     owned(acquire(&h, &claim("k", 1, "a", now)).await);
-    let l = lease("k", 1, now);
+    let l = lease(&h, "k", 1, now).await;
     let store = h.store();
     store
         .save_step(&l, &foreign(0, "charge", None))
@@ -442,14 +462,14 @@ async fn release_deletes_or_frees<H: Harness>(h: H) {
     let now = SystemTime::now();
     owned(acquire(&h, &claim("empty", 1, "a", now)).await);
     h.store()
-        .release(&lease("empty", 1, now))
+        .release(&lease(&h, "empty", 1, now).await)
         .await
         .expect("release");
     let (generation, _) = owned(acquire(&h, &claim("empty", 2, "b", now)).await);
     assert_eq!(generation, 1, "a new key, with another payload");
 
     owned(acquire(&h, &claim("begun", 1, "a", now)).await);
-    let l = lease("begun", 1, now);
+    let l = lease(&h, "begun", 1, now).await;
     h.store()
         .save_step(&l, &foreign(0, "charge", None))
         .await
@@ -465,7 +485,7 @@ async fn release_deletes_or_frees<H: Harness>(h: H) {
 async fn in_doubt_until_resolved<H: Harness>(h: H) {
     let now = SystemTime::now();
     owned(acquire(&h, &claim("k", 1, "a", now)).await);
-    let l = lease("k", 1, now);
+    let l = lease(&h, "k", 1, now).await;
     h.store()
         .save_step(&l, &foreign(0, "charge", None))
         .await
@@ -540,7 +560,7 @@ async fn in_doubt_until_resolved<H: Harness>(h: H) {
     );
 
     // In doubt again, then done with a result.
-    let l = lease("k", 4, later);
+    let l = lease(&h, "k", 4, later).await;
     h.store()
         .save_step(&l, &foreign(0, "charge", None))
         .await
@@ -650,7 +670,7 @@ async fn progress_lists_idle_keys<H: Harness>(h: H) {
     owned(acquire(&h, &claim("b", 1, "o", t0 + second)).await);
     owned(acquire(&h, &claim("c", 1, "o", t0 + 2 * second)).await);
     // "b" changes later (a step saved at t0 + 10 s moves its lease on).
-    let l = lease("b", 1, t0 + 10 * second);
+    let l = lease(&h, "b", 1, t0 + 10 * second).await;
     h.store()
         .save_step(&l, &foreign(0, "charge", None))
         .await
@@ -708,7 +728,7 @@ async fn progress_lists_idle_keys<H: Harness>(h: H) {
     // Not a key in doubt.
     h.store()
         .set_status(
-            &lease("a", 1, t0 + 3 * second),
+            &lease(&h, "a", 1, t0 + 3 * second).await,
             ProgressStatus::InDoubt,
             "x",
         )
@@ -763,7 +783,7 @@ async fn lock_waits_are_bounded<H: Harness>(h: H) {
     let started = std::time::Instant::now();
     let error = h
         .store()
-        .finish(&lease("k", 1, now), &record(now, 1))
+        .finish(&lease(&h, "k", 1, now).await, &record(now, 1))
         .await
         .expect_err("finish waits for the reservation, then gives up");
     assert!(error.is_busy(), "{error:?}");
@@ -775,7 +795,7 @@ async fn lock_waits_are_bounded<H: Harness>(h: H) {
     reservation.rollback().await.expect("rollback");
     // Nothing was written: the key is still in progress, and finishes now.
     h.store()
-        .finish(&lease("k", 1, now), &record(now, 1))
+        .finish(&lease(&h, "k", 1, now).await, &record(now, 1))
         .await
         .expect("finish");
 }
@@ -817,14 +837,17 @@ async fn every_life_of_a_key_has_its_own_run_id<H: Harness>(h: H) {
     let run = run_of(&first);
     assert_eq!(run.len(), 32, "{run}");
     h.store()
-        .save_step(&lease("k", 1, now), &foreign(0, "charge", Some("\"ch_1\"")))
+        .save_step(
+            &lease(&h, "k", 1, now).await,
+            &foreign(0, "charge", Some("\"ch_1\"")),
+        )
         .await
         .expect("result");
     let later = now + LEASE + Duration::from_secs(1);
     let resumed = acquire(&h, &claim("k", 1, "b", later)).await;
     assert_eq!(run_of(&resumed), run, "a take-over keeps the run");
     h.store()
-        .finish(&lease("k", 2, later), &record(later, 1))
+        .finish(&lease(&h, "k", 2, later).await, &record(later, 1))
         .await
         .expect("finish");
 
@@ -839,7 +862,7 @@ async fn every_life_of_a_key_has_its_own_run_id<H: Harness>(h: H) {
     assert_ne!(second_run, run);
     assert_eq!(owned(second).1, []);
     h.store()
-        .finish(&lease("k", 1, later), &record(later, 1))
+        .finish(&lease(&h, "k", 1, later).await, &record(later, 1))
         .await
         .expect("finish");
     // Expired (the record lives an hour).
@@ -848,11 +871,16 @@ async fn every_life_of_a_key_has_its_own_run_id<H: Harness>(h: H) {
     let third_run = run_of(&third);
     assert!(third_run != run && third_run != second_run);
 
-    // Purged while running with a step saved (its progress expired): the steps go with it.
-    h.store()
-        .save_step(&lease("k", 1, expired), &foreign(0, "charge", None))
-        .await
-        .expect("intent");
+    // Purged while running with a local step saved (its progress expired): the steps go with
+    // it, and the next request is a new life.
+    h.local_order(
+        &lease(&h, "k", 1, expired).await,
+        &local(0, "a"),
+        "purged",
+        false,
+    )
+    .await
+    .expect("local step");
     let purged = h
         .store()
         .purge_progress(expired + 2 * LEASE + 2 * HOUR * 24, 10)
@@ -860,8 +888,35 @@ async fn every_life_of_a_key_has_its_own_run_id<H: Harness>(h: H) {
         .expect("purge");
     assert_eq!(purged, 1);
     let fourth = acquire(&h, &claim("k", 1, "e", expired + 2 * LEASE)).await;
-    assert!(![&run, &second_run, &third_run].contains(&&run_of(&fourth)));
+    let fourth_run = run_of(&fourth);
+    assert!(![&run, &second_run, &third_run].contains(&&fourth_run));
     assert_eq!(owned(fourth).1, [], "nothing of the purged life's steps");
+
+    // A stale owner of an ended life can write nothing in the next one, though the next one
+    // starts at generation 1 again.
+    let stale = Lease::new(
+        scope("k"),
+        third_run,
+        1,
+        expired + 3 * LEASE,
+        expired + 2 * LEASE,
+    );
+    assert_lease_lost(
+        h.store()
+            .save_step(&stale, &foreign(0, "charge", None))
+            .await,
+        "a step of the ended life",
+    );
+    assert_lease_lost(h.store().release(&stale).await, "its release");
+    let fifth = acquire(
+        &h,
+        &claim("k", 1, "f", expired + 2 * LEASE + Duration::from_secs(1)),
+    )
+    .await;
+    assert!(
+        matches!(fifth, Acquired::Held { .. }),
+        "the live owner keeps it: {fifth:?}"
+    );
 }
 
 /// A step is never written where the key saved another: a local step at a position holding a
@@ -869,7 +924,7 @@ async fn every_life_of_a_key_has_its_own_run_id<H: Harness>(h: H) {
 async fn a_step_at_a_position_holding_another_is_refused<H: Harness>(h: H) {
     let now = SystemTime::now();
     owned(acquire(&h, &claim("k", 1, "a", now)).await);
-    let l = lease("k", 1, now);
+    let l = lease(&h, "k", 1, now).await;
     h.store()
         .save_step(&l, &foreign(0, "charge", None))
         .await
@@ -949,17 +1004,33 @@ async fn listing_by_operation_pages_and_skips_what_it_cannot_read<H: Harness>(h:
 /// lease has ended; never a key in doubt or dead, nor one whose lease still holds.
 async fn expired_progress_is_purged_but_never_in_doubt_or_held<H: Harness>(h: H) {
     let now = SystemTime::now();
+    // A key with local steps only is forgotten.
+    let mut claim_local = claim("local", 1, "a", now);
+    claim_local.expires_at = now + Duration::from_secs(1);
+    owned(acquire(&h, &claim_local).await);
+    h.local_order(
+        &lease(&h, "local", 1, now).await,
+        &local(0, "a"),
+        "purge",
+        false,
+    )
+    .await
+    .expect("local step");
     for key in ["left", "doubt", "held"] {
         let mut claim = claim(key, 1, "a", now);
         claim.expires_at = now + Duration::from_secs(1);
         owned(acquire(&h, &claim).await);
         h.store()
-            .save_step(&lease(key, 1, now), &foreign(0, "charge", None))
+            .save_step(&lease(&h, key, 1, now).await, &foreign(0, "charge", None))
             .await
             .expect("intent");
     }
     h.store()
-        .set_status(&lease("doubt", 1, now), ProgressStatus::InDoubt, "unknown")
+        .set_status(
+            &lease(&h, "doubt", 1, now).await,
+            ProgressStatus::InDoubt,
+            "unknown",
+        )
         .await
         .expect("in doubt");
     let at = now + LEASE + Duration::from_secs(5);
@@ -967,7 +1038,7 @@ async fn expired_progress_is_purged_but_never_in_doubt_or_held<H: Harness>(h: H)
     let mut retake = claim("held", 1, "b", at - Duration::from_secs(1));
     retake.expires_at = now;
     owned(acquire(&h, &retake).await);
-    assert_eq!(h.store().purge_progress(at, 10).await.expect("purge"), 1);
+    assert_eq!(h.store().purge_progress(at, 10).await.expect("purge"), 2);
     let running = h
         .store()
         .progress(&listing(ProgressStatus::Running, None, at, 10))
@@ -976,6 +1047,25 @@ async fn expired_progress_is_purged_but_never_in_doubt_or_held<H: Harness>(h: H)
         .keys;
     let names: Vec<_> = running.iter().map(|p| p.scope.key.as_str()).collect();
     assert_eq!(names, ["held"]);
+    // The key with a foreign step (money may have been taken) is a dead letter, never
+    // forgotten; the one with local steps only is gone.
+    let dead = h
+        .store()
+        .progress(&listing(ProgressStatus::Dead, None, at, 10))
+        .await
+        .expect("progress")
+        .keys;
+    let names: Vec<_> = dead.iter().map(|p| p.scope.key.as_str()).collect();
+    assert_eq!(names, ["left"]);
+    assert!(dead[0]
+        .last_error
+        .as_deref()
+        .unwrap_or_default()
+        .contains("foreign step"));
+    assert!(matches!(
+        acquire(&h, &claim("local", 1, "b", at)).await,
+        Acquired::Owned { generation: 1, .. }
+    ));
     let doubt = h
         .store()
         .progress(&listing(ProgressStatus::InDoubt, None, at, 10))
@@ -984,15 +1074,15 @@ async fn expired_progress_is_purged_but_never_in_doubt_or_held<H: Harness>(h: H)
         .keys;
     assert_eq!(doubt.len(), 1);
     // Through `purge_expired` too (with the records).
-    let late = at + 2 * LEASE;
+    let late = at + 2 * LEASE + 2 * HOUR * 24;
     assert!(h.store().purge_expired(late, 10).await.expect("purge") >= 1);
-    assert!(h
+    let running = h
         .store()
         .progress(&listing(ProgressStatus::Running, None, late, 10))
         .await
         .expect("progress")
-        .keys
-        .is_empty());
+        .keys;
+    assert!(running.is_empty(), "{running:?}");
 }
 
 /// A release (the client went away) that waits for the key's row while a step of the same
@@ -1020,7 +1110,7 @@ async fn a_release_sees_a_step_committed_while_it_waited<H: Harness>(h: H) {
     };
     let started = std::time::Instant::now();
     h.store()
-        .release(&lease("k", 1, now))
+        .release(&lease(&h, "k", 1, now).await)
         .await
         .expect("release");
     assert!(

@@ -127,13 +127,14 @@ where
     }
 }
 
-/// Checks that the key is still under `lease`'s generation and moves its lease's end.
+/// Checks that the key is still in `lease`'s life under its generation, and moves its
+/// lease's end.
 fn check_lease(tx: &Transaction<'_>, lease: &Lease) -> Result<(), Error> {
     let scope = &lease.scope;
     let changed = tx
         .prepare_cached(&format!(
             "UPDATE idempotency_progress SET lease_until = ?4, updated_at = ?5 \
-             WHERE {KEY} AND generation = ?6 AND status = 'running'"
+             WHERE {KEY} AND generation = ?6 AND run_id = ?7 AND status = 'running'"
         ))?
         .execute(params![
             &*scope.tenant,
@@ -142,6 +143,7 @@ fn check_lease(tx: &Transaction<'_>, lease: &Lease) -> Result<(), Error> {
             to_unix_millis(lease.until),
             to_unix_millis(lease.now),
             lease.generation,
+            lease.run,
         ])?;
     if changed == 1 {
         Ok(())
@@ -542,23 +544,27 @@ impl StepStore for SqliteStore {
         let lease = lease.clone();
         write(self, lease.wait, move |tx| {
             let scope = &lease.scope;
+            // One writer: no step commits while this runs, so one statement decides.
             let deleted = tx
                 .prepare_cached(&format!(
                     "DELETE FROM idempotency_progress WHERE {KEY} AND generation = ?4 \
-                     AND status = 'running' AND NOT EXISTS (SELECT 1 FROM idempotency_steps \
-                     AS s WHERE s.tenant = ?1 AND s.operation = ?2 AND s.idempotency_key = ?3)"
+                     AND run_id = ?5 AND status = 'running' AND NOT EXISTS (SELECT 1 \
+                     FROM idempotency_steps AS s WHERE s.tenant = ?1 AND s.operation = ?2 \
+                     AND s.idempotency_key = ?3)"
                 ))?
                 .execute(params![
                     &*scope.tenant,
                     &*scope.operation,
                     scope.key.as_str(),
-                    lease.generation
+                    lease.generation,
+                    lease.run,
                 ])?;
             if deleted == 0 {
                 let ended = tx
                     .prepare_cached(&format!(
                         "UPDATE idempotency_progress SET lease_owner = NULL, lease_until = ?5, \
-                         updated_at = ?5 WHERE {KEY} AND generation = ?4"
+                         updated_at = ?5 WHERE {KEY} AND generation = ?4 AND run_id = ?6 \
+                         AND status = 'running'"
                     ))?
                     .execute(params![
                         &*scope.tenant,
@@ -566,6 +572,7 @@ impl StepStore for SqliteStore {
                         scope.key.as_str(),
                         lease.generation,
                         to_unix_millis(lease.now),
+                        lease.run,
                     ])?;
                 // Another claim took the key over (or it finished): not ours to let go.
                 if ended == 0 {
@@ -736,11 +743,26 @@ impl StepStore for SqliteStore {
                 rows.collect::<Result<Vec<_>, _>>()?
             };
             for (tenant, operation, key) in &expired {
+                let scope = params![tenant, operation, key];
+                let foreign: bool = tx
+                    .prepare_cached(&format!(
+                        "SELECT EXISTS (SELECT 1 FROM idempotency_steps WHERE {KEY} \
+                         AND kind = 'foreign')"
+                    ))?
+                    .query_row(scope, |row| row.get(0))?;
+                if foreign {
+                    // Money may have been taken for an order never answered: never forgotten.
+                    tx.prepare_cached(&format!(
+                        "UPDATE idempotency_progress SET status = 'dead', lease_owner = NULL, \
+                         generation = generation + 1, updated_at = ?4, last_error = \
+                         'expired with a foreign step: money may have been taken; settle it' \
+                         WHERE {KEY}"
+                    ))?
+                    .execute(params![tenant, operation, key, now])?;
+                    continue;
+                }
                 for table in ["idempotency_steps", "idempotency_progress"] {
-                    tx.execute(
-                        &format!("DELETE FROM {table} WHERE {KEY}"),
-                        params![tenant, operation, key],
-                    )?;
+                    tx.execute(&format!("DELETE FROM {table} WHERE {KEY}"), scope)?;
                 }
             }
             Ok(expired.len() as u64)
