@@ -11,6 +11,7 @@ mod grpc;
 mod hyper_example;
 mod orders_example;
 mod payments_example;
+mod steps_operator;
 mod wal_frames;
 
 fn main() {
