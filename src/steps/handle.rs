@@ -240,7 +240,7 @@ impl<St: StepStore> Steps<St> {
                     return self.save_foreign(seq, name, Ok(value)).await;
                 }
                 Ok(Recovery::InDoubt) => return self.in_doubt(seq, name).await,
-                Err(failure) => return self.failed_call(seq, name, failure).await,
+                Err(failure) => return self.failed_call(seq, name, failure, true).await,
             },
             None => {}
         }
@@ -269,16 +269,21 @@ impl<St: StepStore> Steps<St> {
                 "no time left in the lease for the call; not made"
             );
             return self
-                .failed_call(seq, name, Foreign::unavailable("no time left in the lease"))
+                .failed_call(
+                    seq,
+                    name,
+                    Foreign::unavailable("no time left in the lease"),
+                    known,
+                )
                 .await;
         };
         match tokio::time::timeout(budget, call(key)).await {
             Ok(Ok(value)) => self.save_foreign(seq, name, Ok(value)).await,
-            Ok(Err(failure)) => self.failed_call(seq, name, failure).await,
+            Ok(Err(failure)) => self.failed_call(seq, name, failure, known).await,
             Err(_elapsed) => {
                 tracing::warn!(step = name, ?budget, "foreign call cut off at its lease");
-                self.failed_call(seq, name, Foreign::unknown("the call outlived its lease"))
-                    .await
+                let unknown = Foreign::unknown("the call outlived its lease");
+                self.failed_call(seq, name, unknown, known).await
             }
         }
     }
@@ -390,20 +395,26 @@ impl<St: StepStore> Steps<St> {
         outcome
     }
 
+    /// A call that did not give a result. `earlier`: the intent was saved by an earlier
+    /// attempt, whose call may have been made (and taken effect) whatever this one's says.
     async fn failed_call<T: Serialize>(
         &self,
         seq: u32,
         name: &str,
         failure: Foreign,
+        earlier: bool,
     ) -> Result<T, StepError> {
         match failure {
             Foreign::Terminal(answer) => self.save_foreign(seq, name, Err(answer)).await,
             Foreign::Unavailable(error) => {
                 tracing::info!(step = name, %error, "the foreign service refused the call");
-                let lease = self.lease();
-                let forgotten = self.shared.store.forget_intent(&lease, seq).await;
-                self.committed(&lease, forgotten)?;
-                self.forgot(seq);
+                // This call did not happen; an earlier attempt's may have: its intent stays.
+                if !earlier {
+                    let lease = self.lease();
+                    let forgotten = self.shared.store.forget_intent(&lease, seq).await;
+                    self.committed(&lease, forgotten)?;
+                    self.forgot(seq);
+                }
                 self.state().transient = true;
                 Err(StepError::Transient(error))
             }

@@ -17,7 +17,7 @@
  *   TODAY_FENCE       the lease check compares the generation only, not the run id
  *   TODAY_STATUS_GEN  marking a key in doubt or dead keeps its generation
  *   NO_DEDUP          the provider takes money on every call (no deduplication by key)
- *   STRICT_PURGE      a purged life that took money without saving its order counts as lost
+ *   TODAY_PURGE       a purge deletes expired running progress even with a foreign step
  *   LATE_CALLS        a call may reach the provider after its caller's lease has passed
  *   POLICY=ASK, POLICY=CALL_AGAIN   the foreign step's policy (default LEAVE_IN_DOUBT)
  *   OFF_I1 .. OFF_I5  switch an invariant off (to see what else a variant breaks)
@@ -359,13 +359,19 @@ end_idle:
        budget[me] = false; goto release
      }
   :: atomic {
-       /* Unavailable: the provider said it did nothing; forget_intent */
+       /* Unavailable: the provider said it did nothing with this call; forget_intent, only
+        * when the intent is this request's own (an intent found from an earlier attempt may
+        * stand for a call that did take money: it stays) */
        budget[me] = false;
        if
        :: LEASE_OK ->
           extend();
-          if :: st1 == INTENT -> st1 = 0 :: else -> skip fi;
-          printf("MSC: owner %d: provider unavailable, intent forgotten\n", me);
+          if
+          :: st1 == INTENT && s1 == 0 -> st1 = 0;
+             printf("MSC: owner %d: provider unavailable, intent forgotten\n", me)
+          :: else ->
+             printf("MSC: owner %d: provider unavailable, the earlier intent stays\n", me)
+          fi;
           goto release
        :: else -> END_REQUEST
        fi
@@ -473,12 +479,25 @@ end:
        printf("MSC: operator: purge deletes the expired record\n")
      }
   :: atomic {
-       /* purge: expired records, and running progress past its own expiry whose lease has
-        * ended (the expiry is time's: it may have passed whenever purge runs) */
+       /* purge (StepStore::purge_progress): expired records, and running progress past its
+        * own expiry whose lease has ended (the expiry is time's: it may have passed whenever
+        * purge runs). Without a foreign step it is deleted; with one (money may have been
+        * taken) it becomes a dead letter, under a new generation. */
        ops < OPS && p_exists && p_status == RUNNING && !p_live ->
        if :: rec == EXPIRED -> rec = NONE :: else -> skip fi;
-       printf("MSC: operator: purge deletes life %d's progress\n", p_run);
-       purged[p_run] = true; drop_progress(); ops++
+#ifndef TODAY_PURGE
+       if
+       :: st1 != 0 ->
+          printf("MSC: operator: purge makes life %d a dead letter\n", p_run);
+          p_status = DEAD; p_gen++; end_lease()
+       :: else ->
+#endif
+          printf("MSC: operator: purge deletes life %d's progress\n", p_run);
+          purged[p_run] = true; drop_progress()
+#ifndef TODAY_PURGE
+       fi;
+#endif
+       ops++
      }
   od
 }
@@ -500,14 +519,9 @@ end:
 }
 
 /* I5: a life that took money has its order saved, or its progress is still there (running,
- * in doubt or dead): never lost progress with a paid charge and no order. A purge (the
- * key's expiry) is excused unless STRICT_PURGE. */
-#ifdef STRICT_PURGE
-#define EXCUSED(L) false
-#else
-#define EXCUSED(L) purged[L]
-#endif
-#define LOST(L) (taken[L] > 0 && !finished[L] && !EXCUSED(L) && !(p_exists && p_run == L))
+ * in doubt or dead): never lost progress with a paid charge and no order, whatever an
+ * operator or a purge did. */
+#define LOST(L) (taken[L] > 0 && !finished[L] && !(p_exists && p_run == L))
 #if MAXLIVES >= 3
 #define ANY_LOST (LOST(1) || LOST(2) || LOST(3))
 #else

@@ -726,6 +726,41 @@ async fn quoted_keys_are_listed_as_scoped_and_stop_no_one<D: Shop>() {
     assert_eq!(app.charges(), 3);
 }
 
+/// A retry that finds the charge's intent of an earlier attempt (whose answer was lost: the
+/// provider may have charged) and whose own call is refused keeps that intent: the key still
+/// says a call may have taken money, whatever happens to it next (a purge makes it a dead
+/// letter for an operator rather than forgetting it).
+async fn a_refused_call_keeps_an_earlier_attempts_intent<D: Shop>() {
+    let app = App::new();
+    let Some(served) = serve::<D>(app.clone(), Duration::from_secs(10)).await else {
+        return;
+    };
+    app.plan(&[Behaviour::ChargeThenLose, Behaviour::Refuse]);
+    for _ in 0..2 {
+        let reply = send(served.addr, "k1", BODY).await;
+        assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE, "{reply:?}");
+    }
+    let admin = tower_idempotency::admin::Admin::new(served.store.clone());
+    let listed = admin
+        .keys_in_progress(ProgressStatus::Running, 10)
+        .await
+        .unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].steps, 2, "the order and the charge's intent");
+    let purged = served
+        .store
+        .purge_progress(SystemTime::now() + Duration::from_secs(3 * 24 * 3600), 10)
+        .await
+        .unwrap();
+    assert_eq!(purged, 1);
+    let dead = admin
+        .keys_in_progress(ProgressStatus::Dead, 10)
+        .await
+        .unwrap();
+    assert_eq!(dead.len(), 1, "a dead letter, not forgotten");
+    assert_eq!(app.charges(), 1);
+}
+
 macro_rules! steps_http_tests {
     ($backend:ident, $shop:ty $(, $needs:ident)?) => {
         mod $backend {
@@ -745,6 +780,7 @@ macro_rules! steps_http_tests {
                 a_key_used_again_after_a_delete_or_its_expiry_takes_a_new_charge,
                 a_completer_resumes_its_own_operation_only,
                 quoted_keys_are_listed_as_scoped_and_stop_no_one,
+                a_refused_call_keeps_an_earlier_attempts_intent,
             );
         }
     };
