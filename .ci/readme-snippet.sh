@@ -90,11 +90,12 @@ check() {
     # A workspace of its own: not a member of any workspace above the temporary directory.
     printf '[workspace]\n'
   } >"$dir/Cargo.toml"
-  # A snippet without `fn main` is a library's code; with it, a program.
+  # A snippet without `fn main` is a library's code (its functions used by the reader's own
+  # code, not here); with it, a program.
   if grep -q 'fn main' <<<"$code"; then
     printf '%s\n' "$code" >"$dir/src/main.rs"
   else
-    printf '%s\n' "$code" >"$dir/src/lib.rs"
+    printf '#![allow(dead_code)]\n%s\n' "$code" >"$dir/src/lib.rs"
   fi
   cp "$repo/Cargo.lock" "$dir/Cargo.lock"
 
@@ -116,4 +117,9 @@ check() {
 
 check README.md "" readme-snippet || failed=1
 check src/docs/sqlx_postgres.md "# A complete handler" sqlx-postgres-snippet || failed=1
+# The other guides' handlers, on request: each compiles another driver (about a minute more).
+if [[ "${SNIPPETS:-}" == all ]]; then
+  check src/docs/postgres.md "" tokio-postgres-snippet || failed=1
+  check src/docs/sqlx_mysql.md "" sqlx-mysql-snippet || failed=1
+fi
 exit "$failed"
