@@ -103,6 +103,7 @@ pub(crate) struct Config {
     /// The steps mode ([`IdempotencyLayer::with_steps`]), if on.
     pub(crate) steps: Option<crate::steps::mode::StepsMode>,
     /// The keys of the operation's metrics, made at its first request.
+    #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
     pub(crate) metric_keys: crate::metrics::Keys,
 }
 
@@ -269,8 +270,12 @@ impl<St> IdempotencyLayer<St> {
     /// The operation name: records are scoped by `(tenant, operation, key)`, so the same key
     /// sent to two operations is two independent requests.
     ///
-    /// Default: the request's path. Name it explicitly (`"create_order"`) so that records
-    /// survive a change of route.
+    /// Default: the request's path, as the client sent it (without the query): `/orders/1/cancel`
+    /// and `/orders/2/cancel` are two operations, and a key sent to both is two independent
+    /// requests. Name it explicitly (`"create_order"`) so that records survive a change of
+    /// route, and so that the layer's [metrics](crate::metrics) are labelled with it: a layer
+    /// without a name labels them all `operation="(unnamed)"`, never with a path a client
+    /// picks.
     ///
     /// An operation is at most [`MAX_OPERATION_LEN`] bytes (255), what every store's table
     /// holds. Without a name, a request whose path is longer is answered `414`

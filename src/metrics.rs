@@ -1,7 +1,10 @@
 #![doc = include_str!("docs/metrics.md")]
 
+#[cfg(feature = "metrics")]
 use std::sync::Arc;
 use std::time::Duration;
+
+use crate::layer::Config;
 
 /// Counter: requests the layer handled, labelled `operation` and `outcome` ([`Outcome`]).
 #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
@@ -143,13 +146,19 @@ impl RollbackReason {
 
 // The recording functions below are the only places that touch the `metrics` crate, so that
 // the rest of the crate calls them unconditionally and the feature switch lives here. The
-// operation label is the layer's shared name: a label made from it shares it (no copy per
-// request, with or without a recorder).
+// `operation` label is the layer's operation name, or `UNNAMED_OPERATION` for a layer without
+// one: never the request's path, which the client picks (one series per path ever sent would
+// grow without bound). A label made from the name shares it (no copy per request).
 
-/// The keys of a layer's per-request metrics (`idempotency_requests_total` by outcome and
-/// `idempotency_lock_wait_seconds`), made for its operation once rather than on every request: a key's
-/// labels and hash are built when it is made. Requests of another operation (a layer without
-/// an operation name labels requests by path) make theirs as they are recorded.
+/// The `operation` label of a layer without an
+/// [operation name](crate::IdempotencyLayer::with_operation).
+#[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+pub(crate) const UNNAMED_OPERATION: &str = "(unnamed)";
+
+/// The keys of a layer's per-request metrics (`idempotency_requests_total` by outcome,
+/// `idempotency_handler_rollbacks_total`'s label and `idempotency_lock_wait_seconds`), made
+/// once for the layer's configuration rather than on every request: a key's labels and hash
+/// are built when it is made.
 #[derive(Default)]
 pub(crate) struct Keys {
     #[cfg(feature = "metrics")]
@@ -158,6 +167,7 @@ pub(crate) struct Keys {
 
 #[cfg(feature = "metrics")]
 struct Made {
+    /// The `operation` label.
     operation: Arc<str>,
     /// By [`Outcome::index`].
     requests: [metrics::Key; Outcome::ALL.len()],
@@ -166,14 +176,17 @@ struct Made {
 
 #[cfg(feature = "metrics")]
 impl Keys {
-    /// The keys of `operation`: made for the first operation recorded, `None` for others.
-    fn of(&self, operation: &Arc<str>) -> Option<&Made> {
-        let made = self.made.get_or_init(|| Made {
-            operation: operation.clone(),
-            requests: Outcome::ALL.map(|outcome| request_key(operation, outcome)),
-            lock_wait: lock_wait_key(operation),
-        });
-        (Arc::ptr_eq(&made.operation, operation) || made.operation == *operation).then_some(made)
+    /// The keys of the layer named `operation` (`None`: unnamed), made at the first call. A
+    /// configuration has one name: a changed one makes its keys afresh (see `Clone`).
+    fn of(&self, operation: Option<&Arc<str>>) -> &Made {
+        self.made.get_or_init(|| {
+            let operation = operation.map_or_else(|| Arc::from(UNNAMED_OPERATION), Arc::clone);
+            Made {
+                requests: Outcome::ALL.map(|outcome| request_key(&operation, outcome)),
+                lock_wait: lock_wait_key(&operation),
+                operation,
+            }
+        })
     }
 }
 
@@ -211,56 +224,51 @@ fn lock_wait_key(operation: &Arc<str>) -> metrics::Key {
 }
 
 /// Counts one request the layer handled.
-pub(crate) fn request(keys: &Keys, operation: &Arc<str>, outcome: Outcome) {
+pub(crate) fn request(config: &Config, outcome: Outcome) {
     #[cfg(feature = "metrics")]
-    {
-        let counter = |key: &metrics::Key| {
-            metrics::with_recorder(|recorder| recorder.register_counter(key, &METADATA))
-                .increment(1)
-        };
-        match keys.of(operation) {
-            Some(made) => counter(&made.requests[outcome.index()]),
-            None => counter(&request_key(operation, outcome)),
-        }
-    }
+    count_request(&config.metric_keys, config.operation.as_ref(), outcome);
     #[cfg(not(feature = "metrics"))]
-    let _ = (keys, operation, outcome);
+    let _ = (config, outcome);
+}
+
+#[cfg(feature = "metrics")]
+fn count_request(keys: &Keys, operation: Option<&Arc<str>>, outcome: Outcome) {
+    let key = &keys.of(operation).requests[outcome.index()];
+    metrics::with_recorder(|recorder| recorder.register_counter(key, &METADATA)).increment(1);
 }
 
 /// Counts one rollback after the handler was called.
-pub(crate) fn rollback(operation: &Arc<str>, reason: RollbackReason) {
+pub(crate) fn rollback(config: &Config, reason: RollbackReason) {
     #[cfg(feature = "metrics")]
     metrics::counter!(
         HANDLER_ROLLBACKS_TOTAL,
-        "operation" => operation.clone(),
+        "operation" => config.metric_keys.of(config.operation.as_ref()).operation.clone(),
         "reason" => reason.as_str()
     )
     .increment(1);
     #[cfg(not(feature = "metrics"))]
-    let _ = (operation, reason);
+    let _ = (config, reason);
 }
 
 /// Counts a request whose handler ran but whose transaction was rolled back.
-pub(crate) fn rolled_back(keys: &Keys, operation: &Arc<str>, reason: RollbackReason) {
-    rollback(operation, reason);
-    request(keys, operation, Outcome::RolledBack);
+pub(crate) fn rolled_back(config: &Config, reason: RollbackReason) {
+    rollback(config, reason);
+    request(config, Outcome::RolledBack);
 }
 
 /// Records how long opening the write transaction took.
-pub(crate) fn lock_wait(keys: &Keys, operation: &Arc<str>, waited: Duration) {
+pub(crate) fn lock_wait(config: &Config, waited: Duration) {
     #[cfg(feature = "metrics")]
-    {
-        let histogram = |key: &metrics::Key| {
-            metrics::with_recorder(|recorder| recorder.register_histogram(key, &METADATA))
-                .record(waited.as_secs_f64())
-        };
-        match keys.of(operation) {
-            Some(made) => histogram(&made.lock_wait),
-            None => histogram(&lock_wait_key(operation)),
-        }
-    }
+    record_lock_wait(&config.metric_keys, config.operation.as_ref(), waited);
     #[cfg(not(feature = "metrics"))]
-    let _ = (keys, operation, waited);
+    let _ = (config, waited);
+}
+
+#[cfg(feature = "metrics")]
+fn record_lock_wait(keys: &Keys, operation: Option<&Arc<str>>, waited: Duration) {
+    let key = &keys.of(operation).lock_wait;
+    metrics::with_recorder(|recorder| recorder.register_histogram(key, &METADATA))
+        .record(waited.as_secs_f64());
 }
 
 /// Reports a row of `idempotency_progress` that a listing skipped: logged at error level (with
@@ -346,22 +354,9 @@ mod tests {
 
     use super::*;
 
-    #[test]
-    fn each_operation_is_recorded_under_its_own_labels() {
-        let recorder = DebuggingRecorder::new();
-        let snapshotter = recorder.snapshotter();
-        // One layer's keys: made for the first operation, and then used for any `Arc` of the
-        // same name; another operation (a layer labelling by path) makes its own.
-        let keys = Keys::default();
-        metrics::with_local_recorder(&recorder, || {
-            request(&keys, &Arc::from("/a"), Outcome::Executed);
-            request(&keys, &Arc::from("/a"), Outcome::Executed);
-            request(&keys, &Arc::from("/b"), Outcome::Executed);
-            request(&keys, &Arc::from("/b"), Outcome::Replayed);
-            lock_wait(&keys, &Arc::from("/a"), Duration::from_millis(5));
-            lock_wait(&keys, &Arc::from("/b"), Duration::from_millis(7));
-        });
-        let recorded: HashMap<String, DebugValue> = snapshotter
+    /// Everything recorded by `recorder` so far, by `name{label=value,...}`.
+    fn recorded(snapshotter: &metrics_util::debugging::Snapshotter) -> HashMap<String, DebugValue> {
+        snapshotter
             .snapshot()
             .into_vec()
             .into_iter()
@@ -376,30 +371,37 @@ mod tests {
                     value,
                 )
             })
-            .collect();
+            .collect()
+    }
+
+    #[test]
+    fn a_named_layer_is_labelled_with_its_name_and_an_unnamed_one_with_one_fixed_label() {
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        let (named, unnamed) = (Keys::default(), Keys::default());
+        let name: Arc<str> = Arc::from("create_order");
+        metrics::with_local_recorder(&recorder, || {
+            count_request(&named, Some(&name), Outcome::Executed);
+            count_request(&named, Some(&name), Outcome::Executed);
+            count_request(&unnamed, None, Outcome::Executed);
+            count_request(&unnamed, None, Outcome::Replayed);
+            record_lock_wait(&named, Some(&name), Duration::from_millis(5));
+            record_lock_wait(&unnamed, None, Duration::from_millis(7));
+        });
+        let recorded = recorded(&snapshotter);
         let counter = |key: &str| match recorded.get(key) {
             Some(DebugValue::Counter(n)) => *n,
             other => panic!("{key}: {other:?} in {recorded:?}"),
         };
-        assert_eq!(
+        let requests = |operation: &str, outcome: &str| {
             counter(&format!(
-                "{REQUESTS_TOTAL}{{operation=/a,outcome=executed}}"
-            )),
-            2
-        );
-        assert_eq!(
-            counter(&format!(
-                "{REQUESTS_TOTAL}{{operation=/b,outcome=executed}}"
-            )),
-            1
-        );
-        assert_eq!(
-            counter(&format!(
-                "{REQUESTS_TOTAL}{{operation=/b,outcome=replayed}}"
-            )),
-            1
-        );
-        for (operation, seconds) in [("/a", 0.005), ("/b", 0.007)] {
+                "{REQUESTS_TOTAL}{{operation={operation},outcome={outcome}}}"
+            ))
+        };
+        assert_eq!(requests("create_order", "executed"), 2);
+        assert_eq!(requests(UNNAMED_OPERATION, "executed"), 1);
+        assert_eq!(requests(UNNAMED_OPERATION, "replayed"), 1);
+        for (operation, seconds) in [("create_order", 0.005), (UNNAMED_OPERATION, 0.007)] {
             let key = format!("{LOCK_WAIT_SECONDS}{{operation={operation}}}");
             match recorded.get(&key) {
                 Some(DebugValue::Histogram(values)) => {
@@ -408,5 +410,6 @@ mod tests {
                 other => panic!("{key}: {other:?}"),
             }
         }
+        assert_eq!(recorded.len(), 5, "{recorded:?}");
     }
 }

@@ -229,28 +229,13 @@ where
         ReqB::Error: Into<BoxError>,
     {
         let wire = Wire::of(request.version(), request.headers());
-        // `check` consumes the request; a rejection's metric label still needs its path when
-        // the layer has no operation name.
-        let path = match &self.config.operation {
-            Some(_) => None,
-            None => Some(request.uri().clone()),
-        };
         let config = self.config.clone();
         let checks = async move { check(&config, request, key_headers).await };
         phases::then(checks, move |checked| {
             let checked = match checked {
                 Ok(checked) => checked,
                 Err(rejection) => {
-                    let operation = self.config.operation.clone().unwrap_or_else(|| {
-                        // A path too long to be an operation is not a metric label either.
-                        let path = path.as_ref().map_or("", |uri: &http::Uri| uri.path());
-                        Arc::from(if path.len() <= crate::MAX_OPERATION_LEN {
-                            path
-                        } else {
-                            ""
-                        })
-                    });
-                    metrics::request(&self.config.metric_keys, &operation, Outcome::Rejected);
+                    metrics::request(&self.config, Outcome::Rejected);
                     return phases::Second::Answered {
                         answer: Some(Ok(self.reject(&rejection, wire))),
                     };
@@ -309,14 +294,10 @@ where
                     // long ago: a completed key is replayed, never answered "in flight". One read,
                     // without the write lock (the store bounds its wait); failing it, the 409.
                     if let Ok(Some(record)) = self.store.lookup(&scope, SystemTime::now()).await {
-                        return Ok(self.answer_existing(&scope, record, &fingerprint, wire));
+                        return Ok(self.answer_existing(record, &fingerprint, wire));
                     }
                     tracing::info!("a request with the same key is running; answered 409");
-                    metrics::request(
-                        &self.config.metric_keys,
-                        &scope.operation,
-                        Outcome::InFlight,
-                    );
+                    metrics::request(&self.config, Outcome::InFlight);
                     return Ok(self.reject(&rejection, wire));
                 }
             };
@@ -390,23 +371,19 @@ where
                 };
                 let (inner, spare_parts, finished) = match began {
                     Ok(RunOutcome::Found { record }) => {
-                        return Ok(self.answer_existing(&scope, record, &fingerprint, wire));
+                        return Ok(self.answer_existing(record, &fingerprint, wire));
                     }
                     Ok(RunOutcome::Existing { record, waited }) => {
-                        metrics::lock_wait(&self.config.metric_keys, &scope.operation, waited);
-                        return Ok(self.answer_existing(&scope, record, &fingerprint, wire));
+                        metrics::lock_wait(&self.config, waited);
+                        return Ok(self.answer_existing(record, &fingerprint, wire));
                     }
                     Ok(RunOutcome::Ran { output, waited }) => {
-                        metrics::lock_wait(&self.config.metric_keys, &scope.operation, waited);
+                        metrics::lock_wait(&self.config, waited);
                         output
                     }
                     Err(error) => {
                         // Mostly a lock wait that timed out.
-                        metrics::lock_wait(
-                            &self.config.metric_keys,
-                            &scope.operation,
-                            lock_started.elapsed(),
-                        );
+                        metrics::lock_wait(&self.config, lock_started.elapsed());
                         // A duplicate that found its original's record in a commit group which
                         // was then rolled back: the key is free again.
                         if reruns.take(&error, &self.config) {
@@ -419,7 +396,7 @@ where
                             }
                             continue;
                         }
-                        return Ok(self.store_failure(&scope, error, wire));
+                        return Ok(self.store_failure(error, wire));
                     }
                 };
                 self.inner = inner;
@@ -428,7 +405,7 @@ where
                 return match finished {
                     Finished::Committed(parts, body, trailers) => {
                         tracing::debug!(status = %parts.status, "response saved and committed");
-                        Ok(self.executed(&scope, parts, body, trailers))
+                        Ok(self.executed(parts, body, trailers))
                     }
                     // The database threw the work away through no fault of the request's own: a
                     // conflict with a concurrent transaction (PostgreSQL 40001, 40P01), or another
@@ -438,11 +415,11 @@ where
                         continue;
                     }
                     Finished::CommitFailed(error) => {
-                        metrics::rollback(&scope.operation, RollbackReason::CommitFailed);
-                        Ok(self.store_failure(&scope, error, wire))
+                        metrics::rollback(&self.config, RollbackReason::CommitFailed);
+                        Ok(self.store_failure(error, wire))
                     }
                     Finished::RolledBack(reason, answer) => {
-                        metrics::rolled_back(&self.config.metric_keys, &scope.operation, reason);
+                        metrics::rolled_back(&self.config, reason);
                         match answer {
                             Answer::ServiceError(error) => {
                                 tracing::warn!(
@@ -480,26 +457,17 @@ where
 
     fn answer_existing(
         &self,
-        scope: &Scope,
         record: StoredRecord,
         fingerprint: &crate::fingerprint::Fingerprint,
         wire: Wire,
     ) -> Response<ResponseBody<ResB>> {
         if record.fingerprint.matches(fingerprint) {
             tracing::debug!(status = %record.response.status, "replayed saved response");
-            metrics::request(
-                &self.config.metric_keys,
-                &scope.operation,
-                Outcome::Replayed,
-            );
+            metrics::request(&self.config, Outcome::Replayed);
             record.response.into_replay()
         } else {
             tracing::info!("idempotency key reused with a different payload");
-            metrics::request(
-                &self.config.metric_keys,
-                &scope.operation,
-                Outcome::Conflict,
-            );
+            metrics::request(&self.config, Outcome::Conflict);
             self.reject(&Rejection::KeyReused, wire)
         }
     }
@@ -507,42 +475,28 @@ where
     /// The answer to a request whose response was saved and committed: counted as executed.
     fn executed(
         &self,
-        scope: &Scope,
         parts: http::response::Parts,
         body: Bytes,
         trailers: Option<HeaderMap>,
     ) -> Response<ResponseBody<ResB>> {
-        metrics::request(
-            &self.config.metric_keys,
-            &scope.operation,
-            Outcome::Executed,
-        );
+        metrics::request(&self.config, Outcome::Executed);
         Response::from_parts(parts, ResponseBody::full(body, trailers))
     }
 
-    fn store_failure(
-        &self,
-        scope: &Scope,
-        error: Error,
-        wire: Wire,
-    ) -> Response<ResponseBody<ResB>> {
+    fn store_failure(&self, error: Error, wire: Wire) -> Response<ResponseBody<ResB>> {
         if matches!(error, Error::InFlight) {
             tracing::info!(
                 "the key is held by a request running on another instance; answered 409"
             );
-            metrics::request(
-                &self.config.metric_keys,
-                &scope.operation,
-                Outcome::InFlight,
-            );
+            metrics::request(&self.config, Outcome::InFlight);
             self.reject(&Rejection::InFlight, wire)
         } else if error.is_busy() {
             tracing::warn!(%error, "idempotency store busy; answered 503");
-            metrics::request(&self.config.metric_keys, &scope.operation, Outcome::Busy);
+            metrics::request(&self.config, Outcome::Busy);
             self.reject(&Rejection::Busy, wire)
         } else {
             tracing::error!(%error, "idempotency store failed; rolled back");
-            metrics::request(&self.config.metric_keys, &scope.operation, Outcome::Error);
+            metrics::request(&self.config, Outcome::Error);
             self.reject(&Rejection::Store(Arc::new(error)), wire)
         }
     }

@@ -184,9 +184,7 @@ where
         } = checked;
         let now = SystemTime::now();
         match self.store.lookup(&scope, now).await {
-            Ok(Some(record)) => {
-                return Ok(self.answer_existing(&scope, record, &fingerprint, wire))
-            }
+            Ok(Some(record)) => return Ok(self.answer_existing(record, &fingerprint, wire)),
             Ok(None) => {}
             Err(error) => tracing::warn!(%error, "idempotency fast-path lookup failed"),
         }
@@ -211,19 +209,15 @@ where
             };
             let claimed = match mode.claimer.claim(claim, mode.lease).await {
                 Ok(claimed) => claimed,
-                Err(error) => return Ok(self.store_failure(&scope, error, wire)),
+                Err(error) => return Ok(self.store_failure(error, wire)),
             };
             match claimed {
                 Claimed::Owned(owned) => break owned,
                 Claimed::Not(Acquired::Completed(record)) => {
-                    return Ok(self.answer_existing(&scope, record, &fingerprint, wire));
+                    return Ok(self.answer_existing(record, &fingerprint, wire));
                 }
                 Claimed::Not(Acquired::Mismatch) => {
-                    metrics::request(
-                        &self.config.metric_keys,
-                        &scope.operation,
-                        Outcome::Conflict,
-                    );
+                    metrics::request(&self.config, Outcome::Conflict);
                     return Ok(self.reject(&Rejection::KeyReused, wire));
                 }
                 Claimed::Not(Acquired::InDoubt) => {
@@ -236,11 +230,7 @@ where
                             crate::InFlight::Wait => Rejection::Busy,
                             _ => Rejection::InFlight,
                         };
-                        metrics::request(
-                            &self.config.metric_keys,
-                            &scope.operation,
-                            Outcome::InFlight,
-                        );
+                        metrics::request(&self.config, Outcome::InFlight);
                         return Ok(self.reject(&rejection, wire));
                     }
                     let left = until
@@ -272,9 +262,7 @@ where
         )
         .await;
         match driven {
-            Driven::Saved(parts, body, trailers) => {
-                Ok(self.executed(&scope, parts, body, trailers))
-            }
+            Driven::Saved(parts, body, trailers) => Ok(self.executed(parts, body, trailers)),
             Driven::Answer(Answer::ServiceError(error)) => Err(error),
             Driven::Answer(Answer::Reject(rejection)) => Ok(self.reject(&rejection, wire)),
             Driven::Answer(Answer::Inner(response)) => Ok(response.map(ResponseBody::inner)),

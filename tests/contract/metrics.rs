@@ -15,7 +15,9 @@ use support::pg_common::inventory;
 use std::collections::HashMap;
 use std::time::Duration;
 
-use common::{hook, post, HeldHandler, HookOutcome, Outcome, TestServer, SHOP_A};
+use axum::routing::post as post_route;
+use axum::{Extension, Router};
+use common::{hook, post, HeldHandler, HookOutcome, Outcome, Post, Serving, TestServer, SHOP_A};
 use http::StatusCode;
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use serde_json::json;
@@ -36,8 +38,10 @@ type PostgresInbox =
     tower_idempotency::outbox::Inbox<tower_idempotency::store::tokio_postgres::PostgresStore>;
 type SqliteOutbox =
     tower_idempotency::outbox::Outbox<tower_idempotency::store::sqlite::SqliteStore>;
+use tower_idempotency::extract::Tx;
 use tower_idempotency::outbox::{sink_fn, OutboxEvent, Relay};
-use tower_idempotency::store::sqlite::SqliteStore;
+use tower_idempotency::store::sqlite::{SqliteHandle, SqliteStore};
+use tower_idempotency::{IdempotencyLayer, Tenant};
 
 /// Everything recorded since the last snapshot, by `name{label=value,...}` (labels sorted).
 fn take(snapshotter: &Snapshotter) -> HashMap<String, DebugValue> {
@@ -182,6 +186,98 @@ async fn the_layer_counts_requests_by_outcome_rollbacks_and_lock_waits() {
         waits.iter().any(|wait| *wait >= 0.1),
         "no wait as long as the lock timeout: {waits:?}"
     );
+}
+
+test! { a_layer_without_an_operation_name_makes_a_bounded_number_of_series_whatever_the_paths }
+/// A layer around a whole router, without an operation name: its records are scoped by each
+/// request's path, but its metrics never are (one series per path a client sends would grow
+/// without bound): every request counts under `operation="(unnamed)"`.
+async fn a_layer_without_an_operation_name_makes_a_bounded_number_of_series_whatever_the_paths() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let _local = metrics::set_default_local_recorder(&recorder);
+
+    let dir = tempfile::tempdir().expect("temp dir");
+    let store = SqliteStore::open(dir.path().join("orders.db"))
+        .await
+        .expect("open");
+    async fn cancel(Tx(_tx): Tx<SqliteHandle>) -> StatusCode {
+        StatusCode::OK
+    }
+    let router = Router::new()
+        .route("/orders/{id}/cancel", post_route(cancel))
+        // Around the router: the unknown paths' 404 (the fallback) go through it too.
+        .layer(IdempotencyLayer::new(store.clone()))
+        .layer(Extension(Tenant::new("shop-a")));
+    let server = Serving::start(router).await;
+
+    let requests: u64 = 100;
+    for i in 0..requests {
+        let key = format!("key-{i}");
+        let cancel = Post::order(&key, "{}")
+            .path(&format!("/orders/{i}/cancel"))
+            .send(server.addr)
+            .await;
+        assert_eq!(cancel.status, StatusCode::OK, "{cancel:?}");
+        let unknown = Post::order(&key, "{}")
+            .path(&format!("/{:x}/{i}", i.wrapping_mul(0x9e37_79b9_7f4a_7c15)))
+            .send(server.addr)
+            .await;
+        assert_eq!(unknown.status, StatusCode::NOT_FOUND, "{unknown:?}");
+    }
+    // A path too long to name an operation: refused before the store, counted the same way.
+    let long = Post::order("key-long", "{}")
+        .path(&format!("/{}", "a".repeat(300)))
+        .send(server.addr)
+        .await;
+    assert_eq!(long.status, StatusCode::URI_TOO_LONG, "{long:?}");
+    server.stop().await;
+
+    let metrics = take(&snapshotter);
+    let series = |name: &str| -> Vec<&String> {
+        let mut series: Vec<&String> = metrics
+            .keys()
+            .filter(|key| key.starts_with(&format!("{name}{{")))
+            .collect();
+        series.sort();
+        series
+    };
+    let unnamed = |labels: &str| format!("operation=(unnamed){labels}");
+    assert_eq!(
+        series(REQUESTS_TOTAL),
+        [
+            &format!("{REQUESTS_TOTAL}{{{}}}", unnamed(",outcome=executed")),
+            &format!("{REQUESTS_TOTAL}{{{}}}", unnamed(",outcome=rejected")),
+            &format!("{REQUESTS_TOTAL}{{{}}}", unnamed(",outcome=rolled_back")),
+        ],
+        "{metrics:#?}"
+    );
+    let count = |outcome: &str| {
+        counter(
+            &metrics,
+            &format!(
+                "{REQUESTS_TOTAL}{{{}}}",
+                unnamed(&format!(",outcome={outcome}"))
+            ),
+        )
+    };
+    assert_eq!(count("executed"), requests);
+    assert_eq!(count("rolled_back"), requests, "each 404 rolled back");
+    assert_eq!(count("rejected"), 1);
+    assert_eq!(
+        series(HANDLER_ROLLBACKS_TOTAL),
+        [&format!(
+            "{HANDLER_ROLLBACKS_TOTAL}{{{}}}",
+            unnamed(",reason=not_saved")
+        )]
+    );
+    assert_eq!(
+        series(LOCK_WAIT_SECONDS),
+        [&format!("{LOCK_WAIT_SECONDS}{{{}}}", unnamed(""))]
+    );
+    // The records stay scoped by path: each key went to a cancel and to an unknown path, two
+    // operations (the 404 ran rather than conflict); the cancels' 200s were saved.
+    assert_eq!(common::record_count(&store).await, requests as i64);
 }
 
 test! { the_relay_and_the_inbox_record_deliveries_failures_dead_letters_and_backlog }
