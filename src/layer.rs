@@ -105,6 +105,9 @@ pub(crate) struct Config {
     /// The keys of the operation's metrics, made at its first request.
     #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
     pub(crate) metric_keys: crate::metrics::Keys,
+    /// Whether a handler's plain `Tx` on a request this layer passed through was logged.
+    #[cfg(feature = "axum")]
+    pub(crate) passed_through_logged: crate::extract::LoggedOnce,
 }
 
 /// The longest operation name, in bytes: the MySQL and MariaDB table's `VARBINARY(255)`
@@ -230,6 +233,8 @@ impl<St> IdempotencyLayer<St> {
                 running: Arc::default(),
                 steps: None,
                 metric_keys: Default::default(),
+                #[cfg(feature = "axum")]
+                passed_through_logged: Default::default(),
             }),
         }
     }
@@ -306,6 +311,36 @@ impl<St> IdempotencyLayer<St> {
 
     /// Whether a request without `Idempotency-Key` is refused (`400`, the default) or passed
     /// through to the inner service untouched (`false`).
+    ///
+    /// A request passed through gets no record and **no transaction handle**: the handler
+    /// runs as without the layer, once per request. A handler that serves both kinds takes
+    /// [`Option<Tx<H>>`](crate::extract::Tx) (feature `axum`): `Some` with a key, `None`
+    /// without, when it writes through your own pool or connection, without idempotency. A
+    /// handler that takes a plain `Tx<H>` cannot run without a transaction: a request without
+    /// a key is answered `500` `{"error":"idempotency_layer_missing"}` (a server-side
+    /// configuration error, not the client's), and the first such request is logged at error
+    /// level with this fix. Outside axum, the handle is absent from the request extensions.
+    ///
+    /// ```no_run
+    /// use axum::{routing::post, Router};
+    /// use tower_idempotency::{extract::Tx, store::sqlite::{SqliteHandle, SqliteStore}};
+    /// use tower_idempotency::IdempotencyLayer;
+    ///
+    /// async fn add_note(tx: Option<Tx<SqliteHandle>>) -> &'static str {
+    ///     match tx {
+    ///         Some(Tx(_tx)) => "once per key: written through the request's transaction",
+    ///         None => "no key: written as without the layer",
+    ///     }
+    /// }
+    ///
+    /// # async fn run() -> Result<(), tower_idempotency::Error> {
+    /// let store = SqliteStore::open("notes.db").await?;
+    /// let layer = IdempotencyLayer::new(store)
+    ///     .with_operation("add_note")
+    ///     .with_key_required(false);
+    /// let app: Router = Router::new().route("/notes", post(add_note).layer(layer));
+    /// # let _ = app; Ok(()) }
+    /// ```
     pub fn with_key_required(self, required: bool) -> Self {
         self.map_config(|c| c.key_required = required)
     }

@@ -165,6 +165,10 @@ where
             .map(|name| parts.headers.get_all(name).iter().count());
         let request = Request::from_parts(parts, body);
         if !handled || (key_headers == Some(0) && !self.config.key_required) {
+            // Marked, so that `Option<Tx>` is `None` for it and a plain `Tx` says why it has
+            // no transaction (not as on a route without the layer).
+            #[cfg(feature = "axum")]
+            let request = crate::extract::PassedThrough::mark(request, handled, &self.config);
             // Passed through: the ready instance is called at once, as without the layer.
             let call = self.inner.call(request.map(RequestBody::streaming));
             return ResponseFuture {

@@ -1,8 +1,8 @@
 //! The contract of DESIGN.md §1 over real HTTP on every store, the stores' own contract, hostile
-//! input, limits, the IETF draft's statuses, what the `metrics` feature records, the layer around
-//! a plain hyper service, SQLite's store beside another process, what each PostgreSQL store
-//! adds (its pools, replay checks, round trips and SQL literals), and the property tests of the
-//! canonical JSON and the key parser.
+//! input, limits, the IETF draft's statuses, what the `metrics` feature records, requests the
+//! layer passes through (`Option<Tx>`), the layer around a plain hyper service, SQLite's store
+//! beside another process, what each PostgreSQL store adds (its pools, replay checks, round
+//! trips and SQL literals), and the property tests of the canonical JSON and the key parser.
 
 #[macro_use]
 extern crate support;
@@ -12,6 +12,7 @@ mod contract;
 mod hostile;
 mod hyper_service;
 mod ietf_draft;
+mod keyless;
 mod limits;
 mod metrics;
 mod postgres_store;
