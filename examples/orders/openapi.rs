@@ -101,7 +101,18 @@ fn create_order() -> Operation {
                 .description("The sku or the quantity is invalid")
                 .content("application/json", Content::new(Some(invalid))),
         )
+        .response("401", unauthenticated())
         .build()
+}
+
+/// `401` from the app's authentication, in front of every route.
+fn unauthenticated() -> ResponseBuilder {
+    let body = ObjectBuilder::new()
+        .property("error", string().enum_values(Some(["unauthenticated"])))
+        .required("error");
+    ResponseBuilder::new()
+        .description("No tenant: the request is not authenticated.")
+        .content("application/json", Content::new(Some(body)))
 }
 
 /// `GET /orders/{id}`.
@@ -113,9 +124,6 @@ fn get_order() -> Operation {
         .examples([json!({"order_id": 1, "sku": "book", "quantity": 1})]);
     let not_found = ObjectBuilder::new()
         .property("error", string().enum_values(Some(["not_found"])))
-        .required("error");
-    let unauthenticated = ObjectBuilder::new()
-        .property("error", string().enum_values(Some(["unauthenticated"])))
         .required("error");
     OperationBuilder::new()
         .operation_id(Some("get_order"))
@@ -139,11 +147,6 @@ fn get_order() -> Operation {
                 .description("No such order of the caller's")
                 .content("application/json", Content::new(Some(not_found))),
         )
-        .response(
-            "401",
-            ResponseBuilder::new()
-                .description("No tenant: the request is not authenticated")
-                .content("application/json", Content::new(Some(unauthenticated))),
-        )
+        .response("401", unauthenticated())
         .build()
 }
