@@ -128,6 +128,10 @@ pub(crate) enum RollbackReason {
     Capture,
     /// Saving the record or the commit failed.
     CommitFailed,
+    /// The database threw the transaction away (a serialization failure or a deadlock, or
+    /// another member of a SQLite commit group failed) and the request runs again, within
+    /// the layer's conflict retries.
+    Rerun,
 }
 
 impl RollbackReason {
@@ -140,6 +144,7 @@ impl RollbackReason {
             RollbackReason::Panic => "panic",
             RollbackReason::Capture => "capture_failed",
             RollbackReason::CommitFailed => "commit_failed",
+            RollbackReason::Rerun => "rerun",
         }
     }
 }

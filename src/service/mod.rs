@@ -416,6 +416,7 @@ where
                     // member of its SQLite commit group. Running it again may commit.
                     Finished::CommitFailed(error) if reruns.take(&error, &self.config) => {
                         tracing::info!(%error, attempt = reruns.attempts(), "transaction thrown away; running again");
+                        metrics::rollback(&self.config, RollbackReason::Rerun);
                         continue;
                     }
                     Finished::CommitFailed(error) => {
