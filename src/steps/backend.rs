@@ -351,8 +351,9 @@ pub struct Progress {
     pub updated_at: SystemTime,
     /// How many steps it has saved.
     pub steps: u32,
-    /// Its run id (see [`Acquired::Owned`]): with the scope and a step's name, it gives the
-    /// step's key ([`step_key`](super::step_key)).
+    /// Its run id (new for every life of the key, kept across its resumes and take-overs):
+    /// with the scope and a step's name, it gives the step's key
+    /// ([`step_key`](super::step_key)).
     pub run: String,
 }
 
@@ -591,10 +592,10 @@ pub trait StepStore: IdempotencyStore + sealed::Sealed {
         now: SystemTime,
     ) -> impl Future<Output = Result<Settled, Error>> + Send;
 
-    /// Ends up to `batch` keys left running whose progress expired at `now` (their
-    /// [`Claim::expires_at`]) and whose lease has ended; returns how many. A key without a
-    /// foreign step is deleted with its steps and saved request (its next request starts a new
-    /// life, with a new run id). A key with a foreign step's intent or result (money may have
+    /// Ends up to `batch` keys left running whose progress expired at `now` (their claims'
+    /// `expires_at`, the layer's retention) and whose lease has ended; returns how many. A key
+    /// without a foreign step is deleted with its steps and saved request (its next request
+    /// starts a new life, with a new run id). A key with a foreign step's intent or result (money may have
     /// been taken for an order that was never answered) is marked dead instead, for an
     /// operator: it is never forgotten. Keys in doubt or dead are never purged. Does nothing
     /// (0) if the steps' tables were never installed.
