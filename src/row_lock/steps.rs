@@ -552,7 +552,6 @@ pub(crate) async fn progress<S: PgDriver>(
     ];
     let rows = store.fetch_rows(dialect.list_progress, &params).await?;
     let mut page = ProgressPage::default();
-    let mut last = None;
     for row in &rows {
         let cursor = ProgressCursor {
             updated_at: row.required_big_int(15, "updated_at")?,
@@ -560,24 +559,10 @@ pub(crate) async fn progress<S: PgDriver>(
             operation: row.required_text(1, "operation")?,
             key: row.required_text(2, "idempotency key")?,
         };
-        match progress_row(row, &cursor) {
-            Ok(progress) => page.keys.push(progress),
-            Err(error) => {
-                crate::metrics::unreadable_progress(
-                    &cursor.tenant,
-                    &cursor.operation,
-                    &cursor.key,
-                    &error,
-                );
-                page.skipped += 1;
-            }
-        }
-        last = Some(cursor);
+        let read = progress_row(row, &cursor);
+        page.add(cursor, read);
     }
-    if rows.len() >= query.limit {
-        page.next = last;
-    }
-    Ok(page)
+    Ok(page.ended(rows.len(), query.limit))
 }
 
 /// A listed key in progress (the columns of `progress_columns!` after the scope's).

@@ -455,6 +455,35 @@ pub struct ProgressPage {
     pub next: Option<ProgressCursor>,
 }
 
+#[cfg(sql_store)]
+impl ProgressPage {
+    /// Adds a listed row at `cursor`: its key, or, when it could not be read, a skip (logged
+    /// and counted). The page's end moves past it either way.
+    pub(crate) fn add(&mut self, cursor: ProgressCursor, read: Result<Progress, Error>) {
+        match read {
+            Ok(progress) => self.keys.push(progress),
+            Err(error) => {
+                crate::metrics::unreadable_progress(
+                    &cursor.tenant,
+                    &cursor.operation,
+                    &cursor.key,
+                    &error,
+                );
+                self.skipped += 1;
+            }
+        }
+        self.next = Some(cursor);
+    }
+
+    /// The page of `seen` rows asked for `limit`: only a full page says where the next starts.
+    pub(crate) fn ended(mut self, seen: usize, limit: usize) -> Self {
+        if seen < limit {
+            self.next = None;
+        }
+        self
+    }
+}
+
 /// What [`StepStore::resolve`] did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]

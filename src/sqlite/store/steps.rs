@@ -159,26 +159,7 @@ fn check_lease(tx: &Transaction<'_>, lease: &Lease) -> Result<(), Error> {
 fn save_step_row(tx: &Transaction<'_>, lease: &Lease, step: &StepRow) -> Result<(), Error> {
     let scope = &lease.scope;
     let now = to_unix_millis(lease.now);
-    let key = params![
-        &*scope.tenant,
-        &*scope.operation,
-        scope.key.as_str(),
-        step.seq
-    ];
-    let saved = tx
-        .prepare_cached(&format!(
-            "SELECT name, kind, result IS NOT NULL FROM idempotency_steps \
-             WHERE {KEY} AND seq = ?4"
-        ))?
-        .query_row(key, |row| {
-            Ok((
-                row.get::<_, String>(0)?,
-                row.get::<_, String>(1)?,
-                row.get::<_, bool>(2)?,
-            ))
-        })
-        .optional()?;
-    let Some((name, kind, done)) = saved else {
+    if !check_position(tx, scope, step)? {
         tx.prepare_cached(
             "INSERT INTO idempotency_steps (tenant, operation, idempotency_key, seq, name, kind, \
              result, created_at, updated_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?8)",
@@ -194,8 +175,7 @@ fn save_step_row(tx: &Transaction<'_>, lease: &Lease, step: &StepRow) -> Result<
             now,
         ])?;
         return Ok(());
-    };
-    crate::steps::check_saved_step(step, &name, &kind, done)?;
+    }
     if let Some(result) = &step.result {
         tx.prepare_cached(&format!(
             "UPDATE idempotency_steps SET result = ?5, updated_at = ?6 \
@@ -394,7 +374,6 @@ fn list(conn: &rusqlite::Connection, query: &ProgressQuery) -> Result<ProgressPa
     ])?;
     let mut page = ProgressPage::default();
     let mut seen = 0;
-    let mut last = None;
     while let Some(row) = rows.next()? {
         seen += 1;
         let cursor = ProgressCursor {
@@ -403,24 +382,10 @@ fn list(conn: &rusqlite::Connection, query: &ProgressQuery) -> Result<ProgressPa
             operation: lossy_text(row, 2)?,
             key: lossy_text(row, 3)?,
         };
-        match progress_row(row, &cursor) {
-            Ok(progress) => page.keys.push(progress),
-            Err(error) => {
-                crate::metrics::unreadable_progress(
-                    &cursor.tenant,
-                    &cursor.operation,
-                    &cursor.key,
-                    &error,
-                );
-                page.skipped += 1;
-            }
-        }
-        last = Some(cursor);
+        let read = progress_row(row, &cursor);
+        page.add(cursor, read);
     }
-    if seen >= query.limit {
-        page.next = last;
-    }
-    Ok(page)
+    Ok(page.ended(seen, query.limit))
 }
 
 /// A text column as text, whatever was stored there.
@@ -531,7 +496,7 @@ impl StepStore for SqliteStore {
             // position must not run at all.
             let mut intent = step.clone();
             intent.result = None;
-            check_position_free(tx, &lease.scope, &intent)?;
+            check_position(tx, &lease.scope, &intent)?;
             let value = work(tx).into_resolved()?;
             step.result = Some(encode(&value)?);
             save_step_row(tx, &lease, &step)?;
@@ -771,9 +736,9 @@ impl StepStore for SqliteStore {
     }
 }
 
-/// Refuses a step whose position holds another step, or its result already (see
-/// [`save_step_row`]).
-fn check_position_free(tx: &Transaction<'_>, scope: &Scope, step: &StepRow) -> Result<(), Error> {
+/// Checks `step` against the step saved at its position, if any (see `check_saved_step`):
+/// whether one is saved there (its intent).
+fn check_position(tx: &Transaction<'_>, scope: &Scope, step: &StepRow) -> Result<bool, Error> {
     let saved = tx
         .prepare_cached(&format!(
             "SELECT name, kind, result IS NOT NULL FROM idempotency_steps \
@@ -796,7 +761,9 @@ fn check_position_free(tx: &Transaction<'_>, scope: &Scope, step: &StepRow) -> R
         )
         .optional()?;
     match saved {
-        Some((name, kind, done)) => crate::steps::check_saved_step(step, &name, &kind, done),
-        None => Ok(()),
+        Some((name, kind, done)) => {
+            crate::steps::check_saved_step(step, &name, &kind, done).map(|()| true)
+        }
+        None => Ok(false),
     }
 }
