@@ -191,6 +191,10 @@ enum Stop {
     GoneInCall { step: usize, charged: bool },
     /// The client goes away during the local step `k`'s transaction, after its insert.
     GoneInLocal(usize),
+    /// Step `k`'s call hangs, after the provider charged or before, until the layer cuts it
+    /// off at the lease's end (an unknown outcome). Meanwhile an operator tries to resolve the
+    /// key: refused, it is running (its owner is in the middle of a call).
+    SlowCall { step: usize, charged: bool },
 }
 
 impl Stop {
@@ -204,6 +208,7 @@ impl Stop {
             Stop::Unavailable(k)
             | Stop::Unknown { step: k, .. }
             | Stop::GoneInCall { step: k, .. }
+            | Stop::SlowCall { step: k, .. }
                 if k == i =>
             {
                 Some(self)
@@ -304,10 +309,12 @@ impl Case {
         }
     }
 
+    /// Whether the key has a stalled owner or a call cut off at its lease's end: its lease
+    /// is then the shortest the layer takes.
     fn stalls(&self, lane: usize) -> bool {
         self.events.iter().any(|event| {
             matches!(event, Event::Attempt { lane: l, attempt } if *l == lane
-                && matches!(attempt.stop, Stop::Stall(_)))
+                && matches!(attempt.stop, Stop::Stall(_) | Stop::SlowCall { .. }))
         })
     }
 }
@@ -323,6 +330,7 @@ enum Kind {
     Unknown,
     GoneInCall,
     GoneInLocal,
+    SlowCall,
 }
 
 fn kind() -> impl Strategy<Value = Kind> {
@@ -334,6 +342,7 @@ fn kind() -> impl Strategy<Value = Kind> {
         3 => Just(Kind::Unavailable),
         3 => Just(Kind::Unknown),
         3 => Just(Kind::GoneInCall),
+        1 => Just(Kind::SlowCall),
         2 => Just(Kind::GoneInLocal),
     ]
 }
@@ -581,6 +590,10 @@ fn fitter(program: &[Step]) -> impl Fn(Kind, usize, bool) -> Stop {
             }
             Kind::GoneInCall => pick(&foreign).map_or(Stop::Gone(boundary), |step| {
                 Stop::GoneInCall { step, charged }
+            }),
+            Kind::SlowCall => pick(&foreign).map_or(Stop::Gone(boundary), |step| Stop::SlowCall {
+                step,
+                charged,
             }),
             Kind::GoneInLocal => pick(&local).map_or(Stop::Gone(boundary), Stop::GoneInLocal),
         }
@@ -845,7 +858,11 @@ impl Model {
                     self.release();
                     return failed(completer, StatusCode::SERVICE_UNAVAILABLE);
                 }
-                Some(Stop::Unknown { charged, .. } | Stop::GoneInCall { charged, .. }) => {
+                Some(
+                    Stop::Unknown { charged, .. }
+                    | Stop::GoneInCall { charged, .. }
+                    | Stop::SlowCall { charged, .. },
+                ) => {
                     if charged && !foreign.declines {
                         self.charge(i);
                     }
@@ -1157,6 +1174,7 @@ struct Stats {
     dead_taken_by_client: AtomicUsize,
     stalls_refused: AtomicUsize,
     stalls_gone_on: AtomicUsize,
+    resolve_refused_mid_call: AtomicUsize,
 }
 
 static STATS: Stats = Stats {
@@ -1180,6 +1198,7 @@ static STATS: Stats = Stats {
     dead_taken_by_client: AtomicUsize::new(0),
     stalls_refused: AtomicUsize::new(0),
     stalls_gone_on: AtomicUsize::new(0),
+    resolve_refused_mid_call: AtomicUsize::new(0),
 };
 
 fn count(counter: &AtomicUsize, n: usize) {
@@ -1231,9 +1250,11 @@ impl<B: Backend> App<B> {
                 self.provider().called(name, key, false);
                 return Err(Foreign::unavailable("provider down"));
             }
-            Some(Stop::Unknown { charged, .. } | Stop::GoneInCall { charged, .. }) => {
-                charged && !declines
-            }
+            Some(
+                Stop::Unknown { charged, .. }
+                | Stop::GoneInCall { charged, .. }
+                | Stop::SlowCall { charged, .. },
+            ) => charged && !declines,
             Some(other) => unreachable!("{other:?}"),
         };
         let id = {
@@ -1243,7 +1264,8 @@ impl<B: Backend> App<B> {
         };
         match fault {
             None => id.ok_or_else(|| Foreign::terminal(StatusCode::PAYMENT_REQUIRED, declined)),
-            Some(Stop::GoneInCall { .. }) => {
+            // Hangs: the client goes away, or the layer cuts the call off at the lease's end.
+            Some(Stop::GoneInCall { .. } | Stop::SlowCall { .. }) => {
                 reached.notify_one();
                 std::future::pending().await
             }
@@ -1720,7 +1742,7 @@ impl<B: Backend> Run<B> {
     }
 
     /// Waits until the leases of the stalled requests on `lanes` are over: the key is left
-    /// alone then (an operator acts, a client or the completer takes it at once).
+    /// alone then (a purge may end it, a client or the completer takes it at once).
     async fn lease_over(&self, lanes: &[usize]) {
         for &l in lanes {
             if let Some((_, _, over)) = &self.lanes[l].stalled {
@@ -1765,6 +1787,7 @@ impl<B: Backend> Run<B> {
 
     async fn run(&mut self, l: usize, attempt: Attempt) -> Ended {
         let plan = Plan::new(attempt.stop);
+        let slow = matches!(attempt.stop, Stop::SlowCall { .. });
         let lane = &self.lanes[l];
         *lane.app.0.plan.lock().unwrap() = Some(plan.clone());
         let ended = if attempt.completer {
@@ -1775,14 +1798,25 @@ impl<B: Backend> Run<B> {
                 .with_idle(Duration::ZERO)
                 .with_max_attempts(1000);
             let round = completer.run_once();
-            within("the completer", async {
+            tokio::pin!(round);
+            let ended = within("the completer", async {
                 tokio::select! {
-                    report = round => Ended::Report(report.expect("the completer's round")),
+                    report = &mut round => {
+                        Ended::Report(report.expect("the completer's round"))
+                    }
                     // The completer's process went away: its round is dropped.
                     () = plan.reached.notified() => Ended::Dropped,
                 }
             })
-            .await
+            .await;
+            if slow && matches!(ended, Ended::Dropped) {
+                // The call hangs until the layer cuts it off.
+                self.mid_call(l).await;
+                let report = within("the completer", round).await;
+                Ended::Report(report.expect("the completer's round"))
+            } else {
+                ended
+            }
         } else {
             let mut task = tokio::spawn(self.send(l));
             let stall = matches!(attempt.stop, Stop::Stall(_));
@@ -1801,6 +1835,12 @@ impl<B: Backend> Run<B> {
                     let over = std::time::Instant::now() + SHORT_LEASE + Duration::from_millis(100);
                     self.lanes[l].stalled = Some((task, plan.clone(), over));
                 }
+                // The call hangs until the layer cuts it off.
+                Ended::Dropped if slow => {
+                    self.mid_call(l).await;
+                    let reply = within("the request", task).await;
+                    return self.ran(l, Ended::Reply(reply.expect("the request")));
+                }
                 // The client went away: the request future is dropped.
                 Ended::Dropped => {
                     task.abort();
@@ -1810,8 +1850,53 @@ impl<B: Backend> Run<B> {
             }
             ended
         };
+        self.ran(l, ended)
+    }
+
+    /// The attempt on `l` ended: its plan is done.
+    fn ran(&mut self, l: usize, ended: Ended) -> Ended {
         self.lanes[l].app.0.plan.lock().unwrap().take();
         ended
+    }
+
+    /// An operator's resolve while the key's owner is in the middle of a call: refused (the
+    /// key is running), and nothing changes.
+    async fn mid_call(&mut self, l: usize) {
+        // What a resolve would change (the call may be cut off meanwhile: a release ends the
+        // lease, and changes nothing else).
+        let owner = |listed: &[Progress]| -> Vec<_> {
+            listed
+                .iter()
+                .map(|p| (p.status, p.generation, p.attempts, p.steps, p.run.clone()))
+                .collect()
+        };
+        let before = owner(&self.listed(l).await);
+        let lane = &self.lanes[l];
+        let seq = lane.model.committed as u32;
+        let settled = self
+            .admin()
+            .resolve_steps(
+                TENANT,
+                lane.operation,
+                lane.scope.key.as_str(),
+                Some(seq),
+                &Resolution::CallAgain,
+            )
+            .await
+            .expect("resolve");
+        self.log.push(format!(
+            "{} operator Resolve during the call of step {seq}: {settled:?}",
+            lane.operation
+        ));
+        count(&STATS.resolve_refused_mid_call, 1);
+        self.assert(
+            settled == Settled::Running,
+            "a key whose owner is in the middle of a call cannot be resolved",
+        );
+        self.assert(
+            owner(&self.listed(l).await) == before,
+            "a resolve refused mid-call changes nothing",
+        );
     }
 
     /// Waits until a dropped request's key is let go (released in the background).
@@ -2210,13 +2295,12 @@ impl<B: Backend> Run<B> {
                     self.attempt(lane, attempt).await;
                 }
                 Event::Operator { lane, action } => {
-                    // A purge of progress acts on every key of the store.
-                    let lanes = if action == Operator::PurgeProgress {
-                        &every[..]
-                    } else {
-                        &[lane][..]
-                    };
-                    self.lease_over(lanes).await;
+                    // A purge of progress acts on every key of the store, and only on keys
+                    // left alone. The others may find a stalled owner holding the key (a
+                    // resolve is then refused: the key is running).
+                    if action == Operator::PurgeProgress {
+                        self.lease_over(&every).await;
+                    }
                     self.operator(lane, action).await;
                 }
                 Event::Resume { lane } => self.resume(lane).await,
