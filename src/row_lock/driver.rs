@@ -55,8 +55,6 @@ pub(crate) use columns_by_try_get;
 pub(crate) use crate::sqlx::mysql::driver::{claim as mysql_claim, positional};
 #[cfg(all(feature = "outbox", feature = "sqlx-postgres"))]
 pub(crate) use crate::sqlx::postgres::driver::numbered;
-#[cfg(all(feature = "outbox", feature = "tokio-postgres"))]
-pub(crate) use crate::tokio_postgres::driver::as_sql;
 
 /// A statement parameter: the few types the shared statements bind.
 #[derive(Clone, Copy, Debug)]

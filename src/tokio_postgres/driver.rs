@@ -7,8 +7,9 @@ use tokio_postgres::types::{IsNull, ToSql, Type};
 use crate::error::Error;
 use crate::row_lock::driver::{columns_by_try_get, PgDriver, PgParam};
 use crate::row_lock::driver::{finish, Finish, PgHandle, PgTransactions};
+use crate::store::tokio_postgres::statements::{typed, Preparation};
 use crate::store::tokio_postgres::PostgresStore;
-use crate::store::tokio_postgres::{migrate::install_schema, PostgresHandle};
+use crate::store::tokio_postgres::{migrate::install_schema, Executor as _, PostgresHandle};
 
 type BoxedError = Box<dyn std::error::Error + Sync + Send>;
 
@@ -50,14 +51,23 @@ columns_by_try_get!(Row, i32);
 impl PgDriver for PostgresStore {
     type Row = Row;
 
+    /// Prepared (and closed) on the connection, or unnamed in one message: outside a
+    /// transaction, a transaction pooler may run a statement prepared in one round trip on
+    /// another server connection than the one that prepared it.
     async fn fetch_rows(&self, sql: &str, params: &[PgParam<'_>]) -> Result<Vec<Row>, Error> {
         let client = self.client().await?;
-        Ok(client.query(sql, &as_sql(params)).await?)
+        Ok(match self.preparation() {
+            Preparation::Cached => client.query(sql, &as_sql(params)).await?,
+            Preparation::Unnamed => client.query_typed(sql, &typed(params)).await?,
+        })
     }
 
     async fn execute_counted(&self, sql: &str, params: &[PgParam<'_>]) -> Result<u64, Error> {
         let client = self.client().await?;
-        Ok(client.execute(sql, &as_sql(params)).await?)
+        Ok(match self.preparation() {
+            Preparation::Cached => client.execute(sql, &as_sql(params)).await?,
+            Preparation::Unnamed => client.execute_typed(sql, &typed(params)).await?,
+        })
     }
 
     #[cfg(feature = "outbox")]
@@ -69,7 +79,10 @@ impl PgDriver for PostgresStore {
         let tx = client.transaction().await?;
         let mut results = Vec::with_capacity(statements.len());
         for (sql, params) in statements {
-            results.push(tx.query(*sql, &as_sql(params)).await?);
+            results.push(match self.preparation() {
+                Preparation::Cached => tx.query(*sql, &as_sql(params)).await?,
+                Preparation::Unnamed => tx.query_typed(sql, &typed(params)).await?,
+            });
         }
         tx.commit().await?;
         Ok(results)
@@ -104,13 +117,11 @@ impl PgHandle for PostgresHandle {
 
     async fn fetch_in(&self, sql: &'static str, params: &[PgParam<'_>]) -> Result<Vec<Row>, Error> {
         let client = self.client().await?;
-        let statement = client.prepare_cached(sql).await?;
-        client.query(&statement, &as_sql(params)).await
+        client.query_shared(sql, &typed(params)).await
     }
 
     async fn execute_in(&self, sql: &'static str, params: &[PgParam<'_>]) -> Result<u64, Error> {
         let client = self.client().await?;
-        let statement = client.prepare_cached(sql).await?;
-        client.execute(&statement, &as_sql(params)).await
+        client.execute_typed_statement(sql, &typed(params)).await
     }
 }

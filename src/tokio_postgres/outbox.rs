@@ -52,8 +52,8 @@ use crate::outbox::inbox::receipt;
 use crate::outbox::{Enqueue, InboxBackend, OutboxBackend};
 use crate::outbox::{EventId, Inbox, Outbox, Receipt};
 use crate::postgres::outbox_sql::{INSERT_EVENT, INSERT_ID};
-use crate::row_lock::driver::as_sql;
 use crate::row_lock::outbox::{record_params, NewEvent};
+use crate::store::tokio_postgres::statements::typed;
 #[cfg(doc)]
 use crate::store::tokio_postgres::{CheckedClient, PostgresHandle};
 use crate::store::tokio_postgres::{Executor, PostgresStore};
@@ -93,7 +93,7 @@ impl Outbox<PostgresStore> {
     {
         let event = NewEvent::new(payload);
         client
-            .execute_statement(INSERT_EVENT, &as_sql(&event.params(topic)))
+            .execute_typed_statement(INSERT_EVENT, &typed(&event.params(topic)))
             .await?;
         Ok(event.id)
     }
@@ -118,7 +118,7 @@ impl Inbox<PostgresStore> {
     {
         let params = record_params(self.consumer(), event_id);
         let inserted = client
-            .execute_statement(INSERT_ID, &as_sql(&params))
+            .execute_typed_statement(INSERT_ID, &typed(&params))
             .await?;
         Ok(receipt(inserted))
     }

@@ -1,5 +1,9 @@
 //! [`PgDriver`] on sqlx: [`SqlxPostgresStore`] and its [`SqlxHandle`] handle. sqlx
-//! prepares and caches each statement on its connection.
+//! prepares and caches each statement on its connection, unless the store keeps no statement
+//! prepared (`with_unnamed_statements`, behind a transaction pooler): then each goes unnamed,
+//! those that run in autocommit in a transaction of their own (sqlx prepares a statement with
+//! bind parameters in a round trip of its own, and a pooler may hand the next to another
+//! server connection, which has no such statement).
 
 use sqlx::postgres::{PgArguments, PgRow, Postgres};
 use sqlx::query::Query;
@@ -24,11 +28,27 @@ impl PgDriver for SqlxPostgresStore {
     type Row = PgRow;
 
     async fn fetch_rows(&self, sql: &str, params: &[PgParam<'_>]) -> Result<Vec<PgRow>, Error> {
-        Ok(self.pool().fetch_all(bound(sql, params)).await?)
+        if !self.shared.unnamed_statements {
+            return Ok(self.pool().fetch_all(bound(sql, params)).await?);
+        }
+        let mut tx = self.pool().begin().await?;
+        let rows = (&mut *tx)
+            .fetch_all(bound(sql, params).persistent(false))
+            .await?;
+        tx.commit().await?;
+        Ok(rows)
     }
 
     async fn execute_counted(&self, sql: &str, params: &[PgParam<'_>]) -> Result<u64, Error> {
-        let done = self.pool().execute(bound(sql, params)).await?;
+        if !self.shared.unnamed_statements {
+            let done = self.pool().execute(bound(sql, params)).await?;
+            return Ok(done.rows_affected());
+        }
+        let mut tx = self.pool().begin().await?;
+        let done = (&mut *tx)
+            .execute(bound(sql, params).persistent(false))
+            .await?;
+        tx.commit().await?;
         Ok(done.rows_affected())
     }
 
@@ -38,9 +58,11 @@ impl PgDriver for SqlxPostgresStore {
         statements: &[(&str, &[PgParam<'_>])],
     ) -> Result<Vec<Vec<PgRow>>, Error> {
         let mut tx = self.pool().begin().await?;
+        let persistent = !self.shared.unnamed_statements;
         let mut results = Vec::with_capacity(statements.len());
         for (sql, params) in statements {
-            results.push((&mut *tx).fetch_all(bound(sql, params)).await?);
+            let statement = bound(sql, params).persistent(persistent);
+            results.push((&mut *tx).fetch_all(statement).await?);
         }
         tx.commit().await?;
         Ok(results)

@@ -172,6 +172,11 @@ pub struct CheckedConnection<D: SqlxDialect> {
     /// answering: the statement fails, the ones after it are refused, the layer answers `503`
     /// and the connection is closed. `None`: no bound.
     answer_wait: Option<Duration>,
+    /// Whether no statement may stay prepared on the connection past its transaction (a
+    /// transaction pooler in front of the server): the handler's statements go unnamed
+    /// (sqlx's `persistent(false)`), and the slot closes any statement left cached on the
+    /// connection before the transaction ends.
+    unnamed: bool,
 }
 
 impl<D: SqlxDialect> fmt::Debug for CheckedConnection<D> {
@@ -186,7 +191,19 @@ impl<D: SqlxDialect> CheckedConnection<D> {
             raw,
             conflict: ObservedCell::default(),
             answer_wait: None,
+            unnamed: false,
         }
+    }
+
+    /// With unnamed statements (see the field), if `unnamed`.
+    pub(crate) fn with_unnamed_statements(mut self, unnamed: bool) -> Self {
+        self.unnamed = unnamed;
+        self
+    }
+
+    /// Whether no statement may stay prepared on the connection past its transaction.
+    pub(crate) fn unnamed_statements(&self) -> bool {
+        self.unnamed
     }
 
     /// The connection of a request's transaction whose lock waits end by `lock_timeout`: its
@@ -338,10 +355,12 @@ impl<'q, DB: Database> Execute<'q, DB> for Piece<'q> {
     }
 }
 
-/// A query whose arguments were already taken (to see which protocol it needs).
+/// A query whose arguments were already taken (to see which protocol it needs), prepared for
+/// reuse (`persistent`) only if it asks to be and the connection keeps statements.
 struct Checked<'q, DB: Database, E> {
     query: E,
     arguments: Option<DB::Arguments<'q>>,
+    persistent: bool,
 }
 
 impl<'q, DB: Database, E: Execute<'q, DB>> Execute<'q, DB> for Checked<'q, DB, E> {
@@ -358,7 +377,7 @@ impl<'q, DB: Database, E: Execute<'q, DB>> Execute<'q, DB> for Checked<'q, DB, E
     }
 
     fn persistent(&self) -> bool {
-        self.query.persistent()
+        self.persistent
     }
 }
 
@@ -405,6 +424,7 @@ impl<'c, D: SqlxDialect> Executor<'c> for &'c mut CheckedConnection<D> {
         }
         let conflict = Arc::clone(&self.conflict);
         let (wait, stalled) = (self.answer_wait, Arc::clone(&self.conflict));
+        let persistent = query.persistent() && !self.unnamed;
         let raw: &'c mut Conn<D> = &mut self.raw;
         let steps = match query.take_arguments() {
             Err(error) => stream::once(future::ready(Err(sqlx::Error::Encode(error)))).boxed(),
@@ -412,6 +432,7 @@ impl<'c, D: SqlxDialect> Executor<'c> for &'c mut CheckedConnection<D> {
                 .fetch_many(Checked {
                     query,
                     arguments: Some(arguments),
+                    persistent,
                 })
                 .inspect(move |step| {
                     if let Err(error) = step {
@@ -439,6 +460,7 @@ impl<'c, D: SqlxDialect> Executor<'c> for &'c mut CheckedConnection<D> {
         let checked = check::<D>(sql, &self.conflict);
         let conflict = Arc::clone(&self.conflict);
         let wait = self.answer_wait;
+        let persistent = query.persistent() && !self.unnamed;
         let raw: &'c mut Conn<D> = &mut self.raw;
         let fetch = async move {
             checked?;
@@ -448,6 +470,7 @@ impl<'c, D: SqlxDialect> Executor<'c> for &'c mut CheckedConnection<D> {
                         .fetch_optional(Checked {
                             query,
                             arguments: Some(arguments),
+                            persistent,
                         })
                         .await;
                     if let Err(error) = &row {

@@ -116,17 +116,19 @@ pub trait SqlxDialect: sealed::Sealed + Clone + fmt::Debug + Send + Sync + Sized
 
     /// Opens a request's transaction as [`begin_request`](Self::begin_request) says (`waits`:
     /// its `deadline` and `key_row_wait`) and, where the dialect sends it in the same round
-    /// trip, inserts the reservation of `scope` at `now` too (see [`Opened`]). The default
-    /// only opens the transaction. A failed insert's lock wait past `key_row_wait` is reported
-    /// as [`Error::InFlight`] here, by the dialect that knows which statement failed.
+    /// trip, inserts the reservation of `scope` at `now` too (see [`Opened`]), with no
+    /// statement left prepared on the connection if `unnamed` (a transaction pooler in front
+    /// of the server). The default only opens the transaction. A failed insert's lock wait
+    /// past `key_row_wait` is reported as [`Error::InFlight`] here, by the dialect that knows
+    /// which statement failed.
     fn open_request<'a>(
         conn: &'a mut Conn<Self>,
         isolation: Isolation,
         waits: (Instant, Option<Duration>),
-        scope: &'a Scope,
-        now: i64,
+        (scope, now): (&'a Scope, i64),
+        unnamed: bool,
     ) -> BoxFuture<'a, Result<Opened<Self::RowId>, Error>> {
-        let _ = (scope, now);
+        let _ = (scope, now, unnamed);
         let begin = Self::begin_request(isolation, waits.0, waits.1);
         Box::pin(async move {
             Self::Db::executor(conn).execute(begin.as_str()).await?;
@@ -175,10 +177,16 @@ pub trait SqlxDialect: sealed::Sealed + Clone + fmt::Debug + Send + Sync + Sized
 
     /// The completed record's statement of [`complete`](Self::complete) as text, with its
     /// values written into it, for the commit to send it and [`COMMIT`](Self::COMMIT) in one
-    /// round trip; `None` where the dialect does not (the default), or not for these values:
-    /// then the statement goes with bind parameters, and `COMMIT` after it.
-    fn complete_as_text(scope: &Scope, row: &Self::RowId, record: &NewRecord) -> Option<String> {
-        let _ = (scope, row, record);
+    /// round trip (one that leaves no statement prepared on the connection if `unnamed`);
+    /// `None` where the dialect does not (the default), or not for these values: then the
+    /// statement goes with bind parameters, and `COMMIT` after it.
+    fn complete_as_text(
+        scope: &Scope,
+        row: &Self::RowId,
+        record: &NewRecord,
+        unnamed: bool,
+    ) -> Option<String> {
+        let _ = (scope, row, record, unnamed);
         None
     }
 
@@ -241,6 +249,9 @@ pub(crate) struct Shared<D: SqlxDialect> {
     pub(crate) isolation: Isolation,
     /// How many times reserving a key is retried after a conflict.
     pub(crate) conflict_retries: u32,
+    /// Whether no statement stays prepared on a connection past one message or one
+    /// transaction (a transaction pooler in front of the server; see `statements_for`).
+    pub(crate) unnamed_statements: bool,
     /// The next transaction's token (its name in logs and `Debug`).
     pub(crate) reservations: AtomicU64,
 }
@@ -352,17 +363,28 @@ impl<D: SqlxDialect> SqlxStore<D> {
         let reserving = async {
             // From here on, dropping this future (the client went away) discards the connection,
             // which rolls back whatever the server has done for it.
-            let mut slot = Slot::new(CheckedConnection::for_request(connection, lock_timeout));
+            let unnamed = self.shared.unnamed_statements;
+            let for_request = |connection| {
+                CheckedConnection::for_request(connection, lock_timeout)
+                    .with_unnamed_statements(unnamed)
+            };
+            let mut slot = Slot::new(for_request(connection));
             let waits = (deadline, self.key_row_wait);
             let isolation = self.shared.isolation;
             let opened = loop {
-                match D::open_request(slot.raw()?, isolation, waits, scope, now).await {
+                // Statements a use of the connection outside the store left cached: their
+                // server connection may be another client's now.
+                let opening = async {
+                    slot.forget_statements().await?;
+                    D::open_request(slot.raw()?, isolation, waits, (scope, now), unnamed).await
+                };
+                match opening.await {
                     Ok(opened) => break opened,
                     Err(Error::Sqlx(error)) if !checked && D::is_connection_lost(&error) => {
                         tracing::debug!(%error, "idle connection lost; opening the transaction on another");
                         slot.discard();
                         let connection = Self::checked_connection(pool, deadline).await?;
-                        slot = Slot::new(CheckedConnection::for_request(connection, lock_timeout));
+                        slot = Slot::new(for_request(connection));
                         checked = true;
                     }
                     Err(error) => {
@@ -372,7 +394,7 @@ impl<D: SqlxDialect> SqlxStore<D> {
                 }
             };
             let token = self.next_token();
-            match reserve_in(&mut slot, scope, waits, now, opened).await {
+            match reserve_in(&mut slot, scope, waits, now, opened, unnamed).await {
                 Ok(Reserved::Row(row)) => Ok(Begin::Reserved(SqlxReservation::new(
                     token,
                     slot,
@@ -434,9 +456,13 @@ impl<D: SqlxDialect> SqlxStore<D> {
     /// pool's `acquire` if that connection turns out to be gone.
     async fn read(&self, scope: &Scope, now: i64) -> Result<Option<Option<StoredRecord>>, Error> {
         let reads = &self.shared.reads;
+        if self.shared.unnamed_statements {
+            return Self::read_in_transaction(reads, scope, now).await;
+        }
         if let Some(mut idle) = reads.try_acquire() {
             let conn = D::Db::executor(&mut idle);
-            match D::Db::fetch_record(conn, D::SELECT_LIVE_RECORD, scope, now, true).await {
+            let live = D::SELECT_LIVE_RECORD;
+            match D::Db::fetch_record(conn, live, scope, now, true, true).await {
                 Err(Error::Sqlx(error)) if D::is_connection_lost(&error) => {
                     tracing::debug!(%error, "idle read connection lost; reading on another");
                     drop(idle.detach());
@@ -445,7 +471,26 @@ impl<D: SqlxDialect> SqlxStore<D> {
             }
         }
         let conn = D::Db::pool_executor(reads);
-        D::Db::fetch_record(conn, D::SELECT_LIVE_RECORD, scope, now, true).await
+        D::Db::fetch_record(conn, D::SELECT_LIVE_RECORD, scope, now, true, true).await
+    }
+
+    /// [`read`](Self::read) with unnamed statements (a transaction pooler in front of the
+    /// server): in a transaction of its own, where sqlx's two round trips of a statement with
+    /// bind parameters (its preparation, then its run) reach the same server connection. In
+    /// autocommit the pooler may hand each to another, which has no such statement.
+    async fn read_in_transaction(
+        reads: &Pool<D::Db>,
+        scope: &Scope,
+        now: i64,
+    ) -> Result<Option<Option<StoredRecord>>, Error> {
+        let mut tx = reads.begin().await.map_err(pool_error)?;
+        let conn = D::Db::executor(&mut *tx);
+        let found = D::Db::fetch_record(conn, D::SELECT_LIVE_RECORD, scope, now, true, false).await;
+        // A read: its end changes nothing (a failed one rolls back as the transaction drops).
+        if found.is_ok() {
+            tx.commit().await?;
+        }
+        found
     }
 }
 
@@ -454,6 +499,8 @@ struct Statements<'a, D: SqlxDialect> {
     conn: &'a mut Conn<D>,
     scope: &'a Scope,
     now: i64,
+    /// No statement left prepared on the connection (see `SqlxOptions::unnamed_statements`).
+    unnamed: bool,
 }
 
 impl<D: SqlxDialect> ReserveStatements for Statements<'_, D> {
@@ -465,7 +512,16 @@ impl<D: SqlxDialect> ReserveStatements for Statements<'_, D> {
 
     async fn select(&mut self) -> Result<Option<Option<StoredRecord>>, Error> {
         let conn = D::Db::executor(self.conn);
-        D::Db::fetch_record(conn, D::SELECT_RECORD, self.scope, self.now, false).await
+        let persistent = !self.unnamed;
+        D::Db::fetch_record(
+            conn,
+            D::SELECT_RECORD,
+            self.scope,
+            self.now,
+            false,
+            persistent,
+        )
+        .await
     }
 
     async fn take_over(&mut self) -> Result<Option<D::RowId>, Error> {
@@ -483,6 +539,7 @@ async fn reserve_in<D: SqlxDialect>(
     (deadline, key_row_wait): (Instant, Option<Duration>),
     now: i64,
     opened: Opened<D::RowId>,
+    unnamed: bool,
 ) -> Result<Reserved<D::RowId>, Error> {
     // Restored only if that insert reserved the key (then `reserve` returns its row).
     let restored = opened.lock_wait_restored && matches!(opened.inserted, Some(Some(_)));
@@ -490,7 +547,13 @@ async fn reserve_in<D: SqlxDialect>(
     if key_row_wait.is_some() && opened.inserted.is_none() {
         D::lock_table_for_reservation(conn).await?;
     }
-    let reserved = reserve::reserve(&mut Statements::<D> { conn, scope, now }, opened.inserted)
+    let mut statements = Statements::<D> {
+        conn,
+        scope,
+        now,
+        unnamed,
+    };
+    let reserved = reserve::reserve(&mut statements, opened.inserted)
         .await
         .map_err(|error| reserve::in_flight_past_bound(key_row_wait, error))?;
     if key_row_wait.is_some() && !restored && matches!(reserved, Reserved::Row(_)) {
@@ -568,8 +631,9 @@ impl<D: SqlxDialect> IdempotencyStore for SqlxStore<D> {
 
     async fn purge_expired(&self, now: SystemTime, batch: usize) -> Result<u64, Error> {
         let millis = to_unix_millis(now);
-        let records =
-            D::Db::purge(&self.shared.transactions, D::PURGE_EXPIRED, millis, batch).await?;
+        let pool = &self.shared.transactions;
+        let unnamed = self.shared.unnamed_statements;
+        let records = D::Db::purge(pool, D::PURGE_EXPIRED, (millis, batch), unnamed).await?;
         Ok(records + D::purge_progress(self, now, batch).await?)
     }
 }

@@ -23,6 +23,9 @@ pub struct SqlxOptions<D: SqlxDialect> {
     replay_check: ReplayCheck,
     isolation: Isolation,
     pub(crate) conflict_retries: u32,
+    /// Whether the store keeps no statement prepared on a connection past one message or one
+    /// transaction (set by a dialect's option: PostgreSQL's `with_unnamed_statements`).
+    pub(crate) unnamed_statements: bool,
 }
 
 impl<D: SqlxDialect> SqlxOptions<D> {
@@ -35,6 +38,7 @@ impl<D: SqlxDialect> SqlxOptions<D> {
             replay_check: ReplayCheck::default(),
             isolation: Isolation::default(),
             conflict_retries: 3,
+            unnamed_statements: false,
         }
     }
 
@@ -100,6 +104,7 @@ impl<D: SqlxDialect> SqlxOptions<D> {
                 replay_checks: ReplayChecks::new(self.replay_check),
                 isolation: self.isolation,
                 conflict_retries: self.conflict_retries,
+                unnamed_statements: self.unnamed_statements,
                 reservations: AtomicU64::new(1),
             }),
             key_row_wait: None,

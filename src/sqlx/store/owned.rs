@@ -34,16 +34,21 @@ impl<D: SqlxDialect> SqlxStore<D> {
         D: OwnedDialect,
     {
         let connection = self.pool().acquire().await.map_err(pool_error)?;
-        let mut slot = Slot::new(CheckedConnection::new(connection));
+        let unnamed = self.shared.unnamed_statements;
+        let mut slot =
+            Slot::new(CheckedConnection::new(connection).with_unnamed_statements(unnamed));
         let token = self.next_token();
         let begin = D::begin_owned(self.shared.isolation, token);
-        let begun = match slot.raw() {
-            Ok(conn) => D::Db::executor(conn)
-                .execute(begin.as_str())
-                .await
-                .map(drop)
-                .map_err(Error::from),
-            Err(error) => Err(error),
+        let begun = match slot.forget_statements().await {
+            Ok(()) => match slot.raw() {
+                Ok(conn) => D::Db::executor(conn)
+                    .execute(begin.as_str())
+                    .await
+                    .map(drop)
+                    .map_err(Error::from),
+                Err(error) => Err(error),
+            },
+            Err(error) => Err(error.into()),
         };
         OwnedTransaction::opened(token, slot, begun).await
     }

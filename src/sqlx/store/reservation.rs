@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use sqlx::{Either, Executor as _};
+use sqlx::{Connection as _, Either, Executor as _};
 
 use super::{CheckedConnection, Conn, SqlxDatabase, SqlxDialect, SqlxHandle};
 use crate::error::Error;
@@ -37,6 +37,28 @@ impl<D: SqlxDialect> Slot<D> {
             .as_mut()
             .map(CheckedConnection::raw_mut)
             .ok_or(Error::TransactionFinished)
+    }
+
+    /// With unnamed statements (a transaction pooler in front of the server), closes the
+    /// statements left cached on the connection: the store's own that go with bind parameters
+    /// (rare paths: a conflict's re-check and take-over, a record that is not plain ASCII or
+    /// over 16 KiB), and whatever else prepared one. Run inside the transaction, before it
+    /// ends, the `Close` reaches the server connection that prepared them: the next
+    /// transaction may run on another, where a cached statement would not exist (or another
+    /// client's of the same name would). Before a transaction begins, it drops what a use of
+    /// the connection outside the store left. Nothing is sent when nothing is cached.
+    pub(crate) async fn forget_statements(&mut self) -> Result<(), sqlx::Error> {
+        let Some(connection) = self.connection.as_mut() else {
+            return Ok(());
+        };
+        if !connection.unnamed_statements() {
+            return Ok(());
+        }
+        let raw = connection.raw_mut();
+        if raw.cached_statements_size() == 0 {
+            return Ok(());
+        }
+        raw.clear_cached_statements().await
     }
 
     /// Ends the transaction with `ROLLBACK` and gives the connection back to the pool; if that
@@ -91,6 +113,11 @@ impl<D: SqlxDialect> Slot<D> {
     /// connection leaves the outcome unknown ([`Error::CommitOutcomeUnknown`]).
     pub(crate) async fn complete_and_commit(&mut self, complete: &str) -> Result<(), Error> {
         let sql = format!("{complete}; {}", D::COMMIT);
+        if let Err(error) = self.forget_statements().await {
+            // Nothing was committed: `COMMIT` was not sent.
+            self.discard();
+            return Err(error.into());
+        }
         let conn = self.raw()?;
         // The connection stays in the slot while this awaits: if this future is dropped, the
         // slot's `Drop` discards it.
@@ -154,6 +181,11 @@ impl<D: SqlxDialect> Slot<D> {
     /// the connection back if all of them ran, else discards it. The error is the first
     /// statement's: once that ran, the transaction has ended as asked, whatever follows.
     async fn end(&mut self, statements: &str) -> Result<(), sqlx::Error> {
+        if let Err(error) = self.forget_statements().await {
+            // Not ended: closing the connection rolls back.
+            self.discard();
+            return Err(error);
+        }
         let (ended, restored) = match self.raw() {
             // The connection stays in the slot while this awaits: if this future is dropped,
             // the slot's `Drop` discards it.
@@ -304,8 +336,12 @@ impl<D: SqlxDialect> SqlxReservation<D> {
             slot.roll_back_and_release().await;
             return Err(conflict);
         }
+        let unnamed = slot
+            .connection
+            .as_ref()
+            .is_some_and(CheckedConnection::unnamed_statements);
         let committing = async {
-            if let Some(complete) = D::complete_as_text(&self.scope, &self.row, &record) {
+            if let Some(complete) = D::complete_as_text(&self.scope, &self.row, &record, unnamed) {
                 return slot.complete_and_commit(&complete).await;
             }
             let saved = D::complete(slot.raw()?, &self.scope, &self.row, &record).await;

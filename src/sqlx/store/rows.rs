@@ -4,6 +4,7 @@
 //! so that the store's generic code carries no sqlx trait bounds.
 
 use futures_util::future::BoxFuture;
+use sqlx::database::HasStatementCache;
 use sqlx::query::Query;
 use sqlx::{Database, Encode, Executor, IntoArguments, Pool, Type};
 
@@ -16,8 +17,9 @@ use crate::store::{to_unix_millis, NewRecord, Scope, StoredRecord};
 /// A statement of the store, its binds still to come.
 pub(crate) type Statement<'q, DB> = Query<'q, DB, <DB as Database>::Arguments<'q>>;
 
-/// A sqlx database the store runs on.
-pub trait SqlxDatabase: Database {
+/// A sqlx database the store runs on (one that caches statements on its connections, which the
+/// store can do without: `persistent(false)`).
+pub trait SqlxDatabase: Database + HasStatementCache {
     /// `conn` as an executor, for the store's own statements (unchecked).
     fn executor<'c>(conn: &'c mut Self::Connection) -> impl Executor<'c, Database = Self> + 'c;
 
@@ -34,27 +36,30 @@ pub trait SqlxDatabase: Database {
     /// Runs `sql`, whose binds are the scope and then, if `bind_now`, `now`, and reads its
     /// row (the columns of the record statements): `None` when there is none, `Some(None)`
     /// when it is not a completed record live at `now` (expired, or a reservation), else the
-    /// record.
+    /// record. Prepared once per connection if `persistent`, else unnamed.
     fn fetch_record<'e>(
         executor: impl Executor<'e, Database = Self> + 'e,
         sql: &'e str,
         scope: &'e Scope,
         now: i64,
         bind_now: bool,
+        persistent: bool,
     ) -> BoxFuture<'e, Result<Option<Option<StoredRecord>>, Error>>;
 
-    /// Runs the purge `sql` (binds: `now`, the batch size); the rows it deleted.
+    /// Runs the purge `sql` (binds: `now`, the batch size); the rows it deleted. With
+    /// `unnamed` (a transaction pooler in front of the server), unnamed and in a transaction
+    /// of its own, so that its preparation and its run reach the same server connection.
     fn purge<'e>(
         pool: &'e Pool<Self>,
         sql: &'e str,
-        now: i64,
-        batch: usize,
+        now_and_batch: (i64, usize),
+        unnamed: bool,
     ) -> BoxFuture<'e, Result<u64, Error>>;
 }
 
 impl<DB> SqlxDatabase for DB
 where
-    DB: Database,
+    DB: Database + HasStatementCache,
     for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
     for<'q> DB::Arguments<'q>: IntoArguments<'q, DB>,
     for<'q> &'q str: Encode<'q, DB> + Type<DB>,
@@ -104,9 +109,10 @@ where
         scope: &'e Scope,
         now: i64,
         bind_now: bool,
+        persistent: bool,
     ) -> BoxFuture<'e, Result<Option<Option<StoredRecord>>, Error>> {
         let query = Self::bind_scope(sqlx::query(sql), scope);
-        let query = if bind_now { query.bind(now) } else { query };
+        let query = if bind_now { query.bind(now) } else { query }.persistent(persistent);
         let row = executor.fetch_optional(query);
         Box::pin(async move {
             let Some(row) = row.await.map_err(pool_error)? else {
@@ -119,12 +125,21 @@ where
     fn purge<'e>(
         pool: &'e Pool<DB>,
         sql: &'e str,
-        now: i64,
-        batch: usize,
+        (now, batch): (i64, usize),
+        unnamed: bool,
     ) -> BoxFuture<'e, Result<u64, Error>> {
         let batch = i64::try_from(batch).unwrap_or(i64::MAX);
-        let done = pool.execute(sqlx::query::<DB>(sql).bind(now).bind(batch));
-        Box::pin(async move { Ok(done.await.map_err(pool_error)?.rows_affected()) })
+        let purge = sqlx::query::<DB>(sql).bind(now).bind(batch);
+        if !unnamed {
+            let done = pool.execute(purge);
+            return Box::pin(async move { Ok(done.await.map_err(pool_error)?.rows_affected()) });
+        }
+        Box::pin(async move {
+            let mut tx = pool.begin().await.map_err(pool_error)?;
+            let done = (&mut *tx).execute(purge.persistent(false)).await?;
+            tx.commit().await?;
+            Ok(done.rows_affected())
+        })
     }
 }
 

@@ -15,6 +15,7 @@ use tokio_postgres::types::{BorrowToSql, ToSql, Type};
 use tokio_postgres::{GenericClient, SimpleQueryMessage, Statement, ToStatement};
 
 use super::slot::{Slot, TxShared};
+use super::statements::{untyped, Preparation, Typed};
 use crate::error::Error;
 use crate::postgres::guard as sql_guard;
 use crate::postgres::reserve as pg_reserve;
@@ -83,10 +84,12 @@ impl PostgresHandle {
     /// transaction is alive (one connection runs one statement at a time).
     pub async fn client(&self) -> Result<CheckedClient, Error> {
         let mut answer_wait = None;
+        let mut preparation = Preparation::default();
         let connection = self
             .tx
             .borrow(|slot| {
                 answer_wait = slot.answer_wait;
+                preparation = slot.preparation;
                 slot.object.as_mut()
             })
             .await?;
@@ -94,6 +97,7 @@ impl PostgresHandle {
             connection,
             tx: self.tx.clone(),
             answer_wait,
+            preparation,
         })
     }
 
@@ -127,6 +131,9 @@ pub struct CheckedClient {
     /// How long a statement's answer may take before the server is taken for gone (see
     /// `Slot::answer_wait`).
     answer_wait: Option<Duration>,
+    /// Whether statements may be cached on the connection (see
+    /// [`PostgresOptions::with_unnamed_statements`](super::PostgresOptions::with_unnamed_statements)).
+    preparation: Preparation,
 }
 
 impl fmt::Debug for CheckedClient {
@@ -176,6 +183,14 @@ pub trait Executor: Sync + sealed::Executor {
         statement: &str,
         params: &[&(dyn ToSql + Sync)],
     ) -> impl Future<Output = Result<u64, Error>> + Send;
+
+    /// Runs `statement` with `params` of the given types; returns how many rows it changed.
+    #[doc(hidden)]
+    fn execute_typed_statement(
+        &self,
+        statement: &str,
+        params: &[(&(dyn ToSql + Sync), Type)],
+    ) -> impl Future<Output = Result<u64, Error>> + Send;
 }
 
 impl<C: GenericClient + Sync> Executor for C {
@@ -186,11 +201,23 @@ impl<C: GenericClient + Sync> Executor for C {
     ) -> Result<u64, Error> {
         Ok(GenericClient::execute(self, statement, params).await?)
     }
+
+    /// Unnamed, in one message: one round trip (a statement sent as text would be prepared in
+    /// a round trip of its own first), and nothing left on the server connection, which a
+    /// transaction pooler may hand to another client once the message is answered.
+    async fn execute_typed_statement(
+        &self,
+        statement: &str,
+        params: &[(&(dyn ToSql + Sync), Type)],
+    ) -> Result<u64, Error> {
+        Ok(GenericClient::execute_typed(self, statement, params).await?)
+    }
 }
 
 impl Executor for CheckedClient {
     /// Prepared once per pooled connection: a statement sent as text costs a round trip of
-    /// its own (parse and describe) before it runs.
+    /// its own (parse and describe) before it runs. (With unnamed statements, prepared and
+    /// closed inside the transaction.)
     async fn execute_statement(
         &self,
         statement: &str,
@@ -198,6 +225,22 @@ impl Executor for CheckedClient {
     ) -> Result<u64, Error> {
         let statement = self.prepare_cached(statement).await?;
         self.execute(&statement, params).await
+    }
+
+    /// Prepared once per pooled connection, or unnamed (see
+    /// [`PostgresOptions::with_unnamed_statements`](super::PostgresOptions::with_unnamed_statements)).
+    async fn execute_typed_statement(
+        &self,
+        statement: &str,
+        params: &[(&(dyn ToSql + Sync), Type)],
+    ) -> Result<u64, Error> {
+        match self.preparation {
+            Preparation::Cached => {
+                let prepared = self.prepare_cached(statement).await?;
+                self.execute(&prepared, &untyped(params)).await
+            }
+            Preparation::Unnamed => self.execute_typed(statement, params).await,
+        }
     }
 }
 
@@ -291,9 +334,18 @@ impl CheckedClient {
     }
 
     /// Prepares `query` once per connection and reuses the statement afterwards.
+    ///
+    /// With [unnamed statements](super::PostgresOptions::with_unnamed_statements) (behind a
+    /// transaction pooler), it prepares `query` afresh instead, as
+    /// [`prepare`](Self::prepare) does: a statement cached on the connection would be gone
+    /// on the server connection of the next transaction. Drop the statement before the
+    /// handler returns: it is closed on the server then, inside the transaction.
     pub async fn prepare_cached(&self, query: &str) -> Result<Statement, Error> {
         sql_guard::check_command_remembered(query)?;
-        self.answered(self.connection.prepare_cached(query)).await
+        match self.preparation {
+            Preparation::Cached => self.answered(self.connection.prepare_cached(query)).await,
+            Preparation::Unnamed => self.answered(self.client().prepare(query)).await,
+        }
     }
 
     /// Runs a statement and returns its rows ([`tokio_postgres::Client::query`]).
@@ -347,6 +399,18 @@ impl CheckedClient {
     ) -> Result<Vec<Row>, Error> {
         sql_guard::check_command_remembered(query)?;
         self.answered(self.client().query_typed(query, params))
+            .await
+    }
+
+    /// Runs `query` with parameters of the given types, without preparing it first; returns
+    /// how many rows it changed ([`tokio_postgres::Client::execute_typed`]).
+    pub async fn execute_typed(
+        &self,
+        query: &str,
+        params: &[(&(dyn ToSql + Sync), Type)],
+    ) -> Result<u64, Error> {
+        sql_guard::check_command_remembered(query)?;
+        self.answered(self.client().execute_typed(query, params))
             .await
     }
 
@@ -411,6 +475,22 @@ impl CheckedClient {
             messages.extend(self.answered(self.client().simple_query(statement)).await?);
         }
         Ok(messages)
+    }
+
+    /// Runs one of the store's statements (the outbox's, the steps'...) in the transaction,
+    /// prepared once per connection or unnamed, as the store's options say; its rows.
+    pub(crate) async fn query_shared(
+        &self,
+        sql: &str,
+        params: &[Typed<'_>],
+    ) -> Result<Vec<Row>, Error> {
+        match self.preparation {
+            Preparation::Cached => {
+                let prepared = self.prepare_cached(sql).await?;
+                self.query(&prepared, &untyped(params)).await
+            }
+            Preparation::Unnamed => self.query_typed(sql, params).await,
+        }
     }
 
     /// Whether the connection is closed (the server went away).

@@ -19,8 +19,9 @@ use std::sync::{Arc, Mutex};
 
 use deadpool_postgres::Pool;
 use tokio::sync::oneshot;
-use tokio_postgres::types::ToSql;
+use tokio_postgres::types::Type;
 
+use super::statements::{Preparation, Typed};
 use super::store::pool_error;
 use super::SELECT_LIVE_RECORD;
 use crate::error::Error;
@@ -59,17 +60,24 @@ struct Queued {
 struct Place<'a> {
     lookups: &'a Arc<Lookups>,
     reads: &'a Pool,
+    preparation: Preparation,
 }
 
 impl Drop for Place<'_> {
     fn drop(&mut self) {
-        self.lookups.hand_over(self.reads);
+        self.lookups.hand_over(self.reads, self.preparation);
     }
 }
 
 impl Lookups {
     /// The live record of `scope` at `now` (unix milliseconds), read on `reads`.
-    pub(super) async fn check(self: &Arc<Self>, reads: &Pool, scope: &Scope, now: i64) -> Answer {
+    pub(super) async fn check(
+        self: &Arc<Self>,
+        reads: &Pool,
+        preparation: Preparation,
+        scope: &Scope,
+        now: i64,
+    ) -> Answer {
         let queued = {
             let Ok(mut state) = self.state.lock() else {
                 return Err(Error::Busy);
@@ -94,14 +102,15 @@ impl Lookups {
                 let _place = Place {
                     lookups: self,
                     reads,
+                    preparation,
                 };
-                read_one(reads, scope, now).await
+                read_one(reads, preparation, scope, now).await
             }
         }
     }
 
     /// A check ended: its place goes to a batch of what queued meanwhile, or is free.
-    fn hand_over(self: &Arc<Self>, reads: &Pool) {
+    fn hand_over(self: &Arc<Self>, reads: &Pool, preparation: Preparation) {
         let batch = {
             let Ok(mut state) = self.state.lock() else {
                 return;
@@ -122,8 +131,9 @@ impl Lookups {
             let place = Place {
                 lookups: &lookups,
                 reads: &reads,
+                preparation,
             };
-            read_batch(place.reads, batch).await;
+            read_batch(place.reads, preparation, batch).await;
         };
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => drop(runtime.spawn(serve)),
@@ -140,19 +150,16 @@ impl Lookups {
 }
 
 /// One check, alone: the statement the batch is a multiple of.
-async fn read_one(reads: &Pool, scope: &Scope, now: i64) -> Answer {
+async fn read_one(reads: &Pool, preparation: Preparation, scope: &Scope, now: i64) -> Answer {
     let client = reads.get().await.map_err(pool_error)?;
-    let select = client.prepare_cached(SELECT_LIVE_RECORD).await?;
-    let row = client
-        .query_opt(
-            &select,
-            &[
-                &&*scope.tenant,
-                &&*scope.operation,
-                &scope.key.as_str(),
-                &now,
-            ],
-        )
+    let params: [Typed<'_>; 4] = [
+        (&&*scope.tenant, Type::TEXT),
+        (&&*scope.operation, Type::TEXT),
+        (&scope.key.as_str(), Type::TEXT),
+        (&now, Type::INT8),
+    ];
+    let row = preparation
+        .query_opt(&client, SELECT_LIVE_RECORD, &params)
         .await?;
     row.as_ref().map(decode_record).transpose()
 }
@@ -160,16 +167,23 @@ async fn read_one(reads: &Pool, scope: &Scope, now: i64) -> Answer {
 /// The checks of `batch` in one statement; each gets its own answer. A failed statement is
 /// logged once and answers none of them with a record (each request then reads again on the
 /// write path, as after a failed single check).
-async fn read_batch(reads: &Pool, batch: Vec<Queued>) {
+async fn read_batch(reads: &Pool, preparation: Preparation, batch: Vec<Queued>) {
     let tenants: Vec<&str> = batch.iter().map(|q| &*q.scope.tenant).collect();
     let operations: Vec<&str> = batch.iter().map(|q| &*q.scope.operation).collect();
     let keys: Vec<&str> = batch.iter().map(|q| q.scope.key.as_str()).collect();
     let nows: Vec<i64> = batch.iter().map(|q| q.now).collect();
-    let params: [&(dyn ToSql + Sync); 4] = [&tenants, &operations, &keys, &nows];
+    let params: [Typed<'_>; 4] = [
+        (&tenants, Type::TEXT_ARRAY),
+        (&operations, Type::TEXT_ARRAY),
+        (&keys, Type::TEXT_ARRAY),
+        (&nows, Type::INT8_ARRAY),
+    ];
     let rows = async {
         let client = reads.get().await.map_err(pool_error)?;
-        let select = client.prepare_cached(SELECT_LIVE_RECORDS).await?;
-        Ok::<_, Error>(client.query(&select, &params).await?)
+        let rows = preparation
+            .query(&client, SELECT_LIVE_RECORDS, &params)
+            .await?;
+        Ok::<_, Error>(rows)
     }
     .await;
     let mut answers: Vec<Option<Answer>> = Vec::new();

@@ -17,7 +17,8 @@ pub use store::PostgresStore;
 // store and its calls), `lookups` (the replay checks, batched under load), `reservation` (reserving
 // a key, commit and rollback), `slot` (a transaction's connection and shared state), `handle` (the
 // handler's handle and its guarded client), `src/postgres/guard.rs` (refusing transaction control),
-// `owned` (the inbox's own transactions). The SQL the store runs is in `src/postgres/store_sql.rs`.
+// `owned` (the inbox's own transactions), `statements` (prepared and cached, or unnamed behind a
+// transaction pooler). The SQL the store runs is in `src/postgres/store_sql.rs`.
 //
 // A request for a new key, from the replay check (`store`, `lookups`) to the commit
 // (`reservation`):
@@ -54,6 +55,7 @@ pub(crate) mod migrate;
 mod options;
 mod reservation;
 mod slot;
+pub(crate) mod statements;
 // `store.rs` holds `PostgresStore` itself; the folder is the driver's store module.
 #[allow(clippy::module_inception)]
 mod store;

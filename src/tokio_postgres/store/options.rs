@@ -10,6 +10,7 @@ use deadpool_postgres::{Manager, Pool, QueueMode};
 use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
 use tokio_postgres::{NoTls, Socket};
 
+use super::statements::Preparation;
 use super::store::Shared;
 use super::PostgresStore;
 use crate::error::Error;
@@ -31,6 +32,7 @@ pub struct PostgresOptions {
     isolation: Isolation,
     serialization_retries: u32,
     create_schema: bool,
+    preparation: Preparation,
 }
 
 impl PostgresOptions {
@@ -146,6 +148,43 @@ impl PostgresOptions {
         self
     }
 
+    /// Whether the store sends each of its statements unnamed, parsed, bound and run in one
+    /// message, instead of preparing it once per connection and running it by name. Turn it on
+    /// behind a connection pool that may hand each transaction to another server connection:
+    /// PgBouncer with `pool_mode = transaction` (before 1.21, or with `max_prepared_statements`
+    /// unset), Supavisor, RDS Proxy. There, a statement prepared on one server connection does
+    /// not exist on the next, and requests fail with `500` and
+    /// `prepared statement "s21" does not exist`. Default: `false` (on a direct connection a
+    /// statement prepared once is not parsed and planned again on every run).
+    ///
+    /// It covers the store's statements, and a handler's statements through its
+    /// [`CheckedClient`](super::CheckedClient) inside the request's transaction:
+    /// [`prepare_cached`](super::CheckedClient::prepare_cached) then prepares afresh (the
+    /// statement is closed when dropped, before the transaction ends). Your own statements
+    /// outside a request are yours to send the same way: see
+    /// [Behind a transaction pooler](crate::store::tokio_postgres#behind-a-transaction-pooler).
+    ///
+    /// ```no_run
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// use tower_idempotency::store::tokio_postgres::PostgresStore;
+    ///
+    /// // PgBouncer, pool_mode = transaction, on port 6432.
+    /// let store = PostgresStore::builder("postgres://app@127.0.0.1:6432/shop".parse()?)
+    ///     .with_unnamed_statements(true)
+    ///     .build()
+    ///     .await?;
+    /// # let _ = store;
+    /// # Ok(()) }
+    /// ```
+    pub fn with_unnamed_statements(mut self, unnamed: bool) -> Self {
+        self.preparation = if unnamed {
+            Preparation::Unnamed
+        } else {
+            Preparation::Cached
+        };
+        self
+    }
+
     /// Connects without TLS, creates (or migrates) the schema and returns the store. (With
     /// pools of your own, the connections are theirs: they connect as their manager does.)
     pub async fn build(self) -> Result<PostgresStore, Error> {
@@ -196,6 +235,7 @@ impl PostgresOptions {
                 replay_checks: ReplayChecks::new(self.replay_check),
                 isolation: self.isolation,
                 serialization_retries: self.serialization_retries,
+                preparation: self.preparation,
                 reservations: AtomicU64::new(1),
             }),
             key_row_wait: None,
@@ -267,6 +307,7 @@ impl PostgresStore {
             isolation: Isolation::default(),
             serialization_retries: 3,
             create_schema: true,
+            preparation: Preparation::Cached,
         }
     }
 }

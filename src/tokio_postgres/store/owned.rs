@@ -6,7 +6,10 @@
 
 use std::sync::atomic::Ordering;
 
+use tokio_postgres::types::Type;
+
 use super::slot::Slot;
+use super::statements::Typed;
 use super::{PostgresHandle, PostgresStore};
 use crate::error::Error;
 use crate::postgres::store_sql::IS_OWN_TRANSACTION;
@@ -20,6 +23,7 @@ impl PostgresStore {
         let slot = Slot {
             object: Some(self.client().await?),
             answer_wait: None,
+            preparation: self.shared.preparation,
         };
         let token = self.shared.reservations.fetch_add(1, Ordering::Relaxed);
         // One round trip.
@@ -51,11 +55,13 @@ impl OwnedTransaction<Slot> {
 impl OwnedSlot for Slot {
     async fn is_own_transaction(&mut self, token: u64) -> Result<bool, Error> {
         let client = self.client()?;
-        let check = client.prepare_cached(IS_OWN_TRANSACTION).await?;
-        Ok(client
-            .query_one(&check, &[&token.to_string()])
-            .await?
-            .try_get(0)?)
+        let token = token.to_string();
+        let params: [Typed<'_>; 1] = [(&token, Type::TEXT)];
+        let row = self
+            .preparation
+            .query_one(client, IS_OWN_TRANSACTION, &params)
+            .await?;
+        Ok(row.try_get(0)?)
     }
 
     async fn commit_and_release(&mut self) -> Result<(), Error> {

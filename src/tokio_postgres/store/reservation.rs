@@ -12,11 +12,12 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 use tokio_postgres::error::SqlState;
-use tokio_postgres::types::ToSql;
+use tokio_postgres::types::Type;
 
 use deadpool_postgres::ClientWrapper;
 
 use super::slot::{Slot, TxShared};
+use super::statements::{untyped, Preparation, Typed};
 use super::store::pool_error;
 use super::{
     Isolation, PostgresHandle, PostgresStore, COMPLETE_RECORD, INSERT_RESERVATION, SELECT_RECORD,
@@ -60,6 +61,7 @@ impl PostgresStore {
         let mut slot = Slot {
             object: Some(object),
             answer_wait: Some(lock_timeout + pg_reserve::ANSWER_MARGIN),
+            preparation: self.shared.preparation,
         };
         let token = self.shared.reservations.fetch_add(1, Ordering::Relaxed);
         let isolation = self.shared.isolation;
@@ -94,9 +96,10 @@ impl PostgresStore {
 /// connection's cache) inside the transaction, where `lock_timeout` bounds the wait: parsing a
 /// statement that writes the table takes the table's lock, which another session may hold (a
 /// `LOCK TABLE`). The re-check and the take-over are prepared only when a conflict needs them:
-/// a new key runs the insert alone.
+/// a new key runs the insert alone. (Unnamed statements are parsed in the transaction too.)
 struct Statements<'a> {
     client: &'a ClientWrapper,
+    preparation: Preparation,
     scope: &'a Scope,
     now: i64,
 }
@@ -106,27 +109,35 @@ impl ReserveStatements for Statements<'_> {
 
     async fn insert(&mut self) -> Result<Option<String>, Error> {
         let s = self.scope;
-        // Ready at once when the connection has it (no round trip of its own): the insert is
-        // then sent in the same flight as whatever was polled before it.
-        let insert = self.client.prepare_cached(INSERT_RESERVATION).await?;
+        let (tenant, operation, key) = (&*s.tenant, &*s.operation, s.key.as_str());
+        let params: [Typed<'_>; 4] = [
+            (&tenant, Type::TEXT),
+            (&operation, Type::TEXT),
+            (&key, Type::TEXT),
+            (&self.now, Type::INT8),
+        ];
+        // Ready at once when the connection has it (no round trip of its own), or unnamed: the
+        // insert is then sent in the same flight as whatever was polled before it.
         let row = self
-            .client
-            .query_opt(
-                &insert,
-                &[&&*s.tenant, &&*s.operation, &s.key.as_str(), &self.now],
-            )
+            .preparation
+            .query_opt(self.client, INSERT_RESERVATION, &params)
             .await?;
         Ok(row.map(|row| row.try_get(0)).transpose()?)
     }
 
     async fn select(&mut self) -> Result<Option<Option<StoredRecord>>, Error> {
         let s = self.scope;
-        let select = self.client.prepare_cached(SELECT_RECORD).await?;
-        let Some(row) = self
-            .client
-            .query_opt(&select, &[&&*s.tenant, &&*s.operation, &s.key.as_str()])
-            .await?
-        else {
+        let (tenant, operation, key) = (&*s.tenant, &*s.operation, s.key.as_str());
+        let params: [Typed<'_>; 3] = [
+            (&tenant, Type::TEXT),
+            (&operation, Type::TEXT),
+            (&key, Type::TEXT),
+        ];
+        let row = self
+            .preparation
+            .query_opt(self.client, SELECT_RECORD, &params)
+            .await?;
+        let Some(row) = row else {
             return Ok(None);
         };
         live_record(&row, self.now).map(Some)
@@ -134,13 +145,16 @@ impl ReserveStatements for Statements<'_> {
 
     async fn take_over(&mut self) -> Result<Option<String>, Error> {
         let s = self.scope;
-        let take_over = self.client.prepare_cached(TAKE_OVER).await?;
+        let (tenant, operation, key) = (&*s.tenant, &*s.operation, s.key.as_str());
+        let params: [Typed<'_>; 4] = [
+            (&tenant, Type::TEXT),
+            (&operation, Type::TEXT),
+            (&key, Type::TEXT),
+            (&self.now, Type::INT8),
+        ];
         let row = self
-            .client
-            .query_opt(
-                &take_over,
-                &[&&*s.tenant, &&*s.operation, &s.key.as_str(), &self.now],
-            )
+            .preparation
+            .query_opt(self.client, TAKE_OVER, &params)
             .await?;
         Ok(row.map(|row| row.try_get(0)).transpose()?)
     }
@@ -158,7 +172,12 @@ async fn reserve(
     isolation: Isolation,
 ) -> Result<Reserved<String>, Error> {
     let client = slot.client()?;
-    let mut statements = Statements { client, scope, now };
+    let mut statements = Statements {
+        client,
+        preparation: slot.preparation,
+        scope,
+        now,
+    };
     // The begin and the first reservation go in one flight (tokio-postgres pipelines requests
     // polled together, in order): one round trip for both. On a connection that has not
     // prepared the insert yet, its preparation follows the begin (and the insert follows it),
@@ -257,43 +276,71 @@ impl PostgresReservation {
         // A server that stops answering holds the commit no longer than a lock wait (and the
         // margin): the connection is then closed.
         let answer_by = Instant::now() + self.commit_wait;
-        let prepared = pg_reserve::answered_by(answer_by, async {
-            Ok(client.prepare_cached(COMPLETE_RECORD).await?)
-        });
-        let complete = match prepared.await {
-            Ok(statement) => statement,
-            Err(error) => {
-                slot.roll_back_after(&error).await;
-                return Err(error);
+        // Prepared (from the connection's cache) before the flight; an unnamed statement is
+        // parsed in it.
+        let prepared = match slot.preparation {
+            Preparation::Cached => {
+                let prepared = pg_reserve::answered_by(answer_by, async {
+                    Ok(client.prepare_cached(COMPLETE_RECORD).await?)
+                });
+                match prepared.await {
+                    Ok(statement) => Some(statement),
+                    Err(error) => {
+                        slot.roll_back_after(&error).await;
+                        return Err(error);
+                    }
+                }
             }
+            Preparation::Unnamed => None,
         };
         let response = &record.response;
         let trailers = response
             .trailers
             .as_ref()
             .map(|t| SavedResponse::encode_headers(t));
-        let params: [&(dyn ToSql + Sync); 12] = [
-            &&*self.scope.tenant,
-            &&*self.scope.operation,
-            &self.scope.key.as_str(),
-            &&record.fingerprint.digest()[..],
-            &i32::from(record.fingerprint.version()),
-            &i32::from(response.status.as_u16()),
-            &SavedResponse::encode_headers(&response.headers),
-            &&response.body[..],
-            &trailers,
-            &to_unix_millis(record.created_at),
-            &to_unix_millis(record.expires_at),
-            &self.row_id,
+        let (tenant, operation, key) = (
+            &*self.scope.tenant,
+            &*self.scope.operation,
+            self.scope.key.as_str(),
+        );
+        let (digest, version) = (
+            &record.fingerprint.digest()[..],
+            i32::from(record.fingerprint.version()),
+        );
+        let (status, headers, body) = (
+            i32::from(response.status.as_u16()),
+            SavedResponse::encode_headers(&response.headers),
+            &response.body[..],
+        );
+        let (created_at, expires_at) = (
+            to_unix_millis(record.created_at),
+            to_unix_millis(record.expires_at),
+        );
+        let params: [Typed<'_>; 12] = [
+            (&tenant, Type::TEXT),
+            (&operation, Type::TEXT),
+            (&key, Type::TEXT),
+            (&digest, Type::BYTEA),
+            (&version, Type::INT4),
+            (&status, Type::INT4),
+            (&headers, Type::TEXT),
+            (&body, Type::BYTEA),
+            (&trailers, Type::TEXT),
+            (&created_at, Type::INT8),
+            (&expires_at, Type::INT8),
+            (&self.row_id, Type::TEXT),
         ];
         // The record and `COMMIT` in one flight (tokio-postgres sends requests polled together
         // in order): when the record fails, the transaction is aborted and PostgreSQL answers
         // the `COMMIT` with a `ROLLBACK`. The statement answers one row (`1`) or fails: its
         // row count says so without decoding the row.
-        let flight = futures_util::future::join(
-            client.execute(&complete, &params),
-            client.batch_execute("COMMIT"),
-        );
+        let save = async {
+            match &prepared {
+                Some(statement) => client.execute(statement, &untyped(&params)).await,
+                None => client.execute_typed(COMPLETE_RECORD, &params).await,
+            }
+        };
+        let flight = futures_util::future::join(save, client.batch_execute("COMMIT"));
         let Ok((saved, committed)) =
             tokio::time::timeout_at(answer_by + pg_reserve::ANSWER_MARGIN, flight).await
         else {

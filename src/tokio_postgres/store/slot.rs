@@ -8,6 +8,7 @@ use std::time::Duration;
 use deadpool_postgres::{ClientWrapper, Object};
 
 use super::reservation::is_conflict_code;
+use super::statements::Preparation;
 use crate::error::Error;
 use crate::postgres::failover::postgres_unavailable;
 use crate::row_lock::tx_state::{Observed, TxSlot};
@@ -30,6 +31,9 @@ pub(crate) struct Slot {
     /// server that stopped answering: the handles' statements and the `ROLLBACK` give up on
     /// it, and the connection is closed. `None`: no bound (the inbox's own transactions).
     pub(super) answer_wait: Option<Duration>,
+    /// How the store's statements on this connection reach the server, and whether a
+    /// handle's `prepare_cached` may cache (see `statements`).
+    pub(super) preparation: Preparation,
 }
 
 impl Slot {

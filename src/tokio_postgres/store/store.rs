@@ -9,8 +9,10 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use deadpool_postgres::{Object, Pool, PoolError};
+use tokio_postgres::types::Type;
 
 use super::lookups::Lookups;
+use super::statements::{Preparation, Typed};
 use super::{Isolation, PostgresReservation, PURGE_EXPIRED};
 use crate::error::Error;
 use crate::in_flight::InFlight;
@@ -31,6 +33,8 @@ pub(super) struct Shared {
     pub(super) replay_checks: ReplayChecks,
     pub(super) isolation: Isolation,
     pub(super) serialization_retries: u32,
+    /// How the store's statements reach the server (prepared and cached, or unnamed).
+    pub(super) preparation: Preparation,
     /// The next transaction's token (its name in logs and `Debug`).
     pub(super) reservations: AtomicU64,
 }
@@ -51,6 +55,7 @@ impl fmt::Debug for PostgresStore {
             .field("reads", &self.shared.reads.status())
             .field("replay_check", &self.shared.replay_checks.check())
             .field("isolation", &self.shared.isolation)
+            .field("preparation", &self.shared.preparation)
             .finish_non_exhaustive()
     }
 }
@@ -66,6 +71,11 @@ impl PostgresStore {
     /// The pool of request transactions (the one [`client`](Self::client) takes from).
     pub fn pool(&self) -> &Pool {
         &self.shared.transactions
+    }
+
+    /// How the store's statements reach the server (see `statements`).
+    pub(crate) fn preparation(&self) -> Preparation {
+        self.shared.preparation
     }
 }
 
@@ -91,7 +101,10 @@ impl PostgresStore {
         scope: &Scope,
         now: i64,
     ) -> Result<Option<StoredRecord>, Error> {
-        let read = self.shared.lookups.check(&self.shared.reads, scope, now);
+        let shared = &self.shared;
+        let read = shared
+            .lookups
+            .check(&shared.reads, shared.preparation, scope, now);
         reserve::within(self.shared.read_wait, read).await
     }
 }
@@ -161,9 +174,12 @@ impl IdempotencyStore for PostgresStore {
     async fn purge_expired(&self, now: SystemTime, batch: usize) -> Result<u64, Error> {
         let client = self.client().await?;
         let batch = i64::try_from(batch).unwrap_or(i64::MAX);
-        let purge = client.prepare_cached(PURGE_EXPIRED).await?;
-        let deleted = client
-            .execute(&purge, &[&to_unix_millis(now), &batch])
+        let now_millis = to_unix_millis(now);
+        let params: [Typed<'_>; 2] = [(&now_millis, Type::INT8), (&batch, Type::INT8)];
+        let deleted = self
+            .shared
+            .preparation
+            .execute(&client, PURGE_EXPIRED, &params)
             .await?;
         drop(client);
         let batch = usize::try_from(batch).unwrap_or(usize::MAX);

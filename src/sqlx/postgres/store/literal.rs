@@ -2,7 +2,8 @@
 //! them, so that they share a round trip with another statement (sqlx does not pipeline): the
 //! reservation with the `BEGIN` (`one_flight`), the completed record with the `COMMIT`
 //! (`complete_as_text`), each an `EXECUTE` of a statement prepared once per connection with
-//! its arguments as literals.
+//! its arguments as literals, or, with unnamed statements (behind a transaction pooler), the
+//! statement itself with its parameters replaced by the literals ([`with_values`]).
 //!
 //! Why the quoting is safe: [`push_escaped`] writes `E'`, the value with every `\` doubled and
 //! every `'` doubled, then `'`. In an escape string constant the lexer ends the constant only at a
@@ -64,6 +65,56 @@ pub(crate) fn push_bytes(sql: &mut String, bytes: &[u8]) {
     sql.push('\'');
 }
 
+/// `sql` with each parameter `$n` replaced by `values[n - 1]` (a literal of this module, or an
+/// integer) in parentheses: a statement whose values the server parses with it, to send as a
+/// simple query that leaves nothing prepared on the connection (behind a transaction pooler).
+/// `sql` is one of the store's statements; a `$` inside one of its quoted constants or
+/// identifiers stays as it is. `None` if a parameter has no value.
+pub(crate) fn with_values(sql: &str, values: &[String]) -> Option<String> {
+    let mut out = String::with_capacity(sql.len() + values.iter().map(String::len).sum::<usize>());
+    let mut quote = None;
+    let mut chars = sql.char_indices().peekable();
+    while let Some((at, c)) = chars.next() {
+        match (quote, c) {
+            (Some(open), _) if c == open => quote = None,
+            (Some(_), _) => {}
+            (None, '\'' | '"') => quote = Some(c),
+            (None, '$') if chars.peek().is_some_and(|(_, next)| next.is_ascii_digit()) => {
+                let mut end = at + 1;
+                while let Some((digit_at, digit)) = chars.peek().copied() {
+                    if !digit.is_ascii_digit() {
+                        break;
+                    }
+                    end = digit_at + 1;
+                    chars.next();
+                }
+                let n: usize = sql[at + 1..end].parse().ok()?;
+                out.push('(');
+                out.push_str(values.get(n.checked_sub(1)?)?);
+                out.push(')');
+                continue;
+            }
+            (None, _) => {}
+        }
+        out.push(c);
+    }
+    Some(out)
+}
+
+/// `value` as a constant of this module if the store writes it into SQL text ([`push_plain`]).
+pub(crate) fn plain(value: &str) -> Option<String> {
+    let mut constant = String::new();
+    push_plain(&mut constant, value)?;
+    Some(constant)
+}
+
+/// `bytes` as a constant of this module ([`push_bytes`]).
+pub(crate) fn bytes_constant(bytes: &[u8]) -> String {
+    let mut constant = String::new();
+    push_bytes(&mut constant, bytes);
+    constant
+}
+
 /// `value` as an escape string constant (see [`push_escaped`]), or an error if it holds a NUL
 /// character: any other value, ASCII or not, for the tests of the quoting itself.
 #[cfg(test)]
@@ -101,7 +152,7 @@ pub(crate) fn nul_refused() -> Error {
 
 #[cfg(test)]
 mod tests {
-    use super::{bytes, is_plain, quote};
+    use super::{bytes, is_plain, quote, with_values};
 
     #[test]
     fn quotes_and_backslashes_are_doubled() {
@@ -132,6 +183,20 @@ mod tests {
         let refused = quote("a\0b").unwrap_err();
         assert!(refused.to_string().contains("NUL"), "{refused}");
         assert!(!is_plain("a\0b"));
+    }
+
+    #[test]
+    fn values_replace_the_parameters_and_nothing_else() {
+        let values = ["E'a'".to_owned(), "2".to_owned()];
+        assert_eq!(
+            with_values("SELECT $1, $2::bigint, '$1', \"$2\", $1", &values).as_deref(),
+            Some("SELECT (E'a'), (2)::bigint, '$1', \"$2\", (E'a')")
+        );
+        // Two digits, and a parameter with no value.
+        let many: Vec<String> = (1..=12).map(|n| n.to_string()).collect();
+        assert_eq!(with_values("$12 $1", &many).as_deref(), Some("(12) (1)"));
+        assert_eq!(with_values("$3", &values), None);
+        assert_eq!(with_values("$0", &values), None);
     }
 
     #[test]

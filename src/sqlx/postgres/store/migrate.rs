@@ -30,15 +30,18 @@ impl SqlxPostgresStore {
         schema: &str,
         upgrades: &[Upgrade],
     ) -> Result<(), Error> {
+        // Prepared once per connection, unless the store keeps no statement prepared (behind a
+        // transaction pooler, the next transaction may run on another server connection).
+        let persistent = !self.shared.unnamed_statements;
         let mut tx = self.pool().begin().await.map_err(pool_error)?;
-        (&mut *tx)
-            .execute(sqlx::query("SELECT pg_advisory_xact_lock($1)").bind(lock))
-            .await?;
+        let lock = sqlx::query("SELECT pg_advisory_xact_lock($1)").bind(lock);
+        (&mut *tx).execute(lock.persistent(persistent)).await?;
         (&mut *tx).execute(sqlx::raw_sql(schema)).await?;
         for upgrade in upgrades {
             let check = sqlx::query(HAS_COLUMN)
                 .bind(upgrade.table)
-                .bind(upgrade.column);
+                .bind(upgrade.column)
+                .persistent(persistent);
             let has_column: bool = (&mut *tx).fetch_one(check).await?.try_get(0)?;
             if !has_column {
                 tracing::info!(

@@ -17,6 +17,12 @@
 //   reservation; the completed record with `COMMIT`), three while the replay check comes first,
 //   with no ping: idle connections are taken without the pool's checks, and one found gone at the
 //   first statement is replaced once.
+// - **Unnamed statements** (`with_unnamed_statements`, behind a transaction pooler, where the
+//   next transaction may run on another server connection): the same two flights, with the
+//   statements themselves written out (`literal::with_values`) instead of an `EXECUTE` of the
+//   ones prepared per connection; bind parameters unnamed, autocommit reads in a transaction of
+//   their own, and what is left cached on the connection closed before the transaction ends
+//   (`Slot::forget_statements`).
 
 use std::fmt::Write as _;
 use std::time::Duration;
@@ -111,6 +117,41 @@ impl SqlxOptions<PgDialect> {
         self.conflict_retries = retries;
         self
     }
+
+    /// Whether the store keeps no statement prepared on a connection past one message or one
+    /// transaction: its one-flight statements go as text with their values written in (not as
+    /// an `EXECUTE` of a statement prepared once per connection), its statements with bind
+    /// parameters go unnamed (sqlx's `persistent(false)`), inside a transaction (one of their
+    /// own where they would run in autocommit), and a statement left cached on the connection
+    /// is closed before the transaction ends. A handler's statements through the
+    /// [`SqlxHandle`]'s connection go unnamed too. Turn it on behind a connection pool that may
+    /// hand each transaction to another server connection: PgBouncer with
+    /// `pool_mode = transaction` (before 1.21, or with `max_prepared_statements` unset),
+    /// Supavisor, RDS Proxy. There, a statement prepared on one server connection does not
+    /// exist on the next, and requests fail with `500` and
+    /// `prepared statement "sqlx_s_3" does not exist` (or `"tower_idempotency_reserve"`).
+    /// Default: `false` (on a direct connection a statement prepared once is not parsed and
+    /// planned again on every run). See
+    /// [Behind a transaction pooler](crate::store::sqlx_postgres#behind-a-transaction-pooler).
+    ///
+    /// ```no_run
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+    /// use tower_idempotency::store::sqlx_postgres::SqlxPostgresStore;
+    ///
+    /// // PgBouncer, pool_mode = transaction, on port 6432.
+    /// let options: PgConnectOptions = "postgres://app@127.0.0.1:6432/shop".parse()?;
+    /// let pool = PgPoolOptions::new().connect_with(options).await?;
+    /// let store = SqlxPostgresStore::builder(pool)
+    ///     .with_unnamed_statements(true)
+    ///     .build();
+    /// store.migrate().await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn with_unnamed_statements(mut self, unnamed: bool) -> Self {
+        self.unnamed_statements = unnamed;
+        self
+    }
 }
 
 impl RowsAffected for PgQueryResult {
@@ -180,8 +221,8 @@ impl SqlxDialect for PgDialect {
         conn: &'a mut PgConnection,
         isolation: Isolation,
         (deadline, key_row_wait): (Instant, Option<Duration>),
-        scope: &'a Scope,
-        now: i64,
+        (scope, now): (&'a Scope, i64),
+        unnamed: bool,
     ) -> BoxFuture<'a, Result<Opened<String>, Error>> {
         // Under an in-flight policy, the insert that reserved the key bounds the lock waits by
         // the deadline again.
@@ -190,7 +231,12 @@ impl SqlxDialect for PgDialect {
         let begin_statements = Isolation::begin_request_statements(key_row_wait);
         let flight = move || {
             let begin = begin();
-            one_flight(&begin, scope, now, restore).ok_or(begin)
+            let flight = if unnamed {
+                inline_flight(&begin, scope, now, restore)
+            } else {
+                one_flight(&begin, scope, now, restore)
+            };
+            flight.ok_or(begin)
         };
         let failed = move |flight: Failed| match flight {
             Failed::Begin(error) => Error::from(error),
@@ -209,9 +255,9 @@ impl SqlxDialect for PgDialect {
             };
             let row = match run_flight(conn, &sql, begin_statements).await {
                 // The connection has not prepared the store's statements (a new connection):
-                // the transaction is open, aborted.
+                // the transaction is open, aborted. (An inline flight prepares nothing.)
                 Err(Failed::Insert(error))
-                    if sqlx_code(&error).as_deref() == Some(NO_SUCH_STATEMENT) =>
+                    if !unnamed && sqlx_code(&error).as_deref() == Some(NO_SUCH_STATEMENT) =>
                 {
                     prepare_statements(conn, &begin()).await?;
                     let sql = flight().map_err(|_| sqlx::Error::Protocol("no flight".into()))?;
@@ -268,10 +314,19 @@ impl SqlxDialect for PgDialect {
         Box::pin(async move { saved.await.map(drop).map_err(complete_failed) })
     }
 
-    /// An `EXECUTE` of the statement, prepared once per connection, with plain ASCII text
-    /// values and a body of at most 16 KiB.
-    fn complete_as_text(scope: &Scope, row: &String, record: &NewRecord) -> Option<String> {
-        complete_as_text(scope, row, record)
+    /// An `EXECUTE` of the statement, prepared once per connection (or, `unnamed`, the
+    /// statement itself), with plain ASCII text values and a body of at most 16 KiB.
+    fn complete_as_text(
+        scope: &Scope,
+        row: &String,
+        record: &NewRecord,
+        unnamed: bool,
+    ) -> Option<String> {
+        if unnamed {
+            inline_complete(scope, row, record)
+        } else {
+            complete_as_text(scope, row, record)
+        }
     }
 
     fn complete_failed(error: sqlx::Error) -> Error {
@@ -335,6 +390,31 @@ fn one_flight(begin: &str, scope: &Scope, now: i64, restore: Option<Instant>) ->
     }
     sql.push(')');
     Some(sql)
+}
+
+/// [`one_flight`] for a connection that keeps no statement (behind a transaction pooler, where
+/// the next transaction may run on another server connection, which has not prepared it): the
+/// reservation's statement itself with its values written in, not an `EXECUTE`. The server
+/// parses and plans it every time. `None` unless every value is plain ASCII.
+fn inline_flight(begin: &str, scope: &Scope, now: i64, restore: Option<Instant>) -> Option<String> {
+    let mut values = Vec::with_capacity(5);
+    for part in [&*scope.tenant, &*scope.operation, scope.key.as_str()] {
+        values.push(literal::plain(part)?);
+    }
+    values.push(now.to_string());
+    let statement = match restore {
+        Some(deadline) => {
+            let left = deadline
+                .saturating_duration_since(Instant::now())
+                .as_millis()
+                .max(1);
+            values.push(left.to_string());
+            INSERT_RESERVATION_RESTORING
+        }
+        None => INSERT_RESERVATION,
+    };
+    let insert = literal::with_values(statement, &values)?;
+    Some(format!("{begin}; {insert}"))
 }
 
 /// A statement of a flight ([`one_flight`]) that failed: one of the `BEGIN`'s, or the
@@ -419,6 +499,35 @@ fn complete_failed(error: sqlx::Error) -> Error {
 /// The most body bytes the completed record's statement carries as text (as hex, twice as
 /// many characters); a larger body goes as a bind parameter.
 const MAX_TEXT_BODY: usize = 16 * 1024;
+
+/// [`complete_as_text`] for a connection that keeps no statement (see [`inline_flight`]):
+/// [`COMPLETE_RECORD`] itself with its values written in. `None` under the same conditions.
+fn inline_complete(scope: &Scope, row: &str, record: &NewRecord) -> Option<String> {
+    let response = &record.response;
+    if response.body.len() > MAX_TEXT_BODY {
+        return None;
+    }
+    let headers = SavedResponse::encode_headers(&response.headers);
+    let trailers = match &response.trailers {
+        Some(trailers) => literal::plain(&SavedResponse::encode_headers(trailers))?,
+        None => "NULL".to_owned(),
+    };
+    let values = [
+        literal::plain(&scope.tenant)?,
+        literal::plain(&scope.operation)?,
+        literal::plain(scope.key.as_str())?,
+        literal::bytes_constant(&record.fingerprint.digest()[..]),
+        record.fingerprint.version().to_string(),
+        response.status.as_u16().to_string(),
+        literal::plain(&headers)?,
+        literal::bytes_constant(&response.body),
+        trailers,
+        to_unix_millis(record.created_at).to_string(),
+        to_unix_millis(record.expires_at).to_string(),
+        literal::plain(row)?,
+    ];
+    literal::with_values(COMPLETE_RECORD, &values)
+}
 
 /// `EXECUTE` of the prepared [`COMPLETE_RECORD`] (prepared with the reservation's, see
 /// [`prepare_statements`]) with its values as literals (see `literal`): the text values quoted,
