@@ -17,10 +17,11 @@
 //! Its name is its module path within the group and the fn's name, as libtest named it
 //! (`contract::sqlite::...` for the module `sqlite` of `tests/contract/contract.rs`), so that
 //! `cargo test --test contract contract::sqlite::` selects what it did. What a test
-//! needs is `postgres` (`TEST_DATABASE_URL`), `mysql` (`TEST_MYSQL_URL`) or `pg_cluster` (the
-//! PostgreSQL server programs, see [`Cluster::bindir`]); `multi_thread = N` runs it on a
-//! multi-thread runtime of `N` workers (as `#[tokio::test(flavor = "multi_thread",
-//! worker_threads = N)]` did).
+//! needs is `postgres` (`TEST_DATABASE_URL`), `mysql` (`TEST_MYSQL_URL`), `pg_cluster` (the
+//! PostgreSQL server programs, see [`Cluster::bindir`]) or `pgbouncer` (`TEST_DATABASE_URL` and
+//! the `pgbouncer` program, see [`PgBouncer::binary`](crate::pgbouncer::PgBouncer::binary));
+//! `multi_thread = N` runs it on a multi-thread runtime of `N` workers (as
+//! `#[tokio::test(flavor = "multi_thread", worker_threads = N)]` did).
 //!
 //! What the machine has is decided when the binary starts, from its environment: a test whose
 //! server is missing is reported as ignored (never as passed), and the group says once, on
@@ -77,6 +78,9 @@ macro_rules! test {
     (@options $test:expr; pg_cluster $(, $($rest:tt)*)?) => {
         $crate::test!(@options $test.needs($crate::harness::Needs::PgCluster); $($($rest)*)?)
     };
+    (@options $test:expr; pgbouncer $(, $($rest:tt)*)?) => {
+        $crate::test!(@options $test.needs($crate::harness::Needs::PgBouncer); $($($rest)*)?)
+    };
     (@options $test:expr; multi_thread = $workers:literal $(, $($rest:tt)*)?) => {
         $crate::test!(@options $test.multi_thread($workers); $($($rest)*)?)
     };
@@ -95,6 +99,9 @@ pub enum Needs {
     MySql,
     /// The PostgreSQL server programs, to build a primary and a standby ([`Cluster`]).
     PgCluster,
+    /// PgBouncer and a PostgreSQL server: `TEST_DATABASE_URL` and the `pgbouncer` program
+    /// ([`PgBouncer`](crate::pgbouncer::PgBouncer)).
+    PgBouncer,
 }
 
 impl Needs {
@@ -105,6 +112,7 @@ impl Needs {
             Needs::Postgres => "needs PostgreSQL: set TEST_DATABASE_URL",
             Needs::MySql => "needs MySQL or MariaDB: set TEST_MYSQL_URL",
             Needs::PgCluster => crate::cluster::MISSING,
+            Needs::PgBouncer => crate::pgbouncer::MISSING,
         }
     }
 }
@@ -191,6 +199,7 @@ struct Available {
     postgres: bool,
     mysql: bool,
     pg_cluster: bool,
+    pgbouncer: bool,
 }
 
 impl Available {
@@ -200,6 +209,7 @@ impl Available {
             postgres: set("TEST_DATABASE_URL"),
             mysql: set("TEST_MYSQL_URL"),
             pg_cluster: Cluster::bindir().is_some(),
+            pgbouncer: crate::pgbouncer::PgBouncer::available(),
         }
     }
 
@@ -210,6 +220,7 @@ impl Available {
             Needs::Postgres => self.postgres,
             Needs::MySql => self.mysql,
             Needs::PgCluster => self.pg_cluster,
+            Needs::PgBouncer => self.pgbouncer,
         };
         test.ignore.or((!has).then(|| test.needs.missing()))
     }

@@ -11,9 +11,10 @@
 //!   example apps served in-process, each the module its example program serves, never a copy
 //!   ([`apps::grpc_orders`]; [`apps::inventory`], which [`pg_common::inventory`] serves on a
 //!   PostgreSQL schema);
-//! - faults ([`sqlite_faults`]), a PostgreSQL primary with a standby ([`cluster`]), the
-//!   outbox's relay scenarios ([`relay_scenarios`]), the client's scripted servers
-//!   ([`client_common`]), and random data ([`splitmix`], [`json_bodies`]).
+//! - faults ([`sqlite_faults`]), a PostgreSQL primary with a standby ([`cluster`]), PgBouncer in
+//!   transaction pooling mode in front of the test database ([`pgbouncer`]), the outbox's relay
+//!   scenarios ([`relay_scenarios`]), the client's scripted servers ([`client_common`]), and
+//!   random data ([`splitmix`], [`json_bodies`]).
 
 pub mod harness;
 
@@ -26,6 +27,7 @@ pub mod common;
 pub mod json_bodies;
 pub mod mysql_common;
 pub mod pg_common;
+pub mod pgbouncer;
 pub mod relay_scenarios;
 pub mod splitmix;
 pub mod sqlite_faults;
