@@ -367,6 +367,15 @@ enum Draft {
         k: usize,
         charged: bool,
     },
+    /// A client's attempt stalls at boundary `k`; once its lease is over, a purge (when
+    /// `purge`) and a client's attempt that stops as `kind` says take the key (in a new life
+    /// if the purge deleted it), then the stalled owner goes on: it must write nothing.
+    Overtaken {
+        kind: Kind,
+        k: usize,
+        charged: bool,
+        purge: bool,
+    },
 }
 
 fn operator() -> impl Strategy<Value = Operator> {
@@ -396,11 +405,21 @@ fn draft() -> impl Strategy<Value = Draft> {
         k,
         charged,
     });
+    let overtaken =
+        (kind(), 0usize..7, any::<bool>(), any::<bool>()).prop_map(|(kind, k, charged, purge)| {
+            Draft::Overtaken {
+                kind,
+                k,
+                charged,
+                purge,
+            }
+        });
     prop_oneof![
         10 => attempt,
         5 => operator().prop_map(Draft::Operator),
         2 => renew.prop_map(Draft::Renew),
         2 => beside,
+        1 => overtaken,
     ]
 }
 
@@ -538,6 +557,42 @@ fn fit_events(lanes: &[LaneCase], drafts: Vec<(bool, Draft)>) -> Vec<Event> {
                         stop: fit(lane, k + 1),
                     },
                 });
+            }
+            Draft::Overtaken {
+                kind,
+                k,
+                charged,
+                purge,
+            } => {
+                let fit = &fitters[lane];
+                let stop = match fit(kind, k + 1, charged) {
+                    Stop::Stall(_) => Stop::Full,
+                    stop => stop,
+                };
+                if !stalled_once {
+                    stalled_once = true;
+                    events.push(Event::Attempt {
+                        lane,
+                        attempt: Attempt {
+                            completer: false,
+                            stop: fit(Kind::Stall, k, charged),
+                        },
+                    });
+                }
+                if purge {
+                    events.push(Event::Operator {
+                        lane,
+                        action: Operator::PurgeProgress,
+                    });
+                }
+                events.push(Event::Attempt {
+                    lane,
+                    attempt: Attempt {
+                        completer: false,
+                        stop,
+                    },
+                });
+                events.push(Event::Resume { lane });
             }
             Draft::Operator(action) => events.push(Event::Operator { lane, action }),
             Draft::Renew(action) => {
@@ -3099,4 +3154,62 @@ fn a_stalled_owner_does_not_call_again_after_a_take_over() {
             Event::Resume { lane: 0 },
         ],
     ));
+}
+
+fn step(name: &str, foreign: Option<Policy>) -> Step {
+    Step {
+        name: name.to_owned(),
+        foreign: foreign.map(|policy| ForeignStep {
+            policy,
+            declines: false,
+        }),
+        flaky: false,
+    }
+}
+
+fn operator_on_first_key(action: Operator) -> Event {
+    Event::Operator { lane: 0, action }
+}
+
+test! { a_stalled_owner_of_a_purged_life_writes_nothing_in_the_next, sync }
+/// A request commits its local step and stalls before its foreign step; once its lease is
+/// over an operator purges the key (local steps only: deleted), and the client's retry starts
+/// a new life (generation 1 again), commits the local step and goes away. The stalled request
+/// then goes on: it must be refused (the run id is not its own), writing no intent into the
+/// new life and calling the provider with no step key of its ended life. (The model found a
+/// lease check on the generation alone letting it through.)
+fn a_stalled_owner_of_a_purged_life_writes_nothing_in_the_next() {
+    run_one(Case::one(
+        vec![step("write0", None), step("call1", Some(Policy::Ask))],
+        vec![
+            client(Stop::Stall(1)),
+            operator_on_first_key(Operator::PurgeProgress),
+            client(Stop::Gone(1)),
+            Event::Resume { lane: 0 },
+        ],
+    ));
+}
+
+test! { a_key_reused_after_its_record_expired_takes_new_charges_for_a_new_order, sync }
+/// A provider that charges every call. Order 1 is paid and answered; its record expires; the
+/// client's next request with the key is order 2, a new life: its call is charged with a new
+/// step key and its answer lost, the retry leaves the key in doubt, the operator settles it
+/// with the provider's charge, and the last retry answers order 2 with it. Money taken is
+/// orders paid: two charges, one per order.
+fn a_key_reused_after_its_record_expired_takes_new_charges_for_a_new_order() {
+    let mut case = Case::one(
+        vec![step("call0", Some(Policy::LeaveInDoubt))],
+        vec![
+            client(Stop::Full),
+            operator_on_first_key(Operator::Expire { purge: false }),
+            client(Stop::Unknown {
+                step: 0,
+                charged: true,
+            }),
+            client(Stop::Full),
+            operator_on_first_key(Operator::Resolve),
+        ],
+    );
+    case.dedup = false;
+    run_one(case);
 }
