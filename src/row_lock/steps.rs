@@ -114,9 +114,6 @@ async fn bound_lock_wait<H: PgHandle>(
     Ok(())
 }
 
-/// How long an operator's call (resolve, purge) waits for a lock.
-const ADMIN_WAIT: Duration = Duration::from_secs(5);
-
 /// Checks that the key is still under `lease`'s generation and moves its lease's end.
 async fn check_lease<H: PgHandle>(tx: &H, lease: &Lease) -> Result<(), Error> {
     let params = with_key(
@@ -156,8 +153,19 @@ async fn check_position<H: PgHandle>(tx: &H, lease: &Lease, step: &StepRow) -> R
 /// result of the intent saved at its position; refused with [`Error::StepsChanged`] when the
 /// key saved another step there, or that step's result already.
 async fn save_step_row<H: PgHandle>(tx: &H, lease: &Lease, step: &StepRow) -> Result<(), Error> {
+    let saved = check_position(tx, lease, step).await?;
+    write_step(tx, lease, step, saved).await
+}
+
+/// Writes `step` at its position, checked before (`saved`: its intent is there).
+async fn write_step<H: PgHandle>(
+    tx: &H,
+    lease: &Lease,
+    step: &StepRow,
+    saved: bool,
+) -> Result<(), Error> {
     let now = to_unix_millis(lease.now);
-    if !check_position(tx, lease, step).await? {
+    if !saved {
         let params = with_key(
             &lease.scope,
             &[
@@ -411,11 +419,11 @@ where
                 // A step that differs from the one saved at its position must not run at all.
                 let mut intent = step.clone();
                 intent.result = None;
-                check_position(&tx, lease, &intent).await?;
+                let saved = check_position(&tx, lease, &intent).await?;
                 let value = work(tx.clone()).await?;
                 let mut step = step.clone();
                 step.result = Some(encode(&value)?);
-                save_step_row(&tx, lease, &step).await?;
+                write_step(&tx, lease, &step, saved).await?;
                 Ok((value, Finish::Commit))
             })
             .await
@@ -616,7 +624,7 @@ pub(crate) fn resolve<'a, S: PgTransactions>(
         };
         store
             .in_own_transaction(|tx| async move {
-                bound_lock_wait(&tx, dialect, ADMIN_WAIT).await?;
+                bound_lock_wait(&tx, dialect, crate::steps::ADMIN_WAIT).await?;
                 let rows = tx.fetch_in(SELECT_STATUS, &key(scope)).await?;
                 let Some(row) = rows.first() else {
                     return Ok((Settled::NotFound, Finish::Rollback));
@@ -659,7 +667,7 @@ pub(crate) fn purge_progress<'a, S: PgTransactions>(
         let now = to_unix_millis(now);
         store
             .in_own_transaction(|tx| async move {
-                bound_lock_wait(&tx, dialect, ADMIN_WAIT).await?;
+                bound_lock_wait(&tx, dialect, crate::steps::ADMIN_WAIT).await?;
                 if tx.fetch_in(dialect.steps_installed, &[]).await?.is_empty() {
                     return Ok((0, Finish::Commit));
                 }

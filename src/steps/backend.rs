@@ -107,6 +107,11 @@ const DEFAULT_PROGRESS_TTL: Duration = Duration::from_secs(24 * 60 * 60);
 /// [`Claim::new`]'s and [`Lease::new`]'s bound on lock waits.
 const DEFAULT_WAIT: Duration = Duration::from_secs(5);
 
+/// How long an operator's call ([`StepStore::resolve`], [`StepStore::purge_progress`]) waits
+/// for a lock.
+#[cfg(sql_store)]
+pub(crate) const ADMIN_WAIT: Duration = DEFAULT_WAIT;
+
 /// A new run id: 32 random hexadecimal digits, never reused (UUID v4). One life of a key
 /// (from its first claim until it finishes, or its progress is deleted) has one.
 #[cfg(sql_store)]

@@ -479,7 +479,7 @@ impl<St: StepStore> Steps<St> {
             .and_then(|until| until.duration_since(SystemTime::now()).ok())
             .unwrap_or_default();
         let margin = (self.shared.lease / 5).max(Duration::from_millis(200));
-        Some(left.checked_sub(margin)?).filter(|budget| !budget.is_zero())
+        left.checked_sub(margin).filter(|budget| !budget.is_zero())
     }
 
     pub(crate) fn state(&self) -> std::sync::MutexGuard<'_, State> {

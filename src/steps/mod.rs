@@ -9,7 +9,7 @@ mod outcome;
 #[cfg(sql_store)]
 pub(crate) use backend::sealed;
 #[cfg(sql_store)]
-pub(crate) use backend::{check_saved_step, new_run_id};
+pub(crate) use backend::{check_saved_step, new_run_id, ADMIN_WAIT};
 #[allow(unused_imports)] // what each backend needs of them differs by feature
 pub(crate) use backend::{
     Acquired, Claim, Lease, SavedRequest, SavedStep, StepKind, StepOutcome, StepRow,

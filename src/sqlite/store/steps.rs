@@ -84,9 +84,6 @@ fn unwrap_error(error: Error) -> Error {
     }
 }
 
-/// How long an operator's call (resolve, purge) waits for the writer.
-const ADMIN_WAIT: Duration = Duration::from_secs(5);
-
 /// A queued call's state: the writer starts it only if its caller still waits.
 const QUEUED: u8 = 0;
 const STARTED: u8 = 1;
@@ -157,9 +154,20 @@ fn check_lease(tx: &Transaction<'_>, lease: &Lease) -> Result<(), Error> {
 /// the key saved another step there, or that step's result already; an intent written again
 /// over its own intent changes nothing.
 fn save_step_row(tx: &Transaction<'_>, lease: &Lease, step: &StepRow) -> Result<(), Error> {
+    let saved = check_position(tx, &lease.scope, step)?;
+    write_step(tx, lease, step, saved)
+}
+
+/// Writes `step` at its position, checked before (`saved`: its intent is there).
+fn write_step(
+    tx: &Transaction<'_>,
+    lease: &Lease,
+    step: &StepRow,
+    saved: bool,
+) -> Result<(), Error> {
     let scope = &lease.scope;
     let now = to_unix_millis(lease.now);
-    if !check_position(tx, scope, step)? {
+    if !saved {
         tx.prepare_cached(
             "INSERT INTO idempotency_steps (tenant, operation, idempotency_key, seq, name, kind, \
              result, created_at, updated_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?8)",
@@ -496,10 +504,10 @@ impl StepStore for SqliteStore {
             // position must not run at all.
             let mut intent = step.clone();
             intent.result = None;
-            check_position(tx, &lease.scope, &intent)?;
+            let saved = check_position(tx, &lease.scope, &intent)?;
             let value = work(tx).into_resolved()?;
             step.result = Some(encode(&value)?);
-            save_step_row(tx, &lease, &step)?;
+            write_step(tx, &lease, &step, saved)?;
             Ok(value)
         })
         .await
@@ -618,7 +626,7 @@ impl StepStore for SqliteStore {
             Resolution::CallAgain => None,
             Resolution::Done(value) => Some(Stored::Value(value.clone()).encode()?),
         };
-        write(self, ADMIN_WAIT, move |tx| {
+        write(self, crate::steps::ADMIN_WAIT, move |tx| {
             let status: Option<String> = tx
                 .prepare_cached(&format!(
                     "SELECT status FROM idempotency_progress WHERE {KEY}"
@@ -678,7 +686,7 @@ impl StepStore for SqliteStore {
     }
 
     async fn purge_progress(&self, now: SystemTime, batch: usize) -> Result<u64, Error> {
-        write(self, ADMIN_WAIT, move |tx| {
+        write(self, crate::steps::ADMIN_WAIT, move |tx| {
             let installed: bool = tx
                 .prepare_cached(
                     "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' \
