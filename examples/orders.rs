@@ -51,7 +51,6 @@ mod command;
 #[path = "orders/demo.rs"]
 mod demo;
 /// The PostgreSQL variant of the app (`--database-url`).
-#[cfg(feature = "tokio-postgres")]
 #[path = "orders/postgres.rs"]
 mod postgres;
 /// Serving the app on SQLite or PostgreSQL, with `GET /metrics` and `GET /openapi.json`.

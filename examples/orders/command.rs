@@ -74,7 +74,6 @@ impl Command {
 
     pub(crate) async fn run(self) -> Result<(), BoxError> {
         match self {
-            #[cfg(feature = "tokio-postgres")]
             Command::Serve {
                 addr,
                 database_url: Some(url),
@@ -82,11 +81,6 @@ impl Command {
                 ietf,
                 ..
             } => crate::postgres::serve(&addr, &url, webhook.as_deref(), ietf).await,
-            #[cfg(not(feature = "tokio-postgres"))]
-            Command::Serve {
-                database_url: Some(_),
-                ..
-            } => Err("--database-url needs the `tokio-postgres` feature".into()),
             Command::Serve {
                 addr,
                 db,

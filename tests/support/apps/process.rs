@@ -35,18 +35,22 @@ pub fn example_binary(name: &str) -> PathBuf {
         .clone()
 }
 
-/// Runs `cargo build --example NAME` and returns the path cargo reports for the executable.
+/// Runs `cargo build --examples` and returns the path cargo reports for example `name`'s
+/// executable.
 ///
 /// `cargo test` builds examples, but `cargo test --test NAME` does not, and a binary left in
 /// `target/` may be stale. So this runs the cargo that runs the tests, with the same profile and
 /// target directory (a no-op when `cargo test` has just built it); cargo holds no build lock
-/// while tests run. A build that takes longer than `BUILD_PATIENCE` is killed.
+/// while tests run. It builds every example, as `cargo test` does, not only `name`: the quick
+/// start (`orders`) is in a package of its own (`examples/quickstart`), and built alone it would
+/// get its own features of the shared dependencies, so its whole tree would be compiled a second
+/// time. A build that takes longer than `BUILD_PATIENCE` is killed.
 pub fn build_example(name: &str) -> PathBuf {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let mut command = std::process::Command::new(cargo);
     command
         .current_dir(REPOSITORY)
-        .args(["build", "--example", name, "--message-format=json"])
+        .args(["build", "--examples", "--message-format=json"])
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit());
     if !cfg!(debug_assertions) {
@@ -67,12 +71,12 @@ pub fn build_example(name: &str) -> PathBuf {
         }
         if started.elapsed() > BUILD_PATIENCE {
             let _ = child.kill();
-            panic!("`cargo build --example {name}` did not finish in {BUILD_PATIENCE:?}");
+            panic!("`cargo build --examples` did not finish in {BUILD_PATIENCE:?}");
         }
         std::thread::sleep(Duration::from_millis(50));
     };
     let messages = reader.join().expect("cargo output");
-    assert!(status.success(), "`cargo build --example {name}` failed");
+    assert!(status.success(), "`cargo build --examples` failed");
     messages
         .lines()
         .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
