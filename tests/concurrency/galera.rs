@@ -10,17 +10,20 @@
 //! - Duplicates racing across two nodes: one order per key, and every `201` names an order
 //!   that exists, the same for every duplicate.
 
+use support::apps::process::ExampleProcess;
 use support::common;
 use support::galera::GaleraDb;
 use support::pg_common::HookOutcome;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use common::server_backed::OrderServer;
 use common::{AppBuilder, HookFor, OrderCallOf, Post, Reply, SHOP_A};
 use http::StatusCode;
+use tokio::sync::Semaphore;
 use tower_idempotency::store::sqlx_mysql::{SqlxHandle, SqlxMySqlStore};
 
 type Hook = HookFor<OrderCallOf<SqlxHandle>, HookOutcome>;
@@ -41,10 +44,7 @@ async fn serve(store: SqlxMySqlStore) -> Server {
 async fn post_until_answered(addr: SocketAddr, key: &str, body: &str) -> Vec<Reply> {
     let mut replies = Vec::new();
     for _ in 0..50 {
-        let reply = Post::order(key, body)
-            .token(Some(SHOP_A))
-            .send(addr)
-            .await;
+        let reply = Post::order(key, body).token(Some(SHOP_A)).send(addr).await;
         let busy = reply.status == StatusCode::SERVICE_UNAVAILABLE;
         replies.push(reply);
         if !busy {
@@ -57,28 +57,61 @@ async fn post_until_answered(addr: SocketAddr, key: &str, body: &str) -> Vec<Rep
 
 test! { duplicates_racing_across_two_nodes_get_one_order_that_exists, multi_thread = 2, galera }
 
+/// Two `orders_mysql` example processes, each on another node, as a user runs them.
 async fn duplicates_racing_across_two_nodes_get_one_order_that_exists() {
+    let db = GaleraDb::create().await;
+    let one = ExampleProcess::start("orders_mysql", &["--database-url", &db.cluster.url(0)]).await;
+    let two = ExampleProcess::start("orders_mysql", &["--database-url", &db.cluster.url(1)]).await;
+    race_duplicates(&db, one.addr, two.addr).await;
+    one.kill().await;
+    two.kill().await;
+}
+
+test! { duplicates_racing_across_two_nodes_in_process, multi_thread = 2, galera }
+
+/// The same with the tests' order app, in this process.
+async fn duplicates_racing_across_two_nodes_in_process() {
     let db = GaleraDb::create().await;
     let one = serve(db.store(0, 16).await).await;
     let two = serve(db.store(1, 16).await).await;
+    race_duplicates(&db, one.addr, two.addr).await;
+    eprintln!(
+        "{} handler calls",
+        one.app.handler_calls() + two.app.handler_calls()
+    );
+    one.shutdown().await;
+    two.shutdown().await;
+}
+
+/// Sends each of 300 keys to both instances at once: one order per key, and every `201`
+/// names the key's order, which exists.
+async fn race_duplicates(db: &GaleraDb, one: SocketAddr, two: SocketAddr) {
+    // Each key is sent to both instances at once, with `IN_FLIGHT` keys at a time.
     const KEYS: usize = 300;
+    const IN_FLIGHT: usize = 64;
+    let slots = Arc::new(Semaphore::new(IN_FLIGHT));
     let mut sends = Vec::new();
     for n in 0..KEYS {
-        for addr in [one.addr, two.addr] {
-            let key = format!("race-{n}");
-            sends.push(tokio::spawn(async move {
-                let replies = post_until_answered(addr, &key, BOOK).await;
-                (key, replies)
-            }));
-        }
+        let key = format!("race-{n}");
+        let slot = slots.clone().acquire_owned().await.expect("a slot");
+        sends.push(tokio::spawn(async move {
+            let (at_one, at_two) = tokio::join!(
+                post_until_answered(one, &key, BOOK),
+                post_until_answered(two, &key, BOOK)
+            );
+            drop(slot);
+            (key, [at_one, at_two])
+        }));
     }
     let mut answers: BTreeMap<String, Vec<Reply>> = BTreeMap::new();
     let mut busy = 0;
     for send in sends {
-        let (key, mut replies) = send.await.expect("a send");
-        let last = replies.pop().expect("an answer");
-        busy += replies.len();
-        answers.entry(key).or_default().push(last);
+        let (key, both) = send.await.expect("a send");
+        for mut replies in both {
+            let last = replies.pop().expect("an answer");
+            busy += replies.len();
+            answers.entry(key.clone()).or_default().push(last);
+        }
     }
     let orders = db.order_ids().await;
     let recorded: BTreeMap<String, i64> = db.recorded_orders().await.into_iter().collect();
@@ -88,19 +121,23 @@ async fn duplicates_racing_across_two_nodes_get_one_order_that_exists() {
             assert_eq!(reply.status, StatusCode::CREATED, "{key}: {reply:?}");
             let id = reply.order_id();
             if orders.binary_search(&id).is_err() || recorded.get(key) != Some(&id) {
-                wrong.push(format!("{key}: answered order {id}, recorded {:?}", recorded.get(key)));
+                wrong.push(format!(
+                    "{key}: answered order {id}, recorded {:?}",
+                    recorded.get(key)
+                ));
             }
         }
     }
     eprintln!(
-        "galera race: {} orders, {} records, {busy} answers 503 retried, {} handler calls",
+        "galera race: {} orders, {} records, {busy} answers 503 retried",
         orders.len(),
         recorded.len(),
-        one.app.handler_calls() + two.app.handler_calls()
     );
-    assert!(wrong.is_empty(), "{} answers name an order that is not the key's: {wrong:#?}", wrong.len());
+    assert!(
+        wrong.is_empty(),
+        "{} answers name an order that is not the key's: {wrong:#?}",
+        wrong.len()
+    );
     assert_eq!(orders.len(), KEYS, "one order per key");
     assert_eq!(recorded.len(), KEYS, "one record per key");
-    one.shutdown().await;
-    two.shutdown().await;
 }

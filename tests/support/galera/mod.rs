@@ -233,7 +233,10 @@ impl Galera {
     /// synced member.
     async fn launch(&mut self, node: usize, bootstrap: bool) {
         let mut command = Command::new(find_program("mariadbd").unwrap());
-        command.arg(format!("--defaults-file={}", self.config_file(node).display()));
+        command.arg(format!(
+            "--defaults-file={}",
+            self.config_file(node).display()
+        ));
         if bootstrap {
             command.arg("--wsrep-new-cluster");
         }
