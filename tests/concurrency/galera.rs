@@ -13,6 +13,7 @@
 use support::apps::process::ExampleProcess;
 use support::common;
 use support::galera::GaleraDb;
+use support::mysql_common::TestDb;
 use support::pg_common::HookOutcome;
 
 use std::collections::BTreeMap;
@@ -33,6 +34,7 @@ use tokio::sync::Semaphore;
 use tower_idempotency::outbox::{sink_fn, Enqueue, Outbox, OutboxEvent, Relay};
 use tower_idempotency::steps::{CallAgain, StepError, StepStore, Steps};
 use tower_idempotency::store::sqlx_mysql::{sqlx, SqlxHandle, SqlxMySqlStore};
+use tower_idempotency::store::Isolation;
 use tower_idempotency::{IdempotencyLayer, Tenant};
 
 type Hook = HookFor<OrderCallOf<SqlxHandle>, HookOutcome>;
@@ -515,4 +517,51 @@ async fn steps_racing_across_two_nodes_call_the_provider_once_per_key() {
     for serving in servings {
         serving.stop().await;
     }
+}
+
+// ----- what a Galera node refuses -----
+
+test! { serializable_is_refused_on_a_galera_node, galera }
+
+/// Request transactions at `SERIALIZABLE` would be serializable on one node only: the store
+/// refuses them when it installs its tables, and says why.
+async fn serializable_is_refused_on_a_galera_node() {
+    let db = GaleraDb::create().await;
+    let store = SqlxMySqlStore::builder(db.pool(0, 2).await)
+        .with_isolation(Isolation::Serializable)
+        .build();
+    let refused = store.migrate().await.expect_err("refused on a Galera node");
+    assert!(
+        refused.to_string().contains("Galera") && refused.to_string().contains("SERIALIZABLE"),
+        "{refused}"
+    );
+    let steps = store
+        .install_steps()
+        .await
+        .expect_err("refused on a Galera node");
+    assert!(steps.to_string().contains("Galera"), "{steps}");
+    // The other levels are taken.
+    for isolation in [Isolation::ReadCommitted, Isolation::RepeatableRead] {
+        SqlxMySqlStore::builder(db.pool(1, 2).await)
+            .with_isolation(isolation)
+            .build()
+            .migrate()
+            .await
+            .unwrap_or_else(|error| panic!("{isolation:?}: {error}"));
+    }
+}
+
+test! { serializable_is_taken_on_a_server_that_is_no_galera_node, mysql }
+
+/// The same store on a plain server (`TEST_MYSQL_URL`): `SERIALIZABLE` is what it says there.
+async fn serializable_is_taken_on_a_server_that_is_no_galera_node() {
+    let Some(db) = TestDb::create().await else {
+        return;
+    };
+    SqlxMySqlStore::builder(db.pool(2).await)
+        .with_isolation(Isolation::Serializable)
+        .build()
+        .migrate()
+        .await
+        .expect("SERIALIZABLE on a server that is no Galera node");
 }
