@@ -1,14 +1,22 @@
 //! The MySQL store on a three-node MariaDB Galera cluster (a multi-primary cluster): each test
 //! starts a cluster of its own (`support::galera`) and runs app instances each on another
-//! node. Reported as ignored where MariaDB, the Galera provider or mariadb-backup is missing.
+//! node, each store's pool on its node. Reported as ignored where MariaDB, the Galera provider
+//! or mariadb-backup is missing.
 //!
 //! Galera decides conflicts between nodes at commit (certification): the reservation's row
 //! lock holds a duplicate back only on its own node, so duplicates sent to two nodes at once
 //! both run their handler, and the one certified second is rolled back (`1213` at `COMMIT`, or
-//! its transaction aborted by the winner's rows applied on its node).
+//! its transaction aborted by the winner's rows applied on its node, the deadlock then reported
+//! on the statement after `COMMIT`); the layer runs it again, and it replays.
 //!
-//! - Duplicates racing across two nodes: one order per key, and every `201` names an order
-//!   that exists, the same for every duplicate.
+//! - Duplicates racing across two nodes (the example program, and the tests' app in this
+//!   process): one order per key, and every `201` names an order that exists, the same for
+//!   every duplicate.
+//! - A node killed with SIGKILL under load, the client sending again to the instance on another
+//!   node (a store's pool is on one node): nothing lost, nothing doubled.
+//! - Outbox relays on two nodes; steps racing across two nodes (one provider call per key), the
+//!   tables created on two nodes at once.
+//! - `SERIALIZABLE` refused on a Galera node, taken on a plain server.
 
 use support::apps::process::ExampleProcess;
 use support::common;
@@ -448,10 +456,22 @@ test! { steps_racing_across_two_nodes_call_the_provider_once_per_key, multi_thre
 async fn steps_racing_across_two_nodes_call_the_provider_once_per_key() {
     let db = GaleraDb::create().await;
     let provider = Provider::default();
+    // Both instances create the tables at once, each on its node: `GET_LOCK` holds on one
+    // node only, the DDL is replicated in total order, and `IF NOT EXISTS` takes the second.
+    let stores = [
+        SqlxMySqlStore::new(db.pool(0, 8).await),
+        SqlxMySqlStore::new(db.pool(1, 8).await),
+    ];
+    let (first, second) = tokio::join!(stores[0].migrate(), stores[1].migrate());
+    first
+        .and(second)
+        .expect("create the records table on two nodes at once");
+    let (first, second) = tokio::join!(stores[0].install_steps(), stores[1].install_steps());
+    first
+        .and(second)
+        .expect("create the steps' table on two nodes at once");
     let mut servings = Vec::new();
-    for node in 0..2 {
-        let store = db.store(node, 8).await;
-        store.install_steps().await.expect("install the steps");
+    for store in stores {
         let layer = IdempotencyLayer::new(store)
             .with_operation("checkout")
             .with_lock_timeout(Duration::from_secs(5))
