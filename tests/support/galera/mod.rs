@@ -124,28 +124,39 @@ impl Galera {
         cluster
     }
 
-    /// `mariadb-install-db` into the first node's directory, copied to the others.
+    /// `mariadb-install-db` into the first node's directory, copied to the others. A failed
+    /// install is tried once more in a clean directory, after printing what it said.
     async fn install(&self) {
         let first = self.data_dir(0);
-        let output = tokio::process::Command::new(find_program("mariadb-install-db").unwrap())
-            .arg("--no-defaults")
-            .arg(format!("--datadir={}", first.display()))
-            .args([
-                "--user=root",
-                "--auth-root-authentication-method=normal",
-                "--skip-test-db",
-                "--innodb-log-file-size=8M",
-            ])
-            .stdin(Stdio::null())
-            .output()
-            .await
-            .expect("run mariadb-install-db");
-        assert!(
-            output.status.success(),
-            "mariadb-install-db failed: {}{}",
-            String::from_utf8_lossy(&output.stdout),
-            String::from_utf8_lossy(&output.stderr)
-        );
+        let mut failures = Vec::new();
+        for _ in 0..2 {
+            let _ = std::fs::remove_dir_all(&first);
+            let output = tokio::process::Command::new(find_program("mariadb-install-db").unwrap())
+                .arg("--no-defaults")
+                .arg(format!("--datadir={}", first.display()))
+                .args([
+                    "--user=root",
+                    "--auth-root-authentication-method=normal",
+                    "--skip-test-db",
+                    "--innodb-log-file-size=8M",
+                ])
+                .stdin(Stdio::null())
+                .output()
+                .await
+                .expect("run mariadb-install-db");
+            if output.status.success() {
+                break;
+            }
+            let said = format!(
+                "mariadb-install-db failed ({}): {}{}",
+                output.status,
+                String::from_utf8_lossy(&output.stdout),
+                String::from_utf8_lossy(&output.stderr)
+            );
+            eprintln!("{said}");
+            failures.push(said);
+        }
+        assert!(failures.len() < 2, "{}", failures.join("\n"));
         for node in 1..NODES {
             let status = tokio::process::Command::new("cp")
                 .arg("-a")
