@@ -134,8 +134,9 @@ impl Galera {
             let output = tokio::process::Command::new(find_program("mariadb-install-db").unwrap())
                 .arg("--no-defaults")
                 .arg(format!("--datadir={}", first.display()))
+                // As root, the files are root's (the servers run as root).
+                .args(is_root().then_some("--user=root"))
                 .args([
-                    "--user=root",
                     "--auth-root-authentication-method=normal",
                     "--skip-test-db",
                     "--innodb-log-file-size=8M",
