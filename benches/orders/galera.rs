@@ -77,7 +77,7 @@ pub(crate) async fn run(options: &Options) -> Result<(), BoxError> {
     // Commits flush the redo log on the direct server as it is set; the nodes write it at
     // commit and flush it once a second (the cluster's copies are its durability).
     let flush: i64 = direct
-        .count("SELECT @@innodb_flush_log_at_trx_commit")
+        .count("SELECT CAST(@@innodb_flush_log_at_trx_commit AS SIGNED)")
         .await;
     println!(
         "MySQL store: one MariaDB server (innodb_flush_log_at_trx_commit = {flush}) and a \
