@@ -14,6 +14,7 @@ usage: cargo bench --bench orders -- [--quick] [--duration SECS] [--rounds N]
               [--scale-purge-rows N]]
        cargo bench --bench orders -- --serve [--modes full|normal|pg] [--database-url URL]
        cargo bench --bench orders -- --table [DIR]
+       cargo bench --bench orders -- --galera [--concurrency 1,64] [--duration SECS]
 
   (no flags)           the full run: every case, both SQLite modes, 3 rounds of 2 s
 
@@ -51,6 +52,9 @@ usage: cargo bench --bench orders -- [--quick] [--duration SECS] [--rounds N]
                        until Ctrl-C (for a profiler: perf, strace, valgrind)
   --table [DIR]        measure nothing: print a run's results.csv and goals.csv (in DIR,
                        default benches/orders/results) as the Markdown tables the docs quote
+  --galera             measure only the MySQL store on one MariaDB server (TEST_MYSQL_URL)
+                       and on a three-node Galera cluster it starts (galera.rs): new keys
+                       and replays; prints a table
   -h, --help           show this help
 
 Temp databases go to the system temp dir (TMPDIR): keep it on a real disk.";
@@ -214,6 +218,8 @@ pub(crate) enum Command {
     },
     /// `--table`: a run's CSV files printed as the docs' tables (`table.rs`).
     Table(PathBuf),
+    /// `--galera`: the MySQL store on one server and on a Galera cluster (`galera.rs`).
+    Galera(Options),
 }
 
 /// Where a run's files go, and where `--table` reads them, unless told otherwise.
@@ -232,6 +238,7 @@ impl Command {
         let mut database_url = None;
         let mut client_threads = None;
         let mut serve = false;
+        let mut galera = false;
         let mut scale = None::<Box<crate::scale::ScaleOptions>>;
         while let Some(arg) = args.next() {
             let (flag, inline) = match arg.split_once('=') {
@@ -248,6 +255,7 @@ impl Command {
                 "-h" | "--help" => return Ok(Command::Help),
                 "--quick" if inline.is_none() => quick = true,
                 "--serve" if inline.is_none() => serve = true,
+                "--galera" if inline.is_none() => galera = true,
                 "--table" => {
                     let dir = inline.clone().or_else(|| args.next());
                     return Ok(Command::Table(PathBuf::from(
@@ -389,7 +397,7 @@ impl Command {
         } else {
             Duration::from_secs(2)
         });
-        Ok(Command::Run(Options {
+        let options = Options {
             duration,
             warmup: (duration / 4).clamp(Duration::from_millis(100), Duration::from_millis(500)),
             rounds: rounds.unwrap_or(if quick { 2 } else { 3 }),
@@ -405,7 +413,12 @@ impl Command {
             // The scale cases open up to 1024 connections: two client threads unless told.
             client_threads: client_threads.unwrap_or(if scale.is_some() { 2 } else { 1 }),
             scale,
-        }))
+        };
+        Ok(if galera {
+            Command::Galera(options)
+        } else {
+            Command::Run(options)
+        })
     }
 }
 

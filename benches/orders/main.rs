@@ -20,7 +20,8 @@
 //! baselines' transactions, `load.rs` the load generator, `cases.rs` the table's measurements,
 //! `extras.rs` the hold and disk measurements, `alloc.rs` the allocation count, `cpu.rs` the CPU
 //! accounting, `report.rs` the printed tables, the goals and the CSV files, `chart.rs` the chart,
-//! `serve.rs` a server left running for a profiler (`--serve`), `table.rs` the docs' tables
+//! `serve.rs` a server left running for a profiler (`--serve`), `galera.rs` the MySQL store on
+//! one server and on a Galera cluster (`--galera`), `table.rs` the docs' tables
 //! read back from a run's CSV files (`--table`), `wal.rs` the WAL frames a new key writes
 //! (`--cases wal`), `scale.rs` the slow measurements of how cost grows (`--scale`: records
 //! already stored, purging while serving, body size, concurrency).
@@ -78,6 +79,7 @@ mod chart;
 mod cli;
 mod cpu;
 mod extras;
+mod galera;
 mod hand;
 mod load;
 mod postgres;
@@ -108,6 +110,15 @@ async fn main() -> ExitCode {
         Ok(Command::Run(options)) => options,
         Ok(Command::Serve { mode, database_url }) => {
             return match serve::run(mode, database_url.as_deref()).await {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(error) => {
+                    eprintln!("bench: {error}");
+                    ExitCode::FAILURE
+                }
+            };
+        }
+        Ok(Command::Galera(options)) => {
+            return match galera::run(&options).await {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(error) => {
                     eprintln!("bench: {error}");

@@ -18,8 +18,9 @@
 //! (`contract::sqlite::...` for the module `sqlite` of `tests/contract/contract.rs`), so that
 //! `cargo test --test contract contract::sqlite::` selects what it did. What a test
 //! needs is `postgres` (`TEST_DATABASE_URL`), `mysql` (`TEST_MYSQL_URL`), `pg_cluster` (the
-//! PostgreSQL server programs, see [`Cluster::bindir`]) or `pgbouncer` (`TEST_DATABASE_URL` and
-//! the `pgbouncer` program, see [`PgBouncer::binary`](crate::pgbouncer::PgBouncer::binary));
+//! PostgreSQL server programs, see [`Cluster::bindir`]), `pgbouncer` (`TEST_DATABASE_URL` and
+//! the `pgbouncer` program, see [`PgBouncer::binary`](crate::pgbouncer::PgBouncer::binary)) or
+//! `galera` (MariaDB with Galera, see [`Galera::available`](crate::galera::Galera::available));
 //! `multi_thread = N` runs it on a multi-thread runtime of `N` workers (as
 //! `#[tokio::test(flavor = "multi_thread", worker_threads = N)]` did).
 //!
@@ -78,6 +79,9 @@ macro_rules! test {
     (@options $test:expr; pg_cluster $(, $($rest:tt)*)?) => {
         $crate::test!(@options $test.needs($crate::harness::Needs::PgCluster); $($($rest)*)?)
     };
+    (@options $test:expr; galera $(, $($rest:tt)*)?) => {
+        $crate::test!(@options $test.needs($crate::harness::Needs::Galera); $($($rest)*)?)
+    };
     (@options $test:expr; pgbouncer $(, $($rest:tt)*)?) => {
         $crate::test!(@options $test.needs($crate::harness::Needs::PgBouncer); $($($rest)*)?)
     };
@@ -102,6 +106,8 @@ pub enum Needs {
     /// PgBouncer and a PostgreSQL server: `TEST_DATABASE_URL` and the `pgbouncer` program
     /// ([`PgBouncer`](crate::pgbouncer::PgBouncer)).
     PgBouncer,
+    /// MariaDB with Galera, to build a three-node cluster ([`Galera`](crate::galera::Galera)).
+    Galera,
 }
 
 impl Needs {
@@ -113,6 +119,7 @@ impl Needs {
             Needs::MySql => "needs MySQL or MariaDB: set TEST_MYSQL_URL",
             Needs::PgCluster => crate::cluster::MISSING,
             Needs::PgBouncer => crate::pgbouncer::MISSING,
+            Needs::Galera => crate::galera::MISSING,
         }
     }
 }
@@ -200,6 +207,7 @@ struct Available {
     mysql: bool,
     pg_cluster: bool,
     pgbouncer: bool,
+    galera: bool,
 }
 
 impl Available {
@@ -210,6 +218,7 @@ impl Available {
             mysql: set("TEST_MYSQL_URL"),
             pg_cluster: Cluster::bindir().is_some(),
             pgbouncer: crate::pgbouncer::PgBouncer::available(),
+            galera: crate::galera::Galera::available(),
         }
     }
 
@@ -221,6 +230,7 @@ impl Available {
             Needs::MySql => self.mysql,
             Needs::PgCluster => self.pg_cluster,
             Needs::PgBouncer => self.pgbouncer,
+            Needs::Galera => self.galera,
         };
         test.ignore.or((!has).then(|| test.needs.missing()))
     }

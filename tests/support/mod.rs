@@ -12,7 +12,8 @@
 //!   ([`apps::grpc_orders`]; [`apps::inventory`], which [`pg_common::inventory`] serves on a
 //!   PostgreSQL schema);
 //! - faults ([`sqlite_faults`]), a PostgreSQL primary with a standby ([`cluster`]), PgBouncer in
-//!   transaction pooling mode in front of the test database ([`pgbouncer`]), the outbox's relay
+//!   transaction pooling mode in front of the test database ([`pgbouncer`]), a three-node MariaDB
+//!   Galera cluster ([`galera`]), the outbox's relay
 //!   scenarios ([`relay_scenarios`]), the client's scripted servers ([`client_common`]), and
 //!   random data ([`splitmix`], [`json_bodies`]).
 
@@ -24,6 +25,7 @@ pub mod backend;
 pub mod client_common;
 pub mod cluster;
 pub mod common;
+pub mod galera;
 pub mod json_bodies;
 pub mod mysql_common;
 pub mod pg_common;

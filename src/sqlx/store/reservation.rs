@@ -168,6 +168,12 @@ impl<D: SqlxDialect> Slot<D> {
                     Err(error.into())
                 }
             }
+            // `COMMIT` answered; the statement after it reports a conflict: the transaction
+            // was rolled back (see `end`).
+            _ if D::is_conflict(&error) => {
+                self.discard();
+                Err(error.into())
+            }
             // Committed; restoring the session failed.
             _ => {
                 tracing::warn!(%error, "restoring the session failed; closing the connection");
@@ -179,7 +185,15 @@ impl<D: SqlxDialect> Slot<D> {
 
     /// Sends `statements` (`COMMIT` or `ROLLBACK`, then what restores the session) and gives
     /// the connection back if all of them ran, else discards it. The error is the first
-    /// statement's: once that ran, the transaction has ended as asked, whatever follows.
+    /// statement's: once that ran, the transaction has ended as asked, whatever follows; but
+    /// for a conflict (a deadlock, a serialization failure) reported on a statement after it.
+    ///
+    /// That is how a MariaDB Galera node may end a transaction that another node's commit
+    /// aborted while its own `COMMIT` was being certified: the `COMMIT` is answered as done,
+    /// the transaction is rolled back, and the deadlock (`1213`) comes with the next
+    /// statement, here the session's restore sent with it. It is taken as the `COMMIT`'s:
+    /// nothing committed (a statement that sets session variables takes no lock, and a
+    /// committed transaction has nothing left to abort), and the layer runs the request again.
     async fn end(&mut self, statements: &str) -> Result<(), sqlx::Error> {
         if let Err(error) = self.forget_statements().await {
             // Not ended: closing the connection rolls back.
@@ -198,11 +212,19 @@ impl<D: SqlxDialect> Slot<D> {
                         "no result for COMMIT or ROLLBACK".into(),
                     )),
                 };
+                let mut ended = ended;
                 let mut restored = ended.is_ok();
                 while let Some(result) = results.next().await {
                     if let Err(error) = result {
-                        tracing::warn!(%error, "restoring the session failed; closing the connection");
                         restored = false;
+                        if ended.is_ok() && D::is_conflict(&error) {
+                            // A conflict reported on the statement after `COMMIT`: the
+                            // transaction was rolled back, not committed.
+                            tracing::debug!(%error, "the transaction was rolled back at its end");
+                            ended = Err(error);
+                        } else {
+                            tracing::warn!(%error, "restoring the session failed; closing the connection");
+                        }
                     }
                 }
                 (ended, restored)

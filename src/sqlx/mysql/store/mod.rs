@@ -103,15 +103,21 @@ impl SqlxOptions<MySqlDialect> {
 impl SqlxMySqlStore {
     /// Creates `idempotency_records` if it is missing (the crate's migration file, run under
     /// `GET_LOCK` so that instances starting together do not race). Safe to run at every start,
-    /// and before or after `sqlx migrate run` of the same file.
+    /// and before or after `sqlx migrate run` of the same file. On a Galera cluster node, a store
+    /// whose request transactions run at [`Isolation::Serializable`] is refused here (it would
+    /// be serializable on one node only), with an error that says so.
     pub async fn migrate(&self) -> Result<(), Error> {
         self.install_schema(sql::MIGRATION_LOCK, sql::SCHEMA).await
     }
 
     /// Creates tables (`schema`: `CREATE ... IF NOT EXISTS` statements) under `GET_LOCK(lock)`
     /// (the same name in every instance).
+    ///
+    /// On a Galera node (`wsrep_on = ON`) it first refuses a store whose request transactions
+    /// run at `SERIALIZABLE`: see [`refuse_on_galera`].
     pub(crate) async fn install_schema(&self, lock: &str, schema: &str) -> Result<(), Error> {
         let mut conn = self.pool().acquire().await?;
+        refuse_on_galera(&mut conn, self.shared.isolation).await?;
         let lock_row = conn
             .fetch_one(sqlx::query("SELECT GET_LOCK(?, 30)").bind(lock))
             .await?;
@@ -127,6 +133,43 @@ impl SqlxMySqlStore {
         released?;
         Ok(())
     }
+}
+
+/// What a Galera node does not give the store, refused when the store installs its tables
+/// (`migrate`, the outbox's and the steps' installs).
+///
+/// `SERIALIZABLE` makes InnoDB's reads take shared locks, but locks are a node's own: Galera
+/// certifies a transaction against the rows that transactions of other nodes *wrote*, never
+/// against what it read, so two handlers on two nodes that read and write conflicting rows
+/// both commit. Request transactions at `SERIALIZABLE` would not be serializable across the
+/// cluster.
+pub(crate) const GALERA_SERIALIZABLE: &str =
+    "the server is a Galera cluster node (wsrep_on = ON): \
+     request transactions at SERIALIZABLE are serializable on one node only (Galera certifies \
+     the rows a transaction wrote against those other nodes wrote, never what it read); use \
+     READ COMMITTED (the default) or REPEATABLE READ";
+
+/// Refuses `isolation` on a Galera node where it does not hold ([`GALERA_SERIALIZABLE`]).
+async fn refuse_on_galera(conn: &mut MySqlConnection, isolation: Isolation) -> Result<(), Error> {
+    if isolation != Isolation::Serializable || !is_galera_node(conn).await? {
+        return Ok(());
+    }
+    Err(Error::Sqlx(sqlx::Error::Configuration(
+        GALERA_SERIALIZABLE.into(),
+    )))
+}
+
+/// Whether the server replicates with Galera: `wsrep_on` is `ON` (MySQL has no such
+/// variable; a MariaDB server built with Galera support has it `OFF` unless it is a node).
+pub(crate) async fn is_galera_node(conn: &mut MySqlConnection) -> Result<bool, Error> {
+    let row = conn
+        .fetch_optional(sqlx::query("SHOW VARIABLES LIKE 'wsrep_on'"))
+        .await?;
+    let Some(row) = row else {
+        return Ok(false);
+    };
+    let value: String = row.try_get(1)?;
+    Ok(value.eq_ignore_ascii_case("ON"))
 }
 
 impl RowsAffected for MySqlQueryResult {
