@@ -205,14 +205,13 @@ impl<D: SqlxDialect> Slot<D> {
             // the slot's `Drop` discards it.
             Ok(conn) => {
                 let mut results = D::Db::executor(conn).fetch_many(statements);
-                let ended = match results.next().await {
+                let mut ended = match results.next().await {
                     Some(Ok(_)) => Ok(()),
                     Some(Err(error)) => Err(error),
                     None => Err(sqlx::Error::Protocol(
                         "no result for COMMIT or ROLLBACK".into(),
                     )),
                 };
-                let mut ended = ended;
                 let mut restored = ended.is_ok();
                 while let Some(result) = results.next().await {
                     if let Err(error) = result {
