@@ -150,11 +150,15 @@ impl Outbox<SqliteStore> {
                 )
             })?;
         let now = to_unix_millis(SystemTime::now());
+        // The text `Display` gives, written straight into a `String` (`Display` goes through
+        // the formatter, about twice the instructions).
+        let payload = serde_json::to_string(payload)
+            .map_err(|error| rusqlite::Error::ToSqlConversionFailure(error.into()))?;
         conn.prepare_cached(
             "INSERT INTO outbox_events (seq, event_id, topic, payload, status, attempts, \
              available_at, created_at) VALUES (?1, ?2, ?3, ?4, 'pending', 0, ?5, ?5)",
         )?
-        .execute(params![seq, id.as_str(), topic, payload.to_string(), now])?;
+        .execute(params![seq, id.as_str(), topic, payload, now])?;
         Ok(id)
     }
 }
