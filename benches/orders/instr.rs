@@ -74,6 +74,16 @@ struct Counted {
 
 /// Runs the measurements; prints them, returns them as extras and the goals.
 pub(crate) async fn run_instr(options: &Options) -> Result<(Vec<Extra>, Vec<Goal>), BoxError> {
+    let valgrind = std::process::Command::new("valgrind")
+        .arg("--version")
+        .output();
+    if !valgrind.is_ok_and(|output| output.status.success()) {
+        return Err(
+            "--cases instr runs the servers under valgrind, which is not installed \
+                    (Debian: apt-get install valgrind)"
+                .into(),
+        );
+    }
     let dir = tempfile::Builder::new().prefix("instr-").tempdir()?.keep();
     let orders = support::apps::process::build_example("orders");
     let peer = build_peer()?;
@@ -301,13 +311,13 @@ async fn cpu_per_new_key(
             conn.order(program.route, &format!("cpu-warm-{i}"), false)
                 .await?;
         }
-        servers.push((server, conn, Vec::new()));
+        servers.push((server, conn, program.route, Vec::new()));
     }
     for round in 0..rounds {
-        for (server, conn, per_request) in &mut servers {
+        for (server, conn, route, per_request) in &mut servers {
             let before = server.cpu()?;
             for i in 0..requests {
-                conn.order(layer.route, &format!("cpu-{round}-{i}"), false)
+                conn.order(route, &format!("cpu-{round}-{i}"), false)
                     .await?;
             }
             let used = server.cpu()?.saturating_sub(before);
@@ -315,7 +325,7 @@ async fn cpu_per_new_key(
         }
     }
     let mut medians = Vec::new();
-    for (server, conn, per_request) in servers {
+    for (server, conn, _, per_request) in servers {
         drop(conn);
         server.stop().await;
         medians.push(median(&per_request));
