@@ -85,8 +85,15 @@ pub(crate) async fn run_instr(options: &Options) -> Result<(Vec<Extra>, Vec<Goal
         );
     }
     let dir = tempfile::Builder::new().prefix("instr-").tempdir()?.keep();
-    let orders = support::apps::process::build_example("orders");
-    let peer = build_peer()?;
+    // Copied at once: the target directory's binaries are shared by name with any other
+    // checkout that builds there.
+    let copy = |built: PathBuf, name: &str| -> Result<PathBuf, BoxError> {
+        let copy = dir.join(name);
+        std::fs::copy(&built, &copy)?;
+        Ok(copy)
+    };
+    let orders = copy(support::apps::process::build_example("orders"), "orders")?;
+    let peer = copy(build_peer()?, "peer")?;
     let db = |name: &str| dir.join(name).display().to_string();
     let mut pairs = vec![(
         "SQLite (FULL)",
