@@ -8,7 +8,7 @@ use tower_idempotency::store::sqlite::Synchronous;
 
 pub(crate) const USAGE: &str = "\
 usage: cargo bench --bench orders -- [--quick] [--duration SECS] [--rounds N]
-             [--cases A,B,C,D,H,R,E,hold,alloc,wal] [--concurrency 1,16,64]
+             [--cases A,B,C,D,H,R,E,hold,alloc,wal,instr] [--concurrency 1,16,64]
              [--modes full,normal] [--database-url URL] [--client-threads N] [--out DIR]
              [--scale [--scale-rows 0,1000000,10000000] [--scale-parts LIST]
               [--scale-purge-rows N]]
@@ -25,7 +25,10 @@ usage: cargo bench --bench orders -- [--quick] [--duration SECS] [--rounds N]
   --cases LIST         what to run (default all but AR, SA and SH): A B C D H R AR SA SH E,
                        hold (replays while a handler holds the write transaction), alloc
                        (bytes allocated per request), wal (WAL frames per new key:
-                       A, H and a minimal handler, SQLite FULL). AR (PostgreSQL,
+                       A, H and a minimal handler, SQLite FULL), instr (instructions
+                       per request under callgrind: the orders example against `peer
+                       --minimal`, and with a URL against H on PostgreSQL; not in the
+                       default run: it needs valgrind). AR (PostgreSQL,
                        ReplayCheck::FavorNewKeys) runs when asked, e.g. `--modes pg --cases
                        a,ar,h`; SA, SH (sqlx) in a pass of their own, `--modes pg --cases
                        sa,sh` (refused beside other PostgreSQL cases): more pools of 32 beside
@@ -197,6 +200,8 @@ pub(crate) struct Options {
     pub(crate) alloc: bool,
     /// `wal`: count the WAL frames of a new key (`wal.rs`).
     pub(crate) wal: bool,
+    /// `instr`: instructions per request under callgrind (`instr.rs`).
+    pub(crate) instr: bool,
     pub(crate) concurrency: Vec<usize>,
     pub(crate) modes: Vec<Mode>,
     pub(crate) out: PathBuf,
@@ -328,6 +333,7 @@ impl Command {
         }
 
         let (mut cases, mut hold, mut alloc, mut wal) = (Vec::new(), false, false, false);
+        let mut instr = false;
         match selected {
             // `--scale` alone runs the scale measurements only.
             None if scale.is_some() => {}
@@ -359,6 +365,7 @@ impl Command {
                         "hold" => hold = true,
                         "alloc" => alloc = true,
                         "wal" => wal = true,
+                        "instr" => instr = true,
                         _ => return Err(format!("unknown case `{name}`")),
                     }
                 }
@@ -405,6 +412,7 @@ impl Command {
             hold,
             alloc,
             wal,
+            instr,
             concurrency,
             modes,
             out,

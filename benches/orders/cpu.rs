@@ -86,7 +86,7 @@ fn stat_name(stat: &str) -> Option<&str> {
 }
 
 /// User plus system time of a `stat` line.
-fn stat_cpu(stat: &str) -> Option<Duration> {
+pub(crate) fn stat_cpu(stat: &str) -> Option<Duration> {
     // The command name may hold spaces: count fields after its closing parenthesis.
     let fields: Vec<&str> = stat.get(stat.rfind(')')? + 2..)?.split(' ').collect();
     let ticks = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;

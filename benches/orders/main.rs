@@ -23,7 +23,8 @@
 //! `serve.rs` a server left running for a profiler (`--serve`), `galera.rs` the MySQL store on
 //! one server and on a Galera cluster (`--galera`), `table.rs` the docs' tables
 //! read back from a run's CSV files (`--table`), `wal.rs` the WAL frames a new key writes
-//! (`--cases wal`), `scale.rs` the slow measurements of how cost grows (`--scale`: records
+//! (`--cases wal`), `instr.rs` the instructions per request under callgrind (`--cases instr`),
+//! `scale.rs` the slow measurements of how cost grows (`--scale`: records
 //! already stored, purging while serving, body size, concurrency).
 //!
 //! Every SQLite case gets a fresh database (WAL) in a temp dir (`TMPDIR` picks where: keep it
@@ -81,6 +82,7 @@ mod cpu;
 mod extras;
 mod galera;
 mod hand;
+mod instr;
 mod load;
 mod postgres;
 mod report;
@@ -226,6 +228,12 @@ async fn run(options: &Options) -> Result<(), BoxError> {
         extras.extend(counts);
         goals.extend(goal);
     }
+    if options.instr {
+        eprintln!("running instr ...");
+        let (counts, goal) = instr::run_instr(options).await?;
+        extras.extend(counts);
+        goals.extend(goal);
+    }
     report::print_goals(&goals);
     if options.hold {
         eprintln!("running hold ...");
@@ -259,7 +267,7 @@ async fn run(options: &Options) -> Result<(), BoxError> {
         report::write_goals_csv(&csv, &goals)?;
         written.push(csv);
     }
-    if options.hold || options.alloc || options.wal || !rows.is_empty() {
+    if options.hold || options.alloc || options.wal || options.instr || !rows.is_empty() {
         let csv = options.out.join("extras.csv");
         report::write_extras_csv(&csv, &extras)?;
         written.push(csv);

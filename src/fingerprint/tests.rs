@@ -237,6 +237,20 @@ fn version_1_records_still_compare_as_they_did() {
 }
 
 #[test]
+fn a_kept_start_is_the_same_as_one_hashed_afresh() {
+    for tag in super::BUILT_IN_TAGS.into_iter().chain(["custom"]) {
+        for version in [1, 2, 7] {
+            let mut fresh = Sha256::new();
+            super::field(&mut fresh, super::DOMAIN);
+            super::field(&mut fresh, tag.as_bytes());
+            super::field(&mut fresh, &u16::to_be_bytes(version));
+            let kept = super::started(tag, version);
+            assert_eq!(kept.finalize(), fresh.finalize(), "{tag} v{version}");
+        }
+    }
+}
+
+#[test]
 fn custom_schemes_keep_their_digests() {
     // The route owns a custom scheme's version: its digests (method, path, returned bytes)
     // are the same as before the query counted, with or without a query.
