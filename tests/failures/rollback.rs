@@ -1,5 +1,5 @@
 //! Failures roll everything back: the handler's order and the record commit together or not
-//! at all, and a retry with the same key runs afresh (DESIGN.md §1, "the handler fails").
+//! at all, and a retry with the same key runs afresh (the README's contract, "handler fails").
 //! Written once and run against a SQLite file (`rollback::sqlite::...`), a PostgreSQL schema
 //! through either store (`rollback::postgres::...`, `rollback::sqlx_postgres::...`, reported as
 //! ignored without `TEST_DATABASE_URL`) and a MySQL/MariaDB database (`rollback::mysql::...`,

@@ -3,7 +3,7 @@
 //! schema of its own, a MySQL/MariaDB database of its own) that serves the order app of the
 //! tests on 127.0.0.1:0, reads its business rows and records, and injects the failures every
 //! store can have. A [`Backend`] is a database whose store also has the outbox, the inbox and
-//! the admin verbs (all but MySQL): it opens a store of the test's own on it, enqueues events,
+//! the admin verbs (every store): it opens a store of the test's own on it, enqueues events,
 //! reads them and the receiver's effects, and names the database to the admin tool.
 //!
 //! A suite writes each test as `async fn name<B: Database>(db: B)` (or `B: Backend` for the
