@@ -143,7 +143,6 @@ pub(crate) enum ErrorKind {
     /// The database went away or cannot take writes (a failover, a restart).
     Unavailable,
     /// A lock wait timed out (PostgreSQL `55P03`, MySQL and MariaDB `1205`).
-    #[cfg_attr(not(row_lock_store), allow(dead_code))]
     LockTimeout,
     /// Anything else: not retryable as such.
     Other,
@@ -161,7 +160,7 @@ impl Error {
             Error::Sqlite(e) => crate::sqlite::error::kind(e),
             #[cfg(feature = "tokio-postgres")]
             Error::Postgres(e) => crate::tokio_postgres::error::kind(e),
-            #[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
+            #[cfg(sqlx_store)]
             Error::Sqlx(e) => crate::sqlx::error::kind(e),
             _ => ErrorKind::Other,
         }
@@ -355,7 +354,7 @@ pub(crate) fn default_error_response(rejection: &Rejection, status: StatusCode) 
     response
 }
 
-#[cfg(all(test, any(feature = "sqlx-postgres", feature = "sqlx-mysql")))]
+#[cfg(all(test, sqlx_store))]
 mod tests {
     use super::Error;
 

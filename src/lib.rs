@@ -139,7 +139,7 @@ mod mysql;
 mod openapi;
 #[cfg(feature = "outbox")]
 pub mod outbox;
-#[cfg(any(feature = "tokio-postgres", feature = "sqlx-postgres"))]
+#[cfg(postgres_dialect)]
 mod postgres;
 pub mod problem;
 pub mod response;
@@ -150,7 +150,7 @@ mod row_lock;
 mod service;
 #[cfg(feature = "sqlite")]
 mod sqlite;
-#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
+#[cfg(sqlx_store)]
 mod sqlx;
 pub mod steps;
 pub mod store;

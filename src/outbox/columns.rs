@@ -57,7 +57,7 @@ pub(crate) struct RawEvent {
 
 /// The columns [`RawEvent::read`] reads, in order (the PostgreSQL statements spell them out,
 /// checked by a test of `row_lock/outbox_sql.rs`).
-#[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+#[cfg(feature = "sqlite")]
 pub(crate) const EVENT_COLUMNS: &str = "event_id, topic, payload, status, attempts, created_at, \
      available_at, delivered_at, last_error, lease_owner";
 

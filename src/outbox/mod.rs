@@ -10,12 +10,7 @@ use crate::error::Error;
 
 #[cfg(sql_store)]
 pub(crate) mod columns;
-#[cfg(any(
-    feature = "sqlite",
-    feature = "tokio-postgres",
-    feature = "sqlx-postgres",
-    feature = "sqlx-mysql"
-))]
+#[cfg(sql_store)]
 pub(crate) mod inbox;
 mod relay;
 mod sink;
@@ -24,12 +19,7 @@ mod sink;
 // `src/sqlx/`, over `src/row_lock/outbox.rs` on the SQL servers): `Outbox<Store>` and
 // `Inbox<Store>` are its public names.
 
-#[cfg(any(
-    feature = "sqlite",
-    feature = "tokio-postgres",
-    feature = "sqlx-postgres",
-    feature = "sqlx-mysql"
-))]
+#[cfg(sql_store)]
 pub(crate) use inbox::InboxOutcome;
 #[cfg(any(
     feature = "sqlite",
@@ -51,8 +41,8 @@ pub use sink::{sink_fn, HttpSink, Permanent, SinkFn, EVENT_TOPIC};
 pub struct EventId(Arc<str>);
 
 impl EventId {
-    /// A new, unique id.
-    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+    /// A new, unique id (the SQL servers' events; SQLite's are [`numbered`](Self::numbered)).
+    #[cfg(row_lock_store)]
     pub(crate) fn generate() -> Self {
         EventId(Arc::from(uuid::Uuid::now_v7().to_string()))
     }
@@ -65,7 +55,7 @@ impl EventId {
     /// the number), and two ids are alike only if their time, number and random bits are (a
     /// chance of one in 2^30 for two events given the same number in the same millisecond,
     /// in two stores).
-    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+    #[cfg(feature = "sqlite")]
     pub(crate) fn numbered(number: u64) -> Option<Self> {
         if number >= MAX_EVENT_NUMBER {
             return None;
@@ -83,7 +73,7 @@ impl EventId {
     /// The number a [`numbered`](Self::numbered) id carries; `None` for text that is not a
     /// UUIDv7. Any other UUIDv7 gives a number too (its bits), which names no event or another
     /// one: a store that finds events by number compares the id as well.
-    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+    #[cfg(feature = "sqlite")]
     pub(crate) fn number_of(id: &str) -> Option<u64> {
         let uuid = uuid::Uuid::try_parse(id).ok()?;
         if uuid.get_version_num() != 7 || uuid.get_variant() != uuid::Variant::RFC4122 {
@@ -102,11 +92,13 @@ impl EventId {
 }
 
 /// The numbers a [`EventId::numbered`] id can carry: below 2^44.
-#[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+#[cfg(feature = "sqlite")]
 pub(crate) const MAX_EVENT_NUMBER: u64 = 1 << 44;
 /// The bits of a number in the UUID's `rand_b` (its top 12 are `rand_a`).
+#[cfg(feature = "sqlite")]
 const NUMBER_LOW_BITS: u32 = 32;
 /// The random bits below them.
+#[cfg(feature = "sqlite")]
 const NUMBER_RANDOM_BITS: u32 = 30;
 
 impl From<String> for EventId {

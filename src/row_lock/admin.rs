@@ -15,7 +15,7 @@ use crate::admin::{AdminBackend, RawRecord, RecordCounts, RecordFilter, RecordIn
 use crate::error::Error;
 #[cfg(feature = "sqlx-mysql")]
 use crate::mysql::admin_sql as mysql_sql;
-#[cfg(any(feature = "tokio-postgres", feature = "sqlx-postgres"))]
+#[cfg(postgres_dialect)]
 use crate::postgres::admin_sql as pg_sql;
 use crate::row::Columns;
 use crate::row_lock::driver::{PgDriver, PgParam};

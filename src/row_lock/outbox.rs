@@ -25,7 +25,7 @@ use crate::outbox::{
     Backlog, ClaimRequest, Claimed, Enqueue, EventId, EventInfo, InboxBackend, InboxOutcome,
     OutboxBackend, OutboxCounts, OutboxStore, Processed, Receipt, Settlement,
 };
-#[cfg(any(feature = "tokio-postgres", feature = "sqlx-postgres"))]
+#[cfg(postgres_dialect)]
 use crate::postgres::outbox_sql as pg_sql;
 use crate::row::Columns;
 use crate::row_lock::driver::{Finish, PgDriver, PgHandle, PgParam, PgTransactions};
@@ -101,7 +101,7 @@ async fn record<H: PgHandle>(
 }
 
 /// The claim on PostgreSQL: both updates, each `RETURNING` its rows, in one transaction.
-#[cfg(any(feature = "tokio-postgres", feature = "sqlx-postgres"))]
+#[cfg(postgres_dialect)]
 async fn claim_returning<D: PgDriver>(
     driver: &D,
     dead_letter: &[PgParam<'_>],

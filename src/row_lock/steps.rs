@@ -36,7 +36,7 @@ use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
 #[cfg(feature = "sqlx-mysql")]
 use crate::mysql::steps_sql as mysql_sql;
-#[cfg(any(feature = "tokio-postgres", feature = "sqlx-postgres"))]
+#[cfg(postgres_dialect)]
 use crate::postgres::steps_sql as pg_sql;
 use crate::response::SavedResponse;
 use crate::row::Columns;

@@ -365,7 +365,7 @@ pub struct Progress {
 impl Progress {
     /// A key in progress as read back, with the other fields at their zero values: the store
     /// sets them from its row.
-    #[cfg_attr(not(sql_store), allow(dead_code))]
+    #[cfg(sql_store)]
     pub(crate) fn new(
         scope: Scope,
         fingerprint: Fingerprint,
