@@ -12,7 +12,7 @@ use crate::outbox::inbox::receipt;
 use crate::outbox::{EventId, Inbox, InboxBackend, Outbox, Receipt};
 #[cfg(feature = "sqlx-postgres")]
 use crate::postgres::outbox_sql as pg_sql;
-use crate::row_lock::driver::PgParam;
+use crate::row_lock::driver::SqlParam;
 use crate::row_lock::outbox::{record_params, NewEvent};
 use crate::row_lock::outbox_sql::INSERT_EVENT;
 use crate::sqlx::driver::sqlx_bind;
@@ -25,7 +25,7 @@ pub trait OutboxDatabase: sqlx::Database + sealed::Statements {}
 impl<DB: sqlx::Database + sealed::Statements> OutboxDatabase for DB {}
 
 pub(crate) mod sealed {
-    use super::{BoxFuture, Error, Executor, PgParam};
+    use super::{BoxFuture, Error, Executor, SqlParam};
 
     /// How a database records an inbox id and runs a shared statement. Sealed: only this
     /// crate implements it, and its types stay the crate's.
@@ -41,7 +41,7 @@ pub(crate) mod sealed {
         fn execute_shared<'e, 'c: 'e, E>(
             executor: E,
             sql: &'static str,
-            params: &'e [PgParam<'e>],
+            params: &'e [SqlParam<'e>],
         ) -> BoxFuture<'e, Result<u64, Error>>
         where
             E: Executor<'c, Database = Self> + 'e;
@@ -63,7 +63,7 @@ macro_rules! outbox_database {
             fn execute_shared<'e, 'c: 'e, E>(
                 executor: E,
                 sql: &'static str,
-                params: &'e [PgParam<'e>],
+                params: &'e [SqlParam<'e>],
             ) -> BoxFuture<'e, Result<u64, Error>>
             where
                 E: Executor<'c, Database = Self> + 'e,
