@@ -1,9 +1,10 @@
 //! What the outbox, inbox, steps and admin queries need from a driver: the one seam between the
-//! tokio-postgres store, the sqlx PostgreSQL store and the sqlx MySQL store. The SQL and the
-//! logic over it are written once (`row_lock/outbox.rs`, `row_lock/admin.rs`,
-//! `row_lock/steps.rs`, with the statements in each dialect's folder, `postgres/` and `mysql/`);
-//! a driver only runs a statement with [`SqlParam`]s and reads a row's columns ([`Columns`]). The statements number their parameters `$n` on every
-//! server; the MySQL driver sends each as a `?` bound to the n-th value.
+//! tokio-postgres store, the sqlx PostgreSQL store and the sqlx MySQL store. The SQL and the logic
+//! over it are written once (`row_lock/outbox.rs`, `row_lock/admin.rs`, `row_lock/steps.rs`, with
+//! the statements in each dialect's folder, `postgres/` and `mysql/`); a driver only runs a
+//! statement with [`SqlParam`]s and reads a row's columns ([`Columns`]). The statements number
+//! their parameters `$n` on every server; the MySQL driver sends each as a `?` bound to the n-th
+//! value.
 
 use std::future::Future;
 
