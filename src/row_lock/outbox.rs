@@ -409,14 +409,14 @@ sql_outbox_and_inbox!(
 #[cfg(feature = "sqlx-postgres")]
 sql_outbox_and_inbox!(
     crate::store::sqlx_postgres::SqlxPostgresStore,
-    crate::store::sqlx_postgres::SqlxHandle,
+    crate::store::sqlx_postgres::SqlxPostgresHandle,
     pg_sql,
     claim_returning
 );
 #[cfg(feature = "sqlx-mysql")]
 sql_outbox_and_inbox!(
     crate::store::sqlx_mysql::SqlxMySqlStore,
-    crate::store::sqlx_mysql::SqlxHandle,
+    crate::store::sqlx_mysql::SqlxMySqlHandle,
     mysql_sql,
     crate::row_lock::driver::mysql_claim
 );

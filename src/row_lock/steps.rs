@@ -839,12 +839,12 @@ sql_steps!(
 #[cfg(feature = "sqlx-postgres")]
 sql_steps!(
     crate::store::sqlx_postgres::SqlxPostgresStore,
-    crate::store::sqlx_postgres::SqlxHandle,
+    crate::store::sqlx_postgres::SqlxPostgresHandle,
     pg_sql
 );
 #[cfg(feature = "sqlx-mysql")]
 sql_steps!(
     crate::store::sqlx_mysql::SqlxMySqlStore,
-    crate::store::sqlx_mysql::SqlxHandle,
+    crate::store::sqlx_mysql::SqlxMySqlHandle,
     mysql_sql
 );

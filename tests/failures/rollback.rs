@@ -1044,7 +1044,7 @@ mod mysql {
 
     use backend::MySql;
     use common::{hook_for, AppBuilder, HookOutcome, OrderCallOf, Outcome};
-    use tower_idempotency::store::sqlx_mysql::SqlxHandle;
+    use tower_idempotency::store::sqlx_mysql::SqlxMySqlHandle;
     use tower_idempotency::InFlight;
 
     use super::*;
@@ -1067,7 +1067,7 @@ mod mysql {
         let store = db.db.store(1).await;
         let pool = store.pool().clone();
         let server = AppBuilder::new(())
-            .hook(hook_for(|call: OrderCallOf<SqlxHandle>| async move {
+            .hook(hook_for(|call: OrderCallOf<SqlxMySqlHandle>| async move {
                 HookOutcome::failing(
                     (call.sku == "fail").then_some(StatusCode::INTERNAL_SERVER_ERROR),
                 )
@@ -1104,7 +1104,7 @@ mod mysql {
         let store = db.db.store(4).await;
         let server = AppBuilder::new(())
             .layer(move |layer| layer.with_lock_timeout(lock_timeout))
-            .hook(hook_for(|_: OrderCallOf<SqlxHandle>| async {
+            .hook(hook_for(|_: OrderCallOf<SqlxMySqlHandle>| async {
                 HookOutcome::default()
             }))
             .serve_on(store)
@@ -1163,7 +1163,7 @@ mod mysql {
         let store = db.db.store(4).await;
         let server = AppBuilder::new(())
             .layer(move |layer| layer.with_lock_timeout(lock_timeout))
-            .hook(hook_for(|call: OrderCallOf<SqlxHandle>| async move {
+            .hook(hook_for(|call: OrderCallOf<SqlxMySqlHandle>| async move {
                 let written = match call.tx.acquire().await {
                     Ok(mut conn) => sqlx::query("INSERT INTO handler_ledger (id) VALUES (1)")
                         .execute(&mut *conn)
@@ -1246,7 +1246,7 @@ mod mysql {
             let store = db.db.store(4).await;
             let server = AppBuilder::new(())
                 .layer(move |layer| layer.with_lock_timeout(lock_timeout).with_in_flight(policy))
-                .hook(hook_for(|_: OrderCallOf<SqlxHandle>| async {
+                .hook(hook_for(|_: OrderCallOf<SqlxMySqlHandle>| async {
                     HookOutcome::default()
                 }))
                 .serve_on(store)

@@ -1,4 +1,4 @@
-//! [`SqlDriver`] on sqlx's MySQL driver: [`SqlxMySqlStore`] and its [`SqlxHandle`] handle.
+//! [`SqlDriver`] on sqlx's MySQL driver: [`SqlxMySqlStore`] and its [`SqlxMySqlHandle`] handle.
 //! The shared statements number their parameters `$n`; [`positional`] sends each as a `?`
 //! bound to the n-th value, in the order they appear.
 
@@ -14,7 +14,7 @@ use crate::row::Columns;
 use crate::row_lock::driver::SqlHandle;
 use crate::row_lock::driver::{columns_by_try_get, SqlDriver, SqlParam};
 use crate::sqlx::driver::sqlx_bind;
-use crate::store::sqlx_mysql::SqlxHandle;
+use crate::store::sqlx_mysql::SqlxMySqlHandle;
 use crate::store::sqlx_mysql::SqlxMySqlStore;
 
 /// `sql` with each `$n` replaced by `?`, and the values to bind in that order: `params[n - 1]`
@@ -130,7 +130,7 @@ pub(crate) async fn claim(
         .map_err(|_| Error::Corrupt("a claim returned no rows".into()))
 }
 
-impl SqlHandle for SqlxHandle {
+impl SqlHandle for SqlxMySqlHandle {
     type Row = MySqlRow;
 
     async fn fetch_in(

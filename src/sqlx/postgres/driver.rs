@@ -1,4 +1,4 @@
-//! [`SqlDriver`] on sqlx: [`SqlxPostgresStore`] and its [`SqlxHandle`] handle. sqlx
+//! [`SqlDriver`] on sqlx: [`SqlxPostgresStore`] and its [`SqlxPostgresHandle`] handle. sqlx
 //! prepares and caches each statement on its connection, unless the store keeps no statement
 //! prepared (`with_unnamed_statements`, behind a transaction pooler): then each goes unnamed,
 //! those that run in autocommit in a transaction of their own (sqlx prepares a statement with
@@ -14,7 +14,7 @@ use crate::error::Error;
 use crate::row_lock::driver::SqlHandle;
 use crate::row_lock::driver::{columns_by_try_get, SqlDriver, SqlParam};
 use crate::sqlx::driver::sqlx_bind;
-use crate::store::sqlx_postgres::SqlxHandle;
+use crate::store::sqlx_postgres::SqlxPostgresHandle;
 use crate::store::sqlx_postgres::SqlxPostgresStore;
 
 /// `sql` with `params` bound in order.
@@ -73,7 +73,7 @@ impl SqlDriver for SqlxPostgresStore {
     }
 }
 
-impl SqlHandle for SqlxHandle {
+impl SqlHandle for SqlxPostgresHandle {
     type Row = PgRow;
 
     async fn fetch_in(
