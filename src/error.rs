@@ -117,10 +117,11 @@ pub enum Error {
     #[cfg(feature = "sqlite")]
     #[error(transparent)]
     Sqlite(#[from] rusqlite::Error),
-    /// An error from PostgreSQL (or its connection).
+    /// An error from tokio-postgres (the `tokio-postgres` store, or its pool's connection);
+    /// the sqlx stores' PostgreSQL errors are [`Sqlx`](Self::Sqlx).
     #[cfg(feature = "tokio-postgres")]
     #[error("PostgreSQL: {}", crate::tokio_postgres::error::detail(.0))]
-    Postgres(#[from] tokio_postgres::Error),
+    TokioPostgres(#[from] tokio_postgres::Error),
     /// An error from sqlx (the `sqlx-postgres` or `sqlx-mysql` store, or its pool).
     #[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
     #[error("sqlx: {0}")]
@@ -159,7 +160,7 @@ impl Error {
             #[cfg(feature = "sqlite")]
             Error::Sqlite(e) => crate::sqlite::error::kind(e),
             #[cfg(feature = "tokio-postgres")]
-            Error::Postgres(e) => crate::tokio_postgres::error::kind(e),
+            Error::TokioPostgres(e) => crate::tokio_postgres::error::kind(e),
             #[cfg(sqlx_store)]
             Error::Sqlx(e) => crate::sqlx::error::kind(e),
             _ => ErrorKind::Other,
