@@ -120,7 +120,7 @@ pub enum Error {
     /// An error from tokio-postgres (the `tokio-postgres` store, or its pool's connection);
     /// the sqlx stores' PostgreSQL errors are [`Sqlx`](Self::Sqlx).
     #[cfg(feature = "tokio-postgres")]
-    #[error("PostgreSQL: {}", crate::tokio_postgres::error::detail(.0))]
+    #[error("PostgreSQL: {}", DriverError::detail(.0))]
     TokioPostgres(#[from] tokio_postgres::Error),
     /// An error from sqlx (the `sqlx-postgres` or `sqlx-mysql` store, or its pool).
     #[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
@@ -132,8 +132,7 @@ pub enum Error {
 }
 
 /// The few kinds of database failure the layer acts on. Each driver sorts its own errors into
-/// them (`src/sqlite/error.rs`, `src/tokio_postgres/error.rs`, `src/sqlx/error.rs`); the
-/// `is_*` methods of [`Error`] read them.
+/// them ([`DriverError`]); the `is_*` methods of [`Error`] read them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum ErrorKind {
     /// Retry later: a lock not taken in time, no free connection, a full disk.
@@ -149,6 +148,22 @@ pub(crate) enum ErrorKind {
     Other,
 }
 
+/// A driver's error, as the driver classifies it: each driver implements it for its error type
+/// in its own folder (`src/sqlite/error.rs`, `src/tokio_postgres/error.rs`, `src/sqlx/error.rs`),
+/// so that this file names the drivers' error types (its variants) but none of their modules.
+#[cfg(sql_store)]
+pub(crate) trait DriverError: std::error::Error {
+    /// Which of the layer's kinds of failure this is.
+    fn classify(&self) -> ErrorKind;
+
+    /// What [`Error`]'s `Display` shows of it: by default its own `Display` (only
+    /// tokio-postgres's says more: its own names the kind of error alone).
+    #[cfg_attr(not(feature = "tokio-postgres"), allow(dead_code))]
+    fn detail(&self) -> String {
+        self.to_string()
+    }
+}
+
 impl Error {
     /// The kind of failure this is, as its driver classifies it.
     fn kind(&self) -> ErrorKind {
@@ -158,11 +173,11 @@ impl Error {
             Error::Busy | Error::InFlight | Error::LeaseLost => ErrorKind::Busy,
             Error::LockTimeout(_) => ErrorKind::LockTimeout,
             #[cfg(feature = "sqlite")]
-            Error::Sqlite(e) => crate::sqlite::error::kind(e),
+            Error::Sqlite(e) => e.classify(),
             #[cfg(feature = "tokio-postgres")]
-            Error::TokioPostgres(e) => crate::tokio_postgres::error::kind(e),
+            Error::TokioPostgres(e) => e.classify(),
             #[cfg(sqlx_store)]
-            Error::Sqlx(e) => crate::sqlx::error::kind(e),
+            Error::Sqlx(e) => e.classify(),
             _ => ErrorKind::Other,
         }
     }
