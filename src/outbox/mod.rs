@@ -303,30 +303,45 @@ mod seam {
         pub dead: u64,
     }
 }
-pub(crate) use seam::{Backlog, ClaimRequest, Claimed, LeaseToken, Settlement};
+pub use seam::Backlog;
+pub(crate) use seam::{ClaimRequest, Claimed, LeaseToken, Settlement};
 
 pub(crate) mod sealed {
-    /// Only this crate's stores, and [`Outbox`](super::Outbox) over them, are
-    /// [`OutboxStore`](super::OutboxStore)s.
+    use std::future::Future;
+
+    use super::{ClaimRequest, Claimed, Settlement};
+    use crate::error::Error;
+
+    /// What the [`Relay`](super::Relay) does with an [`OutboxStore`](super::OutboxStore),
+    /// with the rows they exchange: a trait no other crate can name, so that only this crate's
+    /// stores, and [`Outbox`](super::Outbox) over them, are `OutboxStore`s. Each makes
+    /// [`claim`](Self::claim) atomic: an event claimed by one caller is not returned to
+    /// another until its lease has run out or it was settled for retry.
     #[allow(unreachable_pub)]
-    pub trait OutboxStore {}
+    pub trait OutboxStore {
+        /// Claims up to `request.batch` due events for `request.lease`, counting an attempt on
+        /// each.
+        fn claim(
+            &self,
+            request: ClaimRequest,
+        ) -> impl Future<Output = Result<Claimed, Error>> + Send;
+
+        /// Records what happened to claimed events (in one transaction where the backend
+        /// allows).
+        fn settle(
+            &self,
+            settlements: Vec<Settlement>,
+        ) -> impl Future<Output = Result<(), Error>> + Send;
+    }
 }
 
-/// The storage side of the outbox, as the [`Relay`] uses it.
+/// The storage side of the outbox, as the [`Relay`] uses it: it claims due events atomically
+/// (an event claimed by one relay is not returned to another until its lease has run out or it
+/// was settled for retry) and settles them.
 ///
-/// Sealed: implemented by this crate's stores and by [`Outbox`] over them. Each makes
-/// [`claim`](Self::claim) atomic: an event claimed by one caller is not returned to another
-/// until its lease has run out or it was settled for retry.
+/// Sealed: implemented by this crate's stores and by [`Outbox`] over them; the claim and the
+/// settlements are the crate's own.
 pub trait OutboxStore: Clone + Send + Sync + 'static + sealed::OutboxStore {
-    /// Claims up to `request.batch` due events for `request.lease`, counting an attempt on each.
-    fn claim(&self, request: ClaimRequest) -> impl Future<Output = Result<Claimed, Error>> + Send;
-
-    /// Records what happened to claimed events (in one transaction where the backend allows).
-    fn settle(
-        &self,
-        settlements: Vec<Settlement>,
-    ) -> impl Future<Output = Result<(), Error>> + Send;
-
     /// Counts waiting and dead-lettered events.
     fn backlog(&self) -> impl Future<Output = Result<Backlog, Error>> + Send;
 }
@@ -509,9 +524,7 @@ impl<S: OutboxBackend> Outbox<S> {
     }
 }
 
-impl<S: OutboxBackend> sealed::OutboxStore for Outbox<S> {}
-
-impl<S: OutboxBackend> OutboxStore for Outbox<S> {
+impl<S: OutboxBackend> sealed::OutboxStore for Outbox<S> {
     fn claim(&self, request: ClaimRequest) -> impl Future<Output = Result<Claimed, Error>> + Send {
         self.store.claim(request)
     }
@@ -522,7 +535,9 @@ impl<S: OutboxBackend> OutboxStore for Outbox<S> {
     ) -> impl Future<Output = Result<(), Error>> + Send {
         self.store.settle(settlements)
     }
+}
 
+impl<S: OutboxBackend> OutboxStore for Outbox<S> {
     fn backlog(&self) -> impl Future<Output = Result<Backlog, Error>> + Send {
         self.store.backlog()
     }

@@ -148,9 +148,7 @@ macro_rules! sql_outbox_and_inbox {
             }
         }
 
-        impl crate::outbox::sealed::OutboxStore for $store {}
-
-        impl OutboxStore for $store {
+        impl crate::outbox::sealed::OutboxStore for $store {
             async fn claim(&self, request: ClaimRequest) -> Result<Claimed, Error> {
                 let now = to_unix_millis(request.now);
                 let lease_until = to_unix_millis(request.now + request.lease.max(Duration::from_millis(1)));
@@ -227,7 +225,9 @@ macro_rules! sql_outbox_and_inbox {
                 self.fetch_in_transaction(&statements).await?;
                 Ok(())
             }
+        }
 
+        impl OutboxStore for $store {
             async fn backlog(&self) -> Result<Backlog, Error> {
                 let rows = self.fetch_rows($sql::BACKLOG, &[]).await?;
                 let row = one_row(&rows, "backlog")?;

@@ -170,9 +170,7 @@ impl Enqueue for SqliteHandle {
     }
 }
 
-impl crate::outbox::sealed::OutboxStore for SqliteStore {}
-
-impl OutboxStore for SqliteStore {
+impl crate::outbox::sealed::OutboxStore for SqliteStore {
     async fn claim(&self, request: ClaimRequest) -> Result<Claimed, Error> {
         let now = to_unix_millis(request.now);
         let lease_until = to_unix_millis(request.now + request.lease.max(Duration::from_millis(1)));
@@ -291,7 +289,9 @@ impl OutboxStore for SqliteStore {
         })
         .await
     }
+}
 
+impl OutboxStore for SqliteStore {
     async fn backlog(&self) -> Result<Backlog, Error> {
         let (pending, dead) = self
             .read(|conn| {
@@ -635,6 +635,7 @@ fn record_id(conn: &Connection, consumer: &str, event_id: &str) -> rusqlite::Res
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::outbox::sealed::OutboxStore as _;
     use crate::outbox::{EventStatus, LeaseToken};
 
     /// `outbox_events` as created before: a unique index on `event_id`, and `AUTOINCREMENT`
