@@ -111,8 +111,13 @@ impl<D: SqlxDialect> SqlxHandle<D> {
     /// Borrows the transaction's connection. Waits while another borrow of the same
     /// transaction is alive (one connection runs one statement at a time).
     ///
-    /// Run statements on it with `&mut *conn` as the executor.
-    pub async fn acquire(&self) -> Result<SqlxConnection<D>, Error> {
+    /// Run statements on it with `&mut *conn` as the executor: the borrow dereferences to the
+    /// database's `CheckedConnection`, whose `&mut` is a [`sqlx::Executor`]. Drop it to let
+    /// the next borrow (or the layer's commit) go on; it does not borrow the handle.
+    pub async fn acquire(
+        &self,
+    ) -> Result<impl DerefMut<Target = CheckedConnection<D>> + fmt::Debug + Send + use<D>, Error>
+    {
         let connection = self.tx.borrow(|slot| slot.connection.as_mut()).await?;
         Ok(SqlxConnection { connection })
     }
@@ -125,7 +130,9 @@ impl<D: SqlxDialect> SqlxHandle<D> {
 
 /// The transaction's connection, borrowed from a [`SqlxHandle`]: dereferences to a
 /// [`CheckedConnection`], whose `&mut` is a [`sqlx::Executor`] (`.execute(&mut *conn)`).
-pub struct SqlxConnection<D: SqlxDialect> {
+/// Public as `impl DerefMut<Target = CheckedConnection>` only ([`SqlxHandle::acquire`]), so
+/// that no signature names a type a user cannot.
+pub(crate) struct SqlxConnection<D: SqlxDialect> {
     connection: OwnedMappedMutexGuard<Slot<D>, CheckedConnection<D>>,
 }
 
