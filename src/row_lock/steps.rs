@@ -42,6 +42,7 @@ use crate::response::SavedResponse;
 use crate::row::Columns;
 use crate::row_lock::driver::{Finish, SqlDriver, SqlHandle, SqlParam, SqlTransactions};
 use crate::row_lock::reserve::retry_conflicts;
+use crate::steps::sealed::StepProtocol;
 use crate::steps::{
     check_saved_step, new_run_id, Acquired, Claim, Lease, Progress, ProgressCursor, ProgressPage,
     ProgressQuery, ProgressStatus, Resolution, SavedRequest, SavedStep, Settled, StepKind,
@@ -752,13 +753,9 @@ macro_rules! sql_steps {
             /// Transactions of the store's own, at its isolation level, their lock waits
             /// bounded to 5 seconds; a local step's closure gets the same handle a request's
             /// handler gets.
-            impl StepStore for $store {
+            impl StepProtocol for $store {
                 type Work<'a> = $transaction;
                 type Resolved<T: Send + 'static> = BoxedWork<T>;
-
-                async fn install_steps(&self) -> Result<(), Error> {
-                    install(self, &DIALECT).await
-                }
 
                 async fn acquire(&self, claim: &Claim) -> Result<Acquired, Error> {
                     acquire(self, &DIALECT, claim).await
@@ -802,6 +799,12 @@ macro_rules! sql_steps {
 
                 async fn finish(&self, lease: &Lease, record: &NewRecord) -> Result<(), Error> {
                     finish(self, &DIALECT, lease, record).await
+                }
+            }
+
+            impl StepStore for $store {
+                async fn install_steps(&self) -> Result<(), Error> {
+                    install(self, &DIALECT).await
                 }
 
                 async fn progress(&self, query: &ProgressQuery) -> Result<ProgressPage, Error> {

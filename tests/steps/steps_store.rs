@@ -17,7 +17,7 @@ use serde_json::json;
 use tower_idempotency::fingerprint::Fingerprint;
 use tower_idempotency::response::SavedResponse;
 use tower_idempotency::steps::__private::{
-    Acquired, Claim, Lease, SavedRequest, StepKind, StepRow,
+    Acquired, Claim, Lease, SavedRequest, StepKind, StepProtocol, StepRow,
 };
 use tower_idempotency::steps::{ProgressStatus, Resolution, Settled, StepStore};
 use tower_idempotency::store::{Begin, IdempotencyStore, NewRecord, Reservation, Scope};
