@@ -1,8 +1,10 @@
-//! Sets two names for sets of the crate's own features, so that the code says once what a
-//! feature list means: `cfg(row_lock_store)` with any store whose reservation is a row lock
-//! (`tokio-postgres`, `sqlx-postgres`, `sqlx-mysql`), and `cfg(sql_store)` with any store at all
-//! (those and `sqlite`). Public items keep the feature lists themselves, so that their docs
-//! name the features.
+//! Sets names for sets of the crate's own features, so that the code says once what a feature
+//! list means: `cfg(row_lock_store)` with any store whose reservation is a row lock
+//! (`tokio-postgres`, `sqlx-postgres`, `sqlx-mysql`), `cfg(sql_store)` with any store at all
+//! (those and `sqlite`), `cfg(postgres_dialect)` with either PostgreSQL store
+//! (`tokio-postgres`, `sqlx-postgres`: `src/postgres/` compiles) and `cfg(sqlx_store)` with
+//! either sqlx store (`sqlx-postgres`, `sqlx-mysql`: `src/sqlx/` compiles). Public items keep
+//! the feature lists themselves, so that their docs name the features.
 //!
 //! Writes `$OUT_DIR/doc_links.md`, the link definitions of the crate root's docs and the
 //! guide's for items of features that may be off ([`DOC_LINKS`]).
@@ -40,6 +42,8 @@ fn main() {
     println!("cargo::rerun-if-changed=build.rs");
     println!("cargo::rustc-check-cfg=cfg(row_lock_store)");
     println!("cargo::rustc-check-cfg=cfg(sql_store)");
+    println!("cargo::rustc-check-cfg=cfg(postgres_dialect)");
+    println!("cargo::rustc-check-cfg=cfg(sqlx_store)");
     let feature = |name: &str| std::env::var_os(format!("CARGO_FEATURE_{name}")).is_some();
     let row_lock_store = ["TOKIO_POSTGRES", "SQLX_POSTGRES", "SQLX_MYSQL"]
         .iter()
@@ -49,6 +53,12 @@ fn main() {
     }
     if row_lock_store || feature("SQLITE") {
         println!("cargo::rustc-cfg=sql_store");
+    }
+    if feature("TOKIO_POSTGRES") || feature("SQLX_POSTGRES") {
+        println!("cargo::rustc-cfg=postgres_dialect");
+    }
+    if feature("SQLX_POSTGRES") || feature("SQLX_MYSQL") {
+        println!("cargo::rustc-cfg=sqlx_store");
     }
     write_doc_links(&feature);
 }

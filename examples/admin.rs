@@ -501,7 +501,7 @@ fn print_progress(out: &mut impl Write, progress: &Progress) -> std::io::Result<
 fn is_missing_table(error: &tower_idempotency::Error) -> bool {
     match error {
         #[cfg(feature = "tokio-postgres")]
-        tower_idempotency::Error::Postgres(error) => {
+        tower_idempotency::Error::TokioPostgres(error) => {
             use tower_idempotency::store::tokio_postgres::tokio_postgres::error::SqlState;
             error.code() == Some(&SqlState::UNDEFINED_TABLE)
         }

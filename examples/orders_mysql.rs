@@ -12,7 +12,7 @@
 
 use sqlx::mysql::{MySqlPool, MySqlPoolOptions};
 use sqlx::Row;
-use tower_idempotency::store::sqlx_mysql::{SqlxHandle, SqlxMySqlStore};
+use tower_idempotency::store::sqlx_mysql::{SqlxMySqlHandle, SqlxMySqlStore};
 use tower_idempotency::Tenant;
 
 use sqlx_app::{Args, BoxError, NewOrder, OrderSql};
@@ -56,10 +56,14 @@ struct Orders(MySqlPool);
 
 impl OrderSql for Orders {
     type Store = SqlxMySqlStore;
-    type Handle = SqlxHandle;
+    type Handle = SqlxMySqlHandle;
 
     /// Ordinary sqlx code on the connection the transaction lends.
-    async fn insert(tx: &SqlxHandle, tenant: &Tenant, order: &NewOrder) -> Result<i64, BoxError> {
+    async fn insert(
+        tx: &SqlxMySqlHandle,
+        tenant: &Tenant,
+        order: &NewOrder,
+    ) -> Result<i64, BoxError> {
         let mut conn = tx.acquire().await?;
         let inserted =
             sqlx::query("INSERT INTO orders (tenant_id, sku, quantity) VALUES (?, ?, ?)")

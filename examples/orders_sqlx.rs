@@ -18,7 +18,7 @@
 //! `tests/support/pg_common/sqlx_app.rs`).
 
 use sqlx::postgres::{PgPool, PgPoolOptions};
-use tower_idempotency::store::sqlx_postgres::{SqlxHandle, SqlxPostgresStore};
+use tower_idempotency::store::sqlx_postgres::{SqlxPostgresHandle, SqlxPostgresStore};
 use tower_idempotency::Tenant;
 
 use sqlx_app::{Args, BoxError, NewOrder, OrderSql};
@@ -62,10 +62,14 @@ struct Orders(PgPool);
 
 impl OrderSql for Orders {
     type Store = SqlxPostgresStore;
-    type Handle = SqlxHandle;
+    type Handle = SqlxPostgresHandle;
 
     /// Ordinary sqlx code on the connection the transaction lends.
-    async fn insert(tx: &SqlxHandle, tenant: &Tenant, order: &NewOrder) -> Result<i64, BoxError> {
+    async fn insert(
+        tx: &SqlxPostgresHandle,
+        tenant: &Tenant,
+        order: &NewOrder,
+    ) -> Result<i64, BoxError> {
         let mut conn = tx.acquire().await?;
         let (order_id,): (i64,) = sqlx::query_as(
             "INSERT INTO orders (tenant_id, sku, quantity) VALUES ($1, $2, $3) RETURNING id",

@@ -117,10 +117,11 @@ pub enum Error {
     #[cfg(feature = "sqlite")]
     #[error(transparent)]
     Sqlite(#[from] rusqlite::Error),
-    /// An error from PostgreSQL (or its connection).
+    /// An error from tokio-postgres (the `tokio-postgres` store, or its pool's connection);
+    /// the sqlx stores' PostgreSQL errors are [`Sqlx`](Self::Sqlx).
     #[cfg(feature = "tokio-postgres")]
-    #[error("PostgreSQL: {}", crate::tokio_postgres::error::detail(.0))]
-    Postgres(#[from] tokio_postgres::Error),
+    #[error("PostgreSQL: {}", DriverError::detail(.0))]
+    TokioPostgres(#[from] tokio_postgres::Error),
     /// An error from sqlx (the `sqlx-postgres` or `sqlx-mysql` store, or its pool).
     #[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
     #[error("sqlx: {0}")]
@@ -131,8 +132,7 @@ pub enum Error {
 }
 
 /// The few kinds of database failure the layer acts on. Each driver sorts its own errors into
-/// them (`src/sqlite/error.rs`, `src/tokio_postgres/error.rs`, `src/sqlx/error.rs`); the
-/// `is_*` methods of [`Error`] read them.
+/// them ([`DriverError`]); the `is_*` methods of [`Error`] read them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum ErrorKind {
     /// Retry later: a lock not taken in time, no free connection, a full disk.
@@ -143,10 +143,25 @@ pub(crate) enum ErrorKind {
     /// The database went away or cannot take writes (a failover, a restart).
     Unavailable,
     /// A lock wait timed out (PostgreSQL `55P03`, MySQL and MariaDB `1205`).
-    #[cfg_attr(not(row_lock_store), allow(dead_code))]
     LockTimeout,
     /// Anything else: not retryable as such.
     Other,
+}
+
+/// A driver's error, as the driver classifies it: each driver implements it for its error type
+/// in its own folder (`src/sqlite/error.rs`, `src/tokio_postgres/error.rs`, `src/sqlx/error.rs`),
+/// so that this file names the drivers' error types (its variants) but none of their modules.
+#[cfg(sql_store)]
+pub(crate) trait DriverError: std::error::Error {
+    /// Which of the layer's kinds of failure this is.
+    fn classify(&self) -> ErrorKind;
+
+    /// What [`Error`]'s `Display` shows of it: by default its own `Display` (only
+    /// tokio-postgres's says more: its own names the kind of error alone).
+    #[cfg_attr(not(feature = "tokio-postgres"), allow(dead_code))]
+    fn detail(&self) -> String {
+        self.to_string()
+    }
 }
 
 impl Error {
@@ -158,11 +173,11 @@ impl Error {
             Error::Busy | Error::InFlight | Error::LeaseLost => ErrorKind::Busy,
             Error::LockTimeout(_) => ErrorKind::LockTimeout,
             #[cfg(feature = "sqlite")]
-            Error::Sqlite(e) => crate::sqlite::error::kind(e),
+            Error::Sqlite(e) => e.classify(),
             #[cfg(feature = "tokio-postgres")]
-            Error::Postgres(e) => crate::tokio_postgres::error::kind(e),
-            #[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
-            Error::Sqlx(e) => crate::sqlx::error::kind(e),
+            Error::TokioPostgres(e) => e.classify(),
+            #[cfg(sqlx_store)]
+            Error::Sqlx(e) => e.classify(),
             _ => ErrorKind::Other,
         }
     }
@@ -355,7 +370,7 @@ pub(crate) fn default_error_response(rejection: &Rejection, status: StatusCode) 
     response
 }
 
-#[cfg(all(test, any(feature = "sqlx-postgres", feature = "sqlx-mysql")))]
+#[cfg(all(test, sqlx_store))]
 mod tests {
     use super::Error;
 

@@ -73,11 +73,11 @@
 //!   database (tokio-postgres with a deadpool pool).
 //! - `sqlx-postgres`: [`store::sqlx_postgres::SqlxPostgresStore`][sqlx_postgres], the same
 //!   store on sqlx, built from the application's own `sqlx::PgPool`; handlers run ordinary sqlx
-//!   code on its `SqlxHandle`. The schema also ships as a sqlx migration
+//!   code on its `SqlxPostgresHandle`. The schema also ships as a sqlx migration
 //!   (`migrations/`).
 //! - `sqlx-mysql`: [`store::sqlx_mysql::SqlxMySqlStore`][sqlx_mysql], the same contract on
 //!   MySQL or MariaDB (InnoDB), built from the application's own `sqlx::MySqlPool`; handlers run
-//!   ordinary sqlx code on its `SqlxHandle` (migration in `migrations/mysql/`).
+//!   ordinary sqlx code on its `SqlxMySqlHandle` (migration in `migrations/mysql/`).
 //! - `client`: [`client::RetryLayer`][client], the client half: adds an `Idempotency-Key`, buffers the
 //!   body and retries with the same key and bytes.
 //! - `outbox`: [`outbox`][outbox], side effects that commit with the handler's rows: the handler
@@ -139,7 +139,7 @@ mod mysql;
 mod openapi;
 #[cfg(feature = "outbox")]
 pub mod outbox;
-#[cfg(any(feature = "tokio-postgres", feature = "sqlx-postgres"))]
+#[cfg(postgres_dialect)]
 mod postgres;
 pub mod problem;
 pub mod response;
@@ -150,7 +150,7 @@ mod row_lock;
 mod service;
 #[cfg(feature = "sqlite")]
 mod sqlite;
-#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
+#[cfg(sqlx_store)]
 mod sqlx;
 pub mod steps;
 pub mod store;

@@ -44,11 +44,6 @@ impl SavedResponse {
     }
 }
 
-// The encoding is for the stores; without one (a client-only build) it goes unused.
-#[cfg_attr(
-    not(any(feature = "sqlite", feature = "tokio-postgres")),
-    allow(dead_code)
-)]
 impl SavedResponse {
     /// Builds the replayed response, marked with `Idempotent-Replayed: true`.
     #[cfg(test)]

@@ -19,7 +19,7 @@ use support::galera::GaleraDb;
 use support::mysql_common::TestDb;
 use support::pg_common::HookOutcome;
 use tower_idempotency::store::sqlx_mysql::sqlx::MySqlPool;
-use tower_idempotency::store::sqlx_mysql::{SqlxHandle, SqlxMySqlStore};
+use tower_idempotency::store::sqlx_mysql::{SqlxMySqlHandle, SqlxMySqlStore};
 
 use crate::cases::{median, percentile_ms};
 use crate::cli::Options;
@@ -32,8 +32,8 @@ const POOL_SIZE: u32 = 32;
 /// Keys case B replays.
 const REPLAY_KEYS: u64 = 1000;
 
-type Hook = HookFor<OrderCallOf<SqlxHandle>, HookOutcome>;
-type Server = OrderServer<SqlxMySqlStore, SqlxHandle, HookOutcome>;
+type Hook = HookFor<OrderCallOf<SqlxMySqlHandle>, HookOutcome>;
+type Server = OrderServer<SqlxMySqlStore, SqlxMySqlHandle, HookOutcome>;
 
 /// One setup under measurement.
 struct Setup {

@@ -23,7 +23,7 @@ use tower_idempotency::store::sqlx_postgres::sqlx::postgres::{
     PgConnectOptions, PgPool, PgPoolOptions,
 };
 use tower_idempotency::store::sqlx_postgres::sqlx::{self, Executor as _, Row as _};
-use tower_idempotency::store::sqlx_postgres::{SqlxHandle, SqlxPostgresStore};
+use tower_idempotency::store::sqlx_postgres::{SqlxPostgresHandle, SqlxPostgresStore};
 use tower_idempotency::store::tokio_postgres::deadpool_postgres::{
     Manager, ManagerConfig, Pool, RecyclingMethod,
 };
@@ -277,7 +277,7 @@ async fn create_order_hand(
 /// `examples/orders_sqlx.rs` plus the outbox event, as [`create_order`].
 async fn create_order_sqlx(
     Extension(tenant): Extension<Tenant>,
-    Tx(tx): Tx<SqlxHandle>,
+    Tx(tx): Tx<SqlxPostgresHandle>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let order = NewOrder::parse(&body)?;

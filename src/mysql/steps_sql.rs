@@ -33,7 +33,7 @@ pub(crate) fn wait_param(wait: std::time::Duration) -> i64 {
 pub(crate) const STEPS_INSTALLED: &str = "SELECT 1 FROM information_schema.tables \
      WHERE table_schema = DATABASE() AND table_name = 'idempotency_progress'";
 
-/// Adds a new key's progress (see `pg_sql::INSERT_PROGRESS`), or, if the key has one, changes
+/// Adds a new key's progress (as PostgreSQL's `INSERT_PROGRESS`), or, if the key has one, changes
 /// nothing (0 rows). `IGNORE` rather than `ON DUPLICATE KEY UPDATE`, whose count the driver's
 /// found-rows mode makes 1 either way; the values it could cut short fit their columns (the
 /// scope is checked first, the others are `TEXT` or wider, and the owner is generated).

@@ -56,8 +56,8 @@ pub(crate) struct RawEvent {
 }
 
 /// The columns [`RawEvent::read`] reads, in order (the PostgreSQL statements spell them out,
-/// checked by a test of `pg_sql`).
-#[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+/// checked by a test of `row_lock/outbox_sql.rs`).
+#[cfg(feature = "sqlite")]
 pub(crate) const EVENT_COLUMNS: &str = "event_id, topic, payload, status, attempts, created_at, \
      available_at, delivered_at, last_error, lease_owner";
 

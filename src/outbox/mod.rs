@@ -10,12 +10,7 @@ use crate::error::Error;
 
 #[cfg(sql_store)]
 pub(crate) mod columns;
-#[cfg(any(
-    feature = "sqlite",
-    feature = "tokio-postgres",
-    feature = "sqlx-postgres",
-    feature = "sqlx-mysql"
-))]
+#[cfg(sql_store)]
 pub(crate) mod inbox;
 mod relay;
 mod sink;
@@ -24,12 +19,7 @@ mod sink;
 // `src/sqlx/`, over `src/row_lock/outbox.rs` on the SQL servers): `Outbox<Store>` and
 // `Inbox<Store>` are its public names.
 
-#[cfg(any(
-    feature = "sqlite",
-    feature = "tokio-postgres",
-    feature = "sqlx-postgres",
-    feature = "sqlx-mysql"
-))]
+#[cfg(sql_store)]
 pub(crate) use inbox::InboxOutcome;
 #[cfg(any(
     feature = "sqlite",
@@ -51,8 +41,8 @@ pub use sink::{sink_fn, HttpSink, Permanent, SinkFn, EVENT_TOPIC};
 pub struct EventId(Arc<str>);
 
 impl EventId {
-    /// A new, unique id.
-    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+    /// A new, unique id (the SQL servers' events; SQLite's are [`numbered`](Self::numbered)).
+    #[cfg(row_lock_store)]
     pub(crate) fn generate() -> Self {
         EventId(Arc::from(uuid::Uuid::now_v7().to_string()))
     }
@@ -65,7 +55,7 @@ impl EventId {
     /// the number), and two ids are alike only if their time, number and random bits are (a
     /// chance of one in 2^30 for two events given the same number in the same millisecond,
     /// in two stores).
-    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+    #[cfg(feature = "sqlite")]
     pub(crate) fn numbered(number: u64) -> Option<Self> {
         if number >= MAX_EVENT_NUMBER {
             return None;
@@ -83,7 +73,7 @@ impl EventId {
     /// The number a [`numbered`](Self::numbered) id carries; `None` for text that is not a
     /// UUIDv7. Any other UUIDv7 gives a number too (its bits), which names no event or another
     /// one: a store that finds events by number compares the id as well.
-    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+    #[cfg(feature = "sqlite")]
     pub(crate) fn number_of(id: &str) -> Option<u64> {
         let uuid = uuid::Uuid::try_parse(id).ok()?;
         if uuid.get_version_num() != 7 || uuid.get_variant() != uuid::Variant::RFC4122 {
@@ -102,11 +92,13 @@ impl EventId {
 }
 
 /// The numbers a [`EventId::numbered`] id can carry: below 2^44.
-#[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+#[cfg(feature = "sqlite")]
 pub(crate) const MAX_EVENT_NUMBER: u64 = 1 << 44;
 /// The bits of a number in the UUID's `rand_b` (its top 12 are `rand_a`).
+#[cfg(feature = "sqlite")]
 const NUMBER_LOW_BITS: u32 = 32;
 /// The random bits below them.
+#[cfg(feature = "sqlite")]
 const NUMBER_RANDOM_BITS: u32 = 30;
 
 impl From<String> for EventId {
@@ -311,30 +303,45 @@ mod seam {
         pub dead: u64,
     }
 }
-pub(crate) use seam::{Backlog, ClaimRequest, Claimed, LeaseToken, Settlement};
+pub use seam::Backlog;
+pub(crate) use seam::{ClaimRequest, Claimed, LeaseToken, Settlement};
 
 pub(crate) mod sealed {
-    /// Only this crate's stores, and [`Outbox`](super::Outbox) over them, are
-    /// [`OutboxStore`](super::OutboxStore)s.
+    use std::future::Future;
+
+    use super::{ClaimRequest, Claimed, Settlement};
+    use crate::error::Error;
+
+    /// What the [`Relay`](super::Relay) does with an [`OutboxStore`](super::OutboxStore),
+    /// with the rows they exchange: a trait no other crate can name, so that only this crate's
+    /// stores, and [`Outbox`](super::Outbox) over them, are `OutboxStore`s. Each makes
+    /// [`claim`](Self::claim) atomic: an event claimed by one caller is not returned to
+    /// another until its lease has run out or it was settled for retry.
     #[allow(unreachable_pub)]
-    pub trait OutboxStore {}
+    pub trait OutboxStore {
+        /// Claims up to `request.batch` due events for `request.lease`, counting an attempt on
+        /// each.
+        fn claim(
+            &self,
+            request: ClaimRequest,
+        ) -> impl Future<Output = Result<Claimed, Error>> + Send;
+
+        /// Records what happened to claimed events (in one transaction where the backend
+        /// allows).
+        fn settle(
+            &self,
+            settlements: Vec<Settlement>,
+        ) -> impl Future<Output = Result<(), Error>> + Send;
+    }
 }
 
-/// The storage side of the outbox, as the [`Relay`] uses it.
+/// The storage side of the outbox, as the [`Relay`] uses it: it claims due events atomically
+/// (an event claimed by one relay is not returned to another until its lease has run out or it
+/// was settled for retry) and settles them.
 ///
-/// Sealed: implemented by this crate's stores and by [`Outbox`] over them. Each makes
-/// [`claim`](Self::claim) atomic: an event claimed by one caller is not returned to another
-/// until its lease has run out or it was settled for retry.
+/// Sealed: implemented by this crate's stores and by [`Outbox`] over them; the claim and the
+/// settlements are the crate's own.
 pub trait OutboxStore: Clone + Send + Sync + 'static + sealed::OutboxStore {
-    /// Claims up to `request.batch` due events for `request.lease`, counting an attempt on each.
-    fn claim(&self, request: ClaimRequest) -> impl Future<Output = Result<Claimed, Error>> + Send;
-
-    /// Records what happened to claimed events (in one transaction where the backend allows).
-    fn settle(
-        &self,
-        settlements: Vec<Settlement>,
-    ) -> impl Future<Output = Result<(), Error>> + Send;
-
     /// Counts waiting and dead-lettered events.
     fn backlog(&self) -> impl Future<Output = Result<Backlog, Error>> + Send;
 }
@@ -517,9 +524,7 @@ impl<S: OutboxBackend> Outbox<S> {
     }
 }
 
-impl<S: OutboxBackend> sealed::OutboxStore for Outbox<S> {}
-
-impl<S: OutboxBackend> OutboxStore for Outbox<S> {
+impl<S: OutboxBackend> sealed::OutboxStore for Outbox<S> {
     fn claim(&self, request: ClaimRequest) -> impl Future<Output = Result<Claimed, Error>> + Send {
         self.store.claim(request)
     }
@@ -530,7 +535,9 @@ impl<S: OutboxBackend> OutboxStore for Outbox<S> {
     ) -> impl Future<Output = Result<(), Error>> + Send {
         self.store.settle(settlements)
     }
+}
 
+impl<S: OutboxBackend> OutboxStore for Outbox<S> {
     fn backlog(&self) -> impl Future<Output = Result<Backlog, Error>> + Send {
         self.store.backlog()
     }

@@ -27,10 +27,6 @@ use crate::row_lock::guard::{check_with, split_in, Dialect};
 /// `SAVEPOINT`, `RELEASE` and `ROLLBACK TO` are allowed: on PostgreSQL they work inside the
 /// transaction the layer opened and can neither end it nor roll back anything of the layer's
 /// (the layer sets no savepoint), and they are how a handler recovers from an expected error.
-#[cfg_attr(
-    not(any(feature = "tokio-postgres", feature = "sqlx-postgres")),
-    allow(dead_code)
-)]
 pub(crate) fn refused(command: &str) -> Option<&'static str> {
     let mut words = Words::new(Dialect::Postgres, command);
     let first = words.next()?;
@@ -73,10 +69,6 @@ pub(crate) fn refused(command: &str) -> Option<&'static str> {
 /// words, not from how this module cuts the rest); the other statements that [`split`] finds
 /// are checked too, so that `SELECT 1; COMMIT` is refused with a clear error rather than by
 /// the server for holding two commands.
-#[cfg_attr(
-    not(any(feature = "tokio-postgres", feature = "sqlx-postgres")),
-    allow(dead_code)
-)]
 pub(crate) fn check_command(command: &str) -> Result<(), Error> {
     check_with(Dialect::Postgres, refused, command)
 }
@@ -90,7 +82,6 @@ pub(crate) fn check_command(command: &str) -> Result<(), Error> {
 /// In front of that set, each thread keeps the first [`RECENT`] texts it saw accepted:
 /// comparing a text with a handful of others (their lengths first) costs a fraction of hashing
 /// it for the shared set behind its lock.
-#[cfg(any(feature = "tokio-postgres", feature = "sqlx-postgres"))]
 pub(crate) fn check_command_remembered(command: &str) -> Result<(), Error> {
     use std::cell::RefCell;
 
@@ -114,7 +105,6 @@ pub(crate) fn check_command_remembered(command: &str) -> Result<(), Error> {
 }
 
 /// The process-wide part of [`check_command_remembered`].
-#[cfg(any(feature = "tokio-postgres", feature = "sqlx-postgres"))]
 fn check_command_shared(command: &str) -> Result<(), Error> {
     use std::collections::HashSet;
     use std::sync::{LazyLock, RwLock};
@@ -140,25 +130,18 @@ fn check_command_shared(command: &str) -> Result<(), Error> {
 
 /// How many accepted texts each thread keeps in front of the shared set
 /// ([`check_command_remembered`]).
-#[cfg(any(feature = "tokio-postgres", feature = "sqlx-postgres"))]
 const RECENT: usize = 16;
 
 /// How many accepted texts [`check_command_remembered`] keeps.
-#[cfg(any(feature = "tokio-postgres", feature = "sqlx-postgres"))]
 const REMEMBERED: usize = 1024;
 
 /// The longest text [`check_command_remembered`] keeps.
-#[cfg(any(feature = "tokio-postgres", feature = "sqlx-postgres"))]
 const REMEMBERED_LEN: usize = 4096;
 
 /// Cuts `sql` into its statements (without the `;`), leaving out empty ones (only whitespace
 /// and comments), the way `psql` does: semicolons inside strings, quoted identifiers,
 /// comments, dollar quotes, parentheses and the `BEGIN ATOMIC ... END` body of a `CREATE
 /// FUNCTION` or `CREATE PROCEDURE` do not end a statement.
-#[cfg_attr(
-    not(any(feature = "tokio-postgres", feature = "sqlx-postgres")),
-    allow(dead_code)
-)]
 pub(crate) fn split(sql: &str) -> Vec<&str> {
     split_in(Dialect::Postgres, sql)
 }
@@ -171,7 +154,6 @@ mod tests {
     /// More texts than a thread keeps in front of the shared set, twice over: each answer is
     /// the plain check's.
     #[test]
-    #[cfg(any(feature = "tokio-postgres", feature = "sqlx-postgres"))]
     fn remembered_texts_answer_as_the_check_does() {
         use super::{check_command_remembered, RECENT};
 
@@ -196,7 +178,6 @@ mod tests {
     }
 
     #[test]
-    #[cfg(any(feature = "tokio-postgres", feature = "sqlx-postgres"))]
     fn remembered_checks_answer_as_the_check_does() {
         use super::check_command_remembered;
 

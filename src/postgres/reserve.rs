@@ -24,7 +24,7 @@ impl Isolation {
     }
 
     /// `BEGIN` at this level of a transaction a store opens for itself (the inbox's), marked
-    /// with `token` (see `pg_sql::OWN_TRANSACTION_SETTING`). Only an integer is formatted into
+    /// with `token` (see `store_sql::OWN_TRANSACTION_SETTING`). Only an integer is formatted into
     /// it.
     pub(crate) fn begin_owned(self, token: u64) -> String {
         format!(

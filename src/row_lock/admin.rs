@@ -1,5 +1,5 @@
 //! [`AdminBackend`] on the SQL servers, for every driver (tokio-postgres' `PostgresStore`,
-//! sqlx' `SqlxPostgresStore` and `SqlxMySqlStore`, through [`PgDriver`]): the statements of
+//! sqlx' `SqlxPostgresStore` and `SqlxMySqlStore`, through [`SqlDriver`]): the statements of
 //! `postgres/admin_sql.rs` on PostgreSQL, of `mysql/admin_sql.rs` on MySQL and MariaDB.
 //!
 //! Statements run in autocommit on pooled connections of the store. A request's reservation
@@ -15,10 +15,10 @@ use crate::admin::{AdminBackend, RawRecord, RecordCounts, RecordFilter, RecordIn
 use crate::error::Error;
 #[cfg(feature = "sqlx-mysql")]
 use crate::mysql::admin_sql as mysql_sql;
-#[cfg(any(feature = "tokio-postgres", feature = "sqlx-postgres"))]
+#[cfg(postgres_dialect)]
 use crate::postgres::admin_sql as pg_sql;
 use crate::row::Columns;
-use crate::row_lock::driver::{PgDriver, PgParam};
+use crate::row_lock::driver::{SqlDriver, SqlParam};
 use crate::store::to_unix_millis;
 
 /// [`AdminBackend`] on a store, with the statements of the server's SQL module `$sql` (written
@@ -58,8 +58,8 @@ macro_rules! sql_admin {
             async fn count_records(&self, filter: &RecordFilter) -> Result<RecordCounts, Error> {
                 let params = [
                     to_unix_millis(SystemTime::now()).into(),
-                    PgParam::OptionalText(filter.tenant.as_deref()),
-                    PgParam::OptionalText(filter.operation.as_deref()),
+                    SqlParam::OptionalText(filter.tenant.as_deref()),
+                    SqlParam::OptionalText(filter.operation.as_deref()),
                 ];
                 let rows = self.fetch_rows($sql::COUNT_RECORDS, &params).await?;
                 let row = rows

@@ -1,9 +1,10 @@
 //! What the outbox, inbox, steps and admin queries need from a driver: the one seam between the
-//! tokio-postgres store, the sqlx PostgreSQL store and the sqlx MySQL store. The SQL and the
-//! logic over it are written once (`row_lock/outbox.rs`, `row_lock/admin.rs`, `steps/sql.rs`,
-//! with the statements in each dialect's folder, `postgres/` and `mysql/`, and `steps/`); a driver only runs a statement with [`PgParam`]s and
-//! reads a row's columns ([`Columns`]). The statements number their parameters `$n` on every
-//! server; the MySQL driver sends each as a `?` bound to the n-th value.
+//! tokio-postgres store, the sqlx PostgreSQL store and the sqlx MySQL store. The SQL and the logic
+//! over it are written once (`row_lock/outbox.rs`, `row_lock/admin.rs`, `row_lock/steps.rs`, with
+//! the statements in each dialect's folder, `postgres/` and `mysql/`); a driver only runs a
+//! statement with [`SqlParam`]s and reads a row's columns ([`Columns`]). The statements number
+//! their parameters `$n` on every server; the MySQL driver sends each as a `?` bound to the n-th
+//! value.
 
 use std::future::Future;
 
@@ -58,7 +59,7 @@ pub(crate) use crate::sqlx::postgres::driver::numbered;
 
 /// A statement parameter: the few types the shared statements bind.
 #[derive(Clone, Copy, Debug)]
-pub(crate) enum PgParam<'a> {
+pub(crate) enum SqlParam<'a> {
     /// `TEXT`.
     Text(&'a str),
     /// `TEXT` or `NULL`.
@@ -71,21 +72,21 @@ pub(crate) enum PgParam<'a> {
     Bytes(&'a [u8]),
 }
 
-impl<'a> From<&'a str> for PgParam<'a> {
+impl<'a> From<&'a str> for SqlParam<'a> {
     fn from(text: &'a str) -> Self {
-        PgParam::Text(text)
+        SqlParam::Text(text)
     }
 }
 
-impl From<i64> for PgParam<'_> {
+impl From<i64> for SqlParam<'_> {
     fn from(value: i64) -> Self {
-        PgParam::BigInt(value)
+        SqlParam::BigInt(value)
     }
 }
 
 /// How a store runs the shared statements. Statements run in autocommit on a
 /// pooled connection of the store, except where a method says otherwise.
-pub(crate) trait PgDriver: Clone + Send + Sync + 'static {
+pub(crate) trait SqlDriver: Clone + Send + Sync + 'static {
     /// A row the driver returns.
     type Row: Columns<Error = Error> + Send;
 
@@ -93,21 +94,21 @@ pub(crate) trait PgDriver: Clone + Send + Sync + 'static {
     fn fetch_rows(
         &self,
         sql: &str,
-        params: &[PgParam<'_>],
+        params: &[SqlParam<'_>],
     ) -> impl Future<Output = Result<Vec<Self::Row>, Error>> + Send;
 
     /// Runs `sql` and returns how many rows it changed.
     fn execute_counted(
         &self,
         sql: &str,
-        params: &[PgParam<'_>],
+        params: &[SqlParam<'_>],
     ) -> impl Future<Output = Result<u64, Error>> + Send;
 
     /// Runs `statements` in order in one transaction, commits, and returns each one's rows.
     #[cfg(feature = "outbox")]
     fn fetch_in_transaction(
         &self,
-        statements: &[(&str, &[PgParam<'_>])],
+        statements: &[(&str, &[SqlParam<'_>])],
     ) -> impl Future<Output = Result<Vec<Vec<Self::Row>>, Error>> + Send;
 
     /// Creates tables (`CREATE ... IF NOT EXISTS` statements) under the advisory lock `lock`
@@ -121,9 +122,9 @@ pub(crate) trait PgDriver: Clone + Send + Sync + 'static {
 
 /// A request's transaction handle, and what the inbox and the steps do with the store's own
 /// transactions (the same handle type).
-pub(crate) trait PgTransactions: PgDriver {
+pub(crate) trait SqlTransactions: SqlDriver {
     /// The handle a request's handler gets.
-    type Handle: PgHandle<Row = Self::Row>;
+    type Handle: SqlHandle<Row = Self::Row>;
 
     /// How often a serialization failure while recording an inbox id is retried.
     #[cfg_attr(not(feature = "outbox"), allow(dead_code))]
@@ -142,7 +143,7 @@ pub(crate) trait PgTransactions: PgDriver {
         Fut: Future<Output = Result<(T, Finish), Error>> + Send;
 }
 
-/// How [`PgTransactions::in_own_transaction`] ends a transaction whose body succeeded.
+/// How [`SqlTransactions::in_own_transaction`] ends a transaction whose body succeeded.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Finish {
     /// Commit it.
@@ -152,7 +153,7 @@ pub(crate) enum Finish {
 }
 
 /// Runs a statement inside a transaction through its handle.
-pub(crate) trait PgHandle: Send + Sync + 'static {
+pub(crate) trait SqlHandle: Send + Sync + 'static {
     /// A row the driver returns.
     type Row: Columns<Error = Error> + RecordColumns + Send;
 
@@ -161,7 +162,7 @@ pub(crate) trait PgHandle: Send + Sync + 'static {
     fn fetch_in(
         &self,
         sql: &'static str,
-        params: &[PgParam<'_>],
+        params: &[SqlParam<'_>],
     ) -> impl Future<Output = Result<Vec<Self::Row>, Error>> + Send;
 
     /// Runs `sql` (prepared and cached on the connection) in the handle's transaction and
@@ -169,11 +170,11 @@ pub(crate) trait PgHandle: Send + Sync + 'static {
     fn execute_in(
         &self,
         sql: &'static str,
-        params: &[PgParam<'_>],
+        params: &[SqlParam<'_>],
     ) -> impl Future<Output = Result<u64, Error>> + Send;
 }
 
-/// Ends `transaction` as `outcome` says (see [`PgTransactions::in_own_transaction`]), with the
+/// Ends `transaction` as `outcome` says (see [`SqlTransactions::in_own_transaction`]), with the
 /// driver's `commit` and `rollback`.
 pub(crate) async fn finish<T, O, C, CommitFut, R, RollbackFut>(
     transaction: O,

@@ -1,6 +1,6 @@
 //! The outbox and the inbox on the SQL servers, written once for every driver: the statements
 //! of the server's SQL module (`postgres/outbox_sql.rs` on PostgreSQL, `mysql/outbox_sql.rs` on MySQL and MariaDB,
-//! both over the shared `outbox_sql.rs`), run through [`PgDriver`] (tokio-postgres'
+//! both over the shared `outbox_sql.rs`), run through [`SqlDriver`] (tokio-postgres'
 //! [`PostgresStore`], sqlx' [`SqlxPostgresStore`] and [`SqlxMySqlStore`] implement it), so every
 //! store claims, settles, counts, records and retries the same way. Only the claim differs:
 //! PostgreSQL's updates return their rows (`RETURNING`); MySQL selects the rows with a locking
@@ -25,10 +25,10 @@ use crate::outbox::{
     Backlog, ClaimRequest, Claimed, Enqueue, EventId, EventInfo, InboxBackend, InboxOutcome,
     OutboxBackend, OutboxCounts, OutboxStore, Processed, Receipt, Settlement,
 };
-#[cfg(any(feature = "tokio-postgres", feature = "sqlx-postgres"))]
+#[cfg(postgres_dialect)]
 use crate::postgres::outbox_sql as pg_sql;
 use crate::row::Columns;
-use crate::row_lock::driver::{Finish, PgDriver, PgHandle, PgParam, PgTransactions};
+use crate::row_lock::driver::{Finish, SqlDriver, SqlHandle, SqlParam, SqlTransactions};
 use crate::row_lock::reserve::retry_conflicts;
 use crate::store::to_unix_millis;
 
@@ -56,7 +56,7 @@ impl NewEvent {
     }
 
     /// The parameters of [`INSERT_EVENT`].
-    pub(crate) fn params<'a>(&'a self, topic: &'a str) -> [PgParam<'a>; 4] {
+    pub(crate) fn params<'a>(&'a self, topic: &'a str) -> [SqlParam<'a>; 4] {
         [
             self.id.as_str().into(),
             topic.into(),
@@ -67,8 +67,8 @@ impl NewEvent {
 }
 
 /// A count or a limit as a `BIGINT` (saturating).
-fn big_int(value: usize) -> PgParam<'static> {
-    PgParam::BigInt(i64::try_from(value).unwrap_or(i64::MAX))
+fn big_int(value: usize) -> SqlParam<'static> {
+    SqlParam::BigInt(i64::try_from(value).unwrap_or(i64::MAX))
 }
 
 /// The `EXISTS (...)` of a statement's only row.
@@ -87,7 +87,7 @@ type Recording = (&'static str, fn(&str, &str) -> Result<(), Error>);
 
 /// Records `event_id` for `consumer` in the transaction of `tx`, as the server's `recording`
 /// says (a consumer or an id that does not fit its table is refused first).
-async fn record<H: PgHandle>(
+async fn record<H: SqlHandle>(
     tx: &H,
     (insert_id, check): Recording,
     consumer: &str,
@@ -101,11 +101,11 @@ async fn record<H: PgHandle>(
 }
 
 /// The claim on PostgreSQL: both updates, each `RETURNING` its rows, in one transaction.
-#[cfg(any(feature = "tokio-postgres", feature = "sqlx-postgres"))]
-async fn claim_returning<D: PgDriver>(
+#[cfg(postgres_dialect)]
+async fn claim_returning<D: SqlDriver>(
     driver: &D,
-    dead_letter: &[PgParam<'_>],
-    claim: &[PgParam<'_>],
+    dead_letter: &[SqlParam<'_>],
+    claim: &[SqlParam<'_>],
 ) -> Result<[Vec<D::Row>; 2], Error> {
     let statements = [
         (pg_sql::DEAD_LETTER_ABANDONED, dead_letter),
@@ -118,13 +118,13 @@ async fn claim_returning<D: PgDriver>(
 
 /// The parameters of an `INSERT_ID` recording `event_id` for `consumer` now (for the inboxes'
 /// `record` on an executor of the caller's).
-pub(crate) fn record_params<'a>(consumer: &'a str, event_id: &'a str) -> [PgParam<'a>; 3] {
+pub(crate) fn record_params<'a>(consumer: &'a str, event_id: &'a str) -> [SqlParam<'a>; 3] {
     let now = to_unix_millis(SystemTime::now());
     [consumer.into(), event_id.into(), now.into()]
 }
 
 /// The outbox's, the inbox's and `Enqueue`'s traits on a store and its transaction handle,
-/// through [`PgDriver`], with the statements of the server's SQL module `$sql` and its claim
+/// through [`SqlDriver`], with the statements of the server's SQL module `$sql` and its claim
 /// `$claim` (written once; expanded for each driver below, as concrete impls, so that the
 /// driver traits stay private).
 macro_rules! sql_outbox_and_inbox {
@@ -148,13 +148,11 @@ macro_rules! sql_outbox_and_inbox {
             }
         }
 
-        impl crate::outbox::sealed::OutboxStore for $store {}
-
-        impl OutboxStore for $store {
+        impl crate::outbox::sealed::OutboxStore for $store {
             async fn claim(&self, request: ClaimRequest) -> Result<Claimed, Error> {
                 let now = to_unix_millis(request.now);
                 let lease_until = to_unix_millis(request.now + request.lease.max(Duration::from_millis(1)));
-                let max_attempts = PgParam::Int(i32::try_from(request.max_attempts).unwrap_or(i32::MAX));
+                let max_attempts = SqlParam::Int(i32::try_from(request.max_attempts).unwrap_or(i32::MAX));
                 // An idle relay polls often: a plain read first, so that polling opens no write
                 // transaction and locks nothing.
                 if !exists(&self.fetch_rows($sql::SELECT_DUE, &[now.into()]).await?)? {
@@ -163,8 +161,8 @@ macro_rules! sql_outbox_and_inbox {
                 let token = request.token.as_str();
                 // First, the events whose last allowed attempt was abandoned: retrying them would
                 // exceed the attempts (and an event that crashes its relay would be retried forever).
-                let dead_letter: &[PgParam<'_>] = &[now.into(), max_attempts];
-                let claim: &[PgParam<'_>] = &[
+                let dead_letter: &[SqlParam<'_>] = &[now.into(), max_attempts];
+                let claim: &[SqlParam<'_>] = &[
                     token.into(),
                     lease_until.into(),
                     now.into(),
@@ -177,7 +175,7 @@ macro_rules! sql_outbox_and_inbox {
                     $claim(self, dead_letter, claim)
                 })
                 .await?;
-                let events = |rows: Vec<<$store as PgDriver>::Row>| rows.iter().map(claimed_row).collect::<Result<_, _>>();
+                let events = |rows: Vec<<$store as SqlDriver>::Row>| rows.iter().map(claimed_row).collect::<Result<_, _>>();
                 Ok(claimed_oldest_first(events(claimed)?, events(abandoned)?))
             }
 
@@ -186,7 +184,7 @@ macro_rules! sql_outbox_and_inbox {
                     return Ok(());
                 }
                 let now = to_unix_millis(SystemTime::now());
-                let params: Vec<(&str, Vec<PgParam<'_>>)> = settlements
+                let params: Vec<(&str, Vec<SqlParam<'_>>)> = settlements
                     .iter()
                     .map(|settlement| match settlement {
                         // Recorded whoever holds the claim now: the sink accepted the event, and that
@@ -220,14 +218,16 @@ macro_rules! sql_outbox_and_inbox {
                         ),
                     })
                     .collect();
-                let statements: Vec<(&str, &[PgParam<'_>])> = params
+                let statements: Vec<(&str, &[SqlParam<'_>])> = params
                     .iter()
                     .map(|(sql, params)| (*sql, params.as_slice()))
                     .collect();
                 self.fetch_in_transaction(&statements).await?;
                 Ok(())
             }
+        }
 
+        impl OutboxStore for $store {
             async fn backlog(&self) -> Result<Backlog, Error> {
                 let rows = self.fetch_rows($sql::BACKLOG, &[]).await?;
                 let row = one_row(&rows, "backlog")?;
@@ -409,14 +409,14 @@ sql_outbox_and_inbox!(
 #[cfg(feature = "sqlx-postgres")]
 sql_outbox_and_inbox!(
     crate::store::sqlx_postgres::SqlxPostgresStore,
-    crate::store::sqlx_postgres::SqlxHandle,
+    crate::store::sqlx_postgres::SqlxPostgresHandle,
     pg_sql,
     claim_returning
 );
 #[cfg(feature = "sqlx-mysql")]
 sql_outbox_and_inbox!(
     crate::store::sqlx_mysql::SqlxMySqlStore,
-    crate::store::sqlx_mysql::SqlxHandle,
+    crate::store::sqlx_mysql::SqlxMySqlHandle,
     mysql_sql,
     crate::row_lock::driver::mysql_claim
 );

@@ -1,10 +1,10 @@
 //! Step-by-step requests ([`StepStore`]) on the SQL servers, written once for every driver: the
 //! statements of the server's SQL module (`postgres/steps_sql.rs`, `mysql/steps_sql.rs`, both
-//! over `steps_sql.rs` here), run through [`PgTransactions`] (tokio-postgres'
+//! over `steps_sql.rs` here), run through [`SqlTransactions`] (tokio-postgres'
 //! [`PostgresStore`], sqlx' [`SqlxPostgresStore`] and [`SqlxMySqlStore`] implement it). The
 //! semantics are those of the SQLite store's.
 //!
-//! Every call is one transaction of the store's own ([`PgTransactions::in_own_transaction`],
+//! Every call is one transaction of the store's own ([`SqlTransactions::in_own_transaction`],
 //! at the store's isolation level) whose lock waits are bounded by the lease's (or claim's)
 //! `wait`, the layer's lock timeout (`BOUND_LOCK_WAIT`: past it the call fails with an error
 //! [`Error::is_busy`] is true of). Every write under a lease first
@@ -36,12 +36,13 @@ use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
 #[cfg(feature = "sqlx-mysql")]
 use crate::mysql::steps_sql as mysql_sql;
-#[cfg(any(feature = "tokio-postgres", feature = "sqlx-postgres"))]
+#[cfg(postgres_dialect)]
 use crate::postgres::steps_sql as pg_sql;
 use crate::response::SavedResponse;
 use crate::row::Columns;
-use crate::row_lock::driver::{Finish, PgDriver, PgHandle, PgParam, PgTransactions};
+use crate::row_lock::driver::{Finish, SqlDriver, SqlHandle, SqlParam, SqlTransactions};
 use crate::row_lock::reserve::retry_conflicts;
+use crate::steps::sealed::StepProtocol;
 use crate::steps::{
     check_saved_step, new_run_id, Acquired, Claim, Lease, Progress, ProgressCursor, ProgressPage,
     ProgressQuery, ProgressStatus, Resolution, SavedRequest, SavedStep, Settled, StepKind,
@@ -76,25 +77,25 @@ pub(crate) struct Dialect {
 pub(crate) type BoxedWork<T> = Pin<Box<dyn Future<Output = Result<T, Error>> + Send>>;
 
 /// The key's parameters, `$1` to `$3`.
-fn key(scope: &Scope) -> [PgParam<'_>; 3] {
+fn key(scope: &Scope) -> [SqlParam<'_>; 3] {
     [
-        PgParam::Text(&scope.tenant),
-        PgParam::Text(&scope.operation),
-        PgParam::Text(scope.key.as_str()),
+        SqlParam::Text(&scope.tenant),
+        SqlParam::Text(&scope.operation),
+        SqlParam::Text(scope.key.as_str()),
     ]
 }
 
 /// The key's parameters followed by `rest` (`$4` on).
-fn with_key<'a>(scope: &'a Scope, rest: &[PgParam<'a>]) -> Vec<PgParam<'a>> {
+fn with_key<'a>(scope: &'a Scope, rest: &[SqlParam<'a>]) -> Vec<SqlParam<'a>> {
     let mut params = key(scope).to_vec();
     params.extend_from_slice(rest);
     params
 }
 
 /// A step's position as an `INTEGER`.
-fn seq_param(seq: u32) -> Result<PgParam<'static>, Error> {
+fn seq_param(seq: u32) -> Result<SqlParam<'static>, Error> {
     i32::try_from(seq)
-        .map(PgParam::Int)
+        .map(SqlParam::Int)
         .map_err(|_| Error::Corrupt(format!("step position {seq} out of range")))
 }
 
@@ -104,18 +105,18 @@ fn count(value: i64) -> u32 {
 }
 
 /// Bounds the lock waits of the transaction of `tx` to `wait` (the first statement of each).
-async fn bound_lock_wait<H: PgHandle>(
+async fn bound_lock_wait<H: SqlHandle>(
     tx: &H,
     dialect: &Dialect,
     wait: Duration,
 ) -> Result<(), Error> {
-    let wait = PgParam::BigInt((dialect.wait_param)(wait));
+    let wait = SqlParam::BigInt((dialect.wait_param)(wait));
     tx.execute_in(dialect.bound_lock_wait, &[wait]).await?;
     Ok(())
 }
 
 /// Checks that the key is still under `lease`'s generation and moves its lease's end.
-async fn check_lease<H: PgHandle>(tx: &H, lease: &Lease) -> Result<(), Error> {
+async fn check_lease<H: SqlHandle>(tx: &H, lease: &Lease) -> Result<(), Error> {
     let params = with_key(
         &lease.scope,
         &[
@@ -133,7 +134,11 @@ async fn check_lease<H: PgHandle>(tx: &H, lease: &Lease) -> Result<(), Error> {
 
 /// Checks `step` against the step saved at its position, if any (see `check_saved_step`):
 /// whether one is saved there (its intent).
-async fn check_position<H: PgHandle>(tx: &H, lease: &Lease, step: &StepRow) -> Result<bool, Error> {
+async fn check_position<H: SqlHandle>(
+    tx: &H,
+    lease: &Lease,
+    step: &StepRow,
+) -> Result<bool, Error> {
     let rows = tx
         .fetch_in(
             SELECT_STEP_AT,
@@ -152,13 +157,13 @@ async fn check_position<H: PgHandle>(tx: &H, lease: &Lease, step: &StepRow) -> R
 /// Writes `step` (its intent, or its result) under the lease checked before: a new row, or the
 /// result of the intent saved at its position; refused with [`Error::StepsChanged`] when the
 /// key saved another step there, or that step's result already.
-async fn save_step_row<H: PgHandle>(tx: &H, lease: &Lease, step: &StepRow) -> Result<(), Error> {
+async fn save_step_row<H: SqlHandle>(tx: &H, lease: &Lease, step: &StepRow) -> Result<(), Error> {
     let saved = check_position(tx, lease, step).await?;
     write_step(tx, lease, step, saved).await
 }
 
 /// Writes `step` at its position, checked before (`saved`: its intent is there).
-async fn write_step<H: PgHandle>(
+async fn write_step<H: SqlHandle>(
     tx: &H,
     lease: &Lease,
     step: &StepRow,
@@ -172,7 +177,7 @@ async fn write_step<H: PgHandle>(
                 seq_param(step.seq)?,
                 step.name.as_str().into(),
                 step.kind.as_str().into(),
-                PgParam::OptionalText(step.result.as_deref()),
+                SqlParam::OptionalText(step.result.as_deref()),
                 now.into(),
             ],
         );
@@ -188,7 +193,11 @@ async fn write_step<H: PgHandle>(
 }
 
 /// The key's live record at `now` (locked), if it has one.
-async fn live<H: PgHandle>(tx: &H, scope: &Scope, now: i64) -> Result<Option<StoredRecord>, Error> {
+async fn live<H: SqlHandle>(
+    tx: &H,
+    scope: &Scope,
+    now: i64,
+) -> Result<Option<StoredRecord>, Error> {
     match tx.fetch_in(SELECT_RECORD, &key(scope)).await?.first() {
         Some(row) => live_record(row, now),
         None => Ok(None),
@@ -196,7 +205,7 @@ async fn live<H: PgHandle>(tx: &H, scope: &Scope, now: i64) -> Result<Option<Sto
 }
 
 /// The key's steps, in order.
-async fn read_steps<H: PgHandle>(tx: &H, scope: &Scope) -> Result<Vec<SavedStep>, Error> {
+async fn read_steps<H: SqlHandle>(tx: &H, scope: &Scope) -> Result<Vec<SavedStep>, Error> {
     let rows = tx.fetch_in(SELECT_STEPS, &key(scope)).await?;
     rows.iter()
         .map(|row| {
@@ -219,7 +228,7 @@ fn fingerprint(version: i64, digest: &[u8]) -> Result<Fingerprint, Error> {
     Ok(Fingerprint::new(version, digest))
 }
 
-pub(crate) async fn install<S: PgDriver>(store: &S, dialect: &Dialect) -> Result<(), Error> {
+pub(crate) async fn install<S: SqlDriver>(store: &S, dialect: &Dialect) -> Result<(), Error> {
     store
         .install_tables(dialect.install_lock, dialect.schema)
         .await
@@ -236,7 +245,7 @@ pub(crate) fn acquire<'a, S>(
     claim: &'a Claim,
 ) -> BoxFuture<'a, Result<Acquired, Error>>
 where
-    S: PgTransactions,
+    S: SqlTransactions,
 {
     Box::pin(async move {
         (dialect.check_scope)(&claim.scope)?;
@@ -266,14 +275,14 @@ where
                         let params = with_key(
                             scope,
                             &[
-                                PgParam::Bytes(&claim.fingerprint.digest()[..]),
-                                PgParam::Int(i32::from(claim.fingerprint.version())),
-                                PgParam::Text(&claim.owner),
+                                SqlParam::Bytes(&claim.fingerprint.digest()[..]),
+                                SqlParam::Int(i32::from(claim.fingerprint.version())),
+                                SqlParam::Text(&claim.owner),
                                 to_unix_millis(claim.lease_until).into(),
                                 request.method.as_str().into(),
                                 request.uri.as_str().into(),
                                 request.headers.as_str().into(),
-                                PgParam::Bytes(&request.body),
+                                SqlParam::Bytes(&request.body),
                                 now.into(),
                                 run.as_str().into(),
                                 to_unix_millis(claim.expires_at).into(),
@@ -330,11 +339,11 @@ where
                             return Ok((Acquired::Dead, Finish::Commit));
                         }
                     }
-                    let counted = PgParam::Int(i32::from(claim.max_attempts.is_some()));
+                    let counted = SqlParam::Int(i32::from(claim.max_attempts.is_some()));
                     let params = with_key(
                         scope,
                         &[
-                            PgParam::Text(&claim.owner),
+                            SqlParam::Text(&claim.owner),
                             to_unix_millis(claim.lease_until).into(),
                             counted,
                             now.into(),
@@ -358,7 +367,7 @@ where
     })
 }
 
-pub(crate) fn save_step<'a, S: PgTransactions>(
+pub(crate) fn save_step<'a, S: SqlTransactions>(
     store: &'a S,
     dialect: &'a Dialect,
     lease: &'a Lease,
@@ -376,7 +385,7 @@ pub(crate) fn save_step<'a, S: PgTransactions>(
     })
 }
 
-pub(crate) fn forget_intent<'a, S: PgTransactions>(
+pub(crate) fn forget_intent<'a, S: SqlTransactions>(
     store: &'a S,
     dialect: &'a Dialect,
     lease: &'a Lease,
@@ -406,7 +415,7 @@ pub(crate) fn run_local<'a, S, T, W>(
     encode: fn(&T) -> Result<String, Error>,
 ) -> BoxFuture<'a, Result<T, Error>>
 where
-    S: PgTransactions,
+    S: SqlTransactions,
     S::Handle: Clone,
     T: Send + 'static,
     W: FnOnce(S::Handle) -> BoxedWork<T> + Send + 'a,
@@ -430,7 +439,7 @@ where
     })
 }
 
-pub(crate) fn release<'a, S: PgTransactions>(
+pub(crate) fn release<'a, S: SqlTransactions>(
     store: &'a S,
     dialect: &'a Dialect,
     lease: &'a Lease,
@@ -440,12 +449,12 @@ pub(crate) fn release<'a, S: PgTransactions>(
             .in_own_transaction(|tx| async move {
                 bound_lock_wait(&tx, dialect, lease.wait).await?;
                 let scope = &lease.scope;
-                let generation = PgParam::BigInt(lease.generation);
+                let generation = SqlParam::BigInt(lease.generation);
                 // The key's row first: once it is locked no step of this generation can commit,
                 // and the locking read below sees every step that did (a single statement's
                 // `NOT EXISTS` would not see one that committed while it waited for the row).
                 let now = to_unix_millis(lease.now).into();
-                let run = PgParam::Text(&lease.run);
+                let run = SqlParam::Text(&lease.run);
                 let ended = tx
                     .execute_in(END_LEASE, &with_key(scope, &[generation, now, run]))
                     .await?;
@@ -463,7 +472,7 @@ pub(crate) fn release<'a, S: PgTransactions>(
     })
 }
 
-pub(crate) fn set_status<'a, S: PgTransactions>(
+pub(crate) fn set_status<'a, S: SqlTransactions>(
     store: &'a S,
     dialect: &'a Dialect,
     lease: &'a Lease,
@@ -490,7 +499,7 @@ pub(crate) fn set_status<'a, S: PgTransactions>(
     })
 }
 
-pub(crate) fn finish<'a, S: PgTransactions>(
+pub(crate) fn finish<'a, S: SqlTransactions>(
     store: &'a S,
     dialect: &'a Dialect,
     lease: &'a Lease,
@@ -521,12 +530,12 @@ pub(crate) fn finish<'a, S: PgTransactions>(
                 let params = with_key(
                     scope,
                     &[
-                        PgParam::Bytes(&record.fingerprint.digest()[..]),
-                        PgParam::Int(i32::from(record.fingerprint.version())),
-                        PgParam::Int(i32::from(response.status.as_u16())),
+                        SqlParam::Bytes(&record.fingerprint.digest()[..]),
+                        SqlParam::Int(i32::from(record.fingerprint.version())),
+                        SqlParam::Int(i32::from(response.status.as_u16())),
                         headers.as_str().into(),
-                        PgParam::Bytes(&response.body),
-                        PgParam::OptionalText(trailers.as_deref()),
+                        SqlParam::Bytes(&response.body),
+                        SqlParam::OptionalText(trailers.as_deref()),
                         to_unix_millis(record.created_at).into(),
                         to_unix_millis(record.expires_at).into(),
                     ],
@@ -540,7 +549,7 @@ pub(crate) fn finish<'a, S: PgTransactions>(
     })
 }
 
-pub(crate) async fn progress<S: PgDriver>(
+pub(crate) async fn progress<S: SqlDriver>(
     store: &S,
     dialect: &Dialect,
     query: &ProgressQuery,
@@ -548,15 +557,15 @@ pub(crate) async fn progress<S: PgDriver>(
     let after = query.after.as_ref();
     let params = [
         query.status.as_str().into(),
-        PgParam::OptionalText(query.operation.as_deref()),
-        PgParam::Int(i32::from(query.idle_since.is_some())),
+        SqlParam::OptionalText(query.operation.as_deref()),
+        SqlParam::Int(i32::from(query.idle_since.is_some())),
         to_unix_millis(query.now).into(),
         query.idle_since.map_or(0, to_unix_millis).into(),
         after.map_or(-1, |c| c.updated_at).into(),
         after.map_or("", |c| c.tenant.as_str()).into(),
         after.map_or("", |c| c.operation.as_str()).into(),
         after.map_or("", |c| c.key.as_str()).into(),
-        PgParam::BigInt(i64::try_from(query.limit).unwrap_or(i64::MAX)),
+        SqlParam::BigInt(i64::try_from(query.limit).unwrap_or(i64::MAX)),
     ];
     let rows = store.fetch_rows(dialect.list_progress, &params).await?;
     let mut page = ProgressPage::default();
@@ -608,7 +617,7 @@ fn progress_row(
     Ok(progress)
 }
 
-pub(crate) fn resolve<'a, S: PgTransactions>(
+pub(crate) fn resolve<'a, S: SqlTransactions>(
     store: &'a S,
     dialect: &'a Dialect,
     scope: &'a Scope,
@@ -657,7 +666,7 @@ pub(crate) fn resolve<'a, S: PgTransactions>(
     })
 }
 
-pub(crate) fn purge_progress<'a, S: PgTransactions>(
+pub(crate) fn purge_progress<'a, S: SqlTransactions>(
     store: &'a S,
     dialect: &'a Dialect,
     now: SystemTime,
@@ -671,7 +680,7 @@ pub(crate) fn purge_progress<'a, S: PgTransactions>(
                 if tx.fetch_in(dialect.steps_installed, &[]).await?.is_empty() {
                     return Ok((0, Finish::Commit));
                 }
-                let limit = PgParam::BigInt(i64::try_from(batch).unwrap_or(i64::MAX));
+                let limit = SqlParam::BigInt(i64::try_from(batch).unwrap_or(i64::MAX));
                 let expired = tx
                     .fetch_in(dialect.expired_progress, &[now.into(), limit])
                     .await?
@@ -687,9 +696,9 @@ pub(crate) fn purge_progress<'a, S: PgTransactions>(
                 let mut purged = 0;
                 for (tenant, operation, key) in &expired {
                     let scope = [
-                        PgParam::Text(tenant),
-                        PgParam::Text(operation),
-                        PgParam::Text(key),
+                        SqlParam::Text(tenant),
+                        SqlParam::Text(operation),
+                        SqlParam::Text(key),
                     ];
                     let mut params = scope.to_vec();
                     params.push(now.into());
@@ -744,13 +753,9 @@ macro_rules! sql_steps {
             /// Transactions of the store's own, at its isolation level, their lock waits
             /// bounded to 5 seconds; a local step's closure gets the same handle a request's
             /// handler gets.
-            impl StepStore for $store {
+            impl StepProtocol for $store {
                 type Work<'a> = $transaction;
                 type Resolved<T: Send + 'static> = BoxedWork<T>;
-
-                async fn install_steps(&self) -> Result<(), Error> {
-                    install(self, &DIALECT).await
-                }
 
                 async fn acquire(&self, claim: &Claim) -> Result<Acquired, Error> {
                     acquire(self, &DIALECT, claim).await
@@ -795,6 +800,12 @@ macro_rules! sql_steps {
                 async fn finish(&self, lease: &Lease, record: &NewRecord) -> Result<(), Error> {
                     finish(self, &DIALECT, lease, record).await
                 }
+            }
+
+            impl StepStore for $store {
+                async fn install_steps(&self) -> Result<(), Error> {
+                    install(self, &DIALECT).await
+                }
 
                 async fn progress(&self, query: &ProgressQuery) -> Result<ProgressPage, Error> {
                     progress(self, &DIALECT, query).await
@@ -831,12 +842,12 @@ sql_steps!(
 #[cfg(feature = "sqlx-postgres")]
 sql_steps!(
     crate::store::sqlx_postgres::SqlxPostgresStore,
-    crate::store::sqlx_postgres::SqlxHandle,
+    crate::store::sqlx_postgres::SqlxPostgresHandle,
     pg_sql
 );
 #[cfg(feature = "sqlx-mysql")]
 sql_steps!(
     crate::store::sqlx_mysql::SqlxMySqlStore,
-    crate::store::sqlx_mysql::SqlxHandle,
+    crate::store::sqlx_mysql::SqlxMySqlHandle,
     mysql_sql
 );

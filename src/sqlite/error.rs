@@ -1,6 +1,6 @@
 //! How SQLite's errors are classified ([`ErrorKind`]).
 
-use crate::error::ErrorKind;
+use crate::error::{DriverError, ErrorKind};
 
 /// A busy or locked database, or a full disk, is [`ErrorKind::Busy`]; anything else is
 /// [`ErrorKind::Other`].
@@ -18,5 +18,11 @@ pub(crate) fn kind(error: &rusqlite::Error) -> ErrorKind {
             ErrorKind::Busy
         }
         _ => ErrorKind::Other,
+    }
+}
+
+impl DriverError for rusqlite::Error {
+    fn classify(&self) -> ErrorKind {
+        kind(self)
     }
 }

@@ -180,9 +180,7 @@ impl Enqueue for SqliteHandle {
     }
 }
 
-impl crate::outbox::sealed::OutboxStore for SqliteStore {}
-
-impl OutboxStore for SqliteStore {
+impl crate::outbox::sealed::OutboxStore for SqliteStore {
     async fn claim(&self, request: ClaimRequest) -> Result<Claimed, Error> {
         let now = to_unix_millis(request.now);
         let lease_until = to_unix_millis(request.now + request.lease.max(Duration::from_millis(1)));
@@ -301,7 +299,9 @@ impl OutboxStore for SqliteStore {
         })
         .await
     }
+}
 
+impl OutboxStore for SqliteStore {
     async fn backlog(&self) -> Result<Backlog, Error> {
         let (pending, dead) = self
             .read(|conn| {
@@ -645,6 +645,7 @@ fn record_id(conn: &Connection, consumer: &str, event_id: &str) -> rusqlite::Res
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::outbox::sealed::OutboxStore as _;
     use crate::outbox::{EventStatus, LeaseToken};
 
     /// `outbox_events` as created before: a unique index on `event_id`, and `AUTOINCREMENT`

@@ -4,13 +4,13 @@
 use std::future::Future;
 
 use crate::error::Error;
-use crate::row_lock::driver::PgParam;
-use crate::row_lock::driver::{finish, Finish, PgDriver, PgHandle, PgTransactions};
+use crate::row_lock::driver::SqlParam;
+use crate::row_lock::driver::{finish, Finish, SqlDriver, SqlHandle, SqlTransactions};
 
 /// `query` with `params` bound in order, on either sqlx database.
 pub(crate) fn sqlx_bind<'q, DB>(
     query: sqlx::query::Query<'q, DB, <DB as sqlx::Database>::Arguments<'q>>,
-    params: &[PgParam<'q>],
+    params: &[SqlParam<'q>],
 ) -> sqlx::query::Query<'q, DB, <DB as sqlx::Database>::Arguments<'q>>
 where
     DB: sqlx::Database,
@@ -21,20 +21,20 @@ where
     &'q [u8]: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
 {
     params.iter().fold(query, |query, param| match *param {
-        PgParam::Text(value) => query.bind(value),
-        PgParam::OptionalText(value) => query.bind(value),
-        PgParam::BigInt(value) => query.bind(value),
-        PgParam::Int(value) => query.bind(value),
-        PgParam::Bytes(value) => query.bind(value),
+        SqlParam::Text(value) => query.bind(value),
+        SqlParam::OptionalText(value) => query.bind(value),
+        SqlParam::BigInt(value) => query.bind(value),
+        SqlParam::Int(value) => query.bind(value),
+        SqlParam::Bytes(value) => query.bind(value),
     })
 }
 
 /// The store's own transactions on either sqlx database (`sqlx::store::owned`).
-impl<D> PgTransactions for crate::sqlx::store::SqlxStore<D>
+impl<D> SqlTransactions for crate::sqlx::store::SqlxStore<D>
 where
     D: crate::sqlx::store::OwnedDialect,
-    Self: PgDriver,
-    crate::sqlx::store::SqlxHandle<D>: PgHandle<Row = <Self as PgDriver>::Row>,
+    Self: SqlDriver,
+    crate::sqlx::store::SqlxHandle<D>: SqlHandle<Row = <Self as SqlDriver>::Row>,
 {
     type Handle = crate::sqlx::store::SqlxHandle<D>;
 

@@ -3,7 +3,7 @@
 //! `src/sqlx/mysql/error.rs`. The answer does not depend on which drivers the build has: a
 //! MySQL error is never read as a PostgreSQL one.
 
-use crate::error::ErrorKind;
+use crate::error::{DriverError, ErrorKind};
 
 /// A broken connection or a server that ended it is [`ErrorKind::Unavailable`]; a pool that
 /// had no free connection in time is [`ErrorKind::Busy`]; then the SQLSTATE: a serialization
@@ -27,6 +27,12 @@ pub(crate) fn kind(error: &sqlx::Error) -> ErrorKind {
         Some("55P03") => ErrorKind::LockTimeout,
         Some("53300") => ErrorKind::Busy,
         _ => ErrorKind::Other,
+    }
+}
+
+impl DriverError for sqlx::Error {
+    fn classify(&self) -> ErrorKind {
+        kind(self)
     }
 }
 

@@ -1,7 +1,8 @@
 //! The sqlx driver: the store written once over sqlx's databases ([`store`], public as
-//! `store::sqlx`), the calls that take a sqlx executor ([`outbox`]), the driver seam of the
-//! shared engine ([`driver`]), how sqlx errors are classified ([`error`]), and each database's
-//! part: [`postgres`] (feature `sqlx-postgres`) and [`mysql`] (feature `sqlx-mysql`).
+//! `store::sqlx_postgres` and `store::sqlx_mysql`), the calls that take a sqlx executor
+//! ([`outbox`]), the driver seam of the shared engine ([`driver`]), how sqlx errors are classified
+//! ([`error`]), and each database's part: [`postgres`] (feature `sqlx-postgres`) and [`mysql`]
+//! (feature `sqlx-mysql`).
 
 pub(crate) mod store;
 

@@ -12,7 +12,7 @@ use crate::outbox::inbox::receipt;
 use crate::outbox::{EventId, Inbox, InboxBackend, Outbox, Receipt};
 #[cfg(feature = "sqlx-postgres")]
 use crate::postgres::outbox_sql as pg_sql;
-use crate::row_lock::driver::PgParam;
+use crate::row_lock::driver::SqlParam;
 use crate::row_lock::outbox::{record_params, NewEvent};
 use crate::row_lock::outbox_sql::INSERT_EVENT;
 use crate::sqlx::driver::sqlx_bind;
@@ -25,7 +25,7 @@ pub trait OutboxDatabase: sqlx::Database + sealed::Statements {}
 impl<DB: sqlx::Database + sealed::Statements> OutboxDatabase for DB {}
 
 pub(crate) mod sealed {
-    use super::{BoxFuture, Error, Executor, PgParam};
+    use super::{BoxFuture, Error, Executor, SqlParam};
 
     /// How a database records an inbox id and runs a shared statement. Sealed: only this
     /// crate implements it, and its types stay the crate's.
@@ -41,7 +41,7 @@ pub(crate) mod sealed {
         fn execute_shared<'e, 'c: 'e, E>(
             executor: E,
             sql: &'static str,
-            params: &'e [PgParam<'e>],
+            params: &'e [SqlParam<'e>],
         ) -> BoxFuture<'e, Result<u64, Error>>
         where
             E: Executor<'c, Database = Self> + 'e;
@@ -63,7 +63,7 @@ macro_rules! outbox_database {
             fn execute_shared<'e, 'c: 'e, E>(
                 executor: E,
                 sql: &'static str,
-                params: &'e [PgParam<'e>],
+                params: &'e [SqlParam<'e>],
             ) -> BoxFuture<'e, Result<u64, Error>>
             where
                 E: Executor<'c, Database = Self> + 'e,
@@ -91,7 +91,7 @@ impl<D: SqlxDialect> Outbox<SqlxStore<D>>
 where
     D::Db: OutboxDatabase,
 {
-    /// Adds an event to the outbox through `executor`: the connection a request's `SqlxHandle`
+    /// Adds an event to the outbox through `executor`: the connection a request's handle
     /// lends (`&mut *conn`: the event then belongs to the request's transaction), or a transaction
     /// or pool of your own. Returns its id.
     ///
@@ -100,7 +100,7 @@ where
     /// own.
     ///
     /// ```no_run
-    /// # async fn handler(tx: tower_idempotency::store::sqlx_postgres::SqlxHandle)
+    /// # async fn handler(tx: tower_idempotency::store::sqlx_postgres::SqlxPostgresHandle)
     /// #     -> Result<(), tower_idempotency::Error> {
     /// use serde_json::json;
     /// use tower_idempotency::outbox::Outbox;
@@ -128,7 +128,7 @@ where
     }
 }
 
-/// The inbox of a sqlx store: [`Inbox::process`] hands its closure the same `SqlxHandle` a
+/// The inbox of a sqlx store: [`Inbox::process`] hands its closure the same handle a
 /// request's handler gets (take its `acquire`d connection, do not `COMMIT`), on a transaction
 /// of the inbox's own, and the closure returns a future; [`Inbox::record`] records an id
 /// through an executor of yours, waiting (on MySQL within `innodb_lock_wait_timeout`) on an id
@@ -141,7 +141,7 @@ where
 {
     /// Records `event_id` through `executor`, which must be inside the transaction that applies
     /// the event (a `sqlx::Transaction` of your own, or the connection a request's
-    /// `SqlxHandle` lends): [`Receipt::First`] if it was new (apply the event in the same
+    /// handle lends): [`Receipt::First`] if it was new (apply the event in the same
     /// transaction), [`Receipt::Duplicate`] if it was there already (do nothing).
     ///
     /// While another open transaction holds the same id, this waits for it to end.

@@ -10,7 +10,7 @@ use bytes::Bytes;
 
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
-use crate::store::{IdempotencyStore, NewRecord, Scope, StoredRecord};
+use crate::store::{Scope, StoredRecord};
 
 /// The request a key was first sent with, kept while the key is in progress so that the
 /// [`Completer`](super::Completer) can run it again without the client. Deleted with the key's
@@ -46,7 +46,7 @@ impl SavedRequest {
         [http::header::CONTENT_TYPE, http::header::ACCEPT];
 }
 
-/// What [`StepStore::acquire`] is asked to do.
+/// What [`acquire`](sealed::StepProtocol::acquire) is asked to do.
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct Claim {
@@ -119,7 +119,7 @@ pub(crate) fn new_run_id() -> String {
     uuid::Uuid::new_v4().simple().to_string()
 }
 
-/// The outcome of [`StepStore::acquire`].
+/// The outcome of [`acquire`](sealed::StepProtocol::acquire).
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum Acquired {
@@ -239,12 +239,11 @@ impl ProgressStatus {
     }
 }
 
-/// A claim granted by [`StepStore::acquire`]: every commit under it checks that the key is
-/// still in the same life (its run id) under this generation and running (and extends the
-/// lease), and is refused with [`Error::LeaseLost`] once another claim took the key over, or it
+/// A claim granted by [`acquire`](sealed::StepProtocol::acquire): every commit under it checks that
+/// the key is still in the same life (its run id) under this generation and running (and extends
+/// the lease), and is refused with [`Error::LeaseLost`] once another claim took the key over, or it
 /// was marked in doubt or dead, or an operator resolved it (each of which gives the key a new
-/// generation), or its life ended (a new life starts again at generation 1, under another run
-/// id).
+/// generation), or its life ended (a new life starts again at generation 1, under another run id).
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct Lease {
@@ -365,7 +364,7 @@ pub struct Progress {
 impl Progress {
     /// A key in progress as read back, with the other fields at their zero values: the store
     /// sets them from its row.
-    #[cfg_attr(not(sql_store), allow(dead_code))]
+    #[cfg(sql_store)]
     pub(crate) fn new(
         scope: Scope,
         fingerprint: Fingerprint,
@@ -518,9 +517,94 @@ pub enum Resolution {
 }
 
 pub(crate) mod sealed {
-    /// Only this crate's stores are [`StepStore`](super::StepStore)s.
+    use std::future::Future;
+
+    use super::{Acquired, Claim, Lease, ProgressStatus, StepOutcome, StepRow};
+    use crate::error::Error;
+    use crate::store::{IdempotencyStore, NewRecord};
+
+    /// Only this crate's stores are [`StepProtocol`]s, hence [`StepStore`](super::StepStore)s.
     #[allow(unreachable_pub)]
     pub trait Sealed {}
+
+    /// The protocol [`Steps`](crate::steps::Steps), the layer's steps mode and the
+    /// [`Completer`](crate::steps::Completer) run on a [`StepStore`](super::StepStore): claim a
+    /// key under a lease, save its steps, release or finish it, with the rows they exchange.
+    /// A trait no other crate can name (but this repository's tests, through
+    /// `steps::__private`), so that [`StepStore`](super::StepStore)'s public methods take and
+    /// return only types a user can name.
+    ///
+    /// Every method that writes under a `Lease` runs in a transaction of its own that first
+    /// checks the lease's generation (and moves the lease's end to `Lease::until`); when
+    /// another claim has taken the key over, nothing is written and the method fails with
+    /// [`Error::LeaseLost`].
+    #[allow(unreachable_pub)]
+    pub trait StepProtocol: IdempotencyStore + Sealed {
+        /// What a local step's closure gets: on SQLite a `&rusqlite::Transaction` (the closure runs
+        /// on the writer thread and returns a `rusqlite::Result`), on the SQL servers the same
+        /// transaction handle a request's handler gets (the closure returns a future).
+        type Work<'a>;
+
+        /// What `StepOutcome::into_resolved` turns a local step's closure's return into.
+        type Resolved<T: Send + 'static>;
+
+        /// In one transaction: takes the key for `claim` if it is free (new, released, or its
+        /// lease has passed), bumping its generation; or says why not. A new key is only taken if
+        /// it has no live record (`Acquired::Completed` otherwise) and the claim carries its
+        /// request.
+        fn acquire(&self, claim: &Claim) -> impl Future<Output = Result<Acquired, Error>> + Send;
+
+        /// Writes a foreign step's intent (`StepRow::result` `None`) or result under `lease`.
+        /// An intent written again over a saved one leaves it as it is (the lease is still
+        /// checked and extended: [`Steps`](crate::steps::Steps) does so before it calls again); a
+        /// saved result is never overwritten.
+        fn save_step(
+            &self,
+            lease: &Lease,
+            step: &StepRow,
+        ) -> impl Future<Output = Result<(), Error>> + Send;
+
+        /// Deletes the intent of the foreign step at `seq` under `lease` (the call is known not
+        /// to have happened).
+        fn forget_intent(
+            &self,
+            lease: &Lease,
+            seq: u32,
+        ) -> impl Future<Output = Result<(), Error>> + Send;
+
+        /// In one transaction under `lease`: runs `work`, then saves `step` with the JSON of what
+        /// it returned (`encode`), and commits both. An error from `work` or `encode` rolls back.
+        fn run_local<F, R>(
+            &self,
+            lease: &Lease,
+            step: &StepRow,
+            work: F,
+            encode: fn(&R::Value) -> Result<String, Error>,
+        ) -> impl Future<Output = Result<R::Value, Error>> + Send
+        where
+            F: for<'a> FnOnce(Self::Work<'a>) -> R + Send + 'static,
+            R: StepOutcome<Self>;
+
+        /// Lets the key go under `lease`: it is deleted if it has no step saved (a retry starts
+        /// afresh, with any payload), else its lease ends now (a retry resumes it).
+        fn release(&self, lease: &Lease) -> impl Future<Output = Result<(), Error>> + Send;
+
+        /// Marks the key in doubt or dead under `lease`, with the reason.
+        fn set_status(
+            &self,
+            lease: &Lease,
+            status: ProgressStatus,
+            reason: &str,
+        ) -> impl Future<Output = Result<(), Error>> + Send;
+
+        /// In one transaction under `lease`: saves the key's final `record` (replayed from then on
+        /// like any other) and deletes its progress and steps.
+        fn finish(
+            &self,
+            lease: &Lease,
+            record: &NewRecord,
+        ) -> impl Future<Output = Result<(), Error>> + Send;
+    }
 }
 
 /// What a database implements to run step-by-step requests (tables `idempotency_progress`
@@ -532,79 +616,12 @@ pub(crate) mod sealed {
 /// this crate. Its rows and their guarantees (leases, generations, one transaction per
 /// commit) are the crate's own and change with it.
 ///
-/// Every method that writes under a `Lease` runs in a transaction of its own that first
-/// checks the lease's generation (and moves the lease's end to `Lease::until`); when another
-/// claim has taken the key over, nothing is written and the method fails with
-/// [`Error::LeaseLost`].
-pub trait StepStore: IdempotencyStore + sealed::Sealed {
-    /// What a local step's closure gets: on SQLite a `&rusqlite::Transaction` (the closure runs
-    /// on the writer thread and returns a `rusqlite::Result`), on the SQL servers the same
-    /// transaction handle a request's handler gets (the closure returns a future).
-    type Work<'a>;
-
-    /// What `StepOutcome::into_resolved` turns a local step's closure's return into.
-    type Resolved<T: Send + 'static>;
-
+/// Its methods are what an application or an operator does with the steps' tables; the
+/// protocol the layer runs on them is the crate's own.
+pub trait StepStore: sealed::StepProtocol {
     /// Creates the two tables if needed. Idempotent, and safe for instances starting at the
     /// same time.
     fn install_steps(&self) -> impl Future<Output = Result<(), Error>> + Send;
-
-    /// In one transaction: takes the key for `claim` if it is free (new, released, or its
-    /// lease has passed), bumping its generation; or says why not. A new key is only taken if
-    /// it has no live record (`Acquired::Completed` otherwise) and the claim carries its
-    /// request.
-    fn acquire(&self, claim: &Claim) -> impl Future<Output = Result<Acquired, Error>> + Send;
-
-    /// Writes a foreign step's intent (`StepRow::result` `None`) or result under `lease`.
-    /// An intent written again over a saved one leaves it as it is (the lease is still
-    /// checked and extended: [`Steps`](super::Steps) does so before it calls again); a saved
-    /// result is never overwritten.
-    fn save_step(
-        &self,
-        lease: &Lease,
-        step: &StepRow,
-    ) -> impl Future<Output = Result<(), Error>> + Send;
-
-    /// Deletes the intent of the foreign step at `seq` under `lease` (the call is known not
-    /// to have happened).
-    fn forget_intent(
-        &self,
-        lease: &Lease,
-        seq: u32,
-    ) -> impl Future<Output = Result<(), Error>> + Send;
-
-    /// In one transaction under `lease`: runs `work`, then saves `step` with the JSON of what
-    /// it returned (`encode`), and commits both. An error from `work` or `encode` rolls back.
-    fn run_local<F, R>(
-        &self,
-        lease: &Lease,
-        step: &StepRow,
-        work: F,
-        encode: fn(&R::Value) -> Result<String, Error>,
-    ) -> impl Future<Output = Result<R::Value, Error>> + Send
-    where
-        F: for<'a> FnOnce(Self::Work<'a>) -> R + Send + 'static,
-        R: StepOutcome<Self>;
-
-    /// Lets the key go under `lease`: it is deleted if it has no step saved (a retry starts
-    /// afresh, with any payload), else its lease ends now (a retry resumes it).
-    fn release(&self, lease: &Lease) -> impl Future<Output = Result<(), Error>> + Send;
-
-    /// Marks the key in doubt or dead under `lease`, with the reason.
-    fn set_status(
-        &self,
-        lease: &Lease,
-        status: ProgressStatus,
-        reason: &str,
-    ) -> impl Future<Output = Result<(), Error>> + Send;
-
-    /// In one transaction under `lease`: saves the key's final `record` (replayed from then on
-    /// like any other) and deletes its progress and steps.
-    fn finish(
-        &self,
-        lease: &Lease,
-        record: &NewRecord,
-    ) -> impl Future<Output = Result<(), Error>> + Send;
 
     /// A page of keys in progress, as `query` says, ordered by their last change (then by
     /// scope). A row that cannot be read is skipped and reported, never a failed listing.
@@ -629,10 +646,10 @@ pub trait StepStore: IdempotencyStore + sealed::Sealed {
     /// Ends up to `batch` keys left running whose progress expired at `now` (their claims'
     /// `expires_at`, the layer's retention) and whose lease has ended; returns how many. A key
     /// without a foreign step is deleted with its steps and saved request (its next request
-    /// starts a new life, with a new run id). A key with a foreign step's intent or result (money may have
-    /// been taken for an order that was never answered) is marked dead instead, for an
-    /// operator: it is never forgotten. Keys in doubt or dead are never purged. Does nothing
-    /// (0) if the steps' tables were never installed.
+    /// starts a new life, with a new run id). A key with a foreign step's intent or result (money
+    /// may have been taken for an order that was never answered) is marked dead instead, for an
+    /// operator: it is never forgotten. Keys in doubt or dead are never purged. Does nothing (0) if
+    /// the steps' tables were never installed.
     fn purge_progress(
         &self,
         now: SystemTime,
@@ -642,7 +659,7 @@ pub trait StepStore: IdempotencyStore + sealed::Sealed {
 
 /// What a local step's closure may return on store `S`: on SQLite a `rusqlite::Result<T>`,
 /// on the SQL servers a future of `Result<T, Error>`.
-pub trait StepOutcome<S: StepStore> {
+pub trait StepOutcome<S: sealed::StepProtocol> {
     /// The value the closure produced (`T`).
     type Value: Send + 'static;
 
@@ -651,16 +668,21 @@ pub trait StepOutcome<S: StepStore> {
 }
 
 /// A store of the application's own cannot implement [`StepStore`]: here a complete
-/// [`IdempotencyStore`] with every item of [`StepStore`] (written with the rows of
-/// `__private`, which the crate's tests see) fails only for the sealed supertrait. (On stable
+/// [`IdempotencyStore`] with every item of [`StepStore`] and of its protocol (written with the
+/// rows and the protocol of `__private`, which the crate's tests see) fails only for the
+/// sealed supertrait. (On stable
 /// rustdoc does not check the error code: the impl must be complete for the test to mean
 /// anything.)
 ///
 /// ```compile_fail,E0277
 /// use std::future::Future;
 /// use std::time::{Duration, SystemTime};
-/// use tower_idempotency::steps::__private::{Acquired, Claim, Lease, StepOutcome, StepRow};
-/// use tower_idempotency::steps::{ProgressPage, ProgressQuery, Resolution, Settled, StepStore};
+/// use tower_idempotency::steps::__private::{
+///     Acquired, Claim, Lease, StepOutcome, StepProtocol, StepRow,
+/// };
+/// use tower_idempotency::steps::{
+///     ProgressPage, ProgressQuery, ProgressStatus, Resolution, Settled, StepStore,
+/// };
 /// use tower_idempotency::store::sqlite::SqliteStore;
 /// use tower_idempotency::store::{Begin, IdempotencyStore, NewRecord, Scope, StoredRecord};
 /// use tower_idempotency::Error;
@@ -687,11 +709,10 @@ pub trait StepOutcome<S: StepStore> {
 ///     }
 /// }
 ///
-/// impl StepStore for MyStore {
+/// impl StepProtocol for MyStore {
 ///     type Work<'a> = ();
 ///     type Resolved<T: Send + 'static> = T;
 ///
-///     async fn install_steps(&self) -> Result<(), Error> { unimplemented!() }
 ///     async fn acquire(&self, _: &Claim) -> Result<Acquired, Error> { unimplemented!() }
 ///     async fn save_step(&self, _: &Lease, _: &StepRow) -> Result<(), Error> { unimplemented!() }
 ///     async fn forget_intent(&self, _: &Lease, _: u32) -> Result<(), Error> { unimplemented!() }
@@ -713,6 +734,10 @@ pub trait StepOutcome<S: StepStore> {
 ///         unimplemented!()
 ///     }
 ///     async fn finish(&self, _: &Lease, _: &NewRecord) -> Result<(), Error> { unimplemented!() }
+/// }
+///
+/// impl StepStore for MyStore {
+///     async fn install_steps(&self) -> Result<(), Error> { unimplemented!() }
 ///     async fn progress(&self, _: &ProgressQuery) -> Result<ProgressPage, Error> {
 ///         unimplemented!()
 ///     }

@@ -536,6 +536,7 @@ mod tests {
     use super::*;
     use crate::fingerprint::Fingerprint;
     use crate::key::IdempotencyKey;
+    use crate::steps::sealed::StepProtocol as _;
     use crate::steps::{Acquired, CallAgain, Claim, Foreign, SavedRequest};
     use crate::store::sqlite::{rusqlite, SqliteStore};
 

@@ -19,12 +19,14 @@ pub use backend::{
     StepStore,
 };
 
-/// The rows a [`StepStore`] reads and writes, for this repository's tests, which drive the
-/// backends directly. Not part of the API: only with the undocumented `_internal-tests`
-/// feature (no semver promise), which the crate's dev-dependency on itself turns on.
+/// The protocol a [`StepStore`] runs and the rows it reads and writes, for this repository's tests,
+/// which drive the backends directly. Not part of the API: only with the undocumented
+/// `_internal-tests` feature (no semver promise), which the crate's dev-dependency on itself turns
+/// on.
 #[cfg(feature = "_internal-tests")]
 #[doc(hidden)]
 pub mod __private {
+    pub use super::backend::sealed::StepProtocol;
     pub use super::backend::{
         Acquired, Claim, Lease, SavedRequest, SavedStep, StepKind, StepOutcome, StepRow,
     };

@@ -27,7 +27,8 @@ pub(crate) trait Claimer: Send + Sync {
     fn claim(&self, claim: Claim, lease: Duration) -> BoxFuture<Result<Claimed, Error>>;
 }
 
-/// A claim's outcome: the key's handle, or what [`StepStore::acquire`] said instead.
+/// A claim's outcome: the key's handle, or what
+/// [`acquire`](crate::steps::sealed::StepProtocol::acquire) said instead.
 pub(crate) enum Claimed {
     Owned(Box<dyn Owned>),
     Not(Acquired),

@@ -208,7 +208,7 @@ proctype Owner(byte me; bool completer)
   byte k;                 /* scratch */
 
 request:
-  /* StepStore::acquire */
+  /* StepProtocol::acquire */
   if
   :: !completer ->
      atomic {
@@ -265,7 +265,7 @@ end_idle:
      }
   fi;
 
-  /* The handler. Steps::local -> StepStore::run_local: the business write and the step's
+  /* The handler. Steps::local -> StepProtocol::run_local: the business write and the step's
    * row, in one transaction. */
   if
   :: s0 == 1 -> skip                                    /* saved: not run again */
@@ -393,7 +393,7 @@ save_result:
   }
 
 finish:
-  /* StepStore::finish: the record saved, the steps and progress deleted */
+  /* StepProtocol::finish: the record saved, the steps and progress deleted */
   atomic {
     if
     :: LEASE_OK && rec == LIVE -> goto release          /* Corrupt: a live record */
@@ -415,7 +415,7 @@ finish:
   }
 
 release:
-  /* StepStore::release under the generation: the row locked, then the steps read */
+  /* StepProtocol::release under the generation: the row locked, then the steps read */
   atomic {
     if
     :: SAME_LEASE && p_status == RUNNING && st0 == 0 && st1 == 0 ->

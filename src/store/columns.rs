@@ -76,7 +76,7 @@ impl SavedColumns {
 #[cfg(row_lock_store)]
 pub(crate) mod record_row {
     use bytes::Bytes;
-    #[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
+    #[cfg(sqlx_store)]
     use sqlx::Row as _;
 
     use crate::error::Error;

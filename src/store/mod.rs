@@ -12,7 +12,7 @@
 
 use std::future::Future;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime};
 
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
@@ -458,7 +458,6 @@ const PURGE_PAUSE_FACTOR: u32 = 4;
 /// ([`IdempotencyStore::purge_expired_step`] until it is done), pausing after each batch but
 /// the last ([`PURGE_PAUSE_FACTOR`]); returns how many. Stops at the first error (what it
 /// deleted until then stays deleted).
-#[cfg_attr(not(sql_store), allow(dead_code))]
 pub(crate) async fn purge_expired_paced<S: IdempotencyStore>(
     store: &S,
     now: SystemTime,
@@ -478,16 +477,16 @@ pub(crate) async fn purge_expired_paced<S: IdempotencyStore>(
     }
 }
 
-#[cfg_attr(not(sql_store), allow(dead_code))]
+#[cfg(sql_store)]
 pub(crate) fn to_unix_millis(time: SystemTime) -> i64 {
-    match time.duration_since(UNIX_EPOCH) {
+    match time.duration_since(std::time::UNIX_EPOCH) {
         Ok(d) => i64::try_from(d.as_millis()).unwrap_or(i64::MAX),
         Err(_) => 0,
     }
 }
 
 /// The inverse of [`to_unix_millis`].
-#[cfg_attr(not(sql_store), allow(dead_code))]
+#[cfg(sql_store)]
 pub(crate) fn from_unix_millis(millis: i64) -> SystemTime {
-    UNIX_EPOCH + Duration::from_millis(u64::try_from(millis).unwrap_or(0))
+    std::time::UNIX_EPOCH + Duration::from_millis(u64::try_from(millis).unwrap_or(0))
 }

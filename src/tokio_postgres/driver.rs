@@ -1,12 +1,12 @@
-//! [`PgDriver`] on tokio-postgres: [`PostgresStore`] and its [`PostgresHandle`] handle.
+//! [`SqlDriver`] on tokio-postgres: [`PostgresStore`] and its [`PostgresHandle`] handle.
 
 use bytes::BytesMut;
 use tokio_postgres::row::Row;
 use tokio_postgres::types::{IsNull, ToSql, Type};
 
 use crate::error::Error;
-use crate::row_lock::driver::{columns_by_try_get, PgDriver, PgParam};
-use crate::row_lock::driver::{finish, Finish, PgHandle, PgTransactions};
+use crate::row_lock::driver::{columns_by_try_get, SqlDriver, SqlParam};
+use crate::row_lock::driver::{finish, Finish, SqlHandle, SqlTransactions};
 use crate::store::tokio_postgres::statements::{typed, Preparation};
 use crate::store::tokio_postgres::PostgresStore;
 use crate::store::tokio_postgres::{migrate::install_schema, Executor as _, PostgresHandle};
@@ -14,14 +14,14 @@ use crate::store::tokio_postgres::{migrate::install_schema, Executor as _, Postg
 type BoxedError = Box<dyn std::error::Error + Sync + Send>;
 
 /// Each parameter is sent as the value it holds (its type checked against the statement's).
-impl ToSql for PgParam<'_> {
+impl ToSql for SqlParam<'_> {
     fn to_sql(&self, ty: &Type, out: &mut BytesMut) -> Result<IsNull, BoxedError> {
         match self {
-            PgParam::Text(value) => value.to_sql(ty, out),
-            PgParam::OptionalText(value) => value.to_sql(ty, out),
-            PgParam::BigInt(value) => value.to_sql(ty, out),
-            PgParam::Int(value) => value.to_sql(ty, out),
-            PgParam::Bytes(value) => value.to_sql(ty, out),
+            SqlParam::Text(value) => value.to_sql(ty, out),
+            SqlParam::OptionalText(value) => value.to_sql(ty, out),
+            SqlParam::BigInt(value) => value.to_sql(ty, out),
+            SqlParam::Int(value) => value.to_sql(ty, out),
+            SqlParam::Bytes(value) => value.to_sql(ty, out),
         }
     }
 
@@ -32,29 +32,29 @@ impl ToSql for PgParam<'_> {
 
     fn to_sql_checked(&self, ty: &Type, out: &mut BytesMut) -> Result<IsNull, BoxedError> {
         match self {
-            PgParam::Text(value) => value.to_sql_checked(ty, out),
-            PgParam::OptionalText(value) => value.to_sql_checked(ty, out),
-            PgParam::BigInt(value) => value.to_sql_checked(ty, out),
-            PgParam::Int(value) => value.to_sql_checked(ty, out),
-            PgParam::Bytes(value) => value.to_sql_checked(ty, out),
+            SqlParam::Text(value) => value.to_sql_checked(ty, out),
+            SqlParam::OptionalText(value) => value.to_sql_checked(ty, out),
+            SqlParam::BigInt(value) => value.to_sql_checked(ty, out),
+            SqlParam::Int(value) => value.to_sql_checked(ty, out),
+            SqlParam::Bytes(value) => value.to_sql_checked(ty, out),
         }
     }
 }
 
 /// The parameters as tokio-postgres takes them.
-pub(crate) fn as_sql<'a>(params: &'a [PgParam<'_>]) -> Vec<&'a (dyn ToSql + Sync)> {
+pub(crate) fn as_sql<'a>(params: &'a [SqlParam<'_>]) -> Vec<&'a (dyn ToSql + Sync)> {
     params.iter().map(|param| param as _).collect()
 }
 
 columns_by_try_get!(Row, i32);
 
-impl PgDriver for PostgresStore {
+impl SqlDriver for PostgresStore {
     type Row = Row;
 
     /// Prepared (and closed) on the connection, or unnamed in one message: outside a
     /// transaction, a transaction pooler may run a statement prepared in one round trip on
     /// another server connection than the one that prepared it.
-    async fn fetch_rows(&self, sql: &str, params: &[PgParam<'_>]) -> Result<Vec<Row>, Error> {
+    async fn fetch_rows(&self, sql: &str, params: &[SqlParam<'_>]) -> Result<Vec<Row>, Error> {
         let client = self.client().await?;
         Ok(match self.preparation() {
             Preparation::Cached => client.query(sql, &as_sql(params)).await?,
@@ -62,7 +62,7 @@ impl PgDriver for PostgresStore {
         })
     }
 
-    async fn execute_counted(&self, sql: &str, params: &[PgParam<'_>]) -> Result<u64, Error> {
+    async fn execute_counted(&self, sql: &str, params: &[SqlParam<'_>]) -> Result<u64, Error> {
         let client = self.client().await?;
         Ok(match self.preparation() {
             Preparation::Cached => client.execute(sql, &as_sql(params)).await?,
@@ -73,7 +73,7 @@ impl PgDriver for PostgresStore {
     #[cfg(feature = "outbox")]
     async fn fetch_in_transaction(
         &self,
-        statements: &[(&str, &[PgParam<'_>])],
+        statements: &[(&str, &[SqlParam<'_>])],
     ) -> Result<Vec<Vec<Row>>, Error> {
         let mut client = self.client().await?;
         let tx = client.transaction().await?;
@@ -93,7 +93,7 @@ impl PgDriver for PostgresStore {
     }
 }
 
-impl PgTransactions for PostgresStore {
+impl SqlTransactions for PostgresStore {
     type Handle = PostgresHandle;
 
     fn conflict_retries(&self) -> u32 {
@@ -112,15 +112,19 @@ impl PgTransactions for PostgresStore {
     }
 }
 
-impl PgHandle for PostgresHandle {
+impl SqlHandle for PostgresHandle {
     type Row = Row;
 
-    async fn fetch_in(&self, sql: &'static str, params: &[PgParam<'_>]) -> Result<Vec<Row>, Error> {
+    async fn fetch_in(
+        &self,
+        sql: &'static str,
+        params: &[SqlParam<'_>],
+    ) -> Result<Vec<Row>, Error> {
         let client = self.client().await?;
         client.query_shared(sql, &typed(params)).await
     }
 
-    async fn execute_in(&self, sql: &'static str, params: &[PgParam<'_>]) -> Result<u64, Error> {
+    async fn execute_in(&self, sql: &'static str, params: &[SqlParam<'_>]) -> Result<u64, Error> {
         let client = self.client().await?;
         client.execute_typed_statement(sql, &typed(params)).await
     }

@@ -2,7 +2,7 @@
 
 use tokio_postgres::error::SqlState;
 
-use crate::error::ErrorKind;
+use crate::error::{DriverError, ErrorKind};
 use crate::postgres::failover::postgres_unavailable;
 
 /// A failover ([`postgres_unavailable`]) is [`ErrorKind::Unavailable`]; a serialization
@@ -32,5 +32,15 @@ pub(crate) fn detail(error: &tokio_postgres::Error) -> String {
     match std::error::Error::source(error) {
         Some(cause) => format!("{error}: {cause}"),
         None => error.to_string(),
+    }
+}
+
+impl DriverError for tokio_postgres::Error {
+    fn classify(&self) -> ErrorKind {
+        kind(self)
+    }
+
+    fn detail(&self) -> String {
+        detail(self)
     }
 }

@@ -41,12 +41,12 @@ use serde_json::json;
 use tokio::sync::Semaphore;
 use tower_idempotency::outbox::{sink_fn, Enqueue, Outbox, OutboxEvent, Relay};
 use tower_idempotency::steps::{CallAgain, StepError, StepStore, Steps};
-use tower_idempotency::store::sqlx_mysql::{sqlx, SqlxHandle, SqlxMySqlStore};
+use tower_idempotency::store::sqlx_mysql::{sqlx, SqlxMySqlHandle, SqlxMySqlStore};
 use tower_idempotency::store::Isolation;
 use tower_idempotency::{IdempotencyLayer, Tenant};
 
-type Hook = HookFor<OrderCallOf<SqlxHandle>, HookOutcome>;
-type Server = OrderServer<SqlxMySqlStore, SqlxHandle, HookOutcome>;
+type Hook = HookFor<OrderCallOf<SqlxMySqlHandle>, HookOutcome>;
+type Server = OrderServer<SqlxMySqlStore, SqlxMySqlHandle, HookOutcome>;
 
 const BOOK: &str = r#"{"sku":"book","quantity":1}"#;
 
@@ -319,7 +319,7 @@ async fn relays_on_two_nodes_deliver_every_event() {
             .expect("install the outbox"),
         Outbox::install(&stores[1]).await.expect("install it again"),
     ];
-    let enqueuing: Hook = hook_for(|call: OrderCallOf<SqlxHandle>| async move {
+    let enqueuing: Hook = hook_for(|call: OrderCallOf<SqlxMySqlHandle>| async move {
         let payload = json!({ "order_id": call.order_id });
         call.tx
             .enqueue("order_created", payload)
@@ -420,7 +420,7 @@ async fn checkout(
     steps: Steps<SqlxMySqlStore>,
 ) -> Result<(StatusCode, Json<serde_json::Value>), StepError> {
     let order_id = steps
-        .local("insert_order", |tx: SqlxHandle| async move {
+        .local("insert_order", |tx: SqlxMySqlHandle| async move {
             let mut conn = tx.acquire().await?;
             let done = sqlx::query(
                 "INSERT INTO orders (tenant_id, sku, quantity) VALUES ('steps', 'book', 1)",

@@ -42,7 +42,7 @@ use tower_idempotency::outbox::{
     sink_fn, Enqueue, Inbox, InboxBackend, Outbox, OutboxBackend, OutboxEvent, Processed, Relay,
 };
 use tower_idempotency::steps::{CallAgain, ProgressStatus, StepError, StepStore, Steps};
-use tower_idempotency::store::sqlx_postgres::{SqlxHandle, SqlxPostgresStore};
+use tower_idempotency::store::sqlx_postgres::{SqlxPostgresHandle, SqlxPostgresStore};
 use tower_idempotency::store::tokio_postgres::tokio_postgres::{self, NoTls};
 use tower_idempotency::store::tokio_postgres::{PostgresHandle, PostgresStore};
 use tower_idempotency::store::{IdempotencyStore, ReplayCheck};
@@ -197,7 +197,7 @@ struct Sqlx;
 
 impl Driver for Sqlx {
     type Store = SqlxPostgresStore;
-    type Handle = SqlxHandle;
+    type Handle = SqlxPostgresHandle;
 
     const NAME: &'static str = "sqlx";
 
@@ -240,7 +240,7 @@ impl Driver for Sqlx {
         sku: String,
     ) -> Result<i64, StepError> {
         steps
-            .local("insert_order", move |tx: SqlxHandle| async move {
+            .local("insert_order", move |tx: SqlxPostgresHandle| async move {
                 let mut conn = tx.acquire().await?;
                 let id = sqlx::query_scalar::<_, i64>(
                     "INSERT INTO orders (tenant_id, sku, quantity) VALUES ('steps', $1, 1) \

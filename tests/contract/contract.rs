@@ -1,4 +1,4 @@
-//! The contract table of DESIGN.md §1, row by row, over real HTTP, written once and run
+//! The contract table of the README, row by row, over real HTTP, written once and run
 //! against a real SQLite file (`contract::sqlite::...`), a real PostgreSQL schema through
 //! either store (`contract::postgres::...`, `contract::sqlx_postgres::...`, reported as ignored
 //! without `TEST_DATABASE_URL`) and a real MySQL/MariaDB database (`contract::mysql::...`,

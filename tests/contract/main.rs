@@ -1,4 +1,4 @@
-//! The contract of DESIGN.md §1 over real HTTP on every store, the stores' own contract, hostile
+//! The contract of the README over real HTTP on every store, the stores' own contract, hostile
 //! input, limits, the IETF draft's statuses, what the `metrics` feature records, requests the
 //! layer passes through (`Option<Tx>`), the OpenAPI document against real answers, the layer
 //! around a plain hyper service, SQLite's store beside another process, what each PostgreSQL

@@ -457,7 +457,7 @@ mod sqlite {
         use tower_idempotency::fingerprint::Fingerprint;
         use tower_idempotency::key::IdempotencyKey;
         use tower_idempotency::steps::__private::{
-            Acquired, Claim, Lease, SavedRequest, StepKind, StepRow,
+            Acquired, Claim, Lease, SavedRequest, StepKind, StepProtocol, StepRow,
         };
         use tower_idempotency::steps::{ProgressStatus, StepStore};
         use tower_idempotency::store::sqlite::SqliteStore;

@@ -1,5 +1,5 @@
 //! The plain hyper example (`examples/hyper_orders.rs`) run as a process, as `cargo run
-//! --example hyper_orders` runs it, and checked against the contract of DESIGN.md §1 with the
+//! --example hyper_orders` runs it, and checked against the contract of the README with the
 //! shared HTTP client of `tests/support/common` over loopback.
 
 use support::common;

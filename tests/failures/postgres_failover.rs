@@ -681,7 +681,7 @@ async fn app_with_a_short_lock_timeout(cluster: &Cluster, sqlx: bool) -> SocketA
     use tower_idempotency::extract::Tx;
     use tower_idempotency::store::sqlx_postgres::sqlx::postgres::PgPoolOptions;
     use tower_idempotency::store::sqlx_postgres::{
-        sqlx as sqlx_crate, SqlxHandle, SqlxPostgresStore,
+        sqlx as sqlx_crate, SqlxPostgresHandle, SqlxPostgresStore,
     };
     use tower_idempotency::store::tokio_postgres::{PostgresHandle, PostgresStore};
     use tower_idempotency::{IdempotencyLayer, Tenant};
@@ -722,7 +722,7 @@ async fn app_with_a_short_lock_timeout(cluster: &Cluster, sqlx: bool) -> SocketA
 
     async fn on_sqlx(
         Extension(tenant): Extension<Tenant>,
-        Tx(tx): Tx<SqlxHandle>,
+        Tx(tx): Tx<SqlxPostgresHandle>,
         body: Bytes,
     ) -> Response {
         let inserted = async {

@@ -52,7 +52,7 @@ fn answer(outcome: Result<u64, Error>, code: &SqlState, hit: &AtomicBool) -> Hoo
     match outcome {
         Ok(_) => HookOutcome::default(),
         Err(error) => {
-            if matches!(&error, Error::Postgres(e) if e.code() == Some(code)) {
+            if matches!(&error, Error::TokioPostgres(e) if e.code() == Some(code)) {
                 hit.store(true, Ordering::SeqCst);
             }
             HookOutcome {

@@ -1,5 +1,5 @@
 //! Failures roll everything back: the handler's order and the record commit together or not
-//! at all, and a retry with the same key runs afresh (DESIGN.md §1, "the handler fails").
+//! at all, and a retry with the same key runs afresh (the README's contract, "handler fails").
 //! Written once and run against a SQLite file (`rollback::sqlite::...`), a PostgreSQL schema
 //! through either store (`rollback::postgres::...`, `rollback::sqlx_postgres::...`, reported as
 //! ignored without `TEST_DATABASE_URL`) and a MySQL/MariaDB database (`rollback::mysql::...`,
@@ -1044,7 +1044,7 @@ mod mysql {
 
     use backend::MySql;
     use common::{hook_for, AppBuilder, HookOutcome, OrderCallOf, Outcome};
-    use tower_idempotency::store::sqlx_mysql::SqlxHandle;
+    use tower_idempotency::store::sqlx_mysql::SqlxMySqlHandle;
     use tower_idempotency::InFlight;
 
     use super::*;
@@ -1067,7 +1067,7 @@ mod mysql {
         let store = db.db.store(1).await;
         let pool = store.pool().clone();
         let server = AppBuilder::new(())
-            .hook(hook_for(|call: OrderCallOf<SqlxHandle>| async move {
+            .hook(hook_for(|call: OrderCallOf<SqlxMySqlHandle>| async move {
                 HookOutcome::failing(
                     (call.sku == "fail").then_some(StatusCode::INTERNAL_SERVER_ERROR),
                 )
@@ -1104,7 +1104,7 @@ mod mysql {
         let store = db.db.store(4).await;
         let server = AppBuilder::new(())
             .layer(move |layer| layer.with_lock_timeout(lock_timeout))
-            .hook(hook_for(|_: OrderCallOf<SqlxHandle>| async {
+            .hook(hook_for(|_: OrderCallOf<SqlxMySqlHandle>| async {
                 HookOutcome::default()
             }))
             .serve_on(store)
@@ -1163,7 +1163,7 @@ mod mysql {
         let store = db.db.store(4).await;
         let server = AppBuilder::new(())
             .layer(move |layer| layer.with_lock_timeout(lock_timeout))
-            .hook(hook_for(|call: OrderCallOf<SqlxHandle>| async move {
+            .hook(hook_for(|call: OrderCallOf<SqlxMySqlHandle>| async move {
                 let written = match call.tx.acquire().await {
                     Ok(mut conn) => sqlx::query("INSERT INTO handler_ledger (id) VALUES (1)")
                         .execute(&mut *conn)
@@ -1246,7 +1246,7 @@ mod mysql {
             let store = db.db.store(4).await;
             let server = AppBuilder::new(())
                 .layer(move |layer| layer.with_lock_timeout(lock_timeout).with_in_flight(policy))
-                .hook(hook_for(|_: OrderCallOf<SqlxHandle>| async {
+                .hook(hook_for(|_: OrderCallOf<SqlxMySqlHandle>| async {
                     HookOutcome::default()
                 }))
                 .serve_on(store)

@@ -982,7 +982,7 @@ mod postgres {
 
 mod sqlx_postgres {
     use sqlx::Row;
-    use tower_idempotency::store::sqlx_postgres::{SqlxHandle, SqlxPostgresStore};
+    use tower_idempotency::store::sqlx_postgres::{SqlxPostgresHandle, SqlxPostgresStore};
 
     use super::*;
     use support::pg_common::TestDb;
@@ -1005,7 +1005,7 @@ mod sqlx_postgres {
             sku: String,
         ) -> Result<i64, StepError> {
             steps
-                .local("insert_order", move |tx: SqlxHandle| async move {
+                .local("insert_order", move |tx: SqlxPostgresHandle| async move {
                     let mut conn = tx.acquire().await?;
                     let row = sqlx::query(
                         "INSERT INTO shop_orders (sku, status) VALUES ($1, 'pending') \
@@ -1024,7 +1024,7 @@ mod sqlx_postgres {
             order_id: i64,
         ) -> Result<(), StepError> {
             steps
-                .local("mark_declined", move |tx: SqlxHandle| async move {
+                .local("mark_declined", move |tx: SqlxPostgresHandle| async move {
                     let mut conn = tx.acquire().await?;
                     sqlx::query("UPDATE shop_orders SET status = 'declined' WHERE id = $1")
                         .bind(order_id)
@@ -1041,7 +1041,7 @@ mod sqlx_postgres {
             charge_id: String,
         ) -> Result<(), StepError> {
             steps
-                .local("mark_paid", move |tx: SqlxHandle| async move {
+                .local("mark_paid", move |tx: SqlxPostgresHandle| async move {
                     let mut conn = tx.acquire().await?;
                     sqlx::query(
                         "UPDATE shop_orders SET status = 'paid', charge_id = $1 WHERE id = $2",
@@ -1063,7 +1063,7 @@ mod sqlx_postgres {
 
 mod sqlx_mysql {
     use sqlx::Row;
-    use tower_idempotency::store::sqlx_mysql::{SqlxHandle, SqlxMySqlStore};
+    use tower_idempotency::store::sqlx_mysql::{SqlxMySqlHandle, SqlxMySqlStore};
 
     use super::*;
     use support::mysql_common::TestDb;
@@ -1090,7 +1090,7 @@ mod sqlx_mysql {
             sku: String,
         ) -> Result<i64, StepError> {
             steps
-                .local("insert_order", move |tx: SqlxHandle| async move {
+                .local("insert_order", move |tx: SqlxMySqlHandle| async move {
                     let mut conn = tx.acquire().await?;
                     let done =
                         sqlx::query("INSERT INTO shop_orders (sku, status) VALUES (?, 'pending')")
@@ -1108,7 +1108,7 @@ mod sqlx_mysql {
             order_id: i64,
         ) -> Result<(), StepError> {
             steps
-                .local("mark_declined", move |tx: SqlxHandle| async move {
+                .local("mark_declined", move |tx: SqlxMySqlHandle| async move {
                     let mut conn = tx.acquire().await?;
                     sqlx::query("UPDATE shop_orders SET status = 'declined' WHERE id = ?")
                         .bind(order_id)
@@ -1125,7 +1125,7 @@ mod sqlx_mysql {
             charge_id: String,
         ) -> Result<(), StepError> {
             steps
-                .local("mark_paid", move |tx: SqlxHandle| async move {
+                .local("mark_paid", move |tx: SqlxMySqlHandle| async move {
                     let mut conn = tx.acquire().await?;
                     sqlx::query(
                         "UPDATE shop_orders SET status = 'paid', charge_id = ? WHERE id = ?",

@@ -2859,7 +2859,7 @@ mod postgres {
 }
 
 mod sqlx_postgres {
-    use tower_idempotency::store::sqlx_postgres::{SqlxHandle, SqlxPostgresStore};
+    use tower_idempotency::store::sqlx_postgres::{SqlxPostgresHandle, SqlxPostgresStore};
 
     use super::pg_reads::PgReads;
     use super::*;
@@ -2894,7 +2894,7 @@ mod sqlx_postgres {
             let key = steps.scope().key.as_str().to_owned();
             let run = steps.run_id().to_owned();
             steps
-                .local(&step, move |tx: SqlxHandle| async move {
+                .local(&step, move |tx: SqlxPostgresHandle| async move {
                     let mut conn = tx.acquire().await?;
                     sqlx::query(
                         "INSERT INTO model_rows (op, k, run, step) VALUES ($1, $2, $3, $4)",
@@ -2948,7 +2948,7 @@ mod sqlx_postgres {
 
 mod sqlx_mysql {
     use sqlx::mysql::MySqlPool;
-    use tower_idempotency::store::sqlx_mysql::{SqlxHandle, SqlxMySqlStore};
+    use tower_idempotency::store::sqlx_mysql::{SqlxMySqlHandle, SqlxMySqlStore};
 
     use super::*;
     use support::mysql_common::TestDb;
@@ -2995,7 +2995,7 @@ mod sqlx_mysql {
             let key = steps.scope().key.as_str().to_owned();
             let run = steps.run_id().to_owned();
             steps
-                .local(&step, move |tx: SqlxHandle| async move {
+                .local(&step, move |tx: SqlxMySqlHandle| async move {
                     let mut conn = tx.acquire().await?;
                     sqlx::query("INSERT INTO model_rows (op, k, run, step) VALUES (?, ?, ?, ?)")
                         .bind(&op)

@@ -17,7 +17,7 @@ use serde_json::json;
 use tower_idempotency::fingerprint::Fingerprint;
 use tower_idempotency::response::SavedResponse;
 use tower_idempotency::steps::__private::{
-    Acquired, Claim, Lease, SavedRequest, StepKind, StepRow,
+    Acquired, Claim, Lease, SavedRequest, StepKind, StepProtocol, StepRow,
 };
 use tower_idempotency::steps::{ProgressStatus, Resolution, Settled, StepStore};
 use tower_idempotency::store::{Begin, IdempotencyStore, NewRecord, Reservation, Scope};
@@ -1333,7 +1333,7 @@ mod postgres {
 }
 
 mod sqlx_postgres {
-    use tower_idempotency::store::sqlx_postgres::{SqlxHandle, SqlxPostgresStore};
+    use tower_idempotency::store::sqlx_postgres::{SqlxPostgresHandle, SqlxPostgresStore};
 
     use super::*;
     use support::pg_common::TestDb;
@@ -1368,7 +1368,7 @@ mod sqlx_postgres {
                 .run_local(
                     lease,
                     step,
-                    move |tx: SqlxHandle| async move {
+                    move |tx: SqlxPostgresHandle| async move {
                         let mut conn = tx.acquire().await?;
                         sqlx::query(
                             "INSERT INTO orders (tenant_id, sku, quantity) \
@@ -1416,7 +1416,7 @@ mod sqlx_postgres {
 }
 
 mod sqlx_mysql {
-    use tower_idempotency::store::sqlx_mysql::{SqlxHandle, SqlxMySqlStore};
+    use tower_idempotency::store::sqlx_mysql::{SqlxMySqlHandle, SqlxMySqlStore};
 
     use super::*;
     use support::mysql_common::TestDb;
@@ -1451,7 +1451,7 @@ mod sqlx_mysql {
                 .run_local(
                     lease,
                     step,
-                    move |tx: SqlxHandle| async move {
+                    move |tx: SqlxMySqlHandle| async move {
                         let mut conn = tx.acquire().await?;
                         sqlx::query(
                             "INSERT INTO orders (tenant_id, sku, quantity) VALUES ('steps', ?, 1)",

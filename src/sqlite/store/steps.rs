@@ -17,6 +17,7 @@ use super::SqliteStore;
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
+use crate::steps::sealed::StepProtocol;
 use crate::steps::{
     new_run_id, Acquired, Claim, Lease, Progress, ProgressCursor, ProgressPage, ProgressQuery,
     ProgressStatus, Resolution, SavedRequest, SavedStep, Settled, StepKind, StepOutcome, StepRow,
@@ -445,13 +446,9 @@ impl<T: Send + 'static> StepOutcome<SqliteStore> for rusqlite::Result<T> {
 
 impl crate::steps::sealed::Sealed for SqliteStore {}
 
-impl StepStore for SqliteStore {
+impl StepProtocol for SqliteStore {
     type Work<'a> = &'a Transaction<'a>;
     type Resolved<T: Send + 'static> = rusqlite::Result<T>;
-
-    async fn install_steps(&self) -> Result<(), Error> {
-        self.write(|tx| tx.execute_batch(SCHEMA)).await
-    }
 
     async fn acquire(&self, claim: &Claim) -> Result<Acquired, Error> {
         let claim = claim.clone();
@@ -607,6 +604,12 @@ impl StepStore for SqliteStore {
             Ok(())
         })
         .await
+    }
+}
+
+impl StepStore for SqliteStore {
+    async fn install_steps(&self) -> Result<(), Error> {
+        self.write(|tx| tx.execute_batch(SCHEMA)).await
     }
 
     async fn progress(&self, query: &ProgressQuery) -> Result<ProgressPage, Error> {

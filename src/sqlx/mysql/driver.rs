@@ -1,4 +1,4 @@
-//! [`PgDriver`] on sqlx's MySQL driver: [`SqlxMySqlStore`] and its [`SqlxHandle`] handle.
+//! [`SqlDriver`] on sqlx's MySQL driver: [`SqlxMySqlStore`] and its [`SqlxMySqlHandle`] handle.
 //! The shared statements number their parameters `$n`; [`positional`] sends each as a `?`
 //! bound to the n-th value, in the order they appear.
 
@@ -11,18 +11,18 @@ use crate::error::Error;
 use crate::mysql::outbox_sql::{CLAIM, DEAD_LETTER_ABANDONED, SELECT_ABANDONED, SELECT_CLAIMABLE};
 #[cfg(feature = "outbox")]
 use crate::row::Columns;
-use crate::row_lock::driver::PgHandle;
-use crate::row_lock::driver::{columns_by_try_get, PgDriver, PgParam};
+use crate::row_lock::driver::SqlHandle;
+use crate::row_lock::driver::{columns_by_try_get, SqlDriver, SqlParam};
 use crate::sqlx::driver::sqlx_bind;
-use crate::store::sqlx_mysql::SqlxHandle;
+use crate::store::sqlx_mysql::SqlxMySqlHandle;
 use crate::store::sqlx_mysql::SqlxMySqlStore;
 
 /// `sql` with each `$n` replaced by `?`, and the values to bind in that order: `params[n - 1]`
 /// for each `$n` (one may appear several times, or not at all).
 pub(crate) fn positional<'p>(
     sql: &str,
-    params: &[PgParam<'p>],
-) -> Result<(String, Vec<PgParam<'p>>), Error> {
+    params: &[SqlParam<'p>],
+) -> Result<(String, Vec<SqlParam<'p>>), Error> {
     let mut text = String::with_capacity(sql.len());
     let mut bound = Vec::with_capacity(params.len());
     let mut rest = sql;
@@ -47,10 +47,10 @@ pub(crate) fn positional<'p>(
 
 columns_by_try_get!(MySqlRow, i64);
 
-impl PgDriver for SqlxMySqlStore {
+impl SqlDriver for SqlxMySqlStore {
     type Row = MySqlRow;
 
-    async fn fetch_rows(&self, sql: &str, params: &[PgParam<'_>]) -> Result<Vec<MySqlRow>, Error> {
+    async fn fetch_rows(&self, sql: &str, params: &[SqlParam<'_>]) -> Result<Vec<MySqlRow>, Error> {
         let (sql, params) = positional(sql, params)?;
         Ok(self
             .pool()
@@ -58,7 +58,7 @@ impl PgDriver for SqlxMySqlStore {
             .await?)
     }
 
-    async fn execute_counted(&self, sql: &str, params: &[PgParam<'_>]) -> Result<u64, Error> {
+    async fn execute_counted(&self, sql: &str, params: &[SqlParam<'_>]) -> Result<u64, Error> {
         let (sql, params) = positional(sql, params)?;
         let done = self
             .pool()
@@ -70,7 +70,7 @@ impl PgDriver for SqlxMySqlStore {
     #[cfg(feature = "outbox")]
     async fn fetch_in_transaction(
         &self,
-        statements: &[(&str, &[PgParam<'_>])],
+        statements: &[(&str, &[SqlParam<'_>])],
     ) -> Result<Vec<Vec<MySqlRow>>, Error> {
         let mut tx = self.pool().begin().await?;
         let mut results = Vec::with_capacity(statements.len());
@@ -99,8 +99,8 @@ impl PgDriver for SqlxMySqlStore {
 #[cfg(feature = "outbox")]
 pub(crate) async fn claim(
     store: &SqlxMySqlStore,
-    dead_letter: &[PgParam<'_>],
-    claim: &[PgParam<'_>],
+    dead_letter: &[SqlParam<'_>],
+    claim: &[SqlParam<'_>],
 ) -> Result<[Vec<MySqlRow>; 2], Error> {
     let mut tx = store.pool().begin().await?;
     let mut results = Vec::with_capacity(2);
@@ -130,13 +130,13 @@ pub(crate) async fn claim(
         .map_err(|_| Error::Corrupt("a claim returned no rows".into()))
 }
 
-impl PgHandle for SqlxHandle {
+impl SqlHandle for SqlxMySqlHandle {
     type Row = MySqlRow;
 
     async fn fetch_in(
         &self,
         sql: &'static str,
-        params: &[PgParam<'_>],
+        params: &[SqlParam<'_>],
     ) -> Result<Vec<MySqlRow>, Error> {
         let (sql, params) = positional(sql, params)?;
         let mut conn = self.acquire().await?;
@@ -145,7 +145,7 @@ impl PgHandle for SqlxHandle {
             .await?)
     }
 
-    async fn execute_in(&self, sql: &'static str, params: &[PgParam<'_>]) -> Result<u64, Error> {
+    async fn execute_in(&self, sql: &'static str, params: &[SqlParam<'_>]) -> Result<u64, Error> {
         let (sql, params) = positional(sql, params)?;
         let mut conn = self.acquire().await?;
         let done = (&mut *conn)
@@ -161,7 +161,7 @@ mod tests {
 
     #[test]
     fn numbered_parameters_become_positional_in_order() {
-        let params = [PgParam::Text("a"), PgParam::BigInt(2)];
+        let params = [SqlParam::Text("a"), SqlParam::BigInt(2)];
         let (sql, bound) = positional("x = $2 AND y = $1 OR z = $2", &params).unwrap();
         assert_eq!(sql, "x = ? AND y = ? OR z = ?");
         let bound: Vec<String> = bound.iter().map(|p| format!("{p:?}")).collect();

@@ -1,4 +1,4 @@
-//! [`PgDriver`] on sqlx: [`SqlxPostgresStore`] and its [`SqlxHandle`] handle. sqlx
+//! [`SqlDriver`] on sqlx: [`SqlxPostgresStore`] and its [`SqlxPostgresHandle`] handle. sqlx
 //! prepares and caches each statement on its connection, unless the store keeps no statement
 //! prepared (`with_unnamed_statements`, behind a transaction pooler): then each goes unnamed,
 //! those that run in autocommit in a transaction of their own (sqlx prepares a statement with
@@ -11,23 +11,23 @@ use sqlx::query::Query;
 use sqlx::{Executor as _, Row as _};
 
 use crate::error::Error;
-use crate::row_lock::driver::PgHandle;
-use crate::row_lock::driver::{columns_by_try_get, PgDriver, PgParam};
+use crate::row_lock::driver::SqlHandle;
+use crate::row_lock::driver::{columns_by_try_get, SqlDriver, SqlParam};
 use crate::sqlx::driver::sqlx_bind;
-use crate::store::sqlx_postgres::SqlxHandle;
+use crate::store::sqlx_postgres::SqlxPostgresHandle;
 use crate::store::sqlx_postgres::SqlxPostgresStore;
 
 /// `sql` with `params` bound in order.
-pub(crate) fn bound<'q>(sql: &'q str, params: &[PgParam<'q>]) -> Query<'q, Postgres, PgArguments> {
+pub(crate) fn bound<'q>(sql: &'q str, params: &[SqlParam<'q>]) -> Query<'q, Postgres, PgArguments> {
     sqlx_bind(sqlx::query(sql), params)
 }
 
 columns_by_try_get!(PgRow, i32);
 
-impl PgDriver for SqlxPostgresStore {
+impl SqlDriver for SqlxPostgresStore {
     type Row = PgRow;
 
-    async fn fetch_rows(&self, sql: &str, params: &[PgParam<'_>]) -> Result<Vec<PgRow>, Error> {
+    async fn fetch_rows(&self, sql: &str, params: &[SqlParam<'_>]) -> Result<Vec<PgRow>, Error> {
         if !self.shared.unnamed_statements {
             return Ok(self.pool().fetch_all(bound(sql, params)).await?);
         }
@@ -39,7 +39,7 @@ impl PgDriver for SqlxPostgresStore {
         Ok(rows)
     }
 
-    async fn execute_counted(&self, sql: &str, params: &[PgParam<'_>]) -> Result<u64, Error> {
+    async fn execute_counted(&self, sql: &str, params: &[SqlParam<'_>]) -> Result<u64, Error> {
         if !self.shared.unnamed_statements {
             let done = self.pool().execute(bound(sql, params)).await?;
             return Ok(done.rows_affected());
@@ -55,7 +55,7 @@ impl PgDriver for SqlxPostgresStore {
     #[cfg(feature = "outbox")]
     async fn fetch_in_transaction(
         &self,
-        statements: &[(&str, &[PgParam<'_>])],
+        statements: &[(&str, &[SqlParam<'_>])],
     ) -> Result<Vec<Vec<PgRow>>, Error> {
         let mut tx = self.pool().begin().await?;
         let persistent = !self.shared.unnamed_statements;
@@ -73,19 +73,19 @@ impl PgDriver for SqlxPostgresStore {
     }
 }
 
-impl PgHandle for SqlxHandle {
+impl SqlHandle for SqlxPostgresHandle {
     type Row = PgRow;
 
     async fn fetch_in(
         &self,
         sql: &'static str,
-        params: &[PgParam<'_>],
+        params: &[SqlParam<'_>],
     ) -> Result<Vec<PgRow>, Error> {
         let mut conn = self.acquire().await?;
         Ok((&mut *conn).fetch_all(bound(sql, params)).await?)
     }
 
-    async fn execute_in(&self, sql: &'static str, params: &[PgParam<'_>]) -> Result<u64, Error> {
+    async fn execute_in(&self, sql: &'static str, params: &[SqlParam<'_>]) -> Result<u64, Error> {
         let mut conn = self.acquire().await?;
         let done = (&mut *conn).execute(bound(sql, params)).await?;
         Ok(done.rows_affected())
@@ -97,7 +97,7 @@ impl PgHandle for SqlxHandle {
 #[cfg(feature = "outbox")]
 pub(crate) fn numbered<'p>(
     sql: &str,
-    params: &[PgParam<'p>],
-) -> Result<(String, Vec<PgParam<'p>>), Error> {
+    params: &[SqlParam<'p>],
+) -> Result<(String, Vec<SqlParam<'p>>), Error> {
     Ok((sql.to_owned(), params.to_vec()))
 }

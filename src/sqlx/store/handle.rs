@@ -19,12 +19,13 @@ use super::{Conn, Slot, SqlxDatabase, SqlxDialect};
 use crate::error::Error;
 use crate::row_lock::tx_state::{Observed, ObservedCell, TxShared};
 
-/// The docs of the handle, shared by each database's `SqlxHandle` alias (an alias's page
-/// does not show the aliased type's docs).
+/// The docs of the handle, shared by each database's alias (`SqlxPostgresHandle`,
+/// `SqlxMySqlHandle`; an alias's page does not show the aliased type's docs), given its name.
 macro_rules! handle_docs {
-    () => {
+    ($handle:literal) => {
+        concat!(
         "\n\nThe layer puts it in the request extensions (take it with \
-        `Tx<SqlxHandle>` in axum, feature `axum`). Everything run on the connection \
+        `Tx<", $handle, ">` in axum, feature `axum`). Everything run on the connection \
         it lends (`tx.acquire().await?`, then `&mut *conn` as the executor) belongs to the same \
         transaction as the idempotency record: it commits when the layer saves the response, \
         and rolls back if the handler fails, panics or the client goes away.\n\n\
@@ -37,13 +38,16 @@ macro_rules! handle_docs {
           answers `503` with `Retry-After`.\n\
         - Drop the borrowed connection before the handler returns; after the request ends the \
           handle refuses work ([`Error::TransactionFinished`](crate::Error::TransactionFinished)).\n"
+        )
     };
 }
 pub(crate) use handle_docs;
 
-/// The docs of the handle's connection, shared by each database's `CheckedConnection` alias.
+/// The docs of the handle's connection, shared by each database's `CheckedConnection` alias,
+/// given the name of the database's handle.
 macro_rules! connection_docs {
-    () => {
+    ($handle:literal) => {
+        concat!(
         "\n\n`query`, `query_as`, `query_scalar`, `raw_sql` and the `query!` macros run on it \
         as on the database's own connection, with two checks:\n\n\
         - **No transaction control.** The statements that would end the transaction (or, on \
@@ -51,9 +55,10 @@ macro_rules! connection_docs {
           the call runs (the error's message names the statement).\n\
         - **Conflicts are seen by the layer.** A serialization failure or a deadlock that a \
           statement gets is returned to the handler as usual, and also kept: the layer then \
-          runs the request again (see [`SqlxHandle`]).\n\n\
+          runs the request again (see [`", $handle, "`]).\n\n\
         It does not hand out the database's connection itself, so that nothing bypasses the \
         checks.\n"
+        )
     };
 }
 pub(crate) use connection_docs;
@@ -106,8 +111,13 @@ impl<D: SqlxDialect> SqlxHandle<D> {
     /// Borrows the transaction's connection. Waits while another borrow of the same
     /// transaction is alive (one connection runs one statement at a time).
     ///
-    /// Run statements on it with `&mut *conn` as the executor.
-    pub async fn acquire(&self) -> Result<SqlxConnection<D>, Error> {
+    /// Run statements on it with `&mut *conn` as the executor: the borrow dereferences to the
+    /// database's `CheckedConnection`, whose `&mut` is a [`sqlx::Executor`]. Drop it to let
+    /// the next borrow (or the layer's commit) go on; it does not borrow the handle.
+    pub async fn acquire(
+        &self,
+    ) -> Result<impl DerefMut<Target = CheckedConnection<D>> + fmt::Debug + Send + use<D>, Error>
+    {
         let connection = self.tx.borrow(|slot| slot.connection.as_mut()).await?;
         Ok(SqlxConnection { connection })
     }
@@ -120,7 +130,9 @@ impl<D: SqlxDialect> SqlxHandle<D> {
 
 /// The transaction's connection, borrowed from a [`SqlxHandle`]: dereferences to a
 /// [`CheckedConnection`], whose `&mut` is a [`sqlx::Executor`] (`.execute(&mut *conn)`).
-pub struct SqlxConnection<D: SqlxDialect> {
+/// Public as `impl DerefMut<Target = CheckedConnection>` only ([`SqlxHandle::acquire`]), so
+/// that no signature names a type a user cannot.
+pub(crate) struct SqlxConnection<D: SqlxDialect> {
     connection: OwnedMappedMutexGuard<Slot<D>, CheckedConnection<D>>,
 }
 

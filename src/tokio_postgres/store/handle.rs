@@ -281,7 +281,7 @@ impl CheckedClient {
     fn observe<T>(&self, result: Result<T, tokio_postgres::Error>) -> Result<T, Error> {
         result.map_err(|error| {
             self.tx.observe(&error);
-            Error::Postgres(error)
+            Error::TokioPostgres(error)
         })
     }
 

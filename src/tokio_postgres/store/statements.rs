@@ -10,7 +10,7 @@ use deadpool_postgres::ClientWrapper;
 use tokio_postgres::row::Row;
 use tokio_postgres::types::{ToSql, Type};
 
-use crate::row_lock::driver::PgParam;
+use crate::row_lock::driver::SqlParam;
 
 /// A parameter and its type, as an unnamed statement takes them (the server is told the types
 /// instead of inferring them: nothing is prepared to ask it).
@@ -101,15 +101,15 @@ pub(crate) fn untyped<'a>(params: &[Typed<'a>]) -> Vec<&'a (dyn ToSql + Sync)> {
 }
 
 /// The shared statements' parameters with their types: `TEXT`, `BIGINT`, `INTEGER`, `BYTEA`.
-pub(crate) fn typed<'a>(params: &'a [PgParam<'_>]) -> Vec<Typed<'a>> {
+pub(crate) fn typed<'a>(params: &'a [SqlParam<'_>]) -> Vec<Typed<'a>> {
     params
         .iter()
         .map(|param| {
             let ty = match param {
-                PgParam::Text(_) | PgParam::OptionalText(_) => Type::TEXT,
-                PgParam::BigInt(_) => Type::INT8,
-                PgParam::Int(_) => Type::INT4,
-                PgParam::Bytes(_) => Type::BYTEA,
+                SqlParam::Text(_) | SqlParam::OptionalText(_) => Type::TEXT,
+                SqlParam::BigInt(_) => Type::INT8,
+                SqlParam::Int(_) => Type::INT4,
+                SqlParam::Bytes(_) => Type::BYTEA,
             };
             (param as &(dyn ToSql + Sync), ty)
         })

@@ -112,7 +112,7 @@ impl PostgresStore {
 pub(super) fn pool_error(error: PoolError) -> Error {
     match error {
         PoolError::Timeout(_) => Error::Busy,
-        PoolError::Backend(error) => Error::Postgres(error),
+        PoolError::Backend(error) => Error::TokioPostgres(error),
         PoolError::Closed => Error::Closed,
         other => Error::Io(std::io::Error::other(other.to_string())),
     }

@@ -203,7 +203,7 @@ impl HandleSession for Postgres {
 }
 
 impl HandleSession for SqlxPostgres {
-    type Handle = sqlx_postgres::SqlxHandle;
+    type Handle = sqlx_postgres::SqlxPostgresHandle;
 
     // The database went away under the handler, as in a failover: not a final failure.
     const KILLED_CONNECTION: (StatusCode, &'static str) =
@@ -250,7 +250,7 @@ impl HandleSql for SqlxPostgres {
 }
 
 impl HandleSession for MySql {
-    type Handle = sqlx_mysql::SqlxHandle;
+    type Handle = sqlx_mysql::SqlxMySqlHandle;
 
     // MariaDB ends a killed `SLEEP` early without an error; the next statement fails on the
     // lost connection, and the layer answers that as unavailable, as on PostgreSQL.

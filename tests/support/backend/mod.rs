@@ -3,7 +3,7 @@
 //! schema of its own, a MySQL/MariaDB database of its own) that serves the order app of the
 //! tests on 127.0.0.1:0, reads its business rows and records, and injects the failures every
 //! store can have. A [`Backend`] is a database whose store also has the outbox, the inbox and
-//! the admin verbs (all but MySQL): it opens a store of the test's own on it, enqueues events,
+//! the admin verbs (every store): it opens a store of the test's own on it, enqueues events,
 //! reads them and the receiver's effects, and names the database to the admin tool.
 //!
 //! A suite writes each test as `async fn name<B: Database>(db: B)` (or `B: Backend` for the
@@ -47,8 +47,8 @@ use tower_idempotency::outbox::{
     Enqueue, EventId, EventInfo, Inbox, InboxBackend, Outbox, OutboxBackend, Processed,
 };
 use tower_idempotency::store::sqlite::{SqliteHandle, SqliteStore};
-use tower_idempotency::store::sqlx_mysql::{SqlxHandle as MySqlHandle, SqlxMySqlStore};
-use tower_idempotency::store::sqlx_postgres::{SqlxHandle, SqlxPostgresStore};
+use tower_idempotency::store::sqlx_mysql::{SqlxMySqlHandle, SqlxMySqlStore};
+use tower_idempotency::store::sqlx_postgres::{SqlxPostgresHandle, SqlxPostgresStore};
 use tower_idempotency::store::tokio_postgres::{PostgresHandle, PostgresOptions, PostgresStore};
 use tower_idempotency::store::IdempotencyStore;
 use tower_idempotency::IdempotencyLayer;
@@ -965,7 +965,7 @@ impl Backend for SqlxPostgres {
             .await
     }
 
-    async fn apply_in(tx: &SqlxHandle, event_id: &str) {
+    async fn apply_in(tx: &SqlxPostgresHandle, event_id: &str) {
         let mut conn = tx.acquire().await.expect("connection");
         sqlx::query(INSERT_EFFECT)
             .bind(event_id)
@@ -1000,7 +1000,7 @@ impl Database for MySql {
 
     async fn serve(&self, setup: Setup<'_, Self>) -> Server<Self> {
         let running = setup
-            .convert(adapt::<MySqlHandle, HookOutcome>, ())
+            .convert(adapt::<SqlxMySqlHandle, HookOutcome>, ())
             // A pool of 8 connections, as the PostgreSQL apps.
             .serve_on(self.db.store(8).await)
             .await;
@@ -1075,7 +1075,7 @@ impl Backend for MySql {
             .await
     }
 
-    async fn apply_in(tx: &MySqlHandle, event_id: &str) {
+    async fn apply_in(tx: &SqlxMySqlHandle, event_id: &str) {
         let mut conn = tx.acquire().await.expect("connection");
         let insert = INSERT_EFFECT.replace("$1", "?");
         let applied = sqlx::query(&insert).bind(event_id).execute(&mut *conn);

@@ -9,7 +9,7 @@ use std::str::FromStr;
 
 use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
 use sqlx::{Connection as _, Executor as _, MySqlConnection, Row as _};
-use tower_idempotency::store::sqlx_mysql::{SqlxHandle, SqlxMySqlStore};
+use tower_idempotency::store::sqlx_mysql::{SqlxMySqlHandle, SqlxMySqlStore};
 use tower_idempotency::Tenant;
 
 use crate::common::server_backed::{run_on_a_thread_of_its_own, FreshName};
@@ -250,7 +250,7 @@ async fn sweep_stale_databases(admin: &mut MySqlConnection, now: u64) {
     }
 }
 
-impl InsertOrder for SqlxHandle {
+impl InsertOrder for SqlxMySqlHandle {
     async fn insert_order(
         &self,
         tenant: &Tenant,

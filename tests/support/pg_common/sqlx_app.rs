@@ -7,7 +7,7 @@ use std::str::FromStr;
 use tower_idempotency::store::sqlx_postgres::sqlx::postgres::{
     PgConnectOptions, PgPool, PgPoolOptions,
 };
-use tower_idempotency::store::sqlx_postgres::{SqlxHandle, SqlxPostgresStore};
+use tower_idempotency::store::sqlx_postgres::{SqlxPostgresHandle, SqlxPostgresStore};
 use tower_idempotency::Tenant;
 
 use super::{HookOutcome, TestDb};
@@ -57,7 +57,7 @@ impl TestDb {
     }
 }
 
-impl InsertOrder for SqlxHandle {
+impl InsertOrder for SqlxPostgresHandle {
     async fn insert_order(
         &self,
         tenant: &Tenant,
@@ -87,7 +87,7 @@ impl InsertOrder for SqlxHandle {
 }
 
 /// What the sqlx app's handler tells its hook.
-pub type SqlxOrderCall = OrderCallOf<SqlxHandle>;
+pub type SqlxOrderCall = OrderCallOf<SqlxPostgresHandle>;
 pub type SqlxHook = HookFor<SqlxOrderCall, HookOutcome>;
 
 /// What only the sqlx app takes: nothing yet (the tests' pool sizes are fixed).
@@ -105,4 +105,4 @@ impl SqlxServerBuilder {
 }
 
 /// A running sqlx order app on 127.0.0.1 and its store.
-pub type SqlxServer = OrderServer<SqlxPostgresStore, SqlxHandle, HookOutcome>;
+pub type SqlxServer = OrderServer<SqlxPostgresStore, SqlxPostgresHandle, HookOutcome>;

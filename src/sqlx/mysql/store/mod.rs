@@ -43,7 +43,7 @@ pub type SqlxMySqlOptions = SqlxOptions<MySqlDialect>;
 /// The handle a handler uses to write its rows in the request's InnoDB transaction.
 ///
 /// ```no_run
-/// # async fn handler(tx: tower_idempotency::store::sqlx_mysql::SqlxHandle)
+/// # async fn handler(tx: tower_idempotency::store::sqlx_mysql::SqlxMySqlHandle)
 /// #     -> Result<u64, Box<dyn std::error::Error>> {
 /// let mut conn = tx.acquire().await?;
 /// let done = sqlx::query("INSERT INTO orders (sku, quantity) VALUES (?, ?)")
@@ -63,8 +63,8 @@ pub type SqlxMySqlOptions = SqlxOptions<MySqlDialect>;
 ///   locks, `lock_wait_timeout` for metadata locks such as another session's `LOCK TABLES`;
 ///   whole seconds): past it a statement fails with `1205`. If the handler then fails, the
 ///   layer answers `503` with `Retry-After` (whatever the handler answered) and rolls back.
-#[doc = crate::sqlx::store::handle_docs!()]
-pub type SqlxHandle = crate::sqlx::store::SqlxHandle<MySqlDialect>;
+#[doc = crate::sqlx::store::handle_docs!("SqlxMySqlHandle")]
+pub type SqlxMySqlHandle = crate::sqlx::store::SqlxHandle<MySqlDialect>;
 
 /// A pooled connection inside the request's transaction: `&mut CheckedConnection` is a
 /// [`sqlx::Executor`] for MySQL, on which sqlx code runs as on a `&mut MySqlConnection`.
@@ -78,7 +78,7 @@ pub type SqlxHandle = crate::sqlx::store::SqlxHandle<MySqlDialect>;
 /// procedure (`CALL`) runs unchecked: one that commits commits the request's transaction.
 /// Nothing runs after a deadlock: InnoDB has rolled the transaction back by then, and what
 /// followed would run in another transaction.
-#[doc = crate::sqlx::store::connection_docs!()]
+#[doc = crate::sqlx::store::connection_docs!("SqlxMySqlHandle")]
 pub type CheckedConnection = crate::sqlx::store::CheckedConnection<MySqlDialect>;
 
 mod dialect {

@@ -70,7 +70,7 @@ pub type SqlxPostgresOptions = SqlxOptions<PgDialect>;
 /// The handle a handler uses to write its rows in the request's PostgreSQL transaction.
 ///
 /// ```no_run
-/// # async fn handler(tx: tower_idempotency::store::sqlx_postgres::SqlxHandle)
+/// # async fn handler(tx: tower_idempotency::store::sqlx_postgres::SqlxPostgresHandle)
 /// #     -> Result<i64, Box<dyn std::error::Error>> {
 /// let mut conn = tx.acquire().await?;
 /// let (order_id,): (i64,) =
@@ -89,8 +89,8 @@ pub type SqlxPostgresOptions = SqlxOptions<PgDialect>;
 ///   (`40001`) and deadlocks (`40P01`).
 /// - Statements run with the layer's `lock_timeout` (`SET LOCAL`): a lock wait past it fails
 ///   with SQLSTATE `55P03`.
-#[doc = crate::sqlx::store::handle_docs!()]
-pub type SqlxHandle = crate::sqlx::store::SqlxHandle<PgDialect>;
+#[doc = crate::sqlx::store::handle_docs!("SqlxPostgresHandle")]
+pub type SqlxPostgresHandle = crate::sqlx::store::SqlxHandle<PgDialect>;
 
 /// A pooled connection inside the request's transaction: `&mut CheckedConnection` is a
 /// [`sqlx::Executor`] for PostgreSQL, on which sqlx code runs as on a `&mut PgConnection`.
@@ -99,7 +99,7 @@ pub type SqlxHandle = crate::sqlx::store::SqlxHandle<PgDialect>;
 /// and `COMMIT`/`ROLLBACK PREPARED` are refused; `SAVEPOINT`, `RELEASE` and `ROLLBACK TO` are
 /// allowed: they stay inside the transaction. Every statement goes with the extended protocol,
 /// which runs one command per string (SQL without bind parameters is cut into statements).
-#[doc = crate::sqlx::store::connection_docs!()]
+#[doc = crate::sqlx::store::connection_docs!("SqlxPostgresHandle")]
 pub type CheckedConnection = crate::sqlx::store::CheckedConnection<PgDialect>;
 
 mod dialect {
@@ -124,8 +124,8 @@ impl SqlxOptions<PgDialect> {
     /// parameters go unnamed (sqlx's `persistent(false)`), inside a transaction (one of their
     /// own where they would run in autocommit), and a statement left cached on the connection
     /// is closed before the transaction ends. A handler's statements through the
-    /// [`SqlxHandle`]'s connection go unnamed too. Turn it on behind a connection pool that may
-    /// hand each transaction to another server connection: PgBouncer with
+    /// [`SqlxPostgresHandle`]'s connection go unnamed too. Turn it on behind a connection pool
+    /// that may hand each transaction to another server connection: PgBouncer with
     /// `pool_mode = transaction` (before 1.21, or with `max_prepared_statements` unset),
     /// Supavisor, RDS Proxy. There, a statement prepared on one server connection does not
     /// exist on the next, and requests fail with `500` and
