@@ -13,7 +13,8 @@
 //!   process): one order per key, and every `201` names an order that exists, the same for
 //!   every duplicate.
 //! - A node killed with SIGKILL under load, the client sending again to the instance on another
-//!   node (a store's pool is on one node): nothing lost, nothing doubled.
+//!   node (a store's pool is on one node): nothing lost, nothing doubled; the node started
+//!   again rejoins (a full state transfer with mariabackup) and has every order.
 //! - Outbox relays on two nodes; steps racing across two nodes (one provider call per key), the
 //!   tables created on two nodes at once.
 //! - `SERIALIZABLE` refused on a Galera node, taken on a plain server.
@@ -256,6 +257,7 @@ test! { a_node_killed_under_load_loses_and_duplicates_nothing, multi_thread = 2,
 /// The cluster goes on with two nodes; the instance on the killed node answers `503`, and the
 /// client sends again to the other instance. Every key ends with one order, and every `201`
 /// it got (before the kill, from either instance, and its replay after) names that order.
+/// Then the killed node starts again, rejoins, and has every order.
 async fn a_node_killed_under_load_loses_and_duplicates_nothing() {
     let mut db = GaleraDb::create().await;
     let one = serve(db.store(0, 16).await).await;
@@ -300,6 +302,30 @@ async fn a_node_killed_under_load_loses_and_duplicates_nothing() {
     assert_eq!(recorded.len(), KEYS, "one record per key");
     one.shutdown().await;
     two.shutdown().await;
+
+    // The killed node rejoins, and has every order and record.
+    let down = std::time::Instant::now();
+    db.cluster.restart(1).await;
+    db.cluster.wait_for_size(0, 3).await;
+    let log = db.cluster.log(1);
+    let transfer = if log.contains("mariabackup SST completed on joiner") {
+        "a full copy (mariabackup)"
+    } else {
+        "an incremental transfer"
+    };
+    eprintln!(
+        "galera kill: node 1 rejoined in {:.1} s by {transfer}",
+        down.elapsed().as_secs_f64()
+    );
+    let mut rejoined = db.cluster.connect(1, Some("tidem")).await;
+    sqlx::Executor::execute(&mut rejoined, "SET SESSION wsrep_sync_wait = 1")
+        .await
+        .expect("set wsrep_sync_wait");
+    let on_rejoined: Vec<i64> = sqlx::query_scalar("SELECT id FROM orders ORDER BY id")
+        .fetch_all(&mut rejoined)
+        .await
+        .expect("orders on the rejoined node");
+    assert_eq!(on_rejoined, orders, "the rejoined node has every order");
 }
 
 // ----- the outbox relay -----

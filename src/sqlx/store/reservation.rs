@@ -191,7 +191,8 @@ impl<D: SqlxDialect> Slot<D> {
     /// That is how a MariaDB Galera node may end a transaction that another node's commit
     /// aborted while its own `COMMIT` was being certified: the `COMMIT` is answered as done,
     /// the transaction is rolled back, and the deadlock (`1213`) comes with the next
-    /// statement, here the session's restore sent with it. It is taken as the `COMMIT`'s:
+    /// statement of the batch, here the session's restore sent with it (a `COMMIT` sent alone
+    /// gets the `1213` itself). It is taken as the `COMMIT`'s:
     /// nothing committed (a statement that sets session variables takes no lock, and a
     /// committed transaction has nothing left to abort), and the layer runs the request again.
     async fn end(&mut self, statements: &str) -> Result<(), sqlx::Error> {

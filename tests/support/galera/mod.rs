@@ -334,6 +334,14 @@ impl Galera {
         }
     }
 
+    /// Starts `node` again after a [`kill`](Self::kill): it recovers its position from its
+    /// data, rejoins the cluster by a state transfer (incremental from a donor's cache, else
+    /// a full copy with `mariabackup`), and this waits until it is a synced member.
+    pub async fn restart(&mut self, node: usize) {
+        assert!(self.nodes[node].child.is_none(), "node {node} is running");
+        self.launch(node, false).await;
+    }
+
     /// The SQL port of `node`.
     pub fn port(&self, node: usize) -> u16 {
         self.nodes[node].port
