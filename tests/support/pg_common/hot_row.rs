@@ -47,6 +47,8 @@ pub struct Answers {
     pub orders: HashMap<String, i64>,
     /// How many `503`s (each with `Retry-After`) the clients retried.
     pub busy: usize,
+    /// The most `503`s one client retried.
+    pub most_busy: usize,
     pub took: Duration,
 }
 
@@ -91,12 +93,13 @@ pub async fn send_every_key_twice(addr: SocketAddr, prefix: &str, load: Load) ->
         }
     }
     let mut orders: HashMap<String, i64> = HashMap::new();
-    let mut busy = 0;
+    let (mut busy, mut most_busy) = (0, 0);
     for client in clients {
         let (key, outcome) = client.await.expect("client");
         match outcome {
             Ok((order, answered_busy)) => {
                 busy += answered_busy;
+                most_busy = most_busy.max(answered_busy);
                 if let Some(first) = orders.insert(key.clone(), order) {
                     assert_eq!(first, order, "both duplicates of {key} name one order");
                 }
@@ -107,6 +110,7 @@ pub async fn send_every_key_twice(addr: SocketAddr, prefix: &str, load: Load) ->
     Answers {
         orders,
         busy,
+        most_busy,
         took: started.elapsed(),
     }
 }
