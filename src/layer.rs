@@ -461,8 +461,11 @@ impl<St> IdempotencyLayer<St> {
     /// How many times the request runs again (handler included, in a fresh transaction) when
     /// its commit, or one of the handler's statements run through the transaction handle,
     /// fails with a serialization failure or a deadlock that the database rolled back
-    /// (PostgreSQL `40001`, `40P01`; SQLite never reports one). Past it: `503` with
-    /// `Retry-After`. Default: 3.
+    /// (PostgreSQL `40001`, `40P01`; SQLite never reports one). In steps mode, how many times
+    /// the handler runs again under its claim when a local step's transaction was thrown away
+    /// so (never while a foreign step it called has no saved result). Past it: `503` with
+    /// `Retry-After`. Each run again counts in
+    /// `idempotency_handler_rollbacks_total{reason="rerun"}`. Default: 3.
     pub fn with_conflict_retries(self, retries: u32) -> Self {
         self.map_config(|c| c.conflict_retries = retries)
     }

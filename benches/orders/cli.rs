@@ -11,7 +11,7 @@ usage: cargo bench --bench orders -- [--quick] [--duration SECS] [--rounds N]
              [--cases A,B,C,D,H,R,E,hold,alloc,wal,instr] [--concurrency 1,16,64]
              [--modes full,normal] [--database-url URL] [--client-threads N] [--out DIR]
              [--scale [--scale-rows 0,1000000,10000000] [--scale-parts LIST]
-              [--scale-purge-rows N]]
+              [--scale-purge-rows N]] [--topology]
        cargo bench --bench orders -- --serve [--modes full|normal|pg] [--database-url URL]
        cargo bench --bench orders -- --table [DIR]
        cargo bench --bench orders -- --galera [--concurrency 1,64] [--duration SECS]
@@ -50,6 +50,10 @@ usage: cargo bench --bench orders -- [--quick] [--duration SECS] [--rounds N]
   --scale-rows LIST    records in the table for `records` (default 0,1000000,10000000)
   --scale-parts LIST   which of records, purge, body, concurrency (default all four)
   --scale-purge-rows N expired records the `purge` part purges (default 1000000)
+  --topology           PostgreSQL where production runs it (topology.rs; alone unless
+                       --cases is given too; needs --database-url): A and B on the
+                       tokio-postgres store reached directly, behind PgBouncer
+                       (pool_mode = transaction) and at SERIALIZABLE, in topology.csv
   --serve              measure nothing: start the server of one mode (default full) with
                        its routes and the rows case R reads, print how to call it, and run
                        until Ctrl-C (for a profiler: perf, strace, valgrind)
@@ -211,6 +215,8 @@ pub(crate) struct Options {
     pub(crate) client_threads: usize,
     /// `--scale`: the measurements of how cost grows (`scale.rs`).
     pub(crate) scale: Option<Box<crate::scale::ScaleOptions>>,
+    /// `--topology`: PostgreSQL behind PgBouncer and at SERIALIZABLE (`topology.rs`).
+    pub(crate) topology: bool,
 }
 
 pub(crate) enum Command {
@@ -245,6 +251,7 @@ impl Command {
         let mut serve = false;
         let mut galera = false;
         let mut scale = None::<Box<crate::scale::ScaleOptions>>;
+        let mut topology = false;
         while let Some(arg) = args.next() {
             let (flag, inline) = match arg.split_once('=') {
                 Some((flag, value)) if flag.starts_with("--") => (flag, Some(value.to_owned())),
@@ -320,6 +327,7 @@ impl Command {
                             .ok_or("--client-threads takes an integer from 1 to 64")?,
                     );
                 }
+                "--topology" if inline.is_none() => topology = true,
                 "--scale" if inline.is_none() => {
                     scale.get_or_insert_with(Default::default);
                 }
@@ -335,8 +343,8 @@ impl Command {
         let (mut cases, mut hold, mut alloc, mut wal) = (Vec::new(), false, false, false);
         let mut instr = false;
         match selected {
-            // `--scale` alone runs the scale measurements only.
-            None if scale.is_some() => {}
+            // `--scale` or `--topology` alone runs their measurements only.
+            None if scale.is_some() || topology => {}
             None => {
                 cases = vec![
                     Case::A,
@@ -390,6 +398,9 @@ impl Command {
             }
             modes
         });
+        if topology && database_url.is_none() {
+            return Err("--topology needs --database-url".into());
+        }
         if modes.contains(&Mode::Postgres) && database_url.is_none() {
             return Err("--modes pg needs --database-url".into());
         }
@@ -421,6 +432,7 @@ impl Command {
             // The scale cases open up to 1024 connections: two client threads unless told.
             client_threads: client_threads.unwrap_or(if scale.is_some() { 2 } else { 1 }),
             scale,
+            topology,
         };
         Ok(if galera {
             Command::Galera(options)
@@ -479,6 +491,9 @@ impl Options {
         }
         if let Some(scale) = &self.scale {
             total += scale.estimate(self);
+        }
+        if self.topology {
+            total += crate::topology::estimate(self);
         }
         total
     }

@@ -24,8 +24,9 @@
 //! one server and on a Galera cluster (`--galera`), `table.rs` the docs' tables
 //! read back from a run's CSV files (`--table`), `wal.rs` the WAL frames a new key writes
 //! (`--cases wal`), `instr.rs` the instructions per request under callgrind (`--cases instr`),
-//! `scale.rs` the slow measurements of how cost grows (`--scale`: records
-//! already stored, purging while serving, body size, concurrency).
+//! `scale.rs` the slow measurements of how cost grows (`--scale`: records already stored,
+//! purging while serving, body size, concurrency), `topology.rs` PostgreSQL behind PgBouncer
+//! and at SERIALIZABLE beside the direct connection (`--topology`).
 //!
 //! Every SQLite case gets a fresh database (WAL) in a temp dir (`TMPDIR` picks where: keep it
 //! on a real disk, or `synchronous=FULL` measures no fsync at all) and its own server on
@@ -90,6 +91,7 @@ mod scale;
 mod serve;
 mod servers;
 mod table;
+mod topology;
 mod wal;
 
 type BoxError = Box<dyn Error + Send + Sync>;
@@ -250,6 +252,10 @@ async fn run(options: &Options) -> Result<(), BoxError> {
         let measured = scale::run(options, scale).await?;
         goals.extend(measured.goals);
         written.push(measured.csv);
+    }
+    if options.topology {
+        eprintln!("running topology ...");
+        written.push(topology::run(options).await?);
     }
 
     extras.extend(extras::disk_probe("after", options).await?);

@@ -225,7 +225,7 @@ pub(crate) fn app(state: PgState) -> Router {
 }
 
 /// `POST /orders` under the layer: the handler of `examples/orders/postgres.rs`.
-async fn create_order(
+pub(crate) async fn create_order(
     Extension(tenant): Extension<Tenant>,
     Tx(tx): Tx<PostgresHandle>,
     body: Bytes,

@@ -10,6 +10,7 @@ use std::future::Future;
 
 use crate::error::Error;
 use crate::row::Columns;
+use crate::row_lock::reserve::Isolation;
 use crate::store::record_row::RecordColumns;
 
 /// Implements [`Columns`] for a driver's row type with its `try_get`, which every driver
@@ -130,17 +131,42 @@ pub(crate) trait SqlTransactions: SqlDriver {
     #[cfg_attr(not(feature = "outbox"), allow(dead_code))]
     fn conflict_retries(&self) -> u32;
 
-    /// Opens a transaction of the store's own (with its isolation level), runs `body` with its
-    /// handle, and commits if `body` returns `Ok((value, Finish::Commit))`; rolls back on
-    /// `Finish::Rollback`, on an error, on a panic or if this future is dropped.
+    /// Opens a transaction of the store's own (at the isolation level `own` says), runs `body`
+    /// with its handle, and commits if `body` returns `Ok((value, Finish::Commit))`; rolls back
+    /// on `Finish::Rollback`, on an error, on a panic or if this future is dropped.
     fn in_own_transaction<T, B, Fut>(
         &self,
+        own: Own,
         body: B,
     ) -> impl Future<Output = Result<T, Error>> + Send
     where
         T: Send,
         B: FnOnce(Self::Handle) -> Fut + Send,
         Fut: Future<Output = Result<(T, Finish), Error>> + Send;
+}
+
+/// What a transaction of the store's own ([`SqlTransactions::in_own_transaction`]) runs, which
+/// decides its isolation level.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Own {
+    /// The application's statements too (a local step's closure, an inbox event's work): the
+    /// store's isolation level.
+    Work,
+    /// The store's statements only (a step's claim, intent or result, a release, a status, the
+    /// final record, an operator's call): `READ COMMITTED`, the level their row locks are
+    /// written for, whatever the store's. At `SERIALIZABLE` they would abort one another
+    /// (`40001`) for predicate locks on the index pages that keys share.
+    Bookkeeping,
+}
+
+impl Own {
+    /// The isolation level of such a transaction on a store at `isolation`.
+    pub(crate) fn isolation(self, isolation: Isolation) -> Isolation {
+        match self {
+            Own::Work => isolation,
+            Own::Bookkeeping => Isolation::ReadCommitted,
+        }
+    }
 }
 
 /// How [`SqlTransactions::in_own_transaction`] ends a transaction whose body succeeded.
@@ -175,7 +201,10 @@ pub(crate) trait SqlHandle: Send + Sync + 'static {
 }
 
 /// Ends `transaction` as `outcome` says (see [`SqlTransactions::in_own_transaction`]), with the
-/// driver's `commit` and `rollback`.
+/// driver's `commit` and `rollback` (which returns what ended the transaction under the work,
+/// if anything). A failed body's error gives way to that cause unless it is a busy error
+/// itself: a serialization failure the body turned into an error of its own (a local step's
+/// closure) is still reported as one, and the layer runs the request again.
 pub(crate) async fn finish<T, O, C, CommitFut, R, RollbackFut>(
     transaction: O,
     outcome: Result<(T, Finish), Error>,
@@ -186,7 +215,7 @@ where
     C: FnOnce(O) -> CommitFut,
     CommitFut: Future<Output = Result<(), Error>>,
     R: FnOnce(O) -> RollbackFut,
-    RollbackFut: Future<Output = ()>,
+    RollbackFut: Future<Output = Option<Error>>,
 {
     match outcome {
         Ok((value, Finish::Commit)) => {
@@ -197,9 +226,9 @@ where
             rollback(transaction).await;
             Ok(value)
         }
-        Err(error) => {
-            rollback(transaction).await;
-            Err(error)
-        }
+        Err(error) => match rollback(transaction).await {
+            Some(cause) if !error.is_busy() => Err(cause),
+            _ => Err(error),
+        },
     }
 }

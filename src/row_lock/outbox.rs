@@ -28,7 +28,7 @@ use crate::outbox::{
 #[cfg(postgres_dialect)]
 use crate::postgres::outbox_sql as pg_sql;
 use crate::row::Columns;
-use crate::row_lock::driver::{Finish, SqlDriver, SqlHandle, SqlParam, SqlTransactions};
+use crate::row_lock::driver::{Finish, Own, SqlDriver, SqlHandle, SqlParam, SqlTransactions};
 use crate::row_lock::reserve::retry_conflicts;
 use crate::store::to_unix_millis;
 
@@ -349,7 +349,7 @@ macro_rules! sql_outbox_and_inbox {
                 loop {
                     let pending = &mut work;
                     let attempt = self
-                        .in_own_transaction(|tx| async move {
+                        .in_own_transaction(Own::Work, |tx| async move {
                             match record(&tx, ($sql::INSERT_ID, $sql::check_inbox_ids), consumer, event_id).await? {
                                 Receipt::Duplicate => Ok((Processed::Duplicate, Finish::Rollback)),
                                 Receipt::First => match pending.take() {

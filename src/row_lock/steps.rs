@@ -4,14 +4,16 @@
 //! [`PostgresStore`], sqlx' [`SqlxPostgresStore`] and [`SqlxMySqlStore`] implement it). The
 //! semantics are those of the SQLite store's.
 //!
-//! Every call is one transaction of the store's own ([`SqlTransactions::in_own_transaction`],
-//! at the store's isolation level) whose lock waits are bounded by the lease's (or claim's)
-//! `wait`, the layer's lock timeout (`BOUND_LOCK_WAIT`: past it the call fails with an error
-//! [`Error::is_busy`] is true of). Every write under a lease first
-//! runs [`CHECK_LEASE`], and fails with [`Error::LeaseLost`] (rolling back) when it changes no
-//! row. A claim locks the key's progress row (`SELECT ... FOR UPDATE`) before it decides, and
-//! checks the key's record after locking (or inserting) it, so that a concurrent `finish`
-//! cannot slip between.
+//! Every call is one transaction of the store's own ([`SqlTransactions::in_own_transaction`]):
+//! at `READ COMMITTED`, but a local step's at the store's isolation level. One that the
+//! database throws away (`40001`, `40P01`) runs again, but for a local step's, whose closure
+//! runs once (the layer runs the handler again instead). Lock waits are bounded by the lease's
+//! (or claim's) `wait`, the layer's lock timeout (`BOUND_LOCK_WAIT`: past it the call fails
+//! with an error [`Error::is_busy`] is true of). Every write under a lease first runs
+//! [`CHECK_LEASE`], and fails with [`Error::LeaseLost`] (rolling back) when it changes no row.
+//! A claim locks the key's progress row (`SELECT ... FOR UPDATE`) before it decides, and checks
+//! the key's record after locking (or inserting) it, so that a concurrent `finish` cannot slip
+//! between.
 //!
 //! [`PostgresStore`]: crate::store::tokio_postgres::PostgresStore
 //! [`SqlxPostgresStore`]: crate::store::sqlx_postgres::SqlxPostgresStore
@@ -40,7 +42,7 @@ use crate::mysql::steps_sql as mysql_sql;
 use crate::postgres::steps_sql as pg_sql;
 use crate::response::SavedResponse;
 use crate::row::Columns;
-use crate::row_lock::driver::{Finish, SqlDriver, SqlHandle, SqlParam, SqlTransactions};
+use crate::row_lock::driver::{Finish, Own, SqlDriver, SqlHandle, SqlParam, SqlTransactions};
 use crate::row_lock::reserve::retry_conflicts;
 use crate::steps::sealed::StepProtocol;
 use crate::steps::{
@@ -234,10 +236,18 @@ pub(crate) async fn install<S: SqlDriver>(store: &S, dialect: &Dialect) -> Resul
         .await
 }
 
-/// How many times a claim runs again after a deadlock or a serialization failure.
+/// How many times a claim, or a commit of the store's own under a lease (a step's intent or
+/// result, a release, a status, the final record: statements of the store's only, none of the
+/// application's), runs again after a deadlock or a serialization failure (`SERIALIZABLE`
+/// aborts them too).
 const CLAIM_RETRIES: u32 = 8;
 /// How long a claim may spend on those retries before it answers busy.
 const CLAIM_RETRY_WINDOW: Duration = Duration::from_secs(3);
+
+/// The deadline of a commit's retries under `lease`: its lock wait, at least.
+fn retry_deadline(lease: &Lease) -> tokio::time::Instant {
+    tokio::time::Instant::now() + lease.wait.max(Duration::from_millis(100))
+}
 
 pub(crate) fn acquire<'a, S>(
     store: &'a S,
@@ -254,7 +264,7 @@ where
         // and it claims again, as a reservation does.
         let deadline = tokio::time::Instant::now() + CLAIM_RETRY_WINDOW;
         retry_conflicts(CLAIM_RETRIES, deadline, || {
-            store.in_own_transaction(|tx| async move {
+            store.in_own_transaction(Own::Bookkeeping, |tx| async move {
                 bound_lock_wait(&tx, dialect, claim.wait).await?;
                 let scope = &claim.scope;
                 let now = to_unix_millis(claim.now);
@@ -374,14 +384,15 @@ pub(crate) fn save_step<'a, S: SqlTransactions>(
     step: &'a StepRow,
 ) -> BoxFuture<'a, Result<(), Error>> {
     Box::pin(async move {
-        store
-            .in_own_transaction(|tx| async move {
+        retry_conflicts(CLAIM_RETRIES, retry_deadline(lease), || {
+            store.in_own_transaction(Own::Bookkeeping, |tx| async move {
                 bound_lock_wait(&tx, dialect, lease.wait).await?;
                 check_lease(&tx, lease).await?;
                 save_step_row(&tx, lease, step).await?;
                 Ok(((), Finish::Commit))
             })
-            .await
+        })
+        .await
     })
 }
 
@@ -392,15 +403,16 @@ pub(crate) fn forget_intent<'a, S: SqlTransactions>(
     seq: u32,
 ) -> BoxFuture<'a, Result<(), Error>> {
     Box::pin(async move {
-        store
-            .in_own_transaction(|tx| async move {
+        retry_conflicts(CLAIM_RETRIES, retry_deadline(lease), || {
+            store.in_own_transaction(Own::Bookkeeping, |tx| async move {
                 bound_lock_wait(&tx, dialect, lease.wait).await?;
                 check_lease(&tx, lease).await?;
                 tx.execute_in(FORGET_INTENT, &with_key(&lease.scope, &[seq_param(seq)?]))
                     .await?;
                 Ok(((), Finish::Commit))
             })
-            .await
+        })
+        .await
     })
 }
 
@@ -422,7 +434,7 @@ where
 {
     Box::pin(async move {
         store
-            .in_own_transaction(|tx| async move {
+            .in_own_transaction(Own::Work, |tx| async move {
                 bound_lock_wait(&tx, dialect, lease.wait).await?;
                 check_lease(&tx, lease).await?;
                 // A step that differs from the one saved at its position must not run at all.
@@ -445,8 +457,8 @@ pub(crate) fn release<'a, S: SqlTransactions>(
     lease: &'a Lease,
 ) -> BoxFuture<'a, Result<(), Error>> {
     Box::pin(async move {
-        store
-            .in_own_transaction(|tx| async move {
+        retry_conflicts(CLAIM_RETRIES, retry_deadline(lease), || {
+            store.in_own_transaction(Own::Bookkeeping, |tx| async move {
                 bound_lock_wait(&tx, dialect, lease.wait).await?;
                 let scope = &lease.scope;
                 let generation = SqlParam::BigInt(lease.generation);
@@ -468,7 +480,8 @@ pub(crate) fn release<'a, S: SqlTransactions>(
                 }
                 Ok(((), Finish::Commit))
             })
-            .await
+        })
+        .await
     })
 }
 
@@ -480,8 +493,8 @@ pub(crate) fn set_status<'a, S: SqlTransactions>(
     reason: &'a str,
 ) -> BoxFuture<'a, Result<(), Error>> {
     Box::pin(async move {
-        store
-            .in_own_transaction(|tx| async move {
+        retry_conflicts(CLAIM_RETRIES, retry_deadline(lease), || {
+            store.in_own_transaction(Own::Bookkeeping, |tx| async move {
                 bound_lock_wait(&tx, dialect, lease.wait).await?;
                 check_lease(&tx, lease).await?;
                 let params = with_key(
@@ -495,7 +508,8 @@ pub(crate) fn set_status<'a, S: SqlTransactions>(
                 tx.execute_in(SET_STATUS, &params).await?;
                 Ok(((), Finish::Commit))
             })
-            .await
+        })
+        .await
     })
 }
 
@@ -512,8 +526,9 @@ pub(crate) fn finish<'a, S: SqlTransactions>(
             .trailers
             .as_ref()
             .map(|t| SavedResponse::encode_headers(t));
-        store
-            .in_own_transaction(|tx| async move {
+        let (headers, trailers) = (&headers, &trailers);
+        retry_conflicts(CLAIM_RETRIES, retry_deadline(lease), || {
+            store.in_own_transaction(Own::Bookkeeping, |tx| async move {
                 bound_lock_wait(&tx, dialect, lease.wait).await?;
                 check_lease(&tx, lease).await?;
                 let scope = &lease.scope;
@@ -545,7 +560,8 @@ pub(crate) fn finish<'a, S: SqlTransactions>(
                 tx.execute_in(DELETE_PROGRESS, &key(scope)).await?;
                 Ok(((), Finish::Commit))
             })
-            .await
+        })
+        .await
     })
 }
 
@@ -632,7 +648,7 @@ pub(crate) fn resolve<'a, S: SqlTransactions>(
             Resolution::Done(value) => Some(Stored::Value(value.clone()).encode()?),
         };
         store
-            .in_own_transaction(|tx| async move {
+            .in_own_transaction(Own::Bookkeeping, |tx| async move {
                 bound_lock_wait(&tx, dialect, crate::steps::ADMIN_WAIT).await?;
                 let rows = tx.fetch_in(SELECT_STATUS, &key(scope)).await?;
                 let Some(row) = rows.first() else {
@@ -675,7 +691,7 @@ pub(crate) fn purge_progress<'a, S: SqlTransactions>(
     Box::pin(async move {
         let now = to_unix_millis(now);
         store
-            .in_own_transaction(|tx| async move {
+            .in_own_transaction(Own::Bookkeeping, |tx| async move {
                 bound_lock_wait(&tx, dialect, crate::steps::ADMIN_WAIT).await?;
                 if tx.fetch_in(dialect.steps_installed, &[]).await?.is_empty() {
                     return Ok((0, Finish::Commit));

@@ -324,12 +324,20 @@ impl<S: OwnedSlot> OwnedTransaction<S> {
     }
 
     /// Rolls back and gives the connection back to the pool (or closes it if a handle still
-    /// borrows it).
-    pub(crate) async fn rollback(self) {
+    /// borrows it). Returns what a handle's statement got that ended the transaction (a
+    /// serialization failure, a deadlock, a lost server), if anything: the cause of whatever
+    /// error the work reported after it (a closure that turned the `40001` into an error of
+    /// its own, or the next statement refused in the aborted transaction).
+    pub(crate) async fn rollback(self) -> Option<Error> {
+        let ended = self.tx.conflict();
         match self.tx.take_connection() {
-            Ok(mut slot) => slot.roll_back_and_release().await,
+            Ok(mut slot) => match &ended {
+                Some(cause) => slot.roll_back_after(cause).await,
+                None => slot.roll_back_and_release().await,
+            },
             Err(error) => tracing::warn!(%error, "rollback deferred to the connection's release"),
         }
+        ended
     }
 }
 

@@ -55,19 +55,53 @@ where
     S: Service<Request<RequestBody>, Response = Response<ResB>>,
     ResB: Body<Data = Bytes>,
 {
-    owned.insert_into(&mut parts.extensions);
     parts.extensions.insert(scope);
     let mut guard = ReleaseOnDrop(Some(owned));
-    let request = Request::from_parts(parts, RequestBody::buffered(body));
-    let call = std::panic::catch_unwind(AssertUnwindSafe(|| inner.call(request)));
-    let outcome = match call {
-        Ok(call) => CatchUnwind { inner: call }.await,
-        Err(panic) => Err(panic),
+    let mut reruns = 0;
+    let (owned, flags, outcome) = loop {
+        let Some(owned) = guard.0.as_ref() else {
+            return Driven::Answer(Answer::Reject(Rejection::HandlerPanicked));
+        };
+        // A copy of the head for a run again: the handle of this run goes into this one's.
+        let spare = (reruns < config.conflict_retries).then(|| copy_parts(&parts));
+        owned.insert_into(&mut parts.extensions);
+        let request = Request::from_parts(parts, RequestBody::buffered(body.clone()));
+        let call = std::panic::catch_unwind(AssertUnwindSafe(|| inner.call(request)));
+        let outcome = match call {
+            Ok(call) => CatchUnwind { inner: call }.await,
+            Err(panic) => Err(panic),
+        };
+        let Some(owned) = guard.take() else {
+            return Driven::Answer(Answer::Reject(Rejection::HandlerPanicked));
+        };
+        let flags = owned.flags();
+        // A local step's transaction the database threw away (a serialization failure or a
+        // deadlock) saved nothing, and every foreign step called has its result saved: the
+        // handler runs again at once under the same claim, as a retry of the client's would,
+        // getting the saved results back without calling. Bounded by the conflict retries.
+        let again = match (&outcome, spare) {
+            (Ok(Ok(_)), Some(spare)) => owned.rerun().map(|again| (again, spare)),
+            _ => None,
+        };
+        let Some((again, spare)) = again else {
+            break (owned, flags, outcome);
+        };
+        reruns += 1;
+        tracing::info!(
+            attempt = reruns,
+            "a step's transaction was thrown away; running the handler again"
+        );
+        metrics::rollback(config, RollbackReason::Rerun);
+        drop(outcome);
+        guard = ReleaseOnDrop(Some(again));
+        parts = spare;
+        if let Err(error) = std::future::poll_fn(|cx| inner.poll_ready(cx)).await {
+            if let Some(owned) = guard.take() {
+                release(&*owned, &flags).await;
+            }
+            return Driven::Answer(Answer::ServiceError(error));
+        }
     };
-    let Some(owned) = guard.take() else {
-        return Driven::Answer(Answer::Reject(Rejection::HandlerPanicked));
-    };
-    let flags = owned.flags();
     let response = match outcome {
         Ok(Ok(response)) => response,
         Ok(Err(error)) => {

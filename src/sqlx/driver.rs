@@ -5,7 +5,7 @@ use std::future::Future;
 
 use crate::error::Error;
 use crate::row_lock::driver::SqlParam;
-use crate::row_lock::driver::{finish, Finish, SqlDriver, SqlHandle, SqlTransactions};
+use crate::row_lock::driver::{finish, Finish, Own, SqlDriver, SqlHandle, SqlTransactions};
 
 /// `query` with `params` bound in order, on either sqlx database.
 pub(crate) fn sqlx_bind<'q, DB>(
@@ -42,13 +42,13 @@ where
         self.shared.conflict_retries
     }
 
-    async fn in_own_transaction<T, B, Fut>(&self, body: B) -> Result<T, Error>
+    async fn in_own_transaction<T, B, Fut>(&self, own: Own, body: B) -> Result<T, Error>
     where
         T: Send,
         B: FnOnce(Self::Handle) -> Fut + Send,
         Fut: Future<Output = Result<(T, Finish), Error>> + Send,
     {
-        let transaction = self.begin_owned().await?;
+        let transaction = self.begin_owned(own).await?;
         let outcome = body(transaction.handle()).await;
         finish(transaction, outcome, |t| t.commit(), |t| t.rollback()).await
     }

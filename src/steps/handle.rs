@@ -74,8 +74,13 @@ pub(crate) struct State {
     pub(crate) cursor: usize,
     /// The lease's end as last extended.
     pub(crate) lease_until: Option<SystemTime>,
-    /// A foreign service failed transiently: release the key and answer `503`.
+    /// A foreign service failed transiently, or a commit found the store busy: release the
+    /// key and answer `503` (unless the request runs again, see [`rerun`](Self::rerun)).
     pub(crate) transient: bool,
+    /// A commit was thrown away by the database (a serialization failure or a deadlock).
+    pub(crate) conflicted: bool,
+    /// A foreign call failed or its outcome is unknown: the request is not run again here.
+    pub(crate) call_failed: bool,
     /// Another claim took the key over: this request's writes are refused.
     pub(crate) lease_lost: bool,
     /// A step's outcome is unknown and left to an operator (the key is marked in doubt).
@@ -124,6 +129,48 @@ impl<St: StepStore> Steps<St> {
                 }),
             }),
         }
+    }
+
+    /// A fresh handle on the same claim for running the handler again, if this one's request
+    /// may run again: a commit of it was thrown away by the database (a local step's
+    /// transaction that conflicted, which saved nothing), and nothing else stopped it. Every
+    /// foreign step it called has its result saved, so the handler running again gets those
+    /// results back without calling (a foreign step whose call failed, or whose result was not
+    /// saved, stops it: its intent is left to its `OnUnknown` policy on the client's retry).
+    /// The new handle starts at the first step, with the steps saved so far.
+    pub(crate) fn rerun(&self) -> Option<Self> {
+        let state = self.state();
+        let settled = state
+            .steps
+            .iter()
+            .all(|step| step.kind == StepKind::Local || step.result.is_some());
+        let again = state.conflicted
+            && settled
+            && !state.call_failed
+            && !state.lease_lost
+            && !state.in_doubt
+            && !state.terminal
+            && !state.changed;
+        if !again {
+            return None;
+        }
+        let shared = &self.shared;
+        Some(Steps {
+            shared: Arc::new(Shared {
+                store: shared.store.clone(),
+                scope: shared.scope.clone(),
+                generation: shared.generation,
+                run: shared.run.clone(),
+                lease: shared.lease,
+                wait: shared.wait,
+                resumed: shared.resumed || !state.steps.is_empty(),
+                state: Mutex::new(State {
+                    steps: state.steps.clone(),
+                    lease_until: state.lease_until,
+                    ..State::default()
+                }),
+            }),
+        })
     }
 
     /// The key's scope: tenant, operation and client key.
@@ -194,8 +241,10 @@ impl<St: StepStore> Steps<St> {
             .run_local(&lease, &row, work, Stored::encode_value::<R::Value>)
             .await;
         let value = self.committed(&lease, outcome)?;
-        // The result's JSON is not kept here: a step is only read back by a later claim.
-        self.saved_new(seq, name, StepKind::Local, Some(String::new()));
+        // The result's JSON as saved (the store encoded the same value): a run of the handler
+        // again under this claim reads it back from here (see `rerun`).
+        let json = Stored::encode_value(&value).unwrap_or_default();
+        self.saved_new(seq, name, StepKind::Local, Some(json));
         self.advance();
         Ok(value)
     }
@@ -387,7 +436,7 @@ impl<St: StepStore> Steps<St> {
         };
         let saved = self.shared.store.save_step(&lease, &row).await;
         self.committed(&lease, saved)?;
-        self.saved_new(seq, name, StepKind::Foreign, Some(String::new()));
+        self.saved_new(seq, name, StepKind::Foreign, row.result);
         self.advance();
         if outcome.is_err() {
             self.state().terminal = true;
@@ -408,6 +457,7 @@ impl<St: StepStore> Steps<St> {
             Foreign::Terminal(answer) => self.save_foreign(seq, name, Err(answer)).await,
             Foreign::Unavailable(error) => {
                 tracing::info!(step = name, %error, "the foreign service refused the call");
+                self.state().call_failed = true;
                 // This call did not happen; an earlier attempt's may have: its intent stays.
                 if !earlier {
                     let lease = self.lease();
@@ -420,7 +470,10 @@ impl<St: StepStore> Steps<St> {
             }
             Foreign::Unknown(error) => {
                 tracing::warn!(step = name, %error, "the foreign call's outcome is unknown");
-                self.state().transient = true;
+                let mut state = self.state();
+                state.call_failed = true;
+                state.transient = true;
+                drop(state);
                 Err(StepError::Transient(error))
             }
         }
@@ -442,8 +495,10 @@ impl<St: StepStore> Steps<St> {
 
     /// Notes a commit's outcome under `lease`. A busy store (a lock not taken within the
     /// layer's lock timeout) makes the request transient: the layer releases the key and
-    /// answers `503` with `Retry-After`, whatever the handler answers. Steps that differ from
-    /// the saved ones stop the request.
+    /// answers `503` with `Retry-After`, whatever the handler answers. A commit the database
+    /// threw away (a serialization failure or a deadlock, most often a local step's under
+    /// `SERIALIZABLE`) is transient too, and lets the layer run the handler again
+    /// ([`rerun`](Self::rerun)). Steps that differ from the saved ones stop the request.
     fn committed<T>(&self, lease: &Lease, outcome: Result<T, Error>) -> Result<T, StepError> {
         match outcome {
             Ok(value) => {
@@ -464,7 +519,9 @@ impl<St: StepStore> Steps<St> {
             }
             Err(error) => {
                 if error.is_busy() {
-                    self.state().transient = true;
+                    let mut state = self.state();
+                    state.transient = true;
+                    state.conflicted |= error.is_serialization_conflict();
                 }
                 Err(StepError::Store(error))
             }

@@ -50,6 +50,9 @@ pub(crate) trait Owned: Send + Sync {
     fn flags(&self) -> Flags;
     fn finish(&self, record: NewRecord) -> BoxFuture<Result<(), Error>>;
     fn release(&self) -> BoxFuture<Result<(), Error>>;
+    /// A fresh handle on the same claim for running the handler again after a commit the
+    /// database threw away, if the request may run again (see `Steps::rerun`).
+    fn rerun(&self) -> Option<Box<dyn Owned>>;
 }
 
 pub(crate) struct StoreClaimer<St>(pub(crate) St);
@@ -105,6 +108,10 @@ impl<St: StepStore> Owned for Steps<St> {
     fn release(&self) -> BoxFuture<Result<(), Error>> {
         let (store, lease) = (self.store().clone(), self.lease());
         Box::pin(async move { store.release(&lease).await })
+    }
+
+    fn rerun(&self) -> Option<Box<dyn Owned>> {
+        Steps::rerun(self).map(|steps| Box::new(steps) as Box<dyn Owned>)
     }
 }
 

@@ -251,8 +251,12 @@ impl StepError {
 #[cfg(feature = "axum")]
 impl axum_core::response::IntoResponse for StepError {
     fn into_response(self) -> axum_core::response::Response {
-        if let StepError::Store(error) = &self {
-            tracing::error!(%error, "a step failed");
+        match &self {
+            // A busy store or a transaction the database threw away: the layer answers `503`
+            // or runs the handler again.
+            StepError::Store(error) if error.is_busy() => tracing::info!(%error, "a step failed"),
+            StepError::Store(error) => tracing::error!(%error, "a step failed"),
+            _ => {}
         }
         self.to_response().map(axum_core::body::Body::from)
     }

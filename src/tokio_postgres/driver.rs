@@ -6,7 +6,7 @@ use tokio_postgres::types::{IsNull, ToSql, Type};
 
 use crate::error::Error;
 use crate::row_lock::driver::{columns_by_try_get, SqlDriver, SqlParam};
-use crate::row_lock::driver::{finish, Finish, SqlHandle, SqlTransactions};
+use crate::row_lock::driver::{finish, Finish, Own, SqlHandle, SqlTransactions};
 use crate::store::tokio_postgres::statements::{typed, Preparation};
 use crate::store::tokio_postgres::PostgresStore;
 use crate::store::tokio_postgres::{migrate::install_schema, Executor as _, PostgresHandle};
@@ -100,13 +100,13 @@ impl SqlTransactions for PostgresStore {
         self.serialization_retries()
     }
 
-    async fn in_own_transaction<T, B, Fut>(&self, body: B) -> Result<T, Error>
+    async fn in_own_transaction<T, B, Fut>(&self, own: Own, body: B) -> Result<T, Error>
     where
         T: Send,
         B: FnOnce(PostgresHandle) -> Fut + Send,
         Fut: std::future::Future<Output = Result<(T, Finish), Error>> + Send,
     {
-        let transaction = self.begin_owned().await?;
+        let transaction = self.begin_owned(own).await?;
         let outcome = body(transaction.handle()).await;
         finish(transaction, outcome, |t| t.commit(), |t| t.rollback()).await
     }

@@ -1,135 +1,149 @@
-//! The PostgreSQL store at `SERIALIZABLE` under load, with a handler whose reads and writes
-//! conflict: each request reads a hot row and writes it back incremented (read-then-write, the
-//! pattern SERIALIZABLE aborts with `40001`), 64 clients at once, every key sent twice at the
-//! same time. The layer runs a request whose transaction the database threw away again, within
-//! its conflict retries, then answers `503` with `Retry-After`; clients retry those with the
-//! same key. Never a `500`, never a duplicate: orders == keys, and the hot row counts exactly
-//! one increment per order (no lost update, no increment of a rolled-back run).
+//! The PostgreSQL stores (tokio-postgres and sqlx) at `SERIALIZABLE` under load, with a
+//! handler whose reads and writes conflict: each request reads a hot row and writes it back
+//! incremented (read-then-write, the pattern SERIALIZABLE aborts with `40001`, at the
+//! `UPDATE`), or counts a ledger's rows and adds one (no row in common: aborted at the insert or
+//! at the commit), 64 clients at once, every key sent twice at the same time. The layer runs a request whose transaction the
+//! database threw away again, within its conflict retries, then answers `503` with
+//! `Retry-After`; clients retry those with the same key. Never a `500`, never a duplicate:
+//! orders == keys, and the hot row counts exactly one increment per order (no lost update, no
+//! increment of a rolled-back run). The clients and the checks are `pg_common::hot_row`'s.
 //!
-//! Needs `TEST_DATABASE_URL`; without it `cargo test` reports this test as ignored.
+//! Needs `TEST_DATABASE_URL`; without it `cargo test` reports these tests as ignored.
 
 use support::common;
 use support::pg_common;
 
-use std::collections::HashMap;
-use std::sync::Arc;
-use std::time::{Duration, Instant};
-
-use common::{post, SHOP_A};
-use http::{header, StatusCode};
+use common::{hook_for, AppBuilder};
+use http::StatusCode;
+use pg_common::hot_row::{
+    check_one_order_per_key, send_every_key_twice, Answers, Load, Shape, HOT_TABLE,
+};
+use pg_common::sqlx_app::{SqlxOrderCall, SqlxPgApp};
 use pg_common::{hook, HookOutcome, PgServer, TestDb};
-use tokio::sync::Semaphore;
+use tower_idempotency::store::sqlx_postgres::sqlx;
+use tower_idempotency::store::sqlx_postgres::SqlxPostgresStore;
 use tower_idempotency::store::Isolation;
 
-const KEYS: usize = 150;
-const CLIENTS: usize = 64;
-/// How often one client sends its key again after a `503`, at most.
-const TRIES: usize = 40;
+/// Transaction connections of each store: more than the layer's requests need at once, fewer
+/// than the 64 clients, so that requests also wait for a connection.
+const CONNECTIONS: u32 = 24;
+/// Conflict retries of the layer.
+const RETRIES: u32 = 5;
 
-test! { serializable_read_then_write_under_load_keeps_one_order_per_key, postgres }
-async fn serializable_read_then_write_under_load_keeps_one_order_per_key() {
+/// As an application would: its own 500 on a database error.
+fn answer(outcome: Result<(), impl std::fmt::Debug>) -> HookOutcome {
+    match outcome {
+        Ok(()) => HookOutcome::default(),
+        Err(_) => HookOutcome {
+            fail_with: Some(StatusCode::INTERNAL_SERVER_ERROR),
+        },
+    }
+}
+
+/// Checks the run: one order and one increment per key, and handlers that conflicted and ran
+/// again; reports what it took.
+async fn check(db: &TestDb, store: &str, shape: Shape, answers: &Answers, runs: usize) {
+    let load = Load::default();
+    check_one_order_per_key(db, answers, load.keys).await;
+    shape.check(db, load.keys).await;
+    assert!(
+        runs > load.keys,
+        "the handlers conflicted and ran again ({runs} runs for {} keys)",
+        load.keys
+    );
+    eprintln!(
+        "serializable ({store}, {shape:?}): {} keys x2 at {} clients in {:?}: {runs} handler runs, {} answers 503",
+        load.keys, load.clients, answers.took, answers.busy
+    );
+}
+
+async fn on_tokio_postgres(shape: Shape) {
     let Some(db) = TestDb::create().await else {
         return;
     };
-    db.execute(
-        "CREATE TABLE hot (id INT PRIMARY KEY, n BIGINT NOT NULL); INSERT INTO hot VALUES (1, 0)",
-    )
-    .await;
+    db.execute(HOT_TABLE).await;
     let server = PgServer::builder()
         .store(|options| {
             options
                 .with_isolation(Isolation::Serializable)
-                .with_max_connections(24)
+                .with_max_connections(CONNECTIONS as usize)
         })
-        .layer(|layer| layer.with_conflict_retries(5))
-        .hook(hook(|call| async move {
+        .layer(|layer| layer.with_conflict_retries(RETRIES))
+        .hook(hook(move |call| async move {
             let outcome = async {
                 let client = call.tx.client().await?;
-                let row = client
-                    .query_one("SELECT n FROM hot WHERE id = 1", &[])
-                    .await?;
-                let n: i64 = row.get(0);
-                client
-                    .execute("UPDATE hot SET n = $1 WHERE id = 1", &[&(n + 1)])
-                    .await
+                let read: i64 = client.query_one(shape.read(), &[]).await?.get(0);
+                let (write, value) = shape.write(read);
+                client.execute(write, &[&value]).await.map(drop)
             }
             .await;
-            match outcome {
-                Ok(_) => HookOutcome::default(),
-                // As an application would: its own 500 on a database error.
-                Err(_) => HookOutcome {
-                    fail_with: Some(StatusCode::INTERNAL_SERVER_ERROR),
-                },
-            }
+            answer(outcome)
         }))
         .spawn(&db)
         .await;
+    let answers = send_every_key_twice(server.addr, "hot", Load::default()).await;
+    check(
+        &db,
+        "tokio-postgres",
+        shape,
+        &answers,
+        server.app.handler_calls(),
+    )
+    .await;
+}
 
-    let started = Instant::now();
-    let gate = Arc::new(Semaphore::new(CLIENTS));
-    let mut clients = Vec::new();
-    for key in 0..KEYS {
-        for _duplicate in 0..2 {
-            let (gate, addr) = (gate.clone(), server.addr);
-            clients.push(tokio::spawn(async move {
-                let _slot = gate.acquire_owned().await.expect("gate");
-                let key = format!("hot-{key}");
-                let mut busy = 0;
-                for _ in 0..TRIES {
-                    let reply = post(
-                        addr,
-                        Some(SHOP_A),
-                        Some(&key),
-                        r#"{"sku":"book","quantity":1}"#,
-                        &[],
-                    )
-                    .await;
-                    match reply.status {
-                        StatusCode::CREATED => return (key, Ok((reply.order_id(), busy))),
-                        StatusCode::SERVICE_UNAVAILABLE => {
-                            assert!(
-                                reply.headers.contains_key(header::RETRY_AFTER),
-                                "a 503 says when to retry: {reply:?}"
-                            );
-                            busy += 1;
-                            tokio::time::sleep(Duration::from_millis(20)).await;
-                        }
-                        _ => return (key, Err(format!("{reply:?}"))),
-                    }
-                }
-                (key, Err(format!("still 503 after {TRIES} tries")))
-            }));
-        }
-    }
-    let mut orders: HashMap<String, i64> = HashMap::new();
-    let mut busy = 0;
-    for client in clients {
-        let (key, outcome) = client.await.expect("client");
-        match outcome {
-            Ok((order, answered_busy)) => {
-                busy += answered_busy;
-                if let Some(first) = orders.insert(key.clone(), order) {
-                    assert_eq!(first, order, "both duplicates of {key} name one order");
-                }
+/// The same on the sqlx store, the handler's statements through the request's connection.
+async fn on_sqlx(shape: Shape) {
+    let Some(db) = TestDb::create().await else {
+        return;
+    };
+    db.execute(HOT_TABLE).await;
+    let store = SqlxPostgresStore::builder(db.sqlx_pool(CONNECTIONS).await)
+        .with_max_read_connections(4)
+        .with_isolation(Isolation::Serializable)
+        .build();
+    store.migrate().await.expect("create the table");
+    let server = AppBuilder::new(SqlxPgApp)
+        .layer(|layer| layer.with_conflict_retries(RETRIES))
+        .hook(hook_for(move |call: SqlxOrderCall| async move {
+            let outcome = async {
+                let mut conn = call.tx.acquire().await?;
+                let read: i64 = sqlx::query_scalar(shape.read())
+                    .fetch_one(&mut *conn)
+                    .await?;
+                let (write, value) = shape.write(read);
+                sqlx::query(write)
+                    .bind(value)
+                    .execute(&mut *conn)
+                    .await
+                    .map(drop)
+                    .map_err(tower_idempotency::Error::from)
             }
-            Err(reply) => panic!("{key}: neither 201 nor a retryable 503: {reply}"),
-        }
-    }
-    let took = started.elapsed();
-    assert_eq!(orders.len(), KEYS);
-    assert_eq!(db.order_count().await, KEYS as i64, "orders == keys");
-    assert_eq!(db.record_count().await, KEYS as i64);
-    let n: i64 = db.value("SELECT n FROM hot WHERE id = 1", &[]).await;
-    assert_eq!(
-        n, KEYS as i64,
-        "one increment per order: none lost, none of a rolled-back run"
-    );
-    let runs = server.app.handler_calls();
-    assert!(
-        runs > KEYS,
-        "the handlers conflicted and ran again ({runs} runs for {KEYS} keys)"
-    );
-    eprintln!(
-        "serializable: {KEYS} keys x2 at {CLIENTS} clients in {took:?}: {runs} handler runs, {busy} answers 503"
-    );
+            .await;
+            answer(outcome)
+        }))
+        .serve_on(store)
+        .await;
+    let answers = send_every_key_twice(server.addr, "hot", Load::default()).await;
+    check(&db, "sqlx", shape, &answers, server.app.handler_calls()).await;
+}
+
+test! { serializable_read_then_write_under_load_keeps_one_order_per_key, postgres }
+async fn serializable_read_then_write_under_load_keeps_one_order_per_key() {
+    on_tokio_postgres(Shape::HotRow).await;
+}
+
+test! { serializable_read_then_write_under_load_keeps_one_order_per_key_on_sqlx, postgres }
+async fn serializable_read_then_write_under_load_keeps_one_order_per_key_on_sqlx() {
+    on_sqlx(Shape::HotRow).await;
+}
+
+test! { serializable_count_then_insert_under_load_keeps_one_order_per_key, postgres }
+async fn serializable_count_then_insert_under_load_keeps_one_order_per_key() {
+    on_tokio_postgres(Shape::Ledger).await;
+}
+
+test! { serializable_count_then_insert_under_load_keeps_one_order_per_key_on_sqlx, postgres }
+async fn serializable_count_then_insert_under_load_keeps_one_order_per_key_on_sqlx() {
+    on_sqlx(Shape::Ledger).await;
 }

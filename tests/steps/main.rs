@@ -1,11 +1,12 @@
-//! The steps mode on every store: the step store's contract, steps over real HTTP, and random
-//! step programs and stops against a model.
+//! The steps mode on every store: the step store's contract, steps over real HTTP, random
+//! step programs and stops against a model, and PostgreSQL at SERIALIZABLE under load.
 
 #[macro_use]
 extern crate support;
 
 mod steps_http;
 mod steps_model;
+mod steps_serializable;
 mod steps_store;
 
 fn main() {

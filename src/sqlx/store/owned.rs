@@ -11,6 +11,7 @@ use sqlx::Executor as _;
 use super::CheckedConnection;
 use super::{pool_error, Conn, Slot, SqlxDatabase, SqlxDialect, SqlxHandle, SqlxStore};
 use crate::error::Error;
+use crate::row_lock::driver::Own;
 use crate::row_lock::reserve::Isolation;
 use crate::row_lock::tx_state::{OwnedSlot, OwnedTransaction};
 
@@ -27,9 +28,9 @@ pub(crate) trait OwnedDialect: SqlxDialect {
 
 impl<D: SqlxDialect> SqlxStore<D> {
     /// Opens a transaction of the store's own, outside any request (the inbox's), on a pooled
-    /// connection, with the store's isolation level. It is used through the same handle as a
+    /// connection, at the isolation level `own` says. It is used through the same handle as a
     /// request's transaction and rolls back the same way if dropped.
-    pub(crate) async fn begin_owned(&self) -> Result<OwnedTransaction<Slot<D>>, Error>
+    pub(crate) async fn begin_owned(&self, own: Own) -> Result<OwnedTransaction<Slot<D>>, Error>
     where
         D: OwnedDialect,
     {
@@ -38,7 +39,7 @@ impl<D: SqlxDialect> SqlxStore<D> {
         let mut slot =
             Slot::new(CheckedConnection::new(connection).with_unnamed_statements(unnamed));
         let token = self.next_token();
-        let begin = D::begin_owned(self.shared.isolation, token);
+        let begin = D::begin_owned(own.isolation(self.shared.isolation), token);
         let begun = match slot.forget_statements().await {
             Ok(()) => match slot.raw() {
                 Ok(conn) => D::Db::executor(conn)

@@ -13,13 +13,14 @@ use super::statements::Typed;
 use super::{PostgresHandle, PostgresStore};
 use crate::error::Error;
 use crate::postgres::store_sql::IS_OWN_TRANSACTION;
+use crate::row_lock::driver::Own;
 use crate::row_lock::tx_state::{OwnedSlot, OwnedTransaction};
 
 impl PostgresStore {
     /// Opens a transaction of the store's own, outside any request (the inbox's), on a pooled
-    /// connection, with the store's isolation level. It is used through the same handle as a
+    /// connection, at the isolation level `own` says. It is used through the same handle as a
     /// request's transaction and rolls back the same way if dropped.
-    pub(crate) async fn begin_owned(&self) -> Result<OwnedTransaction<Slot>, Error> {
+    pub(crate) async fn begin_owned(&self, own: Own) -> Result<OwnedTransaction<Slot>, Error> {
         let slot = Slot {
             object: Some(self.client().await?),
             answer_wait: None,
@@ -29,7 +30,7 @@ impl PostgresStore {
         // One round trip.
         let begun = match slot.client() {
             Ok(client) => client
-                .batch_execute(&self.shared.isolation.begin_owned(token))
+                .batch_execute(&own.isolation(self.shared.isolation).begin_owned(token))
                 .await
                 .map_err(Error::from),
             Err(error) => Err(error),

@@ -18,6 +18,7 @@ use tower_idempotency::Tenant;
 use crate::common::server_backed::{run_on_a_thread_of_its_own, FreshName, OrderServer};
 use crate::common::{hook_for, AppBuilder, HookFor, InsertOrder, OrderCallOf, Outcome};
 
+pub mod hot_row;
 pub mod inventory;
 pub mod sqlx_app;
 
