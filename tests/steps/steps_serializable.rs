@@ -123,9 +123,9 @@ impl HotSteps for SqlxPg {
         insert_order: bool,
         runs: Arc<AtomicUsize>,
     ) -> Result<i64, StepError> {
-        use tower_idempotency::store::sqlx_postgres::{sqlx, SqlxHandle};
+        use tower_idempotency::store::sqlx_postgres::{sqlx, SqlxPostgresHandle};
         steps
-            .local(name, move |tx: SqlxHandle| async move {
+            .local(name, move |tx: SqlxPostgresHandle| async move {
                 runs.fetch_add(1, Ordering::SeqCst);
                 let mut conn = tx.acquire().await?;
                 let n: i64 = sqlx::query_scalar(READ)
