@@ -7,18 +7,31 @@ use crate::error::Error;
 use crate::row_lock::driver::SqlParam;
 use crate::row_lock::driver::{finish, Finish, Own, SqlDriver, SqlHandle, SqlTransactions};
 
+/// SQL the store wrote, as sqlx takes a string that is not a `&'static str` (its `SqlSafeStr`,
+/// a check against SQL built from input): the store's own statements, with nothing formatted
+/// into them but what the store chooses (statement texts, table and statement names, isolation
+/// levels, timeouts) and values it wrote itself: integers, and on PostgreSQL the quoted
+/// constants of `postgres/store/literal.rs`, whose module docs say why their quoting is safe.
+/// Never a handler's SQL (the handler passed it to sqlx itself) nor a request's input.
+pub(crate) fn our_sql<T>(sql: T) -> sqlx::AssertSqlSafe<T>
+where
+    sqlx::AssertSqlSafe<T>: sqlx::SqlSafeStr,
+{
+    sqlx::AssertSqlSafe(sql)
+}
+
 /// `query` with `params` bound in order, on either sqlx database.
-pub(crate) fn sqlx_bind<'q, DB>(
-    query: sqlx::query::Query<'q, DB, <DB as sqlx::Database>::Arguments<'q>>,
-    params: &[SqlParam<'q>],
-) -> sqlx::query::Query<'q, DB, <DB as sqlx::Database>::Arguments<'q>>
+pub(crate) fn sqlx_bind<'q, 'p, DB>(
+    query: sqlx::query::Query<'q, DB, <DB as sqlx::Database>::Arguments>,
+    params: &[SqlParam<'p>],
+) -> sqlx::query::Query<'q, DB, <DB as sqlx::Database>::Arguments>
 where
     DB: sqlx::Database,
-    &'q str: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
-    Option<&'q str>: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
-    i64: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
-    i32: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
-    &'q [u8]: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    &'p str: sqlx::Encode<'p, DB> + sqlx::Type<DB>,
+    Option<&'p str>: sqlx::Encode<'p, DB> + sqlx::Type<DB>,
+    i64: sqlx::Encode<'p, DB> + sqlx::Type<DB>,
+    i32: sqlx::Encode<'p, DB> + sqlx::Type<DB>,
+    &'p [u8]: sqlx::Encode<'p, DB> + sqlx::Type<DB>,
 {
     params.iter().fold(query, |query, param| match *param {
         SqlParam::Text(value) => query.bind(value),

@@ -15,7 +15,7 @@ use crate::postgres::outbox_sql as pg_sql;
 use crate::row_lock::driver::SqlParam;
 use crate::row_lock::outbox::{record_params, NewEvent};
 use crate::row_lock::outbox_sql::INSERT_EVENT;
-use crate::sqlx::driver::sqlx_bind;
+use crate::sqlx::driver::{our_sql, sqlx_bind};
 use crate::sqlx::store::{SqlxDialect, SqlxStore};
 
 /// A sqlx database with the crate's outbox and inbox (PostgreSQL, MySQL): what [`enqueue`] and
@@ -71,7 +71,7 @@ macro_rules! outbox_database {
                 Box::pin(async move {
                     let (sql, params) = $prepare(sql, params)?;
                     let done = executor
-                        .execute(sqlx_bind(sqlx::query(&sql), &params))
+                        .execute(sqlx_bind(sqlx::query(our_sql(sql)), &params))
                         .await?;
                     Ok(done.rows_affected())
                 })

@@ -1111,7 +1111,7 @@ mod mysql {
             .await;
         for (i, table) in ["idempotency_records"].into_iter().enumerate() {
             let mut holder = db.db.connection().await;
-            sqlx::query(&format!("LOCK TABLES {table} WRITE"))
+            sqlx::query(sqlx::AssertSqlSafe(format!("LOCK TABLES {table} WRITE")))
                 .execute(&mut holder)
                 .await
                 .expect("lock");

@@ -1479,7 +1479,10 @@ mod sqlx_mysql {
         async fn execute(&self, sql: &str) {
             use sqlx::Executor as _;
             let mut conn = self.db.connection().await;
-            conn.execute(sql).await.expect("execute");
+            // The test's own SQL.
+            conn.execute(sqlx::AssertSqlSafe(sql))
+                .await
+                .expect("execute");
         }
 
         async fn hold_open(
@@ -1491,7 +1494,9 @@ mod sqlx_mysql {
             let mut conn = self.db.connection().await;
             conn.execute("BEGIN").await.expect("begin");
             for statement in sql.split(';').filter(|s| !s.trim().is_empty()) {
-                conn.execute(statement).await.expect("the held transaction");
+                conn.execute(sqlx::AssertSqlSafe(statement))
+                    .await
+                    .expect("the held transaction");
             }
             Some(tokio::spawn(async move {
                 tokio::time::sleep(hold).await;

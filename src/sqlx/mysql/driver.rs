@@ -13,7 +13,7 @@ use crate::mysql::outbox_sql::{CLAIM, DEAD_LETTER_ABANDONED, SELECT_ABANDONED, S
 use crate::row::Columns;
 use crate::row_lock::driver::SqlHandle;
 use crate::row_lock::driver::{columns_by_try_get, SqlDriver, SqlParam};
-use crate::sqlx::driver::sqlx_bind;
+use crate::sqlx::driver::{our_sql, sqlx_bind};
 use crate::store::sqlx_mysql::SqlxMySqlHandle;
 use crate::store::sqlx_mysql::SqlxMySqlStore;
 
@@ -54,7 +54,7 @@ impl SqlDriver for SqlxMySqlStore {
         let (sql, params) = positional(sql, params)?;
         Ok(self
             .pool()
-            .fetch_all(sqlx_bind(sqlx::query(&sql), &params))
+            .fetch_all(sqlx_bind(sqlx::query(our_sql(sql)), &params))
             .await?)
     }
 
@@ -62,7 +62,7 @@ impl SqlDriver for SqlxMySqlStore {
         let (sql, params) = positional(sql, params)?;
         let done = self
             .pool()
-            .execute(sqlx_bind(sqlx::query(&sql), &params))
+            .execute(sqlx_bind(sqlx::query(our_sql(sql)), &params))
             .await?;
         Ok(done.rows_affected())
     }
@@ -78,7 +78,7 @@ impl SqlDriver for SqlxMySqlStore {
             let (sql, params) = positional(sql, params)?;
             results.push(
                 (&mut *tx)
-                    .fetch_all(sqlx_bind(sqlx::query(&sql), &params))
+                    .fetch_all(sqlx_bind(sqlx::query(our_sql(sql)), &params))
                     .await?,
             );
         }
@@ -110,7 +110,7 @@ pub(crate) async fn claim(
     ] {
         let (sql, bound) = positional(select, params)?;
         let rows = (&mut *tx)
-            .fetch_all(sqlx_bind(sqlx::query(&sql), &bound))
+            .fetch_all(sqlx_bind(sqlx::query(our_sql(sql)), &bound))
             .await?;
         if !rows.is_empty() {
             let seqs = rows
@@ -120,7 +120,7 @@ pub(crate) async fn claim(
             // Only integers read back from the table are formatted into the statement.
             let (sql, bound) = positional(&format!("{update}({})", seqs.join(", ")), params)?;
             (&mut *tx)
-                .execute(sqlx_bind(sqlx::query(&sql), &bound))
+                .execute(sqlx_bind(sqlx::query(our_sql(sql)), &bound))
                 .await?;
         }
         results.push(rows);
@@ -141,7 +141,7 @@ impl SqlHandle for SqlxMySqlHandle {
         let (sql, params) = positional(sql, params)?;
         let mut conn = self.acquire().await?;
         Ok((&mut *conn)
-            .fetch_all(sqlx_bind(sqlx::query(&sql), &params))
+            .fetch_all(sqlx_bind(sqlx::query(our_sql(sql)), &params))
             .await?)
     }
 
@@ -149,7 +149,7 @@ impl SqlHandle for SqlxMySqlHandle {
         let (sql, params) = positional(sql, params)?;
         let mut conn = self.acquire().await?;
         let done = (&mut *conn)
-            .execute(sqlx_bind(sqlx::query(&sql), &params))
+            .execute(sqlx_bind(sqlx::query(our_sql(sql)), &params))
             .await?;
         Ok(done.rows_affected())
     }

@@ -8,17 +8,20 @@
 use sqlx::postgres::{PgArguments, PgRow, Postgres};
 use sqlx::query::Query;
 // The `Executor` methods keep these futures provably `Send` (see the store's `reservation.rs`).
-use sqlx::{Executor as _, Row as _};
+use sqlx::{Executor as _, Row as _, SqlSafeStr};
 
 use crate::error::Error;
 use crate::row_lock::driver::SqlHandle;
 use crate::row_lock::driver::{columns_by_try_get, SqlDriver, SqlParam};
-use crate::sqlx::driver::sqlx_bind;
+use crate::sqlx::driver::{our_sql, sqlx_bind};
 use crate::store::sqlx_postgres::SqlxPostgresHandle;
 use crate::store::sqlx_postgres::SqlxPostgresStore;
 
 /// `sql` with `params` bound in order.
-pub(crate) fn bound<'q>(sql: &'q str, params: &[SqlParam<'q>]) -> Query<'q, Postgres, PgArguments> {
+pub(crate) fn bound<'q>(
+    sql: impl SqlSafeStr,
+    params: &[SqlParam<'_>],
+) -> Query<'q, Postgres, PgArguments> {
     sqlx_bind(sqlx::query(sql), params)
 }
 
@@ -29,11 +32,11 @@ impl SqlDriver for SqlxPostgresStore {
 
     async fn fetch_rows(&self, sql: &str, params: &[SqlParam<'_>]) -> Result<Vec<PgRow>, Error> {
         if !self.shared.unnamed_statements {
-            return Ok(self.pool().fetch_all(bound(sql, params)).await?);
+            return Ok(self.pool().fetch_all(bound(our_sql(sql), params)).await?);
         }
         let mut tx = self.pool().begin().await?;
         let rows = (&mut *tx)
-            .fetch_all(bound(sql, params).persistent(false))
+            .fetch_all(bound(our_sql(sql), params).persistent(false))
             .await?;
         tx.commit().await?;
         Ok(rows)
@@ -41,12 +44,12 @@ impl SqlDriver for SqlxPostgresStore {
 
     async fn execute_counted(&self, sql: &str, params: &[SqlParam<'_>]) -> Result<u64, Error> {
         if !self.shared.unnamed_statements {
-            let done = self.pool().execute(bound(sql, params)).await?;
+            let done = self.pool().execute(bound(our_sql(sql), params)).await?;
             return Ok(done.rows_affected());
         }
         let mut tx = self.pool().begin().await?;
         let done = (&mut *tx)
-            .execute(bound(sql, params).persistent(false))
+            .execute(bound(our_sql(sql), params).persistent(false))
             .await?;
         tx.commit().await?;
         Ok(done.rows_affected())
@@ -61,7 +64,7 @@ impl SqlDriver for SqlxPostgresStore {
         let persistent = !self.shared.unnamed_statements;
         let mut results = Vec::with_capacity(statements.len());
         for (sql, params) in statements {
-            let statement = bound(sql, params).persistent(persistent);
+            let statement = bound(our_sql(*sql), params).persistent(persistent);
             results.push((&mut *tx).fetch_all(statement).await?);
         }
         tx.commit().await?;

@@ -12,7 +12,7 @@ use futures_util::stream::{self, BoxStream};
 use futures_util::StreamExt;
 use sqlx::error::BoxDynError;
 use sqlx::pool::PoolConnection;
-use sqlx::{Database, Describe, Either, Execute, Executor};
+use sqlx::{AssertSqlSafe, Database, Describe, Either, Execute, Executor, SqlSafeStr, SqlStr};
 use tokio::sync::OwnedMappedMutexGuard;
 
 use super::{Conn, Slot, SqlxDatabase, SqlxDialect};
@@ -346,19 +346,20 @@ fn refusal(error: Error) -> sqlx::Error {
 
 /// One statement of a string sent without parameters, sent with the prepared-statement
 /// protocol (empty arguments, not prepared for reuse): the server refuses it if it still holds
-/// two statements.
-struct Piece<'q>(&'q str);
+/// two statements. A piece of the handler's own SQL, which sqlx took from the handler as safe
+/// (its `SqlSafeStr`): cut from it, not written by the store.
+struct Piece<'a>(&'a str);
 
-impl<'q, DB: Database> Execute<'q, DB> for Piece<'q> {
-    fn sql(&self) -> &'q str {
-        self.0
+impl<DB: Database> Execute<'_, DB> for Piece<'_> {
+    fn sql(self) -> SqlStr {
+        AssertSqlSafe(self.0).into_sql_str()
     }
 
-    fn statement(&self) -> Option<&DB::Statement<'q>> {
+    fn statement(&self) -> Option<&DB::Statement> {
         None
     }
 
-    fn take_arguments(&mut self) -> Result<Option<DB::Arguments<'q>>, BoxDynError> {
+    fn take_arguments(&mut self) -> Result<Option<DB::Arguments>, BoxDynError> {
         Ok(Some(DB::Arguments::default()))
     }
 
@@ -367,30 +368,48 @@ impl<'q, DB: Database> Execute<'q, DB> for Piece<'q> {
     }
 }
 
-/// A query whose arguments were already taken (to see which protocol it needs), prepared for
-/// reuse (`persistent`) only if it asks to be and the connection keeps statements.
-struct Checked<'q, DB: Database, E> {
-    query: E,
-    arguments: Option<DB::Arguments<'q>>,
+/// A query taken apart (its SQL, to check it; its arguments, to see which protocol it needs),
+/// prepared for reuse (`persistent`) only if it asks to be and the connection keeps statements.
+struct Checked<DB: Database> {
+    sql: SqlStr,
+    /// The statement the query was made from (`Statement::query`), if it was.
+    statement: Option<DB::Statement>,
+    arguments: Option<DB::Arguments>,
     persistent: bool,
 }
 
-impl<'q, DB: Database, E: Execute<'q, DB>> Execute<'q, DB> for Checked<'q, DB, E> {
-    fn sql(&self) -> &'q str {
-        self.query.sql()
+impl<DB: Database> Execute<'_, DB> for Checked<DB> {
+    fn sql(self) -> SqlStr {
+        self.sql
     }
 
-    fn statement(&self) -> Option<&DB::Statement<'q>> {
-        self.query.statement()
+    fn statement(&self) -> Option<&DB::Statement> {
+        self.statement.as_ref()
     }
 
-    fn take_arguments(&mut self) -> Result<Option<DB::Arguments<'q>>, BoxDynError> {
+    fn take_arguments(&mut self) -> Result<Option<DB::Arguments>, BoxDynError> {
         Ok(self.arguments.take())
     }
 
     fn persistent(&self) -> bool {
         self.persistent
     }
+}
+
+/// `query` taken apart: its SQL, the statement it was made from, its arguments (or the error
+/// of encoding them), and whether it asks to be prepared for reuse.
+type Parts<DB> = (
+    SqlStr,
+    Option<<DB as Database>::Statement>,
+    Result<Option<<DB as Database>::Arguments>, BoxDynError>,
+    bool,
+);
+
+fn take_apart<'q, DB: Database>(mut query: impl Execute<'q, DB>) -> Parts<DB> {
+    let persistent = query.persistent();
+    let statement = query.statement().cloned();
+    let arguments = query.take_arguments();
+    (query.sql(), statement, arguments, persistent)
 }
 
 type Step<DB> = Either<<DB as Database>::QueryResult, <DB as Database>::Row>;
@@ -422,27 +441,25 @@ async fn run_pieces<D: SqlxDialect>(
 impl<'c, D: SqlxDialect> Executor<'c> for &'c mut CheckedConnection<D> {
     type Database = D::Db;
 
-    fn fetch_many<'e, 'q: 'e, E>(
-        self,
-        mut query: E,
-    ) -> BoxStream<'e, Result<Step<D::Db>, sqlx::Error>>
+    fn fetch_many<'e, 'q: 'e, E>(self, query: E) -> BoxStream<'e, Result<Step<D::Db>, sqlx::Error>>
     where
         'c: 'e,
         E: 'q + Execute<'q, D::Db>,
     {
-        let sql = query.sql();
-        if let Err(refused) = check::<D>(sql, &self.conflict) {
+        let (sql, statement, arguments, persistent) = take_apart(query);
+        if let Err(refused) = check::<D>(sql.as_str(), &self.conflict) {
             return stream::once(future::ready(Err(refused))).boxed();
         }
         let conflict = Arc::clone(&self.conflict);
         let (wait, stalled) = (self.answer_wait, Arc::clone(&self.conflict));
-        let persistent = query.persistent() && !self.unnamed;
+        let persistent = persistent && !self.unnamed;
         let raw: &'c mut Conn<D> = &mut self.raw;
-        let steps = match query.take_arguments() {
+        let steps = match arguments {
             Err(error) => stream::once(future::ready(Err(sqlx::Error::Encode(error)))).boxed(),
             Ok(Some(arguments)) => D::Db::executor(raw)
                 .fetch_many(Checked {
-                    query,
+                    sql,
+                    statement,
                     arguments: Some(arguments),
                     persistent,
                 })
@@ -453,34 +470,37 @@ impl<'c, D: SqlxDialect> Executor<'c> for &'c mut CheckedConnection<D> {
                 })
                 .boxed(),
             // The pieces' results come at once when the last has run: one wait for them all.
-            Ok(None) => stream::once(async move { run_pieces::<D>(raw, sql, &conflict).await })
-                .flat_map(stream::iter)
-                .boxed(),
+            Ok(None) => {
+                stream::once(async move { run_pieces::<D>(raw, sql.as_str(), &conflict).await })
+                    .flat_map(stream::iter)
+                    .boxed()
+            }
         };
         answered_steps(steps, wait, stalled)
     }
 
     fn fetch_optional<'e, 'q: 'e, E>(
         self,
-        mut query: E,
+        query: E,
     ) -> BoxFuture<'e, Result<Option<<D::Db as Database>::Row>, sqlx::Error>>
     where
         'c: 'e,
         E: 'q + Execute<'q, D::Db>,
     {
-        let sql = query.sql();
-        let checked = check::<D>(sql, &self.conflict);
+        let (sql, statement, arguments, persistent) = take_apart(query);
+        let checked = check::<D>(sql.as_str(), &self.conflict);
         let conflict = Arc::clone(&self.conflict);
         let wait = self.answer_wait;
-        let persistent = query.persistent() && !self.unnamed;
+        let persistent = persistent && !self.unnamed;
         let raw: &'c mut Conn<D> = &mut self.raw;
         let fetch = async move {
             checked?;
-            match query.take_arguments().map_err(sqlx::Error::Encode)? {
+            match arguments.map_err(sqlx::Error::Encode)? {
                 Some(arguments) => {
                     let row = D::Db::executor(raw)
                         .fetch_optional(Checked {
-                            query,
+                            sql,
+                            statement,
                             arguments: Some(arguments),
                             persistent,
                         })
@@ -492,7 +512,7 @@ impl<'c, D: SqlxDialect> Executor<'c> for &'c mut CheckedConnection<D> {
                 }
                 None => {
                     let mut first = None;
-                    for step in run_pieces::<D>(raw, sql, &conflict).await {
+                    for step in run_pieces::<D>(raw, sql.as_str(), &conflict).await {
                         if let Either::Right(row) = step? {
                             first.get_or_insert(row);
                         }
@@ -505,15 +525,15 @@ impl<'c, D: SqlxDialect> Executor<'c> for &'c mut CheckedConnection<D> {
         Box::pin(async move { answered(fetch, wait, &conflict).await })
     }
 
-    fn prepare_with<'e, 'q: 'e>(
+    fn prepare_with<'e>(
         self,
-        sql: &'q str,
+        sql: SqlStr,
         parameters: &'e [<D::Db as Database>::TypeInfo],
-    ) -> BoxFuture<'e, Result<<D::Db as Database>::Statement<'q>, sqlx::Error>>
+    ) -> BoxFuture<'e, Result<<D::Db as Database>::Statement, sqlx::Error>>
     where
         'c: 'e,
     {
-        let checked = check::<D>(sql, &self.conflict);
+        let checked = check::<D>(sql.as_str(), &self.conflict);
         let conflict = Arc::clone(&self.conflict);
         let wait = self.answer_wait;
         let raw: &'c mut Conn<D> = &mut self.raw;
@@ -532,14 +552,11 @@ impl<'c, D: SqlxDialect> Executor<'c> for &'c mut CheckedConnection<D> {
         })
     }
 
-    fn describe<'e, 'q: 'e>(
-        self,
-        sql: &'q str,
-    ) -> BoxFuture<'e, Result<Describe<D::Db>, sqlx::Error>>
+    fn describe<'e>(self, sql: SqlStr) -> BoxFuture<'e, Result<Describe<D::Db>, sqlx::Error>>
     where
         'c: 'e,
     {
-        let checked = check::<D>(sql, &self.conflict);
+        let checked = check::<D>(sql.as_str(), &self.conflict);
         let conflict = Arc::clone(&self.conflict);
         let wait = self.answer_wait;
         let raw: &'c mut Conn<D> = &mut self.raw;

@@ -28,6 +28,7 @@ use tokio::time::Instant;
 use crate::error::Error;
 use crate::row_lock::replay_check::{first_attempt, Acquired, ReplayChecks};
 use crate::row_lock::reserve::{self, Isolation, ReserveStatements, Reserved};
+use crate::sqlx::driver::our_sql;
 use crate::store::{
     to_unix_millis, Begin, IdempotencyStore, NewRecord, RunOutcome, Scope, StoredRecord,
 };
@@ -131,7 +132,7 @@ pub trait SqlxDialect: sealed::Sealed + Clone + fmt::Debug + Send + Sync + Sized
         let _ = (scope, now, unnamed);
         let begin = Self::begin_request(isolation, waits.0, waits.1);
         Box::pin(async move {
-            Self::Db::executor(conn).execute(begin.as_str()).await?;
+            Self::Db::executor(conn).execute(our_sql(begin)).await?;
             Ok(Opened {
                 inserted: None,
                 lock_wait_restored: false,
@@ -560,7 +561,7 @@ async fn reserve_in<D: SqlxDialect>(
         // The handler's own lock waits keep the lock timeout.
         let restore = D::restore_lock_wait(deadline);
         D::Db::executor(slot.raw()?)
-            .execute(restore.as_str())
+            .execute(our_sql(restore))
             .await?;
     }
     Ok(reserved)

@@ -14,6 +14,7 @@ use crate::error::Error;
 use crate::row_lock::driver::Own;
 use crate::row_lock::reserve::Isolation;
 use crate::row_lock::tx_state::{OwnedSlot, OwnedTransaction};
+use crate::sqlx::driver::our_sql;
 
 /// How a database opens and checks a transaction of the store's own.
 pub(crate) trait OwnedDialect: SqlxDialect {
@@ -43,7 +44,7 @@ impl<D: SqlxDialect> SqlxStore<D> {
         let begun = match slot.forget_statements().await {
             Ok(()) => match slot.raw() {
                 Ok(conn) => D::Db::executor(conn)
-                    .execute(begin.as_str())
+                    .execute(our_sql(begin))
                     .await
                     .map(drop)
                     .map_err(Error::from),

@@ -12,6 +12,7 @@ use sqlx::{Connection as _, Either, Executor as _};
 use super::{CheckedConnection, Conn, SqlxDatabase, SqlxDialect, SqlxHandle};
 use crate::error::Error;
 use crate::row_lock::tx_state::{ObservedCell, TxShared, TxSlot};
+use crate::sqlx::driver::our_sql;
 use crate::store::{NewRecord, Reservation, Scope};
 
 /// The connection of one transaction, while it may still be open.
@@ -121,7 +122,7 @@ impl<D: SqlxDialect> Slot<D> {
         let conn = self.raw()?;
         // The connection stays in the slot while this awaits: if this future is dropped, the
         // slot's `Drop` discards it.
-        let mut results = D::Db::executor(conn).fetch_many(sql.as_str());
+        let mut results = D::Db::executor(conn).fetch_many(our_sql(sql));
         // The statements that ran to their end: the record's, then `COMMIT`, then the
         // session's restore.
         let mut done = 0;
@@ -195,7 +196,7 @@ impl<D: SqlxDialect> Slot<D> {
     /// gets the `1213` itself). It is taken as the `COMMIT`'s:
     /// nothing committed (a statement that sets session variables takes no lock, and a
     /// committed transaction has nothing left to abort), and the layer runs the request again.
-    async fn end(&mut self, statements: &str) -> Result<(), sqlx::Error> {
+    async fn end(&mut self, statements: &'static str) -> Result<(), sqlx::Error> {
         if let Err(error) = self.forget_statements().await {
             // Not ended: closing the connection rolls back.
             self.discard();

@@ -15,7 +15,7 @@ use crate::store::columns::record_row::{live_record, RecordColumns};
 use crate::store::{to_unix_millis, NewRecord, Scope, StoredRecord};
 
 /// A statement of the store, its binds still to come.
-pub(crate) type Statement<'q, DB> = Query<'q, DB, <DB as Database>::Arguments<'q>>;
+pub(crate) type Statement<'q, DB> = Query<'q, DB, <DB as Database>::Arguments>;
 
 /// A sqlx database the store runs on (one that caches statements on its connections, which the
 /// store can do without: `persistent(false)`).
@@ -39,7 +39,7 @@ pub trait SqlxDatabase: Database + HasStatementCache {
     /// record. Prepared once per connection if `persistent`, else unnamed.
     fn fetch_record<'e>(
         executor: impl Executor<'e, Database = Self> + 'e,
-        sql: &'e str,
+        sql: &'static str,
         scope: &'e Scope,
         now: i64,
         bind_now: bool,
@@ -51,7 +51,7 @@ pub trait SqlxDatabase: Database + HasStatementCache {
     /// of its own, so that its preparation and its run reach the same server connection.
     fn purge<'e>(
         pool: &'e Pool<Self>,
-        sql: &'e str,
+        sql: &'static str,
         now_and_batch: (i64, usize),
         unnamed: bool,
     ) -> BoxFuture<'e, Result<u64, Error>>;
@@ -61,7 +61,7 @@ impl<DB> SqlxDatabase for DB
 where
     DB: Database + HasStatementCache,
     for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
-    for<'q> DB::Arguments<'q>: IntoArguments<'q, DB>,
+    DB::Arguments: IntoArguments<DB>,
     for<'q> &'q str: Encode<'q, DB> + Type<DB>,
     for<'q> &'q [u8]: Encode<'q, DB> + Type<DB>,
     i32: for<'q> Encode<'q, DB> + Type<DB>,
@@ -105,7 +105,7 @@ where
 
     fn fetch_record<'e>(
         executor: impl Executor<'e, Database = DB> + 'e,
-        sql: &'e str,
+        sql: &'static str,
         scope: &'e Scope,
         now: i64,
         bind_now: bool,
@@ -124,7 +124,7 @@ where
 
     fn purge<'e>(
         pool: &'e Pool<DB>,
-        sql: &'e str,
+        sql: &'static str,
         (now, batch): (i64, usize),
         unnamed: bool,
     ) -> BoxFuture<'e, Result<u64, Error>> {

@@ -7,7 +7,7 @@ use std::future::Future;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use http::StatusCode;
-use sqlx::Executor as _;
+use sqlx::{AssertSqlSafe, Executor as _};
 use tower_idempotency::store::tokio_postgres::PostgresHandle;
 use tower_idempotency::store::{sqlx_mysql, sqlx_postgres};
 
@@ -289,7 +289,7 @@ impl HandleSql for MySql {
                 ("ANSI_QUOTES", "SET @\"x\\\" = 1, autocommit = 1"),
             ] {
                 let set_mode = format!("SET SESSION sql_mode = '{mode}'");
-                if let Err(error) = (&mut *conn).execute(set_mode.as_str()).await {
+                if let Err(error) = (&mut *conn).execute(AssertSqlSafe(set_mode.as_str())).await {
                     problems.push(format!("{set_mode}: {error}"));
                 }
                 problems.extend(refused(sql, (&mut *conn).execute(sql).await));

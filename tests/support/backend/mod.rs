@@ -1060,7 +1060,10 @@ impl Backend for MySql {
                         return Ok(0);
                     }
                     Apply::Effect | Apply::EffectThenFail => {
-                        sqlx::query(&insert).bind(&id).execute(&mut *conn).await?
+                        sqlx::query(sqlx::AssertSqlSafe(insert))
+                            .bind(&id)
+                            .execute(&mut *conn)
+                            .await?
                     }
                 };
                 if let Apply::EffectThenFail = apply {
@@ -1078,7 +1081,9 @@ impl Backend for MySql {
     async fn apply_in(tx: &SqlxMySqlHandle, event_id: &str) {
         let mut conn = tx.acquire().await.expect("connection");
         let insert = INSERT_EFFECT.replace("$1", "?");
-        let applied = sqlx::query(&insert).bind(event_id).execute(&mut *conn);
+        let applied = sqlx::query(sqlx::AssertSqlSafe(insert))
+            .bind(event_id)
+            .execute(&mut *conn);
         applied.await.expect("apply");
     }
 }

@@ -25,7 +25,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
-use sqlx::{Connection as _, Executor as _, MySqlConnection, Row as _};
+use sqlx::{AssertSqlSafe, Connection as _, Executor as _, MySqlConnection, Row as _};
 use tower_idempotency::store::sqlx_mysql::SqlxMySqlStore;
 
 use crate::mysql_common::ORDERS_SCHEMA;
@@ -118,7 +118,7 @@ impl Galera {
         cluster.wait_for_size(0, NODES).await;
         let mut admin = cluster.connect(0, None).await;
         admin
-            .execute(format!("CREATE DATABASE {DATABASE}").as_str())
+            .execute(AssertSqlSafe(format!("CREATE DATABASE {DATABASE}")))
             .await
             .expect("create the test database");
         cluster
@@ -451,7 +451,7 @@ impl GaleraDb {
     pub async fn execute(&self, sql: &str) {
         self.reader()
             .await
-            .execute(sql)
+            .execute(AssertSqlSafe(sql))
             .await
             .unwrap_or_else(|error| panic!("{sql}: {error}"));
     }
@@ -461,7 +461,7 @@ impl GaleraDb {
         let row = self
             .reader()
             .await
-            .fetch_one(sql)
+            .fetch_one(AssertSqlSafe(sql))
             .await
             .unwrap_or_else(|error| panic!("{sql}: {error}"));
         row.try_get::<i64, _>(0).expect("an integer")

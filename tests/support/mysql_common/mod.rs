@@ -8,7 +8,7 @@
 use std::str::FromStr;
 
 use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
-use sqlx::{Connection as _, Executor as _, MySqlConnection, Row as _};
+use sqlx::{AssertSqlSafe, Connection as _, Executor as _, MySqlConnection, Row as _};
 use tower_idempotency::store::sqlx_mysql::{SqlxMySqlHandle, SqlxMySqlStore};
 use tower_idempotency::Tenant;
 
@@ -50,7 +50,7 @@ impl TestDb {
             sweep_stale_databases(&mut admin, now).await;
         }
         admin
-            .execute(format!("CREATE DATABASE {name}").as_str())
+            .execute(AssertSqlSafe(format!("CREATE DATABASE {name}")))
             .await
             .expect("create the test database");
         let db = TestDb { url, name };
@@ -101,7 +101,7 @@ impl TestDb {
     pub async fn execute(&self, sql: &str) {
         self.connection()
             .await
-            .execute(sql)
+            .execute(AssertSqlSafe(sql))
             .await
             .unwrap_or_else(|e| panic!("{sql}: {e}"));
     }
@@ -111,7 +111,7 @@ impl TestDb {
         let row = self
             .connection()
             .await
-            .fetch_one(sql)
+            .fetch_one(AssertSqlSafe(sql))
             .await
             .unwrap_or_else(|e| panic!("{sql}: {e}"));
         row.try_get::<i64, _>(0).expect("an integer")
@@ -218,13 +218,12 @@ impl Drop for TestDb {
             .await
             .unwrap_or_default();
             for id in ids {
-                let _ = admin.execute(format!("KILL {id}").as_str()).await;
+                let _ = admin.execute(AssertSqlSafe(format!("KILL {id}"))).await;
             }
             let _ = admin
-                .execute(
-                    format!("SET SESSION lock_wait_timeout = 5; DROP DATABASE IF EXISTS {name}")
-                        .as_str(),
-                )
+                .execute(AssertSqlSafe(format!(
+                    "SET SESSION lock_wait_timeout = 5; DROP DATABASE IF EXISTS {name}"
+                )))
                 .await;
         });
     }
@@ -244,7 +243,7 @@ async fn sweep_stale_databases(admin: &mut MySqlConnection, now: u64) {
     for name in names {
         if FreshName::is_stale(&name, DATABASE_PREFIX, now) {
             let _ = admin
-                .execute(format!("DROP DATABASE IF EXISTS {name}").as_str())
+                .execute(AssertSqlSafe(format!("DROP DATABASE IF EXISTS {name}")))
                 .await;
         }
     }

@@ -12,6 +12,7 @@ use tokio::time::Instant;
 use crate::error::Error;
 use crate::mysql::guard as sql_guard;
 use crate::mysql::store_sql as sql;
+use crate::sqlx::driver::our_sql;
 use crate::sqlx::error::sqlx_code;
 use crate::sqlx::mysql::error::{mysql_number, MYSQL_DEADLOCK, MYSQL_LOCK_WAIT_TIMEOUT};
 use crate::sqlx::store::{
@@ -125,7 +126,7 @@ impl SqlxMySqlStore {
         if locked != Some(1) {
             return Err(Error::Busy);
         }
-        let created = conn.execute(sqlx::raw_sql(schema)).await;
+        let created = conn.execute(sqlx::raw_sql(our_sql(schema))).await;
         let released = conn
             .execute(sqlx::query("DO RELEASE_LOCK(?)").bind(lock))
             .await;

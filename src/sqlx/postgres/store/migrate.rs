@@ -9,6 +9,7 @@ use sqlx::{Executor as _, Row as _};
 use super::SqlxPostgresStore;
 use crate::error::Error;
 use crate::postgres::store_sql::{Upgrade, ADD_STATE, HAS_COLUMN, MIGRATION_LOCK, SCHEMA};
+use crate::sqlx::driver::our_sql;
 use crate::sqlx::store::pool_error;
 
 impl SqlxPostgresStore {
@@ -36,7 +37,7 @@ impl SqlxPostgresStore {
         let mut tx = self.pool().begin().await.map_err(pool_error)?;
         let lock = sqlx::query("SELECT pg_advisory_xact_lock($1)").bind(lock);
         (&mut *tx).execute(lock.persistent(persistent)).await?;
-        (&mut *tx).execute(sqlx::raw_sql(schema)).await?;
+        (&mut *tx).execute(sqlx::raw_sql(our_sql(schema))).await?;
         for upgrade in upgrades {
             let check = sqlx::query(HAS_COLUMN)
                 .bind(upgrade.table)

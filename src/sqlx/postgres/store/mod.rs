@@ -44,6 +44,7 @@ use crate::postgres::store_sql::{
 };
 use crate::response::SavedResponse;
 use crate::row_lock::reserve;
+use crate::sqlx::driver::our_sql;
 use crate::sqlx::error::sqlx_code;
 use crate::sqlx::store::{
     Opened, ReserveStep, RowsAffected, SqlxDatabase, SqlxDialect, SqlxOptions, SqlxStore,
@@ -246,7 +247,7 @@ impl SqlxDialect for PgDialect {
             let sql = match flight() {
                 Ok(sql) => sql,
                 Err(begin) => {
-                    conn.execute(begin.as_str()).await?;
+                    conn.execute(our_sql(begin)).await?;
                     return Ok(Opened {
                         inserted: None,
                         lock_wait_restored: false,
@@ -431,7 +432,7 @@ async fn run_flight(
     sql: &str,
     begin_statements: usize,
 ) -> Result<Option<String>, Failed> {
-    let mut results = conn.fetch_many(sql);
+    let mut results = conn.fetch_many(our_sql(sql));
     let mut row = None;
     // The statements that ran to their end: an error before the `BEGIN`'s all did is theirs.
     let mut done = 0;
@@ -461,7 +462,7 @@ async fn prepare_statements(conn: &mut PgConnection, begin: &str) -> Result<(), 
     );
     let mut present = Vec::new();
     {
-        let mut results = conn.fetch_many(check.as_str());
+        let mut results = conn.fetch_many(our_sql(check));
         while let Some(result) = results.next().await {
             if let Either::Right(row) = result? {
                 present.push(row.try_get::<String, _>(0)?);
@@ -480,7 +481,7 @@ async fn prepare_statements(conn: &mut PgConnection, begin: &str) -> Result<(), 
         .map(|(name, statement)| format!("PREPARE {name} AS {statement}"))
         .collect();
     prepare.push("ROLLBACK".to_owned());
-    conn.execute(prepare.join("; ").as_str()).await?;
+    conn.execute(our_sql(prepare.join("; "))).await?;
     Ok(())
 }
 
