@@ -23,7 +23,7 @@ use crate::store::{NewRecord, Scope};
 mod owned;
 
 /// The sqlx version of the pools and of the handle's connection: depend on it through this
-/// re-export (or keep yours on the same 0.8 release).
+/// re-export (or keep yours on the same 0.9 release).
 pub use sqlx;
 
 use crate::store::Isolation;
