@@ -23,7 +23,7 @@ use std::time::Duration;
 use axum::middleware;
 use axum::routing::post;
 use axum::Router;
-use support::pgbouncer::PgBouncer;
+use support::pgbouncer::{create_role_with_schema, PgBouncer};
 use tower_idempotency::fingerprint::Fingerprinter;
 use tower_idempotency::store::tokio_postgres::tokio_postgres::{self, NoTls};
 use tower_idempotency::store::tokio_postgres::PostgresStore;
@@ -133,23 +133,12 @@ impl Role {
         tokio::spawn(connection);
         let name = format!("tidem_bench_{}_{}", topology.name(), std::process::id());
         let server: tokio_postgres::Config = url.parse()?;
-        let password = server
-            .get_password()
-            .map(|password| String::from_utf8_lossy(password).into_owned())
-            .unwrap_or_default();
-        let with_password = if password.is_empty() {
-            String::new()
-        } else {
-            format!(" PASSWORD '{}'", password.replace('\'', "''"))
-        };
         admin
             .batch_execute(&format!(
-                "DROP SCHEMA IF EXISTS {name} CASCADE; DROP ROLE IF EXISTS {name}; \
-                 CREATE ROLE {name} LOGIN{with_password}; \
-                 CREATE SCHEMA {name} AUTHORIZATION {name}; \
-                 ALTER ROLE {name} SET search_path = {name}"
+                "DROP SCHEMA IF EXISTS {name} CASCADE; DROP ROLE IF EXISTS {name}"
             ))
             .await?;
+        let password = create_role_with_schema(&admin, &server, &name).await?;
         Ok(Role {
             name,
             password,

@@ -200,6 +200,34 @@ impl Drop for PgBouncer {
     }
 }
 
+/// Creates role `name` (LOGIN, with the password of `server`'s settings, if any) and a schema
+/// of the same name it owns and finds its tables in (`ALTER ROLE ... SET search_path`), so
+/// that its sessions need no startup `options`, which PgBouncer refuses. Returns the password
+/// (empty without one). `admin` is connected to `server` as a role that may create roles.
+pub async fn create_role_with_schema(
+    admin: &tokio_postgres::Client,
+    server: &tokio_postgres::Config,
+    name: &str,
+) -> Result<String, tokio_postgres::Error> {
+    let password = server
+        .get_password()
+        .map(|password| String::from_utf8_lossy(password).into_owned())
+        .unwrap_or_default();
+    let with_password = if password.is_empty() {
+        String::new()
+    } else {
+        format!(" PASSWORD '{}'", password.replace('\'', "''"))
+    };
+    admin
+        .batch_execute(&format!(
+            "CREATE ROLE {name} LOGIN{with_password}; \
+             CREATE SCHEMA {name} AUTHORIZATION {name}; \
+             ALTER ROLE {name} SET search_path = {name}"
+        ))
+        .await?;
+    Ok(password)
+}
+
 /// A test's own role and schema in the database of `TEST_DATABASE_URL`, with the `orders`
 /// table, and a PgBouncer of its own in front of the server: the stores connect through it,
 /// the test reads the tables directly. Dropped with its connections at the end.
@@ -227,23 +255,7 @@ impl Bounced {
         if first {
             sweep_stale(&admin, now).await;
         }
-        let password = server
-            .get_password()
-            .map(|password| String::from_utf8_lossy(password).into_owned())
-            .unwrap_or_default();
-        let with_password = if password.is_empty() {
-            String::new()
-        } else {
-            format!(" PASSWORD '{}'", password.replace('\'', "''"))
-        };
-        // The role's sessions find the tables in its schema, whichever server connection
-        // PgBouncer lends: no startup `options` needed (PgBouncer refuses them).
-        admin
-            .batch_execute(&format!(
-                "CREATE ROLE {name} LOGIN{with_password}; \
-                 CREATE SCHEMA {name} AUTHORIZATION {name}; \
-                 ALTER ROLE {name} SET search_path = {name}"
-            ))
+        let password = create_role_with_schema(&admin, &server, &name)
             .await
             .expect("create the test role and schema");
         let upstream = upstream(&server);
