@@ -21,6 +21,7 @@
 
 use support::apps::process::ExampleProcess;
 use support::common;
+use support::common::ChargeProvider;
 use support::galera::GaleraDb;
 use support::mysql_common::TestDb;
 use support::pg_common::HookOutcome;
@@ -434,15 +435,9 @@ async fn relays_on_two_nodes_deliver_every_event() {
 // ----- steps -----
 
 /// A foreign provider that charges once per key: its calls, and the charge of each key.
-#[derive(Clone, Default)]
-struct Provider {
-    calls: Arc<AtomicUsize>,
-    charges: Arc<Mutex<BTreeMap<String, String>>>,
-}
-
 /// `POST /checkouts`: a local step (an order) and a foreign one (a charge).
 async fn checkout(
-    State(provider): State<Provider>,
+    State(provider): State<ChargeProvider>,
     steps: Steps<SqlxMySqlStore>,
 ) -> Result<(StatusCode, Json<serde_json::Value>), StepError> {
     let order_id = steps
@@ -458,15 +453,7 @@ async fn checkout(
         .await?;
     let charge = steps
         .foreign("charge", CallAgain, |key| async move {
-            provider.calls.fetch_add(1, Ordering::SeqCst);
-            let mut charges = provider.charges.lock().unwrap();
-            let next = charges.len() + 1;
-            Ok::<_, tower_idempotency::steps::Foreign>(
-                charges
-                    .entry(key)
-                    .or_insert_with(|| format!("ch_{next}"))
-                    .clone(),
-            )
+            Ok::<_, tower_idempotency::steps::Foreign>(provider.charge(key))
         })
         .await?;
     Ok((
@@ -481,7 +468,7 @@ test! { steps_racing_across_two_nodes_call_the_provider_once_per_key, multi_thre
 /// per key, the same answer for both.
 async fn steps_racing_across_two_nodes_call_the_provider_once_per_key() {
     let db = GaleraDb::create().await;
-    let provider = Provider::default();
+    let provider = ChargeProvider::default();
     // Both instances create the tables at once, each on its node: `GET_LOCK` holds on one
     // node only, the DDL is replicated in total order, and `IF NOT EXISTS` takes the second.
     let stores = [
@@ -549,7 +536,7 @@ async fn steps_racing_across_two_nodes_call_the_provider_once_per_key() {
             assert_eq!(reply.body, replies[0].body, "{key}");
         }
     }
-    let calls = provider.calls.load(Ordering::SeqCst);
+    let calls = provider.calls();
     eprintln!(
         "galera steps: {calls} provider calls for {KEYS} keys, {again} answers 503/409 retried"
     );

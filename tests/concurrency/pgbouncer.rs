@@ -16,6 +16,7 @@
 //!   PgBouncer under load: one order per key, nothing lost, never a `500`.
 
 use support::common;
+use support::common::ChargeProvider;
 use support::pg_common;
 use support::pgbouncer::{Bounced, ChildApp};
 
@@ -666,14 +667,8 @@ async fn two_app_instances_race_duplicates_through_the_pooler<D: Driver>() {
 
 // ----- steps, the outbox, the inbox, the admin -----
 
-#[derive(Clone, Default)]
-struct Provider {
-    calls: Arc<AtomicUsize>,
-    charges: Arc<Mutex<BTreeMap<String, String>>>,
-}
-
 async fn checkout<D: Driver>(
-    State(provider): State<Provider>,
+    State(provider): State<ChargeProvider>,
     steps: Steps<D::Store>,
     Json(body): Json<Value>,
 ) -> Result<(StatusCode, Json<Value>), StepError> {
@@ -681,15 +676,7 @@ async fn checkout<D: Driver>(
     let order_id = D::insert_in_step(&steps, sku).await?;
     let charge = steps
         .foreign("charge", CallAgain, |key| async move {
-            provider.calls.fetch_add(1, Ordering::SeqCst);
-            let mut charges = provider.charges.lock().unwrap();
-            let next = charges.len() + 1;
-            Ok::<_, tower_idempotency::steps::Foreign>(
-                charges
-                    .entry(key)
-                    .or_insert_with(|| format!("ch_{next}"))
-                    .clone(),
-            )
+            Ok::<_, tower_idempotency::steps::Foreign>(provider.charge(key))
         })
         .await?;
     Ok((
@@ -803,7 +790,7 @@ async fn steps_outbox_inbox_and_admin_through_the_pooler<D: Driver>() {
     server.shutdown().await;
 
     // Steps: a local step and a foreign call per key; duplicates in flight wait and replay.
-    let provider = Provider::default();
+    let provider = ChargeProvider::default();
     let layer = IdempotencyLayer::new(store.clone())
         .with_operation("checkout")
         .with_lock_timeout(Duration::from_secs(5))
@@ -843,11 +830,7 @@ async fn steps_outbox_inbox_and_admin_through_the_pooler<D: Driver>() {
             assert_eq!(reply.body, replies[0].body, "{key}");
         }
     }
-    assert_eq!(
-        provider.calls.load(Ordering::SeqCst),
-        12,
-        "one call per key"
-    );
+    assert_eq!(provider.calls(), 12, "one call per key");
     let steps_orders: i64 = db
         .value("SELECT count(*) FROM orders WHERE tenant_id = 'steps'", &[])
         .await;

@@ -1286,3 +1286,33 @@ pub mod process {
         }
     }
 }
+
+/// A payment provider for steps tests across instances: a charge per step key, however often
+/// it is called with that key, and a count of the calls (each call beyond one per key is a
+/// foreign step called again). Cloned into every instance's state.
+#[derive(Clone, Default)]
+pub struct ChargeProvider {
+    calls: Arc<AtomicUsize>,
+    charges: Arc<std::sync::Mutex<std::collections::BTreeMap<String, String>>>,
+}
+
+impl ChargeProvider {
+    /// One call with the step's `key`: the charge id this key got, a new one the first time.
+    pub fn charge(&self, key: String) -> String {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        let mut charges = self
+            .charges
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let next = charges.len() + 1;
+        charges
+            .entry(key)
+            .or_insert_with(|| format!("ch_{next}"))
+            .clone()
+    }
+
+    /// How many calls it got.
+    pub fn calls(&self) -> usize {
+        self.calls.load(Ordering::SeqCst)
+    }
+}
