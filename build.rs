@@ -1,9 +1,10 @@
 //! Sets names for sets of the crate's own features, so that the code says once what a feature
-//! list means: `cfg(row_lock_store)` with any store whose reservation is a row lock
-//! (`tokio-postgres`, `sqlx-postgres`, `sqlx-mysql`), `cfg(sql_store)` with any store at all
-//! (those and `sqlite`), `cfg(postgres_dialect)` with either PostgreSQL store
-//! (`tokio-postgres`, `sqlx-postgres`: `src/postgres/` compiles) and `cfg(sqlx_store)` with
-//! either sqlx store (`sqlx-postgres`, `sqlx-mysql`: `src/sqlx/` compiles). Public items keep
+//! list means: `cfg(row_lock_store)` with any store on the shared SQL engine of
+//! `src/row_lock/` (`tokio-postgres`, `sqlx-postgres`, `sqlx-mysql`, `sqlx-sqlite`),
+//! `cfg(sql_store)` with any store at all (those and `sqlite`), `cfg(postgres_dialect)` with
+//! either PostgreSQL store (`tokio-postgres`, `sqlx-postgres`: `src/postgres/` compiles) and
+//! `cfg(sqlx_store)` with any sqlx store (`sqlx-postgres`, `sqlx-mysql`, `sqlx-sqlite`:
+//! `src/sqlx/` compiles). Public items keep
 //! the feature lists themselves, so that their docs name the features.
 //!
 //! Writes `$OUT_DIR/doc_links.md`, the link definitions of the crate root's docs and the
@@ -45,9 +46,14 @@ fn main() {
     println!("cargo::rustc-check-cfg=cfg(postgres_dialect)");
     println!("cargo::rustc-check-cfg=cfg(sqlx_store)");
     let feature = |name: &str| std::env::var_os(format!("CARGO_FEATURE_{name}")).is_some();
-    let row_lock_store = ["TOKIO_POSTGRES", "SQLX_POSTGRES", "SQLX_MYSQL"]
-        .iter()
-        .any(|name| feature(name));
+    let row_lock_store = [
+        "TOKIO_POSTGRES",
+        "SQLX_POSTGRES",
+        "SQLX_MYSQL",
+        "SQLX_SQLITE",
+    ]
+    .iter()
+    .any(|name| feature(name));
     if row_lock_store {
         println!("cargo::rustc-cfg=row_lock_store");
     }
@@ -57,7 +63,10 @@ fn main() {
     if feature("TOKIO_POSTGRES") || feature("SQLX_POSTGRES") {
         println!("cargo::rustc-cfg=postgres_dialect");
     }
-    if feature("SQLX_POSTGRES") || feature("SQLX_MYSQL") {
+    if ["SQLX_POSTGRES", "SQLX_MYSQL", "SQLX_SQLITE"]
+        .iter()
+        .any(|name| feature(name))
+    {
         println!("cargo::rustc-cfg=sqlx_store");
     }
     write_doc_links(&feature);

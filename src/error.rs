@@ -122,8 +122,13 @@ pub enum Error {
     #[cfg(feature = "tokio-postgres")]
     #[error("PostgreSQL: {}", DriverError::detail(.0))]
     TokioPostgres(#[from] tokio_postgres::Error),
-    /// An error from sqlx (the `sqlx-postgres` or `sqlx-mysql` store, or its pool).
-    #[cfg(any(feature = "sqlx-postgres", feature = "sqlx-mysql"))]
+    /// An error from sqlx (the `sqlx-postgres`, `sqlx-mysql` or `sqlx-sqlite` store, or its
+    /// pool).
+    #[cfg(any(
+        feature = "sqlx-postgres",
+        feature = "sqlx-mysql",
+        feature = "sqlx-sqlite"
+    ))]
     #[error("sqlx: {0}")]
     Sqlx(#[from] sqlx::Error),
     /// An I/O error (opening the database, for example).

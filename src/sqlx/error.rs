@@ -22,6 +22,10 @@ pub(crate) fn kind(error: &sqlx::Error) -> ErrorKind {
     if let Some(kind) = super::mysql::error::kind(error) {
         return kind;
     }
+    #[cfg(feature = "sqlx-sqlite")]
+    if let Some(kind) = super::sqlite::error::kind(error) {
+        return kind;
+    }
     match sqlx_code(error).as_deref() {
         Some("40001" | "40P01") => ErrorKind::Conflict,
         Some("55P03") => ErrorKind::LockTimeout,

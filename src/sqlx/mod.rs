@@ -1,8 +1,8 @@
 //! The sqlx driver: the store written once over sqlx's databases ([`store`], public as
 //! `store::sqlx_postgres` and `store::sqlx_mysql`), the calls that take a sqlx executor
 //! ([`outbox`]), the driver seam of the shared engine ([`driver`]), how sqlx errors are classified
-//! ([`error`]), and each database's part: [`postgres`] (feature `sqlx-postgres`) and [`mysql`]
-//! (feature `sqlx-mysql`).
+//! ([`error`]), and each database's part: [`postgres`] (feature `sqlx-postgres`), [`mysql`]
+//! (feature `sqlx-mysql`) and [`sqlite`] (feature `sqlx-sqlite`).
 
 pub(crate) mod store;
 
@@ -14,3 +14,5 @@ pub(crate) mod mysql;
 pub(crate) mod outbox;
 #[cfg(feature = "sqlx-postgres")]
 pub(crate) mod postgres;
+#[cfg(feature = "sqlx-sqlite")]
+pub(crate) mod sqlite;

@@ -130,6 +130,8 @@ pub(crate) mod record_row {
         };
     }
 
+    pub(crate) use record_columns_by_try_get;
+
     #[cfg(feature = "tokio-postgres")]
     record_columns_by_try_get!(tokio_postgres::Row);
     #[cfg(feature = "sqlx-postgres")]

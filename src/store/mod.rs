@@ -32,6 +32,8 @@ pub use crate::sqlite::store as sqlite;
 pub use crate::sqlx::mysql::store as sqlx_mysql;
 #[cfg(feature = "sqlx-postgres")]
 pub use crate::sqlx::postgres::store as sqlx_postgres;
+#[cfg(feature = "sqlx-sqlite")]
+pub use crate::sqlx::sqlite::store as sqlx_sqlite;
 #[cfg(feature = "tokio-postgres")]
 pub use crate::tokio_postgres::store as tokio_postgres;
 

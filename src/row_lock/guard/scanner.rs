@@ -1,6 +1,7 @@
-//! The SQL lexer under both dialects' checks: statements cut at top-level semicolons
-//! ([`split_in`]), the tokens with their nesting ([`Tokens`]), the first words of a command ([`Words`]) and single tokens ([`token`]), by
-//! PostgreSQL's or MySQL's lexical rules ([`Dialect`]).
+//! The SQL lexer under every dialect's checks: statements cut at top-level semicolons
+//! ([`split_in`]), the tokens with their nesting ([`Tokens`]), the first words of a command
+//! ([`Words`]) and single tokens ([`token`]), by PostgreSQL's, MySQL's or SQLite's lexical
+//! rules ([`Dialect`]).
 
 /// Whose lexical rules the SQL follows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -12,6 +13,11 @@ pub(crate) enum Dialect {
     /// quote as the session's `sql_mode` says ([`MySqlQuoting`]).
     #[cfg_attr(not(feature = "sqlx-mysql"), allow(dead_code))]
     MySql(MySqlQuoting),
+    /// SQLite: comments do not nest and `--` ends at a line feed only, `[...]` and backquoted
+    /// identifiers, no `E'...'` strings and no dollar quotes (`$`, `@`, `:` and `#` start a
+    /// parameter name, which may end with a parenthesized suffix).
+    #[cfg_attr(not(feature = "sqlx-sqlite"), allow(dead_code))]
+    Sqlite,
 }
 
 /// How MySQL reads `'` and `"`, which the session's `sql_mode` decides: a handler's statement
@@ -266,6 +272,11 @@ pub(crate) fn token(dialect: Dialect, bytes: &[u8], at: usize) -> Token {
             return token;
         }
     }
+    if dialect == Dialect::Sqlite {
+        if let Some(token) = sqlite_token(bytes, at) {
+            return token;
+        }
+    }
     match bytes[at] {
         byte if is_space(byte) => {
             let end = end_of_run(bytes, at, is_space);
@@ -355,6 +366,65 @@ fn mysql_token(bytes: &[u8], at: usize, quoting: MySqlQuoting) -> Option<Token> 
         b'$' => Token::Other(at + 1),
         _ => return None,
     })
+}
+
+/// The tokens SQLite lexes otherwise than PostgreSQL (`None`: lexed alike), as SQLite's own
+/// tokenizer cuts them.
+fn sqlite_token(bytes: &[u8], at: usize) -> Option<Token> {
+    let next = |offset: usize| bytes.get(at + offset).copied();
+    Some(match bytes[at] {
+        // To the line feed only: a carriage return does not end it.
+        b'-' if next(1) == Some(b'-') => Token::Blank(end_of_run(bytes, at, |b| b != b'\n')),
+        // Comments do not nest.
+        b'/' if next(1) == Some(b'*') => {
+            let end = bytes[at + 2..]
+                .windows(2)
+                .position(|w| w == b"*/")
+                .map_or(bytes.len(), |n| at + 2 + n + 2);
+            Token::Blank(end)
+        }
+        b'`' => Token::Other(quoted_end(bytes, at + 1, b'`', false)),
+        // `[name]`: no escape, it ends at the first `]`.
+        b'[' => Token::Other(
+            bytes[at + 1..]
+                .iter()
+                .position(|&b| b == b']')
+                .map_or(bytes.len(), |n| at + 1 + n + 1),
+        ),
+        // No `E'...'` strings: `E` is a word.
+        b'E' | b'e' if next(1) == Some(b'\'') => Token::Word(at + 1),
+        b'$' | b'@' | b':' | b'#' => Token::Other(sqlite_variable_end(bytes, at)),
+        _ => return None,
+    })
+}
+
+/// The end of the parameter name that starts at `at` (`$name`, `@name`, `:name`, `#name`):
+/// identifier characters and `::`, and after at least one of them a suffix from `(` to the
+/// first `)` with no blank before it (a blank there ends the token, which SQLite refuses).
+fn sqlite_variable_end(bytes: &[u8], at: usize) -> usize {
+    let mut i = at + 1;
+    let mut named = false;
+    while i < bytes.len() {
+        let byte = bytes[i];
+        if is_ident_cont(byte) {
+            named = true;
+            i += 1;
+        } else if byte == b'(' && named {
+            i += 1;
+            while i < bytes.len() && !is_space(bytes[i]) && bytes[i] != b')' {
+                i += 1;
+            }
+            if bytes.get(i) == Some(&b')') {
+                i += 1;
+            }
+            return i;
+        } else if byte == b':' && bytes.get(i + 1) == Some(&b':') {
+            i += 2;
+        } else {
+            return i;
+        }
+    }
+    i
 }
 
 /// The end of the (nested) `/* */` comment that starts at `at`; the end of the input if it
