@@ -1,24 +1,11 @@
-//! The SQL of the SQLite store on sqlx: the schema and every statement. The records table is
-//! the one the SQLite store on rusqlite (`store::sqlite`) creates: no reservation row, since
-//! the reservation is the database's write lock.
+//! The SQL of the SQLite store on sqlx: the schema and every statement. The table has the
+//! layout of the PostgreSQL and MySQL ones; the store writes only completed records (the
+//! reservation is the database's write lock).
 
-/// The records table (as `store::sqlite` creates it; see its docs for the layout).
-pub(crate) const SCHEMA: &str = "
-CREATE TABLE IF NOT EXISTS idempotency_records (
-    tenant              TEXT    NOT NULL,
-    operation           TEXT    NOT NULL,
-    idempotency_key     TEXT    NOT NULL,
-    expires_at          INTEGER NOT NULL,
-    created_at          INTEGER NOT NULL,
-    fingerprint         BLOB    NOT NULL,
-    fingerprint_version INTEGER NOT NULL,
-    status              INTEGER NOT NULL,
-    headers             TEXT    NOT NULL,
-    body                BLOB    NOT NULL,
-    trailers            TEXT,
-    PRIMARY KEY (tenant, operation, idempotency_key)
-) WITHOUT ROWID;
-";
+/// The migration shipped in this folder's `migrations/` (for `sqlx migrate run` or
+/// `sqlx::migrate!`).
+pub(crate) const SCHEMA: &str =
+    include_str!("../migrations/20261201000000_idempotency_records.sql");
 
 /// Turns on write-ahead logging (a setting of the file, kept by every later connection): a
 /// commit is one append, and readers (the replay fast path) never wait for the writer.
@@ -27,34 +14,37 @@ pub(crate) const WAL: &str = "PRAGMA journal_mode = WAL";
 /// The connection's `synchronous` setting (`2`: `FULL`, SQLite's default).
 pub(crate) const SYNCHRONOUS: &str = "PRAGMA synchronous";
 
-/// A record row in the columns the shared reader takes (the state first: every row here is a
-/// completed record). Binds: the scope.
+/// A record row in the columns the shared reader takes. Binds: the scope.
 pub(crate) const SELECT_RECORD: &str =
-    "SELECT 'completed', fingerprint_version, fingerprint, status, headers, body, trailers, \
+    "SELECT state, fingerprint_version, fingerprint, status, headers, body, trailers, \
      created_at, expires_at FROM idempotency_records \
      WHERE tenant = ?1 AND operation = ?2 AND idempotency_key = ?3";
 
 /// The live record of a scope, for the fast path (a read in WAL mode never waits for the
 /// writer). Binds: the scope, `now`.
 pub(crate) const SELECT_LIVE_RECORD: &str =
-    "SELECT 'completed', fingerprint_version, fingerprint, status, headers, body, trailers, \
+    "SELECT state, fingerprint_version, fingerprint, status, headers, body, trailers, \
      created_at, expires_at FROM idempotency_records \
-     WHERE tenant = ?1 AND operation = ?2 AND idempotency_key = ?3 AND expires_at > ?4";
+     WHERE tenant = ?1 AND operation = ?2 AND idempotency_key = ?3 \
+     AND state = 'completed' AND expires_at > ?4";
 
 /// Whether the scope has a live record (a row if it does), read under the write lock: if
 /// not, the request holding the lock has the key. Binds: the scope, `now`.
 pub(crate) const HAS_LIVE_RECORD: &str = "SELECT 1 FROM idempotency_records \
-     WHERE tenant = ?1 AND operation = ?2 AND idempotency_key = ?3 AND expires_at > ?4";
+     WHERE tenant = ?1 AND operation = ?2 AND idempotency_key = ?3 \
+     AND state = 'completed' AND expires_at > ?4";
 
-/// Saves the completed record, over an expired one of the same scope. Binds: the response
+/// Saves the completed record, over an expired one (or a reservation another store's
+/// protocol left) of the same scope. Binds: the response
 /// columns and times, then the scope.
 pub(crate) const SAVE_RECORD: &str = "INSERT OR REPLACE INTO idempotency_records \
      (fingerprint, fingerprint_version, status, headers, body, trailers, created_at, \
-     expires_at, tenant, operation, idempotency_key) \
-     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)";
+     expires_at, tenant, operation, idempotency_key, state) \
+     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, 'completed')";
 
-/// Deletes a batch of expired records (SQLite's own `DELETE ... LIMIT` is a build option the
-/// bundled library does not have). Binds: `now`, the batch size.
+/// Deletes a batch of expired records, through the index on `expires_at` (SQLite's own
+/// `DELETE ... LIMIT` is a build option the bundled library does not have). Binds: `now`, the
+/// batch size.
 pub(crate) const PURGE_EXPIRED: &str = "DELETE FROM idempotency_records \
      WHERE (tenant, operation, idempotency_key) IN (SELECT tenant, operation, idempotency_key \
      FROM idempotency_records WHERE expires_at <= ?1 LIMIT ?2)";
