@@ -9,74 +9,78 @@
 //! [`Admin::counts`](crate::admin::Admin::counts) counts it as expired and
 //! [`Admin::purge_expired`](crate::admin::Admin::purge_expired) removes it.
 
-use std::time::SystemTime;
-
-use crate::admin::{AdminBackend, RawRecord, RecordCounts, RecordFilter, RecordInfo};
-use crate::error::Error;
-#[cfg(feature = "sqlx-mysql")]
-use crate::mysql::admin_sql as mysql_sql;
-#[cfg(postgres_dialect)]
-use crate::postgres::admin_sql as pg_sql;
-use crate::row::Columns;
-use crate::row_lock::driver::{SqlDriver, SqlParam};
-use crate::store::to_unix_millis;
-
 /// [`AdminBackend`] on a store, with the statements of the server's SQL module `$sql` (written
-/// once; expanded for each driver below, as concrete impls, so that the driver trait stays
+/// once; expanded in each store's folder, as concrete impls, so that the driver trait stays
 /// private).
 macro_rules! sql_admin {
     ($store:ty, $sql:ident) => {
-        impl crate::admin::sealed::Sealed for $store {}
+        const _: () = {
+            use $crate::row_lock::admin::engine::*;
 
-        impl AdminBackend for $store {
-            async fn inspect_record(
-                &self,
-                tenant: &str,
-                operation: &str,
-                key: &str,
-                with_body: bool,
-            ) -> Result<Option<RecordInfo>, Error> {
-                let scope = [tenant.into(), operation.into(), key.into()];
-                let rows = self
-                    .fetch_rows(&$sql::inspect_record(with_body), &scope)
-                    .await?;
-                rows.first()
-                    .map(|row| RawRecord::read(row)?.into_info(tenant, operation, key))
-                    .transpose()
-            }
+            impl $crate::admin::sealed::Sealed for $store {}
 
-            async fn delete_record(
-                &self,
-                tenant: &str,
-                operation: &str,
-                key: &str,
-            ) -> Result<bool, Error> {
-                let scope = [tenant.into(), operation.into(), key.into()];
-                Ok(self.execute_counted($sql::DELETE_RECORD, &scope).await? > 0)
-            }
+            impl AdminBackend for $store {
+                async fn inspect_record(
+                    &self,
+                    tenant: &str,
+                    operation: &str,
+                    key: &str,
+                    with_body: bool,
+                ) -> Result<Option<RecordInfo>, Error> {
+                    let scope = [tenant.into(), operation.into(), key.into()];
+                    let rows = self
+                        .fetch_rows(&$sql::inspect_record(with_body), &scope)
+                        .await?;
+                    rows.first()
+                        .map(|row| RawRecord::read(row)?.into_info(tenant, operation, key))
+                        .transpose()
+                }
 
-            async fn count_records(&self, filter: &RecordFilter) -> Result<RecordCounts, Error> {
-                let params = [
-                    to_unix_millis(SystemTime::now()).into(),
-                    SqlParam::OptionalText(filter.tenant.as_deref()),
-                    SqlParam::OptionalText(filter.operation.as_deref()),
-                ];
-                let rows = self.fetch_rows($sql::COUNT_RECORDS, &params).await?;
-                let row = rows
-                    .first()
-                    .ok_or_else(|| Error::Corrupt("record counts: no row".into()))?;
-                Ok(RecordCounts::from_columns(
-                    row.required_big_int(0, "live count")?,
-                    row.required_big_int(1, "expired count")?,
-                ))
+                async fn delete_record(
+                    &self,
+                    tenant: &str,
+                    operation: &str,
+                    key: &str,
+                ) -> Result<bool, Error> {
+                    let scope = [tenant.into(), operation.into(), key.into()];
+                    Ok(self.execute_counted($sql::DELETE_RECORD, &scope).await? > 0)
+                }
+
+                async fn count_records(
+                    &self,
+                    filter: &RecordFilter,
+                ) -> Result<RecordCounts, Error> {
+                    let params = [
+                        to_unix_millis(SystemTime::now()).into(),
+                        SqlParam::OptionalText(filter.tenant.as_deref()),
+                        SqlParam::OptionalText(filter.operation.as_deref()),
+                    ];
+                    let rows = self.fetch_rows($sql::COUNT_RECORDS, &params).await?;
+                    let row = rows
+                        .first()
+                        .ok_or_else(|| Error::Corrupt("record counts: no row".into()))?;
+                    Ok(RecordCounts::from_columns(
+                        row.required_big_int(0, "live count")?,
+                        row.required_big_int(1, "expired count")?,
+                    ))
+                }
             }
-        }
+        };
     };
 }
 
-#[cfg(feature = "tokio-postgres")]
-sql_admin!(crate::store::tokio_postgres::PostgresStore, pg_sql);
-#[cfg(feature = "sqlx-postgres")]
-sql_admin!(crate::store::sqlx_postgres::SqlxPostgresStore, pg_sql);
-#[cfg(feature = "sqlx-mysql")]
-sql_admin!(crate::store::sqlx_mysql::SqlxMySqlStore, mysql_sql);
+/// Each store invokes it in its folder (its `driver.rs`).
+pub(crate) use sql_admin;
+
+/// What [`sql_admin!`]'s expansion names: it imports them all, wherever it is invoked.
+pub(crate) mod engine {
+    pub(crate) use std::time::SystemTime;
+
+    pub(crate) use crate::admin::{
+        AdminBackend, RawRecord, RecordCounts, RecordFilter, RecordInfo,
+    };
+    pub(crate) use crate::error::Error;
+    pub(crate) use crate::row::Columns;
+    pub(crate) use crate::row_lock::driver::{SqlDriver, SqlParam};
+    pub(crate) use crate::store::to_unix_millis;
+}

@@ -54,7 +54,7 @@ pub(crate) use columns_by_try_get;
 // The drivers: `src/tokio_postgres/driver.rs`, `src/sqlx/postgres/driver.rs` and
 // `src/sqlx/mysql/driver.rs` (with what both sqlx databases share in `src/sqlx/driver.rs`).
 #[cfg(all(feature = "outbox", feature = "sqlx-mysql"))]
-pub(crate) use crate::sqlx::mysql::driver::{claim as mysql_claim, positional};
+pub(crate) use crate::sqlx::mysql::driver::positional;
 #[cfg(all(feature = "outbox", feature = "sqlx-postgres"))]
 pub(crate) use crate::sqlx::postgres::driver::numbered;
 

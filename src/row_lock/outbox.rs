@@ -10,32 +10,21 @@
 //! [`SqlxPostgresStore`]: crate::store::sqlx_postgres::SqlxPostgresStore
 //! [`SqlxMySqlStore`]: crate::store::sqlx_mysql::SqlxMySqlStore
 
-use std::future::Future;
-use std::pin::Pin;
 use std::time::{Duration, SystemTime};
 
 use crate::error::Error;
-#[cfg(feature = "sqlx-mysql")]
-use crate::mysql::outbox_sql as mysql_sql;
-use crate::outbox::columns::{
-    claimed_oldest_first, claimed_row, count_from_column, event_status, RawEvent,
-};
 use crate::outbox::inbox::receipt;
-use crate::outbox::{
-    Backlog, ClaimRequest, Claimed, Enqueue, EventId, EventInfo, InboxBackend, InboxOutcome,
-    OutboxBackend, OutboxCounts, OutboxStore, Processed, Receipt, Settlement,
-};
+use crate::outbox::{EventId, Receipt};
 #[cfg(postgres_dialect)]
 use crate::postgres::outbox_sql as pg_sql;
 use crate::row::Columns;
-use crate::row_lock::driver::{Finish, Own, SqlDriver, SqlHandle, SqlParam, SqlTransactions};
-use crate::row_lock::reserve::retry_conflicts;
+use crate::row_lock::driver::{SqlDriver, SqlHandle, SqlParam};
 use crate::store::to_unix_millis;
 
 /// How many times a claim that met a deadlock or a serialization failure runs again, and
 /// within how long.
-const CLAIM_CONFLICT_RETRIES: u32 = 3;
-const CLAIM_RETRY_WINDOW: Duration = Duration::from_secs(1);
+pub(crate) const CLAIM_CONFLICT_RETRIES: u32 = 3;
+pub(crate) const CLAIM_RETRY_WINDOW: Duration = Duration::from_secs(1);
 
 /// A new event, as [`INSERT_EVENT`] writes it.
 pub(crate) struct NewEvent {
@@ -67,17 +56,17 @@ impl NewEvent {
 }
 
 /// A count or a limit as a `BIGINT` (saturating).
-fn big_int(value: usize) -> SqlParam<'static> {
+pub(crate) fn big_int(value: usize) -> SqlParam<'static> {
     SqlParam::BigInt(i64::try_from(value).unwrap_or(i64::MAX))
 }
 
 /// The `EXISTS (...)` of a statement's only row.
-fn exists(rows: &[impl Columns<Error = Error>]) -> Result<bool, Error> {
+pub(crate) fn exists(rows: &[impl Columns<Error = Error>]) -> Result<bool, Error> {
     one_row(rows, "exists")?.required_boolean(0, "exists")
 }
 
 /// The only row a statement returns.
-fn one_row<'a, R>(rows: &'a [R], what: &str) -> Result<&'a R, Error> {
+pub(crate) fn one_row<'a, R>(rows: &'a [R], what: &str) -> Result<&'a R, Error> {
     rows.first()
         .ok_or_else(|| Error::Corrupt(format!("{what}: no row")))
 }
@@ -87,7 +76,7 @@ type Recording = (&'static str, fn(&str, &str) -> Result<(), Error>);
 
 /// Records `event_id` for `consumer` in the transaction of `tx`, as the server's `recording`
 /// says (a consumer or an id that does not fit its table is refused first).
-async fn record<H: SqlHandle>(
+pub(crate) async fn record<H: SqlHandle>(
     tx: &H,
     (insert_id, check): Recording,
     consumer: &str,
@@ -102,7 +91,7 @@ async fn record<H: SqlHandle>(
 
 /// The claim on PostgreSQL: both updates, each `RETURNING` its rows, in one transaction.
 #[cfg(postgres_dialect)]
-async fn claim_returning<D: SqlDriver>(
+pub(crate) async fn claim_returning<D: SqlDriver>(
     driver: &D,
     dead_letter: &[SqlParam<'_>],
     claim: &[SqlParam<'_>],
@@ -129,6 +118,9 @@ pub(crate) fn record_params<'a>(consumer: &'a str, event_id: &'a str) -> [SqlPar
 /// driver traits stay private).
 macro_rules! sql_outbox_and_inbox {
     ($store:ty, $handle:ty, $sql:ident, $claim:path) => {
+        const _: () = {
+        use $crate::row_lock::outbox::engine::*;
+
         /// Enqueues in the request's transaction, on either driver.
         ///
         /// ```no_run
@@ -396,27 +388,35 @@ macro_rules! sql_outbox_and_inbox {
                 self.execute_counted($sql::PURGE_INBOX, &params).await
             }
         }
+        };
     };
 }
 
-#[cfg(feature = "tokio-postgres")]
-sql_outbox_and_inbox!(
-    crate::store::tokio_postgres::PostgresStore,
-    crate::store::tokio_postgres::PostgresHandle,
-    pg_sql,
-    claim_returning
-);
-#[cfg(feature = "sqlx-postgres")]
-sql_outbox_and_inbox!(
-    crate::store::sqlx_postgres::SqlxPostgresStore,
-    crate::store::sqlx_postgres::SqlxPostgresHandle,
-    pg_sql,
-    claim_returning
-);
-#[cfg(feature = "sqlx-mysql")]
-sql_outbox_and_inbox!(
-    crate::store::sqlx_mysql::SqlxMySqlStore,
-    crate::store::sqlx_mysql::SqlxMySqlHandle,
-    mysql_sql,
-    crate::row_lock::driver::mysql_claim
-);
+/// Each store invokes it in its folder (its `driver.rs`).
+pub(crate) use sql_outbox_and_inbox;
+
+/// What [`sql_outbox_and_inbox!`]'s expansion names: it imports them all, wherever it is
+/// invoked.
+pub(crate) mod engine {
+    pub(crate) use std::future::Future;
+    pub(crate) use std::pin::Pin;
+    pub(crate) use std::time::{Duration, SystemTime};
+
+    pub(crate) use super::{
+        big_int, exists, one_row, record, NewEvent, CLAIM_CONFLICT_RETRIES, CLAIM_RETRY_WINDOW,
+    };
+    pub(crate) use crate::error::Error;
+    pub(crate) use crate::outbox::columns::{
+        claimed_oldest_first, claimed_row, count_from_column, event_status, RawEvent,
+    };
+    pub(crate) use crate::outbox::{
+        Backlog, ClaimRequest, Claimed, Enqueue, EventId, EventInfo, InboxBackend, InboxOutcome,
+        OutboxBackend, OutboxCounts, OutboxStore, Processed, Receipt, Settlement,
+    };
+    pub(crate) use crate::row::Columns;
+    pub(crate) use crate::row_lock::driver::{
+        Finish, Own, SqlDriver, SqlHandle, SqlParam, SqlTransactions,
+    };
+    pub(crate) use crate::row_lock::reserve::retry_conflicts;
+    pub(crate) use crate::store::to_unix_millis;
+}

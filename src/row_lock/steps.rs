@@ -36,19 +36,14 @@ use super::steps_sql::{
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
-#[cfg(feature = "sqlx-mysql")]
-use crate::mysql::steps_sql as mysql_sql;
-#[cfg(postgres_dialect)]
-use crate::postgres::steps_sql as pg_sql;
 use crate::response::SavedResponse;
 use crate::row::Columns;
 use crate::row_lock::driver::{Finish, Own, SqlDriver, SqlHandle, SqlParam, SqlTransactions};
 use crate::row_lock::reserve::retry_conflicts;
-use crate::steps::sealed::StepProtocol;
 use crate::steps::{
     check_saved_step, new_run_id, Acquired, Claim, Lease, Progress, ProgressCursor, ProgressPage,
-    ProgressQuery, ProgressStatus, Resolution, SavedRequest, SavedStep, Settled, StepKind,
-    StepOutcome, StepRow, StepStore, Stored,
+    ProgressQuery, ProgressStatus, Resolution, SavedRequest, SavedStep, Settled, StepKind, StepRow,
+    Stored,
 };
 use crate::store::record_row::live_record;
 use crate::store::{from_unix_millis, to_unix_millis, NewRecord, Scope, StoredRecord};
@@ -738,6 +733,8 @@ pub(crate) fn purge_progress<'a, S: SqlTransactions>(
 macro_rules! sql_steps {
     ($store:ty, $transaction:ty, $sql:ident) => {
         const _: () = {
+            use $crate::row_lock::steps::engine::*;
+
             const DIALECT: Dialect = Dialect {
                 schema: $sql::SCHEMA,
                 install_lock: $sql::STEPS_INSTALL_LOCK,
@@ -849,21 +846,23 @@ macro_rules! sql_steps {
     };
 }
 
-#[cfg(feature = "tokio-postgres")]
-sql_steps!(
-    crate::store::tokio_postgres::PostgresStore,
-    crate::store::tokio_postgres::PostgresHandle,
-    pg_sql
-);
-#[cfg(feature = "sqlx-postgres")]
-sql_steps!(
-    crate::store::sqlx_postgres::SqlxPostgresStore,
-    crate::store::sqlx_postgres::SqlxPostgresHandle,
-    pg_sql
-);
-#[cfg(feature = "sqlx-mysql")]
-sql_steps!(
-    crate::store::sqlx_mysql::SqlxMySqlStore,
-    crate::store::sqlx_mysql::SqlxMySqlHandle,
-    mysql_sql
-);
+/// Each store invokes it in its folder (its `driver.rs`).
+pub(crate) use sql_steps;
+
+/// What [`sql_steps!`]'s expansion names: it imports them all, wherever it is invoked.
+pub(crate) mod engine {
+    pub(crate) use std::future::Future;
+    pub(crate) use std::time::SystemTime;
+
+    pub(crate) use super::{
+        acquire, finish, forget_intent, install, progress, purge_progress, release, resolve,
+        run_local, save_step, set_status, BoxedWork, Dialect,
+    };
+    pub(crate) use crate::error::Error;
+    pub(crate) use crate::steps::sealed::StepProtocol;
+    pub(crate) use crate::steps::{
+        Acquired, Claim, Lease, ProgressPage, ProgressQuery, ProgressStatus, Resolution, Settled,
+        StepOutcome, StepRow, StepStore,
+    };
+    pub(crate) use crate::store::{NewRecord, Scope};
+}

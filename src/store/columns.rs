@@ -76,8 +76,6 @@ impl SavedColumns {
 #[cfg(row_lock_store)]
 pub(crate) mod record_row {
     use bytes::Bytes;
-    #[cfg(sqlx_store)]
-    use sqlx::Row as _;
 
     use crate::error::Error;
     use crate::store::{SavedColumns, StoredRecord};
@@ -106,38 +104,32 @@ pub(crate) mod record_row {
     /// tokio-postgres and sqlx spell the same way.
     macro_rules! record_columns_by_try_get {
         ($row:ty) => {
-            impl RecordColumns for $row {
-                fn int(&self, index: usize) -> Result<Option<i32>, Error> {
+            impl $crate::store::columns::record_row::RecordColumns for $row {
+                fn int(&self, index: usize) -> Result<Option<i32>, $crate::error::Error> {
                     Ok(self.try_get(index)?)
                 }
 
-                fn big_int(&self, index: usize) -> Result<i64, Error> {
+                fn big_int(&self, index: usize) -> Result<i64, $crate::error::Error> {
                     Ok(self.try_get(index)?)
                 }
 
-                fn required_text(&self, index: usize) -> Result<&str, Error> {
+                fn required_text(&self, index: usize) -> Result<&str, $crate::error::Error> {
                     Ok(self.try_get(index)?)
                 }
 
-                fn text(&self, index: usize) -> Result<Option<&str>, Error> {
+                fn text(&self, index: usize) -> Result<Option<&str>, $crate::error::Error> {
                     Ok(self.try_get(index)?)
                 }
 
-                fn bytes(&self, index: usize) -> Result<Option<&[u8]>, Error> {
+                fn bytes(&self, index: usize) -> Result<Option<&[u8]>, $crate::error::Error> {
                     Ok(self.try_get(index)?)
                 }
             }
         };
     }
 
+    /// Each driver invokes it for its row type, in its folder (its `driver.rs`).
     pub(crate) use record_columns_by_try_get;
-
-    #[cfg(feature = "tokio-postgres")]
-    record_columns_by_try_get!(tokio_postgres::Row);
-    #[cfg(feature = "sqlx-postgres")]
-    record_columns_by_try_get!(sqlx::postgres::PgRow);
-    #[cfg(feature = "sqlx-mysql")]
-    record_columns_by_try_get!(sqlx::mysql::MySqlRow);
 
     /// Reads a record row (state, fingerprint version, fingerprint, status, headers, body,
     /// trailers, created and expiry times) as a completed record, checked by [`SavedColumns`].

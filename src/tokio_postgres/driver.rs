@@ -5,11 +5,15 @@ use tokio_postgres::row::Row;
 use tokio_postgres::types::{IsNull, ToSql, Type};
 
 use crate::error::Error;
+use crate::postgres::admin_sql;
 use crate::row_lock::driver::{columns_by_try_get, SqlDriver, SqlParam};
 use crate::row_lock::driver::{finish, Finish, Own, SqlHandle, SqlTransactions};
 use crate::store::tokio_postgres::statements::{typed, Preparation};
 use crate::store::tokio_postgres::PostgresStore;
 use crate::store::tokio_postgres::{migrate::install_schema, Executor as _, PostgresHandle};
+
+// The admin calls (`row_lock/admin.rs`) on this store.
+crate::row_lock::admin::sql_admin!(crate::store::tokio_postgres::PostgresStore, admin_sql);
 
 type BoxedError = Box<dyn std::error::Error + Sync + Send>;
 
@@ -47,6 +51,7 @@ pub(crate) fn as_sql<'a>(params: &'a [SqlParam<'_>]) -> Vec<&'a (dyn ToSql + Syn
 }
 
 columns_by_try_get!(Row, i32);
+crate::store::columns::record_row::record_columns_by_try_get!(tokio_postgres::Row);
 
 impl SqlDriver for PostgresStore {
     type Row = Row;
@@ -129,3 +134,12 @@ impl SqlHandle for PostgresHandle {
         client.execute_typed_statement(sql, &typed(params)).await
     }
 }
+
+use crate::postgres::steps_sql as pg_steps_sql;
+
+// Step-by-step requests (`row_lock/steps.rs`) on this store.
+crate::row_lock::steps::sql_steps!(
+    crate::store::tokio_postgres::PostgresStore,
+    crate::store::tokio_postgres::PostgresHandle,
+    pg_steps_sql
+);

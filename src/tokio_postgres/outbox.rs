@@ -123,3 +123,13 @@ impl Inbox<PostgresStore> {
         Ok(receipt(inserted))
     }
 }
+
+use crate::postgres::outbox_sql as pg_outbox_sql;
+
+// The outbox and the inbox (`row_lock/outbox.rs`) on this store.
+crate::row_lock::outbox::sql_outbox_and_inbox!(
+    crate::store::tokio_postgres::PostgresStore,
+    crate::store::tokio_postgres::PostgresHandle,
+    pg_outbox_sql,
+    crate::row_lock::outbox::claim_returning
+);

@@ -7,6 +7,7 @@ use sqlx::mysql::MySqlRow;
 use sqlx::{Executor as _, Row as _};
 
 use crate::error::Error;
+use crate::mysql::admin_sql;
 #[cfg(feature = "outbox")]
 use crate::mysql::outbox_sql::{CLAIM, DEAD_LETTER_ABANDONED, SELECT_ABANDONED, SELECT_CLAIMABLE};
 #[cfg(feature = "outbox")]
@@ -16,6 +17,9 @@ use crate::row_lock::driver::{columns_by_try_get, SqlDriver, SqlParam};
 use crate::sqlx::driver::{our_sql, sqlx_bind};
 use crate::store::sqlx_mysql::SqlxMySqlHandle;
 use crate::store::sqlx_mysql::SqlxMySqlStore;
+
+// The admin calls (`row_lock/admin.rs`) on this store.
+crate::row_lock::admin::sql_admin!(crate::store::sqlx_mysql::SqlxMySqlStore, admin_sql);
 
 /// `sql` with each `$n` replaced by `?`, and the values to bind in that order: `params[n - 1]`
 /// for each `$n` (one may appear several times, or not at all).
@@ -46,6 +50,7 @@ pub(crate) fn positional<'p>(
 }
 
 columns_by_try_get!(MySqlRow, i64);
+crate::store::columns::record_row::record_columns_by_try_get!(MySqlRow);
 
 impl SqlDriver for SqlxMySqlStore {
     type Row = MySqlRow;
@@ -171,3 +176,24 @@ mod tests {
         assert_eq!(positional("no parameters", &[]).unwrap().0, "no parameters");
     }
 }
+
+#[cfg(feature = "outbox")]
+use crate::mysql::outbox_sql as mysql_outbox_sql;
+
+// The outbox and the inbox (`row_lock/outbox.rs`) on this store.
+#[cfg(feature = "outbox")]
+crate::row_lock::outbox::sql_outbox_and_inbox!(
+    crate::store::sqlx_mysql::SqlxMySqlStore,
+    crate::store::sqlx_mysql::SqlxMySqlHandle,
+    mysql_outbox_sql,
+    claim
+);
+
+use crate::mysql::steps_sql as mysql_steps_sql;
+
+// Step-by-step requests (`row_lock/steps.rs`) on this store.
+crate::row_lock::steps::sql_steps!(
+    crate::store::sqlx_mysql::SqlxMySqlStore,
+    crate::store::sqlx_mysql::SqlxMySqlHandle,
+    mysql_steps_sql
+);

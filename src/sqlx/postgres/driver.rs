@@ -11,11 +11,15 @@ use sqlx::query::Query;
 use sqlx::{Executor as _, Row as _, SqlSafeStr};
 
 use crate::error::Error;
+use crate::postgres::admin_sql;
 use crate::row_lock::driver::SqlHandle;
 use crate::row_lock::driver::{columns_by_try_get, SqlDriver, SqlParam};
 use crate::sqlx::driver::{our_sql, sqlx_bind};
 use crate::store::sqlx_postgres::SqlxPostgresHandle;
 use crate::store::sqlx_postgres::SqlxPostgresStore;
+
+// The admin calls (`row_lock/admin.rs`) on this store.
+crate::row_lock::admin::sql_admin!(crate::store::sqlx_postgres::SqlxPostgresStore, admin_sql);
 
 /// `sql` with `params` bound in order.
 pub(crate) fn bound<'q>(
@@ -26,6 +30,7 @@ pub(crate) fn bound<'q>(
 }
 
 columns_by_try_get!(PgRow, i32);
+crate::store::columns::record_row::record_columns_by_try_get!(PgRow);
 
 impl SqlDriver for SqlxPostgresStore {
     type Row = PgRow;
@@ -104,3 +109,24 @@ pub(crate) fn numbered<'p>(
 ) -> Result<(String, Vec<SqlParam<'p>>), Error> {
     Ok((sql.to_owned(), params.to_vec()))
 }
+
+#[cfg(feature = "outbox")]
+use crate::postgres::outbox_sql as pg_outbox_sql;
+
+// The outbox and the inbox (`row_lock/outbox.rs`) on this store.
+#[cfg(feature = "outbox")]
+crate::row_lock::outbox::sql_outbox_and_inbox!(
+    crate::store::sqlx_postgres::SqlxPostgresStore,
+    crate::store::sqlx_postgres::SqlxPostgresHandle,
+    pg_outbox_sql,
+    crate::row_lock::outbox::claim_returning
+);
+
+use crate::postgres::steps_sql as pg_steps_sql;
+
+// Step-by-step requests (`row_lock/steps.rs`) on this store.
+crate::row_lock::steps::sql_steps!(
+    crate::store::sqlx_postgres::SqlxPostgresStore,
+    crate::store::sqlx_postgres::SqlxPostgresHandle,
+    pg_steps_sql
+);

@@ -12,7 +12,6 @@ use crate::error::Error;
 use crate::row_lock::driver::SqlHandle;
 use crate::row_lock::driver::{columns_by_try_get, SqlDriver, SqlParam};
 use crate::sqlx::driver::{our_sql, sqlx_bind};
-use crate::store::columns::record_row::{record_columns_by_try_get, RecordColumns};
 use crate::store::sqlx_sqlite::{SqlxSqliteHandle, SqlxSqliteStore};
 
 /// `sql` with `params` bound in order.
@@ -21,7 +20,7 @@ fn bound<'q>(sql: impl SqlSafeStr, params: &[SqlParam<'_>]) -> Query<'q, Sqlite,
 }
 
 columns_by_try_get!(SqliteRow, i64);
-record_columns_by_try_get!(SqliteRow);
+crate::store::columns::record_row::record_columns_by_try_get!(SqliteRow);
 
 /// Opens a transaction that holds the write lock from its start.
 const BEGIN_IMMEDIATE: &str = "BEGIN IMMEDIATE";
