@@ -23,7 +23,7 @@ use std::path::PathBuf;
 /// them), the path in the crate, and the page under the crate's docs.rs root.
 #[rustfmt::skip]
 const DOC_LINKS: &[(&str, &[&str], &str, &str)] = &[
-    ("admin", &["sqlite", "tokio-postgres", "sqlx-postgres", "sqlx-mysql"], "crate::admin", "admin/index.html"),
+    ("admin", &["sqlite", "tokio-postgres", "sqlx-postgres", "sqlx-mysql", "sqlx-sqlite"], "crate::admin", "admin/index.html"),
     ("sqlite", &["sqlite"], "crate::store::sqlite", "store/sqlite/index.html"),
     ("SqliteHandle", &["sqlite"], "crate::store::sqlite::SqliteHandle", "store/sqlite/struct.SqliteHandle.html"),
     ("SqliteHandle::run", &["sqlite"], "crate::store::sqlite::SqliteHandle::run", "store/sqlite/struct.SqliteHandle.html#method.run"),

@@ -114,7 +114,8 @@
     feature = "sqlite",
     feature = "tokio-postgres",
     feature = "sqlx-postgres",
-    feature = "sqlx-mysql"
+    feature = "sqlx-mysql",
+    feature = "sqlx-sqlite"
 ))]
 pub mod admin;
 pub mod body;

@@ -25,7 +25,8 @@ pub(crate) use inbox::InboxOutcome;
     feature = "sqlite",
     feature = "tokio-postgres",
     feature = "sqlx-postgres",
-    feature = "sqlx-mysql"
+    feature = "sqlx-mysql",
+    feature = "sqlx-sqlite"
 ))]
 pub use inbox::{Inbox, InboxBackend};
 pub use relay::{Relay, RoundReport};

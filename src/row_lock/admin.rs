@@ -1,6 +1,7 @@
 //! [`AdminBackend`] on the SQL servers, for every driver (tokio-postgres' `PostgresStore`,
-//! sqlx' `SqlxPostgresStore` and `SqlxMySqlStore`, through [`SqlDriver`]): the statements of
-//! `postgres/admin_sql.rs` on PostgreSQL, of `mysql/admin_sql.rs` on MySQL and MariaDB.
+//! sqlx' `SqlxPostgresStore`, `SqlxMySqlStore` and `SqlxSqliteStore`, through [`SqlDriver`]):
+//! the statements of `postgres/admin_sql.rs` on PostgreSQL, of `mysql/admin_sql.rs` on MySQL
+//! and MariaDB, of `sqlx/sqlite/admin_sql.rs` on SQLite.
 //!
 //! Statements run in autocommit on pooled connections of the store. A request's reservation
 //! is never visible to them (it is committed only as a completed record); a reservation that

@@ -51,12 +51,10 @@ macro_rules! columns_by_try_get {
 
 pub(crate) use columns_by_try_get;
 
-// The drivers: `src/tokio_postgres/driver.rs`, `src/sqlx/postgres/driver.rs` and
-// `src/sqlx/mysql/driver.rs` (with what both sqlx databases share in `src/sqlx/driver.rs`).
-#[cfg(all(feature = "outbox", feature = "sqlx-mysql"))]
-pub(crate) use crate::sqlx::mysql::driver::positional;
-#[cfg(all(feature = "outbox", feature = "sqlx-postgres"))]
-pub(crate) use crate::sqlx::postgres::driver::numbered;
+// The drivers, each in its store's folder: `src/tokio_postgres/driver.rs`,
+// `src/sqlx/postgres/driver.rs`, `src/sqlx/mysql/driver.rs` and `src/sqlx/sqlite/driver.rs`
+// (with what the sqlx databases share in `src/sqlx/driver.rs`). Each implements the traits
+// here and invokes the engine's macros (`row_lock/{admin, outbox, steps}.rs`) for its store.
 
 /// A statement parameter: the few types the shared statements bind.
 #[derive(Clone, Copy, Debug)]

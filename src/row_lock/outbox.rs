@@ -1,10 +1,12 @@
 //! The outbox and the inbox on the SQL servers, written once for every driver: the statements
 //! of the server's SQL module (`postgres/outbox_sql.rs` on PostgreSQL, `mysql/outbox_sql.rs` on MySQL and MariaDB,
-//! both over the shared `outbox_sql.rs`), run through [`SqlDriver`] (tokio-postgres'
+//! both over the shared `outbox_sql.rs`), run through [`SqlDriver`](crate::row_lock::driver::SqlDriver) (tokio-postgres'
 //! [`PostgresStore`], sqlx' [`SqlxPostgresStore`] and [`SqlxMySqlStore`] implement it), so every
 //! store claims, settles, counts, records and retries the same way. Only the claim differs:
-//! PostgreSQL's updates return their rows (`RETURNING`); MySQL selects the rows with a locking
-//! read first, then updates them (the MySQL driver's `mysql_claim`).
+//! PostgreSQL's updates return their rows (`RETURNING`, [`claim_returning`]); MySQL selects
+//! the rows with a locking read first, then updates them (the MySQL driver's `claim`); SQLite's
+//! updates return their rows in a transaction that holds the write lock (its driver's
+//! `claim`). Each store expands [`sql_outbox_and_inbox!`] in its folder.
 //!
 //! [`PostgresStore`]: crate::store::tokio_postgres::PostgresStore
 //! [`SqlxPostgresStore`]: crate::store::sqlx_postgres::SqlxPostgresStore
@@ -18,7 +20,7 @@ use crate::outbox::{EventId, Receipt};
 #[cfg(postgres_dialect)]
 use crate::postgres::outbox_sql as pg_sql;
 use crate::row::Columns;
-use crate::row_lock::driver::{SqlDriver, SqlHandle, SqlParam};
+use crate::row_lock::driver::{SqlHandle, SqlParam};
 use crate::store::to_unix_millis;
 
 /// How many times a claim that met a deadlock or a serialization failure runs again, and
@@ -91,7 +93,7 @@ pub(crate) async fn record<H: SqlHandle>(
 
 /// The claim on PostgreSQL: both updates, each `RETURNING` its rows, in one transaction.
 #[cfg(postgres_dialect)]
-pub(crate) async fn claim_returning<D: SqlDriver>(
+pub(crate) async fn claim_returning<D: crate::row_lock::driver::SqlDriver>(
     driver: &D,
     dead_letter: &[SqlParam<'_>],
     claim: &[SqlParam<'_>],
@@ -114,7 +116,7 @@ pub(crate) fn record_params<'a>(consumer: &'a str, event_id: &'a str) -> [SqlPar
 
 /// The outbox's, the inbox's and `Enqueue`'s traits on a store and its transaction handle,
 /// through [`SqlDriver`], with the statements of the server's SQL module `$sql` and its claim
-/// `$claim` (written once; expanded for each driver below, as concrete impls, so that the
+/// `$claim` (written once; expanded in each store's folder, as concrete impls, so that the
 /// driver traits stay private).
 macro_rules! sql_outbox_and_inbox {
     ($store:ty, $handle:ty, $sql:ident, $claim:path) => {

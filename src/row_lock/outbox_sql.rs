@@ -1,5 +1,5 @@
 //! The outbox's and the inbox's statements that every SQL server of the crate runs as
-//! written (PostgreSQL on both drivers, MySQL and MariaDB), re-exported by each server's SQL
+//! written (PostgreSQL on both drivers, MySQL and MariaDB; SQLite through its driver's `sqlite_text`), re-exported by each server's SQL
 //! module (`postgres/outbox_sql.rs`, `mysql/outbox_sql.rs`) next to its own. Parameters are numbered `$n`, as
 //! PostgreSQL takes them; the MySQL driver sends each as a `?` bound to the n-th value.
 

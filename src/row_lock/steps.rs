@@ -728,7 +728,7 @@ pub(crate) fn purge_progress<'a, S: SqlTransactions>(
 }
 
 /// [`StepStore`] on a store and its transaction handle, with the statements of the server's
-/// SQL module `$sql` (written once above; expanded for each driver below, as concrete impls,
+/// SQL module `$sql` (written once above; expanded in each store's folder, as concrete impls,
 /// so that the driver traits stay private).
 macro_rules! sql_steps {
     ($store:ty, $transaction:ty, $sql:ident) => {

@@ -1,5 +1,5 @@
 //! The statements of step-by-step requests that every SQL server of the crate runs as written
-//! (PostgreSQL on both drivers, MySQL and MariaDB), re-exported by each server's SQL module
+//! (PostgreSQL on both drivers, MySQL and MariaDB; SQLite through its driver's `sqlite_text`), re-exported by each server's SQL module
 //! (`postgres/steps_sql.rs`, `mysql/steps_sql.rs`) next to its own. Parameters are numbered `$n`, as PostgreSQL
 //! takes them; the MySQL driver sends each as a `?` bound to the n-th value. `$1`, `$2`, `$3`
 //! are always the key's tenant, operation and idempotency key. Times are Unix milliseconds.

@@ -6,16 +6,11 @@ use futures_util::future::BoxFuture;
 use sqlx::Executor;
 
 use crate::error::Error;
-#[cfg(feature = "sqlx-mysql")]
-use crate::mysql::outbox_sql as mysql_sql;
 use crate::outbox::inbox::receipt;
 use crate::outbox::{EventId, Inbox, InboxBackend, Outbox, Receipt};
-#[cfg(feature = "sqlx-postgres")]
-use crate::postgres::outbox_sql as pg_sql;
 use crate::row_lock::driver::SqlParam;
 use crate::row_lock::outbox::{record_params, NewEvent};
 use crate::row_lock::outbox_sql::INSERT_EVENT;
-use crate::sqlx::driver::{our_sql, sqlx_bind};
 use crate::sqlx::store::{SqlxDialect, SqlxStore};
 
 /// A sqlx database with the crate's outbox and inbox (PostgreSQL, MySQL): what [`enqueue`] and
@@ -49,29 +44,31 @@ pub(crate) mod sealed {
 }
 
 /// [`sealed::Statements`] on a sqlx database, with the statements of its SQL module `$sql`,
-/// each prepared by `$prepare` (`$n` parameters as written, or as MySQL's `?`).
+/// each prepared by `$prepare` (`$n` parameters as written, as MySQL's `?`, or as SQLite
+/// takes them).
 macro_rules! outbox_database {
     ($db:ty, $sql:ident, $prepare:path) => {
         #[allow(private_interfaces)]
-        impl sealed::Statements for $db {
+        impl $crate::sqlx::outbox::sealed::Statements for $db {
             const INSERT_ID: &'static str = $sql::INSERT_ID;
 
-            fn check_inbox_ids(consumer: &str, event_id: &str) -> Result<(), Error> {
+            fn check_inbox_ids(consumer: &str, event_id: &str) -> Result<(), $crate::Error> {
                 $sql::check_inbox_ids(consumer, event_id)
             }
 
             fn execute_shared<'e, 'c: 'e, E>(
                 executor: E,
                 sql: &'static str,
-                params: &'e [SqlParam<'e>],
-            ) -> BoxFuture<'e, Result<u64, Error>>
+                params: &'e [$crate::row_lock::driver::SqlParam<'e>],
+            ) -> futures_util::future::BoxFuture<'e, Result<u64, $crate::Error>>
             where
-                E: Executor<'c, Database = Self> + 'e,
+                E: sqlx::Executor<'c, Database = Self> + 'e,
             {
                 Box::pin(async move {
                     let (sql, params) = $prepare(sql, params)?;
+                    let query = sqlx::query($crate::sqlx::driver::our_sql(sql));
                     let done = executor
-                        .execute(sqlx_bind(sqlx::query(our_sql(sql)), &params))
+                        .execute($crate::sqlx::driver::sqlx_bind(query, &params))
                         .await?;
                     Ok(done.rows_affected())
                 })
@@ -80,10 +77,8 @@ macro_rules! outbox_database {
     };
 }
 
-#[cfg(feature = "sqlx-postgres")]
-outbox_database!(sqlx::Postgres, pg_sql, crate::row_lock::driver::numbered);
-#[cfg(feature = "sqlx-mysql")]
-outbox_database!(sqlx::MySql, mysql_sql, crate::row_lock::driver::positional);
+/// Each sqlx database invokes it in its folder (its `driver.rs`).
+pub(crate) use outbox_database;
 
 /// The outbox of a sqlx store ([`SqlxPostgresStore`](crate::store::sqlx_postgres::SqlxPostgresStore),
 /// [`SqlxMySqlStore`](crate::store::sqlx_mysql::SqlxMySqlStore)).

@@ -180,6 +180,10 @@ mod tests {
 #[cfg(feature = "outbox")]
 use crate::mysql::outbox_sql as mysql_outbox_sql;
 
+// The outbox's and the inbox's calls on an executor of the application's (`sqlx/outbox.rs`).
+#[cfg(feature = "outbox")]
+crate::sqlx::outbox::outbox_database!(sqlx::MySql, mysql_outbox_sql, positional);
+
 // The outbox and the inbox (`row_lock/outbox.rs`) on this store.
 #[cfg(feature = "outbox")]
 crate::row_lock::outbox::sql_outbox_and_inbox!(

@@ -103,15 +103,16 @@ impl SqlHandle for SqlxPostgresHandle {
 /// The statement and its parameters as PostgreSQL takes them: as written (for
 /// `src/sqlx/outbox.rs`, which sends MySQL's through `positional`).
 #[cfg(feature = "outbox")]
-pub(crate) fn numbered<'p>(
-    sql: &str,
-    params: &[SqlParam<'p>],
-) -> Result<(String, Vec<SqlParam<'p>>), Error> {
+fn numbered<'p>(sql: &str, params: &[SqlParam<'p>]) -> Result<(String, Vec<SqlParam<'p>>), Error> {
     Ok((sql.to_owned(), params.to_vec()))
 }
 
 #[cfg(feature = "outbox")]
 use crate::postgres::outbox_sql as pg_outbox_sql;
+
+// The outbox's and the inbox's calls on an executor of the application's (`sqlx/outbox.rs`).
+#[cfg(feature = "outbox")]
+crate::sqlx::outbox::outbox_database!(Postgres, pg_outbox_sql, numbered);
 
 // The outbox and the inbox (`row_lock/outbox.rs`) on this store.
 #[cfg(feature = "outbox")]

@@ -125,8 +125,7 @@ impl SqlxDialect for SqliteDialect {
         now: SystemTime,
         batch: usize,
     ) -> BoxFuture<'_, Result<u64, Error>> {
-        let _ = (store, now, batch);
-        Box::pin(async { Ok(0) })
+        Box::pin(crate::steps::StepStore::purge_progress(store, now, batch))
     }
 
     /// Any length fits.
