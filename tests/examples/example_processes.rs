@@ -1,16 +1,19 @@
 //! The order examples as real processes on one database, each on its store:
 //! `examples/orders.rs --database-url ...` (tokio-postgres), `examples/orders_sqlx.rs` (sqlx
-//! PostgreSQL) and `examples/orders_mysql.rs` (sqlx MySQL/MariaDB). Two instances answer
-//! duplicates at once, and an instance killed with SIGKILL under load is started again; each
-//! serves the same order API (rules, error codes, `Location`, `GET /orders/{id}`): one suite,
-//! run against each example.
+//! PostgreSQL), `examples/orders_mysql.rs` (sqlx MySQL/MariaDB) and
+//! `examples/orders_sqlx_sqlite.rs` (sqlx SQLite, one file that both instances open). Two
+//! instances answer duplicates at once, and an instance killed with SIGKILL under load is
+//! started again; each serves the same order API (rules, error codes, `Location`,
+//! `GET /orders/{id}`): one suite, run against each example.
 //!
-//! Needs the database's server (`TEST_DATABASE_URL`, `TEST_MYSQL_URL`) and the example binary
-//! (built on first use); without the variable `cargo test` reports these tests as ignored.
+//! Needs the example binary (built on first use) and, for the SQL servers, the database's server
+//! (`TEST_DATABASE_URL`, `TEST_MYSQL_URL`): without the variable `cargo test` reports those
+//! tests as ignored. The SQLite example's tests need nothing more and always run.
 
 use support::common;
 use support::mysql_common;
 use support::pg_common;
+use support::sqlx_sqlite_common;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::future::Future;
@@ -58,6 +61,8 @@ struct TokioPostgres(pg_common::TestDb);
 struct SqlxPostgres(pg_common::TestDb);
 /// A MySQL or MariaDB database served by `examples/orders_mysql.rs`.
 struct MySql(mysql_common::TestDb);
+/// A SQLite file served by `examples/orders_sqlx_sqlite.rs`.
+struct SqlxSqlite(sqlx_sqlite_common::TestDb);
 
 /// `$database` is a `$test_db` served by the example `$example`.
 macro_rules! example_database {
@@ -95,6 +100,7 @@ macro_rules! example_database {
 example_database!(TokioPostgres, pg_common::TestDb, "orders");
 example_database!(SqlxPostgres, pg_common::TestDb, "orders_sqlx");
 example_database!(MySql, mysql_common::TestDb, "orders_mysql");
+example_database!(SqlxSqlite, sqlx_sqlite_common::TestDb, "orders_sqlx_sqlite");
 
 /// `GET path` as `token` (or without `Authorization`).
 async fn get_as(addr: std::net::SocketAddr, token: Option<&str>, path: &str) -> Reply {
@@ -418,5 +424,27 @@ mod mysql {
     test! { example_killed_under_load_keeps_one_order_per_key, multi_thread = 2, mysql }
     async fn example_killed_under_load_keeps_one_order_per_key() {
         killed_under_load_keeps_one_order_per_key::<MySql>().await;
+    }
+}
+
+mod sqlx_sqlite {
+    //! `examples/orders_sqlx_sqlite.rs` on the sqlx SQLite store: no server, so these run in a
+    //! plain `cargo test`.
+
+    use super::*;
+
+    test! { two_example_instances_create_one_order_per_key, multi_thread = 2 }
+    async fn two_example_instances_create_one_order_per_key() {
+        two_instances_create_one_order_per_key::<SqlxSqlite>().await;
+    }
+
+    test! { example_serves_the_order_api, multi_thread = 2 }
+    async fn example_serves_the_order_api() {
+        serves_the_order_api::<SqlxSqlite>().await;
+    }
+
+    test! { example_killed_under_load_keeps_one_order_per_key, multi_thread = 2 }
+    async fn example_killed_under_load_keeps_one_order_per_key() {
+        killed_under_load_keeps_one_order_per_key::<SqlxSqlite>().await;
     }
 }

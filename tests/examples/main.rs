@@ -1,5 +1,6 @@
 //! The example programs as a user runs them (processes on loopback: orders, payments, checkout,
-//! hyper, the order examples on the SQL servers, the admin tool) and the gRPC example's app.
+//! hyper, the order examples on the SQL servers and on SQLite through sqlx, the admin tool) and
+//! the gRPC example's app.
 
 #[macro_use]
 extern crate support;

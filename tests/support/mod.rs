@@ -7,6 +7,8 @@
 //! - the order app per store, served over real HTTP on loopback ([`common`] for SQLite,
 //!   [`pg_common`] for PostgreSQL on tokio-postgres and sqlx, [`mysql_common`] for MySQL and
 //!   MariaDB), and the suites written once over every store ([`backend`], [`backend_tests!`]);
+//! - a database file for the sqlx SQLite store's tests, and what they read from it
+//!   ([`sqlx_sqlite_common`]);
 //! - the example programs as child processes ([`apps::process`], [`admin_tool`]) and the
 //!   example apps served in-process, each the module its example program serves, never a copy
 //!   ([`apps::grpc_orders`]; [`apps::inventory`], which [`pg_common::inventory`] serves on a
@@ -34,3 +36,4 @@ pub mod relay_scenarios;
 pub mod splitmix;
 pub mod sqlite_faults;
 pub mod sqlite_orders;
+pub mod sqlx_sqlite_common;
