@@ -20,6 +20,7 @@ mod openapi;
 mod postgres_store;
 mod sqlite_store;
 mod sqlx_postgres_store;
+mod sqlx_sqlite_store;
 mod store_contract;
 
 fn main() {
