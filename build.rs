@@ -34,6 +34,7 @@ const DOC_LINKS: &[(&str, &[&str], &str, &str)] = &[
     ("postgres", &["tokio-postgres"], "crate::store::tokio_postgres", "store/tokio_postgres/index.html"),
     ("sqlx_postgres", &["sqlx-postgres"], "crate::store::sqlx_postgres", "store/sqlx_postgres/index.html"),
     ("sqlx_mysql", &["sqlx-mysql"], "crate::store::sqlx_mysql", "store/sqlx_mysql/index.html"),
+    ("sqlx_sqlite", &["sqlx-sqlite"], "crate::store::sqlx_sqlite", "store/sqlx_sqlite/index.html"),
     ("document", &["utoipa"], "crate::IdempotencyLayer::document", "struct.IdempotencyLayer.html#method.document"),
 ];
 

@@ -28,7 +28,7 @@ use crate::store::Scope;
 /// process or instance sharing the database meets it on the key's row: the PostgreSQL stores
 /// and the MySQL/MariaDB store bound that wait by the policy and answer `409` too (on MySQL
 /// and MariaDB the bound counts whole seconds, rounded up; under `Reject` MariaDB does not
-/// wait, MySQL waits one second). On SQLite the reservation is the file's write lock: such a
+/// wait, MySQL waits one second). On SQLite (either store) the reservation is the file's write lock: such a
 /// duplicate waits as under [`Wait`](Self::Wait), and gets `503` with `Retry-After` past the
 /// lock timeout.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

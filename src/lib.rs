@@ -78,6 +78,9 @@
 //! - `sqlx-mysql`: [`store::sqlx_mysql::SqlxMySqlStore`][sqlx_mysql], the same contract on
 //!   MySQL or MariaDB (InnoDB), built from the application's own `sqlx::MySqlPool`; handlers run
 //!   ordinary sqlx code on its `SqlxMySqlHandle` (migration in `migrations/mysql/`).
+//! - `sqlx-sqlite`: [`store::sqlx_sqlite::SqlxSqliteStore`][sqlx_sqlite], the same contract on a
+//!   SQLite file, built from the application's own `sqlx::SqlitePool`; handlers run ordinary
+//!   sqlx code on its `SqlxSqliteHandle`.
 //! - `client`: [`client::RetryLayer`][client], the client half: adds an `Idempotency-Key`, buffers the
 //!   body and retries with the same key and bytes.
 //! - `outbox`: [`outbox`][outbox], side effects that commit with the handler's rows: the handler
@@ -91,10 +94,10 @@
 //!
 //! A build for the client side alone compiles no database:
 //! `tower-idempotency = { version = "0.1", default-features = false, features = ["client"] }`.
-//! Without `sqlite`, `tokio-postgres`, `sqlx-postgres` or `sqlx-mysql` the layer is there with no store of this
+//! Without `sqlite`, `tokio-postgres`, `sqlx-postgres`, `sqlx-mysql` or `sqlx-sqlite` the layer is there with no store of this
 //! crate's; bring an [`store::IdempotencyStore`] of your own.
 //!
-//! Operations on a store, any of the four (inspect or delete a record, counts, purge, dead
+//! Operations on a store, any of the five (inspect or delete a record, counts, purge, dead
 //! letters), are library calls in [`admin`][admin]; the repository's command-line tool
 //! (`cargo run --example admin`) runs them on a SQLite file or a PostgreSQL database.
 

@@ -1,5 +1,5 @@
-//! The order API of the two sqlx examples (`orders_sqlx.rs` on PostgreSQL, `orders_mysql.rs` on
-//! MySQL or MariaDB), the same as `orders.rs` serves: `POST /orders` behind the idempotency
+//! The order API of the sqlx examples (`orders_sqlx.rs` on PostgreSQL, `orders_mysql.rs` on
+//! MySQL or MariaDB, `orders_sqlx_sqlite.rs` on SQLite), the same as `orders.rs` serves: `POST /orders` behind the idempotency
 //! layer with the order rules and error codes of `order_rules.rs`, `201` with `Location`,
 //! `GET /orders/{id}`, the demo authentication; and the command line and serving. Each
 //! example supplies only its SQL ([`OrderSql`]). Included with
@@ -36,7 +36,7 @@ pub struct Args {
 }
 
 impl Args {
-    /// The process's arguments; `scheme` (`postgres`, `mysql`) names the URL a missing
+    /// The process's arguments; `scheme` (`postgres`, `mysql`, `sqlite`) names the URL a missing
     /// `--database-url` asks for.
     pub fn parse(scheme: &str) -> Result<Self, BoxError> {
         let mut args = std::env::args().skip(1);

@@ -1,7 +1,9 @@
 //! The outbox and the inbox on the SQL servers, written once for every driver: the statements
-//! of the server's SQL module (`postgres/outbox_sql.rs` on PostgreSQL, `mysql/outbox_sql.rs` on MySQL and MariaDB,
-//! both over the shared `outbox_sql.rs`), run through [`SqlDriver`](crate::row_lock::driver::SqlDriver) (tokio-postgres'
-//! [`PostgresStore`], sqlx' [`SqlxPostgresStore`] and [`SqlxMySqlStore`] implement it), so every
+//! of the server's SQL module (`postgres/outbox_sql.rs` on PostgreSQL, `mysql/outbox_sql.rs` on
+//! MySQL and MariaDB, `sqlx/sqlite/outbox_sql.rs` on SQLite, each over the shared
+//! `outbox_sql.rs`), run through [`SqlDriver`](crate::row_lock::driver::SqlDriver) (tokio-postgres'
+//! [`PostgresStore`], sqlx' [`SqlxPostgresStore`], [`SqlxMySqlStore`] and [`SqlxSqliteStore`]
+//! implement it), so every
 //! store claims, settles, counts, records and retries the same way. Only the claim differs:
 //! PostgreSQL's updates return their rows (`RETURNING`, [`claim_returning`]); MySQL selects
 //! the rows with a locking read first, then updates them (the MySQL driver's `claim`); SQLite's
@@ -11,6 +13,7 @@
 //! [`PostgresStore`]: crate::store::tokio_postgres::PostgresStore
 //! [`SqlxPostgresStore`]: crate::store::sqlx_postgres::SqlxPostgresStore
 //! [`SqlxMySqlStore`]: crate::store::sqlx_mysql::SqlxMySqlStore
+//! [`SqlxSqliteStore`]: crate::store::sqlx_sqlite::SqlxSqliteStore
 
 use std::time::{Duration, SystemTime};
 

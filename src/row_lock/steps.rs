@@ -1,8 +1,8 @@
 //! Step-by-step requests ([`StepStore`]) on the SQL servers, written once for every driver: the
-//! statements of the server's SQL module (`postgres/steps_sql.rs`, `mysql/steps_sql.rs`, both
-//! over `steps_sql.rs` here), run through [`SqlTransactions`] (tokio-postgres'
-//! [`PostgresStore`], sqlx' [`SqlxPostgresStore`] and [`SqlxMySqlStore`] implement it). The
-//! semantics are those of the SQLite store's.
+//! statements of the server's SQL module (`postgres/steps_sql.rs`, `mysql/steps_sql.rs`,
+//! `sqlx/sqlite/steps_sql.rs`, each over `steps_sql.rs` here), run through [`SqlTransactions`]
+//! (tokio-postgres' [`PostgresStore`], sqlx' [`SqlxPostgresStore`], [`SqlxMySqlStore`] and
+//! [`SqlxSqliteStore`] implement it). The semantics are those of the SQLite store's.
 //!
 //! Every call is one transaction of the store's own ([`SqlTransactions::in_own_transaction`]):
 //! at `READ COMMITTED`, but a local step's at the store's isolation level. One that the
@@ -18,6 +18,7 @@
 //! [`PostgresStore`]: crate::store::tokio_postgres::PostgresStore
 //! [`SqlxPostgresStore`]: crate::store::sqlx_postgres::SqlxPostgresStore
 //! [`SqlxMySqlStore`]: crate::store::sqlx_mysql::SqlxMySqlStore
+//! [`SqlxSqliteStore`]: crate::store::sqlx_sqlite::SqlxSqliteStore
 
 use std::future::Future;
 use std::pin::Pin;

@@ -1,4 +1,4 @@
-//! What both sqlx databases share of the driver seam ([`crate::row_lock::driver`]): binding
+//! What the sqlx databases share of the driver seam ([`crate::row_lock::driver`]): binding
 //! the shared statements' parameters, and the store's own transactions.
 
 use std::future::Future;

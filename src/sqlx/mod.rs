@@ -1,5 +1,5 @@
 //! The sqlx driver: the store written once over sqlx's databases ([`store`], public as
-//! `store::sqlx_postgres` and `store::sqlx_mysql`), the calls that take a sqlx executor
+//! `store::sqlx_postgres`, `store::sqlx_mysql` and `store::sqlx_sqlite`), the calls that take a sqlx executor
 //! ([`outbox`]), the driver seam of the shared engine ([`driver`]), how sqlx errors are classified
 //! ([`error`]), and each database's part: [`postgres`] (feature `sqlx-postgres`), [`mysql`]
 //! (feature `sqlx-mysql`) and [`sqlite`] (feature `sqlx-sqlite`).

@@ -1,5 +1,5 @@
 //! The calls that take a sqlx executor of the caller's ([`enqueue`], [`Inbox::record`]),
-//! written once for both sqlx databases: each database only sends a shared statement its way
+//! written once for every sqlx database: each database only sends a shared statement its way
 //! ([`OutboxDatabase`]).
 
 use futures_util::future::BoxFuture;
@@ -81,7 +81,8 @@ macro_rules! outbox_database {
 pub(crate) use outbox_database;
 
 /// The outbox of a sqlx store ([`SqlxPostgresStore`](crate::store::sqlx_postgres::SqlxPostgresStore),
-/// [`SqlxMySqlStore`](crate::store::sqlx_mysql::SqlxMySqlStore)).
+/// [`SqlxMySqlStore`](crate::store::sqlx_mysql::SqlxMySqlStore),
+/// [`SqlxSqliteStore`](crate::store::sqlx_sqlite::SqlxSqliteStore)).
 impl<D: SqlxDialect> Outbox<SqlxStore<D>>
 where
     D::Db: OutboxDatabase,

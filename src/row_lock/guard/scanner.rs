@@ -1,10 +1,10 @@
 //! The SQL lexer under every dialect's checks: statements cut at top-level semicolons
 //! ([`split_in`]), the tokens with their nesting ([`Tokens`]), the first words of a command
-//! ([`Words`]) and single tokens ([`token`]), by PostgreSQL's, MySQL's or SQLite's lexical
-//! rules ([`Dialect`]).
+//! ([`Words`]) and single tokens ([`token`]), by PostgreSQL's or MySQL's lexical rules, or
+//! those of a dialect that lexes its own differences ([`Dialect`]).
 
 /// Whose lexical rules the SQL follows.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug)]
 pub(crate) enum Dialect {
     /// PostgreSQL: nested `/* */` comments, `E'...'` strings, dollar quotes.
     Postgres,
@@ -13,11 +13,11 @@ pub(crate) enum Dialect {
     /// quote as the session's `sql_mode` says ([`MySqlQuoting`]).
     #[cfg_attr(not(feature = "sqlx-mysql"), allow(dead_code))]
     MySql(MySqlQuoting),
-    /// SQLite: comments do not nest and `--` ends at a line feed only, `[...]` and backquoted
-    /// identifiers, no `E'...'` strings and no dollar quotes (`$`, `@`, `:` and `#` start a
-    /// parameter name, which may end with a parenthesized suffix).
+    /// A dialect whose store's folder lexes the tokens it reads otherwise than PostgreSQL
+    /// (`None`: lexed alike), with the helpers of this module (SQLite's, in
+    /// `src/sqlx/sqlite/guard.rs`).
     #[cfg_attr(not(feature = "sqlx-sqlite"), allow(dead_code))]
-    Sqlite,
+    Own(fn(&[u8], usize) -> Option<Token>),
 }
 
 /// How MySQL reads `'` and `"`, which the session's `sql_mode` decides: a handler's statement
@@ -66,7 +66,7 @@ pub(crate) fn split_in(dialect: Dialect, sql: &str) -> Vec<&str> {
             }
             Token::Word(end) => {
                 empty = false;
-                if dialect == Dialect::Postgres {
+                if matches!(dialect, Dialect::Postgres) {
                     routine.word(&sql[at..end], tokens.depth());
                 }
             }
@@ -237,16 +237,16 @@ pub(crate) enum Token {
     Other(usize),
 }
 
-fn is_space(byte: u8) -> bool {
+pub(crate) fn is_space(byte: u8) -> bool {
     matches!(byte, b' ' | b'\t' | b'\n' | b'\r' | b'\x0b' | b'\x0c')
 }
 
-fn is_ident_start(byte: u8) -> bool {
+pub(crate) fn is_ident_start(byte: u8) -> bool {
     byte.is_ascii_alphabetic() || byte == b'_' || byte >= 0x80
 }
 
 /// What may follow the first character of an identifier (PostgreSQL allows `$` in them).
-fn is_ident_cont(byte: u8) -> bool {
+pub(crate) fn is_ident_cont(byte: u8) -> bool {
     is_ident_start(byte) || byte.is_ascii_digit() || byte == b'$'
 }
 
@@ -257,7 +257,7 @@ fn is_tag_cont(byte: u8) -> bool {
 
 /// The end of the run of bytes from `from` on that are all `in_run`: the first byte past
 /// `from` that is not, or the end of the input.
-fn end_of_run(bytes: &[u8], from: usize, in_run: impl Fn(u8) -> bool) -> usize {
+pub(crate) fn end_of_run(bytes: &[u8], from: usize, in_run: impl Fn(u8) -> bool) -> usize {
     bytes[from..]
         .iter()
         .position(|&b| !in_run(b))
@@ -272,8 +272,8 @@ pub(crate) fn token(dialect: Dialect, bytes: &[u8], at: usize) -> Token {
             return token;
         }
     }
-    if dialect == Dialect::Sqlite {
-        if let Some(token) = sqlite_token(bytes, at) {
+    if let Dialect::Own(own_token) = dialect {
+        if let Some(token) = own_token(bytes, at) {
             return token;
         }
     }
@@ -368,65 +368,6 @@ fn mysql_token(bytes: &[u8], at: usize, quoting: MySqlQuoting) -> Option<Token> 
     })
 }
 
-/// The tokens SQLite lexes otherwise than PostgreSQL (`None`: lexed alike), as SQLite's own
-/// tokenizer cuts them.
-fn sqlite_token(bytes: &[u8], at: usize) -> Option<Token> {
-    let next = |offset: usize| bytes.get(at + offset).copied();
-    Some(match bytes[at] {
-        // To the line feed only: a carriage return does not end it.
-        b'-' if next(1) == Some(b'-') => Token::Blank(end_of_run(bytes, at, |b| b != b'\n')),
-        // Comments do not nest.
-        b'/' if next(1) == Some(b'*') => {
-            let end = bytes[at + 2..]
-                .windows(2)
-                .position(|w| w == b"*/")
-                .map_or(bytes.len(), |n| at + 2 + n + 2);
-            Token::Blank(end)
-        }
-        b'`' => Token::Other(quoted_end(bytes, at + 1, b'`', false)),
-        // `[name]`: no escape, it ends at the first `]`.
-        b'[' => Token::Other(
-            bytes[at + 1..]
-                .iter()
-                .position(|&b| b == b']')
-                .map_or(bytes.len(), |n| at + 1 + n + 1),
-        ),
-        // No `E'...'` strings: `E` is a word.
-        b'E' | b'e' if next(1) == Some(b'\'') => Token::Word(at + 1),
-        b'$' | b'@' | b':' | b'#' => Token::Other(sqlite_variable_end(bytes, at)),
-        _ => return None,
-    })
-}
-
-/// The end of the parameter name that starts at `at` (`$name`, `@name`, `:name`, `#name`):
-/// identifier characters and `::`, and after at least one of them a suffix from `(` to the
-/// first `)` with no blank before it (a blank there ends the token, which SQLite refuses).
-fn sqlite_variable_end(bytes: &[u8], at: usize) -> usize {
-    let mut i = at + 1;
-    let mut named = false;
-    while i < bytes.len() {
-        let byte = bytes[i];
-        if is_ident_cont(byte) {
-            named = true;
-            i += 1;
-        } else if byte == b'(' && named {
-            i += 1;
-            while i < bytes.len() && !is_space(bytes[i]) && bytes[i] != b')' {
-                i += 1;
-            }
-            if bytes.get(i) == Some(&b')') {
-                i += 1;
-            }
-            return i;
-        } else if byte == b':' && bytes.get(i + 1) == Some(&b':') {
-            i += 2;
-        } else {
-            return i;
-        }
-    }
-    i
-}
-
 /// The end of the (nested) `/* */` comment that starts at `at`; the end of the input if it
 /// is not closed.
 fn block_comment_end(bytes: &[u8], at: usize) -> usize {
@@ -451,7 +392,7 @@ fn block_comment_end(bytes: &[u8], at: usize) -> usize {
 
 /// The end of a quoted string or identifier whose content starts at `from`: a doubled quote
 /// is part of it, and so is a backslash-escaped character when `backslash` is set.
-fn quoted_end(bytes: &[u8], from: usize, quote: u8, backslash: bool) -> usize {
+pub(crate) fn quoted_end(bytes: &[u8], from: usize, quote: u8, backslash: bool) -> usize {
     let mut i = from;
     while i < bytes.len() {
         let byte = bytes[i];

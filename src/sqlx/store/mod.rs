@@ -56,9 +56,10 @@ pub(crate) mod sealed {
 pub(crate) type Conn<D> = <<D as SqlxDialect>::Db as Database>::Connection;
 
 /// What differs between the databases of the sqlx store: implemented by
-/// [`PgDialect`](crate::store::sqlx_postgres::PgDialect) (feature `sqlx-postgres`) and
-/// [`MySqlDialect`](crate::store::sqlx_mysql::MySqlDialect) (feature `sqlx-mysql`), and sealed: the
-/// store's guarantees rest on each dialect's SQL.
+/// [`PgDialect`](crate::store::sqlx_postgres::PgDialect) (feature `sqlx-postgres`),
+/// [`MySqlDialect`](crate::store::sqlx_mysql::MySqlDialect) (feature `sqlx-mysql`) and
+/// [`SqliteDialect`](crate::store::sqlx_sqlite::SqliteDialect) (feature `sqlx-sqlite`), and
+/// sealed: the store's guarantees rest on each dialect's SQL.
 pub trait SqlxDialect: sealed::Sealed + Clone + fmt::Debug + Send + Sync + Sized + 'static {
     /// The sqlx database.
     type Db: SqlxDatabase;
