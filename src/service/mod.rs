@@ -297,12 +297,8 @@ where
                     // The request that holds the key may be one more retry of a key completed
                     // long ago: a completed key is replayed, never answered "in flight". One read,
                     // without the write lock (the store bounds its wait); failing it, the 409.
-                    if let Ok(Some(record)) = self.store.lookup(&scope, SystemTime::now()).await {
-                        return Ok(self.answer_existing(record, &fingerprint, wire));
-                    }
-                    tracing::info!("a request with the same key is running; answered 409");
-                    metrics::request(&self.config, Outcome::InFlight);
-                    return Ok(self.reject(&rejection, wire));
+                    let found = self.store.lookup(&scope, SystemTime::now()).await;
+                    return Ok(self.answer_in_flight(found, &rejection, &fingerprint, wire));
                 }
             };
             if let Some(mode) = self.config.steps.clone() {
@@ -407,10 +403,6 @@ where
                 parts = spare_parts;
 
                 return match finished {
-                    Finished::Committed(parts, body, trailers) => {
-                        tracing::debug!(status = %parts.status, "response saved and committed");
-                        Ok(self.executed(parts, body, trailers))
-                    }
                     // The database threw the work away through no fault of the request's own: a
                     // conflict with a concurrent transaction (PostgreSQL 40001, 40P01), or another
                     // member of its SQLite commit group. Running it again may commit.
@@ -419,43 +411,74 @@ where
                         metrics::rollback(&self.config, RollbackReason::Rerun);
                         continue;
                     }
-                    Finished::CommitFailed(error) => {
-                        metrics::rollback(&self.config, RollbackReason::CommitFailed);
-                        Ok(self.store_failure(error, wire))
-                    }
-                    Finished::RolledBack(reason, answer) => {
-                        metrics::rolled_back(&self.config, reason);
-                        match answer {
-                            Answer::ServiceError(error) => {
-                                tracing::warn!(
-                                    "inner service failed; idempotency transaction rolled back"
-                                );
-                                Err(error)
-                            }
-                            Answer::Reject(rejection) => {
-                                if matches!(rejection, Rejection::HandlerPanicked) {
-                                    tracing::error!(
-                                        "handler panicked; idempotency transaction rolled back"
-                                    );
-                                } else {
-                                    tracing::warn!(%rejection, "response could not be captured; rolled back");
-                                }
-                                Ok(self.reject(&rejection, wire))
-                            }
-                            Answer::Inner(response) => {
-                                tracing::debug!(status = %response.status(), "response not saveable; rolled back");
-                                Ok(response.map(ResponseBody::inner))
-                            }
-                            Answer::Full(parts, body, trailers) => {
-                                tracing::debug!("gRPC status not saveable; rolled back");
-                                Ok(Response::from_parts(
-                                    parts,
-                                    ResponseBody::full(body, trailers),
-                                ))
-                            }
-                        }
-                    }
+                    finished => self.answer_finished(finished, wire),
                 };
+            }
+        }
+    }
+
+    /// The answer to a request whose scope another request of this layer holds, `found` the
+    /// read of its record: a completed record is replayed; otherwise `rejection` (`409`).
+    fn answer_in_flight(
+        &self,
+        found: Result<Option<StoredRecord>, Error>,
+        rejection: &Rejection,
+        fingerprint: &crate::fingerprint::Fingerprint,
+        wire: Wire,
+    ) -> Response<ResponseBody<ResB>> {
+        if let Ok(Some(record)) = found {
+            return self.answer_existing(record, fingerprint, wire);
+        }
+        tracing::info!("a request with the same key is running; answered 409");
+        metrics::request(&self.config, Outcome::InFlight);
+        self.reject(rejection, wire)
+    }
+
+    /// The answer to an attempt that ended and will not run again: its committed response, the
+    /// store's failure, or the answer of its rollback.
+    fn answer_finished(
+        &self,
+        finished: Finished<ResB, S::Error>,
+        wire: Wire,
+    ) -> Result<Response<ResponseBody<ResB>>, S::Error> {
+        match finished {
+            Finished::Committed(parts, body, trailers) => {
+                tracing::debug!(status = %parts.status, "response saved and committed");
+                Ok(self.executed(parts, body, trailers))
+            }
+            Finished::CommitFailed(error) => {
+                metrics::rollback(&self.config, RollbackReason::CommitFailed);
+                Ok(self.store_failure(error, wire))
+            }
+            Finished::RolledBack(reason, answer) => {
+                metrics::rolled_back(&self.config, reason);
+                match answer {
+                    Answer::ServiceError(error) => {
+                        tracing::warn!("inner service failed; idempotency transaction rolled back");
+                        Err(error)
+                    }
+                    Answer::Reject(rejection) => {
+                        if matches!(rejection, Rejection::HandlerPanicked) {
+                            tracing::error!(
+                                "handler panicked; idempotency transaction rolled back"
+                            );
+                        } else {
+                            tracing::warn!(%rejection, "response could not be captured; rolled back");
+                        }
+                        Ok(self.reject(&rejection, wire))
+                    }
+                    Answer::Inner(response) => {
+                        tracing::debug!(status = %response.status(), "response not saveable; rolled back");
+                        Ok(response.map(ResponseBody::inner))
+                    }
+                    Answer::Full(parts, body, trailers) => {
+                        tracing::debug!("gRPC status not saveable; rolled back");
+                        Ok(Response::from_parts(
+                            parts,
+                            ResponseBody::full(body, trailers),
+                        ))
+                    }
+                }
             }
         }
     }
