@@ -1,5 +1,6 @@
 //! The store contract, written once as generic functions over [`IdempotencyStore`] and run
-//! against every backend by `store_contract_tests!`: SQLite in a temp dir, and PostgreSQL (the
+//! against every backend by `store_contract_tests!`: SQLite in a temp dir (the SQLite store, and
+//! the sqlx SQLite store), and PostgreSQL (the
 //! tokio-postgres store and the sqlx store) in a schema of its own when `TEST_DATABASE_URL` is
 //! set, and MySQL or MariaDB (the sqlx store) in a database of its own when `TEST_MYSQL_URL` is
 //! set (reported as ignored otherwise).
@@ -287,7 +288,31 @@ async fn sqlite_store() -> Option<(
     Some((store, dir))
 }
 
+async fn sqlx_sqlite_store() -> Option<(
+    tower_idempotency::store::sqlx_sqlite::SqlxSqliteStore,
+    tempfile::TempDir,
+)> {
+    use std::str::FromStr as _;
+    use tower_idempotency::store::sqlx_sqlite::sqlx::sqlite::{
+        SqliteConnectOptions, SqlitePoolOptions,
+    };
+    let dir = tempfile::tempdir().expect("temp dir");
+    let options = SqliteConnectOptions::from_str("sqlite://")
+        .expect("options")
+        .filename(dir.path().join("store.db"))
+        .create_if_missing(true);
+    let pool = SqlitePoolOptions::new()
+        .max_connections(4)
+        .connect_with(options)
+        .await
+        .expect("pool");
+    let store = tower_idempotency::store::sqlx_sqlite::SqlxSqliteStore::new(pool);
+    store.migrate().await.expect("migrate");
+    Some((store, dir))
+}
+
 store_contract_tests!(sqlite, sqlite_store());
+store_contract_tests!(sqlx_sqlite, sqlx_sqlite_store());
 store_contract_tests!(
     postgres,
     on(pg_common::TestDb::create().await, async |db| db
