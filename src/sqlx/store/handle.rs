@@ -20,9 +20,10 @@ use crate::error::Error;
 use crate::row_lock::tx_state::{Observed, ObservedCell, TxShared};
 
 /// The docs of the handle, shared by each database's alias (`SqlxPostgresHandle`,
-/// `SqlxMySqlHandle`; an alias's page does not show the aliased type's docs), given its name.
+/// `SqlxMySqlHandle`, `SqlxSqliteHandle`; an alias's page does not show the aliased type's
+/// docs), given its name and its connection's.
 macro_rules! handle_docs {
-    ($handle:literal) => {
+    ($handle:literal, $connection:literal) => {
         concat!(
         "\n\nThe layer puts it in the request extensions (take it with \
         `Tx<", $handle, ">` in axum, feature `axum`). Everything run on the connection \
@@ -30,7 +31,7 @@ macro_rules! handle_docs {
         transaction as the idempotency record: it commits when the layer saves the response, \
         and rolls back if the handler fails, panics or the client goes away.\n\n\
         - The layer commits: transaction control is refused before it reaches the server (see \
-          [`CheckedConnection`]).\n\
+          [`", $connection, "`]).\n\
         - A serialization failure or deadlock of one of the handler's statements is noticed by \
           the layer, whatever the handler answers: it runs the request again in a fresh \
           transaction, up to \
@@ -43,7 +44,8 @@ macro_rules! handle_docs {
 }
 pub(crate) use handle_docs;
 
-/// The docs of the handle's connection, shared by each database's `CheckedConnection` alias,
+/// The docs of the handle's connection, shared by each database's alias of it
+/// (`SqlxPostgresConnection`, `SqlxMySqlConnection`, `SqlxSqliteConnection`),
 /// given the name of the database's handle.
 macro_rules! connection_docs {
     ($handle:literal) => {
@@ -112,7 +114,7 @@ impl<D: SqlxDialect> SqlxHandle<D> {
     /// transaction is alive (one connection runs one statement at a time).
     ///
     /// Run statements on it with `&mut *conn` as the executor: the borrow dereferences to the
-    /// database's `CheckedConnection`, whose `&mut` is a [`sqlx::Executor`]. Drop it to let
+    /// database's connection alias (`SqlxPostgresConnection`...), whose `&mut` is a [`sqlx::Executor`]. Drop it to let
     /// the next borrow (or the layer's commit) go on; it does not borrow the handle.
     pub async fn acquire(
         &self,

@@ -56,7 +56,7 @@ pub type SqlxMySqlOptions = SqlxOptions<MySqlDialect>;
 /// ```
 ///
 /// - Refused besides `COMMIT`, `ROLLBACK` and `BEGIN`: the statements after which MySQL
-///   commits on its own (DDL, `LOCK TABLES`, `SET autocommit`...; see [`CheckedConnection`]).
+///   commits on its own (DDL, `LOCK TABLES`, `SET autocommit`...; see [`SqlxMySqlConnection`]).
 /// - A failed statement is rolled back on its own and the transaction goes on (InnoDB's way),
 ///   except a deadlock (`1213`), after which InnoDB has rolled the whole transaction back: the
 ///   connection then refuses further statements, and the layer runs the request again.
@@ -64,10 +64,10 @@ pub type SqlxMySqlOptions = SqlxOptions<MySqlDialect>;
 ///   locks, `lock_wait_timeout` for metadata locks such as another session's `LOCK TABLES`;
 ///   whole seconds): past it a statement fails with `1205`. If the handler then fails, the
 ///   layer answers `503` with `Retry-After` (whatever the handler answered) and rolls back.
-#[doc = crate::sqlx::store::handle_docs!("SqlxMySqlHandle")]
+#[doc = crate::sqlx::store::handle_docs!("SqlxMySqlHandle", "SqlxMySqlConnection")]
 pub type SqlxMySqlHandle = crate::sqlx::store::SqlxHandle<MySqlDialect>;
 
-/// A pooled connection inside the request's transaction: `&mut CheckedConnection` is a
+/// A pooled connection inside the request's transaction: `&mut SqlxMySqlConnection` is a
 /// [`sqlx::Executor`] for MySQL, on which sqlx code runs as on a `&mut MySqlConnection`.
 ///
 /// `BEGIN`, `START TRANSACTION`, `COMMIT`, `ROLLBACK`, `XA`, `LOCK`/`UNLOCK TABLES`, `SET
@@ -80,7 +80,7 @@ pub type SqlxMySqlHandle = crate::sqlx::store::SqlxHandle<MySqlDialect>;
 /// Nothing runs after a deadlock: InnoDB has rolled the transaction back by then, and what
 /// followed would run in another transaction.
 #[doc = crate::sqlx::store::connection_docs!("SqlxMySqlHandle")]
-pub type CheckedConnection = crate::sqlx::store::CheckedConnection<MySqlDialect>;
+pub type SqlxMySqlConnection = crate::sqlx::store::CheckedConnection<MySqlDialect>;
 
 mod dialect {
     /// MySQL and MariaDB as the sqlx store's database: the SQL of this module, duplicate-key

@@ -90,10 +90,10 @@ pub type SqlxPostgresOptions = SqlxOptions<PgDialect>;
 ///   (`40001`) and deadlocks (`40P01`).
 /// - Statements run with the layer's `lock_timeout` (`SET LOCAL`): a lock wait past it fails
 ///   with SQLSTATE `55P03`.
-#[doc = crate::sqlx::store::handle_docs!("SqlxPostgresHandle")]
+#[doc = crate::sqlx::store::handle_docs!("SqlxPostgresHandle", "SqlxPostgresConnection")]
 pub type SqlxPostgresHandle = crate::sqlx::store::SqlxHandle<PgDialect>;
 
-/// A pooled connection inside the request's transaction: `&mut CheckedConnection` is a
+/// A pooled connection inside the request's transaction: `&mut SqlxPostgresConnection` is a
 /// [`sqlx::Executor`] for PostgreSQL, on which sqlx code runs as on a `&mut PgConnection`.
 ///
 /// `BEGIN`, `START TRANSACTION`, `COMMIT`, `END`, `ROLLBACK`, `ABORT`, `PREPARE TRANSACTION`
@@ -101,7 +101,7 @@ pub type SqlxPostgresHandle = crate::sqlx::store::SqlxHandle<PgDialect>;
 /// allowed: they stay inside the transaction. Every statement goes with the extended protocol,
 /// which runs one command per string (SQL without bind parameters is cut into statements).
 #[doc = crate::sqlx::store::connection_docs!("SqlxPostgresHandle")]
-pub type CheckedConnection = crate::sqlx::store::CheckedConnection<PgDialect>;
+pub type SqlxPostgresConnection = crate::sqlx::store::CheckedConnection<PgDialect>;
 
 mod dialect {
     /// PostgreSQL as the sqlx store's database: the SQL of `src/postgres/store_sql.rs` (shared with the

@@ -46,19 +46,19 @@ pub type SqlxSqliteOptions = SqlxOptions<SqliteDialect>;
 ///
 /// - The transaction holds the database's write lock from its start (`BEGIN IMMEDIATE`):
 ///   requests write one at a time, and a handler's statements never wait for another writer.
-/// - Refused: `BEGIN`, `COMMIT`, `END` and `ROLLBACK` (see [`CheckedConnection`]).
+/// - Refused: `BEGIN`, `COMMIT`, `END` and `ROLLBACK` (see [`SqlxSqliteConnection`]).
 ///   `SAVEPOINT`, `RELEASE` and `ROLLBACK TO` are allowed.
-#[doc = crate::sqlx::store::handle_docs!("SqlxSqliteHandle")]
+#[doc = crate::sqlx::store::handle_docs!("SqlxSqliteHandle", "SqlxSqliteConnection")]
 pub type SqlxSqliteHandle = crate::sqlx::store::SqlxHandle<SqliteDialect>;
 
-/// A pooled connection inside the request's transaction: `&mut CheckedConnection` is a
+/// A pooled connection inside the request's transaction: `&mut SqlxSqliteConnection` is a
 /// [`sqlx::Executor`] for SQLite, on which sqlx code runs as on a `&mut SqliteConnection`.
 ///
 /// `BEGIN`, `COMMIT`, `END` and `ROLLBACK` (but `ROLLBACK TO`) are refused anywhere in a
 /// string: sqlx runs every statement of one, and the check cuts it into statements by
 /// SQLite's own lexical rules.
 #[doc = crate::sqlx::store::connection_docs!("SqlxSqliteHandle")]
-pub type CheckedConnection = crate::sqlx::store::CheckedConnection<SqliteDialect>;
+pub type SqlxSqliteConnection = crate::sqlx::store::CheckedConnection<SqliteDialect>;
 
 mod dialect {
     /// SQLite as the sqlx store's database: the reservation is the database's write lock
