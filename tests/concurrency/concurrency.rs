@@ -21,8 +21,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use backend::{
-    checking, first_call_only, hook, hook_sharing, replays, runs_afresh, Database, HandleSql, Hook,
-    Problems, Server,
+    checking, first_call_only, hook, hook_sharing, replays, runs_afresh, Database, HandleConflict,
+    Hook, Problems, Server,
 };
 use common::{post, Reply, PATIENCE, SHOP_A};
 use http::StatusCode;
@@ -604,7 +604,7 @@ async fn duplicates_behind_a_rollback_run_once<B: Database>(db: B) {
 /// A statement of the handler fails with the server's serialization or deadlock class (the
 /// handler answers as if nothing happened): the layer knows better, rolls back and runs the
 /// request again.
-async fn a_handler_statement_conflict_runs_the_request_again<B: HandleSql>(db: B) {
+async fn a_handler_statement_conflict_runs_the_request_again<B: HandleConflict>(db: B) {
     let problems = Problems::default();
     let server = db
         .server()
