@@ -1,14 +1,14 @@
 //! Duplicates in flight at the same time, and waits bounded by the lock timeout, written once
-//! and run against a SQLite file (`concurrency::sqlite::...`), a PostgreSQL schema through
-//! either store (`concurrency::postgres::...`, `concurrency::sqlx_postgres::...`, reported as
-//! ignored without `TEST_DATABASE_URL`) and a MySQL/MariaDB database
-//! (`concurrency::mysql::...`, ignored without `TEST_MYSQL_URL`): duplicates serialize on
-//! their key (within one app instance or across two, and behind a first request that rolls
-//! back), waits end in a `503` with `Retry-After`, replays never wait for writers. Each
-//! backend's module also holds what only it has: SQLite's single writer (another key, or
-//! another process, is busy); the parallel writers of the others (two instances on one
-//! database); PostgreSQL's pool limits and serialization failures; a handler's statement
-//! failing with a conflict on the sqlx stores.
+//! and run against a SQLite file through either store (`concurrency::sqlite::...`,
+//! `concurrency::sqlx_sqlite::...`), a PostgreSQL schema through either store
+//! (`concurrency::postgres::...`, `concurrency::sqlx_postgres::...`, reported as ignored without
+//! `TEST_DATABASE_URL`) and a MySQL/MariaDB database (`concurrency::mysql::...`, ignored
+//! without `TEST_MYSQL_URL`): duplicates serialize on their key (within one app instance or
+//! across two, and behind a first request that rolls back), waits end in a `503` with
+//! `Retry-After`, replays never wait for writers. Each backend's module also holds what only it
+//! has: SQLite's single writer (another key, or another process, is busy); the parallel writers
+//! of the others (two instances on one database); PostgreSQL's pool limits and serialization
+//! failures; a handler's statement failing with a conflict on the sqlx stores on a server.
 
 use support::backend;
 use support::common;
@@ -16,13 +16,14 @@ use support::pg_common;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use backend::{
-    checking, first_call_only, hook, hook_sharing, replays, runs_afresh, Database, HandleSql, Hook,
-    Problems, Server,
+    checking, first_call_only, hook, hook_sharing, replays, runs_afresh, Database, HandleConflict,
+    Hook, Problems, Server,
 };
 use common::{post, Reply, PATIENCE, SHOP_A};
 use http::StatusCode;
@@ -604,7 +605,7 @@ async fn duplicates_behind_a_rollback_run_once<B: Database>(db: B) {
 /// A statement of the handler fails with the server's serialization or deadlock class (the
 /// handler answers as if nothing happened): the layer knows better, rolls back and runs the
 /// request again.
-async fn a_handler_statement_conflict_runs_the_request_again<B: HandleSql>(db: B) {
+async fn a_handler_statement_conflict_runs_the_request_again<B: HandleConflict>(db: B) {
     let problems = Problems::default();
     let server = db
         .server()
@@ -655,93 +656,128 @@ macro_rules! parallel_writer_tests {
     };
 }
 
+/// A backend on a SQLite file (the SQLite store, or the SQLite store on sqlx), for what another
+/// process does to the file.
+trait OnSqliteFile: Database {
+    fn file(&self) -> PathBuf;
+}
+
+impl OnSqliteFile for backend::Sqlite {
+    fn file(&self) -> PathBuf {
+        self.path().to_path_buf()
+    }
+}
+
+impl OnSqliteFile for backend::SqlxSqlite {
+    fn file(&self) -> PathBuf {
+        self.db.path()
+    }
+}
+
+/// SQLite has one writer: a writer of another key holding the write lock makes a new key wait
+/// past the lock timeout.
+async fn store_busy_past_the_lock_timeout_is_503_with_retry_after<B: OnSqliteFile>(db: B) {
+    let holder = Holder::new("holder");
+    let server = holder.serve(&db, Duration::from_millis(200)).await;
+    let held = holder.hold(server.addr).await;
+
+    let busy = post(server.addr, Some(SHOP_A), Some("other"), BOOK, &[]).await;
+
+    assert_eq!(busy.status, StatusCode::SERVICE_UNAVAILABLE, "{busy:?}");
+    assert_eq!(busy.header("retry-after"), Some("3"));
+    assert_eq!(busy.error_code(), "busy_retry_later");
+    assert_eq!(
+        server.app.handler_calls(),
+        1,
+        "the busy request's handler never ran"
+    );
+    assert!(!db.record_exists("shop-a", "create_order", "other").await);
+
+    holder.release();
+    let held = held.await.expect("holder task");
+    assert_eq!(held.status, StatusCode::CREATED, "{held:?}");
+
+    runs_afresh(server.addr, "other", BOOK).await;
+    assert_eq!(db.counts().await, (2, 2));
+}
+
+/// Another process holding SQLite's write lock makes a new key wait past the lock timeout,
+/// while replays go on; the retry succeeds once it is gone.
+async fn another_process_holding_the_write_lock_is_503_then_retry_succeeds<B: OnSqliteFile>(db: B) {
+    let server = db
+        .with_layer(|layer| layer.with_lock_timeout(Duration::from_millis(300)))
+        .await;
+    let first = post(server.addr, Some(SHOP_A), Some("done"), BOOK, &[]).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+
+    // Another process: its own connection to the same file, holding SQLite's write lock.
+    let path = db.file();
+    let (locked_tx, locked_rx) = tokio::sync::oneshot::channel::<()>();
+    let (unlock_tx, unlock_rx) = std::sync::mpsc::channel::<()>();
+    let other_process = std::thread::spawn(move || {
+        let conn = rusqlite::Connection::open(path).expect("open");
+        conn.execute_batch(
+            "BEGIN IMMEDIATE; INSERT INTO orders (tenant_id, sku, quantity) \
+             VALUES ('shop-b', 'other-process', 1);",
+        )
+        .expect("take the write lock");
+        let _ = locked_tx.send(());
+        let _ = unlock_rx.recv_timeout(PATIENCE);
+        conn.execute_batch("COMMIT").expect("commit");
+    });
+    locked_rx.await.expect("the other process holds the lock");
+
+    let busy = post(server.addr, Some(SHOP_A), Some("new-key"), BOOK, &[]).await;
+    let replay = post(server.addr, Some(SHOP_A), Some("done"), BOOK, &[]).await;
+    let _ = unlock_tx.send(());
+    other_process.join().expect("other process");
+
+    assert_eq!(busy.status, StatusCode::SERVICE_UNAVAILABLE, "{busy:?}");
+    assert!(busy.header("retry-after").is_some(), "{busy:?}");
+    assert!(!db.record_exists("shop-a", "create_order", "new-key").await);
+    assert!(
+        replay.replayed(),
+        "replays do not wait for the writer: {replay:?}"
+    );
+
+    runs_afresh(server.addr, "new-key", BOOK).await;
+    assert_eq!(
+        db.order_count().await,
+        3,
+        "ours, the other process's, the retry's"
+    );
+}
+
+/// What a backend with one writer adds: another key, or another process, holding the write
+/// lock.
+macro_rules! single_writer_tests {
+    ($backend:ident) => {
+        backend_tests!($backend;
+            store_busy_past_the_lock_timeout_is_503_with_retry_after,
+            another_process_holding_the_write_lock_is_503_then_retry_succeeds,
+        );
+    };
+}
+
 mod sqlite {
     //! SQLite has one writer: a writer of another key, or another process holding the write
     //! lock, makes a new key wait past the lock timeout.
 
-    use backend::Sqlite;
-
-    use super::*;
-
     concurrency_tests!(Sqlite);
+    single_writer_tests!(Sqlite);
+}
 
-    test! { store_busy_past_the_lock_timeout_is_503_with_retry_after }
-    async fn store_busy_past_the_lock_timeout_is_503_with_retry_after() {
-        let Some(db) = Sqlite::create().await else {
-            return;
-        };
-        let holder = Holder::new("holder");
-        let server = holder.serve(&db, Duration::from_millis(200)).await;
-        let held = holder.hold(server.addr).await;
+mod sqlx_sqlite {
+    //! The sqlx store on a SQLite file: the suite, and SQLite's one writer, as in `sqlite`.
 
-        let busy = post(server.addr, Some(SHOP_A), Some("other"), BOOK, &[]).await;
-
-        assert_eq!(busy.status, StatusCode::SERVICE_UNAVAILABLE, "{busy:?}");
-        assert_eq!(busy.header("retry-after"), Some("3"));
-        assert_eq!(busy.error_code(), "busy_retry_later");
-        assert_eq!(
-            server.app.handler_calls(),
-            1,
-            "the busy request's handler never ran"
-        );
-        assert!(!db.record_exists("shop-a", "create_order", "other").await);
-
-        holder.release();
-        let held = held.await.expect("holder task");
-        assert_eq!(held.status, StatusCode::CREATED, "{held:?}");
-
-        runs_afresh(server.addr, "other", BOOK).await;
-        assert_eq!(db.counts().await, (2, 2));
-    }
-
-    test! { another_process_holding_the_write_lock_is_503_then_retry_succeeds }
-    async fn another_process_holding_the_write_lock_is_503_then_retry_succeeds() {
-        let Some(db) = Sqlite::create().await else {
-            return;
-        };
-        let server = db
-            .with_layer(|layer| layer.with_lock_timeout(Duration::from_millis(300)))
-            .await;
-        let first = post(server.addr, Some(SHOP_A), Some("done"), BOOK, &[]).await;
-        assert_eq!(first.status, StatusCode::CREATED);
-
-        // Another process: its own connection to the same file, holding SQLite's write lock.
-        let path = db.path().to_path_buf();
-        let (locked_tx, locked_rx) = tokio::sync::oneshot::channel::<()>();
-        let (unlock_tx, unlock_rx) = std::sync::mpsc::channel::<()>();
-        let other_process = std::thread::spawn(move || {
-            let conn = rusqlite::Connection::open(path).expect("open");
-            conn.execute_batch(
-                "BEGIN IMMEDIATE; INSERT INTO orders (tenant_id, sku, quantity) \
-                 VALUES ('shop-b', 'other-process', 1);",
-            )
-            .expect("take the write lock");
-            let _ = locked_tx.send(());
-            let _ = unlock_rx.recv_timeout(PATIENCE);
-            conn.execute_batch("COMMIT").expect("commit");
-        });
-        locked_rx.await.expect("the other process holds the lock");
-
-        let busy = post(server.addr, Some(SHOP_A), Some("new-key"), BOOK, &[]).await;
-        let replay = post(server.addr, Some(SHOP_A), Some("done"), BOOK, &[]).await;
-        let _ = unlock_tx.send(());
-        other_process.join().expect("other process");
-
-        assert_eq!(busy.status, StatusCode::SERVICE_UNAVAILABLE, "{busy:?}");
-        assert!(busy.header("retry-after").is_some(), "{busy:?}");
-        assert!(!db.record_exists("shop-a", "create_order", "new-key").await);
-        assert!(
-            replay.replayed(),
-            "replays do not wait for the writer: {replay:?}"
-        );
-
-        runs_afresh(server.addr, "new-key", BOOK).await;
-        assert_eq!(
-            db.order_count().await,
-            3,
-            "ours, the other process's, the retry's"
-        );
-    }
+    concurrency_tests!(SqlxSqlite);
+    single_writer_tests!(SqlxSqlite);
+    // Not `parallel_writer_tests!`: SQLite has one writer, so handlers of different keys never
+    // run at once (`different_keys_run_their_handlers_in_parallel`), and one instance's writer
+    // may win every race (`two_app_instances_sharing_the_database_create_one_order_per_key`).
+    // Not `a_handler_statement_conflict_runs_the_request_again`: SQLite has no serialization
+    // failures or deadlocks (writers take the lock one at a time), so no statement can fail
+    // with a conflict for the layer to retry.
 }
 
 mod postgres {

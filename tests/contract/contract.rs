@@ -1,8 +1,9 @@
 //! The contract table of the README, row by row, over real HTTP, written once and run
-//! against a real SQLite file (`contract::sqlite::...`), a real PostgreSQL schema through
-//! either store (`contract::postgres::...`, `contract::sqlx_postgres::...`, reported as ignored
-//! without `TEST_DATABASE_URL`) and a real MySQL/MariaDB database (`contract::mysql::...`,
-//! ignored without `TEST_MYSQL_URL`): new key, replay, changed payload, other tenant and
+//! against a real SQLite file through either store (`contract::sqlite::...`,
+//! `contract::sqlx_sqlite::...`), a real PostgreSQL schema through either store
+//! (`contract::postgres::...`, `contract::sqlx_postgres::...`, reported as ignored without
+//! `TEST_DATABASE_URL`) and a real MySQL/MariaDB database (`contract::mysql::...`, ignored
+//! without `TEST_MYSQL_URL`): new key, replay, changed payload, other tenant and
 //! operation, what is never stored, keys as long as allowed, expiry and purging, durability
 //! across a restart. Each backend's module also holds the tests that only make sense there
 //! (the PostgreSQL schema created and migrated on open; the SQLite app's routes without a
@@ -1084,4 +1085,11 @@ mod mysql {
     //! The contract on a MySQL or MariaDB database of its own (the sqlx store).
 
     contract_tests!(MySql);
+}
+
+mod sqlx_sqlite {
+    //! The contract on a SQLite file through the sqlx store. The SQLite app's routes that need
+    //! no store are `sqlite`'s.
+
+    contract_tests!(SqlxSqlite);
 }

@@ -1,6 +1,7 @@
 //! What the IETF draft (`draft-ietf-httpapi-idempotency-key-header`) and the users of other
-//! idempotency libraries ask for, over real HTTP on both stores (`ietf_draft::sqlite::...`,
-//! `ietf_draft::postgres::...`): the draft's statuses and RFC 9457 problem details in one
+//! idempotency libraries ask for, over real HTTP on the SQLite store, the tokio-postgres store and
+//! the sqlx SQLite store (`ietf_draft::sqlite::...`, `ietf_draft::postgres::...`,
+//! `ietf_draft::sqlx_sqlite::...`): the draft's statuses and RFC 9457 problem details in one
 //! switch, keys of 255 characters (Stripe's longest) end to end, the key from another header or
 //! from the body, and fingerprints over chosen JSON members. The in-flight policies are in
 //! `tests/concurrency/concurrency.rs`.
@@ -353,4 +354,8 @@ mod sqlite {
 
 mod postgres {
     ietf_tests!(Postgres);
+}
+
+mod sqlx_sqlite {
+    ietf_tests!(SqlxSqlite);
 }

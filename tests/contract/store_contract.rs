@@ -1,9 +1,8 @@
 //! The store contract, written once as generic functions over [`IdempotencyStore`] and run
-//! against every backend by `store_contract_tests!`: SQLite in a temp dir (the SQLite store, and
-//! the sqlx SQLite store), and PostgreSQL (the
-//! tokio-postgres store and the sqlx store) in a schema of its own when `TEST_DATABASE_URL` is
-//! set, and MySQL or MariaDB (the sqlx store) in a database of its own when `TEST_MYSQL_URL` is
-//! set (reported as ignored otherwise).
+//! against every backend by `store_contract_tests!`: SQLite in a temp dir (the SQLite store and
+//! the sqlx store), and PostgreSQL (the tokio-postgres store and the sqlx store) in a schema of
+//! its own when `TEST_DATABASE_URL` is set, and MySQL or MariaDB (the sqlx store) in a database
+//! of its own when `TEST_MYSQL_URL` is set (reported as ignored otherwise).
 //!
 //! These check the verbs the flow relies on: reserve, commit, roll back (explicitly or by
 //! drop), the scope staying reserved until then, bounded waiting, expiry and purge.
@@ -269,6 +268,7 @@ macro_rules! store_contract_tests {
 
 use support::mysql_common;
 use support::pg_common;
+use support::sqlx_sqlite_common;
 
 /// The store `open` opens on the fresh database `db` (when there is one), and the database,
 /// which lives as long as the test.
@@ -288,31 +288,7 @@ async fn sqlite_store() -> Option<(
     Some((store, dir))
 }
 
-async fn sqlx_sqlite_store() -> Option<(
-    tower_idempotency::store::sqlx_sqlite::SqlxSqliteStore,
-    tempfile::TempDir,
-)> {
-    use std::str::FromStr as _;
-    use tower_idempotency::store::sqlx_sqlite::sqlx::sqlite::{
-        SqliteConnectOptions, SqlitePoolOptions,
-    };
-    let dir = tempfile::tempdir().expect("temp dir");
-    let options = SqliteConnectOptions::from_str("sqlite://")
-        .expect("options")
-        .filename(dir.path().join("store.db"))
-        .create_if_missing(true);
-    let pool = SqlitePoolOptions::new()
-        .max_connections(4)
-        .connect_with(options)
-        .await
-        .expect("pool");
-    let store = tower_idempotency::store::sqlx_sqlite::SqlxSqliteStore::new(pool);
-    store.migrate().await.expect("migrate");
-    Some((store, dir))
-}
-
 store_contract_tests!(sqlite, sqlite_store());
-store_contract_tests!(sqlx_sqlite, sqlx_sqlite_store());
 store_contract_tests!(
     postgres,
     on(pg_common::TestDb::create().await, async |db| db
@@ -326,6 +302,13 @@ store_contract_tests!(
         .sqlx_store(4, 2)
         .await),
     postgres
+);
+store_contract_tests!(
+    sqlx_sqlite,
+    on(
+        sqlx_sqlite_common::TestDb::with_orders().await,
+        async |db| db.store(4).await
+    )
 );
 store_contract_tests!(
     sqlx_mysql,

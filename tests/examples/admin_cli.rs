@@ -853,3 +853,16 @@ mod mysql {
 
     backend_tests!(MySql; the_library_calls_behind_the_tool);
 }
+
+mod sqlx_sqlite {
+    //! Records and events written through the sqlx store on a SQLite file, read and changed by
+    //! the admin tool (`--db`, the SQLite store) and by `Admin` on the sqlx store itself.
+
+    backend_tests!(SqlxSqlite;
+        inspect_shows_the_record_without_its_body_unless_asked,
+        delete_removes_one_key_and_the_next_request_runs_afresh,
+        count_and_purge_by_state,
+        dead_letters_are_listed_and_requeued,
+        the_library_calls_behind_the_tool,
+    );
+}

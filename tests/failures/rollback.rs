@@ -1,14 +1,14 @@
 //! Failures roll everything back: the handler's order and the record commit together or not
 //! at all, and a retry with the same key runs afresh (the README's contract, "handler fails").
-//! Written once and run against a SQLite file (`rollback::sqlite::...`), a PostgreSQL schema
-//! through either store (`rollback::postgres::...`, `rollback::sqlx_postgres::...`, reported as
-//! ignored without `TEST_DATABASE_URL`) and a MySQL/MariaDB database (`rollback::mysql::...`,
-//! ignored without `TEST_MYSQL_URL`): the record or the order cannot be saved, the handler
-//! fails or panics, the client goes away. The stores on a server also have their own: the
-//! connection killed mid-transaction (written once over them, `backend::HandleSession`), and
-//! transaction control through the handle, refused (once over the sqlx drivers,
-//! `backend::HandleSql`, and on tokio-postgres in `postgres`); MySQL's session restored after a
-//! request.
+//! Written once and run against a SQLite file through either store (`rollback::sqlite::...`,
+//! `rollback::sqlx_sqlite::...`), a PostgreSQL schema through either store
+//! (`rollback::postgres::...`, `rollback::sqlx_postgres::...`, reported as ignored without
+//! `TEST_DATABASE_URL`) and a MySQL/MariaDB database (`rollback::mysql::...`, ignored without
+//! `TEST_MYSQL_URL`): the record or the order cannot be saved, the handler fails or panics,
+//! the client goes away. Transaction control through the handle is refused (once over the sqlx
+//! stores, `backend::HandleSql`, and on tokio-postgres in `postgres`). The stores on a server
+//! also have their own: the connection killed mid-transaction (written once over them,
+//! `backend::HandleSession`); MySQL's session restored after a request.
 
 use support::backend;
 use support::common;
@@ -406,6 +406,19 @@ async fn under_reject_a_locked_table_is_503_not_a_request_in_flight<B: OnPostgre
 
 mod sqlite {
     rollback_tests!(Sqlite);
+}
+
+mod sqlx_sqlite {
+    //! The suite through the sqlx store on a SQLite file, and what its handle runs
+    //! ([`HandleSql`]).
+
+    rollback_tests!(SqlxSqlite);
+    backend_tests!(SqlxSqlite;
+        transaction_control_through_the_handle_is_refused,
+        // Not `killed_connection_rolls_back_and_the_retry_succeeds` (`HandleSession`): a SQLite
+        // file has no server whose session a test could end under the handler. Not the tests of
+        // a table locked by another session: `LOCK TABLE` is PostgreSQL's.
+    );
 }
 
 mod postgres {

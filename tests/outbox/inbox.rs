@@ -1,5 +1,5 @@
-//! The receiver's inbox (`Inbox`) against real databases. Written once and run on SQLite and
-//! PostgreSQL: an event is applied once and its redeliveries are duplicates, per consumer; a
+//! The receiver's inbox (`Inbox`) against real databases. Written once and run on SQLite
+//! (through either store), PostgreSQL (either store) and MySQL/MariaDB: an event is applied once and its redeliveries are duplicates, per consumer; a
 //! failed application leaves neither the id nor the effect; `process_in` records the id in a
 //! request's transaction, which commits or rolls back with it; purging removes only old ids of
 //! one consumer. On PostgreSQL only: anything that stops the transaction (an error, a panic, a
@@ -848,6 +848,17 @@ mod mysql {
     //! and inventory app.
 
     backend_tests!(MySql;
+        an_event_is_applied_once_and_redeliveries_are_duplicates,
+        a_failed_application_rolls_back_the_id_and_the_effect,
+        process_in_records_the_id_with_the_request_transaction,
+        purge_removes_only_old_ids_of_its_consumer,
+    );
+}
+
+mod sqlx_sqlite {
+    //! On a SQLite file through the sqlx store: the suite.
+
+    backend_tests!(SqlxSqlite;
         an_event_is_applied_once_and_redeliveries_are_duplicates,
         a_failed_application_rolls_back_the_id_and_the_effect,
         process_in_records_the_id_with_the_request_transaction,

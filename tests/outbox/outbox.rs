@@ -1,8 +1,9 @@
-//! The transactional outbox on real SQLite files and on PostgreSQL: the relay's deliveries,
-//! retries, backoff, dead letters, timeouts and abandoned leases, written once over
-//! [`Outbox`] and run against each backend; and events committing or rolling back with the
-//! handler's rows through the order app over real HTTP. On PostgreSQL only: two relays on
-//! separate pools at once.
+//! The transactional outbox on real SQLite files (through either store), on PostgreSQL and on
+//! MySQL/MariaDB: the relay's deliveries, retries, backoff, dead letters, timeouts and
+//! abandoned leases, written once over [`Outbox`] and run against each backend; and events
+//! committing or rolling back with the handler's rows through the order app over real HTTP. On
+//! the pooled stores (all but the SQLite store's one writer thread): two relays on separate
+//! pools at once.
 //!
 //! The PostgreSQL tests need `TEST_DATABASE_URL`; without it `cargo test` reports them as
 //! ignored.
@@ -499,6 +500,16 @@ mod mysql {
 
     outbox_tests!(MySql);
     backend_tests!(MySql;
+        two_relays_at_once_deliver_each_event_once(multi_thread = 4),
+    );
+}
+
+mod sqlx_sqlite {
+    //! On a SQLite file through the sqlx store: the suite, and two relays on separate pools
+    //! (their claims take the write lock one at a time).
+
+    outbox_tests!(SqlxSqlite);
+    backend_tests!(SqlxSqlite;
         two_relays_at_once_deliver_each_event_once(multi_thread = 4),
     );
 }

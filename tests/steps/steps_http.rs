@@ -3,10 +3,10 @@
 //! step, through every way a request can stop part-way.
 //!
 //! Written once, generic over [`Shop`] (the store and the handler's SQL for it), and run by
-//! `steps_http_tests!` on SQLite in a temp dir, on PostgreSQL (the tokio-postgres store and the
-//! sqlx store) in a schema of its own when `TEST_DATABASE_URL` is set, and on MySQL or MariaDB
-//! (the sqlx store) in a database of its own when `TEST_MYSQL_URL` is set (reported as ignored
-//! otherwise).
+//! `steps_http_tests!` on SQLite in a temp dir (the SQLite store and the sqlx store), on
+//! PostgreSQL (the tokio-postgres store and the sqlx store) in a schema of its own when
+//! `TEST_DATABASE_URL` is set, and on MySQL or MariaDB (the sqlx store) in a database of its
+//! own when `TEST_MYSQL_URL` is set (reported as ignored otherwise).
 
 use crate::listing;
 use support::pg_common;
@@ -1151,10 +1151,99 @@ mod sqlx_mysql {
     }
 }
 
+mod sqlx_sqlite {
+    use sqlx::Row;
+    use tower_idempotency::store::sqlx_sqlite::{SqlxSqliteHandle, SqlxSqliteStore};
+
+    use super::*;
+    use support::sqlx_sqlite_common::TestDb;
+
+    pub(super) struct SqlxSqlite(TestDb);
+
+    impl Shop for SqlxSqlite {
+        type Store = SqlxSqliteStore;
+
+        async fn create() -> Option<(Self, SqlxSqliteStore)> {
+            let db = TestDb::create().await?;
+            let store = db.store(4).await;
+            db.execute(
+                "CREATE TABLE shop_orders (id INTEGER PRIMARY KEY, sku TEXT NOT NULL, \
+                 status TEXT NOT NULL, charge_id TEXT)",
+            )
+            .await;
+            store.install_steps().await.unwrap();
+            Some((SqlxSqlite(db), store))
+        }
+
+        async fn insert_order(
+            steps: &Steps<SqlxSqliteStore>,
+            sku: String,
+        ) -> Result<i64, StepError> {
+            steps
+                .local("insert_order", move |tx: SqlxSqliteHandle| async move {
+                    let mut conn = tx.acquire().await?;
+                    let row = sqlx::query(
+                        "INSERT INTO shop_orders (sku, status) VALUES (?1, 'pending') \
+                         RETURNING id",
+                    )
+                    .bind(sku)
+                    .fetch_one(&mut *conn)
+                    .await?;
+                    Ok(row.try_get::<i64, _>(0)?)
+                })
+                .await
+        }
+
+        async fn mark_declined(
+            steps: &Steps<SqlxSqliteStore>,
+            order_id: i64,
+        ) -> Result<(), StepError> {
+            steps
+                .local("mark_declined", move |tx: SqlxSqliteHandle| async move {
+                    let mut conn = tx.acquire().await?;
+                    sqlx::query("UPDATE shop_orders SET status = 'declined' WHERE id = ?1")
+                        .bind(order_id)
+                        .execute(&mut *conn)
+                        .await?;
+                    Ok(())
+                })
+                .await
+        }
+
+        async fn mark_paid(
+            steps: &Steps<SqlxSqliteStore>,
+            order_id: i64,
+            charge_id: String,
+        ) -> Result<(), StepError> {
+            steps
+                .local("mark_paid", move |tx: SqlxSqliteHandle| async move {
+                    let mut conn = tx.acquire().await?;
+                    sqlx::query(
+                        "UPDATE shop_orders SET status = 'paid', charge_id = ?1 WHERE id = ?2",
+                    )
+                    .bind(charge_id)
+                    .bind(order_id)
+                    .execute(&mut *conn)
+                    .await?;
+                    Ok(())
+                })
+                .await
+        }
+
+        async fn orders(&self) -> Vec<(i64, String, Option<String>)> {
+            sqlx::query_as("SELECT id, status, charge_id FROM shop_orders ORDER BY id")
+                .fetch_all(&mut self.0.connection().await)
+                .await
+                .unwrap()
+        }
+    }
+}
+
 steps_http_tests!(sqlite_store, super::sqlite::Sqlite);
 steps_http_tests!(postgres_store, super::postgres::Pg, postgres);
 steps_http_tests!(sqlx_postgres_store, super::sqlx_postgres::SqlxPg, postgres);
 steps_http_tests!(sqlx_mysql_store, super::sqlx_mysql::MySql, mysql);
+steps_http_tests!(sqlx_sqlite_store, super::sqlx_sqlite::SqlxSqlite);
 
 test! { a_steps_request_waits_for_the_sqlite_writer_no_longer_than_the_lock_timeout }
 /// On SQLite every step write waits for the one writer: behind other work that holds it, a

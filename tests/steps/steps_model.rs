@@ -38,12 +38,13 @@
 //! order's final answer, under its step's key in that order's life.
 //!
 //! The generic part is written once over [`Backend`]; each store gives its local step (its
-//! closure differs: SQLite's runs on the writer thread, the servers' are futures) and its
-//! tables. Requests go through the layer in-process (`tower::ServiceExt::oneshot` on an axum
+//! closure differs: the SQLite store's runs on its writer thread, the others' are futures) and
+//! its tables. Requests go through the layer in-process (`tower::ServiceExt::oneshot` on an axum
 //! `Router`): real HTTP is covered by tests/steps/steps_http.rs and the examples' crash
 //! matrix. Each case starts on an empty store.
-//! PostgreSQL (both drivers) runs when `TEST_DATABASE_URL` is set and MySQL or MariaDB when
-//! `TEST_MYSQL_URL` is; they are reported as ignored otherwise. `PROPTEST_CASES` sets the
+//! SQLite (both stores) needs no server. PostgreSQL (both drivers) runs when
+//! `TEST_DATABASE_URL` is set and MySQL or MariaDB when `TEST_MYSQL_URL` is; they are reported
+//! as ignored otherwise. `PROPTEST_CASES` sets the
 //! cases per store and `STEPS_MODEL_SEED` (32 hex digits, printed on a failure) replays a run;
 //! `STEPS_MODEL_STATS=1` prints what the cases exercised.
 
@@ -3085,6 +3086,141 @@ mod sqlx_mysql {
     }
 }
 
+mod sqlx_sqlite {
+    use sqlx::sqlite::SqlitePool;
+    use tower_idempotency::store::sqlx_sqlite::{SqlxSqliteHandle, SqlxSqliteStore};
+
+    use super::*;
+    use support::sqlx_sqlite_common::TestDb;
+
+    pub(super) struct SqlxSqlite {
+        store: SqlxSqliteStore,
+        /// The test's reads and writes, on a pool of its own.
+        reads: SqlitePool,
+        _db: TestDb,
+    }
+
+    pub(super) async fn backend() -> Option<SqlxSqlite> {
+        let db = TestDb::create().await?;
+        let store = db.store(4).await;
+        store.install_steps().await.expect("install steps");
+        db.execute(
+            "CREATE TABLE model_rows (op TEXT NOT NULL, k TEXT NOT NULL, run TEXT NOT NULL, \
+             step TEXT NOT NULL)",
+        )
+        .await;
+        let reads = db.pool(2).await;
+        Some(SqlxSqlite {
+            store,
+            reads,
+            _db: db,
+        })
+    }
+
+    impl Backend for SqlxSqlite {
+        type Store = SqlxSqliteStore;
+
+        fn store(&self) -> &SqlxSqliteStore {
+            &self.store
+        }
+
+        async fn local(
+            steps: Steps<SqlxSqliteStore>,
+            name: String,
+            fail: bool,
+            reached: Option<Arc<Reached>>,
+        ) -> Result<i64, StepError> {
+            let step = name.clone();
+            let op = steps.scope().operation.to_string();
+            let key = steps.scope().key.as_str().to_owned();
+            let run = steps.run_id().to_owned();
+            steps
+                .local(&step, move |tx: SqlxSqliteHandle| async move {
+                    let mut conn = tx.acquire().await?;
+                    sqlx::query(
+                        "INSERT INTO model_rows (op, k, run, step) VALUES (?1, ?2, ?3, ?4)",
+                    )
+                    .bind(&op)
+                    .bind(&key)
+                    .bind(&run)
+                    .bind(&name)
+                    .execute(&mut *conn)
+                    .await?;
+                    if fail {
+                        sqlx::query("INSERT INTO model_missing (k) VALUES (?1)")
+                            .bind(&key)
+                            .execute(&mut *conn)
+                            .await?;
+                    }
+                    if let Some(reached) = reached {
+                        reached.hit();
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                    let rows: i64 = sqlx::query_scalar(
+                        "SELECT count(*) FROM model_rows WHERE op = ?1 AND k = ?2 AND run = ?3",
+                    )
+                    .bind(&op)
+                    .bind(&key)
+                    .bind(&run)
+                    .fetch_one(&mut *conn)
+                    .await?;
+                    Ok(rows)
+                })
+                .await
+        }
+
+        async fn rows(&self, scope: &Scope) -> BTreeMap<(String, String), i64> {
+            sqlx::query_as::<_, (String, String, i64)>(
+                "SELECT run, step, count(*) FROM model_rows WHERE op = ?1 AND k = ?2 \
+                 GROUP BY run, step",
+            )
+            .bind(&*scope.operation)
+            .bind(scope.key.as_str())
+            .fetch_all(&self.reads)
+            .await
+            .expect("rows")
+            .into_iter()
+            .map(|(run, step, n)| ((run, step), n))
+            .collect()
+        }
+
+        async fn leftovers(&self, scope: &Scope) -> (i64, i64) {
+            sqlx::query_as(
+                "SELECT (SELECT count(*) FROM idempotency_progress \
+                 WHERE operation = ?1 AND idempotency_key = ?2), \
+                 (SELECT count(*) FROM idempotency_steps \
+                 WHERE operation = ?1 AND idempotency_key = ?2)",
+            )
+            .bind(&*scope.operation)
+            .bind(scope.key.as_str())
+            .fetch_one(&self.reads)
+            .await
+            .expect("leftovers")
+        }
+
+        async fn expire_record(&self, scope: &Scope) {
+            sqlx::query(
+                "UPDATE idempotency_records SET expires_at = ?1 \
+                 WHERE tenant = ?2 AND operation = ?3 AND idempotency_key = ?4",
+            )
+            .bind(a_minute_ago())
+            .bind(TENANT)
+            .bind(&*scope.operation)
+            .bind(scope.key.as_str())
+            .execute(&self.reads)
+            .await
+            .expect("expire");
+        }
+
+        async fn clear(&self) {
+            sqlx::raw_sql(CLEAR)
+                .execute(&self.reads)
+                .await
+                .expect("clear");
+        }
+    }
+}
+
 test! { random_programs_stops_and_operators_match_the_model_on_sqlite, sync }
 fn random_programs_stops_and_operators_match_the_model_on_sqlite() {
     run_cases(sqlite::backend(), CASES);
@@ -3103,6 +3239,11 @@ fn random_programs_stops_and_operators_match_the_model_on_sqlx_postgres() {
 test! { random_programs_stops_and_operators_match_the_model_on_mysql, sync, mysql }
 fn random_programs_stops_and_operators_match_the_model_on_mysql() {
     run_cases(sqlx_mysql::backend(), CASES);
+}
+
+test! { random_programs_stops_and_operators_match_the_model_on_sqlx_sqlite, sync }
+fn random_programs_stops_and_operators_match_the_model_on_sqlx_sqlite() {
+    run_cases(sqlx_sqlite::backend(), CASES);
 }
 
 /// Runs one given case on SQLite.

@@ -1,8 +1,8 @@
 //! The contract of [`StepStore`], written once as generic functions and run against every
-//! backend by `steps_store_tests!`: SQLite in a temp dir, PostgreSQL (the tokio-postgres store
-//! and the sqlx store) in a schema of its own when `TEST_DATABASE_URL` is set, and MySQL or
-//! MariaDB (the sqlx store) in a database of its own when `TEST_MYSQL_URL` is set (reported as
-//! ignored otherwise).
+//! backend by `steps_store_tests!`: SQLite in a temp dir (the SQLite store and the sqlx store),
+//! PostgreSQL (the tokio-postgres store and the sqlx store) in a schema of its own when
+//! `TEST_DATABASE_URL` is set, and MySQL or MariaDB (the sqlx store) in a database of its own
+//! when `TEST_MYSQL_URL` is set (reported as ignored otherwise).
 //!
 //! Time is given to every call (`now`), so leases run out without waiting.
 
@@ -1506,7 +1506,82 @@ mod sqlx_mysql {
     }
 }
 
+mod sqlx_sqlite {
+    use tower_idempotency::store::sqlx_sqlite::{SqlxSqliteHandle, SqlxSqliteStore};
+
+    use super::*;
+    use support::sqlx_sqlite_common::TestDb;
+
+    pub(super) struct SqlxSqlite {
+        store: SqlxSqliteStore,
+        db: TestDb,
+    }
+
+    pub(super) async fn harness() -> Option<SqlxSqlite> {
+        let db = TestDb::with_orders().await?;
+        let store = db.store(4).await;
+        store.install_steps().await.expect("install steps");
+        Some(SqlxSqlite { store, db })
+    }
+
+    impl Harness for SqlxSqlite {
+        type Store = SqlxSqliteStore;
+
+        fn store(&self) -> &SqlxSqliteStore {
+            &self.store
+        }
+
+        async fn local_order(
+            &self,
+            lease: &Lease,
+            step: &StepRow,
+            tag: &'static str,
+            fail: bool,
+        ) -> Result<String, Error> {
+            self.store
+                .run_local(
+                    lease,
+                    step,
+                    move |tx: SqlxSqliteHandle| async move {
+                        let mut conn = tx.acquire().await?;
+                        sqlx::query(
+                            "INSERT INTO orders (tenant_id, sku, quantity) \
+                             VALUES ('steps', ?1, 1)",
+                        )
+                        .bind(tag)
+                        .execute(&mut *conn)
+                        .await?;
+                        if fail {
+                            return Err(Error::Corrupt("the step failed".into()));
+                        }
+                        Ok(tag.to_owned())
+                    },
+                    |value: &String| Ok(serde_json::to_string(value).expect("json")),
+                )
+                .await
+        }
+
+        async fn orders(&self, tag: &str) -> i64 {
+            sqlx::query_scalar("SELECT count(*) FROM orders WHERE sku = ?1")
+                .bind(tag)
+                .fetch_one(&mut self.db.connection().await)
+                .await
+                .expect("count")
+        }
+
+        async fn execute(&self, sql: &str) {
+            self.db.execute(sql).await;
+        }
+
+        /// SQLite's one writer runs one transaction at a time, as in `sqlite`.
+        async fn hold_open(&self, _: &str, _: Duration) -> Option<tokio::task::JoinHandle<()>> {
+            None
+        }
+    }
+}
+
 steps_store_tests!(sqlite_store, sqlite::harness());
 steps_store_tests!(postgres_store, postgres::harness(), postgres);
 steps_store_tests!(sqlx_postgres_store, sqlx_postgres::harness(), postgres);
 steps_store_tests!(sqlx_mysql_store, sqlx_mysql::harness(), mysql);
+steps_store_tests!(sqlx_sqlite_store, sqlx_sqlite::harness());

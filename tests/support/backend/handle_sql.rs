@@ -1,7 +1,7 @@
 //! What a handler runs through its transaction handle, per driver: the SQL of the suite tests
-//! written once over the stores on a server (a connection killed under the transaction, on
-//! every one of them; transaction control refused and a statement failing with a conflict, on
-//! the sqlx stores).
+//! written once over several stores (a connection killed under the transaction, on every store
+//! on a server; transaction control refused, on the sqlx stores; a statement failing with a
+//! conflict, on the sqlx stores on a server: SQLite has no conflicts).
 
 use std::future::Future;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -9,15 +9,20 @@ use std::sync::{Arc, Mutex, PoisonError};
 use http::StatusCode;
 use sqlx::{AssertSqlSafe, Executor as _};
 use tower_idempotency::store::tokio_postgres::PostgresHandle;
-use tower_idempotency::store::{sqlx_mysql, sqlx_postgres};
+use tower_idempotency::store::{sqlx_mysql, sqlx_postgres, sqlx_sqlite};
 
-use super::{BoxFuture, Call, Database, FailWith, MySql, Postgres, SqlxPostgres, TestDb};
+use super::{
+    BoxFuture, Call, Database, FailWith, MySql, Postgres, SqlxPostgres, SqlxSqlite, TestDb,
+};
 
-/// A [`Database`] on a server whose handle tells its connection's id, which the test kills.
-pub trait HandleSession: Database {
+/// A [`Database`] whose tests reach the handler's transaction handle ([`Call`]'s `tx`).
+pub trait TxHandle: Database {
     /// The store's transaction handle, as the handler gets it.
     type Handle: Send + Sync + 'static;
+}
 
+/// A [`Database`] on a server whose handle tells its connection's id, which the test kills.
+pub trait HandleSession: TxHandle {
     /// The status and error code of a request whose connection was killed under its handler:
     /// the handler answers its own `500` when its next statement fails, unless the layer
     /// knows better.
@@ -34,21 +39,22 @@ pub trait HandleSession: Database {
     fn kill(&self, id: i64) -> impl Future<Output = ()>;
 }
 
-/// A [`HandleSession`] whose handle runs the sqlx driver's own SQL in the request's
-/// transaction.
-pub trait HandleSql: HandleSession {
+/// A [`Database`] whose handle runs the sqlx driver's own SQL in the request's transaction.
+pub trait HandleSql: TxHandle {
     /// Sends transaction control through the handle in every way the driver has, and runs
     /// savepoints (allowed); what went otherwise than expected.
     fn transaction_control(tx: &Self::Handle) -> BoxFuture<'_, Vec<String>>;
+}
 
+/// A [`HandleSql`] on a server whose statements can fail with a conflict the layer retries.
+pub trait HandleConflict: HandleSql {
     /// A statement that fails with the server's serialization or deadlock class; what went
     /// otherwise than expected.
     fn raise_conflict(tx: &Self::Handle) -> BoxFuture<'_, Vec<String>>;
 }
 
 /// What a handler runs on the handle of `B`: what went otherwise than expected.
-pub type HandleCheck<B> =
-    for<'a> fn(&'a <B as HandleSession>::Handle) -> BoxFuture<'a, Vec<String>>;
+pub type HandleCheck<B> = for<'a> fn(&'a <B as TxHandle>::Handle) -> BoxFuture<'a, Vec<String>>;
 
 /// What the checks of a hook found, shared with the test.
 #[derive(Clone, Default)]
@@ -66,7 +72,7 @@ impl Problems {
 
 /// A hook body that runs `check` on the request's handle and keeps what it found in
 /// `problems`; the handler then goes on (201).
-pub fn checking<B: HandleSql>(
+pub fn checking<B: TxHandle>(
     check: HandleCheck<B>,
     problems: &Problems,
 ) -> impl Fn(Call) -> BoxFuture<'static, FailWith> + Send + Sync + 'static {
@@ -108,11 +114,11 @@ macro_rules! acquire_or_report {
     };
 }
 
-/// The transaction control that both drivers' handles refuse, sent through the connection
+/// The transaction control that every sqlx handle refuses, sent through the connection
 /// `$conn` every way sqlx has: `query`, and the executor's own `execute` with a string and with
 /// `raw_sql` (`raw_sql(..).execute(&mut *conn)` is not `Send` in a handler, with any sqlx
 /// connection). What went otherwise, per attempt.
-macro_rules! refused_on_both {
+macro_rules! refused_on_sqlx {
     ($conn:ident) => {
         [
             refused("COMMIT", sqlx::query("COMMIT").execute(&mut *$conn).await),
@@ -157,7 +163,7 @@ macro_rules! session_statements {
     };
 }
 
-/// A batch that ends with a `COMMIT`: refused on either driver, none of its statements run.
+/// A batch that ends with a `COMMIT`: refused on every driver, none of its statements run.
 const HIDDEN_COMMIT: &str =
     "INSERT INTO orders (tenant_id, sku, quantity) VALUES ('x', 'hidden', 1); COMMIT";
 
@@ -168,9 +174,11 @@ async fn terminate_backend(db: &TestDb, id: i64) {
     assert!(terminated, "backend {pid} terminated");
 }
 
-impl HandleSession for Postgres {
+impl TxHandle for Postgres {
     type Handle = PostgresHandle;
+}
 
+impl HandleSession for Postgres {
     // The database went away under the handler, as in a failover: not a final failure.
     const KILLED_CONNECTION: (StatusCode, &'static str) =
         (StatusCode::SERVICE_UNAVAILABLE, "busy_retry_later");
@@ -202,9 +210,11 @@ impl HandleSession for Postgres {
     }
 }
 
-impl HandleSession for SqlxPostgres {
+impl TxHandle for SqlxPostgres {
     type Handle = sqlx_postgres::SqlxPostgresHandle;
+}
 
+impl HandleSession for SqlxPostgres {
     // The database went away under the handler, as in a failover: not a final failure.
     const KILLED_CONNECTION: (StatusCode, &'static str) =
         (StatusCode::SERVICE_UNAVAILABLE, "busy_retry_later");
@@ -223,7 +233,7 @@ impl HandleSql for SqlxPostgres {
     fn transaction_control(tx: &Self::Handle) -> BoxFuture<'_, Vec<String>> {
         Box::pin(async move {
             let mut conn = acquire_or_report!(tx);
-            let mut problems: Vec<String> = refused_on_both!(conn).into_iter().flatten().collect();
+            let mut problems: Vec<String> = refused_on_sqlx!(conn).into_iter().flatten().collect();
             // Savepoints stay inside the transaction: allowed.
             let savepoints = (&mut *conn)
                 .execute(sqlx::raw_sql("SAVEPOINT s; RELEASE SAVEPOINT s"))
@@ -232,7 +242,9 @@ impl HandleSql for SqlxPostgres {
             problems
         })
     }
+}
 
+impl HandleConflict for SqlxPostgres {
     fn raise_conflict(tx: &Self::Handle) -> BoxFuture<'_, Vec<String>> {
         Box::pin(async move {
             let mut conn = acquire_or_report!(tx);
@@ -249,9 +261,11 @@ impl HandleSql for SqlxPostgres {
     }
 }
 
-impl HandleSession for MySql {
+impl TxHandle for MySql {
     type Handle = sqlx_mysql::SqlxMySqlHandle;
+}
 
+impl HandleSession for MySql {
     // MariaDB ends a killed `SLEEP` early without an error; the next statement fails on the
     // lost connection, and the layer answers that as unavailable, as on PostgreSQL.
     const KILLED_CONNECTION: (StatusCode, &'static str) =
@@ -269,7 +283,7 @@ impl HandleSql for MySql {
         Box::pin(async move {
             let mut conn = acquire_or_report!(tx);
             // And the implicit commits of MySQL, whichever way they are sent.
-            let mut problems: Vec<String> = refused_on_both!(conn).into_iter().flatten().collect();
+            let mut problems: Vec<String> = refused_on_sqlx!(conn).into_iter().flatten().collect();
             let implicit_commits = [
                 refused(
                     "SET autocommit = 1",
@@ -309,7 +323,9 @@ impl HandleSql for MySql {
             problems
         })
     }
+}
 
+impl HandleConflict for MySql {
     fn raise_conflict(tx: &Self::Handle) -> BoxFuture<'_, Vec<String>> {
         Box::pin(async move {
             let mut conn = acquire_or_report!(tx);
@@ -325,6 +341,32 @@ impl HandleSql for MySql {
                 "a statement after the conflict",
                 sqlx::query("DO 1").execute(&mut *conn).await,
             ));
+            problems
+        })
+    }
+}
+
+impl TxHandle for SqlxSqlite {
+    type Handle = sqlx_sqlite::SqlxSqliteHandle;
+}
+
+impl HandleSql for SqlxSqlite {
+    fn transaction_control(tx: &Self::Handle) -> BoxFuture<'_, Vec<String>> {
+        Box::pin(async move {
+            let mut conn = acquire_or_report!(tx);
+            // And SQLite's own spelling of `COMMIT`.
+            let mut problems: Vec<String> = refused_on_sqlx!(conn).into_iter().flatten().collect();
+            problems.extend(refused(
+                "END TRANSACTION",
+                (&mut *conn).execute("END TRANSACTION").await,
+            ));
+            // Savepoints stay inside the transaction: allowed.
+            let savepoints = (&mut *conn)
+                .execute(sqlx::raw_sql(
+                    "SAVEPOINT s; ROLLBACK TO SAVEPOINT s; RELEASE SAVEPOINT s",
+                ))
+                .await;
+            problems.extend(savepoints.err().map(|e| format!("savepoints: {e}")));
             problems
         })
     }

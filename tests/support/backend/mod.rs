@@ -10,24 +10,28 @@
 //! outbox, inbox and admin suites) and instantiates it in a module per backend with
 //! `backend_tests!(Sqlite; a, b)`, `backend_tests!(Postgres; a, b)`,
 //! `backend_tests!(SqlxPostgres; a, b)` (the PostgreSQL store on sqlx, on a schema of its own
-//! too) and `backend_tests!(MySql; a, b)`; every instance on a server is registered as needing
+//! too), `backend_tests!(MySql; a, b)` and `backend_tests!(SqlxSqlite; a, b)` (the SQLite store
+//! on sqlx, on a file of its own too); every instance on a server is registered as needing
 //! it, and reported as ignored without it (`TEST_DATABASE_URL`, `TEST_MYSQL_URL`). Tests
 //! that only make sense on one backend sit next to them in the same module.
 //!
-//! The apps themselves are the ones of `tests/support/common` (SQLite), `tests/support/pg_common` (PostgreSQL,
-//! and `pg_common::sqlx_app` on sqlx) and `tests/support/mysql_common`; this module only adapts them to
-//! one interface. Another backend is a struct implementing [`Database`] (and [`Backend`] once
-//! its store has the outbox) and an arm of [`backend_tests!`](crate::backend_tests!) that registers its tests as needing
-//! its server.
+//! The apps themselves are the ones of `tests/support/common` (SQLite, and the sqlx stores of
+//! MySQL and SQLite with their handle's insert from `tests/support/mysql_common` and
+//! `tests/support/sqlx_sqlite_common`) and `tests/support/pg_common` (PostgreSQL, and
+//! `pg_common::sqlx_app` on sqlx); this module only adapts them to one interface. Another
+//! backend is a struct implementing [`Database`] (and [`Backend`] once its store has the
+//! outbox) and an arm of [`backend_tests!`](crate::backend_tests!) that registers its tests as
+//! needing its server.
 
 // Here rather than in each suite's root: the outbox, inbox and admin suites need no MySQL.
 pub use crate::mysql_common;
+use crate::sqlx_sqlite_common;
 
 mod handle_sql;
 
 // Only the suites with tests of the handles use it.
 #[allow(unused_imports)]
-pub use handle_sql::{checking, HandleSession, HandleSql, Problems};
+pub use handle_sql::{checking, HandleConflict, HandleSession, HandleSql, Problems, TxHandle};
 
 use std::any::Any;
 use std::fmt;
@@ -49,6 +53,7 @@ use tower_idempotency::outbox::{
 use tower_idempotency::store::sqlite::{SqliteHandle, SqliteStore};
 use tower_idempotency::store::sqlx_mysql::{SqlxMySqlHandle, SqlxMySqlStore};
 use tower_idempotency::store::sqlx_postgres::{SqlxPostgresHandle, SqlxPostgresStore};
+use tower_idempotency::store::sqlx_sqlite::{SqlxSqliteHandle, SqlxSqliteStore};
 use tower_idempotency::store::tokio_postgres::{PostgresHandle, PostgresOptions, PostgresStore};
 use tower_idempotency::store::IdempotencyStore;
 use tower_idempotency::IdempotencyLayer;
@@ -233,6 +238,8 @@ pub enum Apply {
 
 /// The SQL of [`Apply::Effect`]'s insert, and what [`Apply::EffectThenFail`] fails with.
 const INSERT_EFFECT: &str = "INSERT INTO effects (event_id, note) VALUES ($1, 'applied')";
+/// The [`EFFECTS`] rows of an event.
+const COUNT_EFFECTS: &str = "SELECT count(*) FROM effects WHERE event_id = $1";
 pub const FAILURE: &str = "the receiver failed";
 
 /// What [`Backend::process`] returns.
@@ -488,6 +495,35 @@ pub async fn run<B: Database, Fut: Future<Output = ()>>(test: impl FnOnce(B) -> 
     }
 }
 
+/// The failure triggers of [`Database`] on a SQLite file, whichever driver its store uses:
+/// both stores save a record with an `INSERT` (SQLite's reservation is the write lock, not a
+/// row), which the trigger fails.
+macro_rules! sqlite_failure_triggers {
+    () => {
+        async fn fail_saving_the_record_of(&self, key: &'static str) {
+            self.execute(&format!(
+                "CREATE TRIGGER fail_record BEFORE INSERT ON idempotency_records \
+                 WHEN NEW.idempotency_key = '{key}' \
+                 BEGIN SELECT RAISE(ABORT, 'injected record failure'); END;"
+            ))
+            .await;
+        }
+
+        async fn fail_inserting_orders_of(&self, sku: &'static str) {
+            self.execute(&format!(
+                "CREATE TRIGGER fail_order BEFORE INSERT ON orders WHEN NEW.sku = '{sku}' \
+                 BEGIN SELECT RAISE(ABORT, 'injected order failure'); END;"
+            ))
+            .await;
+        }
+
+        async fn stop_failing(&self) {
+            self.execute("DROP TRIGGER IF EXISTS fail_record; DROP TRIGGER IF EXISTS fail_order;")
+                .await;
+        }
+    };
+}
+
 // ----- SQLite: a file in a temp dir -----
 
 /// A SQLite file in a temp dir of its own. The app opens its own store on it; the test reads
@@ -566,27 +602,7 @@ impl Database for Sqlite {
         self.count(sql, (tenant, operation, key)) > 0
     }
 
-    async fn fail_saving_the_record_of(&self, key: &'static str) {
-        self.execute(&format!(
-            "CREATE TRIGGER fail_record BEFORE INSERT ON idempotency_records \
-             WHEN NEW.idempotency_key = '{key}' \
-             BEGIN SELECT RAISE(ABORT, 'injected record failure'); END;"
-        ))
-        .await;
-    }
-
-    async fn fail_inserting_orders_of(&self, sku: &'static str) {
-        self.execute(&format!(
-            "CREATE TRIGGER fail_order BEFORE INSERT ON orders WHEN NEW.sku = '{sku}' \
-             BEGIN SELECT RAISE(ABORT, 'injected order failure'); END;"
-        ))
-        .await;
-    }
-
-    async fn stop_failing(&self) {
-        self.execute("DROP TRIGGER IF EXISTS fail_record; DROP TRIGGER IF EXISTS fail_order;")
-            .await;
-    }
+    sqlite_failure_triggers!();
 }
 
 impl Backend for Sqlite {
@@ -880,6 +896,64 @@ impl Setup<'_, Postgres> {
     }
 }
 
+/// The [`Backend`] calls of a store on sqlx (`$store`, whose handle is `$handle`) that run the
+/// test's SQL through sqlx, whichever database: an event enqueued on the store's pool
+/// (autocommit), and the receiver's effect applied in the inbox's transaction or a request's.
+/// `$param` is how the database writes the first bind parameter (`$1`; MySQL's `?`).
+macro_rules! sqlx_backend_calls {
+    ($store:ty, $handle:ty, $param:literal) => {
+        /// Autocommit, on the store's pool.
+        async fn enqueue_now(&self, topic: &str, payload: Value) -> EventId {
+            let pool = self.store().await.pool();
+            Outbox::<$store>::enqueue_in(pool, topic, &payload)
+                .await
+                .expect("enqueue")
+        }
+
+        async fn process(inbox: &Inbox<$store>, event_id: &str, apply: Apply) -> Processing {
+            let id = event_id.to_owned();
+            inbox
+                .process(event_id, move |tx| async move {
+                    let mut conn = tx.acquire().await?;
+                    match apply {
+                        Apply::Nothing => return Ok(0),
+                        Apply::BrokenStatement => {
+                            sqlx::query("INSERT INTO no_such_table VALUES (1)")
+                                .execute(&mut *conn)
+                                .await?;
+                            return Ok(0);
+                        }
+                        Apply::Effect | Apply::EffectThenFail => {
+                            let insert = INSERT_EFFECT.replace("$1", $param);
+                            sqlx::query(sqlx::AssertSqlSafe(insert))
+                                .bind(&id)
+                                .execute(&mut *conn)
+                                .await?
+                        }
+                    };
+                    if let Apply::EffectThenFail = apply {
+                        return Err(tower_idempotency::Error::Corrupt(FAILURE.into()));
+                    }
+                    let count = COUNT_EFFECTS.replace("$1", $param);
+                    Ok(sqlx::query_scalar(sqlx::AssertSqlSafe(count))
+                        .bind(&id)
+                        .fetch_one(&mut *conn)
+                        .await?)
+                })
+                .await
+        }
+
+        async fn apply_in(tx: &$handle, event_id: &str) {
+            let mut conn = tx.acquire().await.expect("connection");
+            let insert = INSERT_EFFECT.replace("$1", $param);
+            let applied = sqlx::query(sqlx::AssertSqlSafe(insert))
+                .bind(event_id)
+                .execute(&mut *conn);
+            applied.await.expect("apply");
+        }
+    };
+}
+
 // ----- PostgreSQL on sqlx -----
 
 /// A schema of its own, as [`Postgres`], served by the app on the sqlx store
@@ -923,56 +997,7 @@ impl Backend for SqlxPostgres {
 
     pg_outbox_reads!();
 
-    /// Autocommit, on the store's pool.
-    async fn enqueue_now(&self, topic: &str, payload: Value) -> EventId {
-        let pool = self.store().await.pool();
-        tower_idempotency::outbox::Outbox::<
-            tower_idempotency::store::sqlx_postgres::SqlxPostgresStore,
-        >::enqueue_in(pool, topic, &payload)
-        .await
-        .expect("enqueue")
-    }
-
-    async fn process(inbox: &Inbox<SqlxPostgresStore>, event_id: &str, apply: Apply) -> Processing {
-        let id = event_id.to_owned();
-        inbox
-            .process(event_id, move |tx| async move {
-                let mut conn = tx.acquire().await?;
-                match apply {
-                    Apply::Nothing => return Ok(0),
-                    Apply::BrokenStatement => {
-                        sqlx::query("INSERT INTO no_such_table VALUES (1)")
-                            .execute(&mut *conn)
-                            .await?;
-                        return Ok(0);
-                    }
-                    Apply::Effect | Apply::EffectThenFail => {
-                        sqlx::query(INSERT_EFFECT)
-                            .bind(&id)
-                            .execute(&mut *conn)
-                            .await?
-                    }
-                };
-                if let Apply::EffectThenFail = apply {
-                    return Err(tower_idempotency::Error::Corrupt(FAILURE.into()));
-                }
-                let count = sqlx::query_scalar("SELECT count(*) FROM effects WHERE event_id = $1")
-                    .bind(&id)
-                    .fetch_one(&mut *conn)
-                    .await?;
-                Ok(count)
-            })
-            .await
-    }
-
-    async fn apply_in(tx: &SqlxPostgresHandle, event_id: &str) {
-        let mut conn = tx.acquire().await.expect("connection");
-        sqlx::query(INSERT_EFFECT)
-            .bind(event_id)
-            .execute(&mut *conn)
-            .await
-            .expect("apply");
-    }
+    sqlx_backend_calls!(SqlxPostgresStore, SqlxPostgresHandle, "$1");
 }
 
 // ----- MySQL or MariaDB on sqlx: a database of its own -----
@@ -1033,59 +1058,102 @@ impl Backend for MySql {
             .expect("count the effects")
     }
 
-    /// Autocommit, on the store's pool.
-    async fn enqueue_now(&self, topic: &str, payload: Value) -> EventId {
-        let pool = self.store().await.pool();
-        tower_idempotency::outbox::Outbox::<tower_idempotency::store::sqlx_mysql::SqlxMySqlStore>::enqueue_in(pool, topic, &payload)
-            .await
-            .expect("enqueue")
-    }
-
     /// The admin tool has no MySQL store: the suites that run it leave MySQL out.
     async fn tool_args(&self) -> Vec<String> {
         vec!["--database-url".into(), self.db.url()]
     }
 
-    async fn process(inbox: &Inbox<SqlxMySqlStore>, event_id: &str, apply: Apply) -> Processing {
-        let id = event_id.to_owned();
-        inbox
-            .process(event_id, move |tx| async move {
-                let mut conn = tx.acquire().await?;
-                let insert = INSERT_EFFECT.replace("$1", "?");
-                match apply {
-                    Apply::Nothing => return Ok(0),
-                    Apply::BrokenStatement => {
-                        let broken = sqlx::query("INSERT INTO no_such_table VALUES (1)");
-                        broken.execute(&mut *conn).await?;
-                        return Ok(0);
-                    }
-                    Apply::Effect | Apply::EffectThenFail => {
-                        sqlx::query(sqlx::AssertSqlSafe(insert))
-                            .bind(&id)
-                            .execute(&mut *conn)
-                            .await?
-                    }
-                };
-                if let Apply::EffectThenFail = apply {
-                    return Err(tower_idempotency::Error::Corrupt(FAILURE.into()));
-                }
-                let count = "SELECT count(*) FROM effects WHERE event_id = ?";
-                Ok(sqlx::query_scalar(count)
-                    .bind(&id)
-                    .fetch_one(&mut *conn)
-                    .await?)
-            })
-            .await
+    sqlx_backend_calls!(SqlxMySqlStore, SqlxMySqlHandle, "?");
+}
+
+// ----- SQLite on sqlx: a file in a temp dir -----
+
+/// A SQLite file in a temp dir of its own (`tests/support/sqlx_sqlite_common`), served by the
+/// order app of `tests/support/common` on the sqlx SQLite store (its handle's insert is
+/// `sqlx_sqlite_common`'s). Every server opens a store of its own on the file; the test reads
+/// it through a connection of its own, as another process would. No server: its tests run in a
+/// plain `cargo test`.
+pub struct SqlxSqlite {
+    store: OnceCell<SqlxSqliteStore>,
+    pub db: sqlx_sqlite_common::TestDb,
+}
+
+impl Database for SqlxSqlite {
+    type Store = SqlxSqliteStore;
+
+    const PARALLEL_WRITERS: bool = false;
+
+    async fn create() -> Option<Self> {
+        let db = sqlx_sqlite_common::TestDb::with_orders().await?;
+        Some(SqlxSqlite {
+            store: OnceCell::new(),
+            db,
+        })
     }
 
-    async fn apply_in(tx: &SqlxMySqlHandle, event_id: &str) {
-        let mut conn = tx.acquire().await.expect("connection");
-        let insert = INSERT_EFFECT.replace("$1", "?");
-        let applied = sqlx::query(sqlx::AssertSqlSafe(insert))
-            .bind(event_id)
-            .execute(&mut *conn);
-        applied.await.expect("apply");
+    async fn serve(&self, setup: Setup<'_, Self>) -> Server<Self> {
+        let running = setup
+            .convert(adapt::<SqlxSqliteHandle, HookOutcome>, ())
+            // A pool of 8 connections, as the other stores' apps: requests beyond the one
+            // writer wait for the write lock rather than for a connection.
+            .serve_on(self.db.store(8).await)
+            .await;
+        Server::new(running)
     }
+
+    async fn execute(&self, sql: &str) {
+        self.db.execute(sql).await;
+    }
+
+    async fn orders(&self) -> Vec<Order> {
+        self.db.orders().await
+    }
+
+    async fn order_count(&self) -> i64 {
+        self.db.order_count().await
+    }
+
+    async fn record_count(&self) -> i64 {
+        self.db.record_count().await
+    }
+
+    async fn record_exists(&self, tenant: &str, operation: &str, key: &str) -> bool {
+        self.db.record_exists(tenant, operation, key).await
+    }
+
+    sqlite_failure_triggers!();
+}
+
+impl Backend for SqlxSqlite {
+    const NO_OUTBOX_TABLE: &'static str = "no such table: outbox_events";
+
+    fn store_cell(&self) -> &OnceCell<SqlxSqliteStore> {
+        &self.store
+    }
+
+    async fn another_store(&self) -> SqlxSqliteStore {
+        self.db.store(4).await
+    }
+
+    async fn event_count(&self) -> i64 {
+        self.db.count("SELECT count(*) FROM outbox_events").await
+    }
+
+    async fn effects(&self, event_id: &str) -> i64 {
+        sqlx::query_scalar(COUNT_EFFECTS)
+            .bind(event_id)
+            .fetch_one(&mut self.db.connection().await)
+            .await
+            .expect("count the effects")
+    }
+
+    /// The tool opens the file with the SQLite store (`--db`): its tables have the same
+    /// columns.
+    async fn tool_args(&self) -> Vec<String> {
+        vec!["--db".into(), self.db.path().display().to_string()]
+    }
+
+    sqlx_backend_calls!(SqlxSqliteStore, SqlxSqliteHandle, "$1");
 }
 
 /// Instantiates generic tests (`async fn name<B: Database>(db: B)` in the suite's root module)
@@ -1095,7 +1163,7 @@ impl Backend for MySql {
 /// on a multi-thread runtime of 2 workers and `c = a` runs `a` under the name `c`
 /// (`c(multi_thread = 2) = a` with one). Every PostgreSQL instance is registered as needing
 /// PostgreSQL (reported as ignored without `TEST_DATABASE_URL`), every MySQL one as needing
-/// MySQL (`TEST_MYSQL_URL`).
+/// MySQL (`TEST_MYSQL_URL`); the SQLite ones (`Sqlite`, `SqlxSqlite`) need nothing.
 #[macro_export]
 macro_rules! backend_tests {
     (Sqlite; $($tests:tt)*) => {
@@ -1109,6 +1177,9 @@ macro_rules! backend_tests {
     };
     (MySql; $($tests:tt)*) => {
         $crate::backend_tests!(@each MySql [mysql]; $($tests)*);
+    };
+    (SqlxSqlite; $($tests:tt)*) => {
+        $crate::backend_tests!(@each SqlxSqlite []; $($tests)*);
     };
     (@each $backend:ident [$($needs:ident)?];
         $name:ident $(($($options:tt)*))? = $test:ident $(, $($rest:tt)*)?) => {
