@@ -1,12 +1,3 @@
-//! Sets names for sets of the crate's own features, so that the code says once what a feature
-//! list means: `cfg(row_lock_store)` with any store on the shared SQL engine of
-//! `src/row_lock/` (`tokio-postgres`, `sqlx-postgres`, `sqlx-mysql`, `sqlx-sqlite`),
-//! `cfg(sql_store)` with any store at all (those and `sqlite`), `cfg(postgres_dialect)` with
-//! either PostgreSQL store (`tokio-postgres`, `sqlx-postgres`: `src/postgres/` compiles) and
-//! `cfg(sqlx_store)` with any sqlx store (`sqlx-postgres`, `sqlx-mysql`, `sqlx-sqlite`:
-//! `src/sqlx/` compiles). Public items keep
-//! the feature lists themselves, so that their docs name the features.
-//!
 //! Writes `$OUT_DIR/doc_links.md`, the link definitions of the crate root's docs and the
 //! guide's for items of features that may be off ([`DOC_LINKS`]).
 //!
@@ -42,34 +33,7 @@ fn main() {
     // Without a `rerun-if` line Cargo would run this again after a change to any file of the
     // package; the features are part of the build's fingerprint already.
     println!("cargo::rerun-if-changed=build.rs");
-    println!("cargo::rustc-check-cfg=cfg(row_lock_store)");
-    println!("cargo::rustc-check-cfg=cfg(sql_store)");
-    println!("cargo::rustc-check-cfg=cfg(postgres_dialect)");
-    println!("cargo::rustc-check-cfg=cfg(sqlx_store)");
     let feature = |name: &str| std::env::var_os(format!("CARGO_FEATURE_{name}")).is_some();
-    let row_lock_store = [
-        "TOKIO_POSTGRES",
-        "SQLX_POSTGRES",
-        "SQLX_MYSQL",
-        "SQLX_SQLITE",
-    ]
-    .iter()
-    .any(|name| feature(name));
-    if row_lock_store {
-        println!("cargo::rustc-cfg=row_lock_store");
-    }
-    if row_lock_store || feature("SQLITE") {
-        println!("cargo::rustc-cfg=sql_store");
-    }
-    if feature("TOKIO_POSTGRES") || feature("SQLX_POSTGRES") {
-        println!("cargo::rustc-cfg=postgres_dialect");
-    }
-    if ["SQLX_POSTGRES", "SQLX_MYSQL", "SQLX_SQLITE"]
-        .iter()
-        .any(|name| feature(name))
-    {
-        println!("cargo::rustc-cfg=sqlx_store");
-    }
     write_doc_links(&feature);
 }
 

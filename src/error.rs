@@ -156,7 +156,7 @@ pub(crate) enum ErrorKind {
 /// A driver's error, as the driver classifies it: each driver implements it for its error type
 /// in its own folder (`src/sqlite/error.rs`, `src/tokio_postgres/error.rs`, `src/sqlx/error.rs`),
 /// so that this file names the drivers' error types (its variants) but none of their modules.
-#[cfg(sql_store)]
+#[cfg(feature = "_sql-store")]
 pub(crate) trait DriverError: std::error::Error {
     /// Which of the layer's kinds of failure this is.
     fn classify(&self) -> ErrorKind;
@@ -181,7 +181,7 @@ impl Error {
             Error::Sqlite(e) => e.classify(),
             #[cfg(feature = "tokio-postgres")]
             Error::TokioPostgres(e) => e.classify(),
-            #[cfg(sqlx_store)]
+            #[cfg(feature = "_sqlx-store")]
             Error::Sqlx(e) => e.classify(),
             _ => ErrorKind::Other,
         }
@@ -208,7 +208,7 @@ impl Error {
     }
 
     /// Whether a lock wait timed out (PostgreSQL `55P03`, MySQL and MariaDB `1205`).
-    #[cfg(row_lock_store)]
+    #[cfg(feature = "_row-lock-store")]
     pub(crate) fn is_lock_wait_timeout(&self) -> bool {
         self.kind() == ErrorKind::LockTimeout
     }
@@ -375,7 +375,7 @@ pub(crate) fn default_error_response(rejection: &Rejection, status: StatusCode) 
     response
 }
 
-#[cfg(all(test, sqlx_store))]
+#[cfg(all(test, feature = "_sqlx-store"))]
 mod tests {
     use super::Error;
 

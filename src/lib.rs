@@ -143,18 +143,18 @@ mod mysql;
 mod openapi;
 #[cfg(feature = "outbox")]
 pub mod outbox;
-#[cfg(postgres_dialect)]
+#[cfg(feature = "_postgres-dialect")]
 mod postgres;
 pub mod problem;
 pub mod response;
-#[cfg(sql_store)]
+#[cfg(feature = "_sql-store")]
 mod row;
-#[cfg(row_lock_store)]
+#[cfg(feature = "_row-lock-store")]
 mod row_lock;
 mod service;
 #[cfg(feature = "sqlite")]
 mod sqlite;
-#[cfg(sqlx_store)]
+#[cfg(feature = "_sqlx-store")]
 mod sqlx;
 pub mod steps;
 pub mod store;

@@ -37,14 +37,17 @@ pub(crate) const OUTBOX_DELIVERY_SECONDS: &str = "outbox_delivery_seconds";
 /// Counter: events offered to an inbox, labelled `consumer` and `result`
 /// (`processed` or `duplicate`).
 #[cfg_attr(
-    not(all(feature = "metrics", feature = "outbox", sql_store)),
+    not(all(feature = "metrics", feature = "outbox", feature = "_sql-store")),
     allow(dead_code)
 )]
 pub(crate) const INBOX_EVENTS_TOTAL: &str = "inbox_events_total";
 
 /// Counter: rows of a step-by-step key in progress that could not be read, skipped by a
 /// listing (the completer's or the admin's), labelled `table`.
-#[cfg_attr(not(all(feature = "metrics", sql_store)), allow(dead_code))]
+#[cfg_attr(
+    not(all(feature = "metrics", feature = "_sql-store")),
+    allow(dead_code)
+)]
 pub(crate) const STEPS_UNREADABLE_TOTAL: &str = "idempotency_steps_unreadable_total";
 
 /// The `outcome` label of `idempotency_requests_total`: how the layer answered.
@@ -278,7 +281,7 @@ fn record_lock_wait(keys: &Keys, operation: Option<&Arc<str>>, waited: Duration)
 
 /// Reports a row of `idempotency_progress` that a listing skipped: logged at error level (with
 /// the row's scope as stored, its key redacted) and counted.
-#[cfg(sql_store)]
+#[cfg(feature = "_sql-store")]
 pub(crate) fn unreadable_progress(tenant: &str, operation: &str, key: &str, error: &crate::Error) {
     let key = crate::key::IdempotencyKey::from_unquoted(key)
         .map_or_else(|_| "(not a key)".to_owned(), |key| key.redacted());
@@ -337,7 +340,7 @@ pub(crate) mod outbox {
     }
 
     /// An event offered to an inbox.
-    #[cfg(sql_store)]
+    #[cfg(feature = "_sql-store")]
     pub(crate) fn inbox(consumer: &str, first: bool) {
         #[cfg(feature = "metrics")]
         metrics::counter!(

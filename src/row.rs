@@ -19,7 +19,10 @@ pub(crate) trait Columns {
     fn text(&self, index: usize) -> Result<Option<String>, Self::Error>;
 
     /// A `BOOLEAN` (an integer on SQLite).
-    #[cfg_attr(not(all(feature = "outbox", row_lock_store)), allow(dead_code))]
+    #[cfg_attr(
+        not(all(feature = "outbox", feature = "_row-lock-store")),
+        allow(dead_code)
+    )]
     fn boolean(&self, index: usize) -> Result<Option<bool>, Self::Error>;
 
     /// A `BYTEA` (a `BLOB` on SQLite).
@@ -44,7 +47,10 @@ pub(crate) trait Columns {
     }
 
     /// [`boolean`](Self::boolean) of a column that must hold a value.
-    #[cfg_attr(not(all(feature = "outbox", row_lock_store)), allow(dead_code))]
+    #[cfg_attr(
+        not(all(feature = "outbox", feature = "_row-lock-store")),
+        allow(dead_code)
+    )]
     fn required_boolean(&self, index: usize, what: &str) -> Result<bool, Self::Error> {
         self.boolean(index)?.ok_or_else(|| Self::null(index, what))
     }

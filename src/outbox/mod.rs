@@ -8,9 +8,9 @@ use std::time::{Duration, SystemTime};
 use crate::body::BoxError;
 use crate::error::Error;
 
-#[cfg(sql_store)]
+#[cfg(feature = "_sql-store")]
 pub(crate) mod columns;
-#[cfg(sql_store)]
+#[cfg(feature = "_sql-store")]
 pub(crate) mod inbox;
 mod relay;
 mod sink;
@@ -19,7 +19,7 @@ mod sink;
 // `src/sqlx/`, over `src/row_lock/outbox.rs` on the SQL servers): `Outbox<Store>` and
 // `Inbox<Store>` are its public names.
 
-#[cfg(sql_store)]
+#[cfg(feature = "_sql-store")]
 pub(crate) use inbox::InboxOutcome;
 #[cfg(any(
     feature = "sqlite",
@@ -43,7 +43,7 @@ pub struct EventId(Arc<str>);
 
 impl EventId {
     /// A new, unique id (the SQL servers' events; SQLite's are [`numbered`](Self::numbered)).
-    #[cfg(row_lock_store)]
+    #[cfg(feature = "_row-lock-store")]
     pub(crate) fn generate() -> Self {
         EventId(Arc::from(uuid::Uuid::now_v7().to_string()))
     }

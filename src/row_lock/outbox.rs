@@ -20,7 +20,7 @@ use std::time::{Duration, SystemTime};
 use crate::error::Error;
 use crate::outbox::inbox::receipt;
 use crate::outbox::{EventId, Receipt};
-#[cfg(postgres_dialect)]
+#[cfg(feature = "_postgres-dialect")]
 use crate::postgres::outbox_sql as pg_sql;
 use crate::row::Columns;
 use crate::row_lock::driver::{SqlHandle, SqlParam};
@@ -95,7 +95,7 @@ pub(crate) async fn record<H: SqlHandle>(
 }
 
 /// The claim on PostgreSQL: both updates, each `RETURNING` its rows, in one transaction.
-#[cfg(postgres_dialect)]
+#[cfg(feature = "_postgres-dialect")]
 pub(crate) async fn claim_returning<D: crate::row_lock::driver::SqlDriver>(
     driver: &D,
     dead_letter: &[SqlParam<'_>],

@@ -6,15 +6,15 @@ use bytes::Bytes;
 use http::StatusCode;
 
 use crate::fingerprint::Fingerprint;
-#[cfg(postgres_dialect)]
+#[cfg(feature = "_postgres-dialect")]
 use crate::key::IdempotencyKey;
 use crate::response::SavedResponse;
-#[cfg(postgres_dialect)]
+#[cfg(feature = "_postgres-dialect")]
 use crate::store::Scope;
 use crate::store::{NewRecord, StoredRecord};
 
 /// `key` of `tenant` on the operation `create_order`.
-#[cfg(postgres_dialect)]
+#[cfg(feature = "_postgres-dialect")]
 pub(crate) fn tenant_scope(tenant: &str, key: &str) -> Scope {
     Scope {
         tenant: tenant.into(),
@@ -24,7 +24,7 @@ pub(crate) fn tenant_scope(tenant: &str, key: &str) -> Scope {
 }
 
 /// `key` of the tenant `shop`.
-#[cfg(postgres_dialect)]
+#[cfg(feature = "_postgres-dialect")]
 pub(crate) fn scope(key: &str) -> Scope {
     tenant_scope("shop", key)
 }

@@ -260,7 +260,7 @@ impl<S: TxSlot> TxShared<S> {
 
 /// What a store's own transaction (the inbox's or a step's, outside any request) needs from
 /// its slot.
-#[cfg(row_lock_store)]
+#[cfg(feature = "_row-lock-store")]
 pub(crate) trait OwnedSlot: TxSlot + Send {
     /// Whether the transaction is still the one marked with `token` when it was opened.
     fn is_own_transaction(
@@ -276,12 +276,12 @@ pub(crate) trait OwnedSlot: TxSlot + Send {
 /// A transaction a store opened for itself, committed or rolled back by its owner (the
 /// inbox) rather than by the layer, through the same handles as a request's. Dropping it
 /// without either rolls back (by closing its connection, as for a request).
-#[cfg(row_lock_store)]
+#[cfg(feature = "_row-lock-store")]
 pub(crate) struct OwnedTransaction<S: TxSlot> {
     pub(crate) tx: Arc<TxShared<S>>,
 }
 
-#[cfg(row_lock_store)]
+#[cfg(feature = "_row-lock-store")]
 impl<S: OwnedSlot> OwnedTransaction<S> {
     /// The transaction on `slot`, marked with `token`, once its `BEGIN` has run (`begun`); if
     /// that failed, the slot is rolled back and the error returned.
@@ -341,7 +341,7 @@ impl<S: OwnedSlot> OwnedTransaction<S> {
     }
 }
 
-#[cfg(row_lock_store)]
+#[cfg(feature = "_row-lock-store")]
 impl<S: TxSlot> Drop for OwnedTransaction<S> {
     fn drop(&mut self) {
         self.tx.abandon();

@@ -109,12 +109,12 @@ const DEFAULT_WAIT: Duration = Duration::from_secs(5);
 
 /// How long an operator's call ([`StepStore::resolve`], [`StepStore::purge_progress`]) waits
 /// for a lock.
-#[cfg(sql_store)]
+#[cfg(feature = "_sql-store")]
 pub(crate) const ADMIN_WAIT: Duration = DEFAULT_WAIT;
 
 /// A new run id: 32 random hexadecimal digits, never reused (UUID v4). One life of a key
 /// (from its first claim until it finishes, or its progress is deleted) has one.
-#[cfg(sql_store)]
+#[cfg(feature = "_sql-store")]
 pub(crate) fn new_run_id() -> String {
     uuid::Uuid::new_v4().simple().to_string()
 }
@@ -313,7 +313,7 @@ impl StepRow {
 /// Checks `step`, about to be written at its position, against the step the key saved there
 /// (`name`, `kind` as stored, `done`: with its result): only the intent of the same step may
 /// be written again or settled with its result. Anything else is [`Error::StepsChanged`].
-#[cfg(sql_store)]
+#[cfg(feature = "_sql-store")]
 pub(crate) fn check_saved_step(
     step: &StepRow,
     name: &str,
@@ -364,7 +364,7 @@ pub struct Progress {
 impl Progress {
     /// A key in progress as read back, with the other fields at their zero values: the store
     /// sets them from its row.
-    #[cfg(sql_store)]
+    #[cfg(feature = "_sql-store")]
     pub(crate) fn new(
         scope: Scope,
         fingerprint: Fingerprint,
@@ -459,7 +459,7 @@ pub struct ProgressPage {
     pub next: Option<ProgressCursor>,
 }
 
-#[cfg(sql_store)]
+#[cfg(feature = "_sql-store")]
 impl ProgressPage {
     /// Adds a listed row at `cursor`: its key, or, when it could not be read, a skip (logged
     /// and counted). The page's end moves past it either way.

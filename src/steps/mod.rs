@@ -6,9 +6,9 @@ mod handle;
 pub(crate) mod mode;
 mod outcome;
 
-#[cfg(sql_store)]
+#[cfg(feature = "_sql-store")]
 pub(crate) use backend::sealed;
-#[cfg(sql_store)]
+#[cfg(feature = "_sql-store")]
 pub(crate) use backend::{check_saved_step, new_run_id, ADMIN_WAIT};
 #[allow(unused_imports)] // what each backend needs of them differs by feature
 pub(crate) use backend::{
@@ -35,7 +35,7 @@ pub use completer::{Completer, CompleterReport};
 pub use handle::{step_key, Steps};
 pub use outcome::{Answer, Ask, CallAgain, Foreign, LeaveInDoubt, OnUnknown, Recovery, StepError};
 
-#[cfg(sql_store)]
+#[cfg(feature = "_sql-store")]
 #[cfg_attr(not(feature = "sqlite"), allow(unused_imports))]
 pub(crate) use outcome::Stored;
 

@@ -73,7 +73,7 @@ impl SavedColumns {
 }
 
 /// A whole record row as the SQL stores with row locks read it.
-#[cfg(row_lock_store)]
+#[cfg(feature = "_row-lock-store")]
 pub(crate) mod record_row {
     use bytes::Bytes;
 

@@ -19,9 +19,9 @@ use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
 use crate::response::SavedResponse;
 
-#[cfg(sql_store)]
+#[cfg(feature = "_sql-store")]
 pub(crate) mod columns;
-#[cfg(sql_store)]
+#[cfg(feature = "_sql-store")]
 pub(crate) mod retry_share;
 
 // Each store lives in its backend's folder (`src/sqlite/`, `src/tokio_postgres/`, `src/sqlx/`);
@@ -37,14 +37,15 @@ pub use crate::sqlx::sqlite::store as sqlx_sqlite;
 #[cfg(feature = "tokio-postgres")]
 pub use crate::tokio_postgres::store as tokio_postgres;
 
-/// The settings of the SQL-server stores (PostgreSQL on either driver, MySQL), one type for
-/// all of them.
-#[cfg(row_lock_store)]
+/// The settings of the stores on the shared SQL engine (PostgreSQL on either driver, MySQL,
+/// SQLite on sqlx: any of their features turns on `_row-lock-store`), one type for all of
+/// them.
+#[cfg(feature = "_row-lock-store")]
 pub use crate::row_lock::{replay_check::ReplayCheck, reserve::Isolation};
 
-#[cfg(row_lock_store)]
+#[cfg(feature = "_row-lock-store")]
 pub(crate) use columns::record_row;
-#[cfg(sql_store)]
+#[cfg(feature = "_sql-store")]
 pub(crate) use columns::SavedColumns;
 
 /// The unique scope of a record: `(tenant, operation, key)`.
@@ -479,7 +480,7 @@ pub(crate) async fn purge_expired_paced<S: IdempotencyStore>(
     }
 }
 
-#[cfg(sql_store)]
+#[cfg(feature = "_sql-store")]
 pub(crate) fn to_unix_millis(time: SystemTime) -> i64 {
     match time.duration_since(std::time::UNIX_EPOCH) {
         Ok(d) => i64::try_from(d.as_millis()).unwrap_or(i64::MAX),
@@ -488,7 +489,7 @@ pub(crate) fn to_unix_millis(time: SystemTime) -> i64 {
 }
 
 /// The inverse of [`to_unix_millis`].
-#[cfg(sql_store)]
+#[cfg(feature = "_sql-store")]
 pub(crate) fn from_unix_millis(millis: i64) -> SystemTime {
     std::time::UNIX_EPOCH + Duration::from_millis(u64::try_from(millis).unwrap_or(0))
 }

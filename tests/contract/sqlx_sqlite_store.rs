@@ -80,7 +80,9 @@ async fn another_key_waits_for_the_write_lock_up_to_the_lock_timeout() {
         .begin(&scope("b"), Duration::from_millis(300), SystemTime::now())
         .await;
     let waited = started.elapsed();
-    let error = other.err().expect("the write lock is held");
+    let Err(error) = other else {
+        panic!("the write lock is held: another key cannot begin");
+    };
     assert!(error.is_busy(), "{error}");
     assert!(waited >= Duration::from_millis(250), "waited {waited:?}");
     assert!(waited < Duration::from_secs(3), "waited {waited:?}");

@@ -7,6 +7,7 @@
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Dialect {
     /// PostgreSQL: nested `/* */` comments, `E'...'` strings, dollar quotes.
+    #[cfg_attr(not(feature = "_postgres-dialect"), allow(dead_code))]
     Postgres,
     /// MySQL and MariaDB: `#` comments, `-- ` only before a blank, executable `/*! */`
     /// comments (their text runs), backquoted identifiers, no dollar quotes; `'` and `"`
