@@ -10,6 +10,7 @@ use sqlx::{Executor as _, Row as _};
 use tokio::time::Instant;
 
 use crate::error::Error;
+use crate::sqlx::driver::our_sql;
 use crate::sqlx::store::{
     ReserveStep, RowsAffected, SqlxDatabase, SqlxDialect, SqlxOptions, SqlxStore,
 };
@@ -145,8 +146,31 @@ impl SqlxDialect for SqliteDialect {
         sql::begin(millis_until(deadline))
     }
 
-    fn restore_lock_wait(deadline: Instant) -> String {
-        sql::set_busy_timeout(millis_until(deadline))
+    /// Nothing: the busy timeout set before `BEGIN IMMEDIATE` is the deadline's already (the
+    /// in-flight policy's bound is not applied), and inside the transaction, which holds the
+    /// write lock, no statement waits for another writer.
+    fn restore_lock_wait(_deadline: Instant) -> String {
+        String::from(sql::NOTHING)
+    }
+
+    /// `BEGIN IMMEDIATE` as [`begin_request`](Self::begin_request) writes it, sent as raw SQL:
+    /// its text changes with every request (the milliseconds left), and sqlx would keep each
+    /// text as a prepared statement in the connection's cache, pushing out the handler's.
+    fn open_request<'a>(
+        conn: &'a mut SqliteConnection,
+        isolation: crate::store::Isolation,
+        (deadline, key_row_wait): (Instant, Option<Duration>),
+        _reservation: (&'a Scope, i64),
+        _unnamed: bool,
+    ) -> BoxFuture<'a, Result<crate::sqlx::store::Opened<()>, Error>> {
+        let begin = Self::begin_request(isolation, deadline, key_row_wait);
+        Box::pin(async move {
+            conn.execute(sqlx::raw_sql(our_sql(begin))).await?;
+            Ok(crate::sqlx::store::Opened {
+                inserted: None,
+                lock_wait_restored: false,
+            })
+        })
     }
 
     /// Under the write lock no other transaction writes: the key is this request's unless it

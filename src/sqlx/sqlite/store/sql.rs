@@ -83,9 +83,5 @@ pub(crate) fn begin(wait_ms: u64) -> String {
     )
 }
 
-/// The busy timeout for what follows in the open transaction (statements that wait for the
-/// lock it already holds never wait; the application's attached databases may). Only an
-/// integer is formatted into it.
-pub(crate) fn set_busy_timeout(wait_ms: u64) -> String {
-    format!("PRAGMA busy_timeout = {wait_ms}")
-}
+/// A statement that changes nothing (see `SqliteDialect::restore_lock_wait`).
+pub(crate) const NOTHING: &str = "SELECT 1";
