@@ -153,8 +153,9 @@ impl CaseRun {
             Case::D => Workload::create("/baseline/orders", &prefix, &sku),
             Case::H => Workload::create("/hand/orders", &prefix, &sku),
             Case::ReservationA => Workload::create("/reservation/orders", &prefix, &sku),
-            Case::SqlxA => Workload::create("/sqlx/orders", &prefix, &sku),
-            Case::SqlxH => Workload::create("/sqlx/hand/orders", &prefix, &sku),
+            // The sqlx SQLite server has the same paths as the PostgreSQL one.
+            Case::SqlxA | Case::SqlxSqliteA => Workload::create("/sqlx/orders", &prefix, &sku),
+            Case::SqlxH | Case::SqlxSqliteH => Workload::create("/sqlx/hand/orders", &prefix, &sku),
             Case::R => {
                 let sku: &'static str = "book-R";
                 let first = server.insert_orders(sku, READ_ORDERS).await?;
@@ -292,6 +293,7 @@ pub(crate) async fn run_interleaved(
                 server
             }
             (Mode::Postgres, None, None) => return Err("PostgreSQL needs --database-url".into()),
+            _ if case.is_sqlx_sqlite() => Arc::new(Server::start_sqlx_sqlite(mode).await?),
             _ => Arc::new(Server::start(mode).await?),
         };
         runs.push(CaseRun::prepare(case, mode, concurrency, server, options).await?);

@@ -25,6 +25,8 @@ fn color(case: Case) -> RGBColor {
         Case::ReservationA => RGBColor(0x7f, 0x7f, 0x7f),
         Case::SqlxA => RGBColor(0x17, 0xbe, 0xcf),
         Case::SqlxH => RGBColor(0xbc, 0xbd, 0x22),
+        Case::SqlxSqliteA => RGBColor(0xe3, 0x77, 0xc2),
+        Case::SqlxSqliteH => RGBColor(0x39, 0x3b, 0x79),
         Case::E => RGBColor(0x55, 0x55, 0x55),
     }
 }

@@ -8,7 +8,7 @@ use tower_idempotency::store::sqlite::Synchronous;
 
 pub(crate) const USAGE: &str = "\
 usage: cargo bench --bench orders -- [--quick] [--duration SECS] [--rounds N]
-             [--cases A,B,C,D,H,R,E,hold,alloc,wal,instr] [--concurrency 1,16,64]
+             [--cases A,B,C,D,H,R,QA,QH,E,hold,alloc,wal,instr] [--concurrency 1,16,64]
              [--modes full,normal] [--database-url URL] [--client-threads N] [--out DIR]
              [--scale [--scale-rows 0,1000000,10000000] [--scale-parts LIST]
               [--scale-purge-rows N]] [--topology]
@@ -22,7 +22,8 @@ usage: cargo bench --bench orders -- [--quick] [--duration SECS] [--rounds N]
   --duration SECS      length of one round (default 2; --quick 0.4)
   --rounds N           rounds per case, interleaved with the other cases' rounds;
                        throughput is their median (default 3; --quick 2)
-  --cases LIST         what to run (default all but AR, SA and SH): A B C D H R AR SA SH E,
+  --cases LIST         what to run (default all but AR, SA, SH, QA and QH): A B C D H R
+                       AR SA SH QA QH E,
                        hold (replays while a handler holds the write transaction), alloc
                        (bytes allocated per request), wal (WAL frames per new key:
                        A, H and a minimal handler, SQLite FULL), instr (instructions
@@ -32,7 +33,9 @@ usage: cargo bench --bench orders -- [--quick] [--duration SECS] [--rounds N]
                        ReplayCheck::FavorNewKeys) runs when asked, e.g. `--modes pg --cases
                        a,ar,h`; SA, SH (sqlx) in a pass of their own, `--modes pg --cases
                        sa,sh` (refused beside other PostgreSQL cases): more pools of 32 beside
-                       A's and H's would exceed PostgreSQL's default max_connections (100)
+                       A's and H's would exceed PostgreSQL's default max_connections (100).
+                       QA, QH (the sqlx SQLite store, and H on sqlx; SQLite modes) run when
+                       asked, beside A and H: `--cases a,h,qa,qh`
   --concurrency LIST   connections, one request in flight each (default 1,16,64)
   --modes LIST         full, normal (SQLite's durability), pg (default all three, pg
                        only with a URL)
@@ -80,11 +83,15 @@ pub(crate) enum Case {
     SqlxA,
     /// Case H written with sqlx.
     SqlxH,
+    /// Case A on the sqlx SQLite store.
+    SqlxSqliteA,
+    /// Case H written with sqlx on SQLite.
+    SqlxSqliteH,
     E,
 }
 
 impl Case {
-    pub(crate) const HTTP: [Case; 9] = [
+    pub(crate) const HTTP: [Case; 11] = [
         Case::A,
         Case::B,
         Case::C,
@@ -94,8 +101,10 @@ impl Case {
         Case::ReservationA,
         Case::SqlxA,
         Case::SqlxH,
+        Case::SqlxSqliteA,
+        Case::SqlxSqliteH,
     ];
-    /// The cases that run on PostgreSQL (C and D are SQLite-only).
+    /// The cases that run on PostgreSQL (C, D, QA and QH are SQLite-only).
     const POSTGRES: [Case; 7] = [
         Case::A,
         Case::B,
@@ -119,6 +128,8 @@ impl Case {
             Case::ReservationA => "AR",
             Case::SqlxA => "SA",
             Case::SqlxH => "SH",
+            Case::SqlxSqliteA => "QA",
+            Case::SqlxSqliteH => "QH",
             Case::E => "E",
         }
     }
@@ -134,6 +145,8 @@ impl Case {
             Case::ReservationA => "layer, new keys, ReplayCheck::FavorNewKeys",
             Case::SqlxA => "sqlx store, layer, new keys",
             Case::SqlxH => "hand-written on sqlx (baseline)",
+            Case::SqlxSqliteA => "sqlx SQLite store, layer, new keys",
+            Case::SqlxSqliteH => "by hand on sqlx SQLite (baseline)",
             Case::E => "rusqlite loop, no HTTP (ceiling)",
         }
     }
@@ -144,8 +157,14 @@ impl Case {
             Case::A | Case::C | Case::D | Case::ReservationA => Some(Case::H),
             Case::B => Some(Case::R),
             Case::SqlxA => Some(Case::SqlxH),
-            Case::H | Case::R | Case::SqlxH | Case::E => None,
+            Case::SqlxSqliteA => Some(Case::SqlxSqliteH),
+            Case::H | Case::R | Case::SqlxH | Case::SqlxSqliteH | Case::E => None,
         }
+    }
+
+    /// Whether the case runs on the sqlx SQLite store's file (a server of its own kind).
+    pub(crate) fn is_sqlx_sqlite(self) -> bool {
+        matches!(self, Case::SqlxSqliteA | Case::SqlxSqliteH)
     }
 }
 
@@ -369,6 +388,8 @@ impl Command {
                         "ar" => cases.push(Case::ReservationA),
                         "sa" => cases.push(Case::SqlxA),
                         "sh" => cases.push(Case::SqlxH),
+                        "qa" => cases.push(Case::SqlxSqliteA),
+                        "qh" => cases.push(Case::SqlxSqliteH),
                         "e" => cases.push(Case::E),
                         "hold" => hold = true,
                         "alloc" => alloc = true,

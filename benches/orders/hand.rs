@@ -19,6 +19,7 @@ use tower_idempotency::response::IDEMPOTENT_REPLAYED;
 use tower_idempotency::store::sqlite::rusqlite::{self, params, Connection, OptionalExtension};
 use tower_idempotency::store::sqlx_postgres::sqlx::postgres::PgPool;
 use tower_idempotency::store::sqlx_postgres::sqlx::{self, Executor as _, Row as _};
+use tower_idempotency::store::sqlx_sqlite::sqlx::sqlite::SqlitePool;
 use tower_idempotency::store::tokio_postgres::deadpool_postgres::Pool;
 use tower_idempotency::{Tenant, IDEMPOTENCY_KEY};
 
@@ -177,13 +178,13 @@ impl IntoResponse for HandOutcome {
     }
 }
 
-fn now_millis() -> i64 {
+pub(crate) fn now_millis() -> i64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |since| since.as_millis() as i64)
 }
 
-fn event_id() -> String {
+pub(crate) fn event_id() -> String {
     uuid::Uuid::now_v7().to_string()
 }
 
@@ -196,7 +197,8 @@ const SQLITE_SELECT_RECORD: &str = "SELECT fingerprint_version, fingerprint, sta
      WHERE tenant = ?1 AND operation = ?2 AND idempotency_key = ?3 AND expires_at > ?4";
 const SQLITE_INSERT_ORDER: &str =
     "INSERT INTO orders (tenant_id, sku, quantity) VALUES (?1, ?2, ?3)";
-const SQLITE_INSERT_EVENT: &str = "INSERT INTO outbox_events (event_id, topic, payload, status, \
+pub(crate) const SQLITE_INSERT_EVENT: &str =
+    "INSERT INTO outbox_events (event_id, topic, payload, status, \
      attempts, available_at, created_at) VALUES (?1, ?2, ?3, 'pending', 0, ?4, ?4)";
 const SQLITE_INSERT_RECORD: &str = "INSERT INTO idempotency_records (tenant, operation, \
      idempotency_key, fingerprint, fingerprint_version, status, headers, body, trailers, \
@@ -261,6 +263,66 @@ pub(crate) fn sqlite_transaction(
         ])?;
     }
     tx.commit()?;
+    Ok(outcome)
+}
+
+/// The order's insert of the sqlx SQLite cases (QA, QH), as `examples/orders_sqlx_sqlite.rs`
+/// writes it: the id comes back with the row.
+pub(crate) const SQLITE_INSERT_ORDER_RETURNING: &str =
+    "INSERT INTO orders (tenant_id, sku, quantity) VALUES (?1, ?2, ?3) RETURNING id";
+
+/// [`sqlite_transaction`] written with sqlx on its `SqlitePool` (the file of the sqlx SQLite
+/// store, whose records table the statements fit): `BEGIN IMMEDIATE` through
+/// `Pool::begin_with`, the same statements but the order's insert, which returns the id as
+/// the sqlx example's does (sqlx prepares each statement once per connection), `COMMIT`.
+pub(crate) async fn sqlx_sqlite_transaction(
+    pool: &SqlitePool,
+    request: &HandRequest,
+) -> Result<HandOutcome, BoxError> {
+    let now = now_millis();
+    let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
+    let select = sqlx::query(SQLITE_SELECT_RECORD)
+        .bind(&request.tenant)
+        .bind(OPERATION)
+        .bind(&request.key)
+        .bind(now);
+    if let Some(row) = (&mut *tx).fetch_optional(select).await? {
+        let version: i64 = row.try_get(0)?;
+        let digest: Vec<u8> = row.try_get(1)?;
+        let replay = HandOutcome::Replay {
+            status: row.try_get(2)?,
+            headers: row.try_get(3)?,
+            body: row.try_get(4)?,
+        };
+        tx.rollback().await?;
+        return Ok(HandOutcome::existing(request, version, &digest, replay));
+    }
+    let insert_order = sqlx::query(SQLITE_INSERT_ORDER_RETURNING)
+        .bind(&request.tenant)
+        .bind(&request.order.sku)
+        .bind(request.order.quantity);
+    let order_id: i64 = (&mut *tx).fetch_one(insert_order).await?.try_get(0)?;
+    let insert_event = sqlx::query(SQLITE_INSERT_EVENT)
+        .bind(event_id())
+        .bind("order_created")
+        .bind(request.event(order_id))
+        .bind(now);
+    (&mut *tx).execute(insert_event).await?;
+    let outcome = HandOutcome::created(order_id);
+    if let HandOutcome::Created { headers, body, .. } = &outcome {
+        let insert_record = sqlx::query(SQLITE_INSERT_RECORD)
+            .bind(&request.tenant)
+            .bind(OPERATION)
+            .bind(&request.key)
+            .bind(&request.fingerprint.digest()[..])
+            .bind(i64::from(request.fingerprint.version()))
+            .bind(headers.as_str())
+            .bind(body.as_bytes())
+            .bind(now)
+            .bind(now + RETENTION_MS);
+        (&mut *tx).execute(insert_record).await?;
+    }
+    tx.commit().await?;
     Ok(outcome)
 }
 

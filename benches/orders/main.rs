@@ -16,17 +16,17 @@
 //! nothing and exits successfully.
 //!
 //! Where things live: `cli.rs` the options, `servers.rs` the apps under test on SQLite and the
-//! server each case gets, `postgres.rs` the same on PostgreSQL, `hand.rs` the hand-written
-//! baselines' transactions, `load.rs` the load generator, `cases.rs` the table's measurements,
-//! `extras.rs` the hold and disk measurements, `alloc.rs` the allocation count, `cpu.rs` the CPU
-//! accounting, `report.rs` the printed tables, the goals and the CSV files, `chart.rs` the chart,
-//! `serve.rs` a server left running for a profiler (`--serve`), `galera.rs` the MySQL store on
-//! one server and on a Galera cluster (`--galera`), `table.rs` the docs' tables
-//! read back from a run's CSV files (`--table`), `wal.rs` the WAL frames a new key writes
-//! (`--cases wal`), `instr.rs` the instructions per request under callgrind (`--cases instr`),
-//! `scale.rs` the slow measurements of how cost grows (`--scale`: records already stored,
-//! purging while serving, body size, concurrency), `topology.rs` PostgreSQL behind PgBouncer
-//! and at SERIALIZABLE beside the direct connection (`--topology`).
+//! server each case gets, `postgres.rs` the same on PostgreSQL, `sqlx_sqlite.rs` on SQLite through
+//! sqlx, `hand.rs` the hand-written baselines' transactions, `load.rs` the load generator,
+//! `cases.rs` the table's measurements, `extras.rs` the hold and disk measurements, `alloc.rs` the
+//! allocation count, `cpu.rs` the CPU accounting, `report.rs` the printed tables, the goals and the
+//! CSV files, `chart.rs` the chart, `serve.rs` a server left running for a profiler (`--serve`),
+//! `galera.rs` the MySQL store on one server and on a Galera cluster (`--galera`), `table.rs` the
+//! docs' tables read back from a run's CSV files (`--table`), `wal.rs` the WAL frames a new key
+//! writes (`--cases wal`), `instr.rs` the instructions per request under callgrind (`--cases
+//! instr`), `scale.rs` the slow measurements of how cost grows (`--scale`: records already stored,
+//! purging while serving, body size, concurrency), `topology.rs` PostgreSQL behind PgBouncer and at
+//! SERIALIZABLE beside the direct connection (`--topology`).
 //!
 //! Every SQLite case gets a fresh database (WAL) in a temp dir (`TMPDIR` picks where: keep it
 //! on a real disk, or `synchronous=FULL` measures no fsync at all) and its own server on
@@ -45,6 +45,8 @@
 //! | R | baseline: a plain `GET /orders/{id}` on the same server (SQLite: `SqliteStore::read`; PostgreSQL: a pooled connection, a cached statement) |
 //! | SA | case A on the sqlx store (`SqlxPostgresStore` on a `PgPool` of 32, `outbox::sqlx_postgres::enqueue`), PostgreSQL only |
 //! | SH | baseline: H's PostgreSQL transaction written with sqlx on a `PgPool` of 32 (the same statements, `query` with binds, which sqlx prepares once per connection), PostgreSQL only |
+//! | QA | case A on the sqlx SQLite store (`SqlxSqliteStore` on a `SqlitePool` of 8, as in `examples/orders_sqlx_sqlite.rs`), with that example's handler and the event inserted with H's statement (the store has no outbox), on a fresh file of its own: WAL and the mode's `synchronous`, as A's. SQLite only |
+//! | QH | baseline: H's SQLite transaction written with sqlx on the same kind of file and pool (`BEGIN IMMEDIATE` through `Pool::begin_with`, the order inserted `RETURNING id` as QA does), SQLite only |
 //! | E | ceiling: H's SQL in a tight rusqlite loop on one thread, no HTTP (SQLite) |
 //!
 //! All tables are created by the crate (`SqliteStore`/`PostgresStore`, `SqliteOutbox::install`,
@@ -90,6 +92,7 @@ mod report;
 mod scale;
 mod serve;
 mod servers;
+mod sqlx_sqlite;
 mod table;
 mod topology;
 mod wal;

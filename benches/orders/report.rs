@@ -297,6 +297,24 @@ pub(crate) fn print_ratios(rows: &[Row]) {
                 ));
             }
         }
+        // The layer on the sqlx SQLite store against the layer on the rusqlite store and
+        // against H (QA's own baseline, QH, is in the table's ratio column).
+        for row in rows
+            .iter()
+            .filter(|r| r.mode == mode && r.case == Case::SqlxSqliteA)
+        {
+            for (base, what) in [(Case::A, "rusqlite store"), (Case::H, "rusqlite by hand")] {
+                if let Some(other) = find(rows, base, mode, row.concurrency) {
+                    lines.push(format!(
+                        "QA/{} {:<6} c={:<3} {:>6.2}  (sqlx SQLite store vs {what})",
+                        base.name(),
+                        mode.name(),
+                        row.concurrency,
+                        row.median() / other.median()
+                    ));
+                }
+            }
+        }
         let Some(e) = find(rows, Case::E, mode, 1) else {
             continue;
         };

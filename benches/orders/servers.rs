@@ -1,6 +1,7 @@
 //! The apps under test on SQLite: the orders example's route under the layer, the hand-written
 //! baselines (H inline, D under `spawn_blocking`), the read baseline and the slow routes; and
-//! the server each case gets (SQLite or PostgreSQL, see `postgres.rs`).
+//! the server each case gets (SQLite; SQLite through sqlx, see `sqlx_sqlite.rs`; or PostgreSQL,
+//! see `postgres.rs`).
 
 use std::future::IntoFuture;
 use std::net::SocketAddr;
@@ -33,10 +34,11 @@ use tower_idempotency::{IdempotencyLayer, Tenant};
 use crate::cli::Mode;
 use crate::hand::{self, HandRequest};
 use crate::postgres::{self, PgDatabase};
+use crate::sqlx_sqlite::{self, SqlxSqliteDatabase};
 use crate::BoxError;
 
 /// The business table, as in `examples/orders.rs`.
-const ORDERS_SCHEMA: &str = "
+pub(crate) const ORDERS_SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS orders (
     id        INTEGER PRIMARY KEY,
     tenant_id TEXT    NOT NULL,
@@ -397,6 +399,9 @@ pub(crate) fn prime_wal(conn: &Connection, mode: Mode) -> Result<(), BoxError> {
 enum Backend {
     /// A fresh SQLite database; the temp dir is dropped after the store.
     Sqlite(AppState, tempfile::TempDir),
+    /// A fresh SQLite database written through sqlx (cases QA, QH); the temp dir is dropped
+    /// after it.
+    SqlxSqlite(Box<SqlxSqliteDatabase>, tempfile::TempDir),
     Postgres(Box<PgDatabase>),
 }
 
@@ -441,6 +446,14 @@ impl Server {
         Self::serve(router, Backend::Sqlite(state, dir)).await
     }
 
+    /// A server on a fresh SQLite database written through sqlx (`sqlx_sqlite.rs`).
+    pub(crate) async fn start_sqlx_sqlite(mode: Mode) -> Result<Self, BoxError> {
+        let dir = tempfile::tempdir()?;
+        let database = SqlxSqliteDatabase::create(dir.path(), mode).await?;
+        let router = sqlx_sqlite::app(database.state.clone());
+        Self::serve(router, Backend::SqlxSqlite(Box::new(database), dir)).await
+    }
+
     /// A server on PostgreSQL, its tables in a fresh `schema`.
     pub(crate) async fn start_postgres(url: &str, schema: &str) -> Result<Self, BoxError> {
         let database = PgDatabase::create(url, schema).await?;
@@ -477,6 +490,7 @@ impl Server {
         match &self.backend {
             Backend::Sqlite(state, _) if hand => Some(state.hand_path.clone()),
             Backend::Sqlite(state, _) => Some(state.store.path().to_path_buf()),
+            Backend::SqlxSqlite(database, _) => Some(database.path().to_path_buf()),
             Backend::Postgres(_) => None,
         }
     }
@@ -503,6 +517,7 @@ impl Server {
                     .await?;
                 Ok(u64::try_from(first)?)
             }
+            Backend::SqlxSqlite(..) => Err("case R runs on the rusqlite store's server".into()),
             Backend::Postgres(database) => {
                 Ok(u64::try_from(database.insert_orders(sku, count).await?)?)
             }
@@ -534,6 +549,10 @@ impl Server {
                     .await?;
                 (committed, via_store + hand)
             }
+            Backend::SqlxSqlite(database, _) => {
+                let committed = count_orders(database.path().to_path_buf(), sku.to_owned()).await?;
+                (committed, database.count_orders_via_store(sku).await?)
+            }
             Backend::Postgres(database) => {
                 let committed = database.count_orders(sku).await?;
                 (committed, committed)
@@ -551,14 +570,14 @@ impl Server {
     pub(crate) fn sqlite_store(&self) -> Option<&SqliteStore> {
         match &self.backend {
             Backend::Sqlite(state, _) => Some(&state.store),
-            Backend::Postgres(_) => None,
+            Backend::SqlxSqlite(..) | Backend::Postgres(_) => None,
         }
     }
 
     /// The PostgreSQL database of this server (none on SQLite).
     pub(crate) fn postgres(&self) -> Option<&PgDatabase> {
         match &self.backend {
-            Backend::Sqlite(..) => None,
+            Backend::Sqlite(..) | Backend::SqlxSqlite(..) => None,
             Backend::Postgres(database) => Some(database),
         }
     }
@@ -566,7 +585,7 @@ impl Server {
     /// The PostgreSQL backends serving this server (none on SQLite).
     pub(crate) async fn backends(&self) -> Vec<i32> {
         match &self.backend {
-            Backend::Sqlite(..) => Vec::new(),
+            Backend::Sqlite(..) | Backend::SqlxSqlite(..) => Vec::new(),
             Backend::Postgres(database) => database.backends().await.unwrap_or_default(),
         }
     }
@@ -582,6 +601,10 @@ impl Server {
         match self.backend {
             Backend::Sqlite(state, dir) => {
                 drop(state);
+                drop(dir);
+            }
+            Backend::SqlxSqlite(database, dir) => {
+                (*database).close().await;
                 drop(dir);
             }
             Backend::Postgres(database) => (*database).drop_schema().await?,
