@@ -272,7 +272,7 @@ pub(crate) const SQLITE_INSERT_ORDER_RETURNING: &str =
     "INSERT INTO orders (tenant_id, sku, quantity) VALUES (?1, ?2, ?3) RETURNING id";
 
 /// [`sqlite_transaction`] written with sqlx on its `SqlitePool` (the file of the sqlx SQLite
-/// store, whose records table the statements fit): `BEGIN IMMEDIATE` through
+/// store, whose records and outbox tables the statements fit): `BEGIN IMMEDIATE` through
 /// `Pool::begin_with`, the same statements but the order's insert, which returns the id as
 /// the sqlx example's does (sqlx prepares each statement once per connection), `COMMIT`.
 pub(crate) async fn sqlx_sqlite_transaction(

@@ -45,12 +45,13 @@
 //! | R | baseline: a plain `GET /orders/{id}` on the same server (SQLite: `SqliteStore::read`; PostgreSQL: a pooled connection, a cached statement) |
 //! | SA | case A on the sqlx store (`SqlxPostgresStore` on a `PgPool` of 32, `outbox::sqlx_postgres::enqueue`), PostgreSQL only |
 //! | SH | baseline: H's PostgreSQL transaction written with sqlx on a `PgPool` of 32 (the same statements, `query` with binds, which sqlx prepares once per connection), PostgreSQL only |
-//! | QA | case A on the sqlx SQLite store (`SqlxSqliteStore` on a `SqlitePool` of 8, as in `examples/orders_sqlx_sqlite.rs`), with that example's handler and the event inserted with H's statement (the store has no outbox), on a fresh file of its own: WAL and the mode's `synchronous`, as A's. SQLite only |
-//! | QH | baseline: H's SQLite transaction written with sqlx on the same kind of file and pool (`BEGIN IMMEDIATE` through `Pool::begin_with`, the order inserted `RETURNING id` as QA does), SQLite only |
+//! | QA | case A on the sqlx SQLite store (`SqlxSqliteStore` on a `SqlitePool` of 8, as in `examples/orders_sqlx_sqlite.rs`), with that example's handler and the event enqueued on the handle (`Enqueue`, into the store's own outbox table), on a fresh file of its own: WAL and the mode's `synchronous`, as A's. SQLite only |
+//! | QH | baseline: H's SQLite transaction written with sqlx on the same kind of file and pool (`BEGIN IMMEDIATE` through `Pool::begin_with`, the order inserted `RETURNING id` as QA does, the event with H's statement into the sqlx SQLite store's outbox table), SQLite only |
 //! | E | ceiling: H's SQL in a tight rusqlite loop on one thread, no HTTP (SQLite) |
 //!
 //! All tables are created by the crate (`SqliteStore`/`PostgresStore`, `SqliteOutbox::install`,
-//! `PostgresOutbox::install`), so the layer and the baselines write identical rows.
+//! `PostgresOutbox::install`; for QA and QH the sqlx SQLite store and its outbox's `install`), so
+//! the layer and the baselines write identical rows.
 //!
 //! At each concurrency the cases' rounds are interleaved (A, B, ..., then A, B, ... again;
 //! both SQLite modes together, as one goal compares FULL with NORMAL), so that a slow spell of

@@ -17,6 +17,7 @@ use axum::{Extension, Json, Router};
 use serde_json::json;
 use tower_idempotency::extract::Tx;
 use tower_idempotency::fingerprint::Fingerprinter;
+use tower_idempotency::outbox::{Enqueue, Outbox};
 use tower_idempotency::store::sqlite::rusqlite::Connection;
 use tower_idempotency::store::sqlx_sqlite::sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
@@ -26,20 +27,12 @@ use tower_idempotency::store::sqlx_sqlite::{SqlxSqliteHandle, SqlxSqliteStore};
 use tower_idempotency::{IdempotencyLayer, Tenant};
 
 use crate::cli::Mode;
-use crate::hand::{
-    self, event_id, now_millis, HandRequest, OPERATION, SQLITE_INSERT_EVENT,
-    SQLITE_INSERT_ORDER_RETURNING,
-};
-use crate::servers::{
-    authenticate, create_database, open_connection, prime_wal, ApiError, NewOrder, ORDERS_SCHEMA,
-};
+use crate::hand::{self, HandRequest, OPERATION, SQLITE_INSERT_ORDER_RETURNING};
+use crate::servers::{authenticate, open_connection, prime_wal, ApiError, NewOrder, ORDERS_SCHEMA};
 use crate::BoxError;
 
 /// The file QA and QH write, in the server's temp dir.
 const FILE: &str = "sqlx.db";
-
-/// The file the crate's SQLite outbox table is copied from (see [`SqlxSqliteDatabase::create`]).
-const SCHEMA_FILE: &str = "schema.db";
 
 /// Connections of the application's pool, as in `examples/orders_sqlx_sqlite.rs`; the store's
 /// read pool is its default (8).
@@ -65,23 +58,11 @@ pub(crate) struct SqlxSqliteDatabase {
 }
 
 impl SqlxSqliteDatabase {
-    /// Creates [`FILE`] in `dir` with the tables A's file has: `idempotency_records` (the sqlx
-    /// SQLite store's, by `migrate`), `orders` and `outbox_events` (the crate's SQLite outbox
-    /// table and its indexes, copied from a file the crate created: the sqlx SQLite store has
-    /// no outbox, so the handlers insert the event as H does); then primes the WAL as A's.
+    /// Creates [`FILE`] in `dir` with the tables A's file has, each the sqlx SQLite store's
+    /// own where it has one: `idempotency_records` (by `migrate`), `outbox_events` (by the
+    /// outbox's `install`; QA enqueues through it, QH inserts into it with H's statement) and
+    /// `orders`; then primes the WAL as A's.
     pub(crate) async fn create(dir: &FsPath, mode: Mode) -> Result<Self, BoxError> {
-        let schema_path = dir.join(SCHEMA_FILE);
-        drop(create_database(&schema_path, mode).await?);
-        let outbox_schema: Vec<String> = {
-            let conn = Connection::open(&schema_path)?;
-            let mut select = conn.prepare(
-                "SELECT sql FROM sqlite_schema WHERE tbl_name = 'outbox_events' \
-                 AND sql IS NOT NULL ORDER BY type DESC, name",
-            )?;
-            let statements = select.query_map([], |row| row.get(0))?;
-            statements.collect::<Result<_, _>>()?
-        };
-
         let path = dir.join(FILE);
         let synchronous = match mode {
             Mode::Full | Mode::Postgres => SqliteSynchronous::Full,
@@ -100,6 +81,7 @@ impl SqlxSqliteDatabase {
             .await?;
         let store = SqlxSqliteStore::new(pool.clone());
         store.migrate().await?;
+        Outbox::<SqlxSqliteStore>::install(&store).await?;
         let mut conn = pool.acquire().await?;
         // What the pool's connections commit with, checked rather than assumed.
         let journal: String = conn.fetch_one("PRAGMA journal_mode").await?.try_get(0)?;
@@ -113,11 +95,6 @@ impl SqlxSqliteDatabase {
             .into());
         }
         conn.execute(ORDERS_SCHEMA).await?;
-        for statement in outbox_schema {
-            // SQL read from a file this function created.
-            conn.execute(sqlx::raw_sql(sqlx::AssertSqlSafe(statement)))
-                .await?;
-        }
         drop(conn);
         let wal_keeper = open_connection(&path, mode)?;
         prime_wal(&wal_keeper, mode)?;
@@ -164,36 +141,33 @@ pub(crate) fn app(state: SqlxSqliteState) -> Router {
 }
 
 /// Case QA: `POST /orders` under the layer on the sqlx SQLite store, the handler of
-/// `examples/orders_sqlx_sqlite.rs` plus the `order_created` event, inserted with H's statement
-/// in the request's transaction.
+/// `examples/orders_sqlx_sqlite.rs` plus the `order_created` event, enqueued on the handle as
+/// case A does (in the request's transaction).
 async fn create_order(
     Extension(tenant): Extension<Tenant>,
     Tx(tx): Tx<SqlxSqliteHandle>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let order = NewOrder::parse(&body)?;
-    let mut conn = tx.acquire().await.map_err(internal)?;
-    let (order_id,): (i64,) = sqlx::query_as(SQLITE_INSERT_ORDER_RETURNING)
-        .bind(tenant.as_str())
-        .bind(&order.sku)
-        .bind(order.quantity)
-        .fetch_one(&mut *conn)
-        .await
-        .map_err(internal)?;
+    // The connection is lent once at a time: it goes back before `enqueue` borrows it.
+    let order_id = {
+        let mut conn = tx.acquire().await.map_err(internal)?;
+        let (order_id,): (i64,) = sqlx::query_as(SQLITE_INSERT_ORDER_RETURNING)
+            .bind(tenant.as_str())
+            .bind(&order.sku)
+            .bind(order.quantity)
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(internal)?;
+        order_id
+    };
     let event = json!({
         "order_id": order_id,
         "tenant": tenant.as_str(),
         "sku": order.sku,
         "quantity": order.quantity,
     });
-    sqlx::query(SQLITE_INSERT_EVENT)
-        .bind(event_id())
-        .bind("order_created")
-        .bind(event.to_string())
-        .bind(now_millis())
-        .execute(&mut *conn)
-        .await
-        .map_err(internal)?;
+    tx.enqueue("order_created", event).await.map_err(internal)?;
     let response = (
         StatusCode::CREATED,
         [(LOCATION, format!("/orders/{order_id}"))],
