@@ -7,10 +7,11 @@
 -- The columns and their meaning are those of the PostgreSQL and MySQL tables. Times are Unix
 -- milliseconds. `available_at` is when the event is next due; a claim moves it to the end of
 -- the lease, so "due" covers both new events and claims whose relay died: one index serves
--- the claim.
+-- the claim. `seq` is the rowid, without `AUTOINCREMENT` (which writes a sequence table's row
+-- at every insert): a new event's is above every event still in the table.
 
 CREATE TABLE IF NOT EXISTS outbox_events (
-    seq          INTEGER PRIMARY KEY AUTOINCREMENT,
+    seq          INTEGER PRIMARY KEY,
     event_id     TEXT    NOT NULL UNIQUE,
     topic        TEXT    NOT NULL,
     payload      TEXT    NOT NULL,
