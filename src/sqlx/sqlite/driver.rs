@@ -143,3 +143,37 @@ crate::row_lock::outbox::sql_outbox_and_inbox!(
 
 // Step-by-step requests (`row_lock/steps.rs`) on this store.
 crate::row_lock::steps::sql_steps!(SqlxSqliteStore, SqlxSqliteHandle, steps_sql);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every shared statement with a row lock or `GREATEST` runs on SQLite without them, and
+    /// nothing else of it changes.
+    #[test]
+    fn shared_statements_lose_their_row_locks_and_greatest() {
+        for shared in [
+            steps_sql::SELECT_PROGRESS,
+            steps_sql::SELECT_RECORD,
+            steps_sql::SELECT_STEPS,
+            steps_sql::SELECT_STEP_AT,
+            steps_sql::ANY_STEP,
+            steps_sql::SELECT_STATUS,
+            steps_sql::TAKE_KEY,
+        ] {
+            let text = sqlite_text(shared);
+            assert!(!text.contains("FOR UPDATE"), "{text}");
+            assert!(!text.contains("GREATEST"), "{text}");
+            assert_ne!(text, shared, "{shared} had nothing to rewrite");
+        }
+        assert_eq!(
+            sqlite_text("SELECT seq FROM t WHERE a = $1 ORDER BY seq FOR UPDATE SKIP LOCKED"),
+            "SELECT seq FROM t WHERE a = $1 ORDER BY seq"
+        );
+        assert_eq!(
+            sqlite_text(steps_sql::INSERT_STEP),
+            steps_sql::INSERT_STEP,
+            "a statement without row locks is sent as written"
+        );
+    }
+}
