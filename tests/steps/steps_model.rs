@@ -2859,6 +2859,54 @@ mod postgres {
     }
 }
 
+/// The `local` of a sqlx backend's [`Backend`]: the model's local step as ordinary sqlx code
+/// on the step's handle, with the database's statements (each in its own placeholders): insert
+/// a row, insert into the missing table (the failure), count the key's rows of this life.
+macro_rules! sqlx_local {
+    ($store:ty, $handle:ty, $insert_row:literal, $insert_missing:literal, $count_rows:literal) => {
+        async fn local(
+            steps: Steps<$store>,
+            name: String,
+            fail: bool,
+            reached: Option<Arc<Reached>>,
+        ) -> Result<i64, StepError> {
+            let step = name.clone();
+            let op = steps.scope().operation.to_string();
+            let key = steps.scope().key.as_str().to_owned();
+            let run = steps.run_id().to_owned();
+            steps
+                .local(&step, move |tx: $handle| async move {
+                    let mut conn = tx.acquire().await?;
+                    sqlx::query($insert_row)
+                        .bind(&op)
+                        .bind(&key)
+                        .bind(&run)
+                        .bind(&name)
+                        .execute(&mut *conn)
+                        .await?;
+                    if fail {
+                        sqlx::query($insert_missing)
+                            .bind(&key)
+                            .execute(&mut *conn)
+                            .await?;
+                    }
+                    if let Some(reached) = reached {
+                        reached.hit();
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                    let rows: i64 = sqlx::query_scalar($count_rows)
+                        .bind(&op)
+                        .bind(&key)
+                        .bind(&run)
+                        .fetch_one(&mut *conn)
+                        .await?;
+                    Ok(rows)
+                })
+                .await
+        }
+    };
+}
+
 mod sqlx_postgres {
     use tower_idempotency::store::sqlx_postgres::{SqlxPostgresHandle, SqlxPostgresStore};
 
@@ -2884,50 +2932,13 @@ mod sqlx_postgres {
             &self.store
         }
 
-        async fn local(
-            steps: Steps<SqlxPostgresStore>,
-            name: String,
-            fail: bool,
-            reached: Option<Arc<Reached>>,
-        ) -> Result<i64, StepError> {
-            let step = name.clone();
-            let op = steps.scope().operation.to_string();
-            let key = steps.scope().key.as_str().to_owned();
-            let run = steps.run_id().to_owned();
-            steps
-                .local(&step, move |tx: SqlxPostgresHandle| async move {
-                    let mut conn = tx.acquire().await?;
-                    sqlx::query(
-                        "INSERT INTO model_rows (op, k, run, step) VALUES ($1, $2, $3, $4)",
-                    )
-                    .bind(&op)
-                    .bind(&key)
-                    .bind(&run)
-                    .bind(&name)
-                    .execute(&mut *conn)
-                    .await?;
-                    if fail {
-                        sqlx::query("INSERT INTO model_missing (k) VALUES ($1)")
-                            .bind(&key)
-                            .execute(&mut *conn)
-                            .await?;
-                    }
-                    if let Some(reached) = reached {
-                        reached.hit();
-                        tokio::time::sleep(Duration::from_millis(20)).await;
-                    }
-                    let rows: i64 = sqlx::query_scalar(
-                        "SELECT count(*) FROM model_rows WHERE op = $1 AND k = $2 AND run = $3",
-                    )
-                    .bind(&op)
-                    .bind(&key)
-                    .bind(&run)
-                    .fetch_one(&mut *conn)
-                    .await?;
-                    Ok(rows)
-                })
-                .await
-        }
+        sqlx_local!(
+            SqlxPostgresStore,
+            SqlxPostgresHandle,
+            "INSERT INTO model_rows (op, k, run, step) VALUES ($1, $2, $3, $4)",
+            "INSERT INTO model_missing (k) VALUES ($1)",
+            "SELECT count(*) FROM model_rows WHERE op = $1 AND k = $2 AND run = $3"
+        );
 
         async fn rows(&self, scope: &Scope) -> BTreeMap<(String, String), i64> {
             self.reads.rows(scope).await
@@ -2985,48 +2996,13 @@ mod sqlx_mysql {
             &self.store
         }
 
-        async fn local(
-            steps: Steps<SqlxMySqlStore>,
-            name: String,
-            fail: bool,
-            reached: Option<Arc<Reached>>,
-        ) -> Result<i64, StepError> {
-            let step = name.clone();
-            let op = steps.scope().operation.to_string();
-            let key = steps.scope().key.as_str().to_owned();
-            let run = steps.run_id().to_owned();
-            steps
-                .local(&step, move |tx: SqlxMySqlHandle| async move {
-                    let mut conn = tx.acquire().await?;
-                    sqlx::query("INSERT INTO model_rows (op, k, run, step) VALUES (?, ?, ?, ?)")
-                        .bind(&op)
-                        .bind(&key)
-                        .bind(&run)
-                        .bind(&name)
-                        .execute(&mut *conn)
-                        .await?;
-                    if fail {
-                        sqlx::query("INSERT INTO model_missing (k) VALUES (?)")
-                            .bind(&key)
-                            .execute(&mut *conn)
-                            .await?;
-                    }
-                    if let Some(reached) = reached {
-                        reached.hit();
-                        tokio::time::sleep(Duration::from_millis(20)).await;
-                    }
-                    let rows: i64 = sqlx::query_scalar(
-                        "SELECT count(*) FROM model_rows WHERE op = ? AND k = ? AND run = ?",
-                    )
-                    .bind(&op)
-                    .bind(&key)
-                    .bind(&run)
-                    .fetch_one(&mut *conn)
-                    .await?;
-                    Ok(rows)
-                })
-                .await
-        }
+        sqlx_local!(
+            SqlxMySqlStore,
+            SqlxMySqlHandle,
+            "INSERT INTO model_rows (op, k, run, step) VALUES (?, ?, ?, ?)",
+            "INSERT INTO model_missing (k) VALUES (?)",
+            "SELECT count(*) FROM model_rows WHERE op = ? AND k = ? AND run = ?"
+        );
 
         async fn rows(&self, scope: &Scope) -> BTreeMap<(String, String), i64> {
             // Binary strings (the table's collation is `utf8mb4_bin`).
@@ -3124,50 +3100,13 @@ mod sqlx_sqlite {
             &self.store
         }
 
-        async fn local(
-            steps: Steps<SqlxSqliteStore>,
-            name: String,
-            fail: bool,
-            reached: Option<Arc<Reached>>,
-        ) -> Result<i64, StepError> {
-            let step = name.clone();
-            let op = steps.scope().operation.to_string();
-            let key = steps.scope().key.as_str().to_owned();
-            let run = steps.run_id().to_owned();
-            steps
-                .local(&step, move |tx: SqlxSqliteHandle| async move {
-                    let mut conn = tx.acquire().await?;
-                    sqlx::query(
-                        "INSERT INTO model_rows (op, k, run, step) VALUES (?1, ?2, ?3, ?4)",
-                    )
-                    .bind(&op)
-                    .bind(&key)
-                    .bind(&run)
-                    .bind(&name)
-                    .execute(&mut *conn)
-                    .await?;
-                    if fail {
-                        sqlx::query("INSERT INTO model_missing (k) VALUES (?1)")
-                            .bind(&key)
-                            .execute(&mut *conn)
-                            .await?;
-                    }
-                    if let Some(reached) = reached {
-                        reached.hit();
-                        tokio::time::sleep(Duration::from_millis(20)).await;
-                    }
-                    let rows: i64 = sqlx::query_scalar(
-                        "SELECT count(*) FROM model_rows WHERE op = ?1 AND k = ?2 AND run = ?3",
-                    )
-                    .bind(&op)
-                    .bind(&key)
-                    .bind(&run)
-                    .fetch_one(&mut *conn)
-                    .await?;
-                    Ok(rows)
-                })
-                .await
-        }
+        sqlx_local!(
+            SqlxSqliteStore,
+            SqlxSqliteHandle,
+            "INSERT INTO model_rows (op, k, run, step) VALUES (?1, ?2, ?3, ?4)",
+            "INSERT INTO model_missing (k) VALUES (?1)",
+            "SELECT count(*) FROM model_rows WHERE op = ?1 AND k = ?2 AND run = ?3"
+        );
 
         async fn rows(&self, scope: &Scope) -> BTreeMap<(String, String), i64> {
             sqlx::query_as::<_, (String, String, i64)>(
