@@ -980,6 +980,44 @@ mod postgres {
     }
 }
 
+/// `mark_declined` and `mark_paid` of a sqlx backend's [`Shop`], each a local step of ordinary
+/// sqlx code on the step's handle, with the database's statements (in its placeholders):
+/// `declined` binds the order's id, `paid` the charge's id and then the order's.
+macro_rules! sqlx_marks {
+    ($store:ty, $handle:ty, $declined:literal, $paid:literal) => {
+        async fn mark_declined(steps: &Steps<$store>, order_id: i64) -> Result<(), StepError> {
+            steps
+                .local("mark_declined", move |tx: $handle| async move {
+                    let mut conn = tx.acquire().await?;
+                    sqlx::query($declined)
+                        .bind(order_id)
+                        .execute(&mut *conn)
+                        .await?;
+                    Ok(())
+                })
+                .await
+        }
+
+        async fn mark_paid(
+            steps: &Steps<$store>,
+            order_id: i64,
+            charge_id: String,
+        ) -> Result<(), StepError> {
+            steps
+                .local("mark_paid", move |tx: $handle| async move {
+                    let mut conn = tx.acquire().await?;
+                    sqlx::query($paid)
+                        .bind(charge_id)
+                        .bind(order_id)
+                        .execute(&mut *conn)
+                        .await?;
+                    Ok(())
+                })
+                .await
+        }
+    };
+}
+
 mod sqlx_postgres {
     use sqlx::Row;
     use tower_idempotency::store::sqlx_postgres::{SqlxPostgresHandle, SqlxPostgresStore};
@@ -1019,41 +1057,12 @@ mod sqlx_postgres {
                 .await
         }
 
-        async fn mark_declined(
-            steps: &Steps<SqlxPostgresStore>,
-            order_id: i64,
-        ) -> Result<(), StepError> {
-            steps
-                .local("mark_declined", move |tx: SqlxPostgresHandle| async move {
-                    let mut conn = tx.acquire().await?;
-                    sqlx::query("UPDATE shop_orders SET status = 'declined' WHERE id = $1")
-                        .bind(order_id)
-                        .execute(&mut *conn)
-                        .await?;
-                    Ok(())
-                })
-                .await
-        }
-
-        async fn mark_paid(
-            steps: &Steps<SqlxPostgresStore>,
-            order_id: i64,
-            charge_id: String,
-        ) -> Result<(), StepError> {
-            steps
-                .local("mark_paid", move |tx: SqlxPostgresHandle| async move {
-                    let mut conn = tx.acquire().await?;
-                    sqlx::query(
-                        "UPDATE shop_orders SET status = 'paid', charge_id = $1 WHERE id = $2",
-                    )
-                    .bind(charge_id)
-                    .bind(order_id)
-                    .execute(&mut *conn)
-                    .await?;
-                    Ok(())
-                })
-                .await
-        }
+        sqlx_marks!(
+            SqlxPostgresStore,
+            SqlxPostgresHandle,
+            "UPDATE shop_orders SET status = 'declined' WHERE id = $1",
+            "UPDATE shop_orders SET status = 'paid', charge_id = $1 WHERE id = $2"
+        );
 
         async fn orders(&self) -> Vec<(i64, String, Option<String>)> {
             pg_orders(&self.0).await
@@ -1103,41 +1112,12 @@ mod sqlx_mysql {
                 .await
         }
 
-        async fn mark_declined(
-            steps: &Steps<SqlxMySqlStore>,
-            order_id: i64,
-        ) -> Result<(), StepError> {
-            steps
-                .local("mark_declined", move |tx: SqlxMySqlHandle| async move {
-                    let mut conn = tx.acquire().await?;
-                    sqlx::query("UPDATE shop_orders SET status = 'declined' WHERE id = ?")
-                        .bind(order_id)
-                        .execute(&mut *conn)
-                        .await?;
-                    Ok(())
-                })
-                .await
-        }
-
-        async fn mark_paid(
-            steps: &Steps<SqlxMySqlStore>,
-            order_id: i64,
-            charge_id: String,
-        ) -> Result<(), StepError> {
-            steps
-                .local("mark_paid", move |tx: SqlxMySqlHandle| async move {
-                    let mut conn = tx.acquire().await?;
-                    sqlx::query(
-                        "UPDATE shop_orders SET status = 'paid', charge_id = ? WHERE id = ?",
-                    )
-                    .bind(charge_id)
-                    .bind(order_id)
-                    .execute(&mut *conn)
-                    .await?;
-                    Ok(())
-                })
-                .await
-        }
+        sqlx_marks!(
+            SqlxMySqlStore,
+            SqlxMySqlHandle,
+            "UPDATE shop_orders SET status = 'declined' WHERE id = ?",
+            "UPDATE shop_orders SET status = 'paid', charge_id = ? WHERE id = ?"
+        );
 
         async fn orders(&self) -> Vec<(i64, String, Option<String>)> {
             sqlx::query("SELECT id, status, charge_id FROM shop_orders ORDER BY id")
@@ -1194,41 +1174,12 @@ mod sqlx_sqlite {
                 .await
         }
 
-        async fn mark_declined(
-            steps: &Steps<SqlxSqliteStore>,
-            order_id: i64,
-        ) -> Result<(), StepError> {
-            steps
-                .local("mark_declined", move |tx: SqlxSqliteHandle| async move {
-                    let mut conn = tx.acquire().await?;
-                    sqlx::query("UPDATE shop_orders SET status = 'declined' WHERE id = ?1")
-                        .bind(order_id)
-                        .execute(&mut *conn)
-                        .await?;
-                    Ok(())
-                })
-                .await
-        }
-
-        async fn mark_paid(
-            steps: &Steps<SqlxSqliteStore>,
-            order_id: i64,
-            charge_id: String,
-        ) -> Result<(), StepError> {
-            steps
-                .local("mark_paid", move |tx: SqlxSqliteHandle| async move {
-                    let mut conn = tx.acquire().await?;
-                    sqlx::query(
-                        "UPDATE shop_orders SET status = 'paid', charge_id = ?1 WHERE id = ?2",
-                    )
-                    .bind(charge_id)
-                    .bind(order_id)
-                    .execute(&mut *conn)
-                    .await?;
-                    Ok(())
-                })
-                .await
-        }
+        sqlx_marks!(
+            SqlxSqliteStore,
+            SqlxSqliteHandle,
+            "UPDATE shop_orders SET status = 'declined' WHERE id = ?1",
+            "UPDATE shop_orders SET status = 'paid', charge_id = ?1 WHERE id = ?2"
+        );
 
         async fn orders(&self) -> Vec<(i64, String, Option<String>)> {
             sqlx::query_as("SELECT id, status, charge_id FROM shop_orders ORDER BY id")
