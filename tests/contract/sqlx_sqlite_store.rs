@@ -4,7 +4,6 @@
 //! sqlx's default busy timeout, the handle refuses transaction control, a transaction whose
 //! marking savepoint is gone saves nothing, and `migrate` leaves the file in WAL mode.
 
-use std::str::FromStr;
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
@@ -12,9 +11,6 @@ use http::StatusCode;
 use tower_idempotency::fingerprint::Fingerprint;
 use tower_idempotency::key::IdempotencyKey;
 use tower_idempotency::response::SavedResponse;
-use tower_idempotency::store::sqlx_sqlite::sqlx::sqlite::{
-    SqliteConnectOptions, SqlitePool, SqlitePoolOptions,
-};
 use tower_idempotency::store::sqlx_sqlite::{sqlx, SqlxSqliteStore};
 use tower_idempotency::store::{Begin, IdempotencyStore, NewRecord, Reservation, Scope};
 use tower_idempotency::Error;
@@ -39,21 +35,6 @@ fn record() -> NewRecord {
     )
 }
 
-/// A pool of up to four connections on the test's file (created), and a migrated store on it.
-async fn store(db: &TestDb) -> (SqlitePool, SqlxSqliteStore) {
-    let options = SqliteConnectOptions::from_str(&db.url())
-        .expect("url")
-        .create_if_missing(true);
-    let pool = SqlitePoolOptions::new()
-        .max_connections(4)
-        .connect_with(options)
-        .await
-        .expect("pool");
-    let store = SqlxSqliteStore::new(pool.clone());
-    store.migrate().await.expect("migrate");
-    (pool, store)
-}
-
 /// `begin` of `key`, which must reserve it.
 async fn reserve(
     store: &SqlxSqliteStore,
@@ -73,7 +54,7 @@ async fn reserve(
 test! { another_key_waits_for_the_write_lock_up_to_the_lock_timeout }
 async fn another_key_waits_for_the_write_lock_up_to_the_lock_timeout() {
     let db = TestDb::create().await.expect("db");
-    let (_pool, store) = store(&db).await;
+    let store = db.store(4).await;
     let first = reserve(&store, "a", Duration::from_secs(5)).await;
     let started = tokio::time::Instant::now();
     let other = store
@@ -94,7 +75,7 @@ async fn another_key_waits_for_the_write_lock_up_to_the_lock_timeout() {
 test! { a_duplicate_waits_for_the_first_and_replays_its_record }
 async fn a_duplicate_waits_for_the_first_and_replays_its_record() {
     let db = TestDb::create().await.expect("db");
-    let (_pool, store) = store(&db).await;
+    let store = db.store(4).await;
     let first = reserve(&store, "a", Duration::from_secs(5)).await;
     let waiter = {
         let store = store.clone();
@@ -116,17 +97,9 @@ async fn a_duplicate_waits_for_the_first_and_replays_its_record() {
 test! { connections_go_back_with_the_default_busy_timeout }
 async fn connections_go_back_with_the_default_busy_timeout() {
     let db = TestDb::create().await.expect("db");
-    let options = SqliteConnectOptions::from_str(&db.url())
-        .expect("url")
-        .create_if_missing(true);
     // One connection: the request's and the check's are the same.
-    let pool = SqlitePoolOptions::new()
-        .max_connections(1)
-        .connect_with(options)
-        .await
-        .expect("pool");
-    let store = SqlxSqliteStore::new(pool.clone());
-    store.migrate().await.expect("migrate");
+    let store = db.store(1).await;
+    let pool = store.pool().clone();
     let busy_timeout = || async {
         let (ms,): (i64,) = sqlx::query_as("PRAGMA busy_timeout")
             .fetch_one(&pool)
@@ -151,16 +124,13 @@ async fn connections_go_back_with_the_default_busy_timeout() {
 test! { the_handle_refuses_transaction_control_and_the_transaction_goes_on }
 async fn the_handle_refuses_transaction_control_and_the_transaction_goes_on() {
     let db = TestDb::create().await.expect("db");
-    let (pool, store) = store(&db).await;
-    sqlx::query("CREATE TABLE orders (id INTEGER PRIMARY KEY, sku TEXT NOT NULL)")
-        .execute(&pool)
-        .await
-        .expect("orders");
+    let store = db.store(4).await;
+    let pool = store.pool().clone();
     let reservation = reserve(&store, "a", Duration::from_secs(5)).await;
     let handle = reservation.handle();
     {
         let mut conn = handle.acquire().await.expect("connection");
-        sqlx::query("INSERT INTO orders (sku) VALUES ('book')")
+        sqlx::query("INSERT INTO orders (tenant_id, sku, quantity) VALUES ('shop', 'book', 1)")
             .execute(&mut *conn)
             .await
             .expect("insert");
@@ -178,7 +148,8 @@ async fn the_handle_refuses_transaction_control_and_the_transaction_goes_on() {
                 .expect_err(refused);
             assert!(error.to_string().contains("refused"), "{refused}: {error}");
         }
-        sqlx::query("SAVEPOINT mine; INSERT INTO orders (sku) VALUES ('pen'); ROLLBACK TO mine")
+        sqlx::query("SAVEPOINT mine; INSERT INTO orders (tenant_id, sku, quantity) VALUES ('shop', 'pen', 1); \
+             ROLLBACK TO mine")
             .execute(&mut *conn)
             .await
             .expect("savepoints are allowed");
@@ -200,16 +171,13 @@ async fn the_handle_refuses_transaction_control_and_the_transaction_goes_on() {
 test! { a_transaction_whose_mark_is_gone_saves_nothing }
 async fn a_transaction_whose_mark_is_gone_saves_nothing() {
     let db = TestDb::create().await.expect("db");
-    let (pool, store) = store(&db).await;
-    sqlx::query("CREATE TABLE orders (id INTEGER PRIMARY KEY, sku TEXT NOT NULL)")
-        .execute(&pool)
-        .await
-        .expect("orders");
+    let store = db.store(4).await;
+    let pool = store.pool().clone();
     let reservation = reserve(&store, "a", Duration::from_secs(5)).await;
     {
         let handle = reservation.handle();
         let mut conn = handle.acquire().await.expect("connection");
-        sqlx::query("INSERT INTO orders (sku) VALUES ('book')")
+        sqlx::query("INSERT INTO orders (tenant_id, sku, quantity) VALUES ('shop', 'book', 1)")
             .execute(&mut *conn)
             .await
             .expect("insert");
@@ -237,7 +205,8 @@ async fn a_transaction_whose_mark_is_gone_saves_nothing() {
 test! { migrate_turns_on_wal_and_is_safe_to_run_again }
 async fn migrate_turns_on_wal_and_is_safe_to_run_again() {
     let db = TestDb::create().await.expect("db");
-    let (pool, store) = store(&db).await;
+    let store = db.store(4).await;
+    let pool = store.pool().clone();
     store.migrate().await.expect("migrate again");
     let (mode,): (String,) = sqlx::query_as("PRAGMA journal_mode")
         .fetch_one(&pool)
